@@ -1,0 +1,33 @@
+"""Shared test fixtures: GPU marker handling and the shared media folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MEDIA = Path(__file__).resolve().parents[1].parent / "shared" / "media"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def media_dir() -> Path:
+    if not MEDIA.is_dir():
+        pytest.skip(f"shared test media not found at {MEDIA} (a fresh clone has no ../shared)")
+    return MEDIA
