@@ -1,0 +1,194 @@
+"""The run configuration: one typed tree, loaded from YAML, validated at load.
+
+A run is described by one YAML file (or a preset shipped inside the package) plus
+command-line overrides `--set key.sub=value`. Every key is checked when the file is
+loaded, so a typo or a bad value fails before any weight is read, with one message that
+names the file, the key path, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from host_bridge.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
+
+__all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
+
+DEFAULT_PRESET = "default"
+PRESET_PACKAGE = "engine.presets"
+TRAIN_TIMESTEPS = 1000
+MAX_STEPS = 4
+
+
+@dataclass
+class ModelConfig:
+    """The denoiser: a DiT preset and optional weights."""
+
+    preset: str = spec("tiny", choices=("tiny", "wan2.1-1.3b", "wan2.1-14b"), doc="DiT architecture")
+    checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
+    dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                      doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
+    seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            raise ValueError(f"device: {self.device!r} is not allowed; expected auto, cpu, cuda or cuda:N")
+
+
+def _is_cuda_index(text: str) -> bool:
+    head, _, idx = text.partition(":")
+    return head == "cuda" and idx.isdigit()
+
+
+@dataclass
+class VAEConfig:
+    """The pixel <-> latent stage: the full Wan VAE or the tiny TAEHV one, each way."""
+
+    preset: str = spec("tiny", choices=("tiny", "wan2.1"), doc="Wan VAE architecture")
+    checkpoint: str | None = spec(None, doc="Wan2.1_VAE.pth or diffusers AutoencoderKLWan weights")
+    encoder: str = spec("wan", choices=("wan", "taehv"), doc="which VAE encodes")
+    decoder: str = spec("wan", choices=("wan", "taehv"), doc="which VAE decodes")
+    taehv_checkpoint: str | None = spec(None, doc="taew2_1.pth, needed when encoder or decoder is taehv")
+    normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
+    denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
+
+
+@dataclass
+class Resolution:
+    """The model's working resolution (input frames are resized to it)."""
+
+    width: int = spec(256, min=16, max=4096, multiple_of=16)
+    height: int = spec(256, min=16, max=4096, multiple_of=16)
+    resize: str = spec("crop", choices=("crop", "fit", "stretch"),
+                       doc="crop: fill and centre-crop; fit: letterbox; stretch: ignore aspect")
+
+
+@dataclass
+class StreamConfig:
+    """Denoising schedule and the KV-cache window."""
+
+    steps: list[int] = spec(default_factory=lambda: [700, 500], min=1, max=TRAIN_TIMESTEPS - 1,
+                            min_len=1, max_len=MAX_STEPS, doc="denoising timesteps, descending")
+    mode: str = spec("auto", choices=("auto", "batch", "sequential"),
+                     doc="stream-batch, sequential, or chosen by the SLO scheduler")
+    num_kv_cache: int = spec(6, min=1, max=64, doc="latent frames kept in the KV window")
+    sink: int = spec(3, min=0, max=63, doc="of which sink frames kept from the stream start")
+    sink_threshold: float = spec(0.2, min=-1.0, max=1.0, doc="adaptive sink cosine threshold; <0 disables")
+    rope_policy: str = spec("refresh", choices=("refresh", "window"), doc="how RoPE positions stay bounded")
+    rope_refresh_at: int = spec(50, min=2, max=1000, doc="latent-frame index at which refresh moves back")
+    timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
+    seed: int = spec(0, min=0, doc="noise seed; same seed and input give the same output")
+
+    def __post_init__(self) -> None:
+        if self.sink >= self.num_kv_cache:
+            raise ValueError(f"sink: {self.sink} must be smaller than num_kv_cache ({self.num_kv_cache})")
+        if any(a <= b for a, b in zip(self.steps, self.steps[1:])):
+            raise ValueError(f"steps: {self.steps} must be strictly descending")
+
+
+@dataclass
+class NoiseConfig:
+    """Motion-aware noise: more motion, less noise (StreamDiffusionV2's controller)."""
+
+    motion_aware: bool = spec(True)
+    noise_scale: float = spec(0.8, min=0.1, max=1.0, doc="s_init: noise strength for a static scene")
+    estimator: str = spec("frame_diff", choices=("frame_diff", "farneback", "dis"),
+                          doc="motion estimate: pixel difference, or optical flow on a worker thread")
+    ema: float = spec(0.9, min=0.0, max=1.0, doc="weight of the new estimate in the running scale")
+
+
+@dataclass
+class PromptConfig:
+    """Text conditioning."""
+
+    text: str = spec("a painting in the style of van gogh, vivid brush strokes", min_len=1)
+    encoder: str = spec("hash", choices=("hash", "file", "umt5"),
+                        doc="hash: small deterministic encoder; file: precomputed embeddings; umt5: local model")
+    path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
+    transition_chunks: int = spec(4, min=0, max=1000, doc="chunks over which a prompt change blends")
+    blend: str = spec("slerp", choices=("linear", "slerp"))
+
+    def __post_init__(self) -> None:
+        if not self.text.strip():
+            raise ValueError("text: the prompt is empty; give a few words describing the style")
+
+
+@dataclass
+class SLOConfig:
+    """Service-level targets the scheduler keeps."""
+
+    target_fps: float = spec(0.0, min=0.0, max=1000.0, doc="output FPS to sustain; 0 = as fast as possible")
+    latency_budget_ms: float = spec(1000.0, min=1.0, max=60000.0, doc="per-frame push-to-output budget")
+
+
+@dataclass
+class LoomConfig:
+    """Everything a run needs; built only through `load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    resolution: Resolution = field(default_factory=Resolution)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def replace(self, **sections: Any) -> LoomConfig:
+        return dataclasses.replace(self, **sections)
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped inside the package."""
+    folder = resources.files(PRESET_PACKAGE)
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
+
+
+def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
+    if name_or_path is None:
+        name_or_path = DEFAULT_PRESET
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        source, text = str(path), path.read_text()
+    else:
+        name = str(name_or_path)
+        if name not in list_presets():
+            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+        source = f"preset {name}"
+        text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
+    data = _read_yaml(text, source)
+    if data is None:
+        raise ConfigError(f"{source}: the file is empty; expected a mapping such as 'model: {{preset: tiny}}'")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data, source
+
+
+def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
+    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything."""
+    data, source = _load_source(name_or_path)
+    for text in overrides:
+        keys, raw = parse_override(text)
+        apply_override(data, keys, _read_yaml(raw, f"--set {text}") if raw.strip() else None)
+    if overrides:
+        source += " (with --set overrides)"
+    return build(LoomConfig, data, source=source)

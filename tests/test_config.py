@@ -1,0 +1,88 @@
+"""The run configuration: presets load, overrides apply, and every bad input names its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ConfigError, LoomConfig, list_presets, load_config
+
+
+def test_every_shipped_preset_loads():
+    assert {"default", "wan2.1-1.3b", "wan2.1-14b"} <= set(list_presets())
+    for name in list_presets():
+        assert isinstance(load_config(name), LoomConfig)
+
+
+def test_default_is_the_embedded_tiny_model():
+    cfg = load_config()
+    assert cfg.model.preset == "tiny" and cfg.model.checkpoint is None
+    assert cfg.stream.num_kv_cache == 6 and cfg.stream.sink == 3
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config("wan2.1-1.3b", ["stream.steps=[700, 500, 400]", "noise.noise_scale=0.6",
+                                      "model.checkpoint=/w/model.pt", "vae.decoder=taehv"])
+    assert cfg.stream.steps == [700, 500, 400]
+    assert cfg.noise.noise_scale == 0.6
+    assert cfg.model.checkpoint == "/w/model.pt"
+    assert cfg.vae.decoder == "taehv"
+    assert (cfg.resolution.width, cfg.resolution.height) == (832, 480)
+
+
+def test_yaml_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model: {preset: wan2.1-1.3b}\nresolution: {width: 512, height: 512}\n")
+    cfg = load_config(f)
+    assert cfg.model.preset == "wan2.1-1.3b" and cfg.resolution.width == 512
+
+
+def _error(tmp_path, text: str | None = None, overrides=(), name=None) -> str:
+    target = name
+    if text is not None:
+        target = tmp_path / "bad.yaml"
+        target.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(target, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("", ["bad.yaml", "empty"]),
+        ("- a\n- b\n", ["bad.yaml", "mapping"]),
+        ("model: {presett: tiny}\n", ["bad.yaml", "model.presett", "unknown key", "preset"]),
+        ("resolution: {width: -64}\n", ["resolution.width", "-64", "[16, 4096]"]),
+        ("resolution: {height: 250}\n", ["resolution.height", "250", "multiple of 16"]),
+        ("stream: {steps: [500, 700]}\n", ["stream.steps", "descending"]),
+        ("stream: {steps: [900, 700, 500, 300, 100]}\n", ["stream.steps", "1 to 4 items"]),
+        ("stream: {steps: [1700]}\n", ["stream.steps[0]", "1700"]),
+        ("stream: {num_kv_cache: 3, sink: 3}\n", ["stream.sink", "smaller than num_kv_cache"]),
+        ("noise: {motion_aware: yes please}\n", ["noise.motion_aware", "true or false"]),
+        ("model: {preset: wan3}\n", ["model.preset", "'wan3'", "wan2.1-1.3b"]),
+        ("model: {device: gpu0}\n", ["model.device", "cuda:N"]),
+        ("prompt: {text: '  '}\n", ["prompt.text", "empty"]),
+        ("model: [1, 2]\n", ["model", "expected a mapping"]),
+        ("model: {preset: tiny\n", ["bad.yaml", "not valid YAML"]),
+    ],
+)
+def test_bad_files_name_file_key_value_and_what_is_allowed(tmp_path, text, fragments):
+    message = _error(tmp_path, text)
+    for frag in fragments:
+        assert frag in message, message
+
+
+def test_unknown_preset_lists_the_available_ones(tmp_path):
+    message = _error(tmp_path, name="wan9")
+    assert "unknown preset 'wan9'" in message and "default" in message
+
+
+def test_missing_file(tmp_path):
+    assert "not found" in _error(tmp_path, name=tmp_path / "nope.yaml")
+
+
+def test_bad_override():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["noequals"])
+    with pytest.raises(ConfigError, match="stream.num_kv_cache.*integer"):
+        load_config(None, ["stream.num_kv_cache=six"])
