@@ -13,7 +13,7 @@ import sys
 
 from host_bridge.typed_config import ConfigError
 
-SUBCOMMANDS = ("info",)
+SUBCOMMANDS = ("info", "encode-prompts")
 EXIT_USAGE = 2
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, UserError, FileNotFoundError) as exc:
+    except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:
         print(f"loom {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -1,0 +1,129 @@
+"""SLO-aware scheduling: pick stream-batch or sequential and the chunk size from measured costs.
+
+With n denoising steps, a chunk of k latent frames (4k pixel frames) costs
+- sequential: encode(k) + n * dit(1 row, k) + decode(k) per chunk; a chunk leaves after one pass;
+- stream-batch: encode(k) + dit(n rows, k) + decode(k) per forward, one chunk out per forward,
+  but each chunk needs n forwards to get through.
+Throughput is 4k frames per period; a frame's latency is the wait for its chunk to fill
+(4k input frame periods) plus the time to get through. An online latency model (a per-stage
+straight line, time = fixed + per_unit * units, fitted to recent measurements with exponential
+forgetting) predicts both for every plan, so no profiling run is needed. The scheduler keeps
+the current plan unless another one is better by a margin for several consecutive chunks
+(hysteresis), so timing noise never makes it flap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORGET = 0.9  # weight of history in the per-stage fits
+HYSTERESIS = 0.15  # a new plan must be this much better...
+PATIENCE = 3  # ...for this many consecutive decisions
+MAX_CHUNK_LATENTS = 4
+FRAMES_PER_LATENT = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # "batch" or "sequential"
+    chunk_latents: int  # latent frames per forward
+
+
+class StageModel:
+    """time = fixed + per_unit * units, by weighted least squares with forgetting."""
+
+    def __init__(self) -> None:
+        self._sw = self._su = self._st = self._suu = self._sut = 0.0
+
+    def observe(self, units: float, seconds: float) -> None:
+        f = FORGET
+        self._sw = f * self._sw + 1.0
+        self._su = f * self._su + units
+        self._st = f * self._st + seconds
+        self._suu = f * self._suu + units * units
+        self._sut = f * self._sut + units * seconds
+
+    @property
+    def seen(self) -> bool:
+        return self._sw > 0
+
+    def predict(self, units: float) -> float:
+        if not self.seen:
+            return 0.0
+        mean_u, mean_t = self._su / self._sw, self._st / self._sw
+        var = self._suu / self._sw - mean_u**2
+        if var <= 1e-9 * max(mean_u**2, 1.0):
+            return mean_t * units / mean_u  # one size seen so far: assume cost proportional to work
+        slope = max((self._sut / self._sw - mean_u * mean_t) / var, 0.0)
+        return max(mean_t + slope * (units - mean_u), 0.0)
+
+
+class SLOScheduler:
+    def __init__(self, steps: int, target_fps: float = 0.0, latency_budget_s: float = 1.0,
+                 initial: Plan = Plan("batch", 1), allowed_modes: tuple[str, ...] = ("batch", "sequential"),
+                 max_chunk_latents: int = MAX_CHUNK_LATENTS) -> None:
+        self.steps = steps
+        self.target_fps = target_fps
+        self.budget = latency_budget_s
+        self.plan = initial
+        self.input_fps = target_fps or 0.0
+        self.candidates = [Plan(m, k) for m in allowed_modes for k in range(1, max_chunk_latents + 1)]
+        self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
+        self._challenger: Plan | None = None
+        self._streak = 0
+
+    def observe(self, stage: str, units: float, seconds: float) -> None:
+        """Feed one measured stage time; units: latent frames (encode/decode), rows x frames (dit)."""
+        self.stages[stage].observe(units, seconds)
+
+    def observe_input_rate(self, fps: float) -> None:
+        if fps > 0:
+            self.input_fps = fps
+
+    def predict(self, plan: Plan) -> tuple[float, float]:
+        """(output FPS, worst per-frame latency in seconds) of a plan under the current model."""
+        k, n = plan.chunk_latents, self.steps
+        enc, dec = self.stages["encode"].predict(k), self.stages["decode"].predict(k)
+        if plan.mode == "sequential":
+            period = enc + n * self.stages["dit"].predict(k) + dec
+            through = period
+        else:
+            period = enc + self.stages["dit"].predict(n * k) + dec
+            through = n * period
+        frames = FRAMES_PER_LATENT * k
+        fps = frames / period if period > 0 else float("inf")
+        fill = frames / self.input_fps if self.input_fps > 0 else 0.0
+        return fps, fill + through
+
+    def _score(self, plan: Plan) -> tuple[int, float]:
+        """Higher is better: feasible plans first, then by latency (with a target) or FPS."""
+        fps, latency = self.predict(plan)
+        meets_rate = self.target_fps <= 0 or fps >= self.target_fps
+        feasible = meets_rate and latency <= self.budget
+        if feasible:
+            return 2, (-latency if self.target_fps > 0 else fps)
+        return (1 if latency <= self.budget else 0), fps
+
+    def decide(self) -> Plan:
+        """Called once per chunk; returns the plan to use next (switches only with hysteresis)."""
+        if not all(s.seen for s in self.stages.values()):
+            return self.plan
+        best = max(self.candidates, key=self._score)
+        cur_tier, cur_val = self._score(self.plan)
+        best_tier, best_val = self._score(best)
+        better = best != self.plan and (
+            best_tier > cur_tier or (best_tier == cur_tier and _improves(best_val, cur_val))
+        )
+        if not better:
+            self._challenger, self._streak = None, 0
+            return self.plan
+        self._streak = self._streak + 1 if best == self._challenger else 1
+        self._challenger = best
+        if self._streak >= PATIENCE:
+            self.plan, self._challenger, self._streak = best, None, 0
+        return self.plan
+
+
+def _improves(new: float, old: float) -> bool:
+    """new beats old by the hysteresis margin (values are 'higher is better', may be negative)."""
+    return new - old > HYSTERESIS * abs(old)
