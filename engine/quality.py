@@ -229,7 +229,8 @@ class QualityMeter:
         stats = _frame_stats(input_frame, output_frame)
         self._current.add_frame(index, stats)
         self._total.add_frame(index, stats)
-        self._prev = (input_frame, output_frame, gray)
+        # Copies: callers (cameras, engine output rings) may reuse their buffers for the next frame.
+        self._prev = (input_frame.copy(), output_frame.copy(), gray)
         self._frames += 1
 
     def _pair_values(self, in0: np.ndarray, out0: np.ndarray, gray0: np.ndarray, in1: np.ndarray,
@@ -307,8 +308,9 @@ def _frame_stats(input_frame: np.ndarray, output_frame: np.ndarray) -> dict[str,
         saturation = cv2.cvtColor(frame, cv2.COLOR_RGB2HSV)[..., 1]
         stats.append((float(luma.mean()), float(saturation.mean()), float(luma.std())))
     (in_luma, in_sat, in_std), (out_luma, out_sat, out_std) = stats
+    # +1 level on both sides keeps the ratio finite and near 1 on flat (black, blank) inputs.
     return {"luma_shift": out_luma - in_luma, "saturation_shift": out_sat - in_sat,
-            "contrast_ratio": out_std / max(in_std, 1e-3)}
+            "contrast_ratio": (out_std + 1.0) / (in_std + 1.0)}
 
 
 def _trend(x: list[float], y: list[float | None], weights: list[int]) -> dict[str, float | None]:

@@ -125,6 +125,8 @@ def test_colour_drift_is_measured_against_the_input() -> None:
     report = evaluate_frames(frames, darker)
     assert report.totals["luma_shift"] < -40
     assert report.totals["contrast_ratio"] == pytest.approx(0.5, abs=0.05)
+    flat = [np.zeros((32, 32, 3), np.uint8)] * 3
+    assert evaluate_frames(flat, flat).totals["contrast_ratio"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def test_eval_pairs_outputs_with_inputs_through_engine_latency() -> None:
 
 def test_eval_refuses_an_engine_that_loses_frames() -> None:
     settings = eval_cmd.EvalSettings(chunk=4)
-    with pytest.raises(RuntimeError, match="returned 9 frames for 10 inputs"):
+    with pytest.raises(eval_cmd.EvalError, match="returned 9 frames for 10 inputs"):
         eval_cmd.measure_clip(DelayedIdentity(drop_last=True), iter(_panning(10)), settings)
 
 

@@ -98,6 +98,7 @@ def test_file_written_reads_back(tmp_path: Path, suffix: str) -> None:
         assert sink.frames_written == 20
     with open_source(path) as src:
         assert src.size == (96, 64) and src.fps == pytest.approx(24.0)
+        assert src.frame_count == 20 and not src.is_live
         back = list(src)
     assert len(back) == 20
     error = np.abs(np.stack(back).astype(np.float32) - np.stack(frames)).mean()
@@ -169,6 +170,16 @@ def test_unreachable_url_fails_fast() -> None:
         port = s.getsockname()[1]
     with pytest.raises(MediaError, match=f"rtsp://127.0.0.1:{port}/live: cannot open"):
         open_source(f"rtsp://127.0.0.1:{port}/live")
+
+
+def test_srt_without_a_peer_or_without_support_is_a_clear_error() -> None:
+    """This PyAV build may lack SRT (libsrt); either way the message names the URL and the reason."""
+    port = _free_udp_port()
+    pattern = rf"srt://127\.0\.0\.1:{port}: (this FFmpeg build .* does not support|cannot|no answer)"
+    with pytest.raises(MediaError, match=pattern):
+        open_source(f"srt://127.0.0.1:{port}", open_timeout=1.0)
+    with pytest.raises(MediaError, match=pattern):
+        open_sink(f"srt://127.0.0.1:{port}", 24, (64, 48))
 
 
 def test_silent_stream_times_out() -> None:

@@ -37,6 +37,10 @@ EVAL_REPORT_VERSION = 1
 SUMMARY_METRICS = ("warp_error", "flicker", "output_diff", "luma_shift", "saturation_shift")
 
 
+class EvalError(RuntimeError):
+    """The engine misbehaved in a way eval can name (lost frames) or is not available."""
+
+
 class Processor(Protocol):
     """What eval needs from the engine: frames in, the frames that became ready out, in order."""
 
@@ -127,7 +131,7 @@ def measure_clip(processor: Processor, frames: Iterable[np.ndarray], settings: E
     resized_to: list[int] | None = None
     for output in run_clip(processor, remember(frames), settings.chunk, timing):
         if not waiting:
-            raise RuntimeError(f"the engine returned more frames than it was given ({meter.frames + 1})")
+            raise EvalError(f"the engine returned more frames than it was given ({meter.frames + 1})")
         source = waiting.popleft()
         output = np.asarray(output)
         if output.ndim == 3 and source.shape != output.shape:
@@ -135,7 +139,7 @@ def measure_clip(processor: Processor, frames: Iterable[np.ndarray], settings: E
             source = cv2.resize(source, tuple(resized_to), interpolation=cv2.INTER_AREA)
         meter.update(source, output)
     if waiting:
-        raise RuntimeError(f"the engine returned {meter.frames} frames for {meter.frames + len(waiting)} "
+        raise EvalError(f"the engine returned {meter.frames} frames for {meter.frames + len(waiting)} "
                            "inputs, even after flush()")
     meta = dict(meta or {})
     meta["engine_seconds"] = round(timing["engine_s"], 4)
@@ -305,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         settings = EvalSettings(flow=args.flow, occlusion=args.occlusion, window=args.window,
                                 chunk=args.chunk)
         report = evaluate(runs, clips, settings, Path(args.out), log=lambda m: print(m, file=sys.stderr))
-    except (MediaError, ValueError, RuntimeError, OSError) as e:
+    except (MediaError, ValueError, EvalError, OSError) as e:
         print(f"loom eval: error: {e}", file=sys.stderr)
         return 2
     print(format_table(report))
@@ -334,7 +338,7 @@ def _engine_run(config_path: str | None, overrides: list[str]) -> EvalRun:
         from engine.config import load_config
         from engine.session import StreamSession
     except ImportError as e:
-        raise RuntimeError(f"the engine's in-process session is not available ({e}); "
+        raise EvalError(f"the engine's in-process session is not available ({e}); "
                            "use --identity to measure without the engine") from e
     config = load_config(config_path, overrides)
     label = Path(config_path).stem if config_path else "default"
