@@ -26,6 +26,19 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_bound(port: int, timeout_s: float = 10.0) -> None:
+    """Wait until someone (the PyAV reader) holds the UDP port: our own bind then fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the reader never bound udp port {port}")
+
+
 def _make_clip_with_audio(path: Path, audio_codec: str, video_s: float, audio_s: float) -> None:
     """A small clip (h264 video + a 440 Hz tone) written with PyAV, audio longer than video."""
     fps, rate, width, height = 24, 48000, 64, 48
@@ -122,7 +135,7 @@ def test_udp_mpegts_sink_reaches_a_pyav_reader() -> None:
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
-    time.sleep(0.5)  # let the reader bind the port
+    _wait_until_bound(port)
     frames = list(generate_clip(48, (160, 96), 24, seed=2))
     with open_sink(f"udp://127.0.0.1:{port}", 24, (160, 96)) as sink:
         assert sink.is_network
