@@ -14,9 +14,19 @@ GRID = (1, 2)  # 2 tokens per latent frame
 
 
 def make_cache(batch=1, slots=6, sink=3, policy="refresh", refresh_at=50, threshold=-1.0, blocks=(0,)):
-    return KVCache.allocate(batch, GRID, HEADS, HEAD_DIM, blocks, num_kv_cache=slots, sink=sink,
-                            rope_policy=policy, refresh_at=refresh_at, sink_threshold=threshold,
-                            dtype=torch.float32)
+    return KVCache.allocate(
+        batch,
+        GRID,
+        HEADS,
+        HEAD_DIM,
+        blocks,
+        num_kv_cache=slots,
+        sink=sink,
+        rope_policy=policy,
+        refresh_at=refresh_at,
+        sink_threshold=threshold,
+        dtype=torch.float32,
+    )
 
 
 def push(cache, k, v=None, commit=True, q=None):
@@ -118,8 +128,12 @@ def test_masks_hide_empty_slots_per_row():
     q = rand_chunk(2)
     out = push(cache, frames[2], q=q, commit=False)
     for row, own in ((0, frames), (1, frames[1:])):
-        keys = torch.cat([rotate(fr[row], *cache.rope.grid(torch.tensor([i]), *GRID)).flatten(0, 1)
-                          for i, fr in enumerate(own)])
+        keys = torch.cat(
+            [
+                rotate(fr[row], *cache.rope.grid(torch.tensor([i]), *GRID)).flatten(0, 1)
+                for i, fr in enumerate(own)
+            ]
+        )
         vals = torch.cat([fr[row].flatten(0, 1) for fr in own])
         qq = rotate(q[row], *cache.rope.grid(torch.tensor([len(own) - 1]), *GRID)).flatten(0, 1)
         ref = F.scaled_dot_product_attention(qq.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1))
@@ -138,8 +152,10 @@ def frame_of(vec, batch=1):
     return vec.expand(batch, 1, GRID[0] * GRID[1], HEADS, HEAD_DIM).clone()
 
 
-@pytest.mark.parametrize("sims, replaced", [((0.5, 0.6, 0.62), None), ((0.25, 0.9, 0.3), None),
-                                            ((0.9, 0.15, 0.3), 1), ((0.19, 0.5, 0.5), 0)])
+@pytest.mark.parametrize(
+    "sims, replaced",
+    [((0.5, 0.6, 0.62), None), ((0.25, 0.9, 0.3), None), ((0.9, 0.15, 0.3), 1), ((0.19, 0.5, 0.5), 0)],
+)
 def test_adaptive_sink_replaced_only_below_threshold(sims, replaced):
     cache = make_cache(sink=3, policy="window", threshold=0.2)
     for axis in range(3):  # sinks along axes 0, 1, 2

@@ -16,13 +16,20 @@ def wan_reference_rope(x: torch.Tensor, f: int, h: int, w: int, start: int = 0) 
     tables = []
     for n, size in zip(splits, (start + f, h, w)):
         freqs = 1.0 / 10000 ** (torch.arange(0, 2 * n, 2, dtype=torch.float64) / (2 * n))
-        tables.append(torch.polar(torch.ones(size, n, dtype=torch.float64),
-                                  torch.outer(torch.arange(size, dtype=torch.float64), freqs)))
-    grid = torch.cat([
-        tables[0][start:start + f].view(f, 1, 1, -1).expand(f, h, w, -1),
-        tables[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
-        tables[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
-    ], dim=-1).reshape(f * h * w, 1, -1)
+        tables.append(
+            torch.polar(
+                torch.ones(size, n, dtype=torch.float64),
+                torch.outer(torch.arange(size, dtype=torch.float64), freqs),
+            )
+        )
+    grid = torch.cat(
+        [
+            tables[0][start : start + f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            tables[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            tables[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(f * h * w, 1, -1)
     xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * grid).flatten(-2).float()
 

@@ -222,18 +222,27 @@ class Head(nn.Module):
 
 class FullSequenceAttention:
     """Self-attention over the whole clip: RoPE at positions 0..F-1 and an optional
-    block-causal mask (frames attend to their own block of k frames and to earlier ones)."""
+    block-causal mask: frames attend to their own block and to earlier blocks. Blocks are
+    `k` frames each for an int k, or the given lengths (e.g. [2, 1, 1] like a stream's chunks)."""
 
-    def __init__(self, rope: RopeTables, grid: tuple[int, int, int], block_causal_frames: int | None) -> None:
+    def __init__(
+        self, rope: RopeTables, grid: tuple[int, int, int], block_causal_frames: int | Sequence[int] | None
+    ) -> None:
         f, h, w = grid
         self.cos, self.sin = rope.grid(torch.arange(f), h, w)
         self.mask = None
         if block_causal_frames is not None:
-            if block_causal_frames < 1:
-                raise ValueError(f"block_causal_frames={block_causal_frames} must be >= 1")
-            block = host_index([i // block_causal_frames for i in range(f)], rope.device)
-            block = block.repeat_interleave(h * w)
-            self.mask = block[:, None] >= block[None, :]
+            lengths = block_causal_frames
+            if isinstance(lengths, int):
+                lengths = [lengths] * -(-f // lengths) if lengths > 0 else [lengths]
+            lengths = list(lengths)
+            if min(lengths) < 1 or sum(lengths) < f:
+                raise ValueError(
+                    f"block_causal_frames={block_causal_frames} must be >= 1 and cover {f} frames"
+                )
+            block = [i for i, n in enumerate(lengths) for _ in range(n)][:f]
+            ids = host_index(block, rope.device).repeat_interleave(h * w)
+            self.mask = ids[:, None] >= ids[None, :]
 
     def __call__(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attention(rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin), v, self.mask)
