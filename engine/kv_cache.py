@@ -26,7 +26,7 @@ the sink slot, this keeps ring order and positions identical across blocks and h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -89,9 +89,17 @@ class StreamStep:
     q_rope: tuple[torch.Tensor, torch.Tensor]  # [B, f*tokens, 1, D]
     k_rope: tuple[torch.Tensor, torch.Tensor] | None  # window policy: [B or 1, slots*tokens, 1, D]
     mask: torch.Tensor | None  # [B, 1, 1, slots*tokens] or None when every row is full
-    sink_rows: list[bool] = field(default_factory=list)  # rows that may replace a sink
-    forced_sink: list[int] = field(default_factory=list)  # per row: sink slot to force, or -1
-    last_pos: list[int] = field(default_factory=list)  # per row: position of the chunk's last frame
+    forced_sink: list[int]  # per row: sink slot a pending refresh_sinks() overwrites, or -1
+    sinks: SinkPlan | None  # None when no row may touch its sinks this chunk
+
+
+@dataclass
+class SinkPlan:
+    """Device-side inputs of the adaptive-sink update, made once per chunk (not per block)."""
+
+    eligible: torch.Tensor | None  # [B] bool: rows that may replace a sink (None: all rows)
+    forced: torch.Tensor | None  # [B] long: sink slot to overwrite unconditionally, -1 none
+    last_pos: torch.Tensor  # [B] long: RoPE position of the chunk's last frame
 
 
 class KVCache:
@@ -215,6 +223,20 @@ class KVCache:
             [_Row(**vars(r)) for r in self._rows],
         )
 
+    def pop_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove one block's K/V (to hand it to another pipeline rank with the block)."""
+        return self.k.pop(block), self.v.pop(block)
+
+    def put_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Adopt one block's K/V from another rank (same rows, slots and bookkeeping)."""
+        if (
+            k.shape != v.shape
+            or k.shape[:2] != (self.batch, self.num_slots)
+            or k.shape[2:] != (self.frame_tokens, self.heads, self.head_dim)
+        ):
+            raise ValueError(f"block {block} K/V of shape {tuple(k.shape)} do not fit this cache")
+        self.k[block], self.v[block] = k.to(self.device), v.to(self.device)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
@@ -320,7 +342,14 @@ class KVCache:
         if not all(all(row) for row in valid):
             mask = host_index(valid, self.device).bool()
             mask = mask.repeat_interleave(self.frame_tokens, dim=1)[:, None, None, :]
-        return StreamStep(f, commits, writes, q_rope, k_rope, mask, sink_rows, forced, last_pos)
+        sinks = None
+        if any(sink_rows):
+            sinks = SinkPlan(
+                eligible=None if all(sink_rows) else host_index(sink_rows, self.device).bool(),
+                forced=host_index(forced, self.device) if any(i >= 0 for i in forced) else None,
+                last_pos=host_index(last_pos, self.device),
+            )
+        return StreamStep(f, commits, writes, q_rope, k_rope, mask, forced, sinks)
 
     def _rope_rows(self, positions: list[list[int]], h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         if all(p == positions[0] for p in positions):  # common in steady state: one row, broadcast
@@ -368,32 +397,33 @@ class KVCache:
         for b, slot, n, ks, vs in saved:
             kc[b, slot : slot + n] = ks
             vc[b, slot : slot + n] = vs
-        if any(step.sink_rows):
-            self._update_sinks(step, kc, vc, k[:, -1], v[:, -1])
+        if step.sinks is not None:
+            self._update_sinks(step.sinks, kc, vc, k[:, -1], v[:, -1])
         return out
 
     def _update_sinks(
-        self, step: StreamStep, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+        self, plan: SinkPlan, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> None:
-        s = self.sink
+        """Overwrite, per row, the least similar sink with the chunk's last frame when the mean-K /
+        mean-V cosine similarity is below the threshold (or when a sink refresh is pending)."""
+        s, f32 = self.sink, torch.float32
         sim_k = torch.cosine_similarity(
-            kc[:, :s].float().mean(2).flatten(2), k_new.float().mean(1).flatten(1)[:, None], dim=-1
+            kc[:, :s].mean(2, dtype=f32).flatten(2), k_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
         )
         sim_v = torch.cosine_similarity(
-            vc[:, :s].float().mean(2).flatten(2), v_new.float().mean(1).flatten(1)[:, None], dim=-1
+            vc[:, :s].mean(2, dtype=f32).flatten(2), v_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
         )
         lowest, idx = ((sim_k + sim_v) / 2).min(dim=-1)
         replace = (
-            lowest < self.sink_threshold if self.sink_threshold >= 0 else torch.zeros_like(lowest, dtype=bool)
+            lowest < self.sink_threshold if self.sink_threshold >= 0 else torch.zeros_like(lowest).bool()
         )
-        if not all(step.sink_rows):
-            replace &= host_index(step.sink_rows, self.device).bool()
-        if any(i >= 0 for i in step.forced_sink):
-            forced = host_index(step.forced_sink, self.device)
-            idx = torch.where(forced >= 0, forced, idx)
-            replace |= forced >= 0
+        if plan.eligible is not None:
+            replace &= plan.eligible
+        if plan.forced is not None:
+            idx = torch.where(plan.forced >= 0, plan.forced, idx)
+            replace |= plan.forced >= 0
         if self.rope_policy == "refresh":  # move the frame's key to the sink's position
-            cos, sin = self.rope.time_shift(idx - host_index(step.last_pos, self.device))
+            cos, sin = self.rope.time_shift(idx - plan.last_pos)
             dt = cos.shape[-1]
             k_new = k_new.clone()
             k_new[..., :dt] = rotate(k_new[..., :dt], cos[:, None, None], sin[:, None, None])

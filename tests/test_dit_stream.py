@@ -192,3 +192,26 @@ def test_stream_rejects_mismatched_chunks(model):
         model.forward_stream(torch.randn(2, 16, 1, 8, 8), torch.ones(2), cache, cross)
     with pytest.raises(ValueError, match="for this cache"):
         model.forward_stream(torch.randn(1, 16, 1, H, W), torch.ones(1), cache, cross)
+
+
+def test_sinks_adapt_and_refresh_inside_the_model(model):
+    x, ctx = stream_inputs(2, 10, seed=7)
+    cross = model.cross_kv(ctx)
+    caches = {
+        thr: model.new_cache(2, (H, W), num_kv_cache=4, sink=2, sink_threshold=thr) for thr in (-1.0, 1.5)
+    }
+    fixed, adaptive = caches[-1.0], caches[1.5]
+    ring_v = {}
+    for i in range(10):
+        if i == 6:
+            fixed.refresh_sinks(rows=[1])
+        for cache in caches.values():
+            model.forward_stream(x[:, :, i : i + 1], torch.tensor([600.0, 300.0]), cache, cross)
+        ring_v[i] = fixed.v[1][:, 2 + (i - 2) % 2].clone() if i >= 2 else fixed.v[1][:, i].clone()
+    # similarity is always below 1.5: frames after the sinks kept replacing them
+    assert not torch.allclose(fixed.k[0][:, :2], adaptive.k[0][:, :2])
+    assert adaptive.positions[0][:2] == [0, 1]
+    # without adaptation, row 0 keeps frames 0 and 1 as sinks; row 1 took frames 6 and 7 after
+    # its prompt change (refresh_sinks), one per committed frame
+    assert torch.equal(fixed.v[1][0, 0], ring_v[0][0]) and torch.equal(fixed.v[1][0, 1], ring_v[1][0])
+    assert torch.equal(fixed.v[1][1, 0], ring_v[6][1]) and torch.equal(fixed.v[1][1, 1], ring_v[7][1])

@@ -228,3 +228,28 @@ def test_bad_settings_are_refused():
     push(cache, rand_chunk(1, 2))
     with pytest.raises(ValueError, match="ring"):
         cache.plan(3)
+
+
+def test_adaptive_sinks_decided_per_row():
+    cache = make_cache(batch=3, sink=2, policy="window", threshold=0.2)
+    sinks = [unit(1), unit(0, 1)]
+    for vec in sinks:
+        push(cache, frame_of(vec, 3), commit=[True, True, False])
+    new = torch.stack([unit(1, 1), unit(0, 0, 1), unit(0, 0, 1)])  # similar / orthogonal / not started
+    push(cache, new[:, None, None, None, :].expand(3, 1, 2, HEADS, HEAD_DIM).clone())
+    got = cache.k[0][:, :2, 0, 0]
+    assert torch.allclose(got[0], torch.stack(sinks))  # 0.71 similar to both: kept
+    assert torch.allclose(got[1, 0], unit(0, 0, 1)) and torch.allclose(got[1, 1], sinks[1])  # replaced
+    assert cache.frames == [3, 3, 1] and torch.allclose(
+        got[2, 0], unit(0, 0, 1)
+    )  # row 2: a plain first frame
+
+
+def test_blocks_move_between_caches():
+    torch.manual_seed(0)
+    first, second = make_cache(blocks=(0, 1)), make_cache(blocks=(2,))
+    k, v = first.pop_block(1)
+    second.put_block(1, k, v)
+    assert first.blocks == [0] and second.blocks == [2, 1] and second.k[1] is k
+    with pytest.raises(ValueError, match="do not fit"):
+        second.put_block(3, k[:, :2], v[:, :2])
