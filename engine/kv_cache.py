@@ -117,6 +117,8 @@ class KVCache:
         rows: list[_Row] | None = None,
         rope: RopeTables | None = None,
     ) -> None:
+        if not k:
+            raise ValueError("a KV cache needs at least one block")
         first = next(iter(k.values()))
         self.batch, self.num_slots, self.frame_tokens, self.heads, self.head_dim = first.shape
         self.k, self.v = k, v
@@ -258,15 +260,15 @@ class KVCache:
     def positions(self) -> list[list[int | None]]:
         """RoPE time position of every slot per row (None for empty slots)."""
         out = []
-        for b, r in enumerate(self._rows):
-            pos = self._slot_positions(b, r.frames, r.next_pos)
+        for r in self._rows:
+            pos = self._slot_positions(r.frames, r.next_pos)
             out.append([p if s in self._filled_slots(r.frames) else None for s, p in enumerate(pos)])
         return out
 
     @property
     def next_positions(self) -> list[int]:
         """RoPE time position the next frame of each row would get."""
-        return [self._chunk_positions(b, r.frames, r.next_pos, 1)[0] for b, r in enumerate(self._rows)]
+        return [self._chunk_positions(r.frames, r.next_pos, 1)[0] for r in self._rows]
 
     # ----- slot arithmetic (host only) --------------------------------------------------
     def _slot_of(self, frame: int) -> int:
@@ -283,7 +285,7 @@ class KVCache:
     def _ring_by_age(self, frames: int) -> list[int]:
         return [self._slot_of(j) for j in range(frames - self._ring_count(frames), frames)]
 
-    def _slot_positions(self, b: int, frames: int, next_pos: int) -> list[int]:
+    def _slot_positions(self, frames: int, next_pos: int) -> list[int]:
         """Position of each slot when `frames` frames are in (empty slots: 0)."""
         sinks = list(range(min(frames, self.sink)))
         ring = self._ring_by_age(frames)
@@ -296,8 +298,8 @@ class KVCache:
             positions[s] = next_pos - len(ring) + age
         return positions
 
-    def _chunk_positions(self, b: int, frames: int, next_pos: int, f: int) -> list[int]:
-        after = self._slot_positions(b, frames + f, next_pos + f)
+    def _chunk_positions(self, frames: int, next_pos: int, f: int) -> list[int]:
+        after = self._slot_positions(frames + f, next_pos + f)
         return [after[self._slot_of(j)] for j in range(frames, frames + f)]
 
     # ----- one chunk --------------------------------------------------------------------
@@ -326,9 +328,9 @@ class KVCache:
                     r.next_pos -= shift
             slots = [self._slot_of(j) for j in range(r.frames, r.frames + f)]
             writes.append(_runs(slots))
-            chunk_pos = self._chunk_positions(b, r.frames, r.next_pos, f)
+            chunk_pos = self._chunk_positions(r.frames, r.next_pos, f)
             q_pos.append(chunk_pos)
-            k_pos.append(self._slot_positions(b, r.frames + f, r.next_pos + f))
+            k_pos.append(self._slot_positions(r.frames + f, r.next_pos + f))
             filled = self._filled_slots(r.frames + f)
             valid.append([s in filled for s in range(self.num_slots)])
             sinks_full = r.frames >= self.sink > 0
