@@ -1,0 +1,145 @@
+"""Time one streaming DiT forward (one latent-frame chunk against a full KV window).
+
+Real shapes, random weights (speed does not depend on weight values). Default: Wan2.1 1.3B at
+480x832 (latent 60x104, 1560 tokens per frame), bf16, KV window 6 with 3 sinks, batch 1, 2, 4
+(stream-batch rows). Each batch size first streams enough chunks to fill the window, so the
+timed forwards are the steady state: eviction, in-place ring writes, unmasked attention.
+
+    python benchmarks/bench_dit.py --json out/bench_dit.json          # on a CUDA machine
+    python benchmarks/bench_dit.py --smoke                            # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="wan2.1-1.3b", choices=sorted(DIT_PRESETS))
+    p.add_argument("--latent", default="60x104", help="latent frame HxW (480x832 pixels -> 60x104)")
+    p.add_argument("--batches", default="1,2,4", help="comma-separated stream-batch sizes")
+    p.add_argument("--kv", type=int, default=6, help="KV window in latent frames")
+    p.add_argument("--sink", type=int, default=3)
+    p.add_argument("--policy", default="refresh", choices=["refresh", "window"])
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", type=Path, default=None, help="write results here")
+    p.add_argument("--smoke", action="store_true", help="tiny preset and shapes: checks the script on a CPU")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.latent, args.batches, args.dtype = "tiny", "8x8", "1,2", "fp32"
+        args.warmup, args.iters = 1, 3
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return args
+
+
+class Timer:
+    """CUDA events on a GPU (no host sync inside the timed region), perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000.0
+
+
+def bench_batch(model: WanDiT, args: argparse.Namespace, batch: int, h: int, w: int) -> dict:
+    cfg, dev, dtype = model.cfg, args.device, DTYPES[args.dtype]
+    cache = model.new_cache(batch, (h, w), num_kv_cache=args.kv, sink=args.sink, rope_policy=args.policy,
+                            device=dev, dtype=dtype)
+    cross = model.cross_kv(torch.randn(1, cfg.text_len, cfg.text_dim, device=dev, dtype=dtype))
+    chunk = torch.randn(batch, cfg.in_channels, 1, h, w, device=dev, dtype=dtype)
+    t = torch.linspace(700, 200, batch, device=dev)
+    first = torch.randn(batch, cfg.in_channels, 2, h, w, device=dev, dtype=dtype)
+    model.forward_stream(first, t, cache, cross)  # 2-frame first chunk, as a stream starts
+    while min(cache.fill) < args.kv:
+        model.forward_stream(chunk, t, cache, cross)
+    timer = Timer(dev)
+    step = lambda: model.forward_stream(chunk, t, cache, cross)  # noqa: E731
+    for _ in range(args.warmup):
+        timer.time(step)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = sorted(timer.time(step) for _ in range(args.iters))
+    return {
+        "batch": batch,
+        "ms_median": statistics.median(times),
+        "ms_p10": times[int(0.1 * (len(times) - 1))],
+        "ms_p90": times[int(0.9 * (len(times) - 1))],
+        "ms_min": times[0],
+        "tokens_per_frame": (h // cfg.patch_size[1]) * (w // cfg.patch_size[2]),
+        "kv_cache_mib": cache.memory_bytes() / 2**20,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+        "latent_frames_per_s": 1000.0 / statistics.median(times),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    cfg = DIT_PRESETS[args.preset]
+    h, w = (int(v) for v in args.latent.lower().split("x"))
+    with torch.device(args.device):
+        model = WanDiT(cfg)  # random weights, built where it runs
+    model = model.to(DTYPES[args.dtype]).eval().requires_grad_(False)
+    results = []
+    with torch.inference_mode():
+        for batch in (int(b) for b in args.batches.split(",")):
+            results.append(bench_batch(model, args, batch, h, w))
+    try:
+        import flash_attn  # noqa: F401
+
+        flash = True
+    except ImportError:
+        flash = False
+    cuda = args.device.type == "cuda"
+    env = {
+        "device": torch.cuda.get_device_name(args.device) if cuda else f"cpu ({platform.machine()})",
+        "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
+        "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
+        "rope_policy": args.policy, "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
+    }
+    print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "
+          f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}")
+    header = (("B", 3), ("median ms", 10), ("p10 ms", 8), ("p90 ms", 8), ("frames/s", 9),
+              ("KV MiB", 8), ("peak GiB", 9))
+    print(" ".join(f"{name:>{width}}" for name, width in header))
+    for r in results:
+        peak = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
+        print(f"{r['batch']:>3} {r['ms_median']:>10.2f} {r['ms_p10']:>8.2f} {r['ms_p90']:>8.2f} "
+              f"{r['latent_frames_per_s']:>9.1f} {r['kv_cache_mib']:>8.1f} {peak:>9}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"env": env, "results": results}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,446 @@
+"""Wan2.1 text-to-video diffusion transformer, built for streaming.
+
+The architecture and parameter names are Wan2.1's own (so original checkpoints load without
+renaming; diffusers and CausVid layouts are mapped in `dit_convert`): a Conv3d patch embedding,
+a sinusoidal timestep embedding -> MLP -> 6-way adaLN modulation per block, a text embedding
+MLP, blocks of RoPE self-attention (RMSNorm on q and k) + cross-attention to the text + GELU-tanh
+FFN, and an output head with 2-way modulation. The timestep may differ per latent frame
+([B, F], as in CausVid), in which case every frame gets its own modulation.
+
+Three ways to run it, sharing one block implementation:
+- `forward`: the whole sequence at once, optionally block-causal over latent frames (the oracle
+  for streaming, and the training path);
+- `forward_stream`: one chunk of latent frames against a `KVCache` (engine/kv_cache.py);
+- `embed` / `run_blocks(a, b, ...)` / `head` separately, so a pipeline rank runs blocks[a:b].
+Per-prompt cross-attention K/V come from `cross_kv` and are reused until the prompt changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import attention
+from engine.kv_cache import (
+    DEFAULT_NUM_KV_CACHE,
+    DEFAULT_REFRESH_AT,
+    DEFAULT_SINK,
+    DEFAULT_SINK_THRESHOLD,
+    CrossKV,
+    KVCache,
+)
+from engine.rope import RopeTables, host_index, rotate
+
+TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
+NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
+
+SelfAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WanDiTConfig:
+    """Shape of a Wan2.1 DiT. Defaults are the 1.3B model."""
+
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    in_channels: int = 16
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 4096
+    text_len: int = 512
+    freq_dim: int = 256
+    eps: float = 1e-6
+    cross_attn_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ValueError(f"head_dim={self.head_dim} must be even and >= 6 (3-axis RoPE)")
+        if self.freq_dim % 2:
+            raise ValueError(f"freq_dim={self.freq_dim} must be even")
+        if self.patch_size[0] != 1:
+            raise ValueError(f"patch_size={self.patch_size}: streaming needs a temporal patch of 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+DIT_PRESETS: dict[str, WanDiTConfig] = {
+    "wan2.1-1.3b": WanDiTConfig(),
+    "wan2.1-14b": WanDiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+    # Loom's embedded default and test model: runs on a CPU at a few FPS at 256 tokens/frame.
+    "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
+}
+
+
+@dataclass
+class Conditioning:
+    """Timestep conditioning shared by all blocks: `temb` [B, Fm, dim] feeds the head,
+    `mod` [B, Fm, 6, dim] (float32) the blocks; Fm is 1 or the number of latent frames."""
+
+    temb: torch.Tensor
+    mod: torch.Tensor
+
+
+def _layer_norm(x: torch.Tensor, eps: float, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+    """LayerNorm computed in float32 (returns float32), with the affine part of `norm` if given."""
+    if norm is None:
+        return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    return F.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(), norm.bias.float(), norm.eps)
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * (1 + scale) + shift, per latent frame: x [B, L, dim], shift/scale [B, Fm, dim]."""
+    frames = shift.shape[1]
+    return (x.unflatten(1, (frames, -1)) * (1 + scale[:, :, None]) + shift[:, :, None]).flatten(1, 2)
+
+
+def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + y * gate per latent frame, accumulated in float32."""
+    frames = gate.shape[1]
+    out = x.float() + (y.float().unflatten(1, (frames, -1)) * gate[:, :, None]).flatten(1, 2)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Wan's RMSNorm over the whole projection (all heads together)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SelfAttention(nn.Module):
+    """q/k/v/o projections with RMSNorm on q and k. The attention itself is supplied by the
+    caller (full sequence with RoPE and mask, or the streaming KV cache)."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads = (self.num_heads, -1)
+        return (
+            self.norm_q(self.q(x)).unflatten(2, heads),
+            self.norm_k(self.k(x)).unflatten(2, heads),
+            self.v(x).unflatten(2, heads),
+        )
+
+
+class CrossAttention(nn.Module):
+    """Attention from the video tokens to the (cached) text keys/values."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = (self.num_heads, -1)
+        return self.norm_k(self.k(context)).unflatten(2, heads), self.v(context).unflatten(2, heads)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = self.norm_q(self.q(x)).unflatten(2, (self.num_heads, -1))
+        if k.shape[0] != q.shape[0]:  # one prompt for every row
+            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+        return self.o(attention(q, k, v).flatten(2))
+
+
+class WanBlock(nn.Module):
+    """One transformer block; parameter names follow Wan2.1 (norm3 is the cross-attention norm)."""
+
+    def __init__(self, cfg: WanDiTConfig) -> None:
+        super().__init__()
+        self.eps = cfg.eps
+        self.self_attn = SelfAttention(cfg.dim, cfg.num_heads, cfg.eps)
+        self.norm3 = nn.LayerNorm(cfg.dim, eps=cfg.eps) if cfg.cross_attn_norm else None
+        self.cross_attn = CrossAttention(cfg.dim, cfg.num_heads, cfg.eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim)
+        )
+        self.modulation = nn.Parameter(torch.randn(1, NUM_MODULATIONS, cfg.dim) / cfg.dim**0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mod: torch.Tensor,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        self_attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float()[:, None] + mod).unbind(2)
+
+        q, k, v = self.self_attn.project(_modulate(_layer_norm(x, self.eps), shift1, scale1).to(x.dtype))
+        x = _gated(x, self.self_attn.o(self_attend(q, k, v).flatten(2)), gate1)
+
+        x = x + self.cross_attn(_layer_norm(x, self.eps, self.norm3).to(x.dtype), cross_k, cross_v)
+
+        y = self.ffn(_modulate(_layer_norm(x, self.eps), shift2, scale2).to(x.dtype))
+        return _gated(x, y, gate2)
+
+
+class Head(nn.Module):
+    """Output norm with 2-way modulation, projection to patches, and unpatchify."""
+
+    def __init__(self, cfg: WanDiTConfig) -> None:
+        super().__init__()
+        self.eps = cfg.eps
+        self.patch_size = cfg.patch_size
+        self.out_channels = cfg.out_channels
+        self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int]) -> torch.Tensor:
+        shift, scale = (self.modulation.float()[:, None] + cond.temb.float()[:, :, None]).unbind(2)
+        x = self.head(_modulate(_layer_norm(x, self.eps), shift, scale).to(x.dtype))
+        (f, h, w), (pt, ph, pw) = grid, self.patch_size
+        x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, self.out_channels)
+        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(
+            x.shape[0], self.out_channels, f * pt, h * ph, w * pw
+        )
+
+
+class FullSequenceAttention:
+    """Self-attention over the whole clip: RoPE at positions 0..F-1 and an optional
+    block-causal mask: frames attend to their own block and to earlier blocks. Blocks are
+    `k` frames each for an int k, or the given lengths (e.g. [2, 1, 1] like a stream's chunks)."""
+
+    def __init__(
+        self, rope: RopeTables, grid: tuple[int, int, int], block_causal_frames: int | Sequence[int] | None
+    ) -> None:
+        f, h, w = grid
+        self.cos, self.sin = rope.grid(torch.arange(f), h, w)
+        self.mask = None
+        if block_causal_frames is not None:
+            lengths = block_causal_frames
+            if isinstance(lengths, int):
+                lengths = [lengths] * -(-f // lengths) if lengths > 0 else [lengths]
+            lengths = list(lengths)
+            if min(lengths) < 1 or sum(lengths) < f:
+                raise ValueError(
+                    f"block_causal_frames={block_causal_frames} must be >= 1 and cover {f} frames"
+                )
+            block = [i for i, n in enumerate(lengths) for _ in range(n)][:f]
+            ids = host_index(block, rope.device).repeat_interleave(h * w)
+            self.mask = ids[:, None] >= ids[None, :]
+
+    def __call__(self, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin), v, self.mask)
+
+
+class WanDiT(nn.Module):
+    """The Wan2.1 DiT. Holds parameters only; stream state lives in `KVCache` / `CrossKV`."""
+
+    def __init__(self, cfg: WanDiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.patch_embedding = nn.Conv3d(
+            cfg.in_channels, d, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.text_embedding = nn.Sequential(
+            nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d)
+        )
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, d * NUM_MODULATIONS))
+        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+        self._rope: RopeTables | None = None
+
+    # ----- loading ----------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        cfg: WanDiTConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        blocks: range | None = None,
+    ) -> WanDiT:
+        """Build on the meta device and load a checkpoint (Wan2.1, diffusers or CausVid /
+        StreamDiffusionV2 layout) straight into `device`/`dtype`, strictly. With `blocks`, only
+        those transformer blocks are loaded (the rest stay on the meta device: a pipeline rank);
+        embeddings and head are always loaded, they are small."""
+        from engine.models.dit_convert import load_dit_weights
+
+        with torch.device("meta"):
+            model = cls(cfg)
+        load_dit_weights(model, path, device=device, dtype=dtype, blocks=blocks)
+        return model
+
+    # ----- pieces -----------------------------------------------------------------------
+    def rope(self, device: torch.device) -> RopeTables:
+        """RoPE tables on `device`, built once (not module state: they are constants)."""
+        if self._rope is None or self._rope.device != device:
+            self._rope = RopeTables(self.cfg.head_dim, device)
+        return self._rope
+
+    def condition(self, timestep: torch.Tensor, frames: int) -> Conditioning:
+        """Timestep conditioning; `timestep` is [B] or [B, frames], values in 0..1000."""
+        if timestep.ndim not in (1, 2) or (timestep.ndim == 2 and timestep.shape[1] not in (1, frames)):
+            raise ValueError(f"timestep must be [B] or [B, {frames}], got {tuple(timestep.shape)}")
+        t = timestep.float().reshape(timestep.shape[0], -1)
+        half = self.cfg.freq_dim // 2
+        freqs = torch.exp(
+            -math.log(TIME_FREQ_BASE) * torch.arange(half, device=t.device, dtype=torch.float32) / half
+        )
+        angles = t[..., None] * freqs
+        sinusoid = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        param = self.time_embedding[0].weight
+        temb = self.time_embedding(sinusoid.to(param.dtype))
+        mod = self.time_projection(temb).float().unflatten(-1, (NUM_MODULATIONS, -1))
+        return Conditioning(temb=temb, mod=mod)
+
+    def embed(
+        self, x: torch.Tensor, timestep: torch.Tensor
+    ) -> tuple[torch.Tensor, Conditioning, tuple[int, int, int]]:
+        """Patchify latents [B, C, F, H, W] into tokens [B, F*h*w, dim]; returns (tokens,
+        conditioning, token grid (F, h, w))."""
+        if x.ndim != 5 or x.shape[1] != self.cfg.in_channels:
+            raise ValueError(f"latents must be [B, {self.cfg.in_channels}, F, H, W], got {tuple(x.shape)}")
+        _, ph, pw = self.cfg.patch_size
+        if x.shape[3] % ph or x.shape[4] % pw:
+            raise ValueError(
+                f"latent size {tuple(x.shape[3:])} is not divisible by the patch {self.cfg.patch_size}"
+            )
+        if timestep.shape[0] != x.shape[0]:
+            raise ValueError(f"timestep has {timestep.shape[0]} rows for a batch of {x.shape[0]}")
+        param = self.patch_embedding.weight
+        tokens = self.patch_embedding(x.to(param.dtype))
+        grid = tuple(tokens.shape[2:])
+        return tokens.flatten(2).transpose(1, 2).contiguous(), self.condition(timestep, grid[0]), grid
+
+    def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:
+        """Cross-attention K/V of a prompt embedding [B or 1, L <= text_len, text_dim] (zero-padded
+        to text_len as Wan2.1 does) for the given blocks (default all)."""
+        cfg = self.cfg
+        if context.ndim != 3 or context.shape[2] != cfg.text_dim or context.shape[1] > cfg.text_len:
+            raise ValueError(
+                f"context must be [B, L<={cfg.text_len}, {cfg.text_dim}], got {tuple(context.shape)}"
+            )
+        param = self.text_embedding[0].weight
+        if context.shape[1] < cfg.text_len:
+            context = F.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
+        emb = self.text_embedding(context.to(param.dtype))
+        ids = range(cfg.num_layers) if blocks is None else blocks
+        k, v = {}, {}
+        for i in ids:
+            k[i], v[i] = self.blocks[i].cross_attn.kv(emb)
+        return CrossKV(k, v)
+
+    def run_blocks(
+        self,
+        start: int,
+        stop: int,
+        x: torch.Tensor,
+        cond: Conditioning,
+        cross: CrossKV,
+        self_attend: SelfAttend,
+    ) -> torch.Tensor:
+        """Run blocks[start:stop] on tokens x [B, L, dim]. `self_attend(block, q, k, v)` is the
+        self-attention: `FullSequenceAttention` or `KVCache.attention(step)`."""
+        for i in range(start, stop):
+            block = self.blocks[i]
+            if block.modulation.is_meta:
+                raise RuntimeError(f"block {i} was not loaded on this rank (from_checkpoint(blocks=...))")
+            x = block(x, cond.mod, cross.k[i], cross.v[i], lambda q, k, v, i=i: self_attend(i, q, k, v))
+        return x
+
+    # ----- whole passes -----------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        block_causal_frames: int | None = None,
+    ) -> torch.Tensor:
+        """Flow prediction for a whole clip x [B, 16, F, H, W]; `block_causal_frames=k` makes
+        attention block-causal over latent frames in blocks of k frames."""
+        tokens, cond, grid = self.embed(x, timestep)
+        attend = FullSequenceAttention(self.rope(tokens.device), grid, block_causal_frames)
+        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, self.cross_kv(context), attend)
+        return self.head(tokens, cond, grid)
+
+    def new_cache(
+        self,
+        batch: int,
+        frame_shape: tuple[int, int],
+        num_kv_cache: int = DEFAULT_NUM_KV_CACHE,
+        sink: int = DEFAULT_SINK,
+        rope_policy: str = "refresh",
+        refresh_at: int = DEFAULT_REFRESH_AT,
+        sink_threshold: float = DEFAULT_SINK_THRESHOLD,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        blocks: Sequence[int] | None = None,
+    ) -> KVCache:
+        """A KV cache for `batch` streams of latent frames of `frame_shape` (H, W)."""
+        _, ph, pw = self.cfg.patch_size
+        if frame_shape[0] % ph or frame_shape[1] % pw:
+            raise ValueError(
+                f"latent frame {frame_shape} is not divisible by the patch {self.cfg.patch_size}"
+            )
+        param = self.patch_embedding.weight
+        return KVCache.allocate(
+            batch,
+            (frame_shape[0] // ph, frame_shape[1] // pw),
+            self.cfg.num_heads,
+            self.cfg.head_dim,
+            range(self.cfg.num_layers) if blocks is None else blocks,
+            num_kv_cache=num_kv_cache,
+            sink=sink,
+            rope_policy=rope_policy,
+            refresh_at=refresh_at,
+            sink_threshold=sink_threshold,
+            device=param.device if device is None else device,
+            dtype=param.dtype if dtype is None else dtype,
+        )
+
+    def forward_stream(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        cache: KVCache,
+        cross: CrossKV,
+        commit: bool | Sequence[bool] = True,
+    ) -> torch.Tensor:
+        """Flow prediction for one chunk x [B, 16, f, H, W] of B independent streams: each row
+        attends to its cached window and itself; with `commit` the chunk's K/V enter the cache."""
+        if x.ndim != 5 or x.shape[0] != cache.batch:
+            raise ValueError(
+                f"chunk must be [{cache.batch}, C, f, H, W] for this cache, got {tuple(x.shape)}"
+            )
+        tokens, cond, grid = self.embed(x, timestep)
+        if grid[1:] != cache.token_grid:
+            raise ValueError(f"chunk token grid {grid[1:]} differs from the cache's {cache.token_grid}")
+        step = cache.plan(grid[0], commit)
+        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step))
+        cache.finish(step)
+        return self.head(tokens, cond, grid)
+
+
+def preset(name: str, **overrides: object) -> WanDiTConfig:
+    """A preset config by name, optionally with fields replaced."""
+    if name not in DIT_PRESETS:
+        raise ValueError(f"unknown DiT preset {name!r}; allowed: {', '.join(DIT_PRESETS)}")
+    return replace(DIT_PRESETS[name], **overrides)
