@@ -125,6 +125,7 @@ def load_into_module(
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
+    mismatched_names: set[str] = set()
     for key, tensor, _ in iter_tensors(files):
         name = rename(key)
         if name is None:
@@ -136,10 +137,11 @@ def load_into_module(
             continue
         if tuple(tensor.shape) != tuple(expected[name].shape):
             mismatched.append(f"{key}: file {tuple(tensor.shape)} vs model {tuple(expected[name].shape)}")
+            mismatched_names.add(name)
             continue
         target_dtype = dtype if (dtype is not None and tensor.is_floating_point()) else expected[name].dtype
         loaded[name] = tensor.to(device=device, dtype=target_dtype)
-    missing = [k for k in expected if k not in loaded]
+    missing = [k for k in expected if k not in loaded and k not in mismatched_names]
     if missing or unexpected or mismatched:
         raise CheckpointError(_report(files, missing, unexpected, mismatched))
     module.load_state_dict(loaded, strict=False, assign=True)
