@@ -36,6 +36,7 @@ class ModelConfig:
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
     seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
+    random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
@@ -56,6 +57,7 @@ class VAEConfig:
     encoder: str = spec("wan", choices=("wan", "taehv"), doc="which VAE encodes")
     decoder: str = spec("wan", choices=("wan", "taehv"), doc="which VAE decodes")
     taehv_checkpoint: str | None = spec(None, doc="taew2_1.pth, needed when encoder or decoder is taehv")
+    random_weights: bool = spec(False, doc="random weights when no checkpoint is given (benchmarks, tests)")
     normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
     denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
 

@@ -21,6 +21,7 @@ HYSTERESIS = 0.15  # a new plan must be this much better...
 PATIENCE = 3  # ...for this many consecutive decisions
 MAX_CHUNK_LATENTS = 4
 FRAMES_PER_LATENT = 4
+PRIOR_FIXED_FRACTION = 0.3  # until two work sizes are measured, assume this share of a stage is fixed cost
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ class StageModel:
         mean_u, mean_t = self._su / self._sw, self._st / self._sw
         var = self._suu / self._sw - mean_u**2
         if var <= 1e-9 * max(mean_u**2, 1.0):
-            return mean_t * units / mean_u  # one size seen so far: assume cost proportional to work
+            # One work size seen so far: assume part of it is fixed cost, which makes untried larger
+            # batches look a little cheaper per unit; trying one then measures the real line.
+            return mean_t * (PRIOR_FIXED_FRACTION + (1 - PRIOR_FIXED_FRACTION) * units / mean_u)
         slope = max((self._sut / self._sw - mean_u * mean_t) / var, 0.0)
         return max(mean_t + slope * (units - mean_u), 0.0)
 
@@ -67,10 +70,19 @@ class SLOScheduler:
         self.budget = latency_budget_s
         self.plan = initial
         self.input_fps = target_fps or 0.0
-        self.candidates = [Plan(m, k) for m in allowed_modes for k in range(1, max_chunk_latents + 1)]
+        self.max_chunk_latents = max_chunk_latents
+        self.allow_modes(allowed_modes)
         self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
         self._challenger: Plan | None = None
         self._streak = 0
+
+    def allow_modes(self, modes: tuple[str, ...]) -> None:
+        """Restrict the plans to these modes (a user pinning batch or sequential)."""
+        self.candidates = [Plan(m, k) for m in modes for k in range(1, self.max_chunk_latents + 1)]
+        if self.plan not in self.candidates:
+            self.plan = Plan(modes[0], self.plan.chunk_latents if self.plan.chunk_latents <= self.max_chunk_latents
+                             else 1)
+        self._challenger, self._streak = None, 0
 
     def observe(self, stage: str, units: float, seconds: float) -> None:
         """Feed one measured stage time; units: latent frames (encode/decode), rows x frames (dit)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-MEDIA = Path(__file__).resolve().parents[1].parent / "shared" / "media"
+MEDIA = Path(os.environ.get("LOOM_MEDIA") or Path(__file__).resolve().parents[1].parent / "shared" / "media")
 
 
 def _cuda_available() -> bool:
@@ -31,3 +32,13 @@ def media_dir() -> Path:
     if not MEDIA.is_dir():
         pytest.skip(f"shared test media not found at {MEDIA} (a fresh clone has no ../shared)")
     return MEDIA
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny CPU models run fastest single-threaded, and results do not depend on core count."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)

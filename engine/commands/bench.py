@@ -1,0 +1,65 @@
+"""`loom bench`: FPS, time to first frame, latency percentiles, jitter and stage times, vs a baseline."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+from engine.config import load_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark the streaming pipeline (random weights unless given)")
+    p.add_argument("--config", default="wan2.1-1.3b", help="preset name or YAML file (default wan2.1-1.3b)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--frames", type=int, default=3000, help="frames to stream after warm-up")
+    p.add_argument("--warmup", type=int, default=41, help="frames streamed before measuring")
+    p.add_argument("--steps", help="denoising steps, e.g. 700,500")
+    p.add_argument("--mode", choices=("auto", "batch", "sequential"))
+    p.add_argument("--decoder", choices=("wan", "taehv"), help="VAE decoder")
+    p.add_argument("--encoder", choices=("wan", "taehv"), help="VAE encoder")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--input-fps", type=float, default=0.0, help="pace the input (0: as fast as possible)")
+    p.add_argument("--clip", help="video file to stream (default: a generated clip)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time diffusers' eager Wan transformer+VAE on the same shapes")
+    p.add_argument("--baseline-chunks", type=int, default=20)
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.bench import clip_frames, run_baseline, run_loom, summary_table, write_json
+
+    overrides = ["model.random_weights=true", "vae.random_weights=true", *args.overrides]
+    for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
+                      (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
+                      (args.width, "resolution.width"), (args.height, "resolution.height")):
+        if flag:
+            overrides.append(f"{key}={flag}")
+    cfg = load_config(args.config, overrides)
+    frames = clip_frames(cfg, args.clip, args.warmup + args.frames)
+    print(f"loom bench: {cfg.model.preset} {cfg.resolution.width}x{cfg.resolution.height} steps {cfg.stream.steps}"
+          f" -- streaming {args.frames} frames after {args.warmup} warm-up", flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "preset": cfg.model.preset,
+        "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
+        "steps": list(cfg.stream.steps),
+        "vae": f"{cfg.vae.encoder}/{cfg.vae.decoder}",
+        "config": cfg.to_dict(),
+        "loom": run_loom(cfg, frames, args.warmup, args.input_fps),
+    }
+    if args.baseline:
+        print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", flush=True)
+        result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
+    print(summary_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0

@@ -1,0 +1,119 @@
+"""Frames in and out of the model: validation, resizing to the model resolution, [-1, 1] tensors.
+
+The model runs at a fixed resolution; hosts send whatever size they have. Input frames are
+resized on the compute device (one upload of uint8, resizing and scaling there), and outputs are
+mapped back onto the input's size by the inverse of the same policy:
+- stretch: resize both ways, aspect ignored;
+- fit: letterbox into the model frame; the output cuts the letterbox away again;
+- crop: the model sees the centre crop that fills its frame; the restyled crop is pasted back
+  over that region, and the pixels outside it pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ACCEPTED_DTYPES = ("uint8", "float16", "float32", "float64")
+
+
+class FrameError(ValueError):
+    """Frames the engine cannot take; the message says what was wrong and what is allowed."""
+
+
+def validate_frames(frames: np.ndarray) -> tuple[np.ndarray, int]:
+    """Check a batch of RGB frames; returns (uint8 frames [N, H, W, 3], number of frames dropped).
+
+    uint8 frames are taken as they are; float frames are taken as 0..1 and those holding NaN or
+    inf are dropped (counted, the stream goes on). Anything else is refused with a FrameError.
+    """
+    if not isinstance(frames, np.ndarray):
+        raise FrameError(f"frames must be a numpy array [N, H, W, 3], got {type(frames).__name__}")
+    if frames.ndim == 3:
+        frames = frames[None]
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise FrameError(f"frames must be RGB with shape [N, H, W, 3] or [H, W, 3], got shape {frames.shape}")
+    if frames.shape[1] == 0 or frames.shape[2] == 0:
+        raise FrameError(f"frames have zero size {frames.shape[1]}x{frames.shape[2]}")
+    if frames.dtype.name not in ACCEPTED_DTYPES:
+        raise FrameError(f"frames have dtype {frames.dtype}; allowed: uint8 (0..255) or float (0..1)")
+    if frames.dtype == np.uint8:
+        return np.ascontiguousarray(frames), 0
+    finite = np.isfinite(frames).all(axis=(1, 2, 3))
+    good = frames[finite]
+    return (np.clip(good, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8), int((~finite).sum())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model frame sits relative to an input frame of one size."""
+
+    in_h: int
+    in_w: int
+    box: tuple[int, int, int, int]  # (top, left, height, width) of the region the model sees / fills
+    model_box: tuple[int, int, int, int]  # the same region inside the model frame
+
+
+def placement(in_h: int, in_w: int, out_h: int, out_w: int, policy: str) -> Placement:
+    if policy == "stretch":
+        return Placement(in_h, in_w, (0, 0, in_h, in_w), (0, 0, out_h, out_w))
+    if policy == "crop":
+        scale = max(out_h / in_h, out_w / in_w)
+        ch, cw = min(in_h, round(out_h / scale)), min(in_w, round(out_w / scale))
+        return Placement(in_h, in_w, ((in_h - ch) // 2, (in_w - cw) // 2, ch, cw), (0, 0, out_h, out_w))
+    if policy == "fit":
+        scale = min(out_h / in_h, out_w / in_w)
+        fh, fw = max(1, round(in_h * scale)), max(1, round(in_w * scale))
+        return Placement(in_h, in_w, (0, 0, in_h, in_w), ((out_h - fh) // 2, (out_w - fw) // 2, fh, fw))
+    raise FrameError(f"resize policy {policy!r} is not allowed; expected crop, fit or stretch")
+
+
+class FrameMapper:
+    """Moves frames between host uint8 arrays and model tensors in [-1, 1] at the model size."""
+
+    def __init__(self, width: int, height: int, policy: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.width, self.height, self.policy = width, height, policy
+        self.device, self.dtype = device, dtype
+        self._place: Placement | None = None
+
+    def to_model(self, frames_u8: np.ndarray) -> torch.Tensor:
+        """uint8 [T, H, W, 3] -> [T, 3, height, width] in [-1, 1] on the device."""
+        t = torch.from_numpy(frames_u8)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        x = t.permute(0, 3, 1, 2).to(torch.float32)
+        p = self._placement(frames_u8.shape[1], frames_u8.shape[2])
+        top, left, h, w = p.box
+        x = x[:, :, top:top + h, left:left + w]
+        mt, ml, mh, mw = p.model_box
+        if (h, w) != (mh, mw):
+            x = F.interpolate(x, size=(mh, mw), mode="bilinear", antialias=True, align_corners=False)
+        if (mh, mw) != (self.height, self.width):
+            canvas = torch.zeros(x.shape[0], 3, self.height, self.width, device=x.device)
+            canvas[:, :, mt:mt + mh, ml:ml + mw] = x
+            x = canvas
+        return (x / 127.5 - 1.0).to(self.dtype)
+
+    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | None = None) -> np.ndarray:
+        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size."""
+        p = self._place or placement(self.height, self.width, self.height, self.width, "stretch")
+        mt, ml, mh, mw = p.model_box
+        y = x[:, :, mt:mt + mh, ml:ml + mw].float()
+        top, left, h, w = p.box
+        if (mh, mw) != (h, w):
+            y = F.interpolate(y, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+        y = ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+        out = y.cpu().numpy()
+        if (h, w) == (p.in_h, p.in_w):
+            return out
+        full = inputs_u8.copy() if inputs_u8 is not None else np.zeros((len(out), p.in_h, p.in_w, 3), np.uint8)
+        full[:, top:top + h, left:left + w] = out
+        return full
+
+    def _placement(self, in_h: int, in_w: int) -> Placement:
+        if self._place is None or (self._place.in_h, self._place.in_w) != (in_h, in_w):
+            self._place = placement(in_h, in_w, self.height, self.width, self.policy)
+        return self._place

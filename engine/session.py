@@ -1,0 +1,316 @@
+"""StreamSession: the engine's streaming pipeline, usable in-process and behind the server.
+
+Per chunk of input frames (5 for the first chunk, then 4 per latent frame):
+preprocess to [-1, 1] at the model size -> motion-aware noise scale -> Stream-VAE encode ->
+few-step causal DiT denoising with the rolling KV cache (stream-batch or sequential) ->
+Stream-VAE decode -> frames back at the input size. One output frame per accepted input frame,
+in order.
+
+On CUDA the work that does not depend on the previous chunk (preprocessing, motion inputs and
+VAE encode) runs on a side stream, so when several chunks are waiting the encode of chunk n+1
+overlaps the denoise and decode of chunk n; CUDA events order the two streams. On a CPU the same
+code runs in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import LoomConfig
+from engine.denoiser import StreamDenoiser
+from engine.flow_schedule import FlowSchedule
+from engine.frames import FrameMapper, validate_frames
+from engine.model_loading import LoadedModels, load_models
+from engine.motion_noise import MotionNoiseController
+from engine.prompts import PromptConditioner, check_prompt, make_text_encoder
+from engine.slo import FRAMES_PER_LATENT, MAX_CHUNK_LATENTS, Plan, SLOScheduler
+from engine.stage_timer import StageTimer
+from engine.stream_metrics import StreamMetrics
+
+FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
+SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
+            "latency_budget_ms", "sink_threshold")
+
+
+@dataclass
+class _Chunk:
+    """A chunk on its way through the pipeline."""
+
+    frames: np.ndarray  # accepted input frames (uint8), for the crop policy's pass-through border
+    pushed: float
+    latent: torch.Tensor | None = None
+    t0: torch.Tensor | float = 0.0
+    ready: torch.cuda.Event | None = None
+
+
+class StreamSession:
+    """A live stream through the model. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, cfg: LoomConfig, models: LoadedModels) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.device, self.dtype = models.device, models.dtype
+        self.schedule = FlowSchedule(shift=cfg.stream.timestep_shift)
+        self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
+                                  self.device, self.dtype)
+        self.timer = StageTimer(self.device)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
+                                         _encoder_device(cfg.prompt.device, self.device))
+        self.prompt = PromptConditioner(text_encoder, cfg.prompt.text, device=self.device, dtype=self.dtype,
+                                        transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
+        self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
+                                            cfg.noise.estimator)
+        self.reset()
+
+    @classmethod
+    def from_config(cls, cfg: LoomConfig) -> StreamSession:
+        """Load the models the config names (or the embedded default) and start a stream."""
+        return cls(cfg, load_models(cfg))
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Start a new stream: caches, positions, noise, metrics; the prompt stays."""
+        cfg = self.cfg
+        self.metrics = StreamMetrics(cfg.slo.latency_budget_ms / 1000.0)
+        ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
+        self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
+                                initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
+                                max_chunk_latents=min(MAX_CHUNK_LATENTS, ring))
+        self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
+        self.enc_state = self.models.encoder.new_stream_state()
+        self.dec_state = self.models.decoder.new_stream_state()
+        h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
+        cache = self.models.dit.new_cache(
+            len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache, sink=cfg.stream.sink,
+            rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
+            sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
+        context = self.prompt.current()
+        self.denoiser = StreamDenoiser(self.models.dit, cache, self.models.dit.cross_kv(context[None]),
+                                       list(cfg.stream.steps), self.schedule, self.generator)
+        self.motion.reset()
+        self._buffer: list[np.ndarray] = []
+        self._chunks_started = 0
+        self._prev_last: torch.Tensor | None = None
+        self._prev_last_u8: np.ndarray | None = None
+        self._input_times: deque[float] = deque(maxlen=64)
+        self._pending_out: list[np.ndarray] = []  # frames that left during a parameter change
+
+    def close(self) -> None:
+        self.prompt.close()
+        self.motion.close()
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- controls
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        """Change the prompt without stalling: encoded in the background, blended in over chunks."""
+        self.prompt.request(check_prompt(text), transition_chunks)
+
+    def set_params(self, **params: Any) -> None:
+        """Change live parameters; unknown keys or bad values raise ValueError naming them."""
+        unknown = [k for k in params if k not in SETTABLE]
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(SETTABLE)}")
+        from host_bridge.typed_config import build  # the same validation as the config file
+
+        sections = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
+                    "prompt": ("transition_chunks",), "slo": ("target_fps", "latency_budget_ms")}
+        new = self.cfg
+        for section, keys in sections.items():
+            changed = {k: params[k] for k in keys if k in params}
+            if changed:
+                data = {**getattr(new, section).__dict__, **changed}
+                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
+                                                     path=section)})
+        old, self.cfg = self.cfg, new
+        self.motion.noise_scale, self.motion.enabled = new.noise.noise_scale, new.noise.motion_aware
+        self.prompt.transition_chunks = new.prompt.transition_chunks
+        self.slo.target_fps, self.slo.budget = new.slo.target_fps, new.slo.latency_budget_ms / 1000.0
+        self.metrics.budget = self.slo.budget
+        if new.stream.mode != old.stream.mode:
+            self.slo.allow_modes(_modes(new.stream.mode))
+        if new.stream.steps != old.stream.steps:
+            self._change_steps(list(new.stream.steps), list(old.stream.steps))
+
+    @torch.inference_mode()
+    def _change_steps(self, new: list[int], old: list[int]) -> None:
+        """New step list: drain, then give each new row the cache row of the nearest old step."""
+        self._pending_out += self._emit(self.denoiser.drain())
+        nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in new]
+        self.denoiser.cache = self.denoiser.cache.rows(nearest)
+        self.denoiser.set_steps(new)
+        self.denoiser.rows = [None] * len(new)
+        self.slo.steps = len(new)
+
+    # ----------------------------------------------------------------------------- streaming
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that became ready."""
+        now = time.perf_counter()
+        good, dropped = validate_frames(frames)
+        if dropped:
+            self.metrics.on_drop(dropped, "non-finite")
+        if len(good):
+            if self._buffer and self._buffer[0].shape != good.shape[1:]:
+                raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
+                                 "inside a chunk; call flush() or reset() between sizes")
+            self.metrics.on_input(len(good), now)
+            self._input_times.append(now)
+            self._buffer.extend(good)
+        chunks = []
+        while len(self._buffer) >= self._next_chunk_frames():
+            n = self._next_chunk_frames()
+            chunks.append(_Chunk(np.stack(self._buffer[:n]), now))
+            del self._buffer[:n]
+            self._chunks_started += 1
+        out = self._process(chunks)
+        self._update_input_rate()
+        return out
+
+    def flush(self) -> np.ndarray:
+        """End of stream: pad the last partial chunk, drain the pipeline, return every remaining frame.
+
+        The padded frames are processed but not returned. The next push starts a new stream.
+        """
+        pad = 0
+        chunks = []
+        if self._buffer:
+            pad = self._next_chunk_frames() - len(self._buffer)
+            chunks.append(_Chunk(np.stack(self._buffer + [self._buffer[-1]] * pad), time.perf_counter()))
+            self._buffer = []
+            self._chunks_started += 1
+        out = self._process(chunks, drain=True, padding=pad)
+        metrics, slo = self.metrics, self.slo
+        self.reset()
+        self.metrics, self.slo = metrics, slo
+        return out
+
+    def _next_chunk_frames(self) -> int:
+        if self._chunks_started == 0:
+            return FIRST_CHUNK_FRAMES
+        return FRAMES_PER_LATENT * self.slo.plan.chunk_latents
+
+    def _update_input_rate(self) -> None:
+        if len(self._input_times) >= 2 and self._input_times[-1] > self._input_times[0]:
+            frames = min(self.metrics.frames_in, len(self._input_times))
+            self.slo.observe_input_rate(frames / (self._input_times[-1] - self._input_times[0]))
+
+    @torch.inference_mode()
+    def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray:
+        for c in chunks:  # side stream: everything that does not wait for the previous chunk
+            self._encode(c)
+        outputs, self._pending_out = self._pending_out, []
+        for c in chunks:
+            if self._side is not None:
+                torch.cuda.current_stream(self.device).wait_event(c.ready)
+            outputs += self._denoise(c)
+        if drain:
+            outputs += self._emit(self.denoiser.drain())
+        self._collect_timings()
+        if not outputs:
+            return np.zeros((0, 0, 0, 3), np.uint8)
+        result = np.concatenate(outputs)
+        if padding:
+            result = result[:-padding]
+        self.metrics.on_output(len(result))
+        return result
+
+    def _encode(self, c: _Chunk) -> None:
+        stream = self._side
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with self.timer.span("preprocess", len(c.frames)):
+                x = self.mapper.to_model(c.frames)
+            scale = self.motion.update(x, self._prev_last, c.frames, self._prev_last_u8)
+            c.t0 = self.motion.first_step(scale)
+            self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
+            with self.timer.span("encode", (len(c.frames) + FRAMES_PER_LATENT - 1) // FRAMES_PER_LATENT):
+                c.latent = self.models.encoder.encode_stream(x.permute(1, 0, 2, 3)[None], self.enc_state)
+            if stream is not None:
+                c.ready = torch.cuda.Event()
+                c.ready.record(stream)
+                c.latent.record_stream(torch.cuda.current_stream(self.device))
+
+    def _denoise(self, c: _Chunk) -> list[np.ndarray]:
+        self._advance_prompt()
+        k = c.latent.shape[2]
+        d = self.denoiser
+        plan = self.slo.plan
+        out: list[tuple[torch.Tensor, Any]] = []
+        batch = plan.mode == "batch" and d.n > 1 and self._chunks_started > 1 and c is not None
+        busy = [r for r in d.rows if r is not None]
+        if not batch or (busy and busy[0].latent.shape != c.latent.shape):
+            out += d.drain()
+        if batch:
+            with self.timer.span("dit", (d.in_flight + 1) * k):
+                out += d.push_batch(c.latent, c.t0, c)
+        else:
+            with self.timer.span("dit", k):
+                out.append((d.run_sequential(c.latent, c.t0), c))
+        emitted = self._emit(out)
+        if self.cfg.stream.mode == "auto":
+            self.slo.decide()
+        return emitted
+
+    def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> list[np.ndarray]:
+        frames = []
+        for latent, chunk in leaving:
+            with self.timer.span("decode", latent.shape[2]):
+                pixels = self.models.decoder.decode_stream(latent, self.dec_state)
+            with self.timer.span("postprocess", pixels.shape[2]):
+                frames.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
+        return frames
+
+    def _advance_prompt(self) -> None:
+        context, changed = self.prompt.advance()
+        if changed:
+            self.denoiser.cross = self.models.dit.cross_kv(context[None])
+        if self.prompt.transition_done:
+            self.denoiser.cache.refresh_sinks()
+
+    def _collect_timings(self) -> None:
+        for stage, units, seconds in self.timer.collect():
+            self.metrics.stage(stage, seconds)
+            if stage in ("encode", "dit", "decode"):
+                self.slo.observe(stage, units, seconds)
+
+    # ----------------------------------------------------------------------------- telemetry
+    def stats(self) -> dict[str, Any]:
+        """JSON-able snapshot: frames, drops, FPS, latency percentiles, jitter, stages, plan, memory."""
+        snap = self.metrics.snapshot()
+        cache = self.denoiser.cache
+        snap.update({
+            "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},
+            "steps": list(self.denoiser.steps),
+            "noise_scale": float(self.motion.scale),
+            "motion": float(self.motion.last_motion),
+            "prompt": self.prompt.text,
+            "prompt_blend": self.prompt.weight,
+            "kv_positions": cache.next_positions,
+            "kv_cache_bytes": cache.memory_bytes(),
+            "device": str(self.device),
+            "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)
+                                      if self.device.type == "cuda" else None),
+        })
+        return snap
+
+
+def _modes(setting: str) -> tuple[str, ...]:
+    return ("batch", "sequential") if setting == "auto" else (setting,)
+
+
+def _encoder_device(setting: str, device: torch.device) -> str:
+    if setting == "auto":
+        return "cuda" if device.type == "cuda" else "cpu"
+    return setting

@@ -1,0 +1,45 @@
+"""Per-stage timing that never stalls the stream.
+
+On a GPU, stages are timed with CUDA events recorded on the stream that runs them and read back
+only once they have completed, so measuring adds no host synchronisation to the frame loop. On a
+CPU the work is synchronous and a wall clock suffices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+MAX_PENDING = 256  # spans waiting for their events; older ones are dropped unread
+
+
+class StageTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: deque[tuple[str, float, object, object]] = deque(maxlen=MAX_PENDING)
+        self._done: list[tuple[str, float, float]] = []
+
+    @contextmanager
+    def span(self, name: str, units: float = 1.0) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, units, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._done.append((name, units, time.perf_counter() - t0))
+
+    def collect(self) -> list[tuple[str, float, float]]:
+        """Finished spans as (stage, units, seconds), each returned once."""
+        while self._pending and self._pending[0][3].query():
+            name, units, start, end = self._pending.popleft()
+            self._done.append((name, units, start.elapsed_time(end) / 1000.0))
+        done, self._done = self._done, []
+        return done
