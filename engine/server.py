@@ -42,6 +42,14 @@ def offered_transports() -> list[str]:
     return [t for t in TRANSPORTS if t != "cuda-ipc" or cuda_available()[0]]
 
 
+def _log(text: str) -> None:
+    """Print to stderr, quietly: when the host died, the pipe it read our output from is gone."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def parent_alive(pid: int | None) -> bool:
     """Whether the launching host still runs (POSIX: we were reparented or it is gone)."""
     if pid is None:
@@ -91,7 +99,7 @@ class EngineServer:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine")
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
-                print(f"loom serve: listening on {self.channel.endpoint}", flush=True)
+                _log(f"loom serve: listening on {self.channel.endpoint}")
             return self._serve()
         finally:
             if self.worker is not None:
@@ -149,11 +157,11 @@ class EngineServer:
                 return EXIT_SESSION_FAILED
             lost = self._host_lost(now, last_heard, started, host_pid)
             if lost:
-                print(f"loom serve: {lost}", file=sys.stderr, flush=True)
+                had_host = self.worker is not None
+                self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
+                _log(f"loom serve: {lost}")
                 if self._connect:
-                    self._end_session(remove=True)
-                    return EXIT_HOST_LOST if host_pid is not None or self.worker else EXIT_NO_HANDSHAKE
-                self._end_session(remove=True)
+                    return EXIT_HOST_LOST if had_host else EXIT_NO_HANDSHAKE
                 host_pid = None
         self._end_session(remove=False)
         self._say_bye("engine stopping")

@@ -73,6 +73,7 @@ class Bridge:
         self._backoff = config.restart_backoff_s
         self._next_start = 0.0
         self._seq = itertools.count()
+        self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
@@ -156,7 +157,7 @@ class Bridge:
                                else formats.to_engine(frame))
         now = time.monotonic()
         with self._lock:
-            seq = next(self._seq)
+            seq = self._next_seq()
             self._counts["submitted"] += 1
             if cuda:
                 self._stage_host(native, layout)
@@ -180,12 +181,16 @@ class Bridge:
         dtype = np.dtype(dtype).name
         now = time.monotonic()
         with self._lock:
-            seq = next(self._seq)
+            seq = self._next_seq()
             self._counts["submitted"] += 1
             staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
             staging.write_device(0, ptr, pitch)
             self._set_pending(seq, None, now)
             return self._pump()
+
+    def _next_seq(self) -> int:
+        self.last_seq = next(self._seq)
+        return self.last_seq
 
     def _set_pending(self, seq: int, frame: np.ndarray | None, t: float) -> None:
         if self._pending is not None:
@@ -267,6 +272,7 @@ class Bridge:
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
                 "last_error": self._last_error, "engine": dict(self._engine_stats),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
+                "segments": link.segment_names() if link else [],
             }
 
     # ------------------------------------------------------------------------------------------------
@@ -303,12 +309,12 @@ class Bridge:
         data = (np.ascontiguousarray(frame) if cuda else
                 formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame))
         with self._cond:
+            seq = self._next_seq()
             while True:
                 self._check_alive(link_id, deadline, "waiting for a free input slot")
                 link = self._link
                 if cuda:
                     self._stage_host(data, layout)
-                seq = next(self._seq)
                 if link.write_frame(seq, data if not cuda else None, self._staging, time.monotonic()):
                     self._counts["submitted"] += 1
                     self._counts["sent"] += 1

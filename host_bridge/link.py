@@ -190,6 +190,11 @@ class Link:
             self.stats_requests.pop()
         self.send(make("stats", id=rid))
 
+    def segment_names(self) -> list[str]:
+        """Shared-memory segments this link owns (shm transport), for diagnostics and tests."""
+        rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
+        return [h for r in rings if r.spec.transport == "shm" for h in r.spec.handles]
+
     def log_tail(self) -> list[str]:
         return self.proc.log_tail() if self.proc else []
 
