@@ -328,6 +328,17 @@ class Bridge:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process(): timed out ({what})")
 
+    def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
+        """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._out_seq < seq or self._out_link != self._current_link_id():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
     def wait_running(self, timeout_s: float = 60.0) -> BridgeStatus:
         """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
         deadline = time.monotonic() + timeout_s
