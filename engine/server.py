@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from engine.server_worker import FrameWorker
-from host_bridge.channel import Channel, CurveServer
+from host_bridge.channel import Channel, CurveServer, remove_private_endpoint
 from host_bridge.protocol import TRANSPORTS, RingSpec, make
 from host_bridge.transport import TransportUnavailable, attach_ring
 
@@ -161,6 +161,8 @@ class EngineServer:
                 self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
                 _log(f"loom serve: {lost}")
                 if self._connect:
+                    if had_host:
+                        remove_private_endpoint(self._connect)
                     return EXIT_HOST_LOST if had_host else EXIT_NO_HANDSHAKE
                 host_pid = None
         self._end_session(remove=False)

@@ -79,13 +79,39 @@ def check_endpoint(endpoint: str, curve: CurveServer | CurveClient | None) -> No
                             "+ --curve-authorized)")
 
 
+PRIVATE_DIR_PREFIX = "loom-"
+
+
+def remove_private_endpoint(endpoint: str) -> None:
+    """Remove the private directory of an ipc endpoint made by `PrivateEndpoint` (engine: host is gone)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    folder = os.path.dirname(endpoint[len("ipc://"):])
+    if os.path.basename(folder).startswith(PRIVATE_DIR_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_private_dirs() -> None:
+    """Remove private endpoint directories whose owner pid is gone (both sides killed at once)."""
+    from host_bridge.transport_shm import pid_alive
+
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] + "-" == PRIVATE_DIR_PREFIX and parts[1].isdigit():
+            if not pid_alive(int(parts[1])):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class PrivateEndpoint:
     """A fresh local endpoint for a launched engine, and the directory to remove afterwards."""
 
     def __init__(self) -> None:
         self.dir: str | None = None
         if zmq.has("ipc") and os.name != "nt":
-            self.dir = tempfile.mkdtemp(prefix="loom-")  # mkdtemp creates it mode 0700
+            _sweep_private_dirs()
+            # mkdtemp creates it mode 0700; the pid in the name lets a later host sweep it after a crash
+            self.dir = tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-")
             self.address: str | None = f"ipc://{self.dir}/control"
         else:
             self.address = None  # bind tcp://127.0.0.1 on a random port

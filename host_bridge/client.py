@@ -273,6 +273,7 @@ class Bridge:
                 "last_error": self._last_error, "engine": dict(self._engine_stats),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
+                "endpoint": link.channel.endpoint if link else None,
             }
 
     # ------------------------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
 """The frame ring in POSIX / Windows shared memory: one segment per ring, slots back to back.
 
-Segment names are random (`loom_` + 64 random bits) and POSIX segments are created mode 0600, so
-another user cannot guess or open them. Python's resource tracker is kept out of it (it would
+Segment names are random (`loom_<owner pid>_` + 48 random bits) and POSIX segments are created
+mode 0600, so another user cannot guess or open them. Python's resource tracker is kept out of it (it would
 unlink the host's segments when the engine, which only attaches, exits; and it spawns a helper
 with `sys.executable`, which inside TouchDesigner is not Python): the host removes its segments
-on close, and an engine that finds its host dead removes them before it exits.
+on close, and an engine that finds its host dead removes them before it exits. Should both die
+at once (a killed process group), the next ring created on this machine sweeps the segments whose
+owner pid is gone (Linux lists segments under /dev/shm; elsewhere there is nothing to list).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 import sys
 from multiprocessing import shared_memory
@@ -20,6 +24,34 @@ from host_bridge.protocol import RingSpec
 from host_bridge.transport import Ring, packed_pitch
 
 NAME_PREFIX = "loom_"
+SHM_DIR = "/dev/shm"
+_OWNED_NAME = re.compile(r"^loom_(\d+)_[0-9a-f]+$")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's) or cannot tell: leave it
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Remove ring segments whose owning process no longer exists; returns their names."""
+    if sys.platform == "win32" or not os.path.isdir(SHM_DIR):
+        return []
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        m = _OWNED_NAME.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            try:
+                shared_memory._posixshmem.shm_unlink("/" + name)  # noqa: SLF001
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 def _open(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
@@ -46,7 +78,8 @@ class ShmRing(Ring):
         pitch = packed_pitch(fields["width"], fields["channels"], fields["dtype"])
         spec_fields = {k: v for k, v in fields.items() if k not in ("handles", "pitch")}
         size = pitch * fields["height"] * fields["slots"]
-        name = NAME_PREFIX + secrets.token_hex(8)
+        sweep_stale_segments()
+        name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
         shm = _open(name, create=True, size=size)
         spec = RingSpec(pitch=pitch, handles=[name], **spec_fields)
         return cls(spec, shm, owner=True)
@@ -100,7 +133,6 @@ class ShmRing(Ring):
         if sys.platform == "win32":
             return  # Windows frees the mapping when the last handle closes
         try:
-            from multiprocessing import shared_memory as sm
-            sm._posixshmem.shm_unlink(shm._name)  # noqa: SLF001 (unlink without touching the resource tracker)
+            shared_memory._posixshmem.shm_unlink(shm._name)  # noqa: SLF001 (bypasses the resource tracker)
         except FileNotFoundError:
             pass

@@ -186,7 +186,7 @@ HOST_SCRIPT = textwrap.dedent("""
     b.submit(np.zeros((16, 16, 3), np.uint8))
     while b.status().frames_out < 1:
         time.sleep(0.01)
-    print(b.stats()["engine_pid"], " ".join(b.stats()["segments"]), flush=True)
+    print(b.stats()["engine_pid"], b.stats()["endpoint"], " ".join(b.stats()["segments"]), flush=True)
     time.sleep(60)
 """)
 
@@ -196,15 +196,35 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, str(ROOT)], stdout=subprocess.PIPE, env=env)
     try:
-        pid_text, *names = host.stdout.readline().split()
-        engine_pid, names = int(pid_text), {n.decode() for n in names}
+        pid_text, endpoint, *names = host.stdout.readline().decode().split()
+        engine_pid, names = int(pid_text), set(names)
+        private_dir = Path(endpoint.removeprefix("ipc://")).parent
+        assert private_dir.is_dir() and private_dir.stat().st_mode & 0o777 == 0o700
         assert len(names) == 2 and names <= _segments()
         host.kill()
         host.wait()
         assert _gone(engine_pid, 5.0), "engine outlived its host"
         assert not (_segments() & names), "segments left after the host died"
+        assert not private_dir.exists(), "the private endpoint directory was left behind"
     finally:
         host.kill()
+
+
+@posix_only
+def test_segments_of_dead_owners_are_swept():
+    from host_bridge.transport import create_ring
+    from host_bridge.transport_shm import _open
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"loom_{dead.pid}_0123456789ab"
+    _open(name, create=True, size=64).close()  # a crashed owner's segment
+    ring = create_ring("shm", "in", slots=2, width=4, height=4)
+    try:
+        assert name not in _segments()
+        assert ring.spec.handles[0].startswith(f"loom_{os.getpid()}_")
+    finally:
+        ring.close()
 
 
 def test_settings_fail_with_key_value_and_allowed():
