@@ -242,6 +242,16 @@ def test_settings_fail_with_key_value_and_allowed():
         BridgeConfig.from_dict({"transprot": "shm"})
 
 
+def test_engine_config_error_reaches_the_host_status():
+    bridge = Bridge(_config(engine_overrides=["model.preset=bogus"], restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="model.preset: 'bogus' is not allowed"):
+            bridge.wait_running(30)
+        assert bridge.status().state == "dead" and "exited with code 2" in bridge.status().message
+    finally:
+        bridge.close()
+
+
 def test_missing_engine_python_is_reported_not_raised():
     bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
     try:

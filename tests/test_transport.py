@@ -109,14 +109,6 @@ def test_tcp_transport_through_a_launched_engine_is_lossless_and_ordered():
     assert all(np.array_equal(a, b) for a, b in zip(frames, outs))
 
 
-def _free_port() -> int:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.REP)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    s.close(linger=0)
-    return port
-
-
 def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     server_dir, client_dir, authorized, stranger_dir = (tmp_path / n for n in ("s", "c", "auth", "x"))
     for d in (server_dir, client_dir, authorized, stranger_dir):
@@ -125,11 +117,14 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     client_public, client_secret = zmq.auth.create_certificates(str(client_dir), "client")
     _, stranger_secret = zmq.auth.create_certificates(str(stranger_dir), "stranger")
     os.replace(client_public, authorized / "client.key")
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", endpoint, "--passthrough",
-                               "--curve-secret-file", server_secret, "--curve-authorized", str(authorized)],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
+                               "--passthrough", "--curve-secret-file", server_secret, "--curve-authorized",
+                               str(authorized)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stderr=subprocess.PIPE, text=True)
     try:
+        line = engine.stderr.readline()
+        assert "listening on tcp://127.0.0.1:" in line, line
+        endpoint = line.split()[-1]
         cfg = dict(launch=False, endpoint=endpoint, transport="tcp", encoding="jpeg", handshake_timeout_s=2.0,
                    curve_server_public_file=server_public)
         with Bridge(BridgeConfig(**cfg, curve_secret_file=client_secret)) as bridge:
