@@ -57,6 +57,7 @@ class DeviceBuffers:
             self._copy = lambda: self.dst.__setitem__(Ellipsis, self.src)
             self.src_ptr, self.dst_ptr = self.src.data.ptr, self.dst.data.ptr
         self.pitch = w * 4
+        self._sync()  # the random fill must be done before the first handoff reads it
 
     def copy_once(self) -> float:
         self._sync()

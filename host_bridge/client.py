@@ -168,11 +168,12 @@ class Bridge:
             return self._pump()
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
-                    *, layout: str = "rgb") -> bool:
+                    *, layout: str = "rgb", stream: int | None = None) -> bool:
         """Hand over a frame in device memory (TouchDesigner `cudaMemory().ptr`, torch `data_ptr()`).
 
         The frame is copied on the GPU before this returns (the caller may reuse its buffer), in
-        its own layout: the engine converts on the GPU. cuda-ipc transport only.
+        its own layout: the engine converts on the GPU. `stream`: the CUDA stream the frame was
+        produced on, if not the legacy default stream. cuda-ipc transport only.
         """
         if self.config.transport != "cuda-ipc":
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
@@ -184,7 +185,7 @@ class Bridge:
             seq = self._next_seq()
             self._counts["submitted"] += 1
             staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
-            staging.write_device(0, ptr, pitch)
+            staging.write_device(0, ptr, pitch, stream=stream)
             self._set_pending(seq, None, now)
             return self._pump()
 
@@ -211,16 +212,19 @@ class Bridge:
                     return self._output_array(), status
             return self._fallback_array(), status
 
-    def latest_cuda(self, ptr: int, pitch: int | None = None) -> BridgeStatus:
-        """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc)."""
+    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
+        """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
+
+        Returns when the copy is done; `stream` orders it after the caller's own work on that stream.
+        """
         with self._lock:
             status = self._status()
             fresh = status.state == "running" and self._out_link == self._current_link_id()
             if self._out_device is not None and (fresh or self.config.fallback == "last"):
-                self._out_device.read_device(0, ptr, pitch)
+                self._out_device.read_device(0, ptr, pitch, stream=stream)
                 status.seq, status.fallback = self._out_seq, not fresh
             elif self._staging is not None:
-                self._staging.read_device(0, ptr, pitch)
+                self._staging.read_device(0, ptr, pitch, stream=stream)
             return status
 
     def _output_array(self) -> np.ndarray | None:
@@ -430,7 +434,7 @@ class Bridge:
             device = pointer_device(device_ptr) if device_ptr is not None else self.config.cuda_device
             if s is not None:
                 s.close()
-            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1,
+            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0,
                                                 width=width, height=height, channels=channels, dtype=dtype,
                                                 order=order, orientation=orientation)
         return s
@@ -444,22 +448,37 @@ class Bridge:
 
     def _run(self) -> None:
         while not self._closing:
-            link = self._link
-            now = time.monotonic()
-            if link is None:
-                if self._state in ("dead",) or now < self._next_start:
-                    time.sleep(TICK_S)
-                    continue
-                self._open_link()
-                continue
             try:
-                messages = link.channel.poll(TICK_S)
-            except zmq.ZMQError as exc:
-                self._fail(link, f"control socket error: {exc}")
-                continue
-            for msg, payload in messages:
-                self._handle(link, msg, payload)
-            self._tick(link, time.monotonic())
+                self._step()
+            except Exception as exc:  # a bug or a driver error must not silently stop the bridge
+                link = self._link
+                reason = f"bridge error: {type(exc).__name__}: {exc}"
+                if link is not None:
+                    self._fail(link, reason)
+                else:
+                    self._set_state("restarting", reason)
+                    time.sleep(TICK_S)
+
+    def _step(self) -> None:
+        """One turn of the loop thread: (re)connect, receive, act, check liveness."""
+        link = self._link
+        if link is None:
+            if self._state == "dead" or time.monotonic() < self._next_start:
+                time.sleep(TICK_S)
+            else:
+                self._open_link()
+            return
+        try:
+            messages = link.channel.poll(TICK_S)
+        except zmq.ZMQError as exc:
+            self._fail(link, f"control socket error: {exc}")
+            return
+        for msg, payload in messages:
+            problem = self._handle(link, msg, payload)
+            if problem:  # torn down outside the lock: host threads must never wait on a dying engine
+                self._fail(link, problem)
+                return
+        self._tick(link, time.monotonic())
 
     def _open_link(self) -> None:
         cfg = self.config
@@ -504,20 +523,19 @@ class Bridge:
         if not cfg.launch:
             link.send_hello()
 
-    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> str | None:
+        """Act on one message; returns a reason to give up on this engine, or None."""
         kind = msg["type"]
         link.heard()
         with self._cond:
             if kind == "heartbeat":
                 link.engine_busy_s = msg.get("busy_s") or 0.0
             elif kind == "hello":
-                problem = link.on_hello(msg)
-                if problem:
-                    self._fail(link, problem)
+                return link.on_hello(msg)
             elif kind == "ready":
                 if not link.hello_done:
                     link.channel.refuse("ready before hello")
-                    return
+                    return None
                 link.on_ready(msg.get("info") or {})
                 self._set_state("running", "engine running")
                 self._pump()
@@ -550,9 +568,10 @@ class Bridge:
                 self._last_error = self._message = f"engine error: {msg['message']}"
                 self._counts["errors"] += 1
             elif kind == "bye":
-                self._fail(link, f"engine said bye: {msg.get('reason', '')}")
+                return f"engine said bye: {msg.get('reason', '')}"
             else:
                 link.channel.refuse(f"unexpected {kind} message from the engine")
+        return None
 
     def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
         ring = link.ring_out
@@ -629,7 +648,7 @@ def _device_latest(current: Any, ring: Any) -> Any:
         return current
     if current is not None:
         current.close()
-    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, width=s.width,
+    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, generation=0, width=s.width,
                            height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
                            orientation=s.orientation)
 

@@ -144,3 +144,21 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     finally:
         engine.terminate()
         assert engine.wait(timeout=10) == 0
+
+
+def test_host_bridge_needs_neither_torch_nor_engine_nor_cuda_python():
+    code = (
+        "import sys\n"
+        "sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None  # as if cuda-python were absent\n"
+        "import numpy as np\n"
+        "from host_bridge import Bridge, BridgeConfig\n"
+        "from host_bridge.transport import create_ring\n"
+        "from host_bridge.transport_cuda import cuda_available\n"
+        "ok, why = cuda_available(); assert not ok and 'cuda-python' in why, why\n"
+        "r = create_ring('shm', 'in', slots=2, width=4, height=4)\n"
+        "r.write(0, np.zeros((4, 4, 3), np.uint8)); r.close()\n"
+        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), 'imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
