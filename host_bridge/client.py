@@ -11,6 +11,7 @@ as dropped, an older one), so neither a slow nor a dead engine can block or grow
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import threading
 import time
@@ -25,11 +26,10 @@ import zmq
 from host_bridge import formats
 from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.launcher import EngineProcess, engine_argv
+from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
 from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
 
-TOKEN_ENV = "LOOM_BRIDGE_TOKEN"
 STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
 LATENCY_WINDOW = 256
@@ -499,8 +499,7 @@ class Bridge:
         proc = None
         if cfg.launch:
             args = ["--connect", channel.endpoint, "--config", cfg.engine_config,
-                    "--heartbeat", str(cfg.heartbeat_s), "--hang-timeout", str(cfg.hang_timeout_s),
-                    "--parent-pid", str(_own_pid())]
+                    "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
             for o in cfg.engine_overrides:
                 args += ["--set", o]
             if cfg.passthrough:
@@ -651,12 +650,6 @@ def _device_latest(current: Any, ring: Any) -> Any:
     return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, generation=0, width=s.width,
                            height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
                            orientation=s.orientation)
-
-
-def _own_pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]

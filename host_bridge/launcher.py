@@ -18,6 +18,7 @@ import time
 from collections import deque
 
 LOG_TAIL_LINES = 40
+TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
 PROCESS_QUERY_LIMITED_INFORMATION = 0x1000  # Windows OpenProcess access right
 STILL_ACTIVE = 259  # Windows GetExitCodeProcess: still running
 
