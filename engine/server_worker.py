@@ -28,6 +28,7 @@ from host_bridge.transport import Ring, SlotTracker
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
 INTERVAL_EMA = 0.2
 WAIT_S = 0.02
+ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 
 
 class FrameWorker:
@@ -51,7 +52,8 @@ class FrameWorker:
         self._next_emit = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
-        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0)
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0)
+        self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
         self._device_slots: Any = None
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
@@ -102,6 +104,7 @@ class FrameWorker:
     # -- the worker thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._send(make("status", state="loading", message="building the session (loading weights)"))
         try:
             self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
@@ -188,8 +191,13 @@ class FrameWorker:
                 self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
             self.session_stats = self.session.stats()
         except Exception as exc:  # report and keep serving: one bad frame must not kill the stream
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._send(make("error", code="frame", message=self.error[:4000]))
+            self.counts["errors"] += 1
+            text = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            if text != self.error or now - self._error_sent > ERROR_REPEAT_S:  # no flood at frame rate
+                self._error_sent = now
+                self._send(make("error", code="frame", message=text[:4000]))
+            self.error = text
         finally:
             self.busy_since = None
 

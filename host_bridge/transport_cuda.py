@@ -25,7 +25,10 @@ from host_bridge.transport import Ring, TransportUnavailable, packed_pitch
 try:
     from cuda.bindings import runtime as cudart
 except ImportError:  # pragma: no cover - depends on the install
-    cudart = None
+    try:
+        from cuda import cudart  # cuda-python before 12.6 named the module this way
+    except ImportError:
+        cudart = None
 
 IPC_HANDLE_BYTES = 64
 PITCH_ALIGN = 256  # row alignment of slots: coalesced copies

@@ -23,6 +23,8 @@ class ChunkSession:
         self.chunk = 5
 
     def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames[0, 0, 0, 0] == 255:
+            raise ValueError("frame rejected by the session")
         self.pending.extend(frames)
         out = []
         while len(self.pending) >= self.chunk:
@@ -94,3 +96,14 @@ def test_live_outputs_are_paced_not_bursty(served):
     assert delivered >= 60
     # bursts of 4 delivered at once would let a 3 ms poll see about a quarter of them
     assert len(seen) >= 0.6 * delivered, (len(seen), delivered)
+
+
+def test_a_failing_frame_is_reported_and_the_stream_goes_on(served):
+    served.submit(np.full((16, 24, 3), 255, np.uint8))
+    deadline = time.monotonic() + 5
+    while "rejected" not in served.stats()["last_error"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "frame rejected by the session" in served.stats()["last_error"]
+    frames = [np.full((16, 24, 3), i, np.uint8) for i in range(9)]
+    assert [int(o[0, 0, 0]) for o in served.process(frames, timeout_s=20)] == list(range(9))
+    assert served.status().state == "running"
