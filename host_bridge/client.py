@@ -92,6 +92,11 @@ class Bridge:
         self._last_error = ""
         self._log_tail: list[str] = []
         self._link_ids = itertools.count()
+        self._cuda_problem: str | None = None
+        if config.transport == "cuda-ipc":
+            from host_bridge.transport_cuda import cuda_available
+            ok, why = cuda_available()
+            self._cuda_problem = None if ok else f"cuda-ipc transport unavailable: {why}"
 
     # ------------------------------------------------------------------------------------------------
     # lifecycle
@@ -99,6 +104,9 @@ class Bridge:
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
         if self._thread is not None:
+            return self
+        if self._cuda_problem is not None:
+            self._set_state("dead", self._cuda_problem)
             return self
         self._state = "starting"
         self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
@@ -148,9 +156,11 @@ class Bridge:
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        cuda = self.config.transport == "cuda-ipc"
+        cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
         if cuda:
-            native = np.ascontiguousarray(frame if frame.ndim == 3 else frame[:, :, None])
+            native = np.ascontiguousarray(formats.check_frame(frame))
+            if native.shape[2] == 2:
+                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
             engine = None
         else:
             native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
@@ -180,10 +190,14 @@ class Bridge:
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         dtype = np.dtype(dtype).name
+        _check_device_frame(pitch, width, height, channels, dtype)
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
             self._counts["submitted"] += 1
+            if self._cuda_problem is not None:
+                self._counts["dropped"] += 1
+                return False
             staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
             staging.write_device(0, ptr, pitch, stream=stream)
             self._set_pending(seq, None, now)
@@ -413,7 +427,11 @@ class Bridge:
         if self._pending is None or link is None or not link.ready:
             return False
         seq, frame, t = self._pending
-        if not link.write_frame(seq, frame, self._staging, t):
+        try:
+            if not link.write_frame(seq, frame, self._staging, t):
+                return False
+        except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
+            self._last_error = self._message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
             return False
         self._pending = None
         self._counts["sent"] += 1
@@ -635,6 +653,18 @@ class Bridge:
         with self._cond:
             self._state, self._message = state, message
             self._cond.notify_all()
+
+
+def _check_device_frame(pitch: int, width: int, height: int, channels: int, dtype: str) -> None:
+    if channels not in (1, 3, 4):
+        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
+    if dtype not in formats.DTYPE_NAMES:
+        raise ValueError(f"dtype: {dtype} is not allowed; expected one of {', '.join(formats.DTYPE_NAMES)}")
+    if width < 1 or height < 1:
+        raise ValueError(f"size: {width}x{height} is not allowed; expected at least 1x1")
+    row = width * channels * np.dtype(dtype).itemsize
+    if pitch < row:
+        raise ValueError(f"pitch: {pitch} bytes is smaller than one row ({row} bytes)")
 
 
 def _device_latest(current: Any, ring: Any) -> Any:

@@ -83,6 +83,17 @@ def test_cuda_ipc_is_optional():
     assert why
     with pytest.raises(TransportUnavailable, match="cuda-ipc transport unavailable"):
         create_ring("cuda-ipc", "in", slots=2, width=8, height=8)
+    with Bridge(BridgeConfig(transport="cuda-ipc", passthrough=True)) as bridge:  # a host on a machine without CUDA
+        status = bridge.status()
+        assert status.state == "dead" and "cuda-ipc transport unavailable" in status.message
+        frame = _frames(1)[0]
+        assert bridge.submit(frame) is False
+        out, status = bridge.latest()
+        assert np.array_equal(out, frame) and status.fallback  # the host keeps showing its input
+        with pytest.raises(ValueError, match="pitch: 10 bytes is smaller than one row"):
+            bridge.submit_cuda(1234, 10, 8, 8, 4, "uint8")
+        with pytest.raises(ValueError, match="channels: 2"):
+            bridge.submit_cuda(1234, 64, 8, 8, 2, "uint8")
 
 
 def test_non_loopback_tcp_needs_curve():
