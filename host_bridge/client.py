@@ -89,6 +89,8 @@ class Bridge:
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
         self._engine_stats: dict[str, Any] = {}
+        self._wanted_prompt: dict[str, Any] | None = None
+        self._wanted_params: dict[str, Any] = {}
         self._last_error = ""
         self._log_tail: list[str] = []
         self._link_ids = itertools.count()
@@ -373,24 +375,46 @@ class Bridge:
     # control
 
     def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
+        """Change the prompt. Remembered: an engine that starts or restarts later gets it too."""
+        make("prompt", text=text, transition_chunks=transition_chunks)  # a bad call fails here, not on the wire
+        with self._lock:
+            self._wanted_prompt = {"text": text, "transition_chunks": transition_chunks}
         self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
 
     def set_params(self, *, wait: bool = False, **params: Any) -> None:
-        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError."""
-        self._control("params", wait, params=params)
+        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError.
+        Remembered like the prompt; a refused call (wait=True) is forgotten."""
+        make("params", params=params)
+        with self._lock:
+            before = dict(self._wanted_params)
+            self._wanted_params.update(params)
+        try:
+            self._control("params", wait, params=params)
+        except ValueError:
+            with self._lock:
+                self._wanted_params = before
+            raise
 
     def reset(self, *, wait: bool = False) -> None:
         self._control("reset", wait)
 
     def _control(self, kind: str, wait: bool, **fields: Any) -> None:
-        msg = make(kind, **fields)  # validate here: a bad call fails in the caller, not on the wire
         if wait:
             self._request(kind, time.monotonic() + self.config.request_timeout_s, **fields)
             return
         with self._lock:
             link = self._link
-            if link is None or not link.send(msg):
-                self._message = f"{kind} not sent: engine is {self._state}"
+            if link is None or not link.ready:
+                return  # sent when the engine is ready (prompt and parameters are remembered)
+            if not link.send(make(kind, **fields)):
+                self._message = f"{kind} not sent: the engine is not reading"
+
+    def _send_wanted(self, link: Link) -> None:
+        """A fresh engine gets the prompt and parameters the host asked for."""
+        if self._wanted_prompt is not None:
+            link.send(make("prompt", **self._wanted_prompt))
+        if self._wanted_params:
+            link.send(make("params", params=dict(self._wanted_params)))
 
     def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
         rid = next(self._ids)
@@ -554,6 +578,7 @@ class Bridge:
                     link.channel.refuse("ready before hello")
                     return None
                 link.on_ready(msg.get("info") or {})
+                self._send_wanted(link)
                 self._set_state("running", "engine running")
                 self._pump()
             elif kind == "status":
