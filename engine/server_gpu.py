@@ -98,7 +98,9 @@ class DeviceSlots:
         torch.cuda.current_stream(buf.device).synchronize()
         ring.read_device(slot, buf.data_ptr(), buf.stride(0) * buf.element_size())
         s = ring.spec
-        return to_engine(buf, s.order, s.orientation == "bottom-up")
+        frame = to_engine(buf, s.order, s.orientation == "bottom-up")
+        # an RGB uint8 top-down slot converts to itself: copy, the next read reuses the buffer
+        return frame.clone() if frame.data_ptr() == buf.data_ptr() else frame
 
     def write(self, ring: Any, slot: int, frame: torch.Tensor | np.ndarray) -> None:
         """An engine output (tensor or array, uint8 RGB) into the slot, in the ring's layout."""

@@ -175,6 +175,7 @@ class Bridge:
                 self._stage_host(native, layout)
                 self._set_pending(seq, None, now)
             else:
+                engine.setflags(write=False)  # shared with latest() callers as the fallback
                 self._last_input = engine
                 self._set_pending(seq, engine, now)
             return self._pump()
@@ -218,7 +219,7 @@ class Bridge:
     # frames out
 
     def latest(self) -> tuple[np.ndarray | None, BridgeStatus]:
-        """The newest output frame (uint8 RGB [H, W, 3] top-down) or the fallback, and the status."""
+        """The newest output frame (uint8 RGB [H, W, 3] top-down, read-only) or the fallback, and the status."""
         with self._lock:
             status = self._status()
             if self._out_device is not None or self._out_frame is not None:
@@ -627,6 +628,7 @@ class Bridge:
                 frame = None
             else:
                 frame = ring.read(msg["slot"], payload)
+                frame.setflags(write=False)  # every latest() caller gets this same array
         except (ValueError, RuntimeError) as exc:
             link.channel.refuse(f"output frame: {exc}")
             return
