@@ -1,0 +1,188 @@
+"""Bridge handoff overhead per frame: host -> engine -> host, against a plain device copy of the same bytes.
+
+The engine runs `loom serve --passthrough` in its own process, so the measured time is only the
+bridge: the host's copy into an input slot, the notice, the engine's slot-to-slot copy, the notice
+back, and the host's copy out of the output slot. Baseline: one device-to-device copy of the same
+bytes (what an in-process pipeline would pay at minimum).
+
+GPU machine (cuda-ipc, torch or cupy for allocation):
+    python benchmarks/bench_ipc.py --json out/bench_ipc.json
+CPU smoke run (shm transport, numpy, tiny frames):
+    python benchmarks/bench_ipc.py --smoke --json /tmp/bench_ipc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from host_bridge import Bridge, BridgeConfig  # noqa: E402
+
+SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
+SMOKE_SIZES = {"64x48": (64, 48), "128x96": (128, 96)}
+
+
+def _percentiles(samples_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(samples_s) * 1000
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "mean_ms": float(ms.mean()), "n": len(ms)}
+
+
+class DeviceBuffers:
+    """RGBA uint8 frames in device memory through torch (or cupy), plus the plain-copy baseline."""
+
+    def __init__(self, w: int, h: int):
+        try:
+            import torch
+            self.lib = "torch"
+            self.src = torch.randint(0, 256, (h, w, 4), dtype=torch.uint8, device="cuda")
+            self.dst = torch.empty_like(self.src)
+            self._sync = torch.cuda.synchronize
+            self._copy = lambda: self.dst.copy_(self.src)
+            self.src_ptr, self.dst_ptr = self.src.data_ptr(), self.dst.data_ptr()
+        except ImportError:
+            import cupy
+            self.lib = "cupy"
+            self.src = cupy.random.randint(0, 256, (h, w, 4), dtype=cupy.uint8)
+            self.dst = cupy.empty_like(self.src)
+            self._sync = cupy.cuda.Device().synchronize
+            self._copy = lambda: self.dst.__setitem__(Ellipsis, self.src)
+            self.src_ptr, self.dst_ptr = self.src.data.ptr, self.dst.data.ptr
+        self.pitch = w * 4
+        self._sync()  # the random fill must be done before the first handoff reads it
+
+    def copy_once(self) -> float:
+        self._sync()
+        t0 = time.perf_counter()
+        self._copy()
+        self._sync()
+        return time.perf_counter() - t0
+
+    def equal(self) -> bool:
+        return bool((self.src == self.dst).all())
+
+
+def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
+    """The bridge's five GPU copies in one process, no messages: caller -> staging -> input slot ->
+    output slot -> newest-output buffer -> caller. The handoff minus this is messaging and threads."""
+    from host_bridge.transport import create_ring
+
+    rings = [create_ring("cuda-ipc", d, slots=n, width=w, height=h, channels=4)
+             for d, n in (("in", 1), ("in", 3), ("out", 3), ("out", 1))]
+    staging, ring_in, ring_out, newest = rings
+    samples = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        staging.write_device(0, buf.src_ptr, buf.pitch)
+        staging.copy_to(0, ring_in, 0)
+        ring_in.copy_to(0, ring_out, 0)
+        ring_out.copy_to(0, newest, 0)
+        newest.read_device(0, buf.dst_ptr, buf.pitch)
+        samples.append(time.perf_counter() - t0)
+    for r in rings:
+        r.close()
+    return _percentiles(samples)
+
+
+def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
+    buf = DeviceBuffers(w, h)
+    handoff, baseline = [], []
+    for i in range(frames + warmup):
+        t0 = time.perf_counter()
+        bridge.submit_cuda(buf.src_ptr, buf.pitch, w, h, 4, "uint8")
+        if not bridge.wait_for_output(bridge.last_seq, 10):
+            raise RuntimeError(f"no output for frame {i}: {bridge.status()}")
+        bridge.latest_cuda(buf.dst_ptr, buf.pitch)
+        t1 = time.perf_counter()
+        if i >= warmup:
+            handoff.append(t1 - t0)
+            baseline.append(buf.copy_once())
+    assert buf.equal(), "round trip changed the frame"
+    return {"handoff": _percentiles(handoff), "device_copy": _percentiles(baseline),
+            "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
+
+
+def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
+    src = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    handoff, baseline = [], []
+    out = None
+    for i in range(frames + warmup):
+        t0 = time.perf_counter()
+        bridge.submit(src)
+        if not bridge.wait_for_output(bridge.last_seq, 10):
+            raise RuntimeError(f"no output for frame {i}: {bridge.status()}")
+        out, _ = bridge.latest()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            handoff.append(t1 - t0)
+            c0 = time.perf_counter()
+            np.copyto(np.empty_like(src), src)
+            baseline.append(time.perf_counter() - c0)
+    assert np.array_equal(out, src), "round trip changed the frame"
+    return {"handoff": _percentiles(handoff), "host_copy": _percentiles(baseline),
+            "copies_floor": copies_floor_shm(src, frames), "bytes": src.nbytes}
+
+
+def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
+    """The shm path's copies in one process, no messages: into the input slot, out, into the output slot, out."""
+    from host_bridge.transport import attach_ring, create_ring
+
+    h, w, _ = src.shape
+    ring_in, ring_out = (create_ring("shm", d, slots=3, width=w, height=h) for d in ("in", "out"))
+    peer_in, peer_out = attach_ring(ring_in.spec), attach_ring(ring_out.spec)
+    samples = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        ring_in.write(0, src)
+        peer_out.write(0, peer_in.read(0, []))
+        ring_out.read(0, [])
+        samples.append(time.perf_counter() - t0)
+    for r in (peer_in, peer_out, ring_in, ring_out):
+        r.close()
+    return _percentiles(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU run over shm with tiny frames")
+    ap.add_argument("--frames", type=int, default=None, help="measured frames per size (default 1000, smoke 50)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args()
+    frames = args.frames or (50 if args.smoke else 1000)
+    sizes = SMOKE_SIZES if args.smoke else SIZES
+    transport = "shm" if args.smoke else "cuda-ipc"
+    cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
+    results: dict = {"transport": transport, "frames": frames, "sizes": {}}
+    with Bridge(cfg) as bridge:
+        bridge.wait_running(60)
+        for name, (w, h) in sizes.items():
+            run = bench_cpu if args.smoke else bench_gpu
+            results["sizes"][name] = run(bridge, w, h, frames, args.warmup)
+        results["bridge_stats"] = bridge.stats()
+    base_key = "host_copy" if args.smoke else "device_copy"
+    print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
+    print(f"{'size':>10} {'handoff p50':>12} {'p99':>9} {base_key + ' p50':>16} {'p99':>9} "
+          f"{'copies p50':>11} {'p99':>9}  (ms)")
+    for name, r in results["sizes"].items():
+        print(f"{name:>10} {r['handoff']['p50_ms']:12.3f} {r['handoff']['p99_ms']:9.3f} "
+              f"{r[base_key]['p50_ms']:16.4f} {r[base_key]['p99_ms']:9.4f} "
+              f"{r['copies_floor']['p50_ms']:11.4f} {r['copies_floor']['p99_ms']:9.4f}")
+    print("handoff: submit -> output back in the caller's buffer through a pass-through engine process; "
+          f"{base_key}: one copy of the same bytes; copies: the bridge's own copies without messaging")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
