@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.bench import clip_frames, run_baseline, run_loom, summary_table, write_json
 
-    overrides = ["model.random_weights=true", "vae.random_weights=true", *args.overrides]
+    # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
+    # off the per-frame path (a prompt is encoded once, not per chunk).
+    overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
     for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
                       (args.width, "resolution.width"), (args.height, "resolution.height")):

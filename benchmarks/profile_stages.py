@@ -1,0 +1,95 @@
+"""Profile one streaming DiT forward and one Wan VAE chunk encode/decode at the real shapes.
+
+Prints the top CUDA kernels and CPU ops, so speed work starts from where the time goes.
+
+    python benchmarks/profile_stages.py --json out/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.models.wan_dit import DIT_PRESETS, WanDiT
+from engine.models.wan_vae import VAE_PRESETS, WanVAE
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def profile(fn, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n=== {label}: by CUDA time")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    print(f"=== {label}: by CPU time")
+    print(p.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.backends.cudnn.benchmark = True
+    result = {}
+    with torch.inference_mode():
+        with torch.device(dev):
+            dit = WanDiT(DIT_PRESETS["wan2.1-1.3b"]).to(dt).eval()
+        cache = dit.new_cache(1, frame_shape=(60, 104), device=dev, dtype=dt)
+        cross = dit.cross_kv(torch.randn(1, 512, 4096, device=dev, dtype=dt))
+        x = torch.randn(1, 16, 1, 60, 104, device=dev, dtype=dt)
+        t = torch.full((1,), 700.0, device=dev)
+        for _ in range(8):
+            dit.forward_stream(x, t, cache, cross)
+
+        def dit_step():
+            dit.forward_stream(x, t, cache, cross)
+
+        result["dit_ms"] = timed(dit_step, 20)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dit_step()
+        result["dit_host_ms"] = (time.perf_counter() - t0) * 100
+        torch.cuda.synchronize()
+        profile(dit_step, "DiT forward_stream B=1", args.rows)
+
+        with torch.device(dev):
+            vae = WanVAE(VAE_PRESETS["wan2.1"]).to(dt).eval()
+        st = vae.new_stream_state()
+        vae.encode_stream(torch.randn(1, 3, 5, 480, 832, device=dev, dtype=dt), st)
+        vae.decode_stream(torch.randn(1, 16, 2, 60, 104, device=dev, dtype=dt), st)
+        px = torch.randn(1, 3, 4, 480, 832, device=dev, dtype=dt)
+        z = torch.randn(1, 16, 1, 60, 104, device=dev, dtype=dt)
+        result["vae_encode_ms"] = timed(lambda: vae.encode_stream(px, st), 10)
+        result["vae_decode_ms"] = timed(lambda: vae.decode_stream(z, st), 10)
+        profile(lambda: vae.encode_stream(px, st), "VAE encode 4 frames", args.rows)
+        profile(lambda: vae.decode_stream(z, st), "VAE decode 1 latent", args.rows)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
