@@ -33,7 +33,8 @@ def timed(fn, iters: int) -> float:
 
 
 def profile(fn, label: str, rows: int) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(3):
