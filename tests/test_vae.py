@@ -237,3 +237,11 @@ def test_bfloat16_stream_stays_close_to_float32(tiny_vae):
     out = torch.cat([vae.decode_stream(z32[:, :, i:i + 1].bfloat16(), state) for i in range(3)], dim=2)
     assert z.dtype == out.dtype == torch.bfloat16
     assert (z.float() - z32).abs().max() < 0.05 and (out.float() - x32).abs().max() < 0.1
+
+
+@torch.no_grad()
+def test_batch_rows_are_independent(tiny_vae):
+    x = _video(5, 16, seed=9, batch=2)
+    z = tiny_vae.encode(x)
+    assert (z[1:] - tiny_vae.encode(x[1:])).abs().max() < TOL
+    assert (tiny_vae.decode(z)[:1] - tiny_vae.decode(z[:1])).abs().max() < TOL
