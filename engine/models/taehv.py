@@ -29,10 +29,13 @@ said otherwise and all blocks applied to frames independently except where noted
   first 3 output frames so that latents line up with the Wan VAE (1 + 4k <-> 1 + k).
 
 Stream alignment: TAEHV's own one-shot encoder groups frames (0-3), (4-7), ... and pads the
-end of the clip by repeating the last frame. A live stream cannot wait for frames that have
-not arrived, so Loom pads the *start* instead: the first frame is repeated 3 times in front,
-giving groups (0,0,0,0), (1-4), (5-8), ... A 1 + 4k chunk then yields exactly 1 + k latents
-and every later 4k chunk k latents, with the same total delay as TAEHV's grouping.
+end of the clip by repeating the last frame, so its latent j, trained to stand for Wan's
+latent j (frames 4j-3..4j), already looks 3 frames ahead. A live stream cannot wait for frames
+that have not arrived, so Loom pads the *start* instead: the first frame is repeated 3 times
+in front, giving groups (0,0,0,0), (1-4), (5-8), ... A 1 + 4k chunk then yields exactly
+1 + k latents and every later 4k chunk k latents. The price is the same 3 frames either way:
+TAEHV's grouping would wait for them, this one shows content 3 frames late (the encoder
+treats its newest frame as the 4th of a group that Wan would end 3 frames earlier).
 """
 
 from __future__ import annotations
