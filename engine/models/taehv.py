@@ -29,7 +29,7 @@ said otherwise and all blocks applied to frames independently except where noted
   first 3 output frames so that latents line up with the Wan VAE (1 + 4k <-> 1 + k).
 
 Stream alignment: TAEHV's own one-shot encoder groups frames (0-3), (4-7), ... and pads the
-end of the clip by repeating the last frame, so its latent j, trained to stand for Wan's
+end of the clip by repeating the last frame, so its latent j, meant to stand for Wan's
 latent j (frames 4j-3..4j), already looks 3 frames ahead. A live stream cannot wait for frames
 that have not arrived, so Loom pads the *start* instead: the first frame is repeated 3 times
 in front, giving groups (0,0,0,0), (1-4), (5-8), ... A 1 + 4k chunk then yields exactly
