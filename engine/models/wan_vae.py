@@ -125,7 +125,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
         inv = norm.clamp_min_(NORM_EPS).reciprocal_().mul_(self.scale).to(x.dtype)
-        return x * inv * self.gamma
+        return (x * inv).mul_(self.gamma)
 
 
 class ResidualBlock(nn.Module):
@@ -139,8 +139,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        x = self.conv1(F.silu(self.norm1(x)), cache)
-        x = self.conv2(F.silu(self.norm2(x)), cache)
+        x = self.conv1(F.silu(self.norm1(x), inplace=True), cache)
+        x = self.conv2(F.silu(self.norm2(x), inplace=True), cache)
         return x.add_(shortcut)
 
 
@@ -269,7 +269,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
 
 
 class Decoder(nn.Module):
@@ -296,7 +296,7 @@ class Decoder(nn.Module):
         x = self.mid_block(x, cache)
         for block in self.up_blocks:
             x = block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
 
 
 class WanVAE(nn.Module):
