@@ -189,7 +189,7 @@ class TinyVAE(nn.Module):
         cache = state.encoder
         first = not cache.started
         check_pixels(x, first=first, what="TinyVAE.encode_stream")
-        check_signature(cache, (x.shape[0], *x.shape[3:], x.dtype, x.device), "TinyVAE.encode_stream")
+        check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "TinyVAE.encode_stream")
         frames = x.to(self.dtype).add(1.0).mul_(0.5).transpose(1, 2)  # [B, T, 3, H, W] in [0, 1]
         if first:
             frames = torch.cat([frames[:, :1].expand(-1, DECODER_TRIM, -1, -1, -1), frames], dim=1)
@@ -202,7 +202,7 @@ class TinyVAE(nn.Module):
     def decode_stream(self, z: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
         cache = state.decoder
         check_latents(z, self.cfg.latent_channels, "TinyVAE.decode_stream")
-        check_signature(cache, (z.shape[0], *z.shape[3:], z.dtype, z.device), "TinyVAE.decode_stream")
+        check_signature(cache, (z.shape[0], *z.shape[3:], z.device), "TinyVAE.decode_stream")
         z = z.to(self.dtype)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)

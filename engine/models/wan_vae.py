@@ -362,7 +362,7 @@ class WanVAE(nn.Module):
         """Encode the next chunk of a stream: 1 + 4k frames on the first call, 4k later -> k(+1) latents."""
         cache = state.encoder
         check_pixels(x, first=not cache.started, what="WanVAE.encode_stream")
-        check_signature(cache, (x.shape[0], *x.shape[3:], x.dtype, x.device), "WanVAE.encode_stream")
+        check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "WanVAE.encode_stream")
         h = self.encoder(x.to(self.dtype), cache)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
@@ -374,7 +374,7 @@ class WanVAE(nn.Module):
         """Decode the next latents of a stream: 4 frames each (1 for the stream's first latent)."""
         cache = state.decoder
         check_latents(z, self.cfg.z_dim, "WanVAE.decode_stream")
-        check_signature(cache, (z.shape[0], *z.shape[3:], z.dtype, z.device), "WanVAE.decode_stream")
+        check_signature(cache, (z.shape[0], *z.shape[3:], z.device), "WanVAE.decode_stream")
         z = z.to(self.dtype)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
