@@ -8,6 +8,7 @@ Each variant is a `+`-joined set of switches, so the lead can see what pays:
   eager    plain PyTorch
   cudnn    torch.backends.cudnn.benchmark = True
   cl       channels-last weights and activations (channels_last_3d for 3D convs)
+  fuse     WanVAE.fuse_norms(): only the RMS-norm+SiLU steps compiled (Wan VAE only)
   compile  torch.compile of the encoder and decoder (default mode, static shapes)
   compmax  torch.compile with mode="max-autotune-no-cudagraphs"
   graph    CUDA graph over the fixed-shape steady chunk step (engine.vae_stream.GraphedStep)
@@ -41,9 +42,10 @@ from engine.models.taehv import TinyVAE  # noqa: E402
 from engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
 from engine.vae_stream import GraphedStep  # noqa: E402
 
-SWITCHES = ("eager", "cudnn", "cl", "compile", "compmax", "graph")
+SWITCHES = ("eager", "cudnn", "cl", "fuse", "compile", "compmax", "graph")
 DEFAULT_VARIANTS = (
-    "eager", "cudnn", "cudnn+cl", "cudnn+cl+graph", "cudnn+cl+compile", "cudnn+cl+compile+graph",
+    "eager", "cudnn", "cudnn+cl", "cudnn+cl+graph", "cudnn+cl+fuse", "cudnn+cl+fuse+graph",
+    "cudnn+cl+compile", "cudnn+cl+compile+graph",
 )
 SMOKE_VARIANTS = ("eager", "cudnn+cl", "cudnn+cl+graph")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -159,6 +161,10 @@ def run_variant(model: str, switches: set[str], args, device: torch.device) -> d
     if "cl" in switches:
         to_channels_last(vae)
         fmt = torch.channels_last_3d
+    if "fuse" in switches:
+        if not hasattr(vae, "fuse_norms"):
+            raise RuntimeError("not applicable: this model has no norms to fuse")
+        vae.fuse_norms()
     if switches & {"compile", "compmax"}:
         apply_compile(vae, "max-autotune-no-cudagraphs" if "compmax" in switches else None)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,8 +195,12 @@ def run_variant(model: str, switches: set[str], args, device: torch.device) -> d
             encode = GraphedStep(encode_step, chunk, cache=state.encoder)
             decode = GraphedStep(decode_step, latent, cache=state.decoder)
         enc_ms, dec_ms = timed_loop(encode, decode, chunk, latent, clock, args)
-        diff = diff_from_eager(vae, encode, decode, chunk, latent, state)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        diff = float("nan")
+        if state is not None:
+            reference = build(model, args.smoke, device, dtype)
+            reference.load_state_dict(vae.state_dict())
+            diff = diff_from_eager(reference, encode, decode, chunk, latent, state)
     enc, dec = statistics.median(enc_ms), statistics.median(dec_ms)
     return {
         "encode_ms": enc, "decode_ms": dec, "total_ms": enc + dec,
@@ -201,19 +211,18 @@ def run_variant(model: str, switches: set[str], args, device: torch.device) -> d
     }
 
 
-def diff_from_eager(vae, encode: Callable, decode: Callable, chunk: torch.Tensor, latent: torch.Tensor,
-                    state) -> float:
-    """One more step through the measured path and through plain eager code from the same state.
+def diff_from_eager(reference, encode: Callable, decode: Callable, chunk: torch.Tensor,
+                    latent: torch.Tensor, state) -> float:
+    """One more step through the measured path, and through a plain eager copy of the model
+    (same weights, default layout, nothing fused or compiled) from the same stream state.
 
     A fast path that computes something else is worthless; this catches it (bf16 differences
     of a few 1e-2 between kernel choices are normal, anything near 1 is not).
     """
-    if state is None:
-        return float("nan")
     snapshot = state.copy()
     z_fast, x_fast = encode(chunk).clone(), decode(latent).clone()
-    z_eager = type(vae).encode_stream(vae, chunk, snapshot)
-    x_eager = type(vae).decode_stream(vae, latent, snapshot)
+    z_eager = reference.encode_stream(chunk, snapshot)
+    x_eager = reference.decode_stream(latent, snapshot)
     return max((z_fast - z_eager).abs().max().item(), (x_fast - x_eager).abs().max().item())
 
 

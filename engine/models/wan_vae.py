@@ -109,23 +109,30 @@ def _triple(v: int | tuple) -> tuple[int, int, int]:
     return (v, v, v) if isinstance(v, int) else tuple(v)
 
 
-class RMSNorm(nn.Module):
-    """L2-normalise over channels, times sqrt(C) and a learned per-channel gain.
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool) -> torch.Tensor:
+    """`F.normalize(x, dim=1) * scale * gamma`, then SiLU if asked.
 
-    Same function as `F.normalize(x, dim=1) * sqrt(C) * gamma`, but the channel norm is
-    accumulated in float32 without a float32 copy of the activation: at 480x832 these tensors
-    are hundreds of MB and the VAE is memory-bound around its norms.
+    The channel norm is accumulated in float32 without a float32 copy of the activation: at
+    480x832 these tensors are hundreds of MB and the VAE is memory-bound around its norms.
+    A pure function so that one `torch.compile` of it can serve every norm (`fuse_norms`).
     """
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
+    inv = norm.clamp_min(NORM_EPS).reciprocal().mul(scale).to(x.dtype)
+    y = (x * inv).mul_(gamma)
+    return F.silu(y, inplace=True) if silu else y
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over channels with a learned per-channel gain (see `rms_norm`)."""
 
     def __init__(self, dim: int, spatial_dims: int) -> None:
         super().__init__()
         self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, *([1] * spatial_dims)))
+        self.kernel = rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
-        inv = norm.clamp_min_(NORM_EPS).reciprocal_().mul_(self.scale).to(x.dtype)
-        return (x * inv).mul_(self.gamma)
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        return self.kernel(x, self.gamma, self.scale, silu)
 
 
 class ResidualBlock(nn.Module):
@@ -139,8 +146,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        x = self.conv1(F.silu(self.norm1(x), inplace=True), cache)
-        x = self.conv2(F.silu(self.norm2(x), inplace=True), cache)
+        x = self.conv1(self.norm1(x, silu=True), cache)
+        x = self.conv2(self.norm2(x, silu=True), cache)
         return x.add_(shortcut)
 
 
@@ -269,7 +276,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+        return self.conv_out(self.norm_out(x, silu=True), cache)
 
 
 class Decoder(nn.Module):
@@ -296,7 +303,7 @@ class Decoder(nn.Module):
         x = self.mid_block(x, cache)
         for block in self.up_blocks:
             x = block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x), inplace=True), cache)
+        return self.conv_out(self.norm_out(x, silu=True), cache)
 
 
 class WanVAE(nn.Module):
@@ -353,6 +360,17 @@ class WanVAE(nn.Module):
 
     def new_stream_state(self) -> VAEStreamState:
         return VAEStreamState()
+
+    def fuse_norms(self) -> None:
+        """Run every norm(+SiLU) as one compiled elementwise kernel instead of ~5 eager passes.
+
+        A small, cheap compile (one per activation shape) of the part eager mode wastes most
+        memory traffic on; the convolutions stay cuDNN's. Needs a working torch.compile backend.
+        """
+        fused = torch.compile(rms_norm, dynamic=False)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = fused
 
     @property
     def dtype(self) -> torch.dtype:
