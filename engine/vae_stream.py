@@ -101,12 +101,13 @@ class VAEStreamState:
 
 
 def check_signature(cache: FrameCache, signature: tuple, what: str) -> None:
-    """Later chunks of a stream must keep the batch, size, dtype and device of the first one."""
+    """Later chunks of a stream must keep the batch, size and device of the first one (the
+    histories have that shape; input dtype does not matter, chunks are cast to the model's)."""
     if cache.signature is None:
         cache.signature = signature
     elif cache.signature != signature:
         raise ValueError(
-            f"{what}: this chunk has (batch, height, width, dtype, device) = {signature} but the stream "
+            f"{what}: this chunk has (batch, height, width, device) = {signature} but the stream "
             f"started with {cache.signature}; call state.reset() (or use a new state) to change them"
         )
 

@@ -173,3 +173,13 @@ def test_normalize_switch(tiny):
         mean = torch.tensor(tiny.cfg.latents_mean).view(1, -1, 1, 1, 1)
         std = torch.tensor(tiny.cfg.latents_std).view(1, -1, 1, 1, 1)
         assert torch.allclose(normed.encode(x), (raw - mean) / std, atol=1e-5)
+
+
+@torch.no_grad()
+def test_batch_rows_are_independent(tiny):
+    """Frames of one video never leak into another's (time is folded into the batch internally)."""
+    x = torch.cat([_video(5, size=16, seed=5), _video(5, size=16, seed=6)])
+    z = tiny.encode(x)
+    assert (z[1:] - tiny.encode(x[1:])).abs().max() < TOL
+    out = tiny.decode(z)
+    assert (out[:1] - tiny.decode(z[:1])).abs().max() < TOL

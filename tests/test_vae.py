@@ -222,3 +222,26 @@ def test_graphed_decode_step_matches_eager_on_gpu(tiny_vae):
     for i in range(1, 4):
         expected = vae.decode_stream(z[:, :, i:i + 1], eager_state)
         assert (step(z[:, :, i:i + 1]) - expected).abs().max() < 1e-3
+
+
+@torch.no_grad()
+def test_bfloat16_stream_stays_close_to_float32(tiny_vae):
+    """The fast dtype: same stream in bf16, compared with float32 (diffusers' bf16 error is ~1e-2 here)."""
+    x = _video(9, 16, seed=8)
+    z32, x32 = tiny_vae.encode(x), tiny_vae.decode(tiny_vae.encode(x))
+    vae = WanVAE(TINY).eval()
+    vae.load_state_dict(tiny_vae.state_dict())
+    vae.to(torch.bfloat16)
+    state = vae.new_stream_state()
+    z = torch.cat([vae.encode_stream(x[:, :, :5], state), vae.encode_stream(x[:, :, 5:], state)], dim=2)
+    out = torch.cat([vae.decode_stream(z32[:, :, i:i + 1].bfloat16(), state) for i in range(3)], dim=2)
+    assert z.dtype == out.dtype == torch.bfloat16
+    assert (z.float() - z32).abs().max() < 0.05 and (out.float() - x32).abs().max() < 0.1
+
+
+@torch.no_grad()
+def test_batch_rows_are_independent(tiny_vae):
+    x = _video(5, 16, seed=9, batch=2)
+    z = tiny_vae.encode(x)
+    assert (z[1:] - tiny_vae.encode(x[1:])).abs().max() < TOL
+    assert (tiny_vae.decode(z)[:1] - tiny_vae.decode(z[:1])).abs().max() < TOL

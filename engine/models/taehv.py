@@ -29,10 +29,13 @@ said otherwise and all blocks applied to frames independently except where noted
   first 3 output frames so that latents line up with the Wan VAE (1 + 4k <-> 1 + k).
 
 Stream alignment: TAEHV's own one-shot encoder groups frames (0-3), (4-7), ... and pads the
-end of the clip by repeating the last frame. A live stream cannot wait for frames that have
-not arrived, so Loom pads the *start* instead: the first frame is repeated 3 times in front,
-giving groups (0,0,0,0), (1-4), (5-8), ... A 1 + 4k chunk then yields exactly 1 + k latents
-and every later 4k chunk k latents, with the same total delay as TAEHV's grouping.
+end of the clip by repeating the last frame, so its latent j, meant to stand for Wan's
+latent j (frames 4j-3..4j), already looks 3 frames ahead. A live stream cannot wait for frames
+that have not arrived, so Loom pads the *start* instead: the first frame is repeated 3 times
+in front, giving groups (0,0,0,0), (1-4), (5-8), ... A 1 + 4k chunk then yields exactly
+1 + k latents and every later 4k chunk k latents. The price is the same 3 frames either way:
+TAEHV's grouping would wait for them, this one shows content 3 frames late (the encoder
+treats its newest frame as the 4th of a group that Wan would end 3 frames earlier).
 """
 
 from __future__ import annotations
@@ -186,7 +189,7 @@ class TinyVAE(nn.Module):
         cache = state.encoder
         first = not cache.started
         check_pixels(x, first=first, what="TinyVAE.encode_stream")
-        check_signature(cache, (x.shape[0], *x.shape[3:], x.dtype, x.device), "TinyVAE.encode_stream")
+        check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "TinyVAE.encode_stream")
         frames = x.to(self.dtype).add(1.0).mul_(0.5).transpose(1, 2)  # [B, T, 3, H, W] in [0, 1]
         if first:
             frames = torch.cat([frames[:, :1].expand(-1, DECODER_TRIM, -1, -1, -1), frames], dim=1)
@@ -199,7 +202,7 @@ class TinyVAE(nn.Module):
     def decode_stream(self, z: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
         cache = state.decoder
         check_latents(z, self.cfg.latent_channels, "TinyVAE.decode_stream")
-        check_signature(cache, (z.shape[0], *z.shape[3:], z.dtype, z.device), "TinyVAE.decode_stream")
+        check_signature(cache, (z.shape[0], *z.shape[3:], z.device), "TinyVAE.decode_stream")
         z = z.to(self.dtype)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
