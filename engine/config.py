@@ -87,6 +87,7 @@ class StreamConfig:
     rope_refresh_at: int = spec(50, min=2, max=1000, doc="latent-frame index at which refresh moves back")
     timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
     seed: int = spec(0, min=0, doc="noise seed; same seed and input give the same output")
+    cuda_graphs: bool = spec(True, doc="replay the fixed-shape DiT and VAE chunk steps as CUDA graphs")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

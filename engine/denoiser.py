@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.flow_schedule import FlowSchedule
+from engine.step_graphs import GraphedStreamForward
 
 
 @dataclass
@@ -33,8 +34,10 @@ class StreamDenoiser:
     """Owns the KV cache rows and the in-flight chunks; the model is passed in, stateless."""
 
     def __init__(self, model, cache, cross, steps: list[int], schedule: FlowSchedule,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, cuda_graphs: bool = False) -> None:
         self.model = model
+        # Full-batch steady-state forwards replay CUDA graphs; partial ones (fill, drain) run eagerly.
+        self.full_forward = GraphedStreamForward(model) if cuda_graphs else model.forward_stream
         self.cache = cache
         self.cross = cross
         self.schedule = schedule
@@ -42,6 +45,12 @@ class StreamDenoiser:
         self.set_steps(steps)
         self.rows: list[InFlight | None] = [None] * len(steps)
         self._row0_sigma: torch.Tensor | float = self._sigmas[0]
+
+    def replace_cache(self, cache) -> None:
+        """Use another KV cache (a new step list); captured graphs of the old one are dropped."""
+        self.cache = cache
+        if isinstance(self.full_forward, GraphedStreamForward):
+            self.full_forward.reset()
 
     def set_steps(self, steps: list[int]) -> None:
         self.steps = list(steps)
@@ -74,9 +83,11 @@ class StreamDenoiser:
         """One DiT forward over cache rows [first, last); returns x0 for each row."""
         t = sigmas * self.schedule.train_timesteps
         full = first == 0 and last == self.n
-        cache = self.cache if full else self.cache.rows(slice(first, last))
-        flow = self.model.forward_stream(x, t.to(x.dtype), cache, self.cross, commit=True)
-        if not full:
+        if full:
+            flow = self.full_forward(x, t.to(x.dtype), self.cache, self.cross)
+        else:
+            cache = self.cache.rows(slice(first, last))
+            flow = self.model.forward_stream(x, t.to(x.dtype), cache, self.cross, commit=True)
             self.cache.set_rows(list(range(first, last)), cache)
         return self.schedule.to_x0(x.float(), flow.float(), sigmas.float()).to(x.dtype)
 

@@ -33,6 +33,7 @@ from engine.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.slo import FRAMES_PER_LATENT, MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stage_timer import StageTimer
 from engine.stream_metrics import StreamMetrics
+from engine.vae_stream import VAEGraphs
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
 SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
@@ -86,16 +87,22 @@ class StreamSession:
                                 initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
                                 max_chunk_latents=min(MAX_CHUNK_LATENTS, ring))
         self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
-        self.enc_state = self.models.encoder.new_stream_state()
-        self.dec_state = self.models.decoder.new_stream_state()
+        if hasattr(self, "enc_state"):  # reset in place: captured VAE graphs point at these buffers
+            self.enc_state.reset()
+            self.dec_state.reset()
+        else:
+            self.enc_state = self.models.encoder.new_stream_state()
+            self.dec_state = self.models.decoder.new_stream_state()
+            self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda")
         h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
         cache = self.models.dit.new_cache(
             len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache, sink=cfg.stream.sink,
             rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
             sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
         context = self.prompt.current()
+        graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
         self.denoiser = StreamDenoiser(self.models.dit, cache, self.models.dit.cross_kv(context[None]),
-                                       list(cfg.stream.steps), self.schedule, self.generator)
+                                       list(cfg.stream.steps), self.schedule, self.generator, cuda_graphs=graphs)
         self.motion.reset()
         self._buffer: list[np.ndarray] = []
         self._chunks_started = 0
@@ -150,7 +157,7 @@ class StreamSession:
         """New step list: drain, then give each new row the cache row of the nearest old step."""
         self._pending_out += self._emit(self.denoiser.drain())
         nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in new]
-        self.denoiser.cache = self.denoiser.cache.rows(nearest)
+        self.denoiser.replace_cache(self.denoiser.cache.rows(nearest))
         self.denoiser.set_steps(new)
         self.denoiser.rows = [None] * len(new)
         self.slo.steps = len(new)
@@ -236,7 +243,8 @@ class StreamSession:
             c.t0 = self.motion.first_step(scale)
             self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
             with self.timer.span("encode", (len(c.frames) + FRAMES_PER_LATENT - 1) // FRAMES_PER_LATENT):
-                c.latent = self.models.encoder.encode_stream(x.permute(1, 0, 2, 3)[None], self.enc_state)
+                c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream,
+                                                x.permute(1, 0, 2, 3)[None], self.enc_state)
             if stream is not None:
                 c.ready = torch.cuda.Event()
                 c.ready.record(stream)
@@ -267,7 +275,7 @@ class StreamSession:
         frames = []
         for latent, chunk in leaving:
             with self.timer.span("decode", latent.shape[2]):
-                pixels = self.models.decoder.decode_stream(latent, self.dec_state)
+                pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent, self.dec_state)
             with self.timer.span("postprocess", pixels.shape[2]):
                 frames.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
         return frames

@@ -146,3 +146,27 @@ class GraphedStep:
         self.static_in.copy_(x)
         self.graph.replay()
         return self.static_out
+
+
+class VAEGraphs:
+    """Steady-state encode/decode chunk steps of a session, captured once per shape and replayed.
+
+    The first chunk of a stream has its own shape and runs eagerly; every later chunk of the same
+    shape replays a graph tied to the session's stream state (which is reset in place, never
+    replaced, so the graphs stay valid across streams).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._graphs: dict[tuple, GraphedStep] = {}
+
+    def run(self, direction: str, fn: Callable[[torch.Tensor, VAEStreamState], torch.Tensor],
+            x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
+        cache = state.encoder if direction == "encode" else state.decoder
+        if not (self.enabled and x.is_cuda and cache.started):
+            return fn(x, state)
+        key = (direction, tuple(x.shape), x.dtype, id(state))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = GraphedStep(lambda t: fn(t, state), x, cache=cache)
+        return graph(x).clone()
