@@ -139,8 +139,14 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_out = step(self.static_in)
-        for key, value in saved.items():
-            cache.buffers[key].copy_(value)
+        if cache is not None:
+            # Put the histories back; a history first created by the warm-up (a layer the stream's
+            # first chunk bypassed) goes back to its not-yet-seen state, which is zeros.
+            for key, buf in cache.buffers.items():
+                if key in saved:
+                    buf.copy_(saved[key])
+                else:
+                    buf.zero_()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.static_in.copy_(x)
