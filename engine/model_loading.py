@@ -58,6 +58,15 @@ def _seeded(build, seed: int, device: torch.device, dtype: torch.dtype) -> nn.Mo
     return module.to(dtype=dtype).eval()
 
 
+def to_channels_last(module: nn.Module) -> None:
+    """Channels-last weights (measured on an H200: Wan VAE encode+decode 117 -> 89 ms per chunk)."""
+    for p in module.parameters():
+        if p.dim() == 5:
+            p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+        elif p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+
+
 def load_models(cfg: LoomConfig) -> LoadedModels:
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -90,6 +99,12 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
         else:
             raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
                              "(or vae.random_weights=true for a benchmark)")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        if wan is not None:
+            to_channels_last(wan)
+            if vc.fuse_norms:
+                wan.fuse_norms()
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny
     for m in (dit, encoder, decoder):

@@ -63,6 +63,7 @@ class StreamSession:
                                   self.device, self.dtype)
         self.timer = StageTimer(self.device)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device))
         self.prompt = PromptConditioner(text_encoder, cfg.prompt.text, device=self.device, dtype=self.dtype,
@@ -72,9 +73,25 @@ class StreamSession:
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg: LoomConfig) -> StreamSession:
-        """Load the models the config names (or the embedded default) and start a stream."""
-        return cls(cfg, load_models(cfg))
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> StreamSession:
+        """Load the models the config names (or the embedded default) and start a stream.
+
+        On a GPU the session then warms up (kernel autotuning, compilation, graph capture) on
+        synthetic frames, so the first real frame is served at steady-state speed.
+        """
+        session = cls(cfg, load_models(cfg))
+        if warmup and session.device.type == "cuda":
+            session.warmup()
+        return session
+
+    def warmup(self, streams: int = 2, chunks: int = 8) -> None:
+        """Run synthetic streams through every stage, then start afresh (metrics included)."""
+        h, w = self.cfg.resolution.height, self.cfg.resolution.width
+        frames = np.random.default_rng(0).integers(0, 256, (1 + FRAMES_PER_LATENT * chunks, h, w, 3), np.uint8)
+        for _ in range(streams):
+            self.push(frames)
+            self.flush()
+        self.reset()
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
@@ -94,15 +111,23 @@ class StreamSession:
             self.enc_state = self.models.encoder.new_stream_state()
             self.dec_state = self.models.decoder.new_stream_state()
             self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda")
-        h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
-        cache = self.models.dit.new_cache(
-            len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache, sink=cfg.stream.sink,
-            rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
-            sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
-        context = self.prompt.current()
-        graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
-        self.denoiser = StreamDenoiser(self.models.dit, cache, self.models.dit.cross_kv(context[None]),
-                                       list(cfg.stream.steps), self.schedule, self.generator, cuda_graphs=graphs)
+        cross = self.models.dit.cross_kv(self.prompt.current()[None])
+        d = getattr(self, "denoiser", None)
+        if d is not None and d.cache.batch == len(cfg.stream.steps):
+            # Same shape: reset in place, so captured graphs (which point at the cache) stay valid.
+            d.cache.reset()
+            d.rows = [None] * d.n
+            d.set_steps(list(cfg.stream.steps))
+            d.generator, d.cross = self.generator, cross
+        else:
+            h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
+            cache = self.models.dit.new_cache(
+                len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache,
+                sink=cfg.stream.sink, rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
+                sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
+            graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
+            self.denoiser = StreamDenoiser(self.models.dit, cache, cross, list(cfg.stream.steps), self.schedule,
+                                           self.generator, cuda_graphs=graphs)
         self.motion.reset()
         self._buffer: list[np.ndarray] = []
         self._chunks_started = 0
@@ -243,8 +268,8 @@ class StreamSession:
             c.t0 = self.motion.first_step(scale)
             self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
             with self.timer.span("encode", (len(c.frames) + FRAMES_PER_LATENT - 1) // FRAMES_PER_LATENT):
-                c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream,
-                                                x.permute(1, 0, 2, 3)[None], self.enc_state)
+                pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
+                c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
             if stream is not None:
                 c.ready = torch.cuda.Event()
                 c.ready.record(stream)
