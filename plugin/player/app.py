@@ -1,0 +1,348 @@
+"""The Loom player: a video source in, the engine's restyled frames out to a window, files and streams.
+
+Two ways to run, chosen from the input (`--mode` overrides):
+- lossless (files, the generated clip): every input frame is restyled, in order, through the
+  bridge's batch path; the output file has exactly as many frames as were read, and the run
+  takes as long as the engine needs. A progress bar shows how far it is.
+- live (cameras, network inputs, or `--mode live`): the input runs at its own rate; each input
+  frame is submitted (latest wins) and the newest engine output (or the fallback while the
+  engine starts or restarts) goes out at once. A status line shows FPS, latency and drops.
+
+Outputs are finalised on every exit path, including Ctrl-C, so a file written so far plays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from plugin.player.controls import Controls, ControlState, KeyboardInput
+from plugin.player.options import (
+    EXIT_ENGINE_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    WINDOW_OUTPUT,
+    PlayerError,
+    PlayerOptions,
+    output_kind,
+)
+from plugin.player.status import StatusPrinter, live_line, progress_line
+
+# Frames per `process()` call in lossless mode: one first chunk (5) + 4 later chunks of 4.
+LOSSLESS_BATCH = 21
+# Seconds a `process()` call may take per frame before the engine is declared stuck.
+PROCESS_TIMEOUT_PER_FRAME_S = 30.0
+PAUSE_POLL_S = 0.05
+READY_POLL_S = 0.1
+
+
+class Player:
+    """One run: open the source, the engine bridge and the outputs; stream; close everything."""
+
+    def __init__(self, options: PlayerOptions, printer: StatusPrinter | None = None) -> None:
+        options.check()
+        self.opts = options
+        self.printer = printer or StatusPrinter(quiet=options.quiet)
+        prompts = list(options.prompts) or [options.default_prompt]
+        self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
+                                              noise_scale=options.noise_scale,
+                                              motion_aware=options.motion_aware))
+        self.keyboard = KeyboardInput(self.controls)
+        self.source: Any = None
+        self.bridge: Any = None
+        self.sinks: list[Any] = []
+        self.window: Any = None
+        self.osc: Any = None
+        self.frames_in = 0
+        self.frames_out = 0
+        self.size: tuple[int, int] = (0, 0)
+        self._last_out: np.ndarray | None = None
+        self._started = time.monotonic()
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def _open_source(self) -> None:
+        from host_bridge.video_io import MediaError, generate_clip, open_source
+
+        o = self.opts
+        try:
+            if o.uses_generated_clip:
+                n = o.max_frames or 49
+                self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
+            else:
+                self.source = open_source(o.input)
+        except MediaError as exc:
+            raise PlayerError(f"input: {exc}") from None
+        w, h = self.source.size
+        # H.264 4:2:0 needs even sizes: drop a last odd column/row rather than refuse the input.
+        self.size = (w - w % 2, h - h % 2)
+
+    def _open_outputs(self) -> None:
+        from host_bridge.video_io import MediaError, open_sink
+
+        from plugin.player.window import PreviewWindow, WindowUnavailable
+
+        o = self.opts
+        audio_from = None if (o.uses_generated_clip or self.source.is_live) else o.input
+        for spec in o.outputs:
+            kind = output_kind(spec)
+            if kind == "window":
+                try:
+                    self.window = PreviewWindow()
+                except WindowUnavailable as exc:
+                    self.printer.say(f"loom play: {exc}; running without a window")
+                continue
+            try:
+                self.sinks.append(open_sink(spec, self.source.fps, self.size,
+                                            audio_from=audio_from if kind == "file" else None))
+            except MediaError as exc:
+                raise PlayerError(f"output: {exc}") from None
+        if not self.sinks and self.window is None:
+            raise PlayerError(f"nothing to write to: no display for '{WINDOW_OUTPUT}' and no file or URL output; "
+                              "add -o FILE.mp4 or -o udp://HOST:PORT")
+
+    def _start_engine(self) -> None:
+        from host_bridge import Bridge, BridgeConfig
+
+        o = self.opts
+        overrides = list(o.overrides)
+        cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
+                           engine_python=o.engine_python or sys.executable, engine_config=o.config,
+                           engine_overrides=overrides, endpoint=o.endpoint, fallback="passthrough",
+                           passthrough=o.passthrough)
+        self.bridge = Bridge(cfg)
+        self.bridge.start()
+
+    def _start_osc(self) -> None:
+        if self.opts.osc_port is None:
+            return
+        from plugin.player.osc import OSCServer
+
+        try:
+            self.osc = OSCServer(self.controls, self.opts.osc_host, self.opts.osc_port)
+        except RuntimeError as exc:
+            raise PlayerError(str(exc)) from None
+        host, port = self.osc.address
+        self.printer.say(f"loom play: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
+
+    def _wait_ready(self) -> None:
+        """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        while True:
+            _, status = self.bridge.latest()
+            if _is_ready(status):
+                return
+            if _is_failed(status):
+                raise _engine_error("the engine did not start", status)
+            if time.monotonic() > deadline:
+                raise _engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
+                                    status)
+            self.printer.update(f"starting the engine: {status.message or status.state}")
+            self._poll_controls()
+            if self.controls.state.quit:
+                return
+            time.sleep(READY_POLL_S)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
+        interrupted = False
+        try:
+            self._open_source()
+            self._open_outputs()
+            self._start_engine()
+            self._start_osc()
+            first = self.controls.state
+            if self.opts.prompts:
+                self.bridge.set_prompt(first.prompt)
+            live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
+            if live:
+                self._run_live()
+            else:
+                self._wait_ready()
+                self._run_lossless()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            self._close()
+        self._report(interrupted)
+        return EXIT_INTERRUPTED if interrupted else EXIT_OK
+
+    def _frames(self):
+        """Input frames cropped to the output size, until the end, `--frames`, or quit."""
+        limit = self.opts.max_frames
+        w, h = self.size
+        while not self.controls.state.quit and (limit is None or self.frames_in < limit):
+            self._poll_controls()
+            if self.controls.state.paused:
+                self._idle()
+                continue
+            frame = self._read()
+            if frame is None:
+                return
+            self.frames_in += 1
+            yield frame[:h, :w]
+
+    def _read(self) -> np.ndarray | None:
+        from host_bridge.video_io import MediaError
+
+        try:
+            frame = self.source.read()
+            if frame is None and self.opts.loop and not self.source.is_live and self.frames_in > 0:
+                self.source.close()
+                self._open_source()
+                frame = self.source.read()
+        except MediaError as exc:
+            raise PlayerError(f"input: {exc}") from None
+        return frame
+
+    def _run_lossless(self) -> None:
+        total = self.opts.max_frames or self.source.frame_count
+        if total is not None and self.opts.max_frames and self.source.frame_count:
+            total = min(self.opts.max_frames, self.source.frame_count)
+        batch: list[np.ndarray] = []
+        for frame in self._frames():
+            batch.append(frame)
+            if len(batch) == LOSSLESS_BATCH:
+                self._process(batch, total)
+                batch = []
+        if batch:
+            self._process(batch, total)
+
+    def _process(self, batch: list[np.ndarray], total: int | None) -> None:
+        try:
+            outs = self.bridge.process(batch, timeout_s=PROCESS_TIMEOUT_PER_FRAME_S * len(batch)
+                                       + self.opts.startup_timeout_s)
+        except Exception as exc:  # the bridge's failures (engine died, timed out) all end the run the same way
+            _, status = self.bridge.latest()
+            raise _engine_error(f"the engine failed while processing frames: {exc}", status) from None
+        for out in outs:
+            self._emit(out)
+            elapsed = time.monotonic() - self._started
+            line = progress_line(self.frames_out, total, elapsed) if total else f"{self.frames_out} frames"
+            self.printer.update(line)
+
+    def _run_live(self) -> None:
+        period = 1.0 / self.source.fps if self.source.fps else 0.0
+        pace = not self.source.is_live  # a file played live runs at its own rate
+        next_due = time.monotonic()
+        for frame in self._frames():
+            self.bridge.submit(frame)
+            out, status = self.bridge.latest()
+            self._emit(frame if out is None else out)
+            self.printer.update(live_line(self.frames_out, status))
+            if pace:
+                next_due += period
+                delay = next_due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    next_due = time.monotonic()
+
+    def _emit(self, frame: np.ndarray) -> None:
+        """Write one output frame everywhere; an engine frame of another size is fitted to the outputs."""
+        w, h = self.size
+        if frame.shape[:2] != (h, w):
+            import cv2
+
+            frame = cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
+        if frame.ndim == 3 and frame.shape[2] == 4:
+            frame = frame[..., :3]
+        frame = np.ascontiguousarray(frame, dtype=np.uint8)
+        from host_bridge.video_io import MediaError
+
+        for sink in self.sinks:
+            try:
+                sink.write(frame)
+            except MediaError as exc:
+                raise PlayerError(f"output: {exc}") from None
+        self._last_out = frame
+        self.frames_out += 1
+        self._show(frame)
+
+    def _show(self, frame: np.ndarray) -> None:
+        if self.window is None:
+            return
+        s = self.controls.state
+        lines: list[str] = []
+        if s.overlay:
+            _, status = self.bridge.latest()
+            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}",
+                     f"steps {s.steps}  noise {s.noise_scale:.2f}  motion {'on' if s.motion_aware else 'off'}"]
+            if s.message:
+                lines.append(s.message)
+        if self.keyboard.typing is not None:
+            lines.append(f"new prompt> {self.keyboard.typing}_")
+        self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
+        if self.window.closed_by_user():
+            self.controls.state.quit = True
+
+    def _poll_controls(self) -> None:
+        self.controls.apply_pending(self.bridge)
+
+    def _idle(self) -> None:
+        """Paused: keep the window responsive and the controls flowing, read nothing."""
+        if self.window is not None and self._last_out is not None:
+            self._show(self._last_out)
+        time.sleep(PAUSE_POLL_S)
+
+    # --- tear-down ---------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        """Finalise outputs first (they matter most), then stop the engine, OSC, window and input."""
+        for sink in self.sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+        for thing in (self.bridge, self.osc, self.window, self.source):
+            if thing is not None:
+                with contextlib.suppress(Exception):
+                    thing.close()
+
+    def _report(self, interrupted: bool) -> None:
+        if self.source is None:
+            return
+        elapsed = time.monotonic() - self._started
+        written = ", ".join(s.name for s in self.sinks) or "the window"
+        how = "stopped by Ctrl-C; " if interrupted else ""
+        w, h = self.size
+        self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
+                            f"to {written} in {elapsed:.1f} s")
+
+
+def _is_ready(status: Any) -> bool:
+    return getattr(status, "state", "") in ("running", "ready")
+
+
+def _is_failed(status: Any) -> bool:
+    return getattr(status, "state", "") in ("failed", "dead", "stopped", "error")
+
+
+def _engine_error(what: str, status: Any) -> PlayerError:
+    message = getattr(status, "message", "") or ""
+    tail = getattr(status, "log_tail", "") or ""
+    if isinstance(tail, (list, tuple)):
+        tail = "\n".join(tail)
+    text = f"{what}: {message}" if message else what
+    return PlayerError(text, EXIT_ENGINE_FAILED, detail=str(tail))
+
+
+def run_player(options: PlayerOptions) -> int:
+    """Run the player; every user-fixable failure is one message on stderr and an exit code."""
+    printer = StatusPrinter(quiet=options.quiet)
+    try:
+        return Player(options, printer).run()
+    except PlayerError as exc:
+        printer.quiet = False  # errors are always shown
+        printer.say(f"loom play: error: {exc}")
+        if exc.detail:
+            printer.say("engine log (last lines):\n" + exc.detail.rstrip())
+        return exc.exit_code
+    except KeyboardInterrupt:
+        printer.quiet = False
+        printer.say("loom play: interrupted")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,175 @@
+"""The Loom TouchDesigner extension: one object per Loom component that owns the bridge to the engine.
+
+Put this file in a Text DAT named `loom_ext` inside the component (or point the DAT's File
+parameter at it) and set the component's Extension to `op('./loom_ext').module.LoomExt(me)` with
+Promote on. The Script TOP's callbacks (`script_top_callbacks.py`) call `Cook`; a Parameter
+Execute DAT (`parexec_callbacks.py`) forwards parameter changes.
+
+Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
+`TOP.numpyArray()` otherwise. The CUDAMemory object owns TouchDesigner's copy of the texture and
+frees it when dropped, and the texture is reused after the cook, so `Cook` holds the object until
+the bridge has finished copying out of it, inside the cook. Frames out: the newest engine frame
+(or the fallback) through `copyNumpyArray`, in TouchDesigner's layout (bottom-up rows, BGRA for
+uint8). Nothing here blocks the cook on the engine: a slow or dead engine shows the fallback and a
+status on the read-only parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+OUTPUT_CHANNELS = 4
+LOG_TAIL_LINES = 6
+
+
+def _ensure_importable(loom_root: str) -> None:
+    """TouchDesigner's Python does not know the Loom checkout: add the folder the user named."""
+    if loom_root and Path(loom_root).is_dir() and loom_root not in sys.path:
+        sys.path.insert(0, loom_root)
+
+
+class LoomExt:
+    """Promoted methods (capitalised) are callable as `op('loom').Start()` etc."""
+
+    def __init__(self, ownerComp: Any) -> None:
+        self.ownerComp = ownerComp
+        self.bridge: Any = None
+        self.cooks = 0
+        self.cuda_submits = 0
+        self.numpy_submits = 0
+        self.last_error = ""
+
+    # --- engine lifetime ---------------------------------------------------------------------
+
+    def Start(self) -> None:
+        """Start (or restart) the bridge with the current Engine page settings."""
+        self.Stop()
+        par = self.ownerComp.par
+        _ensure_importable(str(par.Loomroot.eval() or ""))
+        try:
+            from host_bridge import Bridge, BridgeConfig
+        except ImportError as exc:
+            self._error(f"cannot import host_bridge ({exc}); set 'Loom Folder' to the Loom repository and "
+                        "make pyzmq importable in TouchDesigner (see the README)")
+            return
+        endpoint = str(par.Endpoint.eval() or "").strip() or None
+        python = str(par.Enginepython.eval() or "").strip()
+        if endpoint is None and not python:
+            self._error("set 'Engine Python' to the python executable of the environment that has torch")
+            return
+        try:
+            cfg = BridgeConfig(transport=str(par.Transport.eval()), launch=endpoint is None, engine_python=python,
+                               engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
+                               fallback=str(par.Fallback.eval()))
+            self.bridge = Bridge(cfg)
+            self.bridge.start()
+        except Exception as exc:  # a bad setting must show on the component, never break the network
+            self.bridge = None
+            self._error(f"cannot start the engine: {exc}")
+            return
+        self._send_controls()
+        par.State = "starting"
+        par.Message = ""
+
+    def Stop(self) -> None:
+        if self.bridge is not None:
+            bridge, self.bridge = self.bridge, None
+            try:
+                bridge.close()
+            except Exception as exc:  # closing must always leave the component usable
+                self.last_error = str(exc)
+        self.ownerComp.par.State = "stopped"
+
+    # --- parameters --------------------------------------------------------------------------
+
+    def OnParValueChange(self, par: Any, prev: Any = None) -> None:
+        name = par.name
+        if name == "Active":
+            self.Start() if par.eval() else self.Stop()
+        elif self.bridge is None:
+            return
+        elif name in ("Prompt", "Transition"):
+            self.bridge.set_prompt(str(self.ownerComp.par.Prompt.eval()),
+                                   transition_chunks=int(self.ownerComp.par.Transition.eval()))
+        elif name in ("Steps", "Noisescale", "Motionaware"):
+            self.bridge.set_params(**self._params())
+        elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback") and \
+                self.ownerComp.par.Active.eval():
+            self.Start()
+
+    def OnPulse(self, par: Any) -> None:
+        if par.name == "Start":
+            self.Start()
+        elif par.name == "Stop":
+            self.Stop()
+
+    def _params(self) -> dict[str, Any]:
+        from plugin.live_params import engine_params
+
+        par = self.ownerComp.par
+        return engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()), bool(par.Motionaware.eval()))
+
+    def _send_controls(self) -> None:
+        par = self.ownerComp.par
+        self.bridge.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+        self.bridge.set_params(**self._params())
+
+    # --- the cook ----------------------------------------------------------------------------
+
+    def Cook(self, scriptOp: Any) -> None:
+        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook."""
+        self.cooks += 1
+        top = scriptOp.inputs[0] if scriptOp.inputs else None
+        if top is None:
+            return
+        if self.bridge is None:
+            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
+            return
+        self._submit(top)
+        frame, status = self.bridge.latest()
+        if frame is None:
+            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
+        else:
+            from host_bridge.formats import to_touchdesigner
+
+            scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
+        self._publish(status)
+
+    def _submit(self, top: Any) -> None:
+        if self._use_cuda():
+            memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+            shape = memory.shape
+            dtype = np.dtype(shape.dataType)
+            self.bridge.submit_cuda(memory.ptr, shape.width * shape.numComps * dtype.itemsize, shape.width,
+                                    shape.height, shape.numComps, dtype.name, layout="touchdesigner")
+            self.cuda_submits += 1
+            del memory  # only now: submit_cuda has finished reading it (it waits for its copy)
+            return
+        from host_bridge.formats import from_touchdesigner
+
+        self.bridge.submit(from_touchdesigner(top.numpyArray(delayed=False)))
+        self.numpy_submits += 1
+
+    def _use_cuda(self) -> bool:
+        return str(self.ownerComp.par.Transport.eval()) == "cuda-ipc" and hasattr(self.bridge, "submit_cuda")
+
+    def _publish(self, status: Any) -> None:
+        par = self.ownerComp.par
+        par.State = status.state
+        par.Fps = round(float(status.fps or 0.0), 2)
+        par.Latency = round(float(status.latency_ms or 0.0), 1)
+        par.Dropped = int(status.dropped or 0)
+        par.Message = status.message or ""
+        tail = status.log_tail or ""
+        if isinstance(tail, (list, tuple)):
+            tail = "\n".join(tail)
+        par.Log = "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])
+
+    def _error(self, text: str) -> None:
+        self.last_error = text
+        self.ownerComp.par.State = "error"
+        self.ownerComp.par.Message = text
