@@ -22,6 +22,7 @@ import numpy as np
 
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.options import (
+    DEFAULT_OUTPUT,
     EXIT_ENGINE_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -32,8 +33,12 @@ from plugin.player.options import (
 )
 from plugin.player.status import StatusPrinter, live_line, progress_line
 
-# Frames per `process()` call in lossless mode: one first chunk (5) + 4 later chunks of 4.
-LOSSLESS_BATCH = 21
+# Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
+# the first chunk is 5 frames, later ones 4 (first batch 5 + 4*4, then 5*4).
+FIRST_BATCH = 21
+LATER_BATCH = 20
+# An engine that restarts this many times before it ever runs is broken, not slow: give up.
+MAX_FAILED_STARTS = 3
 # Seconds a `process()` call may take per frame before the engine is declared stuck.
 PROCESS_TIMEOUT_PER_FRAME_S = 30.0
 PAUSE_POLL_S = 0.05
@@ -62,6 +67,7 @@ class Player:
         self.size: tuple[int, int] = (0, 0)
         self._last_out: np.ndarray | None = None
         self._started = time.monotonic()
+        self._stream_started = self._started
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -83,27 +89,26 @@ class Player:
 
     def _open_outputs(self) -> None:
         from host_bridge.video_io import MediaError, open_sink
-
         from plugin.player.window import PreviewWindow, WindowUnavailable
 
         o = self.opts
         audio_from = None if (o.uses_generated_clip or self.source.is_live) else o.input
-        for spec in o.outputs:
-            kind = output_kind(spec)
-            if kind == "window":
-                try:
-                    self.window = PreviewWindow()
-                except WindowUnavailable as exc:
-                    self.printer.say(f"loom play: {exc}; running without a window")
+        specs = list(o.outputs)
+        if WINDOW_OUTPUT in specs:
+            try:
+                self.window = PreviewWindow()
+            except WindowUnavailable as exc:
+                specs = [s for s in specs if s != WINDOW_OUTPUT] or [DEFAULT_OUTPUT]
+                self.printer.say(f"loom play: {exc}; running without a window, writing {', '.join(specs)}")
+        for spec in specs:
+            if spec == WINDOW_OUTPUT:
                 continue
+            kind = output_kind(spec)
             try:
                 self.sinks.append(open_sink(spec, self.source.fps, self.size,
                                             audio_from=audio_from if kind == "file" else None))
             except MediaError as exc:
                 raise PlayerError(f"output: {exc}") from None
-        if not self.sinks and self.window is None:
-            raise PlayerError(f"nothing to write to: no display for '{WINDOW_OUTPUT}' and no file or URL output; "
-                              "add -o FILE.mp4 or -o udp://HOST:PORT")
 
     def _start_engine(self) -> None:
         from host_bridge import Bridge, BridgeConfig
@@ -114,8 +119,11 @@ class Player:
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
                            engine_overrides=overrides, endpoint=o.endpoint, fallback="passthrough",
                            passthrough=o.passthrough)
-        self.bridge = Bridge(cfg)
-        self.bridge.start()
+        try:
+            self.bridge = Bridge(cfg)
+            self.bridge.start()
+        except Exception as exc:  # whatever the launcher raises, the user sees one line and exit code 3
+            raise PlayerError(f"cannot start the engine: {exc}", EXIT_ENGINE_FAILED) from None
 
     def _start_osc(self) -> None:
         if self.opts.osc_port is None:
@@ -132,15 +140,22 @@ class Player:
     def _wait_ready(self) -> None:
         """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
         deadline = time.monotonic() + self.opts.startup_timeout_s
+        # A restart starts a new, empty log: keep the last tail and engine error that said something.
+        log_tail: list[str] = []
+        last_error = ""
         while True:
             _, status = self.bridge.latest()
+            log_tail = list(status.log_tail) or log_tail
+            last_error = self.bridge.stats().get("last_error") or last_error
             if _is_ready(status):
+                self._stream_started = time.monotonic()
                 return
-            if _is_failed(status):
-                raise _engine_error("the engine did not start", status)
-            if time.monotonic() > deadline:
-                raise _engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
-                                    status)
+            why = f"the engine did not become ready within {self.opts.startup_timeout_s:g} s" \
+                if time.monotonic() > deadline else None
+            if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
+                why = "the engine did not start"
+            if why:
+                raise _engine_error(why, status, [*log_tail, last_error] if last_error else log_tail)
             self.printer.update(f"starting the engine: {status.message or status.state}")
             self._poll_controls()
             if self.controls.state.quit:
@@ -208,7 +223,7 @@ class Player:
         batch: list[np.ndarray] = []
         for frame in self._frames():
             batch.append(frame)
-            if len(batch) == LOSSLESS_BATCH:
+            if len(batch) == (FIRST_BATCH if self.frames_out == 0 else LATER_BATCH):
                 self._process(batch, total)
                 batch = []
         if batch:
@@ -220,10 +235,12 @@ class Player:
                                        + self.opts.startup_timeout_s)
         except Exception as exc:  # the bridge's failures (engine died, timed out) all end the run the same way
             _, status = self.bridge.latest()
-            raise _engine_error(f"the engine failed while processing frames: {exc}", status) from None
+            last_error = self.bridge.stats().get("last_error")
+            raise _engine_error(f"the engine failed while processing frames: {exc}", status,
+                                [*status.log_tail, last_error] if last_error else None) from None
         for out in outs:
             self._emit(out)
-            elapsed = time.monotonic() - self._started
+            elapsed = time.monotonic() - self._stream_started
             line = progress_line(self.frames_out, total, elapsed) if total else f"{self.frames_out} frames"
             self.printer.update(line)
 
@@ -315,20 +332,16 @@ class Player:
 
 
 def _is_ready(status: Any) -> bool:
-    return getattr(status, "state", "") in ("running", "ready")
+    return status.state == "running"
 
 
 def _is_failed(status: Any) -> bool:
-    return getattr(status, "state", "") in ("failed", "dead", "stopped", "error")
+    return status.state in ("dead", "stopped")
 
 
-def _engine_error(what: str, status: Any) -> PlayerError:
-    message = getattr(status, "message", "") or ""
-    tail = getattr(status, "log_tail", "") or ""
-    if isinstance(tail, (list, tuple)):
-        tail = "\n".join(tail)
-    text = f"{what}: {message}" if message else what
-    return PlayerError(text, EXIT_ENGINE_FAILED, detail=str(tail))
+def _engine_error(what: str, status: Any, log_tail: list[str] | None = None) -> PlayerError:
+    text = f"{what}: {status.message}" if status.message else what
+    return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(log_tail or status.log_tail))
 
 
 def run_player(options: PlayerOptions) -> int:

@@ -33,8 +33,7 @@ class PreviewWindow:
 
     def __init__(self, title: str = WINDOW_TITLE) -> None:
         if not display_available():
-            raise WindowUnavailable("no display to open a window on (DISPLAY/WAYLAND_DISPLAY unset); "
-                                    "write to a file or URL with -o instead")
+            raise WindowUnavailable("no display to open a window on (DISPLAY/WAYLAND_DISPLAY unset)")
         import cv2
 
         self._cv2 = cv2
@@ -43,8 +42,7 @@ class PreviewWindow:
         try:
             cv2.namedWindow(title, cv2.WINDOW_NORMAL)
         except cv2.error as exc:
-            raise WindowUnavailable(f"OpenCV cannot open a window here ({exc.err or exc}); "
-                                    "write to a file or URL with -o instead") from exc
+            raise WindowUnavailable(f"OpenCV cannot open a window here ({exc.err or exc})") from exc
 
     def show(self, frame_rgb: np.ndarray, lines: list[str], fullscreen: bool) -> int:
         cv2 = self._cv2

@@ -16,20 +16,12 @@ status on the read-only parameters.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
-
-
-def _ensure_importable(loom_root: str) -> None:
-    """TouchDesigner's Python does not know the Loom checkout: add the folder the user named."""
-    if loom_root and Path(loom_root).is_dir() and loom_root not in sys.path:
-        sys.path.insert(0, loom_root)
 
 
 class LoomExt:
@@ -42,6 +34,7 @@ class LoomExt:
         self.cuda_submits = 0
         self.numpy_submits = 0
         self.last_error = ""
+        self.device_output: Any = None
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -49,12 +42,11 @@ class LoomExt:
         """Start (or restart) the bridge with the current Engine page settings."""
         self.Stop()
         par = self.ownerComp.par
-        _ensure_importable(str(par.Loomroot.eval() or ""))
         try:
             from host_bridge import Bridge, BridgeConfig
         except ImportError as exc:
-            self._error(f"cannot import host_bridge ({exc}); set 'Loom Folder' to the Loom repository and "
-                        "make pyzmq importable in TouchDesigner (see the README)")
+            self._error(f"cannot import host_bridge ({exc}); add the Loom folder and a folder with pyzmq to "
+                        "TouchDesigner's Python 64-bit Module Path (see plugin/touchdesigner/README.md)")
             return
         endpoint = str(par.Endpoint.eval() or "").strip() or None
         python = str(par.Enginepython.eval() or "").strip()
@@ -64,7 +56,7 @@ class LoomExt:
         try:
             cfg = BridgeConfig(transport=str(par.Transport.eval()), launch=endpoint is None, engine_python=python,
                                engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
-                               fallback=str(par.Fallback.eval()))
+                               fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()))
             self.bridge = Bridge(cfg)
             self.bridge.start()
         except Exception as exc:  # a bad setting must show on the component, never break the network
@@ -82,6 +74,9 @@ class LoomExt:
                 bridge.close()
             except Exception as exc:  # closing must always leave the component usable
                 self.last_error = str(exc)
+        if self.device_output is not None:
+            self.device_output.close()
+            self.device_output = None
         self.ownerComp.par.State = "stopped"
 
     # --- parameters --------------------------------------------------------------------------
@@ -97,7 +92,7 @@ class LoomExt:
                                    transition_chunks=int(self.ownerComp.par.Transition.eval()))
         elif name in ("Steps", "Noisescale", "Motionaware"):
             self.bridge.set_params(**self._params())
-        elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback") and \
+        elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
             self.Start()
 
@@ -129,30 +124,37 @@ class LoomExt:
         if self.bridge is None:
             scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
             return
-        self._submit(top)
-        frame, status = self.bridge.latest()
-        if frame is None:
-            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
+        if self._use_cuda():
+            status = self._cook_cuda(scriptOp, top)
         else:
-            from host_bridge.formats import to_touchdesigner
+            self.bridge.submit(top.numpyArray(delayed=False), layout="touchdesigner")
+            self.numpy_submits += 1
+            frame, status = self.bridge.latest()
+            if frame is None:
+                scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
+            else:
+                from host_bridge.formats import to_touchdesigner
 
-            scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
+                scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
         self._publish(status)
 
-    def _submit(self, top: Any) -> None:
-        if self._use_cuda():
-            memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
-            shape = memory.shape
-            dtype = np.dtype(shape.dataType)
-            self.bridge.submit_cuda(memory.ptr, shape.width * shape.numComps * dtype.itemsize, shape.width,
-                                    shape.height, shape.numComps, dtype.name, layout="touchdesigner")
-            self.cuda_submits += 1
-            del memory  # only now: submit_cuda has finished reading it (it waits for its copy)
-            return
-        from host_bridge.formats import from_touchdesigner
-
-        self.bridge.submit(from_touchdesigner(top.numpyArray(delayed=False)))
-        self.numpy_submits += 1
+    def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
+        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP."""
+        memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        shape = memory.shape
+        dtype = np.dtype(shape.dataType)
+        pitch = shape.width * shape.numComps * dtype.itemsize
+        self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
+                                layout="touchdesigner")
+        self.cuda_submits += 1
+        del memory  # only now: submit_cuda has finished its device copy when it returns
+        nbytes = pitch * shape.height
+        if self.device_output is None:
+            self.device_output = DeviceBuffer()
+        ptr = self.device_output.ensure(nbytes)
+        status = self.bridge.latest_cuda(ptr, pitch)  # output comes back in the input's layout and size
+        scriptOp.copyCUDAMemory(ptr, nbytes, shape)
+        return status
 
     def _use_cuda(self) -> bool:
         return str(self.ownerComp.par.Transport.eval()) == "cuda-ipc" and hasattr(self.bridge, "submit_cuda")
@@ -173,3 +175,32 @@ class LoomExt:
         self.last_error = text
         self.ownerComp.par.State = "error"
         self.ownerComp.par.Message = text
+
+
+class DeviceBuffer:
+    """One cudaMalloc'd buffer in TouchDesigner's process that the engine's output is copied into.
+
+    `scriptTOP.copyCUDAMemory` copies from it into the TOP during the cook, so the buffer must
+    outlive the cook; it is reallocated only when the frame size changes.
+    """
+
+    def __init__(self) -> None:
+        from host_bridge.transport_cuda import check, cudart
+
+        if cudart is None:
+            raise RuntimeError("the cuda-ipc transport needs cuda-python in TouchDesigner's Python")
+        self._check, self._cudart = check, cudart
+        self.ptr = 0
+        self.nbytes = 0
+
+    def ensure(self, nbytes: int) -> int:
+        if nbytes != self.nbytes:
+            self.close()
+            self.ptr = int(self._check(self._cudart.cudaMalloc(nbytes), "cudaMalloc"))
+            self.nbytes = nbytes
+        return self.ptr
+
+    def close(self) -> None:
+        if self.ptr:
+            self._check(self._cudart.cudaFree(self.ptr), "cudaFree")
+            self.ptr, self.nbytes = 0, 0
