@@ -8,6 +8,7 @@ default runs use the embedded model, as a user's first `loom play` does.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -333,4 +334,45 @@ def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
+    assert len(_decode(dst)) > 0
+
+
+@pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
+                    reason="needs Xvfb and xdotool for a virtual display and key presses")
+def test_window_keys_drive_a_live_run(tmp_path):
+    """A real window on a virtual display: keys change steps and prompt, pause, and q quits cleanly."""
+    display = f":{90 + os.getpid() % 100}"
+    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    dst = tmp_path / "win.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DISPLAY": display}
+    proc = None
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"/tmp/.X11-unix/X{display[1:]}").exists():  # the server is up when its socket is
+            assert time.monotonic() < deadline and xvfb.poll() is None, "Xvfb did not start"
+            time.sleep(0.1)
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-o", "window", "-o", str(dst), "--mode",
+                                 "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
+                                 "-p", "ink", "-p", "oil"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=ROOT)
+        found = subprocess.run(["xdotool", "search", "--sync", "--onlyvisible", "--name", "^Loom$"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        window = found.stdout.split()[0]
+        time.sleep(1.0)  # the window is mapped; give its event loop a moment before typing
+
+        def keys(*names: str) -> None:
+            subprocess.run(["xdotool", "key", "--delay", "50", "--window", window, *names], env=env, check=True)
+            time.sleep(0.5)
+
+        keys("3", "n", "t", "g", "l", "o", "w", "Return")
+        keys("q")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        xvfb.terminate()
+        xvfb.wait(timeout=10)
+    assert proc.returncode == 0, err
+    assert "steps: 3" in err and "prompt: oil" in err and "prompt: glow" in err
     assert len(_decode(dst)) > 0

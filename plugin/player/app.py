@@ -300,7 +300,8 @@ class Player:
             self.controls.state.quit = True
 
     def _poll_controls(self) -> None:
-        self.controls.apply_pending(self.bridge)
+        for line in self.controls.apply_pending(self.bridge):
+            self.printer.say(f"loom play: {line}")
 
     def _idle(self) -> None:
         """Paused: keep the window responsive and the controls flowing, read nothing."""

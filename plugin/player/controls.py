@@ -124,18 +124,23 @@ class Controls:
             except queue.Empty:
                 return out
 
-    def apply_pending(self, bridge: Any) -> list[Command]:
-        """Apply every queued command to the state, then send the engine one update per setting."""
+    def apply_pending(self, bridge: Any) -> list[str]:
+        """Apply every queued command to the state, then send the engine one update per setting.
+
+        Returns what changed, one line per command, for the status display and the log.
+        """
         commands = self.drain()
         changes: dict[str, Any] = {}
+        done = []
         for command in commands:
             self._apply(command, changes)
+            done.append(self.state.message)
         if "prompt" in changes:
             text, chunks = changes.pop("prompt")
             bridge.set_prompt(text, transition_chunks=chunks)
         if changes:
             bridge.set_params(**changes)
-        return commands
+        return done
 
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
         s = self.state

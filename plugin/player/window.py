@@ -7,7 +7,9 @@ headless machines (servers, CI, a render node feeding a stream), where OpenCV ca
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -15,13 +17,37 @@ WINDOW_TITLE = "Loom"
 KEY_POLL_MS = 1
 OVERLAY_FONT_SCALE = 0.5
 OVERLAY_LINE_PX = 18
+X11_SOCKET_DIR = "/tmp/.X11-unix"
+X11_TCP_BASE_PORT = 6000
+X11_PROBE_TIMEOUT_S = 0.5
 
 
 def display_available() -> bool:
-    """Whether a window can be shown: always on Windows and macOS, with X11 or Wayland on Linux."""
+    """Whether a window can be shown: always on Windows and macOS; on Linux, a reachable X11 or Wayland server.
+
+    Probed before OpenCV is asked: its Qt backend aborts the whole process (no exception) when
+    DISPLAY names a server that is not there, e.g. over SSH without X forwarding.
+    """
     if sys.platform in ("win32", "darwin"):
         return True
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    wayland = os.environ.get("WAYLAND_DISPLAY")
+    if wayland and (Path(os.environ.get("XDG_RUNTIME_DIR", "/run/user")) / wayland).exists():
+        return True
+    return _x11_reachable(os.environ.get("DISPLAY", ""))
+
+
+def _x11_reachable(display: str) -> bool:
+    host, _, rest = display.partition(":")
+    number = rest.split(".")[0]
+    if not number.isdigit():
+        return False
+    if host in ("", "unix"):
+        return Path(f"{X11_SOCKET_DIR}/X{number}").exists()
+    try:
+        with socket.create_connection((host, X11_TCP_BASE_PORT + int(number)), timeout=X11_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 class WindowUnavailable(RuntimeError):
@@ -33,7 +59,7 @@ class PreviewWindow:
 
     def __init__(self, title: str = WINDOW_TITLE) -> None:
         if not display_available():
-            raise WindowUnavailable("no display to open a window on (DISPLAY/WAYLAND_DISPLAY unset)")
+            raise WindowUnavailable("no display to open a window on (DISPLAY/WAYLAND_DISPLAY unset or unreachable)")
         import cv2
 
         self._cv2 = cv2
