@@ -13,7 +13,7 @@ import sys
 
 from host_bridge.typed_config import ConfigError
 
-SUBCOMMANDS = ("info", "play")
+SUBCOMMANDS = ("info", "serve", "play")
 EXIT_USAGE = 2
 
 

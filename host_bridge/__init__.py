@@ -1,0 +1,11 @@
+"""The host side of Loom: frames to and from the engine process, without torch.
+
+Imported inside host applications (TouchDesigner, ComfyUI, the Loom player). Depends on numpy and
+pyzmq; cuda-python only for the cuda-ipc transport, imported when that transport is used.
+"""
+
+from host_bridge.client import Bridge, BridgeStatus
+from host_bridge.config import BridgeConfig
+from host_bridge.protocol import PROTOCOL_VERSION, ProtocolError, RingSpec
+
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "PROTOCOL_VERSION", "ProtocolError", "RingSpec"]

@@ -1,0 +1,269 @@
+"""`loom serve`: a StreamSession behind the bridge protocol.
+
+Two ways to meet a host. Launched by a host (`--connect`): the host bound a private endpoint and
+passed a token in the environment; the engine connects, says hello, and exits when the host says
+bye, when SIGTERM arrives, when its parent process dies, or when the host falls silent. Serving
+(`--bind`): the engine waits for hosts (over tcp with CurveZMQ unless loopback); a host that leaves
+or goes silent frees the engine for the next one.
+
+The main thread runs the control loop below (socket, handshake, heartbeats, ring attachment,
+frame notices); a `FrameWorker` thread owns the session. Malformed messages are refused and
+counted, never fatal. Rings are only attached here: the host owns and removes them, except when
+the host is gone, then the engine removes the shared memory it knew about before it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine.server_worker import FrameWorker
+from host_bridge.channel import Channel, CurveServer, remove_private_endpoint
+from host_bridge.protocol import TRANSPORTS, RingSpec, make
+from host_bridge.transport import TransportUnavailable, attach_ring
+
+TICK_S = 0.05
+EXIT_OK = 0
+EXIT_SESSION_FAILED = 1
+EXIT_HOST_LOST = 3
+EXIT_NO_HANDSHAKE = 4
+
+
+def offered_transports() -> list[str]:
+    from host_bridge.transport_cuda import cuda_available
+
+    return [t for t in TRANSPORTS if t != "cuda-ipc" or cuda_available()[0]]
+
+
+def _log(text: str) -> None:
+    """Print to stderr, quietly: when the host died, the pipe it read our output from is gone."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def parent_alive(pid: int | None) -> bool:
+    """Whether the launching host still runs (POSIX: we were reparented or it is gone)."""
+    if pid is None:
+        return True
+    if os.name == "nt":
+        return True  # no cheap portable check: heartbeat loss covers Windows
+    if os.getppid() != pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EngineServer:
+    def __init__(self, session_factory: Callable[[], Any], *, connect: str | None = None, bind: str | None = None,
+                 token: str = "", parent_pid: int | None = None, heartbeat_s: float = 0.2,
+                 host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0, curve: CurveServer | None = None,
+                 stall_after: int | None = None):
+        if (connect is None) == (bind is None):
+            raise ValueError("give exactly one of connect (launched by a host) or bind (serve hosts)")
+        self._factory = session_factory
+        self._connect, self._bind = connect, bind
+        self._token = token
+        self._parent_pid = parent_pid
+        self._heartbeat_s = heartbeat_s
+        self._host_timeout_s = host_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
+        self._curve = curve
+        self._stall_after = stall_after
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self.channel: Channel | None = None
+        self.worker: FrameWorker | None = None
+        self.refused_semantic = 0
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            if self._connect:
+                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine")
+            else:
+                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
+                _log(f"loom serve: listening on {self.channel.endpoint}")
+            return self._serve()
+        finally:
+            if self.worker is not None:
+                self.worker.stop = True
+            if self.channel is not None:
+                self.channel.close()
+            self._ctx.term()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        if hasattr(signal, "SIGBREAK"):  # Windows: CTRL_BREAK_EVENT from the launcher
+            signal.signal(signal.SIGBREAK, self.request_stop)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _serve(self) -> int:
+        ch = self.channel
+        host_pid: int | None = None
+        started = time.monotonic()
+        last_heard = started
+        last_beat = 0.0
+        if self._connect:
+            self._send_hello()
+        while not self._stop.is_set():
+            for msg, payload in ch.poll(TICK_S):
+                last_heard = time.monotonic()
+                kind = msg["type"]
+                if kind == "hello":
+                    if msg["role"] != "host" or (self._connect and msg["token"] != self._token):
+                        ch.refuse("hello from a peer that is not our host")
+                        continue
+                    if self._bind:  # a (new) host: answer and start over
+                        self._end_session(remove=False)
+                        self._send_hello()
+                    host_pid = msg["pid"]
+                    self._start_worker()
+                elif self.worker is None:
+                    ch.refuse(f"{kind} before hello")
+                elif kind == "bye":
+                    if self._connect:
+                        return EXIT_OK
+                    self._end_session(remove=False)
+                    host_pid = None
+                else:
+                    self._dispatch(kind, msg, payload)
+            now = time.monotonic()
+            if self.worker is not None and now - last_beat >= self._heartbeat_s:
+                last_beat = now
+                busy = self.worker.busy_since
+                ch.send(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
+            if self.worker is not None and self.worker.error and self.worker.session is None:
+                return EXIT_SESSION_FAILED
+            lost = self._host_lost(now, last_heard, started, host_pid)
+            if lost:
+                had_host = self.worker is not None
+                self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
+                _log(f"loom serve: {lost}")
+                if self._connect:
+                    if had_host:
+                        remove_private_endpoint(self._connect)
+                    return EXIT_HOST_LOST if had_host else EXIT_NO_HANDSHAKE
+                host_pid = None
+        self._end_session(remove=False)
+        self._say_bye("engine stopping")
+        return EXIT_OK
+
+    def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:
+        if self.worker is None:
+            if self._connect and now - started > self._handshake_timeout_s:
+                return f"no hello from the host within {self._handshake_timeout_s:.0f} s"
+            return None
+        if self._connect and not parent_alive(self._parent_pid):
+            return f"parent process {self._parent_pid} is gone"
+        if now - last_heard > self._host_timeout_s:
+            return f"host silent for {now - last_heard:.1f} s"
+        return None
+
+    def _send_hello(self) -> None:
+        from host_bridge.transport_cuda import all_uuids
+
+        self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(),
+                               transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine"))
+
+    def _say_bye(self, reason: str) -> None:
+        self.channel.send(make("bye", reason=reason))
+        self.channel.poll(0)
+
+    def _start_worker(self) -> None:
+        if self.worker is not None:
+            return
+        self.worker = FrameWorker(self._factory, self.channel.send, stall_after=self._stall_after)
+        self.worker.thread.start()
+
+    def _end_session(self, remove: bool) -> None:
+        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments)."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        worker.stop = True
+        with worker.lock:
+            worker.lock.notify_all()
+        worker.thread.join(timeout=5.0)
+        with worker.lock:
+            worker.close_rings(remove)
+
+    def _dispatch(self, kind: str, msg: dict[str, Any], payload: list[bytes]) -> None:
+        w, ch = self.worker, self.channel
+        if kind == "heartbeat":
+            return
+        if kind == "frame" and msg["dir"] == "in":
+            with w.lock:
+                ring = w.ring_in
+                if ring is None or msg["gen"] != ring.spec.generation:
+                    w.counts["stale"] += 1
+                    ch.send(make("release", dir="in", slot=msg["slot"], gen=msg["gen"], dropped=True))
+                elif msg["slot"] >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload):
+                    ch.refuse(f"frame notice for slot {msg['slot']} does not fit the ring")
+                else:
+                    w.offer(msg["slot"], msg["seq"], msg["gen"], payload)
+        elif kind == "release" and msg["dir"] == "out":
+            with w.lock:
+                if not w.on_release(msg["slot"], msg["gen"]):
+                    ch.refuse(f"release of output slot {msg['slot']} that was not published")
+        elif kind == "ring":
+            self._attach(msg)
+        elif kind == "mode":
+            with w.lock:
+                w.lossless = msg["lossless"]
+                w.lock.notify_all()
+            ch.send(make("ack", id=msg.get("id")))
+        elif kind in ("prompt", "params", "reset", "flush"):
+            w.commands.put((kind, msg))
+            with w.lock:
+                w.lock.notify_all()
+        elif kind == "stats":
+            ch.send(make("stats", id=msg.get("id"), data=self.stats()))
+        else:
+            ch.refuse(f"unexpected {kind} message from the host")
+
+    def _attach(self, msg: dict[str, Any]) -> None:
+        spec = RingSpec.from_dict(msg["spec"])
+        try:
+            ring = attach_ring(spec)
+        except (OSError, ValueError, RuntimeError, TransportUnavailable) as exc:
+            self.channel.send(make("error", id=msg.get("id"), code="ring",
+                                   message=f"cannot attach the {spec.transport} {spec.dir} ring: {exc}"[:4000]))
+            return
+        with self.worker.lock:
+            if spec.dir == "in":
+                self.worker.set_rings(ring_in=ring)
+            else:
+                self.worker.set_rings(ring_out=ring)
+        self.channel.send(make("ack", id=msg.get("id")))
+
+    def stats(self) -> dict[str, Any]:
+        w, ch = self.worker, self.channel
+        data: dict[str, Any] = {"pid": os.getpid(), "refused": ch.refused, "last_refusal": ch.last_refusal,
+                                "dropped_messages": ch.dropped_messages}
+        if w is not None:
+            data.update(w.counts)
+            data["lossless"] = w.lossless
+            data["error"] = w.error or ""
+            data["session"] = w.session_stats
+        return data

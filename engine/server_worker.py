@@ -1,0 +1,290 @@
+"""The engine server's compute side: one thread that owns the session and moves frames.
+
+It takes input frames from the attached input ring (live: only the newest, older notices are
+released unread and counted as dropped; lossless: every one, in order), pushes them through the
+session, and writes outputs into free output slots. A session emits outputs in bursts (a chunk of
+4 frames at a time), so in live mode outputs are paced out at the measured input frame interval;
+otherwise a latest-wins host would only ever see the last frame of each chunk.
+
+The session is only touched by this thread: prompt, parameter, reset and flush requests arrive
+as commands and are answered from here.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from host_bridge import formats
+from host_bridge.protocol import make
+from host_bridge.transport import Ring, SlotTracker
+
+PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
+INTERVAL_EMA = 0.2
+WAIT_S = 0.02
+
+
+class FrameWorker:
+    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], stall_after: int | None = None):
+        self._factory = session_factory
+        self._send = send
+        self.session: Any = None
+        self.lock = threading.Condition()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.ring_in: Ring | None = None
+        self.ring_out: Ring | None = None
+        self.out_tracker: SlotTracker | None = None
+        self.inputs: deque[tuple[int, int, int, list[bytes]]] = deque()  # (slot, seq, gen, payload)
+        self.lossless = False
+        self.stop = False
+        self.busy_since: float | None = None
+        self.error: str | None = None
+        self._stall_after = stall_after
+        self._seqs: deque[int] = deque()
+        self._paced: deque[tuple[int, np.ndarray]] = deque()
+        self._next_emit = 0.0
+        self._interval = 0.0
+        self._last_arrival: float | None = None
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0)
+        self.session_stats: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
+
+    # -- called by the control thread, with self.lock held ----------------------------------------------
+
+    def offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+        """A new input frame notice."""
+        now = time.monotonic()
+        if self._last_arrival is not None:
+            dt = now - self._last_arrival
+            self._interval = dt if self._interval == 0 else (1 - INTERVAL_EMA) * self._interval + INTERVAL_EMA * dt
+        self._last_arrival = now
+        if not self.lossless:
+            while self.inputs:  # latest wins: hand the superseded slots straight back
+                old = self.inputs.popleft()
+                self._release_in(old[0], old[2], dropped=True)
+                self.counts["dropped"] += 1
+        self.inputs.append((slot, seq, gen, payload))
+        self.lock.notify_all()
+
+    def set_rings(self, ring_in: Ring | None = None, ring_out: Ring | None = None) -> None:
+        if ring_in is not None:
+            if self.ring_in is not None:
+                self.ring_in.close()
+            self.ring_in = ring_in
+            self.inputs.clear()
+        if ring_out is not None:
+            if self.ring_out is not None:
+                self.ring_out.close()
+            self.ring_out = ring_out
+            self.out_tracker = SlotTracker(ring_out.spec.slots)
+        self.lock.notify_all()
+
+    def on_release(self, slot: int, gen: int) -> bool:
+        if self.ring_out is None or gen != self.ring_out.spec.generation:
+            return True  # an old generation's slot
+        ok = self.out_tracker.release(slot)
+        self.lock.notify_all()
+        return ok
+
+    def close_rings(self, remove: bool) -> None:
+        for ring in (self.ring_in, self.ring_out):
+            if ring is not None:
+                ring.remove() if remove else ring.close()
+        self.ring_in = self.ring_out = None
+
+    # -- the worker thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.session = self._factory()
+        except Exception as exc:  # any failure to build is reported, then the server exits
+            self.error = f"session could not be built: {type(exc).__name__}: {exc}"
+            self._send(make("status", state="error", message=self.error[:4000]))
+            return
+        self._send(make("ready", info={"session": type(self.session).__name__}))
+        while not self.stop:
+            self._run_commands()
+            job = self._next_input()
+            if job is not None:
+                self._process(*job)
+            self._emit_due()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                kind, msg = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            rid = msg.get("id")
+            try:
+                if kind == "prompt":
+                    self.session.set_prompt(msg["text"], msg.get("transition_chunks"))
+                elif kind == "params":
+                    self.session.set_params(**msg["params"])
+                elif kind == "reset":
+                    self.session.reset()
+                    with self.lock:
+                        self._seqs.clear()
+                        self._paced.clear()
+                elif kind == "flush":
+                    count = self._flush()
+                    self._send(make("flushed", id=rid, count=count))
+                    continue
+                self._send(make("ack", id=rid))
+                self.session_stats = self.session.stats()
+            except (ValueError, TypeError, KeyError) as exc:
+                self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
+
+    def _next_input(self) -> tuple | None:
+        with self.lock:
+            stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
+            if not self.inputs or stalled:
+                self.lock.wait(self._wait_time())
+                return None
+            slot, seq, gen, payload = self.inputs.popleft()
+            ring = self.ring_in
+            if ring is None or gen != ring.spec.generation:
+                self.counts["stale"] += 1
+                return None
+            return ring, slot, seq, gen, payload
+
+    def _wait_time(self) -> float:
+        if self._paced:
+            return max(0.0, min(WAIT_S, self._next_emit - time.monotonic()))
+        return WAIT_S
+
+    def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            if getattr(self.session, "raw_passthrough", False) and self._raw_copy(ring, slot, seq):
+                return
+            with self.lock:
+                if ring is not self.ring_in:
+                    self.counts["stale"] += 1
+                    return
+                native = ring.read(slot, payload)
+            self._release_in(slot, gen)
+            spec = ring.spec
+            frame = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")
+            outputs = self.session.push(frame[None])
+            self.counts["frames_in"] += 1
+            self._seqs.append(seq)
+            for out in outputs:
+                self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
+            self.session_stats = self.session.stats()
+        except Exception as exc:  # report and keep serving: one bad frame must not kill the stream
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._send(make("error", code="frame", message=self.error[:4000]))
+        finally:
+            self.busy_since = None
+
+    def _raw_copy(self, ring: Ring, slot: int, seq: int) -> bool:
+        """Pass-through on the GPU: slot to slot, no host copy (cuda-ipc rings of the same layout)."""
+        out = self.ring_out
+        copy = getattr(ring, "copy_to", None)
+        if copy is None or out is None or out.spec.slot_bytes != ring.spec.slot_bytes:
+            return False
+        out_slot = self._acquire_out()
+        if out_slot is None:  # stopping, or (live) no free output slot: the frame is dropped
+            self._release_in(slot, ring.spec.generation, dropped=True)
+            return True
+        with self.lock:
+            if ring is not self.ring_in or out is not self.ring_out:
+                return True
+            ring.copy_to(slot, out, out_slot)
+        self._release_in(slot, ring.spec.generation)
+        self.counts["frames_in"] += 1
+        self._publish(out_slot, seq, out, [])
+        return True
+
+    def _queue_output(self, seq: int, frame: np.ndarray) -> None:
+        if self.lossless:
+            self._emit(seq, frame)
+            return
+        if len(self._paced) >= PACED_QUEUE_LIMIT:
+            self._paced.popleft()
+            self.counts["dropped_out"] += 1
+        self._paced.append((seq, frame))
+
+    def _emit_due(self) -> None:
+        while self._paced:
+            now = time.monotonic()
+            if now < self._next_emit and not self.lossless:
+                return
+            seq, frame = self._paced.popleft()
+            self._emit(seq, frame)
+            self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
+
+    def _flush(self) -> int:
+        while self._paced:
+            self._emit(*self._paced.popleft())
+        outputs = self.session.flush()
+        for out in outputs:
+            self._emit(self._seqs.popleft() if self._seqs else -1, out)
+        return len(outputs)
+
+    def _acquire_out(self) -> int | None:
+        """A free output slot; in lossless mode wait for the host to release one."""
+        with self.lock:
+            while not self.stop:
+                if self.out_tracker is not None:
+                    slot = self.out_tracker.acquire()
+                    if slot is not None:
+                        return slot
+                if not self.lossless:
+                    self.counts["dropped_out"] += 1
+                    return None
+                self.lock.wait(WAIT_S)
+        return None
+
+    def _emit(self, seq: int, frame: np.ndarray) -> None:
+        out = self.ring_out
+        if out is None:
+            return
+        slot = self._acquire_out()
+        if slot is None:
+            return
+        fitted = _fit(frame, out)
+        with self.lock:
+            if out is not self.ring_out:
+                return
+            try:
+                payload = out.write(slot, fitted)
+            except Exception:
+                self.out_tracker.unacquire(slot)
+                raise
+        self._publish(slot, seq, out, payload)
+
+    def _publish(self, slot: int, seq: int, out: Ring, payload: list[Any]) -> None:
+        with self.lock:
+            self.out_tracker.publish(slot)
+        self.counts["frames_out"] += 1
+        self._send(make("frame", dir="out", slot=slot, seq=max(seq, 0), gen=out.spec.generation, t=time.time(),
+                        nbytes=len(payload[0]) if payload else None), payload)
+
+    def _release_in(self, slot: int, gen: int, dropped: bool = False) -> None:
+        self._send(make("release", dir="in", slot=slot, gen=gen, dropped=dropped))
+
+
+def _fit(frame: np.ndarray, ring: Ring) -> np.ndarray:
+    """An engine frame (uint8 RGB top-down) in the output ring's size and layout."""
+    spec = ring.spec
+    if frame.shape[:2] != (spec.height, spec.width):
+        import cv2
+        frame = cv2.resize(frame, (spec.width, spec.height), interpolation=cv2.INTER_AREA)
+    if spec.channels == 3 and spec.order == "RGB" and spec.dtype == "uint8" and spec.orientation == "top-down":
+        return np.ascontiguousarray(frame)
+    data = frame[:, :, ::-1] if spec.order.startswith("BGR") else frame
+    if spec.channels == 4:
+        data = np.concatenate([data, np.full(frame.shape[:2] + (1,), 255, np.uint8)], axis=2)
+    elif spec.channels == 1:
+        data = frame[:, :, :1]
+    if spec.orientation == "bottom-up":
+        data = data[::-1]
+    return np.ascontiguousarray(formats.from_uint8(np.ascontiguousarray(data), spec.dtype))

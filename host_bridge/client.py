@@ -1,0 +1,643 @@
+"""`Bridge`: what a host calls. Frames in without blocking, the newest output (or a fallback) out.
+
+One background thread owns the control socket and the engine process: it launches (or connects
+to) the engine, handshakes, exchanges heartbeats, receives output frames, and on a crash, exit or
+hang tears everything down (process tree, socket, shared memory) and starts again with backoff.
+The host's threads only take a short lock: `submit()` converts the frame, copies it into a free
+slot if there is one and otherwise keeps it as the single pending frame (replacing, and counting
+as dropped, an older one), so neither a slow nor a dead engine can block or grow the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from host_bridge import formats
+from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.config import BridgeConfig
+from host_bridge.launcher import EngineProcess, engine_argv
+from host_bridge.link import Link
+from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
+
+TOKEN_ENV = "LOOM_BRIDGE_TOKEN"
+STATS_INTERVAL_S = 1.0
+STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
+LATENCY_WINDOW = 256
+TICK_S = 0.05
+SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
+
+
+@dataclass
+class BridgeStatus:
+    """What the host shows its user about the engine and the frame it was just given."""
+
+    state: str = "stopped"  # starting | running | restarting | dead | stopped
+    fps: float = 0.0
+    latency_ms: float = 0.0
+    dropped: int = 0
+    message: str = ""
+    log_tail: list[str] = field(default_factory=list)
+    seq: int = -1  # input sequence number the returned frame came from; -1 for a fallback frame
+    fallback: bool = True
+    restarts: int = 0
+    frames_out: int = 0
+
+
+class Bridge:
+    def __init__(self, config: BridgeConfig | Mapping[str, Any] | None = None, **overrides: Any):
+        if config is None or isinstance(config, Mapping):
+            config = BridgeConfig.from_dict({**dict(config or {}), **overrides})
+        elif overrides:
+            raise TypeError("give either a BridgeConfig or keyword settings, not both")
+        self.config: BridgeConfig = config
+        self._ctx = zmq.Context()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._process_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._link: Link | None = None
+        self._state = "stopped"
+        self._message = ""
+        self._restarts = 0
+        self._backoff = config.restart_backoff_s
+        self._next_start = 0.0
+        self._seq = itertools.count()
+        self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
+        self._last_input: np.ndarray | None = None
+        self._staging = None  # cuda-ipc: device copy of the last submitted frame
+        self._out_frame: np.ndarray | None = None
+        self._out_device = None  # cuda-ipc: device copy of the newest output
+        self._out_seq = -1
+        self._out_link = -1
+        self._collect: dict[int, np.ndarray] | None = None
+        self._submit_times: dict[int, float] = {}
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
+        self._engine_stats: dict[str, Any] = {}
+        self._last_error = ""
+        self._log_tail: list[str] = []
+        self._link_ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------------
+    # lifecycle
+
+    def start(self) -> Bridge:
+        """Begin launching/connecting in the background; returns at once."""
+        if self._thread is not None:
+            return self
+        self._state = "starting"
+        self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.stop_timeout_s * 3 + 5)
+        with self._lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.teardown("closed", self.config.stop_timeout_s)
+        for dev in (self._staging, self._out_device):
+            if dev is not None:
+                dev.close()
+        self._staging = self._out_device = None
+        self._set_state("stopped", "closed")
+        self._ctx.term()
+
+    def __enter__(self) -> Bridge:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None and not self._closing:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------------------------------------
+    # frames in
+
+    def submit(self, frame: np.ndarray, *, layout: str = "rgb") -> bool:
+        """Hand a frame to the engine without waiting for it. Latest wins.
+
+        layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
+        BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
+        into a slot now, False when it waits as the pending frame (engine busy or not running).
+        """
+        if layout not in formats.LAYOUTS:
+            raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
+        cuda = self.config.transport == "cuda-ipc"
+        if cuda:
+            native = np.ascontiguousarray(frame if frame.ndim == 3 else frame[:, :, None])
+            engine = None
+        else:
+            native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
+                               else formats.to_engine(frame))
+        now = time.monotonic()
+        with self._lock:
+            seq = self._next_seq()
+            self._counts["submitted"] += 1
+            if cuda:
+                self._stage_host(native, layout)
+                self._set_pending(seq, None, now)
+            else:
+                self._last_input = engine
+                self._set_pending(seq, engine, now)
+            return self._pump()
+
+    def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
+                    *, layout: str = "rgb") -> bool:
+        """Hand over a frame in device memory (TouchDesigner `cudaMemory().ptr`, torch `data_ptr()`).
+
+        The frame is copied on the GPU before this returns (the caller may reuse its buffer), in
+        its own layout: the engine converts on the GPU. cuda-ipc transport only.
+        """
+        if self.config.transport != "cuda-ipc":
+            raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
+        if layout not in formats.LAYOUTS:
+            raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
+        dtype = np.dtype(dtype).name
+        now = time.monotonic()
+        with self._lock:
+            seq = self._next_seq()
+            self._counts["submitted"] += 1
+            staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
+            staging.write_device(0, ptr, pitch)
+            self._set_pending(seq, None, now)
+            return self._pump()
+
+    def _next_seq(self) -> int:
+        self.last_seq = next(self._seq)
+        return self.last_seq
+
+    def _set_pending(self, seq: int, frame: np.ndarray | None, t: float) -> None:
+        if self._pending is not None:
+            self._counts["dropped"] += 1
+        self._pending = (seq, frame, t)
+
+    # ------------------------------------------------------------------------------------------------
+    # frames out
+
+    def latest(self) -> tuple[np.ndarray | None, BridgeStatus]:
+        """The newest output frame (uint8 RGB [H, W, 3] top-down) or the fallback, and the status."""
+        with self._lock:
+            status = self._status()
+            if self._out_device is not None or self._out_frame is not None:
+                fresh = status.state == "running" and self._out_link == self._current_link_id()
+                if fresh or self.config.fallback == "last":
+                    status.seq, status.fallback = self._out_seq, not fresh
+                    return self._output_array(), status
+            return self._fallback_array(), status
+
+    def latest_cuda(self, ptr: int, pitch: int | None = None) -> BridgeStatus:
+        """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc)."""
+        with self._lock:
+            status = self._status()
+            fresh = status.state == "running" and self._out_link == self._current_link_id()
+            if self._out_device is not None and (fresh or self.config.fallback == "last"):
+                self._out_device.read_device(0, ptr, pitch)
+                status.seq, status.fallback = self._out_seq, not fresh
+            elif self._staging is not None:
+                self._staging.read_device(0, ptr, pitch)
+            return status
+
+    def _output_array(self) -> np.ndarray | None:
+        if self._out_device is not None:
+            spec = self._out_device.spec
+            return formats.to_engine(self._out_device.read(0, []), order=spec.order,
+                                     bottom_up=spec.orientation == "bottom-up")
+        return self._out_frame
+
+    def _fallback_array(self) -> np.ndarray | None:
+        if self._staging is not None:
+            spec = self._staging.spec
+            return formats.to_engine(self._staging.read(0, []), order=spec.order,
+                                     bottom_up=spec.orientation == "bottom-up")
+        return self._last_input
+
+    def status(self) -> BridgeStatus:
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> BridgeStatus:
+        link = self._link
+        tail = link.log_tail() if link is not None else self._log_tail
+        return BridgeStatus(state=self._state, fps=self._fps(), latency_ms=self._latency_ms(50),
+                            dropped=self._counts["dropped"] + int(self._engine_stats.get("dropped", 0)),
+                            message=self._message, log_tail=tail, restarts=self._restarts,
+                            frames_out=self._counts["received"])
+
+    def _fps(self) -> float:
+        t = self._out_times
+        if len(t) < 2 or time.monotonic() - t[-1] > 1.0:
+            return 0.0
+        return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
+
+    def _latency_ms(self, q: float) -> float:
+        return float(np.percentile(self._latencies, q) * 1000) if self._latencies else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """Host counters plus the engine's latest report (JSON-able)."""
+        with self._lock:
+            link = self._link
+            refused = self._counts["refused"] + (link.channel.refused if link else 0)
+            return {
+                "state": self._state, "message": self._message, "transport": self.config.transport,
+                **{k: v for k, v in self._counts.items() if k != "refused"}, "refused": refused,
+                "last_refusal": link.channel.last_refusal if link else "",
+                "restarts": self._restarts, "fps": round(self._fps(), 2),
+                "latency_ms_p50": round(self._latency_ms(50), 3), "latency_ms_p99": round(self._latency_ms(99), 3),
+                "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
+                "last_error": self._last_error, "engine": dict(self._engine_stats),
+                "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
+                "segments": link.segment_names() if link else [],
+                "endpoint": link.channel.endpoint if link else None,
+            }
+
+    # ------------------------------------------------------------------------------------------------
+    # batch use (ComfyUI)
+
+    def process(self, frames: Iterable[np.ndarray], timeout_s: float = 300.0, *,
+                layout: str = "rgb") -> list[np.ndarray]:
+        """Every frame through the engine, lossless and in order; blocks; one output per input."""
+        deadline = time.monotonic() + timeout_s
+        self.wait_running(timeout_s)
+        with self._process_lock:
+            link_id = self._current_link_id()
+            self._request("mode", deadline, lossless=True)
+            seqs: list[int] = []
+            with self._lock:
+                self._collect = {}
+            try:
+                for frame in frames:
+                    seqs.append(self._submit_lossless(frame, layout, link_id, deadline))
+                self._request("flush", deadline)
+                with self._cond:
+                    while not all(s in self._collect for s in seqs):
+                        self._check_alive(link_id, deadline, f"{len(self._collect)}/{len(seqs)} outputs")
+                        self._cond.wait(0.05)
+                    return [self._collect[s] for s in seqs]
+            finally:
+                with self._lock:
+                    self._collect = None
+                if self._current_link_id() == link_id:
+                    self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float) -> int:
+        cuda = self.config.transport == "cuda-ipc"
+        data = (np.ascontiguousarray(frame) if cuda else
+                formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame))
+        with self._cond:
+            seq = self._next_seq()
+            while True:
+                self._check_alive(link_id, deadline, "waiting for a free input slot")
+                link = self._link
+                if cuda:
+                    self._stage_host(data, layout)
+                if link.write_frame(seq, data if not cuda else None, self._staging, time.monotonic()):
+                    self._counts["submitted"] += 1
+                    self._counts["sent"] += 1
+                    self._remember_submit(seq, time.monotonic())
+                    return seq
+                self._cond.wait(0.05)
+
+    def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
+        if self._current_link_id() != link_id or self._state != "running":
+            raise RuntimeError(f"engine stopped during process(): {self._state}: {self._message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process(): timed out ({what})")
+
+    def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
+        """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._out_seq < seq or self._out_link != self._current_link_id():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def wait_running(self, timeout_s: float = 60.0) -> BridgeStatus:
+        """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state != "running":
+                if self._state in ("dead", "stopped") or time.monotonic() > deadline:
+                    tail = "\n".join(self._status().log_tail)
+                    raise RuntimeError(f"engine is {self._state} after {timeout_s:.0f} s: {self._message}\n{tail}")
+                self._cond.wait(0.05)
+            return self._status()
+
+    # ------------------------------------------------------------------------------------------------
+    # control
+
+    def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
+        self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
+
+    def set_params(self, *, wait: bool = False, **params: Any) -> None:
+        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError."""
+        self._control("params", wait, params=params)
+
+    def reset(self, *, wait: bool = False) -> None:
+        self._control("reset", wait)
+
+    def _control(self, kind: str, wait: bool, **fields: Any) -> None:
+        msg = make(kind, **fields)  # validate here: a bad call fails in the caller, not on the wire
+        if wait:
+            self._request(kind, time.monotonic() + self.config.request_timeout_s, **fields)
+            return
+        with self._lock:
+            link = self._link
+            if link is None or not link.send(msg):
+                self._message = f"{kind} not sent: engine is {self._state}"
+
+    def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
+        rid = next(self._ids)
+        msg = make(kind, id=rid, **fields)
+        with self._cond:
+            link = self._link
+            if link is None or self._state not in ("running",) or not link.send(msg):
+                raise RuntimeError(f"{kind}: engine is {self._state}: {self._message}")
+            while rid not in self._replies:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{kind}: no reply from the engine")
+                if self._link is not link:
+                    raise RuntimeError(f"{kind}: engine went away: {self._message}")
+                self._cond.wait(0.05)
+            reply = self._replies.pop(rid)
+        if reply["type"] == "error":
+            raise ValueError(f"engine refused {kind}: {reply['message']}")
+        return reply
+
+    # ------------------------------------------------------------------------------------------------
+    # internals shared with the loop (called with the lock held)
+
+    def _current_link_id(self) -> int:
+        return self._link.id if self._link is not None else -1
+
+    def _remember_submit(self, seq: int, t: float) -> None:
+        self._submit_times[seq] = t
+        if len(self._submit_times) > SEQ_TIMES_LIMIT:
+            self._submit_times.pop(next(iter(self._submit_times)))
+
+    def _pump(self) -> bool:
+        """Write the pending frame into a free slot, if the engine runs and a slot is free."""
+        link = self._link
+        if self._pending is None or link is None or not link.ready:
+            return False
+        seq, frame, t = self._pending
+        if not link.write_frame(seq, frame, self._staging, t):
+            return False
+        self._pending = None
+        self._counts["sent"] += 1
+        self._remember_submit(seq, t)
+        return True
+
+    def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
+                     device_ptr: int | None = None) -> Any:
+        from host_bridge.transport_cuda import CudaRing, pointer_device
+
+        order = (formats.touchdesigner_order(dtype, channels) if layout == "touchdesigner"
+                 else {1: "R", 3: "RGB", 4: "RGBA"}.get(channels, "RGB"))
+        orientation = "bottom-up" if layout == "touchdesigner" else "top-down"
+        s = self._staging
+        key = (width, height, channels, dtype, order, orientation)
+        if s is None or (s.spec.width, s.spec.height, s.spec.channels, s.spec.dtype, s.spec.order,
+                         s.spec.orientation) != key:
+            device = pointer_device(device_ptr) if device_ptr is not None else self.config.cuda_device
+            if s is not None:
+                s.close()
+            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1,
+                                                width=width, height=height, channels=channels, dtype=dtype,
+                                                order=order, orientation=orientation)
+        return s
+
+    def _stage_host(self, frame: np.ndarray, layout: str) -> None:
+        h, w, c = frame.shape
+        self._staging_for(w, h, c, frame.dtype.name, layout).write(0, frame)
+
+    # ------------------------------------------------------------------------------------------------
+    # the loop thread
+
+    def _run(self) -> None:
+        while not self._closing:
+            link = self._link
+            now = time.monotonic()
+            if link is None:
+                if self._state in ("dead",) or now < self._next_start:
+                    time.sleep(TICK_S)
+                    continue
+                self._open_link()
+                continue
+            try:
+                messages = link.channel.poll(TICK_S)
+            except zmq.ZMQError as exc:
+                self._fail(link, f"control socket error: {exc}")
+                continue
+            for msg, payload in messages:
+                self._handle(link, msg, payload)
+            self._tick(link, time.monotonic())
+
+    def _open_link(self) -> None:
+        cfg = self.config
+        token = secrets.token_hex(16)
+        endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
+        curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
+                 if cfg.curve_secret_file and cfg.curve_server_public_file else None)
+        try:
+            if cfg.launch:
+                channel = Channel(self._ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+            else:
+                channel = Channel(self._ctx, cfg.endpoint, bind=False, curve=curve)
+        except Exception as exc:
+            if endpoint:
+                endpoint.remove()
+            self._set_state("dead", f"cannot open the control endpoint: {exc}")
+            return
+        proc = None
+        if cfg.launch:
+            args = ["--connect", channel.endpoint, "--config", cfg.engine_config,
+                    "--heartbeat", str(cfg.heartbeat_s), "--hang-timeout", str(cfg.hang_timeout_s),
+                    "--parent-pid", str(_own_pid())]
+            for o in cfg.engine_overrides:
+                args += ["--set", o]
+            if cfg.passthrough:
+                args.append("--passthrough")
+            args += list(cfg.engine_args)
+            try:
+                proc = EngineProcess(engine_argv(cfg.engine_python, *args), cwd=cfg.engine_cwd,
+                                     env={TOKEN_ENV: token})
+            except OSError as exc:
+                channel.close()
+                if endpoint:
+                    endpoint.remove()
+                self._set_state("dead", f"cannot start the engine with {cfg.engine_python!r}: {exc}")
+                return
+        link = Link(next(self._link_ids), channel, proc, endpoint, token if cfg.launch else None, cfg, self._lock)
+        with self._cond:
+            self._link = link
+            self._set_state("starting" if self._restarts == 0 else "restarting",
+                            "launching the engine" if cfg.launch else f"connecting to {cfg.endpoint}")
+        if not cfg.launch:
+            link.send_hello()
+
+    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+        kind = msg["type"]
+        link.heard()
+        with self._cond:
+            if kind == "heartbeat":
+                link.engine_busy_s = msg.get("busy_s") or 0.0
+            elif kind == "hello":
+                problem = link.on_hello(msg)
+                if problem:
+                    self._fail(link, problem)
+            elif kind == "ready":
+                if not link.hello_done:
+                    link.channel.refuse("ready before hello")
+                    return
+                link.on_ready(msg.get("info") or {})
+                self._set_state("running", "engine running")
+                self._pump()
+            elif kind == "status":
+                self._message = msg.get("message", "")
+                if msg["state"] == "error":
+                    self._last_error = self._message
+            elif kind == "frame" and msg["dir"] == "out":
+                self._on_output(link, msg, payload)
+            elif kind == "release" and msg["dir"] == "in":
+                if not link.on_release(msg):
+                    link.channel.refuse(f"release of slot {msg['slot']} that was not published")
+                self._pump()
+                self._cond.notify_all()
+            elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
+                if kind == "stats":
+                    self._engine_stats = msg.get("data") or {}
+                if kind == "ack" and msg["id"] in link.ring_requests:
+                    link.retire_older(link.ring_requests.pop(msg["id"]))
+                elif kind != "stats" or msg["id"] not in link.stats_requests:
+                    self._replies[msg["id"]] = msg
+                    if len(self._replies) > 64:
+                        self._replies.pop(next(iter(self._replies)))
+                link.stats_requests.discard(msg["id"])
+                if kind == "error":
+                    self._last_error = msg["message"]
+                    self._counts["errors"] += 1
+                self._cond.notify_all()
+            elif kind == "error":
+                self._last_error = self._message = f"engine error: {msg['message']}"
+                self._counts["errors"] += 1
+            elif kind == "bye":
+                self._fail(link, f"engine said bye: {msg.get('reason', '')}")
+            else:
+                link.channel.refuse(f"unexpected {kind} message from the engine")
+
+    def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+        ring = link.ring_out
+        if ring is None or msg["gen"] != ring.spec.generation:
+            self._counts["stale"] += 1
+            return
+        try:
+            if self.config.transport == "cuda-ipc":
+                self._out_device = _device_latest(self._out_device, ring)
+                ring.copy_to(msg["slot"], self._out_device, 0)
+                frame = None
+            else:
+                frame = ring.read(msg["slot"], payload)
+        except (ValueError, RuntimeError) as exc:
+            link.channel.refuse(f"output frame: {exc}")
+            return
+        link.send(make("release", dir="out", slot=msg["slot"], gen=msg["gen"]))
+        now = time.monotonic()
+        self._counts["received"] += 1
+        self._out_frame, self._out_seq, self._out_link = frame, msg["seq"], link.id
+        self._out_times.append(now)
+        t0 = self._submit_times.pop(msg["seq"], None)
+        if t0 is not None:
+            self._latencies.append(now - t0)
+        if self._collect is not None:
+            self._collect[msg["seq"]] = frame if frame is not None else self._output_array()
+        self._cond.notify_all()
+
+    def _tick(self, link: Link, now: float) -> None:
+        cfg = self.config
+        problem = link.check(now)
+        if problem:
+            self._fail(link, problem)
+            return
+        link.maybe_heartbeat(now)
+        if link.ready and now - link.last_stats > STATS_INTERVAL_S:
+            link.request_stats(next(self._ids))
+        if link.ready and now - link.ready_at > STABLE_AFTER_S:
+            self._backoff = cfg.restart_backoff_s
+        with self._lock:
+            self._pump()
+
+    def _fail(self, link: Link, reason: str) -> None:
+        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart."""
+        with self._cond:
+            if self._link is not link:
+                return
+            self._link = None
+            self._log_tail = link.log_tail()
+        link.teardown(reason, self.config.stop_timeout_s)
+        with self._cond:
+            self._log_tail = link.log_tail()
+            if self.config.restart and not self._closing:
+                self._restarts += 1
+                self._next_start = time.monotonic() + self._backoff
+                self._set_state("restarting", f"{reason}; restarting in {self._backoff:.1f} s")
+                self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
+            else:
+                self._set_state("dead", reason)
+
+    def _set_state(self, state: str, message: str) -> None:
+        with self._cond:
+            self._state, self._message = state, message
+            self._cond.notify_all()
+
+
+def _device_latest(current: Any, ring: Any) -> Any:
+    """A one-slot device buffer shaped like the output ring (the newest output lives there)."""
+    from host_bridge.transport_cuda import CudaRing
+
+    s = ring.spec
+    if current is not None and (current.spec.width, current.spec.height, current.spec.channels,
+                                current.spec.dtype) == (s.width, s.height, s.channels, s.dtype):
+        return current
+    if current is not None:
+        current.close()
+    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, width=s.width,
+                           height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
+                           orientation=s.orientation)
+
+
+def _own_pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]

@@ -1,0 +1,228 @@
+"""One connection to one engine instance: handshake, rings, slots, liveness, teardown.
+
+A restart is a new `Link` (new socket, new endpoint, new token, new rings), so nothing from a dead
+engine (queued messages, half-written slots) can leak into the next one. The `Bridge` holds its
+lock while calling into a link, except for `teardown`, which may wait for a process to exit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from host_bridge.channel import Channel, PrivateEndpoint
+from host_bridge.config import BridgeConfig
+from host_bridge.launcher import EngineProcess
+from host_bridge.protocol import TRANSPORTS, make
+from host_bridge.transport import Ring, SlotTracker, create_ring
+
+
+class Link:
+    def __init__(self, link_id: int, channel: Channel, proc: EngineProcess | None, endpoint: PrivateEndpoint | None,
+                 token: str | None, cfg: BridgeConfig, lock: threading.RLock):
+        self.id = link_id
+        self.channel = channel
+        self.proc = proc
+        self.endpoint = endpoint
+        self.token = token
+        self.cfg = cfg
+        self._lock = lock
+        now = time.monotonic()
+        self.phase = "hello"
+        self.hello_deadline = now + cfg.handshake_timeout_s
+        self.load_deadline = float("inf")
+        self.last_heard = now
+        self.last_beat = 0.0
+        self.last_stats = 0.0
+        self.ready_at = float("inf")
+        self.engine_busy_s = 0.0
+        self.engine_pid: int | None = None
+        self.engine_info: dict[str, Any] = {}
+        self.ring_in: Ring | None = None
+        self.ring_out: Ring | None = None
+        self.in_tracker: SlotTracker | None = None
+        self.retired: list[Ring] = []
+        self.generation = 0
+        self.ring_requests: dict[int, int] = {}
+        self.stats_requests: set[int] = set()
+        self._request_ids = iter(range(1 << 40, 1 << 62))  # apart from the Bridge's own request ids
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else self.engine_pid
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "running"
+
+    @property
+    def hello_done(self) -> bool:
+        return self.phase != "hello"
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+    def send(self, msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
+        return self.channel.send(msg, payload)
+
+    def send_hello(self) -> None:
+        self.send(make("hello", role="host", token=self.token or "", pid=os.getpid(), transports=list(TRANSPORTS),
+                       software="loom host_bridge"))
+
+    def on_hello(self, msg: dict[str, Any]) -> str | None:
+        if self.phase != "hello":
+            self.channel.refuse("second hello")
+            return None
+        if msg["role"] != "engine":
+            return f"handshake: peer says it is a {msg['role']}, expected an engine"
+        if self.token is not None and msg["token"] != self.token:
+            return "handshake: the engine's token does not match the one it was launched with"
+        if self.cfg.transport not in msg.get("transports", []):
+            return f"handshake: the engine does not offer transport {self.cfg.transport!r} ({msg.get('transports')})"
+        self.engine_pid = msg["pid"]
+        if self.cfg.launch:  # we bound, the engine spoke first: answer
+            self.send_hello()
+        self.phase = "loading"
+        self.load_deadline = time.monotonic() + self.cfg.load_timeout_s
+        return None
+
+    def on_ready(self, info: dict[str, Any]) -> None:
+        self.phase = "running"
+        self.engine_info = info
+        self.ready_at = time.monotonic()
+
+    def on_release(self, msg: dict[str, Any]) -> bool:
+        if self.ring_in is None or msg["gen"] != self.ring_in.spec.generation:
+            return True  # a slot of a retired ring: nothing to do
+        return self.in_tracker.release(msg["slot"])
+
+    # -- frames ---------------------------------------------------------------------------------------
+
+    def write_frame(self, seq: int, frame: np.ndarray | None, staging: Any, t: float) -> bool:
+        """Copy a frame (host array, or the cuda staging buffer when frame is None) into a free slot
+        and publish it. False when no slot is free."""
+        self._ensure_rings(frame, staging)
+        slot = self.in_tracker.acquire()
+        if slot is None:
+            return False
+        try:
+            if frame is None:
+                staging.copy_to(0, self.ring_in, slot)
+                payload: list[Any] = []
+            else:
+                payload = self.ring_in.write(slot, frame)
+        except Exception:
+            self.in_tracker.unacquire(slot)
+            raise
+        self.in_tracker.publish(slot)
+        nbytes = len(payload[0]) if payload else None
+        self.send(make("frame", dir="in", slot=slot, seq=seq, gen=self.generation, t=time.time(), nbytes=nbytes),
+                  payload)
+        return True
+
+    def _ensure_rings(self, frame: np.ndarray | None, staging: Any) -> None:
+        if frame is None:
+            s = staging.spec
+            want = dict(width=s.width, height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
+                        orientation=s.orientation)
+            extra = dict(device=staging.device)
+        else:
+            h, w, c = frame.shape
+            want = dict(width=w, height=h, channels=c, dtype=frame.dtype.name, order="RGB", orientation="top-down")
+            extra = dict(encoding=self.cfg.encoding, jpeg_quality=self.cfg.jpeg_quality) \
+                if self.cfg.transport == "tcp" else {}
+        if self.ring_in is not None:
+            s = self.ring_in.spec
+            if all(getattr(s, k) == v for k, v in want.items()):
+                return
+            self.retired += [self.ring_in, self.ring_out]
+        self.generation += 1
+        common = dict(slots=self.cfg.ring_slots, generation=self.generation, **want, **extra)
+        self.ring_in = self.ring_out = None
+        self.ring_in = create_ring(self.cfg.transport, "in", **common)
+        self.ring_out = create_ring(self.cfg.transport, "out", **common)
+        self.in_tracker = SlotTracker(self.cfg.ring_slots)
+        for ring in (self.ring_in, self.ring_out):
+            rid = next(self._request_ids)
+            self.ring_requests[rid] = self.generation
+            self.send(make("ring", id=rid, spec=ring.spec.to_dict()))
+
+    def retire_older(self, generation: int) -> None:
+        """The engine attached generation `generation`: older rings can go."""
+        keep = []
+        for ring in self.retired:
+            if ring.spec.generation < generation:
+                ring.close()
+            else:
+                keep.append(ring)
+        self.retired = keep
+
+    # -- liveness ------------------------------------------------------------------------------------
+
+    def check(self, now: float) -> str | None:
+        """A reason to give up on this engine, or None."""
+        if self.proc is not None and not self.proc.alive:
+            return f"engine exited with code {self.proc.returncode}"
+        if self.phase == "hello":
+            if now > self.hello_deadline:
+                return f"no handshake from the engine within {self.cfg.handshake_timeout_s:.1f} s"
+            return None
+        silent = now - self.last_heard
+        if silent > self.cfg.hang_timeout_s:
+            return f"engine silent for {silent:.1f} s (hung or unreachable)"
+        if self.phase == "loading" and now > self.load_deadline:
+            return f"engine not ready within {self.cfg.load_timeout_s:.0f} s"
+        return None
+
+    def maybe_heartbeat(self, now: float) -> None:
+        if self.phase != "hello" and now - self.last_beat >= self.cfg.heartbeat_s:
+            self.last_beat = now
+            self.send(make("heartbeat", t=time.time()))
+
+    def request_stats(self, rid: int) -> None:
+        self.last_stats = time.monotonic()
+        self.stats_requests.add(rid)
+        if len(self.stats_requests) > 16:
+            self.stats_requests.pop()
+        self.send(make("stats", id=rid))
+
+    def segment_names(self) -> list[str]:
+        """Shared-memory segments this link owns (shm transport), for diagnostics and tests."""
+        rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
+        return [h for r in rings if r.spec.transport == "shm" for h in r.spec.handles]
+
+    def log_tail(self) -> list[str]:
+        return self.proc.log_tail() if self.proc else []
+
+    # -- teardown ------------------------------------------------------------------------------------
+
+    def say_bye(self) -> None:
+        try:
+            self.send(make("bye", reason="host closing"))
+            self.channel.poll(0)  # flush the outbox now: the loop thread is gone
+        except Exception:
+            pass
+
+    def teardown(self, reason: str, timeout_s: float) -> None:
+        """Stop the engine (bye, then terminate, wait, kill the tree) and remove everything we own."""
+        if reason == "closed":
+            self.say_bye()
+        if self.proc is not None:
+            if reason == "closed":
+                deadline = time.monotonic() + timeout_s
+                while self.proc.alive and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            self.proc.stop(timeout_s)
+        self.channel.close()
+        with self._lock:
+            rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
+            self.ring_in = self.ring_out = None
+            self.retired = []
+        for ring in rings:
+            ring.close()
+        if self.endpoint is not None:
+            self.endpoint.remove()

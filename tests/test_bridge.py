@@ -1,0 +1,255 @@
+"""Two real processes over shared memory: the Bridge in this process, `loom serve --passthrough` in another.
+
+Checks what a host relies on: exact content and order, a non-blocking frame loop through an
+engine crash or hang, restart, and nothing left behind (processes, segments, sockets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host_bridge import Bridge, BridgeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHM = Path("/dev/shm")
+posix_only = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory under /dev/shm")
+
+
+def _config(**kw) -> BridgeConfig:
+    base = dict(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0,
+                restart_backoff_s=0.2, stop_timeout_s=1.0)
+    return BridgeConfig(**{**base, **kw})
+
+
+def _segments() -> set[str]:
+    return {p.name for p in SHM.glob("loom_*")} if SHM.is_dir() else set()
+
+
+def _gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _frame(i: int, h: int = 48, w: int = 64) -> np.ndarray:
+    """A frame whose content identifies its index."""
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@posix_only
+def test_thousand_frames_round_trip_in_order_with_exact_content():
+    with Bridge(_config()) as bridge:
+        bridge.wait_running(30)
+        frames = [_frame(i) for i in range(1000)]
+        outputs = bridge.process(frames, timeout_s=60)
+        assert len(outputs) == 1000
+        for i, (a, b) in enumerate(zip(frames, outputs)):
+            assert np.array_equal(a, b), f"frame {i} differs"
+        segment_names = set(bridge.stats()["segments"])
+        assert len(segment_names) == 2 and segment_names <= _segments()  # one ring per direction
+        for name in segment_names:
+            assert (SHM / name).stat().st_mode & 0o777 == 0o600
+        pid = bridge.stats()["engine_pid"]
+        # live mode: every output that arrives is the exact frame submitted with that sequence number
+        sent = {}
+        last_seq = -1
+        for i in range(200):
+            f = _frame(5000 + i)
+            bridge.submit(f)
+            sent[bridge.last_seq] = f
+            time.sleep(0.002)
+            out, status = bridge.latest()
+            if not status.fallback:
+                assert status.seq >= last_seq
+                last_seq = status.seq
+                assert status.seq < 1000 or np.array_equal(out, sent[status.seq])
+        assert last_seq >= 1000 and len(sent) == 200
+    assert _gone(pid)
+    assert not (_segments() & segment_names)
+
+
+@posix_only
+def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
+    period = 1 / 30
+    bridge = Bridge(_config()).start()
+    try:
+        bridge.wait_running(30)
+        first_pid = bridge.stats()["engine_pid"]
+        i = 0
+        while bridge.status().frames_out < 10:
+            bridge.submit(_frame(i))
+            i += 1
+            time.sleep(period)
+        first_segments = set(bridge.stats()["segments"])
+        assert first_segments and first_segments <= _segments()
+        os.kill(first_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        worst = 0.0
+        saw_fallback = saw_down = False
+        recovered_at = None
+        while time.monotonic() - killed_at < 15:
+            f = _frame(i)
+            t0 = time.monotonic()
+            bridge.submit(f)
+            out, status = bridge.latest()
+            worst = max(worst, time.monotonic() - t0)
+            if status.state != "running":
+                saw_down = True
+                assert status.fallback and np.array_equal(out, f)  # pass-through fallback: the frame just given
+                saw_fallback = True
+            elif saw_down and not status.fallback and status.seq > i - 30:
+                recovered_at = time.monotonic()
+                break
+            i += 1
+            time.sleep(period)
+        assert saw_fallback and recovered_at is not None, bridge.status()
+        assert recovered_at - killed_at < 10
+        assert worst < period, f"a host call blocked {worst * 1000:.1f} ms"
+        assert bridge.status().restarts == 1
+        assert _gone(first_pid)
+        assert not (_segments() & first_segments), "the dead engine's segments were not removed"
+        second_pid = bridge.stats()["engine_pid"]
+        second_segments = set(bridge.stats()["segments"])
+        assert second_pid != first_pid and second_segments
+    finally:
+        bridge.close()
+    assert _gone(second_pid)
+    assert not (_segments() & second_segments)
+
+
+@posix_only
+def test_hung_engine_is_detected_within_two_seconds_and_replaced():
+    bridge = Bridge(_config(stop_timeout_s=0.3)).start()
+    try:
+        bridge.wait_running(30)
+        pid = bridge.stats()["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while bridge.status().state == "running" and time.monotonic() - stopped_at < 5:
+            bridge.submit(_frame(0))
+            time.sleep(0.02)
+        assert time.monotonic() - stopped_at < 2.0, "hang not detected within 2 s"
+        assert "silent" in bridge.status().message
+        bridge.wait_running(15)
+        assert bridge.stats()["engine_pid"] != pid
+        assert _gone(pid)  # the stopped process was killed, not left behind
+    finally:
+        bridge.close()
+
+
+@posix_only
+def test_stalled_engine_never_grows_host_memory():
+    bridge = Bridge(_config(engine_args=["--stall-after", "5"])).start()
+    try:
+        bridge.wait_running(30)
+        frame = _frame(1, 128, 128)  # 48 KiB per frame: 3,000 leaked frames would be 147 MiB
+        for _ in range(50):
+            bridge.submit(frame)
+        time.sleep(0.3)
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(3000):
+            assert bridge.submit(frame) in (True, False)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        stats = bridge.stats()
+        assert grown < 2 * 2**20, f"host memory grew by {grown / 2**20:.1f} MiB"
+        assert stats["in_flight"] <= bridge.config.ring_slots
+        assert stats["submitted"] == 3050
+        assert stats["submitted"] - stats["sent"] <= stats["dropped"] + 1  # every frame not sent is counted
+        assert bridge.status().state == "running"  # stalled is not dead: it keeps its heartbeat
+    finally:
+        bridge.close()
+
+
+HOST_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from host_bridge import Bridge, BridgeConfig
+    b = Bridge(BridgeConfig(passthrough=True, engine_cwd=sys.argv[1])).start()
+    b.wait_running(30)
+    b.submit(np.zeros((16, 16, 3), np.uint8))
+    while b.status().frames_out < 1:
+        time.sleep(0.01)
+    print(b.stats()["engine_pid"], b.stats()["endpoint"], " ".join(b.stats()["segments"]), flush=True)
+    time.sleep(60)
+""")
+
+
+@posix_only
+def test_engine_exits_and_removes_segments_when_its_host_dies():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, str(ROOT)], stdout=subprocess.PIPE, env=env)
+    try:
+        pid_text, endpoint, *names = host.stdout.readline().decode().split()
+        engine_pid, names = int(pid_text), set(names)
+        private_dir = Path(endpoint.removeprefix("ipc://")).parent
+        assert private_dir.is_dir() and private_dir.stat().st_mode & 0o777 == 0o700
+        assert len(names) == 2 and names <= _segments()
+        host.kill()
+        host.wait()
+        assert _gone(engine_pid, 5.0), "engine outlived its host"
+        assert not (_segments() & names), "segments left after the host died"
+        assert not private_dir.exists(), "the private endpoint directory was left behind"
+    finally:
+        host.kill()
+
+
+@posix_only
+def test_segments_of_dead_owners_are_swept():
+    from host_bridge.transport import create_ring
+    from host_bridge.transport_shm import _open
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"loom_{dead.pid}_0123456789ab"
+    _open(name, create=True, size=64).close()  # a crashed owner's segment
+    ring = create_ring("shm", "in", slots=2, width=4, height=4)
+    try:
+        assert name not in _segments()
+        assert ring.spec.handles[0].startswith(f"loom_{os.getpid()}_")
+    finally:
+        ring.close()
+
+
+def test_settings_fail_with_key_value_and_allowed():
+    from host_bridge.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"transport: 'udp' is not allowed; expected one of 'shm'"):
+        BridgeConfig(transport="udp")
+    with pytest.raises(ConfigError, match="ring_slots"):
+        BridgeConfig(ring_slots=1)
+    with pytest.raises(ConfigError, match="hang_timeout_s"):
+        BridgeConfig(hang_timeout_s=5.0)
+    with pytest.raises(ConfigError, match="endpoint: required"):
+        BridgeConfig(launch=False)
+    with pytest.raises(ConfigError, match="unknown key"):
+        BridgeConfig.from_dict({"transprot": "shm"})
+
+
+def test_missing_engine_python_is_reported_not_raised():
+    bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="cannot start the engine"):
+            bridge.wait_running(10)
+        frame = _frame(3)
+        bridge.submit(frame)
+        out, status = bridge.latest()
+        assert status.state == "dead" and np.array_equal(out, frame)
+    finally:
+        bridge.close()

@@ -1,0 +1,61 @@
+"""Format conversion between TouchDesigner, ComfyUI and the engine's uint8 RGB top-down frames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from host_bridge import formats
+
+
+def _rgb(h: int = 5, w: int = 7) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def test_touchdesigner_uint8_is_bgra_bottom_up():
+    rgb = _rgb()
+    td = formats.to_touchdesigner(rgb, np.uint8, 4)
+    assert td.shape == (5, 7, 4) and td.dtype == np.uint8
+    assert np.array_equal(td[-1, 0, :3], rgb[0, 0, ::-1])  # top-left pixel is in the last row, BGR order
+    assert np.all(td[..., 3] == 255)
+    assert np.array_equal(formats.from_touchdesigner(td), rgb)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
+def test_touchdesigner_other_dtypes_are_rgba_and_round_trip_exactly(dtype):
+    rgb = _rgb()
+    td = formats.to_touchdesigner(rgb, dtype, 4)
+    assert td.dtype == dtype
+    assert np.array_equal(formats.to_uint8(td[-1, 0, :3]), rgb[0, 0])  # RGBA, bottom-up
+    assert np.array_equal(formats.from_touchdesigner(td), rgb)
+
+
+def test_value_mapping_rounds_and_clips():
+    assert formats.to_uint8(np.array([0, 257, 65535, 32896], np.uint16)).tolist() == [0, 1, 255, 128]
+    assert formats.to_uint8(np.array([-0.5, 0.0, 0.5, 1.0, 7.0], np.float32)).tolist() == [0, 0, 128, 255, 255]
+
+
+def test_comfyui_images_round_trip():
+    batch = np.stack([_rgb(), _rgb()[::-1]])
+    images = formats.to_comfy(batch)
+    assert images.dtype == np.float32 and images.shape == (2, 5, 7, 3) and images.max() <= 1.0
+    assert np.array_equal(formats.from_comfy(images), batch)
+
+
+def test_to_engine_accepts_grey_rgba_and_copies():
+    rgba = np.dstack([_rgb(), np.zeros((5, 7, 1), np.uint8)])
+    out = formats.to_engine(rgba)
+    assert out.shape == (5, 7, 3) and out.flags.c_contiguous and np.array_equal(out, rgba[..., :3])
+    rgb = _rgb()
+    assert formats.to_engine(rgb) is not rgb
+    grey = formats.to_engine(rgb[..., 0])
+    assert np.array_equal(grey[..., 2], rgb[..., 0])
+
+
+def test_bad_frames_say_what_is_allowed():
+    with pytest.raises(ValueError, match="dtype int32 is not allowed; expected uint8, uint16 or float32"):
+        formats.to_engine(np.zeros((4, 4, 3), np.int32))
+    with pytest.raises(ValueError, match=r"shape \(4, 4, 5\)"):
+        formats.to_engine(np.zeros((4, 4, 5), np.uint8))
+    with pytest.raises(ValueError, match="ComfyUI IMAGE"):
+        formats.from_comfy(np.zeros((4, 4, 3), np.float32))
