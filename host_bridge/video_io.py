@@ -50,7 +50,8 @@ class MediaError(ValueError):
 class FrameSource:
     """Iterable of uint8 RGB frames ``[H, W, 3]`` with the stream's rate and size.
 
-    ``frame_count`` is None when unknown (live inputs, some containers). Use as a context
+    ``frame_count`` is exact when the file records it, estimated from the duration otherwise
+    (MKV), and None for cameras and network streams (``is_live``). Use as a context
     manager or call ``close()``; iteration ends at the end of the input.
     """
 
@@ -127,7 +128,8 @@ class _AVSource(FrameSource):
         self._name = name
         self._timeout = read_timeout
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
+        # Frame threads buffer several frames: fine for files, added latency for live streams.
+        stream.thread_type = "SLICE" if is_url else "AUTO"
         self._frames = container.decode(stream)
         try:
             first = self._decode_next()
@@ -140,9 +142,9 @@ class _AVSource(FrameSource):
         self._pending: np.ndarray | None = first
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         fps = float(rate) if rate else FALLBACK_CAMERA_FPS
-        count = int(stream.frames) if stream.frames and not is_url else None
+        count = None if is_url else _frame_count(stream, container, fps)
         height, width = first.shape[:2]
-        super().__init__(name, fps, width, height, count, is_live=is_url and count is None)
+        super().__init__(name, fps, width, height, count, is_live=is_url)
 
     def _decode_next(self) -> np.ndarray | None:
         import av
@@ -165,6 +167,17 @@ class _AVSource(FrameSource):
 
     def _close(self) -> None:
         self._container.close()
+
+
+def _frame_count(stream: Any, container: Any, fps: float) -> int | None:
+    """Frames in a file: as recorded by the container, else estimated from the duration."""
+    if stream.frames:
+        return int(stream.frames)
+    if stream.duration and stream.time_base:
+        return max(1, round(float(stream.duration * stream.time_base) * fps))
+    if container.duration:
+        return max(1, round(container.duration / 1e6 * fps))  # container.duration is in microseconds
+    return None
 
 
 class _CameraSource(FrameSource):

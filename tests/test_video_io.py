@@ -26,6 +26,19 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_bound(port: int, timeout_s: float = 10.0) -> None:
+    """Wait until someone (the PyAV reader) holds the UDP port: our own bind then fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the reader never bound udp port {port}")
+
+
 def _make_clip_with_audio(path: Path, audio_codec: str, video_s: float, audio_s: float) -> None:
     """A small clip (h264 video + a 440 Hz tone) written with PyAV, audio longer than video."""
     fps, rate, width, height = 24, 48000, 64, 48
@@ -98,6 +111,7 @@ def test_file_written_reads_back(tmp_path: Path, suffix: str) -> None:
         assert sink.frames_written == 20
     with open_source(path) as src:
         assert src.size == (96, 64) and src.fps == pytest.approx(24.0)
+        assert src.frame_count == 20 and not src.is_live
         back = list(src)
     assert len(back) == 20
     error = np.abs(np.stack(back).astype(np.float32) - np.stack(frames)).mean()
@@ -121,7 +135,7 @@ def test_udp_mpegts_sink_reaches_a_pyav_reader() -> None:
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
-    time.sleep(0.5)  # let the reader bind the port
+    _wait_until_bound(port)
     frames = list(generate_clip(48, (160, 96), 24, seed=2))
     with open_sink(f"udp://127.0.0.1:{port}", 24, (160, 96)) as sink:
         assert sink.is_network
@@ -169,6 +183,16 @@ def test_unreachable_url_fails_fast() -> None:
         port = s.getsockname()[1]
     with pytest.raises(MediaError, match=f"rtsp://127.0.0.1:{port}/live: cannot open"):
         open_source(f"rtsp://127.0.0.1:{port}/live")
+
+
+def test_srt_without_a_peer_or_without_support_is_a_clear_error() -> None:
+    """This PyAV build may lack SRT (libsrt); either way the message names the URL and the reason."""
+    port = _free_udp_port()
+    pattern = rf"srt://127\.0\.0\.1:{port}: (this FFmpeg build .* does not support|cannot|no answer)"
+    with pytest.raises(MediaError, match=pattern):
+        open_source(f"srt://127.0.0.1:{port}", open_timeout=1.0)
+    with pytest.raises(MediaError, match=pattern):
+        open_sink(f"srt://127.0.0.1:{port}", 24, (64, 48))
 
 
 def test_silent_stream_times_out() -> None:
