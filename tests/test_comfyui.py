@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,19 @@ def test_stream_returns_every_frame_in_order_passthrough(nodes_pkg):
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == images.shape
     assert torch.equal(out, images)  # content exact: order kept, nothing lost or duplicated
     assert "running" in status
+    session = _engine_session_stats(handle.bridge, lambda s: s.get("prompt") == "stained glass")
+    assert session["params"] == {"steps": [700], "noise_scale": 0.6, "motion_aware": False}
+
+
+def _engine_session_stats(bridge, ready, timeout_s: float = 10.0) -> dict:
+    """The engine's own report (sent about once a second) once `ready(report)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        session = bridge.stats()["engine"].get("session") or {}
+        if ready(session):
+            return session
+        time.sleep(0.1)
+    raise AssertionError(f"engine never reported the expected state: {bridge.stats()['engine']}")
 
 
 def test_prompt_node_refuses_bad_values(nodes_pkg):

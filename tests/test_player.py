@@ -16,12 +16,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from plugin.live_params import STEP_LISTS
-from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput
+from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,8 +135,8 @@ def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
 
     def reader() -> None:
         try:
-            # PyAV (FFmpeg) listens on the port; 5 s without data ends the read.
-            with av.open(f"udp://127.0.0.1:{port}?timeout=5000000", format="mpegts", timeout=(15, 5)) as c:
+            # PyAV (FFmpeg) listens on the port; 2 s without data ends the read.
+            with av.open(f"udp://127.0.0.1:{port}?timeout=2000000", format="mpegts", timeout=(15, 2)) as c:
                 for frame in c.decode(video=0):
                     received.append(frame.to_ndarray(format="rgb24"))
         except Exception as exc:  # end of stream shows up as a timeout error
@@ -239,6 +240,9 @@ class RecordingBridge:
     def set_params(self, **kw) -> None:
         self.params.append(kw)
 
+    def status(self):
+        return SimpleNamespace(state="running", restarts=0)
+
 
 def _controls(*prompts: str) -> Controls:
     return Controls(ControlState(prompts=list(prompts) or ["a", "b"]))
@@ -246,6 +250,7 @@ def _controls(*prompts: str) -> Controls:
 
 def test_keys_change_steps_noise_prompt_and_quit():
     controls, bridge = _controls("ink", "oil"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
     keys = KeyboardInput(controls)
     for key in "3]]n":
         keys.press(ord(key))
@@ -258,6 +263,24 @@ def test_keys_change_steps_noise_prompt_and_quit():
     controls.apply_pending(bridge)
     assert bridge.prompts[-1] == ("neon", None)
     assert controls.state.quit
+
+
+def test_controls_reach_an_engine_that_starts_later_and_a_restarted_one():
+    controls, bridge = _controls("ink"), RecordingBridge()
+    state = SimpleNamespace(state="starting", restarts=0)
+    bridge.status = lambda: state
+    controls.put(Command("prompt", ("velvet", 4)))
+    controls.put(steps_command(1))
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [] and bridge.params == []  # a starting engine would drop them
+    state.state = "running"
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [("velvet", 0)] and bridge.params == [{"steps": STEP_LISTS[1]}]
+    controls.apply_pending(bridge)
+    assert len(bridge.prompts) == 1  # sent once
+    state.restarts = 1  # the engine crashed and came back: a fresh process gets everything again
+    controls.apply_pending(bridge)
+    assert bridge.prompts[-1] == ("velvet", 0) and bridge.params[-1] == {"steps": STEP_LISTS[1]}
 
 
 def test_typing_a_prompt_can_be_cancelled():
@@ -291,6 +314,7 @@ def test_osc_server_feeds_the_controls():
     from plugin.player.osc import OSCServer
 
     controls, bridge = _controls("ink"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
     server = OSCServer(controls, "127.0.0.1", 0)
     try:
         client = SimpleUDPClient(*server.address)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from host_bridge.formats import from_touchdesigner, to_engine
 
+from host_bridge.formats import from_touchdesigner, to_engine
 from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
@@ -336,6 +336,17 @@ def test_numpy_path_round_trip_is_exact_in_td_layout(dtype):
         np.testing.assert_array_equal(to_engine(out, order="BGRA", bottom_up=True), want)
         assert ext.numpy_submits > 0 and ext.cuda_submits == 0
         assert comp.par.Fps.eval() >= 0 and comp.par.Dropped.eval() >= 0
+        comp.par.Prompt = "ink wash"  # a live change reaches the engine process
+        comp.par.Steps = 3
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            script.cook()
+            session = ext.bridge.stats()["engine"].get("session") or {}
+            if session.get("prompt") == "ink wash" and session["params"].get("steps") == STEP_LISTS[3]:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"engine never got the new prompt/steps: {ext.bridge.stats()['engine']}")
     finally:
         comp.par.Active = False
     assert ext.bridge is None and comp.par.State.eval() == "stopped"
@@ -431,7 +442,8 @@ def test_parameter_changes_reach_the_engine():
     comp, script, ext = _make_component(InputTOP(_td_texture(16, 16)))
     sent: list[tuple[str, Any]] = []
     ext.bridge = SimpleNamespace(set_prompt=lambda text, transition_chunks=None: sent.append(("prompt", text)),
-                                 set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None)
+                                 set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None,
+                                 status=lambda: SimpleNamespace(state="running", restarts=0))
     comp.par.Prompt = "liquid chrome"
     comp.par.Steps = 1
     comp.par.Noisescale = 0.5
@@ -477,7 +489,8 @@ def test_osc_in_dat_sets_parameters_that_reach_the_engine():
     comp, script, ext = _make_component(InputTOP(_td_texture(8, 8)))
     sent: list[tuple[str, Any]] = []
     ext.bridge = SimpleNamespace(set_prompt=lambda text, transition_chunks=None: sent.append(("prompt", text)),
-                                 set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None)
+                                 set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None,
+                                 status=lambda: SimpleNamespace(state="running", restarts=0))
     dat = SimpleNamespace(parent=lambda: comp)
     osc_in_callbacks.onReceiveOSC(dat, 0, "", b"", 0.0, "/loom/prompt", ["velvet"], None)
     osc_in_callbacks.onReceiveOSC(dat, 0, "", b"", 0.0, "/loom/steps", [3], None)

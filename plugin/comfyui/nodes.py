@@ -28,11 +28,12 @@ STARTUP_TIMEOUT_S = 300.0
 
 @dataclass
 class EngineHandle:
-    """What flows along a LOOM_ENGINE wire: the bridge and the settings it was started with."""
+    """What flows along a LOOM_ENGINE wire: the bridge, its settings, and the prompt/params to keep sent."""
 
     key: str
     bridge: Any
     settings: dict[str, Any]
+    controls: Any = None  # plugin.live_params.ControlSync
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -52,7 +53,9 @@ class EngineRegistry:
         with self._lock:
             handle = self._engines.get(key)
             if handle is None:
-                handle = EngineHandle(key, _start_bridge(settings), dict(settings))
+                from plugin.live_params import ControlSync
+
+                handle = EngineHandle(key, _start_bridge(settings), dict(settings), ControlSync())
                 self._engines[key] = handle
             return handle
 
@@ -105,6 +108,7 @@ def _images_to_frames(images: Any) -> np.ndarray:
 
 def _frames_to_images(frames: list[np.ndarray]) -> Any:
     import torch
+
     from host_bridge.formats import to_comfy
 
     return torch.from_numpy(to_comfy(np.stack(frames)))
@@ -188,8 +192,9 @@ class LoomPrompt:
             params = engine_params(steps, noise_scale, motion_aware)
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None
-        engine.bridge.set_prompt(prompt.strip(), transition_chunks=transition_chunks)
-        engine.bridge.set_params(**params)
+        engine.controls.set_prompt(prompt.strip(), transition_chunks=transition_chunks)
+        engine.controls.set_params(**params)
+        engine.controls.sync(engine.bridge)  # now if the engine runs, else before the next stream
         return (engine,)
 
 
@@ -224,6 +229,8 @@ class LoomStream:
     def stream(self, engine: EngineHandle, images: Any, timeout_s: float = 0.0) -> tuple[Any, str]:
         frames = _images_to_frames(images)
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
+        engine.bridge.wait_running(limit)
+        engine.controls.sync(engine.bridge)
         outs = engine.bridge.process(list(frames), timeout_s=limit)
         if len(outs) != len(frames):
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")

@@ -172,9 +172,8 @@ class Player:
             self._open_outputs()
             self._start_engine()
             self._start_osc()
-            first = self.controls.state
-            if self.opts.prompts:
-                self.bridge.set_prompt(first.prompt)
+            if self.opts.prompts:  # sent as soon as the engine runs (and again to a restarted one)
+                self.controls.sync.set_prompt(self.controls.state.prompt)
             live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
             if live:
                 self._run_live()

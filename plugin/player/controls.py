@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.live_params import NOISE_SCALE_RANGE, STEP_LISTS
+from plugin.live_params import NOISE_SCALE_RANGE, STEP_LISTS, ControlSync
 
 NOISE_SCALE_KEY_STEP = 0.05
 
@@ -108,6 +108,7 @@ class Controls:
 
     def __init__(self, state: ControlState) -> None:
         self.state = state
+        self.sync = ControlSync()
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     def put(self, command: Command) -> None:
@@ -125,7 +126,7 @@ class Controls:
                 return out
 
     def apply_pending(self, bridge: Any) -> list[str]:
-        """Apply every queued command to the state, then send the engine one update per setting.
+        """Apply every queued command to the state; the engine gets one update per setting when it runs.
 
         Returns what changed, one line per command, for the status display and the log.
         """
@@ -136,10 +137,10 @@ class Controls:
             self._apply(command, changes)
             done.append(self.state.message)
         if "prompt" in changes:
-            text, chunks = changes.pop("prompt")
-            bridge.set_prompt(text, transition_chunks=chunks)
+            self.sync.set_prompt(*changes.pop("prompt"))
         if changes:
-            bridge.set_params(**changes)
+            self.sync.set_params(**changes)
+        self.sync.sync(bridge)
         return done
 
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:

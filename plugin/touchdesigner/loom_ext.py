@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from plugin.live_params import ControlSync
+
 OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
 
@@ -35,6 +37,7 @@ class LoomExt:
         self.numpy_submits = 0
         self.last_error = ""
         self.device_output: Any = None
+        self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -63,7 +66,7 @@ class LoomExt:
             self.bridge = None
             self._error(f"cannot start the engine: {exc}")
             return
-        self._send_controls()
+        self._record_controls()
         par.State = "starting"
         par.Message = ""
 
@@ -88,10 +91,12 @@ class LoomExt:
         elif self.bridge is None:
             return
         elif name in ("Prompt", "Transition"):
-            self.bridge.set_prompt(str(self.ownerComp.par.Prompt.eval()),
-                                   transition_chunks=int(self.ownerComp.par.Transition.eval()))
+            self.controls.set_prompt(str(self.ownerComp.par.Prompt.eval()),
+                                     transition_chunks=int(self.ownerComp.par.Transition.eval()))
+            self.controls.sync(self.bridge)
         elif name in ("Steps", "Noisescale", "Motionaware"):
-            self.bridge.set_params(**self._params())
+            self.controls.set_params(**self._params())
+            self.controls.sync(self.bridge)
         elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
             self.Start()
@@ -108,10 +113,12 @@ class LoomExt:
         par = self.ownerComp.par
         return engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()), bool(par.Motionaware.eval()))
 
-    def _send_controls(self) -> None:
+    def _record_controls(self) -> None:
+        """Everything on the Loom page, to be sent as soon as the new engine runs."""
         par = self.ownerComp.par
-        self.bridge.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
-        self.bridge.set_params(**self._params())
+        self.controls = ControlSync()
+        self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+        self.controls.set_params(**self._params())
 
     # --- the cook ----------------------------------------------------------------------------
 
@@ -124,6 +131,7 @@ class LoomExt:
         if self.bridge is None:
             scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
             return
+        self.controls.sync(self.bridge)
         if self._use_cuda():
             status = self._cook_cuda(scriptOp, top)
         else:
