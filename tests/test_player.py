@@ -400,3 +400,37 @@ def test_window_keys_drive_a_live_run(tmp_path):
     assert proc.returncode == 0, err
     assert "steps: 3" in err and "prompt: oil" in err and "prompt: glow" in err
     assert len(_decode(dst)) > 0
+
+
+def _clip_with_audio(path: Path, n: int = 25, fps: int = 25, size: int = 64) -> None:
+    import av
+
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264" if "libx264" in av.codecs_available else "h264", rate=fps)
+        video.width = video.height = size
+        video.pix_fmt = "yuv420p"
+        audio = out.add_stream("aac", rate=44100, layout="mono")
+        for i in range(n):
+            img = np.full((size, size, 3), (i * 9) % 256, np.uint8)
+            out.mux(video.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(44100 * n // fps) / 44100)).astype(np.float32)
+        for start in range(0, len(tone), 1024):
+            frame = av.AudioFrame.from_ndarray(tone[None, start:start + 1024], format="fltp", layout="mono")
+            frame.sample_rate = 44100
+            out.mux(audio.encode(frame))
+        out.mux(video.encode(None))
+        out.mux(audio.encode(None))
+
+
+def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
+    import av
+
+    src, dst = tmp_path / "with_audio.mp4", tmp_path / "out.mp4"
+    _clip_with_audio(src)
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    with av.open(str(dst)) as c:
+        assert c.streams.audio, "the output lost the audio track"
+        seconds = sum(f.samples for f in c.decode(audio=0)) / c.streams.audio[0].rate
+    assert 0.8 < seconds < 1.2  # one second of video, one second of sound
+    assert len(_decode(dst)) == 25

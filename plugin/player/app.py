@@ -247,9 +247,17 @@ class Player:
         period = 1.0 / self.source.fps if self.source.fps else 0.0
         pace = not self.source.is_live  # a file played live runs at its own rate
         next_due = time.monotonic()
+        ran = False
         for frame in self._frames():
             self.bridge.submit(frame)
             out, status = self.bridge.latest()
+            ran = ran or _is_ready(status)
+            # A show goes on through engine restarts (the fallback fills in), but an engine that
+            # never came up, or cannot be started at all, ends the run with its reason.
+            if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
+                last_error = self.bridge.stats().get("last_error")
+                raise _engine_error("the engine did not start", status,
+                                    [*status.log_tail, last_error] if last_error else None)
             self._emit(frame if out is None else out)
             self.printer.update(live_line(self.frames_out, status))
             if pace:
