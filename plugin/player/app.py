@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.options import (
+    DEFAULT_GENERATED_FRAMES,
     DEFAULT_OUTPUT,
     EXIT_ENGINE_FAILED,
     EXIT_INTERRUPTED,
@@ -68,16 +71,17 @@ class Player:
         self._last_out: np.ndarray | None = None
         self._started = time.monotonic()
         self._stream_started = self._started
+        # A restart starts a new, empty log: keep the last tail and engine error that said something.
+        self._log_tail: list[str] = []
+        self._last_error = ""
 
     # --- set-up ------------------------------------------------------------------------------
 
     def _open_source(self) -> None:
-        from host_bridge.video_io import MediaError, generate_clip, open_source
-
         o = self.opts
         try:
             if o.uses_generated_clip:
-                n = o.max_frames or 49
+                n = o.max_frames or DEFAULT_GENERATED_FRAMES
                 self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
             else:
                 self.source = open_source(o.input)
@@ -88,7 +92,6 @@ class Player:
         self.size = (w - w % 2, h - h % 2)
 
     def _open_outputs(self) -> None:
-        from host_bridge.video_io import MediaError, open_sink
         from plugin.player.window import PreviewWindow, WindowUnavailable
 
         o = self.opts
@@ -114,10 +117,9 @@ class Player:
         from host_bridge import Bridge, BridgeConfig
 
         o = self.opts
-        overrides = list(o.overrides)
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
-                           engine_overrides=overrides, endpoint=o.endpoint, fallback="passthrough",
+                           engine_overrides=list(o.overrides), endpoint=o.endpoint, fallback="passthrough",
                            passthrough=o.passthrough)
         try:
             self.bridge = Bridge(cfg)
@@ -140,22 +142,17 @@ class Player:
     def _wait_ready(self) -> None:
         """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
         deadline = time.monotonic() + self.opts.startup_timeout_s
-        # A restart starts a new, empty log: keep the last tail and engine error that said something.
-        log_tail: list[str] = []
-        last_error = ""
         while True:
             _, status = self.bridge.latest()
-            log_tail = list(status.log_tail) or log_tail
-            last_error = self.bridge.stats().get("last_error") or last_error
+            self._remember_log(status)
             if _is_ready(status):
                 self._stream_started = time.monotonic()
                 return
-            why = f"the engine did not become ready within {self.opts.startup_timeout_s:g} s" \
-                if time.monotonic() > deadline else None
             if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
-                why = "the engine did not start"
-            if why:
-                raise _engine_error(why, status, [*log_tail, last_error] if last_error else log_tail)
+                raise self._engine_error("the engine did not start", status)
+            if time.monotonic() > deadline:
+                raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
+                                         status)
             self.printer.update(f"starting the engine: {status.message or status.state}")
             self._poll_controls()
             if self.controls.state.quit:
@@ -187,7 +184,7 @@ class Player:
         self._report(interrupted)
         return EXIT_INTERRUPTED if interrupted else EXIT_OK
 
-    def _frames(self):
+    def _frames(self) -> Iterator[np.ndarray]:
         """Input frames cropped to the output size, until the end, `--frames`, or quit."""
         limit = self.opts.max_frames
         w, h = self.size
@@ -203,8 +200,6 @@ class Player:
             yield frame[:h, :w]
 
     def _read(self) -> np.ndarray | None:
-        from host_bridge.video_io import MediaError
-
         try:
             frame = self.source.read()
             if frame is None and self.opts.loop and not self.source.is_live and self.frames_in > 0:
@@ -216,9 +211,8 @@ class Player:
         return frame
 
     def _run_lossless(self) -> None:
-        total = self.opts.max_frames or self.source.frame_count
-        if total is not None and self.opts.max_frames and self.source.frame_count:
-            total = min(self.opts.max_frames, self.source.frame_count)
+        known = [n for n in (self.opts.max_frames, self.source.frame_count) if n]
+        total = min(known) if known and not self.opts.loop else None
         batch: list[np.ndarray] = []
         for frame in self._frames():
             batch.append(frame)
@@ -234,9 +228,7 @@ class Player:
                                        + self.opts.startup_timeout_s)
         except Exception as exc:  # the bridge's failures (engine died, timed out) all end the run the same way
             _, status = self.bridge.latest()
-            last_error = self.bridge.stats().get("last_error")
-            raise _engine_error(f"the engine failed while processing frames: {exc}", status,
-                                [*status.log_tail, last_error] if last_error else None) from None
+            raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
         for out in outs:
             self._emit(out)
             elapsed = time.monotonic() - self._stream_started
@@ -252,12 +244,11 @@ class Player:
             self.bridge.submit(frame)
             out, status = self.bridge.latest()
             ran = ran or _is_ready(status)
+            self._remember_log(status)
             # A show goes on through engine restarts (the fallback fills in), but an engine that
             # never came up, or cannot be started at all, ends the run with its reason.
             if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
-                last_error = self.bridge.stats().get("last_error")
-                raise _engine_error("the engine did not start", status,
-                                    [*status.log_tail, last_error] if last_error else None)
+                raise self._engine_error("the engine did not start", status)
             self._emit(frame if out is None else out)
             self.printer.update(live_line(self.frames_out, status))
             if pace:
@@ -278,8 +269,6 @@ class Player:
         if frame.ndim == 3 and frame.shape[2] == 4:
             frame = frame[..., :3]
         frame = np.ascontiguousarray(frame, dtype=np.uint8)
-        from host_bridge.video_io import MediaError
-
         for sink in self.sinks:
             try:
                 sink.write(frame)
@@ -316,6 +305,16 @@ class Player:
             self._show(self._last_out)
         time.sleep(PAUSE_POLL_S)
 
+    def _remember_log(self, status: Any) -> None:
+        self._log_tail = list(status.log_tail) or self._log_tail
+        self._last_error = self.bridge.stats().get("last_error") or self._last_error
+
+    def _engine_error(self, what: str, status: Any) -> PlayerError:
+        self._remember_log(status)
+        text = f"{what}: {status.message}" if status.message else what
+        lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
+        return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
+
     # --- tear-down ---------------------------------------------------------------------------
 
     def _close(self) -> None:
@@ -345,11 +344,6 @@ def _is_ready(status: Any) -> bool:
 
 def _is_failed(status: Any) -> bool:
     return status.state in ("dead", "stopped")
-
-
-def _engine_error(what: str, status: Any, log_tail: list[str] | None = None) -> PlayerError:
-    text = f"{what}: {status.message}" if status.message else what
-    return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(log_tail or status.log_tail))
 
 
 def run_player(options: PlayerOptions) -> int:
