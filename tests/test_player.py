@@ -105,9 +105,11 @@ def test_real_clip_passthrough_keeps_every_frame_in_order(media_dir, tmp_path):
     assert got.shape == want.shape == (21, 512, 512, 3)
     # H.264 twice (the source and our output) but the same frames in the same order: high PSNR per
     # frame, and each output frame is closest to its own input frame (a shift would break this).
+    small_got, small_want = got[:, ::4, ::4], want[:, ::4, ::4]  # subsampled: 21x21 comparisons stay cheap
     for i in range(len(got)):
-        scores = [_psnr(got[i], want[j]) for j in range(len(want))]
-        assert int(np.argmax(scores)) == i and scores[i] > 30
+        scores = [_psnr(small_got[i], small_want[j]) for j in range(len(want))]
+        assert int(np.argmax(scores)) == i
+        assert _psnr(got[i], want[i]) > 30
 
 
 def test_generated_clip_passthrough_frame_count_and_size(tmp_path):

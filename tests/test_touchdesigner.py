@@ -498,3 +498,69 @@ def test_osc_in_dat_sets_parameters_that_reach_the_engine():
     assert comp.par.Prompt.eval() == "velvet" and comp.par.Steps.eval() == 3
     assert sent == [("prompt", "velvet"), ("params", {"steps": STEP_LISTS[3], "noise_scale": 0.8,
                                                       "motion_aware": True})]
+
+
+# --- on a GPU: the same stand-in, with real device memory and the real cuda-ipc transport ---------
+
+
+class GpuCUDAMemory(CUDAMemory):
+    """Like TD's: real device memory, freed (cudaFree) when the object is dropped."""
+
+    def __del__(self) -> None:
+        from cuda.bindings import runtime as cudart
+
+        cudart.cudaFree(self._ptr)
+
+
+class GpuInputTOP(InputTOP):
+    def cudaMemory(self, stream: int | None = None) -> CUDAMemory:
+        from cuda.bindings import runtime as cudart
+
+        from host_bridge.transport_cuda import check
+
+        data = np.ascontiguousarray(self.texture)
+        ptr = int(check(cudart.cudaMalloc(data.nbytes), "cudaMalloc"))
+        check(cudart.cudaMemcpy(ptr, data.ctypes.data, data.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice),
+              "cudaMemcpy")
+        h, w, c = data.shape
+        return GpuCUDAMemory(ptr, data.nbytes, CUDAMemoryShape(w, h, c, data.dtype.type))
+
+    def end_cook(self) -> None:
+        """Real device memory is freed by GpuCUDAMemory itself."""
+
+
+class GpuScriptTOP(ScriptTOP):
+    def copyCUDAMemory(self, address: int, size: int, shape: CUDAMemoryShape, stream: int | None = None) -> None:
+        from cuda.bindings import runtime as cudart
+
+        from host_bridge.transport_cuda import check
+
+        if not self.cooking:
+            raise RuntimeError("copyCUDAMemory outside the cook")
+        host = np.empty(size, np.uint8)
+        check(cudart.cudaMemcpy(host.ctypes.data, address, size, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost),
+              "cudaMemcpy")
+        self.output = host.view(np.dtype(shape.dataType)).reshape(shape.height, shape.width, shape.numComps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_cuda_ipc_round_trip_on_a_gpu(dtype):
+    texture = _td_texture(270, 480, dtype, seed=7)
+    comp = LoomComp()
+    script = GpuScriptTOP(comp, GpuInputTOP(texture))
+    script_top_callbacks.onSetupParameters(script)
+    comp.ext.LoomExt = ext = LoomExt(comp)
+    comp.parexec_enabled = True
+    _configure(comp, transport="cuda-ipc")
+    comp.par.Active = True
+    try:
+        durations = _cook_until_running(script, comp)
+        assert max(durations) < COOK_BUDGET_S
+        for _ in range(5):
+            script.cook()
+            time.sleep(0.05)
+        assert ext.cuda_submits > 0 and ext.numpy_submits == 0
+        np.testing.assert_array_equal(script.output, texture)  # device to device, TD layout kept
+    finally:
+        comp.par.Active = False
