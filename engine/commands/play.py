@@ -39,19 +39,20 @@ def _size(text: str) -> tuple[int, int]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("play", help="restyle a video file, camera or stream live (the Loom player)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-i", "--input", default=None,
+    p.add_argument("-i", "--input", default=None, metavar="INPUT",
                    help="video file, camera index, or stream URL (default: a generated clip)")
     p.add_argument("-o", "--output", action="append", dest="outputs", metavar="OUTPUT",
                    help="file, udp:// srt:// rtmp:// URL, or 'window'; repeatable (default: loom_out.mp4)")
     p.add_argument("-c", "--config", default="default", help="preset name or YAML file (default: default)")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
-    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts",
+    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
                    help="style prompt; repeat for a list to step through with n/b or OSC")
-    p.add_argument("--prompts", dest="prompt_file", help="file with one prompt per line")
-    p.add_argument("-n", "--frames", type=int, default=None, dest="max_frames",
+    p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
+    p.add_argument("-n", "--frames", type=int, default=None, dest="max_frames", metavar="N",
                    help="stop after N frames (the generated clip has 49 by default)")
-    p.add_argument("--size", type=_size, default=(256, 256), help="generated clip size WxH (default 256x256)")
+    p.add_argument("--size", type=_size, default=(256, 256), metavar="WxH",
+                   help="generated clip size WxH (default 256x256)")
     p.add_argument("--fps", type=float, default=24.0, help="generated clip frame rate (default 24)")
     p.add_argument("--mode", choices=("auto", "lossless", "live"), default="auto",
                    help="lossless: every frame, in order (default for files); live: latest frame wins, "
@@ -59,13 +60,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loop", action="store_true", help="loop a file input (stop with q or Ctrl-C)")
     p.add_argument("--transport", choices=("shm", "tcp", "cuda-ipc"), default="shm",
                    help="frame transport to the engine (default shm)")
-    p.add_argument("--endpoint", default=None, help="connect to a running engine instead of starting one")
-    p.add_argument("--engine-python", default=None, help="Python that runs the engine (default: this one)")
+    p.add_argument("--endpoint", default=None, metavar="URL",
+                   help="connect to a running engine instead of starting one")
+    p.add_argument("--engine-python", default=None, metavar="PATH",
+                   help="Python that runs the engine (default: this one)")
     p.add_argument("--passthrough", action="store_true",
                    help="engine returns its input unchanged (tests the plumbing without a model)")
-    p.add_argument("--osc-port", type=int, default=None, help="listen for OSC control on this UDP port")
-    p.add_argument("--osc-host", default="127.0.0.1", help="OSC listen address (default 127.0.0.1)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine")
+    p.add_argument("--osc-port", type=int, default=None, metavar="PORT", help="listen for OSC control on this UDP port")
+    p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the engine")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or status line")
     p.set_defaults(func=run)
 
