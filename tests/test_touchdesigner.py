@@ -407,10 +407,26 @@ class StandInDeviceBuffer:
         self.ptr, self.nbytes = 0, 0
 
 
-def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime():
+def test_stand_in_enforces_the_cudamemory_lifetime_rule():
+    """The stand-in must catch an adapter that lets go of CUDAMemory too early, or keeps a pointer past the cook."""
+    top = InputTOP(_td_texture(4, 4))
+    memory = top.cudaMemory()
+    ptr, size = memory.ptr, memory.size
+    assert DEVICE.read(ptr, size).size == size
+    del memory
+    with pytest.raises(RuntimeError, match="freed"):
+        DEVICE.read(ptr, size)
+    kept = top.cudaMemory()
+    top.end_cook()  # TD reuses the texture after the cook, even if Python still holds the object
+    with pytest.raises(RuntimeError, match="freed"):
+        DEVICE.read(kept.ptr, kept.size)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
+def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtype):
     from host_bridge import Bridge, BridgeConfig
 
-    texture = _td_texture(32, 48, np.uint8, seed=5)
+    texture = _td_texture(32, 48, dtype, seed=5)
     source = InputTOP(texture)
     comp, script, ext = _make_component(source)
     comp.parexec_enabled = False
@@ -429,8 +445,9 @@ def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime():
         gc.collect()
         # every CUDAMemory TD handed out is gone; only the extension's output buffer is alive
         assert set(DEVICE.live) - live_before == {ext.device_output.ptr}
-        assert ext.bridge.cuda_calls[0] == {"pitch": 48 * 4, "width": 48, "height": 32, "channels": 4,
-                                            "dtype": "uint8", "layout": "touchdesigner"}
+        itemsize = np.dtype(dtype).itemsize
+        assert ext.bridge.cuda_calls[0] == {"pitch": 48 * 4 * itemsize, "width": 48, "height": 32, "channels": 4,
+                                            "dtype": np.dtype(dtype).name, "layout": "touchdesigner"}
         assert ext.numpy_submits == 0 and ext.cuda_submits == len(ext.bridge.cuda_calls)
         np.testing.assert_array_equal(script.output, texture)  # passthrough: TD layout in, TD layout out
     finally:
