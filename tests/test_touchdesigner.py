@@ -362,6 +362,7 @@ class DeviceCopyingBridge:
 
     def __init__(self, bridge: Any) -> None:
         self._bridge = bridge
+        self.config = SimpleNamespace(transport="cuda-ipc")
         self.cuda_calls: list[dict[str, Any]] = []
         self._layout: tuple[np.dtype, int] | None = None
 
@@ -453,6 +454,25 @@ def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtyp
     finally:
         ext.Stop()
     assert set(DEVICE.live) == live_before
+
+
+def test_cuda_ipc_without_a_gpu_falls_back_to_shared_memory():
+    from host_bridge.transport_cuda import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("this machine has CUDA: the fallback is not taken")
+    texture = _td_texture(16, 24, np.uint8, seed=9)
+    comp, script, ext = _make_component(InputTOP(texture))
+    _configure(comp, transport="cuda-ipc")
+    comp.par.Active = True
+    try:
+        assert ext.bridge.config.transport == "shm"
+        assert "cuda-ipc unavailable" in comp.par.Message.eval()
+        _cook_until_running(script, comp)
+        assert ext.numpy_submits > 0 and ext.cuda_submits == 0
+        assert "cuda-ipc unavailable" in comp.par.Message.eval()  # still said while running
+    finally:
+        comp.par.Active = False
 
 
 def test_parameter_changes_reach_the_engine():

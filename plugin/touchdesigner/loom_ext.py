@@ -36,6 +36,7 @@ class LoomExt:
         self.cuda_submits = 0
         self.numpy_submits = 0
         self.last_error = ""
+        self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
         self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
 
@@ -56,8 +57,15 @@ class LoomExt:
         if endpoint is None and not python:
             self._error("set 'Engine Python' to the python executable of the environment that has torch")
             return
+        transport, note = str(par.Transport.eval()), ""
+        if transport == "cuda-ipc":
+            from host_bridge.transport_cuda import cuda_available
+
+            ok, why = cuda_available()
+            if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
+                transport, note = "shm", f"cuda-ipc unavailable ({why}); using shm"
         try:
-            cfg = BridgeConfig(transport=str(par.Transport.eval()), launch=endpoint is None, engine_python=python,
+            cfg = BridgeConfig(transport=transport, launch=endpoint is None, engine_python=python,
                                engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
                                fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()))
             self.bridge = Bridge(cfg)
@@ -67,8 +75,9 @@ class LoomExt:
             self._error(f"cannot start the engine: {exc}")
             return
         self._record_controls()
+        self.note = note
         par.State = "starting"
-        par.Message = ""
+        par.Message = note
 
     def Stop(self) -> None:
         if self.bridge is not None:
@@ -165,7 +174,7 @@ class LoomExt:
         return status
 
     def _use_cuda(self) -> bool:
-        return str(self.ownerComp.par.Transport.eval()) == "cuda-ipc" and hasattr(self.bridge, "submit_cuda")
+        return self.bridge.config.transport == "cuda-ipc"
 
     def _publish(self, status: Any) -> None:
         par = self.ownerComp.par
@@ -173,7 +182,7 @@ class LoomExt:
         par.Fps = round(float(status.fps or 0.0), 2)
         par.Latency = round(float(status.latency_ms or 0.0), 1)
         par.Dropped = int(status.dropped or 0)
-        par.Message = status.message or ""
+        par.Message = "; ".join(m for m in (self.note, status.message) if m)
         tail = status.log_tail or ""
         if isinstance(tail, (list, tuple)):
             tail = "\n".join(tail)
