@@ -311,7 +311,7 @@ class Player:
 
     def _engine_error(self, what: str, status: Any) -> PlayerError:
         self._remember_log(status)
-        text = f"{what}: {status.message}" if status.message else what
+        text = f"{what}: {status.message}" if status.message and status.message not in what else what
         lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
         return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
 
