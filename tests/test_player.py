@@ -184,6 +184,38 @@ def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
     assert len(frames) > 0 and frames.shape[1:] == (64, 64, 3)
 
 
+def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):
+    """SIGKILL the engine mid-file: the bridge restarts it and the player resends the batch in flight."""
+    dst = tmp_path / "survived.mp4"
+    n = 1200
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", str(n), "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not dst.exists() or dst.stat().st_size < 2_000):
+            time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()[1]
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        engines = [pid for pid in children if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, children  # the engine process this player launched
+        os.kill(int(engines[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    frames = _decode(dst)
+    assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
+    from host_bridge.video_io import generate_clip
+
+    source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
+    aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])
+    shifted = np.mean([_psnr(frames[i], source[i + 1]) for i in range(n - 1)])
+    assert aligned > shifted + 3, "every frame in its place, also around the restart"
+
+
 # --- bad inputs: one clear line, a documented exit code, never a traceback ----------------------
 
 

@@ -42,6 +42,7 @@ FIRST_BATCH = 21
 LATER_BATCH = 20
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
+RETRY_PAUSE_S = 1.0
 # Seconds a `process()` call may take per frame before the engine is declared stuck.
 PROCESS_TIMEOUT_PER_FRAME_S = 30.0
 PAUSE_POLL_S = 0.05
@@ -223,12 +224,21 @@ class Player:
             self._process(batch, total)
 
     def _process(self, batch: list[np.ndarray], total: int | None) -> None:
-        try:
-            outs = self.bridge.process(batch, timeout_s=PROCESS_TIMEOUT_PER_FRAME_S * len(batch)
-                                       + self.opts.startup_timeout_s)
-        except Exception as exc:  # the bridge's failures (engine died, timed out) all end the run the same way
-            _, status = self.bridge.latest()
-            raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
+        """One batch through the engine; if the engine crashes meanwhile, the batch goes again to the restarted one."""
+        timeout_s = PROCESS_TIMEOUT_PER_FRAME_S * len(batch) + self.opts.startup_timeout_s
+        for attempt in range(1, MAX_FAILED_STARTS + 1):
+            try:
+                outs = self.bridge.process(batch, timeout_s=timeout_s)
+                break
+            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
+                _, status = self.bridge.latest()
+                self._remember_log(status)
+                if _is_failed(status) or attempt == MAX_FAILED_STARTS:
+                    raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
+                first = self.frames_out
+                self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}.."
+                                 f"{first + len(batch) - 1} go again once it has restarted")
+                time.sleep(RETRY_PAUSE_S * attempt)  # let the bridge finish its restart before asking again
         for out in outs:
             self._emit(out)
             elapsed = time.monotonic() - self._stream_started
