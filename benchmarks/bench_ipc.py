@@ -57,6 +57,7 @@ class DeviceBuffers:
             self._copy = lambda: self.dst.__setitem__(Ellipsis, self.src)
             self.src_ptr, self.dst_ptr = self.src.data.ptr, self.dst.data.ptr
         self.pitch = w * 4
+        self._sync()  # the random fill must be done before the first handoff reads it
 
     def copy_once(self) -> float:
         self._sync()
@@ -67,6 +68,28 @@ class DeviceBuffers:
 
     def equal(self) -> bool:
         return bool((self.src == self.dst).all())
+
+
+def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
+    """The bridge's five GPU copies in one process, no messages: caller -> staging -> input slot ->
+    output slot -> newest-output buffer -> caller. The handoff minus this is messaging and threads."""
+    from host_bridge.transport import create_ring
+
+    rings = [create_ring("cuda-ipc", d, slots=n, width=w, height=h, channels=4)
+             for d, n in (("in", 1), ("in", 3), ("out", 3), ("out", 1))]
+    staging, ring_in, ring_out, newest = rings
+    samples = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        staging.write_device(0, buf.src_ptr, buf.pitch)
+        staging.copy_to(0, ring_in, 0)
+        ring_in.copy_to(0, ring_out, 0)
+        ring_out.copy_to(0, newest, 0)
+        newest.read_device(0, buf.dst_ptr, buf.pitch)
+        samples.append(time.perf_counter() - t0)
+    for r in rings:
+        r.close()
+    return _percentiles(samples)
 
 
 def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
@@ -83,8 +106,8 @@ def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
             handoff.append(t1 - t0)
             baseline.append(buf.copy_once())
     assert buf.equal(), "round trip changed the frame"
-    return {"handoff": _percentiles(handoff), "device_copy": _percentiles(baseline), "alloc": buf.lib,
-            "bytes": w * h * 4}
+    return {"handoff": _percentiles(handoff), "device_copy": _percentiles(baseline),
+            "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
 
 
 def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
@@ -104,7 +127,27 @@ def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
             np.copyto(np.empty_like(src), src)
             baseline.append(time.perf_counter() - c0)
     assert np.array_equal(out, src), "round trip changed the frame"
-    return {"handoff": _percentiles(handoff), "host_copy": _percentiles(baseline), "bytes": src.nbytes}
+    return {"handoff": _percentiles(handoff), "host_copy": _percentiles(baseline),
+            "copies_floor": copies_floor_shm(src, frames), "bytes": src.nbytes}
+
+
+def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
+    """The shm path's copies in one process, no messages: into the input slot, out, into the output slot, out."""
+    from host_bridge.transport import attach_ring, create_ring
+
+    h, w, _ = src.shape
+    ring_in, ring_out = (create_ring("shm", d, slots=3, width=w, height=h) for d in ("in", "out"))
+    peer_in, peer_out = attach_ring(ring_in.spec), attach_ring(ring_out.spec)
+    samples = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        ring_in.write(0, src)
+        peer_out.write(0, peer_in.read(0, []))
+        ring_out.read(0, [])
+        samples.append(time.perf_counter() - t0)
+    for r in (peer_in, peer_out, ring_in, ring_out):
+        r.close()
+    return _percentiles(samples)
 
 
 def main() -> int:
@@ -127,10 +170,14 @@ def main() -> int:
         results["bridge_stats"] = bridge.stats()
     base_key = "host_copy" if args.smoke else "device_copy"
     print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
-    print(f"{'size':>10} {'handoff p50':>12} {'p99':>9} {base_key + ' p50':>16} {'p99':>9}  (ms)")
+    print(f"{'size':>10} {'handoff p50':>12} {'p99':>9} {base_key + ' p50':>16} {'p99':>9} "
+          f"{'copies p50':>11} {'p99':>9}  (ms)")
     for name, r in results["sizes"].items():
         print(f"{name:>10} {r['handoff']['p50_ms']:12.3f} {r['handoff']['p99_ms']:9.3f} "
-              f"{r[base_key]['p50_ms']:16.4f} {r[base_key]['p99_ms']:9.4f}")
+              f"{r[base_key]['p50_ms']:16.4f} {r[base_key]['p99_ms']:9.4f} "
+              f"{r['copies_floor']['p50_ms']:11.4f} {r['copies_floor']['p99_ms']:9.4f}")
+    print("handoff: submit -> output back in the caller's buffer through a pass-through engine process; "
+          f"{base_key}: one copy of the same bytes; copies: the bridge's own copies without messaging")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

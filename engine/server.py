@@ -26,6 +26,7 @@ import zmq
 
 from engine.server_worker import FrameWorker
 from host_bridge.channel import Channel, CurveServer, remove_private_endpoint
+from host_bridge.launcher import pid_alive
 from host_bridge.protocol import TRANSPORTS, RingSpec, make
 from host_bridge.transport import TransportUnavailable, attach_ring
 
@@ -51,20 +52,12 @@ def _log(text: str) -> None:
 
 
 def parent_alive(pid: int | None) -> bool:
-    """Whether the launching host still runs (POSIX: we were reparented or it is gone)."""
+    """Whether the launching host still runs (POSIX: also whether we were reparented)."""
     if pid is None:
         return True
-    if os.name == "nt":
-        return True  # no cheap portable check: heartbeat loss covers Windows
-    if os.getppid() != pid:
+    if os.name != "nt" and os.getppid() != pid:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 class EngineServer:

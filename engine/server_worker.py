@@ -28,6 +28,7 @@ from host_bridge.transport import Ring, SlotTracker
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
 INTERVAL_EMA = 0.2
 WAIT_S = 0.02
+ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 
 
 class FrameWorker:
@@ -47,12 +48,14 @@ class FrameWorker:
         self.error: str | None = None
         self._stall_after = stall_after
         self._seqs: deque[int] = deque()
-        self._paced: deque[tuple[int, np.ndarray]] = deque()
+        self._paced: deque[tuple[int, Any]] = deque()  # numpy arrays, or tensors from a GPU session
         self._next_emit = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
-        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0)
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0)
+        self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
+        self._device_slots: Any = None
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
 
     # -- called by the control thread, with self.lock held ----------------------------------------------
@@ -101,6 +104,7 @@ class FrameWorker:
     # -- the worker thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._send(make("status", state="loading", message="building the session (loading weights)"))
         try:
             self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
@@ -141,18 +145,20 @@ class FrameWorker:
             except (ValueError, TypeError, KeyError) as exc:
                 self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
 
-    def _next_input(self) -> tuple | None:
+    def _next_input(self, wait: bool = True) -> tuple | None:
         with self.lock:
             stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
             if not self.inputs or stalled:
-                self.lock.wait(self._wait_time())
+                if wait:
+                    self.lock.wait(self._wait_time())
                 return None
-            slot, seq, gen, payload = self.inputs.popleft()
-            ring = self.ring_in
-            if ring is None or gen != ring.spec.generation:
+            while self.inputs:
+                slot, seq, gen, payload = self.inputs.popleft()
+                ring = self.ring_in
+                if ring is not None and gen == ring.spec.generation:
+                    return ring, slot, seq, gen, payload
                 self.counts["stale"] += 1
-                return None
-            return ring, slot, seq, gen, payload
+            return None
 
     def _wait_time(self) -> float:
         if self._paced:
@@ -164,25 +170,43 @@ class FrameWorker:
         try:
             if getattr(self.session, "raw_passthrough", False) and self._raw_copy(ring, slot, seq):
                 return
+            on_gpu = hasattr(ring, "read_device")
             with self.lock:
                 if ring is not self.ring_in:
                     self.counts["stale"] += 1
                     return
-                native = ring.read(slot, payload)
+                native = self._gpu().read(ring, slot) if on_gpu else ring.read(slot, payload)
             self._release_in(slot, gen)
             spec = ring.spec
-            frame = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")
-            outputs = self.session.push(frame[None])
+            if not on_gpu:
+                batch = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")[None]
+            elif getattr(self.session, "accepts_device_frames", False):
+                batch = native[None]  # stays on the GPU
+            else:
+                batch = native[None].cpu().numpy()
+            outputs = self.session.push(batch)
             self.counts["frames_in"] += 1
             self._seqs.append(seq)
             for out in outputs:
                 self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
             self.session_stats = self.session.stats()
         except Exception as exc:  # report and keep serving: one bad frame must not kill the stream
-            self.error = f"{type(exc).__name__}: {exc}"
-            self._send(make("error", code="frame", message=self.error[:4000]))
+            self.counts["errors"] += 1
+            text = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            if text != self.error or now - self._error_sent > ERROR_REPEAT_S:  # no flood at frame rate
+                self._error_sent = now
+                self._send(make("error", code="frame", message=text[:4000]))
+            self.error = text
         finally:
             self.busy_since = None
+
+    def _gpu(self) -> Any:
+        """GPU slot reader/writer (torch), created on first use: only cuda-ipc rings need it."""
+        if self._device_slots is None:
+            from engine.server_gpu import DeviceSlots
+            self._device_slots = DeviceSlots()
+        return self._device_slots
 
     def _raw_copy(self, ring: Ring, slot: int, seq: int) -> bool:
         """Pass-through on the GPU: slot to slot, no host copy (cuda-ipc rings of the same layout)."""
@@ -222,6 +246,9 @@ class FrameWorker:
             self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
 
     def _flush(self) -> int:
+        """Everything received before the flush request goes through first, then the session's tail."""
+        while (job := self._next_input(wait=False)) is not None:
+            self._process(*job)
         while self._paced:
             self._emit(*self._paced.popleft())
         outputs = self.session.flush()
@@ -250,12 +277,17 @@ class FrameWorker:
         slot = self._acquire_out()
         if slot is None:
             return
-        fitted = _fit(frame, out)
+        on_gpu = hasattr(out, "write_device")
+        fitted = frame if on_gpu else _fit(np.asarray(frame.cpu() if hasattr(frame, "cpu") else frame), out)
         with self.lock:
             if out is not self.ring_out:
                 return
             try:
-                payload = out.write(slot, fitted)
+                if on_gpu:
+                    self._gpu().write(out, slot, fitted)
+                    payload = []
+                else:
+                    payload = out.write(slot, fitted)
             except Exception:
                 self.out_tracker.unacquire(slot)
                 raise

@@ -93,7 +93,7 @@ def remove_private_endpoint(endpoint: str) -> None:
 
 def _sweep_private_dirs() -> None:
     """Remove private endpoint directories whose owner pid is gone (both sides killed at once)."""
-    from host_bridge.transport_shm import pid_alive
+    from host_bridge.launcher import pid_alive
 
     root = tempfile.gettempdir()
     for name in os.listdir(root):
@@ -142,7 +142,8 @@ class Channel:
                     port = self.sock.bind_to_random_port("tcp://127.0.0.1")
                     endpoint = f"tcp://127.0.0.1:{port}"
                 else:
-                    self.sock.bind(endpoint)
+                    self.sock.bind(endpoint)  # tcp://HOST:* picks a free port
+                    endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             else:
                 self.sock.connect(endpoint)
         except Exception:

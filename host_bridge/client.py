@@ -11,6 +11,7 @@ as dropped, an older one), so neither a slow nor a dead engine can block or grow
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import threading
 import time
@@ -25,11 +26,10 @@ import zmq
 from host_bridge import formats
 from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.launcher import EngineProcess, engine_argv
+from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
 from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
 
-TOKEN_ENV = "LOOM_BRIDGE_TOKEN"
 STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
 LATENCY_WINDOW = 256
@@ -89,9 +89,16 @@ class Bridge:
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
         self._engine_stats: dict[str, Any] = {}
+        self._wanted_prompt: dict[str, Any] | None = None
+        self._wanted_params: dict[str, Any] = {}
         self._last_error = ""
         self._log_tail: list[str] = []
         self._link_ids = itertools.count()
+        self._cuda_problem: str | None = None
+        if config.transport == "cuda-ipc":
+            from host_bridge.transport_cuda import cuda_available
+            ok, why = cuda_available()
+            self._cuda_problem = None if ok else f"cuda-ipc transport unavailable: {why}"
 
     # ------------------------------------------------------------------------------------------------
     # lifecycle
@@ -99,6 +106,9 @@ class Bridge:
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
         if self._thread is not None:
+            return self
+        if self._cuda_problem is not None:
+            self._set_state("dead", self._cuda_problem)
             return self
         self._state = "starting"
         self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
@@ -148,9 +158,11 @@ class Bridge:
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        cuda = self.config.transport == "cuda-ipc"
+        cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
         if cuda:
-            native = np.ascontiguousarray(frame if frame.ndim == 3 else frame[:, :, None])
+            native = np.ascontiguousarray(formats.check_frame(frame))
+            if native.shape[2] == 2:
+                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
             engine = None
         else:
             native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
@@ -163,28 +175,34 @@ class Bridge:
                 self._stage_host(native, layout)
                 self._set_pending(seq, None, now)
             else:
+                engine.setflags(write=False)  # shared with latest() callers as the fallback
                 self._last_input = engine
                 self._set_pending(seq, engine, now)
             return self._pump()
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
-                    *, layout: str = "rgb") -> bool:
+                    *, layout: str = "rgb", stream: int | None = None) -> bool:
         """Hand over a frame in device memory (TouchDesigner `cudaMemory().ptr`, torch `data_ptr()`).
 
         The frame is copied on the GPU before this returns (the caller may reuse its buffer), in
-        its own layout: the engine converts on the GPU. cuda-ipc transport only.
+        its own layout: the engine converts on the GPU. `stream`: the CUDA stream the frame was
+        produced on, if not the legacy default stream. cuda-ipc transport only.
         """
         if self.config.transport != "cuda-ipc":
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         dtype = np.dtype(dtype).name
+        _check_device_frame(pitch, width, height, channels, dtype)
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
             self._counts["submitted"] += 1
+            if self._cuda_problem is not None:
+                self._counts["dropped"] += 1
+                return False
             staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
-            staging.write_device(0, ptr, pitch)
+            staging.write_device(0, ptr, pitch, stream=stream)
             self._set_pending(seq, None, now)
             return self._pump()
 
@@ -201,7 +219,7 @@ class Bridge:
     # frames out
 
     def latest(self) -> tuple[np.ndarray | None, BridgeStatus]:
-        """The newest output frame (uint8 RGB [H, W, 3] top-down) or the fallback, and the status."""
+        """The newest output frame (uint8 RGB [H, W, 3] top-down, read-only) or the fallback, and the status."""
         with self._lock:
             status = self._status()
             if self._out_device is not None or self._out_frame is not None:
@@ -211,16 +229,19 @@ class Bridge:
                     return self._output_array(), status
             return self._fallback_array(), status
 
-    def latest_cuda(self, ptr: int, pitch: int | None = None) -> BridgeStatus:
-        """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc)."""
+    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
+        """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
+
+        Returns when the copy is done; `stream` orders it after the caller's own work on that stream.
+        """
         with self._lock:
             status = self._status()
             fresh = status.state == "running" and self._out_link == self._current_link_id()
             if self._out_device is not None and (fresh or self.config.fallback == "last"):
-                self._out_device.read_device(0, ptr, pitch)
+                self._out_device.read_device(0, ptr, pitch, stream=stream)
                 status.seq, status.fallback = self._out_seq, not fresh
             elif self._staging is not None:
-                self._staging.read_device(0, ptr, pitch)
+                self._staging.read_device(0, ptr, pitch, stream=stream)
             return status
 
     def _output_array(self) -> np.ndarray | None:
@@ -355,24 +376,46 @@ class Bridge:
     # control
 
     def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
+        """Change the prompt. Remembered: an engine that starts or restarts later gets it too."""
+        make("prompt", text=text, transition_chunks=transition_chunks)  # a bad call fails here, not on the wire
+        with self._lock:
+            self._wanted_prompt = {"text": text, "transition_chunks": transition_chunks}
         self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
 
     def set_params(self, *, wait: bool = False, **params: Any) -> None:
-        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError."""
-        self._control("params", wait, params=params)
+        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError.
+        Remembered like the prompt; a refused call (wait=True) is forgotten."""
+        make("params", params=params)
+        with self._lock:
+            before = dict(self._wanted_params)
+            self._wanted_params.update(params)
+        try:
+            self._control("params", wait, params=params)
+        except ValueError:
+            with self._lock:
+                self._wanted_params = before
+            raise
 
     def reset(self, *, wait: bool = False) -> None:
         self._control("reset", wait)
 
     def _control(self, kind: str, wait: bool, **fields: Any) -> None:
-        msg = make(kind, **fields)  # validate here: a bad call fails in the caller, not on the wire
         if wait:
             self._request(kind, time.monotonic() + self.config.request_timeout_s, **fields)
             return
         with self._lock:
             link = self._link
-            if link is None or not link.send(msg):
-                self._message = f"{kind} not sent: engine is {self._state}"
+            if link is None or not link.ready:
+                return  # sent when the engine is ready (prompt and parameters are remembered)
+            if not link.send(make(kind, **fields)):
+                self._message = f"{kind} not sent: the engine is not reading"
+
+    def _send_wanted(self, link: Link) -> None:
+        """A fresh engine gets the prompt and parameters the host asked for."""
+        if self._wanted_prompt is not None:
+            link.send(make("prompt", **self._wanted_prompt))
+        if self._wanted_params:
+            link.send(make("params", params=dict(self._wanted_params)))
 
     def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
         rid = next(self._ids)
@@ -409,7 +452,11 @@ class Bridge:
         if self._pending is None or link is None or not link.ready:
             return False
         seq, frame, t = self._pending
-        if not link.write_frame(seq, frame, self._staging, t):
+        try:
+            if not link.write_frame(seq, frame, self._staging, t):
+                return False
+        except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
+            self._last_error = self._message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
             return False
         self._pending = None
         self._counts["sent"] += 1
@@ -430,7 +477,7 @@ class Bridge:
             device = pointer_device(device_ptr) if device_ptr is not None else self.config.cuda_device
             if s is not None:
                 s.close()
-            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1,
+            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0,
                                                 width=width, height=height, channels=channels, dtype=dtype,
                                                 order=order, orientation=orientation)
         return s
@@ -444,22 +491,37 @@ class Bridge:
 
     def _run(self) -> None:
         while not self._closing:
-            link = self._link
-            now = time.monotonic()
-            if link is None:
-                if self._state in ("dead",) or now < self._next_start:
-                    time.sleep(TICK_S)
-                    continue
-                self._open_link()
-                continue
             try:
-                messages = link.channel.poll(TICK_S)
-            except zmq.ZMQError as exc:
-                self._fail(link, f"control socket error: {exc}")
-                continue
-            for msg, payload in messages:
-                self._handle(link, msg, payload)
-            self._tick(link, time.monotonic())
+                self._step()
+            except Exception as exc:  # a bug or a driver error must not silently stop the bridge
+                link = self._link
+                reason = f"bridge error: {type(exc).__name__}: {exc}"
+                if link is not None:
+                    self._fail(link, reason)
+                else:
+                    self._set_state("restarting", reason)
+                    time.sleep(TICK_S)
+
+    def _step(self) -> None:
+        """One turn of the loop thread: (re)connect, receive, act, check liveness."""
+        link = self._link
+        if link is None:
+            if self._state == "dead" or time.monotonic() < self._next_start:
+                time.sleep(TICK_S)
+            else:
+                self._open_link()
+            return
+        try:
+            messages = link.channel.poll(TICK_S)
+        except zmq.ZMQError as exc:
+            self._fail(link, f"control socket error: {exc}")
+            return
+        for msg, payload in messages:
+            problem = self._handle(link, msg, payload)
+            if problem:  # torn down outside the lock: host threads must never wait on a dying engine
+                self._fail(link, problem)
+                return
+        self._tick(link, time.monotonic())
 
     def _open_link(self) -> None:
         cfg = self.config
@@ -480,8 +542,7 @@ class Bridge:
         proc = None
         if cfg.launch:
             args = ["--connect", channel.endpoint, "--config", cfg.engine_config,
-                    "--heartbeat", str(cfg.heartbeat_s), "--hang-timeout", str(cfg.hang_timeout_s),
-                    "--parent-pid", str(_own_pid())]
+                    "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
             for o in cfg.engine_overrides:
                 args += ["--set", o]
             if cfg.passthrough:
@@ -504,21 +565,21 @@ class Bridge:
         if not cfg.launch:
             link.send_hello()
 
-    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> str | None:
+        """Act on one message; returns a reason to give up on this engine, or None."""
         kind = msg["type"]
         link.heard()
         with self._cond:
             if kind == "heartbeat":
                 link.engine_busy_s = msg.get("busy_s") or 0.0
             elif kind == "hello":
-                problem = link.on_hello(msg)
-                if problem:
-                    self._fail(link, problem)
+                return link.on_hello(msg)
             elif kind == "ready":
                 if not link.hello_done:
                     link.channel.refuse("ready before hello")
-                    return
+                    return None
                 link.on_ready(msg.get("info") or {})
+                self._send_wanted(link)
                 self._set_state("running", "engine running")
                 self._pump()
             elif kind == "status":
@@ -550,9 +611,10 @@ class Bridge:
                 self._last_error = self._message = f"engine error: {msg['message']}"
                 self._counts["errors"] += 1
             elif kind == "bye":
-                self._fail(link, f"engine said bye: {msg.get('reason', '')}")
+                return f"engine said bye: {msg.get('reason', '')}"
             else:
                 link.channel.refuse(f"unexpected {kind} message from the engine")
+        return None
 
     def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
         ring = link.ring_out
@@ -566,6 +628,7 @@ class Bridge:
                 frame = None
             else:
                 frame = ring.read(msg["slot"], payload)
+                frame.setflags(write=False)  # every latest() caller gets this same array
         except (ValueError, RuntimeError) as exc:
             link.channel.refuse(f"output frame: {exc}")
             return
@@ -619,6 +682,18 @@ class Bridge:
             self._cond.notify_all()
 
 
+def _check_device_frame(pitch: int, width: int, height: int, channels: int, dtype: str) -> None:
+    if channels not in (1, 3, 4):
+        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
+    if dtype not in formats.DTYPE_NAMES:
+        raise ValueError(f"dtype: {dtype} is not allowed; expected one of {', '.join(formats.DTYPE_NAMES)}")
+    if width < 1 or height < 1:
+        raise ValueError(f"size: {width}x{height} is not allowed; expected at least 1x1")
+    row = width * channels * np.dtype(dtype).itemsize
+    if pitch < row:
+        raise ValueError(f"pitch: {pitch} bytes is smaller than one row ({row} bytes)")
+
+
 def _device_latest(current: Any, ring: Any) -> Any:
     """A one-slot device buffer shaped like the output ring (the newest output lives there)."""
     from host_bridge.transport_cuda import CudaRing
@@ -629,15 +704,9 @@ def _device_latest(current: Any, ring: Any) -> Any:
         return current
     if current is not None:
         current.close()
-    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, width=s.width,
+    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, generation=0, width=s.width,
                            height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
                            orientation=s.orientation)
-
-
-def _own_pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]

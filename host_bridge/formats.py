@@ -15,11 +15,13 @@ import numpy as np
 
 LAYOUTS = ("rgb", "touchdesigner")
 DTYPES = (np.uint8, np.uint16, np.float32)
+DTYPE_NAMES = ("uint8", "uint16", "float32")
 UINT16_MAX = 65535
 UINT8_MAX = 255
 
 
-def _check(frame: np.ndarray, what: str) -> np.ndarray:
+def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
+    """A host frame as [H, W, C] (C in 1..4) of a supported dtype, or a ValueError saying what is allowed."""
     if not isinstance(frame, np.ndarray):
         raise TypeError(f"{what}: expected a numpy array, got {type(frame).__name__}")
     if frame.ndim == 2:
@@ -54,7 +56,7 @@ def from_uint8(values: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
 
 def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False) -> np.ndarray:
     """A host frame to the engine's uint8 RGB top-down [H, W, 3] (always a new contiguous array)."""
-    frame = _check(frame, "frame")
+    frame = check_frame(frame, "frame")
     c = frame.shape[2]
     if c in (1, 2):  # grey (+alpha)
         rgb = np.repeat(frame[:, :, :1], 3, axis=2)
@@ -76,7 +78,7 @@ def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
 
 def from_touchdesigner(frame: np.ndarray) -> np.ndarray:
     """A TouchDesigner TOP array (`numpyArray()`, bottom-up) to the engine's uint8 RGB top-down."""
-    frame = _check(frame, "TouchDesigner frame")
+    frame = check_frame(frame, "TouchDesigner frame")
     return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True)
 
 

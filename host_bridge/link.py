@@ -166,7 +166,8 @@ class Link:
     def check(self, now: float) -> str | None:
         """A reason to give up on this engine, or None."""
         if self.proc is not None and not self.proc.alive:
-            return f"engine exited with code {self.proc.returncode}"
+            last = self.proc.last_words()
+            return f"engine exited with code {self.proc.returncode}" + (f": {last}" if last else "")
         if self.phase == "hello":
             if now > self.hello_deadline:
                 return f"no handshake from the engine within {self.cfg.handshake_timeout_s:.1f} s"

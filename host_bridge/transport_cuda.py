@@ -25,7 +25,10 @@ from host_bridge.transport import Ring, TransportUnavailable, packed_pitch
 try:
     from cuda.bindings import runtime as cudart
 except ImportError:  # pragma: no cover - depends on the install
-    cudart = None
+    try:
+        from cuda import cudart  # cuda-python before 12.6 named the module this way
+    except ImportError:
+        cudart = None
 
 IPC_HANDLE_BYTES = 64
 PITCH_ALIGN = 256  # row alignment of slots: coalesced copies
@@ -116,7 +119,9 @@ class CudaRing(Ring):
         self.events = events
         self._owner = owner
         check(cudart.cudaSetDevice(device), "cudaSetDevice")
-        self.stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
+        # a blocking stream on purpose: work the caller queued on the legacy default stream (torch's
+        # default, many apps') completes before our copies start, without the caller syncing
+        self.stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamDefault), "cudaStreamCreate")
         self._closed = False
 
     @classmethod
@@ -163,23 +168,25 @@ class CudaRing(Ring):
     # -- device pointers (the zero-copy path) -------------------------------------------------------
 
     def write_device(self, slot: int, src: int, src_pitch: int | None = None, *, wait_event: Any = None,
-                     sync: bool = True) -> None:
+                     sync: bool = True, stream: Any = None) -> None:
         """Copy a frame from device memory into `slot`, then record the slot's event.
 
-        `sync` waits for the copy before returning: TouchDesigner frees or reuses its buffer after
-        the cook, so the source must have been read by the time the callback returns.
+        `stream`: the caller's stream the source was produced on (TouchDesigner's cudaMemory
+        stream); the copy is queued behind that work. `sync` waits for the copy before returning:
+        TouchDesigner frees or reuses its buffer after the cook, so it must have been read by then.
         """
         self.check_slot(slot)
         row = self.spec.row_bytes
+        s = self.stream if stream is None else _stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
         if wait_event is not None:
-            check(cudart.cudaStreamWaitEvent(self.stream, wait_event, 0), "cudaStreamWaitEvent")
+            check(cudart.cudaStreamWaitEvent(s, wait_event, 0), "cudaStreamWaitEvent")
         check(cudart.cudaMemcpy2DAsync(self.ptrs[slot], self.spec.pitch, src, src_pitch or row, row,
-                                       self.spec.height, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream),
+                                       self.spec.height, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s),
               "cudaMemcpy2DAsync")
-        check(cudart.cudaEventRecord(self.events[slot], self.stream), "cudaEventRecord")
+        check(cudart.cudaEventRecord(self.events[slot], s), "cudaEventRecord")
         if sync:
-            check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+            check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
     def read_device(self, slot: int, dst: int, dst_pitch: int | None = None, *, stream: Any = None) -> None:
         """Copy `slot` into device memory after the writer's event; returns when the copy is done

@@ -20,22 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from host_bridge.launcher import pid_alive
 from host_bridge.protocol import RingSpec
 from host_bridge.transport import Ring, packed_pitch
 
 NAME_PREFIX = "loom_"
 SHM_DIR = "/dev/shm"
 _OWNED_NAME = re.compile(r"^loom_(\d+)_[0-9a-f]+$")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # exists (another user's) or cannot tell: leave it
-    return True
 
 
 def sweep_stale_segments() -> list[str]:

@@ -87,7 +87,10 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
 @posix_only
 def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
     period = 1 / 30
-    bridge = Bridge(_config()).start()
+    bridge = Bridge(_config())
+    bridge.set_prompt("ink wash, loose brush")  # before start: remembered, given to every engine
+    bridge.set_params(noise_scale=0.5)
+    bridge.start()
     try:
         bridge.wait_running(30)
         first_pid = bridge.stats()["engine_pid"]
@@ -127,6 +130,11 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
         second_pid = bridge.stats()["engine_pid"]
         second_segments = set(bridge.stats()["segments"])
         assert second_pid != first_pid and second_segments
+        deadline = time.monotonic() + 5
+        while bridge.stats()["engine"].get("pid") != second_pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        session = bridge.stats()["engine"]["session"]
+        assert session["prompt"] == "ink wash, loose brush" and session["params"] == {"noise_scale": 0.5}
     finally:
         bridge.close()
     assert _gone(second_pid)
@@ -240,6 +248,16 @@ def test_settings_fail_with_key_value_and_allowed():
         BridgeConfig(launch=False)
     with pytest.raises(ConfigError, match="unknown key"):
         BridgeConfig.from_dict({"transprot": "shm"})
+
+
+def test_engine_config_error_reaches_the_host_status():
+    bridge = Bridge(_config(engine_overrides=["model.preset=bogus"], restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="model.preset: 'bogus' is not allowed"):
+            bridge.wait_running(30)
+        assert bridge.status().state == "dead" and "exited with code 2" in bridge.status().message
+    finally:
+        bridge.close()
 
 
 def test_missing_engine_python_is_reported_not_raised():

@@ -18,6 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 N_FRAMES = 1000
 
 
+@pytest.fixture(autouse=True)
+def _cuda_ipc_available():
+    from host_bridge.transport_cuda import cuda_available
+
+    ok, why = cuda_available()
+    if not ok:
+        pytest.skip(f"cuda-ipc unavailable: {why} (install cuda-python matching the driver)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_thousand_1080p_rgba_frames_round_trip_exactly_over_cuda_ipc(dtype):

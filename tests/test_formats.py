@@ -59,3 +59,26 @@ def test_bad_frames_say_what_is_allowed():
         formats.to_engine(np.zeros((4, 4, 5), np.uint8))
     with pytest.raises(ValueError, match="ComfyUI IMAGE"):
         formats.from_comfy(np.zeros((4, 4, 3), np.float32))
+
+
+@pytest.mark.parametrize("dtype, order, bottom_up", [("uint8", "BGRA", True), ("uint16", "RGBA", True),
+                                                      ("float32", "RGBA", False), ("uint8", "RGB", False)])
+def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up):
+    torch = pytest.importorskip("torch")
+    from engine import server_gpu
+
+    rng = np.random.default_rng(1)
+    c = len(order)
+    if dtype == "float32":
+        native = rng.uniform(-0.2, 1.2, (6, 9, c)).astype(np.float32)
+    else:
+        native = rng.integers(0, np.iinfo(dtype).max + 1, (6, 9, c)).astype(dtype)
+    expected = formats.to_engine(native, order=order, bottom_up=bottom_up)
+    got = server_gpu.to_engine(torch.from_numpy(native), order, bottom_up)
+    assert np.array_equal(got.numpy(), expected)
+    rgb = _rgb(6, 9)
+    back = server_gpu.from_engine(torch.from_numpy(rgb), c, dtype, order, bottom_up).numpy()
+    assert back.dtype == np.dtype(dtype)
+    assert np.array_equal(formats.to_engine(back, order=order, bottom_up=bottom_up), rgb)
+    if order == "BGRA" and bottom_up:
+        assert np.array_equal(back, formats.to_touchdesigner(rgb, np.uint8, 4))

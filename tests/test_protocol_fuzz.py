@@ -55,7 +55,7 @@ def _mutate(rng: random.Random) -> list[bytes]:
     elif choice == 7:
         data = json.dumps(base).encode()
         cut = rng.randrange(1, len(data))
-        return [data[:cut] + bytes([rng.getrandbits(8)]) + data[cut + 1:]][: 1]
+        return [data[:cut] + bytes([rng.getrandbits(8)]) + data[cut + 1:]]
     elif choice == 8:
         return [json.dumps(base).encode(), b"unexpected part", b"another"]
     else:

@@ -83,6 +83,17 @@ def test_cuda_ipc_is_optional():
     assert why
     with pytest.raises(TransportUnavailable, match="cuda-ipc transport unavailable"):
         create_ring("cuda-ipc", "in", slots=2, width=8, height=8)
+    with Bridge(BridgeConfig(transport="cuda-ipc", passthrough=True)) as bridge:  # a host on a machine without CUDA
+        status = bridge.status()
+        assert status.state == "dead" and "cuda-ipc transport unavailable" in status.message
+        frame = _frames(1)[0]
+        assert bridge.submit(frame) is False
+        out, status = bridge.latest()
+        assert np.array_equal(out, frame) and status.fallback  # the host keeps showing its input
+        with pytest.raises(ValueError, match="pitch: 10 bytes is smaller than one row"):
+            bridge.submit_cuda(1234, 10, 8, 8, 4, "uint8")
+        with pytest.raises(ValueError, match="channels: 2"):
+            bridge.submit_cuda(1234, 64, 8, 8, 2, "uint8")
 
 
 def test_non_loopback_tcp_needs_curve():
@@ -109,14 +120,6 @@ def test_tcp_transport_through_a_launched_engine_is_lossless_and_ordered():
     assert all(np.array_equal(a, b) for a, b in zip(frames, outs))
 
 
-def _free_port() -> int:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.REP)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    s.close(linger=0)
-    return port
-
-
 def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     server_dir, client_dir, authorized, stranger_dir = (tmp_path / n for n in ("s", "c", "auth", "x"))
     for d in (server_dir, client_dir, authorized, stranger_dir):
@@ -125,11 +128,14 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     client_public, client_secret = zmq.auth.create_certificates(str(client_dir), "client")
     _, stranger_secret = zmq.auth.create_certificates(str(stranger_dir), "stranger")
     os.replace(client_public, authorized / "client.key")
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", endpoint, "--passthrough",
-                               "--curve-secret-file", server_secret, "--curve-authorized", str(authorized)],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
+                               "--passthrough", "--curve-secret-file", server_secret, "--curve-authorized",
+                               str(authorized)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stderr=subprocess.PIPE, text=True)
     try:
+        line = engine.stderr.readline()
+        assert "listening on tcp://127.0.0.1:" in line, line
+        endpoint = line.split()[-1]
         cfg = dict(launch=False, endpoint=endpoint, transport="tcp", encoding="jpeg", handshake_timeout_s=2.0,
                    curve_server_public_file=server_public)
         with Bridge(BridgeConfig(**cfg, curve_secret_file=client_secret)) as bridge:
@@ -149,3 +155,21 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     finally:
         engine.terminate()
         assert engine.wait(timeout=10) == 0
+
+
+def test_host_bridge_needs_neither_torch_nor_engine_nor_cuda_python():
+    code = (
+        "import sys\n"
+        "sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None  # as if cuda-python were absent\n"
+        "import numpy as np\n"
+        "from host_bridge import Bridge, BridgeConfig\n"
+        "from host_bridge.transport import create_ring\n"
+        "from host_bridge.transport_cuda import cuda_available\n"
+        "ok, why = cuda_available(); assert not ok and 'cuda-python' in why, why\n"
+        "r = create_ring('shm', 'in', slots=2, width=4, height=4)\n"
+        "r.write(0, np.zeros((4, 4, 3), np.uint8)); r.close()\n"
+        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), 'imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr

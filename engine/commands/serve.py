@@ -6,8 +6,7 @@ import argparse
 import os
 
 from engine.cli import UserError
-
-TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launching host passes its token here, not on the command line
+from host_bridge.launcher import TOKEN_ENV
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +20,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
-    p.add_argument("--hang-timeout", type=float, default=1.5, help="the host's hang timeout (informational)")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
     p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
     p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")

@@ -1,0 +1,109 @@
+"""The server with a session that behaves like the real one (outputs in chunk bursts, a tail on flush).
+
+The server runs in a thread of this process, serving on loopback tcp; the Bridge connects to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.server import EngineServer
+from host_bridge import Bridge, BridgeConfig
+
+
+class ChunkSession:
+    """StreamSession's timing with identity content: outputs after 5 inputs, then 4 at a time; flush emits the rest."""
+
+    def __init__(self) -> None:
+        self.pending: list[np.ndarray] = []
+        self.chunk = 5
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames[0, 0, 0, 0] == 255:
+            raise ValueError("frame rejected by the session")
+        self.pending.extend(frames)
+        out = []
+        while len(self.pending) >= self.chunk:
+            out += self.pending[: self.chunk]
+            self.pending = self.pending[self.chunk:]
+            self.chunk = 4
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def flush(self) -> np.ndarray:
+        out, self.pending = self.pending, []
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def set_prompt(self, text, transition_chunks=None):
+        pass
+
+    def set_params(self, **kw):
+        raise ValueError(f"{next(iter(kw))}: unknown parameter")
+
+    def reset(self):
+        self.pending, self.chunk = [], 5
+
+    def stats(self):
+        return {"pending": len(self.pending)}
+
+
+@pytest.fixture
+def served():
+    server = EngineServer(ChunkSession, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.channel is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    endpoint = server.channel.endpoint
+    bridge = Bridge(BridgeConfig(launch=False, endpoint=endpoint, heartbeat_s=0.1,
+                                 hang_timeout_s=1.0)).start()
+    try:
+        bridge.wait_running(20)
+        yield bridge
+    finally:
+        bridge.close()
+        server.request_stop()
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_chunked_session_is_lossless_in_order_with_the_flushed_tail(served):
+    frames = [np.full((16, 24, 3), i, np.uint8) for i in range(23)]  # 5 + 4*4 + a tail of 2
+    outs = served.process(frames, timeout_s=30)
+    assert [int(o[0, 0, 0]) for o in outs] == list(range(23))
+    with pytest.raises(ValueError, match="unknown parameter"):
+        served.set_params(wait=True, strength=3)
+
+
+def test_live_outputs_are_paced_not_bursty(served):
+    period = 0.02
+    seen, t_next = set(), time.monotonic()
+    for i in range(80):
+        served.submit(np.full((16, 24, 3), i % 256, np.uint8))
+        t_next += period
+        while time.monotonic() < t_next:
+            out, status = served.latest()
+            if not status.fallback:
+                assert int(out[0, 0, 0]) == status.seq % 256  # each output is the frame with its seq
+                seen.add(status.seq)
+            time.sleep(0.003)
+    time.sleep(0.2)
+    delivered = served.status().frames_out
+    assert delivered >= 60
+    # bursts of 4 delivered at once would let a 3 ms poll see about a quarter of them
+    assert len(seen) >= 0.6 * delivered, (len(seen), delivered)
+
+
+def test_a_failing_frame_is_reported_and_the_stream_goes_on(served):
+    served.submit(np.full((16, 24, 3), 255, np.uint8))
+    deadline = time.monotonic() + 5
+    while "rejected" not in served.stats()["last_error"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "frame rejected by the session" in served.stats()["last_error"]
+    frames = [np.full((16, 24, 3), i, np.uint8) for i in range(9)]
+    assert [int(o[0, 0, 0]) for o in served.process(frames, timeout_s=20)] == list(range(9))
+    assert served.status().state == "running"
