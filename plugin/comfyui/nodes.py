@@ -1,0 +1,242 @@
+"""The Loom ComfyUI nodes. Each node is thin: it converts ComfyUI's IMAGE and calls host_bridge.
+
+`IMAGE` is a float32 tensor [B, H, W, 3] in 0..1, rows top-down. Engines started by the Engine
+node live in `ENGINES` (keyed by their settings) across queue runs, so re-running a workflow does
+not start a second engine; they are closed when ComfyUI exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CATEGORY = "Loom"
+ENGINE_TYPE = "LOOM_ENGINE"
+TRANSPORTS = ["shm", "tcp", "cuda-ipc"]
+FALLBACKS = ["passthrough", "last"]
+# Seconds per frame a batch may take before the engine is declared stuck, plus start-up time.
+TIMEOUT_PER_FRAME_S = 30.0
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class EngineHandle:
+    """What flows along a LOOM_ENGINE wire: the bridge, its settings, and the prompt/params to keep sent."""
+
+    key: str
+    bridge: Any
+    settings: dict[str, Any]
+    controls: Any = None  # plugin.live_params.ControlSync
+
+    def status_text(self) -> str:
+        _, status = self.bridge.latest()
+        return (f"engine {status.state}  {status.fps:.1f} fps  latency {status.latency_ms:.0f} ms  "
+                f"dropped {status.dropped}" + (f"  ({status.message})" if status.message else ""))
+
+
+class EngineRegistry:
+    """Engines by settings key; `get_or_start` reuses a live one, `close_all` stops every one."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineHandle] = {}
+        self._lock = threading.Lock()
+
+    def get_or_start(self, settings: dict[str, Any]) -> EngineHandle:
+        key = settings_key(settings)
+        with self._lock:
+            handle = self._engines.get(key)
+            if handle is None:
+                from plugin.live_params import ControlSync
+
+                handle = EngineHandle(key, _start_bridge(settings), dict(settings), ControlSync())
+                self._engines[key] = handle
+            return handle
+
+    def close(self, key: str) -> None:
+        with self._lock:
+            handle = self._engines.pop(key, None)
+        if handle is not None:
+            handle.bridge.close()
+
+    def close_all(self) -> None:
+        for key in list(self._engines):
+            self.close(key)
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+
+ENGINES = EngineRegistry()
+atexit.register(ENGINES.close_all)
+
+
+def settings_key(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _start_bridge(settings: dict[str, Any]) -> Any:
+    try:
+        from host_bridge import Bridge, BridgeConfig
+    except ImportError as exc:
+        raise RuntimeError(f"Loom: cannot import host_bridge ({exc}); link this folder from a Loom checkout "
+                           "into custom_nodes, or pip install the Loom repository into ComfyUI's Python") from exc
+    endpoint = settings["endpoint"].strip() or None
+    overrides = [line.strip() for line in settings["overrides"].splitlines() if line.strip()]
+    cfg = BridgeConfig(transport=settings["transport"], launch=endpoint is None,
+                       engine_python=settings["engine_python"].strip() or sys.executable,
+                       engine_config=settings["config"], engine_overrides=overrides, endpoint=endpoint,
+                       fallback=settings["fallback"], passthrough=settings["passthrough"])
+    bridge = Bridge(cfg)
+    bridge.start()
+    return bridge
+
+
+def _images_to_frames(images: Any) -> np.ndarray:
+    """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]."""
+    from host_bridge.formats import from_comfy
+
+    array = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
+    return from_comfy(array)
+
+
+def _frames_to_images(frames: list[np.ndarray]) -> Any:
+    import torch
+
+    from host_bridge.formats import to_comfy
+
+    return torch.from_numpy(to_comfy(np.stack(frames)))
+
+
+class LoomEngine:
+    """Start a local engine (or connect to a running one) and hand it on as LOOM_ENGINE."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (ENGINE_TYPE, "STRING")
+    RETURN_NAMES = ("engine", "status")
+    FUNCTION = "start"
+    DESCRIPTION = "Starts a Loom engine process (or connects to one) that restyles frames with streaming diffusion."
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "config": ("STRING", {"default": "default", "tooltip": "preset name or YAML file of the engine"}),
+                "transport": (TRANSPORTS, {"default": "shm"}),
+                "fallback": (FALLBACKS, {"default": "passthrough"}),
+            },
+            "optional": {
+                "engine_python": ("STRING", {"default": "", "tooltip": "python with torch and Loom; empty: ComfyUI's"}),
+                "endpoint": ("STRING", {"default": "", "tooltip": "empty: start a local engine; else its address"}),
+                "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": "key=value per line"}),
+                "passthrough": ("BOOLEAN", {"default": False, "tooltip": "engine returns frames unchanged"}),
+            },
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, **settings: Any) -> str:
+        """Same settings, same engine: re-run only when a setting changes."""
+        return settings_key(_engine_settings(**settings))
+
+    def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
+              overrides: str = "", passthrough: bool = False) -> tuple[EngineHandle, str]:
+        handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
+                                                       engine_python=engine_python, endpoint=endpoint,
+                                                       overrides=overrides, passthrough=passthrough))
+        return handle, handle.status_text()
+
+
+def _engine_settings(config: str = "default", transport: str = "shm", fallback: str = "passthrough",
+                     engine_python: str = "", endpoint: str = "", overrides: str = "",
+                     passthrough: bool = False) -> dict[str, Any]:
+    return {"config": config, "transport": transport, "fallback": fallback, "engine_python": engine_python,
+            "endpoint": endpoint, "overrides": overrides, "passthrough": bool(passthrough)}
+
+
+class LoomPrompt:
+    """Set the prompt and the live parameters of an engine; passes the engine on."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (ENGINE_TYPE,)
+    RETURN_NAMES = ("engine",)
+    FUNCTION = "apply"
+    DESCRIPTION = "Prompt and parameters for a Loom engine; a prompt change blends over transition_chunks chunks."
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "engine": (ENGINE_TYPE,),
+                "prompt": ("STRING", {"default": "a painting in the style of van gogh, vivid brush strokes",
+                                      "multiline": True}),
+                "steps": ("INT", {"default": 2, "min": 1, "max": 4, "tooltip": "denoising steps"}),
+                "noise_scale": ("FLOAT", {"default": 0.8, "min": 0.1, "max": 1.0, "step": 0.05}),
+                "motion_aware": ("BOOLEAN", {"default": True}),
+                "transition_chunks": ("INT", {"default": 4, "min": 0, "max": 64}),
+            },
+        }
+
+    def apply(self, engine: EngineHandle, prompt: str, steps: int, noise_scale: float, motion_aware: bool,
+              transition_chunks: int) -> tuple[EngineHandle]:
+        from plugin.live_params import engine_params
+
+        if not prompt.strip():
+            raise ValueError("Loom Prompt: the prompt is empty; give a few words describing the style")
+        try:
+            params = engine_params(steps, noise_scale, motion_aware)
+        except ValueError as exc:
+            raise ValueError(f"Loom Prompt: {exc}") from None
+        engine.controls.set_prompt(prompt.strip(), transition_chunks=transition_chunks)
+        engine.controls.set_params(**params)
+        engine.controls.sync(engine.bridge)  # now if the engine runs, else before the next stream
+        return (engine,)
+
+
+class LoomStream:
+    """Stream an IMAGE batch through the engine; every frame comes back restyled, in order."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("IMAGE", "STRING")
+    RETURN_NAMES = ("images", "status")
+    FUNCTION = "stream"
+    DESCRIPTION = ("Sends the frames of an IMAGE batch (a video) through the engine's stream; returns one "
+                   "restyled frame per input frame. The stream's state carries over between runs.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "engine": (ENGINE_TYPE,),
+                "images": ("IMAGE",),
+            },
+            "optional": {
+                "timeout_s": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 36000.0,
+                                        "tooltip": "0: a limit from the batch size"}),
+            },
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, **_: Any) -> float:
+        """NaN never equals itself: the stream is live, so the node runs every time."""
+        return float("nan")
+
+    def stream(self, engine: EngineHandle, images: Any, timeout_s: float = 0.0) -> tuple[Any, str]:
+        frames = _images_to_frames(images)
+        limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
+        engine.bridge.wait_running(limit)
+        engine.controls.sync(engine.bridge)
+        outs = engine.bridge.process(list(frames), timeout_s=limit)
+        if len(outs) != len(frames):
+            raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
+        return _frames_to_images(outs), engine.status_text()
+
+
+NODE_CLASS_MAPPINGS = {"LoomEngine": LoomEngine, "LoomPrompt": LoomPrompt, "LoomStream": LoomStream}
+NODE_DISPLAY_NAME_MAPPINGS = {"LoomEngine": "Loom Engine", "LoomPrompt": "Loom Prompt & Params",
+                              "LoomStream": "Loom Stream Images"}

@@ -1,0 +1,373 @@
+"""The Loom player: a video source in, the engine's restyled frames out to a window, files and streams.
+
+Two ways to run, chosen from the input (`--mode` overrides):
+- lossless (files, the generated clip): every input frame is restyled, in order, through the
+  bridge's batch path; the output file has exactly as many frames as were read, and the run
+  takes as long as the engine needs. A progress bar shows how far it is.
+- live (cameras, network inputs, or `--mode live`): the input runs at its own rate; each input
+  frame is submitted (latest wins) and the newest engine output (or the fallback while the
+  engine starts or restarts) goes out at once. A status line shows FPS, latency and drops.
+
+Outputs are finalised on every exit path, including Ctrl-C, so a file written so far plays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
+from plugin.player.controls import Controls, ControlState, KeyboardInput
+from plugin.player.options import (
+    DEFAULT_GENERATED_FRAMES,
+    DEFAULT_OUTPUT,
+    EXIT_ENGINE_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    WINDOW_OUTPUT,
+    PlayerError,
+    PlayerOptions,
+    output_kind,
+)
+from plugin.player.status import StatusPrinter, live_line, progress_line
+
+# Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
+# the first chunk is 5 frames, later ones 4 (first batch 5 + 4*4, then 5*4).
+FIRST_BATCH = 21
+LATER_BATCH = 20
+# An engine that restarts this many times before it ever runs is broken, not slow: give up.
+MAX_FAILED_STARTS = 3
+RETRY_PAUSE_S = 1.0
+# Seconds a `process()` call may take per frame before the engine is declared stuck.
+PROCESS_TIMEOUT_PER_FRAME_S = 30.0
+PAUSE_POLL_S = 0.05
+READY_POLL_S = 0.1
+
+
+class Player:
+    """One run: open the source, the engine bridge and the outputs; stream; close everything."""
+
+    def __init__(self, options: PlayerOptions, printer: StatusPrinter | None = None) -> None:
+        options.check()
+        self.opts = options
+        self.printer = printer or StatusPrinter(quiet=options.quiet)
+        prompts = list(options.prompts) or [options.default_prompt]
+        self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
+                                              noise_scale=options.noise_scale,
+                                              motion_aware=options.motion_aware))
+        self.keyboard = KeyboardInput(self.controls)
+        self.source: Any = None
+        self.bridge: Any = None
+        self.sinks: list[Any] = []
+        self.window: Any = None
+        self.osc: Any = None
+        self.frames_in = 0
+        self.frames_out = 0
+        self.size: tuple[int, int] = (0, 0)
+        self._last_out: np.ndarray | None = None
+        self._started = time.monotonic()
+        self._stream_started = self._started
+        # A restart starts a new, empty log: keep the last tail and engine error that said something.
+        self._log_tail: list[str] = []
+        self._last_error = ""
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def _open_source(self) -> None:
+        o = self.opts
+        try:
+            if o.uses_generated_clip:
+                n = o.max_frames or DEFAULT_GENERATED_FRAMES
+                self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
+            else:
+                self.source = open_source(o.input)
+        except MediaError as exc:
+            raise PlayerError(f"input: {exc}") from None
+        w, h = self.source.size
+        # H.264 4:2:0 needs even sizes: drop a last odd column/row rather than refuse the input.
+        self.size = (w - w % 2, h - h % 2)
+
+    def _open_outputs(self) -> None:
+        from plugin.player.window import PreviewWindow, WindowUnavailable
+
+        o = self.opts
+        audio_from = None if (o.uses_generated_clip or self.source.is_live) else o.input
+        specs = list(o.outputs)
+        if WINDOW_OUTPUT in specs:
+            try:
+                self.window = PreviewWindow()
+            except WindowUnavailable as exc:
+                specs = [s for s in specs if s != WINDOW_OUTPUT] or [DEFAULT_OUTPUT]
+                self.printer.say(f"loom play: {exc}; running without a window, writing {', '.join(specs)}")
+        for spec in specs:
+            if spec == WINDOW_OUTPUT:
+                continue
+            kind = output_kind(spec)
+            try:
+                self.sinks.append(open_sink(spec, self.source.fps, self.size,
+                                            audio_from=audio_from if kind == "file" else None))
+            except MediaError as exc:
+                raise PlayerError(f"output: {exc}") from None
+
+    def _start_engine(self) -> None:
+        from host_bridge import Bridge, BridgeConfig
+
+        o = self.opts
+        cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
+                           engine_python=o.engine_python or sys.executable, engine_config=o.config,
+                           engine_overrides=list(o.overrides), endpoint=o.endpoint, fallback="passthrough",
+                           passthrough=o.passthrough)
+        try:
+            self.bridge = Bridge(cfg)
+            self.bridge.start()
+        except Exception as exc:  # whatever the launcher raises, the user sees one line and exit code 3
+            raise PlayerError(f"cannot start the engine: {exc}", EXIT_ENGINE_FAILED) from None
+
+    def _start_osc(self) -> None:
+        if self.opts.osc_port is None:
+            return
+        from plugin.player.osc import OSCServer
+
+        try:
+            self.osc = OSCServer(self.controls, self.opts.osc_host, self.opts.osc_port)
+        except RuntimeError as exc:
+            raise PlayerError(str(exc)) from None
+        host, port = self.osc.address
+        self.printer.say(f"loom play: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
+
+    def _wait_ready(self) -> None:
+        """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        while True:
+            _, status = self.bridge.latest()
+            self._remember_log(status)
+            if _is_ready(status):
+                self._stream_started = time.monotonic()
+                return
+            if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
+                raise self._engine_error("the engine did not start", status)
+            if time.monotonic() > deadline:
+                raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
+                                         status)
+            self.printer.update(f"starting the engine: {status.message or status.state}")
+            self._poll_controls()
+            if self.controls.state.quit:
+                return
+            time.sleep(READY_POLL_S)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
+        interrupted = False
+        try:
+            self._open_source()
+            self._open_outputs()
+            self._start_engine()
+            self._start_osc()
+            if self.opts.prompts:  # sent as soon as the engine runs (and again to a restarted one)
+                self.controls.sync.set_prompt(self.controls.state.prompt)
+            live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
+            if live:
+                self._run_live()
+            else:
+                self._wait_ready()
+                self._run_lossless()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            self._close()
+        self._report(interrupted)
+        return EXIT_INTERRUPTED if interrupted else EXIT_OK
+
+    def _frames(self) -> Iterator[np.ndarray]:
+        """Input frames cropped to the output size, until the end, `--frames`, or quit."""
+        limit = self.opts.max_frames
+        w, h = self.size
+        while not self.controls.state.quit and (limit is None or self.frames_in < limit):
+            self._poll_controls()
+            if self.controls.state.paused:
+                self._idle()
+                continue
+            frame = self._read()
+            if frame is None:
+                return
+            self.frames_in += 1
+            yield frame[:h, :w]
+
+    def _read(self) -> np.ndarray | None:
+        try:
+            frame = self.source.read()
+            if frame is None and self.opts.loop and not self.source.is_live and self.frames_in > 0:
+                self.source.close()
+                self._open_source()
+                frame = self.source.read()
+        except MediaError as exc:
+            raise PlayerError(f"input: {exc}") from None
+        return frame
+
+    def _run_lossless(self) -> None:
+        known = [n for n in (self.opts.max_frames, self.source.frame_count) if n]
+        total = min(known) if known and not self.opts.loop else None
+        batch: list[np.ndarray] = []
+        for frame in self._frames():
+            batch.append(frame)
+            if len(batch) == (FIRST_BATCH if self.frames_out == 0 else LATER_BATCH):
+                self._process(batch, total)
+                batch = []
+        if batch:
+            self._process(batch, total)
+
+    def _process(self, batch: list[np.ndarray], total: int | None) -> None:
+        """One batch through the engine; if the engine crashes meanwhile, the batch goes again to the restarted one."""
+        timeout_s = PROCESS_TIMEOUT_PER_FRAME_S * len(batch) + self.opts.startup_timeout_s
+        for attempt in range(1, MAX_FAILED_STARTS + 1):
+            try:
+                outs = self.bridge.process(batch, timeout_s=timeout_s)
+                break
+            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
+                _, status = self.bridge.latest()
+                self._remember_log(status)
+                if _is_failed(status) or attempt == MAX_FAILED_STARTS:
+                    raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
+                first = self.frames_out
+                self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}.."
+                                 f"{first + len(batch) - 1} go again once it has restarted")
+                time.sleep(RETRY_PAUSE_S * attempt)  # let the bridge finish its restart before asking again
+        for out in outs:
+            self._emit(out)
+            elapsed = time.monotonic() - self._stream_started
+            line = progress_line(self.frames_out, total, elapsed) if total else f"{self.frames_out} frames"
+            self.printer.update(line)
+
+    def _run_live(self) -> None:
+        period = 1.0 / self.source.fps if self.source.fps else 0.0
+        pace = not self.source.is_live  # a file played live runs at its own rate
+        next_due = time.monotonic()
+        ran = False
+        for frame in self._frames():
+            self.bridge.submit(frame)
+            out, status = self.bridge.latest()
+            ran = ran or _is_ready(status)
+            self._remember_log(status)
+            # A show goes on through engine restarts (the fallback fills in), but an engine that
+            # never came up, or cannot be started at all, ends the run with its reason.
+            if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
+                raise self._engine_error("the engine did not start", status)
+            self._emit(frame if out is None else out)
+            self.printer.update(live_line(self.frames_out, status))
+            if pace:
+                next_due += period
+                delay = next_due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    next_due = time.monotonic()
+
+    def _emit(self, frame: np.ndarray) -> None:
+        """Write one output frame everywhere; an engine frame of another size is fitted to the outputs."""
+        w, h = self.size
+        if frame.shape[:2] != (h, w):
+            import cv2
+
+            frame = cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
+        if frame.ndim == 3 and frame.shape[2] == 4:
+            frame = frame[..., :3]
+        frame = np.ascontiguousarray(frame, dtype=np.uint8)
+        for sink in self.sinks:
+            try:
+                sink.write(frame)
+            except MediaError as exc:
+                raise PlayerError(f"output: {exc}") from None
+        self._last_out = frame
+        self.frames_out += 1
+        self._show(frame)
+
+    def _show(self, frame: np.ndarray) -> None:
+        if self.window is None:
+            return
+        s = self.controls.state
+        lines: list[str] = []
+        if s.overlay:
+            _, status = self.bridge.latest()
+            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}",
+                     f"steps {s.steps}  noise {s.noise_scale:.2f}  motion {'on' if s.motion_aware else 'off'}"]
+            if s.message:
+                lines.append(s.message)
+        if self.keyboard.typing is not None:
+            lines.append(f"new prompt> {self.keyboard.typing}_")
+        self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
+        if self.window.closed_by_user():
+            self.controls.state.quit = True
+
+    def _poll_controls(self) -> None:
+        for line in self.controls.apply_pending(self.bridge):
+            self.printer.say(f"loom play: {line}")
+
+    def _idle(self) -> None:
+        """Paused: keep the window responsive and the controls flowing, read nothing."""
+        if self.window is not None and self._last_out is not None:
+            self._show(self._last_out)
+        time.sleep(PAUSE_POLL_S)
+
+    def _remember_log(self, status: Any) -> None:
+        self._log_tail = list(status.log_tail) or self._log_tail
+        self._last_error = self.bridge.stats().get("last_error") or self._last_error
+
+    def _engine_error(self, what: str, status: Any) -> PlayerError:
+        self._remember_log(status)
+        text = f"{what}: {status.message}" if status.message and status.message not in what else what
+        lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
+        return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
+
+    # --- tear-down ---------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        """Finalise outputs first (they matter most), then stop the engine, OSC, window and input."""
+        for sink in self.sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+        for thing in (self.bridge, self.osc, self.window, self.source):
+            if thing is not None:
+                with contextlib.suppress(Exception):
+                    thing.close()
+
+    def _report(self, interrupted: bool) -> None:
+        if self.source is None:
+            return
+        elapsed = time.monotonic() - self._started
+        written = ", ".join(s.name for s in self.sinks) or "the window"
+        how = "stopped by Ctrl-C; " if interrupted else ""
+        w, h = self.size
+        self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
+                            f"to {written} in {elapsed:.1f} s")
+
+
+def _is_ready(status: Any) -> bool:
+    return status.state == "running"
+
+
+def _is_failed(status: Any) -> bool:
+    return status.state in ("dead", "stopped")
+
+
+def run_player(options: PlayerOptions) -> int:
+    """Run the player; every user-fixable failure is one message on stderr and an exit code."""
+    printer = StatusPrinter(quiet=options.quiet)
+    try:
+        return Player(options, printer).run()
+    except PlayerError as exc:
+        printer.quiet = False  # errors are always shown
+        printer.say(f"loom play: error: {exc}")
+        if exc.detail:
+            printer.say("engine log (last lines):\n" + exc.detail.rstrip())
+        return exc.exit_code
+    except KeyboardInterrupt:
+        printer.quiet = False
+        printer.say("loom play: interrupted")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,264 @@
+"""Live control of a running player: one command vocabulary for the keyboard and for OSC.
+
+Keys in the window and OSC messages both turn into `Command`s on one thread-safe queue; the
+frame loop drains the queue between frames and applies each command to the engine. So the OSC
+server's thread never touches the bridge, and a burst of messages (a fader sweep) cannot stall
+the frame loop: only the newest value of each setting is sent to the engine per frame.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plugin.live_params import NOISE_SCALE_RANGE, STEP_LISTS, ControlSync
+
+NOISE_SCALE_KEY_STEP = 0.05
+
+
+@dataclass(frozen=True)
+class Command:
+    """One control action: `name` from COMMANDS, with its arguments already validated."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+
+
+COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
+            "motion_aware", "pause", "overlay", "fullscreen", "quit")
+
+
+class ControlError(ValueError):
+    """A command with a bad argument; the message says what is allowed."""
+
+
+@dataclass
+class ControlState:
+    """What the performer has set; the frame loop reads it, `apply` changes it."""
+
+    prompts: list[str]
+    prompt_index: int = 0
+    steps: int = 2
+    noise_scale: float = 0.8
+    motion_aware: bool = True
+    transition_chunks: int | None = None
+    paused: bool = False
+    overlay: bool = True
+    fullscreen: bool = False
+    quit: bool = False
+    message: str = ""
+
+    @property
+    def prompt(self) -> str:
+        return self.prompts[self.prompt_index]
+
+
+def steps_command(value: Any) -> Command:
+    n = _int(value, "steps")
+    if n not in STEP_LISTS:
+        raise ControlError(f"steps: {n} is not allowed; expected 1, 2, 3 or 4")
+    return Command("steps", (n,))
+
+
+def noise_scale_command(value: Any) -> Command:
+    lo, hi = NOISE_SCALE_RANGE
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"noise_scale: {value!r} is not a number; expected {lo}..{hi}") from None
+    if not lo <= x <= hi:
+        raise ControlError(f"noise_scale: {x:g} is out of range; expected {lo}..{hi}")
+    return Command("noise_scale", (x,))
+
+
+def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
+    if not isinstance(text, str) or not text.strip():
+        raise ControlError("prompt: expected a non-empty text describing the style")
+    chunks = None if transition_chunks is None else _int(transition_chunks, "transition_chunks")
+    if chunks is not None and chunks < 0:
+        raise ControlError(f"transition_chunks: {chunks} must be >= 0")
+    return Command("prompt", (text.strip(), chunks))
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"{what}: {value!r} is not a number") from None
+    if as_float != int(as_float):
+        raise ControlError(f"{what}: {value!r} is not a whole number")
+    return int(as_float)
+
+
+def _flag(value: Any, current: bool) -> bool:
+    """OSC toggles send 1/0, T/F or nothing (= flip)."""
+    if value is None:
+        return not current
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "on", "yes")
+    return bool(value)
+
+
+class Controls:
+    """The command queue plus the state it drives; `apply_pending(bridge)` runs on the frame loop."""
+
+    def __init__(self, state: ControlState) -> None:
+        self.state = state
+        self.sync = ControlSync()
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def put(self, command: Command) -> None:
+        """Queue a command; safe from any thread."""
+        if command.name not in COMMANDS:
+            raise ControlError(f"unknown command {command.name!r}; known: {', '.join(COMMANDS)}")
+        self._queue.put(command)
+
+    def drain(self) -> list[Command]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def apply_pending(self, bridge: Any) -> list[str]:
+        """Apply every queued command to the state; the engine gets one update per setting when it runs.
+
+        Returns what changed, one line per command, for the status display and the log.
+        """
+        commands = self.drain()
+        changes: dict[str, Any] = {}
+        done = []
+        for command in commands:
+            self._apply(command, changes)
+            done.append(self.state.message)
+        if "prompt" in changes:
+            self.sync.set_prompt(*changes.pop("prompt"))
+        if changes:
+            self.sync.set_params(**changes)
+        self.sync.sync(bridge)
+        return done
+
+    def _apply(self, command: Command, changes: dict[str, Any]) -> None:
+        s = self.state
+        name, args = command.name, command.args
+        if name == "prompt":
+            text, chunks = args
+            if text not in s.prompts:
+                s.prompts.append(text)
+            s.prompt_index = s.prompts.index(text)
+            changes["prompt"] = (text, chunks if chunks is not None else s.transition_chunks)
+        elif name in ("prompt_next", "prompt_prev", "prompt_index"):
+            if name == "prompt_index":
+                index = args[0]
+                if not 0 <= index < len(s.prompts):
+                    s.message = f"prompt index {index} out of range 0..{len(s.prompts) - 1}"
+                    return
+            else:
+                index = (s.prompt_index + (1 if name == "prompt_next" else -1)) % len(s.prompts)
+            s.prompt_index = index
+            changes["prompt"] = (s.prompt, s.transition_chunks)
+        elif name == "steps":
+            s.steps = args[0]
+            changes["steps"] = list(STEP_LISTS[s.steps])
+        elif name in ("noise_scale", "noise_step"):
+            lo, hi = NOISE_SCALE_RANGE
+            target = args[0] if name == "noise_scale" else s.noise_scale + args[0]
+            s.noise_scale = round(min(hi, max(lo, target)), 4)
+            changes["noise_scale"] = s.noise_scale
+        elif name == "motion_aware":
+            s.motion_aware = _flag(args[0] if args else None, s.motion_aware)
+            changes["motion_aware"] = s.motion_aware
+        elif name == "pause":
+            s.paused = _flag(args[0] if args else None, s.paused)
+        elif name == "overlay":
+            s.overlay = not s.overlay
+        elif name == "fullscreen":
+            s.fullscreen = not s.fullscreen
+        elif name == "quit":
+            s.quit = True
+        s.message = _describe(command, s)
+
+
+def _describe(command: Command, s: ControlState) -> str:
+    if command.name.startswith("prompt"):
+        return f"prompt: {s.prompt}"
+    if command.name == "steps":
+        return f"steps: {s.steps} {STEP_LISTS[s.steps]}"
+    if command.name in ("noise_scale", "noise_step"):
+        return f"noise scale: {s.noise_scale:.2f}"
+    if command.name == "motion_aware":
+        return f"motion-aware noise: {'on' if s.motion_aware else 'off'}"
+    if command.name == "pause":
+        return "paused" if s.paused else "playing"
+    return command.name
+
+
+# --- keyboard -------------------------------------------------------------------------------
+
+KEY_HELP: Sequence[tuple[str, str]] = (
+    ("q / Esc", "quit (the output file is finalised)"),
+    ("space", "pause / resume the input"),
+    ("Enter or t", "type a new prompt (Enter sends it, Esc cancels)"),
+    ("n / b", "next / previous prompt of the --prompts list"),
+    ("1 2 3 4", "number of denoising steps"),
+    ("[ / ]", f"noise scale down / up by {NOISE_SCALE_KEY_STEP}"),
+    ("m", "motion-aware noise on / off"),
+    ("h", "hide / show the status overlay"),
+    ("f", "full screen on / off"),
+)
+
+KEY_ENTER = (10, 13)
+KEY_ESC = 27
+KEY_BACKSPACE = (8, 127)
+
+_SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
+    "q": lambda: Command("quit"),
+    " ": lambda: Command("pause"),
+    "n": lambda: Command("prompt_next"),
+    "b": lambda: Command("prompt_prev"),
+    "[": lambda: Command("noise_step", (-NOISE_SCALE_KEY_STEP,)),
+    "]": lambda: Command("noise_step", (NOISE_SCALE_KEY_STEP,)),
+    "m": lambda: Command("motion_aware"),
+    "h": lambda: Command("overlay"),
+    "f": lambda: Command("fullscreen"),
+}
+
+
+class KeyboardInput:
+    """Turns window key codes into commands; holds the prompt being typed."""
+
+    def __init__(self, controls: Controls) -> None:
+        self.controls = controls
+        self.typing: str | None = None
+
+    def press(self, code: int) -> None:
+        if code < 0:
+            return
+        code &= 0xFF
+        if self.typing is not None:
+            self._type(code)
+        elif code == KEY_ESC:
+            self.controls.put(Command("quit"))
+        elif code in KEY_ENTER or chr(code) == "t":
+            self.typing = ""
+        elif chr(code) in "1234":
+            self.controls.put(steps_command(int(chr(code))))
+        elif chr(code) in _SIMPLE_KEYS:
+            self.controls.put(_SIMPLE_KEYS[chr(code)]())
+
+    def _type(self, code: int) -> None:
+        if code == KEY_ESC:
+            self.typing = None
+        elif code in KEY_ENTER:
+            text, self.typing = self.typing, None
+            if text and text.strip():
+                self.controls.put(prompt_command(text))
+        elif code in KEY_BACKSPACE:
+            self.typing = self.typing[:-1]
+        elif 32 <= code < 127:
+            self.typing += chr(code)

@@ -1,0 +1,110 @@
+"""What a player run is asked to do, checked before anything is opened."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_OUTPUT = "loom_out.mp4"
+WINDOW_OUTPUT = "window"
+GENERATED_INPUT = "generated"
+# 5 + 4k frames: the engine's first chunk is 5 frames, the next ones 4 (no partial last chunk).
+DEFAULT_GENERATED_FRAMES = 49
+DEFAULT_GENERATED_SIZE = (256, 256)
+DEFAULT_GENERATED_FPS = 24.0
+NETWORK_OUTPUT_SCHEMES = ("udp", "srt", "rtmp", "rtmps")
+MODES = ("auto", "lossless", "live")
+TRANSPORTS = ("shm", "tcp", "cuda-ipc")
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_ENGINE_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+class PlayerError(Exception):
+    """A failure the user can act on: printed as one line (plus the engine's log tail), no traceback."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT, detail: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.detail = detail
+
+
+@dataclass
+class PlayerOptions:
+    """A player run. `input=None` means the built-in generated clip."""
+
+    input: str | None = None
+    outputs: list[str] = field(default_factory=lambda: [DEFAULT_OUTPUT])
+    config: str = "default"
+    overrides: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    default_prompt: str = "a painting in the style of van gogh, vivid brush strokes"
+    steps: int = 2
+    noise_scale: float = 0.8
+    motion_aware: bool = True
+    max_frames: int | None = None
+    size: tuple[int, int] = DEFAULT_GENERATED_SIZE
+    fps: float = DEFAULT_GENERATED_FPS
+    seed: int = 0
+    mode: str = "auto"
+    loop: bool = False
+    transport: str = "shm"
+    endpoint: str | None = None
+    engine_python: str | None = None
+    passthrough: bool = False
+    osc_port: int | None = None
+    osc_host: str = "127.0.0.1"
+    startup_timeout_s: float = 300.0
+    quiet: bool = False
+
+    def check(self) -> None:
+        """Reject impossible combinations before opening anything."""
+        if self.mode not in MODES:
+            raise PlayerError(f"mode: {self.mode!r} is not allowed; expected one of {', '.join(MODES)}")
+        if self.transport not in TRANSPORTS:
+            raise PlayerError(f"transport: {self.transport!r} is not allowed; expected {', '.join(TRANSPORTS)}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise PlayerError(f"--frames: {self.max_frames} must be at least 1")
+        if not self.outputs:
+            raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
+        if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
+            raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
+        for spec in self.outputs:
+            kind = output_kind(spec)
+            if kind == "file" and not Path(spec).parent.is_dir():
+                raise PlayerError(f"output folder does not exist: {Path(spec).parent}")
+
+    @property
+    def uses_generated_clip(self) -> bool:
+        return self.input is None or self.input == GENERATED_INPUT
+
+
+def output_kind(spec: str) -> str:
+    """'window', 'network' or 'file'; an unknown URL scheme is refused with the allowed ones."""
+    if spec == WINDOW_OUTPUT:
+        return "window"
+    if "://" in spec:
+        scheme = spec.split("://", 1)[0].lower()
+        if scheme not in NETWORK_OUTPUT_SCHEMES:
+            raise PlayerError(f"output {spec!r}: unsupported URL scheme {scheme!r}; allowed: "
+                              f"{', '.join(s + '://' for s in NETWORK_OUTPUT_SCHEMES)}, a .mp4/.mkv/.mov file "
+                              f"or '{WINDOW_OUTPUT}'")
+        return "network"
+    return "file"
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlayerError(f"--prompts: file not found: {p}")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlayerError(f"--prompts: cannot read {p}: {exc}") from exc
+    prompts = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise PlayerError(f"--prompts: {p} holds no prompt (one per line; # starts a comment)")
+    return prompts

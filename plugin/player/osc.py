@@ -1,0 +1,98 @@
+"""OSC control of the player (extra `osc`: python-osc), the way TouchDesigner and Resolume users drive things.
+
+The server listens on UDP on its own thread and only queues `Command`s; the frame loop applies
+them. A malformed message is counted and reported in the status line, never raised into the
+server thread. python-osc is imported when a server is started, so the player runs without it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from plugin.player.controls import Command, ControlError, Controls, noise_scale_command, prompt_command, steps_command
+
+# address -> (arguments, what it does); the README's table is this one.
+OSC_ADDRESSES: dict[str, tuple[str, str]] = {
+    "/loom/prompt": ("text [transition_chunks]", "new prompt, blended over transition_chunks chunks"),
+    "/loom/prompt/next": ("", "next prompt of the --prompts list"),
+    "/loom/prompt/prev": ("", "previous prompt of the --prompts list"),
+    "/loom/prompt/index": ("i", "prompt number i (0-based) of the --prompts list"),
+    "/loom/steps": ("i", "number of denoising steps, 1..4"),
+    "/loom/noise_scale": ("f", "noise strength for a static scene, 0.1..1.0"),
+    "/loom/motion_aware": ("[0|1]", "motion-aware noise off / on (no argument: toggle)"),
+    "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
+    "/loom/quit": ("", "stop the player; outputs are finalised"),
+}
+
+
+def _index(value: Any) -> Command:
+    try:
+        return Command("prompt_index", (int(value),))
+    except (TypeError, ValueError):
+        raise ControlError(f"prompt index: {value!r} is not a whole number") from None
+
+
+_BUILDERS: dict[str, Callable[..., Command]] = {
+    "/loom/prompt": prompt_command,
+    "/loom/prompt/next": lambda: Command("prompt_next"),
+    "/loom/prompt/prev": lambda: Command("prompt_prev"),
+    "/loom/prompt/index": _index,
+    "/loom/steps": steps_command,
+    "/loom/noise_scale": noise_scale_command,
+    "/loom/motion_aware": lambda *a: Command("motion_aware", a[:1]),
+    "/loom/pause": lambda *a: Command("pause", a[:1]),
+    "/loom/quit": lambda: Command("quit"),
+}
+
+
+def command_for(address: str, args: tuple[Any, ...]) -> Command:
+    """The command an OSC message asks for; ControlError names the problem."""
+    builder = _BUILDERS.get(address.rstrip("/"))
+    if builder is None:
+        raise ControlError(f"unknown OSC address {address!r}; known: {', '.join(OSC_ADDRESSES)}")
+    try:
+        return builder(*args)
+    except TypeError:
+        expected = OSC_ADDRESSES[address.rstrip("/")][0] or "no arguments"
+        raise ControlError(f"{address}: wrong arguments {list(args)!r}; expected {expected}") from None
+
+
+class OSCServer:
+    """A UDP OSC server feeding a `Controls` queue; `close()` stops it and frees the port."""
+
+    def __init__(self, controls: Controls, host: str = "127.0.0.1", port: int = 9000) -> None:
+        try:
+            from pythonosc.dispatcher import Dispatcher
+            from pythonosc.osc_server import ThreadingOSCUDPServer
+        except ImportError as exc:
+            raise RuntimeError("OSC control needs python-osc: pip install 'loom-live[osc]' "
+                               "(or run without --osc-port)") from exc
+        self.controls = controls
+        self.received = 0
+        self.rejected = 0
+        self.last_error = ""
+        dispatcher = Dispatcher()
+        dispatcher.set_default_handler(self._handle)
+        try:
+            self._server = ThreadingOSCUDPServer((host, port), dispatcher)
+        except OSError as exc:
+            raise RuntimeError(f"OSC: cannot listen on udp {host}:{port}: {exc.strerror or exc}") from exc
+        self.address = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="loom-osc", daemon=True)
+        self._thread.start()
+
+    def _handle(self, address: str, *args: Any) -> None:
+        self.received += 1
+        try:
+            self.controls.put(command_for(address, args))
+        except ControlError as exc:
+            self.rejected += 1
+            self.last_error = str(exc)
+            self.controls.state.message = f"OSC: {exc}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=2.0)

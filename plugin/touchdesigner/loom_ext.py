@@ -1,0 +1,223 @@
+"""The Loom TouchDesigner extension: one object per Loom component that owns the bridge to the engine.
+
+Put this file in a Text DAT named `loom_ext` inside the component (or point the DAT's File
+parameter at it) and set the component's Extension to `op('./loom_ext').module.LoomExt(me)` with
+Promote on. The Script TOP's callbacks (`script_top_callbacks.py`) call `Cook`; a Parameter
+Execute DAT (`parexec_callbacks.py`) forwards parameter changes.
+
+Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
+`TOP.numpyArray()` otherwise. The CUDAMemory object owns TouchDesigner's copy of the texture and
+frees it when dropped, and the texture is reused after the cook, so `Cook` holds the object until
+the bridge has finished copying out of it, inside the cook. Frames out: the newest engine frame
+(or the fallback) through `copyNumpyArray`, in TouchDesigner's layout (bottom-up rows, BGRA for
+uint8). Nothing here blocks the cook on the engine: a slow or dead engine shows the fallback and a
+status on the read-only parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from plugin.live_params import ControlSync
+
+OUTPUT_CHANNELS = 4
+LOG_TAIL_LINES = 6
+
+
+class LoomExt:
+    """Promoted methods (capitalised) are callable as `op('loom').Start()` etc."""
+
+    def __init__(self, ownerComp: Any) -> None:
+        self.ownerComp = ownerComp
+        self.bridge: Any = None
+        self.cooks = 0
+        self.cuda_submits = 0
+        self.numpy_submits = 0
+        self.last_error = ""
+        self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
+        self.device_output: Any = None
+        self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
+
+    # --- engine lifetime ---------------------------------------------------------------------
+
+    def Start(self) -> None:
+        """Start (or restart) the bridge with the current Engine page settings."""
+        self.Stop()
+        par = self.ownerComp.par
+        try:
+            from host_bridge import Bridge, BridgeConfig
+        except ImportError as exc:
+            self._error(f"cannot import host_bridge ({exc}); add the Loom folder and a folder with pyzmq to "
+                        "TouchDesigner's Python 64-bit Module Path (see plugin/touchdesigner/README.md)")
+            return
+        endpoint = str(par.Endpoint.eval() or "").strip() or None
+        python = str(par.Enginepython.eval() or "").strip()
+        if endpoint is None and not python:
+            self._error("set 'Engine Python' to the python executable of the environment that has torch")
+            return
+        transport, note = str(par.Transport.eval()), ""
+        if transport == "cuda-ipc":
+            from host_bridge.transport_cuda import cuda_available
+
+            ok, why = cuda_available()
+            if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
+                transport, note = "shm", f"cuda-ipc unavailable ({why}); using shm"
+        try:
+            cfg = BridgeConfig(transport=transport, launch=endpoint is None, engine_python=python,
+                               engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
+                               fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()))
+            self.bridge = Bridge(cfg)
+            self.bridge.start()
+        except Exception as exc:  # a bad setting must show on the component, never break the network
+            self.bridge = None
+            self._error(f"cannot start the engine: {exc}")
+            return
+        self._record_controls()
+        self.note = note
+        par.State = "starting"
+        par.Message = note
+
+    def Stop(self) -> None:
+        if self.bridge is not None:
+            bridge, self.bridge = self.bridge, None
+            try:
+                bridge.close()
+            except Exception as exc:  # closing must always leave the component usable
+                self.last_error = str(exc)
+        if self.device_output is not None:
+            self.device_output.close()
+            self.device_output = None
+        self.ownerComp.par.State = "stopped"
+
+    # --- parameters --------------------------------------------------------------------------
+
+    def OnParValueChange(self, par: Any, prev: Any = None) -> None:
+        name = par.name
+        if name == "Active":
+            self.Start() if par.eval() else self.Stop()
+        elif self.bridge is None:
+            return
+        elif name in ("Prompt", "Transition"):
+            self.controls.set_prompt(str(self.ownerComp.par.Prompt.eval()),
+                                     transition_chunks=int(self.ownerComp.par.Transition.eval()))
+            self.controls.sync(self.bridge)
+        elif name in ("Steps", "Noisescale", "Motionaware"):
+            self.controls.set_params(**self._params())
+            self.controls.sync(self.bridge)
+        elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
+                self.ownerComp.par.Active.eval():
+            self.Start()
+
+    def OnPulse(self, par: Any) -> None:
+        if par.name == "Start":
+            self.Start()
+        elif par.name == "Stop":
+            self.Stop()
+
+    def _params(self) -> dict[str, Any]:
+        from plugin.live_params import engine_params
+
+        par = self.ownerComp.par
+        return engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()), bool(par.Motionaware.eval()))
+
+    def _record_controls(self) -> None:
+        """Everything on the Loom page, to be sent as soon as the new engine runs."""
+        par = self.ownerComp.par
+        self.controls = ControlSync()
+        self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+        self.controls.set_params(**self._params())
+
+    # --- the cook ----------------------------------------------------------------------------
+
+    def Cook(self, scriptOp: Any) -> None:
+        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook."""
+        self.cooks += 1
+        top = scriptOp.inputs[0] if scriptOp.inputs else None
+        if top is None:
+            return
+        if self.bridge is None:
+            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
+            return
+        self.controls.sync(self.bridge)
+        if self._use_cuda():
+            status = self._cook_cuda(scriptOp, top)
+        else:
+            self.bridge.submit(top.numpyArray(delayed=False), layout="touchdesigner")
+            self.numpy_submits += 1
+            frame, status = self.bridge.latest()
+            if frame is None:
+                scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
+            else:
+                from host_bridge.formats import to_touchdesigner
+
+                scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
+        self._publish(status)
+
+    def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
+        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP."""
+        memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        shape = memory.shape
+        dtype = np.dtype(shape.dataType)
+        pitch = shape.width * shape.numComps * dtype.itemsize
+        self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
+                                layout="touchdesigner")
+        self.cuda_submits += 1
+        del memory  # only now: submit_cuda has finished its device copy when it returns
+        nbytes = pitch * shape.height
+        if self.device_output is None:
+            self.device_output = DeviceBuffer()
+        ptr = self.device_output.ensure(nbytes)
+        status = self.bridge.latest_cuda(ptr, pitch)  # output comes back in the input's layout and size
+        scriptOp.copyCUDAMemory(ptr, nbytes, shape)
+        return status
+
+    def _use_cuda(self) -> bool:
+        return self.bridge.config.transport == "cuda-ipc"
+
+    def _publish(self, status: Any) -> None:
+        par = self.ownerComp.par
+        par.State = status.state
+        par.Fps = round(float(status.fps or 0.0), 2)
+        par.Latency = round(float(status.latency_ms or 0.0), 1)
+        par.Dropped = int(status.dropped or 0)
+        par.Message = "; ".join(m for m in (self.note, status.message) if m)
+        tail = status.log_tail or ""
+        if isinstance(tail, (list, tuple)):
+            tail = "\n".join(tail)
+        par.Log = "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])
+
+    def _error(self, text: str) -> None:
+        self.last_error = text
+        self.ownerComp.par.State = "error"
+        self.ownerComp.par.Message = text
+
+
+class DeviceBuffer:
+    """One cudaMalloc'd buffer in TouchDesigner's process that the engine's output is copied into.
+
+    `scriptTOP.copyCUDAMemory` copies from it into the TOP during the cook, so the buffer must
+    outlive the cook; it is reallocated only when the frame size changes.
+    """
+
+    def __init__(self) -> None:
+        from host_bridge.transport_cuda import check, cudart
+
+        if cudart is None:
+            raise RuntimeError("the cuda-ipc transport needs cuda-python in TouchDesigner's Python")
+        self._check, self._cudart = check, cudart
+        self.ptr = 0
+        self.nbytes = 0
+
+    def ensure(self, nbytes: int) -> int:
+        if nbytes != self.nbytes:
+            self.close()
+            self.ptr = int(self._check(self._cudart.cudaMalloc(nbytes), "cudaMalloc"))
+            self.nbytes = nbytes
+        return self.ptr
+
+    def close(self) -> None:
+        if self.ptr:
+            self._check(self._cudart.cudaFree(self.ptr), "cudaFree")
+            self.ptr, self.nbytes = 0, 0

@@ -1,0 +1,99 @@
+"""The Loom component's custom parameters, declared once and built with TouchDesigner's page API.
+
+TouchDesigner custom parameter names start with a capital letter followed by lower-case letters
+or digits; `par.<Name>` reads them. Read-only parameters carry the engine status (state, FPS,
+latency, drops, log tail) so a network can reference them like any other value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PAGE_CONTROL = "Loom"
+PAGE_ENGINE = "Engine"
+PAGE_STATUS = "Status"
+
+TRANSPORT_MENU = ("cuda-ipc", "shm", "tcp")
+FALLBACK_MENU = ("passthrough", "last")
+
+
+@dataclass(frozen=True)
+class ParSpec:
+    """One custom parameter: TD style name, kind (Str, Int, Float, Toggle, Pulse, File, Menu), default."""
+
+    name: str
+    label: str
+    kind: str
+    page: str
+    default: Any = None
+    min: float | None = None
+    max: float | None = None
+    menu: tuple[str, ...] = ()
+    read_only: bool = False
+    help: str = ""
+
+
+PARAMETERS: tuple[ParSpec, ...] = (
+    ParSpec("Active", "Active", "Toggle", PAGE_CONTROL, False, help="start the engine and stream while on"),
+    ParSpec("Prompt", "Prompt", "Str", PAGE_CONTROL, "a painting in the style of van gogh, vivid brush strokes"),
+    ParSpec("Transition", "Transition Chunks", "Int", PAGE_CONTROL, 4, 0, 64,
+            help="chunks over which a prompt change blends"),
+    ParSpec("Steps", "Steps", "Int", PAGE_CONTROL, 2, 1, 4, help="denoising steps (1 = fastest)"),
+    ParSpec("Noisescale", "Noise Scale", "Float", PAGE_CONTROL, 0.8, 0.1, 1.0,
+            help="how far from the input the style may go (static scene)"),
+    ParSpec("Motionaware", "Motion Aware Noise", "Toggle", PAGE_CONTROL, True,
+            help="less noise where the input moves (StreamDiffusionV2)"),
+    ParSpec("Start", "Start", "Pulse", PAGE_CONTROL),
+    ParSpec("Stop", "Stop", "Pulse", PAGE_CONTROL),
+    ParSpec("Enginepython", "Engine Python", "File", PAGE_ENGINE, "",
+            help="python executable of the environment with torch and Loom installed"),
+    ParSpec("Config", "Config", "Str", PAGE_ENGINE, "default", help="preset name or YAML file"),
+    ParSpec("Transport", "Transport", "Menu", PAGE_ENGINE, "cuda-ipc", menu=TRANSPORT_MENU),
+    ParSpec("Endpoint", "Remote Endpoint", "Str", PAGE_ENGINE, "",
+            help="empty: start a local engine; else tcp://host:port of a running one"),
+    ParSpec("Fallback", "Fallback", "Menu", PAGE_ENGINE, "passthrough", menu=FALLBACK_MENU,
+            help="what to show while the engine starts or restarts"),
+    ParSpec("Passthrough", "Passthrough Engine", "Toggle", PAGE_ENGINE, False,
+            help="the engine returns its input unchanged: checks the wiring without a model"),
+    ParSpec("State", "State", "Str", PAGE_STATUS, "stopped", read_only=True),
+    ParSpec("Fps", "FPS", "Float", PAGE_STATUS, 0.0, read_only=True),
+    ParSpec("Latency", "Latency (ms)", "Float", PAGE_STATUS, 0.0, read_only=True),
+    ParSpec("Dropped", "Dropped Frames", "Int", PAGE_STATUS, 0, read_only=True),
+    ParSpec("Message", "Message", "Str", PAGE_STATUS, "", read_only=True),
+    ParSpec("Log", "Engine Log", "Str", PAGE_STATUS, "", read_only=True),
+)
+
+PAR_BY_NAME = {p.name: p for p in PARAMETERS}
+
+
+def setup_parameters(comp: Any) -> None:
+    """Create the custom pages and parameters on `comp` (a COMP or a Script TOP), keeping existing ones.
+
+    Called from the Script TOP's `onSetupParameters` or once by hand on the component. Values a
+    user already set are kept: only missing parameters are appended.
+    """
+    pages: dict[str, Any] = {}
+    for spec in PARAMETERS:
+        if getattr(comp.par, spec.name, None) is not None:
+            continue
+        if spec.page not in pages:
+            pages[spec.page] = next((p for p in comp.customPages if p.name == spec.page), None) \
+                or comp.appendCustomPage(spec.page)
+        page = pages[spec.page]
+        par = getattr(page, f"append{spec.kind}")(spec.name, label=spec.label)[0]
+        if spec.menu:
+            par.menuNames = list(spec.menu)
+            par.menuLabels = list(spec.menu)
+        if spec.min is not None:
+            par.min = par.normMin = spec.min
+            par.clampMin = True
+        if spec.max is not None:
+            par.max = par.normMax = spec.max
+            par.clampMax = True
+        if spec.default is not None:
+            par.default = spec.default
+            par.val = spec.default
+        if spec.help and hasattr(par, "help"):  # builds before 2022 have no parameter help text
+            par.help = spec.help
+        par.readOnly = spec.read_only

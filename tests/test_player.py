@@ -1,0 +1,470 @@
+"""`loom play` end to end, as a user runs it: `python -m engine play ...` in a real process.
+
+Engine runs use few, small frames to stay inside the CPU test budget. `--passthrough` runs make the
+content exact (the engine returns its input), so the plumbing is checked pixel for pixel; the
+default runs use the embedded model, as a user's first `loom play` does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from plugin.live_params import STEP_LISTS
+from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
+from plugin.player.osc import OSC_ADDRESSES, command_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 120
+
+
+def _play(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "engine", "play", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+def _decode(path: Path) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def _has_real_engine() -> bool:
+    try:
+        import engine.session  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_model = pytest.mark.skipif(not _has_real_engine(), reason="the embedded model (engine.session) is not merged yet")
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+@needs_model
+def test_no_arguments_writes_loom_out_mp4_with_the_embedded_model(tmp_path):
+    """The README's first command: no input, no output given -> ./loom_out.mp4 from the generated clip."""
+    out = _play("-n", "17", cwd=tmp_path)  # -n keeps the CPU run short; everything else is the default
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    frames = _decode(tmp_path / "loom_out.mp4")
+    assert frames.shape == (17, 256, 256, 3)
+
+
+@needs_model
+def test_real_clip_through_the_embedded_model(media_dir, tmp_path):
+    src = media_dir / "davis512_blackswan.mp4"
+    dst = tmp_path / "styled.mp4"
+    out = _play("-i", str(src), "-o", str(dst), "-n", "17")
+    assert out.returncode == 0, out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (17, 512, 512, 3)
+    original = _decode_first(src, 17)
+    assert _psnr(frames, original) < 40, "the model should change the picture"
+
+
+def _decode_first(path: Path, n: int) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        frames = []
+        for f in container.decode(video=0):
+            frames.append(f.to_ndarray(format="rgb24"))
+            if len(frames) == n:
+                break
+    return np.stack(frames)
+
+
+def test_real_clip_passthrough_keeps_every_frame_in_order(media_dir, tmp_path):
+    src = media_dir / "davis512_parkour.mp4"
+    dst = tmp_path / "through.mkv"
+    out = _play("-i", str(src), "-o", str(dst), "-n", "21", "--passthrough")
+    assert out.returncode == 0, out.stderr
+    got = _decode(dst)
+    want = _decode_first(src, 21)
+    assert got.shape == want.shape == (21, 512, 512, 3)
+    # H.264 twice (the source and our output) but the same frames in the same order: high PSNR per
+    # frame, and each output frame is closest to its own input frame (a shift would break this).
+    small_got, small_want = got[:, ::4, ::4], want[:, ::4, ::4]  # subsampled: 21x21 comparisons stay cheap
+    for i in range(len(got)):
+        scores = [_psnr(small_got[i], small_want[j]) for j in range(len(want))]
+        assert int(np.argmax(scores)) == i
+        assert _psnr(got[i], want[i]) > 30
+
+
+def test_generated_clip_passthrough_frame_count_and_size(tmp_path):
+    dst = tmp_path / "gen.mp4"
+    out = _play("-n", "25", "--size", "96x64", "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (25, 64, 96, 3)
+    assert "25/25 frames" in out.stderr or "25 frames" in out.stderr
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
+    import av
+
+    port = _free_udp_port()
+    received: list[np.ndarray] = []
+    ready = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            # PyAV (FFmpeg) listens on the port; 2 s without data ends the read.
+            with av.open(f"udp://127.0.0.1:{port}?timeout=2000000", format="mpegts", timeout=(15, 2)) as c:
+                for frame in c.decode(video=0):
+                    received.append(frame.to_ndarray(format="rgb24"))
+        except Exception as exc:  # end of stream shows up as a timeout error
+            if not received:
+                errors.append(exc)
+
+    def open_then_signal() -> None:
+        ready.set()
+        reader()
+
+    t = threading.Thread(target=open_then_signal, daemon=True)
+    t.start()
+    ready.wait()
+    time.sleep(0.5)  # let FFmpeg bind the port before the player sends
+    out = _play("-n", "25", "--size", "128x96", "-o", f"udp://127.0.0.1:{port}", "--passthrough", "--fps", "25")
+    assert out.returncode == 0, out.stderr
+    t.join(timeout=30)
+    assert not errors, errors
+    assert len(received) >= 20, f"only {len(received)} of 25 frames arrived over UDP"
+    assert received[0].shape == (96, 128, 3)
+
+
+def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
+    dst = tmp_path / "stopped.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", "100000", "--size", "64x64",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not dst.exists() or dst.stat().st_size < 20_000):
+            time.sleep(0.2)
+            assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "stopped by Ctrl-C" in err
+    frames = _decode(dst)  # a finalised file: the trailer is there and every frame decodes
+    assert len(frames) > 0 and frames.shape[1:] == (64, 64, 3)
+
+
+def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):
+    """SIGKILL the engine mid-file: the bridge restarts it and the player resends the batch in flight."""
+    dst = tmp_path / "survived.mp4"
+    n = 1200
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", str(n), "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not dst.exists() or dst.stat().st_size < 2_000):
+            time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()[1]
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        engines = [pid for pid in children if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, children  # the engine process this player launched
+        os.kill(int(engines[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    frames = _decode(dst)
+    assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
+    from host_bridge.video_io import generate_clip
+
+    source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
+    aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])
+    shifted = np.mean([_psnr(frames[i], source[i + 1]) for i in range(n - 1)])
+    assert aligned > shifted + 3, "every frame in its place, also around the restart"
+
+
+# --- bad inputs: one clear line, a documented exit code, never a traceback ----------------------
+
+
+@pytest.mark.parametrize("make_input, expected", [
+    (lambda d: str(d / "missing.mp4"), "video file not found"),
+    (lambda d: _garbage(d / "broken.mp4"), "not a readable video"),
+    (lambda d: "97", "camera 97 could not be opened"),
+    (lambda d: "rtsp://127.0.0.1:9/stream", "rtsp://127.0.0.1:9/stream: cannot open"),
+    (lambda d: "gopher://example/x", "unsupported URL scheme 'gopher'"),
+])
+def test_bad_inputs_end_with_a_clear_message(tmp_path, make_input, expected):
+    out = _play("-i", make_input(tmp_path), "-o", str(tmp_path / "never.mp4"), timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "never.mp4").exists()
+
+
+def _garbage(path: Path) -> str:
+    path.write_bytes(os.urandom(4096))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-o", "ftp://host/x"], "unsupported URL scheme 'ftp'"),
+    (["-o", "/no/such/folder/x.mp4"], "output folder does not exist"),
+    (["-o", "clip.avi"], "must end in one of .mp4, .mkv, .mov"),
+    (["--set", "stream.stepz=[700]"], "stream.stepz: unknown key"),
+    (["--prompts", "/no/such/prompts.txt"], "--prompts: file not found"),
+])
+def test_bad_options_end_with_a_clear_message(tmp_path, args, expected):
+    out = _play("-n", "5", "--size", "32x32", *args, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
+    out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python",
+                str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "engine" in out.stderr and "Traceback" not in out.stderr
+
+
+# --- live control: keyboard and OSC map to the same commands ------------------------------------
+
+
+class RecordingBridge:
+    def __init__(self) -> None:
+        self.prompts: list[tuple[str, int | None]] = []
+        self.params: list[dict] = []
+
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        self.prompts.append((text, transition_chunks))
+
+    def set_params(self, **kw) -> None:
+        self.params.append(kw)
+
+    def status(self):
+        return SimpleNamespace(state="running", restarts=0)
+
+
+def _controls(*prompts: str) -> Controls:
+    return Controls(ControlState(prompts=list(prompts) or ["a", "b"]))
+
+
+def test_keys_change_steps_noise_prompt_and_quit():
+    controls, bridge = _controls("ink", "oil"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
+    keys = KeyboardInput(controls)
+    for key in "3]]n":
+        keys.press(ord(key))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"steps": STEP_LISTS[3], "noise_scale": 0.9}]  # one update per frame
+    assert bridge.prompts == [("oil", None)]
+    for key in "tneon\r":  # type a prompt, Enter sends it
+        keys.press(ord(key))
+    keys.press(27)  # Esc outside typing = quit
+    controls.apply_pending(bridge)
+    assert bridge.prompts[-1] == ("neon", None)
+    assert controls.state.quit
+
+
+def test_controls_reach_an_engine_that_starts_later_and_a_restarted_one():
+    controls, bridge = _controls("ink"), RecordingBridge()
+    state = SimpleNamespace(state="starting", restarts=0)
+    bridge.status = lambda: state
+    controls.put(Command("prompt", ("velvet", 4)))
+    controls.put(steps_command(1))
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [] and bridge.params == []  # a starting engine would drop them
+    state.state = "running"
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [("velvet", 0)] and bridge.params == [{"steps": STEP_LISTS[1]}]
+    controls.apply_pending(bridge)
+    assert len(bridge.prompts) == 1  # sent once
+    state.restarts = 1  # the engine crashed and came back: a fresh process gets everything again
+    controls.apply_pending(bridge)
+    assert bridge.prompts[-1] == ("velvet", 0) and bridge.params[-1] == {"steps": STEP_LISTS[1]}
+
+
+def test_typing_a_prompt_can_be_cancelled():
+    controls, bridge = _controls(), RecordingBridge()
+    keys = KeyboardInput(controls)
+    for code in (13, ord("x"), 27):
+        keys.press(code)
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [] and not controls.state.quit and keys.typing is None
+
+
+def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
+    assert command_for("/loom/steps", (1,)) == Command("steps", (1,))
+    assert command_for("/loom/noise_scale", (0.5,)) == Command("noise_scale", (0.5,))
+    assert command_for("/loom/prompt", ("glass", 2)) == Command("prompt", ("glass", 2))
+    assert command_for("/loom/quit", ()) == Command("quit")
+    for address, args, why in [("/loom/steps", (7,), "expected 1, 2, 3 or 4"),
+                               ("/loom/noise_scale", (3.0,), "out of range"),
+                               ("/loom/prompt", ("",), "non-empty"),
+                               ("/loom/bogus", (), "unknown OSC address"),
+                               ("/loom/quit", (1, 2), "wrong arguments")]:
+        with pytest.raises(ControlError, match=why):
+            command_for(address, args)
+    assert set(OSC_ADDRESSES) >= {"/loom/prompt", "/loom/steps", "/loom/noise_scale", "/loom/quit"}
+
+
+def test_osc_server_feeds_the_controls():
+    pytest.importorskip("pythonosc")
+    from pythonosc.udp_client import SimpleUDPClient
+
+    from plugin.player.osc import OSCServer
+
+    controls, bridge = _controls("ink"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
+    server = OSCServer(controls, "127.0.0.1", 0)
+    try:
+        client = SimpleUDPClient(*server.address)
+        client.send_message("/loom/prompt", ["chrome", 3])
+        client.send_message("/loom/steps", 4)
+        client.send_message("/loom/steps", 9)  # refused, counted
+        client.send_message("/loom/quit", [])
+        deadline = time.monotonic() + 5
+        while server.received < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        controls.apply_pending(bridge)
+    finally:
+        server.close()
+    assert bridge.prompts == [("chrome", 3)]
+    assert bridge.params == [{"steps": STEP_LISTS[4]}]
+    assert server.rejected == 1 and "steps" in server.last_error
+    assert controls.state.quit
+
+
+def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
+    pytest.importorskip("pythonosc")
+    from pythonosc.udp_client import SimpleUDPClient
+
+    port = _free_udp_port()
+    dst = tmp_path / "osc.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "--mode", "live", "--loop", "-n", "100000",
+                             "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not dst.exists():
+            time.sleep(0.1)
+            assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(1.5)  # the live loop writes from its first frame on (fallback frames until the engine runs)
+        client = SimpleUDPClient("127.0.0.1", port)
+        client.send_message("/loom/prompt", ["neon city"])
+        client.send_message("/loom/quit", [])
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert len(_decode(dst)) > 0
+
+
+@pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
+                    reason="needs Xvfb and xdotool for a virtual display and key presses")
+def test_window_keys_drive_a_live_run(tmp_path):
+    """A real window on a virtual display: keys change steps and prompt, pause, and q quits cleanly."""
+    display = f":{90 + os.getpid() % 100}"
+    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    dst = tmp_path / "win.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DISPLAY": display}
+    proc = None
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"/tmp/.X11-unix/X{display[1:]}").exists():  # the server is up when its socket is
+            assert time.monotonic() < deadline and xvfb.poll() is None, "Xvfb did not start"
+            time.sleep(0.1)
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-o", "window", "-o", str(dst), "--mode",
+                                 "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
+                                 "-p", "ink", "-p", "oil"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=ROOT)
+        found = subprocess.run(["xdotool", "search", "--sync", "--onlyvisible", "--name", "^Loom$"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        window = found.stdout.split()[0]
+        time.sleep(1.0)  # the window is mapped; give its event loop a moment before typing
+
+        def keys(*names: str) -> None:
+            subprocess.run(["xdotool", "key", "--delay", "50", "--window", window, *names], env=env, check=True)
+            time.sleep(0.5)
+
+        keys("3", "n", "t", "g", "l", "o", "w", "Return")
+        keys("q")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        xvfb.terminate()
+        xvfb.wait(timeout=10)
+    assert proc.returncode == 0, err
+    assert "steps: 3" in err and "prompt: oil" in err and "prompt: glow" in err
+    assert len(_decode(dst)) > 0
+
+
+def _clip_with_audio(path: Path, n: int = 25, fps: int = 25, size: int = 64) -> None:
+    import av
+
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264" if "libx264" in av.codecs_available else "h264", rate=fps)
+        video.width = video.height = size
+        video.pix_fmt = "yuv420p"
+        audio = out.add_stream("aac", rate=44100, layout="mono")
+        for i in range(n):
+            img = np.full((size, size, 3), (i * 9) % 256, np.uint8)
+            out.mux(video.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(44100 * n // fps) / 44100)).astype(np.float32)
+        for start in range(0, len(tone), 1024):
+            frame = av.AudioFrame.from_ndarray(tone[None, start:start + 1024], format="fltp", layout="mono")
+            frame.sample_rate = 44100
+            out.mux(audio.encode(frame))
+        out.mux(video.encode(None))
+        out.mux(audio.encode(None))
+
+
+def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
+    import av
+
+    src, dst = tmp_path / "with_audio.mp4", tmp_path / "out.mp4"
+    _clip_with_audio(src)
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    with av.open(str(dst)) as c:
+        assert c.streams.audio, "the output lost the audio track"
+        seconds = sum(f.samples for f in c.decode(audio=0)) / c.streams.audio[0].rate
+    assert 0.8 < seconds < 1.2  # one second of video, one second of sound
+    assert len(_decode(dst)) == 25
