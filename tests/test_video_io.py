@@ -26,10 +26,22 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_until_bound(port: int, timeout_s: float = 10.0) -> None:
-    """Wait until someone (the PyAV reader) holds the UDP port: our own bind then fails."""
+def _port_listed(port: int) -> bool:
+    """Linux lists bound UDP sockets in /proc/net/udp (FFmpeg may bind with SO_REUSEADDR, which a
+    bind probe cannot see)."""
+    try:
+        rows = Path("/proc/net/udp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(row.split()[1].endswith(f":{port:04X}") for row in rows)
+
+
+def _wait_until_bound(port: int, timeout_s: float = 20.0) -> None:
+    """Wait until someone (the PyAV reader) holds the UDP port."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if _port_listed(port):
+            return
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
