@@ -49,6 +49,7 @@ class _Chunk:
     latent: torch.Tensor | None = None
     t0: torch.Tensor | float = 0.0
     ready: torch.cuda.Event | None = None
+    first: bool = False  # the stream's first chunk: its own shape, eager, not steady state
 
 
 class StreamSession:
@@ -264,10 +265,13 @@ class StreamSession:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             with self.timer.span("preprocess", len(c.frames)):
                 x = self.mapper.to_model(c.frames)
+            # The stream's first chunk (5 frames, eager, masked attention) says nothing about steady
+            # state, so the scheduler does not learn from it (units=None).
+            c.first = self._prev_last is None
             scale = self.motion.update(x, self._prev_last, c.frames, self._prev_last_u8)
             c.t0 = self.motion.first_step(scale)
             self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
-            with self.timer.span("encode", (len(c.frames) + FRAMES_PER_LATENT - 1) // FRAMES_PER_LATENT):
+            with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
                 pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
                 c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
             if stream is not None:
@@ -286,10 +290,11 @@ class StreamSession:
         if not batch or (busy and busy[0].latent.shape != c.latent.shape):
             out += d.drain()
         if batch:
-            with self.timer.span("dit", (d.in_flight + 1) * k):
+            full = d.in_flight + 1 == d.n  # fill forwards run eagerly on fewer rows: not steady state
+            with self.timer.span("dit", d.n * k if full else None):
                 out += d.push_batch(c.latent, c.t0, c)
         else:
-            with self.timer.span("dit", k):
+            with self.timer.span("dit", None if c.first else (k, d.n)):
                 out.append((d.run_sequential(c.latent, c.t0), c))
         emitted = self._emit(out)
         if self.cfg.stream.mode == "auto":
@@ -299,7 +304,7 @@ class StreamSession:
     def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> list[np.ndarray]:
         frames = []
         for latent, chunk in leaving:
-            with self.timer.span("decode", latent.shape[2]):
+            with self.timer.span("decode", None if chunk.first else latent.shape[2]):
                 pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent, self.dec_state)
             with self.timer.span("postprocess", pixels.shape[2]):
                 frames.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
@@ -313,9 +318,19 @@ class StreamSession:
             self.denoiser.cache.refresh_sinks()
 
     def _collect_timings(self) -> None:
+        """Feed finished stage timings to the metrics and the SLO scheduler's latency model.
+
+        units None: not steady state, metrics only. A sequential DiT span covers n forwards of
+        k frames each: the scheduler models one forward, so it learns seconds / n per k units.
+        """
         for stage, units, seconds in self.timer.collect():
             self.metrics.stage(stage, seconds)
-            if stage in ("encode", "dit", "decode"):
+            if units is None or stage not in ("encode", "dit", "decode"):
+                continue
+            if isinstance(units, tuple):
+                k, forwards = units
+                self.slo.observe(stage, k, seconds / forwards)
+            else:
                 self.slo.observe(stage, units, seconds)
 
     # ----------------------------------------------------------------------------- telemetry

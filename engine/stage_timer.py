@@ -20,11 +20,12 @@ MAX_PENDING = 256  # spans waiting for their events; older ones are dropped unre
 class StageTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._pending: deque[tuple[str, float, object, object]] = deque(maxlen=MAX_PENDING)
-        self._done: list[tuple[str, float, float]] = []
+        self._pending: deque[tuple[str, object, object, object]] = deque(maxlen=MAX_PENDING)
+        self._done: list[tuple[str, object, float]] = []
 
     @contextmanager
-    def span(self, name: str, units: float = 1.0) -> Iterator[None]:
+    def span(self, name: str, units: object = 1.0) -> Iterator[None]:
+        """Time the block; `units` travels with the result (the caller's measure of work)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -36,7 +37,7 @@ class StageTimer:
             yield
             self._done.append((name, units, time.perf_counter() - t0))
 
-    def collect(self) -> list[tuple[str, float, float]]:
+    def collect(self) -> list[tuple[str, object, float]]:
         """Finished spans as (stage, units, seconds), each returned once."""
         while self._pending and self._pending[0][3].query():
             name, units, start, end = self._pending.popleft()
