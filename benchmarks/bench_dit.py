@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from engine.step_graphs import GraphedStreamForward
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", type=Path, default=None, help="write results here")
     p.add_argument("--smoke", action="store_true", help="tiny preset and shapes: checks the script on a CPU")
+    p.add_argument("--graphs", action="store_true", help="replay the step as CUDA graphs (as the session does)")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.latent, args.batches, args.dtype = "tiny", "8x8", "1,2", "fp32"
@@ -77,18 +79,21 @@ def bench_batch(model: WanDiT, args: argparse.Namespace, batch: int, h: int, w: 
     chunk = torch.randn(batch, cfg.in_channels, 1, h, w, device=dev, dtype=dtype)
     t = torch.linspace(700, 200, batch, device=dev)
     first = torch.randn(batch, cfg.in_channels, 2, h, w, device=dev, dtype=dtype)
-    model.forward_stream(first, t, cache, cross)  # 2-frame first chunk, as a stream starts
+    forward = GraphedStreamForward(model) if args.graphs and dev.type == "cuda" else model.forward_stream
+    forward(first, t, cache, cross)  # 2-frame first chunk, as a stream starts
     while min(cache.fill) < args.kv:
-        model.forward_stream(chunk, t, cache, cross)
+        forward(chunk, t, cache, cross)
     timer = Timer(dev)
-    step = lambda: model.forward_stream(chunk, t, cache, cross)  # noqa: E731
-    for _ in range(args.warmup):
+    step = lambda: forward(chunk, t, cache, cross)  # noqa: E731
+    # with graphs: each ring slot's plan runs eagerly once, then is captured
+    for _ in range(max(args.warmup, 2 * args.kv) if args.graphs else args.warmup):
         timer.time(step)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = sorted(timer.time(step) for _ in range(args.iters))
     return {
         "batch": batch,
+        "cuda_graphs": bool(args.graphs and dev.type == "cuda"),
         "ms_median": statistics.median(times),
         "ms_p10": times[int(0.1 * (len(times) - 1))],
         "ms_p90": times[int(0.9 * (len(times) - 1))],
