@@ -134,7 +134,7 @@ class StreamSession:
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | None = None
-        self._input_times: deque[float] = deque(maxlen=64)
+        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._pending_out: list[np.ndarray] = []  # frames that left during a parameter change
 
     def close(self) -> None:
@@ -200,7 +200,7 @@ class StreamSession:
                 raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
                                  "inside a chunk; call flush() or reset() between sizes")
             self.metrics.on_input(len(good), now)
-            self._input_times.append(now)
+            self._input_times.append((now, len(good)))
             self._buffer.extend(good)
         chunks = []
         while len(self._buffer) >= self._next_chunk_frames():
@@ -236,9 +236,10 @@ class StreamSession:
         return FRAMES_PER_LATENT * self.slo.plan.chunk_latents
 
     def _update_input_rate(self) -> None:
-        if len(self._input_times) >= 2 and self._input_times[-1] > self._input_times[0]:
-            frames = min(self.metrics.frames_in, len(self._input_times))
-            self.slo.observe_input_rate(frames / (self._input_times[-1] - self._input_times[0]))
+        """Input frames per second over the recent pushes (frames after the first push / time)."""
+        if len(self._input_times) >= 2 and self._input_times[-1][0] > self._input_times[0][0]:
+            frames = sum(n for _, n in list(self._input_times)[1:])
+            self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     @torch.inference_mode()
     def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray:

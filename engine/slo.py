@@ -9,7 +9,8 @@ Throughput is 4k frames per period; a frame's latency is the wait for its chunk 
 straight line, time = fixed + per_unit * units, fitted to recent measurements with exponential
 forgetting) predicts both for every plan, so no profiling run is needed. The scheduler keeps
 the current plan unless another one is better by a margin for several consecutive chunks
-(hysteresis), so timing noise never makes it flap.
+(hysteresis), so timing noise never makes it flap, and it only moves while the current plan
+misses the SLO: a switch drains the stream-batch pipeline, which a performer would see.
 """
 
 from __future__ import annotations
@@ -108,20 +109,26 @@ class SLOScheduler:
         return fps, fill + through
 
     def _score(self, plan: Plan) -> tuple[int, float]:
-        """Higher is better: feasible plans first, then by latency (with a target) or FPS."""
+        """Higher is better. Tier 2 meets the rate and the latency budget (then the lowest latency
+        wins with a target rate, the highest FPS without); tier 1 meets the budget only (highest
+        FPS wins); tier 0 misses the budget (lowest latency wins: never trade more lag for speed)."""
         fps, latency = self.predict(plan)
         meets_rate = self.target_fps <= 0 or fps >= self.target_fps
-        feasible = meets_rate and latency <= self.budget
-        if feasible:
+        if latency > self.budget:
+            return 0, -latency
+        if meets_rate:
             return 2, (-latency if self.target_fps > 0 else fps)
-        return (1 if latency <= self.budget else 0), fps
+        return 1, fps
 
     def decide(self) -> Plan:
         """Called once per chunk; returns the plan to use next (switches only with hysteresis)."""
         if not all(s.seen for s in self.stages.values()):
             return self.plan
-        best = max(self.candidates, key=self._score)
         cur_tier, cur_val = self._score(self.plan)
+        if cur_tier == 2:  # the current plan keeps the SLO: do not churn (a switch drains the pipeline)
+            self._challenger, self._streak = None, 0
+            return self.plan
+        best = max(self.candidates, key=self._score)
         best_tier, best_val = self._score(best)
         better = best != self.plan and (
             best_tier > cur_tier or (best_tier == cur_tier and _improves(best_val, cur_val))

@@ -81,3 +81,20 @@ def test_a_switch_needs_patience():
     sched = SLOScheduler(steps=2, target_fps=120, latency_budget_s=10.0, initial=Plan("sequential", 1))
     plans = drive(sched, gpu, PATIENCE + 1)
     assert plans[: PATIENCE - 1] == [Plan("sequential", 1)] * (PATIENCE - 1)
+
+
+def test_an_unreachable_budget_gets_the_lowest_latency_plan_not_the_fastest():
+    gpu = FakeGPU(fixed=0.010, per_unit=0.004)
+    sched = SLOScheduler(steps=4, target_fps=0, latency_budget_s=0.01, initial=Plan("batch", 3))
+    sched.observe_input_rate(30)
+    drive(sched, gpu, 40)
+    lowest = min(sched.candidates, key=lambda p: sched.predict(p)[1])
+    assert sched.plan == lowest
+
+
+def test_a_plan_that_keeps_the_slo_is_not_churned_for_more_fps():
+    gpu = FakeGPU(fixed=0.020, per_unit=0.002)  # bigger batches would be much faster per frame
+    sched = SLOScheduler(steps=2, target_fps=0, latency_budget_s=1.0, initial=Plan("batch", 1))
+    sched.observe_input_rate(30)
+    plans = drive(sched, gpu, 100)
+    assert set(plans) == {Plan("batch", 1)}
