@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -307,7 +306,7 @@ def test_loom_eval_without_clips_uses_the_generated_clip(tmp_path: Path) -> None
 @pytest.mark.parametrize(("argv", "message"), [
     (["--identity", "/no/such/clip.mp4"], "clip not found: /no/such/clip.mp4"),
     (["--identity", "--window", "1"], "--window must be at least 2"),
-    (["--config", "/no/such.yaml"], "config file not found: /no/such.yaml"),
+    (["--config", "/no/such.yaml"], "/no/such.yaml: config file not found"),
 ])
 def test_loom_eval_bad_input_exits_2_with_a_message(tmp_path: Path, capsys, argv, message) -> None:
     assert eval_cmd.main([*argv, "-o", str(tmp_path)]) == 2
@@ -328,8 +327,12 @@ def test_loom_eval_bad_size_is_an_argument_error(capsys) -> None:
     assert "size must look like 832x480" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.session") is not None,
-                    reason="engine.session exists: the real engine run is covered by the engine's tests")
-def test_loom_eval_without_the_engine_says_what_to_do(tmp_path: Path, capsys) -> None:
-    assert eval_cmd.main(["-o", str(tmp_path)]) == 2
-    assert "use --identity to measure without the engine" in capsys.readouterr().err
+def test_loom_eval_runs_the_engine_and_compares_two_configs(tmp_path: Path) -> None:
+    small = ["--set", "resolution.width=32", "--set", "resolution.height=32"]
+    argv = ["--frames", "13", "--size", "32x32", "--compare", "default", *small,
+            "--set", "stream.steps=[700]", "-o", str(tmp_path)]
+    assert eval_cmd.main(argv) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    results = report["clips"][0]["results"]
+    assert len(results) == 2 and all(r["frames"] == 13 for r in results.values())
+    assert (tmp_path / "generated.png").stat().st_size > 0

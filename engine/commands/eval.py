@@ -331,15 +331,11 @@ def _runs_from_args(args: argparse.Namespace) -> list[EvalRun]:
 
 
 def _engine_run(config_path: str | None, overrides: list[str]) -> EvalRun:
-    """A run of the real engine; the config is loaded (and validated) now, the model per clip."""
-    if config_path is not None and not Path(config_path).is_file():
-        raise ValueError(f"config file not found: {config_path}")
-    try:
-        from engine.config import load_config
-        from engine.session import StreamSession
-    except ImportError as e:
-        raise EvalError(f"the engine's in-process session is not available ({e}); "
-                           "use --identity to measure without the engine") from e
+    """A run of the real engine; the config (a YAML file or a preset name) is loaded and validated
+    now, the model once per clip."""
+    from engine.config import load_config
+    from engine.session import StreamSession
+
     config = load_config(config_path, overrides)
     label = Path(config_path).stem if config_path else "default"
     return EvalRun(label, lambda: StreamSession.from_config(config),
