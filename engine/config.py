@@ -67,8 +67,8 @@ class VAEConfig:
 class Resolution:
     """The model's working resolution (input frames are resized to it)."""
 
-    width: int = spec(256, min=16, max=4096, multiple_of=16)
-    height: int = spec(256, min=16, max=4096, multiple_of=16)
+    width: int = spec(128, min=16, max=4096, multiple_of=16)
+    height: int = spec(128, min=16, max=4096, multiple_of=16)
     resize: str = spec("crop", choices=("crop", "fit", "stretch"),
                        doc="crop: fill and centre-crop; fit: letterbox; stretch: ignore aspect")
 

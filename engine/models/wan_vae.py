@@ -80,8 +80,9 @@ class WanVAEConfig:
 
 VAE_PRESETS: dict[str, WanVAEConfig] = {
     "wan2.1": WanVAEConfig(),
-    # Same architecture at 1/6 width: the embedded default and the CPU test model.
-    "tiny": WanVAEConfig(base_dim=16),
+    # Same architecture at 1/12 width with one residual block per level: the embedded default
+    # and the CPU test model (about 0.8 s per 4-frame chunk at 128x128 on one CPU core).
+    "tiny": WanVAEConfig(base_dim=8, num_res_blocks=1),
 }
 
 
