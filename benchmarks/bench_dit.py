@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
-from engine.step_graphs import GraphedStreamForward
+from engine.step_graphs import GraphedStreamForward  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.model_loading import to_channels_last  # noqa: E402
 from engine.models.taehv import TinyVAE  # noqa: E402
 from engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
 from engine.vae_stream import GraphedStep  # noqa: E402
@@ -107,14 +108,6 @@ class DiffusersStream(torch.nn.Module):
                                    first_chunk=first))
             self.started["dec"] = True
         return torch.cat(out, 2).clamp_(-1, 1)
-
-
-def to_channels_last(module: torch.nn.Module) -> None:
-    for p in module.parameters():
-        if p.dim() == 5:
-            p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
-        elif p.dim() == 4:
-            p.data = p.data.contiguous(memory_format=torch.channels_last)
 
 
 def apply_compile(vae: torch.nn.Module, mode: str | None) -> None:
