@@ -24,24 +24,32 @@ class FrameError(ValueError):
     """Frames the engine cannot take; the message says what was wrong and what is allowed."""
 
 
-def validate_frames(frames: np.ndarray) -> tuple[np.ndarray, int]:
+def validate_frames(frames: np.ndarray | torch.Tensor) -> tuple[np.ndarray | torch.Tensor, int]:
     """Check a batch of RGB frames; returns (uint8 frames [N, H, W, 3], number of frames dropped).
 
-    uint8 frames are taken as they are; float frames are taken as 0..1 and those holding NaN or
-    inf are dropped (counted, the stream goes on). Anything else is refused with a FrameError.
+    numpy arrays from hosts, or torch tensors (a GPU-side host such as the cuda-ipc server passes
+    device tensors, which stay on the device). uint8 frames are taken as they are; float frames
+    are taken as 0..1 and those holding NaN or inf are dropped (counted, the stream goes on).
+    Anything else is refused with a FrameError.
     """
-    if not isinstance(frames, np.ndarray):
+    is_tensor = isinstance(frames, torch.Tensor)
+    if not (is_tensor or isinstance(frames, np.ndarray)):
         raise FrameError(f"frames must be a numpy array [N, H, W, 3], got {type(frames).__name__}")
     if frames.ndim == 3:
         frames = frames[None]
     if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise FrameError(f"frames must be RGB with shape [N, H, W, 3] or [H, W, 3], got shape {frames.shape}")
+        raise FrameError(f"frames must be RGB with shape [N, H, W, 3] or [H, W, 3], got shape {tuple(frames.shape)}")
     if frames.shape[1] == 0 or frames.shape[2] == 0:
         raise FrameError(f"frames have zero size {frames.shape[1]}x{frames.shape[2]}")
-    if frames.dtype.name not in ACCEPTED_DTYPES:
-        raise FrameError(f"frames have dtype {frames.dtype}; allowed: uint8 (0..255) or float (0..1)")
-    if frames.dtype == np.uint8:
-        return np.ascontiguousarray(frames), 0
+    dtype = str(frames.dtype).removeprefix("torch.")
+    if dtype not in ACCEPTED_DTYPES:
+        raise FrameError(f"frames have dtype {dtype}; allowed: uint8 (0..255) or float (0..1)")
+    if dtype == "uint8":
+        return (frames.contiguous() if is_tensor else np.ascontiguousarray(frames)), 0
+    if is_tensor:
+        finite = torch.isfinite(frames).flatten(1).all(dim=1)
+        good = frames[finite]
+        return (good.clamp(0.0, 1.0) * 255.0 + 0.5).to(torch.uint8), int((~finite).sum())
     finite = np.isfinite(frames).all(axis=(1, 2, 3))
     good = frames[finite]
     return (np.clip(good, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8), int((~finite).sum())
@@ -79,11 +87,14 @@ class FrameMapper:
         self.device, self.dtype = device, dtype
         self._place: Placement | None = None
 
-    def to_model(self, frames_u8: np.ndarray) -> torch.Tensor:
-        """uint8 [T, H, W, 3] -> [T, 3, height, width] in [-1, 1] on the device."""
-        t = torch.from_numpy(frames_u8)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
+    def to_model(self, frames_u8: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """uint8 [T, H, W, 3] (host array or tensor) -> [T, 3, height, width] in [-1, 1] on the device."""
+        if isinstance(frames_u8, torch.Tensor):
+            t = frames_u8.to(self.device, non_blocking=True)
+        else:
+            t = torch.from_numpy(frames_u8)
+            if self.device.type == "cuda":
+                t = t.pin_memory().to(self.device, non_blocking=True)
         x = t.permute(0, 3, 1, 2).to(torch.float32)
         p = self._placement(frames_u8.shape[1], frames_u8.shape[2])
         top, left, h, w = p.box
@@ -97,8 +108,12 @@ class FrameMapper:
             x = canvas
         return (x / 127.5 - 1.0).to(self.dtype)
 
-    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | None = None) -> np.ndarray:
-        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size."""
+    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
+        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size.
+
+        A numpy array for host inputs; for tensor inputs a tensor on the compute device (no copy
+        through the CPU: the cuda-ipc server writes it straight into the output slot).
+        """
         p = self._place or placement(self.height, self.width, self.height, self.width, "stretch")
         mt, ml, mh, mw = p.model_box
         y = x[:, :, mt:mt + mh, ml:ml + mw].float()
@@ -106,10 +121,16 @@ class FrameMapper:
         if (mh, mw) != (h, w):
             y = F.interpolate(y, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
         y = ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
-        out = y.cpu().numpy()
+        on_device = isinstance(inputs_u8, torch.Tensor)
+        out = y.contiguous() if on_device else y.cpu().numpy()
         if (h, w) == (p.in_h, p.in_w):
             return out
-        full = inputs_u8.copy() if inputs_u8 is not None else np.zeros((len(out), p.in_h, p.in_w, 3), np.uint8)
+        if on_device:
+            full = inputs_u8.to(y.device, copy=True)
+        elif inputs_u8 is not None:
+            full = inputs_u8.copy()
+        else:
+            full = np.zeros((len(out), p.in_h, p.in_w, 3), np.uint8)
         full[:, top:top + h, left:left + w] = out
         return full
 

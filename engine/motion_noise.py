@@ -57,6 +57,7 @@ class OpticalFlowMotion:
         """Queue an estimate for these uint8 RGB frames [T, H, W, 3]; skipped while one is running."""
         if self._pending is not None and not self._pending.done():
             return
+        frames_u8, previous_u8 = _host(frames_u8), _host(previous_u8)  # device frames: one small copy
         seq = frames_u8 if previous_u8 is None else np.concatenate([previous_u8[None], frames_u8])
         self._pending = self._pool.submit(self._estimate, seq.copy())
 
@@ -83,6 +84,10 @@ class OpticalFlowMotion:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _host(frames: np.ndarray | torch.Tensor | None) -> np.ndarray | None:
+    return frames.cpu().numpy() if isinstance(frames, torch.Tensor) else frames
 
 
 class MotionNoiseController:

@@ -44,8 +44,7 @@ SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks",
 class _Chunk:
     """A chunk on its way through the pipeline."""
 
-    frames: np.ndarray  # accepted input frames (uint8), for the crop policy's pass-through border
-    pushed: float
+    frames: np.ndarray | torch.Tensor  # accepted input frames (uint8), for the crop policy's border
     latent: torch.Tensor | None = None
     t0: torch.Tensor | float = 0.0
     ready: torch.cuda.Event | None = None
@@ -130,12 +129,12 @@ class StreamSession:
             self.denoiser = StreamDenoiser(self.models.dit, cache, cross, list(cfg.stream.steps), self.schedule,
                                            self.generator, cuda_graphs=graphs)
         self.motion.reset()
-        self._buffer: list[np.ndarray] = []
+        self._buffer: list[np.ndarray | torch.Tensor] = []
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
-        self._prev_last_u8: np.ndarray | None = None
+        self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
-        self._pending_out: list[np.ndarray] = []  # frames that left during a parameter change
+        self._pending_out: list[np.ndarray | torch.Tensor] = []  # frames that left during a parameter change
 
     def close(self) -> None:
         self.prompt.close()
@@ -189,8 +188,15 @@ class StreamSession:
         self.slo.steps = len(new)
 
     # ----------------------------------------------------------------------------- streaming
-    def push(self, frames: np.ndarray) -> np.ndarray:
-        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that became ready."""
+    @property
+    def accepts_device_frames(self) -> bool:
+        """On a GPU the session takes and returns device tensors, so the cuda-ipc server never
+        copies frames through the CPU."""
+        return self.device.type == "cuda"
+
+    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that became ready,
+        as a numpy array (or, for tensor input, a tensor on the compute device)."""
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
         if dropped:
@@ -205,7 +211,7 @@ class StreamSession:
         chunks = []
         while len(self._buffer) >= self._next_chunk_frames():
             n = self._next_chunk_frames()
-            chunks.append(_Chunk(np.stack(self._buffer[:n]), now))
+            chunks.append(_Chunk(_stack(self._buffer[:n])))
             del self._buffer[:n]
             self._chunks_started += 1
         out = self._process(chunks)
@@ -221,7 +227,7 @@ class StreamSession:
         chunks = []
         if self._buffer:
             pad = self._next_chunk_frames() - len(self._buffer)
-            chunks.append(_Chunk(np.stack(self._buffer + [self._buffer[-1]] * pad), time.perf_counter()))
+            chunks.append(_Chunk(_stack(self._buffer + [self._buffer[-1]] * pad)))
             self._buffer = []
             self._chunks_started += 1
         out = self._process(chunks, drain=True, padding=pad)
@@ -242,7 +248,7 @@ class StreamSession:
             self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     @torch.inference_mode()
-    def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray:
+    def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray | torch.Tensor:
         for c in chunks:  # side stream: everything that does not wait for the previous chunk
             self._encode(c)
         outputs, self._pending_out = self._pending_out, []
@@ -255,7 +261,7 @@ class StreamSession:
         self._collect_timings()
         if not outputs:
             return np.zeros((0, 0, 0, 3), np.uint8)
-        result = np.concatenate(outputs)
+        result = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else np.concatenate(outputs)
         if padding:
             result = result[:-padding]
         self.metrics.on_output(len(result))
@@ -286,7 +292,7 @@ class StreamSession:
         d = self.denoiser
         plan = self.slo.plan
         out: list[tuple[torch.Tensor, Any]] = []
-        batch = plan.mode == "batch" and d.n > 1 and self._chunks_started > 1 and c is not None
+        batch = plan.mode == "batch" and d.n > 1 and not c.first
         busy = [r for r in d.rows if r is not None]
         if not batch or (busy and busy[0].latent.shape != c.latent.shape):
             out += d.drain()
@@ -353,6 +359,10 @@ class StreamSession:
                                       if self.device.type == "cuda" else None),
         })
         return snap
+
+
+def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
+    return torch.stack(frames) if isinstance(frames[0], torch.Tensor) else np.stack(frames)
 
 
 def _modes(setting: str) -> tuple[str, ...]:

@@ -157,3 +157,18 @@ def test_2000_chunks_memory_flat_positions_bounded():
     assert s.stats()["kv_cache_bytes"] == cache_bytes
     assert highest <= 50  # RoPE refresh keeps positions inside the trained range
     assert _rss_mb() - rss < 40
+
+
+def test_tensor_frames_stay_tensors_and_match_the_numpy_path():
+    """The cuda-ipc server hands device tensors; the session keeps them off the CPU. On a CPU the
+    same path runs with CPU tensors and must give exactly the numpy path's frames."""
+    import torch
+
+    frames = clip(13, 48, 64)
+    ref = run_all(session("resolution.resize=crop"), frames, 13)
+    s = session("resolution.resize=crop")
+    got = [s.push(torch.from_numpy(frames[:7])), s.push(torch.from_numpy(frames[7:])), s.flush()]
+    tensors = [g for g in got if isinstance(g, torch.Tensor)]
+    assert tensors and all(g.dtype == torch.uint8 for g in tensors)
+    assert np.array_equal(torch.cat(tensors).numpy(), ref)
+    assert s.accepts_device_frames is False  # on a CPU the server keeps using numpy frames
