@@ -93,6 +93,9 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:
             raise ValueError(f"sink: {self.sink} must be smaller than num_kv_cache ({self.num_kv_cache})")
+        if self.rope_policy == "refresh" and self.rope_refresh_at <= self.num_kv_cache:
+            raise ValueError(f"rope_refresh_at: {self.rope_refresh_at} must be larger than num_kv_cache "
+                             f"({self.num_kv_cache}) with the refresh policy")
         if any(a <= b for a, b in zip(self.steps, self.steps[1:])):
             raise ValueError(f"steps: {self.steps} must be strictly descending")
 

@@ -52,6 +52,12 @@ class StreamDenoiser:
         if isinstance(self.full_forward, GraphedStreamForward):
             self.full_forward.reset()
 
+    def set_sink_threshold(self, threshold: float) -> None:
+        """A new adaptive-sink threshold (a constant inside captured graphs: they are re-captured)."""
+        self.cache.sink_threshold = threshold
+        if isinstance(self.full_forward, GraphedStreamForward):
+            self.full_forward.reset()
+
     def set_steps(self, steps: list[int]) -> None:
         self.steps = list(steps)
         self._sigmas = [self.schedule.sigma(s) for s in steps]

@@ -119,6 +119,8 @@ class StreamSession:
             d.rows = [None] * d.n
             d.set_steps(list(cfg.stream.steps))
             d.generator, d.cross = self.generator, cross
+            if d.cache.sink_threshold != cfg.stream.sink_threshold:
+                d.set_sink_threshold(cfg.stream.sink_threshold)
         else:
             h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
             cache = self.models.dit.new_cache(
@@ -174,6 +176,8 @@ class StreamSession:
         self.metrics.budget = self.slo.budget
         if new.stream.mode != old.stream.mode:
             self.slo.allow_modes(_modes(new.stream.mode))
+        if new.stream.sink_threshold != old.stream.sink_threshold:
+            self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
             self._change_steps(list(new.stream.steps), list(old.stream.steps))
 

@@ -58,6 +58,7 @@ def _error(tmp_path, text: str | None = None, overrides=(), name=None) -> str:
         ("stream: {steps: [900, 700, 500, 300, 100]}\n", ["stream.steps", "1 to 4 items"]),
         ("stream: {steps: [1700]}\n", ["stream.steps[0]", "1700"]),
         ("stream: {num_kv_cache: 3, sink: 3}\n", ["stream.sink", "smaller than num_kv_cache"]),
+        ("stream: {rope_refresh_at: 4}\n", ["stream.rope_refresh_at", "larger than num_kv_cache"]),
         ("noise: {motion_aware: yes please}\n", ["noise.motion_aware", "true or false"]),
         ("model: {preset: wan3}\n", ["model.preset", "'wan3'", "wan2.1-1.3b"]),
         ("model: {device: gpu0}\n", ["model.device", "cuda:N"]),

@@ -172,3 +172,12 @@ def test_tensor_frames_stay_tensors_and_match_the_numpy_path():
     assert tensors and all(g.dtype == torch.uint8 for g in tensors)
     assert np.array_equal(torch.cat(tensors).numpy(), ref)
     assert s.accepts_device_frames is False  # on a CPU the server keeps using numpy frames
+
+
+def test_live_sink_threshold_change_reaches_the_cache():
+    s = session()
+    produced = len(s.push(clip(9)))
+    s.set_params(sink_threshold=-1.0)
+    assert s.denoiser.cache.sink_threshold == -1.0
+    produced += len(s.push(clip(4))) + len(s.flush())
+    assert produced == 13
