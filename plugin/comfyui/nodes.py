@@ -206,7 +206,7 @@ class LoomStream:
     RETURN_NAMES = ("images", "status")
     FUNCTION = "stream"
     DESCRIPTION = ("Sends the frames of an IMAGE batch (a video) through the engine's stream; returns one "
-                   "restyled frame per input frame. The stream's state carries over between runs.")
+                   "restyled frame per input frame. Each run is one stream, flushed at its end.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
