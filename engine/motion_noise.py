@@ -105,6 +105,7 @@ class MotionNoiseController:
     def reset(self) -> None:
         self._scale: torch.Tensor | float = self.noise_scale
         self.last_motion: torch.Tensor | float = 0.0
+        self._telemetry: torch.Tensor | None = None
 
     def update(self, frames: torch.Tensor, previous: torch.Tensor | None,
                frames_u8: np.ndarray | None = None, previous_u8: np.ndarray | None = None) -> torch.Tensor | float:
@@ -120,11 +121,24 @@ class MotionNoiseController:
             d = frame_difference_motion(frames, previous)
         self.last_motion = d
         self._scale = (self.noise_scale - MOTION_SLOPE * d) * self.ema + self._scale * (1.0 - self.ema)
+        if isinstance(self._scale, torch.Tensor) and self._scale.is_cuda:
+            # Telemetry copy without a host sync: read later, at most a chunk old.
+            if self._telemetry is None:
+                self._telemetry = torch.zeros(2, pin_memory=True)
+            values = torch.stack([self._scale.float(), torch.as_tensor(d, device=self._scale.device).float()])
+            self._telemetry.copy_(values, non_blocking=True)
         return self._scale
 
     @property
     def scale(self) -> torch.Tensor | float:
         return self._scale
+
+    def telemetry(self) -> tuple[float, float]:
+        """(noise scale, motion) as floats for stats; never waits for the GPU."""
+        if self._telemetry is not None:
+            scale, motion = self._telemetry.tolist()
+            return scale, motion
+        return float(self._scale), float(self.last_motion)
 
     @staticmethod
     def first_step(scale: torch.Tensor | float) -> torch.Tensor | float:

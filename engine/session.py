@@ -352,8 +352,8 @@ class StreamSession:
         snap.update({
             "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},
             "steps": list(self.denoiser.steps),
-            "noise_scale": float(self.motion.scale),
-            "motion": float(self.motion.last_motion),
+            "noise_scale": self.motion.telemetry()[0],
+            "motion": self.motion.telemetry()[1],
             "prompt": self.prompt.text,
             "prompt_blend": self.prompt.weight,
             "kv_positions": cache.next_positions,
