@@ -25,13 +25,10 @@ def model():
 
 
 @pytest.fixture(autouse=True)
-def no_grad_one_thread():
-    """Tiny tensors: thread-pool handoffs would dominate (and other test runs share the box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def no_grad():
+    """Inference only (conftest already pins torch to one thread)."""
     with torch.no_grad():
         yield
-    torch.set_num_threads(threads)
 
 
 class RetainedFramesReference:

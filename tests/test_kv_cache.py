@@ -44,15 +44,6 @@ def rand_chunk(batch=1, f=1):
     return torch.randn(batch, f, GRID[0] * GRID[1], HEADS, HEAD_DIM)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: thread-pool handoffs would dominate (and other test runs share the box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("policy, chunks", [("window", 10_000), ("refresh", 2_000)])
 def test_positions_bounded_and_memory_flat_over_long_streams(policy, chunks):
     torch.manual_seed(0)

@@ -42,15 +42,6 @@ def _published_layout() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core box oversubscribed threads run these 10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> TinyVAE:
     torch.manual_seed(0)

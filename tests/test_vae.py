@@ -30,15 +30,6 @@ def _video(frames: int, size: int, seed: int = 0, batch: int = 1) -> torch.Tenso
     return torch.rand(batch, 3, frames, size, size, generator=gen) * 2 - 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core box oversubscribed threads run these 10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def tiny_vae() -> WanVAE:
     torch.manual_seed(0)
