@@ -29,6 +29,7 @@ PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it
 INTERVAL_EMA = 0.2
 WAIT_S = 0.02
 ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
+STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
 
 
 class FrameWorker:
@@ -55,6 +56,7 @@ class FrameWorker:
         self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0)
         self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
+        self._stats_at = 0.0
         self._device_slots: Any = None
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
 
@@ -189,7 +191,9 @@ class FrameWorker:
             self._seqs.append(seq)
             for out in outputs:
                 self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
-            self.session_stats = self.session.stats()
+            if time.monotonic() - self._stats_at > STATS_REFRESH_S:  # not per frame: off the hot path
+                self.session_stats = self.session.stats()
+                self._stats_at = time.monotonic()
         except Exception as exc:  # report and keep serving: one bad frame must not kill the stream
             self.counts["errors"] += 1
             text = f"{type(exc).__name__}: {exc}"
