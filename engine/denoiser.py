@@ -75,10 +75,7 @@ class StreamDenoiser:
 
     def _first_sigma(self, t0: torch.Tensor | float) -> torch.Tensor | float:
         """The chunk's own first step, kept strictly above the list's second step."""
-        if self.n > 1:
-            lo = self.steps[1] + 1
-        else:
-            lo = 1
+        lo = self.steps[1] + 1 if self.n > 1 else 1
         if isinstance(t0, torch.Tensor):
             t0 = t0.clamp(lo, self.schedule.train_timesteps - 1)
         else:
