@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write results here")
     p.add_argument("--smoke", action="store_true", help="tiny preset and shapes: checks the script on a CPU")
     p.add_argument("--graphs", action="store_true", help="replay the step as CUDA graphs (as the session does)")
+    p.add_argument("--fuse", action="store_true",
+                   help="compiled norm/modulation/gate/RoPE (WanDiT.fuse_elementwise, as the session does on CUDA)")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.latent, args.batches, args.dtype = "tiny", "8x8", "1,2", "fp32"
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(args.device):
         model = WanDiT(cfg)  # random weights, built where it runs
     model = model.to(DTYPES[args.dtype]).eval().requires_grad_(False)
+    if args.fuse:
+        model.fuse_elementwise()
     results = []
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
@@ -128,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(args.device) if cuda else f"cpu ({platform.machine()})",
         "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
         "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
-        "rope_policy": args.policy, "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
+        "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs,
+        "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
     }
     print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "
-          f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}")
+          f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}, "
+          f"graphs={args.graphs}, fused={args.fuse}")
     header = (("B", 3), ("median ms", 10), ("p10 ms", 8), ("p90 ms", 8), ("frames/s", 9),
               ("KV MiB", 8), ("peak GiB", 9))
     print(" ".join(f"{name:>{width}}" for name, width in header))

@@ -37,6 +37,8 @@ class ModelConfig:
     device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
     seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
     random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
+    fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps on CUDA "
+                                            "(needs triton)")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

@@ -42,6 +42,8 @@ from engine.rope import (
     window_positions,
 )
 
+RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 DEFAULT_NUM_KV_CACHE = 6
 DEFAULT_SINK = 3
 DEFAULT_REFRESH_AT = 50
@@ -368,21 +370,22 @@ class KVCache:
             ring.copy_(rotate(ring, cos, sin))
 
     def attention(
-        self, step: StreamStep
+        self, step: StreamStep, rotate_qk: RotateFn = rotate
     ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The self-attention function for `WanDiT.run_blocks` for this planned chunk."""
-        return partial(self.attend, step)
+        """The self-attention function for `WanDiT.run_blocks` for this planned chunk;
+        `rotate_qk` applies RoPE to the chunk's q and k (`rope.rotate` or a compiled copy)."""
+        return partial(self.attend, step, rotate_qk)
 
     def attend(
-        self, step: StreamStep, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, step: StreamStep, rotate_qk: RotateFn, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Self-attention of one block for the planned chunk. q/k/v: [B, f*tokens, H, D], not yet
         rotated. Writes the chunk's K/V into its slots, attends over the row's window, restores
         uncommitted rows, then updates sinks. Returns [B, f*tokens, H, D]."""
         kc, vc = self.k[block], self.v[block]
-        q = rotate(q, *step.q_rope)
+        q = rotate_qk(q, *step.q_rope)
         if self.rope_policy == "refresh":
-            k = rotate(k, *step.q_rope)
+            k = rotate_qk(k, *step.q_rope)
         k = k.unflatten(1, (step.frames, self.frame_tokens)).to(kc.dtype)
         v = v.unflatten(1, (step.frames, self.frame_tokens)).to(vc.dtype)
         saved = []

@@ -101,6 +101,8 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
                              "(or vae.random_weights=true for a benchmark)")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        if mc.fuse_elementwise:
+            dit.fuse_elementwise()
         if wan is not None:
             to_channels_last(wan)
             if vc.fuse_norms:

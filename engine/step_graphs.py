@@ -81,7 +81,7 @@ class GraphedStreamForward:
     def _eager(self, x, timestep, cache, cross, step) -> torch.Tensor:
         m = self.model
         tokens, cond, grid = m.embed(x, timestep)
-        tokens = m.run_blocks(0, m.cfg.num_layers, tokens, cond, cross, cache.attention(step))
+        tokens = m.run_blocks(0, m.cfg.num_layers, tokens, cond, cross, cache.attention(step, m.ops.rotate))
         return m.head(tokens, cond, grid)
 
     def _static_cross(self, cross: CrossKV) -> CrossKV:

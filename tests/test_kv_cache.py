@@ -35,7 +35,7 @@ def push(cache, k, v=None, commit=True, q=None):
     f = k.shape[1]
     step = cache.plan(f, commit)
     flat = lambda t: t.flatten(1, 2)  # noqa: E731
-    out = cache.attend(step, 0, flat(k if q is None else q), flat(k), flat(v))
+    out = cache.attend(step, rotate, 0, flat(k if q is None else q), flat(k), flat(v))
     cache.finish(step)
     return out
 
@@ -190,7 +190,7 @@ def test_rows_copy_reset_and_to():
         step = cache.plan(1, [True, True, False])
         for b in (0, 1):
             k = rand_chunk(3).flatten(1, 2)
-            cache.attend(step, b, k, k, k)
+            cache.attend(step, rotate, b, k, k, k)
         cache.finish(step)
     assert cache.frames == [4, 4, 0]
     view = cache.rows(slice(0, 2))

@@ -35,6 +35,7 @@ from engine.kv_cache import (
     CrossKV,
     KVCache,
 )
+from engine.models.wan_dit_ops import EAGER_OPS, BlockOps, layer_norm_f32
 from engine.rope import RopeTables, host_index, rotate
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
@@ -92,26 +93,6 @@ class Conditioning:
     mod: torch.Tensor
 
 
-def _layer_norm(x: torch.Tensor, eps: float, norm: nn.LayerNorm | None = None) -> torch.Tensor:
-    """LayerNorm computed in float32 (returns float32), with the affine part of `norm` if given."""
-    if norm is None:
-        return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
-    return F.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(), norm.bias.float(), norm.eps)
-
-
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x * (1 + scale) + shift, per latent frame: x [B, L, dim], shift/scale [B, Fm, dim]."""
-    frames = shift.shape[1]
-    return (x.unflatten(1, (frames, -1)) * (1 + scale[:, :, None]) + shift[:, :, None]).flatten(1, 2)
-
-
-def _gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x + y * gate per latent frame, accumulated in float32."""
-    frames = gate.shape[1]
-    out = x.float() + (y.float().unflatten(1, (frames, -1)) * gate[:, :, None]).flatten(1, 2)
-    return out.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     """Wan's RMSNorm over the whole projection (all heads together)."""
 
@@ -119,10 +100,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class SelfAttention(nn.Module):
@@ -179,6 +160,7 @@ class WanBlock(nn.Module):
             nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim)
         )
         self.modulation = nn.Parameter(torch.randn(1, NUM_MODULATIONS, cfg.dim) / cfg.dim**0.5)
+        self.ops = EAGER_OPS
 
     def forward(
         self,
@@ -188,15 +170,21 @@ class WanBlock(nn.Module):
         cross_v: torch.Tensor,
         self_attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
+        ops = self.ops
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float()[:, None] + mod).unbind(2)
 
-        q, k, v = self.self_attn.project(_modulate(_layer_norm(x, self.eps), shift1, scale1).to(x.dtype))
-        x = _gated(x, self.self_attn.o(self_attend(q, k, v).flatten(2)), gate1)
+        q, k, v = self.self_attn.project(ops.norm_modulate(x, shift1, scale1, self.eps))
+        x = ops.gated_residual(x, self.self_attn.o(self_attend(q, k, v).flatten(2)), gate1)
 
-        x = x + self.cross_attn(_layer_norm(x, self.eps, self.norm3).to(x.dtype), cross_k, cross_v)
+        x = x + self.cross_attn(self._cross_norm(x), cross_k, cross_v)
 
-        y = self.ffn(_modulate(_layer_norm(x, self.eps), shift2, scale2).to(x.dtype))
-        return _gated(x, y, gate2)
+        y = self.ffn(ops.norm_modulate(x, shift2, scale2, self.eps))
+        return ops.gated_residual(x, y, gate2)
+
+    def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm3 is None:
+            return layer_norm_f32(x, self.eps).to(x.dtype)
+        return self.ops.affine_norm(x, self.norm3.weight, self.norm3.bias, self.norm3.eps)
 
 
 class Head(nn.Module):
@@ -209,10 +197,11 @@ class Head(nn.Module):
         self.out_channels = cfg.out_channels
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int]) -> torch.Tensor:
         shift, scale = (self.modulation.float()[:, None] + cond.temb.float()[:, :, None]).unbind(2)
-        x = self.head(_modulate(_layer_norm(x, self.eps), shift, scale).to(x.dtype))
+        x = self.head(self.ops.norm_modulate(x, shift, scale, self.eps))
         (f, h, w), (pt, ph, pw) = grid, self.patch_size
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, self.out_channels)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(
@@ -266,6 +255,7 @@ class WanDiT(nn.Module):
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
         self._rope: RopeTables | None = None
+        self.ops = EAGER_OPS
 
     # ----- loading ----------------------------------------------------------------------
     @classmethod
@@ -287,6 +277,18 @@ class WanDiT(nn.Module):
             model = cls(cfg)
         load_dit_weights(model, path, device=device, dtype=dtype, blocks=blocks)
         return model
+
+    def fuse_elementwise(self, ops: BlockOps | None = None) -> None:
+        """Run the blocks' norm/modulation/gate/RoPE chains through `ops` (default: compiled).
+
+        Measured on an H200 with CUDA graphs, those chains were half of the streaming forward's
+        GPU time; compiled, each becomes one or two kernels. Needs a torch.compile backend
+        (Triton on CUDA); `BlockOps.eager()` switches back.
+        """
+        ops = BlockOps.compiled() if ops is None else ops
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     # ----- pieces -----------------------------------------------------------------------
     def rope(self, device: torch.device) -> RopeTables:
@@ -434,7 +436,7 @@ class WanDiT(nn.Module):
         if grid[1:] != cache.token_grid:
             raise ValueError(f"chunk token grid {grid[1:]} differs from the cache's {cache.token_grid}")
         step = cache.plan(grid[0], commit)
-        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step))
+        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
         cache.finish(step)
         return self.head(tokens, cond, grid)
 
