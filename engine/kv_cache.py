@@ -356,9 +356,12 @@ class KVCache:
         return StreamStep(f, commits, writes, q_rope, k_rope, mask, forced, sinks)
 
     def _rope_rows(self, positions: list[list[int]], h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if all(p == positions[0] for p in positions):  # common in steady state: one row, broadcast
+        if all(p == positions[0] for p in positions):  # common in steady state: one row for all
             cos, sin = self.rope.grid(torch.tensor(positions[:1]), h, w)
-            return cos.expand(self.batch, *cos.shape[1:]), sin.expand(self.batch, *sin.shape[1:])
+            # materialised, not a stride-0 view: a graph's static copy (a clone) must keep the
+            # layout the compiled ops were specialised on, or capture would trigger a recompile
+            rows = (self.batch, *cos.shape[1:])
+            return cos.expand(rows).contiguous(), sin.expand(rows).contiguous()
         return self.rope.grid(torch.tensor(positions), h, w)
 
     def _shift_ring(self, b: int, shift: int) -> None:

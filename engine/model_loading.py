@@ -105,7 +105,9 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
             dit.fuse_elementwise()
         if wan is not None:
             to_channels_last(wan)
-            if vc.fuse_norms:
+            if vc.compile_step:
+                wan.compile_step()  # includes what fuse_norms does
+            elif vc.fuse_norms:
                 wan.fuse_norms()
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny

@@ -30,10 +30,10 @@ from engine.frames import FrameMapper, validate_frames
 from engine.model_loading import LoadedModels, load_models
 from engine.motion_noise import MotionNoiseController
 from engine.prompts import PromptConditioner, check_prompt, make_text_encoder
-from engine.slo import FRAMES_PER_LATENT, MAX_CHUNK_LATENTS, Plan, SLOScheduler
+from engine.slo import MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stage_timer import StageTimer
 from engine.stream_metrics import StreamMetrics
-from engine.vae_stream import VAEGraphs
+from engine.vae_stream import FRAMES_PER_LATENT, VAEGraphs
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
 SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
@@ -62,6 +62,9 @@ class StreamSession:
         self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
                                   self.device, self.dtype)
         self.timer = StageTimer(self.device)
+        # Until the warm-up has compiled the steady shapes, compiling is how they get made; after
+        # it, an unseen shape (new size, rare plan) runs eagerly: a compile would stall the stream.
+        self._compile_stance = "default"
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
@@ -92,6 +95,7 @@ class StreamSession:
             self.push(frames)
             self.flush()
         self.reset()
+        self._compile_stance = "eager_on_recompile"
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
@@ -251,8 +255,11 @@ class StreamSession:
             frames = sum(n for _, n in list(self._input_times)[1:])
             self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
-    @torch.inference_mode()
     def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray | torch.Tensor:
+        with torch.inference_mode(), torch.compiler.set_stance(self._compile_stance):
+            return self._process_chunks(chunks, drain, padding)
+
+    def _process_chunks(self, chunks: list[_Chunk], drain: bool, padding: int) -> np.ndarray | torch.Tensor:
         for c in chunks:  # side stream: everything that does not wait for the previous chunk
             self._encode(c)
         outputs, self._pending_out = self._pending_out, []

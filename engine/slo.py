@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.vae_stream import FRAMES_PER_LATENT
+
 FORGET = 0.9  # weight of history in the per-stage fits
 HYSTERESIS = 0.15  # a new plan must be this much better...
 PATIENCE = 3  # ...for this many consecutive decisions
 MAX_CHUNK_LATENTS = 4
-FRAMES_PER_LATENT = 4
 PRIOR_FIXED_FRACTION = 0.3  # until two work sizes are measured, assume this share of a stage is fixed cost
 
 

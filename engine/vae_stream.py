@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+FRAMES_PER_LATENT = 4  # Wan's temporal compression: a steady step is 4 frames <-> 1 latent
 
 class FrameCache:
     """Per-direction (encode or decode) histories, keyed by the owning layer's name.
@@ -155,11 +156,14 @@ class GraphedStep:
 
 
 class VAEGraphs:
-    """Steady-state encode/decode chunk steps of a session, captured once per shape and replayed.
+    """Steady-state encode/decode chunk steps of a session, one latent at a time, captured once and replayed.
 
-    The first chunk of a stream has its own shape and runs eagerly; every later chunk of the same
-    shape replays a graph tied to the session's stream state (which is reset in place, never
-    replaced, so the graphs stay valid across streams).
+    The first chunk of a stream has its own shape and runs whole, eagerly. Later chunks are cut
+    into one-latent pieces (4 frames to encode, 1 latent to decode; the stream caches make that
+    exact), so a single step shape serves every chunk size the scheduler picks: one CUDA graph
+    and one compiled graph per direction, never a capture or compile in the middle of a show.
+    Each graph is tied to the session's stream state, which is reset in place, never replaced,
+    so the graphs stay valid across streams.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -169,7 +173,16 @@ class VAEGraphs:
     def run(self, direction: str, fn: Callable[[torch.Tensor, VAEStreamState], torch.Tensor],
             x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
         cache = state.encoder if direction == "encode" else state.decoder
-        if not (self.enabled and x.is_cuda and cache.started):
+        if not cache.started:
+            return fn(x, state)
+        piece = FRAMES_PER_LATENT if direction == "encode" else 1
+        if x.shape[2] > piece and x.shape[2] % piece == 0:
+            return torch.cat([self._step(direction, fn, p, state, cache) for p in x.split(piece, dim=2)], dim=2)
+        return self._step(direction, fn, x, state, cache)
+
+    def _step(self, direction: str, fn: Callable[[torch.Tensor, VAEStreamState], torch.Tensor],
+              x: torch.Tensor, state: VAEStreamState, cache: FrameCache) -> torch.Tensor:
+        if not (self.enabled and x.is_cuda):
             return fn(x, state)
         key = (direction, tuple(x.shape), x.dtype, id(state))
         graph = self._graphs.get(key)

@@ -12,10 +12,12 @@ from engine.step_graphs import GraphedStreamForward
 
 def _stream(model: WanDiT, chunks: list[torch.Tensor], ctx: torch.Tensor, graphed: bool = False) -> torch.Tensor:
     dev = chunks[0].device
-    cache = model.new_cache(1, tuple(chunks[0].shape[3:]), num_kv_cache=3, sink=1, refresh_at=5, device=dev)
+    batch = chunks[0].shape[0]
+    cache = model.new_cache(batch, tuple(chunks[0].shape[3:]), num_kv_cache=3, sink=1, refresh_at=5, device=dev)
     cross = model.cross_kv(ctx)
     forward = GraphedStreamForward(model) if graphed else model.forward_stream
-    outs = [forward(x, torch.tensor([[600.0] * x.shape[2]], device=dev), cache, cross) for x in chunks]
+    t = torch.linspace(700.0, 300.0, batch, device=dev)
+    outs = [forward(x, t, cache, cross) for x in chunks]
     return torch.cat(outs, dim=2)
 
 
@@ -39,12 +41,14 @@ def test_compiled_ops_match_eager_in_streaming_and_full_sequence():
 
 
 @pytest.mark.gpu
-def test_compiled_ops_inside_cuda_graphs_match_eager_bf16():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_ops_inside_cuda_graphs_match_eager_bf16(batch):
+    """A 2-frame first chunk, then steady 1-frame chunks replayed as graphs; B=2 shares RoPE rows."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     with torch.device(dev):
         model = WanDiT(DIT_PRESETS["tiny"]).to(torch.bfloat16).eval()
-    chunks = [torch.randn(1, 16, f, 8, 8, device=dev) for f in [1] * 12]
+    chunks = [torch.randn(batch, 16, f, 8, 8, device=dev) for f in [2] + [1] * 12]
     ctx = torch.randn(1, 16, 4096, device=dev)
     with torch.inference_mode():
         ref = _stream(model, chunks, ctx).float()

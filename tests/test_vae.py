@@ -236,3 +236,30 @@ def test_batch_rows_are_independent(tiny_vae):
     z = tiny_vae.encode(x)
     assert (z[1:] - tiny_vae.encode(x[1:])).abs().max() < TOL
     assert (tiny_vae.decode(z)[:1] - tiny_vae.decode(z[:1])).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_session_steps_run_one_latent_at_a_time_and_equal_whole_chunks(tiny_vae):
+    """VAEGraphs cuts steady chunks into one-latent steps (one graph / compiled shape for every
+    chunk size); the streaming caches make that exact."""
+    from engine.vae_stream import VAEGraphs
+
+    x = _video(13, 16, seed=3)
+    steps, seen = VAEGraphs(enabled=False), []
+
+    def encode(piece, state):
+        seen.append(piece.shape[2])
+        return tiny_vae.encode_stream(piece, state)
+
+    whole, pieces = tiny_vae.new_stream_state(), tiny_vae.new_stream_state()
+    z_whole = torch.cat([tiny_vae.encode_stream(x[:, :, :5], whole), tiny_vae.encode_stream(x[:, :, 5:], whole)], 2)
+    z_pieces = torch.cat([steps.run("encode", encode, x[:, :, :5], pieces),
+                          steps.run("encode", encode, x[:, :, 5:], pieces)], 2)
+    assert seen == [5, 4, 4]
+    assert (z_pieces - z_whole).abs().max() < TOL
+    out_whole = torch.cat([tiny_vae.decode_stream(z_whole[:, :, :1], whole),
+                           tiny_vae.decode_stream(z_whole[:, :, 1:], whole)], 2)
+    out_pieces = torch.cat([steps.run("decode", tiny_vae.decode_stream, z_whole[:, :, :1], pieces),
+                            steps.run("decode", tiny_vae.decode_stream, z_whole[:, :, 1:], pieces)], 2)
+    assert out_pieces.shape == out_whole.shape == (1, 3, 13, 16, 16)
+    assert (out_pieces - out_whole).abs().max() < TOL

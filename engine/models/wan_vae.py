@@ -373,6 +373,18 @@ class WanVAE(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernel = fused
 
+    def compile_step(self) -> None:
+        """Compile the encoder and decoder whole (Inductor, static shapes).
+
+        Beyond `fuse_norms`, this fuses each conv's bias add, the residual adds and the history
+        concatenations into the neighbouring norm kernels: measured on an H200, a steady 4-frame
+        chunk went from 29.1 + 47.5 ms to 22.1 + 35.8 ms. Each distinct chunk shape compiles
+        once (tens of seconds), so callers keep the shapes few: the session runs steady steps one
+        latent at a time (`VAEGraphs`) and compiles them in its warm-up.
+        """
+        self.encoder.compile(dynamic=False)
+        self.decoder.compile(dynamic=False)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.quant_conv.weight.dtype
