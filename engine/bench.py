@@ -53,7 +53,9 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
         done += FRAMES_PER_CHUNK
     _sync(device)
     session.metrics.reset()
+    load_peak = 0
     if device.type == "cuda":
+        load_peak = torch.cuda.max_memory_reserved(device)  # load, compile and warm-up included
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     period = 1.0 / input_fps if input_fps > 0 else 0.0
@@ -69,6 +71,8 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
     stats["ttff_s"] = ttff
     stats["measured_frames"] = stats["frames_out"]
     stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
+    if device.type == "cuda":  # what the card must hold, from load to the last frame
+        stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))
     session.close()
     return stats
 
@@ -143,6 +147,10 @@ def summary_table(result: dict[str, Any]) -> str:
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
     if loom.get("gpu_memory_peak_bytes"):
         rows.append(("GPU memory peak", f"{loom['gpu_memory_peak_bytes'] / 2**30:.2f} GiB"))
+    if loom.get("gpu_memory_reserved_peak_bytes"):
+        cap = result.get("memory_cap_gib")
+        rows.append(("GPU memory reserved, whole run", f"{loom['gpu_memory_reserved_peak_bytes'] / 2**30:.2f} GiB"
+                     + (f" (capped at {cap:g} GiB)" if cap else "")))
     if "baseline" in result:
         b = result["baseline"]
         rows.append(("baseline (diffusers, eager)", f"{b['fps']:.2f} FPS ({b['chunk_ms']:.1f} ms/chunk)"))

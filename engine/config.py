@@ -141,6 +141,20 @@ class SLOConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Fitting smaller GPUs (the 1.3B pipeline on a 24 GB card)."""
+
+    low_vram: bool = spec(False, doc="text encoder on the CPU, one-latent chunks, VAE run in spatial tiles")
+    vae_tile_latents: int = spec(32, min=4, max=512, doc="low_vram: VAE tile side in latents (8 pixels each)")
+    vae_tile_overlap: int = spec(8, min=0, max=256, doc="low_vram: overlap of neighbouring tiles in latents")
+
+    def __post_init__(self) -> None:
+        if self.vae_tile_overlap >= self.vae_tile_latents:
+            raise ValueError(f"vae_tile_overlap: {self.vae_tile_overlap} must be smaller than vae_tile_latents "
+                             f"({self.vae_tile_latents})")
+
+
+@dataclass
 class LoomConfig:
     """Everything a run needs; built only through `load_config`."""
 
@@ -151,6 +165,12 @@ class LoomConfig:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        if self.memory.low_vram and self.prompt.device == "cuda":
+            raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
+                             "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -68,7 +68,7 @@ class StreamSession:
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
-                                         _encoder_device(cfg.prompt.device, self.device))
+                                         _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram))
         self.prompt = PromptConditioner(text_encoder, cfg.prompt.text, device=self.device, dtype=self.dtype,
                                         transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
@@ -106,7 +106,7 @@ class StreamSession:
         ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
         self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
                                 initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
-                                max_chunk_latents=min(MAX_CHUNK_LATENTS, ring))
+                                max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring))
         self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
         if hasattr(self, "enc_state"):  # reset in place: captured VAE graphs point at these buffers
             self.enc_state.reset()
@@ -380,7 +380,9 @@ def _modes(setting: str) -> tuple[str, ...]:
     return ("batch", "sequential") if setting == "auto" else (setting,)
 
 
-def _encoder_device(setting: str, device: torch.device) -> str:
+def _encoder_device(setting: str, device: torch.device, low_vram: bool) -> str:
+    """Where the text encoder runs: umT5-XXL alone is about 11 GB in bf16, so low_vram keeps it on
+    the CPU (a prompt is encoded once per change, off the per-frame path)."""
     if setting == "auto":
-        return "cuda" if device.type == "cuda" else "cpu"
+        return "cuda" if device.type == "cuda" and not low_vram else "cpu"
     return setting

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also time diffusers' eager Wan transformer+VAE on the same shapes")
     p.add_argument("--baseline-chunks", type=int, default=20)
+    p.add_argument("--memory-cap-gib", type=float, default=0.0,
+                   help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
+                        "24 GB card suffices; use with --set memory.low_vram=true)")
     p.add_argument("--json", help="write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -56,8 +59,16 @@ def run(args: argparse.Namespace) -> int:
         "steps": list(cfg.stream.steps),
         "vae": f"{cfg.vae.encoder}/{cfg.vae.decoder}",
         "config": cfg.to_dict(),
-        "loom": run_loom(cfg, frames, args.warmup, args.input_fps),
     }
+    if args.memory_cap_gib > 0:
+        if not torch.cuda.is_available():
+            raise SystemExit("--memory-cap-gib needs a CUDA GPU")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+        result["memory_cap_gib"] = args.memory_cap_gib
+    result["loom"] = run_loom(cfg, frames, args.warmup, args.input_fps)
+    if args.memory_cap_gib > 0:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the baseline is not what is being capped
     if args.baseline:
         print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", flush=True)
         result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
