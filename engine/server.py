@@ -42,6 +42,7 @@ EXIT_SESSION_FAILED = 1
 EXIT_HOST_LOST = 3
 EXIT_NO_HANDSHAKE = 4
 WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
+EXIT_JOIN_S = 0.5  # exiting: do not wait longer for a busy session (the worker thread is a daemon)
 
 
 def offered_transports() -> list[str]:
@@ -102,7 +103,7 @@ class EngineServer:
                 _log(f"loom serve: listening on {self.channel.endpoint}")
             return self._serve()
         finally:
-            self._end_session(remove=False)
+            self._end_session(remove=False, join_s=EXIT_JOIN_S)
             if self.channel is not None:
                 self.channel.close()
             self._ctx.term()
@@ -215,12 +216,14 @@ class EngineServer:
         self.worker = FrameWorker(self._factory, self.channel.send, lane, stall_after=self._stall_after)
         self.worker.thread.start()
 
-    def _end_session(self, remove: bool) -> None:
-        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments) and the lane."""
+    def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:
+        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments) and the lane.
+        A worker still busy in a session call holds neither the rings' lock nor the lane's, and finds both
+        closed when it returns."""
         worker, self.worker = self.worker, None
         if worker is None:
             return
-        if not worker.halt(WORKER_JOIN_S if worker.session is not None else 0.1):
+        if not worker.halt(join_s):
             _log("loom serve: the session is still busy; closing its rings and lane under it")
         worker.close_rings(remove)
         worker.lane.close()  # the worker holds the lane's lock only while it polls or sends
