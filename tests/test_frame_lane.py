@@ -146,6 +146,22 @@ def test_frames_use_the_lane_and_it_is_removed_after_sigkill_and_close():
     assert not new_lane.exists() and not new_lane.parent.exists()
 
 
+def test_the_first_frame_after_a_resolution_change_waits_for_its_ring():
+    """Rings travel on the control channel, notices on the lane: a notice may arrive first. The engine
+    holds it until its ring is attached instead of dropping it as stale."""
+    with Bridge(BridgeConfig(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0)) as bridge:
+        bridge.wait_running(30)
+        for i in range(12):
+            size = (24, 32) if (i // 3) % 2 == 0 else (40, 56)
+            frame = np.random.default_rng(i).integers(0, 256, (*size, 3), dtype=np.uint8)
+            bridge.submit(frame)
+            assert bridge.wait_for_output(bridge.last_seq, 5), f"frame {i} ({size}) lost after a ring change"
+            out, status = bridge.latest()
+            assert np.array_equal(out, frame) and status.seq == bridge.last_seq
+        assert _wait(lambda: bridge.stats()["engine"].get("frames_in") == 12, 5)
+        assert bridge.stats()["engine"]["stale"] == 0 and bridge.stats()["refused"] == 0
+
+
 @posix_ipc
 def test_served_engine_lane_refuses_frames_on_control_and_is_removed_when_the_host_leaves(tmp_path):
     server = EngineServer(PassthroughSession, bind=f"ipc://{tmp_path}/ctl", heartbeat_s=0.1)
