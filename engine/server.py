@@ -6,10 +6,15 @@ bye, when SIGTERM arrives, when its parent process dies, or when the host falls 
 (`--bind`): the engine waits for hosts (over tcp with CurveZMQ unless loopback); a host that leaves
 or goes silent frees the engine for the next one.
 
-The main thread runs the control loop below (socket, handshake, heartbeats, ring attachment,
-frame notices); a `FrameWorker` thread owns the session. Malformed messages are refused and
-counted, never fatal. Rings are only attached here: the host owns and removes them, except when
-the host is gone, then the engine removes the shared memory it knew about before it exits.
+Two sockets per host. The main thread runs the control loop below (handshake, heartbeats, ring
+attachment, requests, stats); it keeps answering heartbeats while the session is busy, which is how
+the host tells a busy engine from a hung one. A `FrameWorker` thread owns the session and the frame
+lane (frame notices and releases, see `host_bridge.frame_lane`), which it polls itself; the control
+loop hands it commands through `FrameWorker.post`. The side that bound the control endpoint also
+binds the lane and names it in its hello (launched: the host; serving: this engine, once per host).
+Malformed messages, and frame messages on the control channel, are refused and counted, never
+fatal. Rings are only attached here: the host owns and removes them, except when the host is gone,
+then the engine removes the shared memory it knew about before it exits.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import Any
 import zmq
 
 from engine.server_worker import FrameWorker
-from host_bridge.channel import Channel, CurveServer, remove_private_endpoint
+from host_bridge.channel import Channel, CurveServer, EndpointError, remove_private_endpoint
+from host_bridge.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.launcher import pid_alive
-from host_bridge.protocol import TRANSPORTS, RingSpec, make
+from host_bridge.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
 from host_bridge.transport import TransportUnavailable, attach_ring
 
 TICK_S = 0.05
@@ -35,6 +41,8 @@ EXIT_OK = 0
 EXIT_SESSION_FAILED = 1
 EXIT_HOST_LOST = 3
 EXIT_NO_HANDSHAKE = 4
+WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
+EXIT_JOIN_S = 0.5  # exiting: do not wait longer for a busy session (the worker thread is a daemon)
 
 
 def offered_transports() -> list[str]:
@@ -95,8 +103,7 @@ class EngineServer:
                 _log(f"loom serve: listening on {self.channel.endpoint}")
             return self._serve()
         finally:
-            if self.worker is not None:
-                self.worker.stop = True
+            self._end_session(remove=False, join_s=EXIT_JOIN_S)
             if self.channel is not None:
                 self.channel.close()
             self._ctx.term()
@@ -120,18 +127,25 @@ class EngineServer:
         if self._connect:
             self._send_hello()
         while not self._stop.is_set():
-            for msg, payload in ch.poll(TICK_S):
+            for msg, _payload in ch.poll(TICK_S):
                 last_heard = time.monotonic()
                 kind = msg["type"]
                 if kind == "hello":
                     if msg["role"] != "host" or (self._connect and msg["token"] != self._token):
                         ch.refuse("hello from a peer that is not our host")
                         continue
-                    if self._bind:  # a (new) host: answer and start over
+                    if self._connect and self.worker is not None:
+                        ch.refuse("second hello from the host")
+                        continue
+                    if self._bind:  # a (new) host: start over
                         self._end_session(remove=False)
-                        self._send_hello()
+                    lane = self._open_lane(msg)
+                    if lane is None:
+                        continue
+                    if self._bind:
+                        self._send_hello(lane.endpoint)
                     host_pid = msg["pid"]
-                    self._start_worker()
+                    self._start_worker(lane)
                 elif self.worker is None:
                     ch.refuse(f"{kind} before hello")
                 elif kind == "bye":
@@ -140,7 +154,7 @@ class EngineServer:
                     self._end_session(remove=False)
                     host_pid = None
                 else:
-                    self._dispatch(kind, msg, payload)
+                    self._dispatch(kind, msg)
             now = time.monotonic()
             if self.worker is not None and now - last_beat >= self._heartbeat_s:
                 last_beat = now
@@ -173,63 +187,57 @@ class EngineServer:
             return f"host silent for {now - last_heard:.1f} s"
         return None
 
-    def _send_hello(self) -> None:
+    def _send_hello(self, lane: str | None = None) -> None:
         from host_bridge.transport_cuda import all_uuids
 
-        self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(),
+        self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
                                transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine"))
+
+    def _open_lane(self, hello: dict[str, Any]) -> FrameLane | None:
+        """Launched: connect to the lane the host's hello names. Serving: bind a fresh one for this host."""
+        try:
+            if self._connect:
+                if "lane" not in hello:
+                    raise EndpointError("the host's hello names no frame lane (a host of an older protocol?)")
+                return FrameLane(self._ctx, lane_endpoint_for(self._connect, hello["lane"]), bind=False,
+                                 side="engine")
+            return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
+                             curve=self._curve)
+        except (EndpointError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+            self.channel.refuse(f"hello: no frame lane: {exc}")
+            self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]))
+            return None
 
     def _say_bye(self, reason: str) -> None:
         self.channel.send(make("bye", reason=reason))
         self.channel.poll(0)
 
-    def _start_worker(self) -> None:
-        if self.worker is not None:
-            return
-        self.worker = FrameWorker(self._factory, self.channel.send, stall_after=self._stall_after)
+    def _start_worker(self, lane: FrameLane) -> None:
+        self.worker = FrameWorker(self._factory, self.channel.send, lane, stall_after=self._stall_after)
         self.worker.thread.start()
 
-    def _end_session(self, remove: bool) -> None:
-        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments)."""
+    def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:
+        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments) and the lane.
+        A worker still busy in a session call holds neither the rings' lock nor the lane's, and finds both
+        closed when it returns."""
         worker, self.worker = self.worker, None
         if worker is None:
             return
-        worker.stop = True
-        with worker.lock:
-            worker.lock.notify_all()
-        worker.thread.join(timeout=5.0)
-        with worker.lock:
-            worker.close_rings(remove)
+        if not worker.halt(join_s):
+            _log("loom serve: the session is still busy; closing its rings and lane under it")
+        worker.close_rings(remove)
+        worker.lane.close()  # the worker holds the lane's lock only while it polls or sends
 
-    def _dispatch(self, kind: str, msg: dict[str, Any], payload: list[bytes]) -> None:
+    def _dispatch(self, kind: str, msg: dict[str, Any]) -> None:
         w, ch = self.worker, self.channel
         if kind == "heartbeat":
             return
-        if kind == "frame" and msg["dir"] == "in":
-            with w.lock:
-                ring = w.ring_in
-                if ring is None or msg["gen"] != ring.spec.generation:
-                    w.counts["stale"] += 1
-                    ch.send(make("release", dir="in", slot=msg["slot"], gen=msg["gen"], dropped=True))
-                elif msg["slot"] >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload):
-                    ch.refuse(f"frame notice for slot {msg['slot']} does not fit the ring")
-                else:
-                    w.offer(msg["slot"], msg["seq"], msg["gen"], payload)
-        elif kind == "release" and msg["dir"] == "out":
-            with w.lock:
-                if not w.on_release(msg["slot"], msg["gen"]):
-                    ch.refuse(f"release of output slot {msg['slot']} that was not published")
+        if kind in LANE_MESSAGES:
+            ch.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
         elif kind == "ring":
             self._attach(msg)
-        elif kind == "mode":
-            with w.lock:
-                w.lossless = msg["lossless"]
-                w.lock.notify_all()
-            ch.send(make("ack", id=msg.get("id")))
-        elif kind in ("prompt", "params", "reset", "flush"):
-            w.commands.put((kind, msg))
-            with w.lock:
-                w.lock.notify_all()
+        elif kind in ("mode", "prompt", "params", "reset", "flush"):
+            w.post(kind, msg)  # answered by the worker, in order with the frames it has taken
         elif kind == "stats":
             ch.send(make("stats", id=msg.get("id"), data=self.stats()))
         else:
@@ -243,17 +251,18 @@ class EngineServer:
             self.channel.send(make("error", id=msg.get("id"), code="ring",
                                    message=f"cannot attach the {spec.transport} {spec.dir} ring: {exc}"[:4000]))
             return
-        with self.worker.lock:
-            if spec.dir == "in":
-                self.worker.set_rings(ring_in=ring)
-            else:
-                self.worker.set_rings(ring_out=ring)
-        self.channel.send(make("ack", id=msg.get("id")))
+        self.worker.post("ring", msg, ring)  # installed and acknowledged between two frames
 
     def stats(self) -> dict[str, Any]:
         w, ch = self.worker, self.channel
+        lane = w.lane if w is not None else None
         data: dict[str, Any] = {"pid": os.getpid(), "refused": ch.refused, "last_refusal": ch.last_refusal,
-                                "dropped_messages": ch.dropped_messages}
+                                "dropped_messages": ch.dropped_messages, "control_received": ch.received}
+        if lane is not None:
+            data["refused"] += lane.refused
+            if lane.refused_at > ch.refused_at:
+                data["last_refusal"] = lane.last_refusal
+            data.update(dropped_messages=ch.dropped_messages + lane.dropped, lane_received=lane.received)
         if w is not None:
             data.update(w.counts)
             data["lossless"] = w.lossless

@@ -1,13 +1,19 @@
 """The engine server's compute side: one thread that owns the session and moves frames.
 
-It takes input frames from the attached input ring (live: only the newest, older notices are
-released unread and counted as dropped; lossless: every one, in order), pushes them through the
-session, and writes outputs into free output slots. A session emits outputs in bursts (a chunk of
-4 frames at a time), so in live mode outputs are paced out at the measured input frame interval;
-otherwise a latest-wins host would only ever see the last frame of each chunk.
+It owns the frame lane's socket for as long as it runs: it polls the lane itself for input frame
+notices and output slot releases, and sends output notices and input releases on it, so a frame
+costs one ZMQ hop each way and no thread hand-off. It takes input frames from the attached input
+ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
+every one, in order), pushes them through the session, and writes outputs into free output slots.
+A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
+paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
+the last frame of each chunk.
 
-The session is only touched by this thread: prompt, parameter, reset and flush requests arrive
-as commands and are answered from here.
+Everything else arrives through the server's control loop as commands (rings, mode, prompt,
+parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
+flushed, error) goes back on the control channel. The session is only touched by this thread.
+Rings and frame notices travel on different sockets, so a notice may arrive before the ring of its
+generation: it waits (bounded by the slots) until that ring is installed.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from host_bridge import formats
-from host_bridge.protocol import make
+from host_bridge.frame_lane import FrameLane
+from host_bridge.protocol import MAX_SLOTS, make
 from host_bridge.transport import Ring, SlotTracker
 
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
@@ -30,14 +37,17 @@ INTERVAL_EMA = 0.2
 WAIT_S = 0.02
 ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
+FLUSH_WAIT_S = 2.0  # a flush waits this long at most for the frame notice it names to arrive
 
 
 class FrameWorker:
-    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], stall_after: int | None = None):
+    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], lane: FrameLane,
+                 stall_after: int | None = None):
         self._factory = session_factory
-        self._send = send
+        self._send = send  # the control channel (thread-safe)
+        self.lane = lane
         self.session: Any = None
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()  # ring access: this thread reads/writes slots, the server closes rings
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ring_in: Ring | None = None
         self.ring_out: Ring | None = None
@@ -48,6 +58,7 @@ class FrameWorker:
         self.busy_since: float | None = None
         self.error: str | None = None
         self._stall_after = stall_after
+        self._last_in_seq = -1
         self._seqs: deque[int] = deque()
         self._paced: deque[tuple[int, Any]] = deque()  # numpy arrays, or tensors from a GPU session
         self._next_emit = 0.0
@@ -60,9 +71,55 @@ class FrameWorker:
         self._device_slots: Any = None
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
 
-    # -- called by the control thread, with self.lock held ----------------------------------------------
+    # -- called by the server's control thread --------------------------------------------------------
 
-    def offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+    def post(self, kind: str, msg: dict[str, Any], ring: Ring | None = None) -> None:
+        """Queue a command (ring, mode, prompt, params, reset, flush) and wake the worker's poll."""
+        self.commands.put((kind, msg, ring))
+        self.lane.wake()
+
+    def halt(self, timeout_s: float) -> bool:
+        """Ask the thread to stop, wake it, wait for it. False when it is still busy in a session call."""
+        self.stop = True
+        self.lane.wake()
+        self.thread.join(timeout=timeout_s)
+        return not self.thread.is_alive()
+
+    def close_rings(self, remove: bool) -> None:
+        """Let go of the rings, also those attached but not installed yet (remove: the host is gone)."""
+        rings = [self.ring_in, self.ring_out]
+        while True:
+            try:
+                rings.append(self.commands.get_nowait()[2])
+            except queue.Empty:
+                break
+        with self.lock:
+            for ring in rings:
+                if ring is not None:
+                    ring.remove() if remove else ring.close()
+            self.ring_in = self.ring_out = None
+
+    # -- the worker thread: frames from the lane ------------------------------------------------------
+
+    def _read_lane(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for lane messages (or a wake-up) and take them in."""
+        if not self.lane.acquire(timeout_s=max(timeout_s, WAIT_S)):
+            return
+        try:
+            messages = self.lane.receive(timeout_s)
+        finally:
+            self.lane.release()
+        for msg, payload in messages:
+            if msg["type"] == "frame":
+                if len(self.inputs) >= MAX_SLOTS:
+                    self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
+                    continue
+                self._last_in_seq = max(self._last_in_seq, msg["seq"])
+                self._offer(msg["slot"], msg["seq"], msg["gen"], payload)
+            elif not self._on_release(msg["slot"], msg["gen"]):
+                self.lane.refuse(f"release of output slot {msg['slot']} that was not published")
+
+    def _offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
         """A new input frame notice."""
         now = time.monotonic()
         if self._last_arrival is not None:
@@ -75,33 +132,23 @@ class FrameWorker:
                 self._release_in(old[0], old[2], dropped=True)
                 self.counts["dropped"] += 1
         self.inputs.append((slot, seq, gen, payload))
-        self.lock.notify_all()
 
-    def set_rings(self, ring_in: Ring | None = None, ring_out: Ring | None = None) -> None:
-        if ring_in is not None:
-            if self.ring_in is not None:
-                self.ring_in.close()
-            self.ring_in = ring_in
-            self.inputs.clear()
-        if ring_out is not None:
-            if self.ring_out is not None:
-                self.ring_out.close()
-            self.ring_out = ring_out
-            self.out_tracker = SlotTracker(ring_out.spec.slots)
-        self.lock.notify_all()
-
-    def on_release(self, slot: int, gen: int) -> bool:
+    def _on_release(self, slot: int, gen: int) -> bool:
         if self.ring_out is None or gen != self.ring_out.spec.generation:
             return True  # an old generation's slot
-        ok = self.out_tracker.release(slot)
-        self.lock.notify_all()
-        return ok
+        return self.out_tracker.release(slot)
 
-    def close_rings(self, remove: bool) -> None:
-        for ring in (self.ring_in, self.ring_out):
-            if ring is not None:
-                ring.remove() if remove else ring.close()
-        self.ring_in = self.ring_out = None
+    def _install(self, ring: Ring) -> None:
+        with self.lock:
+            if ring.spec.dir == "in":
+                if self.ring_in is not None:
+                    self.ring_in.close()
+                self.ring_in = ring
+            else:
+                if self.ring_out is not None:
+                    self.ring_out.close()
+                self.ring_out = ring
+                self.out_tracker = SlotTracker(ring.spec.slots)
 
     # -- the worker thread ------------------------------------------------------------------------------
 
@@ -116,6 +163,8 @@ class FrameWorker:
         self._send(make("ready", info={"session": type(self.session).__name__}))
         while not self.stop:
             self._run_commands()
+            ready = self._next_input(take=False) is not None
+            self._read_lane(0.0 if ready else self._wait_time())
             job = self._next_input()
             if job is not None:
                 self._process(*job)
@@ -124,43 +173,55 @@ class FrameWorker:
     def _run_commands(self) -> None:
         while True:
             try:
-                kind, msg = self.commands.get_nowait()
+                kind, msg, ring = self.commands.get_nowait()
             except queue.Empty:
                 return
             rid = msg.get("id")
             try:
-                if kind == "prompt":
+                if kind == "ring":
+                    self._install(ring)
+                elif kind == "mode":
+                    self.lossless = msg["lossless"]
+                elif kind == "prompt":
                     self.session.set_prompt(msg["text"], msg.get("transition_chunks"))
                 elif kind == "params":
                     self.session.set_params(**msg["params"])
                 elif kind == "reset":
                     self.session.reset()
-                    with self.lock:
-                        self._seqs.clear()
-                        self._paced.clear()
+                    self._seqs.clear()
+                    self._paced.clear()
                 elif kind == "flush":
-                    count = self._flush()
+                    count = self._flush(msg.get("seq"))
                     self._send(make("flushed", id=rid, count=count))
                     continue
                 self._send(make("ack", id=rid))
-                self.session_stats = self.session.stats()
+                if kind in ("prompt", "params", "reset"):
+                    self.session_stats = self.session.stats()
             except (ValueError, TypeError, KeyError) as exc:
                 self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
 
-    def _next_input(self, wait: bool = True) -> tuple | None:
-        with self.lock:
-            stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
-            if not self.inputs or stalled:
-                if wait:
-                    self.lock.wait(self._wait_time())
-                return None
-            while self.inputs:
-                slot, seq, gen, payload = self.inputs.popleft()
-                ring = self.ring_in
-                if ring is not None and gen == ring.spec.generation:
-                    return ring, slot, seq, gen, payload
+    def _next_input(self, take: bool = True) -> tuple | None:
+        """The oldest input that can be processed now (peek with take=False). Notices of an older
+        generation are released as stale on the way; one of a newer generation waits for its rings."""
+        stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
+        while self.inputs and not stalled:
+            slot, seq, gen, payload = self.inputs[0]
+            ring, out = self.ring_in, self.ring_out
+            if ring is None or out is None or gen > ring.spec.generation or gen > out.spec.generation:
+                return None  # its rings are still on their way over the control channel
+            if gen < ring.spec.generation:
+                self.inputs.popleft()
                 self.counts["stale"] += 1
-            return None
+                self._release_in(slot, gen, dropped=True)
+                continue
+            if slot >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload):
+                self.inputs.popleft()
+                self.lane.refuse(f"frame notice for slot {slot} does not fit the ring")
+                continue
+            if take:
+                self.inputs.popleft()
+            return ring, slot, seq, gen, payload
+        return None
 
     def _wait_time(self) -> float:
         if self._paced:
@@ -213,10 +274,10 @@ class FrameWorker:
         return self._device_slots
 
     def _raw_copy(self, ring: Ring, slot: int, seq: int) -> bool:
-        """Pass-through on the GPU: slot to slot, no host copy (cuda-ipc rings of the same layout)."""
+        """Pass-through: slot to slot, no frame array (rings of one layout: cuda-ipc on the GPU, or shm)."""
         out = self.ring_out
         copy = getattr(ring, "copy_to", None)
-        if copy is None or out is None or out.spec.slot_bytes != ring.spec.slot_bytes:
+        if copy is None or out is None or type(out) is not type(ring) or _layout(out.spec) != _layout(ring.spec):
             return False
         out_slot = self._acquire_out()
         if out_slot is None:  # stopping, or (live) no free output slot: the frame is dropped
@@ -226,9 +287,9 @@ class FrameWorker:
             if ring is not self.ring_in or out is not self.ring_out:
                 return True
             ring.copy_to(slot, out, out_slot)
-        self._release_in(slot, ring.spec.generation)
         self.counts["frames_in"] += 1
-        self._publish(out_slot, seq, out, [])
+        self._publish(out_slot, seq, out, [])  # first: the host is waiting for this one
+        self._release_in(slot, ring.spec.generation)
         return True
 
     def _queue_output(self, seq: int, frame: np.ndarray) -> None:
@@ -249,9 +310,14 @@ class FrameWorker:
             self._emit(seq, frame)
             self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
 
-    def _flush(self) -> int:
-        """Everything received before the flush request goes through first, then the session's tail."""
-        while (job := self._next_input(wait=False)) is not None:
+    def _flush(self, until_seq: int | None) -> int:
+        """Everything sent before the flush request goes through first, then the session's tail. The
+        request came on the control channel; `until_seq` names the last notice the host sent on the lane."""
+        deadline = time.monotonic() + FLUSH_WAIT_S
+        while until_seq is not None and self._last_in_seq < until_seq and time.monotonic() < deadline \
+                and not self.stop:
+            self._read_lane(WAIT_S)
+        while (job := self._next_input()) is not None:
             self._process(*job)
         while self._paced:
             self._emit(*self._paced.popleft())
@@ -261,17 +327,16 @@ class FrameWorker:
         return len(outputs)
 
     def _acquire_out(self) -> int | None:
-        """A free output slot; in lossless mode wait for the host to release one."""
-        with self.lock:
-            while not self.stop:
-                if self.out_tracker is not None:
-                    slot = self.out_tracker.acquire()
-                    if slot is not None:
-                        return slot
-                if not self.lossless:
-                    self.counts["dropped_out"] += 1
-                    return None
-                self.lock.wait(WAIT_S)
+        """A free output slot; in lossless mode wait (reading the lane) for the host to release one."""
+        while not self.stop:
+            if self.out_tracker is not None:
+                slot = self.out_tracker.acquire()
+                if slot is not None:
+                    return slot
+            if not self.lossless:
+                self.counts["dropped_out"] += 1
+                return None
+            self._read_lane(WAIT_S)
         return None
 
     def _emit(self, seq: int, frame: np.ndarray) -> None:
@@ -298,14 +363,17 @@ class FrameWorker:
         self._publish(slot, seq, out, payload)
 
     def _publish(self, slot: int, seq: int, out: Ring, payload: list[Any]) -> None:
-        with self.lock:
-            self.out_tracker.publish(slot)
+        self.out_tracker.publish(slot)
         self.counts["frames_out"] += 1
-        self._send(make("frame", dir="out", slot=slot, seq=max(seq, 0), gen=out.spec.generation, t=time.time(),
-                        nbytes=len(payload[0]) if payload else None), payload)
+        self.lane.send(make("frame", dir="out", slot=slot, seq=max(seq, 0), gen=out.spec.generation, t=time.time(),
+                            nbytes=len(payload[0]) if payload else None), payload)
 
     def _release_in(self, slot: int, gen: int, dropped: bool = False) -> None:
-        self._send(make("release", dir="in", slot=slot, gen=gen, dropped=dropped))
+        self.lane.send(make("release", dir="in", slot=slot, gen=gen, dropped=dropped))
+
+
+def _layout(spec: Any) -> tuple:
+    return spec.width, spec.height, spec.channels, spec.dtype, spec.order, spec.orientation, spec.pitch
 
 
 def _fit(frame: np.ndarray, ring: Ring) -> np.ndarray:

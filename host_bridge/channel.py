@@ -1,16 +1,18 @@
 """The control connection: one ZMQ DEALER socket, owned by one loop thread, fed by any thread.
 
-ZMQ sockets are not thread-safe, yet a host calls `submit()` from its frame loop while the
-bridge's own thread receives. So other threads never touch the socket: `send()` encodes and
-validates the message, appends it to a bounded outbox and wakes the loop through an inproc pair;
-the loop thread calls `poll()`, which flushes the outbox without blocking and returns the
+It carries everything except frames: handshake, rings, heartbeats, prompts, parameters, stats,
+errors (frame notices and releases travel on the `frame_lane`, and are refused here). ZMQ sockets
+are not thread-safe, and control messages come from several threads (the host's `set_prompt()`, the
+engine's worker answering a request), so other threads never touch the socket: `send()` encodes
+and validates the message, appends it to a bounded outbox and wakes the loop through an inproc
+pair; the loop thread calls `poll()`, which flushes the outbox without blocking and returns the
 received messages that passed `protocol.decode`. Everything refused is counted, never raised.
 
 Endpoints: a local engine gets `ipc://` in a fresh private directory (mode 0700), or tcp on
 127.0.0.1 where ipc is unavailable. A non-loopback tcp endpoint needs CurveZMQ: the engine is the
 Curve server (its secret key file, plus a directory of authorised client public keys), the host
 is a Curve client (its own certificate file and the engine's public key file); files are the
-ones `zmq.auth.create_certificates` writes.
+ones `zmq.auth.create_certificates` writes. The frame lane uses the same keys.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +82,22 @@ def check_endpoint(endpoint: str, curve: CurveServer | CurveClient | None) -> No
                             "+ --curve-authorized)")
 
 
+def apply_curve_keys(sock: zmq.Socket, curve: CurveServer | CurveClient | None) -> None:
+    """Make `sock` a Curve server or client with these certificate files (the control socket and the
+    frame lane use the same ones). A server also needs a running authenticator on its context."""
+    if curve is None:
+        return
+    import zmq.auth
+    public, secret = zmq.auth.load_certificate(curve.secret_file)
+    if not secret:
+        raise EndpointError(f"{curve.secret_file}: no secret key in this certificate file")
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    if isinstance(curve, CurveServer):
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = zmq.auth.load_certificate(curve.server_public_file)[0]
+
+
 PRIVATE_DIR_PREFIX = "loom-"
 
 
@@ -113,7 +132,9 @@ class PrivateEndpoint:
             # mkdtemp creates it mode 0700; the pid in the name lets a later host sweep it after a crash
             self.dir = tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-")
             self.address: str | None = f"ipc://{self.dir}/control"
+            self.lane_address: str | None = f"ipc://{self.dir}/lane"
         else:
+            self.lane_address = None
             self.address = None  # bind tcp://127.0.0.1 on a random port
 
     def remove(self) -> None:
@@ -165,33 +186,22 @@ class Channel:
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self.refused = 0
         self.last_refusal = ""
+        self.refused_at = 0.0
         self.dropped_messages = 0
         self.sent = 0
         self.received = 0
 
     def _setup_curve(self, curve: CurveServer | CurveClient | None) -> None:
-        if curve is None:
-            return
-        import zmq.auth
         if isinstance(curve, CurveServer):
-            from zmq.auth.thread import ThreadAuthenticator
-            public, secret = zmq.auth.load_certificate(curve.secret_file)
-            if not secret:
-                raise EndpointError(f"{curve.secret_file}: no secret key in this certificate file")
             if not os.path.isdir(curve.authorized_dir):
                 raise EndpointError(f"{curve.authorized_dir}: not a directory of authorised client keys")
-            self._auth = ThreadAuthenticator(self._ctx)
+            apply_curve_keys(self.sock, curve)  # checks the certificate before an authenticator starts
+            from zmq.auth.thread import ThreadAuthenticator
+            self._auth = ThreadAuthenticator(self._ctx)  # serves every Curve socket of this context
             self._auth.start()
             self._auth.configure_curve(domain="*", location=curve.authorized_dir)
-            self.sock.curve_server = True
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
         else:
-            public, secret = zmq.auth.load_certificate(curve.secret_file)
-            if not secret:
-                raise EndpointError(f"{curve.secret_file}: no secret key in this certificate file")
-            server_public, _ = zmq.auth.load_certificate(curve.server_public_file)
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
-            self.sock.curve_serverkey = server_public
+            apply_curve_keys(self.sock, curve)
 
     def send(self, msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
         """Queue a message from any thread; never blocks. False when the outbox is full (dropped)."""
@@ -247,6 +257,11 @@ class Channel:
     def refuse(self, why: str) -> None:
         self.refused += 1
         self.last_refusal = why[:300]
+        self.refused_at = time.monotonic()
+
+    @property
+    def context(self) -> zmq.Context:
+        return self._ctx
 
     @property
     def pending(self) -> int:

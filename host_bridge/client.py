@@ -1,11 +1,18 @@
 """`Bridge`: what a host calls. Frames in without blocking, the newest output (or a fallback) out.
 
 One background thread owns the control socket and the engine process: it launches (or connects
-to) the engine, handshakes, exchanges heartbeats, receives output frames, and on a crash, exit or
-hang tears everything down (process tree, socket, shared memory) and starts again with backoff.
-The host's threads only take a short lock: `submit()` converts the frame, copies it into a free
-slot if there is one and otherwise keeps it as the single pending frame (replacing, and counting
-as dropped, an older one), so neither a slow nor a dead engine can block or grow the host.
+to) the engine, handshakes, exchanges heartbeats, and on a crash, exit or hang tears everything
+down (process tree, sockets, shared memory) and starts again with backoff.
+
+Frames do not pass through that thread: they travel on the link's `FrameLane`, used by the host's
+own threads. `submit()` converts the frame, copies it into a free slot and sends the notice itself,
+or keeps it as the single pending frame (replacing, and counting as dropped, an older one), so
+neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
+lane: `latest()`/`latest_cuda()` without waiting, `wait_for_output()` and the batch calls by
+polling it (holding only the lane's lock). The loop thread also drains it on each tick, without
+waiting for the lock, so slots come back and counters move even when the host never asks.
+Lock order: the lane's lock, then the bridge's; a thread holding the bridge's lock only ever tries
+the lane's lock without waiting.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +33,18 @@ import zmq
 from host_bridge import formats
 from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
+from host_bridge.frame_lane import FrameLane, lane_bind_address
 from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
-from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
+from host_bridge.protocol import LANE_MESSAGES, PROTOCOL_VERSION, RingSpec, make
 
 STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
 LATENCY_WINDOW = 256
 TICK_S = 0.05
 SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
+LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
+LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
 
 
 @dataclass
@@ -220,6 +230,7 @@ class Bridge:
 
     def latest(self) -> tuple[np.ndarray | None, BridgeStatus]:
         """The newest output frame (uint8 RGB [H, W, 3] top-down, read-only) or the fallback, and the status."""
+        self._drain(0.0)
         with self._lock:
             status = self._status()
             if self._out_device is not None or self._out_frame is not None:
@@ -234,6 +245,7 @@ class Bridge:
 
         Returns when the copy is done; `stream` orders it after the caller's own work on that stream.
         """
+        self._drain(0.0)
         with self._lock:
             status = self._status()
             fresh = status.state == "running" and self._out_link == self._current_link_id()
@@ -277,17 +289,25 @@ class Bridge:
         return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
 
     def _latency_ms(self, q: float) -> float:
-        return float(np.percentile(self._latencies, q) * 1000) if self._latencies else 0.0
+        """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
+        and np.percentile costs about 0.1 ms there."""
+        values = sorted(self._latencies)
+        if not values:
+            return 0.0
+        k = (len(values) - 1) * q / 100
+        lo = int(k)
+        hi = min(lo + 1, len(values) - 1)
+        return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
         with self._lock:
             link = self._link
-            refused = self._counts["refused"] + (link.channel.refused if link else 0)
+            refused = self._counts["refused"] + (link.refused if link else 0)
             return {
                 "state": self._state, "message": self._message, "transport": self.config.transport,
                 **{k: v for k, v in self._counts.items() if k != "refused"}, "refused": refused,
-                "last_refusal": link.channel.last_refusal if link else "",
+                "last_refusal": link.last_refusal if link else "",
                 "restarts": self._restarts, "fps": round(self._fps(), 2),
                 "latency_ms_p50": round(self._latency_ms(50), 3), "latency_ms_p99": round(self._latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
@@ -295,6 +315,8 @@ class Bridge:
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
+                "lane_endpoint": link.lane.endpoint if link and link.lane else None,
+                "messages": link.message_counts() if link else {},
             }
 
     # ------------------------------------------------------------------------------------------------
@@ -314,11 +336,11 @@ class Bridge:
             try:
                 for frame in frames:
                     seqs.append(self._submit_lossless(frame, layout, link_id, deadline))
-                self._request("flush", deadline)
-                with self._cond:
-                    while not all(s in self._collect for s in seqs):
+                self._request("flush", deadline, seq=seqs[-1] if seqs else None)
+                while not self._await(lambda: all(s in self._collect for s in seqs), LANE_WAIT_S):
+                    with self._lock:
                         self._check_alive(link_id, deadline, f"{len(self._collect)}/{len(seqs)} outputs")
-                        self._cond.wait(0.05)
+                with self._lock:
                     return [self._collect[s] for s in seqs]
             finally:
                 with self._lock:
@@ -330,9 +352,10 @@ class Bridge:
         cuda = self.config.transport == "cuda-ipc"
         data = (np.ascontiguousarray(frame) if cuda else
                 formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame))
-        with self._cond:
+        with self._lock:
             seq = self._next_seq()
-            while True:
+        while True:
+            with self._lock:
                 self._check_alive(link_id, deadline, "waiting for a free input slot")
                 link = self._link
                 if cuda:
@@ -342,7 +365,8 @@ class Bridge:
                     self._counts["sent"] += 1
                     self._remember_submit(seq, time.monotonic())
                     return seq
-                self._cond.wait(0.05)
+            self._await(lambda lk=link: lk.in_tracker is None or lk.in_tracker.free > 0 or self._link is not lk,
+                        LANE_WAIT_S)
 
     def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
         if self._current_link_id() != link_id or self._state != "running":
@@ -352,14 +376,28 @@ class Bridge:
 
     def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
+        return self._await(lambda: self._out_seq >= seq and self._out_link == self._current_link_id(), timeout_s)
+
+    def _await(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `ready()` (checked under the lock) or the timeout, draining the frame lane meanwhile;
+        when another thread is draining it, wait for that thread's news instead."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._out_seq < seq or self._out_link != self._current_link_id():
+        while True:
+            with self._cond:
+                if ready():
+                    return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(remaining)
-            return True
+                link = self._link
+                lane = link.lane if link is not None else None
+                if lane is None:
+                    self._cond.wait(min(remaining, LANE_WAIT_S))
+                    continue
+            if not self._drain(min(remaining, LANE_WAIT_S), link):
+                with self._cond:
+                    if not ready():
+                        self._cond.wait(min(remaining, LANE_BUSY_WAIT_S))
 
     def wait_running(self, timeout_s: float = 60.0) -> BridgeStatus:
         """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
@@ -424,12 +462,13 @@ class Bridge:
             link = self._link
             if link is None or self._state not in ("running",) or not link.send(msg):
                 raise RuntimeError(f"{kind}: engine is {self._state}: {self._message}")
-            while rid not in self._replies:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{kind}: no reply from the engine")
-                if self._link is not link:
-                    raise RuntimeError(f"{kind}: engine went away: {self._message}")
-                self._cond.wait(0.05)
+        # the engine may need released output slots to answer (a flush): keep draining the lane
+        while not self._await(lambda: rid in self._replies or self._link is not link, LANE_WAIT_S):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind}: no reply from the engine")
+        with self._cond:
+            if rid not in self._replies:
+                raise RuntimeError(f"{kind}: engine went away: {self._message}")
             reply = self._replies.pop(rid)
         if reply["type"] == "error":
             raise ValueError(f"engine refused {kind}: {reply['message']}")
@@ -445,6 +484,36 @@ class Bridge:
         self._submit_times[seq] = t
         if len(self._submit_times) > SEQ_TIMES_LIMIT:
             self._submit_times.pop(next(iter(self._submit_times)))
+
+    def _drain(self, timeout_s: float, link: Link | None = None) -> bool:
+        """Receive what the frame lane holds (waiting up to `timeout_s`) and act on it. False, at once,
+        when another thread holds the lane: it is receiving, and acts on, the same messages."""
+        link = link or self._link
+        lane = link.lane if link is not None else None
+        if lane is None or not lane.acquire(blocking=False):
+            return False
+        try:
+            messages = lane.receive(timeout_s)
+            if messages:
+                with self._cond:
+                    for msg, payload in messages:
+                        self._on_lane(link, msg, payload)
+        finally:
+            lane.release()
+        return True
+
+    def _on_lane(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+        """An output frame notice or an input slot release (the lane accepts nothing else)."""
+        if link is not self._link:
+            return  # a torn-down engine's last words
+        link.heard()
+        if msg["type"] == "frame":
+            self._on_output(link, msg, payload)
+        else:
+            if not link.on_release(msg):
+                link.lane.refuse(f"release of slot {msg['slot']} that was not published")
+            self._pump()
+            self._cond.notify_all()
 
     def _pump(self) -> bool:
         """Write the pending frame into a free slot, if the engine runs and a slot is free."""
@@ -529,12 +598,18 @@ class Bridge:
         endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
         curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
                  if cfg.curve_secret_file and cfg.curve_server_public_file else None)
+        channel = lane = None
         try:
-            if cfg.launch:
+            if cfg.launch:  # we bind both: the control endpoint and the frame lane next to it
                 channel = Channel(self._ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+                lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
+                    lane_bind_address(channel.endpoint)
+                lane = FrameLane(self._ctx, lane_address, bind=True, side="host")
             else:
                 channel = Channel(self._ctx, cfg.endpoint, bind=False, curve=curve)
         except Exception as exc:
+            if channel is not None:
+                channel.close()
             if endpoint:
                 endpoint.remove()
             self._set_state("dead", f"cannot open the control endpoint: {exc}")
@@ -553,11 +628,13 @@ class Bridge:
                                      env={TOKEN_ENV: token})
             except OSError as exc:
                 channel.close()
+                lane.close()
                 if endpoint:
                     endpoint.remove()
                 self._set_state("dead", f"cannot start the engine with {cfg.engine_python!r}: {exc}")
                 return
-        link = Link(next(self._link_ids), channel, proc, endpoint, token if cfg.launch else None, cfg, self._lock)
+        link = Link(next(self._link_ids), channel, lane, proc, endpoint, token if cfg.launch else None, cfg,
+                    self._lock, curve=curve)
         with self._cond:
             self._link = link
             self._set_state("starting" if self._restarts == 0 else "restarting",
@@ -586,13 +663,8 @@ class Bridge:
                 self._message = msg.get("message", "")
                 if msg["state"] == "error":
                     self._last_error = self._message
-            elif kind == "frame" and msg["dir"] == "out":
-                self._on_output(link, msg, payload)
-            elif kind == "release" and msg["dir"] == "in":
-                if not link.on_release(msg):
-                    link.channel.refuse(f"release of slot {msg['slot']} that was not published")
-                self._pump()
-                self._cond.notify_all()
+            elif kind in LANE_MESSAGES:
+                link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
             elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
                 if kind == "stats":
                     self._engine_stats = msg.get("data") or {}
@@ -630,9 +702,9 @@ class Bridge:
                 frame = ring.read(msg["slot"], payload)
                 frame.setflags(write=False)  # every latest() caller gets this same array
         except (ValueError, RuntimeError) as exc:
-            link.channel.refuse(f"output frame: {exc}")
+            link.lane.refuse(f"output frame: {exc}")
             return
-        link.send(make("release", dir="out", slot=msg["slot"], gen=msg["gen"]))
+        link.release_output(msg["slot"], msg["gen"])
         now = time.monotonic()
         self._counts["received"] += 1
         self._out_frame, self._out_seq, self._out_link = frame, msg["seq"], link.id
@@ -655,6 +727,7 @@ class Bridge:
             link.request_stats(next(self._ids))
         if link.ready and now - link.ready_at > STABLE_AFTER_S:
             self._backoff = cfg.restart_backoff_s
+        self._drain(0.0, link)  # outputs and releases nobody asked for yet (never waits for the lane)
         with self._lock:
             self._pump()
 

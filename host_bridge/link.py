@@ -1,8 +1,10 @@
 """One connection to one engine instance: handshake, rings, slots, liveness, teardown.
 
-A restart is a new `Link` (new socket, new endpoint, new token, new rings), so nothing from a dead
-engine (queued messages, half-written slots) can leak into the next one. The `Bridge` holds its
-lock while calling into a link, except for `teardown`, which may wait for a process to exit.
+A link has two sockets: the control `Channel` (served by the bridge's loop thread) and the
+`FrameLane` for frame notices and releases (used directly by whichever host thread moves frames).
+A restart is a new `Link` (new sockets, new endpoints, new token, new rings), so nothing from a
+dead engine (queued messages, half-written slots) can leak into the next one. The `Bridge` holds
+its lock while calling into a link, except for `teardown`, which may wait for a process to exit.
 """
 
 from __future__ import annotations
@@ -14,18 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.channel import Channel, PrivateEndpoint
+from host_bridge.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
 from host_bridge.config import BridgeConfig
+from host_bridge.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.launcher import EngineProcess
 from host_bridge.protocol import TRANSPORTS, make
 from host_bridge.transport import Ring, SlotTracker, create_ring
 
 
 class Link:
-    def __init__(self, link_id: int, channel: Channel, proc: EngineProcess | None, endpoint: PrivateEndpoint | None,
-                 token: str | None, cfg: BridgeConfig, lock: threading.RLock):
+    def __init__(self, link_id: int, channel: Channel, lane: FrameLane | None, proc: EngineProcess | None,
+                 endpoint: PrivateEndpoint | None, token: str | None, cfg: BridgeConfig, lock: threading.RLock,
+                 curve: CurveClient | None = None):
         self.id = link_id
         self.channel = channel
+        self.lane = lane  # bound here when we launched the engine; else connected once its hello names it
+        self.curve = curve
         self.proc = proc
         self.endpoint = endpoint
         self.token = token
@@ -71,7 +77,7 @@ class Link:
 
     def send_hello(self) -> None:
         self.send(make("hello", role="host", token=self.token or "", pid=os.getpid(), transports=list(TRANSPORTS),
-                       software="loom host_bridge"))
+                       software="loom host_bridge", lane=self.lane.endpoint if self.cfg.launch else None))
 
     def on_hello(self, msg: dict[str, Any]) -> str | None:
         if self.phase != "hello":
@@ -86,6 +92,14 @@ class Link:
         self.engine_pid = msg["pid"]
         if self.cfg.launch:  # we bound, the engine spoke first: answer
             self.send_hello()
+        else:  # the engine bound: its hello names the lane
+            if "lane" not in msg:
+                return "handshake: the engine's hello names no frame lane (an engine of an older protocol?)"
+            try:
+                endpoint = lane_endpoint_for(self.channel.endpoint, msg["lane"])
+                self.lane = FrameLane(self.channel.context, endpoint, bind=False, side="host", curve=self.curve)
+            except (EndpointError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+                return f"handshake: cannot connect the frame lane: {exc}"
         self.phase = "loading"
         self.load_deadline = time.monotonic() + self.cfg.load_timeout_s
         return None
@@ -120,9 +134,12 @@ class Link:
             raise
         self.in_tracker.publish(slot)
         nbytes = len(payload[0]) if payload else None
-        self.send(make("frame", dir="in", slot=slot, seq=seq, gen=self.generation, t=time.time(), nbytes=nbytes),
-                  payload)
+        self.lane.send(make("frame", dir="in", slot=slot, seq=seq, gen=self.generation, t=time.time(),
+                            nbytes=nbytes), payload)
         return True
+
+    def release_output(self, slot: int, gen: int) -> None:
+        self.lane.send(make("release", dir="out", slot=slot, gen=gen))
 
     def _ensure_rings(self, frame: np.ndarray | None, staging: Any) -> None:
         if frame is None:
@@ -196,6 +213,21 @@ class Link:
         rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
         return [h for r in rings if r.spec.transport == "shm" for h in r.spec.handles]
 
+    @property
+    def refused(self) -> int:
+        return self.channel.refused + (self.lane.refused if self.lane else 0)
+
+    @property
+    def last_refusal(self) -> str:
+        lane = self.lane
+        return lane.last_refusal if lane and lane.refused_at > self.channel.refused_at else self.channel.last_refusal
+
+    def message_counts(self) -> dict[str, int]:
+        """Messages through each socket (the control channel's do not grow per frame)."""
+        lane = self.lane
+        return {"control_sent": self.channel.sent, "control_received": self.channel.received,
+                "lane_sent": lane.sent if lane else 0, "lane_received": lane.received if lane else 0}
+
     def log_tail(self) -> list[str]:
         return self.proc.log_tail() if self.proc else []
 
@@ -219,6 +251,8 @@ class Link:
                     time.sleep(0.01)
             self.proc.stop(timeout_s)
         self.channel.close()
+        if self.lane is not None:
+            self.lane.close()  # waits for a host thread that may be polling it (it is woken first)
         with self._lock:
             rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
             self.ring_in = self.ring_out = None

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: frame notices and releases travel on a separate frame lane socket
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
 MAX_TEXT = 4096
+MAX_ENDPOINT = 256
+LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
 
 DTYPES = ("uint8", "uint16", "float32")
 DTYPE_SIZES = {"uint8": 1, "uint16": 2, "float32": 4}
@@ -67,6 +69,11 @@ def _choice(*allowed: Any) -> Callable[[Any], str | None]:
     return check
 
 
+def _endpoint(v: Any) -> str | None:
+    ok = isinstance(v, str) and len(v) <= MAX_ENDPOINT and v.startswith(("tcp://", "ipc://"))
+    return None if ok else f"a tcp:// or ipc:// endpoint of at most {MAX_ENDPOINT} characters"
+
+
 def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "true or false"
 
@@ -104,16 +111,17 @@ Fields = dict[str, tuple[Callable[[Any], str | None], bool]]
 _ID: Fields = {"id": (_opt(_int()), False)}
 
 SCHEMA: dict[str, Fields] = {
-    # handshake: each side sends hello once; the engine sends ready when its session is built
+    # handshake: each side sends hello once; the engine sends ready when its session is built. The side
+    # that bound the control endpoint also bound the frame lane and names it in `lane`
     "hello": {"role": (_choice("host", "engine"), True), "token": (_str(128), True), "pid": (_int(0, 2**31), True),
               "transports": (_str_list(8, 16), False), "gpu_uuids": (_str_list(64, 64), False),
-              "software": (_str(128), False)},
+              "software": (_str(128), False), "lane": (_endpoint, False)},
     "ready": {"info": (_json_object, False)},
     "status": {"state": (_choice("loading", "running", "error"), True), "message": (_str(MAX_TEXT), False),
                "progress": (_opt(_num(0.0, 1.0)), False)},
     "heartbeat": {"t": (_num(0.0), True), "busy_s": (_opt(_num(0.0)), False)},
     "bye": {"reason": (_str(MAX_TEXT), False)},
-    # data plane notices
+    # data plane notices: on the frame lane only
     "ring": {**_ID, "spec": (_ring_spec, True)},
     "frame": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
               "seq": (_int(), True), "gen": (_int(), True), "t": (_num(0.0), False),
@@ -124,7 +132,8 @@ SCHEMA: dict[str, Fields] = {
     "prompt": {**_ID, "text": (_str(MAX_TEXT, 1), True), "transition_chunks": (_opt(_int(0, 100000)), False)},
     "params": {**_ID, "params": (_json_object, True)},
     "mode": {**_ID, "lossless": (_bool, True)},
-    "flush": {**_ID},
+    # flush: `seq` = the last frame notice sent before it (on the lane); the engine waits for that notice
+    "flush": {**_ID, "seq": (_opt(_int()), False)},
     "flushed": {**_ID, "count": (_int(), True)},
     "reset": {**_ID},
     "stats": {**_ID, "data": (_opt(_json_object), False)},

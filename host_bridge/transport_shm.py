@@ -100,6 +100,12 @@ class ShmRing(Ring):
         self.check_slot(slot)
         return self._views[slot].copy()
 
+    def copy_to(self, slot: int, other: ShmRing, other_slot: int) -> None:
+        """Slot to slot (the pass-through engine between two rings of the same layout), no frame array."""
+        self.check_slot(slot)
+        other.check_slot(other_slot)
+        np.copyto(other._views[other_slot], self._views[slot])  # noqa: SLF001 (same class)
+
     def close(self) -> None:
         shm, self._shm = self._shm, None
         if shm is None:

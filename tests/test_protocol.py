@@ -19,6 +19,8 @@ def _raw(obj) -> list[bytes]:
 def test_valid_messages_round_trip():
     msgs = [
         make("hello", role="engine", token="t", pid=12, transports=["shm", "tcp"], gpu_uuids=[]),
+        make("hello", role="host", token="t", pid=12, lane="ipc:///tmp/loom-1-x/lane"),
+        make("flush", id=4, seq=99),
         make("ready", info={"session": "X"}),
         make("heartbeat", t=1.5, busy_s=0.2),
         make("ring", id=3, spec=RING),
@@ -40,14 +42,16 @@ def test_valid_messages_round_trip():
     ({"v": PROTOCOL_VERSION + 1, "type": "hello"}, "newer protocol version"),
     ({"v": 0, "type": "hello"}, "older protocol version"),
     ({"type": "bye"}, "protocol version"),
-    ({"v": 1, "type": "launch_missiles"}, "unknown"),
-    ({"v": 1, "type": "bye", "extra": 1}, "bye.extra: unknown field"),
-    ({"v": 1, "type": "frame", "dir": "in", "slot": 99, "seq": 0, "gen": 0}, "frame.slot"),
-    ({"v": 1, "type": "frame", "dir": "in", "seq": 0, "gen": 0}, "frame.slot: missing"),
-    ({"v": 1, "type": "prompt", "text": ""}, "prompt.text"),
-    ({"v": 1, "type": "heartbeat", "t": True}, "heartbeat.t"),
-    ({"v": 1, "type": "ring", "spec": {**RING, "pitch": 10}}, "smaller than a row"),
-    ({"v": 1, "type": "ring", "spec": {**RING, "order": "BGRA"}}, "ring.order"),
+    ({"v": PROTOCOL_VERSION, "type": "launch_missiles"}, "unknown"),
+    ({"v": PROTOCOL_VERSION, "type": "bye", "extra": 1}, "bye.extra: unknown field"),
+    ({"v": PROTOCOL_VERSION, "type": "frame", "dir": "in", "slot": 99, "seq": 0, "gen": 0}, "frame.slot"),
+    ({"v": PROTOCOL_VERSION, "type": "frame", "dir": "in", "seq": 0, "gen": 0}, "frame.slot: missing"),
+    ({"v": PROTOCOL_VERSION, "type": "prompt", "text": ""}, "prompt.text"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "lane": "udp://h:1"},
+     "hello.lane"),
+    ({"v": PROTOCOL_VERSION, "type": "heartbeat", "t": True}, "heartbeat.t"),
+    ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "pitch": 10}}, "smaller than a row"),
+    ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "order": "BGRA"}}, "ring.order"),
     ([1, 2, 3], "JSON object"),
 ])
 def test_malformed_messages_are_refused_with_the_reason(obj, reason):

@@ -86,27 +86,40 @@ def _recv(sock: zmq.Socket, kind: str, timeout_s: float = 20.0) -> dict:
     raise AssertionError(f"no {kind} message within {timeout_s} s")
 
 
+def _lane_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    return sock
+
+
 def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
     ctx = zmq.Context()
-    host = ctx.socket(zmq.DEALER)
-    host.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/ctl"
-    host.bind(endpoint)
+    host = _lane_socket(ctx, f"ipc://{tmp_path}/ctl")
+    lane = _lane_socket(ctx, f"ipc://{tmp_path}/lane")
     env = {**os.environ, "LOOM_BRIDGE_TOKEN": "secret", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--connect", endpoint, "--passthrough",
-                             "--parent-pid", str(os.getpid())], cwd=ROOT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
+                             "--passthrough", "--parent-pid", str(os.getpid())], cwd=ROOT, env=env)
     try:
         assert _recv(host, "hello")["role"] == "engine"
-        host.send(encode(make("hello", role="host", token="secret", pid=os.getpid())))
+        host.send(encode(make("hello", role="host", token="secret", pid=os.getpid(), lane=f"ipc://{tmp_path}/lane")))
         _recv(host, "ready")
         messages = fuzz_messages(1, N_MESSAGES)
         for i, parts in enumerate(messages):
-            host.send_multipart(parts)
+            (lane if i % 10 == 0 else host).send_multipart(parts)  # every tenth on the frame lane
             if i % 1000 == 0:
                 host.send(encode(make("heartbeat", t=time.time())))
-        host.send(encode(make("stats", id=99)))
-        stats = _recv(host, "stats")["data"]
-        assert stats["refused"] == len(messages), stats["last_refusal"]
+        wrong = [make("frame", dir="in", slot=0, seq=1, gen=1), make("release", dir="out", slot=0, gen=1)]
+        for msg in wrong:  # valid frame messages, on the control channel: refused
+            host.send(encode(msg))
+        lane.send(encode(make("frame", dir="out", slot=0, seq=1, gen=1)))  # the engine's own direction: refused
+        expected = len(messages) + len(wrong) + 1
+        deadline = time.monotonic() + 20
+        stats = {}
+        while stats.get("refused") != expected and time.monotonic() < deadline:
+            host.send(encode(make("stats", id=99)))
+            stats = _recv(host, "stats")["data"]
+        assert stats["refused"] == expected, stats["last_refusal"]
         assert proc.poll() is None
         host.send(encode(make("params", id=7, params={"noise_scale": 0.5})))
         assert _recv(host, "ack")["id"] == 7  # still serving normally
@@ -117,6 +130,7 @@ def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
             proc.kill()
             proc.wait()
         host.close()
+        lane.close()
         ctx.term()
 
 
@@ -125,30 +139,38 @@ def test_bridge_client_survives_fuzzing_and_counts_refusals():
     engine = ctx.socket(zmq.DEALER)
     engine.setsockopt(zmq.LINGER, 0)
     port = engine.bind_to_random_port("tcp://127.0.0.1")
+    lane = ctx.socket(zmq.DEALER)
+    lane.setsockopt(zmq.LINGER, 0)
+    lane_port = lane.bind_to_random_port("tcp://127.0.0.1")
     bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="shm",
                                  restart=False)).start()
     try:
         assert _recv(engine, "hello")["role"] == "host"
-        engine.send(encode(make("hello", role="engine", token="", pid=os.getpid(), transports=["shm"])))
+        engine.send(encode(make("hello", role="engine", token="", pid=os.getpid(), transports=["shm"],
+                                lane=f"tcp://0.0.0.0:{lane_port}")))  # a wildcard bind: the host keeps its address
         engine.send(encode(make("ready", info={})))
         bridge.wait_running(10)
         messages = fuzz_messages(2, N_MESSAGES)
         for i, parts in enumerate(messages):
-            engine.send_multipart(parts)
+            (lane if i % 10 == 0 else engine).send_multipart(parts)
             if i % 500 == 0:
                 engine.send(encode(make("heartbeat", t=time.time())))
                 t0 = time.monotonic()
                 bridge.submit(np.zeros((8, 8, 3), np.uint8))
                 frame, status = bridge.latest()
                 assert time.monotonic() - t0 < 0.1 and frame is not None
+        engine.send(encode(make("frame", dir="out", slot=0, seq=1, gen=1)))  # valid, but on the control channel
+        expected = len(messages) + 1
         deadline = time.monotonic() + 15
-        while bridge.stats()["refused"] < len(messages) and time.monotonic() < deadline:
+        while bridge.stats()["refused"] < expected and time.monotonic() < deadline:
             engine.send(encode(make("heartbeat", t=time.time())))
             time.sleep(0.05)
         stats = bridge.stats()
-        assert stats["refused"] == len(messages), stats["last_refusal"]
+        assert stats["refused"] == expected, stats["last_refusal"]
         assert bridge.status().state == "running"
+        assert _recv(lane, "frame")["dir"] == "in"  # the host's frames came on the lane
     finally:
         bridge.close()
         engine.close()
+        lane.close()
         ctx.term()
