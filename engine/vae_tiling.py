@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,14 @@ from engine.vae_stream import VAEStreamState, check_signature
 LATENT_SCALE = SPACE_STRIDE  # pixels per latent cell along H and W (Wan2.1 VAE and TAEHV alike)
 
 Span = tuple[int, int]  # [start, end) in latent cells
+
+
+class StreamingVAE(Protocol):
+    """What `TiledVAE` wraps: the stream interface of `WanVAE` and `TinyVAE`."""
+
+    def new_stream_state(self) -> VAEStreamState: ...
+    def encode_stream(self, x: torch.Tensor, state: VAEStreamState) -> torch.Tensor: ...
+    def decode_stream(self, z: torch.Tensor, state: VAEStreamState) -> torch.Tensor: ...
 
 
 def tile_spans(length: int, tile: int, overlap: int) -> list[Span]:
@@ -182,7 +191,7 @@ class TiledVAE:
     tile run untiled (exactly the wrapped model's result).
     """
 
-    def __init__(self, vae, tile_latents: int, overlap_latents: int) -> None:
+    def __init__(self, vae: StreamingVAE, tile_latents: int, overlap_latents: int) -> None:
         for name, value in (("tile_latents", tile_latents), ("overlap_latents", overlap_latents)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"TiledVAE: {name} must be an int (latent cells of {LATENT_SCALE} pixels), "
