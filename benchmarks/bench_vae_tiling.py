@@ -37,7 +37,7 @@ from engine.vae_tiling import LATENT_SCALE, TiledVAE  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHUNK_FRAMES = 4
-DEFAULT_TILINGS = "untiled,48/8,32/8,16/4"
+DEFAULT_TILINGS = "untiled,32/8,16/4"
 MIB = 2**20
 
 

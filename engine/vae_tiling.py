@@ -38,6 +38,8 @@ from engine.models.wan_vae import SPACE_STRIDE, decode_in_pieces, encode_in_piec
 from engine.vae_stream import VAEStreamState, check_signature
 
 LATENT_SCALE = SPACE_STRIDE  # pixels per latent cell along H and W (Wan2.1 VAE and TAEHV alike)
+DEFAULT_TILE_LATENTS = 32  # 256 px
+DEFAULT_OVERLAP_LATENTS = 8  # 64 px
 
 Span = tuple[int, int]  # [start, end) in latent cells
 
@@ -51,16 +53,18 @@ class StreamingVAE(Protocol):
 
 
 def tile_spans(length: int, tile: int, overlap: int) -> list[Span]:
-    """Cover [0, length) with tiles of `tile` cells overlapping by at least `overlap`.
+    """Cover [0, length) with as few tiles of at most `tile` cells as an `overlap` allows.
 
-    Tiles are spread evenly (first at 0, last ending at `length`), so every tile has the same
-    size (one compiled shape) and every overlap is at least `overlap`. A length that fits in
-    one tile gives one tile of that length.
+    All tiles along an axis get one size (one compiled shape), the smallest that covers with
+    that many tiles, and are spread evenly from 0 to `length`, so every overlap is at least
+    `overlap` and no more cells are computed twice than needed. A length that fits in one tile
+    gives one tile of that length.
     """
     if length <= tile:
         return [(0, length)]
     count = math.ceil((length - overlap) / (tile - overlap))
-    return [(s, s + tile) for s in (i * (length - tile) // (count - 1) for i in range(count))]
+    size = math.ceil((length + (count - 1) * overlap) / count)
+    return [(s, s + size) for s in (i * (length - size) // (count - 1) for i in range(count))]
 
 
 def blend_weights(spans: list[Span], scale: int) -> list[torch.Tensor]:
@@ -186,12 +190,15 @@ class TiledStreamState:
 class TiledVAE:
     """Runs a streaming VAE (`WanVAE`, `TinyVAE`) on overlapping spatial tiles; same stream API.
 
-    `tile_latents`: tile side in latent cells (`LATENT_SCALE` pixels each); `overlap_latents`:
-    the least overlap between neighbouring tiles, in latent cells. Frames no larger than one
-    tile run untiled (exactly the wrapped model's result).
+    `tile_latents`: the largest tile side in latent cells (`LATENT_SCALE` pixels each; the
+    activation memory bound); `overlap_latents`: the least overlap between neighbouring tiles,
+    in latent cells. The defaults are the tile and overlap diffusers' AutoencoderKLWan tiling
+    uses (256 px tiles, 64 px overlap). Frames no larger than one tile run untiled (exactly the
+    wrapped model's result).
     """
 
-    def __init__(self, vae: StreamingVAE, tile_latents: int, overlap_latents: int) -> None:
+    def __init__(self, vae: StreamingVAE, tile_latents: int = DEFAULT_TILE_LATENTS,
+                 overlap_latents: int = DEFAULT_OVERLAP_LATENTS) -> None:
         for name, value in (("tile_latents", tile_latents), ("overlap_latents", overlap_latents)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"TiledVAE: {name} must be an int (latent cells of {LATENT_SCALE} pixels), "

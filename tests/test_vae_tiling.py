@@ -130,11 +130,16 @@ def test_tile_spans_cover_evenly_with_at_least_the_overlap():
             for overlap in range(tile):
                 spans = tile_spans(length, tile, overlap)
                 assert spans[0][0] == 0 and spans[-1][1] == length
-                assert all(e - s == min(tile, length) for s, e in spans)
+                assert len({e - s for s, e in spans}) == 1 and spans[0][1] <= tile
                 assert all(b[0] > a[0] and a[1] - b[0] >= overlap for a, b in zip(spans, spans[1:]))
-                # no more tiles than needed: one fewer could not cover with that overlap
-                assert len(spans) == 1 or (len(spans) - 2) * (tile - overlap) + tile < length
-    assert tile_spans(60, 32, 8) == [(0, 32), (14, 46), (28, 60)]  # 480 px in 256 px tiles
+                # no more tiles than needed, and no larger: one fewer tile of the largest size, or
+                # as many tiles one cell smaller, could not cover with that overlap
+                n, size = len(spans), spans[0][1]
+                assert n == 1 or ((n - 2) * (tile - overlap) + tile < length
+                                  and n * (size - 1) - (n - 1) * overlap < length)
+    # 480 x 832 px in tiles of at most 256 px overlapping by at least 64 px: 26 x 32 latent tiles
+    assert tile_spans(60, 32, 8) == [(0, 26), (17, 43), (34, 60)]
+    assert tile_spans(104, 32, 8) == [(0, 32), (24, 56), (48, 80), (72, 104)]
 
 
 @pytest.mark.parametrize("spans", [[(0, 4), (2, 6), (4, 8)], [(0, 6), (1, 7), (2, 8)], [(0, 4), (4, 8)],
