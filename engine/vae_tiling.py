@@ -1,12 +1,13 @@
 """Spatially tiled streaming VAE: encode/decode on overlapping tiles to cap activation memory.
 
-Why: a causal video VAE's activations grow with the frame area (the full Wan2.1 decoder holds
-several 96..384-channel tensors at full resolution for every frame of a chunk), and they, not
-the weights, decide whether a pipeline fits a small card. Cutting the frame into tiles that run
-one after the other bounds the largest activation by the tile area instead.
+Why: a video VAE's activations grow with the frame area (the Wan2.1 decoder's last level
+alone holds 96-channel tensors of every output frame at full resolution, plus their causal
+histories), and with the weights being small (a few hundred MB) they decide the VAE's share of a
+small card. Cutting the frame into tiles that run one after the other bounds the largest
+activation by the tile area instead (and the mid-block attention's score matrix by its square).
 
-How: the latent grid is covered by overlapping square-ish tiles (sizes in latent cells; one
-latent cell is `LATENT_SCALE` pixels for both the Wan2.1 VAE and TAEHV). Each tile is its own
+How: the latent grid is covered by overlapping tiles of at most `tile_latents` cells a side
+(one latent cell is `LATENT_SCALE` pixels for both the Wan2.1 VAE and TAEHV). Each tile is its own
 stream over its crop of the latents (decode) or pixels (encode), with its own `VAEStreamState`
 that persists across chunks, so streaming stays exact per tile: a tiled stream equals the
 tiled one-shot result. Tile outputs are blended with linear ramps across each overlap; the
@@ -239,6 +240,7 @@ class TiledVAE:
         return decode_in_pieces(self.decode_stream, z, self.new_stream_state())
 
     def plan(self, latent_size: tuple[int, int], out_scale: int) -> TilePlan:
+        """The tiles for a frame of `latent_size` (h, w) latent cells; `out_scale` is the output's units per cell."""
         rows = tile_spans(latent_size[0], self.tile_latents, self.overlap_latents)
         cols = tile_spans(latent_size[1], self.tile_latents, self.overlap_latents)
         return TilePlan(rows, cols, out_scale)
