@@ -9,6 +9,7 @@ forgotten path never silently produces noise on stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModels:
     dit: WanDiT
-    encoder: nn.Module  # WanVAE or TinyVAE: encode_stream / new_stream_state
-    decoder: nn.Module  # WanVAE or TinyVAE: decode_stream / new_stream_state
+    encoder: Any  # WanVAE, TinyVAE, or a TiledVAE around one: encode_stream / new_stream_state
+    decoder: Any  # WanVAE, TinyVAE, or a TiledVAE around one: decode_stream / new_stream_state
     device: torch.device
     dtype: torch.dtype
 
@@ -111,6 +112,13 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
                 wan.fuse_norms()
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny
-    for m in (dit, encoder, decoder):
-        m.requires_grad_(False)
+    mem = cfg.memory
+    if mem.low_vram:  # activations bounded by the tile area instead of the frame's
+        from engine.vae_tiling import TiledVAE
+
+        encoder = TiledVAE(encoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)
+        decoder = TiledVAE(decoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)
+    for m in (dit, wan, tiny):
+        if m is not None:
+            m.requires_grad_(False)
     return LoadedModels(dit, encoder, decoder, device, dtype)

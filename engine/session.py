@@ -96,6 +96,8 @@ class StreamSession:
             self.flush()
         self.reset()
         self._compile_stance = "eager_on_recompile"
+        if self.cfg.memory.low_vram and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what autotuning and the warm-up left cached
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
@@ -114,7 +116,9 @@ class StreamSession:
         else:
             self.enc_state = self.models.encoder.new_stream_state()
             self.dec_state = self.models.decoder.new_stream_state()
-            self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda")
+            # low_vram: no VAE graphs, whose private memory pools would keep every step's activations
+            self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda"
+                                         and not cfg.memory.low_vram)
         cross = self.models.dit.cross_kv(self.prompt.current()[None])
         d = getattr(self, "denoiser", None)
         if d is not None and d.cache.batch == len(cfg.stream.steps):
