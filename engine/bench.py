@@ -139,7 +139,7 @@ def summary_table(result: dict[str, Any]) -> str:
         ("FPS", f"{loom['fps']:.2f}"),
         ("time to first frame", f"{loom['ttff_s']:.3f} s" if loom["ttff_s"] is not None else "-"),
         ("latency mean/p50/p90", _ms(lat, ("mean", "p50", "p90"))),
-        ("latency p95/p99", _ms(lat, ("p95", "p99"))),
+        ("latency p95/p99/max", _ms(lat, ("p95", "p99", "max"))),
         ("jitter latency/interval", f"{_f(loom['latency_jitter_ms'])} / {_f(loom['interval_jitter_ms'])} ms"),
         (f"SLO miss rate @{loom['slo_budget_ms']:.0f} ms", f"{100 * loom['slo_miss_rate']:.2f} %"),
     ]

@@ -87,12 +87,22 @@ class StreamSession:
             session.warmup()
         return session
 
-    def warmup(self, streams: int = 2, chunks: int = 8) -> None:
-        """Run synthetic streams through every stage, then start afresh (metrics included)."""
+    def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
+        """Run synthetic streams through every stage, then start afresh (metrics included).
+
+        The first stream runs past a RoPE refresh (or twice round the KV ring with the window
+        policy), so the step patterns of a long stream are compiled and captured here rather
+        than in the middle of a show, where each would stall one chunk.
+        """
+        st = self.cfg.stream
+        if chunks is None:
+            chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + len(st.steps) + 2
         h, w = self.cfg.resolution.height, self.cfg.resolution.width
-        frames = np.random.default_rng(0).integers(0, 256, (1 + FRAMES_PER_LATENT * chunks, h, w, 3), np.uint8)
-        for _ in range(streams):
-            self.push(frames)
+        for i in range(streams):
+            n = chunks if i == 0 else min(chunks, 8)
+            frames = np.random.default_rng(i).integers(0, 256, (1 + FRAMES_PER_LATENT * n, h, w, 3), np.uint8)
+            for start in range(0, len(frames), FRAMES_PER_LATENT * 8):  # pushes of a bounded size
+                self.push(frames[start:start + FRAMES_PER_LATENT * 8])
             self.flush()
         self.reset()
         self._compile_stance = "eager_on_recompile"
