@@ -212,11 +212,16 @@ class KVCache:
         )
 
     def set_rows(self, index: Sequence[int], other: KVCache) -> None:
-        """Overwrite rows `index` (contents and bookkeeping) with the rows of `other`, in order."""
+        """Overwrite rows `index` (contents and bookkeeping) with the rows of `other`, in order.
+
+        Rows of a `rows(slice)` view already live in this cache's memory: only their bookkeeping
+        comes back (a self-copy would move the whole row's K/V, hundreds of MB at 480x832)."""
         for j, b in enumerate(index):
             for i in self.k:
-                self.k[i][b].copy_(other.k[i][j])
-                self.v[i][b].copy_(other.v[i][j])
+                if other.k[i][j].data_ptr() != self.k[i][b].data_ptr():
+                    self.k[i][b].copy_(other.k[i][j])
+                if other.v[i][j].data_ptr() != self.v[i][b].data_ptr():
+                    self.v[i][b].copy_(other.v[i][j])
             self._rows[b] = _Row(**vars(other._rows[j]))
 
     def to(self, device: torch.device | str) -> KVCache:

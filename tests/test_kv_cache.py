@@ -202,6 +202,13 @@ def test_rows_copy_reset_and_to():
     assert not torch.equal(twin.k[0], cache.k[0])
     cache.set_rows([2], cache.rows([0]))
     assert cache.frames == [4, 4, 4] and torch.equal(cache.k[1][2], cache.k[1][0])
+    row1 = cache.rows(slice(1, 2))  # a view: its step writes land in place, bookkeeping comes back
+    step = row1.plan(1)
+    row1.attend(step, rotate, 0, rand_chunk(1).flatten(1, 2), rand_chunk(1).flatten(1, 2), rand_chunk(1).flatten(1, 2))
+    row1.finish(step)
+    before = cache.k[0].clone()
+    cache.set_rows([1], row1)
+    assert cache.frames == [4, 5, 4] and torch.equal(cache.k[0], before) and torch.equal(cache.k[0][1], row1.k[0][0])
     cache.reset([1])
     assert cache.frames == [4, 0, 4] and cache.fill == [4, 0, 4]
     moved = cache.to("cpu")
