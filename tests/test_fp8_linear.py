@@ -200,3 +200,12 @@ def test_cuda_fp8_dit_streams_under_graphs_like_the_emulation():
     assert graphed.replays > 0
     got, ref = (o.float() for o in outs)
     assert ((got - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.gpu
+def test_load_models_converts_the_dit_on_a_capable_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs compute capability >= 8.9")
+    models = load_models(load_config(None, ["model.device=cuda", "model.fp8_linear=true"]))
+    assert _linear_names(models.dit, FP8Linear) == {f"blocks.{i}.{p}" for i in range(4) for p in BLOCK_LINEARS}
+    assert models.dit.blocks[0].ffn[0].weight_fp8.is_cuda
