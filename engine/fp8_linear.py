@@ -1,6 +1,6 @@
 """FP8 (e4m3) matrix products for the DiT's transformer blocks, on Hopper/Ada GPUs.
 
-Why: the blocks' linears carry almost all of the streaming forward's FLOPs, and an H100/H200
+Why: the blocks' linears carry most of the streaming forward's FLOPs (the rest is attention), and an H100/H200
 runs float8 tensor-core products at twice the bf16 rate. The cost is precision: e4m3 keeps
 3 mantissa bits, so every operand is rounded to within 2^-4 of its value relative to its
 scale. docs/performance.md states what that does to the flow prediction
@@ -16,18 +16,20 @@ Both operands go through the same `quantize_rows`, and the CPU emulation
 exact fp8*fp8 products accumulated in float32, times scale_a[m] * scale_b[n], plus bias,
 rounded once to the output dtype.
 
-The `torch._scaled_mm` contract relied on (read from torch 2.13's
-`torch/_meta_registrations.py::_check_scaled_mm_sizes` and pytorch's
-`aten/src/ATen/native/cuda/ScaledBlas.cpp::_scaled_mm_out_cuda`; the positional signature
-(mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum) is the same in
-2.11 and 2.13):
+The `torch._scaled_mm` contract relied on, read from the sources, not guessed: the torch 2.11.0
+(cu130 wheel) and 2.13.0 `torch/_C/_VariableFunctions.pyi` (the same positional signature
+mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum) and
+`torch/_meta_registrations.py::_check_scaled_mm_sizes` (the same layout, size and scale checks), the error strings of
+2.11's libtorch_cuda.so, and pytorch's `aten/src/ATen/native/cuda/ScaledBlas.cpp::_scaled_mm_out_cuda`:
 - CUDA capability >= 8.9 (Ada) or 9.0 (Hopper); both matrices 2-D float8;
 - mat1 row-major [M, K], mat2 column-major [K, N] (Hopper cuBLASLt takes only "TN"): we pass
   the stored row-major [N, K] weight transposed, a free view;
 - K and N multiples of 16 (M is free);
 - row-wise scaling: scale_a float32 [M, 1] and scale_b float32 [1, N], both contiguous;
 - bias [N] must be bfloat16 for bf16 output, float16 for fp16 output, and is refused with a
-  float32 output; hence the CUDA path needs a bf16/fp16 model;
+  float32 output; 2.11's row-wise kernels also output only bf16/fp16 ("Only bf16 and fp16 high
+  precision output types are supported for row-wise scaling"); hence the CUDA path needs a
+  bf16/fp16 model;
 - row-wise scaling on sm_89 went through CUTLASS kernels that were missing in some builds
   (pytorch issue 130359), so conversion probes the kernel once and fails with a clear message.
 Conversion must come after loading and after any `.to(dtype)`: `Module.to` would cast the
