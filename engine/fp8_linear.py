@@ -1,10 +1,11 @@
 """FP8 (e4m3) matrix products for the DiT's transformer blocks, on Hopper/Ada GPUs.
 
-Why: the blocks' linears carry most of the streaming forward's FLOPs (the rest is attention), and an H100/H200
-runs float8 tensor-core products at twice the bf16 rate. The cost is precision: e4m3 keeps
-3 mantissa bits, so every operand is rounded to within 2^-4 of its value relative to its
-scale. docs/performance.md states what that does to the flow prediction
-(benchmarks/fp8_quality.py measures it).
+Why: the blocks' linears carry most of the streaming forward's FLOPs (the rest is attention),
+and an H100/H200 runs float8 tensor-core products at twice the bf16 rate. The cost is
+precision: e4m3 keeps 3 mantissa bits, so every operand is rounded to within 2^-4 of its value
+(relative; values far below their row's largest fall into e4m3's subnormals and lose more).
+docs/performance.md states what that does to the flow prediction (benchmarks/fp8_quality.py
+measures it).
 
 Scheme (W8A8, dynamic activations):
 - weights: quantised once at conversion, one float32 scale per output channel (row of the
