@@ -7,6 +7,7 @@ timed forwards are the steady state: eviction, in-place ring writes, unmasked at
 
     python benchmarks/bench_dit.py --json out/bench_dit.json          # on a CUDA machine
     python benchmarks/bench_dit.py --smoke                            # tiny shapes, CPU
+    python benchmarks/bench_dit.py --graphs --fuse --fp8              # FP8 block linears (Hopper/Ada)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.fp8_linear import convert_dit_to_fp8  # noqa: E402
 from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 from engine.step_graphs import GraphedStreamForward  # noqa: E402
 
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true", help="replay the step as CUDA graphs (as the session does)")
     p.add_argument("--fuse", action="store_true",
                    help="compiled norm/modulation/gate/RoPE (WanDiT.fuse_elementwise, as the session does on CUDA)")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 e4m3 block linears (model.fp8_linear; Hopper/Ada). With --smoke on a CPU: the "
+                        "emulation, which checks the script, not the speed")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.latent, args.batches, args.dtype = "tiny", "8x8", "1,2", "fp32"
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(args.device):
         model = WanDiT(cfg)  # random weights, built where it runs
     model = model.to(DTYPES[args.dtype]).eval().requires_grad_(False)
+    if args.fp8:  # after the dtype cast; refuses a CPU unless --smoke
+        convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse)
     if args.fuse:
         model.fuse_elementwise()
     results = []
@@ -132,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(args.device) if cuda else f"cpu ({platform.machine()})",
         "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
         "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
-        "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs,
+        "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs, "fp8_linear": args.fp8,
         "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
     }
     print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "
           f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}, "
-          f"graphs={args.graphs}, fused={args.fuse}")
+          f"graphs={args.graphs}, fused={args.fuse}, fp8={args.fp8}")
     header = (("B", 3), ("median ms", 10), ("p10 ms", 8), ("p90 ms", 8), ("frames/s", 9),
               ("KV MiB", 8), ("peak GiB", 9))
     print(" ".join(f"{name:>{width}}" for name, width in header))

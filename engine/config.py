@@ -39,6 +39,8 @@ class ModelConfig:
     random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
     fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps on CUDA "
                                             "(needs triton)")
+    fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
+                                       "for the quality impact")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

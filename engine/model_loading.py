@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import LoomConfig
+from engine.fp8_linear import check_fp8_device, convert_dit_to_fp8
 from engine.models.taehv import TinyVAE
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 from engine.models.wan_vae import VAE_PRESETS, WanVAE
@@ -72,6 +73,8 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     mc, vc = cfg.model, cfg.vae
+    if mc.fp8_linear:  # before any weight is read
+        check_fp8_device(device)
     dit_cfg = DIT_PRESETS[mc.preset]
     if mc.checkpoint:
         dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype).eval()
@@ -100,6 +103,8 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
         else:
             raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
                              "(or vae.random_weights=true for a benchmark)")
+    if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
+        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         if mc.fuse_elementwise:

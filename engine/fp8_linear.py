@@ -1,0 +1,202 @@
+"""FP8 (e4m3) matrix products for the DiT's transformer blocks, on Hopper/Ada GPUs.
+
+Why: the blocks' linears carry most of the streaming forward's FLOPs (the rest is attention),
+and an H100/H200 runs float8 tensor-core products at twice the bf16 rate. The cost is
+precision: e4m3 keeps 3 mantissa bits, so every operand is rounded to within 2^-4 of its value
+(relative; values far below their row's largest fall into e4m3's subnormals and lose more).
+docs/performance.md states what that does to the flow prediction (benchmarks/fp8_quality.py
+measures it).
+
+Scheme (W8A8, dynamic activations):
+- weights: quantised once at conversion, one float32 scale per output channel (row of the
+  [out, in] weight), stored as float8_e4m3fn (half the bf16 weight memory);
+- activations: quantised per token (row) on every call, scale = row amax / 448;
+- product: `torch._scaled_mm` with row-wise scales, bias fused in the output dtype.
+Both operands go through the same `quantize_rows`, and the CPU emulation
+(`scaled_mm_emulated`, used by tests and smoke runs) computes what the GPU kernel computes:
+exact fp8*fp8 products accumulated in float32, times scale_a[m] * scale_b[n], plus bias,
+rounded once to the output dtype.
+
+The `torch._scaled_mm` contract relied on, read from the sources, not guessed: the torch 2.11.0
+(cu130 wheel) and 2.13.0 `torch/_C/_VariableFunctions.pyi` (the same positional signature
+mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum) and
+`torch/_meta_registrations.py::_check_scaled_mm_sizes` (the same layout, size and scale checks), the error strings of
+2.11's libtorch_cuda.so, and pytorch's `aten/src/ATen/native/cuda/ScaledBlas.cpp::_scaled_mm_out_cuda`:
+- CUDA capability >= 8.9 (Ada) or 9.0 (Hopper); both matrices 2-D float8;
+- mat1 row-major [M, K], mat2 column-major [K, N] (Hopper cuBLASLt takes only "TN"): we pass
+  the stored row-major [N, K] weight transposed, a free view;
+- K and N multiples of 16 (M is free);
+- row-wise scaling: scale_a float32 [M, 1] and scale_b float32 [1, N], both contiguous;
+- bias [N] must be bfloat16 for bf16 output, float16 for fp16 output, and is refused with a
+  float32 output; 2.11's row-wise kernels also output only bf16/fp16 ("Only bf16 and fp16 high
+  precision output types are supported for row-wise scaling"); hence the CUDA path needs a
+  bf16/fp16 model;
+- row-wise scaling on sm_89 went through CUTLASS kernels that were missing in some builds
+  (pytorch issue 130359), so conversion probes the kernel once and fails with a clear message.
+Conversion must come after loading and after any `.to(dtype)`: `Module.to` would cast the
+float8 buffers as if they were plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.models.wan_dit import WanDiT
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest finite e4m3fn value
+MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of 0/0
+MIN_CAPABILITY = (8, 9)  # Ada; Hopper is 9.0
+ALIGNMENT = 16  # _scaled_mm: K and N must be multiples of 16
+CUDA_OUT_DTYPES = (torch.bfloat16, torch.float16)  # dtypes _scaled_mm can fuse the bias into
+
+# The linears converted inside every WanBlock. cross_attn.k/v stay in the model dtype: they run
+# once per prompt on the text (CrossKV), never on the per-chunk hot path.
+BLOCK_LINEARS = (
+    "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+    "cross_attn.q", "cross_attn.o",
+    "ffn.0", "ffn.2",
+)
+
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32) with x ~= q * scale.
+
+    Each row is scaled so that its largest magnitude lands on 448; the clamp guards the last
+    ulp (a cast above the range gives NaN on some torch versions instead of saturating).
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values that (q, scale) from `quantize_rows` stand for."""
+    return q.float() * scale
+
+
+def scaled_mm_emulated(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """What row-wise `torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=...)` computes, on
+    any device: fp8 products (exact in float32) summed in float32, scaled, bias added, one rounding."""
+    out = (a.float() @ b.float()) * scale_a * scale_b
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+class FP8Linear(nn.Module):
+    """A linear layer whose weight is stored in e4m3 with a per-output-channel scale.
+
+    `emulate=True` computes the same numbers without `torch._scaled_mm` (CPU tests, smoke runs);
+    it is not a speed path.
+    """
+
+    def __init__(
+        self,
+        weight_fp8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        emulate: bool = False,
+        quantize: Quantize = quantize_rows,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        self.register_buffer("weight_fp8", weight_fp8)  # [out, in], row-major
+        self.register_buffer("weight_scale", weight_scale)  # [1, out] float32
+        self.register_buffer("bias", bias)  # [out] in the model dtype, or None
+        self.emulate = emulate
+        self.quantize = quantize
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, emulate: bool = False, quantize: Quantize = quantize_rows) -> FP8Linear:
+        out_f, in_f = linear.weight.shape
+        if in_f % ALIGNMENT or out_f % ALIGNMENT:
+            raise ValueError(f"FP8 linear: weight [{out_f}, {in_f}] has a side that is not a multiple of "
+                             f"{ALIGNMENT}, which torch._scaled_mm requires")
+        q, scale = quantize_rows(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale.reshape(1, out_f).contiguous(), bias, emulate=emulate, quantize=quantize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        a, scale_a = self.quantize(x.reshape(-1, self.in_features))
+        b = self.weight_fp8.t()  # [in, out] column-major view, as _scaled_mm wants
+        if self.emulate:
+            y = scaled_mm_emulated(a, b, scale_a, self.weight_scale, self.bias, x.dtype)
+        else:
+            y = torch._scaled_mm(a, b, scale_a, self.weight_scale, bias=self.bias, out_dtype=x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, emulate={self.emulate}"
+
+
+def check_fp8_device(device: torch.device | str) -> None:
+    """Refuse a device that cannot run FP8 matmuls, naming it and what is allowed."""
+    device = torch.device(device)
+    allowed = "a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer)"
+    if device.type != "cuda":
+        raise ValueError(f"fp8_linear: device {str(device)!r} cannot run FP8 matmuls; allowed: {allowed}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"fp8_linear: {str(device)!r} asked for, but no CUDA GPU is available; allowed: {allowed}")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        raise ValueError(f"fp8_linear: {torch.cuda.get_device_name(device)} ({device}) has compute capability "
+                         f"{cap[0]}.{cap[1]}; allowed: {allowed}")
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    """One tiny row-wise product, so a torch build without the kernel fails at load, not mid-stream."""
+    linear = nn.Linear(ALIGNMENT, ALIGNMENT, device=device, dtype=dtype)
+    try:
+        FP8Linear.from_linear(linear)(torch.ones(1, ALIGNMENT, device=device, dtype=dtype))
+    except RuntimeError as exc:
+        raise ValueError(f"fp8_linear: torch {torch.__version__} on {torch.cuda.get_device_name(device)} cannot run "
+                         f"row-wise FP8 torch._scaled_mm ({exc}); turn fp8_linear off") from exc
+
+
+def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = False) -> list[str]:
+    """Replace the hot-path linears of every loaded WanBlock (`BLOCK_LINEARS`) by `FP8Linear`s,
+    in place, after the weights are loaded; returns the converted module names.
+
+    Embeddings, head and the per-prompt cross-attention K/V projections stay as they are.
+    Blocks left on the meta device (another pipeline rank's) are skipped. `compiled` runs the
+    activation quantisation through torch.compile (one or two fused kernels instead of five eager passes).
+    """
+    param = model.patch_embedding.weight
+    if not emulate:
+        check_fp8_device(param.device)
+        if param.dtype not in CUDA_OUT_DTYPES:
+            raise ValueError(f"fp8_linear: the model is {param.dtype}; the CUDA FP8 path needs bfloat16 or float16 "
+                             "(torch._scaled_mm fuses the bias only into those outputs)")
+        _probe(param.device, param.dtype)
+    quantize = torch.compile(quantize_rows, fullgraph=True) if compiled else quantize_rows
+    names = []
+    for i, block in enumerate(model.blocks):
+        if block.modulation.is_meta:
+            continue
+        for path in BLOCK_LINEARS:
+            parent_path, _, attr = path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            linear = getattr(parent, attr)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"fp8_linear: blocks.{i}.{path} is a {type(linear).__name__}, not an nn.Linear "
+                                 "(converted twice?)")
+            setattr(parent, attr, FP8Linear.from_linear(linear, emulate=emulate, quantize=quantize))
+            names.append(f"blocks.{i}.{path}")
+    return names
