@@ -18,49 +18,27 @@ the lane's lock without waiting.
 from __future__ import annotations
 
 import itertools
-import os
-import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
 from host_bridge import formats
-from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
-from host_bridge.frame_lane import FrameLane, lane_bind_address
-from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
+from host_bridge.link_open import LinkOpenError, open_link
+from host_bridge.newest_frames import NewestFrames, check_device_frame
 from host_bridge.protocol import LANE_MESSAGES, PROTOCOL_VERSION, RingSpec, make
 
 STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
-LATENCY_WINDOW = 256
 TICK_S = 0.05
-SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
-
-
-@dataclass
-class BridgeStatus:
-    """What the host shows its user about the engine and the frame it was just given."""
-
-    state: str = "stopped"  # starting | running | restarting | dead | stopped
-    fps: float = 0.0
-    latency_ms: float = 0.0
-    dropped: int = 0
-    message: str = ""
-    log_tail: list[str] = field(default_factory=list)
-    seq: int = -1  # input sequence number the returned frame came from; -1 for a fallback frame
-    fallback: bool = True
-    restarts: int = 0
-    frames_out: int = 0
 
 
 class Bridge:
@@ -87,18 +65,9 @@ class Bridge:
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
-        self._last_input: np.ndarray | None = None
-        self._staging = None  # cuda-ipc: device copy of the last submitted frame
-        self._out_frame: np.ndarray | None = None
-        self._out_device = None  # cuda-ipc: device copy of the newest output
-        self._out_seq = -1
-        self._out_link = -1
+        self._frames = NewestFrames(config.cuda_device)
         self._collect: dict[int, np.ndarray] | None = None
-        self._submit_times: dict[int, float] = {}
-        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
-        self._engine_stats: dict[str, Any] = {}
+        self._stats = FrameStats()
         self._wanted_prompt: dict[str, Any] | None = None
         self._wanted_params: dict[str, Any] = {}
         self._last_error = ""
@@ -136,10 +105,7 @@ class Bridge:
             link, self._link = self._link, None
         if link is not None:
             link.teardown("closed", self.config.stop_timeout_s)
-        for dev in (self._staging, self._out_device):
-            if dev is not None:
-                dev.close()
-        self._staging = self._out_device = None
+        self._frames.close()
         self._set_state("stopped", "closed")
         self._ctx.term()
 
@@ -180,13 +146,12 @@ class Bridge:
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
-            self._counts["submitted"] += 1
+            self._stats.counts["submitted"] += 1
             if cuda:
-                self._stage_host(native, layout)
+                self._frames.stage_host(native, layout)
                 self._set_pending(seq, None, now)
             else:
-                engine.setflags(write=False)  # shared with latest() callers as the fallback
-                self._last_input = engine
+                self._frames.keep_input(engine)
                 self._set_pending(seq, engine, now)
             return self._pump()
 
@@ -203,16 +168,15 @@ class Bridge:
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         dtype = np.dtype(dtype).name
-        _check_device_frame(pitch, width, height, channels, dtype)
+        check_device_frame(pitch, width, height, channels, dtype)
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
-            self._counts["submitted"] += 1
+            self._stats.counts["submitted"] += 1
             if self._cuda_problem is not None:
-                self._counts["dropped"] += 1
+                self._stats.counts["dropped"] += 1
                 return False
-            staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
-            staging.write_device(0, ptr, pitch, stream=stream)
+            self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
             self._set_pending(seq, None, now)
             return self._pump()
 
@@ -222,7 +186,7 @@ class Bridge:
 
     def _set_pending(self, seq: int, frame: np.ndarray | None, t: float) -> None:
         if self._pending is not None:
-            self._counts["dropped"] += 1
+            self._stats.counts["dropped"] += 1
         self._pending = (seq, frame, t)
 
     # ------------------------------------------------------------------------------------------------
@@ -233,12 +197,13 @@ class Bridge:
         self._drain(0.0)
         with self._lock:
             status = self._status()
-            if self._out_device is not None or self._out_frame is not None:
-                fresh = status.state == "running" and self._out_link == self._current_link_id()
+            frames = self._frames
+            if frames.has_output:
+                fresh = status.state == "running" and frames.link_id == self._current_link_id()
                 if fresh or self.config.fallback == "last":
-                    status.seq, status.fallback = self._out_seq, not fresh
-                    return self._output_array(), status
-            return self._fallback_array(), status
+                    status.seq, status.fallback = frames.seq, not fresh
+                    return frames.output_array(), status
+            return frames.fallback_array(), status
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
@@ -248,27 +213,14 @@ class Bridge:
         self._drain(0.0)
         with self._lock:
             status = self._status()
-            fresh = status.state == "running" and self._out_link == self._current_link_id()
-            if self._out_device is not None and (fresh or self.config.fallback == "last"):
-                self._out_device.read_device(0, ptr, pitch, stream=stream)
-                status.seq, status.fallback = self._out_seq, not fresh
-            elif self._staging is not None:
-                self._staging.read_device(0, ptr, pitch, stream=stream)
+            frames = self._frames
+            fresh = status.state == "running" and frames.link_id == self._current_link_id()
+            if frames.output_device is not None and (fresh or self.config.fallback == "last"):
+                frames.output_device.read_device(0, ptr, pitch, stream=stream)
+                status.seq, status.fallback = frames.seq, not fresh
+            elif frames.staging is not None:
+                frames.staging.read_device(0, ptr, pitch, stream=stream)
             return status
-
-    def _output_array(self) -> np.ndarray | None:
-        if self._out_device is not None:
-            spec = self._out_device.spec
-            return formats.to_engine(self._out_device.read(0, []), order=spec.order,
-                                     bottom_up=spec.orientation == "bottom-up")
-        return self._out_frame
-
-    def _fallback_array(self) -> np.ndarray | None:
-        if self._staging is not None:
-            spec = self._staging.spec
-            return formats.to_engine(self._staging.read(0, []), order=spec.order,
-                                     bottom_up=spec.orientation == "bottom-up")
-        return self._last_input
 
     def status(self) -> BridgeStatus:
         with self._lock:
@@ -277,41 +229,25 @@ class Bridge:
     def _status(self) -> BridgeStatus:
         link = self._link
         tail = link.log_tail() if link is not None else self._log_tail
-        return BridgeStatus(state=self._state, fps=self._fps(), latency_ms=self._latency_ms(50),
-                            dropped=self._counts["dropped"] + int(self._engine_stats.get("dropped", 0)),
-                            message=self._message, log_tail=tail, restarts=self._restarts,
-                            frames_out=self._counts["received"])
-
-    def _fps(self) -> float:
-        t = self._out_times
-        if len(t) < 2 or time.monotonic() - t[-1] > 1.0:
-            return 0.0
-        return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
-
-    def _latency_ms(self, q: float) -> float:
-        """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile costs about 0.1 ms there."""
-        values = sorted(self._latencies)
-        if not values:
-            return 0.0
-        k = (len(values) - 1) * q / 100
-        lo = int(k)
-        hi = min(lo + 1, len(values) - 1)
-        return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000
+        return BridgeStatus(state=self._state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
+                            dropped=self._stats.dropped(), message=self._message, log_tail=tail,
+                            restarts=self._restarts, frames_out=self._stats.counts["received"])
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
         with self._lock:
             link = self._link
-            refused = self._counts["refused"] + (link.refused if link else 0)
+            counts = self._stats.counts
+            refused = counts["refused"] + (link.refused if link else 0)
             return {
                 "state": self._state, "message": self._message, "transport": self.config.transport,
-                **{k: v for k, v in self._counts.items() if k != "refused"}, "refused": refused,
+                **{k: v for k, v in counts.items() if k != "refused"}, "refused": refused,
                 "last_refusal": link.last_refusal if link else "",
-                "restarts": self._restarts, "fps": round(self._fps(), 2),
-                "latency_ms_p50": round(self._latency_ms(50), 3), "latency_ms_p99": round(self._latency_ms(99), 3),
+                "restarts": self._restarts, "fps": round(self._stats.fps(), 2),
+                "latency_ms_p50": round(self._stats.latency_ms(50), 3),
+                "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
-                "last_error": self._last_error, "engine": dict(self._engine_stats),
+                "last_error": self._last_error, "engine": dict(self._stats.engine),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
@@ -359,11 +295,10 @@ class Bridge:
                 self._check_alive(link_id, deadline, "waiting for a free input slot")
                 link = self._link
                 if cuda:
-                    self._stage_host(data, layout)
-                if link.write_frame(seq, data if not cuda else None, self._staging, time.monotonic()):
-                    self._counts["submitted"] += 1
-                    self._counts["sent"] += 1
-                    self._remember_submit(seq, time.monotonic())
+                    self._frames.stage_host(data, layout)
+                if link.write_frame(seq, data if not cuda else None, self._frames.staging, time.monotonic()):
+                    self._stats.counts["submitted"] += 1
+                    self._stats.sent(seq, time.monotonic())
                     return seq
             self._await(lambda lk=link: lk.in_tracker is None or lk.in_tracker.free > 0 or self._link is not lk,
                         LANE_WAIT_S)
@@ -376,7 +311,8 @@ class Bridge:
 
     def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
-        return self._await(lambda: self._out_seq >= seq and self._out_link == self._current_link_id(), timeout_s)
+        frames = self._frames
+        return self._await(lambda: frames.seq >= seq and frames.link_id == self._current_link_id(), timeout_s)
 
     def _await(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `ready()` (checked under the lock) or the timeout, draining the frame lane meanwhile;
@@ -480,11 +416,6 @@ class Bridge:
     def _current_link_id(self) -> int:
         return self._link.id if self._link is not None else -1
 
-    def _remember_submit(self, seq: int, t: float) -> None:
-        self._submit_times[seq] = t
-        if len(self._submit_times) > SEQ_TIMES_LIMIT:
-            self._submit_times.pop(next(iter(self._submit_times)))
-
     def _drain(self, timeout_s: float, link: Link | None = None) -> bool:
         """Receive what the frame lane holds (waiting up to `timeout_s`) and act on it. False, at once,
         when another thread holds the lane: it is receiving, and acts on, the same messages."""
@@ -522,38 +453,14 @@ class Bridge:
             return False
         seq, frame, t = self._pending
         try:
-            if not link.write_frame(seq, frame, self._staging, t):
+            if not link.write_frame(seq, frame, self._frames.staging, t):
                 return False
         except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
             self._last_error = self._message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
             return False
         self._pending = None
-        self._counts["sent"] += 1
-        self._remember_submit(seq, t)
+        self._stats.sent(seq, t)
         return True
-
-    def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
-                     device_ptr: int | None = None) -> Any:
-        from host_bridge.transport_cuda import CudaRing, pointer_device
-
-        order = (formats.touchdesigner_order(dtype, channels) if layout == "touchdesigner"
-                 else {1: "R", 3: "RGB", 4: "RGBA"}.get(channels, "RGB"))
-        orientation = "bottom-up" if layout == "touchdesigner" else "top-down"
-        s = self._staging
-        key = (width, height, channels, dtype, order, orientation)
-        if s is None or (s.spec.width, s.spec.height, s.spec.channels, s.spec.dtype, s.spec.order,
-                         s.spec.orientation) != key:
-            device = pointer_device(device_ptr) if device_ptr is not None else self.config.cuda_device
-            if s is not None:
-                s.close()
-            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0,
-                                                width=width, height=height, channels=channels, dtype=dtype,
-                                                order=order, orientation=orientation)
-        return s
-
-    def _stage_host(self, frame: np.ndarray, layout: str) -> None:
-        h, w, c = frame.shape
-        self._staging_for(w, h, c, frame.dtype.name, layout).write(0, frame)
 
     # ------------------------------------------------------------------------------------------------
     # the loop thread
@@ -594,47 +501,11 @@ class Bridge:
 
     def _open_link(self) -> None:
         cfg = self.config
-        token = secrets.token_hex(16)
-        endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
-        curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
-                 if cfg.curve_secret_file and cfg.curve_server_public_file else None)
-        channel = lane = None
         try:
-            if cfg.launch:  # we bind both: the control endpoint and the frame lane next to it
-                channel = Channel(self._ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
-                lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
-                    lane_bind_address(channel.endpoint)
-                lane = FrameLane(self._ctx, lane_address, bind=True, side="host")
-            else:
-                channel = Channel(self._ctx, cfg.endpoint, bind=False, curve=curve)
-        except Exception as exc:
-            if channel is not None:
-                channel.close()
-            if endpoint:
-                endpoint.remove()
-            self._set_state("dead", f"cannot open the control endpoint: {exc}")
+            link = open_link(self._ctx, cfg, self._link_ids, self._lock)
+        except LinkOpenError as exc:
+            self._set_state("dead", str(exc))
             return
-        proc = None
-        if cfg.launch:
-            args = ["--connect", channel.endpoint, "--config", cfg.engine_config,
-                    "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
-            for o in cfg.engine_overrides:
-                args += ["--set", o]
-            if cfg.passthrough:
-                args.append("--passthrough")
-            args += list(cfg.engine_args)
-            try:
-                proc = EngineProcess(engine_argv(cfg.engine_python, *args), cwd=cfg.engine_cwd,
-                                     env={TOKEN_ENV: token})
-            except OSError as exc:
-                channel.close()
-                lane.close()
-                if endpoint:
-                    endpoint.remove()
-                self._set_state("dead", f"cannot start the engine with {cfg.engine_python!r}: {exc}")
-                return
-        link = Link(next(self._link_ids), channel, lane, proc, endpoint, token if cfg.launch else None, cfg,
-                    self._lock, curve=curve)
         with self._cond:
             self._link = link
             self._set_state("starting" if self._restarts == 0 else "restarting",
@@ -667,7 +538,7 @@ class Bridge:
                 link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
             elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
                 if kind == "stats":
-                    self._engine_stats = msg.get("data") or {}
+                    self._stats.engine = msg.get("data") or {}
                 if kind == "ack" and msg["id"] in link.ring_requests:
                     link.retire_older(link.ring_requests.pop(msg["id"]))
                 elif kind != "stats" or msg["id"] not in link.stats_requests:
@@ -677,11 +548,11 @@ class Bridge:
                 link.stats_requests.discard(msg["id"])
                 if kind == "error":
                     self._last_error = msg["message"]
-                    self._counts["errors"] += 1
+                    self._stats.counts["errors"] += 1
                 self._cond.notify_all()
             elif kind == "error":
                 self._last_error = self._message = f"engine error: {msg['message']}"
-                self._counts["errors"] += 1
+                self._stats.counts["errors"] += 1
             elif kind == "bye":
                 return f"engine said bye: {msg.get('reason', '')}"
             else:
@@ -691,29 +562,18 @@ class Bridge:
     def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
         ring = link.ring_out
         if ring is None or msg["gen"] != ring.spec.generation:
-            self._counts["stale"] += 1
+            self._stats.counts["stale"] += 1
             return
         try:
-            if self.config.transport == "cuda-ipc":
-                self._out_device = _device_latest(self._out_device, ring)
-                ring.copy_to(msg["slot"], self._out_device, 0)
-                frame = None
-            else:
-                frame = ring.read(msg["slot"], payload)
-                frame.setflags(write=False)  # every latest() caller gets this same array
+            frame = self._frames.read_output(ring, msg["slot"], payload, self.config.transport == "cuda-ipc")
         except (ValueError, RuntimeError) as exc:
             link.lane.refuse(f"output frame: {exc}")
             return
         link.release_output(msg["slot"], msg["gen"])
-        now = time.monotonic()
-        self._counts["received"] += 1
-        self._out_frame, self._out_seq, self._out_link = frame, msg["seq"], link.id
-        self._out_times.append(now)
-        t0 = self._submit_times.pop(msg["seq"], None)
-        if t0 is not None:
-            self._latencies.append(now - t0)
+        self._stats.received(msg["seq"], time.monotonic())
+        self._frames.set_newest(frame, msg["seq"], link.id)
         if self._collect is not None:
-            self._collect[msg["seq"]] = frame if frame is not None else self._output_array()
+            self._collect[msg["seq"]] = frame if frame is not None else self._frames.output_array()
         self._cond.notify_all()
 
     def _tick(self, link: Link, now: float) -> None:
@@ -753,33 +613,6 @@ class Bridge:
         with self._cond:
             self._state, self._message = state, message
             self._cond.notify_all()
-
-
-def _check_device_frame(pitch: int, width: int, height: int, channels: int, dtype: str) -> None:
-    if channels not in (1, 3, 4):
-        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
-    if dtype not in formats.DTYPE_NAMES:
-        raise ValueError(f"dtype: {dtype} is not allowed; expected one of {', '.join(formats.DTYPE_NAMES)}")
-    if width < 1 or height < 1:
-        raise ValueError(f"size: {width}x{height} is not allowed; expected at least 1x1")
-    row = width * channels * np.dtype(dtype).itemsize
-    if pitch < row:
-        raise ValueError(f"pitch: {pitch} bytes is smaller than one row ({row} bytes)")
-
-
-def _device_latest(current: Any, ring: Any) -> Any:
-    """A one-slot device buffer shaped like the output ring (the newest output lives there)."""
-    from host_bridge.transport_cuda import CudaRing
-
-    s = ring.spec
-    if current is not None and (current.spec.width, current.spec.height, current.spec.channels,
-                                current.spec.dtype) == (s.width, s.height, s.channels, s.dtype):
-        return current
-    if current is not None:
-        current.close()
-    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, generation=0, width=s.width,
-                           height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
-                           orientation=s.orientation)
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]
