@@ -1,13 +1,15 @@
 """`Bridge`: what a host calls. Frames in without blocking, the newest output (or a fallback) out.
 
-One background thread owns the control socket and the engine process: it launches (or connects
-to) the engine, handshakes, exchanges heartbeats, and on a crash, exit or hang tears everything
-down (process tree, sockets, shared memory) and starts again with backoff.
+The bridge is the facade over three helpers that share its lock: `EngineLoop` (engine_loop.py),
+the background thread that keeps one engine linked and restarts it; `NewestFrames`
+(newest_frames.py), the output and fallback frames `latest()` answers with, and the cuda staging
+buffer; `FrameStats` (bridge_stats.py), counters and latencies. What stays here is the frame flow
+and the calls a host makes.
 
-Frames do not pass through that thread: they travel on the link's `FrameLane`, used by the host's
-own threads. `submit()` converts the frame, copies it into a free slot and sends the notice itself,
-or keeps it as the single pending frame (replacing, and counting as dropped, an older one), so
-neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
+Frames do not pass through the loop thread: they travel on the link's `FrameLane`, used by the
+host's own threads. `submit()` converts the frame, copies it into a free slot and sends the notice
+itself, or keeps it as the single pending frame (replacing, and counting as dropped, an older one),
+so neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
 lane: `latest()`/`latest_cuda()` without waiting, `wait_for_output()` and the batch calls by
 polling it (holding only the lane's lock). The loop thread also drains it on each tick, without
 waiting for the lock, so slots come back and counters move even when the host never asks.
@@ -29,14 +31,11 @@ import zmq
 from host_bridge import formats
 from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
+from host_bridge.engine_loop import EngineLoop
 from host_bridge.link import Link
-from host_bridge.link_open import LinkOpenError, open_link
 from host_bridge.newest_frames import NewestFrames, check_device_frame
-from host_bridge.protocol import LANE_MESSAGES, PROTOCOL_VERSION, RingSpec, make
+from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
 
-STATS_INTERVAL_S = 1.0
-STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
-TICK_S = 0.05
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
 
@@ -52,27 +51,15 @@ class Bridge:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._process_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._link: Link | None = None
-        self._state = "stopped"
-        self._message = ""
-        self._restarts = 0
-        self._backoff = config.restart_backoff_s
-        self._next_start = 0.0
         self._seq = itertools.count()
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
-        self._ids = itertools.count(1)
-        self._replies: dict[int, dict[str, Any]] = {}
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
         self._frames = NewestFrames(config.cuda_device)
         self._collect: dict[int, np.ndarray] | None = None
         self._stats = FrameStats()
+        self._loop = EngineLoop(config, self._ctx, self._lock, self._cond, self._stats, self._on_ready, self._on_tick)
         self._wanted_prompt: dict[str, Any] | None = None
         self._wanted_params: dict[str, Any] = {}
-        self._last_error = ""
-        self._log_tail: list[str] = []
-        self._link_ids = itertools.count()
         self._cuda_problem: str | None = None
         if config.transport == "cuda-ipc":
             from host_bridge.transport_cuda import cuda_available
@@ -84,29 +71,21 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
-        if self._thread is not None:
+        if self._loop.started:
             return self
         if self._cuda_problem is not None:
-            self._set_state("dead", self._cuda_problem)
+            self._loop.set_state("dead", self._cuda_problem)
             return self
-        self._state = "starting"
-        self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def close(self) -> None:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
-        if self._closing:
+        if self._loop.closing:
             return
-        self._closing = True
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.stop_timeout_s * 3 + 5)
-        with self._lock:
-            link, self._link = self._link, None
-        if link is not None:
-            link.teardown("closed", self.config.stop_timeout_s)
+        self._loop.stop()
         self._frames.close()
-        self._set_state("stopped", "closed")
+        self._loop.set_state("stopped", "closed")
         self._ctx.term()
 
     def __enter__(self) -> Bridge:
@@ -116,7 +95,8 @@ class Bridge:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None and not self._closing:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.started and not loop.closing:
             try:
                 self.close()
             except Exception:
@@ -199,7 +179,7 @@ class Bridge:
             status = self._status()
             frames = self._frames
             if frames.has_output:
-                fresh = status.state == "running" and frames.link_id == self._current_link_id()
+                fresh = status.state == "running" and frames.link_id == self._loop.link_id
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
                     return frames.output_array(), status
@@ -214,7 +194,7 @@ class Bridge:
         with self._lock:
             status = self._status()
             frames = self._frames
-            fresh = status.state == "running" and frames.link_id == self._current_link_id()
+            fresh = status.state == "running" and frames.link_id == self._loop.link_id
             if frames.output_device is not None and (fresh or self.config.fallback == "last"):
                 frames.output_device.read_device(0, ptr, pitch, stream=stream)
                 status.seq, status.fallback = frames.seq, not fresh
@@ -228,10 +208,10 @@ class Bridge:
 
     def _status(self) -> BridgeStatus:
         link = self._link
-        tail = link.log_tail() if link is not None else self._log_tail
-        return BridgeStatus(state=self._state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
-                            dropped=self._stats.dropped(), message=self._message, log_tail=tail,
-                            restarts=self._restarts, frames_out=self._stats.counts["received"])
+        tail = link.log_tail() if link is not None else self._loop.log_tail
+        return BridgeStatus(state=self._loop.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
+                            dropped=self._stats.dropped(), message=self._loop.message, log_tail=tail,
+                            restarts=self._loop.restarts, frames_out=self._stats.counts["received"])
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
@@ -240,14 +220,14 @@ class Bridge:
             counts = self._stats.counts
             refused = counts["refused"] + (link.refused if link else 0)
             return {
-                "state": self._state, "message": self._message, "transport": self.config.transport,
+                "state": self._loop.state, "message": self._loop.message, "transport": self.config.transport,
                 **{k: v for k, v in counts.items() if k != "refused"}, "refused": refused,
                 "last_refusal": link.last_refusal if link else "",
-                "restarts": self._restarts, "fps": round(self._stats.fps(), 2),
+                "restarts": self._loop.restarts, "fps": round(self._stats.fps(), 2),
                 "latency_ms_p50": round(self._stats.latency_ms(50), 3),
                 "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
-                "last_error": self._last_error, "engine": dict(self._stats.engine),
+                "last_error": self._loop.last_error, "engine": dict(self._stats.engine),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
@@ -264,7 +244,7 @@ class Bridge:
         deadline = time.monotonic() + timeout_s
         self.wait_running(timeout_s)
         with self._process_lock:
-            link_id = self._current_link_id()
+            link_id = self._loop.link_id
             self._request("mode", deadline, lossless=True)
             seqs: list[int] = []
             with self._lock:
@@ -281,7 +261,7 @@ class Bridge:
             finally:
                 with self._lock:
                     self._collect = None
-                if self._current_link_id() == link_id:
+                if self._loop.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
 
     def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float) -> int:
@@ -304,15 +284,15 @@ class Bridge:
                         LANE_WAIT_S)
 
     def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
-        if self._current_link_id() != link_id or self._state != "running":
-            raise RuntimeError(f"engine stopped during process(): {self._state}: {self._message}")
+        if self._loop.link_id != link_id or self._loop.state != "running":
+            raise RuntimeError(f"engine stopped during process(): {self._loop.state}: {self._loop.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"process(): timed out ({what})")
 
     def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
         frames = self._frames
-        return self._await(lambda: frames.seq >= seq and frames.link_id == self._current_link_id(), timeout_s)
+        return self._await(lambda: frames.seq >= seq and frames.link_id == self._loop.link_id, timeout_s)
 
     def _await(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `ready()` (checked under the lock) or the timeout, draining the frame lane meanwhile;
@@ -339,10 +319,10 @@ class Bridge:
         """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._state != "running":
-                if self._state in ("dead", "stopped") or time.monotonic() > deadline:
+            while (state := self._loop.state) != "running":
+                if state in ("dead", "stopped") or time.monotonic() > deadline:
                     tail = "\n".join(self._status().log_tail)
-                    raise RuntimeError(f"engine is {self._state} after {timeout_s:.0f} s: {self._message}\n{tail}")
+                    raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._loop.message}\n{tail}")
                 self._cond.wait(0.05)
             return self._status()
 
@@ -382,7 +362,7 @@ class Bridge:
             if link is None or not link.ready:
                 return  # sent when the engine is ready (prompt and parameters are remembered)
             if not link.send(make(kind, **fields)):
-                self._message = f"{kind} not sent: the engine is not reading"
+                self._loop.message = f"{kind} not sent: the engine is not reading"
 
     def _send_wanted(self, link: Link) -> None:
         """A fresh engine gets the prompt and parameters the host asked for."""
@@ -392,29 +372,31 @@ class Bridge:
             link.send(make("params", params=dict(self._wanted_params)))
 
     def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
-        rid = next(self._ids)
+        rid = next(self._loop.request_ids)
         msg = make(kind, id=rid, **fields)
         with self._cond:
             link = self._link
-            if link is None or self._state not in ("running",) or not link.send(msg):
-                raise RuntimeError(f"{kind}: engine is {self._state}: {self._message}")
+            if link is None or self._loop.state not in ("running",) or not link.send(msg):
+                raise RuntimeError(f"{kind}: engine is {self._loop.state}: {self._loop.message}")
         # the engine may need released output slots to answer (a flush): keep draining the lane
-        while not self._await(lambda: rid in self._replies or self._link is not link, LANE_WAIT_S):
+        while not self._await(lambda: rid in self._loop.replies or self._link is not link, LANE_WAIT_S):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{kind}: no reply from the engine")
         with self._cond:
-            if rid not in self._replies:
-                raise RuntimeError(f"{kind}: engine went away: {self._message}")
-            reply = self._replies.pop(rid)
+            if rid not in self._loop.replies:
+                raise RuntimeError(f"{kind}: engine went away: {self._loop.message}")
+            reply = self._loop.replies.pop(rid)
         if reply["type"] == "error":
             raise ValueError(f"engine refused {kind}: {reply['message']}")
         return reply
 
     # ------------------------------------------------------------------------------------------------
-    # internals shared with the loop (called with the lock held)
+    # the frame flow (shared with the loop thread; called with the lock held)
 
-    def _current_link_id(self) -> int:
-        return self._link.id if self._link is not None else -1
+    @property
+    def _link(self) -> Link | None:
+        """The link to the engine now in use (the loop thread opens and replaces it)."""
+        return self._loop.link
 
     def _drain(self, timeout_s: float, link: Link | None = None) -> bool:
         """Receive what the frame lane holds (waiting up to `timeout_s`) and act on it. False, at once,
@@ -446,119 +428,6 @@ class Bridge:
             self._pump()
             self._cond.notify_all()
 
-    def _pump(self) -> bool:
-        """Write the pending frame into a free slot, if the engine runs and a slot is free."""
-        link = self._link
-        if self._pending is None or link is None or not link.ready:
-            return False
-        seq, frame, t = self._pending
-        try:
-            if not link.write_frame(seq, frame, self._frames.staging, t):
-                return False
-        except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
-            self._last_error = self._message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
-            return False
-        self._pending = None
-        self._stats.sent(seq, t)
-        return True
-
-    # ------------------------------------------------------------------------------------------------
-    # the loop thread
-
-    def _run(self) -> None:
-        while not self._closing:
-            try:
-                self._step()
-            except Exception as exc:  # a bug or a driver error must not silently stop the bridge
-                link = self._link
-                reason = f"bridge error: {type(exc).__name__}: {exc}"
-                if link is not None:
-                    self._fail(link, reason)
-                else:
-                    self._set_state("restarting", reason)
-                    time.sleep(TICK_S)
-
-    def _step(self) -> None:
-        """One turn of the loop thread: (re)connect, receive, act, check liveness."""
-        link = self._link
-        if link is None:
-            if self._state == "dead" or time.monotonic() < self._next_start:
-                time.sleep(TICK_S)
-            else:
-                self._open_link()
-            return
-        try:
-            messages = link.channel.poll(TICK_S)
-        except zmq.ZMQError as exc:
-            self._fail(link, f"control socket error: {exc}")
-            return
-        for msg, payload in messages:
-            problem = self._handle(link, msg, payload)
-            if problem:  # torn down outside the lock: host threads must never wait on a dying engine
-                self._fail(link, problem)
-                return
-        self._tick(link, time.monotonic())
-
-    def _open_link(self) -> None:
-        cfg = self.config
-        try:
-            link = open_link(self._ctx, cfg, self._link_ids, self._lock)
-        except LinkOpenError as exc:
-            self._set_state("dead", str(exc))
-            return
-        with self._cond:
-            self._link = link
-            self._set_state("starting" if self._restarts == 0 else "restarting",
-                            "launching the engine" if cfg.launch else f"connecting to {cfg.endpoint}")
-        if not cfg.launch:
-            link.send_hello()
-
-    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> str | None:
-        """Act on one message; returns a reason to give up on this engine, or None."""
-        kind = msg["type"]
-        link.heard()
-        with self._cond:
-            if kind == "heartbeat":
-                link.engine_busy_s = msg.get("busy_s") or 0.0
-            elif kind == "hello":
-                return link.on_hello(msg)
-            elif kind == "ready":
-                if not link.hello_done:
-                    link.channel.refuse("ready before hello")
-                    return None
-                link.on_ready(msg.get("info") or {})
-                self._send_wanted(link)
-                self._set_state("running", "engine running")
-                self._pump()
-            elif kind == "status":
-                self._message = msg.get("message", "")
-                if msg["state"] == "error":
-                    self._last_error = self._message
-            elif kind in LANE_MESSAGES:
-                link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
-            elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
-                if kind == "stats":
-                    self._stats.engine = msg.get("data") or {}
-                if kind == "ack" and msg["id"] in link.ring_requests:
-                    link.retire_older(link.ring_requests.pop(msg["id"]))
-                elif kind != "stats" or msg["id"] not in link.stats_requests:
-                    self._replies[msg["id"]] = msg
-                    if len(self._replies) > 64:
-                        self._replies.pop(next(iter(self._replies)))
-                link.stats_requests.discard(msg["id"])
-                if kind == "error":
-                    self._last_error = msg["message"]
-                    self._stats.counts["errors"] += 1
-                self._cond.notify_all()
-            elif kind == "error":
-                self._last_error = self._message = f"engine error: {msg['message']}"
-                self._stats.counts["errors"] += 1
-            elif kind == "bye":
-                return f"engine said bye: {msg.get('reason', '')}"
-            else:
-                link.channel.refuse(f"unexpected {kind} message from the engine")
-        return None
-
     def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
         ring = link.ring_out
         if ring is None or msg["gen"] != ring.spec.generation:
@@ -576,43 +445,33 @@ class Bridge:
             self._collect[msg["seq"]] = frame if frame is not None else self._frames.output_array()
         self._cond.notify_all()
 
-    def _tick(self, link: Link, now: float) -> None:
-        cfg = self.config
-        problem = link.check(now)
-        if problem:
-            self._fail(link, problem)
-            return
-        link.maybe_heartbeat(now)
-        if link.ready and now - link.last_stats > STATS_INTERVAL_S:
-            link.request_stats(next(self._ids))
-        if link.ready and now - link.ready_at > STABLE_AFTER_S:
-            self._backoff = cfg.restart_backoff_s
-        self._drain(0.0, link)  # outputs and releases nobody asked for yet (never waits for the lane)
+    def _pump(self) -> bool:
+        """Write the pending frame into a free slot, if the engine runs and a slot is free."""
+        link = self._link
+        if self._pending is None or link is None or not link.ready:
+            return False
+        seq, frame, t = self._pending
+        try:
+            if not link.write_frame(seq, frame, self._frames.staging, t):
+                return False
+        except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
+            self._loop.last_error = self._loop.message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
+            return False
+        self._pending = None
+        self._stats.sent(seq, t)
+        return True
+
+    def _on_ready(self, link: Link) -> None:
+        """The loop thread's news of a fresh engine: it gets what the host asked for, and the pending frame."""
+        self._send_wanted(link)
+        self._pump()
+
+    def _on_tick(self, link: Link) -> None:
+        """The loop thread's turn at the frames: outputs and releases nobody asked for yet (never waiting
+        for the lane), then the pending frame."""
+        self._drain(0.0, link)
         with self._lock:
             self._pump()
-
-    def _fail(self, link: Link, reason: str) -> None:
-        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart."""
-        with self._cond:
-            if self._link is not link:
-                return
-            self._link = None
-            self._log_tail = link.log_tail()
-        link.teardown(reason, self.config.stop_timeout_s)
-        with self._cond:
-            self._log_tail = link.log_tail()
-            if self.config.restart and not self._closing:
-                self._restarts += 1
-                self._next_start = time.monotonic() + self._backoff
-                self._set_state("restarting", f"{reason}; restarting in {self._backoff:.1f} s")
-                self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
-            else:
-                self._set_state("dead", reason)
-
-    def _set_state(self, state: str, message: str) -> None:
-        with self._cond:
-            self._state, self._message = state, message
-            self._cond.notify_all()
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]
