@@ -1,13 +1,15 @@
 """`Bridge`: what a host calls. Frames in without blocking, the newest output (or a fallback) out.
 
-One background thread owns the control socket and the engine process: it launches (or connects
-to) the engine, handshakes, exchanges heartbeats, and on a crash, exit or hang tears everything
-down (process tree, sockets, shared memory) and starts again with backoff.
+The bridge is the facade over three helpers that share its lock: `EngineLoop` (engine_loop.py),
+the background thread that keeps one engine linked and restarts it; `NewestFrames`
+(newest_frames.py), the output and fallback frames `latest()` answers with, and the cuda staging
+buffer; `FrameStats` (bridge_stats.py), counters and latencies. What stays here is the frame flow
+and the calls a host makes.
 
-Frames do not pass through that thread: they travel on the link's `FrameLane`, used by the host's
-own threads. `submit()` converts the frame, copies it into a free slot and sends the notice itself,
-or keeps it as the single pending frame (replacing, and counting as dropped, an older one), so
-neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
+Frames do not pass through the loop thread: they travel on the link's `FrameLane`, used by the
+host's own threads. `submit()` converts the frame, copies it into a free slot and sends the notice
+itself, or keeps it as the single pending frame (replacing, and counting as dropped, an older one),
+so neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
 lane: `latest()`/`latest_cuda()` without waiting, `wait_for_output()` and the batch calls by
 polling it (holding only the lane's lock). The loop thread also drains it on each tick, without
 waiting for the lock, so slots come back and counters move even when the host never asks.
@@ -18,49 +20,24 @@ the lane's lock without waiting.
 from __future__ import annotations
 
 import itertools
-import os
-import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
 from host_bridge import formats
-from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
-from host_bridge.frame_lane import FrameLane, lane_bind_address
-from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
+from host_bridge.engine_loop import EngineLoop
 from host_bridge.link import Link
-from host_bridge.protocol import LANE_MESSAGES, PROTOCOL_VERSION, RingSpec, make
+from host_bridge.newest_frames import NewestFrames, check_device_frame
+from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
 
-STATS_INTERVAL_S = 1.0
-STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
-LATENCY_WINDOW = 256
-TICK_S = 0.05
-SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
-
-
-@dataclass
-class BridgeStatus:
-    """What the host shows its user about the engine and the frame it was just given."""
-
-    state: str = "stopped"  # starting | running | restarting | dead | stopped
-    fps: float = 0.0
-    latency_ms: float = 0.0
-    dropped: int = 0
-    message: str = ""
-    log_tail: list[str] = field(default_factory=list)
-    seq: int = -1  # input sequence number the returned frame came from; -1 for a fallback frame
-    fallback: bool = True
-    restarts: int = 0
-    frames_out: int = 0
 
 
 class Bridge:
@@ -74,36 +51,15 @@ class Bridge:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._process_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._link: Link | None = None
-        self._state = "stopped"
-        self._message = ""
-        self._restarts = 0
-        self._backoff = config.restart_backoff_s
-        self._next_start = 0.0
         self._seq = itertools.count()
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
-        self._ids = itertools.count(1)
-        self._replies: dict[int, dict[str, Any]] = {}
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
-        self._last_input: np.ndarray | None = None
-        self._staging = None  # cuda-ipc: device copy of the last submitted frame
-        self._out_frame: np.ndarray | None = None
-        self._out_device = None  # cuda-ipc: device copy of the newest output
-        self._out_seq = -1
-        self._out_link = -1
+        self._frames = NewestFrames(config.cuda_device)
         self._collect: dict[int, np.ndarray] | None = None
-        self._submit_times: dict[int, float] = {}
-        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
-        self._engine_stats: dict[str, Any] = {}
+        self._stats = FrameStats()
+        self._loop = EngineLoop(config, self._ctx, self._lock, self._cond, self._stats, self._on_ready, self._on_tick)
         self._wanted_prompt: dict[str, Any] | None = None
         self._wanted_params: dict[str, Any] = {}
-        self._last_error = ""
-        self._log_tail: list[str] = []
-        self._link_ids = itertools.count()
         self._cuda_problem: str | None = None
         if config.transport == "cuda-ipc":
             from host_bridge.transport_cuda import cuda_available
@@ -115,32 +71,21 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
-        if self._thread is not None:
+        if self._loop.started:
             return self
         if self._cuda_problem is not None:
-            self._set_state("dead", self._cuda_problem)
+            self._loop.set_state("dead", self._cuda_problem)
             return self
-        self._state = "starting"
-        self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def close(self) -> None:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
-        if self._closing:
+        if self._loop.closing:
             return
-        self._closing = True
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.stop_timeout_s * 3 + 5)
-        with self._lock:
-            link, self._link = self._link, None
-        if link is not None:
-            link.teardown("closed", self.config.stop_timeout_s)
-        for dev in (self._staging, self._out_device):
-            if dev is not None:
-                dev.close()
-        self._staging = self._out_device = None
-        self._set_state("stopped", "closed")
+        self._loop.stop()
+        self._frames.close()
+        self._loop.set_state("stopped", "closed")
         self._ctx.term()
 
     def __enter__(self) -> Bridge:
@@ -150,7 +95,8 @@ class Bridge:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None and not self._closing:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.started and not loop.closing:
             try:
                 self.close()
             except Exception:
@@ -180,13 +126,12 @@ class Bridge:
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
-            self._counts["submitted"] += 1
+            self._stats.counts["submitted"] += 1
             if cuda:
-                self._stage_host(native, layout)
+                self._frames.stage_host(native, layout)
                 self._set_pending(seq, None, now)
             else:
-                engine.setflags(write=False)  # shared with latest() callers as the fallback
-                self._last_input = engine
+                self._frames.keep_input(engine)
                 self._set_pending(seq, engine, now)
             return self._pump()
 
@@ -203,16 +148,15 @@ class Bridge:
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         dtype = np.dtype(dtype).name
-        _check_device_frame(pitch, width, height, channels, dtype)
+        check_device_frame(pitch, width, height, channels, dtype)
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
-            self._counts["submitted"] += 1
+            self._stats.counts["submitted"] += 1
             if self._cuda_problem is not None:
-                self._counts["dropped"] += 1
+                self._stats.counts["dropped"] += 1
                 return False
-            staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
-            staging.write_device(0, ptr, pitch, stream=stream)
+            self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
             self._set_pending(seq, None, now)
             return self._pump()
 
@@ -222,7 +166,7 @@ class Bridge:
 
     def _set_pending(self, seq: int, frame: np.ndarray | None, t: float) -> None:
         if self._pending is not None:
-            self._counts["dropped"] += 1
+            self._stats.counts["dropped"] += 1
         self._pending = (seq, frame, t)
 
     # ------------------------------------------------------------------------------------------------
@@ -233,12 +177,13 @@ class Bridge:
         self._drain(0.0)
         with self._lock:
             status = self._status()
-            if self._out_device is not None or self._out_frame is not None:
-                fresh = status.state == "running" and self._out_link == self._current_link_id()
+            frames = self._frames
+            if frames.has_output:
+                fresh = status.state == "running" and frames.link_id == self._loop.link_id
                 if fresh or self.config.fallback == "last":
-                    status.seq, status.fallback = self._out_seq, not fresh
-                    return self._output_array(), status
-            return self._fallback_array(), status
+                    status.seq, status.fallback = frames.seq, not fresh
+                    return frames.output_array(), status
+            return frames.fallback_array(), status
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
@@ -248,27 +193,14 @@ class Bridge:
         self._drain(0.0)
         with self._lock:
             status = self._status()
-            fresh = status.state == "running" and self._out_link == self._current_link_id()
-            if self._out_device is not None and (fresh or self.config.fallback == "last"):
-                self._out_device.read_device(0, ptr, pitch, stream=stream)
-                status.seq, status.fallback = self._out_seq, not fresh
-            elif self._staging is not None:
-                self._staging.read_device(0, ptr, pitch, stream=stream)
+            frames = self._frames
+            fresh = status.state == "running" and frames.link_id == self._loop.link_id
+            if frames.output_device is not None and (fresh or self.config.fallback == "last"):
+                frames.output_device.read_device(0, ptr, pitch, stream=stream)
+                status.seq, status.fallback = frames.seq, not fresh
+            elif frames.staging is not None:
+                frames.staging.read_device(0, ptr, pitch, stream=stream)
             return status
-
-    def _output_array(self) -> np.ndarray | None:
-        if self._out_device is not None:
-            spec = self._out_device.spec
-            return formats.to_engine(self._out_device.read(0, []), order=spec.order,
-                                     bottom_up=spec.orientation == "bottom-up")
-        return self._out_frame
-
-    def _fallback_array(self) -> np.ndarray | None:
-        if self._staging is not None:
-            spec = self._staging.spec
-            return formats.to_engine(self._staging.read(0, []), order=spec.order,
-                                     bottom_up=spec.orientation == "bottom-up")
-        return self._last_input
 
     def status(self) -> BridgeStatus:
         with self._lock:
@@ -276,42 +208,26 @@ class Bridge:
 
     def _status(self) -> BridgeStatus:
         link = self._link
-        tail = link.log_tail() if link is not None else self._log_tail
-        return BridgeStatus(state=self._state, fps=self._fps(), latency_ms=self._latency_ms(50),
-                            dropped=self._counts["dropped"] + int(self._engine_stats.get("dropped", 0)),
-                            message=self._message, log_tail=tail, restarts=self._restarts,
-                            frames_out=self._counts["received"])
-
-    def _fps(self) -> float:
-        t = self._out_times
-        if len(t) < 2 or time.monotonic() - t[-1] > 1.0:
-            return 0.0
-        return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
-
-    def _latency_ms(self, q: float) -> float:
-        """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile costs about 0.1 ms there."""
-        values = sorted(self._latencies)
-        if not values:
-            return 0.0
-        k = (len(values) - 1) * q / 100
-        lo = int(k)
-        hi = min(lo + 1, len(values) - 1)
-        return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000
+        tail = link.log_tail() if link is not None else self._loop.log_tail
+        return BridgeStatus(state=self._loop.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
+                            dropped=self._stats.dropped(), message=self._loop.message, log_tail=tail,
+                            restarts=self._loop.restarts, frames_out=self._stats.counts["received"])
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
         with self._lock:
             link = self._link
-            refused = self._counts["refused"] + (link.refused if link else 0)
+            counts = self._stats.counts
+            refused = counts["refused"] + (link.refused if link else 0)
             return {
-                "state": self._state, "message": self._message, "transport": self.config.transport,
-                **{k: v for k, v in self._counts.items() if k != "refused"}, "refused": refused,
+                "state": self._loop.state, "message": self._loop.message, "transport": self.config.transport,
+                **{k: v for k, v in counts.items() if k != "refused"}, "refused": refused,
                 "last_refusal": link.last_refusal if link else "",
-                "restarts": self._restarts, "fps": round(self._fps(), 2),
-                "latency_ms_p50": round(self._latency_ms(50), 3), "latency_ms_p99": round(self._latency_ms(99), 3),
+                "restarts": self._loop.restarts, "fps": round(self._stats.fps(), 2),
+                "latency_ms_p50": round(self._stats.latency_ms(50), 3),
+                "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
-                "last_error": self._last_error, "engine": dict(self._engine_stats),
+                "last_error": self._loop.last_error, "engine": dict(self._stats.engine),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
@@ -328,7 +244,7 @@ class Bridge:
         deadline = time.monotonic() + timeout_s
         self.wait_running(timeout_s)
         with self._process_lock:
-            link_id = self._current_link_id()
+            link_id = self._loop.link_id
             self._request("mode", deadline, lossless=True)
             seqs: list[int] = []
             with self._lock:
@@ -345,7 +261,7 @@ class Bridge:
             finally:
                 with self._lock:
                     self._collect = None
-                if self._current_link_id() == link_id:
+                if self._loop.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
 
     def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float) -> int:
@@ -359,24 +275,24 @@ class Bridge:
                 self._check_alive(link_id, deadline, "waiting for a free input slot")
                 link = self._link
                 if cuda:
-                    self._stage_host(data, layout)
-                if link.write_frame(seq, data if not cuda else None, self._staging, time.monotonic()):
-                    self._counts["submitted"] += 1
-                    self._counts["sent"] += 1
-                    self._remember_submit(seq, time.monotonic())
+                    self._frames.stage_host(data, layout)
+                if link.write_frame(seq, data if not cuda else None, self._frames.staging, time.monotonic()):
+                    self._stats.counts["submitted"] += 1
+                    self._stats.sent(seq, time.monotonic())
                     return seq
             self._await(lambda lk=link: lk.in_tracker is None or lk.in_tracker.free > 0 or self._link is not lk,
                         LANE_WAIT_S)
 
     def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
-        if self._current_link_id() != link_id or self._state != "running":
-            raise RuntimeError(f"engine stopped during process(): {self._state}: {self._message}")
+        if self._loop.link_id != link_id or self._loop.state != "running":
+            raise RuntimeError(f"engine stopped during process(): {self._loop.state}: {self._loop.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"process(): timed out ({what})")
 
     def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
-        return self._await(lambda: self._out_seq >= seq and self._out_link == self._current_link_id(), timeout_s)
+        frames = self._frames
+        return self._await(lambda: frames.seq >= seq and frames.link_id == self._loop.link_id, timeout_s)
 
     def _await(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `ready()` (checked under the lock) or the timeout, draining the frame lane meanwhile;
@@ -403,10 +319,10 @@ class Bridge:
         """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._state != "running":
-                if self._state in ("dead", "stopped") or time.monotonic() > deadline:
+            while (state := self._loop.state) != "running":
+                if state in ("dead", "stopped") or time.monotonic() > deadline:
                     tail = "\n".join(self._status().log_tail)
-                    raise RuntimeError(f"engine is {self._state} after {timeout_s:.0f} s: {self._message}\n{tail}")
+                    raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._loop.message}\n{tail}")
                 self._cond.wait(0.05)
             return self._status()
 
@@ -446,7 +362,7 @@ class Bridge:
             if link is None or not link.ready:
                 return  # sent when the engine is ready (prompt and parameters are remembered)
             if not link.send(make(kind, **fields)):
-                self._message = f"{kind} not sent: the engine is not reading"
+                self._loop.message = f"{kind} not sent: the engine is not reading"
 
     def _send_wanted(self, link: Link) -> None:
         """A fresh engine gets the prompt and parameters the host asked for."""
@@ -456,34 +372,31 @@ class Bridge:
             link.send(make("params", params=dict(self._wanted_params)))
 
     def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
-        rid = next(self._ids)
+        rid = next(self._loop.request_ids)
         msg = make(kind, id=rid, **fields)
         with self._cond:
             link = self._link
-            if link is None or self._state not in ("running",) or not link.send(msg):
-                raise RuntimeError(f"{kind}: engine is {self._state}: {self._message}")
+            if link is None or self._loop.state not in ("running",) or not link.send(msg):
+                raise RuntimeError(f"{kind}: engine is {self._loop.state}: {self._loop.message}")
         # the engine may need released output slots to answer (a flush): keep draining the lane
-        while not self._await(lambda: rid in self._replies or self._link is not link, LANE_WAIT_S):
+        while not self._await(lambda: rid in self._loop.replies or self._link is not link, LANE_WAIT_S):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{kind}: no reply from the engine")
         with self._cond:
-            if rid not in self._replies:
-                raise RuntimeError(f"{kind}: engine went away: {self._message}")
-            reply = self._replies.pop(rid)
+            if rid not in self._loop.replies:
+                raise RuntimeError(f"{kind}: engine went away: {self._loop.message}")
+            reply = self._loop.replies.pop(rid)
         if reply["type"] == "error":
             raise ValueError(f"engine refused {kind}: {reply['message']}")
         return reply
 
     # ------------------------------------------------------------------------------------------------
-    # internals shared with the loop (called with the lock held)
+    # the frame flow (shared with the loop thread; called with the lock held)
 
-    def _current_link_id(self) -> int:
-        return self._link.id if self._link is not None else -1
-
-    def _remember_submit(self, seq: int, t: float) -> None:
-        self._submit_times[seq] = t
-        if len(self._submit_times) > SEQ_TIMES_LIMIT:
-            self._submit_times.pop(next(iter(self._submit_times)))
+    @property
+    def _link(self) -> Link | None:
+        """The link to the engine now in use (the loop thread opens and replaces it)."""
+        return self._loop.link
 
     def _drain(self, timeout_s: float, link: Link | None = None) -> bool:
         """Receive what the frame lane holds (waiting up to `timeout_s`) and act on it. False, at once,
@@ -515,6 +428,23 @@ class Bridge:
             self._pump()
             self._cond.notify_all()
 
+    def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+        ring = link.ring_out
+        if ring is None or msg["gen"] != ring.spec.generation:
+            self._stats.counts["stale"] += 1
+            return
+        try:
+            frame = self._frames.read_output(ring, msg["slot"], payload, self.config.transport == "cuda-ipc")
+        except (ValueError, RuntimeError) as exc:
+            link.lane.refuse(f"output frame: {exc}")
+            return
+        link.release_output(msg["slot"], msg["gen"])
+        self._stats.received(msg["seq"], time.monotonic())
+        self._frames.set_newest(frame, msg["seq"], link.id)
+        if self._collect is not None:
+            self._collect[msg["seq"]] = frame if frame is not None else self._frames.output_array()
+        self._cond.notify_all()
+
     def _pump(self) -> bool:
         """Write the pending frame into a free slot, if the engine runs and a slot is free."""
         link = self._link
@@ -522,264 +452,26 @@ class Bridge:
             return False
         seq, frame, t = self._pending
         try:
-            if not link.write_frame(seq, frame, self._staging, t):
+            if not link.write_frame(seq, frame, self._frames.staging, t):
                 return False
         except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
-            self._last_error = self._message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
+            self._loop.last_error = self._loop.message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
             return False
         self._pending = None
-        self._counts["sent"] += 1
-        self._remember_submit(seq, t)
+        self._stats.sent(seq, t)
         return True
 
-    def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
-                     device_ptr: int | None = None) -> Any:
-        from host_bridge.transport_cuda import CudaRing, pointer_device
+    def _on_ready(self, link: Link) -> None:
+        """The loop thread's news of a fresh engine: it gets what the host asked for, and the pending frame."""
+        self._send_wanted(link)
+        self._pump()
 
-        order = (formats.touchdesigner_order(dtype, channels) if layout == "touchdesigner"
-                 else {1: "R", 3: "RGB", 4: "RGBA"}.get(channels, "RGB"))
-        orientation = "bottom-up" if layout == "touchdesigner" else "top-down"
-        s = self._staging
-        key = (width, height, channels, dtype, order, orientation)
-        if s is None or (s.spec.width, s.spec.height, s.spec.channels, s.spec.dtype, s.spec.order,
-                         s.spec.orientation) != key:
-            device = pointer_device(device_ptr) if device_ptr is not None else self.config.cuda_device
-            if s is not None:
-                s.close()
-            self._staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0,
-                                                width=width, height=height, channels=channels, dtype=dtype,
-                                                order=order, orientation=orientation)
-        return s
-
-    def _stage_host(self, frame: np.ndarray, layout: str) -> None:
-        h, w, c = frame.shape
-        self._staging_for(w, h, c, frame.dtype.name, layout).write(0, frame)
-
-    # ------------------------------------------------------------------------------------------------
-    # the loop thread
-
-    def _run(self) -> None:
-        while not self._closing:
-            try:
-                self._step()
-            except Exception as exc:  # a bug or a driver error must not silently stop the bridge
-                link = self._link
-                reason = f"bridge error: {type(exc).__name__}: {exc}"
-                if link is not None:
-                    self._fail(link, reason)
-                else:
-                    self._set_state("restarting", reason)
-                    time.sleep(TICK_S)
-
-    def _step(self) -> None:
-        """One turn of the loop thread: (re)connect, receive, act, check liveness."""
-        link = self._link
-        if link is None:
-            if self._state == "dead" or time.monotonic() < self._next_start:
-                time.sleep(TICK_S)
-            else:
-                self._open_link()
-            return
-        try:
-            messages = link.channel.poll(TICK_S)
-        except zmq.ZMQError as exc:
-            self._fail(link, f"control socket error: {exc}")
-            return
-        for msg, payload in messages:
-            problem = self._handle(link, msg, payload)
-            if problem:  # torn down outside the lock: host threads must never wait on a dying engine
-                self._fail(link, problem)
-                return
-        self._tick(link, time.monotonic())
-
-    def _open_link(self) -> None:
-        cfg = self.config
-        token = secrets.token_hex(16)
-        endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
-        curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
-                 if cfg.curve_secret_file and cfg.curve_server_public_file else None)
-        channel = lane = None
-        try:
-            if cfg.launch:  # we bind both: the control endpoint and the frame lane next to it
-                channel = Channel(self._ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
-                lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
-                    lane_bind_address(channel.endpoint)
-                lane = FrameLane(self._ctx, lane_address, bind=True, side="host")
-            else:
-                channel = Channel(self._ctx, cfg.endpoint, bind=False, curve=curve)
-        except Exception as exc:
-            if channel is not None:
-                channel.close()
-            if endpoint:
-                endpoint.remove()
-            self._set_state("dead", f"cannot open the control endpoint: {exc}")
-            return
-        proc = None
-        if cfg.launch:
-            args = ["--connect", channel.endpoint, "--config", cfg.engine_config,
-                    "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
-            for o in cfg.engine_overrides:
-                args += ["--set", o]
-            if cfg.passthrough:
-                args.append("--passthrough")
-            args += list(cfg.engine_args)
-            try:
-                proc = EngineProcess(engine_argv(cfg.engine_python, *args), cwd=cfg.engine_cwd,
-                                     env={TOKEN_ENV: token})
-            except OSError as exc:
-                channel.close()
-                lane.close()
-                if endpoint:
-                    endpoint.remove()
-                self._set_state("dead", f"cannot start the engine with {cfg.engine_python!r}: {exc}")
-                return
-        link = Link(next(self._link_ids), channel, lane, proc, endpoint, token if cfg.launch else None, cfg,
-                    self._lock, curve=curve)
-        with self._cond:
-            self._link = link
-            self._set_state("starting" if self._restarts == 0 else "restarting",
-                            "launching the engine" if cfg.launch else f"connecting to {cfg.endpoint}")
-        if not cfg.launch:
-            link.send_hello()
-
-    def _handle(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> str | None:
-        """Act on one message; returns a reason to give up on this engine, or None."""
-        kind = msg["type"]
-        link.heard()
-        with self._cond:
-            if kind == "heartbeat":
-                link.engine_busy_s = msg.get("busy_s") or 0.0
-            elif kind == "hello":
-                return link.on_hello(msg)
-            elif kind == "ready":
-                if not link.hello_done:
-                    link.channel.refuse("ready before hello")
-                    return None
-                link.on_ready(msg.get("info") or {})
-                self._send_wanted(link)
-                self._set_state("running", "engine running")
-                self._pump()
-            elif kind == "status":
-                self._message = msg.get("message", "")
-                if msg["state"] == "error":
-                    self._last_error = self._message
-            elif kind in LANE_MESSAGES:
-                link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
-            elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
-                if kind == "stats":
-                    self._engine_stats = msg.get("data") or {}
-                if kind == "ack" and msg["id"] in link.ring_requests:
-                    link.retire_older(link.ring_requests.pop(msg["id"]))
-                elif kind != "stats" or msg["id"] not in link.stats_requests:
-                    self._replies[msg["id"]] = msg
-                    if len(self._replies) > 64:
-                        self._replies.pop(next(iter(self._replies)))
-                link.stats_requests.discard(msg["id"])
-                if kind == "error":
-                    self._last_error = msg["message"]
-                    self._counts["errors"] += 1
-                self._cond.notify_all()
-            elif kind == "error":
-                self._last_error = self._message = f"engine error: {msg['message']}"
-                self._counts["errors"] += 1
-            elif kind == "bye":
-                return f"engine said bye: {msg.get('reason', '')}"
-            else:
-                link.channel.refuse(f"unexpected {kind} message from the engine")
-        return None
-
-    def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
-        ring = link.ring_out
-        if ring is None or msg["gen"] != ring.spec.generation:
-            self._counts["stale"] += 1
-            return
-        try:
-            if self.config.transport == "cuda-ipc":
-                self._out_device = _device_latest(self._out_device, ring)
-                ring.copy_to(msg["slot"], self._out_device, 0)
-                frame = None
-            else:
-                frame = ring.read(msg["slot"], payload)
-                frame.setflags(write=False)  # every latest() caller gets this same array
-        except (ValueError, RuntimeError) as exc:
-            link.lane.refuse(f"output frame: {exc}")
-            return
-        link.release_output(msg["slot"], msg["gen"])
-        now = time.monotonic()
-        self._counts["received"] += 1
-        self._out_frame, self._out_seq, self._out_link = frame, msg["seq"], link.id
-        self._out_times.append(now)
-        t0 = self._submit_times.pop(msg["seq"], None)
-        if t0 is not None:
-            self._latencies.append(now - t0)
-        if self._collect is not None:
-            self._collect[msg["seq"]] = frame if frame is not None else self._output_array()
-        self._cond.notify_all()
-
-    def _tick(self, link: Link, now: float) -> None:
-        cfg = self.config
-        problem = link.check(now)
-        if problem:
-            self._fail(link, problem)
-            return
-        link.maybe_heartbeat(now)
-        if link.ready and now - link.last_stats > STATS_INTERVAL_S:
-            link.request_stats(next(self._ids))
-        if link.ready and now - link.ready_at > STABLE_AFTER_S:
-            self._backoff = cfg.restart_backoff_s
-        self._drain(0.0, link)  # outputs and releases nobody asked for yet (never waits for the lane)
+    def _on_tick(self, link: Link) -> None:
+        """The loop thread's turn at the frames: outputs and releases nobody asked for yet (never waiting
+        for the lane), then the pending frame."""
+        self._drain(0.0, link)
         with self._lock:
             self._pump()
-
-    def _fail(self, link: Link, reason: str) -> None:
-        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart."""
-        with self._cond:
-            if self._link is not link:
-                return
-            self._link = None
-            self._log_tail = link.log_tail()
-        link.teardown(reason, self.config.stop_timeout_s)
-        with self._cond:
-            self._log_tail = link.log_tail()
-            if self.config.restart and not self._closing:
-                self._restarts += 1
-                self._next_start = time.monotonic() + self._backoff
-                self._set_state("restarting", f"{reason}; restarting in {self._backoff:.1f} s")
-                self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
-            else:
-                self._set_state("dead", reason)
-
-    def _set_state(self, state: str, message: str) -> None:
-        with self._cond:
-            self._state, self._message = state, message
-            self._cond.notify_all()
-
-
-def _check_device_frame(pitch: int, width: int, height: int, channels: int, dtype: str) -> None:
-    if channels not in (1, 3, 4):
-        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
-    if dtype not in formats.DTYPE_NAMES:
-        raise ValueError(f"dtype: {dtype} is not allowed; expected one of {', '.join(formats.DTYPE_NAMES)}")
-    if width < 1 or height < 1:
-        raise ValueError(f"size: {width}x{height} is not allowed; expected at least 1x1")
-    row = width * channels * np.dtype(dtype).itemsize
-    if pitch < row:
-        raise ValueError(f"pitch: {pitch} bytes is smaller than one row ({row} bytes)")
-
-
-def _device_latest(current: Any, ring: Any) -> Any:
-    """A one-slot device buffer shaped like the output ring (the newest output lives there)."""
-    from host_bridge.transport_cuda import CudaRing
-
-    s = ring.spec
-    if current is not None and (current.spec.width, current.spec.height, current.spec.channels,
-                                current.spec.dtype) == (s.width, s.height, s.channels, s.dtype):
-        return current
-    if current is not None:
-        current.close()
-    return CudaRing.create(device=ring.device, transport="cuda-ipc", dir="out", slots=1, generation=0, width=s.width,
-                           height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
-                           orientation=s.orientation)
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]

@@ -1,0 +1,81 @@
+"""What the bridge counts and times, and the `BridgeStatus` a host shows its user.
+
+The bookkeeping lives in one object so that its bounds are in one place: submit times are kept
+only for a limited number of frames (a stalled engine must not grow the host), latencies and
+output times in fixed windows. `latest()` reads fps and the median latency once per frame, so
+both are computed in plain Python, cheaply. The bridge calls into it with its own lock held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+LATENCY_WINDOW = 256
+SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
+FPS_IDLE_S = 1.0  # no output for this long: the output rate reads 0
+
+
+@dataclass
+class BridgeStatus:
+    """What the host shows its user about the engine and the frame it was just given."""
+
+    state: str = "stopped"  # starting | running | restarting | dead | stopped
+    fps: float = 0.0
+    latency_ms: float = 0.0
+    dropped: int = 0
+    message: str = ""
+    log_tail: list[str] = field(default_factory=list)
+    seq: int = -1  # input sequence number the returned frame came from; -1 for a fallback frame
+    fallback: bool = True
+    restarts: int = 0
+    frames_out: int = 0
+
+
+class FrameStats:
+    """Frame counters, submit-to-output latencies, the output rate and the engine's latest report."""
+
+    def __init__(self) -> None:
+        self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
+        self.engine: dict[str, Any] = {}  # the engine's latest stats report
+        self._submit_times: dict[int, float] = {}
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+
+    def sent(self, seq: int, t: float) -> None:
+        """Input `seq`, submitted at `t`, went into a slot."""
+        self.counts["sent"] += 1
+        self._submit_times[seq] = t
+        if len(self._submit_times) > SEQ_TIMES_LIMIT:
+            self._submit_times.pop(next(iter(self._submit_times)))
+
+    def received(self, seq: int, now: float) -> None:
+        """The output of input `seq` arrived at `now`."""
+        self.counts["received"] += 1
+        self._out_times.append(now)
+        t0 = self._submit_times.pop(seq, None)
+        if t0 is not None:
+            self._latencies.append(now - t0)
+
+    def dropped(self) -> int:
+        """Frames dropped on this side and, as the engine last reported, on its side."""
+        return self.counts["dropped"] + int(self.engine.get("dropped", 0))
+
+    def fps(self) -> float:
+        t = self._out_times
+        if len(t) < 2 or time.monotonic() - t[-1] > FPS_IDLE_S:
+            return 0.0
+        return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
+
+    def latency_ms(self, q: float) -> float:
+        """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
+        and np.percentile costs about 0.1 ms there."""
+        values = sorted(self._latencies)
+        if not values:
+            return 0.0
+        k = (len(values) - 1) * q / 100
+        lo = int(k)
+        hi = min(lo + 1, len(values) - 1)
+        return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000

@@ -1,0 +1,76 @@
+"""Opening one link to an engine: sockets, and the engine process when the bridge launches it.
+
+Launching, the bridge binds both the control endpoint and the frame lane next to it (a private
+endpoint unless the config names one) and starts the engine with a fresh token in its environment;
+connecting to a served engine, it only connects the control channel (the engine's hello names the
+lane). Whatever was opened is closed again when a later step fails, so a failed attempt leaves
+no socket, endpoint file or process behind; the caller gets a `LinkOpenError` saying what failed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+
+import zmq
+
+from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.config import BridgeConfig
+from host_bridge.frame_lane import FrameLane, lane_bind_address
+from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
+from host_bridge.link import Link
+
+TOKEN_BYTES = 16
+
+
+class LinkOpenError(Exception):
+    """The link could not be opened; the message says what failed."""
+
+
+def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock: threading.RLock) -> Link:
+    """A new `Link` (taking its id from `link_ids` only once it exists); the engine launched if `cfg.launch`."""
+    token = secrets.token_hex(TOKEN_BYTES)
+    endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
+    curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
+             if cfg.curve_secret_file and cfg.curve_server_public_file else None)
+    channel = lane = None
+    try:
+        if cfg.launch:  # we bind both: the control endpoint and the frame lane next to it
+            channel = Channel(ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+            lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
+                lane_bind_address(channel.endpoint)
+            lane = FrameLane(ctx, lane_address, bind=True, side="host")
+        else:
+            channel = Channel(ctx, cfg.endpoint, bind=False, curve=curve)
+    except Exception as exc:
+        if channel is not None:
+            channel.close()
+        if endpoint:
+            endpoint.remove()
+        raise LinkOpenError(f"cannot open the control endpoint: {exc}") from exc
+    proc = None
+    if cfg.launch:
+        try:
+            proc = EngineProcess(engine_argv(cfg.engine_python, *_engine_args(cfg, channel.endpoint)),
+                                 cwd=cfg.engine_cwd, env={TOKEN_ENV: token})
+        except OSError as exc:
+            channel.close()
+            lane.close()
+            if endpoint:
+                endpoint.remove()
+            raise LinkOpenError(f"cannot start the engine with {cfg.engine_python!r}: {exc}") from exc
+    return Link(next(link_ids), channel, lane, proc, endpoint, token if cfg.launch else None, cfg, lock,
+                curve=curve)
+
+
+def _engine_args(cfg: BridgeConfig, control_endpoint: str) -> list[str]:
+    """The launched engine's command line: where to connect, its config, and the host's extras."""
+    args = ["--connect", control_endpoint, "--config", cfg.engine_config,
+            "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
+    for o in cfg.engine_overrides:
+        args += ["--set", o]
+    if cfg.passthrough:
+        args.append("--passthrough")
+    return args + list(cfg.engine_args)
