@@ -24,16 +24,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
 from host_bridge import Bridge, BridgeConfig  # noqa: E402
 
 SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
 SMOKE_SIZES = {"64x48": (64, 48), "128x96": (128, 96)}
-
-
-def _percentiles(samples_s: list[float]) -> dict[str, float]:
-    ms = np.asarray(samples_s) * 1000
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "mean_ms": float(ms.mean()), "n": len(ms)}
 
 
 class DeviceBuffers:
@@ -89,45 +84,28 @@ def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
         samples.append(time.perf_counter() - t0)
     for r in rings:
         r.close()
-    return _percentiles(samples)
+    return percentiles(samples)
 
 
 def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
     buf = DeviceBuffers(w, h)
-    handoff, baseline = [], []
-    for i in range(frames + warmup):
-        t0 = time.perf_counter()
-        bridge.submit_cuda(buf.src_ptr, buf.pitch, w, h, 4, "uint8")
-        if not bridge.wait_for_output(bridge.last_seq, 10):
-            raise RuntimeError(f"no output for frame {i}: {bridge.status()}")
-        bridge.latest_cuda(buf.dst_ptr, buf.pitch)
-        t1 = time.perf_counter()
-        if i >= warmup:
-            handoff.append(t1 - t0)
-            baseline.append(buf.copy_once())
+    handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup)
     assert buf.equal(), "round trip changed the frame"
-    return {"handoff": _percentiles(handoff), "device_copy": _percentiles(baseline),
+    baseline = [buf.copy_once() for _ in range(frames)]
+    return {"handoff": handoff, "device_copy": percentiles(baseline),
             "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
 
 
 def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
     src = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    handoff, baseline = [], []
-    out = None
-    for i in range(frames + warmup):
-        t0 = time.perf_counter()
-        bridge.submit(src)
-        if not bridge.wait_for_output(bridge.last_seq, 10):
-            raise RuntimeError(f"no output for frame {i}: {bridge.status()}")
-        out, _ = bridge.latest()
-        t1 = time.perf_counter()
-        if i >= warmup:
-            handoff.append(t1 - t0)
-            c0 = time.perf_counter()
-            np.copyto(np.empty_like(src), src)
-            baseline.append(time.perf_counter() - c0)
+    handoff, out = handoff_host(bridge, src, frames, warmup)
     assert np.array_equal(out, src), "round trip changed the frame"
-    return {"handoff": _percentiles(handoff), "host_copy": _percentiles(baseline),
+    baseline = []
+    for _ in range(frames):
+        c0 = time.perf_counter()
+        np.copyto(np.empty_like(src), src)
+        baseline.append(time.perf_counter() - c0)
+    return {"handoff": handoff, "host_copy": percentiles(baseline),
             "copies_floor": copies_floor_shm(src, frames), "bytes": src.nbytes}
 
 
@@ -147,7 +125,7 @@ def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
         samples.append(time.perf_counter() - t0)
     for r in (peer_in, peer_out, ring_in, ring_out):
         r.close()
-    return _percentiles(samples)
+    return percentiles(samples)
 
 
 def main() -> int:

@@ -145,6 +145,10 @@ def summary_table(result: dict[str, Any]) -> str:
     ]
     for stage, v in loom["stages_ms"].items():
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
+    if "bridge" in result:
+        b = result["bridge"]
+        rows.append(("stage bridge", f"{b['mean_ms']:.2f} ms/frame (p50 {b['p50_ms']:.2f}, p99 {b['p99_ms']:.2f}; "
+                                     f"{b['transport']} round trip, pass-through engine)"))
     if loom.get("gpu_memory_peak_bytes"):
         rows.append(("GPU memory peak", f"{loom['gpu_memory_peak_bytes'] / 2**30:.2f} GiB"))
     if loom.get("gpu_memory_reserved_peak_bytes"):

@@ -26,6 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also time diffusers' eager Wan transformer+VAE on the same shapes")
     p.add_argument("--baseline-chunks", type=int, default=20)
+    p.add_argument("--bridge", choices=("auto", "shm", "cuda-ipc", "none"), default="auto",
+                   help="also time the host bridge's round trip at the output size through a pass-through "
+                        "engine process (auto: cuda-ipc on a GPU, else shm)")
+    p.add_argument("--bridge-frames", type=int, default=300)
     p.add_argument("--memory-cap-gib", type=float, default=0.0,
                    help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
                         "24 GB card suffices; use with --set memory.low_vram=true)")
@@ -69,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
     result["loom"] = run_loom(cfg, frames, args.warmup, args.input_fps)
     if args.memory_cap_gib > 0:
         torch.cuda.set_per_process_memory_fraction(1.0)  # the baseline is not what is being capped
+    if args.bridge != "none":
+        from engine.bridge_probe import probe
+
+        transport = args.bridge if args.bridge != "auto" else ("cuda-ipc" if torch.cuda.is_available() else "shm")
+        print(f"loom bench: bridge round trip over {transport} (pass-through engine process)", flush=True)
+        result["bridge"] = probe(transport, cfg.resolution.width, cfg.resolution.height, frames=args.bridge_frames)
     if args.baseline:
         print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", flush=True)
         result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)

@@ -1,0 +1,87 @@
+"""What the host bridge adds per frame: a round trip through a real pass-through engine process.
+
+The session's own stages are timed inside the engine; what a host additionally pays is the
+hand-off: its copy into an input slot, the notice, the engine's slot-to-slot copy, the notice
+back and the copy out. A pass-through engine (`loom serve --passthrough`, launched by the
+bridge as a host would) makes that the only work, so submit -> output back is the bridge's
+cost. `loom bench` reports it as the `bridge` stage; `benchmarks/bench_ipc.py` uses the same
+loops on their own.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from host_bridge import Bridge, BridgeConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ANSWER_TIMEOUT_S = 10.0  # a pass-through engine answers in milliseconds; this only catches a dead one
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(samples_s) * 1000.0
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "mean_ms": float(ms.mean()), "n": len(ms)}
+
+
+def passthrough_bridge(transport: str) -> Bridge:
+    """A bridge that launches a pass-through engine when started (`with` starts and closes it)."""
+    return Bridge(BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(REPO_ROOT)))
+
+
+def _wait(bridge: Bridge, i: int) -> None:
+    if not bridge.wait_for_output(bridge.last_seq, ANSWER_TIMEOUT_S):
+        raise RuntimeError(f"bridge probe: no output for frame {i}: {bridge.status()}")
+
+
+def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int) -> tuple[dict[str, float], np.ndarray]:
+    """Host arrays (shm or tcp): submit -> `latest()`; returns the timings and the last output."""
+    samples, out = [], None
+    for i in range(frames + warmup):
+        t0 = time.perf_counter()
+        bridge.submit(frame)
+        _wait(bridge, i)
+        out, _ = bridge.latest()
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return percentiles(samples), out
+
+
+def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width: int, height: int,
+                   channels: int, dtype: str, frames: int, warmup: int) -> dict[str, float]:
+    """Device buffers (cuda-ipc): `submit_cuda` -> `latest_cuda` into the caller's buffer."""
+    samples = []
+    for i in range(frames + warmup):
+        t0 = time.perf_counter()
+        bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype)
+        _wait(bridge, i)
+        bridge.latest_cuda(dst_ptr, pitch)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return percentiles(samples)
+
+
+def probe(transport: str, width: int, height: int, frames: int = 200, warmup: int = 20) -> dict[str, Any]:
+    """The bridge's round trip for RGB uint8 frames of width x height over `transport`."""
+    with passthrough_bridge(transport) as bridge:
+        bridge.wait_running(60)
+        if transport == "cuda-ipc":
+            import torch
+
+            src = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            torch.cuda.synchronize()
+            timing = handoff_device(bridge, src.data_ptr(), dst.data_ptr(), width * 3, width, height, 3, "uint8",
+                                    frames, warmup)
+            exact = bool(torch.equal(src, dst))
+        else:
+            src = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+            timing, out = handoff_host(bridge, src, frames, warmup)
+            exact = out is not None and np.array_equal(out, src)
+    if not exact:
+        raise RuntimeError(f"bridge probe: the {transport} round trip changed the frame")
+    return {"transport": transport, "width": width, "height": height, **timing}
