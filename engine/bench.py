@@ -145,7 +145,9 @@ def summary_table(result: dict[str, Any]) -> str:
     ]
     for stage, v in loom["stages_ms"].items():
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
-    if "bridge" in result:
+    if "bridge" in result and "error" in result["bridge"]:
+        rows.append(("stage bridge", f"not measured: {result['bridge']['error']}"))
+    elif "bridge" in result:
         b = result["bridge"]
         rows.append(("stage bridge", f"{b['mean_ms']:.2f} ms/frame (p50 {b['p50_ms']:.2f}, p99 {b['p99_ms']:.2f}; "
                                      f"{b['transport']} round trip, pass-through engine)"))

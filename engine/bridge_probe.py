@@ -66,16 +66,17 @@ def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width
 
 
 def probe(transport: str, width: int, height: int, frames: int = 200, warmup: int = 20) -> dict[str, Any]:
-    """The bridge's round trip for RGB uint8 frames of width x height over `transport`."""
+    """The bridge's round trip for uint8 frames of width x height over `transport`: RGB host arrays
+    on shm/tcp, RGBA device buffers (what a TouchDesigner TOP hands over) on cuda-ipc."""
     with passthrough_bridge(transport) as bridge:
         bridge.wait_running(60)
         if transport == "cuda-ipc":
             import torch
 
-            src = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, device="cuda")
+            src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
             torch.cuda.synchronize()
-            timing = handoff_device(bridge, src.data_ptr(), dst.data_ptr(), width * 3, width, height, 3, "uint8",
+            timing = handoff_device(bridge, src.data_ptr(), dst.data_ptr(), width * 4, width, height, 4, "uint8",
                                     frames, warmup)
             exact = bool(torch.equal(src, dst))
         else:

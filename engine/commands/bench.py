@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
         transport = args.bridge if args.bridge != "auto" else ("cuda-ipc" if torch.cuda.is_available() else "shm")
         print(f"loom bench: bridge round trip over {transport} (pass-through engine process)", flush=True)
-        result["bridge"] = probe(transport, cfg.resolution.width, cfg.resolution.height, frames=args.bridge_frames)
+        try:
+            result["bridge"] = probe(transport, cfg.resolution.width, cfg.resolution.height, frames=args.bridge_frames)
+        except Exception as exc:  # the pipeline's numbers above must not be lost to a bridge problem
+            result["bridge"] = {"transport": transport, "error": f"{type(exc).__name__}: {exc}"}
     if args.baseline:
         print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", flush=True)
         result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
