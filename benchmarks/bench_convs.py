@@ -22,6 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.stage_timer import median_cuda_ms  # noqa: E402
+
 # (label, channels in, channels out, frames out, height, width): steady chunk at 480x832
 SHAPES = (
     ("dec full-res 96", 96, 96, 4, 480, 832),
@@ -33,20 +37,6 @@ SHAPES = (
 )
 
 
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def bench_shape(cin: int, cout: int, t: int, h: int, w: int, iters: int) -> dict:
     dev, dt = torch.device("cuda"), torch.bfloat16
     cl3, cl2 = torch.channels_last_3d, torch.channels_last
@@ -54,9 +44,9 @@ def bench_shape(cin: int, cout: int, t: int, h: int, w: int, iters: int) -> dict
     wt = (torch.randn(cout, cin, 3, 3, 3, device=dev, dtype=dt) * 0.02).contiguous(memory_format=cl3)
     torch.backends.cudnn.benchmark_limit = 10
     ref = F.conv3d(x, wt, padding=(0, 1, 1))
-    ms3 = timed(lambda: F.conv3d(x, wt, padding=(0, 1, 1)), iters)
+    ms3 = median_cuda_ms(lambda: F.conv3d(x, wt, padding=(0, 1, 1)), iters)
     torch.backends.cudnn.benchmark_limit = 0
-    ms3all = timed(lambda: F.conv3d(x, wt, padding=(0, 1, 1)), iters)
+    ms3all = median_cuda_ms(lambda: F.conv3d(x, wt, padding=(0, 1, 1)), iters)
     torch.backends.cudnn.benchmark_limit = 10
     # conv2d over stacked taps: output frame i sees frames i, i+1, i+2 on its channels (tap-major)
     w2 = wt.permute(0, 2, 1, 3, 4).reshape(cout, 3 * cin, 3, 3).contiguous(memory_format=cl2)
@@ -67,9 +57,9 @@ def bench_shape(cin: int, cout: int, t: int, h: int, w: int, iters: int) -> dict
 
     xs = stack()
     err = (F.conv2d(xs, w2, padding=1).float() - ref[0].transpose(0, 1).float()).abs().max().item()
-    ms2 = timed(lambda: F.conv2d(xs, w2, padding=1), iters)
+    ms2 = median_cuda_ms(lambda: F.conv2d(xs, w2, padding=1), iters)
     return {"cin": cin, "cout": cout, "frames": t, "h": h, "w": w, "gflop": 2 * cin * cout * 27 * t * h * w / 1e9,
-            "conv3d_ms": ms3, "conv3d_all_ms": ms3all, "conv2d_taps_ms": ms2, "stack_ms": timed(stack, iters),
+            "conv3d_ms": ms3, "conv3d_all_ms": ms3all, "conv2d_taps_ms": ms2, "stack_ms": median_cuda_ms(stack, iters),
             "conv2d_max_abs_diff": err}
 
 

@@ -18,21 +18,7 @@ import torch
 from engine.model_loading import to_channels_last
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 from engine.models.wan_vae import VAE_PRESETS, WanVAE
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from engine.stage_timer import median_cuda_ms
 
 
 def profile(fn, label: str, rows: int) -> None:
@@ -71,7 +57,7 @@ def main() -> None:
         def dit_step():
             dit.forward_stream(x, t, cache, cross)
 
-        result["dit_ms"] = timed(dit_step, 20)
+        result["dit_ms"] = median_cuda_ms(dit_step, 20)
         t0 = time.perf_counter()
         for _ in range(10):
             dit_step()
@@ -89,8 +75,8 @@ def main() -> None:
         vae.decode_stream(torch.randn(1, 16, 2, 60, 104, device=dev, dtype=dt), st)
         px = torch.randn(1, 3, 4, 480, 832, device=dev, dtype=dt).contiguous(memory_format=cl)
         z = torch.randn(1, 16, 1, 60, 104, device=dev, dtype=dt)
-        result["vae_encode_ms"] = timed(lambda: vae.encode_stream(px, st), 10)
-        result["vae_decode_ms"] = timed(lambda: vae.decode_stream(z, st), 10)
+        result["vae_encode_ms"] = median_cuda_ms(lambda: vae.encode_stream(px, st), 10)
+        result["vae_decode_ms"] = median_cuda_ms(lambda: vae.decode_stream(z, st), 10)
         profile(lambda: vae.encode_stream(px, st), "VAE encode 4 frames", args.rows)
         profile(lambda: vae.decode_stream(z, st), "VAE decode 1 latent", args.rows)
     print(json.dumps(result, indent=1))

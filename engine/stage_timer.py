@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -44,3 +44,19 @@ class StageTimer:
             self._done.append((name, units, start.elapsed_time(end) / 1000.0))
         done, self._done = self._done, []
         return done
+
+
+def median_cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Benchmarks: the median GPU time of `fn` in ms, CUDA events around each call, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

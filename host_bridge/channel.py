@@ -18,11 +18,9 @@ ones `zmq.auth.create_certificates` writes. The frame lane uses the same keys.
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,11 +30,11 @@ from urllib.parse import urlsplit
 import zmq
 
 from host_bridge.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from host_bridge.wakeup import Wakeup
 
 SOCKET_HWM = 1000  # messages queued in ZMQ per direction before sends fail (never block)
 OUTBOX_LIMIT = 4096  # messages waiting for the loop thread; beyond that new ones are dropped and counted
 MAX_RECV_PER_POLL = 2000  # keep the loop responsive under a flood
-_wake_ids = itertools.count()
 
 
 class EndpointError(ValueError):
@@ -171,19 +169,11 @@ class Channel:
             self.close()
             raise
         self.endpoint = endpoint
-        wake_addr = f"inproc://loom-wake-{os.getpid()}-{next(_wake_ids)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.setsockopt(zmq.SNDHWM, 1)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        self._wake = Wakeup(ctx, "control")
         self._outbox: deque[list[Any]] = deque()
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._poller.register(self._wake.rx, zmq.POLLIN)
         self.refused = 0
         self.last_refusal = ""
         self.refused_at = 0.0
@@ -210,14 +200,7 @@ class Channel:
             self.dropped_messages += 1
             return False
         self._outbox.append(parts)
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a wake-up is already pending
-            except zmq.ZMQError:
-                return False  # closing
-        return True
+        return self._wake.ring()  # False: closing
 
     def _flush(self) -> None:
         while self._outbox:
@@ -233,12 +216,8 @@ class Channel:
         """Loop thread only: send what is queued, wait up to `timeout_s`, return decoded messages."""
         self._flush()
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
-        if self._wake_rx in events:
-            while True:
-                try:
-                    self._wake_rx.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        if self._wake.rx in events:
+            self._wake.drain()
             self._flush()
         out = []
         if self.sock in events:
@@ -268,10 +247,10 @@ class Channel:
         return len(self._outbox)
 
     def close(self) -> None:
-        for name in ("_wake_tx", "_wake_rx", "sock"):
-            s = getattr(self, name, None)
-            if s is not None:
-                s.close(linger=0)
+        wake = getattr(self, "_wake", None)
+        if wake is not None:
+            wake.close()
+        self.sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -23,7 +23,6 @@ side connects to it, through `lane_endpoint_for`, and with the control channel's
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import secrets
@@ -36,12 +35,12 @@ import zmq
 
 from host_bridge.channel import CurveClient, CurveServer, EndpointError, apply_curve_keys, check_endpoint
 from host_bridge.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from host_bridge.wakeup import Wakeup
 
 LANE_HWM = 1000  # far above what slots allow in flight; a send beyond it waits in the outbox
 OUTBOX_LIMIT = 256  # notices and releases are bounded by the ring slots; this only stops a runaway
 MAX_RECV_PER_CALL = 256
 ACCEPTS = {"host": {("frame", "out"), ("release", "in")}, "engine": {("frame", "in"), ("release", "out")}}
-_wake_ids = itertools.count()
 
 
 def lane_bind_address(control_endpoint: str) -> str:
@@ -95,18 +94,10 @@ class FrameLane:
             self.sock.close(linger=0)
             raise
         self.endpoint = endpoint
-        wake_addr = f"inproc://loom-lane-wake-{os.getpid()}-{next(_wake_ids)}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.setsockopt(zmq.SNDHWM, 1)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        self._wake = Wakeup(ctx, "lane")
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._poller.register(self._wake.rx, zmq.POLLIN)
         self._outbox: deque[list[Any]] = deque()
         self._queued = 0  # messages ever put in the outbox: tells `release()` whether others queued some
         self.sent = self.received = self.refused = self.dropped = 0
@@ -131,13 +122,7 @@ class FrameLane:
 
     def wake(self) -> None:
         """Make a thread waiting in `receive()` return now (a queued message, a command, closing)."""
-        with self._wake_lock:
-            if self._closed:
-                return
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # a wake-up is already pending
+        self._wake.ring()
 
     def acquire(self, blocking: bool = True, timeout_s: float = -1) -> bool:
         return self.lock.acquire(blocking, timeout_s)
@@ -160,9 +145,8 @@ class FrameLane:
         self._flush()
         ms = math.ceil(timeout_s * 1000) if timeout_s > 0 else 0
         events = dict(self._poller.poll(ms))
-        if self._wake_rx in events:
-            while self._wake_rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
-                self._wake_rx.recv(zmq.NOBLOCK)
+        if self._wake.rx in events:
+            self._wake.drain()
             self._flush()
         out = []
         if self.sock in events:
@@ -202,12 +186,11 @@ class FrameLane:
         """Wake a waiting holder, wait for the lock, close the sockets (and a bound ipc file). Idempotent."""
         self.wake()
         with self.lock:
-            with self._wake_lock:
-                if self._closed:
-                    return
-                self._closed = True
-                for s in (self._wake_tx, self._wake_rx, self.sock):
-                    s.close(linger=0)
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.close()
+            self.sock.close(linger=0)
             if self._ipc_file:
                 try:
                     os.unlink(self._ipc_file)
