@@ -37,6 +37,9 @@ class BridgeConfig:
     load_timeout_s: float = spec(900.0, min=1.0, max=7200.0, doc="hello to ready (model loading)")
     heartbeat_s: float = spec(0.2, min=0.01, max=1.0, doc="heartbeat interval, both ways")
     hang_timeout_s: float = spec(1.5, min=0.05, max=MAX_HANG_TIMEOUT_S, doc="silence that counts as a hang")
+    loading_hang_timeout_s: float = spec(30.0, min=0.05, max=600.0,
+                                         doc="the same while the engine loads: reading a checkpoint and compiling "
+                                             "can hold Python's GIL, and so its heartbeats, for seconds")
     restart: bool = spec(True, doc="restart (or reconnect) after a crash or hang")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
     restart_backoff_max_s: float = spec(10.0, min=0.0, max=600.0)
@@ -64,6 +67,9 @@ class BridgeConfig:
         if self.hang_timeout_s < 2 * self.heartbeat_s:
             raise ValueError(f"hang_timeout_s: {self.hang_timeout_s} must be at least twice heartbeat_s "
                              f"({self.heartbeat_s})")
+        if self.loading_hang_timeout_s < self.hang_timeout_s:
+            raise ValueError(f"loading_hang_timeout_s: {self.loading_hang_timeout_s} must be at least hang_timeout_s "
+                             f"({self.hang_timeout_s})")
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "bridge config") -> BridgeConfig:

@@ -190,8 +190,9 @@ class Link:
                 return f"no handshake from the engine within {self.cfg.handshake_timeout_s:.1f} s"
             return None
         silent = now - self.last_heard
-        if silent > self.cfg.hang_timeout_s:
-            return f"engine silent for {silent:.1f} s (hung or unreachable)"
+        loading = self.phase == "loading"
+        if silent > (self.cfg.loading_hang_timeout_s if loading else self.cfg.hang_timeout_s):
+            return f"engine silent for {silent:.1f} s{' while loading' if loading else ''} (hung or unreachable)"
         if self.phase == "loading" and now > self.load_deadline:
             return f"engine not ready within {self.cfg.load_timeout_s:.0f} s"
         return None

@@ -290,3 +290,23 @@ def test_missing_engine_python_is_reported_not_raised():
         assert status.state == "dead" and np.array_equal(out, frame)
     finally:
         bridge.close()
+
+
+def test_a_loading_engine_may_be_silent_longer_than_a_running_one():
+    """Reading a checkpoint or compiling can hold the engine's GIL (and its heartbeats) for seconds:
+    that must not get a loading engine killed and restarted forever, while a running one that goes
+    silent is still given up on after hang_timeout_s."""
+    import threading
+
+    from host_bridge.link import Link
+
+    cfg = _config(loading_hang_timeout_s=8.0)
+    link = Link(1, channel=None, lane=None, proc=None, endpoint=None, token=None, cfg=cfg, lock=threading.RLock())
+    link.phase = "loading"
+    link.load_deadline = link.last_heard + 100.0
+    assert link.check(link.last_heard + 3.0) is None  # 3 s > hang_timeout_s (1 s), still loading
+    assert "while loading" in link.check(link.last_heard + 9.0)
+    link.on_ready({})
+    assert "silent" in link.check(link.last_heard + 1.5)
+    with pytest.raises(ValueError, match="loading_hang_timeout_s"):
+        BridgeConfig(hang_timeout_s=1.0, loading_hang_timeout_s=0.5)
