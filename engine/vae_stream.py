@@ -19,6 +19,7 @@ import torch
 
 FRAMES_PER_LATENT = 4  # Wan's temporal compression: a steady step is 4 frames <-> 1 latent
 
+
 class FrameCache:
     """Per-direction (encode or decode) histories, keyed by the owning layer's name.
 
