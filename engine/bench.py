@@ -46,11 +46,14 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
     device = session.device
     t_start = time.perf_counter()
     first = session.push(frames[:5])
+    if not len(first):
+        first = session.poll(wait=True)
     ttff = time.perf_counter() - t_start if len(first) else None
     done = 5
     while done < warmup:
         session.push(frames[done:done + FRAMES_PER_CHUNK])
         done += FRAMES_PER_CHUNK
+    session.poll(wait=True)
     _sync(device)
     session.metrics.reset()
     load_peak = 0
@@ -65,6 +68,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
             while time.perf_counter() < due:
                 time.sleep(min(0.0005, due - time.perf_counter()))
         session.push(frames[i:i + FRAMES_PER_CHUNK])
+    session.poll(wait=True)
     _sync(device)
     elapsed = time.perf_counter() - t0
     stats = session.stats()

@@ -95,6 +95,10 @@ class StreamConfig:
     timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
     seed: int = spec(0, min=0, doc="noise seed; same seed and input give the same output")
     cuda_graphs: bool = spec(True, doc="replay the fixed-shape DiT and VAE chunk steps as CUDA graphs")
+    max_unfinished_chunks: int = spec(1, min=0, max=4,
+                                      doc="chunks a push may leave running on the GPU; 1 lets the next chunk's "
+                                          "encode overlap this one's denoise and decode, 0 = each push "
+                                          "returns its own frames")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

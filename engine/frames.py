@@ -92,9 +92,7 @@ class FrameMapper:
         if isinstance(frames_u8, torch.Tensor):
             t = frames_u8.to(self.device, non_blocking=True)
         else:
-            t = torch.from_numpy(frames_u8)
-            if self.device.type == "cuda":
-                t = t.pin_memory().to(self.device, non_blocking=True)
+            t = _to_device(torch.from_numpy(frames_u8), self.device)
         x = t.permute(0, 3, 1, 2).to(torch.float32)
         p = self._placement(frames_u8.shape[1], frames_u8.shape[2])
         top, left, h, w = p.box
@@ -108,11 +106,12 @@ class FrameMapper:
             x = canvas
         return (x / 127.5 - 1.0).to(self.dtype)
 
-    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
-        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size.
+    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size, on x's device.
 
-        A numpy array for host inputs; for tensor inputs a tensor on the compute device (no copy
-        through the CPU: the cuda-ipc server writes it straight into the output slot).
+        It stays on the device (no host sync here): the session hands it to a device caller as it
+        is (the cuda-ipc server writes it straight into the output slot) and copies it to pinned
+        host memory for a numpy caller, without waiting.
         """
         p = self._place or placement(self.height, self.width, self.height, self.width, "stretch")
         mt, ml, mh, mw = p.model_box
@@ -120,17 +119,15 @@ class FrameMapper:
         top, left, h, w = p.box
         if (mh, mw) != (h, w):
             y = F.interpolate(y, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
-        y = ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
-        on_device = isinstance(inputs_u8, torch.Tensor)
-        out = y.contiguous() if on_device else y.cpu().numpy()
+        out = ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
         if (h, w) == (p.in_h, p.in_w):
             return out
-        if on_device:
-            full = inputs_u8.to(y.device, copy=True)
+        if isinstance(inputs_u8, torch.Tensor):
+            full = inputs_u8.to(out.device, copy=True)
         elif inputs_u8 is not None:
-            full = inputs_u8.copy()
+            full = _to_device(torch.from_numpy(np.array(inputs_u8)), out.device)  # a copy: never the caller's
         else:
-            full = np.zeros((len(out), p.in_h, p.in_w, 3), np.uint8)
+            full = torch.zeros((len(out), p.in_h, p.in_w, 3), dtype=torch.uint8, device=out.device)
         full[:, top:top + h, left:left + w] = out
         return full
 
@@ -138,3 +135,10 @@ class FrameMapper:
         if self._place is None or (self._place.in_h, self._place.in_w) != (in_h, in_w):
             self._place = placement(in_h, in_w, self.height, self.width, self.policy)
         return self._place
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto the device without a host sync (through pinned memory on CUDA)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

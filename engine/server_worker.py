@@ -38,6 +38,7 @@ WAIT_S = 0.02
 ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
 FLUSH_WAIT_S = 2.0  # a flush waits this long at most for the frame notice it names to arrive
+OUTPUT_POLL_S = 0.001  # while a GPU session still runs a chunk, look for its frames this often
 
 
 class FrameWorker:
@@ -168,6 +169,8 @@ class FrameWorker:
             job = self._next_input()
             if job is not None:
                 self._process(*job)
+            elif getattr(self.session, "unfinished", 0):
+                self._take_outputs(self.session.poll())
             self._emit_due()
 
     def _run_commands(self) -> None:
@@ -224,9 +227,10 @@ class FrameWorker:
         return None
 
     def _wait_time(self) -> float:
+        wait = OUTPUT_POLL_S if getattr(self.session, "unfinished", 0) else WAIT_S
         if self._paced:
-            return max(0.0, min(WAIT_S, self._next_emit - time.monotonic()))
-        return WAIT_S
+            return max(0.0, min(wait, self._next_emit - time.monotonic()))
+        return wait
 
     def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
         self.busy_since = time.monotonic()
@@ -250,8 +254,7 @@ class FrameWorker:
             outputs = self.session.push(batch)
             self.counts["frames_in"] += 1
             self._seqs.append(seq)
-            for out in outputs:
-                self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
+            self._take_outputs(outputs)
             if time.monotonic() - self._stats_at > STATS_REFRESH_S:  # not per frame: off the hot path
                 self.session_stats = self.session.stats()
                 self._stats_at = time.monotonic()
@@ -265,6 +268,11 @@ class FrameWorker:
             self.error = text
         finally:
             self.busy_since = None
+
+    def _take_outputs(self, outputs: Any) -> None:
+        """Outputs come in input order, each paired with the seq of the input frame it answers."""
+        for out in outputs:
+            self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
 
     def _gpu(self) -> Any:
         """GPU slot reader/writer (torch), created on first use: only cuda-ipc rings need it."""

@@ -7,9 +7,11 @@ Stream-VAE decode -> frames back at the input size. One output frame per accepte
 in order.
 
 On CUDA the work that does not depend on the previous chunk (preprocessing, motion inputs and
-VAE encode) runs on a side stream, so when several chunks are waiting the encode of chunk n+1
-overlaps the denoise and decode of chunk n; CUDA events order the two streams. On a CPU the same
-code runs in order.
+VAE encode) runs on a side stream, so the encode of chunk n+1 overlaps the denoise and decode of
+chunk n; CUDA events order the two streams. For that to happen across pushes, a push does not
+wait for its own chunk: it returns the frames of chunks already finished, leaving at most
+`stream.max_unfinished_chunks` running (`poll()` collects them between pushes). On a CPU the same
+code runs in order and every push returns its own frames.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.flow_schedule import FlowSchedule
 from engine.frames import FrameMapper, validate_frames
 from engine.model_loading import LoadedModels, load_models
 from engine.motion_noise import MotionNoiseController
+from engine.output_queue import OutputQueue
 from engine.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.slo import MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stage_timer import StageTimer
@@ -154,7 +157,7 @@ class StreamSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
-        self._pending_out: list[np.ndarray | torch.Tensor] = []  # frames that left during a parameter change
+        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks)
 
     def close(self) -> None:
         self.prompt.close()
@@ -202,7 +205,7 @@ class StreamSession:
     @torch.inference_mode()
     def _change_steps(self, new: list[int], old: list[int]) -> None:
         """New step list: drain, then give each new row the cache row of the nearest old step."""
-        self._pending_out += self._emit(self.denoiser.drain())
+        self._emit(self.denoiser.drain())
         nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in new]
         self.denoiser.replace_cache(self.denoiser.cache.rows(nearest))
         self.denoiser.set_steps(new)
@@ -217,8 +220,9 @@ class StreamSession:
         return self.device.type == "cuda"
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that became ready,
-        as a numpy array (or, for tensor input, a tensor on the compute device)."""
+        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that are finished,
+        in order, as a numpy array (or, for tensor input, a tensor on the compute device). On a GPU
+        the newest chunk's frames may come from a later push or `poll()`."""
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
         if dropped:
@@ -239,6 +243,16 @@ class StreamSession:
         out = self._process(chunks)
         self._update_input_rate()
         return out
+
+    def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
+        """The outputs that finished since the last call, without new input; `wait`: all of them."""
+        with torch.inference_mode():
+            return self._ready_outputs(wait)
+
+    @property
+    def unfinished(self) -> int:
+        """Chunks of output frames not yet returned."""
+        return len(self._outputs)
 
     def flush(self) -> np.ndarray:
         """End of stream: pad the last partial chunk, drain the pipeline, return every remaining frame.
@@ -276,19 +290,23 @@ class StreamSession:
     def _process_chunks(self, chunks: list[_Chunk], drain: bool, padding: int) -> np.ndarray | torch.Tensor:
         for c in chunks:  # side stream: everything that does not wait for the previous chunk
             self._encode(c)
-        outputs, self._pending_out = self._pending_out, []
         for c in chunks:
             if self._side is not None:
                 torch.cuda.current_stream(self.device).wait_event(c.ready)
-            outputs += self._denoise(c)
+            self._denoise(c)
         if drain:
-            outputs += self._emit(self.denoiser.drain())
+            self._emit(self.denoiser.drain())
+        result = self._ready_outputs(wait=drain)
+        if padding:
+            result = result[:-padding]
+        return result
+
+    def _ready_outputs(self, wait: bool) -> np.ndarray | torch.Tensor:
+        outputs = self._outputs.take(wait_all=wait)
         self._collect_timings()
         if not outputs:
             return np.zeros((0, 0, 0, 3), np.uint8)
         result = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else np.concatenate(outputs)
-        if padding:
-            result = result[:-padding]
         self.metrics.on_output(len(result))
         return result
 
@@ -311,7 +329,7 @@ class StreamSession:
                 c.ready.record(stream)
                 c.latent.record_stream(torch.cuda.current_stream(self.device))
 
-    def _denoise(self, c: _Chunk) -> list[np.ndarray]:
+    def _denoise(self, c: _Chunk) -> None:
         self._advance_prompt()
         k = c.latent.shape[2]
         d = self.denoiser
@@ -328,19 +346,18 @@ class StreamSession:
         else:
             with self.timer.span("dit", None if c.first else (k, d.n)):
                 out.append((d.run_sequential(c.latent, c.t0), c))
-        emitted = self._emit(out)
+        self._emit(out)
         if self.cfg.stream.mode == "auto":
             self.slo.decide()
-        return emitted
 
-    def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> list[np.ndarray]:
-        frames = []
+    def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> None:
+        """Decode the chunks that left the denoiser and queue their frames for the caller."""
         for latent, chunk in leaving:
             with self.timer.span("decode", None if chunk.first else latent.shape[2]):
                 pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent, self.dec_state)
             with self.timer.span("postprocess", pixels.shape[2]):
-                frames.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
-        return frames
+                frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
+            self._outputs.add(frames, to_host=not isinstance(chunk.frames, torch.Tensor))
 
     def _advance_prompt(self) -> None:
         context, changed = self.prompt.advance()

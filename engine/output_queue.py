@@ -1,0 +1,69 @@
+"""Output frames on their way back from the GPU, handed out in order once they are finished.
+
+Why: a push that waited for its own chunk's frames left the GPU idle between pushes, and it
+stopped the next chunk's preprocessing and VAE encode (side stream) from running while this
+chunk denoises and decodes (main stream). Here a push enqueues its chunk's work and returns
+the frames of chunks that are already finished; at most `max_unfinished` chunks may still run
+on the GPU when a push returns, so the CPU never runs far ahead of the GPU (a queue there
+would only add latency). Host frames come back through pinned memory with a non-blocking
+copy; frames for a device caller stay on the device. On a CPU everything is finished at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Entry:
+    frames: np.ndarray | torch.Tensor
+    done: torch.cuda.Event | None  # None: finished when added
+
+
+class OutputQueue:
+    def __init__(self, device: torch.device, max_unfinished: int) -> None:
+        if max_unfinished < 0:
+            raise ValueError(f"max_unfinished: {max_unfinished} must be >= 0")
+        self.cuda = device.type == "cuda"
+        self.max_unfinished = max_unfinished
+        self._entries: deque[_Entry] = deque()
+
+    def __len__(self) -> int:
+        """Chunks of frames not yet handed out (finished or not)."""
+        return len(self._entries)
+
+    def add(self, frames: torch.Tensor, to_host: bool) -> None:
+        """Queue uint8 frames [T, H, W, 3] made on the current stream; `to_host`: hand out numpy."""
+        if not self.cuda:
+            self._entries.append(_Entry(frames.numpy() if to_host else frames, None))
+            return
+        if to_host:
+            pinned = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            pinned.copy_(frames, non_blocking=True)
+            out: np.ndarray | torch.Tensor = pinned.numpy()  # the array keeps the pinned block alive
+        else:
+            out = frames
+        done = torch.cuda.Event()
+        done.record()
+        self._entries.append(_Entry(out, done))
+
+    def take(self, wait_all: bool = False) -> list[np.ndarray | torch.Tensor]:
+        """The finished chunks, oldest first. Waits first until at most `max_unfinished` chunks
+        are still running (none with `wait_all`)."""
+        keep = 0 if wait_all else self.max_unfinished
+        unfinished = [e for e in self._entries if e.done is not None]
+        for entry in unfinished[:max(0, len(unfinished) - keep)]:
+            entry.done.synchronize()
+            entry.done = None
+        ready = []
+        while self._entries and (self._entries[0].done is None or self._entries[0].done.query()):
+            ready.append(self._entries.popleft().frames)
+        return ready
+
+    def clear(self) -> None:
+        """Forget what is queued (a new stream); the GPU work still finishes on its own."""
+        self._entries.clear()
