@@ -61,7 +61,10 @@ class OutputQueue:
             entry.done = None
         ready = []
         while self._entries and (self._entries[0].done is None or self._entries[0].done.query()):
-            ready.append(self._entries.popleft().frames)
+            frames = self._entries.popleft().frames
+            if self.cuda and isinstance(frames, torch.Tensor):  # made on another stream, used on the caller's
+                frames.record_stream(torch.cuda.current_stream(frames.device))
+            ready.append(frames)
         return ready
 
     def clear(self) -> None:

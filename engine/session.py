@@ -6,12 +6,16 @@ few-step causal DiT denoising with the rolling KV cache (stream-batch or sequent
 Stream-VAE decode -> frames back at the input size. One output frame per accepted input frame,
 in order.
 
-On CUDA the work that does not depend on the previous chunk (preprocessing, motion inputs and
-VAE encode) runs on a side stream, so the encode of chunk n+1 overlaps the denoise and decode of
-chunk n; CUDA events order the two streams. For that to happen across pushes, a push does not
-wait for its own chunk: it returns the frames of chunks already finished, leaving at most
-`stream.max_unfinished_chunks` running (`poll()` collects them between pushes). On a CPU the same
-code runs in order and every push returns its own frames.
+On CUDA the session runs on three streams of its own: the work that does not depend on the
+previous chunk (preprocessing, motion inputs, VAE encode), the denoise, and the decode, so the
+encode of chunk n+1, the denoise of chunk n and the decode of chunk n-1 can share the GPU (the
+DiT's 1560-token GEMMs and attention leave SMs idle that the VAE's convolutions fill); CUDA
+events order them. The caller's stream only carries its own frame conversions, so a caller that
+synchronises it (the cuda-ipc server does, before each slot read) never waits for the model.
+For the overlap to happen across pushes, a push does not wait for its own chunk: it returns the
+frames of chunks already finished, leaving at most `stream.max_unfinished_chunks` running
+(`poll()` collects them between pushes). On a CPU the same code runs in order and every push
+returns its own frames.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ class StreamSession:
         # Until the warm-up has compiled the steady shapes, compiling is how they get made; after
         # it, an unseen shape (new size, rare plan) runs eagerly: a compile would stall the stream.
         self._compile_stance = "default"
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if cuda else None
+        self._denoise_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._decode_stream = torch.cuda.Stream(self.device) if cuda else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram))
@@ -117,6 +124,8 @@ class StreamSession:
     def reset(self) -> None:
         """Start a new stream: caches, positions, noise, metrics; the prompt stays."""
         cfg = self.cfg
+        if self.device.type == "cuda":  # caches are reset in place: no stream may still be using them
+            torch.cuda.synchronize(self.device)
         self.metrics = StreamMetrics(cfg.slo.latency_budget_ms / 1000.0)
         ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
         self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
@@ -158,6 +167,8 @@ class StreamSession:
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks)
+        if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.prompt.close()
@@ -205,6 +216,10 @@ class StreamSession:
     @torch.inference_mode()
     def _change_steps(self, new: list[int], old: list[int]) -> None:
         """New step list: drain, then give each new row the cache row of the nearest old step."""
+        with _on(self._denoise_stream):
+            self._drain_into(new, old)
+
+    def _drain_into(self, new: list[int], old: list[int]) -> None:
         self._emit(self.denoiser.drain())
         nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in new]
         self.denoiser.replace_cache(self.denoiser.cache.rows(nearest))
@@ -284,10 +299,15 @@ class StreamSession:
             self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray | torch.Tensor:
+        if self._side is not None:  # the inputs were stacked or converted on the caller's stream
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.compiler.set_stance(self._compile_stance):
-            return self._process_chunks(chunks, drain, padding)
+            with _on(self._denoise_stream):
+                self._run_chunks(chunks, drain)
+            result = self._ready_outputs(wait=drain)  # on the caller's stream, where it will be used
+        return result[:-padding] if padding else result
 
-    def _process_chunks(self, chunks: list[_Chunk], drain: bool, padding: int) -> np.ndarray | torch.Tensor:
+    def _run_chunks(self, chunks: list[_Chunk], drain: bool) -> None:
         for c in chunks:  # side stream: everything that does not wait for the previous chunk
             self._encode(c)
         for c in chunks:
@@ -296,10 +316,6 @@ class StreamSession:
             self._denoise(c)
         if drain:
             self._emit(self.denoiser.drain())
-        result = self._ready_outputs(wait=drain)
-        if padding:
-            result = result[:-padding]
-        return result
 
     def _ready_outputs(self, wait: bool) -> np.ndarray | torch.Tensor:
         outputs = self._outputs.take(wait_all=wait)
@@ -312,7 +328,7 @@ class StreamSession:
 
     def _encode(self, c: _Chunk) -> None:
         stream = self._side
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with _on(stream):
             with self.timer.span("preprocess", len(c.frames)):
                 x = self.mapper.to_model(c.frames)
             # The stream's first chunk (5 frames, eager, masked attention) says nothing about steady
@@ -352,12 +368,18 @@ class StreamSession:
 
     def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> None:
         """Decode the chunks that left the denoiser and queue their frames for the caller."""
+        stream = self._decode_stream
         for latent, chunk in leaving:
-            with self.timer.span("decode", None if chunk.first else latent.shape[2]):
-                pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent, self.dec_state)
-            with self.timer.span("postprocess", pixels.shape[2]):
-                frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
-            self._outputs.add(frames, to_host=not isinstance(chunk.frames, torch.Tensor))
+            if stream is not None:  # after the denoise that made `latent`, which stays alive until used there
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                latent.record_stream(stream)
+            with _on(stream):
+                with self.timer.span("decode", None if chunk.first else latent.shape[2]):
+                    pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent,
+                                                  self.dec_state)
+                with self.timer.span("postprocess", pixels.shape[2]):
+                    frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
+                self._outputs.add(frames, to_host=not isinstance(chunk.frames, torch.Tensor))
 
     def _advance_prompt(self) -> None:
         context, changed = self.prompt.advance()
@@ -401,6 +423,11 @@ class StreamSession:
                                       if self.device.type == "cuda" else None),
         })
         return snap
+
+
+def _on(stream: torch.cuda.Stream | None) -> Any:
+    """Run the block on `stream` (CUDA), or in place (CPU: no streams)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
 def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
