@@ -253,7 +253,7 @@ class PipelineSession:
             while True:
                 kind, rank, info = self._events.get_nowait()
                 if kind == "error":
-                    raise PipelineError(f"pipeline rank {rank} failed:\n{info}")
+                    raise _rank_failed(rank, info)
                 self._pending_events.append((kind, rank, info))
         except std_mp.queues.Empty:
             pass
@@ -262,7 +262,7 @@ class PipelineSession:
                 try:  # its traceback may still be on the way
                     kind, rank, info = self._events.get(timeout=1.0)
                     if kind == "error":
-                        raise PipelineError(f"pipeline rank {rank} failed:\n{info}")
+                        raise _rank_failed(rank, info)
                 except std_mp.queues.Empty:
                     pass
                 raise PipelineError(f"pipeline rank {r} (pid {p.pid}) exited with code {p.exitcode}")
@@ -473,6 +473,12 @@ class PipelineSession:
             self.stage.totals.clear()
             self._wait_s, self._chunks_done = 0.0, 0
         return snap
+
+
+def _rank_failed(rank: int, trace: str) -> PipelineError:
+    """The rank's exception first (what a user reads), its traceback after."""
+    lines = trace.strip().splitlines()
+    return PipelineError(f"pipeline rank {rank} failed: {lines[-1] if lines else 'unknown error'}\n\n{trace}")
 
 
 def suggest_split(ranks: list[dict[str, Any]], chunks: int, num_blocks: int) -> list[int] | None:

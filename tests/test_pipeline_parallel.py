@@ -1,0 +1,165 @@
+"""The DiT pipeline over 2 ranks (CPU processes, gloo) computes what one process computes.
+
+Oracle: the single-process StreamSession on the same config (embedded tiny model, float32).
+The KV window is small and RoPE refresh early, so ring wrap-around, refresh shifts and
+adaptive sinks all happen on both ranks within a few chunks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ConfigError, load_config
+from engine.model_loading import load_models
+from engine.pipeline_parallel import PipelineError, PipelineSession
+from engine.pipeline_plan import NoiseLedger, balanced_split, even_split, stage_ranges
+from engine.session import StreamSession
+
+BASE = ["resolution.width=32", "resolution.height=32", "stream.mode=batch", "model.dtype=float32",
+        "stream.num_kv_cache=4", "stream.sink=1", "stream.rope_refresh_at=6"]
+
+
+def clip(n: int, seed: int = 0) -> np.ndarray:
+    base = np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    frames = np.stack([np.roll(base, 2 * i, axis=1) for i in range(n)])
+    frames[:, :2, :2] = np.arange(n)[:, None, None, None]  # some motion that differs per frame
+    return frames
+
+
+def stream(session, frames: np.ndarray, push: int = 3) -> np.ndarray:
+    outs = [session.push(frames[i:i + push]) for i in range(0, len(frames), push)]
+    outs.append(session.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
+def no_children_left() -> bool:
+    return not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("steps", ["[700]", "[700,500]"])
+def test_two_ranks_give_the_one_process_frames(steps):
+    overrides = [*BASE, f"stream.steps={steps}"]
+    frames = clip(41)  # 11 latent frames: the ring wraps and RoPE refreshes on every rank
+    reference = stream(StreamSession.from_config(load_config(None, overrides)), frames)
+    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2"])) as pipe:
+        assert pipe.split == [2, 2]
+        out = stream(pipe, frames)
+        again = stream(pipe, frames, push=5)  # a flush starts a new stream: the same frames again
+        stats = pipe.stats()
+    assert out.shape == frames.shape == reference.shape and out.dtype == np.uint8
+    diff = np.abs(out.astype(int) - reference.astype(int))
+    # float32 on both sides; only batch-size-dependent rounding may move a pixel by one level
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+    assert np.array_equal(out, again)
+    assert stats["frames_out"] == 2 * len(frames) and stats["dropped"] == 0
+    ranks = {r["rank"]: r for r in stats["ranks"]}
+    assert ranks[0]["blocks"] == [0, 2] and ranks[1]["blocks"] == [2, 4]
+    assert {"encode", "dit"} <= set(ranks[0]["stages_ms"]) and {"dit", "head", "decode"} <= set(ranks[1]["stages_ms"])
+    assert sum(stats["suggested_split"]) == 4
+    assert no_children_left()
+
+
+def test_the_comparison_can_fail():
+    # the oracle test above is only meaningful if another noise seed changes the frames
+    frames = clip(13)
+    a = stream(StreamSession.from_config(load_config(None, BASE)), frames)
+    b = stream(StreamSession.from_config(load_config(None, [*BASE, "stream.seed=1"])), frames)
+    assert np.abs(a.astype(int) - b.astype(int)).max() > 8
+
+
+def test_a_rank_that_fails_to_load_reports_its_error_and_leaves_nothing_behind(tmp_path):
+    # a partial checkpoint: blocks 2 and 3 (rank 1's) are missing
+    models = load_models(load_config(None, BASE))
+    weights = {k: v.contiguous() for k, v in models.dit.state_dict().items()
+               if not k.startswith(("blocks.2.", "blocks.3."))}
+    path = tmp_path / "partial.safetensors"
+    save_file(weights, str(path))
+    cfg = load_config(None, [*BASE, "parallel.gpus=2", f"model.checkpoint={path}"])
+    with pytest.raises(PipelineError, match=r"(?s)rank 1 failed.*blocks\.2\."):
+        PipelineSession(cfg)
+    assert no_children_left()
+
+
+def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
+    pipe = PipelineSession(load_config(None, [*BASE, "parallel.gpus=2"]))
+    frames = clip(21)
+    pipe.push(frames[:9])
+    os.kill(pipe._procs[0].pid, signal.SIGKILL)
+    pipe._procs[0].join(10)
+    with pytest.raises(PipelineError, match="rank 1"):
+        pipe.push(frames[9:])
+        pipe.flush()
+    assert no_children_left()
+    with pytest.raises(PipelineError, match="closed"):
+        pipe.push(frames[:4])
+    pipe.close()
+
+
+def test_bad_settings_are_refused_before_any_process_starts():
+    with pytest.raises(ConfigError, match="parallel.split"):
+        load_config(None, ["parallel.gpus=2", "parallel.split=[1,1,2]"])
+    with pytest.raises(ConfigError, match="sequential"):
+        load_config(None, ["parallel.gpus=2", "stream.mode=sequential"])
+    with pytest.raises(ValueError, match="parallel.split"):
+        PipelineSession(load_config(None, ["parallel.gpus=2", "parallel.split=[1,2]"]))  # 4 blocks
+    with pytest.raises(ValueError, match="parallel.gpus"):
+        PipelineSession(load_config(None, ["parallel.gpus=5"]))  # 5 ranks for 4 blocks
+    assert no_children_left()
+
+
+def test_block_splits():
+    assert even_split(30, 2) == [15, 15]
+    assert even_split(30, 4) == [7, 8, 8, 7]  # the VAE ranks get the smaller shares
+    assert [list(r) for r in stage_ranges([1, 3])] == [[0], [1, 2, 3]]
+    # rank 0 spends 20 ms outside its blocks, the last rank 35 ms (the decoder); 1 ms per block
+    split = balanced_split(30, [1.0, 1.0], [20.0, 35.0])
+    assert split in ([23, 7], [22, 8]) and sum(split) == 30
+
+
+def test_noise_ledger_replays_the_denoiser_draw_order():
+    """Draw for draw, the ledger hands out what StreamDenoiser's generator would have given."""
+    from engine.denoiser import StreamDenoiser
+    from engine.flow_schedule import FlowSchedule
+
+    shape = (1, 2, 1, 2, 2)
+    seen: list[torch.Tensor] = []
+
+    class Recorder(StreamDenoiser):
+        def _noise(self, like):
+            seen.append(super()._noise(like))
+            return seen[-1]
+
+    class Identity:
+        def forward_stream(self, x, t, cache, cross, commit=True):
+            return torch.zeros_like(x)
+
+    class Rows:
+        batch = 3
+
+        def rows(self, index):
+            return self
+
+        def set_rows(self, index, other):
+            pass
+
+    d = Recorder(Identity(), Rows(), None, [700, 500, 300], FlowSchedule(), torch.Generator().manual_seed(5))
+    ledger = NoiseLedger(3, torch.Generator().manual_seed(5), torch.device("cpu"), torch.float32)
+    d.run_sequential(torch.zeros(shape), 800.0)
+    ledger.sequential(0, shape)
+    for c in range(1, 5):
+        d.push_batch(torch.zeros(shape), 800.0, c)
+        ledger.batch(c, shape)
+    d.drain()
+    ledger.drain()
+    expected = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (1, 2), (3, 0), (3, 1), (2, 2),
+                (4, 0), (4, 1), (3, 2), (4, 2)]
+    assert len(seen) == len(expected)
+    for noise, key in zip(seen, expected):
+        assert torch.equal(ledger.take(*key), noise), key
