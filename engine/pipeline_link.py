@@ -6,9 +6,13 @@ timeout and reports a dead writer as EOF; a gloo receive cannot (a timed-out glo
 connection down). So the header (what follows, for which rows) travels over the pipe, and only
 once it has arrived are the receives of the tensors posted: they complete promptly.
 
-Tensors go point to point with isend/irecv: NCCL between GPUs, issued on a dedicated
-communication stream (ordered after the compute that produced them by a stream wait, so
-transfers overlap the next compute), gloo between CPU processes (tests).
+Tensors go point to point with isend/irecv: NCCL between GPUs, issued on dedicated
+communication streams (a send is ordered after the compute that produced it by a stream wait,
+so transfers overlap the next compute), gloo between CPU processes (tests). The return path
+(last rank -> rank 0) has its own process group: with 2 ranks both directions would otherwise
+share one communicator and its stream, where rank 0's send of tick t queued behind its receive
+of an older return (or the reverse on rank 1) can wait on each other for good once a message
+outgrows NCCL's buffers.
 """
 
 from __future__ import annotations
@@ -65,9 +69,12 @@ class PeerGone(RuntimeError):
 class Link:
     """One rank's ends: header pipes to and from its neighbours, tensors through torch.distributed."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, return_group: dist.ProcessGroup | None) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.return_group = return_group
+        cuda = device.type == "cuda"
+        self.send_stream = torch.cuda.Stream(device) if cuda else None
+        self.recv_stream = torch.cuda.Stream(device) if cuda else None
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     # ----- headers ----------------------------------------------------------------------
@@ -88,29 +95,33 @@ class Link:
             raise PeerGone("the neighbouring pipeline rank closed its end") from exc
 
     # ----- tensors ----------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, back: bool = False) -> None:
+        """Send to rank `dst` (`back`: on the return path, last rank -> rank 0)."""
         tensor = tensor.contiguous()
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                work = dist.isend(tensor, dst)
-            tensor.record_stream(self.stream)
+        group = self.return_group if back else None
+        if self.send_stream is not None:
+            self.send_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.send_stream):
+                work = dist.isend(tensor, dst, group=group)
+            tensor.record_stream(self.send_stream)
         else:
-            work = dist.isend(tensor, dst)
+            work = dist.isend(tensor, dst, group=group)
         self._sends.append((work, tensor))
-        if self.stream is not None:
+        if self.send_stream is not None:
             self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
         while len(self._sends) > MAX_PENDING_SENDS:
             self._sends.pop(0)[0].wait()
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, back: bool = False) -> torch.Tensor:
+        """Receive from rank `src`; on CUDA the current stream is made to wait for the transfer."""
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                dist.irecv(buf, src).wait()
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        group = self.return_group if back else None
+        if self.recv_stream is not None:
+            with torch.cuda.stream(self.recv_stream):
+                dist.irecv(buf, src, group=group).wait()
+            torch.cuda.current_stream(self.device).wait_stream(self.recv_stream)
         else:
-            dist.irecv(buf, src).wait()
+            dist.irecv(buf, src, group=group).wait()
         return buf
 
     def flush(self) -> None:

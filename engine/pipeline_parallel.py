@@ -142,8 +142,7 @@ class PipelineSession:
         cfg0 = rank_config(self.cfg, 0)
         self.models = load_models(cfg0, dit_blocks=self.ranges[0])
         self._await_events("loaded", self.P - 1)
-        init_group(cfg0, 0, self.P, init_file)
-        self.link = Link(self.device)
+        self.link = Link(self.device, init_group(cfg0, 0, self.P, init_file))
         self.dtype = self.models.dtype
         self.stage = Stage(cfg0, self.models, self.ranges[0])
         self.schedule = FlowSchedule(shift=self.cfg.stream.timestep_shift)
@@ -432,14 +431,14 @@ class PipelineSession:
                                     f"rows {back.chunks}")
             src = self.P - 1
             latents = self.link.recv((back.rows, self.models.dit.cfg.in_channels, back.frames, *self.stage.latent_hw),
-                                     self.dtype, src)
+                                     self.dtype, src, back=True)
             for j, chunk in enumerate(back.chunks):
                 step = back.first_step + j + 1
                 if step < self.n and keep:
                     self._returned.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
             if back.out_frames:
                 h_px, w_px = self.cfg.resolution.height, self.cfg.resolution.width
-                pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src)
+                pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src, back=True)
                 chunk = self._chunks.pop(back.chunks[-1])
                 self._chunks_done += 1
                 if keep:

@@ -196,8 +196,7 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
     stage = Stage(cfg, models, blocks)
     last = LastRank(cfg, models, stage) if rank == world - 1 else None
     events.put(("loaded", rank, None))
-    init_group(cfg, rank, world, init_file)
-    link = Link(device)
+    link = Link(device, init_group(cfg, rank, world, init_file))
     wait_s = 0.0
     with torch.inference_mode():
         while True:
@@ -228,20 +227,22 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
                 nxt, pixels = last.finish(header, p, p.tokens, cond)
                 out = replace(header, context_len=0, flags=0, out_frames=0 if pixels is None else pixels.shape[2])
                 link.send_header(outbox, out)
-                link.send(nxt, 0)
+                link.send(nxt, 0, back=True)
                 if pixels is not None:
-                    link.send(pixels, 0)
+                    link.send(pixels, 0, back=True)
             stage.collect()
         link.flush()
 
 
-def init_group(cfg: LoomConfig, rank: int, world: int, init_file: str) -> None:
-    """Join the ranks' process group: NCCL between GPUs, gloo between CPU processes."""
+def init_group(cfg: LoomConfig, rank: int, world: int, init_file: str) -> dist.ProcessGroup:
+    """Join the ranks' process group (NCCL between GPUs, gloo between CPU processes); returns the
+    group of the return path, rank P-1 -> rank 0 (see engine/pipeline_link.py)."""
     device = rank_device(cfg, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S), **kwargs)
+    return dist.new_group([0, world - 1])
 
 
 def worker_main(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connection, outbox: Connection,

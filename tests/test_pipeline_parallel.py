@@ -7,6 +7,7 @@ adaptive sinks all happen on both ranks within a few chunks.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -163,3 +164,18 @@ def test_noise_ledger_replays_the_denoiser_draw_order():
     assert len(seen) == len(expected)
     for noise, key in zip(seen, expected):
         assert torch.equal(ledger.take(*key), noise), key
+
+
+def test_loom_bench_gpus_reports_every_rank(tmp_path, capsys):
+    from engine.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--config", "default", "--gpus", "2", "--frames", "16", "--warmup", "9", "--bridge", "none",
+               "--no-baseline", "--set", "resolution.width=64", "--set", "resolution.height=64", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "rank 0 blocks 0-1" in table and "rank 1 blocks 2-3" in table and "suggested" in table
+    loom = json.loads(out.read_text())["loom"]
+    assert loom["gpus"] == 2 and loom["fps"] > 0 and loom["measured_frames"] > 0
+    assert {"decode", "dit"} <= set(loom["ranks"][1]["stages_ms"])
+    assert no_children_left()
