@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 from engine.config import LoomConfig
 from engine.flow_schedule import FlowSchedule
+from engine.kv_cache import CrossKV, KVCache, StreamStep
 from engine.model_loading import LoadedModels, load_models
 from engine.models.wan_dit import Conditioning
+from engine.pipeline_graphs import GraphedBlocks
 from engine.pipeline_link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
 from engine.stage_timer import StageTimer
 from engine.vae_stream import VAEGraphs
@@ -76,6 +78,8 @@ class Stage:
             rope_policy=st.rope_policy, refresh_at=st.rope_refresh_at, sink_threshold=st.sink_threshold,
             device=self.device, dtype=self.dtype, blocks=blocks)
         self.cross = None
+        graphs = st.cuda_graphs and self.device.type == "cuda"
+        self.graphed = GraphedBlocks(self._blocks) if graphs else None
         self.timer = StageTimer(self.device)
         self.totals: dict[str, list[float]] = {}  # stage -> [calls, seconds]
 
@@ -100,11 +104,17 @@ class Stage:
         rows = list(range(first_step, first_step + tokens.shape[0]))
         view = self.cache.rows(slice(rows[0], rows[-1] + 1))
         step = view.plan(frames, True)
-        tokens = self.dit.run_blocks(self.blocks.start, self.blocks.stop, tokens, cond, self.cross,
-                                     view.attention(step, self.dit.ops.rotate))
+        full = len(rows) == self.cache.batch  # steady state: every step row (fill and drain run eagerly)
+        run = self.graphed if self.graphed is not None and full else self._blocks
+        tokens = run(tokens, cond.mod, self.cross, view, step)
         view.finish(step)
         self.cache.set_rows(rows, view)
         return tokens
+
+    def _blocks(self, tokens: torch.Tensor, mod: torch.Tensor, cross: CrossKV, cache: KVCache,
+                step: StreamStep) -> torch.Tensor:
+        return self.dit.run_blocks(self.blocks.start, self.blocks.stop, tokens, Conditioning(temb=None, mod=mod),
+                                   cross, cache.attention(step, self.dit.ops.rotate))
 
     def collect(self) -> None:
         for name, _, seconds in self.timer.collect():
