@@ -150,8 +150,9 @@ class PipelineSession:
         self.mapper = FrameMapper(self.cfg.resolution.width, self.cfg.resolution.height,
                                   self.cfg.resolution.resize, self.device, self.dtype)
         pc = self.cfg.prompt
-        encoder = make_text_encoder(pc.encoder, self.models.dit.cfg.text_dim, pc.path,
-                                    "cuda" if self.device.type == "cuda" and pc.device != "cpu" else "cpu")
+        on_gpu = self.device.type == "cuda" and (pc.device == "cuda" or pc.device == "auto"
+                                                  and not self.cfg.memory.low_vram)
+        encoder = make_text_encoder(pc.encoder, self.models.dit.cfg.text_dim, pc.path, "cuda" if on_gpu else "cpu")
         self.prompt = PromptConditioner(encoder, pc.text, device=self.device, dtype=self.dtype,
                                         transition_chunks=pc.transition_chunks, blend_mode=pc.blend)
         nc = self.cfg.noise
@@ -301,17 +302,20 @@ class PipelineSession:
         self.prompt.request(check_prompt(text), transition_chunks)
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-        """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready."""
+        """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
+        Bad frames raise ValueError and leave the stream as it was."""
+        if self._closed:
+            raise PipelineError("the pipeline session is closed")
+        now = time.perf_counter()
+        good, dropped = validate_frames(frames)
+        if len(good) and self._buffer and self._buffer[0].shape != good.shape[1:]:
+            raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
+                             "inside a chunk; call flush() between sizes")
         with self._guard():
             self._check_ranks()
-            now = time.perf_counter()
-            good, dropped = validate_frames(frames)
             if dropped:
                 self.metrics.on_drop(dropped, "non-finite")
             if len(good):
-                if self._buffer and self._buffer[0].shape != good.shape[1:]:
-                    raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
-                                     "inside a chunk; call flush() between sizes")
                 self.metrics.on_input(len(good), now)
                 self._buffer.extend(good)
             while len(self._buffer) >= self._chunk_frames():

@@ -92,10 +92,13 @@ def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
     pipe = PipelineSession(load_config(None, [*BASE, "parallel.gpus=2"]))
     frames = clip(21)
     pipe.push(frames[:9])
+    with pytest.raises(ValueError):  # bad input is refused and the ring goes on
+        pipe.push(np.zeros((2, 32, 32), np.uint8))
+    pipe.push(frames[9:13])
     os.kill(pipe._procs[0].pid, signal.SIGKILL)
     pipe._procs[0].join(10)
     with pytest.raises(PipelineError, match="rank 1"):
-        pipe.push(frames[9:])
+        pipe.push(frames[13:])
         pipe.flush()
     assert no_children_left()
     with pytest.raises(PipelineError, match="closed"):
