@@ -61,6 +61,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
         done += FRAMES_PER_CHUNK
     _sync(device)
     if cfg.parallel.gpus > 1:
+        ttff = session.metrics.ttff_s  # a pipeline's first frame leaves after n*P chunks, not on the first push
         session.stats(reset=True)  # every rank's stage times too
     else:
         session.metrics.reset()

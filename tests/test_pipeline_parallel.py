@@ -48,18 +48,28 @@ def no_children_left() -> bool:
 def test_two_ranks_give_the_one_process_frames(steps):
     overrides = [*BASE, f"stream.steps={steps}"]
     frames = clip(41)  # 11 latent frames: the ring wraps and RoPE refreshes on every rank
-    reference = stream(StreamSession.from_config(load_config(None, overrides)), frames)
+    one = StreamSession.from_config(load_config(None, overrides))
+    reference = stream(one, frames)
     with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2"])) as pipe:
         assert pipe.split == [2, 2]
         out = stream(pipe, frames)
         again = stream(pipe, frames, push=5)  # a flush starts a new stream: the same frames again
+        changed = []
+        for session in (pipe, one):  # a prompt change blended over 2 chunks, from the 4th chunk on
+            head = session.push(frames[:13])
+            session.set_prompt("ink drawing, cross hatching", transition_chunks=2)
+            session.prompt.wait_pending()
+            changed.append(np.concatenate([o for o in (head, stream(session, frames[13:])) if len(o)]))
         stats = pipe.stats()
     assert out.shape == frames.shape == reference.shape and out.dtype == np.uint8
     diff = np.abs(out.astype(int) - reference.astype(int))
     # float32 on both sides; only batch-size-dependent rounding may move a pixel by one level
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
     assert np.array_equal(out, again)
-    assert stats["frames_out"] == 2 * len(frames) and stats["dropped"] == 0
+    assert changed[0].shape == out.shape and not np.array_equal(changed[0], out)
+    if steps == "[700]":  # one row per tick: the change meets the same chunks as on one GPU
+        assert np.abs(changed[0].astype(int) - changed[1].astype(int)).max() <= 1
+    assert stats["frames_out"] == 3 * len(frames) and stats["dropped"] == 0
     ranks = {r["rank"]: r for r in stats["ranks"]}
     assert ranks[0]["blocks"] == [0, 2] and ranks[1]["blocks"] == [2, 4]
     assert {"encode", "dit"} <= set(ranks[0]["stages_ms"]) and {"dit", "head", "decode"} <= set(ranks[1]["stages_ms"])
