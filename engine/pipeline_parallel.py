@@ -20,8 +20,8 @@ before sending tick t; that return (rank P-1 -> rank 0) carries the rows' next-s
 and the decoded pixels of the chunk that had its last step. With 1 step nothing comes back but
 the pixels: only each rank's own KV cache orders successive chunks. The first chunk (5 frames,
 2 latent frames) cannot share a forward with 1-latent chunks: a tick is sent as one message per
-run of rows of equal length. A chunk's output is ready n*P ticks after it entered (one GPU:
-n pushes), pushes drive the ring like they drive the one-GPU session, and `flush` drains it.
+run of rows of equal length. Pushes drive the ring as they drive the one-GPU session: chunk c
+comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` drains the ring.
 
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
@@ -29,9 +29,11 @@ single-process session to float tolerance (tests/test_pipeline_parallel.py). One
 prompt change reaches each row at the tick it is applied on, which groups rows differently
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 
+Each rank replays CUDA graphs of its blocks for full micro-batches (engine/pipeline_graphs.py).
 Not done yet: moving block boundaries while streaming (the split is static: `parallel.split`,
-or `balanced_split` from the measured stage times that `stats()` reports), CUDA graphs of the
-stage forwards, the side-stream encode overlap of the one-GPU session, multi-node (torchrun).
+or the balanced split `stats()` suggests from the measured stage times), live `set_params`
+(steps, mode), the side-stream encode overlap of the one-GPU session, `loom serve`/`play` on
+several GPUs, and multi-node runs (torchrun).
 """
 
 from __future__ import annotations
