@@ -38,10 +38,6 @@ several GPUs, and multi-node runs (torchrun).
 
 from __future__ import annotations
 
-import multiprocessing as std_mp
-import os
-import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -51,8 +47,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.config import LoomConfig
 from engine.flow_schedule import FlowSchedule
@@ -61,20 +55,17 @@ from engine.model_loading import load_models
 from engine.models.wan_dit import DIT_PRESETS
 from engine.motion_noise import MotionNoiseController
 from engine.pipeline_link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from engine.pipeline_plan import NoiseLedger, balanced_split, check_split, stage_ranges
-from engine.pipeline_stage import Payload, Stage, init_group, rank_config, rank_device, send_payload, worker_main
+from engine.pipeline_plan import NoiseLedger, check_split, stage_ranges, suggest_split
+from engine.pipeline_ranks import PipelineError, RankProcesses
+from engine.pipeline_stage import Payload, Stage, init_group, rank_config, rank_device, send_payload
 from engine.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream_metrics import StreamMetrics
 from engine.vae_stream import FRAMES_PER_LATENT, VAEGraphs
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (as StreamSession)
-EVENT_POLL_S = 0.5
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
-KILL_JOIN_S = 5.0
 
-
-class PipelineError(RuntimeError):
-    """A pipeline rank failed or exited; the message carries its traceback. The session is closed."""
+__all__ = ["PipelineError", "PipelineSession"]
 
 
 @dataclass
@@ -111,40 +102,23 @@ class PipelineSession:
                 raise ValueError(f"parallel.gpus: {self.P} GPUs from {self.device} on need GPU {last}, but only "
                                  f"{visible} are visible; allowed: at most {visible - (self.device.index or 0)}")
         self.n = len(cfg.stream.steps)
-        self._procs: list[Any] = []
-        self._pending_events: list[tuple[str, int, Any]] = []
         self._closed = False
-        self._tmp = tempfile.mkdtemp(prefix="loom-pipeline-")
+        self.ranks = RankProcesses(cfg, self.ranges)
         try:
             self._start()
         except BaseException:
-            self._kill()
+            self._closed = True
+            self.ranks.kill()
             raise
 
     # ----------------------------------------------------------------------------- lifecycle
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._events = ctx.Queue()
-        chain = [ctx.Pipe(duplex=False) for _ in range(self.P - 1)]  # rank r -> r+1: (reader, writer)
-        back_reader, back_writer = ctx.Pipe(duplex=False)  # rank P-1 -> rank 0
-        init_file = os.path.join(self._tmp, "rendezvous")
-        for r in range(1, self.P):
-            outbox = chain[r][1] if r < self.P - 1 else back_writer
-            p = ctx.Process(target=worker_main, name=f"loom-pipeline-rank{r}", daemon=True,
-                            args=(r, self.P, self.cfg, self.ranges[r], chain[r - 1][0], outbox, self._events,
-                                  init_file, os.getpid()))
-            p.start()
-            self._procs.append(p)
-        self._outbox, self._inbox = chain[0][1], back_reader
-        for conn in [c for pair in chain for c in pair] + [back_writer]:  # ends the ranks own
-            if conn is not self._outbox:
-                conn.close()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         cfg0 = rank_config(self.cfg, 0)
-        self.models = load_models(cfg0, dit_blocks=self.ranges[0])
-        self._await_events("loaded", self.P - 1)
-        self.link = Link(self.device, init_group(cfg0, 0, self.P, init_file))
+        self.models = load_models(cfg0, dit_blocks=self.ranges[0])  # while the other ranks load theirs
+        self.ranks.await_events("loaded", self.P - 1)
+        self.link = Link(self.device, init_group(cfg0, 0, self.P, self.ranks.init_file))
         self.dtype = self.models.dtype
         self.stage = Stage(cfg0, self.models, self.ranges[0])
         self.schedule = FlowSchedule(shift=self.cfg.stream.timestep_shift)
@@ -192,41 +166,24 @@ class PipelineSession:
 
     def close(self) -> None:
         """Stop every rank (they finish what is in flight) and leave no process behind."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if all(p.is_alive() for p in self._procs):
+        if not self._closed and self.ranks.alive:
+            try:
                 with torch.inference_mode():
                     while self._inflight:
                         self._receive(self._inflight.popleft(), keep=False)
-                self.link.send_header(self._outbox, Header(Kind.STOP))
+                self.link.send_header(self.ranks.outbox, Header(Kind.STOP))
                 self.link.flush()
-                for p in self._procs:
-                    p.join(STOP_JOIN_S)
-        except Exception:  # noqa: BLE001 - closing must not fail half-way: the ranks are killed below
-            pass
-        finally:
-            self._kill()
-            self.prompt.close()
-            self.motion.close()
-
-    def _kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(KILL_JOIN_S)
-            if p.is_alive():
-                p.kill()
-                p.join(KILL_JOIN_S)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a group whose peers are gone may not close cleanly
+                self.ranks.join(STOP_JOIN_S)
+            except Exception:  # noqa: BLE001 - closing must not fail half-way: the ranks are killed below
                 pass
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._closed = True
+        self._shut()
+        self.prompt.close()
+        self.motion.close()
+
+    def _shut(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.ranks.kill()
 
     def __enter__(self) -> PipelineSession:
         return self
@@ -249,37 +206,6 @@ class PipelineSession:
         self.stats(reset=True)
 
     # ----------------------------------------------------------------------------- failures
-    def _check_ranks(self) -> None:
-        """Raise PipelineError when a rank reported an error or exited."""
-        try:
-            while True:
-                kind, rank, info = self._events.get_nowait()
-                if kind == "error":
-                    raise _rank_failed(rank, info)
-                self._pending_events.append((kind, rank, info))
-        except std_mp.queues.Empty:
-            pass
-        for r, p in enumerate(self._procs, start=1):
-            if p.exitcode is not None:
-                try:  # its traceback may still be on the way
-                    kind, rank, info = self._events.get(timeout=1.0)
-                    if kind == "error":
-                        raise _rank_failed(rank, info)
-                except std_mp.queues.Empty:
-                    pass
-                raise PipelineError(f"pipeline rank {r} (pid {p.pid}) exited with code {p.exitcode}")
-
-    def _await_events(self, kind: str, count: int) -> list[Any]:
-        self._pending_events = []
-        got: list[Any] = []
-        while len(got) < count:
-            self._check_ranks()
-            got += [info for k, _, info in self._pending_events if k == kind]
-            self._pending_events = [e for e in self._pending_events if e[0] != kind]
-            if len(got) < count:
-                time.sleep(0.01)
-        return got
-
     @contextmanager
     def _guard(self) -> Iterator[None]:
         """Any failure inside the ring closes the session with the rank's error."""
@@ -288,15 +214,15 @@ class PipelineSession:
         try:
             yield
         except PipelineError:
-            self._kill()
+            self._shut()
             raise
         except Exception as exc:
             try:
-                self._check_ranks()
+                self.ranks.check()
             except PipelineError as rank_error:
-                self._kill()
+                self._shut()
                 raise rank_error from exc
-            self._kill()
+            self._shut()
             raise
 
     # ----------------------------------------------------------------------------- streaming
@@ -314,7 +240,7 @@ class PipelineSession:
             raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
                              "inside a chunk; call flush() between sizes")
         with self._guard():
-            self._check_ranks()
+            self.ranks.check()
             if dropped:
                 self.metrics.on_drop(dropped, "non-finite")
             if len(good):
@@ -422,7 +348,7 @@ class PipelineSession:
         with self.stage.timer.span("dit"):
             tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas))
             tokens = self.stage.run(tokens, cond, header.first_step, header.frames)
-        self.link.send_header(self._outbox, header)
+        self.link.send_header(self.ranks.outbox, header)
         send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
         return header
 
@@ -430,7 +356,7 @@ class PipelineSession:
         """The returns of one tick from the last rank: next-step rows, and a leaving chunk's frames."""
         for h in sent:
             t = time.perf_counter()
-            back = self.link.recv_header(self._inbox, self._check_ranks)
+            back = self.link.recv_header(self.ranks.inbox, self.ranks.check)
             self._wait_s += time.perf_counter() - t
             if (back.tick, back.chunks) != (h.tick, h.chunks):
                 raise PipelineError(f"out of order: expected tick {h.tick} rows {h.chunks}, got {back.tick} "
@@ -465,8 +391,8 @@ class PipelineSession:
         `reset` then starts all of them afresh (after a warm-up)."""
         with self._guard():
             self._collect_timings()
-            self.link.send_header(self._outbox, Header(Kind.STATS, extra={"reset": reset}))
-            ranks = [self.stage.report(0, self._wait_s), *self._await_events("stats", self.P - 1)]
+            self.link.send_header(self.ranks.outbox, Header(Kind.STATS, extra={"reset": reset}))
+            ranks = [self.stage.report(0, self._wait_s), *self.ranks.await_events("stats", self.P - 1)]
         ranks.sort(key=lambda r: r["rank"])
         snap = self.metrics.snapshot()
         snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks,
@@ -478,26 +404,6 @@ class PipelineSession:
             self.stage.totals.clear()
             self._wait_s, self._chunks_done = 0.0, 0
         return snap
-
-
-def _rank_failed(rank: int, trace: str) -> PipelineError:
-    """The rank's exception first (what a user reads), its traceback after."""
-    lines = trace.strip().splitlines()
-    return PipelineError(f"pipeline rank {rank} failed: {lines[-1] if lines else 'unknown error'}\n\n{trace}")
-
-
-def suggest_split(ranks: list[dict[str, Any]], chunks: int, num_blocks: int) -> list[int] | None:
-    """The block split that would balance the measured stages (None before any chunk finished)."""
-    if chunks == 0:
-        return None
-    block_ms, fixed_ms = [], []
-    for r in ranks:
-        stages = {k: v["mean"] * v["count"] / chunks for k, v in r["stages_ms"].items()}
-        blocks = r["blocks"][1] - r["blocks"][0]
-        dit = stages.pop("dit", 0.0)
-        block_ms.append(max(dit / blocks, 1e-6))
-        fixed_ms.append(sum(stages.values()))
-    return balanced_split(num_blocks, block_ms, fixed_ms)
 
 
 def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:

@@ -64,6 +64,21 @@ def balanced_split(num_blocks: int, block_ms: Sequence[float], fixed_ms: Sequenc
     return blocks
 
 
+def suggest_split(ranks: list[dict], chunks: int, num_blocks: int) -> list[int] | None:
+    """The block split that would balance the stage times the ranks measured over `chunks`
+    chunks (`PipelineSession.stats()["ranks"]`); None before any chunk finished."""
+    if chunks == 0:
+        return None
+    block_ms, fixed_ms = [], []
+    for r in ranks:
+        stages = {k: v["mean"] * v["count"] / chunks for k, v in r["stages_ms"].items()}
+        blocks = r["blocks"][1] - r["blocks"][0]
+        dit = stages.pop("dit", 0.0)
+        block_ms.append(max(dit / blocks, 1e-6))
+        fixed_ms.append(sum(stages.values()))
+    return balanced_split(num_blocks, block_ms, fixed_ms)
+
+
 class NoiseLedger:
     """Replays the one-GPU denoiser's noise draws, in its order, and keeps them until used.
 

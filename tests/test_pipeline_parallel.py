@@ -105,8 +105,8 @@ def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
     with pytest.raises(ValueError):  # bad input is refused and the ring goes on
         pipe.push(np.zeros((2, 32, 32), np.uint8))
     pipe.push(frames[9:13])
-    os.kill(pipe._procs[0].pid, signal.SIGKILL)
-    pipe._procs[0].join(10)
+    os.kill(pipe.ranks.procs[0].pid, signal.SIGKILL)
+    pipe.ranks.procs[0].join(10)
     with pytest.raises(PipelineError, match="rank 1"):
         pipe.push(frames[13:])
         pipe.flush()
