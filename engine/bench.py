@@ -41,8 +41,16 @@ def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
 
 
 def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float) -> dict[str, Any]:
-    """Stream the frames through a StreamSession; metrics over the frames after warm-up."""
-    session = StreamSession.from_config(cfg)
+    """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
+    that many GPUs); metrics over the frames after warm-up."""
+    if cfg.parallel.gpus > 1:
+        from engine.pipeline_parallel import PipelineSession
+
+        session = PipelineSession(cfg)
+        if session.device.type == "cuda":
+            session.warmup()
+    else:
+        session = StreamSession.from_config(cfg)
     device = session.device
     t_start = time.perf_counter()
     first = session.push(frames[:5])
@@ -55,7 +63,11 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
         done += FRAMES_PER_CHUNK
     session.poll(wait=True)
     _sync(device)
-    session.metrics.reset()
+    if cfg.parallel.gpus > 1:
+        ttff = session.metrics.ttff_s  # a pipeline's first frame leaves after n*P chunks, not on the first push
+        session.stats(reset=True)  # every rank's stage times too
+    else:
+        session.metrics.reset()
     load_peak = 0
     if device.type == "cuda":
         load_peak = torch.cuda.max_memory_reserved(device)  # load, compile and warm-up included
@@ -149,6 +161,12 @@ def summary_table(result: dict[str, Any]) -> str:
     ]
     for stage, v in loom["stages_ms"].items():
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
+    for r in loom.get("ranks", []):  # the DiT pipeline over several GPUs
+        stages = ", ".join(f"{k} {v['mean']:.2f}" for k, v in r["stages_ms"].items())
+        rows.append((f"rank {r['rank']} blocks {r['blocks'][0]}-{r['blocks'][1] - 1}",
+                     f"{stages} ms/call; waited {r['wait_s']:.2f} s"))
+    if "ranks" in loom:
+        rows.append(("block split / suggested", f"{loom['split']} / {loom['suggested_split']}"))
     if "bridge" in result and "error" in result["bridge"]:
         rows.append(("stage bridge", f"not measured: {result['bridge']['error']}"))
     elif "bridge" in result:

@@ -161,6 +161,21 @@ class MemoryConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Pipeline parallelism of the DiT over several GPUs (engine/pipeline_parallel.py)."""
+
+    gpus: int = spec(1, min=1, max=64, doc="pipeline ranks, one GPU each; 1 = one GPU, no pipeline "
+                                           "(on a CPU device the ranks are processes: tests)")
+    split: list[int] = spec(default_factory=list, min=1, max=1000, max_len=64,
+                            doc="DiT blocks per rank, e.g. [20, 10]; empty = an even split")
+
+    def __post_init__(self) -> None:
+        if self.split and len(self.split) != self.gpus:
+            raise ValueError(f"split: {self.split} has {len(self.split)} entries for gpus={self.gpus}; "
+                             "give one block count per GPU, or none for an even split")
+
+
+@dataclass
 class LoomConfig:
     """Everything a run needs; built only through `load_config`."""
 
@@ -172,8 +187,12 @@ class LoomConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.gpus > 1 and self.stream.mode == "sequential":
+            raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
+                             "use batch or auto (the pipeline runs stream-batch)")
         if self.memory.low_vram and self.prompt.device == "cuda":
             raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
                              "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")

@@ -69,7 +69,9 @@ def to_channels_last(module: nn.Module) -> None:
             p.data = p.data.contiguous(memory_format=torch.channels_last)
 
 
-def load_models(cfg: LoomConfig) -> LoadedModels:
+def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
+    """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
+    read from the checkpoint alone, or, for seeded weights, built whole and the rest dropped."""
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     mc, vc = cfg.model, cfg.vae
@@ -77,9 +79,12 @@ def load_models(cfg: LoomConfig) -> LoadedModels:
         check_fp8_device(device)
     dit_cfg = DIT_PRESETS[mc.preset]
     if mc.checkpoint:
-        dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype).eval()
+        dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
     elif mc.preset in EMBEDDED_PRESETS or mc.random_weights:
         dit = _seeded(lambda: WanDiT(dit_cfg), mc.seed, device, dtype)
+        for i in range(dit_cfg.num_layers) if dit_blocks is not None else ():
+            if i not in dit_blocks:
+                dit.blocks[i].to("meta")  # same seeded values as one GPU for the blocks kept
     else:
         raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; give model.checkpoint=PATH "
                          "(or model.random_weights=true for a benchmark)")

@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-cap-gib", type=float, default=0.0,
                    help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
                         "24 GB card suffices; use with --set memory.low_vram=true)")
+    p.add_argument("--gpus", type=int, help="split the DiT over this many GPUs (pipeline parallelism; "
+                   "sets parallel.gpus; on a CPU device: processes)")
     p.add_argument("--json", help="write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
     for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
-                      (args.width, "resolution.width"), (args.height, "resolution.height")):
+                      (args.width, "resolution.width"), (args.height, "resolution.height"),
+                      (args.gpus, "parallel.gpus")):
         if flag:
             overrides.append(f"{key}={flag}")
     cfg = load_config(args.config, overrides)
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "preset": cfg.model.preset,
         "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
         "steps": list(cfg.stream.steps),
+        "gpus": cfg.parallel.gpus,
         "vae": f"{cfg.vae.encoder}/{cfg.vae.decoder}",
         "config": cfg.to_dict(),
     }
