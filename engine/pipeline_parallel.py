@@ -252,6 +252,12 @@ class PipelineSession:
                 del self._buffer[:n]
             return self._deliver()
 
+    def poll(self, wait: bool = False) -> np.ndarray:
+        """StreamSession's call for frames finished between pushes. Here frames only leave the ring
+        inside a push (each push waits for the tick it needs back), so there are none; `flush()`
+        drains the ring."""
+        return np.zeros((0, 0, 0, 3), np.uint8)
+
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
         with self._guard():
