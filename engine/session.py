@@ -62,6 +62,10 @@ class StreamSession:
     """A live stream through the model. Not thread-safe: drive it from one thread."""
 
     def __init__(self, cfg: LoomConfig, models: LoadedModels) -> None:
+        if cfg.parallel.gpus > 1:
+            raise ValueError(f"parallel.gpus: {cfg.parallel.gpus}; a StreamSession runs on one GPU (1). The DiT "
+                             "pipeline over several GPUs is PipelineSession, run by `loom bench --gpus N`; "
+                             "`loom serve`, `play` and `eval` do not use it yet")
         self.cfg = cfg
         self.models = models
         self.device, self.dtype = models.device, models.dtype

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from engine.cli import main
 
 
@@ -36,3 +38,13 @@ def test_ci_runs_the_readme_test_command():
     line = next(x for x in ci.splitlines() if x.startswith("TEST_CMD="))
     command = line.split("=", 1)[1].strip("'")
     assert command in (root / "README.md").read_text()
+
+
+def test_serve_and_the_one_gpu_session_refuse_several_gpus_clearly(capsys):
+    from engine.config import load_config
+    from engine.session import StreamSession
+
+    assert main(["serve", "--bind", "tcp://127.0.0.1:0", "--set", "parallel.gpus=2"]) != 0
+    assert "loom bench --gpus" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="parallel.gpus"):
+        StreamSession.from_config(load_config(None, ["parallel.gpus=2"]), warmup=False)

@@ -33,6 +33,9 @@ def _session_factory(args: argparse.Namespace):
     from engine.config import load_config
 
     config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if config.parallel.gpus > 1 and not args.passthrough:
+        raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
+                        "the pipeline over several GPUs is measured with `loom bench --gpus N`")
 
     def build():
         if args.passthrough:
