@@ -198,13 +198,13 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
         if os.getppid() != parent_pid:
             raise SystemExit(f"pipeline rank {rank}: the engine process (pid {parent_pid}) is gone")
 
-    cfg = rank_config(cfg, rank)
-    device = rank_device(cfg, rank)
+    device = rank_device(cfg, rank)  # from the engine's config: a rank_config already has the offset in it
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    models = load_models(cfg, dit_blocks=blocks)
-    stage = Stage(cfg, models, blocks)
-    last = LastRank(cfg, models, stage) if rank == world - 1 else None
+    own = rank_config(cfg, rank)
+    models = load_models(own, dit_blocks=blocks)
+    stage = Stage(own, models, blocks)
+    last = LastRank(own, models, stage) if rank == world - 1 else None
     events.put(("loaded", rank, None))
     link = Link(device, init_group(cfg, rank, world, init_file))
     wait_s = 0.0
