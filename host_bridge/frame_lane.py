@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from host_bridge.channel import CurveClient, CurveServer, EndpointError, apply_curve_keys, check_endpoint
-from host_bridge.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from host_bridge.protocol import MAX_PAYLOAD_BYTES, NOTICE_DIRS, ProtocolError, decode, encode, make
 from host_bridge.wakeup import Wakeup
 
 LANE_HWM = 1000  # far above what slots allow in flight; a send beyond it waits in the outbox
@@ -73,6 +73,7 @@ class FrameLane:
         if side not in ACCEPTS:
             raise ValueError(f"side: {side!r}; expected 'host' or 'engine'")
         self._accepts = ACCEPTS[side]
+        self._frame_dir, self._release_dir = NOTICE_DIRS[side]
         self.lock = threading.RLock()
         self._closed = False
         self._ipc_file: str | None = None
@@ -119,6 +120,15 @@ class FrameLane:
         else:
             self.wake()
         return True
+
+    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = ()) -> bool:
+        """A frame notice for `slot` of the ring this side writes (tcp: with the frame as `payload`)."""
+        return self.send(make("frame", dir=self._frame_dir, slot=slot, seq=seq, gen=gen, t=time.time(),
+                              nbytes=len(payload[0]) if payload else None), payload)
+
+    def send_release(self, slot: int, gen: int, dropped: bool = False) -> bool:
+        """Hand `slot` of the peer's ring back."""
+        return self.send(make("release", dir=self._release_dir, slot=slot, gen=gen, dropped=dropped))
 
     def wake(self) -> None:
         """Make a thread waiting in `receive()` return now (a queued message, a command, closing)."""
