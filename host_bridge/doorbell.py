@@ -24,11 +24,13 @@ when it has not verified within RECORD_GRACE_S, far longer than any reordering: 
 The producer reuses a record only after the consumer's counter has passed it, and a ring that is
 full refuses the send (counted as dropped): records in flight are bounded by the frame slots.
 
-Waiting: the consumer polls `published`, yielding the CPU (and the GIL) between looks, for SPIN_S,
-then sleeps with a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S, so an idle waiter costs at most
-one wake-up per SLEEP_MAX_S; every wait keeps its timeout, and `wake()` ends one early. Threads: one
-consumer at a time (it holds `lock`, reentrant, as on the lane); sends from any thread, serialised by
-a short lock of their own that is never held while waiting.
+Waiting: the consumer polls `published`. Within SPIN_S of this side's last record (sent or received:
+frames are flowing, the answer is due within a fraction of a millisecond) it spins, yielding the CPU
+and the GIL between looks; otherwise it sleeps with a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S.
+So a stream pays no kernel wake-up per notice, and an idle waiter costs one short wake-up per
+SLEEP_MAX_S (plus the timer's slack) and no spinning. Every wait keeps its timeout, and `wake()` ends
+one early. Threads: one consumer at a time (it holds `lock`, reentrant, as on the lane); sends from
+any thread, serialised by a short lock of their own that is never held while waiting.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ MAX_VALUE = 1 << 62  # seq and gen: the protocol's integer range
 KIND_FRAME, KIND_RELEASE = 1, 2
 FLAG_DROPPED = 1
 RECORD_GRACE_S = 0.01  # an unverified record this old is torn or corrupt, not late (reordering: ns)
-SPIN_S = 0.0005
+SPIN_S = 0.001  # spin this long after the last record; a pass-through round trip takes well under it
 SLEEP_MIN_S = 0.00005
-SLEEP_MAX_S = 0.0005
+SLEEP_MAX_S = 0.0005  # the most an idle waiter oversleeps a notice (plus the OS timer's slack)
 _CHECK_KEYS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD)
 _BODY = struct.Struct("5Q")  # info, seq, gen, t_ns, check (after the stamp)
 _RECORD = struct.Struct("6Q")  # stamp + body
@@ -107,6 +109,7 @@ class Doorbell:
         self._w = self._words[self._out_base]  # this side's next record index (0 on a fresh segment)
         self._r = self._words[self._in_base + COUNTER_WORDS]
         self._unverified_since: float | None = None
+        self._active_at = 0.0  # perf_counter() of this side's last record sent or received
         self.lock = threading.RLock()  # held by the consuming thread
         self._send_lock = threading.Lock()
         self._woken = False
@@ -178,6 +181,7 @@ class Doorbell:
             words[base] = stamp
             self._w = stamp
             self.sent += 1
+        self._active_at = time.perf_counter()
         return True
 
     # -- consuming (the holder of `lock`) -----------------------------------------------------------------
@@ -200,13 +204,13 @@ class Doorbell:
             self._woken = False
             return out
         now = time.perf_counter()
-        deadline, spin_until = now + timeout_s, now + SPIN_S
+        deadline = now + timeout_s
         delay = SLEEP_MIN_S
         while True:
             if self._woken or self._closed:
                 self._woken = False
                 return self._poll()
-            if now < spin_until:
+            if now - self._active_at < SPIN_S:
                 _yield()
             else:
                 time.sleep(min(delay, max(deadline - now, 0.0)))
@@ -249,6 +253,7 @@ class Doorbell:
             r += 1
         self._r = r
         words[base + COUNTER_WORDS] = r
+        self._active_at = time.perf_counter()
         return out
 
     def _message(self, info: int, seq: int, gen: int, t_ns: int) -> dict[str, Any] | None:
