@@ -1,5 +1,8 @@
 """The frame lane: a ZMQ socket of its own for frame notices (with their tcp payloads) and releases.
 
+Used by tcp links; links to an engine on this machine (shm, cuda-ipc) carry the same notices through
+a shared-memory doorbell instead (`host_bridge.doorbell`), which has this class's interface.
+
 Why not the control `Channel`: its socket belongs to one loop thread, so a frame sent through it
 crossed a thread hand-off on each side (outbox, inproc wake-up, loop, condition), which cost more
 than the copies. The lane is used directly by the threads that make and consume frames (on the
