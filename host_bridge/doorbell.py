@@ -54,10 +54,11 @@ TRANSPORTS = ("shm", "cuda-ipc")  # both processes on one machine: these links u
 MAGIC = 0x4C4F4F4D44424C31  # "LOOMDBL1"
 LAYOUT_VERSION = 1
 CAPACITY = 64  # records per direction; at most 2 x MAX_SLOTS are ever unconsumed
+MAX_CAPACITY = 4096  # what an attaching side accepts from a segment's header
 HEADER_WORDS = 8  # magic, layout version, capacity, owner pid; one cache line
 COUNTER_WORDS = 8  # a counter alone on its cache line: producer and consumer never write the same line
 RECORD_WORDS = 8  # stamp, info, seq, gen, t_ns, check, 2 spare: one cache line
-RING_WORDS = 2 * COUNTER_WORDS + CAPACITY * RECORD_WORDS
+RING_WORDS = 2 * COUNTER_WORDS + CAPACITY * RECORD_WORDS  # one direction's ring, as this side creates it
 WORD = 8
 MASK64 = (1 << 64) - 1
 MAX_VALUE = 1 << 62  # seq and gen: the protocol's integer range
@@ -96,7 +97,6 @@ class Doorbell:
         self._owner = owner
         self.name: str = shm.name.lstrip("/")
         self.endpoint = f"doorbell:{self.name}"
-        self.side = side
         self._in_dirs = NOTICE_DIRS["engine" if side == "host" else "host"]  # what the peer writes
         self._words = shm.buf.cast("Q")
         self._buf = shm.buf
@@ -119,13 +119,11 @@ class Doorbell:
         self.refused_at = 0.0
 
     @classmethod
-    def create(cls, capacity: int = CAPACITY) -> Doorbell:
+    def create(cls) -> Doorbell:
         """The host's doorbell for a new link (a fresh segment, mode 0600)."""
-        if not 1 <= capacity <= 4096:
-            raise ValueError(f"capacity: {capacity}; expected 1..4096 records")
         sweep_stale_segments()
-        shm = open_segment(new_segment_name(), create=True, size=segment_bytes(capacity))
-        struct.pack_into("4Q", shm.buf, 0, MAGIC, LAYOUT_VERSION, capacity, os.getpid())
+        shm = open_segment(new_segment_name(), create=True, size=segment_bytes())
+        struct.pack_into("4Q", shm.buf, 0, MAGIC, LAYOUT_VERSION, CAPACITY, os.getpid())
         return cls(shm, "host", owner=True)
 
     @classmethod
@@ -144,7 +142,7 @@ class Doorbell:
             magic, version, capacity = struct.unpack_from("3Q", shm.buf, 0)
             if magic != MAGIC or version != LAYOUT_VERSION:
                 problem = f"not a doorbell of layout {LAYOUT_VERSION}"
-            elif not 1 <= capacity <= 4096 or shm.size < segment_bytes(capacity):
+            elif not 1 <= capacity <= MAX_CAPACITY or shm.size < segment_bytes(capacity):
                 problem = f"capacity {capacity} does not fit its {shm.size} bytes"
         if problem:
             shm.close()
@@ -157,14 +155,18 @@ class Doorbell:
         """Publish a frame notice for `slot` of the ring this side writes. Never blocks."""
         if payload:
             raise ValueError("the doorbell carries notices only; frame payloads need the tcp transport's lane")
-        return self._publish(KIND_FRAME | slot << 8, seq, gen)
+        return self._publish(KIND_FRAME, slot, seq, gen)
 
     def send_release(self, slot: int, gen: int, dropped: bool = False) -> bool:
         """Hand `slot` of the peer's ring back. Never blocks."""
-        return self._publish(KIND_RELEASE | slot << 8 | (FLAG_DROPPED << 16 if dropped else 0), 0, gen)
+        return self._publish(KIND_RELEASE | (FLAG_DROPPED << 16 if dropped else 0), slot, 0, gen)
 
-    def _publish(self, info: int, seq: int, gen: int) -> bool:
+    def _publish(self, kind_flags: int, slot: int, seq: int, gen: int) -> bool:
         """Body, then stamp, then counter (see the module docstring). False when full or closed."""
+        if not 0 <= slot < MAX_SLOTS or not 0 <= seq <= MAX_VALUE or not 0 <= gen <= MAX_VALUE:
+            raise ValueError(f"doorbell notice: slot {slot}, seq {seq}, gen {gen}; expected a slot below "
+                             f"{MAX_SLOTS} and seq, gen in [0, 2**62]")
+        info = kind_flags | slot << 8
         t_ns = time.time_ns()
         with self._send_lock:
             if self._closed:

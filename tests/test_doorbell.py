@@ -96,6 +96,11 @@ def test_notices_arrive_once_in_order_through_wrap_around(pair):
     assert engine.received == 3 * db.CAPACITY + 5 and engine.refused == 0 and host.received == 2
     with pytest.raises(ValueError, match="tcp"):
         host.send_frame(0, 1, 1, [b"pixels"])
+    sent = host.sent
+    for bad in ((16, 1, 1), (-1, 1, 1), (0, -1, 1), (0, 1, 2**63)):  # a sender's bug fails at the sender
+        with pytest.raises(ValueError, match="slot below 16"):
+            host.send_frame(*bad)
+    assert host.sent == sent and _take(engine, 0) == []
 
 
 def test_a_full_ring_refuses_sends_until_the_reader_catches_up(pair):
