@@ -23,7 +23,7 @@ import zmq
 
 from host_bridge import doorbell as db
 from host_bridge.doorbell import Doorbell, DoorbellError
-from host_bridge.protocol import decode, encode, make
+from host_bridge.protocol import PROTOCOL_VERSION, decode, encode, make
 from host_bridge.transport import create_ring
 from host_bridge.transport_shm import open_segment
 
@@ -90,8 +90,9 @@ def test_notices_arrive_once_in_order_through_wrap_around(pair):
     assert all(m["type"] == "frame" and m["dir"] == "in" and m["gen"] == 7 and m["slot"] == m["seq"] % 3 for m in got)
     assert abs(got[-1]["t"] - time.time()) < 5
     assert engine.send_release(2, 7, dropped=True) and engine.send_frame(1, 99, 7)
-    assert _take(host) == [{"v": 3, "type": "release", "dir": "in", "slot": 2, "gen": 7, "dropped": True},
-                           {"v": 3, "type": "frame", "dir": "out", "slot": 1, "seq": 99, "gen": 7,
+    v = PROTOCOL_VERSION
+    assert _take(host) == [{"v": v, "type": "release", "dir": "in", "slot": 2, "gen": 7, "dropped": True},
+                           {"v": v, "type": "frame", "dir": "out", "slot": 1, "seq": 99, "gen": 7,
                             "t": pytest.approx(time.time(), abs=5)}]
     assert engine.received == 3 * db.CAPACITY + 5 and engine.refused == 0 and host.received == 2
     with pytest.raises(ValueError, match="tcp"):
