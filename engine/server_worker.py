@@ -3,8 +3,8 @@
 It owns the path of frame notices for as long as it runs (the host's shared-memory doorbell, or on
 tcp the frame lane socket; both are `lane` here): it polls it itself for input frame notices and
 output slot releases, and sends output notices and input releases on it, so a frame costs one
-record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached input
-ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
+record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached
+input ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
 every one, in order), pushes them through the session, and writes outputs into free output slots.
 A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
 paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
