@@ -13,8 +13,8 @@ the last frame of each chunk.
 Everything else arrives through the server's control loop as commands (rings, mode, prompt,
 parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
 flushed, error) goes back on the control channel. The session is only touched by this thread.
-Rings and frame notices travel on different sockets, so a notice may arrive before the ring of its
-generation: it waits (bounded by the slots) until that ring is installed.
+Rings travel on the control channel and frame notices on the doorbell or lane, so a notice may
+arrive before the ring of its generation: it waits (bounded by the slots) until that ring is installed.
 """
 
 from __future__ import annotations
