@@ -5,8 +5,12 @@ bridge: the host's copy into an input slot, the notice, the engine's slot-to-slo
 back, and the host's copy out of the output slot. Baseline: one device-to-device copy of the same
 bytes (what an in-process pipeline would pay at minimum).
 
+Back to back, each frame is submitted as soon as the previous one is back. With `--fps N` each size is
+also measured as a host frame loop would use the bridge, one frame every 1/N s: the engine then waits
+idle between frames, so its wake-up is part of the time.
+
 GPU machine (cuda-ipc, torch or cupy for allocation):
-    python benchmarks/bench_ipc.py --json out/bench_ipc.json
+    python benchmarks/bench_ipc.py --frames 1000 --fps 60 --json out/bench_ipc.json
 CPU smoke run (shm transport, numpy, tiny frames):
     python benchmarks/bench_ipc.py --smoke --json /tmp/bench_ipc.json
 """
@@ -87,25 +91,32 @@ def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
     return percentiles(samples)
 
 
-def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
+def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
     buf = DeviceBuffers(w, h)
     handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup)
     assert buf.equal(), "round trip changed the frame"
+    out = {"handoff": handoff}
+    if paced[0]:
+        out["handoff_paced"] = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8",
+                                              paced[0], warmup, period_s=paced[1])
     baseline = [buf.copy_once() for _ in range(frames)]
-    return {"handoff": handoff, "device_copy": percentiles(baseline),
+    return {**out, "device_copy": percentiles(baseline),
             "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
 
 
-def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int) -> dict:
+def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
     src = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
     handoff, out = handoff_host(bridge, src, frames, warmup)
     assert np.array_equal(out, src), "round trip changed the frame"
+    result = {"handoff": handoff}
+    if paced[0]:
+        result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1])[0]
     baseline = []
     for _ in range(frames):
         c0 = time.perf_counter()
         np.copyto(np.empty_like(src), src)
         baseline.append(time.perf_counter() - c0)
-    return {"handoff": handoff, "host_copy": percentiles(baseline),
+    return {**result, "host_copy": percentiles(baseline),
             "copies_floor": copies_floor_shm(src, frames), "bytes": src.nbytes}
 
 
@@ -133,28 +144,37 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU run over shm with tiny frames")
     ap.add_argument("--frames", type=int, default=None, help="measured frames per size (default 1000, smoke 50)")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--fps", type=float, default=0.0, help="also measure a frame every 1/FPS s (a host frame loop)")
+    ap.add_argument("--paced-frames", type=int, default=300, help="measured frames per size at --fps")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
+    if args.fps < 0 or args.paced_frames < 1:
+        ap.error("--fps must be >= 0 and --paced-frames >= 1")
+    paced = (args.paced_frames, 1.0 / args.fps) if args.fps else (0, 0.0)
     frames = args.frames or (50 if args.smoke else 1000)
     sizes = SMOKE_SIZES if args.smoke else SIZES
     transport = "shm" if args.smoke else "cuda-ipc"
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
-    results: dict = {"transport": transport, "frames": frames, "sizes": {}}
+    results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
+                     "sizes": {}}
     with Bridge(cfg) as bridge:
         bridge.wait_running(60)
         for name, (w, h) in sizes.items():
             run = bench_cpu if args.smoke else bench_gpu
-            results["sizes"][name] = run(bridge, w, h, frames, args.warmup)
+            results["sizes"][name] = run(bridge, w, h, frames, args.warmup, paced)
         results["bridge_stats"] = bridge.stats()
     base_key = "host_copy" if args.smoke else "device_copy"
     print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
-    print(f"{'size':>10} {'handoff p50':>12} {'p99':>9} {base_key + ' p50':>16} {'p99':>9} "
+    paced_head = f" {f'@{args.fps:g}fps p50':>12} {'p99':>9}" if paced[0] else ""
+    print(f"{'size':>10} {'handoff p50':>12} {'p99':>9}{paced_head} {base_key + ' p50':>16} {'p99':>9} "
           f"{'copies p50':>11} {'p99':>9}  (ms)")
     for name, r in results["sizes"].items():
-        print(f"{name:>10} {r['handoff']['p50_ms']:12.3f} {r['handoff']['p99_ms']:9.3f} "
+        paced_cols = f" {r['handoff_paced']['p50_ms']:12.3f} {r['handoff_paced']['p99_ms']:9.3f}" if paced[0] else ""
+        print(f"{name:>10} {r['handoff']['p50_ms']:12.3f} {r['handoff']['p99_ms']:9.3f}{paced_cols} "
               f"{r[base_key]['p50_ms']:16.4f} {r[base_key]['p99_ms']:9.4f} "
               f"{r['copies_floor']['p50_ms']:11.4f} {r['copies_floor']['p99_ms']:9.4f}")
-    print("handoff: submit -> output back in the caller's buffer through a pass-through engine process; "
+    print("handoff: submit -> output back in the caller's buffer through a pass-through engine process, back to "
+          f"back{f' and one frame every {1000 / args.fps:.1f} ms' if paced[0] else ''}; "
           f"{base_key}: one copy of the same bytes; copies: the bridge's own copies without messaging")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,17 @@ def _wait(bridge: Bridge, i: int) -> None:
         raise RuntimeError(f"bridge probe: no output for frame {i}: {bridge.status()}")
 
 
-def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int) -> tuple[dict[str, float], np.ndarray]:
-    """Host arrays (shm or tcp): submit -> `latest()`; returns the timings and the last output."""
+def _pace(t0: float, period_s: float) -> None:
+    """A host frame loop: the next frame comes `period_s` after this one began (0: at once)."""
+    rest = period_s - (time.perf_counter() - t0)
+    if rest > 0:
+        time.sleep(rest)
+
+
+def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int,
+                 period_s: float = 0.0) -> tuple[dict[str, float], np.ndarray]:
+    """Host arrays (shm or tcp): submit -> `latest()`, a frame every `period_s` (0: back to back);
+    returns the timings and the last output."""
     samples, out = [], None
     for i in range(frames + warmup):
         t0 = time.perf_counter()
@@ -48,12 +57,14 @@ def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int) ->
         out, _ = bridge.latest()
         if i >= warmup:
             samples.append(time.perf_counter() - t0)
+        _pace(t0, period_s)
     return percentiles(samples), out
 
 
 def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width: int, height: int,
-                   channels: int, dtype: str, frames: int, warmup: int) -> dict[str, float]:
-    """Device buffers (cuda-ipc): `submit_cuda` -> `latest_cuda` into the caller's buffer."""
+                   channels: int, dtype: str, frames: int, warmup: int, period_s: float = 0.0) -> dict[str, float]:
+    """Device buffers (cuda-ipc): `submit_cuda` -> `latest_cuda` into the caller's buffer, a frame
+    every `period_s` (0: back to back)."""
     samples = []
     for i in range(frames + warmup):
         t0 = time.perf_counter()
@@ -62,6 +73,7 @@ def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width
         bridge.latest_cuda(dst_ptr, pitch)
         if i >= warmup:
             samples.append(time.perf_counter() - t0)
+        _pace(t0, period_s)
     return percentiles(samples)
 
 

@@ -6,12 +6,14 @@ bye, when SIGTERM arrives, when its parent process dies, or when the host falls 
 (`--bind`): the engine waits for hosts (over tcp with CurveZMQ unless loopback); a host that leaves
 or goes silent frees the engine for the next one.
 
-Two sockets per host. The main thread runs the control loop below (handshake, heartbeats, ring
+Two paths per host. The main thread runs the control loop below (handshake, heartbeats, ring
 attachment, requests, stats); it keeps answering heartbeats while the session is busy, which is how
-the host tells a busy engine from a hung one. A `FrameWorker` thread owns the session and the frame
-lane (frame notices and releases, see `host_bridge.frame_lane`), which it polls itself; the control
-loop hands it commands through `FrameWorker.post`. The side that bound the control endpoint also
-binds the lane and names it in its hello (launched: the host; serving: this engine, once per host).
+the host tells a busy engine from a hung one. A `FrameWorker` thread owns the session and the path
+of frame notices and releases, which it polls itself: the host's shared-memory doorbell when its
+hello names one (shm and cuda-ipc, see `host_bridge.doorbell`), else the frame lane socket (tcp, see
+`host_bridge.frame_lane`); the control loop hands it commands through `FrameWorker.post`. The side
+that bound the control endpoint binds the lane and names it in its hello (launched: the host;
+serving: this engine, once per host).
 Malformed messages, and frame messages on the control channel, are refused and counted, never
 fatal. Rings are only attached here: the host owns and removes them, except when the host is gone,
 then the engine removes the shared memory it knew about before it exits.
@@ -31,6 +33,7 @@ import zmq
 
 from engine.server_worker import FrameWorker
 from host_bridge.channel import Channel, CurveServer, EndpointError, remove_private_endpoint
+from host_bridge.doorbell import Doorbell, DoorbellError
 from host_bridge.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.launcher import pid_alive
 from host_bridge.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
@@ -143,7 +146,7 @@ class EngineServer:
                     if lane is None:
                         continue
                     if self._bind:
-                        self._send_hello(lane.endpoint)
+                        self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
                     host_pid = msg["pid"]
                     self._start_worker(lane)
                 elif self.worker is None:
@@ -193,9 +196,12 @@ class EngineServer:
         self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
                                transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine"))
 
-    def _open_lane(self, hello: dict[str, Any]) -> FrameLane | None:
-        """Launched: connect to the lane the host's hello names. Serving: bind a fresh one for this host."""
+    def _open_lane(self, hello: dict[str, Any]) -> FrameLane | Doorbell | None:
+        """The host's doorbell when its hello names one. Else, launched: connect to the lane the hello
+        names; serving: bind a fresh one for this host."""
         try:
+            if "doorbell" in hello:
+                return Doorbell.attach(hello["doorbell"])
             if self._connect:
                 if "lane" not in hello:
                     raise EndpointError("the host's hello names no frame lane (a host of an older protocol?)")
@@ -203,7 +209,7 @@ class EngineServer:
                                  side="engine")
             return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
                              curve=self._curve)
-        except (EndpointError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+        except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
             self.channel.refuse(f"hello: no frame lane: {exc}")
             self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]))
             return None
@@ -212,21 +218,25 @@ class EngineServer:
         self.channel.send(make("bye", reason=reason))
         self.channel.poll(0)
 
-    def _start_worker(self, lane: FrameLane) -> None:
+    def _start_worker(self, lane: FrameLane | Doorbell) -> None:
         self.worker = FrameWorker(self._factory, self.channel.send, lane, stall_after=self._stall_after)
         self.worker.thread.start()
 
     def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:
-        """Stop the worker, let go of the rings (remove = the host is gone, delete its segments) and the lane.
-        A worker still busy in a session call holds neither the rings' lock nor the lane's, and finds both
-        closed when it returns."""
+        """Stop the worker, let go of the rings and the lane or doorbell (remove = the host is gone, delete
+        its segments). A worker still busy in a session call holds neither the rings' lock nor the lane's,
+        and finds both closed when it returns."""
         worker, self.worker = self.worker, None
         if worker is None:
             return
         if not worker.halt(join_s):
             _log("loom serve: the session is still busy; closing its rings and lane under it")
         worker.close_rings(remove)
-        worker.lane.close()  # the worker holds the lane's lock only while it polls or sends
+        lane = worker.lane  # the worker holds the lane's lock only while it polls or sends
+        if remove and isinstance(lane, Doorbell):
+            lane.remove()
+        else:
+            lane.close()
 
     def _dispatch(self, kind: str, msg: dict[str, Any]) -> None:
         w, ch = self.worker, self.channel

@@ -1,9 +1,10 @@
 """The engine server's compute side: one thread that owns the session and moves frames.
 
-It owns the frame lane's socket for as long as it runs: it polls the lane itself for input frame
-notices and output slot releases, and sends output notices and input releases on it, so a frame
-costs one ZMQ hop each way and no thread hand-off. It takes input frames from the attached input
-ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
+It owns the path of frame notices for as long as it runs (the host's shared-memory doorbell, or on
+tcp the frame lane socket; both are `lane` here): it polls it itself for input frame notices and
+output slot releases, and sends output notices and input releases on it, so a frame costs one
+record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached
+input ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
 every one, in order), pushes them through the session, and writes outputs into free output slots.
 A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
 paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
@@ -12,8 +13,8 @@ the last frame of each chunk.
 Everything else arrives through the server's control loop as commands (rings, mode, prompt,
 parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
 flushed, error) goes back on the control channel. The session is only touched by this thread.
-Rings and frame notices travel on different sockets, so a notice may arrive before the ring of its
-generation: it waits (bounded by the slots) until that ring is installed.
+Rings travel on the control channel and frame notices on the doorbell or lane, so a notice may
+arrive before the ring of its generation: it waits (bounded by the slots) until that ring is installed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from host_bridge import formats
+from host_bridge.doorbell import Doorbell
 from host_bridge.frame_lane import FrameLane
 from host_bridge.protocol import MAX_SLOTS, make
 from host_bridge.transport import Ring, SlotTracker
@@ -42,7 +44,7 @@ OUTPUT_POLL_S = 0.001  # while a GPU session still runs a chunk, look for its fr
 
 
 class FrameWorker:
-    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], lane: FrameLane,
+    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], lane: FrameLane | Doorbell,
                  stall_after: int | None = None):
         self._factory = session_factory
         self._send = send  # the control channel (thread-safe)
@@ -373,11 +375,10 @@ class FrameWorker:
     def _publish(self, slot: int, seq: int, out: Ring, payload: list[Any]) -> None:
         self.out_tracker.publish(slot)
         self.counts["frames_out"] += 1
-        self.lane.send(make("frame", dir="out", slot=slot, seq=max(seq, 0), gen=out.spec.generation, t=time.time(),
-                            nbytes=len(payload[0]) if payload else None), payload)
+        self.lane.send_frame(slot, max(seq, 0), out.spec.generation, payload)
 
     def _release_in(self, slot: int, gen: int, dropped: bool = False) -> None:
-        self.lane.send(make("release", dir="in", slot=slot, gen=gen, dropped=dropped))
+        self.lane.send_release(slot, gen, dropped)
 
 
 def _layout(spec: Any) -> tuple:

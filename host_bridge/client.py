@@ -6,13 +6,15 @@ the background thread that keeps one engine linked and restarts it; `NewestFrame
 buffer; `FrameStats` (bridge_stats.py), counters and latencies. What stays here is the frame flow
 and the calls a host makes.
 
-Frames do not pass through the loop thread: they travel on the link's `FrameLane`, used by the
-host's own threads. `submit()` converts the frame, copies it into a free slot and sends the notice
-itself, or keeps it as the single pending frame (replacing, and counting as dropped, an older one),
-so neither a slow nor a dead engine can block or grow the host. Whoever asks for output drains the
-lane: `latest()`/`latest_cuda()` without waiting, `wait_for_output()` and the batch calls by
-polling it (holding only the lane's lock). The loop thread also drains it on each tick, without
-waiting for the lock, so slots come back and counters move even when the host never asks.
+Frames do not pass through the loop thread: their notices travel on the link's lane (the
+shared-memory `Doorbell` on shm and cuda-ipc, the `FrameLane` socket on tcp), used by the host's own
+threads. `submit()` converts the frame, copies it into a free slot and sends the notice itself, or
+keeps it as the single pending frame (replacing, and counting as dropped, an older one), so neither
+a slow nor a dead engine can block or grow the host. Whoever asks for output drains the lane:
+`latest()`/`latest_cuda()` without waiting (on the doorbell: a look at a counter in shared memory),
+`wait_for_output()` and the batch calls by waiting on it (holding only the lane's lock). The loop
+thread also drains it on each tick, without waiting for the lock, so slots come back and counters
+move even when the host never asks.
 Lock order: the lane's lock, then the bridge's; a thread holding the bridge's lock only ever tries
 the lane's lock without waiting.
 """

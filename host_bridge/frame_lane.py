@@ -1,5 +1,8 @@
 """The frame lane: a ZMQ socket of its own for frame notices (with their tcp payloads) and releases.
 
+Used by tcp links; links to an engine on this machine (shm, cuda-ipc) carry the same notices through
+a shared-memory doorbell instead (`host_bridge.doorbell`), which has this class's interface.
+
 Why not the control `Channel`: its socket belongs to one loop thread, so a frame sent through it
 crossed a thread hand-off on each side (outbox, inproc wake-up, loop, condition), which cost more
 than the copies. The lane is used directly by the threads that make and consume frames (on the
@@ -34,7 +37,7 @@ from typing import Any
 import zmq
 
 from host_bridge.channel import CurveClient, CurveServer, EndpointError, apply_curve_keys, check_endpoint
-from host_bridge.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from host_bridge.protocol import MAX_PAYLOAD_BYTES, NOTICE_DIRS, ProtocolError, decode, encode, make
 from host_bridge.wakeup import Wakeup
 
 LANE_HWM = 1000  # far above what slots allow in flight; a send beyond it waits in the outbox
@@ -73,6 +76,7 @@ class FrameLane:
         if side not in ACCEPTS:
             raise ValueError(f"side: {side!r}; expected 'host' or 'engine'")
         self._accepts = ACCEPTS[side]
+        self._frame_dir, self._release_dir = NOTICE_DIRS[side]
         self.lock = threading.RLock()
         self._closed = False
         self._ipc_file: str | None = None
@@ -119,6 +123,15 @@ class FrameLane:
         else:
             self.wake()
         return True
+
+    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = ()) -> bool:
+        """A frame notice for `slot` of the ring this side writes (tcp: with the frame as `payload`)."""
+        return self.send(make("frame", dir=self._frame_dir, slot=slot, seq=seq, gen=gen, t=time.time(),
+                              nbytes=len(payload[0]) if payload else None), payload)
+
+    def send_release(self, slot: int, gen: int, dropped: bool = False) -> bool:
+        """Hand `slot` of the peer's ring back."""
+        return self.send(make("release", dir=self._release_dir, slot=slot, gen=gen, dropped=dropped))
 
     def wake(self) -> None:
         """Make a thread waiting in `receive()` return now (a queued message, a command, closing)."""

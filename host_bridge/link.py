@@ -1,10 +1,12 @@
 """One connection to one engine instance: handshake, rings, slots, liveness, teardown.
 
-A link has two sockets: the control `Channel` (served by the bridge's loop thread) and the
-`FrameLane` for frame notices and releases (used directly by whichever host thread moves frames).
-A restart is a new `Link` (new sockets, new endpoints, new token, new rings), so nothing from a
-dead engine (queued messages, half-written slots) can leak into the next one. The `Bridge` holds
-its lock while calling into a link, except for `teardown`, which may wait for a process to exit.
+A link has the control `Channel` (served by the bridge's loop thread) and a path for frame notices
+and releases, used directly by whichever host thread moves frames: the shared-memory `Doorbell` on
+shm and cuda-ipc (the engine is on this machine), the `FrameLane` socket on tcp; both are `lane`
+here. A restart is a new `Link` (new sockets, new endpoints, new token, new doorbell, new rings),
+so nothing from a dead engine (queued messages, half-written slots) can leak into the next one.
+The `Bridge` holds its lock while calling into a link, except for `teardown`, which may wait for a
+process to exit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from host_bridge.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
 from host_bridge.config import BridgeConfig
+from host_bridge.doorbell import Doorbell
 from host_bridge.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.launcher import EngineProcess
 from host_bridge.protocol import TRANSPORTS, make
@@ -25,12 +28,14 @@ from host_bridge.transport import Ring, SlotTracker, create_ring
 
 
 class Link:
-    def __init__(self, link_id: int, channel: Channel, lane: FrameLane | None, proc: EngineProcess | None,
+    def __init__(self, link_id: int, channel: Channel, lane: FrameLane | Doorbell | None, proc: EngineProcess | None,
                  endpoint: PrivateEndpoint | None, token: str | None, cfg: BridgeConfig, lock: threading.RLock,
                  curve: CurveClient | None = None):
         self.id = link_id
         self.channel = channel
-        self.lane = lane  # bound here when we launched the engine; else connected once its hello names it
+        # the doorbell, made with the link; or a lane bound here when we launched the engine, else
+        # connected once the engine's hello names it
+        self.lane = lane
         self.curve = curve
         self.proc = proc
         self.endpoint = endpoint
@@ -76,8 +81,10 @@ class Link:
         return self.channel.send(msg, payload)
 
     def send_hello(self) -> None:
+        doorbell = self.lane.name if isinstance(self.lane, Doorbell) else None
+        lane = self.lane.endpoint if self.cfg.launch and doorbell is None else None
         self.send(make("hello", role="host", token=self.token or "", pid=os.getpid(), transports=list(TRANSPORTS),
-                       software="loom host_bridge", lane=self.lane.endpoint if self.cfg.launch else None))
+                       software="loom host_bridge", lane=lane, doorbell=doorbell))
 
     def on_hello(self, msg: dict[str, Any]) -> str | None:
         if self.phase != "hello":
@@ -92,7 +99,7 @@ class Link:
         self.engine_pid = msg["pid"]
         if self.cfg.launch:  # we bound, the engine spoke first: answer
             self.send_hello()
-        else:  # the engine bound: its hello names the lane
+        elif self.lane is None:  # the engine bound: its hello names the lane
             if "lane" not in msg:
                 return "handshake: the engine's hello names no frame lane (an engine of an older protocol?)"
             try:
@@ -133,13 +140,11 @@ class Link:
             self.in_tracker.unacquire(slot)
             raise
         self.in_tracker.publish(slot)
-        nbytes = len(payload[0]) if payload else None
-        self.lane.send(make("frame", dir="in", slot=slot, seq=seq, gen=self.generation, t=time.time(),
-                            nbytes=nbytes), payload)
+        self.lane.send_frame(slot, seq, self.generation, payload)
         return True
 
     def release_output(self, slot: int, gen: int) -> None:
-        self.lane.send(make("release", dir="out", slot=slot, gen=gen))
+        self.lane.send_release(slot, gen)
 
     def _ensure_rings(self, frame: np.ndarray | None, staging: Any) -> None:
         if frame is None:
@@ -210,9 +215,10 @@ class Link:
         self.send(make("stats", id=rid))
 
     def segment_names(self) -> list[str]:
-        """Shared-memory segments this link owns (shm transport), for diagnostics and tests."""
+        """Shared-memory segments this link owns (shm rings, the doorbell), for diagnostics and tests."""
         rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
-        return [h for r in rings if r.spec.transport == "shm" for h in r.spec.handles]
+        doorbell = [self.lane.name] if isinstance(self.lane, Doorbell) else []
+        return [h for r in rings if r.spec.transport == "shm" for h in r.spec.handles] + doorbell
 
     @property
     def refused(self) -> int:
@@ -224,7 +230,8 @@ class Link:
         return lane.last_refusal if lane and lane.refused_at > self.channel.refused_at else self.channel.last_refusal
 
     def message_counts(self) -> dict[str, int]:
-        """Messages through each socket (the control channel's do not grow per frame)."""
+        """Messages through the control channel (these do not grow per frame) and notices through the
+        frame path (`lane_*`: the lane's messages or the doorbell's records)."""
         lane = self.lane
         return {"control_sent": self.channel.sent, "control_received": self.channel.received,
                 "lane_sent": lane.sent if lane else 0, "lane_received": lane.received if lane else 0}
@@ -253,7 +260,8 @@ class Link:
             self.proc.stop(timeout_s)
         self.channel.close()
         if self.lane is not None:
-            self.lane.close()  # waits for a host thread that may be polling it (it is woken first)
+            self.lane.close()  # waits for a host thread that may be polling it (it is woken first); the
+            # doorbell's segment is removed with it
         with self._lock:
             rings = [r for r in (self.ring_in, self.ring_out, *self.retired) if r is not None]
             self.ring_in = self.ring_out = None

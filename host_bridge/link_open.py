@@ -1,10 +1,12 @@
 """Opening one link to an engine: sockets, and the engine process when the bridge launches it.
 
-Launching, the bridge binds both the control endpoint and the frame lane next to it (a private
-endpoint unless the config names one) and starts the engine with a fresh token in its environment;
-connecting to a served engine, it only connects the control channel (the engine's hello names the
-lane). Whatever was opened is closed again when a later step fails, so a failed attempt leaves
-no socket, endpoint file or process behind; the caller gets a `LinkOpenError` saying what failed.
+Launching, the bridge binds the control endpoint (a private endpoint unless the config names one)
+and starts the engine with a fresh token in its environment; connecting to a served engine, it
+connects the control channel. Frame notices: on shm and cuda-ipc the bridge creates the link's
+doorbell segment here (its hello names it); on tcp a launching bridge binds the frame lane next to
+the control endpoint, and a connecting one learns the lane from the engine's hello. Whatever was
+opened is closed again when a later step fails, so a failed attempt leaves no socket, endpoint
+file, segment or process behind; the caller gets a `LinkOpenError` saying what failed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import zmq
 
 from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
+from host_bridge.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
+from host_bridge.doorbell import Doorbell
 from host_bridge.frame_lane import FrameLane, lane_bind_address
 from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
@@ -37,19 +41,23 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
              if cfg.curve_secret_file and cfg.curve_server_public_file else None)
     channel = lane = None
     try:
-        if cfg.launch:  # we bind both: the control endpoint and the frame lane next to it
+        if cfg.launch:
             channel = Channel(ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+        else:
+            channel = Channel(ctx, cfg.endpoint, bind=False, curve=curve)
+        if cfg.transport in DOORBELL_TRANSPORTS:
+            lane = Doorbell.create()
+        elif cfg.launch:  # we bound the control endpoint: the frame lane goes next to it
             lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
                 lane_bind_address(channel.endpoint)
             lane = FrameLane(ctx, lane_address, bind=True, side="host")
-        else:
-            channel = Channel(ctx, cfg.endpoint, bind=False, curve=curve)
     except Exception as exc:
-        if channel is not None:
-            channel.close()
+        for opened in (channel, lane):
+            if opened is not None:
+                opened.close()
         if endpoint:
             endpoint.remove()
-        raise LinkOpenError(f"cannot open the control endpoint: {exc}") from exc
+        raise LinkOpenError(f"cannot open the link's endpoints: {exc}") from exc
     proc = None
     if cfg.launch:
         try:
@@ -57,7 +65,8 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
                                  cwd=cfg.engine_cwd, env={TOKEN_ENV: token})
         except OSError as exc:
             channel.close()
-            lane.close()
+            if lane is not None:
+                lane.close()
             if endpoint:
                 endpoint.remove()
             raise LinkOpenError(f"cannot start the engine with {cfg.engine_python!r}: {exc}") from exc

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: frame notices and releases travel on a separate frame lane socket
+PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
 MAX_TEXT = 4096
 MAX_ENDPOINT = 256
 LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
+NOTICE_DIRS = {"host": ("in", "out"), "engine": ("out", "in")}  # side -> (dir of its frames, of its releases)
 
 DTYPES = ("uint8", "uint16", "float32")
 DTYPE_SIZES = {"uint8": 1, "uint16": 2, "float32": 4}
@@ -32,6 +34,7 @@ ORIENTATIONS = ("top-down", "bottom-up")
 CHANNEL_ORDERS = {1: ("R",), 3: ("RGB", "BGR"), 4: ("RGBA", "BGRA")}
 ENCODINGS = ("raw", "jpeg")
 DIRECTIONS = ("in", "out")  # "in" = host -> engine, "out" = engine -> host
+SEGMENT_NAME = re.compile(r"loom_\d{1,10}_[0-9a-f]{1,32}")  # shm ring and doorbell segments
 
 
 class ProtocolError(ValueError):
@@ -74,6 +77,11 @@ def _endpoint(v: Any) -> str | None:
     return None if ok else f"a tcp:// or ipc:// endpoint of at most {MAX_ENDPOINT} characters"
 
 
+def _segment(v: Any) -> str | None:
+    ok = isinstance(v, str) and SEGMENT_NAME.fullmatch(v) is not None
+    return None if ok else "a shared-memory segment name loom_<pid>_<hex>"
+
+
 def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "true or false"
 
@@ -112,16 +120,18 @@ _ID: Fields = {"id": (_opt(_int()), False)}
 
 SCHEMA: dict[str, Fields] = {
     # handshake: each side sends hello once; the engine sends ready when its session is built. The side
-    # that bound the control endpoint also bound the frame lane and names it in `lane`
+    # that bound the control endpoint also bound the frame lane and names it in `lane`; a host on shm or
+    # cuda-ipc names its doorbell segment instead (frame notices then travel through it, not a lane)
     "hello": {"role": (_choice("host", "engine"), True), "token": (_str(128), True), "pid": (_int(0, 2**31), True),
               "transports": (_str_list(8, 16), False), "gpu_uuids": (_str_list(64, 64), False),
-              "software": (_str(128), False), "lane": (_endpoint, False)},
+              "software": (_str(128), False), "lane": (_endpoint, False),
+              "doorbell": (_segment, False)},
     "ready": {"info": (_json_object, False)},
     "status": {"state": (_choice("loading", "running", "error"), True), "message": (_str(MAX_TEXT), False),
                "progress": (_opt(_num(0.0, 1.0)), False)},
     "heartbeat": {"t": (_num(0.0), True), "busy_s": (_opt(_num(0.0)), False)},
     "bye": {"reason": (_str(MAX_TEXT), False)},
-    # data plane notices: on the frame lane only
+    # data plane notices: on the frame lane (or as doorbell records) only
     "ring": {**_ID, "spec": (_ring_spec, True)},
     "frame": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
               "seq": (_int(), True), "gen": (_int(), True), "t": (_num(0.0), False),

@@ -1,11 +1,13 @@
 """The frame ring in POSIX / Windows shared memory: one segment per ring, slots back to back.
 
+The segment rules here also serve a link's doorbell segment (`host_bridge.doorbell`).
+
 Segment names are random (`loom_<owner pid>_` + 48 random bits) and POSIX segments are created
 mode 0600, so another user cannot guess or open them. Python's resource tracker is kept out of it (it would
 unlink the host's segments when the engine, which only attaches, exits; and it spawns a helper
 with `sys.executable`, which inside TouchDesigner is not Python): the host removes its segments
 on close, and an engine that finds its host dead removes them before it exits. Should both die
-at once (a killed process group), the next ring created on this machine sweeps the segments whose
+at once (a killed process group), the next ring (or doorbell) created on this machine sweeps the segments whose
 owner pid is gone (Linux lists segments under /dev/shm; elsewhere there is nothing to list).
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from host_bridge.launcher import pid_alive
-from host_bridge.protocol import RingSpec
+from host_bridge.protocol import SEGMENT_NAME, RingSpec
 from host_bridge.transport import Ring, packed_pitch
 
 NAME_PREFIX = "loom_"
@@ -45,7 +47,17 @@ def sweep_stale_segments() -> list[str]:
     return removed
 
 
-def _open(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
+def new_segment_name() -> str:
+    """A fresh segment name: this process's pid (for the sweep) and 48 random bits."""
+    return f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+
+
+def is_segment_name(name: str) -> bool:
+    return SEGMENT_NAME.fullmatch(name) is not None
+
+
+def open_segment(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
+    """Create (mode 0600) or open a segment, kept away from Python's resource tracker."""
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
     shm = shared_memory.SharedMemory(name=name, create=create, size=size)
@@ -70,8 +82,8 @@ class ShmRing(Ring):
         spec_fields = {k: v for k, v in fields.items() if k not in ("handles", "pitch")}
         size = pitch * fields["height"] * fields["slots"]
         sweep_stale_segments()
-        name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        shm = _open(name, create=True, size=size)
+        name = new_segment_name()
+        shm = open_segment(name, create=True, size=size)
         spec = RingSpec(pitch=pitch, handles=[name], **spec_fields)
         return cls(spec, shm, owner=True)
 
@@ -79,7 +91,7 @@ class ShmRing(Ring):
     def attach(cls, spec: RingSpec) -> ShmRing:
         if len(spec.handles) != 1 or not spec.handles[0].startswith(NAME_PREFIX):
             raise ValueError(f"shm ring: expected one segment name starting with {NAME_PREFIX!r}, got {spec.handles}")
-        shm = _open(spec.handles[0], create=False)
+        shm = open_segment(spec.handles[0], create=False)
         if shm.size < spec.slot_bytes * spec.slots:
             shm.close()
             raise ValueError(f"shm segment {spec.handles[0]} has {shm.size} bytes; the ring needs "
@@ -116,20 +128,21 @@ class ShmRing(Ring):
         except BufferError:  # a view escaped; the mapping goes when the process ends
             pass
         if self._owner:
-            self._unlink(shm)
+            unlink_segment(shm)
 
     def remove(self) -> None:
         """Unlink the segment (used by an engine whose host died); close first."""
         shm = self._shm
         self.close()
         if shm is not None and not self._owner:
-            self._unlink(shm)
+            unlink_segment(shm)
 
-    @staticmethod
-    def _unlink(shm: shared_memory.SharedMemory) -> None:
-        if sys.platform == "win32":
-            return  # Windows frees the mapping when the last handle closes
-        try:
-            shared_memory._posixshmem.shm_unlink(shm._name)  # noqa: SLF001 (bypasses the resource tracker)
-        except FileNotFoundError:
-            pass
+
+def unlink_segment(shm: shared_memory.SharedMemory) -> None:
+    """Remove a segment's name (bypassing the resource tracker); mappings stay valid until closed."""
+    if sys.platform == "win32":
+        return  # Windows frees the mapping when the last handle closes
+    try:
+        shared_memory._posixshmem.shm_unlink(shm._name)  # noqa: SLF001
+    except FileNotFoundError:
+        pass

@@ -62,7 +62,8 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
         for i, (a, b) in enumerate(zip(frames, outputs)):
             assert np.array_equal(a, b), f"frame {i} differs"
         segment_names = set(bridge.stats()["segments"])
-        assert len(segment_names) == 2 and segment_names <= _segments()  # one ring per direction
+        assert len(segment_names) == 3 and segment_names <= _segments()  # a ring per direction, the doorbell
+        assert bridge.stats()["lane_endpoint"].startswith("doorbell:loom_")
         for name in segment_names:
             assert (SHM / name).stat().st_mode & 0o777 == 0o600
         pid = bridge.stats()["engine_pid"]
@@ -149,8 +150,9 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
         second_pid = bridge.stats()["engine_pid"]
         second_segments = set(bridge.stats()["segments"])
         assert second_pid != first_pid and second_segments
-        deadline = time.monotonic() + 5
-        while bridge.stats()["engine"].get("pid") != second_pid and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5  # the prompt reaches the worker thread, then a stats poll reports it
+        while (bridge.stats()["engine"].get("pid") != second_pid or "prompt" not in
+               bridge.stats()["engine"].get("session", {})) and time.monotonic() < deadline:
             time.sleep(0.05)
         session = bridge.stats()["engine"]["session"]
         assert session["prompt"] == "ink wash, loose brush" and session["params"] == {"noise_scale": 0.5}
@@ -227,7 +229,7 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
         engine_pid, names = int(pid_text), set(names)
         private_dir = Path(endpoint.removeprefix("ipc://")).parent
         assert private_dir.is_dir() and private_dir.stat().st_mode & 0o777 == 0o700
-        assert len(names) == 2 and names <= _segments()
+        assert len(names) == 3 and names <= _segments()  # a ring per direction and the doorbell
         host.kill()
         host.wait()
         assert _gone(engine_pid, 5.0), "engine outlived its host"
@@ -240,12 +242,12 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
 @posix_only
 def test_segments_of_dead_owners_are_swept():
     from host_bridge.transport import create_ring
-    from host_bridge.transport_shm import _open
+    from host_bridge.transport_shm import open_segment
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     name = f"loom_{dead.pid}_0123456789ab"
-    _open(name, create=True, size=64).close()  # a crashed owner's segment
+    open_segment(name, create=True, size=64).close()  # a crashed owner's segment
     ring = create_ring("shm", "in", slots=2, width=4, height=4)
     try:
         assert name not in _segments()

@@ -1,8 +1,9 @@
-"""The frame lane: frames travel on their own socket, used directly by the threads that move them.
+"""The frame lane (tcp links): frames travel on their own socket, used directly by the threads that move them.
 
 What a host relies on: frames do not go through the control channel (its counters stay flat), a
 frame message on the wrong socket is refused and counted, a thread sending while another waits on
 the lane is never blocked, and the lane's endpoint disappears with its link (close, engine crash).
+shm and cuda-ipc links use the shared-memory doorbell instead (tests/test_doorbell.py).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def test_a_send_while_another_thread_waits_on_the_lane_goes_out_at_once():
 
 @posix_ipc
 def test_frames_use_the_lane_and_it_is_removed_after_sigkill_and_close():
-    cfg = BridgeConfig(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0,
+    cfg = BridgeConfig(transport="tcp", passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0,
                        restart_backoff_s=0.2, stop_timeout_s=1.0)
     with Bridge(cfg) as bridge:
         bridge.wait_running(30)
@@ -146,10 +147,13 @@ def test_frames_use_the_lane_and_it_is_removed_after_sigkill_and_close():
     assert not new_lane.exists() and not new_lane.parent.exists()
 
 
-def test_the_first_frame_after_a_resolution_change_waits_for_its_ring():
-    """Rings travel on the control channel, notices on the lane: a notice may arrive first. The engine
-    holds it until its ring is attached instead of dropping it as stale."""
-    with Bridge(BridgeConfig(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0)) as bridge:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # notices on the lane, or through the doorbell
+def test_the_first_frame_after_a_resolution_change_waits_for_its_ring(transport):
+    """Rings travel on the control channel, notices on the lane or doorbell: a notice may arrive first.
+    The engine holds it until its ring is attached instead of dropping it as stale."""
+    cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1,
+                       hang_timeout_s=1.0)
+    with Bridge(cfg) as bridge:
         bridge.wait_running(30)
         for i in range(12):
             size = (24, 32) if (i // 3) % 2 == 0 else (40, 56)
@@ -169,7 +173,8 @@ def test_served_engine_lane_refuses_frames_on_control_and_is_removed_when_the_ho
     thread.start()
     try:
         assert _wait(lambda: server.channel is not None, 10)
-        cfg = BridgeConfig(launch=False, endpoint=server.channel.endpoint, heartbeat_s=0.1, hang_timeout_s=1.0)
+        cfg = BridgeConfig(launch=False, endpoint=server.channel.endpoint, transport="tcp", heartbeat_s=0.1,
+                           hang_timeout_s=1.0)
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)
             lanes = list(tmp_path.glob("ctl-lane-*"))

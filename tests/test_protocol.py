@@ -20,6 +20,7 @@ def test_valid_messages_round_trip():
     msgs = [
         make("hello", role="engine", token="t", pid=12, transports=["shm", "tcp"], gpu_uuids=[]),
         make("hello", role="host", token="t", pid=12, lane="ipc:///tmp/loom-1-x/lane"),
+        make("hello", role="host", token="t", pid=12, doorbell="loom_4242_0123456789ab"),
         make("flush", id=4, seq=99),
         make("ready", info={"session": "X"}),
         make("heartbeat", t=1.5, busy_s=0.2),
@@ -49,6 +50,10 @@ def test_valid_messages_round_trip():
     ({"v": PROTOCOL_VERSION, "type": "prompt", "text": ""}, "prompt.text"),
     ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "lane": "udp://h:1"},
      "hello.lane"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "doorbell": "../../etc/x"},
+     "hello.doorbell"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "doorbell": "loom_1_ab\n"},
+     "hello.doorbell"),
     ({"v": PROTOCOL_VERSION, "type": "heartbeat", "t": True}, "heartbeat.t"),
     ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "pitch": 10}}, "smaller than a row"),
     ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "order": "BGRA"}}, "ring.order"),

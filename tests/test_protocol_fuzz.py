@@ -142,11 +142,11 @@ def test_bridge_client_survives_fuzzing_and_counts_refusals():
     lane = ctx.socket(zmq.DEALER)
     lane.setsockopt(zmq.LINGER, 0)
     lane_port = lane.bind_to_random_port("tcp://127.0.0.1")
-    bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="shm",
-                                 restart=False)).start()
+    bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp",
+                                 restart=False)).start()  # tcp: a link with a frame lane (shm has a doorbell)
     try:
         assert _recv(engine, "hello")["role"] == "host"
-        engine.send(encode(make("hello", role="engine", token="", pid=os.getpid(), transports=["shm"],
+        engine.send(encode(make("hello", role="engine", token="", pid=os.getpid(), transports=["tcp"],
                                 lane=f"tcp://0.0.0.0:{lane_port}")))  # a wildcard bind: the host keeps its address
         engine.send(encode(make("ready", info={})))
         bridge.wait_running(10)

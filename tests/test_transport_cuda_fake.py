@@ -169,6 +169,7 @@ def test_bridge_round_trip_through_an_engine_on_cuda_ipc(fake):
     try:
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)
+            assert bridge.stats()["lane_endpoint"].startswith("doorbell:")  # notices through shared memory
             h, w = 6, 10
             bgra = np.random.default_rng(1).integers(0, 256, (h, w, 4), dtype=np.uint8)  # TouchDesigner layout
             for _ in range(3):
