@@ -43,6 +43,7 @@ class FrameStats:
         self._submit_times: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._sorted: list[float] | None = None  # the latencies sorted, until the next one arrives
 
     def sent(self, seq: int, t: float) -> None:
         """Input `seq`, submitted at `t`, went into a slot."""
@@ -58,6 +59,7 @@ class FrameStats:
         t0 = self._submit_times.pop(seq, None)
         if t0 is not None:
             self._latencies.append(now - t0)
+            self._sorted = None
 
     def dropped(self) -> int:
         """Frames dropped on this side and, as the engine last reported, on its side."""
@@ -71,8 +73,10 @@ class FrameStats:
 
     def latency_ms(self, q: float) -> float:
         """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile costs about 0.1 ms there."""
-        values = sorted(self._latencies)
+        and np.percentile costs about 0.1 ms there; the sort is kept until a new latency arrives."""
+        if self._sorted is None:
+            self._sorted = sorted(self._latencies)
+        values = self._sorted
         if not values:
             return 0.0
         k = (len(values) - 1) * q / 100
