@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import CrossKV, KVCache, StreamStep
-from engine.step_graphs import MAX_GRAPHS, _clone_step, _copy_step, _cross_shape, _key
+from engine.step_graphs import MAX_GRAPHS, StaticCross, _clone_step, _copy_step, _key
 
 BlockRun = Callable[[torch.Tensor, torch.Tensor, CrossKV, KVCache, StreamStep], torch.Tensor]
 
@@ -40,8 +40,7 @@ class GraphedBlocks:
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
-        self._cross: CrossKV | None = None
-        self._cross_src: CrossKV | None = None
+        self._cross = StaticCross()
         self.replays = 0
         self.error: str | None = None
 
@@ -52,7 +51,9 @@ class GraphedBlocks:
         if self.error is not None or key is None or fresh:
             self._seen.add(key)
             return self.run(tokens, mod, cross, cache, step)
-        static_cross = self._static_cross(cross)
+        static_cross, reshaped = self._cross.update(cross)
+        if reshaped:
+            self._graphs.clear()
         if key not in self._graphs:
             try:
                 self._graphs[key] = self._capture(tokens, mod, static_cross, cache, step)
@@ -69,19 +70,6 @@ class GraphedBlocks:
         cap.graph.replay()
         self.replays += 1
         return cap.out.clone()
-
-    def _static_cross(self, cross: CrossKV) -> CrossKV:
-        """The graphs read cross K/V from fixed buffers; a new prompt is copied into them."""
-        if self._cross is None or _cross_shape(self._cross) != _cross_shape(cross):
-            self._graphs.clear()
-            self._cross = CrossKV({i: t.clone() for i, t in cross.k.items()},
-                                  {i: t.clone() for i, t in cross.v.items()})
-        elif cross is not self._cross_src:
-            for i in cross.k:
-                self._cross.k[i].copy_(cross.k[i])
-                self._cross.v[i].copy_(cross.v[i])
-        self._cross_src = cross
-        return self._cross
 
     def _capture(self, tokens, mod, cross, cache, step) -> _Captured:
         static_tokens, static_mod, static_step = tokens.clone(), mod.clone(), _clone_step(step)

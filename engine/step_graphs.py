@@ -43,15 +43,14 @@ class GraphedStreamForward:
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
-        self._cross: CrossKV | None = None  # static copy the graphs read
-        self._cross_src: CrossKV | None = None
+        self._cross = StaticCross()
         self.replays = 0
 
     def reset(self) -> None:
         """Forget every graph (the cache or the model changed)."""
         self._seen.clear()
         self._graphs.clear()
-        self._cross = self._cross_src = None
+        self._cross = StaticCross()
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cache: KVCache, cross: CrossKV,
                  commit: bool = True) -> torch.Tensor:
@@ -66,7 +65,9 @@ class GraphedStreamForward:
             out = self._eager(x, timestep, cache, cross, step)
             cache.finish(step)
             return out
-        static_cross = self._static_cross(cross)
+        static_cross, reshaped = self._cross.update(cross)
+        if reshaped:
+            self._graphs.clear()
         if key not in self._graphs:
             self._graphs[key] = self._capture(x, timestep, cache, static_cross, step)
         cap = self._graphs[key]
@@ -84,19 +85,6 @@ class GraphedStreamForward:
         tokens = m.run_blocks(0, m.cfg.num_layers, tokens, cond, cross, cache.attention(step, m.ops.rotate))
         return m.head(tokens, cond, grid)
 
-    def _static_cross(self, cross: CrossKV) -> CrossKV:
-        """The graphs read cross K/V from fixed buffers; a new prompt is copied into them."""
-        if self._cross is None or _cross_shape(self._cross) != _cross_shape(cross):
-            self._graphs.clear()
-            self._cross = CrossKV({i: t.clone() for i, t in cross.k.items()},
-                                  {i: t.clone() for i, t in cross.v.items()})
-        elif cross is not self._cross_src:
-            for i in cross.k:
-                self._cross.k[i].copy_(cross.k[i])
-                self._cross.v[i].copy_(cross.v[i])
-        self._cross_src = cross
-        return self._cross
-
     def _capture(self, x, timestep, cache, cross, step) -> _Captured:
         static_x, static_t = x.clone(), timestep.clone()
         static_step = _clone_step(step)
@@ -107,6 +95,28 @@ class GraphedStreamForward:
         if self._pool is None:
             self._pool = graph.pool()
         return _Captured(graph, static_x, static_t, static_step, out)
+
+
+class StaticCross:
+    """Cross-attention K/V in fixed buffers, which captured graphs read; a new prompt's K/V is
+    copied into them, so the graphs stay valid across prompt changes of the same shape."""
+
+    def __init__(self) -> None:
+        self.buffers: CrossKV | None = None
+        self._source: CrossKV | None = None
+
+    def update(self, cross: CrossKV) -> tuple[CrossKV, bool]:
+        """The buffers holding `cross`, and whether they were made anew (graphs must be recaptured)."""
+        reshaped = self.buffers is None or _cross_shape(self.buffers) != _cross_shape(cross)
+        if reshaped:
+            self.buffers = CrossKV({i: t.clone() for i, t in cross.k.items()},
+                                   {i: t.clone() for i, t in cross.v.items()})
+        elif cross is not self._source:
+            for i in cross.k:
+                self.buffers.k[i].copy_(cross.k[i])
+                self.buffers.v[i].copy_(cross.v[i])
+        self._source = cross
+        return self.buffers, reshaped
 
 
 def _key(x: torch.Tensor, t: torch.Tensor, cache: KVCache, step: StreamStep) -> tuple | None:

@@ -251,3 +251,19 @@ def test_blocks_move_between_caches():
     assert first.blocks == [0] and second.blocks == [2, 1] and second.k[1] is k
     with pytest.raises(ValueError, match="do not fit"):
         second.put_block(3, k[:, :2], v[:, :2])
+
+
+def test_static_cross_keeps_its_buffers_for_a_prompt_of_the_same_shape():
+    from engine.kv_cache import CrossKV
+    from engine.step_graphs import StaticCross
+
+    def cross(value: float, tokens: int = 8) -> CrossKV:
+        return CrossKV({0: torch.full((1, tokens, 4), value)}, {0: torch.full((1, tokens, 4), -value)})
+
+    static = StaticCross()
+    first, reshaped = static.update(cross(1.0))
+    assert reshaped
+    second, reshaped = static.update(cross(2.0))  # a new prompt: copied into the same buffers
+    assert not reshaped and second.k[0] is first.k[0] and float(second.v[0][0, 0, 0]) == -2.0
+    third, reshaped = static.update(cross(3.0, tokens=16))  # another shape: new buffers, recapture
+    assert reshaped and third.k[0].shape[1] == 16
