@@ -150,7 +150,8 @@ class SLOConfig:
 class MemoryConfig:
     """Fitting smaller GPUs (the 1.3B pipeline on a 24 GB card)."""
 
-    low_vram: bool = spec(False, doc="text encoder on the CPU, one-latent chunks, VAE run in spatial tiles")
+    low_vram: bool = spec(False, doc="text encoder on the CPU, one-latent chunks, VAE run in spatial tiles, "
+                                          "stages one after another (no overlap of chunks)")
     vae_tile_latents: int = spec(32, min=4, max=512, doc="low_vram: VAE tile side in latents (8 pixels each)")
     vae_tile_overlap: int = spec(8, min=0, max=256, doc="low_vram: overlap of neighbouring tiles in latents")
 

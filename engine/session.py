@@ -79,7 +79,8 @@ class StreamSession:
         cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if cuda else None
         self._denoise_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._decode_stream = torch.cuda.Stream(self.device) if cuda else None
+        # low_vram: decode on the denoise stream, one pool for both (streams do not share cached memory)
+        self._decode_stream = torch.cuda.Stream(self.device) if cuda and not cfg.memory.low_vram else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram))
@@ -170,7 +171,8 @@ class StreamSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
-        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks)
+        # low_vram: no chunk left running, so one chunk's encode, denoise and decode never coexist
+        self._outputs = OutputQueue(self.device, 0 if cfg.memory.low_vram else cfg.stream.max_unfinished_chunks)
         if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
             torch.cuda.synchronize(self.device)
 
