@@ -159,6 +159,9 @@ def summary_table(result: dict[str, Any]) -> str:
         ("jitter latency/interval", f"{_f(loom['latency_jitter_ms'])} / {_f(loom['interval_jitter_ms'])} ms"),
         (f"SLO miss rate @{loom['slo_budget_ms']:.0f} ms", f"{100 * loom['slo_miss_rate']:.2f} %"),
     ]
+    if loom["fps"] > 0:  # on a GPU the stages of neighbouring chunks share it: their spans overlap
+        rows.append(("chunk period", f"{FRAMES_PER_CHUNK * 1000 / loom['fps']:.2f} ms per {FRAMES_PER_CHUNK} "
+                                     "frames (stage spans below may overlap it)"))
     for stage, v in loom["stages_ms"].items():
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
     for r in loom.get("ranks", []):  # the DiT pipeline over several GPUs
