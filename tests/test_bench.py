@@ -13,7 +13,8 @@ def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
                "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    for row in ("FPS", "time to first frame", "latency p95/p99/max", "stage dit", "stage bridge", "Loom / baseline"):
+    for row in ("FPS", "time to first frame", "latency p95/p99/max", "chunk period", "stage dit", "stage bridge",
+                "Loom / baseline"):
         assert row in table
     result = json.loads(out.read_text())
     loom = result["loom"]
