@@ -334,6 +334,11 @@ class StreamSession:
 
     def _encode(self, c: _Chunk) -> None:
         stream = self._side
+        # The caching allocator reuses a block once its own stream is past the last use, so a tensor
+        # used on another stream is recorded there, or a later chunk could overwrite it in flight.
+        consumer = torch.cuda.current_stream(self.device) if stream is not None else None  # the denoise stream
+        if stream is not None and _on_gpu(c.frames):
+            c.frames.record_stream(stream)  # stacked on the caller's stream, read on this one
         with _on(stream):
             with self.timer.span("preprocess", len(c.frames)):
                 x = self.mapper.to_model(c.frames)
@@ -349,7 +354,9 @@ class StreamSession:
             if stream is not None:
                 c.ready = torch.cuda.Event()
                 c.ready.record(stream)
-                c.latent.record_stream(torch.cuda.current_stream(self.device))
+                for t in (c.latent, c.t0):
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(consumer)
 
     def _denoise(self, c: _Chunk) -> None:
         self._advance_prompt()
@@ -379,6 +386,8 @@ class StreamSession:
             if stream is not None:  # after the denoise that made `latent`, which stays alive until used there
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 latent.record_stream(stream)
+                if _on_gpu(chunk.frames):  # the letterbox border is taken from the input frames
+                    chunk.frames.record_stream(stream)
             with _on(stream):
                 with self.timer.span("decode", None if chunk.first else latent.shape[2]):
                     pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent,
@@ -434,6 +443,10 @@ class StreamSession:
 def _on(stream: torch.cuda.Stream | None) -> Any:
     """Run the block on `stream` (CUDA), or in place (CPU: no streams)."""
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _on_gpu(frames: np.ndarray | torch.Tensor) -> bool:
+    return isinstance(frames, torch.Tensor) and frames.is_cuda
 
 
 def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
