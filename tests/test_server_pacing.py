@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import pytest
@@ -50,9 +51,44 @@ class ChunkSession:
         return {"pending": len(self.pending)}
 
 
-@pytest.fixture
-def served():
-    server = EngineServer(ChunkSession, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
+class GpuLikeSession(ChunkSession):
+    """A GPU session's contract: a push returns only chunks already finished; the newest one
+    finishes DELAY_S later and is collected by `poll()` (the server must ask, no push comes)."""
+
+    DELAY_S = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: deque[tuple[float, np.ndarray]] = deque()
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        done = super().push(frames)
+        if len(done):
+            self.running.append((time.monotonic() + self.DELAY_S, done))
+        return self.poll()
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        out = []
+        while self.running and (wait or self.running[0][0] <= time.monotonic()):
+            out += list(self.running.popleft()[1])
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.running)
+
+    def flush(self) -> np.ndarray:
+        parts = [p for p in (self.poll(wait=True), super().flush()) if len(p)]
+        return np.concatenate(parts) if parts else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def reset(self) -> None:
+        super().reset()
+        self.running.clear()
+
+
+@pytest.fixture(params=[ChunkSession, GpuLikeSession])
+def served(request):
+    server = EngineServer(request.param, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -107,3 +143,15 @@ def test_a_failing_frame_is_reported_and_the_stream_goes_on(served):
     frames = [np.full((16, 24, 3), i, np.uint8) for i in range(9)]
     assert [int(o[0, 0, 0]) for o in served.process(frames, timeout_s=20)] == list(range(9))
     assert served.status().state == "running"
+
+
+def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
+    """No frame comes after the second chunk: its outputs arrive because the server polls."""
+    for i in range(9):  # the first chunk (5 frames) and one more (4)
+        served.submit(np.full((16, 24, 3), i, np.uint8))
+        time.sleep(0.02)
+    deadline = time.monotonic() + 3
+    while served.status().frames_out < 9 and time.monotonic() < deadline:
+        served.latest()
+        time.sleep(0.005)
+    assert served.status().frames_out == 9
