@@ -80,25 +80,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.single:
             runs.append(one_run(config, over, frames_n, warmup))
             table.append(row(runs[-1], steps))
+            save(args, runs)
         runs.append(one_run(config, [*over, f"parallel.gpus={args.gpus}"], frames_n, warmup))
         table.append(row(runs[-1], steps))
+        save(args, runs)
         suggested = runs[-1].get("suggested_split")
         if not args.no_balance and suggested and suggested != runs[-1]["split"]:
             split = ",".join(map(str, suggested))
             runs.append(one_run(config, [*over, f"parallel.gpus={args.gpus}", f"parallel.split=[{split}]"],
                                 frames_n, warmup))
             table.append(row(runs[-1], steps))
+            save(args, runs)
     head = ["gpus", "steps", "split", "FPS", "lat p50/p99 ms", "stage ms per chunk by rank", "suggested split"]
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(head)]
     print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "gpus": args.gpus, "torch": torch.__version__, "runs": runs}, indent=2, default=str))
+    save(args, runs)
     return 0
+
+
+def save(args: argparse.Namespace, runs: list[dict]) -> None:
+    """Write every run so far: a run stopped by a time limit keeps the runs before it."""
+    if not args.json:
+        return
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "gpus": args.gpus, "torch": torch.__version__, "runs": runs}, indent=2, default=str))
 
 
 if __name__ == "__main__":
