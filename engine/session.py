@@ -79,7 +79,9 @@ class StreamSession:
         cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if cuda else None
         self._denoise_stream = torch.cuda.Stream(self.device) if cuda else None
-        # low_vram: decode on the denoise stream, one pool for both (streams do not share cached memory)
+        # low_vram runs the stages one after another: decode on the denoise stream (one memory pool for
+        # both: streams do not share cached memory) and no chunk left running, so their memory never coexists
+        self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._decode_stream = torch.cuda.Stream(self.device) if cuda and not cfg.memory.low_vram else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
@@ -135,7 +137,8 @@ class StreamSession:
         ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
         self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
                                 initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
-                                max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring))
+                                max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring),
+                                overlapped=self._overlapped)
         self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
         if hasattr(self, "enc_state"):  # reset in place: captured VAE graphs point at these buffers
             self.enc_state.reset()
@@ -171,8 +174,7 @@ class StreamSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
-        # low_vram: no chunk left running, so one chunk's encode, denoise and decode never coexist
-        self._outputs = OutputQueue(self.device, 0 if cfg.memory.low_vram else cfg.stream.max_unfinished_chunks)
+        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks if self._overlapped else 0)
         if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
             torch.cuda.synchronize(self.device)
 
