@@ -1,0 +1,17 @@
+"""Loom's engine: the models, the streaming session, the server and the `loom` command.
+
+`engine.StreamSession` is the in-process API (scripts, notebooks, tests); it is imported on first
+use, so `loom` commands that do not need torch's models start quickly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StreamSession":
+        from engine.session import StreamSession
+
+        return StreamSession
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
