@@ -50,4 +50,3 @@ def test_session_with_graphs_matches_session_without():
         outs.append(np.concatenate([g for g in got if len(g)]).astype(np.int16))
     assert outs[0].shape == (45, 64, 64, 3)
     assert np.abs(outs[0] - outs[1]).max() <= 2
-
