@@ -10,6 +10,7 @@ chunk (no KV cache, no stream-batch), measured in the same run so the ratio is f
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,17 @@ def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
 def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float) -> dict[str, Any]:
     """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
     that many GPUs); metrics over the frames after warm-up."""
+    t_load = time.perf_counter()
     if cfg.parallel.gpus > 1:
         from engine.pipeline_parallel import PipelineSession
 
         session = PipelineSession(cfg)
+        _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
         if session.device.type == "cuda":
             session.warmup()
     else:
         session = StreamSession.from_config(cfg)
+    _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     device = session.device
     t_start = time.perf_counter()
     first = session.push(frames[:5])
@@ -91,6 +95,11 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
         stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))
     session.close()
     return stats
+
+
+def _progress(text: str) -> None:
+    """Milestones on stderr, so a run stopped by a time limit shows how far it got."""
+    print(f"loom bench: {text}", file=sys.stderr, flush=True)
 
 
 def _sync(device: torch.device) -> None:
