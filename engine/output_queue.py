@@ -1,8 +1,8 @@
 """Output frames on their way back from the GPU, handed out in order once they are finished.
 
 Why: a push that waited for its own chunk's frames left the GPU idle between pushes, and it
-stopped the next chunk's preprocessing and VAE encode (side stream) from running while this
-chunk denoises and decodes (main stream). Here a push enqueues its chunk's work and returns
+stopped the next chunk's preprocessing and VAE encode (the encode stream) from running while
+this chunk denoises and decodes (the session's other two streams). Here a push enqueues its chunk's work and returns
 the frames of chunks that are already finished; at most `max_unfinished` chunks may still run
 on the GPU when a push returns, so the CPU never runs far ahead of the GPU (a queue there
 would only add latency). Host frames come back through pinned memory with a non-blocking
