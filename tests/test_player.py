@@ -8,6 +8,7 @@ default runs use the embedded model, as a user's first `loom play` does.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -222,6 +223,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
 @pytest.mark.parametrize("make_input, expected", [
     (lambda d: str(d / "missing.mp4"), "video file not found"),
     (lambda d: _garbage(d / "broken.mp4"), "not a readable video"),
+    (lambda d: _audio_only(d / "voice.m4a"), "contains no video stream"),
     (lambda d: "97", "camera 97 could not be opened"),
     (lambda d: "rtsp://127.0.0.1:9/stream", "rtsp://127.0.0.1:9/stream: cannot open"),
     (lambda d: "gopher://example/x", "unsupported URL scheme 'gopher'"),
@@ -235,7 +237,23 @@ def test_bad_inputs_end_with_a_clear_message(tmp_path, make_input, expected):
 
 
 def _garbage(path: Path) -> str:
-    path.write_bytes(os.urandom(4096))
+    # Fixed bytes: some random draws happen to probe as a raw h263 or audio stream.
+    path.write_bytes(random.Random(0).randbytes(4096))
+    return str(path)
+
+
+def _audio_only(path: Path) -> str:
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("aac", rate=48000)
+        samples = np.zeros((1, 48000), dtype=np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate = 48000
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
     return str(path)
 
 
