@@ -156,7 +156,7 @@ def test_waits_keep_their_timeout_and_wake_early(pair):
     host, engine = pair
     t0 = time.monotonic()
     assert _take(engine, 0.2) == []
-    assert 0.19 <= time.monotonic() - t0 < 0.5
+    assert 0.19 <= time.monotonic() - t0 < 1.0
     # a waiting reader returns as soon as a record comes (from another thread), or when woken
     threading.Timer(0.05, lambda: host.send_frame(0, 1, 1)).start()
     t0 = time.monotonic()
