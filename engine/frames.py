@@ -85,7 +85,6 @@ class FrameMapper:
     def __init__(self, width: int, height: int, policy: str, device: torch.device, dtype: torch.dtype) -> None:
         self.width, self.height, self.policy = width, height, policy
         self.device, self.dtype = device, dtype
-        self._place: Placement | None = None
 
     def to_model(self, frames_u8: np.ndarray | torch.Tensor) -> torch.Tensor:
         """uint8 [T, H, W, 3] (host array or tensor) -> [T, 3, height, width] in [-1, 1] on the device."""
@@ -94,7 +93,7 @@ class FrameMapper:
         else:
             t = _to_device(torch.from_numpy(frames_u8), self.device)
         x = t.permute(0, 3, 1, 2).to(torch.float32)
-        p = self._placement(frames_u8.shape[1], frames_u8.shape[2])
+        p = placement(frames_u8.shape[1], frames_u8.shape[2], self.height, self.width, self.policy)
         top, left, h, w = p.box
         x = x[:, :, top:top + h, left:left + w]
         mt, ml, mh, mw = p.model_box
@@ -106,14 +105,17 @@ class FrameMapper:
             x = canvas
         return (x / 127.5 - 1.0).to(self.dtype)
 
-    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
-        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the input size, on x's device.
+    def to_host(self, x: torch.Tensor, inputs_u8: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """[T, 3, height, width] in [-1, 1] -> uint8 [T, H, W, 3] at the size of `inputs_u8` (the
+        chunk's own input frames, whose borders the crop and fit policies keep), on x's device.
 
-        It stays on the device (no host sync here): the session hands it to a device caller as it
-        is (the cuda-ipc server writes it straight into the output slot) and copies it to pinned
-        host memory for a numpy caller, without waiting.
+        The placement comes from those frames, not from the latest `to_model` call: with stream-batch
+        and overlapping chunks, newer frames of another size may already be on their way in.
+        The result stays on the device (no host sync here): the session hands it to a device caller
+        as it is (the cuda-ipc server writes it straight into the output slot) and copies it to
+        pinned host memory for a numpy caller, without waiting.
         """
-        p = self._place or placement(self.height, self.width, self.height, self.width, "stretch")
+        p = placement(inputs_u8.shape[1], inputs_u8.shape[2], self.height, self.width, self.policy)
         mt, ml, mh, mw = p.model_box
         y = x[:, :, mt:mt + mh, ml:ml + mw].float()
         top, left, h, w = p.box
@@ -124,17 +126,10 @@ class FrameMapper:
             return out
         if isinstance(inputs_u8, torch.Tensor):
             full = inputs_u8.to(out.device, copy=True)
-        elif inputs_u8 is not None:
-            full = _to_device(torch.from_numpy(np.array(inputs_u8)), out.device)  # a copy: never the caller's
         else:
-            full = torch.zeros((len(out), p.in_h, p.in_w, 3), dtype=torch.uint8, device=out.device)
+            full = _to_device(torch.from_numpy(np.array(inputs_u8)), out.device)  # a copy: never the caller's
         full[:, top:top + h, left:left + w] = out
         return full
-
-    def _placement(self, in_h: int, in_w: int) -> Placement:
-        if self._place is None or (self._place.in_h, self._place.in_w) != (in_h, in_w):
-            self._place = placement(in_h, in_w, self.height, self.width, self.policy)
-        return self._place
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -56,6 +56,7 @@ class _Chunk:
     t0: torch.Tensor | float = 0.0
     ready: torch.cuda.Event | None = None
     first: bool = False  # the stream's first chunk: its own shape, eager, not steady state
+    keep: int | None = None  # a padded chunk: only its first `keep` frames are real inputs
 
 
 class StreamSession:
@@ -170,6 +171,7 @@ class StreamSession:
                                            self.generator, cuda_graphs=graphs)
         self.motion.reset()
         self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._frame_shape: tuple[int, ...] | None = None  # of the frames accepted last
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
@@ -245,25 +247,21 @@ class StreamSession:
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that are finished,
         in order, as a numpy array (or, for tensor input, a tensor on the compute device). On a GPU
-        the newest chunk's frames may come from a later push or `poll()`."""
+        the newest chunk's frames may come from a later push or `poll()`.
+
+        Raises ValueError for input it refuses (dtype, shape), leaving the stream as it was. The
+        frame size may change between any two frames (a new output resolution in TouchDesigner,
+        say): see `_change_size`.
+        """
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
         if dropped:
             self.metrics.on_drop(dropped, "non-finite")
+        if len(good) and self._frame_shape not in (None, good.shape[1:]):
+            return self._change_size(good, now)
         if len(good):
-            if self._buffer and self._buffer[0].shape != good.shape[1:]:
-                raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
-                                 "inside a chunk; call flush() or reset() between sizes")
-            self.metrics.on_input(len(good), now)
-            self._input_times.append((now, len(good)))
-            self._buffer.extend(good)
-        chunks = []
-        while len(self._buffer) >= self._next_chunk_frames():
-            n = self._next_chunk_frames()
-            chunks.append(_Chunk(_stack(self._buffer[:n])))
-            del self._buffer[:n]
-            self._chunks_started += 1
-        out = self._process(chunks)
+            self._accept(good, now)
+        out = self._process(self._full_chunks())
         self._update_input_rate()
         return out
 
@@ -277,23 +275,56 @@ class StreamSession:
         """Chunks of output frames not yet returned."""
         return len(self._outputs)
 
-    def flush(self) -> np.ndarray:
+    def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the pipeline, return every remaining frame.
 
         The padded frames are processed but not returned. The next push starts a new stream.
         """
-        pad = 0
-        chunks = []
+        chunks = self._full_chunks()
         if self._buffer:
-            pad = self._next_chunk_frames() - len(self._buffer)
-            chunks.append(_Chunk(_stack(self._buffer + [self._buffer[-1]] * pad)))
-            self._buffer = []
-            self._chunks_started += 1
-        out = self._process(chunks, drain=True, padding=pad)
+            chunks.append(self._padded_chunk())
+        out = self._process(chunks, drain=True)
         metrics, slo = self.metrics, self.slo
         self.reset()
         self.metrics, self.slo = metrics, slo
         return out
+
+    def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+        """New input size: the stream goes on (the model size, caches and positions stay).
+
+        Every frame of the old size leaves first: the partial chunk padded as at the end of a
+        stream, the denoiser drained, and this call waits for all of them, so no result ever mixes
+        two sizes. That costs one stall of the chunks in flight, once per size change. The new
+        frames wait in the buffer for the next call.
+        """
+        chunks = [self._padded_chunk()] if self._buffer else []
+        out = self._process(chunks, drain=True)
+        self._accept(good, now)
+        return out
+
+    def _accept(self, good: np.ndarray | torch.Tensor, now: float) -> None:
+        self.metrics.on_input(len(good), now)
+        self._input_times.append((now, len(good)))
+        self._buffer.extend(good)
+        self._frame_shape = tuple(good.shape[1:])
+
+    def _full_chunks(self) -> list[_Chunk]:
+        chunks = []
+        while len(self._buffer) >= self._next_chunk_frames():
+            n = self._next_chunk_frames()
+            chunks.append(_Chunk(_stack(self._buffer[:n])))
+            del self._buffer[:n]
+            self._chunks_started += 1
+        return chunks
+
+    def _padded_chunk(self) -> _Chunk:
+        """The buffered frames (less than a chunk) as a whole chunk, completed with copies of the
+        last one; the copies' outputs are not returned."""
+        n = len(self._buffer)
+        frames = _stack(self._buffer + [self._buffer[-1]] * (self._next_chunk_frames() - n))
+        self._buffer = []
+        self._chunks_started += 1
+        return _Chunk(frames, keep=n)
 
     def _next_chunk_frames(self) -> int:
         if self._chunks_started == 0:
@@ -306,14 +337,13 @@ class StreamSession:
             frames = sum(n for _, n in list(self._input_times)[1:])
             self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
-    def _process(self, chunks: list[_Chunk], drain: bool = False, padding: int = 0) -> np.ndarray | torch.Tensor:
+    def _process(self, chunks: list[_Chunk], drain: bool = False) -> np.ndarray | torch.Tensor:
         if self._side is not None:  # the inputs were stacked or converted on the caller's stream
             self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.compiler.set_stance(self._compile_stance):
             with _on(self._denoise_stream):
                 self._run_chunks(chunks, drain)
-            result = self._ready_outputs(wait=drain)  # on the caller's stream, where it will be used
-        return result[:-padding] if padding else result
+            return self._ready_outputs(wait=drain)  # on the caller's stream, where it will be used
 
     def _run_chunks(self, chunks: list[_Chunk], drain: bool) -> None:
         for c in chunks:  # side stream: everything that does not wait for the previous chunk
@@ -347,7 +377,10 @@ class StreamSession:
             # The stream's first chunk (5 frames, eager, masked attention) says nothing about steady
             # state, so the scheduler does not learn from it (units=None).
             c.first = self._prev_last is None
-            scale = self.motion.update(x, self._prev_last, c.frames, self._prev_last_u8)
+            prev_u8 = self._prev_last_u8
+            if prev_u8 is not None and tuple(prev_u8.shape) != tuple(c.frames.shape[1:]):
+                prev_u8 = None  # the input size changed: the optical flow has no previous frame
+            scale = self.motion.update(x, self._prev_last, c.frames, prev_u8)
             c.t0 = self.motion.first_step(scale)
             self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
@@ -396,7 +429,7 @@ class StreamSession:
                                                   self.dec_state)
                 with self.timer.span("postprocess", pixels.shape[2]):
                     frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
-                self._outputs.add(frames, to_host=not isinstance(chunk.frames, torch.Tensor))
+                self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
 
     def _advance_prompt(self) -> None:
         context, changed = self.prompt.advance()

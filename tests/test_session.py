@@ -181,3 +181,24 @@ def test_live_sink_threshold_change_reaches_the_cache():
     assert s.denoiser.cache.sink_threshold == -1.0
     produced += len(s.push(clip(4))) + len(s.flush())
     assert produced == 13
+
+
+@pytest.mark.parametrize("overrides", [("stream.mode=batch",), ("stream.mode=sequential", "noise.estimator=farneback")])
+def test_input_size_may_change_mid_chunk_and_the_stream_goes_on(overrides):
+    """A host that changes its resolution on stage (between any two frames, here mid-chunk): no
+    error and no new stream; each output has its own input's size, and they come in order (the
+    crop policy passes the side bands through, carrying each frame's index)."""
+    sizes = [(64, 96)] * 7 + [(48, 80)] * 6 + [(64, 80)] * 9 + [(48, 80)] * 3
+    frames = [clip(1, h, w, seed=i)[0] for i, (h, w) in enumerate(sizes)]
+    for i, f in enumerate(frames):
+        f[:, :4] = i * 10
+    s = session("resolution.resize=crop", *overrides)
+    out, positions = [], []
+    for f in frames:
+        out += list(s.push(f))
+        positions.append(max(s.denoiser.cache.next_positions))
+    out += list(s.flush())
+    assert [o.shape for o in out] == [f.shape for f in frames]
+    assert [int(o[0, 0, 0]) for o in out] == [i * 10 for i in range(len(frames))]
+    assert positions == sorted(positions) and positions[-1] > positions[7]  # one stream: positions go on
+    assert s.stats()["frames_out"] == len(frames) and s.stats()["dropped"] == 0
