@@ -242,7 +242,10 @@ class Bridge:
 
     def process(self, frames: Iterable[np.ndarray], timeout_s: float = 300.0, *,
                 layout: str = "rgb") -> list[np.ndarray]:
-        """Every frame through the engine, lossless and in order; blocks; one output per input."""
+        """Every frame through the engine, lossless and in order; blocks; one output per input.
+
+        Frames may change size: each run of one size is flushed as a stream of its own before the
+        next size goes."""
         deadline = time.monotonic() + timeout_s
         self.wait_running(timeout_s)
         with self._process_lock:
@@ -252,12 +255,15 @@ class Bridge:
             with self._lock:
                 self._collect = {}
             try:
+                shape = None
                 for frame in frames:
+                    if seqs and np.shape(frame) != shape:
+                        # A new size means new rings, and notices still on their way for the old ones
+                        # would be dropped as stale: the frames of the old size finish first.
+                        self._finish_lossless(seqs, link_id, deadline)
+                    shape = np.shape(frame)
                     seqs.append(self._submit_lossless(frame, layout, link_id, deadline))
-                self._request("flush", deadline, seq=seqs[-1] if seqs else None)
-                while not self._await(lambda: all(s in self._collect for s in seqs), LANE_WAIT_S):
-                    with self._lock:
-                        self._check_alive(link_id, deadline, f"{len(self._collect)}/{len(seqs)} outputs")
+                self._finish_lossless(seqs, link_id, deadline)
                 with self._lock:
                     return [self._collect[s] for s in seqs]
             finally:
@@ -265,6 +271,13 @@ class Bridge:
                     self._collect = None
                 if self._loop.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def _finish_lossless(self, seqs: list[int], link_id: int, deadline: float) -> None:
+        """Flush the engine's stream up to the last of `seqs` and wait for all their outputs."""
+        self._request("flush", deadline, seq=seqs[-1] if seqs else None)
+        while not self._await(lambda: all(s in self._collect for s in seqs), LANE_WAIT_S):
+            with self._lock:
+                self._check_alive(link_id, deadline, f"{len(self._collect)}/{len(seqs)} outputs")
 
     def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float) -> int:
         cuda = self.config.transport == "cuda-ipc"

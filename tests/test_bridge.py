@@ -46,6 +46,15 @@ def _gone(pid: int, timeout_s: float = 5.0) -> bool:
     return False
 
 
+def _wait(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _frame(i: int, h: int = 48, w: int = 64) -> np.ndarray:
     """A frame whose content identifies its index."""
     rng = np.random.default_rng(i)
@@ -102,6 +111,42 @@ def test_thousand_frames_through_the_tiny_model_in_order():
     assert all(o.shape == (32, 48, 3) for o in outputs)
     assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(1000)]
     assert not all(np.array_equal(a[:, 8:40], b[:, 8:40]) for a, b in zip(frames[:20], outputs[:20]))
+
+
+@posix_only
+def test_frame_size_changes_through_the_tiny_model():
+    """A host that changes its resolution: lossless batches with mixed sizes come back whole and in
+    order; a live stream changed mid-chunk goes on at the new size (the engine once kept refusing
+    every frame after such a change)."""
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]"]
+    sizes = [(32, 48)] * 7 + [(40, 64)] * 6 + [(32, 48)] * 3
+    frames = []
+    for i, (h, w) in enumerate(sizes):
+        f = _frame(i, h, w)
+        f[:, :4] = i * 10  # the crop policy passes the side bands through: each output's identity
+        frames.append(f)
+    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+        bridge.wait_running(120)
+        outputs = bridge.process(frames, timeout_s=120)
+        assert [o.shape for o in outputs] == [f.shape for f in frames]
+        assert [int(o[0, 0, 0]) for o in outputs] == [i * 10 for i in range(len(frames))]
+
+        for i in range(7):  # live: a first chunk of 5 frames and 2 of the next
+            bridge.submit(_frame(i, 32, 48))
+            time.sleep(0.05)
+        # the engine took all 7 (else the old size's frames left as stale and no chunk was cut short)
+        taken = len(frames) + 7
+        assert _wait(lambda: bridge.stats()["engine"].get("frames_in", 0) >= taken, 10), bridge.stats()["engine"]
+        deadline = time.monotonic() + 20
+        fresh = None
+        while fresh is None and time.monotonic() < deadline:
+            bridge.submit(_frame(0, 40, 64))
+            time.sleep(0.03)
+            out, status = bridge.latest()
+            if not status.fallback and out.shape == (40, 64, 3):
+                fresh = out
+        assert fresh is not None, bridge.stats()["last_error"]
+        assert bridge.stats()["restarts"] == 0
 
 
 @posix_only
