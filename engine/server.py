@@ -163,7 +163,9 @@ class EngineServer:
                 last_beat = now
                 busy = self.worker.busy_since
                 ch.send(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
-            if self.worker is not None and self.worker.error and self.worker.session is None:
+            if self.worker is not None and (self.worker.error and self.worker.session is None
+                                            or not self.worker.thread.is_alive()):
+                _log(f"loom serve: the frame worker ended: {self.worker.error or 'unexpectedly'}")
                 return EXIT_SESSION_FAILED
             lost = self._host_lost(now, last_heard, started, host_pid)
             if lost:

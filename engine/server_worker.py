@@ -67,7 +67,7 @@ class FrameWorker:
         self._next_emit = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
-        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0)
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0, new_streams=0)
         self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
         self._stats_at = 0.0
@@ -164,16 +164,22 @@ class FrameWorker:
             self._send(make("status", state="error", message=self.error[:4000]))
             return
         self._send(make("ready", info={"session": type(self.session).__name__}))
-        while not self.stop:
-            self._run_commands()
-            ready = self._next_input(take=False) is not None
-            self._read_lane(0.0 if ready else self._wait_time())
-            job = self._next_input()
-            if job is not None:
-                self._process(*job)
-            elif getattr(self.session, "unfinished", 0):
-                self._take_outputs(self.session.poll())
-            self._emit_due()
+        try:
+            while not self.stop:
+                self._run_commands()
+                ready = self._next_input(take=False) is not None
+                self._read_lane(0.0 if ready else self._wait_time())
+                job = self._next_input()
+                if job is not None:
+                    self._process(*job)
+                elif getattr(self.session, "unfinished", 0):
+                    self._take_outputs(self.session.poll())
+                self._emit_due()
+        except Exception as exc:  # outside any one frame (collecting a chunk, say): the server exits and
+            # the host's supervisor starts a fresh engine, rather than heartbeats hiding an engine taking no frames
+            self.error = f"the frame worker failed: {type(exc).__name__}: {exc}"
+            self._send(make("status", state="error", message=self.error[:4000]))
+            self.session = None
 
     def _run_commands(self) -> None:
         while True:
@@ -204,6 +210,12 @@ class FrameWorker:
                     self.session_stats = self.session.stats()
             except (ValueError, TypeError, KeyError) as exc:
                 self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
+            except Exception as exc:  # failed inside the session: answered, then a new stream
+                text = f"{type(exc).__name__}: {exc}"
+                self._send(make("error", id=rid, code=kind, message=text[:4000]))
+                self._new_stream(text)
+                if self.stop:
+                    return
 
     def _next_input(self, take: bool = True) -> tuple | None:
         """The oldest input that can be processed now (peek with take=False). Notices of an older
@@ -268,8 +280,27 @@ class FrameWorker:
                 self._error_sent = now
                 self._send(make("error", code="frame", message=text[:4000]))
             self.error = text
+            if not isinstance(exc, ValueError):  # a refused input leaves the stream as it was
+                self._new_stream(text)
         finally:
             self.busy_since = None
+
+    def _new_stream(self, failure: str) -> None:
+        """A failure inside the session (out of GPU memory, say) leaves its caches half updated and
+        the frames it had taken without an answer: start a new stream rather than restyle from that
+        state, or pair outputs with the wrong inputs. A session that cannot even do that is gone:
+        the server exits, and the host's supervisor starts a fresh engine."""
+        self._seqs.clear()
+        try:
+            self.session.reset()
+        except Exception as exc:
+            self.error = (f"the session failed ({failure}) and could not start a new stream: "
+                          f"{type(exc).__name__}: {exc}")
+            self._send(make("status", state="error", message=self.error[:4000]))
+            self.session = None
+            self.stop = True
+            return
+        self.counts["new_streams"] += 1
 
     def _take_outputs(self, outputs: Any) -> None:
         """Outputs come in input order, each paired with the seq of the input frame it answers."""
@@ -327,10 +358,12 @@ class FrameWorker:
         while until_seq is not None and self._last_in_seq < until_seq and time.monotonic() < deadline \
                 and not self.stop:
             self._read_lane(WAIT_S)
-        while (job := self._next_input()) is not None:
+        while not self.stop and (job := self._next_input()) is not None:
             self._process(*job)
         while self._paced:
             self._emit(*self._paced.popleft())
+        if self.session is None:  # it failed beyond repair on the way: the server is exiting
+            return 0
         outputs = self.session.flush()
         for out in outputs:
             self._emit(self._seqs.popleft() if self._seqs else -1, out)

@@ -86,25 +86,57 @@ class GpuLikeSession(ChunkSession):
         self.running.clear()
 
 
+class FailingSession(ChunkSession):
+    """Frames marked 254 fail inside the pipeline after being taken, as a CUDA out-of-memory error
+    in the middle of a chunk would; `reset_fails`: the session cannot start a new stream either."""
+
+    reset_fails = False
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames[0, 0, 0, 0] == 254:
+            self.pending.extend(frames)
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return super().push(frames)
+
+    def reset(self):
+        if self.reset_fails and self.pending:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        super().reset()
+
+
+class BrokenSession(FailingSession):
+    reset_fails = True
+
+
+class _Served:
+    """A server thread on loopback tcp with a Bridge connected to it."""
+
+    def __init__(self, session_cls) -> None:
+        self.server = EngineServer(session_cls, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
+        self.exit_code: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.exit_code.append(self.server.run()), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while self.server.channel is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.bridge = Bridge(BridgeConfig(launch=False, endpoint=self.server.channel.endpoint, heartbeat_s=0.1,
+                                          hang_timeout_s=1.0)).start()
+        self.bridge.wait_running(20)
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.server.request_stop()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
 @pytest.fixture(params=[ChunkSession, GpuLikeSession])
 def served(request):
-    server = EngineServer(request.param, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while server.channel is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    endpoint = server.channel.endpoint
-    bridge = Bridge(BridgeConfig(launch=False, endpoint=endpoint, heartbeat_s=0.1,
-                                 hang_timeout_s=1.0)).start()
+    s = _Served(request.param)
     try:
-        bridge.wait_running(20)
-        yield bridge
+        yield s.bridge
     finally:
-        bridge.close()
-        server.request_stop()
-        thread.join(10)
-        assert not thread.is_alive()
+        s.close()
 
 
 def test_chunked_session_is_lossless_in_order_with_the_flushed_tail(served):
@@ -155,3 +187,65 @@ def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
         served.latest()
         time.sleep(0.005)
     assert served.status().frames_out == 9
+
+
+def test_a_failure_inside_the_session_starts_a_new_stream():
+    """Its half-done chunk is not restyled on, and later outputs are still paired with their inputs."""
+    s = _Served(FailingSession)
+    try:
+        bridge = s.bridge
+        for i in (1, 2, 254):  # two frames taken, then one that fails inside the pipeline
+            bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while "out of memory" not in bridge.stats()["last_error"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "CUDA out of memory" in bridge.stats()["last_error"]
+        frames = [np.full((16, 24, 3), i, np.uint8) for i in range(10, 19)]
+        assert [int(o[0, 0, 0]) for o in bridge.process(frames, timeout_s=20)] == list(range(10, 19))
+        deadline = time.monotonic() + 5
+        while bridge.stats()["engine"].get("new_streams") != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bridge.stats()["engine"]["new_streams"] == 1
+        assert bridge.status().state == "running"
+    finally:
+        s.close()
+
+
+def test_a_session_that_cannot_recover_ends_the_engine():
+    """Exiting is what lets the host's supervisor start a fresh engine (a launched one is restarted)."""
+    s = _Served(BrokenSession)
+    try:
+        s.bridge.submit(np.full((16, 24, 3), 254, np.uint8))
+        s.thread.join(10)
+        assert s.exit_code == [1]  # EXIT_SESSION_FAILED
+        assert "could not start a new stream" in s.bridge.stats()["last_error"]  # the host was told why
+    finally:
+        s.close()
+
+
+class PollFailsSession(GpuLikeSession):
+    """Pushes leave their chunks running; collecting them (the worker's poll between frames) fails."""
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        done = ChunkSession.push(self, frames)
+        if len(done):
+            self.running.append((time.monotonic(), done))
+        return np.zeros((0, 1, 1, 3), np.uint8)
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+
+
+def test_an_engine_whose_frame_worker_dies_exits_rather_than_idle_on():
+    """Heartbeats alone would keep a host waiting forever on an engine that no longer takes frames."""
+    s = _Served(PollFailsSession)
+    try:
+        for i in range(20):  # a first chunk runs, and collecting it fails in the worker's own loop
+            s.bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            time.sleep(0.02)
+        s.thread.join(10)
+        assert s.exit_code == [1]
+        assert "frame worker failed: RuntimeError: CUDA error" in s.bridge.stats()["last_error"]
+    finally:
+        s.close()
