@@ -195,6 +195,8 @@ class PromptConditioner:
         chunks = self.transition_chunks if transition_chunks is None else transition_chunks
         if chunks < 0:
             raise PromptError(f"transition_chunks {chunks} must be >= 0")
+        if self._pending is not None:  # latest wins: a prompt typed or swept live must not queue encodes
+            self._pending[2].cancel()  # (one that already runs finishes and is ignored)
         self._pending = (text, chunks, self._pool.submit(self._embed, text))
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -102,6 +104,28 @@ def test_prompt_change_blends_over_transition_chunks():
             assert torch.allclose(emb, torch.lerp(old, new, cond.weight), atol=1e-6)
     assert weights == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert torch.allclose(cond.current(), new)
+    cond.close()
+
+
+def test_prompt_requests_faster_than_encoding_do_not_queue_up():
+    """A prompt typed live (a request per keystroke) or swept over OSC: only the newest is encoded
+    next, so it arrives after at most two encodes, not after every stale one."""
+    class SlowEncoder(HashTextEncoder):
+        calls = 0
+
+        def encode(self, texts):
+            SlowEncoder.calls += 1
+            time.sleep(0.05)
+            return super().encode(texts)
+
+    cond = PromptConditioner(SlowEncoder(8), "a", device=torch.device("cpu"), dtype=torch.float32,
+                             transition_chunks=0)
+    for i in range(40):
+        cond.request(f"word{i}")
+    cond.wait_pending(10)
+    cond.advance()
+    assert cond.text == "word39"
+    assert SlowEncoder.calls <= 3  # the first prompt, at most one already running, the newest
     cond.close()
 
 
