@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Protocol
 
@@ -84,15 +84,16 @@ class FileTextEncoder:
             raise PromptError(f"{self.path}: holds no prompt embeddings (write one with `loom encode-prompts`)")
         self.dim = next(iter(self._tensors.values())).shape[-1]
 
+    def check(self, text: str) -> None:
+        """Refuse a prompt the file does not hold, at once (encoding runs later, in the background)."""
+        if prompt_key(text) not in self._tensors:
+            known = list(self.texts.values())[:5]
+            raise PromptError(f"{self.path}: has no embedding for prompt {text!r}; it holds {known}")
+
     def encode(self, texts: list[str]) -> torch.Tensor:
-        rows = []
         for text in texts:
-            key = prompt_key(text)
-            if key not in self._tensors:
-                known = list(self.texts.values())[:5]
-                raise PromptError(f"{self.path}: has no embedding for prompt {text!r}; it holds {known}")
-            rows.append(self._tensors[key].float())
-        return torch.stack(rows)
+            self.check(text)
+        return torch.stack([self._tensors[prompt_key(text)].float() for text in texts])
 
 
 class UMT5TextEncoder:
@@ -164,6 +165,7 @@ class PromptConditioner:
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-prompt")
         self._pending: tuple[str, int, Future] | None = None
+        self.error: str | None = None  # why the newest requested prompt did not take effect
         self.text = check_prompt(text)
         self._from = self._to = self._embed(self.text)
         self._steps_total = 0
@@ -192,6 +194,9 @@ class PromptConditioner:
     def request(self, text: str, transition_chunks: int | None = None) -> None:
         """Start encoding a new prompt in the background; it takes effect at a chunk boundary."""
         text = check_prompt(text)
+        check = getattr(self.encoder, "check", None)  # encoders that can refuse a prompt cheaply say so now
+        if check is not None:
+            check(text)
         chunks = self.transition_chunks if transition_chunks is None else transition_chunks
         if chunks < 0:
             raise PromptError(f"transition_chunks {chunks} must be >= 0")
@@ -204,9 +209,10 @@ class PromptConditioner:
         return self._pending is not None
 
     def wait_pending(self, timeout: float | None = None) -> None:
-        """Block until a requested prompt has been encoded (for tests and offline use)."""
+        """Block until a requested prompt has been encoded or has failed (for tests and offline use);
+        either way it takes effect, or says why not, at the next `advance()`."""
         if self._pending is not None:
-            self._pending[2].result(timeout)
+            wait([self._pending[2]], timeout)
 
     def current(self) -> torch.Tensor:
         return self._blend_now()
@@ -228,10 +234,14 @@ class PromptConditioner:
         if self._pending is not None and self._pending[2].done():
             text, chunks, fut = self._pending
             self._pending = None
-            new = fut.result()  # an encoding error surfaces here, at a chunk boundary
-            self._from, self._to, self.text = self._blend_now(), new, text
-            self._steps_total, self._step = chunks, 0
-            changed = True
+            try:
+                new = fut.result()
+            except Exception as exc:  # e.g. out of memory in the text encoder: the stream keeps its prompt
+                self.error = f"prompt {text!r} could not be encoded: {type(exc).__name__}: {exc}"
+            else:
+                self._from, self._to, self.text, self.error = self._blend_now(), new, text, None
+                self._steps_total, self._step = chunks, 0
+                changed = True
         if self._steps_total and self._step < self._steps_total:
             self._step += 1
             changed = True

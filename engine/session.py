@@ -465,6 +465,7 @@ class StreamSession:
             "noise_scale": self.motion.telemetry()[0],
             "motion": self.motion.telemetry()[1],
             "prompt": self.prompt.text,
+            "prompt_error": self.prompt.error,
             "prompt_blend": self.prompt.weight,
             "kv_positions": cache.next_positions,
             "kv_cache_bytes": cache.memory_bytes(),

@@ -345,11 +345,19 @@ class Bridge:
     # control
 
     def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
-        """Change the prompt. Remembered: an engine that starts or restarts later gets it too."""
+        """Change the prompt. Remembered: an engine that starts or restarts later gets it too; with
+        wait=True a refusal (e.g. a prompt missing from the engine's embeddings file) raises ValueError
+        and is forgotten."""
         make("prompt", text=text, transition_chunks=transition_chunks)  # a bad call fails here, not on the wire
         with self._lock:
+            before = self._wanted_prompt
             self._wanted_prompt = {"text": text, "transition_chunks": transition_chunks}
-        self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
+        try:
+            self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
+        except ValueError:
+            with self._lock:
+                self._wanted_prompt = before
+            raise
 
     def set_params(self, *, wait: bool = False, **params: Any) -> None:
         """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError.

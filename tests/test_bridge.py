@@ -150,6 +150,25 @@ def test_frame_size_changes_through_the_tiny_model():
 
 
 @posix_only
+def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goes_on(tmp_path):
+    """An engine without umT5 reads prompts from a file written by `loom encode-prompts`."""
+    from engine.commands.encode_prompts import write_embeddings
+    from engine.prompts import HashTextEncoder
+
+    path = tmp_path / "prompts.safetensors"
+    write_embeddings(HashTextEncoder(4096), ["neon city", "ink wash"], path)  # umT5-XXL width, as Wan
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "prompt.encoder=file",
+                 f"prompt.path={path}", "prompt.text=neon city"]
+    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+        bridge.wait_running(120)
+        with pytest.raises(ValueError, match="no embedding for prompt 'watercolour'.*ink wash"):
+            bridge.set_prompt("watercolour", wait=True)
+        bridge.set_prompt("ink wash", wait=True)
+        outputs = bridge.process([_frame(i, 32, 32) for i in range(9)], timeout_s=60)
+        assert len(outputs) == 9 and bridge.status().state == "running"
+
+
+@posix_only
 def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
     period = 1 / 30
     bridge = Bridge(_config())

@@ -129,6 +129,42 @@ def test_prompt_requests_faster_than_encoding_do_not_queue_up():
     cond.close()
 
 
+def test_a_prompt_that_cannot_be_encoded_never_breaks_the_stream(tmp_path):
+    """Unknown to a prompt file: refused at the request, with what the file holds. Failing in the
+    background encoder: the stream keeps its prompt and says why (before, the error came out of
+    the next push, in the middle of a chunk)."""
+    from engine.commands.encode_prompts import write_embeddings
+
+    path = tmp_path / "p.safetensors"
+    write_embeddings(HashTextEncoder(8), ["neon city", "ink wash"], path)
+    cond = PromptConditioner(FileTextEncoder(path), "neon city", device=torch.device("cpu"),
+                             dtype=torch.float32, transition_chunks=0)
+    with pytest.raises(PromptError, match="no embedding for prompt 'watercolour'.*ink wash"):
+        cond.request("watercolour")
+    assert not cond.pending and cond.text == "neon city"
+    cond.close()
+
+    class FlakyEncoder(HashTextEncoder):
+        def encode(self, texts):
+            if texts == ["fails"]:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return super().encode(texts)
+
+    cond = PromptConditioner(FlakyEncoder(8), "a cat", device=torch.device("cpu"), dtype=torch.float32,
+                             transition_chunks=0)
+    before = cond.current().clone()
+    cond.request("fails")
+    cond.wait_pending(10)
+    emb, changed = cond.advance()
+    assert not changed and torch.equal(emb, before) and cond.text == "a cat"
+    assert "prompt 'fails' could not be encoded: RuntimeError: CUDA out of memory" in cond.error
+    cond.request("a dog")
+    cond.wait_pending(10)
+    _, changed = cond.advance()
+    assert changed and cond.text == "a dog" and cond.error is None
+    cond.close()
+
+
 def test_slerp_keeps_norm_between_unit_vectors():
     a, b = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
     mid = blend(a, b, 0.5, "slerp")
