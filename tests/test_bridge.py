@@ -55,6 +55,10 @@ def _wait(condition, timeout_s: float) -> bool:
     return True
 
 
+def _engine_took(bridge: Bridge, frames: int, timeout_s: float) -> bool:
+    return _wait(lambda: bridge.stats()["engine"].get("frames_in", 0) >= frames, timeout_s)
+
+
 def _frame(i: int, h: int = 48, w: int = 64) -> np.ndarray:
     """A frame whose content identifies its index."""
     rng = np.random.default_rng(i)
@@ -131,12 +135,9 @@ def test_frame_size_changes_through_the_tiny_model():
         assert [o.shape for o in outputs] == [f.shape for f in frames]
         assert [int(o[0, 0, 0]) for o in outputs] == [i * 10 for i in range(len(frames))]
 
-        for i in range(7):  # live: a first chunk of 5 frames and 2 of the next
-            bridge.submit(_frame(i, 32, 48))
-            time.sleep(0.05)
-        # the engine took all 7 (else the old size's frames left as stale and no chunk was cut short)
-        taken = len(frames) + 7
-        assert _wait(lambda: bridge.stats()["engine"].get("frames_in", 0) >= taken, 10), bridge.stats()["engine"]
+        for i in range(7):  # live: a first chunk of 5 frames and 2 of the next, each taken by the engine
+            bridge.submit(_frame(i, 32, 48))  # (one replaced by the next, latest wins, would shift the chunks)
+            assert _engine_took(bridge, len(frames) + i + 1, 20), bridge.stats()["engine"]
         deadline = time.monotonic() + 20
         fresh = None
         while fresh is None and time.monotonic() < deadline:
