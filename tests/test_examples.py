@@ -38,7 +38,7 @@ def test_in_process_example_restyles_every_frame_of_a_file(tmp_path):
 
 
 def test_host_frame_loop_example_streams_through_a_launched_engine():
-    printed = _run("host_frame_loop.py", "--seconds", "3", "--fps", "20")
+    printed = _run("host_frame_loop.py", "--seconds", "6", "--fps", "20")  # the first chunk needs 5 frames and a CPU
     m = re.search(r"(\d+) frames submitted, (\d+) restyled frames shown, \d+ fallbacks; .* restarts (\d+)", printed)
     assert m, printed
     submitted, shown, restarts = map(int, m.groups())
