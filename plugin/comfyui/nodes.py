@@ -184,15 +184,16 @@ class LoomPrompt:
 
     def apply(self, engine: EngineHandle, prompt: str, steps: int, noise_scale: float, motion_aware: bool,
               transition_chunks: int) -> tuple[EngineHandle]:
-        from plugin.live_params import engine_params
+        from plugin.live_params import engine_params, prompt_request
 
         if not prompt.strip():
             raise ValueError("Loom Prompt: the prompt is empty; give a few words describing the style")
-        try:
+        try:  # refused before it is recorded: a bad value kept would fail every later Loom Stream run
             params = engine_params(steps, noise_scale, motion_aware)
+            text, chunks = prompt_request(prompt, transition_chunks)
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None
-        engine.controls.set_prompt(prompt.strip(), transition_chunks=transition_chunks)
+        engine.controls.set_prompt(text, transition_chunks=chunks)
         engine.controls.set_params(**params)
         engine.controls.sync(engine.bridge)  # now if the engine runs, else before the next stream
         return (engine,)

@@ -20,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from plugin.live_params import ControlSync
+from plugin.live_params import ControlSync, engine_params
 
 OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
+PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
+PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
 
 
 class LoomExt:
@@ -39,6 +41,7 @@ class LoomExt:
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
         self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
+        self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -74,10 +77,11 @@ class LoomExt:
             self.bridge = None
             self._error(f"cannot start the engine: {exc}")
             return
-        self._record_controls()
         self.note = note
+        self.controls.new_bridge()  # its engine gets everything; a refused value keeps the last good one
+        for group in (PROMPT_PARS, PARAM_PARS):
+            self._record_controls(group)
         par.State = "starting"
-        par.Message = note
 
     def Stop(self) -> None:
         if self.bridge is not None:
@@ -99,12 +103,8 @@ class LoomExt:
             self.Start() if par.eval() else self.Stop()
         elif self.bridge is None:
             return
-        elif name in ("Prompt", "Transition"):
-            self.controls.set_prompt(str(self.ownerComp.par.Prompt.eval()),
-                                     transition_chunks=int(self.ownerComp.par.Transition.eval()))
-            self.controls.sync(self.bridge)
-        elif name in ("Steps", "Noisescale", "Motionaware"):
-            self.controls.set_params(**self._params())
+        elif name in PROMPT_PARS + PARAM_PARS:
+            self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
             self.controls.sync(self.bridge)
         elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
@@ -116,18 +116,27 @@ class LoomExt:
         elif par.name == "Stop":
             self.Stop()
 
-    def _params(self) -> dict[str, Any]:
-        from plugin.live_params import engine_params
+    def _record_controls(self, group: tuple[str, ...]) -> None:
+        """Record the Loom page's prompt or parameter values, to be sent whenever an engine runs.
 
+        A value the engine cannot take (an empty prompt, steps 7 sent over OSC) is refused here with a
+        message on the component, and the last good value stays: a refusal must never reach the cook.
+        """
         par = self.ownerComp.par
-        return engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()), bool(par.Motionaware.eval()))
+        try:
+            if group == PROMPT_PARS:
+                self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+            else:
+                self.controls.set_params(**engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()),
+                                                         bool(par.Motionaware.eval())))
+        except ValueError as exc:
+            self.refused[group[0]] = f"{'/'.join(group)} refused ({exc}); keeping the last good value"
+        else:
+            self.refused.pop(group[0], None)
+        par.Message = self._message()
 
-    def _record_controls(self) -> None:
-        """Everything on the Loom page, to be sent as soon as the new engine runs."""
-        par = self.ownerComp.par
-        self.controls = ControlSync()
-        self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
-        self.controls.set_params(**self._params())
+    def _message(self, status_message: str = "") -> str:
+        return "; ".join(m for m in (self.note, *self.refused.values(), status_message) if m)
 
     # --- the cook ----------------------------------------------------------------------------
 
@@ -182,7 +191,7 @@ class LoomExt:
         par.Fps = round(float(status.fps or 0.0), 2)
         par.Latency = round(float(status.latency_ms or 0.0), 1)
         par.Dropped = int(status.dropped or 0)
-        par.Message = "; ".join(m for m in (self.note, status.message) if m)
+        par.Message = self._message(status.message)
         tail = status.log_tail or ""
         if isinstance(tail, (list, tuple)):
             tail = "\n".join(tail)

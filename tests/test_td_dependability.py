@@ -1,0 +1,86 @@
+"""The TouchDesigner operator under the failures a show meets: bad parameter values, odd input TOPs,
+restarts, re-initialised extensions. TouchDesigner's objects are the stand-ins of test_touchdesigner.py;
+the bridge and the pass-through engine process are real (shm transport).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from test_touchdesigner import InputTOP, LoomComp, ScriptTOP, _make_component, _td_texture
+
+from plugin.live_params import STEP_LISTS
+from plugin.touchdesigner.loom_ext import LoomExt
+
+
+def _configure(comp: LoomComp) -> None:
+    comp.parexec_enabled = False
+    comp.par.Enginepython = sys.executable
+    comp.par.Transport = "shm"
+    comp.par.Passthrough = True
+    comp.parexec_enabled = True
+
+
+def _cook_until(script: ScriptTOP, ready, what: str, timeout_s: float = 30.0) -> list[float]:
+    durations = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        durations.append(script.cook())
+        if ready():
+            return durations
+        time.sleep(0.02)
+    comp = script.parent()
+    raise AssertionError(f"{what} not within {timeout_s} s: {comp.par.State.eval()} {comp.par.Message.eval()}")
+
+
+def _running(comp: LoomComp) -> bool:
+    bridge = comp.ext.LoomExt.bridge
+    return comp.par.State.eval() == "running" and bridge is not None and bridge.stats()["received"] > 0
+
+
+def _engine_session(ext: LoomExt) -> dict[str, Any]:
+    return ext.bridge.stats()["engine"].get("session") or {}
+
+
+def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_goes_on():
+    """An empty or overlong prompt, or out-of-range steps/noise/transition from the UI or OSC: a message on
+    the component, the last good value kept, and neither the parameter callback nor any cook raises."""
+    comp, script, ext = _make_component(InputTOP(_td_texture(24, 32)))
+    _configure(comp)
+    comp.par.Prompt = "ink wash"
+    comp.par.Steps = 3
+    comp.par.Active = True
+    try:
+        _cook_until(script, lambda: _running(comp), "engine running")
+        bad = [("Prompt", "   ", "prompt"), ("Prompt", "x" * 5000, "prompt"), ("Transition", -3, "transition"),
+               ("Steps", 7, "steps"), ("Noisescale", 5.0, "noise_scale"), ("Noisescale", float("nan"), "noise_scale")]
+        for name, value, word in bad:
+            good = getattr(comp.par, name).eval()
+            setattr(comp.par, name, value)  # the Parameter Execute DAT's callback runs here
+            for _ in range(3):
+                script.cook()
+            message = comp.par.Message.eval()
+            assert word in message and name in message, (name, value, message)
+            comp.parexec_enabled = False
+            setattr(comp.par, name, good)  # the user puts it back
+            comp.parexec_enabled = True
+            setattr(comp.par, name, good)
+        assert ext.controls.prompt == ("ink wash", 4)
+        assert ext.controls.params["steps"] == STEP_LISTS[3] and ext.controls.params["noise_scale"] == 0.8
+        comp.par.Prompt = "velvet"  # a good value clears the message and reaches the engine
+        deadline = time.monotonic() + 10
+        while _engine_session(ext).get("prompt") != "velvet" and time.monotonic() < deadline:
+            script.cook()
+            time.sleep(0.05)
+        assert _engine_session(ext).get("prompt") == "velvet"
+        assert "prompt" not in comp.par.Message.eval()
+        comp.parexec_enabled = False
+        comp.par.Steps = 9  # a restart with a bad value on the page: it starts, and says what is wrong
+        comp.parexec_enabled = True
+        comp.par.Start.pulse()
+        _cook_until(script, lambda: _running(comp), "engine running again")
+        assert "Steps" in comp.par.Message.eval() and ext.controls.params["steps"] == STEP_LISTS[3]
+    finally:
+        comp.par.Active = False
