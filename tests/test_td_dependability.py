@@ -9,8 +9,19 @@ import sys
 import time
 from typing import Any
 
-from test_touchdesigner import InputTOP, LoomComp, ScriptTOP, _make_component, _td_texture
+import numpy as np
+from test_touchdesigner import (
+    COOK_BUDGET_S,
+    DeviceCopyingBridge,
+    InputTOP,
+    LoomComp,
+    ScriptTOP,
+    StandInDeviceBuffer,
+    _make_component,
+    _td_texture,
+)
 
+from host_bridge.formats import from_touchdesigner, to_engine
 from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner.loom_ext import LoomExt
 
@@ -84,3 +95,65 @@ def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_go
         assert "Steps" in comp.par.Message.eval() and ext.controls.params["steps"] == STEP_LISTS[3]
     finally:
         comp.par.Active = False
+
+
+class FlakyTOP(InputTOP):
+    """An input TOP that, for some cooks, has no image to give (disconnected upstream, not cooked yet)."""
+
+    empty = False
+
+    def numpyArray(self, delayed: bool = False, writable: bool = False) -> Any:
+        return None if self.empty else super().numpyArray(delayed, writable)
+
+    def cudaMemory(self, stream: int | None = None) -> Any:
+        return None if self.empty else super().cudaMemory(stream)
+
+
+def _output_is(script: ScriptTOP, texture: np.ndarray) -> bool:
+    """The pass-through engine's output of `texture`, in the Script TOP (uint8 BGRA bottom-up)."""
+    out = script.output
+    want = from_touchdesigner(texture) if texture.dtype != np.float16 else from_touchdesigner(
+        texture.astype(np.float32))
+    return out is not None and out.shape[:2] == texture.shape[:2] and np.array_equal(
+        to_engine(out, order="BGRA", bottom_up=True), want)
+
+
+def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_comes_back():
+    source = FlakyTOP(_td_texture(24, 32, seed=1))
+    comp, script, ext = _make_component(source)
+    _configure(comp)
+    comp.par.Active = True
+    try:
+        _cook_until(script, lambda: _running(comp), "engine running")
+        source.empty = True
+        durations = [script.cook() for _ in range(5)]
+        assert max(durations) < COOK_BUDGET_S
+        assert "no image" in comp.par.Message.eval()
+        source.empty = False
+        source.texture = _td_texture(24, 32, seed=2)
+        _cook_until(script, lambda: _output_is(script, source.texture), "output of the returned input")
+        assert "no image" not in comp.par.Message.eval()
+    finally:
+        comp.par.Active = False
+
+
+def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raising():
+    """TouchDesigner's 16-bit float textures (cudaMemory dataType float16) are not a device format the
+    bridge takes: those cooks go through numpyArray(), with a note, and the stream goes on both ways."""
+    from host_bridge import Bridge, BridgeConfig
+
+    source = InputTOP(_td_texture(24, 32, np.uint8, seed=3))
+    comp, script, ext = _make_component(source)
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
+    bridge.start()
+    ext.bridge = DeviceCopyingBridge(bridge)
+    ext.device_output = StandInDeviceBuffer()
+    try:
+        _cook_until(script, lambda: _running(comp), "engine running")
+        for texture in (_td_texture(24, 32, np.float32, seed=4).astype(np.float16), _td_texture(24, 32, seed=5)):
+            source.texture = texture
+            durations = _cook_until(script, lambda t=texture: _output_is(script, t), f"{texture.dtype} output")
+            assert max(durations) < COOK_BUDGET_S
+            assert ("through the CPU" in comp.par.Message.eval()) == (texture.dtype == np.float16)
+    finally:
+        ext.Stop()

@@ -26,6 +26,7 @@ OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
+DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
 
 
 class LoomExt:
@@ -41,6 +42,7 @@ class LoomExt:
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
         self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
+        self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
 
     # --- engine lifetime ---------------------------------------------------------------------
@@ -136,39 +138,64 @@ class LoomExt:
         par.Message = self._message()
 
     def _message(self, status_message: str = "") -> str:
-        return "; ".join(m for m in (self.note, *self.refused.values(), status_message) if m)
+        return "; ".join(m for m in (self.note, self.input_note, *self.refused.values(), status_message) if m)
 
     # --- the cook ----------------------------------------------------------------------------
 
     def Cook(self, scriptOp: Any) -> None:
-        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook."""
+        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook.
+
+        Never raises: an input the bridge cannot take this cook (a TOP with no image, a pixel format
+        it does not know) is said on the component and the stream goes on with the next cook."""
         self.cooks += 1
         top = scriptOp.inputs[0] if scriptOp.inputs else None
         if top is None:
             return
         if self.bridge is None:
-            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
+            frame = top.numpyArray(delayed=False)
+            if frame is not None:
+                scriptOp.copyNumpyArray(frame)  # inactive: pass the input through
             return
         self.controls.sync(self.bridge)
-        if self._use_cuda():
-            status = self._cook_cuda(scriptOp, top)
-        else:
-            self.bridge.submit(top.numpyArray(delayed=False), layout="touchdesigner")
-            self.numpy_submits += 1
-            frame, status = self.bridge.latest()
-            if frame is None:
-                scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
-            else:
-                from host_bridge.formats import to_touchdesigner
-
-                scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
+        self.input_note = ""
+        try:
+            status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None
+            if status is None:
+                status = self._cook_numpy(scriptOp, top)
+        except Exception as exc:  # a raising cook freezes the output for the rest of the show
+            self.input_note = f"input frame not taken: {exc}"
+            status = self.bridge.status()
         self._publish(status)
 
+    def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
+        """Through host memory: the input's numpyArray() in, the newest output as uint8 BGRA out."""
+        from host_bridge.formats import to_touchdesigner
+
+        frame = top.numpyArray(delayed=False)
+        if frame is None:
+            raise ValueError("the input TOP has no image this cook")
+        self.bridge.submit(frame, layout="touchdesigner")
+        self.numpy_submits += 1
+        out, status = self.bridge.latest()
+        scriptOp.copyNumpyArray(frame if out is None else to_touchdesigner(out, np.uint8, OUTPUT_CHANNELS))
+        return status
+
     def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
-        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP."""
+        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP.
+
+        Returns None, having taken nothing, for a texture format the bridge does not take on the device
+        (16-bit float, 2 channels): that cook goes through host memory instead."""
+        from host_bridge.formats import DTYPE_NAMES
+
         memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        if memory is None:
+            raise ValueError("the input TOP has no image this cook")
         shape = memory.shape
         dtype = np.dtype(shape.dataType)
+        if dtype.name not in DTYPE_NAMES or shape.numComps not in DEVICE_CHANNELS:
+            self.input_note = (f"{shape.numComps}-channel {dtype.name} input goes through the CPU; device to "
+                               f"device takes {', '.join(DTYPE_NAMES)} with 1, 3 or 4 channels")
+            return None
         pitch = shape.width * shape.numComps * dtype.itemsize
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
                                 layout="touchdesigner")
