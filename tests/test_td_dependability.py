@@ -5,13 +5,18 @@ the bridge and the pass-through engine process are real (shm transport).
 
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
 import time
 from typing import Any
 
 import numpy as np
+import pytest
 from test_touchdesigner import (
     COOK_BUDGET_S,
+    CUDAMemory,
+    CUDAMemoryShape,
     DeviceCopyingBridge,
     InputTOP,
     LoomComp,
@@ -23,6 +28,7 @@ from test_touchdesigner import (
 
 from host_bridge.formats import from_touchdesigner, to_engine
 from plugin.live_params import STEP_LISTS
+from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 
 
@@ -157,3 +163,116 @@ def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raisin
             assert ("through the CPU" in comp.par.Message.eval()) == (texture.dtype == np.float16)
     finally:
         ext.Stop()
+
+
+class BoundedRuntime:
+    """The CPU stand-in for cuda-python's runtime (test_transport_cuda_fake.FakeRuntime), where a copy into
+    device memory must land inside one allocation: a write past the end is recorded and refused, where a
+    GPU would corrupt TouchDesigner's memory or fault."""
+
+    def __init__(self) -> None:
+        from test_transport_cuda_fake import FakeRuntime
+
+        self._rt = FakeRuntime()
+        self.textures: dict[int, int] = {}  # TD's texture copies handed out by cudaMemory(): ptr -> size
+        self.violations: list[str] = []
+
+    def _inside(self, ptr: int, size: int) -> bool:
+        spans = [(p, ctypes.sizeof(b)) for p, b in self._rt.buffers.items()] + list(self.textures.items())
+        return any(base <= ptr and ptr + size <= base + n for base, n in spans)
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):  # noqa: N802
+        if kind != self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost and not self._inside(
+                dst, (height - 1) * dpitch + width):
+            self.violations.append(f"{height} rows of {width} bytes (pitch {dpitch}) past the destination")
+            raise RuntimeError(self.violations[-1])
+        if width > dpitch:
+            self.violations.append(f"rows of {width} bytes into a pitch of {dpitch}")
+            raise RuntimeError(self.violations[-1])
+        return self._rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+
+class HostMemoryTOP(InputTOP):
+    """cudaMemory() as TD gives it: a copy of the texture the CUDAMemory object owns (here in host memory
+    that the stand-in runtime treats as device memory), freed when the object is dropped."""
+
+    def __init__(self, texture: np.ndarray, rt: BoundedRuntime) -> None:
+        super().__init__(texture)
+        self.rt = rt
+
+    def cudaMemory(self, stream: int | None = None) -> Any:
+        data = np.ascontiguousarray(self.texture).copy()
+        ptr = data.ctypes.data
+        self.rt.textures[ptr] = data.nbytes
+        h, w, c = data.shape
+        memory = HostCUDAMemory(ptr, data.nbytes, CUDAMemoryShape(w, h, c, data.dtype.type))
+        memory.keep, memory.rt = data, self.rt
+        return memory
+
+    def end_cook(self) -> None:
+        """The copies are owned (and freed) by HostCUDAMemory."""
+
+
+class HostCUDAMemory(CUDAMemory):
+    def __del__(self) -> None:
+        self.rt.textures.pop(self._ptr, None)
+
+
+class HostScriptTOP(ScriptTOP):
+    def copyCUDAMemory(self, address: int, size: int, shape: Any, stream: int | None = None) -> None:
+        if not self.cooking:
+            raise RuntimeError("copyCUDAMemory outside the cook")
+        rt = self.parent().rt
+        if not rt._inside(address, size):
+            raise RuntimeError(f"copyCUDAMemory of {size} bytes from outside an allocation")
+        data = np.frombuffer(ctypes.string_at(address, size), np.dtype(shape.dataType))
+        self.output = data.reshape(shape.height, shape.width, shape.numComps).copy()
+
+
+def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(monkeypatch):
+    """The input TOP changes resolution or pixel format mid-show on cuda-ipc: until the engine's first
+    output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
+    for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
+    pytest.importorskip("cuda.bindings.runtime")
+    from engine.server import EngineServer
+    from engine.server_passthrough import PassthroughSession
+    from host_bridge import Bridge, BridgeConfig
+    from host_bridge import transport_cuda as tc
+
+    rt = BoundedRuntime()
+    monkeypatch.setattr(tc, "cudart", rt)
+    server = EngineServer(PassthroughSession, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.channel is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    comp = LoomComp()
+    comp.rt = rt
+    source = HostMemoryTOP(_td_texture(48, 64, seed=1), rt)
+    script = HostScriptTOP(comp, source)
+    script_top_callbacks.onSetupParameters(script)
+    comp.ext.LoomExt = ext = LoomExt(comp)
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", launch=False, endpoint=server.channel.endpoint,
+                                     heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    try:
+        _cook_until(script, lambda: _running(comp), "engine running")
+        for h, w, dtype in ((24, 64, np.uint8), (48, 32, np.uint8), (48, 32, np.float32), (40, 56, np.uint16),
+                            (48, 64, np.uint8)):
+            source.texture = texture = _td_texture(h, w, dtype, seed=h + w)
+            received = ext.bridge.stats()["received"]
+
+            def restyled(t=texture, before=received) -> bool:  # the engine's output of the new input
+                out = script.output
+                return ext.bridge.stats()["received"] > before + 2 and out is not None and np.array_equal(out, t)
+
+            _cook_until(script, restyled, f"{h}x{w} {np.dtype(dtype).name} output", 10)
+            assert rt.violations == [], (h, w, dtype, rt.violations)
+            assert ext.cuda_submits > 0 and "not taken" not in comp.par.Message.eval()
+    finally:
+        ext.Stop()
+        server.request_stop()
+        thread.join(10)
