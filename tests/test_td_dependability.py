@@ -6,9 +6,11 @@ the bridge and the pass-through engine process are real (shm transport).
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -276,3 +278,63 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
         ext.Stop()
         server.request_stop()
         thread.join(10)
+
+
+CALLBACK_BUDGET_S = 0.5  # a parameter callback runs on TD's main thread: every cook waits for it
+
+
+class EngineTraces:
+    """What engines started from now on leave while they live: their shared-memory segments (named
+    loom_<creator pid>_...) and loom threads in this process. Other tests' and other processes' are not counted."""
+
+    def __init__(self) -> None:
+        self.pids = {os.getpid()}
+        self._segments = self._all_segments()
+        self._threads = {t.ident for t in threading.enumerate()}
+
+    @staticmethod
+    def _all_segments() -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob("loom_*")} if Path("/dev/shm").is_dir() else set()
+
+    def left(self) -> tuple[set[str], set[str]]:
+        segments = {n for n in self._all_segments() - self._segments if int(n.split("_")[1]) in self.pids}
+        threads = {t.name for t in threading.enumerate() if t.ident not in self._threads and t.name.startswith("loom")}
+        return segments, threads
+
+
+def _wait_until(ready, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ready()
+
+
+def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():
+    """Stopping an engine waits for it to exit (seconds, more while it is still starting); TD runs parameter
+    callbacks on its main thread, so that wait must happen elsewhere. Afterwards nothing is left."""
+    from host_bridge.launcher import pid_alive
+
+    traces = EngineTraces()
+    comp, script, ext = _make_component(InputTOP(_td_texture(16, 24)))
+    _configure(comp)
+    slowest = 0.0
+    try:
+        for i in range(4):
+            for change in (lambda: setattr(comp.par, "Active", True), lambda: setattr(comp.par, "Active", False),
+                           lambda: setattr(comp.par, "Active", True), comp.par.Start.pulse):
+                start = time.perf_counter()
+                change()
+                slowest = max(slowest, time.perf_counter() - start, script.cook())
+                time.sleep(0.2 * (i % 2))  # some stop while the engine process starts, some at once
+            comp.par.Active = False
+        comp.par.Active = True
+        _cook_until(script, lambda: _running(comp), "engine running after the toggles")
+        traces.pids.add(ext.bridge.stats()["engine_pid"])
+    finally:
+        start = time.perf_counter()
+        comp.par.Active = False
+        slowest = max(slowest, time.perf_counter() - start)
+    assert slowest < CALLBACK_BUDGET_S, f"a callback or cook held TD's main thread for {slowest:.2f} s"
+    assert ext.WaitClosed(30), "an engine did not stop"
+    assert not any(pid_alive(p) for p in traces.pids - {os.getpid()})
+    assert _wait_until(lambda: traces.left() == (set(), set())), traces.left()

@@ -16,6 +16,8 @@ status on the read-only parameters.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ class LoomExt:
         self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
         self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
+        self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -86,16 +89,31 @@ class LoomExt:
         par.State = "starting"
 
     def Stop(self) -> None:
+        """Stop the engine without waiting for it: closing waits seconds for the process to exit, and
+        this runs on TouchDesigner's main thread (a parameter callback), where every cook would wait."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
-            try:
-                bridge.close()
-            except Exception as exc:  # closing must always leave the component usable
-                self.last_error = str(exc)
+            # not a daemon: should TD quit meanwhile, its Python waits for the engine to be stopped
+            closer = threading.Thread(target=self._close, args=(bridge,), name="loom-close")
+            closer.start()
+            self.closers = [t for t in self.closers if t.is_alive()] + [closer]
         if self.device_output is not None:
             self.device_output.close()
             self.device_output = None
         self.ownerComp.par.State = "stopped"
+
+    def WaitClosed(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every engine this extension stopped is gone (scripts, tests); True when they are."""
+        deadline = time.monotonic() + timeout_s
+        for closer in list(self.closers):
+            closer.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.closers)
+
+    def _close(self, bridge: Any) -> None:
+        try:
+            bridge.close()
+        except Exception as exc:  # closing must always leave the component usable
+            self.last_error = str(exc)
 
     # --- parameters --------------------------------------------------------------------------
 
