@@ -338,3 +338,29 @@ def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_
     assert ext.WaitClosed(30), "an engine did not stop"
     assert not any(pid_alive(p) for p in traces.pids - {os.getpid()})
     assert _wait_until(lambda: traces.left() == (set(), set())), traces.left()
+
+
+def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over():
+    """TD re-creates an extension when its DAT is edited or on Re-Init Extensions, calling the old object's
+    onDestroyTD and the new one's onInitTD: the old engine must not keep running (a second engine on the
+    GPU), and with Active on the show goes on with the new one."""
+    from host_bridge.launcher import pid_alive
+
+    traces = EngineTraces()
+    comp, script, old = _make_component(InputTOP(_td_texture(16, 24)))
+    _configure(comp)
+    comp.par.Active = True
+    _cook_until(script, lambda: _running(comp), "engine running")
+    old_pid = old.bridge.stats()["engine_pid"]
+    traces.pids.add(old_pid)
+    getattr(old, "onDestroyTD", lambda: None)()  # what TD does on re-init
+    comp.ext.LoomExt = new = LoomExt(comp)
+    getattr(new, "onInitTD", lambda: None)()
+    try:
+        assert _wait_until(lambda: not pid_alive(old_pid)), "the old extension's engine is still running"
+        _cook_until(script, lambda: _running(comp), "the new extension's engine running")
+        traces.pids.add(new.bridge.stats()["engine_pid"])
+    finally:
+        comp.par.Active = False
+    assert new.WaitClosed(30) and old.WaitClosed(30)
+    assert _wait_until(lambda: traces.left() == (set(), set())), traces.left()

@@ -115,6 +115,20 @@ class LoomExt:
         except Exception as exc:  # closing must always leave the component usable
             self.last_error = str(exc)
 
+    # --- TouchDesigner's extension lifecycle -------------------------------------------------
+
+    def onInitTD(self) -> None:
+        """TD calls this once the extension is attached (at project open, after a re-init): an Active
+        component starts its engine, so an edit of the extension's DAT does not end the show."""
+        active = getattr(self.ownerComp.par, "Active", None)
+        if active is not None and active.eval():
+            self.Start()
+
+    def onDestroyTD(self) -> None:
+        """TD calls this on the old object before re-creating the extension (DAT edited, Re-Init
+        Extensions): its engine goes with it, or it would keep running beside the new one's."""
+        self.Stop()
+
     # --- parameters --------------------------------------------------------------------------
 
     def OnParValueChange(self, par: Any, prev: Any = None) -> None:
