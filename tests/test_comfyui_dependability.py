@@ -4,6 +4,8 @@ ComfyUI's Cancel. The node package is loaded the way ComfyUI loads it; the engin
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -103,3 +105,29 @@ def test_comfyui_cancel_stops_a_batch_and_leaves_the_engine_streaming_live(nodes
     after = _image_batch(7, 24, 40, seed=4)
     out, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=after)
     assert torch.equal(out, after)
+
+
+def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_next_run(nodes_pkg):
+    """The engine process stops answering (a hung driver; here SIGSTOP) while the workflow is idle. Once
+    the bridge has given up on it, the next run waits for the restarted engine and returns every frame,
+    instead of failing on a state that still says 'running' while the hung process is being stopped
+    (terminate, wait, kill: seconds)."""
+    from host_bridge import Bridge, BridgeConfig
+    from plugin.live_params import ControlSync
+
+    # the Engine node's bridge, with a shorter wait before a hung engine is killed (a faster test)
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable, stop_timeout_s=0.5))
+    handle = nodes_pkg.nodes.EngineHandle("hung", bridge.start(), {}, ControlSync())
+    try:
+        bridge.wait_running(60)
+        pid = bridge.stats()["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while bridge.stats()["engine_pid"] == pid and time.monotonic() < deadline:
+            time.sleep(0.005)
+        images = _image_batch(6, 16, 24, seed=5)
+        out, status = _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert torch.equal(out, images) and "running" in status
+        assert bridge.status().restarts >= 1
+    finally:
+        bridge.close()
