@@ -131,3 +131,12 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_next_run(nodes
         assert bridge.status().restarts >= 1
     finally:
         bridge.close()
+
+
+def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(nodes_pkg):
+    handle, _ = _engine(nodes_pkg, passthrough=True)
+    for images in (_image_batch(2, 1, 1), _image_batch(3, 17, 33, seed=1), torch.zeros(0, 16, 24, 3)):
+        out, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert out.shape == images.shape and torch.equal(out, images)
+    with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 1\) is not allowed; expected \[B, H, W, 3\]"):
+        _run(nodes_pkg, "LoomStream", engine=handle, images=torch.rand(2, 16, 16, 1))

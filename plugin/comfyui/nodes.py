@@ -109,12 +109,12 @@ def _images_to_frames(images: Any) -> np.ndarray:
     return from_comfy(array)
 
 
-def _frames_to_images(frames: list[np.ndarray]) -> Any:
+def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
     import torch
 
     from host_bridge.formats import to_comfy
 
-    return torch.from_numpy(to_comfy(np.stack(frames)))
+    return torch.from_numpy(to_comfy(np.asarray(frames) if isinstance(frames, np.ndarray) else np.stack(frames)))
 
 
 class LoomEngine:
@@ -232,6 +232,8 @@ class LoomStream:
 
     def stream(self, engine: EngineHandle, images: Any, timeout_s: float = 0.0) -> tuple[Any, str]:
         frames = _images_to_frames(images)
+        if not len(frames):  # an empty batch (a video loader past the last frame): nothing to stream
+            return _frames_to_images(frames), engine.status_text()
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
         _wait_running(engine.bridge, limit, cancelled)
