@@ -191,14 +191,18 @@ class Bridge:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
 
         Returns when the copy is done; `stream` orders it after the caller's own work on that stream.
+        After the input changed size or format, the newest output is of the old kind until the engine
+        catches up; the caller's buffer is sized for the new input, so until then the fallback is the input.
         """
         self._drain(0.0)
         with self._lock:
             status = self._status()
             frames = self._frames
             fresh = status.state == "running" and frames.link_id == self._loop.link_id
-            if frames.output_device is not None and (fresh or self.config.fallback == "last"):
-                frames.output_device.read_device(0, ptr, pitch, stream=stream)
+            out, staging = frames.output_device, frames.staging
+            fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
+            if fits and (fresh or self.config.fallback == "last"):
+                out.read_device(0, ptr, pitch, stream=stream)
                 status.seq, status.fallback = frames.seq, not fresh
             elif frames.staging is not None:
                 frames.staging.read_device(0, ptr, pitch, stream=stream)
@@ -495,6 +499,11 @@ class Bridge:
         self._drain(0.0, link)
         with self._lock:
             self._pump()
+
+
+def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
+    """What a device frame's copy into a caller's buffer depends on."""
+    return spec.width, spec.height, spec.channels, spec.dtype
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]

@@ -201,6 +201,9 @@ class EngineLoop:
                 return
             self.link = None
             self.log_tail = link.log_tail()
+            # said now: a host must not see 'running' (and send to no link) while a hung engine is stopped
+            restart = self.config.restart and not self.closing
+            self.set_state("restarting" if restart else "dead", f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self._cond:
             self.log_tail = link.log_tail()

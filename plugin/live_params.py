@@ -11,6 +11,10 @@ from typing import Any
 STEP_LISTS: dict[int, list[int]] = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}
 NOISE_SCALE_RANGE = (0.1, 1.0)
 DEFAULT_PROMPT = "a painting in the style of van gogh, vivid brush strokes"
+# The bridge protocol's limits on a prompt message (host_bridge.protocol: MAX_TEXT, transition_chunks);
+# not imported, so a host loads this module even before host_bridge is on its path.
+MAX_PROMPT_CHARS = 4096
+MAX_TRANSITION_CHUNKS = 100000
 
 
 def engine_params(steps: int, noise_scale: float, motion_aware: bool) -> dict[str, Any]:
@@ -21,6 +25,20 @@ def engine_params(steps: int, noise_scale: float, motion_aware: bool) -> dict[st
     if not lo <= noise_scale <= hi:
         raise ValueError(f"noise_scale: {noise_scale:g} is out of range; expected {lo}..{hi}")
     return {"steps": list(STEP_LISTS[steps]), "noise_scale": float(noise_scale), "motion_aware": bool(motion_aware)}
+
+
+def prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
+    """A prompt and its blend length as the engine takes them; ValueError names a bad one."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("prompt: empty; give a few words describing the style")
+    text = text.strip()
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"prompt: {len(text)} characters is too long; at most {MAX_PROMPT_CHARS}")
+    if transition_chunks is not None and (isinstance(transition_chunks, bool) or not isinstance(transition_chunks, int)
+                                          or not 0 <= transition_chunks <= MAX_TRANSITION_CHUNKS):
+        raise ValueError(f"transition_chunks: {transition_chunks!r} is not allowed; "
+                         f"expected a whole number 0..{MAX_TRANSITION_CHUNKS}")
+    return text, transition_chunks
 
 
 class ControlSync:
@@ -40,12 +58,18 @@ class ControlSync:
         self._engine: int | None = None  # the bridge's restart count when we last synced
 
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
-        self.prompt = (text, transition_chunks)
+        """Record a prompt to send; a bad one raises ValueError here, so nothing unsendable is kept
+        (it would fail every later `sync`, inside a host's frame loop)."""
+        self.prompt = prompt_request(text, transition_chunks)
         self._prompt_due = True
 
     def set_params(self, **params: Any) -> None:
         self.params.update(params)
         self._params_due.update(params)
+
+    def new_bridge(self) -> None:
+        """The host replaced its bridge (whose restart count starts again): send everything on the next sync."""
+        self._engine = None
 
     def sync(self, bridge: Any) -> bool:
         """Send what is due; returns True when something was sent."""

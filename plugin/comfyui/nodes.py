@@ -12,6 +12,8 @@ import hashlib
 import json
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ FALLBACKS = ["passthrough", "last"]
 # Seconds per frame a batch may take before the engine is declared stuck, plus start-up time.
 TIMEOUT_PER_FRAME_S = 30.0
 STARTUP_TIMEOUT_S = 300.0
+CANCEL_POLL_S = 0.05  # how often a run waiting for its engine looks at its state and ComfyUI's Cancel
 
 
 @dataclass
@@ -106,12 +109,12 @@ def _images_to_frames(images: Any) -> np.ndarray:
     return from_comfy(array)
 
 
-def _frames_to_images(frames: list[np.ndarray]) -> Any:
+def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
     import torch
 
     from host_bridge.formats import to_comfy
 
-    return torch.from_numpy(to_comfy(np.stack(frames)))
+    return torch.from_numpy(to_comfy(np.asarray(frames) if isinstance(frames, np.ndarray) else np.stack(frames)))
 
 
 class LoomEngine:
@@ -184,15 +187,16 @@ class LoomPrompt:
 
     def apply(self, engine: EngineHandle, prompt: str, steps: int, noise_scale: float, motion_aware: bool,
               transition_chunks: int) -> tuple[EngineHandle]:
-        from plugin.live_params import engine_params
+        from plugin.live_params import engine_params, prompt_request
 
         if not prompt.strip():
             raise ValueError("Loom Prompt: the prompt is empty; give a few words describing the style")
-        try:
+        try:  # refused before it is recorded: a bad value kept would fail every later Loom Stream run
             params = engine_params(steps, noise_scale, motion_aware)
+            text, chunks = prompt_request(prompt, transition_chunks)
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None
-        engine.controls.set_prompt(prompt.strip(), transition_chunks=transition_chunks)
+        engine.controls.set_prompt(text, transition_chunks=chunks)
         engine.controls.set_params(**params)
         engine.controls.sync(engine.bridge)  # now if the engine runs, else before the next stream
         return (engine,)
@@ -228,13 +232,54 @@ class LoomStream:
 
     def stream(self, engine: EngineHandle, images: Any, timeout_s: float = 0.0) -> tuple[Any, str]:
         frames = _images_to_frames(images)
+        if not len(frames):  # an empty batch (a video loader past the last frame): nothing to stream
+            return _frames_to_images(frames), engine.status_text()
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
-        engine.bridge.wait_running(limit)
+        cancelled = _cancel_check()
+        _wait_running(engine.bridge, limit, cancelled)
         engine.controls.sync(engine.bridge)
-        outs = engine.bridge.process(list(frames), timeout_s=limit)
+        try:
+            outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
+        except BaseException:
+            # Cancel (or a failure) mid-batch: process() has put the engine back in live mode; the frames
+            # it still holds of this batch's stream go too, so the next run starts a stream of its own
+            engine.bridge.reset()
+            raise
         if len(outs) != len(frames):
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
         return _frames_to_images(outs), engine.status_text()
+
+
+def _cancel_check() -> Callable[[], None]:
+    """ComfyUI's Cancel sets a flag that `comfy.model_management.throw_exception_if_processing_interrupted`
+    turns into InterruptProcessingException (what ComfyUI expects a cancelled node to raise). Outside
+    ComfyUI (scripts, tests) there is nothing to check."""
+    try:
+        from comfy.model_management import throw_exception_if_processing_interrupted
+    except ImportError:
+        return lambda: None
+    return throw_exception_if_processing_interrupted
+
+
+def _until_cancelled(frames: np.ndarray, cancelled: Callable[[], None]) -> Iterator[np.ndarray]:
+    """The batch's frames, checking for Cancel before each: a cancelled run stops within a few frames
+    (the ones in the engine's slots) instead of after the whole batch."""
+    for frame in frames:
+        cancelled()
+        yield frame
+
+
+def _wait_running(bridge: Any, limit_s: float, cancelled: Callable[[], None]) -> None:
+    """Wait for the engine (loading a model takes a while), answering Cancel meanwhile."""
+    deadline = time.monotonic() + limit_s
+    while (status := bridge.status()).state != "running":
+        cancelled()
+        gone = status.state in ("dead", "stopped")
+        if gone or time.monotonic() > deadline:
+            tail = "\n".join(status.log_tail or [])
+            raise RuntimeError(f"Loom Stream: the engine is {status.state}{'' if gone else f' after {limit_s:.0f} s'}"
+                               f": {status.message}" + (f"\n{tail}" if tail else ""))
+        time.sleep(CANCEL_POLL_S)
 
 
 NODE_CLASS_MAPPINGS = {"LoomEngine": LoomEngine, "LoomPrompt": LoomPrompt, "LoomStream": LoomStream}

@@ -16,14 +16,19 @@ status on the read-only parameters.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
 
-from plugin.live_params import ControlSync
+from plugin.live_params import ControlSync, engine_params
 
 OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
+PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
+PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
+DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
 
 
 class LoomExt:
@@ -39,6 +44,9 @@ class LoomExt:
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
         self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
+        self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
+        self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
+        self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -74,22 +82,52 @@ class LoomExt:
             self.bridge = None
             self._error(f"cannot start the engine: {exc}")
             return
-        self._record_controls()
         self.note = note
+        self.controls.new_bridge()  # its engine gets everything; a refused value keeps the last good one
+        for group in (PROMPT_PARS, PARAM_PARS):
+            self._record_controls(group)
         par.State = "starting"
-        par.Message = note
 
     def Stop(self) -> None:
+        """Stop the engine without waiting for it: closing waits seconds for the process to exit, and
+        this runs on TouchDesigner's main thread (a parameter callback), where every cook would wait."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
-            try:
-                bridge.close()
-            except Exception as exc:  # closing must always leave the component usable
-                self.last_error = str(exc)
+            # not a daemon: should TD quit meanwhile, its Python waits for the engine to be stopped
+            closer = threading.Thread(target=self._close, args=(bridge,), name="loom-close")
+            closer.start()
+            self.closers = [t for t in self.closers if t.is_alive()] + [closer]
         if self.device_output is not None:
             self.device_output.close()
             self.device_output = None
         self.ownerComp.par.State = "stopped"
+
+    def WaitClosed(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every engine this extension stopped is gone (scripts, tests); True when they are."""
+        deadline = time.monotonic() + timeout_s
+        for closer in list(self.closers):
+            closer.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.closers)
+
+    def _close(self, bridge: Any) -> None:
+        try:
+            bridge.close()
+        except Exception as exc:  # closing must always leave the component usable
+            self.last_error = str(exc)
+
+    # --- TouchDesigner's extension lifecycle -------------------------------------------------
+
+    def onInitTD(self) -> None:
+        """TD calls this once the extension is attached (at project open, after a re-init): an Active
+        component starts its engine, so an edit of the extension's DAT does not end the show."""
+        active = getattr(self.ownerComp.par, "Active", None)
+        if active is not None and active.eval():
+            self.Start()
+
+    def onDestroyTD(self) -> None:
+        """TD calls this on the old object before re-creating the extension (DAT edited, Re-Init
+        Extensions): its engine goes with it, or it would keep running beside the new one's."""
+        self.Stop()
 
     # --- parameters --------------------------------------------------------------------------
 
@@ -99,12 +137,8 @@ class LoomExt:
             self.Start() if par.eval() else self.Stop()
         elif self.bridge is None:
             return
-        elif name in ("Prompt", "Transition"):
-            self.controls.set_prompt(str(self.ownerComp.par.Prompt.eval()),
-                                     transition_chunks=int(self.ownerComp.par.Transition.eval()))
-            self.controls.sync(self.bridge)
-        elif name in ("Steps", "Noisescale", "Motionaware"):
-            self.controls.set_params(**self._params())
+        elif name in PROMPT_PARS + PARAM_PARS:
+            self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
             self.controls.sync(self.bridge)
         elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
@@ -116,50 +150,84 @@ class LoomExt:
         elif par.name == "Stop":
             self.Stop()
 
-    def _params(self) -> dict[str, Any]:
-        from plugin.live_params import engine_params
+    def _record_controls(self, group: tuple[str, ...]) -> None:
+        """Record the Loom page's prompt or parameter values, to be sent whenever an engine runs.
 
+        A value the engine cannot take (an empty prompt, steps 7 sent over OSC) is refused here with a
+        message on the component, and the last good value stays: a refusal must never reach the cook.
+        """
         par = self.ownerComp.par
-        return engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()), bool(par.Motionaware.eval()))
+        try:
+            if group == PROMPT_PARS:
+                self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+            else:
+                self.controls.set_params(**engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()),
+                                                         bool(par.Motionaware.eval())))
+        except ValueError as exc:
+            self.refused[group[0]] = f"{'/'.join(group)} refused ({exc}); keeping the last good value"
+        else:
+            self.refused.pop(group[0], None)
+        par.Message = self._message()
 
-    def _record_controls(self) -> None:
-        """Everything on the Loom page, to be sent as soon as the new engine runs."""
-        par = self.ownerComp.par
-        self.controls = ControlSync()
-        self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
-        self.controls.set_params(**self._params())
+    def _message(self, status_message: str = "") -> str:
+        return "; ".join(m for m in (self.note, self.input_note, *self.refused.values(), status_message) if m)
 
     # --- the cook ----------------------------------------------------------------------------
 
     def Cook(self, scriptOp: Any) -> None:
-        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook."""
+        """Submit the input TOP, write the newest output into `scriptOp`; called from onCook.
+
+        Never raises: an input the bridge cannot take this cook (a TOP with no image, a pixel format
+        it does not know) is said on the component and the stream goes on with the next cook."""
         self.cooks += 1
         top = scriptOp.inputs[0] if scriptOp.inputs else None
         if top is None:
             return
         if self.bridge is None:
-            scriptOp.copyNumpyArray(top.numpyArray(delayed=False))  # inactive: pass the input through
+            frame = top.numpyArray(delayed=False)
+            if frame is not None:
+                scriptOp.copyNumpyArray(frame)  # inactive: pass the input through
             return
         self.controls.sync(self.bridge)
-        if self._use_cuda():
-            status = self._cook_cuda(scriptOp, top)
-        else:
-            self.bridge.submit(top.numpyArray(delayed=False), layout="touchdesigner")
-            self.numpy_submits += 1
-            frame, status = self.bridge.latest()
-            if frame is None:
-                scriptOp.copyNumpyArray(top.numpyArray(delayed=False))
-            else:
-                from host_bridge.formats import to_touchdesigner
-
-                scriptOp.copyNumpyArray(to_touchdesigner(frame, np.uint8, OUTPUT_CHANNELS))
+        self.input_note = ""
+        try:
+            status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None
+            if status is None:
+                status = self._cook_numpy(scriptOp, top)
+        except Exception as exc:  # a raising cook freezes the output for the rest of the show
+            self.input_note = f"input frame not taken: {exc}"
+            status = self.bridge.status()
         self._publish(status)
 
+    def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
+        """Through host memory: the input's numpyArray() in, the newest output as uint8 BGRA out."""
+        from host_bridge.formats import to_touchdesigner
+
+        frame = top.numpyArray(delayed=False)
+        if frame is None:
+            raise ValueError("the input TOP has no image this cook")
+        self.bridge.submit(frame, layout="touchdesigner")
+        self.numpy_submits += 1
+        out, status = self.bridge.latest()
+        scriptOp.copyNumpyArray(frame if out is None else to_touchdesigner(out, np.uint8, OUTPUT_CHANNELS))
+        return status
+
     def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
-        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP."""
+        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP.
+
+        Returns None, having taken nothing, for a texture format the bridge does not take on the device
+        (16-bit float, 2 channels): that cook goes through host memory instead."""
+        from host_bridge.formats import DTYPE_NAMES
+
         memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        if memory is None:
+            raise ValueError("the input TOP has no image this cook")
         shape = memory.shape
         dtype = np.dtype(shape.dataType)
+        if dtype.name not in DTYPE_NAMES or shape.numComps not in DEVICE_CHANNELS:
+            self.input_note = (f"{shape.numComps}-channel {dtype.name} input goes through the CPU; device to "
+                               f"device takes {', '.join(DTYPE_NAMES)} with 1, 3 or 4 channels")
+            return None
         pitch = shape.width * shape.numComps * dtype.itemsize
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
                                 layout="touchdesigner")
@@ -182,7 +250,7 @@ class LoomExt:
         par.Fps = round(float(status.fps or 0.0), 2)
         par.Latency = round(float(status.latency_ms or 0.0), 1)
         par.Dropped = int(status.dropped or 0)
-        par.Message = "; ".join(m for m in (self.note, status.message) if m)
+        par.Message = self._message(status.message)
         tail = status.log_tail or ""
         if isinstance(tail, (list, tuple)):
             tail = "\n".join(tail)
