@@ -11,10 +11,6 @@ from typing import Any
 STEP_LISTS: dict[int, list[int]] = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}
 NOISE_SCALE_RANGE = (0.1, 1.0)
 DEFAULT_PROMPT = "a painting in the style of van gogh, vivid brush strokes"
-# The bridge protocol's limits on a prompt message (host_bridge.protocol: MAX_TEXT, transition_chunks);
-# not imported, so a host loads this module even before host_bridge is on its path.
-MAX_PROMPT_CHARS = 4096
-MAX_TRANSITION_CHUNKS = 100000
 
 
 def engine_params(steps: int, noise_scale: float, motion_aware: bool) -> dict[str, Any]:
@@ -29,16 +25,12 @@ def engine_params(steps: int, noise_scale: float, motion_aware: bool) -> dict[st
 
 def prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
     """A prompt and its blend length as the engine takes them; ValueError names a bad one."""
+    from host_bridge.protocol import make  # the message's own limits (length, blend range)
+
     if not isinstance(text, str) or not text.strip():
         raise ValueError("prompt: empty; give a few words describing the style")
-    text = text.strip()
-    if len(text) > MAX_PROMPT_CHARS:
-        raise ValueError(f"prompt: {len(text)} characters is too long; at most {MAX_PROMPT_CHARS}")
-    if transition_chunks is not None and (isinstance(transition_chunks, bool) or not isinstance(transition_chunks, int)
-                                          or not 0 <= transition_chunks <= MAX_TRANSITION_CHUNKS):
-        raise ValueError(f"transition_chunks: {transition_chunks!r} is not allowed; "
-                         f"expected a whole number 0..{MAX_TRANSITION_CHUNKS}")
-    return text, transition_chunks
+    make("prompt", text=text.strip(), transition_chunks=transition_chunks)
+    return text.strip(), transition_chunks
 
 
 class ControlSync:
