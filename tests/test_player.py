@@ -486,3 +486,35 @@ def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
         seconds = sum(f.samples for f in c.decode(audio=0)) / c.streams.audio[0].rate
     assert 0.8 < seconds < 1.2  # one second of video, one second of sound
     assert len(_decode(dst)) == 25
+
+
+# --- faults on stage: damaged input, a stream that stops, outputs, signals ---------------------
+
+
+def _noise_clip(path: Path, n: int, size: tuple[int, int] = (64, 48), seed: int = 0) -> Path:
+    """Noise frames (big enough to damage mid-file), a keyframe every 12, no B-frames (no decoder delay)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=24, options={"g": "12", "bframes": "0"})
+        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8), format="rgb24")
+            frame.pts = i
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+    return path
+
+
+def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
+    src, dst = _noise_clip(tmp_path / "damaged.mp4", 60), tmp_path / "out.mkv"
+    data = bytearray(src.read_bytes())
+    mid = len(data) // 2  # inside the picture data: the file opens, then packets fail to decode
+    data[mid:mid + 3000] = bytes((b * 7 + 13) & 255 for b in data[mid:mid + 3000])
+    src.write_bytes(bytes(data))
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    assert "damaged" in out.stderr and "Traceback" not in out.stderr
+    assert len(_decode(dst)) >= 50, "the run stopped at the damage"
+

@@ -75,6 +75,7 @@ class Player:
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
         self._log_tail: list[str] = []
         self._last_error = ""
+        self._skipped_reported = 0
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -209,6 +210,10 @@ class Player:
                 frame = self.source.read()
         except MediaError as exc:
             raise PlayerError(f"input: {exc}") from None
+        skipped = self.source.skipped_packets
+        if skipped and not self._skipped_reported:
+            self.printer.say(f"loom play: input: damaged data in {self.source.name}, skipped; the picture goes on")
+        self._skipped_reported = skipped
         return frame
 
     def _run_lossless(self) -> None:
@@ -344,8 +349,9 @@ class Player:
         written = ", ".join(s.name for s in self.sinks) or "the window"
         how = "stopped by Ctrl-C; " if interrupted else ""
         w, h = self.size
+        damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
         self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
-                            f"to {written} in {elapsed:.1f} s")
+                            f"to {written} in {elapsed:.1f} s{damaged}")
 
 
 def _is_ready(status: Any) -> bool:
