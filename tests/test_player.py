@@ -518,3 +518,28 @@ def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
     assert "damaged" in out.stderr and "Traceback" not in out.stderr
     assert len(_decode(dst)) >= 50, "the run stopped at the damage"
 
+
+def test_a_stream_that_stops_keeps_every_frame_read_before_it(tmp_path):
+    """A lossless run of a TCP stream that goes silent: the frames that came before are all written."""
+    n = 36  # one first batch (21) and part of the next: the part used to be lost
+    clip = _noise_clip(tmp_path / "feed.ts", n).read_bytes()
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(clip)
+            stop.wait(60)  # connected but silent, as a stalled camera feed
+
+    threading.Thread(target=serve, daemon=True).start()
+    dst = tmp_path / "out.mkv"
+    try:
+        out = _play("-i", f"tcp://127.0.0.1:{server.getsockname()[1]}", "--mode", "lossless", "-o", str(dst),
+                    "--passthrough", timeout=60)
+    finally:
+        stop.set()
+        server.close()
+    assert out.returncode == 2, out.stderr
+    assert "no data for 5 s" in out.stderr and "Traceback" not in out.stderr
+    assert len(_decode(dst)) >= n - 2, "frames read before the stall were dropped"

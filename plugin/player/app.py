@@ -75,6 +75,8 @@ class Player:
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
         self._log_tail: list[str] = []
         self._last_error = ""
+        # An input that breaks mid-stream ends the reading; the frames read before it still go out.
+        self._input_error: PlayerError | None = None
         self._skipped_reported = 0
 
     # --- set-up ------------------------------------------------------------------------------
@@ -179,6 +181,8 @@ class Player:
             else:
                 self._wait_ready()
                 self._run_lossless()
+            if self._input_error is not None:
+                raise self._input_error
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -195,7 +199,11 @@ class Player:
             if self.controls.state.paused:
                 self._idle()
                 continue
-            frame = self._read()
+            try:
+                frame = self._read()
+            except PlayerError as exc:
+                self._input_error = exc
+                return
             if frame is None:
                 return
             self.frames_in += 1
