@@ -543,3 +543,33 @@ def test_a_stream_that_stops_keeps_every_frame_read_before_it(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "no data for 5 s" in out.stderr and "Traceback" not in out.stderr
     assert len(_decode(dst)) >= n - 2, "frames read before the stall were dropped"
+
+
+def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
+    """What a process manager sends (SIGHUP from a closed terminal takes the same path): the recording
+    still plays, the engine process is gone and no shared-memory segment is left."""
+    signum = signal.SIGTERM
+    dst = tmp_path / "stopped.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", "100000", "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        for line in proc.stderr:  # the first progress line: frames are being written
+            if "/100000 frames" in line:
+                break
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
+    frames = _decode(dst)  # without the handler Python died on the spot: an MP4 without its index
+    assert len(frames) > 0 and frames.shape[1:] == (32, 32, 3)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "the engine outlived the player"
+    assert not list(Path("/dev/shm").glob(f"loom_{proc.pid}_*")), "shared memory left behind"

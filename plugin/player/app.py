@@ -8,13 +8,16 @@ Two ways to run, chosen from the input (`--mode` overrides):
   frame is submitted (latest wins) and the newest engine output (or the fallback while the
   engine starts or restarts) goes out at once. A status line shows FPS, latency and drops.
 
-Outputs are finalised on every exit path, including Ctrl-C, so a file written so far plays.
+Outputs are finalised on every exit path, including Ctrl-C and the SIGTERM/SIGHUP that a process
+manager or a closed terminal sends, so a file written so far plays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +50,18 @@ RETRY_PAUSE_S = 1.0
 PROCESS_TIMEOUT_PER_FRAME_S = 30.0
 PAUSE_POLL_S = 0.05
 READY_POLL_S = 0.1
+# Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
+# they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class StopRequested(BaseException):
+    """One of STOP_SIGNALS arrived; a BaseException, like KeyboardInterrupt, so that no `except Exception`
+    (an engine retry, say) mistakes it for a failure and carries on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Player:
@@ -167,7 +182,8 @@ class Player:
 
     def run(self) -> int:
         """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
-        interrupted = False
+        stopped_by, code = "", EXIT_OK
+        previous_handlers = _raise_on_stop_signals()
         try:
             self._open_source()
             self._open_outputs()
@@ -184,11 +200,17 @@ class Player:
             if self._input_error is not None:
                 raise self._input_error
         except KeyboardInterrupt:
-            interrupted = True
+            stopped_by, code = "Ctrl-C", EXIT_INTERRUPTED
+        except StopRequested as stop:
+            stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
         finally:
+            for signum in previous_handlers:  # a second signal must not cut the finalising short
+                signal.signal(signum, signal.SIG_IGN)
             self._close()
-        self._report(interrupted)
-        return EXIT_INTERRUPTED if interrupted else EXIT_OK
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+        self._report(stopped_by)
+        return code
 
     def _frames(self) -> Iterator[np.ndarray]:
         """Input frames cropped to the output size, until the end, `--frames`, or quit."""
@@ -350,16 +372,27 @@ class Player:
                 with contextlib.suppress(Exception):
                     thing.close()
 
-    def _report(self, interrupted: bool) -> None:
+    def _report(self, stopped_by: str) -> None:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
         written = ", ".join(s.name for s in self.sinks) or "the window"
-        how = "stopped by Ctrl-C; " if interrupted else ""
+        how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
         self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
                             f"to {written} in {elapsed:.1f} s{damaged}")
+
+
+def _raise_on_stop_signals() -> dict[int, Any]:
+    """Make STOP_SIGNALS raise StopRequested (main thread only); returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise StopRequested(signum)
+
+    return {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
 
 
 def _is_ready(status: Any) -> bool:
