@@ -438,18 +438,28 @@ class FrameSink:
             raise MediaError(f"{self.name}: writing failed: {_reason(e)}") from e
 
     def close(self) -> None:
-        """Flush the encoder, finish the audio up to the video's end, write the trailer."""
+        """Flush the encoder, finish the audio up to the video's end, write the trailer.
+
+        Raises MediaError when that fails (a full disk, a vanished drive): FFmpeg buffers its
+        writes, so this is often the first moment such a failure shows, and the output is incomplete.
+        """
+        import av
+
         if self.closed:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
         with _sigint_deferred():
             try:
-                self._container.mux(self._video.encode(None))
-                if self._audio is not None:
-                    self._audio.finish(self.frames_written / self.fps)
-            finally:
-                self._abort()
+                try:
+                    self._container.mux(self._video.encode(None))
+                    if self._audio is not None:
+                        self._audio.finish(self.frames_written / self.fps)
+                finally:
+                    self._abort()
+            except (av.error.FFmpegError, OSError) as e:
+                raise MediaError(f"{self.name}: finishing the output failed: {_reason(e)}; "
+                                 "it is incomplete") from e
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):

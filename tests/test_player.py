@@ -573,3 +573,15 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
         time.sleep(0.1)
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "the engine outlived the player"
     assert not list(Path("/dev/shm").glob(f"loom_{proc.pid}_*")), "shared memory left behind"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_recording_that_could_not_be_finished_is_an_error_not_a_success(tmp_path):
+    """A full recording drive: the run says so and exits with 2; the other output is complete."""
+    full, good = tmp_path / "full.mkv", tmp_path / "good.mkv"
+    full.symlink_to("/dev/full")  # every write fails with ENOSPC
+    out = _play("-n", "30", "--size", "64x64", "-o", str(full), "-o", str(good), "--passthrough")
+    assert out.returncode == 2, out.stderr
+    assert "full.mkv: finishing the output failed: No space left on device" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(_decode(good)) == 30

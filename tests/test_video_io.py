@@ -323,3 +323,15 @@ def test_damaged_packets_mid_file_are_skipped_and_the_rest_is_read(tmp_path: Pat
         assert src.skipped_packets >= 1, "the damage should reach the decoder (else this test tests nothing)"
     assert len(frames) >= 50, f"reading stopped at the damage: {len(frames)} of 60 frames"
     assert all(f.shape == (48, 64, 3) for f in frames)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_full_disk_is_reported_when_the_file_cannot_be_finished(tmp_path: Path) -> None:
+    """FFmpeg buffers its writes, so a full disk often shows only at close: it must be a MediaError there."""
+    full = tmp_path / "full.mkv"
+    full.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full recording drive
+    sink = open_sink(full, 24, (64, 48))
+    for i in range(5):
+        sink.write(np.full((48, 64, 3), i * 40, np.uint8))
+    with pytest.raises(MediaError, match="full.mkv: finishing the output failed: No space left on device"):
+        sink.close()

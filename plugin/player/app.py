@@ -29,6 +29,7 @@ from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
     DEFAULT_OUTPUT,
+    EXIT_BAD_INPUT,
     EXIT_ENGINE_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -93,6 +94,7 @@ class Player:
         # An input that breaks mid-stream ends the reading; the frames read before it still go out.
         self._input_error: PlayerError | None = None
         self._skipped_reported = 0
+        self._unfinished: list[str] = []  # outputs whose finalising failed: the user must hear of it
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -210,7 +212,7 @@ class Player:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
         self._report(stopped_by)
-        return code
+        return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT
 
     def _frames(self) -> Iterator[np.ndarray]:
         """Input frames cropped to the output size, until the end, `--frames`, or quit."""
@@ -365,8 +367,12 @@ class Player:
     def _close(self) -> None:
         """Finalise outputs first (they matter most), then stop the engine, OSC, window and input."""
         for sink in self.sinks:
-            with contextlib.suppress(Exception):
+            try:
                 sink.close()
+            except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
+                self._unfinished.append(sink.name)
+                self.printer.quiet = False  # errors are always shown
+                self.printer.say(f"loom play: error: output: {exc}")
         for thing in (self.bridge, self.osc, self.window, self.source):
             if thing is not None:
                 with contextlib.suppress(Exception):
@@ -376,7 +382,7 @@ class Player:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
-        written = ", ".join(s.name for s in self.sinks) or "the window"
+        written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished) or "the window"
         how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
