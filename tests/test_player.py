@@ -491,20 +491,26 @@ def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
 # --- faults on stage: damaged input, a stream that stops, outputs, signals ---------------------
 
 
-def _noise_clip(path: Path, n: int, size: tuple[int, int] = (64, 48), seed: int = 0) -> Path:
-    """Noise frames (big enough to damage mid-file), a keyframe every 12, no B-frames (no decoder delay)."""
+def _write_clip(path: Path, frames: list[np.ndarray]) -> Path:
+    """H.264 at 24 fps, a keyframe every 12 frames, no B-frames (so no decoder delay)."""
     import av
 
-    rng = np.random.default_rng(seed)
     with av.open(str(path), "w") as out:
         video = out.add_stream("libx264", rate=24, options={"g": "12", "bframes": "0"})
-        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
-        for i in range(n):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8), format="rgb24")
+        video.height, video.width = frames[0].shape[:2]
+        video.pix_fmt = "yuv420p"
+        for i, image in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
             frame.pts = i
             out.mux(video.encode(frame))
         out.mux(video.encode(None))
     return path
+
+
+def _noise_clip(path: Path, n: int, size: tuple[int, int] = (64, 48), seed: int = 0) -> Path:
+    """Noise frames: a file big enough to damage in the middle of its picture data."""
+    rng = np.random.default_rng(seed)
+    return _write_clip(path, [rng.integers(0, 256, (size[1], size[0], 3), np.uint8) for _ in range(n)])
 
 
 def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
@@ -585,3 +591,23 @@ def test_a_recording_that_could_not_be_finished_is_an_error_not_a_success(tmp_pa
     assert "full.mkv: finishing the output failed: No space left on device" in out.stderr
     assert "Traceback" not in out.stderr
     assert len(_decode(good)) == 30
+
+
+def test_an_input_that_changes_size_mid_stream_stays_whole_in_the_output(tmp_path):
+    """Two MPEG-TS segments back to back (a stream switched to another camera): 64x48 grey, then
+    128x96 white on the left and black on the right. The output keeps 64x48 and shows the whole
+    second picture scaled, not its top-left corner."""
+    grey = np.full((48, 64, 3), 128, np.uint8)
+    halves = np.zeros((96, 128, 3), np.uint8)
+    halves[:, :64] = 255
+    first = _write_clip(tmp_path / "a.ts", [grey] * 12).read_bytes()
+    second = _write_clip(tmp_path / "b.ts", [halves] * 12).read_bytes()
+    src, dst = tmp_path / "switched.ts", tmp_path / "out.mkv"
+    src.write_bytes(first + second)
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    assert "changed size to 128x96" in out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (24, 48, 64, 3)
+    after = frames[12:].astype(np.float32)
+    assert after[:, :, 4:28].mean() > 200 and after[:, :, 36:60].mean() < 55, "the picture was cropped"

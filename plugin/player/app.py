@@ -94,6 +94,7 @@ class Player:
         # An input that breaks mid-stream ends the reading; the frames read before it still go out.
         self._input_error: PlayerError | None = None
         self._skipped_reported = 0
+        self._last_input_shape: tuple[int, ...] = ()  # of the last frame not at the source's size
         self._unfinished: list[str] = []  # outputs whose finalising failed: the user must hear of it
 
     # --- set-up ------------------------------------------------------------------------------
@@ -215,9 +216,8 @@ class Player:
         return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT
 
     def _frames(self) -> Iterator[np.ndarray]:
-        """Input frames cropped to the output size, until the end, `--frames`, or quit."""
+        """Input frames fitted to the output size, until the end, `--frames`, or quit."""
         limit = self.opts.max_frames
-        w, h = self.size
         while not self.controls.state.quit and (limit is None or self.frames_in < limit):
             self._poll_controls()
             if self.controls.state.paused:
@@ -231,7 +231,21 @@ class Player:
             if frame is None:
                 return
             self.frames_in += 1
-            yield frame[:h, :w]
+            yield self._fit(frame)
+
+    def _fit(self, frame: np.ndarray) -> np.ndarray:
+        """The output size: a last odd row/column dropped; a frame of another size (the input changed
+        resolution mid-stream) scaled, so the picture stays whole rather than cropped to a corner."""
+        w, h = self.size
+        if frame.shape[:2] == (self.source.height, self.source.width):
+            return frame[:h, :w]
+        import cv2
+
+        if frame.shape[:2] != self._last_input_shape:
+            self.printer.say(f"loom play: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
+                             f"scaled to the output's {w}x{h}")
+        self._last_input_shape = frame.shape[:2]
+        return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
 
     def _read(self) -> np.ndarray | None:
         try:
