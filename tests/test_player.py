@@ -7,6 +7,7 @@ default runs use the embedded model, as a user's first `loom play` does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -611,3 +612,60 @@ def test_an_input_that_changes_size_mid_stream_stays_whole_in_the_output(tmp_pat
     assert frames.shape == (24, 48, 64, 3)
     after = frames[12:].astype(np.float32)
     assert after[:, :, 4:28].mean() > 200 and after[:, :, 36:60].mean() < 55, "the picture was cropped"
+
+
+def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
+    """A TCP MPEG-TS feed sends dark frames, goes silent (past the 5 s read timeout), and comes back
+    with bright frames on a new connection: the run goes on, every output keeps getting frames (the
+    last picture, held) during the stall, and the new feed reaches the output."""
+    dark = _write_clip(tmp_path / "dark.ts", [np.zeros((48, 64, 3), np.uint8)] * 24).read_bytes()
+    bright = _write_clip(tmp_path / "bright.ts", [np.full((48, 64, 3), 255, np.uint8)] * 24).read_bytes()
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def send_paced(conn: socket.socket, clip: bytes) -> None:
+        step = len(clip) // 24 + 1  # about a frame's worth of bytes every 1/24 s
+        for i in range(0, len(clip), step):
+            conn.sendall(clip[i:i + step])
+            time.sleep(1 / 24)
+
+    def stall(conn: socket.socket) -> None:
+        with conn:
+            send_paced(conn, dark)
+            stop.wait(60)  # connected but silent until the test ends: only the player's timeout notices
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            threading.Thread(target=stall, args=(conn,), daemon=True).start()
+            while not stop.is_set():  # the feed is back: each new connection gets it
+                conn, _ = server.accept()
+                with conn, contextlib.suppress(OSError):
+                    while not stop.is_set():
+                        send_paced(conn, bright)
+
+    threading.Thread(target=serve, daemon=True).start()
+    dst = tmp_path / "show.mkv"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    seen = []
+    try:
+        for line in proc.stderr:  # until the feed is back and one more status line has gone by
+            seen.append(line)
+            if any("input reconnected" in s for s in seen[:-1]) and line.startswith("live"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop.set()
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(seen) + err
+    assert proc.returncode == 143, err
+    assert "input lost" in err and "no data for 5 s" in err and "Traceback" not in err
+    means = _decode(dst).reshape(-1, 48 * 64 * 3).mean(axis=1)
+    assert (means < 30).sum() >= 48, "during the stall the outputs got no frames (>= 2 s of held picture expected)"
+    assert means[-1] > 220, "the reconnected feed did not reach the output"

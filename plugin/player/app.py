@@ -26,6 +26,7 @@ import numpy as np
 
 from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
+from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
     DEFAULT_OUTPUT,
@@ -50,6 +51,8 @@ RETRY_PAUSE_S = 1.0
 # Seconds a `process()` call may take per frame before the engine is declared stuck.
 PROCESS_TIMEOUT_PER_FRAME_S = 30.0
 PAUSE_POLL_S = 0.05
+# A live input late by this much is stalled: the last picture is held (at the input's rate) until it is back.
+STALL_GRACE_S = 0.5
 READY_POLL_S = 0.1
 # Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
 # they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
@@ -78,6 +81,8 @@ class Player:
                                               motion_aware=options.motion_aware))
         self.keyboard = KeyboardInput(self.controls)
         self.source: Any = None
+        self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
+        self._holding = False
         self.bridge: Any = None
         self.sinks: list[Any] = []
         self.window: Any = None
@@ -215,8 +220,10 @@ class Player:
         self._report(stopped_by)
         return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT
 
-    def _frames(self) -> Iterator[np.ndarray]:
-        """Input frames fitted to the output size, until the end, `--frames`, or quit."""
+    def _frames(self) -> Iterator[np.ndarray | None]:
+        """Input frames fitted to the output size, until the end, `--frames`, or quit.
+
+        With a live feed, None means that no frame came in time (the feed stalled): hold the picture."""
         limit = self.opts.max_frames
         while not self.controls.state.quit and (limit is None or self.frames_in < limit):
             self._poll_controls()
@@ -228,6 +235,10 @@ class Player:
             except PlayerError as exc:
                 self._input_error = exc
                 return
+            self._holding = frame is None and self.feed is not None
+            if self._holding:
+                yield None
+                continue
             if frame is None:
                 return
             self.frames_in += 1
@@ -248,6 +259,10 @@ class Player:
         return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
 
     def _read(self) -> np.ndarray | None:
+        if self.feed is not None:
+            for message in self.feed.messages():
+                self.printer.say(f"loom play: {message}")
+            return self.feed.next(1.0 / self.source.fps if self._holding else STALL_GRACE_S)
         try:
             frame = self.source.read()
             if frame is None and self.opts.loop and not self.source.is_live and self.frames_in > 0:
@@ -301,8 +316,11 @@ class Player:
         pace = not self.source.is_live  # a file played live runs at its own rate
         next_due = time.monotonic()
         ran = False
+        if self.source.is_live:
+            self.feed = LiveFeed(self.source, lambda: open_source(self.opts.input))
         for frame in self._frames():
-            self.bridge.submit(frame)
+            if frame is not None:
+                self.bridge.submit(frame)
             out, status = self.bridge.latest()
             ran = ran or _is_ready(status)
             self._remember_log(status)
@@ -310,7 +328,11 @@ class Player:
             # never came up, or cannot be started at all, ends the run with its reason.
             if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
                 raise self._engine_error("the engine did not start", status)
-            self._emit(frame if out is None else out)
+            shown = frame if out is None else out
+            if shown is None:  # the input stalled: the last picture again, so every output stays alive
+                shown = self._last_out
+            if shown is not None:
+                self._emit(shown)
             self.printer.update(live_line(self.frames_out, status))
             if pace:
                 next_due += period
@@ -387,7 +409,7 @@ class Player:
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
                 self.printer.say(f"loom play: error: output: {exc}")
-        for thing in (self.bridge, self.osc, self.window, self.source):
+        for thing in (self.bridge, self.osc, self.window, self.feed or self.source):
             if thing is not None:
                 with contextlib.suppress(Exception):
                     thing.close()
