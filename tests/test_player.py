@@ -669,3 +669,22 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     means = _decode(dst).reshape(-1, 48 * 64 * 3).mean(axis=1)
     assert (means < 30).sum() >= 48, "during the stall the outputs got no frames (>= 2 s of held picture expected)"
     assert means[-1] > 220, "the reconnected feed did not reach the output"
+
+
+def test_an_output_that_fails_mid_run_stops_alone_and_the_others_go_on(tmp_path):
+    """A recorder that goes away mid-set (here the reader of a FIFO closes it: EPIPE), as a streaming
+    server can: that output is reported and stopped; the other output still gets every frame."""
+    fifo, broken, kept = tmp_path / "fifo", tmp_path / "broken.mkv", tmp_path / "kept.mkv"
+    os.mkfifo(fifo)
+    broken.symlink_to(fifo)
+
+    def read_a_little() -> None:
+        with open(fifo, "rb") as f:
+            f.read(1000)
+
+    threading.Thread(target=read_a_little, daemon=True).start()
+    out = _play("-n", "200", "--size", "64x64", "-o", str(broken), "-o", str(kept), "--passthrough")
+    assert out.returncode == 2, out.stderr
+    assert "broken.mkv: writing failed" in out.stderr and "the others go on" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(_decode(kept)) == 200, "the failure of one output cut the other short"

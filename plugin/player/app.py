@@ -352,14 +352,25 @@ class Player:
         if frame.ndim == 3 and frame.shape[2] == 4:
             frame = frame[..., :3]
         frame = np.ascontiguousarray(frame, dtype=np.uint8)
-        for sink in self.sinks:
+        for sink in list(self.sinks):
             try:
                 sink.write(frame)
             except MediaError as exc:
-                raise PlayerError(f"output: {exc}") from None
+                self._drop_output(sink, exc)
         self._last_out = frame
         self.frames_out += 1
         self._show(frame)
+
+    def _drop_output(self, sink: Any, error: MediaError) -> None:
+        """One output failed (a recording drive, a streaming server gone): the others, and the show, go on."""
+        self.sinks.remove(sink)
+        self._unfinished.append(sink.name)
+        with contextlib.suppress(Exception):  # keep what it holds as far as it can be finished
+            sink.close()
+        if not self.sinks and self.window is None:
+            raise PlayerError(f"output: {error}")
+        self.printer.quiet = False  # errors are always shown
+        self.printer.say(f"loom play: error: output: {error}; this output is stopped, the others go on")
 
     def _show(self, frame: np.ndarray) -> None:
         if self.window is None:
