@@ -18,8 +18,10 @@ import numpy as np
 
 # Pause between attempts to reopen a lost input (each attempt may itself wait for the open timeout).
 RECONNECT_PAUSE_S = 1.0
-# How long close() waits for the reading thread: a read or open in progress ends by its own timeout.
-CLOSE_WAIT_S = 6.0
+# How long close() waits for the reading thread. A read or reopen in progress ends only by its own
+# timeout (5-10 s); the outputs are finished by then, so quitting does not wait for it: the thread
+# closes its source itself when the call returns.
+CLOSE_WAIT_S = 1.0
 
 
 class LiveFeed:
