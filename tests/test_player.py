@@ -658,11 +658,13 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
-    seen = []
+    seen, back_at = [], None
     try:
-        for line in proc.stderr:  # until the feed is back and one more status line has gone by
+        for line in proc.stderr:  # until the feed has been back for a while (status lines come every 2 s)
             seen.append(line)
-            if any("input reconnected" in s for s in seen[:-1]) and line.startswith("live"):
+            if "input reconnected" in line:
+                back_at = time.monotonic()
+            if back_at is not None and line.startswith("live") and time.monotonic() - back_at > 1.5:
                 break
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -674,6 +676,7 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     err = "".join(seen) + err
     assert proc.returncode == 143, err
     assert "input lost" in err and "no data for 5 s" in err and "Traceback" not in err
+    assert "input stalled" in err  # the status line says so while it lasts
     means = _decode(dst).reshape(-1, 48 * 64 * 3).mean(axis=1)
     assert (means < 30).sum() >= 48, "during the stall the outputs got no frames (>= 2 s of held picture expected)"
     assert means[-1] > 220, "the reconnected feed did not reach the output"

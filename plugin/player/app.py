@@ -333,7 +333,8 @@ class Player:
                 shown = self._last_out
             if shown is not None:
                 self._emit(shown)
-            self.printer.update(live_line(self.frames_out, status))
+            stalled = "  input stalled: the last picture is held" if self._holding else ""
+            self.printer.update(live_line(self.frames_out, status) + stalled)
             if pace:
                 next_due += period
                 delay = next_due - time.monotonic()
