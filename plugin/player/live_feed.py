@@ -9,6 +9,7 @@ it answers again or the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -74,11 +75,10 @@ class LiveFeed:
                         self._cond.notify()
                     continue
                 self._messages.put(f"input lost ({why}); reconnecting, the last picture is held")
-                self._source.close()
+                _close_quietly(self._source)
                 self._source = self._reconnect()
         finally:
-            if self._source is not None:
-                self._source.close()
+            _close_quietly(self._source)
 
     def _reconnect(self) -> Any:
         """A new source at once, then every RECONNECT_PAUSE_S; None when the run ends first."""
@@ -91,3 +91,10 @@ class LiveFeed:
             self._messages.put(f"input reconnected: {source.name}")
             return source
         return None
+
+
+def _close_quietly(source: Any) -> None:
+    """Close a source that may already be broken: a failing close must not end the reading thread."""
+    if source is not None:
+        with contextlib.suppress(Exception):
+            source.close()
