@@ -37,6 +37,9 @@ FILE_ENCODER_OPTIONS = {"preset": "fast", "crf": "18"}
 NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "23"}
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
 MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
+# Damaged packets in a row after which a source is declared unreadable (about 10 s of video at 25 fps):
+# a few are skipped, as FFmpeg's own tools do, but a stream of nothing else must not spin silently.
+MAX_BAD_PACKETS_IN_A_ROW = 250
 
 
 class MediaError(ValueError):
@@ -52,8 +55,11 @@ class FrameSource:
 
     ``frame_count`` is exact when the file records it, estimated from the duration otherwise
     (MKV), and None for cameras and network streams (``is_live``). Use as a context
-    manager or call ``close()``; iteration ends at the end of the input.
+    manager or call ``close()``; iteration ends at the end of the input. ``skipped_packets``
+    counts damaged packets passed over so far (the picture goes on from the next good one).
     """
+
+    skipped_packets = 0
 
     def __init__(self, name: str, fps: float, width: int, height: int, frame_count: int | None,
                  is_live: bool) -> None:
@@ -130,7 +136,7 @@ class _AVSource(FrameSource):
         stream = container.streams.video[0]
         # Frame threads buffer several frames: fine for files, added latency for live streams.
         stream.thread_type = "SLICE" if is_url else "AUTO"
-        self._frames = container.decode(stream)
+        self._frames = self._decoded(stream)
         try:
             first = self._decode_next()
         except MediaError:
@@ -145,6 +151,24 @@ class _AVSource(FrameSource):
         count = None if is_url else _frame_count(stream, container, fps)
         height, width = first.shape[:2]
         super().__init__(name, fps, width, height, count, is_live=is_url)
+
+    def _decoded(self, stream: Any) -> Iterator[Any]:
+        """Frames packet by packet: a damaged packet mid-file is skipped and counted, not the end of the show."""
+        import av
+
+        bad_in_a_row = 0
+        for packet in self._container.demux(stream):
+            try:
+                frames = packet.decode()
+            except av.error.InvalidDataError as e:
+                self.skipped_packets += 1
+                bad_in_a_row += 1
+                if bad_in_a_row >= MAX_BAD_PACKETS_IN_A_ROW:
+                    raise MediaError(f"{self._name}: {bad_in_a_row} damaged packets in a row, no picture "
+                                     f"(last: {_reason(e)})") from e
+                continue
+            bad_in_a_row = 0
+            yield from frames
 
     def _decode_next(self) -> np.ndarray | None:
         import av
@@ -414,18 +438,28 @@ class FrameSink:
             raise MediaError(f"{self.name}: writing failed: {_reason(e)}") from e
 
     def close(self) -> None:
-        """Flush the encoder, finish the audio up to the video's end, write the trailer."""
+        """Flush the encoder, finish the audio up to the video's end, write the trailer.
+
+        Raises MediaError when that fails (a full disk, a vanished drive): FFmpeg buffers its
+        writes, so this is often the first moment such a failure shows, and the output is incomplete.
+        """
+        import av
+
         if self.closed:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
         with _sigint_deferred():
             try:
-                self._container.mux(self._video.encode(None))
-                if self._audio is not None:
-                    self._audio.finish(self.frames_written / self.fps)
-            finally:
-                self._abort()
+                try:
+                    self._container.mux(self._video.encode(None))
+                    if self._audio is not None:
+                        self._audio.finish(self.frames_written / self.fps)
+                finally:
+                    self._abort()
+            except (av.error.FFmpegError, OSError) as e:
+                raise MediaError(f"{self.name}: finishing the output failed: {_reason(e)}; "
+                                 "it is incomplete") from e
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):

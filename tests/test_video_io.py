@@ -291,3 +291,47 @@ def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]"
+
+
+def _noise_clip(path: Path, n: int = 60, size: tuple[int, int] = (64, 48), seed: int = 0) -> None:
+    """Noise frames (so the file is large enough to damage in the middle), a keyframe every 12."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=24, options={"g": "12"})
+        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8), format="rgb24")
+            frame.pts = i
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+
+
+def damaged_mp4(path: Path) -> Path:
+    """A 60-frame MP4 whose middle 3000 bytes (inside the picture data) are scrambled: it opens, then
+    some packets fail to decode mid-stream (a copy cut short, a bad sector)."""
+    _noise_clip(path)
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 3000] = bytes((b * 7 + 13) & 255 for b in data[mid:mid + 3000])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_damaged_packets_mid_file_are_skipped_and_the_rest_is_read(tmp_path: Path) -> None:
+    with open_source(damaged_mp4(tmp_path / "damaged.mp4")) as src:
+        frames = list(src)
+        assert src.skipped_packets >= 1, "the damage should reach the decoder (else this test tests nothing)"
+    assert len(frames) >= 50, f"reading stopped at the damage: {len(frames)} of 60 frames"
+    assert all(f.shape == (48, 64, 3) for f in frames)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_full_disk_is_reported_when_the_file_cannot_be_finished(tmp_path: Path) -> None:
+    """FFmpeg buffers its writes, so a full disk often shows only at close: it must be a MediaError there."""
+    full = tmp_path / "full.mkv"
+    full.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full recording drive
+    sink = open_sink(full, 24, (64, 48))
+    for i in range(5):
+        sink.write(np.full((48, 64, 3), i * 40, np.uint8))
+    with pytest.raises(MediaError, match="full.mkv: finishing the output failed: No space left on device"):
+        sink.close()

@@ -8,13 +8,16 @@ Two ways to run, chosen from the input (`--mode` overrides):
   frame is submitted (latest wins) and the newest engine output (or the fallback while the
   engine starts or restarts) goes out at once. A status line shows FPS, latency and drops.
 
-Outputs are finalised on every exit path, including Ctrl-C, so a file written so far plays.
+Outputs are finalised on every exit path, including Ctrl-C and the SIGTERM/SIGHUP that a process
+manager or a closed terminal sends, so a file written so far plays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,9 +26,11 @@ import numpy as np
 
 from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
+from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
     DEFAULT_OUTPUT,
+    EXIT_BAD_INPUT,
     EXIT_ENGINE_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -46,7 +51,21 @@ RETRY_PAUSE_S = 1.0
 # Seconds a `process()` call may take per frame before the engine is declared stuck.
 PROCESS_TIMEOUT_PER_FRAME_S = 30.0
 PAUSE_POLL_S = 0.05
+# A live input late by this much is stalled: the last picture is held (at the input's rate) until it is back.
+STALL_GRACE_S = 0.5
 READY_POLL_S = 0.1
+# Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
+# they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class StopRequested(BaseException):
+    """One of STOP_SIGNALS arrived; a BaseException, like KeyboardInterrupt, so that no `except Exception`
+    (an engine retry, say) mistakes it for a failure and carries on."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Player:
@@ -62,6 +81,8 @@ class Player:
                                               motion_aware=options.motion_aware))
         self.keyboard = KeyboardInput(self.controls)
         self.source: Any = None
+        self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
+        self._holding = False
         self.bridge: Any = None
         self.sinks: list[Any] = []
         self.window: Any = None
@@ -75,6 +96,11 @@ class Player:
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
         self._log_tail: list[str] = []
         self._last_error = ""
+        # An input that breaks mid-stream ends the reading; the frames read before it still go out.
+        self._input_error: PlayerError | None = None
+        self._skipped_reported = 0
+        self._last_input_shape: tuple[int, ...] = ()  # of the last frame not at the source's size
+        self._unfinished: list[str] = []  # outputs whose finalising failed: the user must hear of it
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -164,7 +190,8 @@ class Player:
 
     def run(self) -> int:
         """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
-        interrupted = False
+        stopped_by, code = "", EXIT_OK
+        previous_handlers = _raise_on_stop_signals()
         try:
             self._open_source()
             self._open_outputs()
@@ -178,29 +205,64 @@ class Player:
             else:
                 self._wait_ready()
                 self._run_lossless()
+            if self._input_error is not None:
+                raise self._input_error
         except KeyboardInterrupt:
-            interrupted = True
+            stopped_by, code = "Ctrl-C", EXIT_INTERRUPTED
+        except StopRequested as stop:
+            stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
         finally:
+            for signum in previous_handlers:  # a second signal must not cut the finalising short
+                signal.signal(signum, signal.SIG_IGN)
             self._close()
-        self._report(interrupted)
-        return EXIT_INTERRUPTED if interrupted else EXIT_OK
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+        self._report(stopped_by)
+        return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT
 
-    def _frames(self) -> Iterator[np.ndarray]:
-        """Input frames cropped to the output size, until the end, `--frames`, or quit."""
+    def _frames(self) -> Iterator[np.ndarray | None]:
+        """Input frames fitted to the output size, until the end, `--frames`, or quit.
+
+        With a live feed, None means that no frame came in time (the feed stalled): hold the picture."""
         limit = self.opts.max_frames
-        w, h = self.size
         while not self.controls.state.quit and (limit is None or self.frames_in < limit):
             self._poll_controls()
             if self.controls.state.paused:
                 self._idle()
                 continue
-            frame = self._read()
+            try:
+                frame = self._read()
+            except PlayerError as exc:
+                self._input_error = exc
+                return
+            self._holding = frame is None and self.feed is not None
+            if self._holding:
+                yield None
+                continue
             if frame is None:
                 return
             self.frames_in += 1
-            yield frame[:h, :w]
+            yield self._fit(frame)
+
+    def _fit(self, frame: np.ndarray) -> np.ndarray:
+        """The output size: a last odd row/column dropped; a frame of another size (the input changed
+        resolution mid-stream) scaled, so the picture stays whole rather than cropped to a corner."""
+        w, h = self.size
+        if frame.shape[:2] == (self.source.height, self.source.width):
+            return frame[:h, :w]
+        import cv2
+
+        if frame.shape[:2] != self._last_input_shape:
+            self.printer.say(f"loom play: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
+                             f"scaled to the output's {w}x{h}")
+        self._last_input_shape = frame.shape[:2]
+        return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
 
     def _read(self) -> np.ndarray | None:
+        if self.feed is not None:
+            for message in self.feed.messages():
+                self.printer.say(f"loom play: {message}")
+            return self.feed.next(1.0 / self.source.fps if self._holding else STALL_GRACE_S)
         try:
             frame = self.source.read()
             if frame is None and self.opts.loop and not self.source.is_live and self.frames_in > 0:
@@ -209,6 +271,10 @@ class Player:
                 frame = self.source.read()
         except MediaError as exc:
             raise PlayerError(f"input: {exc}") from None
+        skipped = self.source.skipped_packets
+        if skipped and not self._skipped_reported:
+            self.printer.say(f"loom play: input: damaged data in {self.source.name}, skipped; the picture goes on")
+        self._skipped_reported = skipped
         return frame
 
     def _run_lossless(self) -> None:
@@ -250,8 +316,11 @@ class Player:
         pace = not self.source.is_live  # a file played live runs at its own rate
         next_due = time.monotonic()
         ran = False
+        if self.source.is_live:
+            self.feed = LiveFeed(self.source, lambda: open_source(self.opts.input))
         for frame in self._frames():
-            self.bridge.submit(frame)
+            if frame is not None:
+                self.bridge.submit(frame)
             out, status = self.bridge.latest()
             ran = ran or _is_ready(status)
             self._remember_log(status)
@@ -259,8 +328,13 @@ class Player:
             # never came up, or cannot be started at all, ends the run with its reason.
             if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
                 raise self._engine_error("the engine did not start", status)
-            self._emit(frame if out is None else out)
-            self.printer.update(live_line(self.frames_out, status))
+            shown = frame if out is None else out
+            if shown is None:  # the input stalled: the last picture again, so every output stays alive
+                shown = self._last_out
+            if shown is not None:
+                self._emit(shown)
+            stalled = "  input stalled: the last picture is held" if self._holding else ""
+            self.printer.update(live_line(self.frames_out, status) + stalled)
             if pace:
                 next_due += period
                 delay = next_due - time.monotonic()
@@ -279,14 +353,25 @@ class Player:
         if frame.ndim == 3 and frame.shape[2] == 4:
             frame = frame[..., :3]
         frame = np.ascontiguousarray(frame, dtype=np.uint8)
-        for sink in self.sinks:
+        for sink in list(self.sinks):
             try:
                 sink.write(frame)
             except MediaError as exc:
-                raise PlayerError(f"output: {exc}") from None
+                self._drop_output(sink, exc)
         self._last_out = frame
         self.frames_out += 1
         self._show(frame)
+
+    def _drop_output(self, sink: Any, error: MediaError) -> None:
+        """One output failed (a recording drive, a streaming server gone): the others, and the show, go on."""
+        self.sinks.remove(sink)
+        self._unfinished.append(sink.name)
+        with contextlib.suppress(Exception):  # keep what it holds as far as it can be finished
+            sink.close()
+        if not self.sinks and self.window is None:
+            raise PlayerError(f"output: {error}")
+        self.printer.quiet = False  # errors are always shown
+        self.printer.say(f"loom play: error: output: {error}; this output is stopped, the others go on")
 
     def _show(self, frame: np.ndarray) -> None:
         if self.window is None:
@@ -330,22 +415,38 @@ class Player:
     def _close(self) -> None:
         """Finalise outputs first (they matter most), then stop the engine, OSC, window and input."""
         for sink in self.sinks:
-            with contextlib.suppress(Exception):
+            try:
                 sink.close()
-        for thing in (self.bridge, self.osc, self.window, self.source):
+            except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
+                self._unfinished.append(sink.name)
+                self.printer.quiet = False  # errors are always shown
+                self.printer.say(f"loom play: error: output: {exc}")
+        for thing in (self.bridge, self.osc, self.window, self.feed or self.source):
             if thing is not None:
                 with contextlib.suppress(Exception):
                     thing.close()
 
-    def _report(self, interrupted: bool) -> None:
+    def _report(self, stopped_by: str) -> None:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
-        written = ", ".join(s.name for s in self.sinks) or "the window"
-        how = "stopped by Ctrl-C; " if interrupted else ""
+        written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished) or "the window"
+        how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
+        damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
         self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
-                            f"to {written} in {elapsed:.1f} s")
+                            f"to {written} in {elapsed:.1f} s{damaged}")
+
+
+def _raise_on_stop_signals() -> dict[int, Any]:
+    """Make STOP_SIGNALS raise StopRequested (main thread only); returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise StopRequested(signum)
+
+    return {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
 
 
 def _is_ready(status: Any) -> bool:
