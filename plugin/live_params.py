@@ -28,7 +28,7 @@ def prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int |
     from host_bridge.protocol import make  # the message's own limits (length, blend range)
 
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("prompt: empty; give a few words describing the style")
+        raise ValueError("the prompt is empty; give a few words describing the style")
     make("prompt", text=text.strip(), transition_chunks=transition_chunks)
     return text.strip(), transition_chunks
 

@@ -114,7 +114,7 @@ def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
 
     from host_bridge.formats import to_comfy
 
-    return torch.from_numpy(to_comfy(np.asarray(frames) if isinstance(frames, np.ndarray) else np.stack(frames)))
+    return torch.from_numpy(to_comfy(frames if isinstance(frames, np.ndarray) else np.stack(frames)))
 
 
 class LoomEngine:
@@ -189,8 +189,6 @@ class LoomPrompt:
               transition_chunks: int) -> tuple[EngineHandle]:
         from plugin.live_params import engine_params, prompt_request
 
-        if not prompt.strip():
-            raise ValueError("Loom Prompt: the prompt is empty; give a few words describing the style")
         try:  # refused before it is recorded: a bad value kept would fail every later Loom Stream run
             params = engine_params(steps, noise_scale, motion_aware)
             text, chunks = prompt_request(prompt, transition_chunks)
