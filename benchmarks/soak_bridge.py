@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from host_bridge import Bridge, BridgeConfig  # noqa: E402
-from host_bridge.video_io import generate_clip  # noqa: E402
+from plugin.media.video_io import generate_clip  # noqa: E402
 
 
 def rss_mib(pid: int | None) -> float | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from host_bridge.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
+from host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
@@ -163,7 +163,7 @@ class MemoryConfig:
 
 @dataclass
 class ParallelConfig:
-    """Pipeline parallelism of the DiT over several GPUs (engine/pipeline_parallel.py)."""
+    """Pipeline parallelism of the DiT over several GPUs (engine/parallel/session.py)."""
 
     gpus: int = spec(1, min=1, max=64, doc="pipeline ranks, one GPU each; 1 = one GPU, no pipeline "
                                            "(on a CPU device the ranks are processes: tests)")

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from host_bridge import formats
 from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
-from host_bridge.engine_loop import EngineLoop
 from host_bridge.link import Link
 from host_bridge.newest_frames import NewestFrames, check_device_frame
-from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
+from host_bridge.supervisor import EngineLoop
+from host_bridge.wire import pixels as formats
+from host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
@@ -64,7 +64,7 @@ class Bridge:
         self._wanted_params: dict[str, Any] = {}
         self._cuda_problem: str | None = None
         if config.transport == "cuda-ipc":
-            from host_bridge.transport_cuda import cuda_available
+            from host_bridge.wire.rings.cuda import cuda_available
             ok, why = cuda_available()
             self._cuda_problem = None if ok else f"cuda-ipc transport unavailable: {why}"
 

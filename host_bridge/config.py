@@ -10,8 +10,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from host_bridge.protocol import ENCODINGS, MAX_SLOTS, TRANSPORTS
-from host_bridge.typed_config import ConfigError, build, spec
+from host_bridge.wire.protocol import ENCODINGS, MAX_SLOTS, TRANSPORTS
+from host_bridge.wire.typed_config import ConfigError, build, spec
 
 FALLBACKS = ("passthrough", "last")
 MAX_HANG_TIMEOUT_S = 2.0  # the promise: a dead or hung engine is noticed within 2 s

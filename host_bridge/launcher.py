@@ -19,8 +19,6 @@ from collections import deque
 
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
-PROCESS_QUERY_LIMITED_INFORMATION = 0x1000  # Windows OpenProcess access right
-STILL_ACTIVE = 259  # Windows GetExitCodeProcess: still running
 
 
 class EngineProcess:
@@ -100,28 +98,6 @@ def _signal_tree(proc: subprocess.Popen, *, kill: bool) -> None:
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)  # pgid == pid: new session
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process exists. Portable: on Windows `os.kill(pid, 0)` would send CTRL_C_EVENT."""
-    if os.name == "nt":
-        import ctypes
-
-        kernel32 = ctypes.windll.kernel32
-        handle = kernel32.OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
-        if not handle:
-            return False
-        code = ctypes.c_ulong()
-        ok = kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
-        kernel32.CloseHandle(handle)
-        return bool(ok) and code.value == STILL_ACTIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists but belongs to someone else
-    return True
 
 
 def engine_argv(python: str | None, *args: str) -> list[str]:

@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.doorbell import Doorbell
-from host_bridge.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.launcher import EngineProcess
-from host_bridge.protocol import TRANSPORTS, make
-from host_bridge.transport import Ring, SlotTracker, create_ring
+from host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
+from host_bridge.wire.doorbell import Doorbell
+from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
+from host_bridge.wire.protocol import TRANSPORTS, make
+from host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
 
 class Link:

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 
 import zmq
 
-from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
-from host_bridge.doorbell import Doorbell
-from host_bridge.frame_lane import FrameLane, lane_bind_address
 from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
+from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
+from host_bridge.wire.doorbell import Doorbell
+from host_bridge.wire.frame_lane import FrameLane, lane_bind_address
 
 TOKEN_BYTES = 16
 

@@ -25,7 +25,7 @@ def engine_params(steps: int, noise_scale: float, motion_aware: bool) -> dict[st
 
 def prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
     """A prompt and its blend length as the engine takes them; ValueError names a bad one."""
-    from host_bridge.protocol import make  # the message's own limits (length, blend range)
+    from host_bridge.wire.protocol import make  # the message's own limits (length, blend range)
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the prompt is empty; give a few words describing the style")

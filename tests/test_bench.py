@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.cli import main
+from plugin.cli.main import main
 
 
 def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):

@@ -153,8 +153,8 @@ def test_frame_size_changes_through_the_tiny_model():
 @posix_only
 def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goes_on(tmp_path):
     """An engine without umT5 reads prompts from a file written by `loom encode-prompts`."""
-    from engine.commands.encode_prompts import write_embeddings
-    from engine.prompts import HashTextEncoder
+    from engine.stream.prompts import HashTextEncoder
+    from plugin.cli.encode_prompts import write_embeddings
 
     path = tmp_path / "prompts.safetensors"
     write_embeddings(HashTextEncoder(4096), ["neon city", "ink wash"], path)  # umT5-XXL width, as Wan
@@ -306,8 +306,8 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
 
 @posix_only
 def test_segments_of_dead_owners_are_swept():
-    from host_bridge.transport import create_ring
-    from host_bridge.transport_shm import open_segment
+    from host_bridge.wire.rings import create_ring
+    from host_bridge.wire.rings.shm import open_segment
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -322,7 +322,7 @@ def test_segments_of_dead_owners_are_swept():
 
 
 def test_settings_fail_with_key_value_and_allowed():
-    from host_bridge.typed_config import ConfigError
+    from host_bridge.wire.typed_config import ConfigError
 
     with pytest.raises(ConfigError, match=r"transport: 'udp' is not allowed; expected one of 'shm'"):
         BridgeConfig(transport="udp")

@@ -21,7 +21,7 @@ N_FRAMES = 1000
 
 @pytest.fixture(autouse=True)
 def _cuda_ipc_available():
-    from host_bridge.transport_cuda import cuda_available
+    from host_bridge.wire.rings.cuda import cuda_available
 
     ok, why = cuda_available()
     if not ok:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.cli import main
+from plugin.cli.main import main
 
 
 def test_info_json_reports_the_machine(capsys):
@@ -20,7 +20,7 @@ def test_info_json_reports_the_machine(capsys):
 
 
 def test_info_table_in_a_real_process():
-    out = subprocess.run([sys.executable, "-m", "engine", "info"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", "info"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "cuda_ipc" in out.stdout and "presets" in out.stdout
 
@@ -42,7 +42,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_serve_and_the_one_gpu_session_refuse_several_gpus_clearly(capsys):
     from engine.config import load_config
-    from engine.session import StreamSession
+    from engine.stream.session import StreamSession
 
     assert main(["serve", "--bind", "tcp://127.0.0.1:0", "--set", "parallel.gpus=2"]) != 0
     assert "loom bench --gpus" in capsys.readouterr().err

@@ -47,13 +47,6 @@ def _engine(nodes_pkg, **settings):
                                             **settings})
 
 
-def _has_real_engine() -> bool:
-    try:
-        import engine.session  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
     classes, names = nodes_pkg.NODE_CLASS_MAPPINGS, nodes_pkg.NODE_DISPLAY_NAME_MAPPINGS
@@ -138,7 +131,6 @@ def test_stream_refuses_a_non_image(nodes_pkg):
         _run(nodes_pkg, "LoomStream", engine=handle, images=torch.zeros(2, 3, 16, 16))
 
 
-@pytest.mark.skipif(not _has_real_engine(), reason="the embedded model (engine.session) is not merged yet")
 def test_stream_through_the_embedded_model_on_cpu(nodes_pkg):
     handle, _ = _engine(nodes_pkg)
     images = _image_batch(9, 64, 64, seed=1)

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import zmq
 
-from host_bridge import doorbell as db
-from host_bridge.doorbell import Doorbell, DoorbellError
-from host_bridge.protocol import PROTOCOL_VERSION, decode, encode, make
-from host_bridge.transport import create_ring
-from host_bridge.transport_shm import open_segment
+from host_bridge.wire import doorbell as db
+from host_bridge.wire.doorbell import Doorbell, DoorbellError
+from host_bridge.wire.protocol import PROTOCOL_VERSION, decode, encode, make
+from host_bridge.wire.rings import create_ring
+from host_bridge.wire.rings.shm import open_segment
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
@@ -212,7 +212,7 @@ def test_the_segment_is_private_and_its_owner_removes_it():
 
 PEER = textwrap.dedent("""
     import sys
-    from host_bridge.doorbell import Doorbell
+    from host_bridge.wire.doorbell import Doorbell
     side = Doorbell.create() if sys.argv[1] == "create" else Doorbell.attach(sys.argv[2])
     print(side.name, flush=True)
     with side.lock:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from host_bridge.video_io import generate_clip, open_sink, open_source
+from plugin.media.video_io import generate_clip, open_sink, open_source
 
 ROOT = Path(__file__).resolve().parents[1]
 

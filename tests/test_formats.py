@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from host_bridge import formats
+from host_bridge.wire import pixels as formats
+from plugin.comfyui import pixels as comfy_pixels
 
 
 def _rgb(h: int = 5, w: int = 7) -> np.ndarray:
@@ -37,9 +38,9 @@ def test_value_mapping_rounds_and_clips():
 
 def test_comfyui_images_round_trip():
     batch = np.stack([_rgb(), _rgb()[::-1]])
-    images = formats.to_comfy(batch)
+    images = comfy_pixels.to_comfy(batch)
     assert images.dtype == np.float32 and images.shape == (2, 5, 7, 3) and images.max() <= 1.0
-    assert np.array_equal(formats.from_comfy(images), batch)
+    assert np.array_equal(comfy_pixels.from_comfy(images), batch)
 
 
 def test_to_engine_accepts_grey_rgba_and_copies():
@@ -58,14 +59,14 @@ def test_bad_frames_say_what_is_allowed():
     with pytest.raises(ValueError, match=r"shape \(4, 4, 5\)"):
         formats.to_engine(np.zeros((4, 4, 5), np.uint8))
     with pytest.raises(ValueError, match="ComfyUI IMAGE"):
-        formats.from_comfy(np.zeros((4, 4, 3), np.float32))
+        comfy_pixels.from_comfy(np.zeros((4, 4, 3), np.float32))
 
 
 @pytest.mark.parametrize("dtype, order, bottom_up", [("uint8", "BGRA", True), ("uint16", "RGBA", True),
                                                       ("float32", "RGBA", False), ("uint8", "RGB", False)])
 def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up):
     torch = pytest.importorskip("torch")
-    from engine import server_gpu
+    from engine.server import device_frames as server_gpu
 
     rng = np.random.default_rng(1)
     c = len(order)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.server import EngineServer
-from engine.server_passthrough import PassthroughSession
+from engine.server.core import EngineServer
+from engine.server.passthrough import PassthroughSession
 from host_bridge import Bridge, BridgeConfig
-from host_bridge.channel import EndpointError
-from host_bridge.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
-from host_bridge.protocol import decode, encode, make
+from host_bridge.wire.channel import EndpointError
+from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
+from host_bridge.wire.protocol import decode, encode, make
 
 ROOT = Path(__file__).resolve().parents[1]
 posix_ipc = pytest.mark.skipif(not zmq.has("ipc") or os.name == "nt", reason="needs ipc endpoints")

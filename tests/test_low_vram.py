@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load_config
-from engine.session import StreamSession, _encoder_device
-from engine.vae_tiling import TiledVAE
+from engine.models.vae_tiling import TiledVAE
+from engine.stream.session import StreamSession, _encoder_device
 
 
 def _run(overrides: list[str]) -> tuple[StreamSession, np.ndarray]:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.config import load_config
-from engine.output_queue import OutputQueue
-from engine.session import StreamSession
+from engine.stream.output_queue import OutputQueue
+from engine.stream.session import StreamSession
 
 
 def test_cpu_outputs_are_ready_at_once_and_in_order():

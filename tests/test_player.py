@@ -1,4 +1,4 @@
-"""`loom play` end to end, as a user runs it: `python -m engine play ...` in a real process.
+"""`loom play` end to end, as a user runs it: `python -m plugin.cli play ...` in a real process.
 
 Engine runs use few, small frames to stay inside the CPU test budget. `--passthrough` runs make the
 content exact (the engine returns its input), so the plumbing is checked pixel for pixel; the
@@ -33,7 +33,7 @@ RUN_TIMEOUT_S = 120
 
 def _play(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "engine", "play", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "plugin.cli", "play", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or ROOT, env=env)
 
 
@@ -49,21 +49,12 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
-def _has_real_engine() -> bool:
-    try:
-        import engine.session  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
-
-needs_model = pytest.mark.skipif(not _has_real_engine(), reason="the embedded model (engine.session) is not merged yet")
 
 
 # --- end to end ----------------------------------------------------------------------------------
 
 
-@needs_model
 def test_no_arguments_writes_loom_out_mp4_with_the_embedded_model(tmp_path):
     """The README's first command: no input, no output given -> ./loom_out.mp4 from the generated clip."""
     out = _play("-n", "17", cwd=tmp_path)  # -n keeps the CPU run short; everything else is the default
@@ -73,7 +64,6 @@ def test_no_arguments_writes_loom_out_mp4_with_the_embedded_model(tmp_path):
     assert frames.shape == (17, 256, 256, 3)
 
 
-@needs_model
 def test_real_clip_through_the_embedded_model(media_dir, tmp_path):
     src = media_dir / "davis512_blackswan.mp4"
     dst = tmp_path / "styled.mp4"
@@ -174,7 +164,7 @@ def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
 def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
     dst = tmp_path / "stopped.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", "100000", "--size", "64x64",
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "64x64",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -199,7 +189,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     dst = tmp_path / "survived.mp4"
     n = 1200
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", str(n), "--size", "32x32",
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", str(n), "--size", "32x32",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -218,7 +208,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     assert proc.returncode == 0, err
     frames = _decode(dst)
     assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
-    from host_bridge.video_io import generate_clip
+    from plugin.media.video_io import generate_clip
 
     source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
     aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])
@@ -402,7 +392,7 @@ def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
     port = _free_udp_port()
     dst = tmp_path / "osc.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "--mode", "live", "--loop", "-n", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
                              "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
@@ -437,7 +427,7 @@ def test_window_keys_drive_a_live_run(tmp_path):
         while not Path(f"/tmp/.X11-unix/X{display[1:]}").exists():  # the server is up when its socket is
             assert time.monotonic() < deadline and xvfb.poll() is None, "Xvfb did not start"
             time.sleep(0.1)
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-o", "window", "-o", str(dst), "--mode",
+        proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-o", "window", "-o", str(dst), "--mode",
                                  "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
                                  "-p", "ink", "-p", "oil"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=ROOT)
@@ -566,7 +556,7 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
     signum = signal.SIGTERM
     dst = tmp_path / "stopped.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-n", "100000", "--size", "32x32",
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "32x32",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -655,7 +645,7 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     threading.Thread(target=serve, daemon=True).start()
     dst = tmp_path / "show.mkv"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     seen, back_at = [], None

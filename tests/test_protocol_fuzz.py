@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from host_bridge import Bridge, BridgeConfig
-from host_bridge.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
+from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
 
 ROOT = Path(__file__).resolve().parents[1]
 N_MESSAGES = 10_000

@@ -1,4 +1,4 @@
-"""Temporal quality metrics (engine.quality) and the ``loom eval`` command around them."""
+"""Temporal quality metrics (engine.tools.quality) and the ``loom eval`` command around them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import cv2
 import numpy as np
 import pytest
 
-from engine.commands import eval as eval_cmd
-from engine.quality import (
+from engine.tools.quality import (
     FARNEBACK_PARAMS,
     REPORT_VERSION,
     WINDOW_METRICS,
@@ -19,7 +18,8 @@ from engine.quality import (
     evaluate_frames,
     plot_reports,
 )
-from host_bridge.video_io import generate_clip
+from plugin.cli import eval as eval_cmd
+from plugin.media.video_io import generate_clip
 
 SHIFT_PX = 3
 

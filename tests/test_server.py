@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.cli import main
+from plugin.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

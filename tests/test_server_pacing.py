@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from engine.server import EngineServer
+from engine.server.core import EngineServer
 from host_bridge import Bridge, BridgeConfig
 
 

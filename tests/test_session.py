@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.config import load_config
-from engine.session import StreamSession
+from engine.stream.session import StreamSession
 
 SMALL = ["resolution.width=64", "resolution.height=64"]
 

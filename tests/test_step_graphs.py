@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine.config import load_config
+from engine.graphs.dit_steps import GraphedStreamForward
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.session import StreamSession
-from engine.step_graphs import GraphedStreamForward
+from engine.stream.session import StreamSession
 
 pytestmark = pytest.mark.gpu
 

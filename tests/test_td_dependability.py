@@ -28,7 +28,7 @@ from test_touchdesigner import (
     _td_texture,
 )
 
-from host_bridge.formats import from_touchdesigner, to_engine
+from host_bridge.wire.pixels import from_touchdesigner, to_engine
 from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
@@ -239,10 +239,10 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
     output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
     for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
     pytest.importorskip("cuda.bindings.runtime")
-    from engine.server import EngineServer
-    from engine.server_passthrough import PassthroughSession
+    from engine.server.core import EngineServer
+    from engine.server.passthrough import PassthroughSession
     from host_bridge import Bridge, BridgeConfig
-    from host_bridge import transport_cuda as tc
+    from host_bridge.wire.rings import cuda as tc
 
     rt = BoundedRuntime()
     monkeypatch.setattr(tc, "cudart", rt)
@@ -312,7 +312,7 @@ def _wait_until(ready, timeout_s: float = 20.0) -> bool:
 def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():
     """Stopping an engine waits for it to exit (seconds, more while it is still starting); TD runs parameter
     callbacks on its main thread, so that wait must happen elsewhere. Afterwards nothing is left."""
-    from host_bridge.launcher import pid_alive
+    from host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
     comp, script, ext = _make_component(InputTOP(_td_texture(16, 24)))
@@ -344,7 +344,7 @@ def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over
     """TD re-creates an extension when its DAT is edited or on Re-Init Extensions, calling the old object's
     onDestroyTD and the new one's onInitTD: the old engine must not keep running (a second engine on the
     GPU), and with Active on the show goes on with the new one."""
-    from host_bridge.launcher import pid_alive
+    from host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
     comp, script, old = _make_component(InputTOP(_td_texture(16, 24)))

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from host_bridge.formats import from_touchdesigner, to_engine
+from host_bridge.wire.pixels import from_touchdesigner, to_engine
 from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
@@ -377,7 +377,7 @@ class DeviceCopyingBridge:
         return self._bridge.submit(frame.copy(), layout=layout)
 
     def latest_cuda(self, ptr: int, pitch: int | None = None) -> Any:
-        from host_bridge.formats import to_touchdesigner
+        from host_bridge.wire.pixels import to_touchdesigner
 
         frame, status = self._bridge.latest()
         dtype, channels = self._layout
@@ -457,7 +457,7 @@ def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtyp
 
 
 def test_cuda_ipc_without_a_gpu_falls_back_to_shared_memory():
-    from host_bridge.transport_cuda import cuda_available
+    from host_bridge.wire.rings.cuda import cuda_available
 
     if cuda_available()[0]:
         pytest.skip("this machine has CUDA: the fallback is not taken")
@@ -553,7 +553,7 @@ class GpuInputTOP(InputTOP):
     def cudaMemory(self, stream: int | None = None) -> CUDAMemory:
         from cuda.bindings import runtime as cudart
 
-        from host_bridge.transport_cuda import check
+        from host_bridge.wire.rings.cuda import check
 
         data = np.ascontiguousarray(self.texture)
         ptr = int(check(cudart.cudaMalloc(data.nbytes), "cudaMalloc"))
@@ -570,7 +570,7 @@ class GpuScriptTOP(ScriptTOP):
     def copyCUDAMemory(self, address: int, size: int, shape: CUDAMemoryShape, stream: int | None = None) -> None:
         from cuda.bindings import runtime as cudart
 
-        from host_bridge.transport_cuda import check
+        from host_bridge.wire.rings.cuda import check
 
         if not self.cooking:
             raise RuntimeError("copyCUDAMemory outside the cook")

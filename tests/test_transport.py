@@ -14,10 +14,10 @@ import zmq
 import zmq.auth
 
 from host_bridge import Bridge, BridgeConfig
-from host_bridge.channel import EndpointError, check_endpoint, is_loopback
-from host_bridge.protocol import ProtocolError
-from host_bridge.transport import SlotTracker, TransportUnavailable, attach_ring, create_ring
-from host_bridge.transport_cuda import cuda_available
+from host_bridge.wire.channel import EndpointError, check_endpoint, is_loopback
+from host_bridge.wire.protocol import ProtocolError
+from host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
+from host_bridge.wire.rings.cuda import cuda_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,8 +163,8 @@ def test_host_bridge_needs_neither_torch_nor_engine_nor_cuda_python():
         "sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None  # as if cuda-python were absent\n"
         "import numpy as np\n"
         "from host_bridge import Bridge, BridgeConfig\n"
-        "from host_bridge.transport import create_ring\n"
-        "from host_bridge.transport_cuda import cuda_available\n"
+        "from host_bridge.wire.rings import create_ring\n"
+        "from host_bridge.wire.rings.cuda import cuda_available\n"
         "ok, why = cuda_available(); assert not ok and 'cuda-python' in why, why\n"
         "r = create_ring('shm', 'in', slots=2, width=4, height=4)\n"
         "r.write(0, np.zeros((4, 4, 3), np.uint8)); r.close()\n"

@@ -20,10 +20,10 @@ import pytest
 
 cuda_bindings = pytest.importorskip("cuda.bindings.runtime")
 
-from engine.server import EngineServer  # noqa: E402
-from engine.server_passthrough import PassthroughSession  # noqa: E402
+from engine.server.core import EngineServer  # noqa: E402
+from engine.server.passthrough import PassthroughSession  # noqa: E402
 from host_bridge import Bridge, BridgeConfig  # noqa: E402
-from host_bridge import transport_cuda as tc  # noqa: E402
+from host_bridge.wire.rings import cuda as tc  # noqa: E402
 
 OK = cuda_bindings.cudaError_t.cudaSuccess
 

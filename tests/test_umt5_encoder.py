@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 sentencepiece = pytest.importorskip("sentencepiece")
 
-from engine.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
+from engine.stream.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
 
 WORDS = "ink wash painting neon city charcoal sketch watercolour oil pastel van gogh brush strokes vivid"
 

@@ -15,7 +15,7 @@ import av
 import numpy as np
 import pytest
 
-from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
+from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,7 +266,7 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
     out = tmp_path / "interrupted.mp4"
     script = textwrap.dedent(f"""
         import sys, numpy as np
-        from host_bridge.video_io import generate_clip, open_sink
+        from plugin.media.video_io import generate_clip, open_sink
         clip = generate_clip(10, (96, 64), 24, seed=0)
         with open_sink({str(out)!r}, 24, (96, 64)) as sink:
             for i in range(10**6):
@@ -286,7 +286,7 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
-    code = ("import sys, host_bridge.video_io; "
+    code = ("import sys, plugin.media.video_io; "
             "print(sorted(m for m in ('av', 'cv2', 'torch', 'engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             check=True)

@@ -10,7 +10,7 @@ FFN, and an output head with 2-way modulation. The timestep may differ per laten
 Three ways to run it, sharing one block implementation:
 - `forward`: the whole sequence at once, optionally block-causal over latent frames (the oracle
   for streaming, and the training path);
-- `forward_stream`: one chunk of latent frames against a `KVCache` (engine/kv_cache.py);
+- `forward_stream`: one chunk of latent frames against a `KVCache` (engine/cache/kv_cache.py);
 - `embed` / `run_blocks(a, b, ...)` / `head` separately, so a pipeline rank runs blocks[a:b].
 Per-prompt cross-attention K/V come from `cross_kv` and are reused until the prompt changes.
 """
@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import attention
-from engine.kv_cache import (
+from engine.cache.kv_cache import (
     DEFAULT_NUM_KV_CACHE,
     DEFAULT_REFRESH_AT,
     DEFAULT_SINK,
@@ -35,8 +34,9 @@ from engine.kv_cache import (
     CrossKV,
     KVCache,
 )
+from engine.layers.attention import attention
+from engine.layers.rope import RopeTables, host_index, rotate
 from engine.models.wan_dit_ops import EAGER_OPS, BlockOps, layer_norm_f32
-from engine.rope import RopeTables, host_index, rotate
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN

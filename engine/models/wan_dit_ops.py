@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.rope import rotate
+from engine.layers.rope import rotate
 
 
 def layer_norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:

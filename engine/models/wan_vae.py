@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
 from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
-from engine.vae_stream import FrameCache, VAEStreamState, check_signature
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
 WAN21_LATENTS_MEAN = (

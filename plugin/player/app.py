@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
+from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (

@@ -67,7 +67,7 @@ class LoomExt:
             return
         transport, note = str(par.Transport.eval()), ""
         if transport == "cuda-ipc":
-            from host_bridge.transport_cuda import cuda_available
+            from host_bridge.wire.rings.cuda import cuda_available
 
             ok, why = cuda_available()
             if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
@@ -201,7 +201,7 @@ class LoomExt:
 
     def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
         """Through host memory: the input's numpyArray() in, the newest output as uint8 BGRA out."""
-        from host_bridge.formats import to_touchdesigner
+        from host_bridge.wire.pixels import to_touchdesigner
 
         frame = top.numpyArray(delayed=False)
         if frame is None:
@@ -217,7 +217,7 @@ class LoomExt:
 
         Returns None, having taken nothing, for a texture format the bridge does not take on the device
         (16-bit float, 2 channels): that cook goes through host memory instead."""
-        from host_bridge.formats import DTYPE_NAMES
+        from host_bridge.wire.pixels import DTYPE_NAMES
 
         memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
         if memory is None:
@@ -270,7 +270,7 @@ class DeviceBuffer:
     """
 
     def __init__(self) -> None:
-        from host_bridge.transport_cuda import check, cudart
+        from host_bridge.wire.rings.cuda import check, cudart
 
         if cudart is None:
             raise RuntimeError("the cuda-ipc transport needs cuda-python in TouchDesigner's Python")

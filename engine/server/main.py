@@ -1,0 +1,86 @@
+"""`loom serve` / `python -m engine serve`: run an engine behind the bridge protocol.
+
+The launcher starts engines with `python -m engine serve`, which needs only this module: the
+engine process never imports the host adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from host_bridge.launcher import TOKEN_ENV
+from host_bridge.wire.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the engine for a host (TouchDesigner, ComfyUI, player) over the bridge")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--connect", metavar="ENDPOINT", help="connect to the host that launched this engine")
+    where.add_argument("--bind", metavar="ENDPOINT", help="serve hosts at this endpoint (tcp://0.0.0.0:5555 ...)")
+    p.add_argument("--config", default="default", help="preset name or YAML file (default: default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set stream.steps=[700]")
+    p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
+    p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
+    p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
+    p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
+    p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
+    p.add_argument("--stall-after", type=int, default=None,
+                   help="fault injection for tests: stop taking frames after this many")
+    p.set_defaults(func=run)
+
+
+def _session_factory(args: argparse.Namespace):
+    from engine.config import load_config
+
+    config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if config.parallel.gpus > 1 and not args.passthrough:
+        raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
+                        "the pipeline over several GPUs is measured with `loom bench --gpus N`")
+
+    def build():
+        if args.passthrough:
+            from engine.server.passthrough import PassthroughSession
+            return PassthroughSession()
+        try:
+            from engine.stream.session import StreamSession
+        except ImportError as exc:
+            raise RuntimeError(f"engine.stream.session is not available ({exc}); use --passthrough") from exc
+        return StreamSession.from_config(config)
+
+    return build
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.server.core import EngineServer
+    from host_bridge.wire.channel import CurveServer, EndpointError
+
+    if bool(args.curve_secret_file) != bool(args.curve_authorized):
+        raise UserError("--curve-secret-file and --curve-authorized go together")
+    curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
+    try:
+        server = EngineServer(_session_factory(args), connect=args.connect, bind=args.bind,
+                              token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
+                              heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
+                              handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)
+        return server.run()
+    except EndpointError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine serve ...`: the same parser and exit codes as `loom serve`."""
+    from host_bridge.wire.typed_config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:
+        print(f"loom serve: error: {exc}", file=sys.stderr)
+        return 2

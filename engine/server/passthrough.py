@@ -1,0 +1,63 @@
+"""A session that returns its input unchanged: `loom serve --passthrough`.
+
+It has the same interface as `engine.stream.session.StreamSession`, so the server, the bridge, the
+transports and the supervisor are tested end to end with exact content and without a model, and
+a user can measure the bridge's own latency. Its parameter checks follow the real session's
+contract (unknown keys and bad values raise ValueError) so error paths are exercised too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+PARAM_CHECKS = {
+    "steps": (lambda v: isinstance(v, list) and 1 <= len(v) <= 4 and all(isinstance(t, int) and 0 < t < 1000
+                                                                           for t in v), "a list of 1-4 timesteps"),
+    "noise_scale": (lambda v: isinstance(v, (int, float)) and 0.1 <= v <= 1.0, "a number in [0.1, 1.0]"),
+    "motion_aware": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+class PassthroughSession:
+    """Output frame i is input frame i, at once; prompts and parameters are only recorded."""
+
+    raw_passthrough = True  # the server may copy slot to slot without reading frames at all
+
+    def __init__(self) -> None:
+        self.reset()
+        self.prompt = ""
+        self.params: dict[str, Any] = {}
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"frames: {frames.dtype} {frames.shape}; expected uint8 [N, H, W, 3]")
+        self.frames_in += len(frames)
+        self.frames_out += len(frames)
+        return frames.copy()
+
+    def flush(self) -> np.ndarray:
+        return np.zeros((0, 1, 1, 3), np.uint8)
+
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        if not text.strip():
+            raise ValueError("prompt: empty; give a few words describing the style")
+        self.prompt = text
+
+    def set_params(self, **params: Any) -> None:
+        for key, value in params.items():
+            if key not in PARAM_CHECKS:
+                raise ValueError(f"{key}: unknown parameter; allowed: {', '.join(PARAM_CHECKS)}")
+            ok, allowed = PARAM_CHECKS[key]
+            if not ok(value):
+                raise ValueError(f"{key}: {value!r} is not allowed; expected {allowed}")
+        self.params.update(params)
+
+    def reset(self) -> None:
+        self.frames_in = 0
+        self.frames_out = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": "passthrough", "frames_in": self.frames_in, "frames_out": self.frames_out,
+                "prompt": self.prompt, "params": dict(self.params)}
