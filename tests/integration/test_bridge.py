@@ -20,7 +20,7 @@ import pytest
 
 from host_bridge import Bridge, BridgeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 posix_only = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory under /dev/shm")
 

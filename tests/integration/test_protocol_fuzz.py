@@ -17,7 +17,7 @@ import zmq
 from host_bridge import Bridge, BridgeConfig
 from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_MESSAGES = 10_000
 RING = dict(transport="shm", dir="in", slots=3, width=8, height=8, channels=3, dtype="uint8", pitch=24,
             generation=1, handles=["loom_00000000deadbeef"])

@@ -33,7 +33,7 @@ def test_no_command_prints_help(capsys):
 def test_ci_runs_the_readme_test_command():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     ci = (root / ".ci" / "run").read_text()
     line = next(x for x in ci.splitlines() if x.startswith("TEST_CMD="))
     command = line.split("=", 1)[1].strip("'")

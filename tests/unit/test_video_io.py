@@ -17,7 +17,7 @@ import pytest
 
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_udp_port() -> int:

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_touchdesigner import (
+
+from host_bridge.wire.pixels import from_touchdesigner, to_engine
+from plugin.live_params import STEP_LISTS
+from plugin.touchdesigner import script_top_callbacks
+from plugin.touchdesigner.loom_ext import LoomExt
+
+from .test_touchdesigner import (
     COOK_BUDGET_S,
     CUDAMemory,
     CUDAMemoryShape,
@@ -27,11 +33,6 @@ from test_touchdesigner import (
     _make_component,
     _td_texture,
 )
-
-from host_bridge.wire.pixels import from_touchdesigner, to_engine
-from plugin.live_params import STEP_LISTS
-from plugin.touchdesigner import script_top_callbacks
-from plugin.touchdesigner.loom_ext import LoomExt
 
 
 def _configure(comp: LoomComp) -> None:
@@ -173,7 +174,7 @@ class BoundedRuntime:
     GPU would corrupt TouchDesigner's memory or fault."""
 
     def __init__(self) -> None:
-        from test_transport_cuda_fake import FakeRuntime
+        from .test_transport_cuda_fake import FakeRuntime
 
         self._rt = FakeRuntime()
         self.textures: dict[int, int] = {}  # TD's texture copies handed out by cudaMemory(): ptr -> size

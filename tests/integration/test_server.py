@@ -10,7 +10,7 @@ from pathlib import Path
 
 from plugin.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

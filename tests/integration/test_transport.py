@@ -19,7 +19,7 @@ from host_bridge.wire.protocol import ProtocolError
 from host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
 from host_bridge.wire.rings.cuda import cuda_available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _frames(n: int, h: int = 24, w: int = 40) -> list[np.ndarray]:

@@ -25,7 +25,7 @@ from host_bridge.wire.channel import EndpointError
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.wire.protocol import decode, encode, make
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 posix_ipc = pytest.mark.skipif(not zmq.has("ipc") or os.name == "nt", reason="needs ipc endpoints")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from plugin.media.video_io import generate_clip, open_sink, open_source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: str) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "plugin" / "comfyui"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "plugin" / "comfyui"
 COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE"}
 
 

@@ -13,7 +13,8 @@ import types
 
 import pytest
 import torch
-from test_comfyui import PACKAGE_DIR, _engine, _image_batch, _load_like_comfyui, _run
+
+from .test_comfyui import PACKAGE_DIR, _engine, _image_batch, _load_like_comfyui, _run
 
 
 @pytest.fixture(scope="module")

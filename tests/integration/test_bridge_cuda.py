@@ -15,7 +15,7 @@ import pytest
 
 from host_bridge import Bridge, BridgeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_FRAMES = 1000
 
 

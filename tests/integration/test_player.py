@@ -27,7 +27,7 @@ from plugin.live_params import STEP_LISTS
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 120
 
 

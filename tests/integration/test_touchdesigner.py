@@ -32,7 +32,7 @@ from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 from plugin.touchdesigner.parameters import PARAMETERS, setup_parameters
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TD_PAR_NAME = re.compile(r"^[A-Z][a-z0-9]*$")
 COOK_BUDGET_S = 0.25  # a cook must never wait on the engine; generous for a loaded 2-core CI box
 

@@ -27,7 +27,7 @@ from host_bridge.wire.protocol import PROTOCOL_VERSION, decode, encode, make
 from host_bridge.wire.rings import create_ring
 from host_bridge.wire.rings.shm import open_segment
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 posix_only = pytest.mark.skipif(not SHM.is_dir() or not zmq.has("ipc"), reason="needs /dev/shm and ipc endpoints")
 
