@@ -142,3 +142,53 @@ def test_a_pipeline_rank_merges_only_the_blocks_it_holds(tmp_path):
     LoraMerger(full).add(read_lora(tmp_path / "a.safetensors", full), scale=1.0)
     assert model.blocks[0].self_attn.q.weight.is_meta
     assert torch.equal(model.blocks[1].ffn[0].weight, full.blocks[1].ffn[0].weight)
+
+
+def _lora_for(model, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
+    """A diffusers-layout LoRA on every attention and FFN linear of `model`'s blocks."""
+    from engine.models.dit_convert import to_diffusers_key
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
+            base = "transformer." + to_diffusers_key(name + ".weight").removesuffix(".weight")
+            sd[f"{base}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.2
+            sd[f"{base}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.2
+    return sd
+
+
+def _session_frames(overrides: list[str]):
+    import numpy as np
+
+    from engine.config import load_config
+    from engine.stream.session import StreamSession
+
+    frames = np.random.default_rng(0).integers(0, 256, (9, 64, 64, 3), np.uint8)
+    with StreamSession.from_config(load_config("default", overrides), warmup=False) as session:
+        return np.concatenate([session.push(frames), session.flush()])
+
+
+def test_config_loras_are_merged_at_load_and_scale_zero_is_no_lora(tmp_path):
+    from engine.config import load_config
+    from engine.models.loading import load_models
+
+    dit = load_models(load_config("default")).dit
+    path = _save(tmp_path, "style", _lora_for(dit, seed=5))
+    plain = _session_frames([])
+    styled = _session_frames([f"lora=[{{path: {path}, scale: 1.0}}]"])
+    off = _session_frames([f"lora=[{{path: {path}, scale: 0.0}}]"])
+    assert (plain == off).all()
+    assert (plain.astype(int) - styled).__abs__().mean() > 0.5
+
+
+def test_lora_config_errors_name_the_problem(tmp_path):
+    from engine.config import ConfigError, load_config
+    from engine.models.loading import load_models
+
+    with pytest.raises(ConfigError, match="share a name"):
+        load_config("default", ["lora=[{path: a/x.safetensors}, {path: b/x.safetensors}]"])
+    with pytest.raises(ConfigError, match=r"lora\[0\]\.scale"):
+        load_config("default", ["lora=[{path: a.safetensors, scale: 9}]"])
+    with pytest.raises(Exception, match="missing.safetensors"):
+        load_models(load_config("default", [f"lora=[{{path: {tmp_path / 'missing.safetensors'}}}]"]))
