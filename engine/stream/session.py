@@ -45,7 +45,7 @@ from engine.stream.stage_timer import StageTimer
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
 SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
-            "latency_budget_ms", "sink_threshold")
+            "latency_budget_ms", "sink_threshold", "lora_scales")
 
 
 @dataclass
@@ -92,6 +92,7 @@ class StreamSession:
                                         transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
+        self._lora_pending: dict[str, float] = {}
         self.reset()
 
     @classmethod
@@ -201,6 +202,7 @@ class StreamSession:
         unknown = [k for k in params if k not in SETTABLE]
         if unknown:
             raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(SETTABLE)}")
+        lora = self._lora_request(params.pop("lora_scales", None))
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         sections = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
@@ -212,7 +214,8 @@ class StreamSession:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
                                                      path=section)})
-        old, self.cfg = self.cfg, new
+        old, self.cfg = self.cfg, new.replace(lora=lora)
+        self._lora_pending.update({e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale})
         self.motion.noise_scale, self.motion.enabled = new.noise.noise_scale, new.noise.motion_aware
         self.prompt.transition_chunks = new.prompt.transition_chunks
         self.slo.target_fps, self.slo.budget = new.slo.target_fps, new.slo.latency_budget_ms / 1000.0
@@ -223,6 +226,30 @@ class StreamSession:
             self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
             self._change_steps(list(new.stream.steps), list(old.stream.steps))
+
+    def _lora_request(self, scales: Any) -> list:
+        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
+        if scales is None:
+            return self.cfg.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        from host_bridge.wire.typed_config import build
+
+        entries = {e.key: e for e in self.cfg.lora}
+        for name in scales:
+            if name not in entries:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
+        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
+
+    def _apply_lora(self) -> bool:
+        """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
+        if not self._lora_pending:
+            return False
+        for name, scale in self._lora_pending.items():
+            self.models.lora.set_scale(name, scale)
+        self._lora_pending.clear()
+        return True
 
     @torch.inference_mode()
     def _change_steps(self, new: list[int], old: list[int]) -> None:
@@ -395,7 +422,7 @@ class StreamSession:
                         t.record_stream(consumer)
 
     def _denoise(self, c: _Chunk) -> None:
-        self._advance_prompt()
+        self._advance_prompt(weights_changed=self._apply_lora())
         k = c.latent.shape[2]
         d = self.denoiser
         plan = self.slo.plan
@@ -432,9 +459,9 @@ class StreamSession:
                     frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
                 self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
 
-    def _advance_prompt(self) -> None:
+    def _advance_prompt(self, weights_changed: bool = False) -> None:
         context, changed = self.prompt.advance()
-        if changed:
+        if changed or weights_changed:  # cross-attention K/V depend on the LoRA-merged weights too
             self.denoiser.cross = self.models.dit.cross_kv(context[None])
         if self.prompt.transition_done:
             self.denoiser.cache.refresh_sinks()
@@ -468,6 +495,7 @@ class StreamSession:
             "prompt": self.prompt.text,
             "prompt_error": self.prompt.error,
             "prompt_blend": self.prompt.weight,
+            "lora_scales": self.models.lora.scales,
             "kv_positions": cache.next_positions,
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),

@@ -192,3 +192,40 @@ def test_lora_config_errors_name_the_problem(tmp_path):
         load_config("default", ["lora=[{path: a.safetensors, scale: 9}]"])
     with pytest.raises(Exception, match="missing.safetensors"):
         load_models(load_config("default", [f"lora=[{{path: {tmp_path / 'missing.safetensors'}}}]"]))
+
+
+def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chunk(tmp_path):
+    import numpy as np
+
+    from engine.config import load_config
+    from engine.models.loading import load_models
+    from engine.stream.session import StreamSession
+
+    path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=6))
+    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]"])
+    frames = np.random.default_rng(1).integers(0, 256, (1 + 4 * 4, 32, 32, 3), np.uint8)
+    pieces = [frames[:5]] + [frames[i:i + 4] for i in range(5, len(frames), 4)]
+
+    def run(switch) -> list:
+        outs = []
+        with StreamSession.from_config(cfg, warmup=False) as s:
+            for i, piece in enumerate(pieces):
+                if i == 2:
+                    switch(s)
+                outs.append(s.push(piece))
+            outs.append(s.flush())
+        return outs
+
+    def live(s):
+        s.set_params(lora_scales={"style": 0.25})
+
+    def direct(s):  # the definition: the same stream state, the weights at the new scale from here on
+        s.models.lora.set_scale("style", 0.25)
+        s.denoiser.cross = s.models.dit.cross_kv(s.prompt.current()[None])
+
+    a, b, c = run(live), run(direct), run(lambda s: None)
+    assert all((x == y).all() for x, y in zip(a, b))
+    assert all((x == y).all() for x, y in zip(a[:2], c[:2]))  # nothing changes before the switch
+    assert any((x != y).any() for x, y in zip(a[2:], c[2:]))
+    with pytest.raises(ValueError, match="no LoRA named 'nope'"):
+        StreamSession.from_config(cfg, warmup=False).set_params(lora_scales={"nope": 1.0})
