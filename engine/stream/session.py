@@ -246,8 +246,9 @@ class StreamSession:
         """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
         if not self._lora_pending:
             return False
-        for name, scale in self._lora_pending.items():
-            self.models.lora.set_scale(name, scale)
+        with self.timer.span("lora", None):
+            for name, scale in self._lora_pending.items():
+                self.models.lora.set_scale(name, scale)
         self._lora_pending.clear()
         return True
 
