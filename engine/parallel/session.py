@@ -30,10 +30,10 @@ prompt change reaches each row at the tick it is applied on, which groups rows d
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 
 Each rank replays CUDA graphs of its blocks for full micro-batches (engine/graphs/pipeline_blocks.py).
-Not done yet: moving block boundaries while streaming (the split is static: `parallel.split`,
-or the balanced split `stats()` suggests from the measured stage times), live `set_params`
-(steps, mode), the side-stream encode overlap of the one-GPU session, `loom serve`/`play` on
-several GPUs, and multi-node runs (torchrun).
+Limits: the split is static (`parallel.split`, or the balanced split `stats()` suggests from
+the measured stage times); live `set_params` changes only what rank 0 owns (noise, prompt
+blending), not the steps or the mode, which the ranks' caches and graphs are built for; there is
+no side-stream encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations

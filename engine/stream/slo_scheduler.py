@@ -117,8 +117,8 @@ class SLOScheduler:
         dit = n * self.stages["dit"].predict(k) if sequential else self.stages["dit"].predict(n * k)
         if self.overlapped:
             # The stages of neighbouring chunks run at once; once the GPU is full their measured
-            # spans stretch until the longest one is the period (measured: the DiT span equalled
-            # the chunk period within 0.5 % at 1 and 2 steps). A chunk's own path is still
+            # spans stretch until the longest one is the period (docs/performance.md: the DiT span
+            # matched the chunk period). A chunk's own path is still
             # encode, its forwards one period apart, decode.
             period = max(enc, dit, dec)
             through = enc + dit + dec + (0 if sequential else (n - 1) * period)
