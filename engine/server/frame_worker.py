@@ -174,6 +174,8 @@ class FrameWorker:
         try:
             while not self.stop:
                 self._run_commands()
+                if self.stop:  # halted, or the session failed beyond repair (then it is gone)
+                    break
                 ready = self._next_input(take=False) is not None
                 self._read_lane(0.0 if ready else self._wait_time())
                 job = self._next_input()

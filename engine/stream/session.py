@@ -178,7 +178,7 @@ class StreamSession:
         self.enc_state.reset()
         self.dec_state.reset()
         cross = self.models.dit.cross_kv(self.prompt.current()[None])
-        if self.denoiser.n == len(cfg.stream.steps):
+        if self.denoiser.cache.batch == len(cfg.stream.steps):
             self.denoiser.reset(list(cfg.stream.steps), cross, self.generator)
         else:  # a step change that failed half-way left the other shape: build it for the steps asked
             self.denoiser = self._new_denoiser(cross)
