@@ -64,7 +64,7 @@ class VAEConfig:
     random_weights: bool = spec(False, doc="random weights when no checkpoint is given (benchmarks, tests)")
     fuse_norms: bool = spec(True, doc="compile the Wan VAE's norm+SiLU steps on CUDA (needs triton)")
     compile_step: bool = spec(True, doc="compile the whole Wan VAE encoder and decoder on CUDA (needs triton; "
-                                        "adds about a minute to the warm-up, encode+decode 77 -> 58 ms per chunk)")
+                                        "a longer warm-up for faster VAE chunks)")
     normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
     denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
 

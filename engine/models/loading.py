@@ -63,7 +63,8 @@ def _seeded(build, seed: int, device: torch.device, dtype: torch.dtype) -> nn.Mo
 
 
 def to_channels_last(module: nn.Module) -> None:
-    """Channels-last weights (measured on an H200: Wan VAE encode+decode 117 -> 89 ms per chunk)."""
+    """Channels-last weights: cuDNN's 3D convolutions of the Wan VAE are faster in that layout
+    (figures in docs/performance.md)."""
     for p in module.parameters():
         if p.dim() == 5:
             p.data = p.data.contiguous(memory_format=torch.channels_last_3d)

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import sys
 
+from host_bridge.wire import logs
 from host_bridge.wire.errors import UserError
 from host_bridge.wire.typed_config import ConfigError
 
@@ -23,6 +24,7 @@ EXIT_USAGE = 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
+    logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = "engine.server.main" if name == "serve" else f"plugin.cli.{name.replace('-', '_')}"
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

@@ -221,7 +221,7 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
 
     def direct(s):  # the definition: the same stream state, the weights at the new scale from here on
         s.models.lora.set_scale("style", 0.25)
-        s.denoiser.cross = s.models.dit.cross_kv(s.prompt.current()[None])
+        s.denoiser.set_context(s.models.dit.cross_kv(s.prompt.current()[None]))
 
     a, b, c = run(live), run(direct), run(lambda s: None)
     assert all((x == y).all() for x, y in zip(a, b))
