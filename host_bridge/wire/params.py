@@ -230,9 +230,9 @@ def steps_for(count: Any) -> list[int]:
 def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
     """A prompt and its blend length as the engine takes them (text stripped); ValueError names a bad one."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("prompt: empty; give a few words describing the style")
+        raise ValueError("the prompt is empty; give a few words describing the style")
     if len(text) > (PROMPT.max_len or 0):
-        raise ValueError(f"prompt: {len(text)} characters; expected at most {PROMPT.max_len}")
+        raise ValueError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")
     chunks = None if transition_chunks is None else TRANSITION_CHUNKS.check(transition_chunks)
     return text.strip(), chunks
 
