@@ -65,6 +65,12 @@ class FrameSide(Protocol):
 
 
 class Supervisor:
+    """Keeps one engine linked for one bridge: its state, its replies, its restarts, and the engine lock.
+
+    Public fields are read under `lock` by the bridge and written only here (`note` is the host's way
+    to add a remark); requests a host thread waits on get their id and reply through the methods below.
+    """
+
     def __init__(self, config: BridgeConfig, ctx: zmq.Context) -> None:
         self.config = config
         self._ctx = ctx
@@ -186,7 +192,7 @@ class Supervisor:
         with self.cond:
             self.link = link
             self._set_state(EngineState.STARTING if self.restarts == 0 else EngineState.RESTARTING,
-                           "launching the engine" if cfg.launch else f"connecting to {cfg.endpoint}")
+                            "launching the engine" if cfg.launch else f"connecting to {cfg.endpoint}")
         if not cfg.launch:
             link.send_hello()
 
