@@ -9,6 +9,7 @@ remembered, so nothing unsendable is kept to fail every later engine.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,4 +60,5 @@ class Wanted:
         return out
 
     def snapshot(self) -> Wanted:
-        return Wanted(self.prompt, dict(self.params))
+        """A copy a host may keep and change without touching what the bridge remembers."""
+        return Wanted(self.prompt, copy.deepcopy(self.params))
