@@ -3,7 +3,7 @@
 The bookkeeping lives in one object so that its bounds are in one place: submit times are kept
 only for a limited number of frames (a stalled engine must not grow the host), latencies and
 output times in fixed windows. `latest()` reads fps and the median latency once per frame, so
-both are computed in plain Python, cheaply. The bridge calls into it with its own lock held.
+both are computed in plain Python, cheaply. The bridge calls into it with the engine lock held.
 """
 
 from __future__ import annotations
