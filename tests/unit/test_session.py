@@ -10,6 +10,7 @@ import pytest
 
 from engine.config import load_config
 from engine.stream.session import StreamSession
+from tests.fakes.media import panning_clip
 
 SMALL = ["resolution.width=64", "resolution.height=64"]
 
@@ -19,9 +20,7 @@ def session(*overrides: str) -> StreamSession:
 
 
 def clip(n: int, h: int = 64, w: int = 64, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
-    return np.stack([np.roll(base, i, axis=1) for i in range(n)])
+    return panning_clip(n, h, w, seed)
 
 
 def run_all(s: StreamSession, frames: np.ndarray, step: int) -> np.ndarray:
