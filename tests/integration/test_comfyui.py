@@ -43,7 +43,7 @@ def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
 
 
 def test_registry_metadata():
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     meta = tomllib.loads((PACKAGE_DIR / "pyproject.toml").read_text())
     assert {"PublisherId", "DisplayName"} <= set(meta["tool"]["comfy"])
     assert meta["project"]["name"] and meta["project"]["version"].count(".") == 2

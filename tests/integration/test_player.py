@@ -354,7 +354,7 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
 
 
 def test_osc_server_feeds_the_controls():
-    pytest.importorskip("pythonosc")
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
 
     from plugin.player.osc import OSCServer
@@ -381,7 +381,7 @@ def test_osc_server_feeds_the_controls():
 
 
 def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
-    pytest.importorskip("pythonosc")
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
 
     port = free_udp_port()

@@ -318,9 +318,9 @@ def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over
     cook_until(script, lambda: running(comp), "engine running")
     old_pid = old.bridge.stats()["engine_pid"]
     traces.pids.add(old_pid)
-    getattr(old, "onDestroyTD", lambda: None)()  # what TD does on re-init
+    old.onDestroyTD()  # what TD does on re-init
     comp.ext.LoomExt = new = LoomExt(comp)
-    getattr(new, "onInitTD", lambda: None)()
+    new.onInitTD()
     try:
         assert wait_until(lambda: not pid_alive(old_pid), 20), "the old extension's engine is still running"
         cook_until(script, lambda: running(comp), "the new extension's engine running")
