@@ -27,9 +27,9 @@ from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 
 TD_PAR_NAME = re.compile(r"^[A-Z][a-z0-9]*$")
-# A cook must never wait on the engine (an engine start or a stop takes seconds); a cook that does no
-# waiting finishes in milliseconds, so this bound only catches a wait, even on a loaded 2-core CI box.
-COOK_BUDGET_S = 1.0
+# A cook must never wait on the engine (its start or stop takes seconds); a cook that does not wait
+# takes milliseconds, so this bound catches a wait and leaves room for a loaded 2-core CI box.
+COOK_BUDGET_S = 0.5
 
 
 # --- the stand-in -------------------------------------------------------------------------------
