@@ -1,6 +1,6 @@
 """cuda-ipc between two real processes: device pointers in, device pointers out, content exact.
 
-Run on a CUDA machine (`pytest -m gpu tests/test_bridge_cuda.py`). The host side hands the bridge
+Run on a CUDA machine (`pytest -m gpu tests/integration/test_bridge_cuda.py`). The host side hands the bridge
 raw device pointers (a torch tensor's data_ptr, as TouchDesigner hands `cudaMemory().ptr`); the
 pass-through engine copies slot to slot on the GPU; nothing crosses the CPU.
 """

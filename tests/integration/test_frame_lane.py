@@ -3,7 +3,7 @@
 What a host relies on: frames do not go through the control channel (its counters stay flat), a
 frame message on the wrong socket is refused and counted, a thread sending while another waits on
 the lane is never blocked, and the lane's endpoint disappears with its link (close, engine crash).
-shm and cuda-ipc links use the shared-memory doorbell instead (tests/test_doorbell.py).
+shm and cuda-ipc links use the shared-memory doorbell instead (tests/integration/test_doorbell.py).
 """
 
 from __future__ import annotations
