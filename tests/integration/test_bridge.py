@@ -85,21 +85,24 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
 
 
 @posix_only
-def test_thousand_frames_through_the_tiny_model_in_order():
-    """The real embedded model behind the bridge. With the crop policy and a wider input the side
-    bands pass through unchanged, so each output carries the identity of its input."""
-    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]"]
+def test_a_long_stream_through_the_tiny_model_comes_back_in_order():
+    """The real embedded model behind the bridge, over a stream long enough that the KV ring wraps
+    and RoPE refreshes many times (25 latent frames; a 3-frame ring, and a refresh every 2 latent frames
+    once position 8 is reached). With the crop policy and a wider input the side bands pass through unchanged, so each
+    output carries the identity of its input."""
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "stream.rope_refresh_at=8"]
+    n = 5 + 4 * 24  # the first chunk, then 24 latent frames
     frames = []
-    for i in range(1000):
+    for i in range(n):
         f = indexed_frame(i, 32, 48)
         f[:, :8] = i % 251
         frames.append(f)
     with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
         bridge.wait_running(120)
         outputs = bridge.process(frames, timeout_s=600)
-    assert len(outputs) == 1000
+    assert len(outputs) == n
     assert all(o.shape == (32, 48, 3) for o in outputs)
-    assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(1000)]
+    assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(n)]
     assert not all(np.array_equal(a[:, 8:40], b[:, 8:40]) for a, b in zip(frames[:20], outputs[:20]))
 
 
