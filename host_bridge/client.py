@@ -15,7 +15,8 @@ a slow nor a dead engine can block or grow the host. Whoever asks for output dra
 `latest()`/`latest_cuda()` without waiting (on the doorbell: a look at a counter in shared memory),
 `wait_for_output()` and the batch calls by waiting on it (holding only the lane's lock). The loop
 thread also drains it on each tick, without waiting for the lock, so slots come back and counters
-move even when the host never asks.
+move even when the host never asks (not on cuda-ipc: there draining copies on the device, which
+stays on the host's threads).
 Lock order: the lane's lock, then the engine lock; a thread holding the engine lock only ever tries
 the lane's lock without waiting.
 """
@@ -504,8 +505,11 @@ class Bridge:
 
     def on_tick(self, link: Link) -> None:
         """The loop thread's turn at the frames: outputs and releases nobody asked for yet (never waiting
-        for the lane), then the pending frame."""
-        self._drain(0.0, link)
+        for the lane), then the pending frame. On cuda-ipc it leaves the lane to the host's threads: an
+        output notice means a device copy in the host's process, and a host such as TouchDesigner wants
+        its CUDA work on its own (main) thread; the host asks every frame, so nothing waits long."""
+        if self.config.transport != "cuda-ipc":
+            self._drain(0.0, link)
         with self._lock:
             self._pump()
 

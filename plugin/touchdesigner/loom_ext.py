@@ -1,17 +1,25 @@
 """The Loom TouchDesigner extension: one object per Loom component that owns the bridge to the engine.
 
-Put this file in a Text DAT named `loom_ext` inside the component (or point the DAT's File
-parameter at it) and set the component's Extension to `op('./loom_ext').module.LoomExt(me)` with
-Promote on. The Script TOP's callbacks (`script_top_callbacks.py`) call `Cook`; a Parameter
-Execute DAT (`parexec_callbacks.py`) forwards parameter changes.
+`build_loom.py` creates the component (run once in the Textport): a Text DAT `loom_ext` that
+imports this class, the component's Extension `op('./loom_ext').module.LoomExt(me)` promoted, the
+Script TOP `loom_top` whose callbacks (`script_top_callbacks.py`) call `Cook`, a Parameter Execute
+DAT (`parexec_callbacks.py`) watching the control parameters only, and an Execute DAT
+(`execute_callbacks.py`) that asks for a cook every frame while the engine runs: TouchDesigner
+cooks a node only when something needs it, and the engine's frame for input N arrives after
+cook N, so without it a still input or an unwatched output would never show new engine frames.
+A Switch TOP shows the input while the component is inactive, so an inactive Loom costs nothing.
 
 Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
-`TOP.numpyArray()` otherwise. The CUDAMemory object owns TouchDesigner's copy of the texture and
-frees it when dropped, and the texture is reused after the cook, so `Cook` holds the object until
-the bridge has finished copying out of it, inside the cook. Frames out: the newest engine frame
-(or the fallback) through `copyNumpyArray`, in TouchDesigner's layout (bottom-up rows, BGRA for
-uint8). Nothing here blocks the cook on the engine: a slow or dead engine shows the fallback and a
-status on the read-only parameters.
+`TOP.numpyArray(delayed=True)` otherwise (the download of the last cook, so the GPU is never
+stalled), and for any texture `cudaMemory` refuses (16-bit float). The CUDAMemory object owns
+TouchDesigner's copy of the texture and frees it when dropped, and the texture is reused after the
+cook, so `Cook` holds the object until the bridge has finished copying out of it, inside the cook.
+All CUDA work on TouchDesigner's memory happens here, on its main thread, on one CUDA stream per
+component, passed to `cudaMemory`, to the bridge's device copies and to `copyCUDAMemory`. Frames
+out: the newest engine frame (or the fallback) through `copyCUDAMemory` in the input's layout, or
+`copyNumpyArray` as uint8 RGB bottom-up (the channel order the Script TOP documents). Nothing here
+blocks the cook on the engine: a slow or dead engine shows the fallback and a status on the
+read-only parameters.
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ from typing import Any
 import numpy as np
 
 from host_bridge.wire.params import steps_for
+from plugin.touchdesigner.parameters import PARAMETERS
 
-OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
+SCRIPT_TOP = "loom_top"  # the component's Script TOP (build_loom.py names it)
+STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the cook, never by a user
+# What the Parameter Execute DAT watches: written each cook, the status parameters would fire it every cook
+PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
@@ -47,6 +59,8 @@ class LoomExt:
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
         self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
         self.last_wanted: Any = None  # what the stopped bridge had been asked for, handed to the next one
+        self._host_output: np.ndarray | None = None  # the shm/tcp output in TD's row order, reused
+        self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -83,6 +97,7 @@ class LoomExt:
             self._error(f"cannot start the engine: {exc}")
             return
         self.note = note
+        self._downloading = False
         self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
         for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
@@ -130,10 +145,25 @@ class LoomExt:
         Extensions): its engine goes with it, or it would keep running beside the new one's."""
         self.Stop()
 
+    def __delTD__(self) -> None:
+        """What builds that know no `onDestroyTD` call on re-initialisation: the same clean-up."""
+        self.Stop()
+
+    def OnFrameStart(self) -> None:
+        """The Execute DAT's onFrameStart: while the engine runs, cook the Script TOP every frame, so
+        engine frames show even when the input is still or nothing downstream asks for the output."""
+        if self.bridge is None:
+            return
+        script = self.ownerComp.op(SCRIPT_TOP)
+        if script is not None:
+            script.cook(force=True)
+
     # --- parameters --------------------------------------------------------------------------
 
     def OnParValueChange(self, par: Any, prev: Any = None) -> None:
         name = par.name
+        if name in STATUS_PARS:  # the cook's own writes, should the DAT watch them
+            return
         if name == "Active":
             self.Start() if par.eval() else self.Stop()
         elif self.bridge is None:
@@ -189,13 +219,10 @@ class LoomExt:
         Never raises: an input the bridge cannot take this cook (a TOP with no image, a pixel format
         it does not know) is said on the component and the stream goes on with the next cook."""
         self.cooks += 1
+        if self.bridge is None:  # inactive: the component's Switch TOP shows the input, nothing to copy
+            return
         top = scriptOp.inputs[0] if scriptOp.inputs else None
         if top is None:
-            return
-        if self.bridge is None:
-            frame = top.numpyArray(delayed=False)
-            if frame is not None:
-                scriptOp.copyNumpyArray(frame)  # inactive: pass the input through
             return
         self.input_note = ""
         try:
@@ -208,17 +235,29 @@ class LoomExt:
         self._publish(status)
 
     def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
-        """Through host memory: the input's numpyArray() in, the newest output as uint8 BGRA out."""
-        from host_bridge.wire.pixels import to_touchdesigner
-
-        frame = top.numpyArray(delayed=False)
-        if frame is None:
-            raise ValueError("the input TOP has no image this cook")
-        self.bridge.submit(frame, layout="touchdesigner")
-        self.numpy_submits += 1
+        """Through host memory: the last cook's download of the input in, the newest output out as
+        uint8 RGB bottom-up (3 channels: no alpha to build, no channel order to swap)."""
+        frame = top.numpyArray(delayed=True)  # None on the first call: nothing downloaded yet
+        if frame is None and self._downloading:
+            self.input_note = "the input TOP has no image this cook"
+        self._downloading = True
+        if frame is not None:
+            self.bridge.submit(frame, layout="touchdesigner")
+            self.numpy_submits += 1
         out, status = self.bridge.latest()
-        scriptOp.copyNumpyArray(frame if out is None else to_touchdesigner(out, np.uint8, OUTPUT_CHANNELS))
+        if out is not None:
+            scriptOp.copyNumpyArray(self._bottom_up(out))
+        elif frame is not None:
+            scriptOp.copyNumpyArray(frame)
         return status
+
+    def _bottom_up(self, rgb: np.ndarray) -> np.ndarray:
+        """The engine's top-down frame in TouchDesigner's row order, in a buffer reused across cooks."""
+        buf = self._host_output
+        if buf is None or buf.shape != rgb.shape:
+            buf = self._host_output = np.empty_like(rgb)
+        np.copyto(buf, rgb[::-1])
+        return buf
 
     def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
         """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP.
@@ -227,7 +266,14 @@ class LoomExt:
         (16-bit float, 2 channels): that cook goes through host memory instead."""
         from host_bridge.wire.pixels import DTYPE_NAMES
 
-        memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        if self.device_output is None:
+            self.device_output = DeviceBuffer()
+        stream = self.device_output.stream
+        try:
+            memory = top.cudaMemory(stream=stream)  # TD's copy of the texture; freed when `memory` is dropped
+        except Exception as exc:  # e.g. TD 2025 refuses 16-bit float formats: this input goes through the CPU
+            self.input_note = f"the input's cudaMemory() refused ({exc}); it goes through the CPU"
+            return None
         if memory is None:
             raise ValueError("the input TOP has no image this cook")
         shape = memory.shape
@@ -238,31 +284,33 @@ class LoomExt:
             return None
         pitch = shape.width * shape.numComps * dtype.itemsize
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
-                                layout="touchdesigner")
+                                layout="touchdesigner", stream=stream)
         self.cuda_submits += 1
         del memory  # only now: submit_cuda has finished its device copy when it returns
         nbytes = pitch * shape.height
-        if self.device_output is None:
-            self.device_output = DeviceBuffer()
         ptr = self.device_output.ensure(nbytes)
-        status = self.bridge.latest_cuda(ptr, pitch)  # output comes back in the input's layout and size
-        scriptOp.copyCUDAMemory(ptr, nbytes, shape)
+        # output comes back in the input's layout and size, copied here, on TD's main thread
+        status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
+        scriptOp.copyCUDAMemory(ptr, nbytes, shape, stream=stream)
         return status
 
     def _use_cuda(self) -> bool:
         return self.bridge.config.transport == "cuda-ipc"
 
     def _publish(self, status: Any) -> None:
-        par = self.ownerComp.par
-        par.State = status.state
-        par.Fps = round(float(status.fps or 0.0), 2)
-        par.Latency = round(float(status.latency_ms or 0.0), 1)
-        par.Dropped = int(status.dropped or 0)
-        par.Message = self._message(status.message)
+        """Write the status parameters that changed (each write is work for TD and for what watches it)."""
         tail = status.log_tail or ""
         if isinstance(tail, (list, tuple)):
             tail = "\n".join(tail)
-        par.Log = "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])
+        values = {"State": str(getattr(status.state, "value", status.state)),
+                  "Fps": round(float(status.fps or 0.0), 2),
+                  "Latency": round(float(status.latency_ms or 0.0), 1), "Dropped": int(status.dropped or 0),
+                  "Message": self._message(status.message),
+                  "Log": "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])}
+        par = self.ownerComp.par
+        for name, value in values.items():
+            if getattr(par, name).eval() != value:
+                setattr(par, name, value)
 
     def _error(self, text: str) -> None:
         self.last_error = text
@@ -271,10 +319,12 @@ class LoomExt:
 
 
 class DeviceBuffer:
-    """One cudaMalloc'd buffer in TouchDesigner's process that the engine's output is copied into.
+    """The component's CUDA stream, and one cudaMalloc'd buffer the engine's output is copied into.
 
-    `scriptTOP.copyCUDAMemory` copies from it into the TOP during the cook, so the buffer must
-    outlive the cook; it is reallocated only when the frame size changes.
+    The docs warn that the default stream "results in poor performance": every device call of a
+    cook goes on this one non-blocking stream, in order. `scriptTOP.copyCUDAMemory` copies from the
+    buffer into the TOP during the cook, so the buffer must outlive the cook; it is reallocated
+    only when the frame size changes.
     """
 
     def __init__(self) -> None:
@@ -285,6 +335,8 @@ class DeviceBuffer:
         self._check, self._cudart = check, cudart
         self.ptr = 0
         self.nbytes = 0
+        self._stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
+        self.stream = int(self._stream)  # the handle as TouchDesigner's methods take it
 
     def ensure(self, nbytes: int) -> int:
         if nbytes != self.nbytes:
@@ -294,6 +346,11 @@ class DeviceBuffer:
         return self.ptr
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._check(self._cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         if self.ptr:
             self._check(self._cudart.cudaFree(self.ptr), "cudaFree")
             self.ptr, self.nbytes = 0, 0
+        if self._stream is not None:
+            self._check(self._cudart.cudaStreamDestroy(self._stream), "cudaStreamDestroy")
+            self._stream = None

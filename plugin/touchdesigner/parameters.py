@@ -106,6 +106,9 @@ def setup_parameters(comp: Any) -> None:
         if spec.default is not None:
             par.default = spec.default
             par.val = spec.default
-        if spec.help and hasattr(par, "help"):  # builds before 2022 have no parameter help text
-            par.help = spec.help
+        if spec.help:
+            try:
+                par.help = spec.help
+            except Exception:  # noqa: BLE001 - read-only or missing on some builds (td.tdError, AttributeError)
+                pass
         par.readOnly = spec.read_only

@@ -28,6 +28,7 @@ class FakeRuntime:
     cudaEventDisableTiming = cuda_bindings.cudaEventDisableTiming
     cudaIpcMemLazyEnablePeerAccess = cuda_bindings.cudaIpcMemLazyEnablePeerAccess
     cudaStreamDefault = cuda_bindings.cudaStreamDefault
+    cudaStreamNonBlocking = cuda_bindings.cudaStreamNonBlocking
 
     def __init__(self) -> None:
         self.buffers: dict[int, ctypes.Array] = {}

@@ -6,9 +6,18 @@ scriptTOP.copyNumpyArray / copyCUDAMemory, custom parameter pages):
 - `cudaMemory()` returns a CUDAMemory that owns a copy of the texture; the memory is freed when
   the object is dropped, and TD reuses the texture after the cook. The stand-in models device
   memory as a table of live allocations: reading a freed pointer fails, as it would on a GPU.
-- uint8 4-channel textures are BGRA, everything else RGBA; rows bottom-up; `numpyArray()` hands
-  out float32 RGBA in 0..1.
-- `copyNumpyArray` accepts [H, W, 1..4] uint8/uint16/float32 only, and only inside a cook.
+- uint8 4-channel textures are BGRA in CUDA memory (the only place the docs name BGRA), everything
+  else RGBA; rows bottom-up; `numpyArray()` hands out float32 RGBA in 0..1, and with `delayed=True`
+  the previous call's download (None on the first call) so the GPU is not stalled.
+- `cudaMemory()` refuses 16-bit float textures (TD 2025 raises for rgba16float), and takes a stream.
+- `copyNumpyArray` accepts [H, W, 1..4] uint8/uint16/float32 only, only inside a cook, and fills
+  the TOP's R, G, B, A from the array's channels in that order (the docs name no other order).
+- Cook on demand (derivative.ca "Cook"): a node cooks only with a cook request (a viewer, a
+  downstream node that cooks, or `cook(force=True)`) and a reason (its input changed). `Timeline`
+  runs one TD frame: Execute DATs' `onFrameStart`, then the Script TOP only if something asks.
+- Parameter Execute DATs fire for every value change of the parameters they watch, read-only
+  ones included (read-only stops the user, not scripts); `Par.help` is read-only and raises.
+- DATs hold source text; TD runs a DAT's text as a module whose globals include `me`.
 """
 
 from __future__ import annotations
@@ -63,6 +72,10 @@ class DeviceMemory:
 DEVICE = DeviceMemory()
 
 
+class TDError(Exception):
+    """What TouchDesigner's Python raises for a refused call (td.tdError)."""
+
+
 class CUDAMemoryShape:
     def __init__(self, width: int = 0, height: int = 0, numComps: int = 4, dataType: Any = np.uint8) -> None:
         self.width, self.height, self.numComps, self.dataType = width, height, numComps, dataType
@@ -89,6 +102,14 @@ class InputTOP:
     def __init__(self, texture: np.ndarray) -> None:
         self.texture = texture
         self.handed_out: list[int] = []
+        self.version = 0  # bumped by set(): the cook reason for whatever reads this TOP
+        self.numpy_calls: list[bool] = []  # the `delayed` flag of each numpyArray call
+        self.cuda_streams: list[Any] = []  # the stream of each cudaMemory call
+        self._delayed: np.ndarray | None = None
+
+    def set(self, texture: np.ndarray) -> None:
+        self.texture = texture
+        self.version += 1
 
     @property
     def width(self) -> int:
@@ -98,14 +119,21 @@ class InputTOP:
     def height(self) -> int:
         return self.texture.shape[0]
 
-    def numpyArray(self, delayed: bool = False, writable: bool = False) -> np.ndarray:
+    def numpyArray(self, delayed: bool = False, writable: bool = False) -> np.ndarray | None:
+        self.numpy_calls.append(delayed)
         t = self.texture
         if t.dtype == np.uint8 and t.shape[2] == 4:
             t = t[:, :, [2, 1, 0, 3]]  # BGRA in memory, numpyArray gives RGBA
-        values = t.astype(np.float32) / (255.0 if t.dtype == np.uint8 else 65535.0 if t.dtype == np.uint16 else 1.0)
+        scale = 255.0 if t.dtype == np.uint8 else 65535.0 if t.dtype == np.uint16 else 1.0
+        values = t.astype(np.float32) / np.float32(scale)
+        if delayed:  # this call starts a download; the last one's result comes back
+            values, self._delayed = self._delayed, values
         return values
 
     def cudaMemory(self, stream: int | None = None) -> CUDAMemory:
+        self.cuda_streams.append(stream)
+        if self.texture.dtype == np.float16:
+            raise TDError("cudaMemory: 16-bit float pixel formats are not supported")
         ptr = DEVICE.alloc(self.texture)
         self.handed_out.append(ptr)
         h, w, c = self.texture.shape
@@ -128,7 +156,15 @@ class Par:
         self.readOnly = False
         self.menuNames: list[str] = []
         self.menuLabels: list[str] = []
-        self.help = ""
+        self.expr = ""
+
+    @property
+    def help(self) -> str:
+        return ""
+
+    @help.setter
+    def help(self, value: str) -> None:
+        raise TDError("td.Par.help is read-only")
 
     def eval(self) -> Any:
         return self.val
@@ -137,10 +173,20 @@ class Par:
         self.owner.parexec_pulse(self)
 
 
+# The built-in parameters (by their Python names on derivative.ca) the build script sets, per OP type
+BUILTIN_PARS = {
+    "baseCOMP": ("extension1", "promoteextension1"),
+    "scriptTOP": ("callbacks",),
+    "switchTOP": ("index",),
+    "parameterexecuteDAT": ("op", "pars", "valuechange", "onpulse"),
+    "executeDAT": ("framestart",),
+}
+
+
 class ParCollection:
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: Any, optype: str = "baseCOMP") -> None:
         object.__setattr__(self, "_owner", owner)
-        object.__setattr__(self, "_pars", {})
+        object.__setattr__(self, "_pars", {n: Par(owner, n, "Builtin") for n in BUILTIN_PARS.get(optype, ())})
 
     def __getattr__(self, name: str) -> Par:
         try:
@@ -149,7 +195,7 @@ class ParCollection:
             raise AttributeError(f"no parameter {name!r}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        par = self._pars[name]
+        par = getattr(self, name)
         old, par.val = par.val, value
         if old != value:
             self._owner.parexec_change(par, old)
@@ -182,6 +228,12 @@ class LoomComp:
         self.customPages: list[Page] = []
         self.ext = SimpleNamespace()
         self.parexec_enabled = False
+        self.parexec_pars = "*"  # the Parameter Execute DAT's Parameters field
+        self.parexec_fired: list[str] = []
+        self.children: dict[str, Any] = {}
+
+    def op(self, name: str) -> Any:
+        return self.children.get(name.removeprefix("./"))
 
     def appendCustomPage(self, name: str) -> Page:
         page = Page(self, name)
@@ -189,9 +241,11 @@ class LoomComp:
         return page
 
     def parexec_change(self, par: Par, prev: Any) -> None:
-        if self.parexec_enabled and par.style != "Pulse" and not par.readOnly:
+        watched = self.parexec_pars == "*" or par.name in self.parexec_pars.split()
+        if self.parexec_enabled and par.style not in ("Pulse", "Builtin") and watched:
             from plugin.touchdesigner import parexec_callbacks
 
+            self.parexec_fired.append(par.name)
             parexec_callbacks.onValueChange(par, prev)
 
     def parexec_pulse(self, par: Par) -> None:
@@ -208,6 +262,10 @@ class ScriptTOP:
         self.inputs = [source] if source is not None else []
         self.output: np.ndarray | None = None
         self.cooking = False
+        self.cooks = 0
+        self.viewed = False  # a viewer or a downstream node that cooks asks for this TOP
+        self.cuda_streams: list[Any] = []
+        self._cooked_version = -1
 
     def parent(self) -> LoomComp:
         return self._comp
@@ -224,12 +282,15 @@ class ScriptTOP:
     def copyCUDAMemory(self, address: int, size: int, shape: CUDAMemoryShape, stream: int | None = None) -> None:
         if not self.cooking:
             raise RuntimeError("copyCUDAMemory outside the cook")
+        self.cuda_streams.append(stream)
         data = DEVICE.read(address, size)
         self.output = data.view(np.dtype(shape.dataType)).reshape(shape.height, shape.width, shape.numComps).copy()
 
-    def cook(self) -> float:
-        """One TD cook through the callbacks DAT; returns its duration."""
+    def cook(self, force: bool = True, recurse: bool = False) -> float:
+        """`OP.cook`: cook now through the callbacks DAT (tests: returns the cook's duration)."""
         self.cooking = True
+        self.cooks += 1
+        self._cooked_version = self.inputs[0].version if self.inputs else 0
         start = time.perf_counter()
         try:
             script_top_callbacks.onCook(self)
@@ -240,9 +301,35 @@ class ScriptTOP:
         return time.perf_counter() - start
 
 
+    def wants_cook(self) -> bool:
+        """A cook request (something views it) and a reason (its input changed since the last cook)."""
+        changed = bool(self.inputs) and self.inputs[0].version != self._cooked_version
+        return self.viewed and changed
+
+
+class Timeline:
+    """TouchDesigner's frame loop for one component: Execute DATs' onFrameStart, then cooks on demand."""
+
+    def __init__(self, comp: LoomComp, script: ScriptTOP) -> None:
+        self.comp, self.script, self.frame = comp, script, 0
+        self.execute_dats: list[Any] = []  # modules with onFrameStart(frame)
+
+    def step(self) -> None:
+        self.frame += 1
+        before = self.script.cooks
+        for dat in self.execute_dats:
+            dat.onFrameStart(self.frame)
+        if self.script.cooks == before and self.script.wants_cook():
+            self.script.cook(force=False)
+
+
 def make_component(source: InputTOP | None) -> tuple[LoomComp, ScriptTOP, LoomExt]:
+    from plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
+
     comp = LoomComp()
     script = ScriptTOP(comp, source)
+    comp.children[SCRIPT_TOP] = script
+    comp.parexec_pars = PAREXEC_PARS  # what build_loom.py writes into the Parameter Execute DAT
     script_top_callbacks.onSetupParameters(script)
     comp.ext.LoomExt = LoomExt(comp)
     comp.parexec_enabled = True
@@ -310,21 +397,24 @@ class DeviceCopyingBridge:
         self._bridge = bridge
         self.config = SimpleNamespace(transport="cuda-ipc")
         self.cuda_calls: list[dict[str, Any]] = []
+        self.streams: list[tuple[str, Any]] = []
         self._layout: tuple[np.dtype, int] | None = None
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str,
-                    *, layout: str = "rgb") -> bool:
+                    *, layout: str = "rgb", stream: Any = None) -> bool:
         raw = DEVICE.read(ptr, pitch * height)
         frame = raw.view(np.dtype(dtype)).reshape(height, pitch // np.dtype(dtype).itemsize)
         frame = frame[:, : width * channels].reshape(height, width, channels)
         self.cuda_calls.append({"pitch": pitch, "width": width, "height": height, "channels": channels,
                                 "dtype": dtype, "layout": layout})
+        self.streams.append(("submit_cuda", stream))
         self._layout = (np.dtype(dtype), channels)
         return self._bridge.submit(frame.copy(), layout=layout)
 
-    def latest_cuda(self, ptr: int, pitch: int | None = None) -> Any:
+    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: Any = None) -> Any:
         from host_bridge.wire.pixels import to_touchdesigner
 
+        self.streams.append(("latest_cuda", stream))
         frame, status = self._bridge.latest()
         dtype, channels = self._layout
         data = to_touchdesigner(frame, dtype, channels).view(np.uint8).reshape(-1)
@@ -340,8 +430,11 @@ class DeviceCopyingBridge:
 class StandInDeviceBuffer:
     """The extension's output buffer, allocated in the stand-in's device memory instead of cudaMalloc."""
 
+    STREAM = 0x57_2EA4  # a stand-in cudaStream_t handle
+
     def __init__(self) -> None:
         self.ptr, self.nbytes = 0, 0
+        self.stream = self.STREAM
 
     def ensure(self, nbytes: int) -> int:
         if nbytes != self.nbytes:
@@ -352,3 +445,75 @@ class StandInDeviceBuffer:
     def close(self) -> None:
         DEVICE.free(self.ptr)
         self.ptr, self.nbytes = 0, 0
+
+
+# --- a network, for build_loom.py ---------------------------------------------------------------
+
+OP_TYPES = ("baseCOMP", "scriptTOP", "textDAT", "parameterexecuteDAT", "executeDAT", "inTOP", "outTOP", "switchTOP")
+
+
+def fake_td_module() -> SimpleNamespace:
+    """TouchDesigner's `td` module as far as creating operators goes: one type object per OP type."""
+    return SimpleNamespace(**{name: SimpleNamespace(name=name) for name in OP_TYPES})
+
+
+class Connector:
+    def __init__(self, owner: Any, index: int) -> None:
+        self.owner, self.index = owner, index
+
+    def connect(self, target: Any) -> None:
+        inputs = self.owner.inputs
+        inputs.extend([None] * (self.index + 1 - len(inputs)))
+        inputs[self.index] = target
+
+
+class NetworkOP:
+    """A non-COMP operator: `.par` (built-in parameters, `.expr`), DAT `.text`, input connectors."""
+
+    def __init__(self, optype: str, name: str, parent: Any) -> None:
+        self.OPType, self.name, self._parent = optype, name, parent
+        self.par = ParCollection(self, optype)
+        self.text = ""
+        self.inputs: list[Any] = []
+        self.inputConnectors = [Connector(self, i) for i in range(4)]
+
+    def parent(self) -> Any:
+        return self._parent
+
+    @property
+    def path(self) -> str:
+        return f"{self._parent.path}/{self.name}"
+
+    @property
+    def module(self) -> SimpleNamespace:
+        """A DAT's text run as a module, with `me` set as TouchDesigner does."""
+        namespace: dict[str, Any] = {"me": self, "__name__": self.name}
+        exec(compile(self.text, self.path, "exec"), namespace)
+        return SimpleNamespace(**namespace)
+
+    def parexec_change(self, par: Par, prev: Any) -> None:
+        pass
+
+
+class NetworkCOMP(LoomComp):
+    """A COMP that creates operators inside it (`OP.create(type, name)`), as in the Textport."""
+
+    def __init__(self, name: str = "project1", parent: Any = None) -> None:
+        super().__init__()
+        self.name, self._parent, self.OPType = name, parent, "baseCOMP"
+
+    def parent(self) -> Any:
+        return self._parent
+
+    @property
+    def path(self) -> str:
+        return f"{self._parent.path}/{self.name}" if self._parent is not None else f"/{self.name}"
+
+    def create(self, optype: Any, name: str) -> Any:
+        if name in self.children:
+            raise TDError(f"{self.path}/{name} already exists")
+        node = NetworkCOMP(name, self) if optype.name == "baseCOMP" else NetworkOP(optype.name, name, self)
+        self.children[name] = node
+        if optype.name == "scriptTOP":  # TD docks a callbacks DAT named after the Script TOP
+            self.children[f"{name}_callbacks"] = NetworkOP("textDAT", f"{name}_callbacks", self)
+        return node

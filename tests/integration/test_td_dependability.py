@@ -18,7 +18,7 @@ import pytest
 
 from host_bridge.wanted import PromptWish
 from host_bridge.wire.params import steps_for
-from host_bridge.wire.pixels import from_touchdesigner, to_engine
+from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 from tests.fakes.engines import InProcessEngine, wait_until
@@ -99,12 +99,15 @@ class FlakyTOP(InputTOP):
 
 
 def _output_is(script: ScriptTOP, texture: np.ndarray) -> bool:
-    """The pass-through engine's output of `texture`, in the Script TOP (uint8 BGRA bottom-up)."""
+    """The pass-through engine's output of `texture`, in the Script TOP (copyNumpyArray: uint8 RGB
+    bottom-up; copyCUDAMemory: the input's own layout)."""
     out = script.output
     want = from_touchdesigner(texture) if texture.dtype != np.float16 else from_touchdesigner(
         texture.astype(np.float32))
-    return out is not None and out.shape[:2] == texture.shape[:2] and np.array_equal(
-        to_engine(out, order="BGRA", bottom_up=True), want)
+    if out is None or out.shape[:2] != texture.shape[:2]:
+        return False
+    order = "RGB" if out.shape[2] == 3 else touchdesigner_order(out.dtype, out.shape[2])
+    return np.array_equal(to_engine(out, order=order, bottom_up=True), want)
 
 
 def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_comes_back():
