@@ -11,7 +11,8 @@ A Switch TOP shows the input while the component is inactive, so an inactive Loo
 
 Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
 `TOP.numpyArray(delayed=True)` otherwise (the download of the last cook, so the GPU is never
-stalled), and for any texture `cudaMemory` refuses (16-bit float). The CUDAMemory object owns
+stalled), and for any texture `cudaMemory` refuses (16-bit float); its conversion to the engine's
+format runs on a feeder thread (`host_feeder.py`), not in the cook. The CUDAMemory object owns
 TouchDesigner's copy of the texture and frees it when dropped, and the texture is reused after the
 cook, so `Cook` holds the object until the bridge has finished copying out of it, inside the cook.
 All CUDA work on TouchDesigner's memory happens here, on its main thread, on one CUDA stream per
@@ -60,6 +61,8 @@ class LoomExt:
         self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
         self.last_wanted: Any = None  # what the stopped bridge had been asked for, handed to the next one
         self._host_output: np.ndarray | None = None  # the shm/tcp output in TD's row order, reused
+        self._host_output_of: np.ndarray | None = None  # the engine frame it holds
+        self.feeder: Any = None  # shm/tcp: converts and submits input frames off the main thread
         self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
 
     # --- engine lifetime ---------------------------------------------------------------------
@@ -98,6 +101,9 @@ class LoomExt:
             return
         self.note = note
         self._downloading = False
+        from plugin.touchdesigner.host_feeder import HostFeeder
+
+        self.feeder = HostFeeder(self.bridge)
         self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
         for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
@@ -108,9 +114,10 @@ class LoomExt:
         this runs on TouchDesigner's main thread (a parameter callback), where every cook would wait."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
+            feeder, self.feeder = self.feeder, None
             self.last_wanted = bridge.wanted
             # not a daemon: should TD quit meanwhile, its Python waits for the engine to be stopped
-            closer = threading.Thread(target=self._close, args=(bridge,), name="loom-close")
+            closer = threading.Thread(target=self._close, args=(bridge, feeder), name="loom-close")
             closer.start()
             self.closers = [t for t in self.closers if t.is_alive()] + [closer]
         if self.device_output is not None:
@@ -125,8 +132,10 @@ class LoomExt:
             closer.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self.closers)
 
-    def _close(self, bridge: Any) -> None:
+    def _close(self, bridge: Any, feeder: Any = None) -> None:
         try:
+            if feeder is not None:
+                feeder.close()
             bridge.close()
         except Exception as exc:  # closing must always leave the component usable
             self.last_error = str(exc)
@@ -242,7 +251,11 @@ class LoomExt:
             self.input_note = "the input TOP has no image this cook"
         self._downloading = True
         if frame is not None:
-            self.bridge.submit(frame, layout="touchdesigner")
+            if self.feeder is not None:
+                self.feeder.offer(frame)  # converted and submitted on the feeder thread
+                self.input_note = self.input_note or self.feeder.error
+            else:  # a bridge handed in by a script: no feeder thread
+                self.bridge.submit(frame, layout="touchdesigner")
             self.numpy_submits += 1
         out, status = self.bridge.latest()
         if out is not None:
@@ -254,9 +267,12 @@ class LoomExt:
     def _bottom_up(self, rgb: np.ndarray) -> np.ndarray:
         """The engine's top-down frame in TouchDesigner's row order, in a buffer reused across cooks."""
         buf = self._host_output
+        if buf is not None and self._host_output_of is rgb:
+            return buf  # no new engine frame since the last cook: the flipped copy stands
         if buf is None or buf.shape != rgb.shape:
             buf = self._host_output = np.empty_like(rgb)
         np.copyto(buf, rgb[::-1])
+        self._host_output_of = rgb  # the bridge hands out each frame as one read-only array
         return buf
 
     def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:

@@ -320,3 +320,27 @@ def test_a_windows_stop_reaches_the_tree_without_ctrl_break():
 def test_stand_in_device_memory_is_left_clean():
     gc.collect()
     assert all(isinstance(p, int) for p in DEVICE.live)
+
+
+def test_the_cook_leaves_converting_the_host_frame_to_a_feeder_thread():
+    from plugin.touchdesigner.host_feeder import HostFeeder
+
+    release, threads, taken = threading.Event(), [], []
+
+    class SlowBridge:
+        def submit(self, frame, layout="rgb"):
+            threads.append(threading.current_thread().name)
+            release.wait(5)  # a conversion that outlasts a frame
+            if frame is None:
+                raise ValueError("frame: None is not an array")
+            taken.append(int(frame[0, 0, 0]))
+
+    feeder = HostFeeder(SlowBridge())
+    for i in range(4):  # the main thread never waits on the conversion
+        feeder.offer(np.full((2, 2, 4), i, np.float32))
+    release.set()
+    deadline = time.monotonic() + 5
+    while taken[-1:] != [3] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(threads) == {"loom-td-feeder"} and taken[-1] == 3 and feeder.replaced >= 1
+    feeder.close()

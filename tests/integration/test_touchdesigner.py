@@ -266,8 +266,10 @@ class GpuScriptTOP(ScriptTOP):
         if not self.cooking:
             raise RuntimeError("copyCUDAMemory outside the cook")
         host = np.empty(size, np.uint8)
-        check(cudart.cudaMemcpy(host.ctypes.data, address, size, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost),
-              "cudaMemcpy")
+        s = cudart.cudaStream_t(int(stream or 0))  # TD copies on the stream it is given
+        check(cudart.cudaMemcpyAsync(host.ctypes.data, address, size, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+                                     s), "cudaMemcpyAsync")
+        check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
         self.output = host.view(np.dtype(shape.dataType)).reshape(shape.height, shape.width, shape.numComps)
 
 
