@@ -286,7 +286,7 @@ class LoomExt:
             self.device_output = DeviceBuffer()
         stream = self.device_output.stream
         try:
-            memory = top.cudaMemory(stream=stream)  # TD's copy of the texture; freed when `memory` is dropped
+            memory = _on_stream(top.cudaMemory, stream)  # TD's copy of the texture; freed when `memory` is dropped
         except Exception as exc:  # e.g. TD 2025 refuses 16-bit float formats: this input goes through the CPU
             self.input_note = f"the input's cudaMemory() refused ({exc}); it goes through the CPU"
             return None
@@ -307,7 +307,7 @@ class LoomExt:
         ptr = self.device_output.ensure(nbytes)
         # output comes back in the input's layout and size, copied here, on TD's main thread
         status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
-        scriptOp.copyCUDAMemory(ptr, nbytes, shape, stream=stream)
+        _on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
         return status
 
     def _use_cuda(self) -> bool:
@@ -332,6 +332,17 @@ class LoomExt:
         self.last_error = text
         self.ownerComp.par.State = "error"
         self.ownerComp.par.Message = text
+
+
+def _on_stream(method: Any, stream: int, *args: Any) -> Any:
+    """Call a TD method with `stream=`; builds whose method takes no stream get the call without it
+    (their copy then runs on the default stream, ordered by the bridge's synchronising copies)."""
+    try:
+        return method(*args, stream=stream)
+    except TypeError as exc:
+        if "stream" not in str(exc):
+            raise
+        return method(*args)
 
 
 class DeviceBuffer:
