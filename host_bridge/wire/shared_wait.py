@@ -19,7 +19,6 @@ on a signal, and sometimes for no reason: callers look again and wait again unti
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import math
 import platform
@@ -126,8 +125,9 @@ class _NamedEvent:
 
 
 def _libc() -> ctypes.CDLL | None:
+    """The C library already loaded into this process (no library search, which may run a program)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
 
