@@ -3,7 +3,7 @@
 Why: with the shm and cuda-ipc rings both processes share memory anyway, and a notice sent through a
 ZMQ socket (JSON, a socket hop, a kernel wake-up of the other side, each way, per frame and per
 release) cost more than the frame copies. Here a notice is a 64-byte record in a segment both map,
-and the reader finds it by polling a counter. tcp links keep the `FrameLane`; this class has the
+and the reader finds it behind a counter it sleeps on (see Waiting). tcp links keep the `FrameLane`; this class has the
 lane's interface (`send_frame`, `send_release`, `receive`, `lock`, `wake`, counters), so the threads
 that move frames use either one the same way.
 
