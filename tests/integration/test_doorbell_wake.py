@@ -204,3 +204,24 @@ def test_the_kernel_wait_returns_at_once_when_the_word_already_changed():
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_without_a_kernel_wait_the_doorbell_polls_and_keeps_its_promises(monkeypatch):
+    """The portable fallback (no futex, ulock or event): notices, timeouts and wake() as before."""
+    monkeypatch.setattr(db, "shared_wait", lambda *args, **kwargs: None)
+    host = Doorbell.create()
+    engine = Doorbell.attach(host.name)
+    try:
+        threading.Timer(0.05, lambda: host.send_frame(1, 5, 1)).start()
+        with engine.lock:
+            assert [m["seq"] for m, _ in engine.receive(LONG_S)] == [5]
+            t0 = time.monotonic()
+            assert engine.receive(0.2) == [] and time.monotonic() - t0 >= 0.19
+        threading.Timer(0.05, engine.wake).start()
+        with engine.lock:
+            t0 = time.monotonic()
+            assert engine.receive(LONG_S) == [] and time.monotonic() - t0 < LONG_S / 2
+        assert engine.sleeps == 0 and host.wakes == 0  # nothing slept in the kernel, nothing was woken
+    finally:
+        engine.close()
+        host.close()
