@@ -16,14 +16,13 @@ from typing import Any
 
 import yaml
 
+from host_bridge.wire import params as live
 from host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
 PRESET_PACKAGE = "engine.presets"
-TRAIN_TIMESTEPS = 1000
-MAX_STEPS = 4
 
 
 @dataclass
@@ -83,13 +82,11 @@ class Resolution:
 class StreamConfig:
     """Denoising schedule and the KV-cache window."""
 
-    steps: list[int] = spec(default_factory=lambda: [700, 500], min=1, max=TRAIN_TIMESTEPS - 1,
-                            min_len=1, max_len=MAX_STEPS, doc="denoising timesteps, descending")
-    mode: str = spec("auto", choices=("auto", "batch", "sequential"),
-                     doc="stream-batch, sequential, or chosen by the SLO scheduler")
+    steps: list[int] = live.STEPS.field()
+    mode: str = live.MODE.field()
     num_kv_cache: int = spec(6, min=1, max=64, doc="latent frames kept in the KV window")
     sink: int = spec(3, min=0, max=63, doc="of which sink frames kept from the stream start")
-    sink_threshold: float = spec(0.2, min=-1.0, max=1.0, doc="adaptive sink cosine threshold; <0 disables")
+    sink_threshold: float = live.SINK_THRESHOLD.field()
     rope_policy: str = spec("refresh", choices=("refresh", "window"), doc="how RoPE positions stay bounded")
     rope_refresh_at: int = spec(50, min=2, max=1000, doc="latent-frame index at which refresh moves back")
     timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
@@ -106,16 +103,17 @@ class StreamConfig:
         if self.rope_policy == "refresh" and self.rope_refresh_at <= self.num_kv_cache:
             raise ValueError(f"rope_refresh_at: {self.rope_refresh_at} must be larger than num_kv_cache "
                              f"({self.num_kv_cache}) with the refresh policy")
-        if any(a <= b for a, b in zip(self.steps, self.steps[1:])):
-            raise ValueError(f"steps: {self.steps} must be strictly descending")
+        problem = live.STEPS.problem(self.steps)  # what the field's constraints cannot say: descending
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class NoiseConfig:
     """Motion-aware noise: more motion, less noise (StreamDiffusionV2's controller)."""
 
-    motion_aware: bool = spec(True)
-    noise_scale: float = spec(0.8, min=0.1, max=1.0, doc="s_init: noise strength for a static scene")
+    motion_aware: bool = live.MOTION_AWARE.field()
+    noise_scale: float = live.NOISE_SCALE.field()
     estimator: str = spec("frame_diff", choices=("frame_diff", "farneback", "dis"),
                           doc="motion estimate: pixel difference, or optical flow on a worker thread")
     ema: float = spec(0.9, min=0.0, max=1.0, doc="weight of the new estimate in the running scale")
@@ -125,25 +123,26 @@ class NoiseConfig:
 class PromptConfig:
     """Text conditioning."""
 
-    text: str = spec("a painting in the style of van gogh, vivid brush strokes", min_len=1)
+    text: str = live.PROMPT.field()
     encoder: str = spec("hash", choices=("hash", "file", "umt5"),
                         doc="hash: small deterministic encoder; file: precomputed embeddings; umt5: local model")
     path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
     device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
-    transition_chunks: int = spec(4, min=0, max=1000, doc="chunks over which a prompt change blends")
+    transition_chunks: int = live.TRANSITION_CHUNKS.field()
     blend: str = spec("slerp", choices=("linear", "slerp"))
 
     def __post_init__(self) -> None:
-        if not self.text.strip():
-            raise ValueError("text: the prompt is empty; give a few words describing the style")
+        problem = live.PROMPT.problem(self.text)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class SLOConfig:
     """Service-level targets the scheduler keeps."""
 
-    target_fps: float = spec(0.0, min=0.0, max=1000.0, doc="output FPS to sustain; 0 = as fast as possible")
-    latency_budget_ms: float = spec(1000.0, min=1.0, max=60000.0, doc="per-frame push-to-output budget")
+    target_fps: float = live.TARGET_FPS.field()
+    latency_budget_ms: float = live.LATENCY_BUDGET_MS.field()
 
 
 @dataclass
@@ -181,7 +180,8 @@ class LoraEntry:
     """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
 
     path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
-    scale: float = spec(1.0, min=-4.0, max=4.0, doc="strength; changed live with the lora_scales parameter")
+    scale: float = spec(1.0, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
+                        doc="strength; changed live with the lora_scales parameter")
     name: str | None = spec(None, doc="name for live control; default: the file name without extension")
 
     @property
@@ -202,7 +202,8 @@ class LoomConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: list[LoraEntry] = spec(default_factory=list, max_len=8, doc="style LoRAs, each with its own scale")
+    lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
+                                 doc="style LoRAs, each with its own scale")
 
     def __post_init__(self) -> None:
         names = [e.key for e in self.lora]

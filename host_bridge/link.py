@@ -5,8 +5,8 @@ and releases, used directly by whichever host thread moves frames: the shared-me
 shm and cuda-ipc (the engine is on this machine), the `FrameLane` socket on tcp; both are `lane`
 here. A restart is a new `Link` (new sockets, new endpoints, new token, new doorbell, new rings),
 so nothing from a dead engine (queued messages, half-written slots) can leak into the next one.
-The `Bridge` holds its lock while calling into a link, except for `teardown`, which may wait for a
-process to exit.
+The bridge and the supervisor hold the engine lock while calling into a link, except for `teardown`,
+which may wait for a process to exit.
 """
 
 from __future__ import annotations

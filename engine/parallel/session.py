@@ -62,8 +62,8 @@ from engine.stream.metrics import StreamMetrics
 from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
-FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (as StreamSession)
 # Live parameters that only rank 0 uses; the steps, mode and plan are fixed by the ranks' caches and graphs
 SETTABLE = {"noise": ("noise_scale", "motion_aware"), "prompt": ("transition_chunks",)}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
+
 PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
@@ -103,6 +105,17 @@ def _json_object(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a JSON object"
 
 
+def _live(param: LiveParam) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if param.problem(v) is None else param.allowed()
+    return check
+
+
+def _live_params(v: Any) -> str | None:
+    problem = LIVE.problem(v)
+    return None if problem is None else f"live parameters ({problem})"
+
+
 def _ring_spec(v: Any) -> str | None:
     if not isinstance(v, dict):
         return "a ring description object"
@@ -138,9 +151,10 @@ SCHEMA: dict[str, Fields] = {
               "nbytes": (_opt(_int(0, MAX_PAYLOAD_BYTES)), False)},
     "release": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
                 "gen": (_int(), True), "dropped": (_bool, False)},
-    # session control (requests may carry an id; the engine answers ack or error with it)
-    "prompt": {**_ID, "text": (_str(MAX_TEXT, 1), True), "transition_chunks": (_opt(_int(0, 100000)), False)},
-    "params": {**_ID, "params": (_json_object, True)},
+    # session control (requests may carry an id; the engine answers ack or error with it); prompt and
+    # parameter values are checked against the live-parameter schema (params.py)
+    "prompt": {**_ID, "text": (_live(PROMPT), True), "transition_chunks": (_opt(_live(TRANSITION_CHUNKS)), False)},
+    "params": {**_ID, "params": (_live_params, True)},
     "mode": {**_ID, "lossless": (_bool, True)},
     # flush: `seq` = the last frame notice sent before it (on the lane); the engine waits for that notice
     "flush": {**_ID, "seq": (_opt(_int()), False)},

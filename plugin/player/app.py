@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from host_bridge import EngineState
+from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
@@ -42,9 +44,9 @@ from plugin.player.options import (
 from plugin.player.status import StatusPrinter, live_line, progress_line
 
 # Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
-# the first chunk is 5 frames, later ones 4 (first batch 5 + 4*4, then 5*4).
-FIRST_BATCH = 21
-LATER_BATCH = 20
+# five chunks, the first batch starting the stream with its longer first chunk.
+FIRST_BATCH = whole_chunks(5)
+LATER_BATCH = 5 * CHUNK_FRAMES
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
 RETRY_PAUSE_S = 1.0
@@ -197,8 +199,8 @@ class Player:
             self._open_outputs()
             self._start_engine()
             self._start_osc()
-            if self.opts.prompts:  # sent as soon as the engine runs (and again to a restarted one)
-                self.controls.sync.set_prompt(self.controls.state.prompt)
+            if self.opts.prompts:  # the bridge tells the engine as soon as it runs (and a restarted one)
+                self.bridge.set_prompt(self.controls.state.prompt)
             live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
             if live:
                 self._run_live()
@@ -450,11 +452,11 @@ def _raise_on_stop_signals() -> dict[int, Any]:
 
 
 def _is_ready(status: Any) -> bool:
-    return status.state == "running"
+    return status.state == EngineState.RUNNING
 
 
 def _is_failed(status: Any) -> bool:
-    return status.state in ("dead", "stopped")
+    return status.state in (EngineState.DEAD, EngineState.STOPPED)
 
 
 def run_player(options: PlayerOptions) -> int:

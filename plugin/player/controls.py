@@ -3,7 +3,9 @@
 Keys in the window and OSC messages both turn into `Command`s on one thread-safe queue; the
 frame loop drains the queue between frames and applies each command to the engine. So the OSC
 server's thread never touches the bridge, and a burst of messages (a fader sweep) cannot stall
-the frame loop: only the newest value of each setting is sent to the engine per frame.
+the frame loop: only the newest value of each setting is sent to the engine per frame. The bridge
+remembers what was set and tells an engine that starts or restarts later; ranges, defaults and
+step lists are the live-parameter schema's (host_bridge/wire/params.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.live_params import NOISE_SCALE_RANGE, STEP_LISTS, ControlSync
+from host_bridge.wire.params import LIVE, NOISE_SCALE, STEP_LISTS, check_prompt_request, steps_for
 
-NOISE_SCALE_KEY_STEP = 0.05
+NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,9 @@ class ControlState:
 
     prompts: list[str]
     prompt_index: int = 0
-    steps: int = 2
-    noise_scale: float = 0.8
-    motion_aware: bool = True
+    steps: int = len(LIVE["steps"].default)
+    noise_scale: float = NOISE_SCALE.default
+    motion_aware: bool = LIVE["motion_aware"].default
     transition_chunks: int | None = None
     paused: bool = False
     overlay: bool = True
@@ -57,29 +59,31 @@ class ControlState:
 
 def steps_command(value: Any) -> Command:
     n = _int(value, "steps")
-    if n not in STEP_LISTS:
-        raise ControlError(f"steps: {n} is not allowed; expected 1, 2, 3 or 4")
+    try:
+        steps_for(n)
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
     return Command("steps", (n,))
 
 
 def noise_scale_command(value: Any) -> Command:
-    lo, hi = NOISE_SCALE_RANGE
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise ControlError(f"noise_scale: {value!r} is not a number; expected {lo}..{hi}") from None
-    if not lo <= x <= hi:
-        raise ControlError(f"noise_scale: {x:g} is out of range; expected {lo}..{hi}")
-    return Command("noise_scale", (x,))
+        raise ControlError(f"noise_scale: {value!r} is not a number; expected {NOISE_SCALE.allowed()}") from None
+    return Command("noise_scale", (_checked(NOISE_SCALE.check, x),))
 
 
 def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
-    if not isinstance(text, str) or not text.strip():
-        raise ControlError("prompt: expected a non-empty text describing the style")
     chunks = None if transition_chunks is None else _int(transition_chunks, "transition_chunks")
-    if chunks is not None and chunks < 0:
-        raise ControlError(f"transition_chunks: {chunks} must be >= 0")
-    return Command("prompt", (text.strip(), chunks))
+    return Command("prompt", _checked(check_prompt_request, text, chunks))
+
+
+def _checked(check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
 
 
 def _int(value: Any, what: str) -> int:
@@ -108,7 +112,6 @@ class Controls:
 
     def __init__(self, state: ControlState) -> None:
         self.state = state
-        self.sync = ControlSync()
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     def put(self, command: Command) -> None:
@@ -126,7 +129,8 @@ class Controls:
                 return out
 
     def apply_pending(self, bridge: Any) -> list[str]:
-        """Apply every queued command to the state; the engine gets one update per setting when it runs.
+        """Apply every queued command to the state; the bridge gets one update per changed setting (it
+        tells the engine now, or when one runs).
 
         Returns what changed, one line per command, for the status display and the log.
         """
@@ -137,10 +141,10 @@ class Controls:
             self._apply(command, changes)
             done.append(self.state.message)
         if "prompt" in changes:
-            self.sync.set_prompt(*changes.pop("prompt"))
+            text, chunks = changes.pop("prompt")
+            bridge.set_prompt(text, transition_chunks=chunks)
         if changes:
-            self.sync.set_params(**changes)
-        self.sync.sync(bridge)
+            bridge.set_params(**changes)
         return done
 
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
@@ -164,9 +168,9 @@ class Controls:
             changes["prompt"] = (s.prompt, s.transition_chunks)
         elif name == "steps":
             s.steps = args[0]
-            changes["steps"] = list(STEP_LISTS[s.steps])
+            changes["steps"] = steps_for(s.steps)
         elif name in ("noise_scale", "noise_step"):
-            lo, hi = NOISE_SCALE_RANGE
+            lo, hi = NOISE_SCALE.min, NOISE_SCALE.max
             target = args[0] if name == "noise_scale" else s.noise_scale + args[0]
             s.noise_scale = round(min(hi, max(lo, target)), 4)
             changes["noise_scale"] = s.noise_scale
@@ -188,7 +192,7 @@ def _describe(command: Command, s: ControlState) -> str:
     if command.name.startswith("prompt"):
         return f"prompt: {s.prompt}"
     if command.name == "steps":
-        return f"steps: {s.steps} {STEP_LISTS[s.steps]}"
+        return f"steps: {s.steps} {steps_for(s.steps)}"
     if command.name in ("noise_scale", "noise_step"):
         return f"noise scale: {s.noise_scale:.2f}"
     if command.name == "motion_aware":
@@ -205,7 +209,7 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     ("space", "pause / resume the input"),
     ("Enter or t", "type a new prompt (Enter sends it, Esc cancels)"),
     ("n / b", "next / previous prompt of the --prompts list"),
-    ("1 2 3 4", "number of denoising steps"),
+    (" ".join(map(str, STEP_LISTS)), "number of denoising steps"),
     ("[ / ]", f"noise scale down / up by {NOISE_SCALE_KEY_STEP}"),
     ("m", "motion-aware noise on / off"),
     ("h", "hide / show the status overlay"),
@@ -246,7 +250,7 @@ class KeyboardInput:
             self.controls.put(Command("quit"))
         elif code in KEY_ENTER or chr(code) == "t":
             self.typing = ""
-        elif chr(code) in "1234":
+        elif chr(code).isdigit() and int(chr(code)) in STEP_LISTS:
             self.controls.put(steps_command(int(chr(code))))
         elif chr(code) in _SIMPLE_KEYS:
             self.controls.put(_SIMPLE_KEYS[chr(code)]())

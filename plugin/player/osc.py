@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from host_bridge.wire.params import NOISE_SCALE, STEP_LISTS
 from plugin.player.controls import Command, ControlError, Controls, noise_scale_command, prompt_command, steps_command
 
 # address -> (arguments, what it does); the README's table is this one.
@@ -19,8 +20,8 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
     "/loom/prompt/next": ("", "next prompt of the --prompts list"),
     "/loom/prompt/prev": ("", "previous prompt of the --prompts list"),
     "/loom/prompt/index": ("i", "prompt number i (0-based) of the --prompts list"),
-    "/loom/steps": ("i", "number of denoising steps, 1..4"),
-    "/loom/noise_scale": ("f", "noise strength for a static scene, 0.1..1.0"),
+    "/loom/steps": ("i", f"number of denoising steps, {min(STEP_LISTS)}..{max(STEP_LISTS)}"),
+    "/loom/noise_scale": ("f", f"noise strength for a static scene, {NOISE_SCALE.min}..{NOISE_SCALE.max}"),
     "/loom/motion_aware": ("[0|1]", "motion-aware noise off / on (no argument: toggle)"),
     "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
     "/loom/quit": ("", "stop the player; outputs are finalised"),

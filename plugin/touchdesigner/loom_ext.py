@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from plugin.live_params import ControlSync, engine_params
+from host_bridge.wire.params import steps_for
 
 OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
@@ -43,10 +43,10 @@ class LoomExt:
         self.last_error = ""
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
-        self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
         self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
         self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
+        self.last_wanted: Any = None  # what the stopped bridge had been asked for, handed to the next one
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -83,8 +83,8 @@ class LoomExt:
             self._error(f"cannot start the engine: {exc}")
             return
         self.note = note
-        self.controls.new_bridge()  # its engine gets everything; a refused value keeps the last good one
-        for group in (PROMPT_PARS, PARAM_PARS):
+        self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
+        for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
         par.State = "starting"
 
@@ -93,6 +93,7 @@ class LoomExt:
         this runs on TouchDesigner's main thread (a parameter callback), where every cook would wait."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
+            self.last_wanted = bridge.wanted
             # not a daemon: should TD quit meanwhile, its Python waits for the engine to be stopped
             closer = threading.Thread(target=self._close, args=(bridge,), name="loom-close")
             closer.start()
@@ -139,7 +140,6 @@ class LoomExt:
             return
         elif name in PROMPT_PARS + PARAM_PARS:
             self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
-            self.controls.sync(self.bridge)
         elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
             self.Start()
@@ -150,8 +150,17 @@ class LoomExt:
         elif par.name == "Stop":
             self.Stop()
 
+    def _hand_over(self, wanted: Any) -> None:
+        """Ask the new bridge for what the last one was asked for (values it already took)."""
+        if wanted is None:
+            return
+        if wanted.prompt is not None:
+            self.bridge.set_prompt(wanted.prompt.text, transition_chunks=wanted.prompt.transition_chunks)
+        if wanted.params:
+            self.bridge.set_params(**wanted.params)
+
     def _record_controls(self, group: tuple[str, ...]) -> None:
-        """Record the Loom page's prompt or parameter values, to be sent whenever an engine runs.
+        """Give the bridge the Loom page's prompt or parameter values; it tells the engine now or when one runs.
 
         A value the engine cannot take (an empty prompt, steps 7 sent over OSC) is refused here with a
         message on the component, and the last good value stays: a refusal must never reach the cook.
@@ -159,10 +168,10 @@ class LoomExt:
         par = self.ownerComp.par
         try:
             if group == PROMPT_PARS:
-                self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
-            else:
-                self.controls.set_params(**engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()),
-                                                         bool(par.Motionaware.eval())))
+                self.bridge.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+            else:  # the bridge checks the values against the live-parameter schema
+                self.bridge.set_params(steps=steps_for(int(par.Steps.eval())), noise_scale=float(par.Noisescale.eval()),
+                                       motion_aware=bool(par.Motionaware.eval()))
         except ValueError as exc:
             self.refused[group[0]] = f"{'/'.join(group)} refused ({exc}); keeping the last good value"
         else:
@@ -188,7 +197,6 @@ class LoomExt:
             if frame is not None:
                 scriptOp.copyNumpyArray(frame)  # inactive: pass the input through
             return
-        self.controls.sync(self.bridge)
         self.input_note = ""
         try:
             status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None

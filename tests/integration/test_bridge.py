@@ -227,6 +227,52 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
     assert not (_segments() & second_segments)
 
 
+def _engine_session(bridge: Bridge, pid: int, ready, timeout_s: float = 10.0) -> dict:
+    """The session report of engine `pid` once `ready(report)` holds (reports come about once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engine = bridge.stats()["engine"]
+        if engine.get("pid") == pid and ready(engine.get("session") or {}):
+            return engine["session"]
+        time.sleep(0.05)
+    raise AssertionError(f"engine {pid} never reported the expected session: {bridge.stats()['engine']}")
+
+
+@posix_only
+def test_a_fresh_engine_is_told_the_hosts_prompt_and_params_exactly_once():
+    """A host (the player's controls) sets a prompt before the engine runs; the first engine and a
+    restarted one each receive it once: the bridge alone remembers and re-sends what the host wants."""
+    from plugin.player.controls import Controls, ControlState, prompt_command, steps_command
+
+    def told(session: dict) -> bool:
+        return session.get("prompt") == "velvet" and session.get("params") == {"steps": [700, 500, 400]}
+
+    bridge = Bridge(_config())
+    controls = Controls(ControlState(prompts=["ink"]))
+    controls.put(prompt_command("velvet", 2))
+    controls.put(steps_command(3))
+    controls.apply_pending(bridge)  # before start: remembered by the bridge
+    bridge.start()
+    try:
+        for engine in ("first", "restarted"):
+            bridge.wait_running(30)
+            pid = bridge.stats()["engine_pid"]
+            for _ in range(3):  # the host's frame loop goes on applying (nothing new) while the engine runs
+                controls.apply_pending(bridge)
+                time.sleep(0.05)
+            _engine_session(bridge, pid, told)
+            time.sleep(1.5)  # one more report: a late second copy would have arrived by then
+            session = _engine_session(bridge, pid, told)
+            assert session["prompts_received"] == 1, (engine, session)
+            if engine == "first":
+                os.kill(pid, signal.SIGKILL)
+                assert _wait(lambda gone=pid: bridge.stats()["engine_pid"] not in (None, gone), 15)
+        assert bridge.status().restarts == 1
+        assert bridge.wanted.prompt.text == "velvet" and bridge.wanted.params == {"steps": [700, 500, 400]}
+    finally:
+        bridge.close()
+
+
 @posix_only
 def test_hung_engine_is_detected_within_two_seconds_and_replaced():
     bridge = Bridge(_config(stop_timeout_s=0.3)).start()

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from plugin.live_params import STEP_LISTS
+from host_bridge.wire.params import steps_for
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
 
@@ -306,7 +306,7 @@ def test_keys_change_steps_noise_prompt_and_quit():
     for key in "3]]n":
         keys.press(ord(key))
     controls.apply_pending(bridge)
-    assert bridge.params == [{"steps": STEP_LISTS[3], "noise_scale": 0.9}]  # one update per frame
+    assert bridge.params == [{"steps": steps_for(3), "noise_scale": 0.9}]  # one update per frame
     assert bridge.prompts == [("oil", None)]
     for key in "tneon\r":  # type a prompt, Enter sends it
         keys.press(ord(key))
@@ -316,22 +316,18 @@ def test_keys_change_steps_noise_prompt_and_quit():
     assert controls.state.quit
 
 
-def test_controls_reach_an_engine_that_starts_later_and_a_restarted_one():
+def test_each_change_goes_to_the_bridge_once_whatever_the_engine_is_doing():
+    """The bridge remembers what was set and tells a later or restarted engine (test_bridge.py):
+    the controls hand each change over once, and never again."""
     controls, bridge = _controls("ink"), RecordingBridge()
-    state = SimpleNamespace(state="starting", restarts=0)
-    bridge.status = lambda: state
+    bridge.status = lambda: SimpleNamespace(state="starting", restarts=0)
     controls.put(Command("prompt", ("velvet", 4)))
     controls.put(steps_command(1))
     controls.apply_pending(bridge)
-    assert bridge.prompts == [] and bridge.params == []  # a starting engine would drop them
-    state.state = "running"
+    assert bridge.prompts == [("velvet", 4)] and bridge.params == [{"steps": steps_for(1)}]
+    bridge.status = lambda: SimpleNamespace(state="running", restarts=1)
     controls.apply_pending(bridge)
-    assert bridge.prompts == [("velvet", 0)] and bridge.params == [{"steps": STEP_LISTS[1]}]
-    controls.apply_pending(bridge)
-    assert len(bridge.prompts) == 1  # sent once
-    state.restarts = 1  # the engine crashed and came back: a fresh process gets everything again
-    controls.apply_pending(bridge)
-    assert bridge.prompts[-1] == ("velvet", 0) and bridge.params[-1] == {"steps": STEP_LISTS[1]}
+    assert len(bridge.prompts) == 1 and len(bridge.params) == 1
 
 
 def test_typing_a_prompt_can_be_cancelled():
@@ -349,8 +345,8 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
     assert command_for("/loom/prompt", ("glass", 2)) == Command("prompt", ("glass", 2))
     assert command_for("/loom/quit", ()) == Command("quit")
     for address, args, why in [("/loom/steps", (7,), "expected 1, 2, 3 or 4"),
-                               ("/loom/noise_scale", (3.0,), "out of range"),
-                               ("/loom/prompt", ("",), "non-empty"),
+                               ("/loom/noise_scale", (3.0,), r"noise_scale: .*expected a number in \[0.1, 1\]"),
+                               ("/loom/prompt", ("",), "prompt is empty"),
                                ("/loom/bogus", (), "unknown OSC address"),
                                ("/loom/quit", (1, 2), "wrong arguments")]:
         with pytest.raises(ControlError, match=why):
@@ -380,7 +376,7 @@ def test_osc_server_feeds_the_controls():
     finally:
         server.close()
     assert bridge.prompts == [("chrome", 3)]
-    assert bridge.params == [{"steps": STEP_LISTS[4]}]
+    assert bridge.params == [{"steps": steps_for(4)}]
     assert server.rejected == 1 and "steps" in server.last_error
     assert controls.state.quit
 

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from host_bridge.wanted import PromptWish
+from host_bridge.wire.params import steps_for
 from host_bridge.wire.pixels import from_touchdesigner, to_engine
-from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 
@@ -87,8 +88,9 @@ def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_go
             setattr(comp.par, name, good)  # the user puts it back
             comp.parexec_enabled = True
             setattr(comp.par, name, good)
-        assert ext.controls.prompt == ("ink wash", 4)
-        assert ext.controls.params["steps"] == STEP_LISTS[3] and ext.controls.params["noise_scale"] == 0.8
+        wanted = ext.bridge.wanted
+        assert wanted.prompt == PromptWish("ink wash", 4)
+        assert wanted.params["steps"] == steps_for(3) and wanted.params["noise_scale"] == 0.8
         comp.par.Prompt = "velvet"  # a good value clears the message and reaches the engine
         deadline = time.monotonic() + 10
         while _engine_session(ext).get("prompt") != "velvet" and time.monotonic() < deadline:
@@ -101,7 +103,7 @@ def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_go
         comp.parexec_enabled = True
         comp.par.Start.pulse()
         _cook_until(script, lambda: _running(comp), "engine running again")
-        assert "Steps" in comp.par.Message.eval() and ext.controls.params["steps"] == STEP_LISTS[3]
+        assert "Steps" in comp.par.Message.eval() and ext.bridge.wanted.params["steps"] == steps_for(3)
     finally:
         comp.par.Active = False
 

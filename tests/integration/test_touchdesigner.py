@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from host_bridge.wire.params import steps_for
 from host_bridge.wire.pixels import from_touchdesigner, to_engine
-from plugin.live_params import STEP_LISTS
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
 from plugin.touchdesigner.parameters import PARAMETERS, setup_parameters
@@ -342,7 +342,7 @@ def test_numpy_path_round_trip_is_exact_in_td_layout(dtype):
         while time.monotonic() < deadline:
             script.cook()
             session = ext.bridge.stats()["engine"].get("session") or {}
-            if session.get("prompt") == "ink wash" and session["params"].get("steps") == STEP_LISTS[3]:
+            if session.get("prompt") == "ink wash" and session["params"].get("steps") == steps_for(3):
                 break
             time.sleep(0.1)
         else:
@@ -480,12 +480,12 @@ def test_parameter_changes_reach_the_engine():
     sent: list[tuple[str, Any]] = []
     ext.bridge = SimpleNamespace(set_prompt=lambda text, transition_chunks=None: sent.append(("prompt", text)),
                                  set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None,
-                                 status=lambda: SimpleNamespace(state="running", restarts=0))
+                                 wanted=None)
     comp.par.Prompt = "liquid chrome"
     comp.par.Steps = 1
     comp.par.Noisescale = 0.5
     assert sent[0] == ("prompt", "liquid chrome")
-    assert sent[-1] == ("params", {"steps": STEP_LISTS[1], "noise_scale": 0.5, "motion_aware": True})
+    assert sent[-1] == ("params", {"steps": steps_for(1), "noise_scale": 0.5, "motion_aware": True})
     comp.par.Stop.pulse()
     assert ext.bridge is None and comp.par.State.eval() == "stopped"
 
@@ -527,13 +527,13 @@ def test_osc_in_dat_sets_parameters_that_reach_the_engine():
     sent: list[tuple[str, Any]] = []
     ext.bridge = SimpleNamespace(set_prompt=lambda text, transition_chunks=None: sent.append(("prompt", text)),
                                  set_params=lambda **kw: sent.append(("params", kw)), close=lambda: None,
-                                 status=lambda: SimpleNamespace(state="running", restarts=0))
+                                 wanted=None)
     dat = SimpleNamespace(parent=lambda: comp)
     osc_in_callbacks.onReceiveOSC(dat, 0, "", b"", 0.0, "/loom/prompt", ["velvet"], None)
     osc_in_callbacks.onReceiveOSC(dat, 0, "", b"", 0.0, "/loom/steps", [3], None)
     osc_in_callbacks.onReceiveOSC(dat, 0, "", b"", 0.0, "/loom/unknown", [1], None)  # ignored
     assert comp.par.Prompt.eval() == "velvet" and comp.par.Steps.eval() == 3
-    assert sent == [("prompt", "velvet"), ("params", {"steps": STEP_LISTS[3], "noise_scale": 0.8,
+    assert sent == [("prompt", "velvet"), ("params", {"steps": steps_for(3), "noise_scale": 0.8,
                                                       "motion_aware": True})]
 
 
