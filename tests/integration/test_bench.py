@@ -9,8 +9,9 @@ from plugin.cli.main import main
 
 def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", "default", "--frames", "24", "--warmup", "9", "--bridge", "shm",
-               "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
+    # the embedded default at 64x64: the table and the JSON have the same rows at any size
+    rc = main(["bench", "--config", "default", "--width", "64", "--height", "64", "--frames", "24", "--warmup", "9",
+               "--bridge", "shm", "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     for row in ("FPS", "time to first frame", "latency p95/p99/max", "chunk period", "stage dit", "stage bridge",

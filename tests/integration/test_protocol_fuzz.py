@@ -158,7 +158,8 @@ def test_bridge_client_survives_fuzzing_and_counts_refusals():
                 t0 = time.monotonic()
                 bridge.submit(np.zeros((8, 8, 3), np.uint8))
                 frame, status = bridge.latest()
-                assert time.monotonic() - t0 < 0.1 and frame is not None
+                # a call that waited on the I/O thread's backlog of garbage would take seconds
+                assert time.monotonic() - t0 < 1.0 and frame is not None
         engine.send(encode(make("frame", dir="out", slot=0, seq=1, gen=1)))  # valid, but on the control channel
         expected = len(messages) + 1
         deadline = time.monotonic() + 15

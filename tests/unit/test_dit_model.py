@@ -8,7 +8,7 @@ import torch
 from engine.models.dit_convert import to_diffusers_key, to_wan_key
 from engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig, preset
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = pytest.importorskip("diffusers", reason="the diffusers oracle is in the test extra")
 
 CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
 
