@@ -9,6 +9,7 @@ names the file, the key path, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -223,6 +224,19 @@ class LoomConfig:
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
+
+
+def lora_override(specs: list[str]) -> list[str]:
+    """`--lora PATH[:SCALE]` options as one `--set lora=[...]` override (none given: none)."""
+    entries = []
+    for text in specs:
+        path, sep, tail = text.rpartition(":")
+        try:
+            scale = float(tail) if sep else 1.0
+        except ValueError:  # a colon of the path itself (C:\\...), no scale
+            path, scale = text, 1.0
+        entries.append({"path": path if sep and path else text, "scale": scale})
+    return [f"lora={json.dumps(entries)}"] if entries else []
 
 
 def list_presets() -> list[str]:
