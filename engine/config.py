@@ -9,6 +9,7 @@ names the file, the key path, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -180,7 +181,8 @@ class LoraEntry:
     """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
 
     path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
-    scale: float = spec(1.0, min=-4.0, max=4.0, doc="strength; changed live with the lora_scales parameter")
+    scale: float = spec(1.0, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
+                        doc="strength; changed live with the lora_scales parameter")
     name: str | None = spec(None, doc="name for live control; default: the file name without extension")
 
     @property
@@ -201,7 +203,8 @@ class LoomConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: list[LoraEntry] = spec(default_factory=list, max_len=8, doc="style LoRAs, each with its own scale")
+    lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
+                                 doc="style LoRAs, each with its own scale")
 
     def __post_init__(self) -> None:
         names = [e.key for e in self.lora]
@@ -221,6 +224,19 @@ class LoomConfig:
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
+
+
+def lora_override(specs: list[str]) -> list[str]:
+    """`--lora PATH[:SCALE]` options as one `--set lora=[...]` override (none given: none)."""
+    entries = []
+    for text in specs:
+        path, sep, tail = text.rpartition(":")
+        try:
+            scale = float(tail) if sep else 1.0
+        except ValueError:  # a colon of the path itself (C:\\...), no scale
+            path, scale = text, 1.0
+        entries.append({"path": path if sep and path else text, "scale": scale})
+    return [f"lora={json.dumps(entries)}"] if entries else []
 
 
 def list_presets() -> list[str]:

@@ -42,8 +42,10 @@ class Wanted:
 
     def want_params(self, params: dict[str, Any]) -> Callable[[], None]:
         """Remember parameters (checked by the caller, `LIVE.check`); returns what undoes them."""
-        before = dict(self.params)
-        self.params.update(params)
+        before = copy.deepcopy(self.params)
+        for key, value in params.items():  # a mapping (LoRA scales by name) adds to what was wanted
+            old = self.params.get(key)
+            self.params[key] = {**old, **value} if isinstance(value, dict) and isinstance(old, dict) else value
 
         def undo() -> None:
             self.params = before

@@ -25,7 +25,7 @@ comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` d
 
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
-single-process session to float tolerance (tests/test_pipeline_parallel.py). One difference: a
+single-process session to float tolerance (tests/integration/test_pipeline_parallel.py). One difference: a
 prompt change reaches each row at the tick it is applied on, which groups rows differently
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 

@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="default", help="preset name or YAML file (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
@@ -37,8 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _session_factory(args: argparse.Namespace):
-    from engine.config import load_config
+    from engine.config import load_config, lora_override
 
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
     config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
     if config.parallel.gpus > 1 and not args.passthrough:
         raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "

@@ -44,8 +44,6 @@ from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stream.stage_timer import StageTimer
 from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-SETTABLE = (*LIVE.names(), "lora_scales")  # the schema's live parameters plus this model's LoRA scales
-
 
 @dataclass
 class _Chunk:
@@ -210,10 +208,10 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        unknown = [k for k in params if k not in SETTABLE]
+        unknown = [k for k in params if k not in LIVE]
         if unknown:
-            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(SETTABLE)}")
-        lora = self._lora_request(params.pop("lora_scales", None))
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(LIVE.names())}")
+        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         new = self.cfg

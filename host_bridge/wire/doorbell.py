@@ -3,7 +3,7 @@
 Why: with the shm and cuda-ipc rings both processes share memory anyway, and a notice sent through a
 ZMQ socket (JSON, a socket hop, a kernel wake-up of the other side, each way, per frame and per
 release) cost more than the frame copies. Here a notice is a 64-byte record in a segment both map,
-and the reader finds it by polling a counter. tcp links keep the `FrameLane`; this class has the
+and the reader finds it behind a counter it sleeps on (see Waiting). tcp links keep the `FrameLane`; this class has the
 lane's interface (`send_frame`, `send_release`, `receive`, `lock`, `wake`, counters), so the threads
 that move frames use either one the same way.
 
@@ -24,14 +24,23 @@ when it has not verified within RECORD_GRACE_S, far longer than any reordering: 
 The producer reuses a record only after the consumer's counter has passed it, and a ring that is
 full refuses the send (counted as dropped): records in flight are bounded by the frame slots.
 
-Waiting: the consumer polls `published`. Within SPIN_S of this side's last record (sent or received:
-frames are flowing, the answer is due within a fraction of a millisecond) it spins, yielding the CPU
-and the GIL between looks; otherwise it sleeps with a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S,
-or to SLEEP_IDLE_S once nothing has come for IDLE_AFTER_S. So a stream pays no kernel wake-up per
-notice, a notice between frames of a slower stream waits at most SLEEP_MAX_S plus the OS timer's
-slack, and an idle waiter costs one short wake-up per SLEEP_IDLE_S and no spinning (each sleep
-costs some CPU of its own, so short sleeps are kept for when frames flow; see docs/performance.md).
-Every wait keeps its timeout, and `wake()` ends one early.
+Waiting: the consumer sleeps in the kernel on the low 32 bits of `published` (`shared_wait`: a futex
+on Linux, a ulock on macOS, a named event per ring on Windows), and the producer, after advancing the
+counter, wakes it. A futex wait compares the word with the value the consumer last saw, so a record
+published between the consumer's last look and its sleep ends the sleep at once. The consumer sets a
+`sleeping` word (beside `consumed`) before its last look, and clears it after: a producer that sees it
+clear skips the wake call, so a stream whose reader is busy pays no system call per notice. Skipping
+is safe only where a locked instruction orders the producer's counter store before its load of
+`sleeping` and the consumer's flag store before its look (`_fence`; x86's locked instructions are full
+barriers); elsewhere the producer always makes the call, whose kernel side carries that barrier.
+`wake()` from another thread of the consumer's process (a command, closing) calls the kernel's wake
+until the sleeper is out of its wait, as a word wait cannot see it coming.
+
+Polling remains where no kernel wait exists, and while a record has not verified yet (see above, the
+next look must come soon): a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S, or SLEEP_IDLE_S once
+nothing has come for IDLE_AFTER_S. Within SPIN_S of this side's last record the consumer spins,
+yielding the CPU and the GIL between looks, before it sleeps (0 turns the spin off; docs/performance.md
+has what it buys). Every wait keeps its timeout, and `wake()` ends one early.
 
 Threads: one consumer at a time (it holds `lock`, reentrant, as on the lane); sends from any
 thread, serialised by a short lock of their own that is never held while waiting.
@@ -40,7 +49,9 @@ thread, serialised by a short lock of their own that is never held while waiting
 from __future__ import annotations
 
 import os
+import platform
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -53,14 +64,16 @@ from host_bridge.wire.rings.shm import (
     sweep_stale_segments,
     unlink_segment,
 )
+from host_bridge.wire.shared_wait import SharedWait, shared_wait
 
 TRANSPORTS = ("shm", "cuda-ipc")  # both processes on one machine: these links use a doorbell
 MAGIC = 0x4C4F4F4D44424C31  # "LOOMDBL1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: a `sleeping` word beside each `consumed`; producers wake sleeping consumers
 CAPACITY = 64  # records per direction; at most 2 x MAX_SLOTS are ever unconsumed
 MAX_CAPACITY = 4096  # what an attaching side accepts from a segment's header
 HEADER_WORDS = 8  # magic, layout version, capacity, owner pid; one cache line
 COUNTER_WORDS = 8  # a counter alone on its cache line: producer and consumer never write the same line
+SLEEPING = 1  # word after `consumed` on the consumer's line: 1 while the consumer may sleep in the kernel
 RECORD_WORDS = 8  # stamp, info, seq, gen, t_ns, check, 2 spare: one cache line
 RING_WORDS = 2 * COUNTER_WORDS + CAPACITY * RECORD_WORDS  # one direction's ring, as this side creates it
 WORD = 8
@@ -69,7 +82,8 @@ MAX_VALUE = 1 << 62  # seq and gen: the protocol's integer range
 KIND_FRAME, KIND_RELEASE = 1, 2
 FLAG_DROPPED = 1
 RECORD_GRACE_S = 0.01  # an unverified record this old is torn or corrupt, not late (reordering: ns)
-SPIN_S = 0.001  # spin this long after the last record; a pass-through round trip takes well under it
+SPIN_S = 0.0  # spin this long after the last record before sleeping (see docs/performance.md)
+WAKE_RETRY_S = 0.0001  # `wake()`: call the kernel's wake again after this until the sleeper is out
 SLEEP_MIN_S = 0.00005
 SLEEP_MAX_S = 0.0005  # the most a waiter oversleeps a notice of a stream (plus the OS timer's slack)
 IDLE_AFTER_S = 0.25  # no record for this long: nothing streams (below 4 fps), sleep longer
@@ -79,6 +93,16 @@ _BODY = struct.Struct("5Q")  # info, seq, gen, t_ns, check (after the stamp)
 _RECORD = struct.Struct("6Q")  # stamp + body
 RINGS = {"host": 0, "engine": 1}  # which ring each side writes
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_LOW_HALF = 0 if sys.byteorder == "little" else 4  # the low 32 bits of a uint64 word: what a futex compares
+_MASK32 = (1 << 32) - 1
+FENCE_ORDERS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier where FENCE_ORDERS: taking and dropping a lock is a locked instruction."""
+    _fence_lock.acquire()
+    _fence_lock.release()
 
 
 class DoorbellError(ValueError):
@@ -120,9 +144,17 @@ class Doorbell:
         self._send_lock = threading.Lock()
         self._woken = False
         self._closed = False
+        self._asleep = 0  # while the consumer is in (or entering) a kernel wait: that sleep's number
+        self._in_wait = self._waiter(theirs, owner)  # sleeps on the ring this side reads
+        self._out_wait = self._waiter(mine, owner)  # wakes the peer sleeping on the ring this side writes
         self.sent = self.received = self.refused = self.dropped = 0
+        self.wakes = self.sleeps = 0  # kernel wake calls made for the peer; kernel sleeps of this consumer
         self.last_refusal = ""
         self.refused_at = 0.0
+
+    def _waiter(self, ring: int, create: bool) -> SharedWait | None:
+        base = HEADER_WORDS + ring * (2 * COUNTER_WORDS + self.capacity * RECORD_WORDS)
+        return shared_wait(self._buf, base * WORD + _LOW_HALF, f"{self.name}_{ring}", create)
 
     @classmethod
     def create(cls) -> Doorbell:
@@ -189,8 +221,20 @@ class Doorbell:
             words[base] = stamp
             self._w = stamp
             self.sent += 1
+            self._wake_consumer(base)
         self._active_at = time.perf_counter()
         return True
+
+    def _wake_consumer(self, base: int) -> None:
+        """After a publish (send lock held, so the mapping stays): wake the peer if it may be asleep."""
+        if self._out_wait is None:
+            return
+        if FENCE_ORDERS:
+            _fence()  # the counter store before the load of `sleeping` (see the module docstring)
+            if not self._words[base + COUNTER_WORDS + SLEEPING]:
+                return
+        self._out_wait.wake()
+        self.wakes += 1
 
     # -- consuming (the holder of `lock`) -----------------------------------------------------------------
 
@@ -203,10 +247,21 @@ class Doorbell:
     def wake(self) -> None:
         """Make a thread waiting in `receive()` return now (a command, closing)."""
         self._woken = True
+        asleep = self._asleep  # 0: a sleep that begins from now on sees `_woken` first
+        if self._in_wait is None or not asleep:
+            return
+        while True:
+            with self._send_lock:  # the mapping stays while the kernel is called
+                if self._shm is None:
+                    return
+                self._in_wait.wake()
+            if self._in_wait.sticky or self._asleep != asleep:
+                return  # that sleep is over; the receive loop sees `_woken` next
+            time.sleep(WAKE_RETRY_S)  # it may not have entered the kernel yet: a word wait cannot see us
 
     def receive(self, timeout_s: float) -> list[tuple[dict[str, Any], list[bytes]]]:
         """Lock holder only: the peer's new notices as lane messages (payloads empty); waits up to
-        `timeout_s` (0: just look) for the first, spinning then sleeping (see the module docstring)."""
+        `timeout_s` (0: just look) for the first (see the module docstring)."""
         out = self._poll()
         if out or timeout_s <= 0 or self._closed:
             self._woken = False
@@ -220,6 +275,8 @@ class Doorbell:
                 return self._poll()
             if now - self._active_at < SPIN_S:
                 _yield()
+            elif self._in_wait is not None and self._unverified_since is None:
+                self._sleep(deadline - now)
             else:
                 time.sleep(min(delay, max(deadline - now, 0.0)))
                 delay = min(delay * 2, SLEEP_MAX_S if now - self._active_at < IDLE_AFTER_S else SLEEP_IDLE_S)
@@ -227,6 +284,21 @@ class Doorbell:
             now = time.perf_counter()
             if out or now >= deadline:
                 return out
+
+    def _sleep(self, timeout_s: float) -> None:
+        """Sleep in the kernel until the peer publishes, `wake()` or the timeout; may return early."""
+        words, published = self._words, self._in_base
+        sleeping = self._in_base + COUNTER_WORDS + SLEEPING
+        self.sleeps += 1
+        self._asleep = self.sleeps
+        words[sleeping] = 1
+        try:
+            _fence()  # the flag store before the last look (see the module docstring)
+            if words[published] == self._r and not self._woken and not self._closed:
+                self._in_wait.wait(self._r & _MASK32, timeout_s)
+        finally:
+            words[sleeping] = 0
+            self._asleep = 0
 
     def _poll(self) -> list[tuple[dict[str, Any], list[bytes]]]:
         if self._closed:
@@ -305,6 +377,9 @@ class Doorbell:
             shm, self._shm = self._shm, None
             if shm is None:
                 return
+            for waiter in (self._in_wait, self._out_wait):
+                if waiter is not None:
+                    waiter.close()
             self._words.release()
             self._buf = self._words = None
             shm.close()

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("int", "float", "bool", "choice", "text", "timesteps")
+KINDS = ("int", "float", "bool", "choice", "text", "timesteps", "scales")
 TRAIN_TIMESTEPS = 1000  # the flow-matching timestep scale the step lists are written in
 MAX_STEPS = 4
 
@@ -28,6 +28,7 @@ MAX_STEPS = 4
 STEP_LISTS: dict[int, tuple[int, ...]] = {1: (700,), 2: (700, 500), 3: (700, 500, 400), 4: (700, 500, 400, 200)}
 
 # The engine's chunks in frames: the Wan VAE's causal first frame plus one group of 4, then groups of 4.
+NAME_LEN = 64  # a LoRA's name for live control
 FIRST_CHUNK_FRAMES = 5
 CHUNK_FRAMES = 4
 
@@ -78,6 +79,9 @@ class LiveParam:
         if self.kind == "timesteps":
             return (f"a descending list of {self.min_len} to {self.max_len} whole timesteps in "
                     f"[{_num(self.min)}, {_num(self.max)}]")
+        if self.kind == "scales":
+            return (f"a mapping of at most {self.max_len} names (1 to {NAME_LEN} characters) to numbers in "
+                    f"[{_num(self.min)}, {_num(self.max)}]")
         what = "a whole number" if self.kind == "int" else "a number"
         return f"{what} in [{_num(self.min)}, {_num(self.max)}]"
 
@@ -96,6 +100,8 @@ class LiveParam:
             return [int(t) for t in value]
         if self.kind == "float":
             return float(value)
+        if self.kind == "scales":
+            return {str(k): float(v) for k, v in value.items()}
         return value.strip() if self.kind == "text" else value
 
     def field(self) -> Any:
@@ -118,6 +124,10 @@ class LiveParam:
             return isinstance(v, str) and v in self.choices
         if self.kind == "text":
             return isinstance(v, str) and bool(v.strip()) and len(v) <= (self.max_len or 0)
+        if self.kind == "scales":
+            return (isinstance(v, Mapping) and len(v) <= (self.max_len or 0)
+                    and all(isinstance(k, str) and 0 < len(k) <= NAME_LEN for k in v)
+                    and all(self._in_range(x, whole=False) for x in v.values()))
         if self.kind == "timesteps":
             return (isinstance(v, (list, tuple)) and (self.min_len or 0) <= len(v) <= (self.max_len or 0)
                     and all(self._in_range(t, whole=True) for t in v)
@@ -215,8 +225,10 @@ LATENCY_BUDGET_MS = LiveParam("latency_budget_ms", "float", 1000.0, "slo", "per-
 PROMPT = LiveParam("text", "text", "a painting in the style of van gogh, vivid brush strokes", "prompt",
                    "the style prompt", min_len=1, max_len=4096)
 
+LORA_SCALES = LiveParam("lora_scales", "scales", {}, "lora", "scale of each loaded style LoRA, by name",
+                        min=-4.0, max=4.0, max_len=8, ui_step=0.05, ui_max=2.0)
 LIVE = ParamSchema(STEPS, MODE, SINK_THRESHOLD, NOISE_SCALE, MOTION_AWARE, TRANSITION_CHUNKS, TARGET_FPS,
-                   LATENCY_BUDGET_MS)
+                   LATENCY_BUDGET_MS, LORA_SCALES)
 
 
 def steps_for(count: Any) -> list[int]:

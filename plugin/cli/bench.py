@@ -8,7 +8,7 @@ import platform
 
 import numpy as np
 
-from engine.config import LoomConfig, load_config
+from engine.config import LoomConfig, load_config, lora_override
 from plugin.media.video_io import generate_clip, open_source
 
 
@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="wan2.1-1.3b", help="preset name or YAML file (default wan2.1-1.3b)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--frames", type=int, default=3000, help="frames to stream after warm-up")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--warmup", type=int, default=41, help="frames streamed before measuring")
     p.add_argument("--steps", help="denoising steps, e.g. 700,500")
     p.add_argument("--mode", choices=("auto", "batch", "sequential"))
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
     # off the per-frame path (a prompt is encoded once, not per chunk).
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
     overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
     for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),

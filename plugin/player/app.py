@@ -80,7 +80,8 @@ class Player:
         prompts = list(options.prompts) or [options.default_prompt]
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
-                                              motion_aware=options.motion_aware))
+                                              motion_aware=options.motion_aware,
+                                              lora_scales=dict(options.lora_scales)))
         self.keyboard = KeyboardInput(self.controls)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from host_bridge.wire.params import LIVE, NOISE_SCALE, STEP_LISTS, check_prompt_request, steps_for
+from host_bridge.wire.params import LIVE, LORA_SCALES, NOISE_SCALE, STEP_LISTS, check_prompt_request, steps_for
 
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
+LORA_KEY_STEP = LORA_SCALES.ui_step
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Command:
 
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
-            "motion_aware", "pause", "overlay", "fullscreen", "quit")
+            "motion_aware", "lora_scale", "lora_step", "lora_next", "pause", "overlay", "fullscreen", "quit")
 
 
 class ControlError(ValueError):
@@ -46,6 +47,8 @@ class ControlState:
     noise_scale: float = NOISE_SCALE.default
     motion_aware: bool = LIVE["motion_aware"].default
     transition_chunks: int | None = None
+    lora_scales: dict[str, float] = field(default_factory=dict)  # the loaded LoRAs, by name
+    lora_index: int = 0  # the LoRA the keys adjust
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
@@ -55,6 +58,11 @@ class ControlState:
     @property
     def prompt(self) -> str:
         return self.prompts[self.prompt_index]
+
+    @property
+    def lora(self) -> str | None:
+        names = list(self.lora_scales)
+        return names[self.lora_index % len(names)] if names else None
 
 
 def steps_command(value: Any) -> Command:
@@ -72,6 +80,15 @@ def noise_scale_command(value: Any) -> Command:
     except (TypeError, ValueError):
         raise ControlError(f"noise_scale: {value!r} is not a number; expected {NOISE_SCALE.allowed()}") from None
     return Command("noise_scale", (_checked(NOISE_SCALE.check, x),))
+
+
+def lora_scale_command(name: Any, value: Any) -> Command:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
+    scales = _checked(LORA_SCALES.check, {str(name): x})
+    return Command("lora_scale", next(iter(scales.items())))
 
 
 def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
@@ -147,6 +164,23 @@ class Controls:
             bridge.set_params(**changes)
         return done
 
+    def _apply_lora(self, name: str, args: tuple[Any, ...], changes: dict[str, Any]) -> bool:
+        s = self.state
+        if not s.lora_scales:
+            s.message = "no LoRA loaded (--lora PATH[:SCALE])"
+            return False
+        if name == "lora_next":
+            s.lora_index = (s.lora_index + 1) % len(s.lora_scales)
+            return True
+        lora, value = args if name == "lora_scale" else (s.lora, s.lora_scales[s.lora] + args[0])
+        if lora not in s.lora_scales:
+            s.message = f"no LoRA named {lora!r}; loaded: {', '.join(s.lora_scales)}"
+            return False
+        s.lora_index = list(s.lora_scales).index(lora)
+        s.lora_scales[lora] = round(min(LORA_SCALES.max, max(LORA_SCALES.min, value)), 4)
+        changes.setdefault("lora_scales", {})[lora] = s.lora_scales[lora]
+        return True
+
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
         s = self.state
         name, args = command.name, command.args
@@ -177,6 +211,9 @@ class Controls:
         elif name == "motion_aware":
             s.motion_aware = _flag(args[0] if args else None, s.motion_aware)
             changes["motion_aware"] = s.motion_aware
+        elif name in ("lora_scale", "lora_step", "lora_next"):
+            if not self._apply_lora(name, args, changes):
+                return
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -197,6 +234,8 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"noise scale: {s.noise_scale:.2f}"
     if command.name == "motion_aware":
         return f"motion-aware noise: {'on' if s.motion_aware else 'off'}"
+    if command.name.startswith("lora"):
+        return f"LoRA {s.lora}: scale {s.lora_scales[s.lora]:.2f}"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name
@@ -212,6 +251,8 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     (" ".join(map(str, STEP_LISTS)), "number of denoising steps"),
     ("[ / ]", f"noise scale down / up by {NOISE_SCALE_KEY_STEP}"),
     ("m", "motion-aware noise on / off"),
+    ("l", "select the next LoRA (--lora)"),
+    (", / .", f"the selected LoRA's scale down / up by {LORA_KEY_STEP}"),
     ("h", "hide / show the status overlay"),
     ("f", "full screen on / off"),
 )
@@ -228,6 +269,9 @@ _SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
     "[": lambda: Command("noise_step", (-NOISE_SCALE_KEY_STEP,)),
     "]": lambda: Command("noise_step", (NOISE_SCALE_KEY_STEP,)),
     "m": lambda: Command("motion_aware"),
+    "l": lambda: Command("lora_next"),
+    ",": lambda: Command("lora_step", (-LORA_KEY_STEP,)),
+    ".": lambda: Command("lora_step", (LORA_KEY_STEP,)),
     "h": lambda: Command("overlay"),
     "f": lambda: Command("fullscreen"),
 }

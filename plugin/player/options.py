@@ -45,6 +45,7 @@ class PlayerOptions:
     steps: int = len(LIVE["steps"].default)
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default
+    lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
     max_frames: int | None = None
     size: tuple[int, int] = DEFAULT_GENERATED_SIZE
     fps: float = DEFAULT_GENERATED_FPS

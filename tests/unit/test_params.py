@@ -25,6 +25,9 @@ from plugin.touchdesigner.parameters import PAR_BY_NAME
 def test_config_defaults_are_the_schema_defaults():
     cfg = load_config("default")
     for p in LIVE:
+        if p.kind == "scales":  # LoRA scales: the config's lora list, by name
+            assert {e.key: e.scale for e in cfg.lora} == p.check(p.default)
+            continue
         assert getattr(getattr(cfg, p.section), p.name) == p.check(p.default), p.name
     assert cfg.prompt.text == PROMPT.default
 
@@ -79,12 +82,13 @@ def test_hosts_offer_the_schema_ranges():
 
 
 def test_a_family_adds_its_own_parameters_without_touching_the_shared_ones():
-    lora = LiveParam("lora_style", "float", 1.0, "lora", "scale of the style adapter", min=0.0, max=2.0)
-    family = LIVE.extended(lora)
-    assert family.check({"lora_style": 0.5, "steps": [700]}) == {"lora_style": 0.5, "steps": [700]}
-    assert "lora_style" not in LIVE and family.section("lora") == ("lora_style",)
+    guidance = LiveParam("edit_strength", "float", 1.0, "edit", "how far the edit departs from the source",
+                         min=0.0, max=2.0)
+    family = LIVE.extended(guidance)
+    assert family.check({"edit_strength": 0.5, "steps": [700]}) == {"edit_strength": 0.5, "steps": [700]}
+    assert "edit_strength" not in LIVE and family.section("edit") == ("edit_strength",)
     with pytest.raises(ValueError, match="already registered"):
-        ParamSchema(lora, lora)
+        ParamSchema(guidance, guidance)
     with pytest.raises(ValueError, match="default"):
         LiveParam("bad", "int", 9, "x", min=0, max=4)
 
@@ -100,3 +104,18 @@ def test_wanted_tells_a_fresh_engine_everything_once_and_undoes_a_refusal():
                                          ("params", {"params": {"steps": [700], "noise_scale": 0.5}})]
     undo()
     assert wanted.snapshot().prompt == PromptWish("ink", 4)
+
+
+def test_lora_scales_are_a_mapping_of_names_to_bounded_numbers():
+    assert LIVE.check({"lora_scales": {"ink": 1, "film": -0.5}}) == {"lora_scales": {"ink": 1.0, "film": -0.5}}
+    for bad in ({"ink": 9.0}, {"": 1.0}, {"ink": float("nan")}, ["ink", 1.0], {f"l{i}": 1.0 for i in range(9)}):
+        assert "lora_scales" in LIVE.problem({"lora_scales": bad})
+
+
+def test_wanted_lora_scales_add_up_by_name():
+    wanted = Wanted()
+    wanted.want_params({"lora_scales": {"ink": 0.5}})
+    undo = wanted.want_params({"lora_scales": {"film": 0.2}})
+    assert wanted.params["lora_scales"] == {"ink": 0.5, "film": 0.2}
+    undo()
+    assert wanted.params["lora_scales"] == {"ink": 0.5}
