@@ -1,4 +1,4 @@
-"""Execute DAT callbacks for the Loom component: a cook of the Script TOP every frame while it runs.
+"""Execute DAT callbacks for the Loom component: the Script TOP cooks every frame while it runs.
 
 TouchDesigner cooks a node only when something asks for it and something changed (derivative.ca,
 "Cook"). The engine's output for input N arrives after cook N, so with a still or paused input, or

@@ -4,8 +4,8 @@
 imports this class, the component's Extension `op('./loom_ext').module.LoomExt(me)` promoted, the
 Script TOP `loom_top` whose callbacks (`script_top_callbacks.py`) call `Cook`, a Parameter Execute
 DAT (`parexec_callbacks.py`) watching the control parameters only, and an Execute DAT
-(`execute_callbacks.py`) that asks for a cook every frame while the engine runs: TouchDesigner
-cooks a node only when something needs it, and the engine's frame for input N arrives after
+(`execute_callbacks.py`) that forces a cook in each frame nothing else cooked it while the engine
+runs: TouchDesigner cooks a node only when something needs it, and the engine's frame for input N arrives after
 cook N, so without it a still input or an unwatched output would never show new engine frames.
 A Switch TOP shows the input while the component is inactive, so an inactive Loom costs nothing.
 
@@ -62,6 +62,8 @@ class LoomExt:
         self.last_wanted: Any = None  # what the stopped bridge had been asked for, handed to the next one
         self._host_output: np.ndarray | None = None  # the shm/tcp output in TD's row order, reused
         self._host_output_of: np.ndarray | None = None  # the engine frame it holds
+        self._asked_last_frame = False  # something other than OnFrameStart cooked the Script TOP
+        self._forcing = False
         self.feeder: Any = None  # shm/tcp: converts and submits input frames off the main thread
         self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
 
@@ -159,13 +161,21 @@ class LoomExt:
         self.Stop()
 
     def OnFrameStart(self) -> None:
-        """The Execute DAT's onFrameStart: while the engine runs, cook the Script TOP every frame, so
-        engine frames show even when the input is still or nothing downstream asks for the output."""
+        """The Execute DAT's onFrameStart: while the engine runs, a frame in which nothing else cooked
+        the Script TOP is followed by a forced cook, so engine frames show even when the input is still
+        or nothing downstream asks for the output. Where something does ask every frame, nothing is
+        forced: a forced cook on top of it would submit each input twice."""
         if self.bridge is None:
             return
+        asked, self._asked_last_frame = self._asked_last_frame, False
         script = self.ownerComp.op(SCRIPT_TOP)
-        if script is not None:
+        if asked or script is None:
+            return
+        self._forcing = True
+        try:
             script.cook(force=True)
+        finally:
+            self._forcing = False
 
     # --- parameters --------------------------------------------------------------------------
 
@@ -228,6 +238,7 @@ class LoomExt:
         Never raises: an input the bridge cannot take this cook (a TOP with no image, a pixel format
         it does not know) is said on the component and the stream goes on with the next cook."""
         self.cooks += 1
+        self._asked_last_frame = self._asked_last_frame or not self._forcing
         if self.bridge is None:  # inactive: the component's Switch TOP shows the input, nothing to copy
             return
         top = scriptOp.inputs[0] if scriptOp.inputs else None

@@ -308,18 +308,20 @@ class ScriptTOP:
 
 
 class Timeline:
-    """TouchDesigner's frame loop for one component: Execute DATs' onFrameStart, then cooks on demand."""
+    """TouchDesigner's frame loop for one component: Execute DATs' onFrameStart, then the nodes
+    upstream cook (a new input frame, if any), then the Script TOP if something asks for it."""
 
     def __init__(self, comp: LoomComp, script: ScriptTOP) -> None:
         self.comp, self.script, self.frame = comp, script, 0
         self.execute_dats: list[Any] = []  # modules with onFrameStart(frame)
 
-    def step(self) -> None:
+    def step(self, texture: np.ndarray | None = None) -> None:
         self.frame += 1
-        before = self.script.cooks
         for dat in self.execute_dats:
             dat.onFrameStart(self.frame)
-        if self.script.cooks == before and self.script.wants_cook():
+        if texture is not None:
+            self.script.inputs[0].set(texture)
+        if self.script.wants_cook():
             self.script.cook(force=False)
 
 

@@ -132,6 +132,16 @@ def test_engine_frames_show_with_a_still_input_and_nothing_viewing_the_output():
             time.sleep(0.02)
         assert script.cooks == timeline.frame - 1  # one cook per frame while active
         assert script.output is not None and script.output.shape == (16, 24, 3)
+        script.viewed = True  # now a viewer asks each frame, for a new input each frame: nothing is forced
+        timeline.step(td_texture(16, 24, seed=5))  # the frame after the last forced one
+        cooks = script.cooks
+        for seed in range(10):
+            timeline.step(td_texture(16, 24, seed=seed))
+        assert script.cooks == cooks + 10  # one cook per frame, not two
+        script.viewed = False  # the viewer closes: forced cooks again, from the next frame
+        for _ in range(3):
+            timeline.step()
+        assert script.cooks == cooks + 10 + 2
     finally:
         comp.par.Active = False
 
