@@ -11,8 +11,8 @@ A Switch TOP shows the input while the component is inactive, so an inactive Loo
 
 Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
 `TOP.numpyArray(delayed=True)` otherwise (the download of the last cook, so the GPU is never
-stalled), and for any texture `cudaMemory` refuses (16-bit float); its conversion to the engine's
-format runs on a feeder thread (`host_feeder.py`), not in the cook. The CUDAMemory object owns
+stalled), and for any texture `cudaMemory` refuses (16-bit float); on shm and tcp its conversion
+to the engine's format runs on a feeder thread (`host_feeder.py`), not in the cook. The CUDAMemory object owns
 TouchDesigner's copy of the texture and frees it when dropped, and the texture is reused after the
 cook, so `Cook` holds the object until the bridge has finished copying out of it, inside the cook.
 All CUDA work on TouchDesigner's memory happens here, on its main thread, on one CUDA stream per
@@ -103,9 +103,10 @@ class LoomExt:
             return
         self.note = note
         self._downloading = False
-        from plugin.touchdesigner.host_feeder import HostFeeder
+        if transport != "cuda-ipc":  # on cuda-ipc a host frame is staged on the device: that stays in the cook
+            from plugin.touchdesigner.host_feeder import HostFeeder
 
-        self.feeder = HostFeeder(self.bridge)
+            self.feeder = HostFeeder(self.bridge)
         self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
         for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
@@ -265,7 +266,7 @@ class LoomExt:
             if self.feeder is not None:
                 self.feeder.offer(frame)  # converted and submitted on the feeder thread
                 self.input_note = self.input_note or self.feeder.error
-            else:  # a bridge handed in by a script: no feeder thread
+            else:  # cuda-ipc (no float conversion: the frame is staged on the device as it is)
                 self.bridge.submit(frame, layout="touchdesigner")
             self.numpy_submits += 1
         out, status = self.bridge.latest()
