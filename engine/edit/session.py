@@ -169,12 +169,16 @@ class EditSession:
         if dropped:
             self.metrics.on_drop(dropped, "non-finite")
         with torch.inference_mode():
-            if len(good) and self._frame_shape not in (None, tuple(good.shape[1:])):
-                self._run_partial()  # a new input size: the old frames leave first, in their own batch
+            resized = len(good) and self._frame_shape not in (None, tuple(good.shape[1:]))
+            if resized:  # a new input size: the old frames leave first, in their own batch, all of them now
+                self._run_partial()
+                out = self._ready(wait=True)
             if len(good):
                 self._frame_shape = tuple(good.shape[1:])
                 self.metrics.on_input(len(good), now)
                 self._buffer.extend(good.clone() if isinstance(good, torch.Tensor) else good.copy())
+            if resized:  # one size per result: the new frames go in with the next call
+                return out
             while len(self._buffer) >= self.batch:
                 self._run(self._take(self.batch), self.batch)
             return self._ready(wait=False)
@@ -198,6 +202,9 @@ class EditSession:
         return torch.stack(taken) if isinstance(taken[0], torch.Tensor) else np.stack(taken)
 
     def _run_partial(self) -> None:
+        """Every buffered frame: whole batches, then the rest padded to one."""
+        while len(self._buffer) >= self.batch:
+            self._run(self._take(self.batch), self.batch)
         if not self._buffer:
             return
         keep = len(self._buffer)

@@ -82,9 +82,11 @@ UNET_PRESETS: dict[str, EditUNetConfig] = {
     # block layout is chosen to match those published counts; the strict loader names any
     # difference from a real checkpoint key by key.
     "dreamlite-mobile": EditUNetConfig(),
-    "tiny": EditUNetConfig(channels=(32, 64), down_depths=((1, 0), (1, 1)), mid_depth=1,
-                           up_depths=((1, 1, 0), (1, 0, 1)), self_attention=(False, True), head_dim=16,
-                           cross_dim=32, context_dim=48, ff_mult=2, norm_groups=8),
+    # small enough to compile in seconds on a CPU, with every kind of block: cross-only and full
+    # attention, resnets with and without a transformer, hooks inside and outside the down blocks
+    "tiny": EditUNetConfig(channels=(16, 32), layers_per_block=1, down_depths=((1,), (0,)), mid_depth=1,
+                           up_depths=((0, 0), (1, 0)), self_attention=(False, True), head_dim=8,
+                           cross_dim=16, context_dim=24, ff_mult=2, norm_groups=4),
 }
 
 
