@@ -56,7 +56,7 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         log.info("LLLite: %d of %d hook points (%s)", len(points), len(unet.hook_points()), e.lllite_hooks)
     elif e.lllite:
         log.warning("edit.lllite is given but edit.lllite_hooks=none: the adapter is not used")
-    return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), _encoder(cfg, unet, device, dtype),
+    return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
                       lllite, device, dtype)
 
 
@@ -81,10 +81,12 @@ def _build(make: Callable[[], nn.Module], path: str | None, load: Callable, tiny
     return _seeded(make, cfg.model.seed, device, dtype)
 
 
-def _encoder(cfg: LoomConfig, unet: EditUNet, device: torch.device, dtype: torch.dtype) -> EditConditioner:
+def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) -> EditConditioner:
+    """The conditioning encoder the config names (alone: the benchmark times it apart from the UNet)."""
     e = cfg.edit
     if e.encoder == "hash":
-        return HashEditEncoder(unet.cfg.context_dim, 192 if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
+        dim = UNET_PRESETS[e.unet].context_dim
+        return HashEditEncoder(dim, 192 if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
     if e.encoder_path:
         return Qwen3VLEncoder.from_pretrained(e.encoder_path, device, dtype)
     if not cfg.model.random_weights:

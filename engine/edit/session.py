@@ -216,6 +216,8 @@ class EditSession:
     def _run(self, frames: np.ndarray | torch.Tensor, keep: int) -> None:
         """One batch: side stream, conditioning hand-overs, main stream (see the module docstring)."""
         index, self._index = self._index, self._index + 1
+        if self._side is not None:  # device frames were made on the caller's stream
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
         with _on(self._side):
             with self.timer.span("side.preprocess"):
                 x = self.mapper.to_model(frames)
