@@ -25,16 +25,19 @@ def test_tiny_vae_matches_diffusers_autoencoder_tiny():
 
 @pytest.fixture(scope="module")
 def tiny_qwen():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.qwen3_vl")
     from engine.edit.encoder import Qwen3VLEncoder, tiny_qwen3vl_config
 
     return Qwen3VLEncoder.random(tiny_qwen3vl_config(), torch.device("cpu"), torch.float32)
 
 
 def test_frame_patches_follow_the_qwen_vl_image_processor(tiny_qwen):
-    from transformers import Qwen2VLImageProcessorPil
+    try:
+        from transformers import Qwen2VLImageProcessorPil as Processor
+    except ImportError:  # transformers 4.x
+        from transformers import Qwen2VLImageProcessor as Processor
 
-    proc = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+    proc = Processor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                     image_std=[0.5] * 3, do_resize=False)
     image = np.random.default_rng(0).integers(0, 256, (256, 256, 3), np.uint8)
     ref = proc(images=[image], return_tensors="pt")
