@@ -139,6 +139,7 @@ class Qwen3VLEncoder:
         except ImportError as exc:
             raise RuntimeError("the Qwen3-VL encoder needs transformers: pip install 'loom-live[edit]'") from exc
         check_dtype(dtype)
+        log.info("loading Qwen3-VL from %s (%s)", path, dtype)
         full = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
         return cls(full.model, full.config, AutoTokenizer.from_pretrained(path), device, dtype)
 
@@ -149,6 +150,8 @@ class Qwen3VLEncoder:
             from transformers import Qwen3VLModel
         except ImportError as exc:
             raise RuntimeError("the Qwen3-VL encoder needs transformers: pip install 'loom-live[edit]'") from exc
+        log.info("Qwen3-VL on random weights (%d text layers): for benchmarks, not for pictures",
+                 config.text_config.num_hidden_layers)
         torch.manual_seed(seed)
         with torch.device(device):
             model = Qwen3VLModel(config)

@@ -81,6 +81,10 @@ class EditSession:
         self._denoise = (torch.compile(self._denoise_eager, backend=compile_backend, fullgraph=True, dynamic=False)
                          if e.compile else self._denoise_eager)
         self._prompt_text = cfg.prompt.text
+        log.info("edit session: %s UNet, B=%d, %dx%d, %d step(s), %d adapter hooks, %s, %s", e.unet, self.batch,
+                 cfg.resolution.width, cfg.resolution.height, e.steps,
+                 0 if models.lllite is None else len(models.lllite.modules_dict),
+                 "compiled" if e.compile else "eager", "two streams" if e.two_streams else "one stream")
         self.prompt_encodes = 0
         self.cond_refreshes = 0
         self.reset()
