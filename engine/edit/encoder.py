@@ -152,9 +152,10 @@ class Qwen3VLEncoder:
             raise RuntimeError("the Qwen3-VL encoder needs transformers: pip install 'loom-live[edit]'") from exc
         log.info("Qwen3-VL on random weights (%d text layers): for benchmarks, not for pictures",
                  config.text_config.num_hidden_layers)
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = Qwen3VLModel(config)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = Qwen3VLModel(config)
         return cls(model, config, None, device, dtype)
 
     def _token_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

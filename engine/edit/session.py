@@ -222,6 +222,9 @@ class EditSession:
         index, self._index = self._index, self._index + 1
         if self._side is not None:  # device frames were made on the caller's stream
             self._side.wait_stream(torch.cuda.current_stream(self.device))
+            if isinstance(frames, torch.Tensor) and frames.is_cuda:  # and are read on these two
+                frames.record_stream(self._side)
+                frames.record_stream(self._main)
         with _on(self._side):
             with self.timer.span("side.preprocess"):
                 x = self.mapper.to_model(frames)
@@ -234,7 +237,7 @@ class EditSession:
                 self._main.wait_stream(self._side)
                 x.record_stream(self._main)
                 ref.record_stream(self._main)
-            self._condition_adapter(index, frames, x)
+            self._condition_adapter(index, x)
             with self.timer.span("main.unet"):
                 latents = self._denoise(self._noise, ref, ctx, mask)
             with self.timer.span("main.vae_decode"):
@@ -290,7 +293,7 @@ class EditSession:
             self.prompt_encodes += 1
             return ctx.to(self.dtype), mask, _record(stream)
 
-    def _condition_adapter(self, index: int, frames: np.ndarray | torch.Tensor, x: torch.Tensor) -> None:
+    def _condition_adapter(self, index: int, x: torch.Tensor) -> None:
         """On the main stream: hand over a finished warp, and start the one this batch is due for."""
         lllite = self.models.lllite
         if lllite is None:
