@@ -16,7 +16,7 @@ from engine.edit.encoder import EditConditioner, HashEditEncoder, Qwen3VLEncoder
 from engine.edit.lllite import LLLite, select_hooks
 from engine.edit.unet import UNET_PRESETS, EditUNet
 from engine.edit.vae import VAE_PRESETS, TinyVAE
-from engine.models.loading import _seeded, resolve_device, resolve_dtype
+from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         log.info("LLLite: %d of %d hook points (%s)", len(points), len(unet.hook_points()), e.lllite_hooks)
     elif e.lllite:
         log.warning("edit.lllite is given but edit.lllite_hooks=none: the adapter is not used")
+    if device.type == "cuda":  # cuDNN's fast convolution kernels want channels-last activations
+        to_channels_last(unet)
+        to_channels_last(vae)
     return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
                       lllite, device, dtype)
 

@@ -78,8 +78,11 @@ class EditSession:
                                       device=self.device, dtype=self.dtype)
         self._timesteps = [torch.full((self.batch,), self.schedule.timestep(i), device=self.device, dtype=self.dtype)
                            for i in range(self.schedule.steps)]
-        self._denoise = (torch.compile(self._denoise_eager, backend=compile_backend, fullgraph=True, dynamic=False)
-                         if e.compile else self._denoise_eager)
+        # one graph per stage, each compiled once for the fixed batch shape: UNet + adapter + Euler on the
+        # main stream, and the autoencoder's two halves (encode on the side stream, decode on the main)
+        self._denoise, self._vae_encode, self._vae_decode = (
+            torch.compile(fn, backend=compile_backend, fullgraph=True, dynamic=False) if e.compile else fn
+            for fn in (self._denoise_eager, models.vae.encode, models.vae.decode))
         self._prompt_text = cfg.prompt.text
         log.info("edit session: %s UNet, B=%d, %dx%d, %d step(s), %d adapter hooks, %s, %s", e.unet, self.batch,
                  cfg.resolution.width, cfg.resolution.height, e.steps,
@@ -229,7 +232,7 @@ class EditSession:
             with self.timer.span("side.preprocess"):
                 x = self.mapper.to_model(frames)
             with self.timer.span("side.vae_encode"):
-                ref = self.models.vae.encode(x)
+                ref = self._vae_encode(x)
             side_done = _record(self._side)
         ctx, mask = self._conditioning(index, x, side_done)
         with _on(self._main):
@@ -241,7 +244,7 @@ class EditSession:
             with self.timer.span("main.unet"):
                 latents = self._denoise(self._noise, ref, ctx, mask)
             with self.timer.span("main.vae_decode"):
-                y = self.models.vae.decode(latents)
+                y = self._vae_decode(latents)
             with self.timer.span("main.postprocess"):
                 out = self.mapper.to_host(y[:keep], frames[:keep])
             self._last = (x[keep - 1], y[keep - 1])
