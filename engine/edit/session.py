@@ -90,6 +90,8 @@ class EditSession:
                  "compiled" if e.compile else "eager", "two streams" if e.two_streams else "one stream")
         self.prompt_encodes = 0
         self.cond_refreshes = 0
+        self._prompt_job: Future | None = None
+        self._cond_job: Future | None = None
         self.reset()
 
     @classmethod
@@ -112,14 +114,20 @@ class EditSession:
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
     def reset(self) -> None:
-        """Start a new stream: buffered frames, cached conditioning, adapter condition, metrics."""
+        """Start a new stream: buffered frames, cached conditioning, adapter condition, metrics.
+
+        A conditioning job still running is waited for first, so no work of the old stream runs
+        on into the new one."""
+        for job in (self._prompt_job, self._cond_job):
+            if job is not None:
+                job.result()
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None
         self._index = 0
         self._ctx: tuple[torch.Tensor, torch.Tensor, Any] | None = None
-        self._prompt_job: Future | None = None
+        self._prompt_job = None
         self._prompt_dirty = False
-        self._cond_job: Future | None = None
+        self._cond_job = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # previous batch's last (input, output)
         self._outputs = OutputQueue(self.device, max_unfinished=1)
         self._encoder_spans: deque[tuple[Any, Any, float]] = deque()
@@ -272,6 +280,7 @@ class EditSession:
             if self._encoder_stream is not None:
                 source.record_stream(self._encoder_stream)
             self._prompt_job = self._encoder_thread.submit(self._encode_job, self._prompt_text, source, ready)
+            self.prompt_encodes += 1
             if self._ctx is None:  # the stream's first batch has nothing cached to use meanwhile
                 self._ctx, self._prompt_job = self._prompt_job.result(), None
         ctx, mask, done = self._ctx
@@ -293,7 +302,6 @@ class EditSession:
                 ctx, mask = ctx.expand(self.batch, -1, -1).contiguous(), mask.expand(self.batch, -1).contiguous()
             end = _record(stream, timing=True)
             self._encoder_spans.append((start, end, time.perf_counter() - t0))
-            self.prompt_encodes += 1
             return ctx.to(self.dtype), mask, _record(stream)
 
     def _condition_adapter(self, index: int, x: torch.Tensor) -> None:
