@@ -207,13 +207,13 @@ class EditConfig:
                                               "(needs model.random_weights)")
     batch: int = spec(8, min=1, max=64, doc="frames per UNet call (B); outputs lag by up to one batch")
     steps: int = spec(1, min=1, max=4, doc="Euler flow-matching steps")
-    prompt_refresh_every: int = spec(8, min=1, max=10000, doc="re-encode instruction + frame every N batches")
+    prompt_refresh_every: int = live.PROMPT_REFRESH_EVERY.field()
     prompt_one_frame: bool = spec(True, doc="encode one frame per refresh and broadcast it to the batch")
     lllite: str | None = spec(None, doc="temporal LLLite weights (safetensors); none = zero-initialised adapter")
     lllite_hooks: str = spec("down", choices=("all", "down", "none"),
                              doc="hooked attention projections: all, the down blocks only, or none")
-    adapter_strength: float = spec(1.0, min=0.0, max=2.0, doc="LLLite output multiplier")
-    cond_refresh_every: int = spec(8, min=1, max=10000, doc="rebuild the adapter's condition every N batches")
+    adapter_strength: float = live.ADAPTER_STRENGTH.field()
+    cond_refresh_every: int = live.COND_REFRESH_EVERY.field()
     flow: str = spec("farneback", choices=("farneback", "none"),
                      doc="warp the previous output to the new frames for the adapter's condition")
     compile: bool = spec(True, doc="torch.compile the UNet + adapter as one graph (CUDA; needs triton)")

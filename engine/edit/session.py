@@ -162,7 +162,7 @@ class EditSession:
     def set_params(self, **params: Any) -> None:
         """Live parameters (engine/edit/params.py); unknown keys or bad values raise ValueError."""
         self.cfg = apply_params(self.cfg, params)
-        self.metrics.budget = self.cfg.slo.latency_budget_ms / 1000.0
+        self.metrics.set_budget(self.cfg.slo.latency_budget_ms / 1000.0)
         if self.models.lllite is not None:
             with _on(self._main):  # ordered after the UNet calls already queued
                 self.models.lllite.set_strength(self.cfg.edit.adapter_strength)
