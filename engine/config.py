@@ -30,6 +30,8 @@ PRESET_PACKAGE = "engine.presets"
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
 
+    family: str = spec("wan", choices=("wan", "edit"),
+                       doc="wan: the causal Wan DiT; edit: the MLLM-conditioned edit UNet (the `edit` section)")
     preset: str = spec("tiny", choices=("tiny", "wan2.1-1.3b", "wan2.1-14b"), doc="DiT architecture")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -191,6 +193,35 @@ class LoraEntry:
 
 
 @dataclass
+class EditConfig:
+    """The edit family (engine/edit): DreamLite-mobile UNet, Qwen3-VL conditioning, temporal LLLite."""
+
+    unet: str = spec("tiny", choices=("tiny", "dreamlite-mobile"), doc="edit UNet architecture")
+    checkpoint: str | None = spec(None, doc="DreamLite-mobile directory (unet/, vae/) or UNet weights file; "
+                                            "none = seeded tiny weights, or random with model.random_weights")
+    vae: str = spec("tiny", choices=("tiny", "taesd"), doc="tiny autoencoder architecture")
+    vae_checkpoint: str | None = spec(None, doc="autoencoder weights; none = from checkpoint's vae/ or random")
+    encoder: str = spec("hash", choices=("hash", "qwen3-vl"),
+                        doc="hash: small deterministic stand-in; qwen3-vl: the vision-language encoder")
+    encoder_path: str | None = spec(None, doc="Qwen3-VL-2B directory; none with qwen3-vl = random weights "
+                                              "(needs model.random_weights)")
+    batch: int = spec(8, min=1, max=64, doc="frames per UNet call (B); outputs lag by up to one batch")
+    steps: int = spec(1, min=1, max=4, doc="Euler flow-matching steps")
+    prompt_refresh_every: int = live.PROMPT_REFRESH_EVERY.field()
+    prompt_one_frame: bool = spec(True, doc="encode one frame per refresh and broadcast it to the batch")
+    lllite: str | None = spec(None, doc="temporal LLLite weights (safetensors); none = zero-initialised adapter")
+    lllite_hooks: str = spec("down", choices=("all", "down", "none"),
+                             doc="hooked attention projections: all, the down blocks only, or none")
+    adapter_strength: float = live.ADAPTER_STRENGTH.field()
+    cond_refresh_every: int = live.COND_REFRESH_EVERY.field()
+    flow: str = spec("farneback", choices=("farneback", "none"),
+                     doc="warp the previous output to the new frames for the adapter's condition")
+    compile: bool = spec(True, doc="torch.compile the UNet + adapter as one graph (CUDA; needs triton)")
+    two_streams: bool = spec(True, doc="side stream (encoders) beside the main stream (UNet, decode)")
+    seed: int = spec(0, min=0, doc="noise seed; the same noise is used for every frame")
+
+
+@dataclass
 class LoomConfig:
     """Everything a run needs; built only through `load_config`."""
 
@@ -205,6 +236,7 @@ class LoomConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
                                  doc="style LoRAs, each with its own scale")
+    edit: EditConfig = field(default_factory=EditConfig)
 
     def __post_init__(self) -> None:
         names = [e.key for e in self.lora]
@@ -212,6 +244,11 @@ class LoomConfig:
             raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
         if self.lora and self.model.fp8_linear:
             raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
+        if self.model.family == "edit" and self.parallel.gpus > 1:
+            raise ValueError("parallel.gpus: the edit family runs on one GPU; set parallel.gpus=1")
+        if self.model.family == "edit" and self.model.dtype == "float16":
+            raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
+                             "states peak near 1160); use auto, bfloat16 or float32")
         if self.parallel.gpus > 1 and self.stream.mode == "sequential":
             raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
                              "use batch or auto (the pipeline runs stream-batch)")

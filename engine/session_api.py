@@ -52,3 +52,14 @@ class EngineSession(Protocol):
 
     def close(self) -> None:
         """Release the session's device resources."""
+
+
+def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
+    """The session for the config's model family (`model.family`), loaded and warmed up."""
+    if cfg.model.family == "edit":
+        from engine.edit.session import EditSession
+
+        return EditSession.from_config(cfg, warmup=warmup)
+    from engine.stream.session import StreamSession
+
+    return StreamSession.from_config(cfg, warmup=warmup)

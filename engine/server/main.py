@@ -52,10 +52,10 @@ def _session_factory(args: argparse.Namespace):
             from engine.server.passthrough import PassthroughSession
             return PassthroughSession()
         try:
-            from engine.stream.session import StreamSession
+            from engine.session_api import open_session
         except ImportError as exc:
-            raise RuntimeError(f"engine.stream.session is not available ({exc}); use --passthrough") from exc
-        return StreamSession.from_config(config)
+            raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
+        return open_session(config)
 
     return build
 

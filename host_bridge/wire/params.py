@@ -227,8 +227,19 @@ PROMPT = LiveParam("text", "text", "a painting in the style of van gogh, vivid b
 
 LORA_SCALES = LiveParam("lora_scales", "scales", {}, "lora", "scale of each loaded style LoRA, by name",
                         min=-4.0, max=4.0, max_len=8, ui_step=0.05, ui_max=2.0)
+# The edit family's own (engine/edit, model.family=edit), kept in its config section `edit`.
+ADAPTER_STRENGTH = LiveParam("adapter_strength", "float", 1.0, "edit", "temporal LLLite output multiplier",
+                             min=0.0, max=2.0, ui_step=0.05)
+COND_REFRESH_EVERY = LiveParam("cond_refresh_every", "int", 8, "edit",
+                               "rebuild the adapter's flow-warped condition every N batches", min=1, max=10000,
+                               ui_max=64)
+PROMPT_REFRESH_EVERY = LiveParam("prompt_refresh_every", "int", 8, "edit",
+                                 "re-encode instruction + frame every N batches (static prompt caching)",
+                                 min=1, max=10000, ui_max=256)
+EDIT_PARAMS = (ADAPTER_STRENGTH, COND_REFRESH_EVERY, PROMPT_REFRESH_EVERY)
+
 LIVE = ParamSchema(STEPS, MODE, SINK_THRESHOLD, NOISE_SCALE, MOTION_AWARE, TRANSITION_CHUNKS, TARGET_FPS,
-                   LATENCY_BUDGET_MS, LORA_SCALES)
+                   LATENCY_BUDGET_MS, LORA_SCALES, *EDIT_PARAMS)
 
 
 def steps_for(count: Any) -> list[int]:
@@ -249,5 +260,5 @@ def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str,
     return text.strip(), chunks
 
 
-__all__ = ["CHUNK_FRAMES", "FIRST_CHUNK_FRAMES", "LIVE", "LiveParam", "MAX_STEPS", "PROMPT", "ParamSchema",
-           "STEP_LISTS", "TRAIN_TIMESTEPS", "check_prompt_request", "steps_for", "whole_chunks"]
+__all__ = ["CHUNK_FRAMES", "EDIT_PARAMS", "FIRST_CHUNK_FRAMES", "LIVE", "LiveParam", "MAX_STEPS", "PROMPT",
+           "ParamSchema", "STEP_LISTS", "TRAIN_TIMESTEPS", "check_prompt_request", "steps_for", "whole_chunks"]

@@ -82,11 +82,11 @@ def test_hosts_offer_the_schema_ranges():
 
 
 def test_a_family_adds_its_own_parameters_without_touching_the_shared_ones():
-    guidance = LiveParam("edit_strength", "float", 1.0, "edit", "how far the edit departs from the source",
+    guidance = LiveParam("edit_strength", "float", 1.0, "example", "how far the edit departs from the source",
                          min=0.0, max=2.0)
     family = LIVE.extended(guidance)
     assert family.check({"edit_strength": 0.5, "steps": [700]}) == {"edit_strength": 0.5, "steps": [700]}
-    assert "edit_strength" not in LIVE and family.section("edit") == ("edit_strength",)
+    assert "edit_strength" not in LIVE and family.section("example") == ("edit_strength",)
     with pytest.raises(ValueError, match="already registered"):
         ParamSchema(guidance, guidance)
     with pytest.raises(ValueError, match="default"):
