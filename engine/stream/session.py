@@ -44,6 +44,9 @@ from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stream.stage_timer import StageTimer
 from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
+# The schema's sections this family takes (another family's parameters are refused by name)
+LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
+
 
 @dataclass
 class _Chunk:
@@ -208,14 +211,15 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        unknown = [k for k in params if k not in LIVE]
+        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
+        unknown = [k for k in params if k not in settable]
         if unknown:
-            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(LIVE.names())}")
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
         lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         new = self.cfg
-        for section in LIVE.sections():  # each live parameter lives in the config section the schema names
+        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
             changed = {k: params[k] for k in LIVE.section(section) if k in params}
             if changed:
                 data = {**getattr(new, section).__dict__, **changed}
