@@ -437,7 +437,10 @@ class Bridge:
             if messages:
                 with self._cond:
                     for msg, payload in messages:
-                        self._on_lane(link, msg, payload)
+                        try:
+                            self._on_lane(link, msg, payload)
+                        except Exception as exc:  # an odd notice is refused and counted, never raised to a host
+                            lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
         finally:
             lane.release()
         return True

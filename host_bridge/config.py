@@ -50,6 +50,8 @@ class BridgeConfig:
     cuda_device: int = spec(0, min=0, max=64, doc="GPU for cuda-ipc rings when frames come from host memory")
     curve_secret_file: str | None = spec(None, doc="host certificate (zmq.auth) for CurveZMQ")
     curve_server_public_file: str | None = spec(None, doc="engine public key certificate for CurveZMQ")
+    secret_file: str | None = spec(None, doc="a served engine's session secret (`loom serve --secret-file`, mode "
+                                             "600), for launch=false on a loopback or ipc endpoint without CurveZMQ")
 
     def __post_init__(self) -> None:
         if not getattr(_building, "active", False):
@@ -62,6 +64,9 @@ class BridgeConfig:
             raise ValueError("endpoint: required when launch is false (the running engine's tcp:// or ipc:// address)")
         if self.encoding == "jpeg" and self.transport != "tcp":
             raise ValueError(f"encoding: 'jpeg' needs transport 'tcp', not {self.transport!r}")
+        if self.secret_file is not None and (self.launch or self.curve_secret_file is not None):
+            raise ValueError("secret_file: only for launch=false without CurveZMQ keys (a launched engine gets a "
+                             "fresh token; Curve keys authenticate on their own)")
         if (self.curve_secret_file is None) != (self.curve_server_public_file is None):
             raise ValueError("curve_secret_file and curve_server_public_file: give both or neither")
         if self.hang_timeout_s < 2 * self.heartbeat_s:

@@ -20,7 +20,7 @@ import numpy as np
 
 from host_bridge.config import BridgeConfig
 from host_bridge.launcher import EngineProcess
-from host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
+from host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint, SharedSecret
 from host_bridge.wire.doorbell import Doorbell
 from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.wire.protocol import TRANSPORTS, make
@@ -30,7 +30,7 @@ from host_bridge.wire.rings import Ring, SlotTracker, create_ring
 class Link:
     def __init__(self, link_id: int, channel: Channel, lane: FrameLane | Doorbell | None, proc: EngineProcess | None,
                  endpoint: PrivateEndpoint | None, token: str | None, cfg: BridgeConfig, lock: threading.RLock,
-                 curve: CurveClient | None = None):
+                 curve: CurveClient | SharedSecret | None = None):
         self.id = link_id
         self.channel = channel
         # the doorbell, made with the link; or a lane bound here when we launched the engine, else
@@ -83,7 +83,8 @@ class Link:
     def send_hello(self) -> None:
         doorbell = self.lane.name if isinstance(self.lane, Doorbell) else None
         lane = self.lane.endpoint if self.cfg.launch and doorbell is None else None
-        self.send(make("hello", role="host", token=self.token or "", pid=os.getpid(), transports=list(TRANSPORTS),
+        secret = self.curve.secret if isinstance(self.curve, SharedSecret) else ""
+        self.send(make("hello", role="host", token=self.token or secret, pid=os.getpid(), transports=list(TRANSPORTS),
                        software="loom host_bridge", lane=lane, doorbell=doorbell))
 
     def on_hello(self, msg: dict[str, Any]) -> str | None:

@@ -21,7 +21,7 @@ import zmq
 from host_bridge.config import BridgeConfig
 from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
-from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint
+from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint, SharedSecret, read_secret_file
 from host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
 from host_bridge.wire.doorbell import Doorbell
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address
@@ -37,10 +37,12 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
     """A new `Link` (taking its id from `link_ids` only once it exists); the engine launched if `cfg.launch`."""
     token = secrets.token_hex(TOKEN_BYTES)
     endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
-    curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
-             if cfg.curve_secret_file and cfg.curve_server_public_file else None)
+    curve: CurveClient | SharedSecret | None = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
+                                                 if cfg.curve_secret_file and cfg.curve_server_public_file else None)
     channel = lane = None
     try:
+        if cfg.secret_file:
+            curve = SharedSecret(read_secret_file(cfg.secret_file), server=False)
         if cfg.launch:
             channel = Channel(ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
         else:

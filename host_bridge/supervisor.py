@@ -113,7 +113,11 @@ class EngineLoop:
             self._fail(link, f"control socket error: {exc}")
             return
         for msg, payload in messages:
-            problem = self._handle(link, msg, payload)
+            try:
+                problem = self._handle(link, msg, payload)
+            except Exception as exc:  # an odd message is refused and counted, never fatal
+                link.channel.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                continue
             if problem:  # torn down outside the lock: host threads must never wait on a dying engine
                 self._fail(link, problem)
                 return
@@ -157,6 +161,8 @@ class EngineLoop:
                 link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
             elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
                 self._on_reply(link, kind, msg)
+            elif kind == "ack":
+                pass  # the answer to a request nobody waits for (sent without an id)
             elif kind == "error":
                 self.last_error = self.message = f"engine error: {msg['message']}"
                 self._stats.counts["errors"] += 1

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
     p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
     p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="--bind on a loopback or ipc endpoint without CurveZMQ: the session secret hosts must hold "
+                        "(a file of mode 600, created with a random secret if missing; hosts name it as secret_file)")
     p.add_argument("--stall-after", type=int, default=None,
                    help="fault injection for tests: stop taking frames after this many")
     p.set_defaults(func=run)
@@ -55,6 +58,21 @@ def _session_factory(args: argparse.Namespace):
     return build
 
 
+def _session_secret(args: argparse.Namespace):
+    """A served engine without Curve keys takes only hosts that hold its session secret: any local
+    process could otherwise reach a loopback endpoint and drive it."""
+    from host_bridge.wire.channel import SharedSecret, is_loopback, read_secret_file
+
+    if args.secret_file and not args.bind:
+        raise UserError("--secret-file is for --bind (a launched engine gets its token from the host)")
+    if not args.bind or not is_loopback(args.bind):
+        return None  # a remote endpoint needs Curve keys: the channel says so
+    if not args.secret_file:
+        raise UserError(f"--bind {args.bind}: without CurveZMQ keys a served engine needs --secret-file FILE "
+                        "(mode 600, created if missing); hosts give the same file as secret_file")
+    return SharedSecret(read_secret_file(args.secret_file, create=True), server=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.server.core import EngineServer
     from host_bridge.wire.channel import CurveServer, EndpointError
@@ -63,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--curve-secret-file and --curve-authorized go together")
     curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
     try:
+        curve = curve or _session_secret(args)
         server = EngineServer(_session_factory(args), connect=args.connect, bind=args.bind,
                               token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
                               heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,

@@ -54,8 +54,9 @@ def _int(lo: int = 0, hi: int = 2**62) -> Callable[[Any], str | None]:
 
 def _num(lo: float = -1e300, hi: float = 1e300) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-        return None if ok else f"a finite number in [{lo}, {hi}]"
+        # an int is compared as it is: math.isfinite() raises OverflowError on one of 400 digits
+        number = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v)
+        return None if number and lo <= v <= hi else f"a finite number in [{lo}, {hi}]"
     return check
 
 
@@ -183,7 +184,12 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"not a UTF-8 JSON message ({type(exc).__name__})") from None
-    validate(msg)
+    try:
+        validate(msg)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a checker that trips over an odd value still refuses, never crashes the receiver
+        raise ProtocolError(f"unreadable message ({type(exc).__name__})") from None
     allowed_parts = (1, 2) if msg["type"] == "frame" else (1,)
     if len(parts) not in allowed_parts:
         raise ProtocolError(f"{msg['type']}: {len(parts)} parts; expected {' or '.join(map(str, allowed_parts))}")
