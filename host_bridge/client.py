@@ -117,14 +117,19 @@ class Bridge:
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
-        if cuda:
-            native = np.ascontiguousarray(formats.check_frame(frame))
-            if native.shape[2] == 2:
-                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
-            engine = None
-        else:
-            native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
-                               else formats.to_engine(frame))
+        try:
+            frame = formats.limit_size(formats.check_frame(frame), self.config.max_frame_side)
+            if cuda:
+                native = np.ascontiguousarray(frame)
+                if native.shape[2] == 2:
+                    raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
+                engine = None
+            else:
+                native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
+                                   else formats.to_engine(frame))
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -149,8 +154,15 @@ class Bridge:
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        dtype = np.dtype(dtype).name
-        check_device_frame(pitch, width, height, channels, dtype)
+        try:
+            dtype = np.dtype(dtype).name
+            check_device_frame(pitch, width, height, channels, dtype)
+            if max(width, height) > self.config.max_frame_side:
+                raise ValueError(f"size: {width}x{height} is not allowed; expected at most "
+                                 f"{self.config.max_frame_side} px per side (max_frame_side)")
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -161,6 +173,10 @@ class Bridge:
             self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
             self._set_pending(seq, None, now)
             return self._pump()
+
+    def _refused_frame(self) -> None:
+        with self._lock:
+            self._stats.counts["refused_frames"] += 1
 
     def _next_seq(self) -> int:
         self.last_seq = next(self._seq)
@@ -181,7 +197,7 @@ class Bridge:
             status = self._status()
             frames = self._frames
             if frames.has_output:
-                fresh = status.state == "running" and frames.link_id == self._loop.link_id
+                fresh = self._fresh()
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
                     return frames.output_array(), status
@@ -198,7 +214,7 @@ class Bridge:
         with self._lock:
             status = self._status()
             frames = self._frames
-            fresh = status.state == "running" and frames.link_id == self._loop.link_id
+            fresh = self._fresh()
             out, staging = frames.output_device, frames.staging
             fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
             if fits and (fresh or self.config.fallback == "last"):
@@ -212,12 +228,27 @@ class Bridge:
         with self._lock:
             return self._status()
 
+    def _fresh(self) -> bool:
+        """The newest output counts as fresh only while its engine is known alive (the hang timeout
+        bounds how stale a frame marked fresh can be); lock held."""
+        link = self._link
+        return (self._loop.state == "running" and link is not None and self._frames.link_id == link.id
+                and link.known_alive(time.monotonic()))
+
     def _status(self) -> BridgeStatus:
         link = self._link
         tail = link.log_tail() if link is not None else self._loop.log_tail
+        counts = self._stats.counts
+        refused = (counts["refused"] + counts["refused_frames"] + (link.refused if link else 0)
+                   + int(self._stats.engine.get("refused", 0)))
+        heard = time.monotonic() - link.last_heard if link is not None and link.hello_done else -1.0
+        message = self._loop.message
+        if self._loop.state == "running" and heard > self.config.hang_timeout_s:
+            message = f"engine silent for {heard:.1f} s: its frames are not fresh"
         return BridgeStatus(state=self._loop.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
-                            dropped=self._stats.dropped(), message=self._loop.message, log_tail=tail,
-                            restarts=self._loop.restarts, frames_out=self._stats.counts["received"])
+                            dropped=self._stats.dropped(), message=message, log_tail=tail,
+                            restarts=self._loop.restarts, frames_out=counts["received"], refused=refused,
+                            heard_s=round(heard, 3))
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
@@ -484,6 +515,11 @@ class Bridge:
         try:
             if not link.write_frame(seq, frame, self._frames.staging, t):
                 return False
+        except ValueError as exc:  # a frame no ring can hold: refused and counted, never retried
+            self._pending = None
+            self._stats.counts["refused_frames"] += 1
+            self._loop.last_error = self._loop.message = f"frame refused: {exc}"
+            return False
         except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
             self._loop.last_error = self._loop.message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
             return False

@@ -10,7 +10,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from host_bridge.wire.protocol import ENCODINGS, MAX_SLOTS, TRANSPORTS
+from host_bridge.wire.protocol import ENCODINGS, MAX_FRAME_SIDE, MAX_SLOTS, TRANSPORTS
 from host_bridge.wire.typed_config import ConfigError, build, spec
 
 FALLBACKS = ("passthrough", "last")
@@ -33,6 +33,10 @@ class BridgeConfig:
     endpoint: str | None = spec(None, doc="engine control endpoint (tcp://HOST:PORT or ipc://PATH); none = private")
     fallback: str = spec("passthrough", choices=FALLBACKS, doc="shown while the engine is not delivering")
     ring_slots: int = spec(3, min=2, max=MAX_SLOTS, doc="frame slots per direction")
+    max_frame_side: int = spec(4096, min=16, max=MAX_FRAME_SIDE,
+                               doc="longest frame side handed to the engine: larger host frames are shrunk by a "
+                                   "whole factor first (outputs come back at that size); larger device frames "
+                                   "(submit_cuda) are refused")
     handshake_timeout_s: float = spec(20.0, min=0.5, max=600.0, doc="engine start to its hello")
     load_timeout_s: float = spec(900.0, min=1.0, max=7200.0, doc="hello to ready (model loading)")
     heartbeat_s: float = spec(0.2, min=0.01, max=1.0, doc="heartbeat interval, both ways")

@@ -162,17 +162,26 @@ class Link:
             s = self.ring_in.spec
             if all(getattr(s, k) == v for k, v in want.items()):
                 return
+        generation = self.generation + 1
+        common = dict(slots=self.cfg.ring_slots, generation=generation, **want, **extra)
+        rings: list[Ring] = []
+        try:  # both ring messages are validated before the rings replace the old ones
+            for direction in ("in", "out"):
+                rings.append(create_ring(self.cfg.transport, direction, **common))
+            messages = {next(self._request_ids): make("ring", spec=r.spec.to_dict()) for r in rings}
+        except Exception as exc:
+            for ring in rings:
+                ring.close()
+            raise ValueError(f"frame {want['width']}x{want['height']} {want['dtype']}: no ring for it ({exc})") \
+                from None
+        if self.ring_in is not None:
             self.retired += [self.ring_in, self.ring_out]
-        self.generation += 1
-        common = dict(slots=self.cfg.ring_slots, generation=self.generation, **want, **extra)
-        self.ring_in = self.ring_out = None
-        self.ring_in = create_ring(self.cfg.transport, "in", **common)
-        self.ring_out = create_ring(self.cfg.transport, "out", **common)
+        self.generation = generation
+        self.ring_in, self.ring_out = rings
         self.in_tracker = SlotTracker(self.cfg.ring_slots)
-        for ring in (self.ring_in, self.ring_out):
-            rid = next(self._request_ids)
-            self.ring_requests[rid] = self.generation
-            self.send(make("ring", id=rid, spec=ring.spec.to_dict()))
+        for rid, msg in messages.items():
+            self.ring_requests[rid] = generation
+            self.send({**msg, "id": rid})
 
     def retire_older(self, generation: int) -> None:
         """The engine attached generation `generation`: older rings can go."""
@@ -185,6 +194,12 @@ class Link:
         self.retired = keep
 
     # -- liveness ------------------------------------------------------------------------------------
+
+    def known_alive(self, now: float) -> bool:
+        """Whether the engine is running as far as this side can tell right now: its process (when we
+        launched it) has not exited and it spoke within the hang timeout. Its frames are fresh only then."""
+        return self.phase == "running" and (self.proc is None or self.proc.alive) \
+            and now - self.last_heard <= self.cfg.hang_timeout_s
 
     def check(self, now: float) -> str | None:
         """A reason to give up on this engine, or None."""

@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memor
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
+MAX_FRAME_SIDE = 16384  # the longest side a ring slot may have (hosts downscale larger frames first)
 MAX_TEXT = 4096
 MAX_ENDPOINT = 256
 LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
@@ -272,7 +273,8 @@ class RingSpec:
     def from_dict(cls, data: dict[str, Any]) -> RingSpec:
         checks: Fields = {
             "transport": (_choice(*TRANSPORTS), True), "dir": (_choice(*DIRECTIONS), True),
-            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, 16384), True), "height": (_int(1, 16384), True),
+            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, MAX_FRAME_SIDE), True),
+            "height": (_int(1, MAX_FRAME_SIDE), True),
             "channels": (_int(1, 4), True), "dtype": (_choice(*DTYPES), True), "pitch": (_int(1, 2**20), True),
             "generation": (_int(), True), "orientation": (_choice(*ORIENTATIONS), False),
             "order": (_str(4, 1), False), "handles": (_str_list(MAX_SLOTS, 256), False),
