@@ -97,3 +97,32 @@ def test_hole10_device_or_fifo_as_checkpoint_path_is_a_clear_error(tmp_path):
 
 def test_messages_a_host_builds_are_still_valid():
     assert decode([json.dumps(make("heartbeat", t=2**62)).encode()])["t"] == 2**62
+
+
+def test_hole5_engine_shrinks_a_huge_frame_before_converting_it_to_float(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from engine.stream import frames as engine_frames
+
+    rng = np.random.default_rng(0)
+    big = np.repeat(np.repeat(rng.integers(0, 256, (1, 64, 128, 3), dtype=np.uint8), 16, axis=1), 16, axis=2)
+    floats: list[int] = []
+    real_float = torch.Tensor.to
+
+    def watch(t, *a, **k):
+        out = real_float(t, *a, **k)
+        if out.dtype == torch.float32 and out.dim() == 4:
+            floats.append(out.numel())
+        return out
+
+    mapper = engine_frames.FrameMapper(64, 32, "stretch", torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.Tensor, "to", watch)
+    x = mapper.to_model(big)  # 1024 x 2048
+    monkeypatch.undo()
+    assert max(floats) <= engine_frames.SHRINK_BAND_ROWS * big.shape[2] * 3  # a band of rows, never the frame
+    reference = F.interpolate(torch.from_numpy(big).permute(0, 3, 1, 2).float(), size=(32, 64), mode="bilinear",
+                              antialias=True, align_corners=False) / 127.5 - 1.0
+    assert (x - reference).abs().mean() < 0.02
+    out = mapper.to_host(x, big)
+    assert out.shape == big.shape and out.dtype == torch.uint8
