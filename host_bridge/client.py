@@ -270,6 +270,7 @@ class Bridge:
                 "endpoint": link.channel.endpoint if link else None,
                 "lane_endpoint": link.lane.endpoint if link and link.lane else None,
                 "messages": link.message_counts() if link else {},
+                "standby": self._loop.standby.describe() if self._loop.standby else None,
             }
 
     # ------------------------------------------------------------------------------------------------

@@ -45,6 +45,10 @@ class BridgeConfig:
                                          doc="the same while the engine loads: reading a checkpoint and compiling "
                                              "can hold Python's GIL, and so its heartbeats, for seconds")
     restart: bool = spec(True, doc="restart (or reconnect) after a crash or hang")
+    standby: bool = spec(False, doc="keep a second launched engine loaded (and warmed) to take over at once when "
+                                    "the one in use dies or hangs; costs a second engine's memory (launch only)")
+    engine_warmup: bool = spec(False, doc="launched engines warm up (compile, capture graphs) before they say "
+                                          "ready, so the first frames do not stall")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
     restart_backoff_max_s: float = spec(10.0, min=0.0, max=600.0)
     stop_timeout_s: float = spec(2.0, min=0.1, max=60.0, doc="wait after bye and after terminate")
@@ -68,6 +72,8 @@ class BridgeConfig:
             raise ValueError("endpoint: required when launch is false (the running engine's tcp:// or ipc:// address)")
         if self.encoding == "jpeg" and self.transport != "tcp":
             raise ValueError(f"encoding: 'jpeg' needs transport 'tcp', not {self.transport!r}")
+        if self.standby and not self.launch:
+            raise ValueError("standby: needs launch=true (the bridge starts the standby engine itself)")
         if self.secret_file is not None and (self.launch or self.curve_secret_file is not None):
             raise ValueError("secret_file: only for launch=false without CurveZMQ keys (a launched engine gets a "
                              "fresh token; Curve keys authenticate on their own)")

@@ -84,4 +84,6 @@ def _engine_args(cfg: BridgeConfig, control_endpoint: str) -> list[str]:
         args += ["--set", o]
     if cfg.passthrough:
         args.append("--passthrough")
+    if cfg.engine_warmup:
+        args.append("--warmup")
     return args + list(cfg.engine_args)

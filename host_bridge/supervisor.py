@@ -25,6 +25,7 @@ from host_bridge.bridge_stats import FrameStats
 from host_bridge.config import BridgeConfig
 from host_bridge.link import Link
 from host_bridge.link_open import LinkOpenError, open_link
+from host_bridge.standby import Standby
 from host_bridge.wire.protocol import LANE_MESSAGES
 
 STATS_INTERVAL_S = 1.0
@@ -56,6 +57,8 @@ class EngineLoop:
         self._backoff = config.restart_backoff_s
         self._next_start = 0.0
         self._link_ids = itertools.count()
+        # a second launched engine kept ready to take over (opened once the first one runs)
+        self.standby = Standby(config, ctx, lock, self._link_ids) if config.standby and config.launch else None
 
     @property
     def started(self) -> bool:
@@ -79,6 +82,8 @@ class EngineLoop:
             link, self.link = self.link, None
         if link is not None:
             link.teardown("closed", self.config.stop_timeout_s)
+        if self.standby is not None:
+            self.standby.close()
 
     def set_state(self, state: str, message: str) -> None:
         with self._cond:
@@ -101,6 +106,12 @@ class EngineLoop:
     def _step(self) -> None:
         """One turn of the loop thread: (re)connect, receive, act, check liveness."""
         link = self.link
+        if self.standby is not None:  # a new standby only once an engine runs: they would load side by side
+            self.standby.step(open_new=link is not None and link.ready)
+            if link is None and self.state != "dead":
+                with self._cond:
+                    if self._adopt_standby("engine restarted from the standby"):
+                        return
         if link is None:
             if self.state == "dead" or time.monotonic() < self._next_start:
                 time.sleep(TICK_S)
@@ -201,9 +212,12 @@ class EngineLoop:
         self._on_tick(link)
 
     def _fail(self, link: Link, reason: str) -> None:
-        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart."""
+        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart, or
+        switch to the standby engine at once when one is ready."""
         with self._cond:
             if self.link is not link:
+                return
+            if self._switch_to_standby(link, reason):
                 return
             self.link = None
             self.log_tail = link.log_tail()
@@ -220,3 +234,23 @@ class EngineLoop:
                 self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
             else:
                 self.set_state("dead", reason)
+
+    def _switch_to_standby(self, link: Link, reason: str) -> bool:
+        """Lock held: the ready standby becomes the engine in use; the failed one is stopped on a thread of
+        its own (a hung engine takes seconds to stop, and the new one needs this thread to talk to it)."""
+        if not self._adopt_standby(f"{reason}; switched to the standby engine"):
+            return False
+        self.restarts += 1
+        threading.Thread(target=link.teardown, args=(reason, self.config.stop_timeout_s),
+                         name="loom-engine-teardown", daemon=True).start()
+        return True
+
+    def _adopt_standby(self, message: str) -> bool:
+        """Lock held: make the ready standby the engine in use, if there is one."""
+        fresh = self.standby.take() if self.standby is not None and not self.closing else None
+        if fresh is None:
+            return False
+        self.link = fresh
+        self.set_state("running", message)
+        self._on_ready(fresh)
+        return True

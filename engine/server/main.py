@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run synthetic streams through the session (compile, capture graphs) before saying ready")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
@@ -50,10 +52,15 @@ def _session_factory(args: argparse.Namespace):
             from engine.server.passthrough import PassthroughSession
             return PassthroughSession()
         try:
+            from engine.graphs.compile_cache import enable_persistent_compile_cache
             from engine.stream.session import StreamSession
         except ImportError as exc:
             raise RuntimeError(f"engine.stream.session is not available ({exc}); use --passthrough") from exc
-        return StreamSession.from_config(config)
+        enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
+        session = StreamSession.from_config(config)
+        if args.warmup:
+            session.warmup()
+        return session
 
     return build
 

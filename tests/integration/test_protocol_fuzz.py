@@ -1,5 +1,6 @@
-"""Protocol fuzzing: 10,000+ random and mutated messages against a real engine server process and
-against a Bridge client; neither crashes nor hangs, and every refusal is counted."""
+"""Protocol fuzzing: 10,000+ random and mutated messages (over-long numbers and deep nesting among them)
+against a real engine server process, before and after its handshake, and against a Bridge client, on
+the control channel and the frame lane; neither crashes nor hangs, and every refusal is counted."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from host_bridge import Bridge, BridgeConfig
 from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
 
 ROOT = Path(__file__).resolve().parents[2]
-N_MESSAGES = 10_000
+N_MESSAGES = int(os.environ.get("LOOM_FUZZ_N", 10_000))
 RING = dict(transport="shm", dir="in", slots=3, width=8, height=8, channels=3, dtype="uint8", pitch=24,
             generation=1, handles=["loom_00000000deadbeef"])
 TEMPLATES = [
@@ -31,9 +32,23 @@ TEMPLATES = [
 JUNK = [None, True, -1, 2**70, 1e308, "", "x" * 300, [], {}, [1, "a"], {"k": [None]}, 3.5]
 
 
+def _long_number(rng: random.Random) -> bytes:
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.choice([309, 400, 4000, 5000])))
+    return rng.choice([b"", b"-"]) + b"1" + digits.encode() + rng.choice([b"", b".5", b"e999", b"e-999"])
+
+
 def _mutate(rng: random.Random) -> list[bytes]:
-    choice = rng.randrange(10)
+    choice = rng.randrange(12)
     base = dict(rng.choice(TEMPLATES))
+    if choice == 10:  # a number field (or any field) holding a number no float can hold
+        keys = [k for k in base if k not in ("type",)]
+        base[rng.choice(keys)] = "@NUMBER@"
+        return [json.dumps(base).encode().replace(b'"@NUMBER@"', _long_number(rng))]
+    if choice == 11:  # deep nesting inside a field, balanced, under the size limit
+        depth = rng.randrange(500, 20_000)
+        open_, close = rng.choice([(b"[", b"]"), (b'{"a":', b"}")])
+        inner = open_ * depth + b"1" + close * depth
+        return [b'{"v":%d,"type":"params","id":1,"params":{"x":' % PROTOCOL_VERSION + inner + b"}}"]
     if choice == 0:
         return [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 64)))]
     if choice == 1:
@@ -102,6 +117,9 @@ def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
                              "--passthrough", "--parent-pid", str(os.getpid())], cwd=ROOT, env=env)
     try:
         assert _recv(host, "hello")["role"] == "engine"
+        early = fuzz_messages(3, 200)  # before the handshake: refused too, never fatal
+        for parts in early:
+            host.send_multipart(parts)
         host.send(encode(make("hello", role="host", token="secret", pid=os.getpid(), lane=f"ipc://{tmp_path}/lane")))
         _recv(host, "ready")
         messages = fuzz_messages(1, N_MESSAGES)
@@ -113,7 +131,7 @@ def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
         for msg in wrong:  # valid frame messages, on the control channel: refused
             host.send(encode(msg))
         lane.send(encode(make("frame", dir="out", slot=0, seq=1, gen=1)))  # the engine's own direction: refused
-        expected = len(messages) + len(wrong) + 1
+        expected = len(early) + len(messages) + len(wrong) + 1
         deadline = time.monotonic() + 20
         stats = {}
         while stats.get("refused") != expected and time.monotonic() < deadline:
