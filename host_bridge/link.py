@@ -91,10 +91,11 @@ class Link:
         if self.phase != "hello":
             self.channel.refuse("second hello")
             return None
-        if msg["role"] != "engine":
-            return f"handshake: peer says it is a {msg['role']}, expected an engine"
-        if self.token is not None and msg["token"] != self.token:
-            return "handshake: the engine's token does not match the one it was launched with"
+        if msg["role"] != "engine" or self.token is not None and msg["token"] != self.token:
+            # another local process (a tcp endpoint on 127.0.0.1 is reachable by any): refused and counted,
+            # never a reason to give up on the engine we launched
+            self.channel.refuse(f"hello from a {msg['role']} without this engine's launch token")
+            return None
         if self.cfg.transport not in msg.get("transports", []):
             return f"handshake: the engine does not offer transport {self.cfg.transport!r} ({msg.get('transports')})"
         self.engine_pid = msg["pid"]

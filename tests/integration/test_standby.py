@@ -34,7 +34,7 @@ def _fresh_frame(bridge: Bridge, frame: np.ndarray, timeout_s: float) -> bool:
     return _wait(got, timeout_s)
 
 
-@pytest.mark.parametrize("engine", ["passthrough", "embedded"])
+@pytest.mark.parametrize("engine", ["passthrough", pytest.param("embedded", marks=pytest.mark.slow)])
 def test_killed_engine_is_replaced_by_the_standby_at_once(engine):
     cfg = BridgeConfig(passthrough=engine == "passthrough", engine_config="default", engine_cwd=str(ROOT),
                        standby=True, heartbeat_s=0.1, hang_timeout_s=1.0, stop_timeout_s=1.0,
