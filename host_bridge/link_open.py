@@ -44,7 +44,11 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
         if cfg.secret_file:
             curve = SharedSecret(read_secret_file(cfg.secret_file), server=False)
         if cfg.launch:
-            channel = Channel(ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+            address = endpoint.address if endpoint else cfg.endpoint
+            # ipc lives in a private directory; tcp on 127.0.0.1 is open to every local process: the
+            # engine must show the launch token before it is even connected
+            guard = SharedSecret(token, server=True) if address is None or address.startswith("tcp://") else None
+            channel = Channel(ctx, address, bind=True, curve=guard)
         else:
             channel = Channel(ctx, cfg.endpoint, bind=False, curve=curve)
         if cfg.transport in DOORBELL_TRANSPORTS:
@@ -52,7 +56,7 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
         elif cfg.launch:  # we bound the control endpoint: the frame lane goes next to it
             lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
                 lane_bind_address(channel.endpoint)
-            lane = FrameLane(ctx, lane_address, bind=True, side="host")
+            lane = FrameLane(ctx, lane_address, bind=True, side="host", curve=guard)
     except Exception as exc:
         for opened in (channel, lane):
             if opened is not None:

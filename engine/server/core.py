@@ -103,7 +103,8 @@ class EngineServer:
         self._install_signals()
         try:
             if self._connect:
-                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine")
+                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
+                                       curve=self._launch_guard())
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
                 _log(f"loom serve: listening on {self.channel.endpoint}")
@@ -113,6 +114,11 @@ class EngineServer:
             if self.channel is not None:
                 self.channel.close()
             self._ctx.term()
+
+    def _launch_guard(self) -> SharedSecret | None:
+        """Launched on tcp: the host checks our launch token before it connects us (any local process can
+        reach 127.0.0.1); on ipc its private directory already keeps others out."""
+        return SharedSecret(self._token, server=False) if self._connect.startswith("tcp://") and self._token else None
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -223,7 +229,7 @@ class EngineServer:
                 if "lane" not in hello:
                     raise EndpointError("the host's hello names no frame lane (a host of an older protocol?)")
                 return FrameLane(self._ctx, lane_endpoint_for(self._connect, hello["lane"]), bind=False,
-                                 side="engine")
+                                 side="engine", curve=self._launch_guard())
             return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
                              curve=self._curve)
         except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError

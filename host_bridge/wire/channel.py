@@ -22,10 +22,12 @@ on a non-loopback endpoint.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -72,6 +74,12 @@ class SharedSecret:
     def __repr__(self) -> str:
         return f"SharedSecret(server={self.server})"  # never the secret itself in a log or traceback
 
+    @property
+    def domain(self) -> str:
+        """The ZAP domain of the sockets this secret guards: links of one context (a bridge's engine and
+        its standby) are checked against their own secret each."""
+        return "loom-" + hashlib.sha256(self.secret.encode()).hexdigest()[:16]
+
 
 Auth = CurveServer | CurveClient | SharedSecret
 PLAIN_USER = b"loom"
@@ -102,6 +110,35 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
     if not 16 <= len(secret) <= 128 or not secret.isprintable():
         raise EndpointError(f"secret file {path}: expected one line of 16 to 128 printable characters")
     return secret
+
+
+_zap_lock = threading.Lock()
+_zap_handlers: dict[int, list[Any]] = {}  # id(context) -> [authenticator, channels using it]
+
+
+def _zap_acquire(ctx: zmq.Context) -> Any:
+    """The context's one ZAP authenticator (ZMQ allows one per context), started on first use."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    with _zap_lock:
+        entry = _zap_handlers.get(id(ctx))
+        if entry is None:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            entry = _zap_handlers[id(ctx)] = [auth, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _zap_release(ctx: zmq.Context) -> None:
+    with _zap_lock:
+        entry = _zap_handlers.get(id(ctx))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _zap_handlers[id(ctx)]
+            entry[0].stop()
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -138,6 +175,7 @@ def apply_curve_keys(sock: zmq.Socket, curve: Auth | None) -> None:
         return
     if isinstance(curve, SharedSecret):
         if curve.server:
+            sock.zap_domain = curve.domain.encode()
             sock.plain_server = True
         else:
             sock.plain_username, sock.plain_password = PLAIN_USER, curve.secret.encode()
@@ -241,17 +279,13 @@ class Channel:
     def _setup_curve(self, curve: Auth | None) -> None:
         if isinstance(curve, SharedSecret) and curve.server:
             apply_curve_keys(self.sock, curve)
-            from zmq.auth.thread import ThreadAuthenticator
-            self._auth = ThreadAuthenticator(self._ctx)  # serves every PLAIN socket of this context
-            self._auth.start()
-            self._auth.configure_plain(domain="*", passwords={PLAIN_USER.decode(): curve.secret})
+            self._auth = _zap_acquire(self._ctx)
+            self._auth.configure_plain(domain=curve.domain, passwords={PLAIN_USER.decode(): curve.secret})
         elif isinstance(curve, CurveServer):
             if not os.path.isdir(curve.authorized_dir):
                 raise EndpointError(f"{curve.authorized_dir}: not a directory of authorised client keys")
             apply_curve_keys(self.sock, curve)  # checks the certificate before an authenticator starts
-            from zmq.auth.thread import ThreadAuthenticator
-            self._auth = ThreadAuthenticator(self._ctx)  # serves every Curve socket of this context
-            self._auth.start()
+            self._auth = _zap_acquire(self._ctx)
             self._auth.configure_curve(domain="*", location=curve.authorized_dir)
         else:
             apply_curve_keys(self.sock, curve)
@@ -317,5 +351,5 @@ class Channel:
             wake.close()
         self.sock.close(linger=0)
         if self._auth is not None:
-            self._auth.stop()
+            _zap_release(self._ctx)
             self._auth = None

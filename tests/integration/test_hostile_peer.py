@@ -223,3 +223,22 @@ def test_hole6_serve_on_loopback_needs_a_secret_file_of_mode_600(tmp_path):
     loose.chmod(0o644)
     out = serve("--secret-file", str(loose))
     assert out.returncode == 2 and "mode 644" in out.stderr
+
+
+def test_hole6_a_local_process_cannot_take_over_or_break_a_launched_engine_on_loopback_tcp():
+    ctx = zmq.Context()
+    intruder = ctx.socket(zmq.DEALER)
+    intruder.setsockopt(zmq.LINGER, 0)
+    try:
+        with Bridge(_launched(endpoint="tcp://127.0.0.1:*", transport="tcp")) as bridge:
+            bridge.wait_running(30)
+            intruder.connect(bridge.stats()["endpoint"])
+            intruder.send(encode(make("hello", role="engine", token="guess", pid=1, transports=["tcp"],
+                                      lane="tcp://127.0.0.1:1")))
+            frames = [np.full((8, 8, 3), i, np.uint8) for i in range(5)]
+            assert all(np.array_equal(a, b) for a, b in zip(frames, bridge.process(frames, timeout_s=10)))
+            assert bridge.status().state == "running" and bridge.status().restarts == 0
+            assert not intruder.poll(200)  # the launch token keeps it out: it got none of the host's messages
+    finally:
+        intruder.close()
+        ctx.term()
