@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_file) != bool(args.curve_authorized):
         raise UserError("--curve-secret-file and --curve-authorized go together")
     curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
+    factory = _session_factory(args)  # a bad config is named before anything about endpoints
     try:
         curve = curve or _session_secret(args)
-        server = EngineServer(_session_factory(args), connect=args.connect, bind=args.bind,
+        server = EngineServer(factory, connect=args.connect, bind=args.bind,
                               token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
                               heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
                               handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)
