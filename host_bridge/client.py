@@ -113,6 +113,8 @@ class Bridge:
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
+        A frame with a side over `max_frame_side` is shrunk first; one the engine cannot take (NaN or
+        inf, a wrong shape or dtype) raises ValueError and is counted (`stats()["refused_frames"]`).
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
