@@ -33,13 +33,15 @@ class BridgeStatus:
     fallback: bool = True
     restarts: int = 0
     frames_out: int = 0
+    refused: int = 0  # frames and messages refused, on this side and (as last reported) on the engine's
+    heard_s: float = -1.0  # seconds since the engine last spoke (-1: no engine); fresh only within hang_timeout_s
 
 
 class FrameStats:
     """Frame counters, submit-to-output latencies and the output rate."""
 
     def __init__(self) -> None:
-        self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0)
+        self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, refused_frames=0)
         self._submit_times: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)

@@ -114,18 +114,25 @@ class Bridge:
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
+        A frame with a side over `max_frame_side` is shrunk first; one the engine cannot take (NaN or
+        inf, a wrong shape or dtype) raises ValueError and is counted (`stats()["refused_frames"]`).
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
-        if cuda:
-            native = np.ascontiguousarray(formats.check_frame(frame))
-            if native.shape[2] == 2:
-                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
-            engine = None
-        else:
-            native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
-                               else formats.to_engine(frame))
+        try:
+            frame = formats.limit_size(formats.check_frame(frame), self.config.max_frame_side)
+            if cuda:
+                native = np.ascontiguousarray(frame)
+                if native.shape[2] == 2:
+                    raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
+                engine = None
+            else:
+                native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
+                                   else formats.to_engine(frame))
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -150,8 +157,15 @@ class Bridge:
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        dtype = np.dtype(dtype).name
-        check_device_frame(pitch, width, height, channels, dtype)
+        try:
+            dtype = np.dtype(dtype).name
+            check_device_frame(pitch, width, height, channels, dtype)
+            if max(width, height) > self.config.max_frame_side:
+                raise ValueError(f"size: {width}x{height} is not allowed; expected at most "
+                                 f"{self.config.max_frame_side} px per side (max_frame_side)")
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -162,6 +176,10 @@ class Bridge:
             self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
             self._set_pending(seq, None, now)
             return self._pump()
+
+    def _refused_frame(self) -> None:
+        with self._lock:
+            self._stats.counts["refused_frames"] += 1
 
     def _next_seq(self) -> int:
         self.last_seq = next(self._seq)
@@ -182,7 +200,7 @@ class Bridge:
             status = self._status()
             frames = self._frames
             if frames.has_output:
-                fresh = status.state == EngineState.RUNNING and frames.link_id == self._sup.link_id
+                fresh = self._fresh()
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
                     return frames.output_array(), status
@@ -199,7 +217,7 @@ class Bridge:
         with self._lock:
             status = self._status()
             frames = self._frames
-            fresh = status.state == EngineState.RUNNING and frames.link_id == self._sup.link_id
+            fresh = self._fresh()
             out, staging = frames.output_device, frames.staging
             fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
             if fits and (fresh or self.config.fallback == "last"):
@@ -213,14 +231,28 @@ class Bridge:
         with self._lock:
             return self._status()
 
+    def _fresh(self) -> bool:
+        """The newest output counts as fresh only while its engine is known alive (the hang timeout
+        bounds how stale a frame marked fresh can be); lock held."""
+        link = self._link
+        return (self._sup.state == EngineState.RUNNING and link is not None and self._frames.link_id == link.id
+                and link.known_alive(time.monotonic()))
+
     def _status(self) -> BridgeStatus:
         link = self._link
         sup = self._sup
         tail = link.log_tail() if link is not None else sup.log_tail
-        dropped = self._stats.counts["dropped"] + int(sup.engine_report.get("dropped", 0))
+        counts = self._stats.counts
+        dropped = counts["dropped"] + int(sup.engine_report.get("dropped", 0))
+        refused = (counts["refused"] + counts["refused_frames"] + (link.refused if link else 0)
+                   + int(sup.engine_report.get("refused", 0)))
+        heard = time.monotonic() - link.last_heard if link is not None and link.hello_done else -1.0
+        message = sup.message
+        if sup.state == EngineState.RUNNING and heard > self.config.hang_timeout_s:
+            message = f"engine silent for {heard:.1f} s: its frames are not fresh"
         return BridgeStatus(state=sup.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
-                            dropped=dropped, message=sup.message, log_tail=tail, restarts=sup.restarts,
-                            frames_out=self._stats.counts["received"])
+                            dropped=dropped, message=message, log_tail=tail, restarts=sup.restarts,
+                            frames_out=counts["received"], refused=refused, heard_s=round(heard, 3))
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
@@ -242,6 +274,7 @@ class Bridge:
                 "endpoint": link.channel.endpoint if link else None,
                 "lane_endpoint": link.lane.endpoint if link and link.lane else None,
                 "messages": link.message_counts() if link else {},
+                "standby": sup.standby.describe() if sup.standby else None,
             }
 
     # ------------------------------------------------------------------------------------------------
@@ -442,7 +475,10 @@ class Bridge:
             if messages:
                 with self._cond:
                     for msg, payload in messages:
-                        self._on_lane(link, msg, payload)
+                        try:
+                            self._on_lane(link, msg, payload)
+                        except Exception as exc:  # an odd notice is refused and counted, never raised to a host
+                            lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
         finally:
             lane.release()
         return True
@@ -486,6 +522,11 @@ class Bridge:
         try:
             if not link.write_frame(seq, frame, self._frames.staging, t):
                 return False
+        except ValueError as exc:  # a frame no ring can hold: refused and counted, never retried
+            self._pending = None
+            self._stats.counts["refused_frames"] += 1
+            self._sup.note(f"frame refused: {exc}", error=True)
+            return False
         except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
             self._sup.note(f"cannot hand the frame over: {type(exc).__name__}: {exc}", error=True)
             return False

@@ -26,6 +26,7 @@ import zmq
 from host_bridge.config import BridgeConfig
 from host_bridge.link import Link
 from host_bridge.link_open import LinkOpenError, open_link
+from host_bridge.standby import Standby
 from host_bridge.wire.protocol import LANE_MESSAGES
 
 STATS_INTERVAL_S = 1.0
@@ -92,6 +93,8 @@ class Supervisor:
         self._backoff = config.restart_backoff_s
         self._next_start = 0.0
         self._link_ids = itertools.count()
+        # a second launched engine kept ready to take over (opened once the first one runs)
+        self.standby = Standby(config, ctx, self.lock, self._link_ids) if config.standby and config.launch else None
 
     @property
     def started(self) -> bool:
@@ -121,6 +124,8 @@ class Supervisor:
             link, self.link = self.link, None
         if link is not None:
             link.teardown("closed", self.config.stop_timeout_s)
+        if self.standby is not None:
+            self.standby.close()
         self._set_state(EngineState.STOPPED, "closed")
 
     def note(self, message: str, *, error: bool = False) -> None:
@@ -164,6 +169,12 @@ class Supervisor:
     def _step(self) -> None:
         """One turn of the loop thread: (re)connect, receive, act, check liveness."""
         link = self.link
+        if self.standby is not None:  # a new standby only once an engine runs: they would load side by side
+            self.standby.step(open_new=link is not None and link.ready)
+            if link is None and self.state != EngineState.DEAD:
+                with self.cond:
+                    if self._adopt_standby("engine restarted from the standby"):
+                        return
         if link is None:
             if self.state == EngineState.DEAD or time.monotonic() < self._next_start:
                 time.sleep(TICK_S)
@@ -176,7 +187,11 @@ class Supervisor:
             self._fail(link, f"control socket error: {exc}")
             return
         for msg, payload in messages:
-            problem = self._handle(link, msg, payload)
+            try:
+                problem = self._handle(link, msg, payload)
+            except Exception as exc:  # an odd message is refused and counted, never fatal
+                link.channel.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                continue
             if problem:  # torn down outside the lock: host threads must never wait on a dying engine
                 self._fail(link, problem)
                 return
@@ -220,6 +235,8 @@ class Supervisor:
                 link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
             elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
                 self._on_reply(link, kind, msg)
+            elif kind == "ack":
+                pass  # the answer to a request nobody waits for (sent without an id)
             elif kind == "error":
                 self.last_error = self.message = f"engine error: {msg['message']}"
                 self.errors += 1
@@ -258,9 +275,12 @@ class Supervisor:
         self._frames.on_tick(link)
 
     def _fail(self, link: Link, reason: str) -> None:
-        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart."""
+        """Tear the link down (outside the lock: stopping a process takes time) and plan a restart, or
+        switch to the standby engine at once when one is ready."""
         with self.cond:
             if self.link is not link:
+                return
+            if self._switch_to_standby(link, reason):
                 return
             self.link = None
             self.log_tail = link.log_tail()
@@ -277,3 +297,23 @@ class Supervisor:
                 self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
             else:
                 self._set_state(EngineState.DEAD, reason)
+
+    def _switch_to_standby(self, link: Link, reason: str) -> bool:
+        """Lock held: the ready standby becomes the engine in use; the failed one is stopped on a thread of
+        its own (a hung engine takes seconds to stop, and the new one needs this thread to talk to it)."""
+        if not self._adopt_standby(f"{reason}; switched to the standby engine"):
+            return False
+        self.restarts += 1
+        threading.Thread(target=link.teardown, args=(reason, self.config.stop_timeout_s),
+                         name="loom-engine-teardown", daemon=True).start()
+        return True
+
+    def _adopt_standby(self, message: str) -> bool:
+        """Lock held: make the ready standby the engine in use, if there is one."""
+        fresh = self.standby.take() if self.standby is not None and not self.closing else None
+        if fresh is None:
+            return False
+        self.link = fresh
+        self._set_state(EngineState.RUNNING, message)
+        self._frames.on_engine_ready(fresh)
+        return True

@@ -24,6 +24,7 @@ PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memor
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
+MAX_FRAME_SIDE = 16384  # the longest side a ring slot may have (hosts downscale larger frames first)
 MAX_TEXT = 4096
 MAX_ENDPOINT = 256
 LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
@@ -56,8 +57,9 @@ def _int(lo: int = 0, hi: int = 2**62) -> Callable[[Any], str | None]:
 
 def _num(lo: float = -1e300, hi: float = 1e300) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-        return None if ok else f"a finite number in [{lo}, {hi}]"
+        # an int is compared as it is: math.isfinite() raises OverflowError on one of 400 digits
+        number = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v)
+        return None if number and lo <= v <= hi else f"a finite number in [{lo}, {hi}]"
     return check
 
 
@@ -197,7 +199,12 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"not a UTF-8 JSON message ({type(exc).__name__})") from None
-    validate(msg)
+    try:
+        validate(msg)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a checker that trips over an odd value still refuses, never crashes the receiver
+        raise ProtocolError(f"unreadable message ({type(exc).__name__})") from None
     allowed_parts = (1, 2) if msg["type"] == "frame" else (1,)
     if len(parts) not in allowed_parts:
         raise ProtocolError(f"{msg['type']}: {len(parts)} parts; expected {' or '.join(map(str, allowed_parts))}")
@@ -280,7 +287,8 @@ class RingSpec:
     def from_dict(cls, data: dict[str, Any]) -> RingSpec:
         checks: Fields = {
             "transport": (_choice(*TRANSPORTS), True), "dir": (_choice(*DIRECTIONS), True),
-            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, 16384), True), "height": (_int(1, 16384), True),
+            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, MAX_FRAME_SIDE), True),
+            "height": (_int(1, MAX_FRAME_SIDE), True),
             "channels": (_int(1, 4), True), "dtype": (_choice(*DTYPES), True), "pitch": (_int(1, 2**20), True),
             "generation": (_int(), True), "orientation": (_choice(*ORIENTATIONS), False),
             "order": (_str(4, 1), False), "handles": (_str_list(MAX_SLOTS, 256), False),
