@@ -368,7 +368,7 @@ def _close_open_sinks() -> None:
 def partial_path(path: Path) -> Path:
     """Where a file output is written until it is finalised: beside the target (same drive, so the
     final rename is atomic), hidden, with the target's suffix (FFmpeg picks the container from it)."""
-    return path.with_name(f".{path.stem}.loom-partial-{os.getpid()}{path.suffix}")
+    return path.with_name(f".{path.stem}.loom-partial{path.suffix}")
 
 
 class FrameSink:
