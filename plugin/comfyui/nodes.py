@@ -103,7 +103,7 @@ def _start_bridge(settings: dict[str, Any]) -> Any:
 
 def _images_to_frames(images: Any) -> np.ndarray:
     """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]."""
-    from plugin.comfyui.pixels import from_comfy
+    from .pixels import from_comfy
 
     array = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
     return from_comfy(array)
@@ -112,7 +112,7 @@ def _images_to_frames(images: Any) -> np.ndarray:
 def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
     import torch
 
-    from plugin.comfyui.pixels import to_comfy
+    from .pixels import to_comfy
 
     return torch.from_numpy(to_comfy(frames if isinstance(frames, np.ndarray) else np.stack(frames)))
 
