@@ -37,6 +37,7 @@ class EngineHandle:
     bridge: Any
     settings: dict[str, Any]
     controls: Any = None  # plugin.live_params.ControlSync
+    interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -236,11 +237,15 @@ class LoomStream:
         cancelled = _cancel_check()
         _wait_running(engine.bridge, limit, cancelled)
         engine.controls.sync(engine.bridge)
+        if engine.interrupted:  # the engine confirms the new stream before this run's first frame goes
+            engine.bridge.reset(wait=True)
+            engine.interrupted = False
         try:
             outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
         except BaseException:
             # Cancel (or a failure) mid-batch: process() has put the engine back in live mode; the frames
             # it still holds of this batch's stream go too, so the next run starts a stream of its own
+            engine.interrupted = True
             engine.bridge.reset()
             raise
         if len(outs) != len(frames):
