@@ -40,6 +40,13 @@ def _session_factory(args: argparse.Namespace):
     from engine.config import load_config
 
     config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
+        from engine.models.weights import missing_weights
+
+        missing = missing_weights(config)
+        if missing:
+            raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
+                            f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
     if config.parallel.gpus > 1 and not args.passthrough:
         raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
                         "the pipeline over several GPUs is measured with `loom bench --gpus N`")
