@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -418,10 +419,11 @@ class Player:
         """Finalise outputs first (they matter most), then stop the engine, OSC, window and input.
 
         `keep`: the run ended normally or was stopped by the user, so the files written so far replace
-        their targets; after a failure they are discarded and every target is left as it was."""
+        their targets. After a failure a target that existed is left as it was; a new one gets the
+        frames written before the failure (finalised, so they play) rather than nothing."""
         for sink in self.sinks:
             try:
-                sink.close(keep=keep)
+                sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()))
             except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
