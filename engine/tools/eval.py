@@ -22,11 +22,12 @@ import cv2
 import numpy as np
 
 from engine.tools.progress import FrameProgress
-from engine.tools.quality import DEFAULT_WINDOW, QualityMeter, QualityReport, plot_reports
+from engine.tools.quality import DEFAULT_WINDOW, PLOT_METRICS, QualityMeter, QualityReport, plot_reports
 
 DEFAULT_CHUNK = 4
 EVAL_REPORT_VERSION = 2
 SUMMARY_METRICS = ("warp_error", "sharpness", "flicker", "output_diff", "luma_shift", "saturation_shift")
+AS_IS_PLOT_METRICS = ("warp_error", "sharpness", "output_diff")
 # A clip of known length is cut into this many windows at least (so its plot has a line, not a point),
 # with windows of at most DEFAULT_WINDOW frames.
 MIN_WINDOWS = 8
@@ -178,7 +179,7 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
         plot_name = _unique(f"{Path(clip.name).stem}.png", plot_names)
         title = f"{clip.name}: " + " vs ".join(results)
         try:
-            plot_reports(list(results.items()), out_dir / plot_name, title=title)
+            plot_reports(list(results.items()), out_dir / plot_name, title=title, metrics=_plot_metrics(runs))
         except ImportError as exc:  # the numbers stand without the picture
             log(f"[eval] no plot: {exc}")
             plot_name = None
@@ -195,6 +196,11 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _plot_metrics(runs: list[EvalRun]) -> tuple[str, ...]:
+    """Files scored as they are have no input to differ from: only their own steadiness and sharpness."""
+    return PLOT_METRICS if any(run.info.get("restyled", True) for run in runs) else AS_IS_PLOT_METRICS
 
 
 def _summary(runs: list[EvalRun], clips: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -247,12 +253,14 @@ def format_table(report: dict[str, Any]) -> str:
     header = (f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'sharpness':>9} {'flicker':>8} "
               f"{'drift/1k':>9}")
     lines = [header, "-" * len(header)]
+    restyled = {run["label"]: run.get("restyled", True) for run in report["runs"]}
     for clip in report["clips"]:
         for label, result in clip["results"].items():
             slope = result["trend"]["warp_error"]["slope_per_1000_frames"]
+            flicker = f"{result['totals']['flicker']:.3f}" if restyled.get(label, True) else "-"  # no input to compare
             lines.append(f"{clip['clip'][:28]:<28} {label[:16]:<16} {result['frames']:>6} "
                          f"{result['totals']['warp_error']:>9.3f} {result['totals']['sharpness']:>9.2f} "
-                         f"{result['totals']['flicker']:>8.3f} "
+                         f"{flicker:>8} "
                          f"{'-' if slope is None else f'{slope:+.3f}':>9}")
     return "\n".join(lines)
 
