@@ -64,7 +64,7 @@ class VAEConfig:
     random_weights: bool = spec(False, doc="random weights when no checkpoint is given (benchmarks, tests)")
     fuse_norms: bool = spec(True, doc="compile the Wan VAE's norm+SiLU steps on CUDA (needs triton)")
     compile_step: bool = spec(True, doc="compile the whole Wan VAE encoder and decoder on CUDA (needs triton; "
-                                        "adds about a minute to the warm-up, encode+decode 77 -> 58 ms per chunk)")
+                                        "a longer warm-up for faster VAE chunks)")
     normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
     denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
 
@@ -177,6 +177,19 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraEntry:
+    """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
+
+    path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
+    scale: float = spec(1.0, min=-4.0, max=4.0, doc="strength; changed live with the lora_scales parameter")
+    name: str | None = spec(None, doc="name for live control; default: the file name without extension")
+
+    @property
+    def key(self) -> str:
+        return self.name or Path(self.path).stem
+
+
+@dataclass
 class LoomConfig:
     """Everything a run needs; built only through `load_config`."""
 
@@ -189,8 +202,14 @@ class LoomConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: list[LoraEntry] = spec(default_factory=list, max_len=8, doc="style LoRAs, each with its own scale")
 
     def __post_init__(self) -> None:
+        names = [e.key for e in self.lora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
+        if self.lora and self.model.fp8_linear:
+            raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
         if self.parallel.gpus > 1 and self.stream.mode == "sequential":
             raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
                              "use batch or auto (the pipeline runs stream-batch)")

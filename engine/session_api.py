@@ -26,7 +26,8 @@ class EngineSession(Protocol):
 
     @property
     def unfinished(self) -> int:
-        """Frames pushed whose outputs are still being computed (collected by `poll`)."""
+        """Outputs still being computed, collected by `poll` (chunks or frames: the server only asks
+        whether there are any, to decide how soon to poll)."""
 
     def push(self, frames: Any) -> Any:
         """Take N frames; return the finished outputs (possibly none), oldest first."""

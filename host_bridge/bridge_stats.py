@@ -73,7 +73,8 @@ class FrameStats:
 
     def latency_ms(self, q: float) -> float:
         """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile costs about 0.1 ms there; the sort is kept until a new latency arrives."""
+        and np.percentile's per-call overhead dwarfs a sort of a short list; the sort is kept until a new
+        latency arrives."""
         if self._sorted is None:
             self._sorted = sorted(self._latencies)
         values = self._sorted

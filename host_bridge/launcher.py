@@ -17,6 +17,8 @@ import threading
 import time
 from collections import deque
 
+from host_bridge.wire import logs
+
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
 
@@ -101,4 +103,5 @@ def _signal_tree(proc: subprocess.Popen, *, kill: bool) -> None:
 
 
 def engine_argv(python: str | None, *args: str) -> list[str]:
-    return [python or sys.executable, "-m", "engine", "serve", *args]
+    """The engine's command line; it logs at this process's level (`args` may still set another)."""
+    return [python or sys.executable, "-m", "engine", "serve", *logs.engine_args(), *args]

@@ -174,6 +174,10 @@ class KVCache:
         for b in range(self.batch) if rows is None else rows:
             self._rows[b] = _Row()
 
+    def set_sink_threshold(self, threshold: float) -> None:
+        """A new adaptive-sink threshold (negative: sinks are never overwritten by similarity)."""
+        self.sink_threshold = threshold
+
     def refresh_sinks(self, rows: Sequence[int] | None = None) -> None:
         """After a prompt change: the next `sink` committed frames replace the sinks one by one."""
         for b in range(self.batch) if rows is None else rows:

@@ -1,8 +1,8 @@
 """CUDA graphs over the streaming DiT step.
 
 One streaming forward of the 1.3B model launches a few thousand small kernels; launched one by
-one from Python the GPU waits on the host (measured on an H200: about 100 ms of host time for
-about 30 ms of GPU work). The step's shapes are fixed in steady state, so its device work is
+one from Python the GPU waits on the host (host time exceeds GPU work several times over; figures
+in docs/performance.md). The step's shapes are fixed in steady state, so its device work is
 captured once per distinct plan and replayed.
 
 What varies between chunks splits cleanly: the host-side plan (which ring slots a chunk writes,

@@ -11,7 +11,7 @@ eagerly the first time it is seen (the warm-up capture needs) and is captured th
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +19,8 @@ import torch
 
 from engine.cache.kv_cache import CrossKV, KVCache, StreamStep
 from engine.graphs.dit_steps import MAX_GRAPHS, StaticCross, _clone_step, _copy_step, _key
+
+log = logging.getLogger(__name__)
 
 BlockRun = Callable[[torch.Tensor, torch.Tensor, CrossKV, KVCache, StreamStep], torch.Tensor]
 
@@ -59,8 +61,7 @@ class GraphedBlocks:
                 self._graphs[key] = self._capture(tokens, mod, static_cross, cache, step)
             except RuntimeError as exc:  # a failed capture leaves the stream usable: stay eager, say why
                 self.error = f"{type(exc).__name__}: {exc}"
-                print(f"loom pipeline: CUDA graph capture failed, running eagerly: {self.error}",
-                      file=sys.stderr, flush=True)
+                log.warning("CUDA graph capture failed, running eagerly: %s", self.error)
                 self._graphs.clear()
                 return self.run(tokens, mod, cross, cache, step)
         cap = self._graphs[key]

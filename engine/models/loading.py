@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.config import LoomConfig
 from engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
+from engine.models.lora import LoraMerger, read_lora
 from engine.models.taehv import TinyVAE
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 from engine.models.wan_vae import VAE_PRESETS, WanVAE
@@ -31,6 +32,7 @@ class LoadedModels:
     decoder: Any  # WanVAE, TinyVAE, or a TiledVAE around one: decode_stream / new_stream_state
     device: torch.device
     dtype: torch.dtype
+    lora: LoraMerger  # the DiT's merged style LoRAs (none loaded: a no-op owner)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -61,7 +63,8 @@ def _seeded(build, seed: int, device: torch.device, dtype: torch.dtype) -> nn.Mo
 
 
 def to_channels_last(module: nn.Module) -> None:
-    """Channels-last weights (measured on an H200: Wan VAE encode+decode 117 -> 89 ms per chunk)."""
+    """Channels-last weights: cuDNN's 3D convolutions of the Wan VAE are faster in that layout
+    (figures in docs/performance.md)."""
     for p in module.parameters():
         if p.dim() == 5:
             p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
@@ -108,6 +111,9 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         else:
             raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
                              "(or vae.random_weights=true for a benchmark)")
+    lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
+    for entry in cfg.lora:  # merged before the weights are compiled or captured
+        lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
     if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     if device.type == "cuda":
@@ -131,4 +137,4 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     for m in (dit, wan, tiny):
         if m is not None:
             m.requires_grad_(False)
-    return LoadedModels(dit, encoder, decoder, device, dtype)
+    return LoadedModels(dit, encoder, decoder, device, dtype, lora)

@@ -281,7 +281,7 @@ class WanDiT(nn.Module):
     def fuse_elementwise(self, ops: BlockOps | None = None) -> None:
         """Run the blocks' norm/modulation/gate/RoPE chains through `ops` (default: compiled).
 
-        Measured on an H200 with CUDA graphs, those chains were half of the streaming forward's
+        With CUDA graphs those memory-bound chains are a large share of the streaming forward's
         GPU time; compiled, each becomes one or two kernels. Needs a torch.compile backend
         (Triton on CUDA); `BlockOps.eager()` switches back.
         """

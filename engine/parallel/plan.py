@@ -3,7 +3,7 @@
 Block split: contiguous block ranges, one per rank. The split is static for a run: either given
 (`parallel.split`), or even, or balanced from measured stage times with `balanced_split` (rank 0
 also preprocesses and VAE-encodes, the last rank runs the head and VAE-decodes, so an even split
-leaves those two ranks the slowest). Moving boundaries while streaming is not done yet.
+leaves those two ranks the slowest). Boundaries do not move while streaming.
 
 Noise: the one-GPU `StreamDenoiser` draws every noise tensor of a stream from one generator, in
 an order fixed by the sequence of chunks (a chunk's first noise when it enters, then the re-noise

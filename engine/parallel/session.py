@@ -30,10 +30,10 @@ prompt change reaches each row at the tick it is applied on, which groups rows d
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 
 Each rank replays CUDA graphs of its blocks for full micro-batches (engine/graphs/pipeline_blocks.py).
-Not done yet: moving block boundaries while streaming (the split is static: `parallel.split`,
-or the balanced split `stats()` suggests from the measured stage times), live `set_params`
-(steps, mode), the side-stream encode overlap of the one-GPU session, `loom serve`/`play` on
-several GPUs, and multi-node runs (torchrun).
+Limits: the split is static (`parallel.split`, or the balanced split `stats()` suggests from
+the measured stage times); live `set_params` changes only what rank 0 owns (noise, prompt
+blending), not the steps or the mode, which the ranks' caches and graphs are built for; there is
+no side-stream encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,8 @@ from engine.stream.prompts import PromptConditioner, check_prompt, make_text_enc
 from engine.stream.schedule import FlowSchedule
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (as StreamSession)
+# Live parameters that only rank 0 uses; the steps, mode and plan are fixed by the ranks' caches and graphs
+SETTABLE = {"noise": ("noise_scale", "motion_aware"), "prompt": ("transition_chunks",)}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 
 __all__ = ["PipelineError", "PipelineSession"]
@@ -86,8 +88,12 @@ class _Chunk:
 class PipelineSession:
     """A live stream with the DiT split over `cfg.parallel.gpus` ranks. Drive it from one thread.
 
-    Same surface as `StreamSession` for streaming: `push`, `flush`, `set_prompt`, `stats`, `close`.
+    It implements `engine.session_api.EngineSession`, as `StreamSession` does.
     """
+
+    accepts_device_frames = False  # frames in and out are numpy arrays
+    raw_passthrough = False
+    unfinished = 0  # frames leave the ring inside a push (or a flush), never between pushes
 
     def __init__(self, cfg: LoomConfig) -> None:
         self.cfg, self.P = cfg, cfg.parallel.gpus
@@ -226,9 +232,34 @@ class PipelineSession:
             self._shut()
             raise
 
+    def reset(self) -> None:
+        """Start a new stream: what is in the ring is finished and dropped, metrics start afresh."""
+        self.flush()
+        self.metrics.reset()
+
     # ----------------------------------------------------------------------------- streaming
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
         self.prompt.request(check_prompt(text), transition_chunks)
+
+    def set_params(self, **params: Any) -> None:
+        """Change the live parameters rank 0 owns; others raise ValueError naming what is allowed."""
+        allowed = [k for keys in SETTABLE.values() for k in keys]
+        refused = [k for k in params if k not in allowed]
+        if refused:
+            raise ValueError(f"{refused[0]!r}: not settable while the DiT runs over several GPUs; "
+                             f"settable: {', '.join(allowed)}")
+        from host_bridge.wire.typed_config import build  # the same validation as the config file
+
+        new = self.cfg
+        for section, keys in SETTABLE.items():
+            changed = {k: params[k] for k in keys if k in params}
+            if changed:
+                data = {**getattr(new, section).__dict__, **changed}
+                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
+                                                     path=section)})
+        self.cfg = new
+        self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
+        self.prompt.set_transition_chunks(new.prompt.transition_chunks)
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.

@@ -21,9 +21,9 @@ then the engine removes the shared memory it knew about before it exits.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from engine.server.frame_worker import FrameWorker
+from engine.session_api import EngineSession
 from host_bridge.wire.channel import Channel, CurveServer, EndpointError, remove_private_endpoint
 from host_bridge.wire.doorbell import Doorbell, DoorbellError
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
@@ -47,19 +48,15 @@ EXIT_NO_HANDSHAKE = 4
 WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
 EXIT_JOIN_S = 0.5  # exiting: do not wait longer for a busy session (the worker thread is a daemon)
 
+# To stderr (see host_bridge.wire.logs): the launching host keeps its tail for its status. When the host
+# died, the pipe it read from is gone: logging swallows that OSError.
+log = logging.getLogger(__name__)
+
 
 def offered_transports() -> list[str]:
     from host_bridge.wire.rings.cuda import cuda_available
 
     return [t for t in TRANSPORTS if t != "cuda-ipc" or cuda_available()[0]]
-
-
-def _log(text: str) -> None:
-    """Print to stderr, quietly: when the host died, the pipe it read our output from is gone."""
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except OSError:
-        pass
 
 
 def parent_alive(pid: int | None) -> bool:
@@ -72,7 +69,8 @@ def parent_alive(pid: int | None) -> bool:
 
 
 class EngineServer:
-    def __init__(self, session_factory: Callable[[], Any], *, connect: str | None = None, bind: str | None = None,
+    def __init__(self, session_factory: Callable[[], EngineSession], *, connect: str | None = None,
+                 bind: str | None = None,
                  token: str = "", parent_pid: int | None = None, heartbeat_s: float = 0.2,
                  host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0, curve: CurveServer | None = None,
                  stall_after: int | None = None):
@@ -108,7 +106,7 @@ class EngineServer:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine")
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
-                _log(f"loom serve: listening on {self.channel.endpoint}")
+                log.info("listening on %s", self.channel.endpoint)
             code = self._serve()
             return 128 + self.stop_signal if self.stop_signal and code == 0 else code
         finally:
@@ -171,13 +169,13 @@ class EngineServer:
                 ch.send(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
             if self.worker is not None and (self.worker.error and self.worker.session is None
                                             or not self.worker.thread.is_alive()):
-                _log(f"loom serve: the frame worker ended: {self.worker.error or 'unexpectedly'}")
+                log.error("the frame worker ended: %s", self.worker.error or "unexpectedly")
                 return EXIT_SESSION_FAILED
             lost = self._host_lost(now, last_heard, started, host_pid)
             if lost:
                 had_host = self.worker is not None
                 self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
-                _log(f"loom serve: {lost}")
+                log.warning("%s", lost)
                 if self._connect:
                     if had_host:
                         remove_private_endpoint(self._connect)
@@ -238,7 +236,7 @@ class EngineServer:
         if worker is None:
             return
         if not worker.halt(join_s):
-            _log("loom serve: the session is still busy; closing its rings and lane under it")
+            log.warning("the session is still busy; closing its rings and lane under it")
         worker.close_rings(remove)
         lane = worker.lane  # the worker holds the lane's lock only while it polls or sends
         if remove and isinstance(lane, Doorbell):

@@ -19,6 +19,7 @@ arrive before the ring of its generation: it waits (bounded by the slots) until 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.session_api import EngineSession
 from host_bridge.wire import pixels as formats
 from host_bridge.wire.doorbell import Doorbell
 from host_bridge.wire.frame_lane import FrameLane
@@ -42,14 +44,17 @@ STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomput
 FLUSH_WAIT_S = 2.0  # a flush waits this long at most for the frame notice it names to arrive
 OUTPUT_POLL_S = 0.001  # while a GPU session still runs a chunk, look for its frames this often
 
+log = logging.getLogger(__name__)
+
 
 class FrameWorker:
-    def __init__(self, session_factory: Callable[[], Any], send: Callable[..., bool], lane: FrameLane | Doorbell,
+    def __init__(self, session_factory: Callable[[], EngineSession], send: Callable[..., bool],
+                 lane: FrameLane | Doorbell,
                  stall_after: int | None = None):
         self._factory = session_factory
         self._send = send  # the control channel (thread-safe)
         self.lane = lane
-        self.session: Any = None
+        self.session: EngineSession | None = None
         self.lock = threading.Lock()  # ring access: this thread reads/writes slots, the server closes rings
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.ring_in: Ring | None = None
@@ -161,18 +166,22 @@ class FrameWorker:
             self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
             self.error = f"session could not be built: {type(exc).__name__}: {exc}"
+            log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return
         self._send(make("ready", info={"session": type(self.session).__name__}))
+        log.info("%s ready", type(self.session).__name__)
         try:
             while not self.stop:
                 self._run_commands()
+                if self.stop:  # halted, or the session failed beyond repair (then it is gone)
+                    break
                 ready = self._next_input(take=False) is not None
                 self._read_lane(0.0 if ready else self._wait_time())
                 job = self._next_input()
                 if job is not None:
                     self._process(*job)
-                elif getattr(self.session, "unfinished", 0):
+                elif self.session.unfinished:
                     self._take_outputs(self.session.poll())
                 self._emit_due()
         except Exception as exc:  # outside any one frame (collecting a chunk, say): the server exits and
@@ -213,6 +222,7 @@ class FrameWorker:
             except Exception as exc:  # failed inside the session: answered, then a new stream
                 text = f"{type(exc).__name__}: {exc}"
                 self._send(make("error", id=rid, code=kind, message=text[:4000]))
+                log.warning("%s failed in the session, starting a new stream: %s", kind, text)
                 self._new_stream(text)
                 if self.stop:
                     return
@@ -241,7 +251,7 @@ class FrameWorker:
         return None
 
     def _wait_time(self) -> float:
-        wait = OUTPUT_POLL_S if getattr(self.session, "unfinished", 0) else WAIT_S
+        wait = OUTPUT_POLL_S if self.session.unfinished else WAIT_S
         if self._paced:
             return max(0.0, min(wait, self._next_emit - time.monotonic()))
         return wait
@@ -249,9 +259,9 @@ class FrameWorker:
     def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
         self.busy_since = time.monotonic()
         try:
-            if getattr(self.session, "raw_passthrough", False) and self._raw_copy(ring, slot, seq):
+            if self.session.raw_passthrough and self._raw_copy(ring, slot, seq):
                 return
-            on_gpu = hasattr(ring, "read_device")
+            on_gpu = ring.on_device
             with self.lock:
                 if ring is not self.ring_in:
                     self.counts["stale"] += 1
@@ -261,7 +271,7 @@ class FrameWorker:
             spec = ring.spec
             if not on_gpu:
                 batch = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")[None]
-            elif getattr(self.session, "accepts_device_frames", False):
+            elif self.session.accepts_device_frames:
                 batch = native[None]  # stays on the GPU
             else:
                 batch = native[None].cpu().numpy()
@@ -279,6 +289,7 @@ class FrameWorker:
             if text != self.error or now - self._error_sent > ERROR_REPEAT_S:  # no flood at frame rate
                 self._error_sent = now
                 self._send(make("error", code="frame", message=text[:4000]))
+                log.warning("frame %d: %s", seq, text)
             self.error = text
             if not isinstance(exc, ValueError):  # a refused input leaves the stream as it was
                 self._new_stream(text)
@@ -297,6 +308,7 @@ class FrameWorker:
             self.error = (f"the session failed ({failure}) and could not start a new stream: "
                           f"{type(exc).__name__}: {exc}")
             self._send(make("status", state="error", message=self.error[:4000]))
+            log.error("%s", self.error)
             self.session = None
             self.stop = True
             return
@@ -317,8 +329,8 @@ class FrameWorker:
     def _raw_copy(self, ring: Ring, slot: int, seq: int) -> bool:
         """Pass-through: slot to slot, no frame array (rings of one layout: cuda-ipc on the GPU, or shm)."""
         out = self.ring_out
-        copy = getattr(ring, "copy_to", None)
-        if copy is None or out is None or type(out) is not type(ring) or _layout(out.spec) != _layout(ring.spec):
+        if not ring.copies_slots or out is None or type(out) is not type(ring) \
+                or _layout(out.spec) != _layout(ring.spec):
             return False
         out_slot = self._acquire_out()
         if out_slot is None:  # stopping, or (live) no free output slot: the frame is dropped
@@ -389,8 +401,8 @@ class FrameWorker:
         slot = self._acquire_out()
         if slot is None:
             return
-        on_gpu = hasattr(out, "write_device")
-        fitted = frame if on_gpu else _fit(np.asarray(frame.cpu() if hasattr(frame, "cpu") else frame), out)
+        on_gpu = out.on_device
+        fitted = frame if on_gpu else _fit(np.asarray(frame if isinstance(frame, np.ndarray) else frame.cpu()), out)
         with self.lock:
             if out is not self.ring_out:
                 return

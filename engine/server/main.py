@@ -11,6 +11,7 @@ import os
 import sys
 
 from host_bridge.launcher import TOKEN_ENV
+from host_bridge.wire import logs
 from host_bridge.wire.errors import UserError
 
 
@@ -33,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
     p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
     p.add_argument("--stall-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stall after N frames
+    logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
     p.set_defaults(func=run)
 
 
@@ -86,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     from host_bridge.wire.typed_config import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m engine")
+    logs.add_option(parser)
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:

@@ -1,8 +1,8 @@
 """A session that returns its input unchanged: `loom serve --passthrough`.
 
-It has the same interface as `engine.stream.session.StreamSession`, so the server, the bridge, the
-transports and the supervisor are tested end to end with exact content and without a model, and
-a user can measure the bridge's own latency. Its parameter checks follow the real session's
+It implements `engine.session_api.EngineSession` as `engine.stream.session.StreamSession` does, so
+the server, the bridge, the transports and the supervisor are tested end to end with exact content
+and without a model, and a user can measure the bridge's own latency. Its parameter checks follow the real session's
 contract (unknown keys and bad values raise ValueError) so error paths are exercised too.
 """
 
@@ -24,6 +24,8 @@ class PassthroughSession:
     """Output frame i is input frame i, at once; prompts and parameters are only recorded."""
 
     raw_passthrough = True  # the server may copy slot to slot without reading frames at all
+    accepts_device_frames = False  # numpy frames (a cuda-ipc ring to ring copy needs no frames at all)
+    unfinished = 0  # every output is returned by the push that brought its input
 
     def __init__(self) -> None:
         self.reset()
@@ -36,6 +38,9 @@ class PassthroughSession:
         self.frames_in += len(frames)
         self.frames_out += len(frames)
         return frames.copy()
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        return np.zeros((0, 1, 1, 3), np.uint8)
 
     def flush(self) -> np.ndarray:
         return np.zeros((0, 1, 1, 3), np.uint8)
@@ -61,3 +66,6 @@ class PassthroughSession:
     def stats(self) -> dict[str, Any]:
         return {"mode": "passthrough", "frames_in": self.frames_in, "frames_out": self.frames_out,
                 "prompt": self.prompt, "params": dict(self.params)}
+
+    def close(self) -> None:
+        """Nothing to release: no device memory, no threads."""

@@ -54,13 +54,39 @@ class StreamDenoiser:
 
     def set_sink_threshold(self, threshold: float) -> None:
         """A new adaptive-sink threshold (a constant inside captured graphs: they are re-captured)."""
-        self.cache.sink_threshold = threshold
+        self.cache.set_sink_threshold(threshold)
         if isinstance(self.full_forward, GraphedStreamForward):
             self.full_forward.reset()
 
     def set_steps(self, steps: list[int]) -> None:
         self.steps = list(steps)
         self._sigmas = [self.schedule.sigma(s) for s in steps]
+
+    def set_context(self, cross: Any) -> None:
+        """New cross-attention K/V (a prompt change), used from the next forward on."""
+        self.cross = cross
+
+    def reset(self, steps: list[int], cross: Any, generator: torch.Generator) -> None:
+        """A new stream with these steps, prompt context and noise: no chunk in flight, cache rows fresh.
+
+        The cache is reset in place (same shape), so captured graphs, which point at it, stay valid."""
+        if len(steps) != self.cache.batch:
+            raise ValueError(f"steps: {len(steps)} given; this cache has {self.cache.batch} rows")
+        self.cache.reset()
+        self.rows = [None] * len(steps)
+        self.set_steps(steps)
+        self.cross, self.generator = cross, generator
+
+    def change_steps(self, steps: list[int]) -> None:
+        """A new step list mid-stream (drain first): each new row takes the cache row of the
+        nearest old step, so the new rows keep the stream's history."""
+        if self.in_flight:
+            raise RuntimeError("drain the stream-batch pipeline before changing the steps")
+        old = self.steps
+        nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in steps]
+        self.replace_cache(self.cache.rows(nearest))
+        self.set_steps(steps)
+        self.rows = [None] * len(steps)
 
     @property
     def n(self) -> int:

@@ -24,6 +24,10 @@ class StreamMetrics:
         self.clock = clock
         self.reset()
 
+    def set_budget(self, latency_budget_s: float) -> None:
+        """The latency above which a frame counts as a miss, from the next frame on."""
+        self.budget = latency_budget_s
+
     def reset(self) -> None:
         self.frames_in = self.frames_out = self.dropped = self.misses = 0
         self.dropped_reasons: dict[str, int] = {}

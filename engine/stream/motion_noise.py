@@ -102,6 +102,10 @@ class MotionNoiseController:
         self._flow = OpticalFlowMotion(estimator) if estimator != "frame_diff" else None
         self.reset()
 
+    def set_noise(self, noise_scale: float, enabled: bool) -> None:
+        """New base noise scale and motion switch; the running scale moves towards it chunk by chunk."""
+        self.noise_scale, self.enabled = noise_scale, enabled
+
     def reset(self) -> None:
         self._scale: torch.Tensor | float = self.noise_scale
         self.last_motion: torch.Tensor | float = 0.0

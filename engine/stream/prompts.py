@@ -194,6 +194,12 @@ class PromptConditioner:
             return emb
         return self.encoder.encode([text])[0].to(self.device, self.dtype)
 
+    def set_transition_chunks(self, chunks: int) -> None:
+        """Chunks over which later prompt changes blend in (0: at once); a blend under way keeps its own."""
+        if chunks < 0:
+            raise PromptError(f"transition_chunks {chunks} must be >= 0")
+        self.transition_chunks = chunks
+
     def request(self, text: str, transition_chunks: int | None = None) -> None:
         """Start encoding a new prompt in the background; it takes effect at a chunk boundary."""
         text = check_prompt(text)

@@ -45,7 +45,7 @@ from engine.stream.stage_timer import StageTimer
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
 SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
-            "latency_budget_ms", "sink_threshold")
+            "latency_budget_ms", "sink_threshold", "lora_scales")
 
 
 @dataclass
@@ -92,6 +92,8 @@ class StreamSession:
                                         transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
+        self._lora_pending: dict[str, float] = {}
+        self._build_parts()
         self.reset()
 
     @classmethod
@@ -130,11 +132,10 @@ class StreamSession:
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
-    def reset(self) -> None:
-        """Start a new stream: caches, positions, noise, metrics; the prompt stays."""
+    def _build_parts(self) -> None:
+        """The stream's parts, once: later streams reset them in place (captured CUDA graphs point
+        at the caches and VAE states)."""
         cfg = self.cfg
-        if self.device.type == "cuda":  # caches are reset in place: no stream may still be using them
-            torch.cuda.synchronize(self.device)
         self.metrics = StreamMetrics(cfg.slo.latency_budget_ms / 1000.0)
         ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
         self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
@@ -142,42 +143,54 @@ class StreamSession:
                                 max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring),
                                 overlapped=self._overlapped)
         self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
-        if hasattr(self, "enc_state"):  # reset in place: captured VAE graphs point at these buffers
-            self.enc_state.reset()
-            self.dec_state.reset()
-        else:
-            self.enc_state = self.models.encoder.new_stream_state()
-            self.dec_state = self.models.decoder.new_stream_state()
-            # low_vram: no VAE graphs, whose private memory pools would keep every step's activations
-            self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda"
-                                         and not cfg.memory.low_vram)
+        self.enc_state = self.models.encoder.new_stream_state()
+        self.dec_state = self.models.decoder.new_stream_state()
+        # low_vram: no VAE graphs, whose private memory pools would keep every step's activations
+        self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda"
+                                     and not cfg.memory.low_vram)
+        self.denoiser = self._new_denoiser(self.models.dit.cross_kv(self.prompt.current()[None]))
+        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks if self._overlapped else 0)
+
+    def _new_denoiser(self, cross: Any) -> StreamDenoiser:
+        cfg = self.cfg
+        h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
+        cache = self.models.dit.new_cache(
+            len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache,
+            sink=cfg.stream.sink, rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
+            sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
+        graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
+        return StreamDenoiser(self.models.dit, cache, cross, list(cfg.stream.steps), self.schedule,
+                              self.generator, cuda_graphs=graphs)
+
+    def reset(self) -> None:
+        """Start a new stream: caches, positions, noise, metrics, plan; the prompt stays."""
+        self._new_stream()
+        self.metrics.reset()
+        self.slo.reset()
+
+    @torch.inference_mode()
+    def _new_stream(self) -> None:
+        """Every part that holds the stream's state starts afresh; metrics and the scheduler's
+        learnt stage times are the caller's to keep (a flush keeps them) or reset."""
+        cfg = self.cfg
+        if self.device.type == "cuda":  # caches are reset in place: no stream may still be using them
+            torch.cuda.synchronize(self.device)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
+        self.enc_state.reset()
+        self.dec_state.reset()
         cross = self.models.dit.cross_kv(self.prompt.current()[None])
-        d = getattr(self, "denoiser", None)
-        if d is not None and d.cache.batch == len(cfg.stream.steps):
-            # Same shape: reset in place, so captured graphs (which point at the cache) stay valid.
-            d.cache.reset()
-            d.rows = [None] * d.n
-            d.set_steps(list(cfg.stream.steps))
-            d.generator, d.cross = self.generator, cross
-            if d.cache.sink_threshold != cfg.stream.sink_threshold:
-                d.set_sink_threshold(cfg.stream.sink_threshold)
-        else:
-            h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
-            cache = self.models.dit.new_cache(
-                len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache,
-                sink=cfg.stream.sink, rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
-                sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
-            graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
-            self.denoiser = StreamDenoiser(self.models.dit, cache, cross, list(cfg.stream.steps), self.schedule,
-                                           self.generator, cuda_graphs=graphs)
+        if self.denoiser.cache.batch == len(cfg.stream.steps):
+            self.denoiser.reset(list(cfg.stream.steps), cross, self.generator)
+        else:  # a step change that failed half-way left the other shape: build it for the steps asked
+            self.denoiser = self._new_denoiser(cross)
         self.motion.reset()
+        self._outputs.clear()
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None  # of the frames accepted last
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
-        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks if self._overlapped else 0)
         if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
             torch.cuda.synchronize(self.device)
 
@@ -201,6 +214,7 @@ class StreamSession:
         unknown = [k for k in params if k not in SETTABLE]
         if unknown:
             raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(SETTABLE)}")
+        lora = self._lora_request(params.pop("lora_scales", None))
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         sections = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
@@ -212,31 +226,52 @@ class StreamSession:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
                                                      path=section)})
-        old, self.cfg = self.cfg, new
-        self.motion.noise_scale, self.motion.enabled = new.noise.noise_scale, new.noise.motion_aware
-        self.prompt.transition_chunks = new.prompt.transition_chunks
-        self.slo.target_fps, self.slo.budget = new.slo.target_fps, new.slo.latency_budget_ms / 1000.0
-        self.metrics.budget = self.slo.budget
+        old, self.cfg = self.cfg, new.replace(lora=lora)
+        self._lora_pending.update({e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale})
+        budget = new.slo.latency_budget_ms / 1000.0
+        self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
+        self.prompt.set_transition_chunks(new.prompt.transition_chunks)
+        self.slo.set_targets(new.slo.target_fps, budget)
+        self.metrics.set_budget(budget)
         if new.stream.mode != old.stream.mode:
             self.slo.allow_modes(_modes(new.stream.mode))
         if new.stream.sink_threshold != old.stream.sink_threshold:
             self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
-            self._change_steps(list(new.stream.steps), list(old.stream.steps))
+            self._change_steps(list(new.stream.steps))
+
+    def _lora_request(self, scales: Any) -> list:
+        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
+        if scales is None:
+            return self.cfg.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        from host_bridge.wire.typed_config import build
+
+        entries = {e.key: e for e in self.cfg.lora}
+        for name in scales:
+            if name not in entries:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
+        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
+
+    def _apply_lora(self) -> bool:
+        """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
+        if not self._lora_pending:
+            return False
+        with self.timer.span("lora", None):
+            for name, scale in self._lora_pending.items():
+                self.models.lora.set_scale(name, scale)
+        self._lora_pending.clear()
+        return True
 
     @torch.inference_mode()
-    def _change_steps(self, new: list[int], old: list[int]) -> None:
-        """New step list: drain, then give each new row the cache row of the nearest old step."""
+    def _change_steps(self, steps: list[int]) -> None:
+        """New step list: the chunks in flight leave (decoded as usual), then the denoiser switches."""
         with _on(self._denoise_stream):
-            self._drain_into(new, old)
-
-    def _drain_into(self, new: list[int], old: list[int]) -> None:
-        self._emit(self.denoiser.drain())
-        nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in new]
-        self.denoiser.replace_cache(self.denoiser.cache.rows(nearest))
-        self.denoiser.set_steps(new)
-        self.denoiser.rows = [None] * len(new)
-        self.slo.steps = len(new)
+            self._emit(self.denoiser.drain())
+            self.denoiser.change_steps(steps)
+            self.slo.set_steps(len(steps))
 
     # ----------------------------------------------------------------------------- streaming
     @property
@@ -244,6 +279,11 @@ class StreamSession:
         """On a GPU the session takes and returns device tensors, so the cuda-ipc server never
         copies frames through the CPU."""
         return self.device.type == "cuda"
+
+    @property
+    def raw_passthrough(self) -> bool:
+        """Outputs are restyled frames, never the inputs: the server always reads them."""
+        return False
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that are finished,
@@ -285,9 +325,7 @@ class StreamSession:
         if self._buffer:
             chunks.append(self._padded_chunk())
         out = self._process(chunks, drain=True)
-        metrics, slo = self.metrics, self.slo
-        self.reset()
-        self.metrics, self.slo = metrics, slo
+        self._new_stream()  # metrics and the scheduler's learning carry over to the next stream
         return out
 
     def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
@@ -395,7 +433,7 @@ class StreamSession:
                         t.record_stream(consumer)
 
     def _denoise(self, c: _Chunk) -> None:
-        self._advance_prompt()
+        self._advance_prompt(weights_changed=self._apply_lora())
         k = c.latent.shape[2]
         d = self.denoiser
         plan = self.slo.plan
@@ -432,10 +470,10 @@ class StreamSession:
                     frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
                 self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
 
-    def _advance_prompt(self) -> None:
+    def _advance_prompt(self, weights_changed: bool = False) -> None:
         context, changed = self.prompt.advance()
-        if changed:
-            self.denoiser.cross = self.models.dit.cross_kv(context[None])
+        if changed or weights_changed:  # cross-attention K/V depend on the LoRA-merged weights too
+            self.denoiser.set_context(self.models.dit.cross_kv(context[None]))
         if self.prompt.transition_done:
             self.denoiser.cache.refresh_sinks()
 
@@ -468,6 +506,7 @@ class StreamSession:
             "prompt": self.prompt.text,
             "prompt_error": self.prompt.error,
             "prompt_blend": self.prompt.weight,
+            "lora_scales": self.models.lora.scales,
             "kv_positions": cache.next_positions,
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),

@@ -76,11 +76,25 @@ class SLOScheduler:
         self.max_chunk_latents = max_chunk_latents
         self.allow_modes(allowed_modes)
         self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
-        self._challenger: Plan | None = None
-        self._streak = 0
+
+    def reset(self) -> None:
+        """A new stream: the first allowed mode at one latent per chunk, and nothing learnt yet."""
+        self.plan = Plan(self.modes[0], 1)
+        self.input_fps = self.target_fps or 0.0
+        self.allow_modes(self.modes)
+        self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
+
+    def set_steps(self, steps: int) -> None:
+        """A new number of denoising steps (rows per DiT forward) from the next decision on."""
+        self.steps = steps
+
+    def set_targets(self, target_fps: float, latency_budget_s: float) -> None:
+        """New service-level targets (0 FPS: follow the input rate)."""
+        self.target_fps, self.budget = target_fps, latency_budget_s
 
     def allow_modes(self, modes: tuple[str, ...]) -> None:
         """Restrict the plans to these modes (a user pinning batch or sequential)."""
+        self.modes = tuple(modes)
         self.candidates = [Plan(m, k) for m in modes for k in range(1, self.max_chunk_latents + 1)]
         if self.plan not in self.candidates:
             self.plan = Plan(modes[0], self.plan.chunk_latents if self.plan.chunk_latents <= self.max_chunk_latents
@@ -103,8 +117,8 @@ class SLOScheduler:
         dit = n * self.stages["dit"].predict(k) if sequential else self.stages["dit"].predict(n * k)
         if self.overlapped:
             # The stages of neighbouring chunks run at once; once the GPU is full their measured
-            # spans stretch until the longest one is the period (measured: the DiT span equalled
-            # the chunk period within 0.5 % at 1 and 2 steps). A chunk's own path is still
+            # spans stretch until the longest one is the period (docs/performance.md: the DiT span
+            # matched the chunk period). A chunk's own path is still
             # encode, its forwards one period apart, decode.
             period = max(enc, dit, dec)
             through = enc + dit + dec + (0 if sequential else (n - 1) * period)

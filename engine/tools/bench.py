@@ -25,9 +25,11 @@ from engine.tools.progress import FrameProgress
 FRAMES_PER_CHUNK = 4
 
 
-def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float) -> dict[str, Any]:
+def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
+             lora_period_s: float = 0.0) -> dict[str, Any]:
     """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
-    that many GPUs); metrics over the frames after warm-up."""
+    that many GPUs); metrics over the frames after warm-up. With `lora_period_s`, the first LoRA's
+    scale alternates between its configured value and half of it at that period (live changes)."""
     t_load = time.perf_counter()
     if cfg.parallel.gpus > 1:
         from engine.parallel.session import PipelineSession
@@ -64,7 +66,13 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
     t0 = time.perf_counter()
     period = 1.0 / input_fps if input_fps > 0 else 0.0
     bar = FrameProgress(len(frames) - done, "loom bench")
+    changes, next_change = 0, t0 + lora_period_s
     for i in range(done, len(frames), FRAMES_PER_CHUNK):
+        if lora_period_s and cfg.lora and time.perf_counter() >= next_change:
+            changes += 1
+            entry = cfg.lora[0]
+            session.set_params(lora_scales={entry.key: entry.scale * (0.5 if changes % 2 else 1.0)})
+            next_change += lora_period_s
         if period:
             due = t0 + (i - done + FRAMES_PER_CHUNK) * period
             while time.perf_counter() < due:
@@ -77,6 +85,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float)
     elapsed = time.perf_counter() - t0
     stats = session.stats()
     stats["ttff_s"] = ttff
+    stats["lora_changes"] = changes
     stats["measured_frames"] = stats["frames_out"]
     stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
     if device.type == "cuda":  # what the card must hold, from load to the last frame

@@ -29,8 +29,8 @@ frames are flowing, the answer is due within a fraction of a millisecond) it spi
 and the GIL between looks; otherwise it sleeps with a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S,
 or to SLEEP_IDLE_S once nothing has come for IDLE_AFTER_S. So a stream pays no kernel wake-up per
 notice, a notice between frames of a slower stream waits at most SLEEP_MAX_S plus the OS timer's
-slack, and an idle waiter costs one short wake-up per SLEEP_IDLE_S and no spinning (measured on the
-2-core dev VM, where one sleep costs ~30 us of CPU: 5 % of a core at 0.5 ms sleeps, ~1.5 % idle).
+slack, and an idle waiter costs one short wake-up per SLEEP_IDLE_S and no spinning (each sleep
+costs some CPU of its own, so short sleeps are kept for when frames flow; see docs/performance.md).
 Every wait keeps its timeout, and `wake()` ends one early.
 
 Threads: one consumer at a time (it holds `lock`, reentrant, as on the lane); sends from any

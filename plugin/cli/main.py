@@ -14,6 +14,7 @@ import argparse
 import importlib
 import sys
 
+from host_bridge.wire import logs
 from host_bridge.wire.errors import UserError
 from host_bridge.wire.typed_config import ConfigError
 from plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
     parser.add_argument("--version", action="version", version=f"loom {version()}",
                         help="print Loom's version and exit")
+    logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = "engine.server.main" if name == "serve" else f"plugin.cli.{name.replace('-', '_')}"
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # named by the subcommand's own usage, not the top-level one
         command = parser._subparsers._group_actions[0].choices.get(args.command) if args.command else None
         (command or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    logs.configure(args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

@@ -19,6 +19,10 @@ from host_bridge import Bridge, BridgeConfig
 class ChunkSession:
     """StreamSession's timing with identity content: outputs after 5 inputs, then 4 at a time; flush emits the rest."""
 
+    accepts_device_frames = False
+    raw_passthrough = False
+    unfinished = 0  # every push returns what its chunks finished
+
     def __init__(self) -> None:
         self.pending: list[np.ndarray] = []
         self.chunk = 5
@@ -33,6 +37,9 @@ class ChunkSession:
             self.pending = self.pending[self.chunk:]
             self.chunk = 4
         return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        return np.zeros((0, 1, 1, 3), np.uint8)
 
     def flush(self) -> np.ndarray:
         out, self.pending = self.pending, []
@@ -49,6 +56,9 @@ class ChunkSession:
 
     def stats(self):
         return {"pending": len(self.pending)}
+
+    def close(self) -> None:
+        pass
 
 
 class GpuLikeSession(ChunkSession):

@@ -29,6 +29,9 @@ class Ring(ABC):
     """One direction's frame slots; `write`/`read` move numpy frames of the spec's shape and dtype."""
 
     spec: RingSpec
+    # What a ring can do beyond numpy frames, declared so that users ask rather than probe:
+    on_device = False  # slots in GPU memory, moved with `read_device`/`write_device` (raw device pointers)
+    copies_slots = False  # `copy_to` moves a slot into another ring of the same kind and layout
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -54,6 +57,10 @@ class Ring(ABC):
     @abstractmethod
     def close(self) -> None:
         """Detach; the owner also removes the shared memory. Safe to call twice."""
+
+    def copy_to(self, slot: int, other: Ring, other_slot: int) -> None:
+        """Copy `slot` into `other_slot` of `other` (same kind and layout) without a frame array."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy slots; check `copies_slots` first")
 
     def remove(self) -> None:
         """Remove shared resources even when not the owner (the owner died); by default, just close."""

@@ -112,6 +112,9 @@ def _stream(stream: Any) -> Any:
 class CudaRing(Ring):
     """Slots in device memory; `write_device`/`read_device` move frames from/to raw device pointers."""
 
+    on_device = True
+    copies_slots = True
+
     def __init__(self, spec: RingSpec, device: int, ptrs: list[int], events: list[Any], owner: bool):
         self.spec = spec
         self.device = device

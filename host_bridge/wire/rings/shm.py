@@ -68,6 +68,8 @@ def open_segment(name: str, create: bool, size: int = 0) -> shared_memory.Shared
 
 
 class ShmRing(Ring):
+    copies_slots = True
+
     def __init__(self, spec: RingSpec, shm: shared_memory.SharedMemory, owner: bool):
         self.spec = spec
         self._shm: shared_memory.SharedMemory | None = shm

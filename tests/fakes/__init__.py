@@ -1,0 +1,1 @@
+"""Stand-ins and builders shared by the tests (one place, never copied between test modules)."""
