@@ -20,9 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", metavar="ENDPOINT", help="connect to the host that launched this engine")
     where.add_argument("--bind", metavar="ENDPOINT", help="serve hosts at this endpoint (tcp://0.0.0.0:5555 ...)")
-    p.add_argument("--config", default="default", help="preset name or YAML file (default: default)")
+    # The same -c/--set as every `loom` command that runs a model (plugin.cli.common, which engine cannot import).
+    p.add_argument("-c", "--config", default="default", metavar="PRESET_OR_YAML",
+                   help="preset name (see `loom info --presets`) or YAML file (default: default, the embedded "
+                        "model that runs anywhere)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set stream.steps=[700]")
+                   help="override a config key, e.g. --set stream.steps=[700]; repeatable")
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
                    help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
@@ -37,8 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--secret-file", metavar="FILE",
                    help="--bind on a loopback or ipc endpoint without CurveZMQ: the session secret hosts must hold "
                         "(a file of mode 600, created with a random secret if missing; hosts name it as secret_file)")
-    p.add_argument("--stall-after", type=int, default=None,
-                   help="fault injection for tests: stop taking frames after this many")
+    p.add_argument("--stall-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stall after N frames
     logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
     p.set_defaults(func=run)
 
@@ -48,6 +50,13 @@ def _session_factory(args: argparse.Namespace):
 
     args.overrides = [*args.overrides, *lora_override(args.loras)]
     config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
+        from engine.models.weights import missing_weights
+
+        missing = missing_weights(config)
+        if missing:
+            raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
+                            f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
     if config.parallel.gpus > 1 and not args.passthrough:
         raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
                         "the pipeline over several GPUs is measured with `loom bench --gpus N`")
