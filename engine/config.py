@@ -261,11 +261,14 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
 
 
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
-    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything."""
+    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything; weights the
+    run needs and the user did not give are looked up in what `loom pull` fetched (engine.models.weights)."""
     data, source = _load_source(name_or_path)
     for text in overrides:
         keys, raw = parse_override(text)
         apply_override(data, keys, _read_yaml(raw, f"--set {text}") if raw.strip() else None)
     if overrides:
         source += " (with --set overrides)"
-    return build(LoomConfig, data, source=source)
+    from engine.models.weights import fill_pulled_weights
+
+    return fill_pulled_weights(build(LoomConfig, data, source=source))

@@ -89,8 +89,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             if i not in dit_blocks:
                 dit.blocks[i].to("meta")  # same seeded values as one GPU for the blocks kept
     else:
-        raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; give model.checkpoint=PATH "
-                         "(or model.random_weights=true for a benchmark)")
+        raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "
+                         "give model.checkpoint=PATH (or model.random_weights=true for a benchmark)")
     vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
                       denormalize_on_decode=vc.denormalize_on_decode)
     wan = None
@@ -100,8 +100,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         elif vc.preset in EMBEDDED_PRESETS or vc.random_weights:
             wan = _seeded(lambda: WanVAE(vae_cfg), mc.seed + 1, device, dtype)
         else:
-            raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; give vae.checkpoint=PATH "
-                             "(or vae.random_weights=true for a benchmark)")
+            raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
+                             "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
     tiny = None
     if "taehv" in (vc.encoder, vc.decoder):
         if vc.taehv_checkpoint:

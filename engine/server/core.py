@@ -90,8 +90,13 @@ class EngineServer:
         self.channel: Channel | None = None
         self.worker: FrameWorker | None = None
         self.refused_semantic = 0
+        self.stop_signal: int | None = None
 
-    def request_stop(self, *_: Any) -> None:
+    def request_stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop serving; a signal is remembered so that `run` ends with the shell's code for it
+        (130 after Ctrl-C, 143 after SIGTERM), as `loom play` does."""
+        if isinstance(signum, int):
+            self.stop_signal = signum
         self._stop.set()
 
     def run(self) -> int:
@@ -102,7 +107,8 @@ class EngineServer:
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
                 log.info("listening on %s", self.channel.endpoint)
-            return self._serve()
+            code = self._serve()
+            return 128 + self.stop_signal if self.stop_signal and code == 0 else code
         finally:
             self._end_session(remove=False, join_s=EXIT_JOIN_S)
             if self.channel is not None:

@@ -20,9 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", metavar="ENDPOINT", help="connect to the host that launched this engine")
     where.add_argument("--bind", metavar="ENDPOINT", help="serve hosts at this endpoint (tcp://0.0.0.0:5555 ...)")
-    p.add_argument("--config", default="default", help="preset name or YAML file (default: default)")
+    # The same -c/--set as every `loom` command that runs a model (plugin.cli.common, which engine cannot import).
+    p.add_argument("-c", "--config", default="default", metavar="PRESET_OR_YAML",
+                   help="preset name (see `loom info --presets`) or YAML file (default: default, the embedded "
+                        "model that runs anywhere)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set stream.steps=[700]")
+                   help="override a config key, e.g. --set stream.steps=[700]; repeatable")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
@@ -30,8 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
     p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
     p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
-    p.add_argument("--stall-after", type=int, default=None,
-                   help="fault injection for tests: stop taking frames after this many")
+    p.add_argument("--stall-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stall after N frames
     logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
     p.set_defaults(func=run)
 
@@ -40,6 +42,13 @@ def _session_factory(args: argparse.Namespace):
     from engine.config import load_config
 
     config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
+        from engine.models.weights import missing_weights
+
+        missing = missing_weights(config)
+        if missing:
+            raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
+                            f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
     if config.parallel.gpus > 1 and not args.passthrough:
         raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
                         "the pipeline over several GPUs is measured with `loom bench --gpus N`")

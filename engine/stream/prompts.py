@@ -109,8 +109,11 @@ class UMT5TextEncoder:
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise PromptError(f"{folder}: umT5 directory not found (prompt.path)")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.model = UMT5EncoderModel.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+        # One folder holding both, or the diffusers layout (what `loom pull` fetches): tokenizer/ + text_encoder/.
+        tok, enc = (folder / "tokenizer", folder / "text_encoder") if (folder / "text_encoder").is_dir() \
+            else (folder, folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True)
+        self.model = UMT5EncoderModel.from_pretrained(str(enc), torch_dtype=dtype, local_files_only=True)
         self.model.to(device).eval()
         self.device = device
         self.dim = self.model.config.d_model

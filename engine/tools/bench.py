@@ -20,6 +20,7 @@ import torch
 
 from engine.config import LoomConfig
 from engine.stream.session import StreamSession
+from engine.tools.progress import FrameProgress
 
 FRAMES_PER_CHUNK = 4
 
@@ -61,8 +62,10 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     if device.type == "cuda":
         load_peak = torch.cuda.max_memory_reserved(device)  # load, compile and warm-up included
         torch.cuda.reset_peak_memory_stats(device)
+    _progress(f"warm-up done ({warmup} frames); measuring {len(frames) - done} frames")
     t0 = time.perf_counter()
     period = 1.0 / input_fps if input_fps > 0 else 0.0
+    bar = FrameProgress(len(frames) - done, "loom bench")
     changes, next_change = 0, t0 + lora_period_s
     for i in range(done, len(frames), FRAMES_PER_CHUNK):
         if lora_period_s and cfg.lora and time.perf_counter() >= next_change:
@@ -75,6 +78,8 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
             while time.perf_counter() < due:
                 time.sleep(min(0.0005, due - time.perf_counter()))
         session.push(frames[i:i + FRAMES_PER_CHUNK])
+        bar.update(len(frames[i:i + FRAMES_PER_CHUNK]))
+    bar.close()
     session.poll(wait=True)
     _sync(device)
     elapsed = time.perf_counter() - t0
@@ -103,8 +108,10 @@ def run_baseline(cfg: LoomConfig, frames: np.ndarray, chunks: int, window: int) 
     """diffusers Wan transformer + VAE, eager, a full-sequence forward over a window per chunk."""
     try:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from diffusers.utils import logging as diffusers_logging
     except ImportError as exc:
         raise RuntimeError("the baseline needs diffusers: pip install 'loom-live[bench]'") from exc
+    diffusers_logging.set_verbosity_error()  # its notices about unused config keys are not the bench's output
     from engine.models.loading import resolve_device, resolve_dtype
     from engine.models.wan_dit import DIT_PRESETS
 

@@ -6,7 +6,8 @@ input's own motion: optical flow is computed on the INPUT frames (classic OpenCV
 learned weights), output frame t+1 is warped back onto output frame t along it, and what is
 left over is the warp error (lower is steadier). Flicker is how much more the output changes
 from frame to frame than the input does. Both are kept per window of frames along the stream,
-so a slow degradation over thousands of frames shows as a trend, and drawn as a PNG.
+so a slow degradation over thousands of frames shows as a trend, and drawn as a PNG (matplotlib).
+Sharpness (mean Sobel gradient) is kept beside them: a blurred output is steady too.
 
 ``QualityMeter`` takes (input, output) pairs one at a time and keeps only the previous pair,
 so a 3,000-frame run needs no frame storage.
@@ -15,7 +16,6 @@ so a 3,000-frame run needs no frame storage.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,8 +38,8 @@ OCCLUSION_ALPHA = 0.01
 OCCLUSION_BETA = 0.5
 # Per-window columns of a report, in this order; all but the occlusion column are always floats.
 WINDOW_METRICS = ("warp_error", "flicker", "output_diff", "input_diff", "occluded_fraction",
-                  "luma_shift", "saturation_shift", "contrast_ratio")
-PLOT_METRICS = ("warp_error", "flicker", "luma_shift", "saturation_shift")
+                  "luma_shift", "saturation_shift", "contrast_ratio", "sharpness", "input_sharpness")
+PLOT_METRICS = ("warp_error", "sharpness", "flicker", "luma_shift", "saturation_shift")
 METRIC_LABELS = {
     "warp_error": "warp error (0..255, lower is steadier)",
     "flicker": "flicker (output change - input change)",
@@ -49,6 +49,8 @@ METRIC_LABELS = {
     "luma_shift": "luma shift (output - input)",
     "saturation_shift": "saturation shift (output - input)",
     "contrast_ratio": "contrast ratio (output / input)",
+    "sharpness": "sharpness (mean Sobel gradient of the output's luma; higher is crisper)",
+    "input_sharpness": "input sharpness (mean Sobel gradient of the input's luma)",
 }
 
 
@@ -165,7 +167,7 @@ class _Sums:
         return out
 
 
-_FRAME_METRICS = ("luma_shift", "saturation_shift", "contrast_ratio")
+_FRAME_METRICS = ("luma_shift", "saturation_shift", "contrast_ratio", "sharpness", "input_sharpness")
 
 
 class QualityMeter:
@@ -301,16 +303,24 @@ def _mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _frame_stats(input_frame: np.ndarray, output_frame: np.ndarray) -> dict[str, float]:
-    """Colour drift of the output relative to its input: luma, saturation (0..255), contrast."""
+    """Colour drift of the output relative to its input: luma, saturation (0..255), contrast; and sharpness."""
     stats = []
     for frame in (input_frame, output_frame):
         luma = cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY)
         saturation = cv2.cvtColor(frame, cv2.COLOR_RGB2HSV)[..., 1]
-        stats.append((float(luma.mean()), float(saturation.mean()), float(luma.std())))
-    (in_luma, in_sat, in_std), (out_luma, out_sat, out_std) = stats
+        stats.append((float(luma.mean()), float(saturation.mean()), float(luma.std()), sobel_sharpness(luma)))
+    (in_luma, in_sat, in_std, in_sharp), (out_luma, out_sat, out_std, out_sharp) = stats
     # +1 level on both sides keeps the ratio finite and near 1 on flat (black, blank) inputs.
     return {"luma_shift": out_luma - in_luma, "saturation_shift": out_sat - in_sat,
-            "contrast_ratio": (out_std + 1.0) / (in_std + 1.0)}
+            "contrast_ratio": (out_std + 1.0) / (in_std + 1.0), "sharpness": out_sharp, "input_sharpness": in_sharp}
+
+
+def sobel_sharpness(luma: np.ndarray) -> float:
+    """Mean Sobel gradient magnitude (0..~1442 on 0..255 luma): a steady but blurred output scores a low
+    warp error too, so sharpness is reported beside it to tell stability from smearing."""
+    gx = cv2.Sobel(luma, cv2.CV_32F, 1, 0, ksize=3)
+    gy = cv2.Sobel(luma, cv2.CV_32F, 0, 1, ksize=3)
+    return float(cv2.magnitude(gx, gy).mean())
 
 
 def _trend(x: list[float], y: list[float | None], weights: list[int]) -> dict[str, float | None]:
@@ -325,106 +335,58 @@ def _trend(x: list[float], y: list[float | None], weights: list[int]) -> dict[st
 
 
 # ----------------------------------------------------------------------------------------------
-# Plot: drawn with OpenCV primitives (matplotlib is not a dependency).
+# Plot (matplotlib: the `eval` extra)
 
-_PLOT_WIDTH = 1000
-_PANEL_HEIGHT = 210
-_MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _PANEL_GAP = 80, 24, 64, 44
+PLOT_SIZE_INCHES = (10.0, 2.4)  # width, height per panel
+PLOT_DPI = 100
 # Smallest y range a panel shows (default 1.0 level of 0..255), so noise is not blown up.
 _MIN_SPAN = {"contrast_ratio": 0.1, "occluded_fraction": 0.1}
-_FONT = cv2.FONT_HERSHEY_SIMPLEX
-_INK, _GRID, _BACKGROUND = (40, 40, 40), (225, 225, 225), (255, 255, 255)
-# BGR: blue, orange, green, red, purple, brown (the usual categorical palette).
-_PALETTE = ((180, 119, 31), (14, 127, 255), (44, 160, 44), (40, 39, 214), (189, 103, 148), (75, 86, 140))
 
 
 def plot_reports(runs: Sequence[tuple[str, QualityReport]], path: str | Path, title: str = "",
                  metrics: Sequence[str] = PLOT_METRICS) -> Path:
-    """Draw the per-window metrics of one or more runs (one line each) into a PNG at ``path``."""
+    """Draw the per-window metrics of one or more runs (one line each, one panel per metric) into a PNG."""
     if not runs:
         raise ValueError("plot_reports needs at least one (label, report) run")
     unknown = [m for m in metrics if m not in WINDOW_METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {unknown}; allowed: {', '.join(WINDOW_METRICS)}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        from matplotlib import pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'loom-live[eval]'") from exc
     metrics = [m for m in metrics if any(v is not None for _, r in runs for v in r.windows[m])]
-    height = _MARGIN_TOP + len(metrics) * (_PANEL_HEIGHT + _PANEL_GAP) + 10
-    canvas = np.full((height, _PLOT_WIDTH, 3), _BACKGROUND, np.uint8)
-    title = title or "Loom temporal quality"
-    cv2.putText(canvas, title, (_MARGIN_LEFT, 24), _FONT, 0.6, _INK, 1, cv2.LINE_AA)
-    x = _MARGIN_LEFT
-    for i, (label, _) in enumerate(runs):  # legend
-        colour = _PALETTE[i % len(_PALETTE)]
-        cv2.line(canvas, (x, 44), (x + 24, 44), colour, 3, cv2.LINE_AA)
-        cv2.putText(canvas, label, (x + 30, 49), _FONT, 0.45, _INK, 1, cv2.LINE_AA)
-        x += 50 + cv2.getTextSize(label, _FONT, 0.45, 1)[0][0]
-    frames = max(r.frames for _, r in runs)
-    for row, metric in enumerate(metrics):
-        top = _MARGIN_TOP + row * (_PANEL_HEIGHT + _PANEL_GAP) + 18
-        _draw_panel(canvas, top, metric, runs, frames)
-    ok, png = cv2.imencode(".png", canvas)
-    if not ok:
-        raise ValueError(f"could not encode the plot for {path}")
-    Path(path).write_bytes(png.tobytes())
+    width, panel = PLOT_SIZE_INCHES
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(width, panel * len(metrics) + 0.8), sharex=True,
+                             squeeze=False, dpi=PLOT_DPI)
+    try:
+        for ax, metric in zip(axes[:, 0], metrics):
+            for label, report in runs:
+                xs, ys = _series(report, metric)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+            lo, hi = ax.get_ylim()
+            span = _MIN_SPAN.get(metric, 1.0)
+            if hi - lo < span:
+                mid = (hi + lo) / 2
+                ax.set_ylim(mid - span / 2, mid + span / 2)
+            ax.set_title(METRIC_LABELS[metric], fontsize=9, loc="left")
+            ax.grid(True, alpha=0.3)
+        axes[-1, 0].set_xlabel("frame (window centre)")
+        axes[0, 0].legend(loc="upper right", fontsize=8)
+        fig.suptitle(title or "Loom temporal quality", fontsize=11)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
     return Path(path)
 
 
-def _draw_panel(canvas: np.ndarray, top: int, metric: str, runs: Sequence[tuple[str, QualityReport]],
-                frames: int) -> None:
-    left, right, bottom = _MARGIN_LEFT, _PLOT_WIDTH - _MARGIN_RIGHT, top + _PANEL_HEIGHT
-    values = [v for _, r in runs for v in r.windows[metric] if v is not None]
-    lo, hi = min(values), max(values)
-    widen = max(_MIN_SPAN.get(metric, 1.0) - (hi - lo), 0.0) / 2  # tiny wobbles stay visually flat
-    lo, hi = lo - widen, hi + widen
-    pad = (hi - lo) * 0.08
-    y_ticks = _nice_ticks(lo - pad, hi + pad)
-    y_lo, y_hi = min(y_ticks[0], lo - pad), max(y_ticks[-1], hi + pad)
-    x_ticks = _nice_ticks(0, max(frames - 1, 1))
-
-    def to_px(xv: float, yv: float) -> tuple[int, int]:
-        px = left + (xv / max(frames - 1, 1)) * (right - left)
-        py = bottom - (yv - y_lo) / (y_hi - y_lo) * (bottom - top)
-        return round(px), round(py)
-
-    cv2.putText(canvas, METRIC_LABELS[metric], (left, top - 8), _FONT, 0.45, _INK, 1, cv2.LINE_AA)
-    for yv in y_ticks:
-        if y_lo <= yv <= y_hi:
-            _, py = to_px(0, yv)
-            cv2.line(canvas, (left, py), (right, py), _GRID, 1)
-            text = _tick_label(yv, y_ticks)
-            width = cv2.getTextSize(text, _FONT, 0.4, 1)[0][0]
-            cv2.putText(canvas, text, (left - 8 - width, py + 4), _FONT, 0.4, _INK, 1, cv2.LINE_AA)
-    for xv in x_ticks:
-        if xv <= frames - 1:
-            px, _ = to_px(xv, y_lo)
-            cv2.line(canvas, (px, bottom), (px, bottom + 4), _INK, 1)
-            text = _tick_label(xv, x_ticks)
-            width = cv2.getTextSize(text, _FONT, 0.4, 1)[0][0]
-            cv2.putText(canvas, text, (px - width // 2, bottom + 18), _FONT, 0.4, _INK, 1, cv2.LINE_AA)
-    cv2.putText(canvas, "frame", (right - 40, bottom + 34), _FONT, 0.4, _INK, 1, cv2.LINE_AA)
-    cv2.rectangle(canvas, (left, top), (right, bottom), _INK, 1)
-    for i, (_, report) in enumerate(runs):
-        colour = _PALETTE[i % len(_PALETTE)]
-        starts, ends = report.windows["start_frame"], report.windows["end_frame"]
-        points = [to_px((s + e - 1) / 2, v) for s, e, v in zip(starts, ends, report.windows[metric])
-                  if v is not None]
-        if len(points) > 1:
-            cv2.polylines(canvas, [np.array(points, np.int32)], False, colour, 2, cv2.LINE_AA)
-        for point in points:
-            cv2.circle(canvas, point, 3, colour, -1, cv2.LINE_AA)
-
-
-def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About ``count`` round tick values (steps of 1, 2 or 5 times a power of ten) covering lo..hi."""
-    if hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.floor(lo / step) * step
-    return [first + i * step for i in range(int(math.ceil((hi - first) / step)) + 1)]
-
-
-def _tick_label(value: float, ticks: list[float]) -> str:
-    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
-    decimals = max(0, -math.floor(math.log10(step)))
-    return f"{value:.{decimals}f}"
+def _series(report: QualityReport, metric: str) -> tuple[list[float], list[float]]:
+    """(window centre frame, value) of every window that has the metric."""
+    w = report.windows
+    points = [((start + end - 1) / 2, value) for start, end, value in
+              zip(w["start_frame"], w["end_frame"], w[metric]) if value is not None]
+    return [p[0] for p in points], [p[1] for p in points]

@@ -24,10 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("encode-prompts", help="precompute prompt embeddings into a file (prompt.encoder: file)")
     p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--from-file", type=Path, help="a text file with one prompt per line")
-    p.add_argument("--encoder", choices=("umt5", "hash"), default="umt5")
+    p.add_argument("--encoder", choices=("umt5", "hash"), default="umt5",
+                   help="umt5: the real text encoder (needs --encoder-path); hash: the small deterministic one")
     p.add_argument("--encoder-path", help="local umT5 directory (tokenizer and encoder weights)")
     p.add_argument("--dim", type=int, default=4096, help="embedding width for --encoder hash")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the encoder runs: cpu or cuda (default cpu)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     p.set_defaults(func=run)
 

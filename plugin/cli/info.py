@@ -10,10 +10,11 @@ import sys
 from typing import Any
 
 from engine.config import list_presets
+from plugin.cli.common import version
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="show Python, torch, GPUs, CUDA IPC and library versions")
+    p = sub.add_parser("info", help="show Loom's version, Python, torch, GPUs, CUDA IPC and library versions")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--presets", action="store_true", help="list the shipped configuration presets")
     p.set_defaults(func=run)
@@ -59,6 +60,7 @@ def collect() -> dict[str, Any]:
 
     ipc_ok, ipc_why = _cuda_ipc()
     return {
+        "loom": version(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

@@ -17,13 +17,15 @@ import sys
 from host_bridge.wire import logs
 from host_bridge.wire.errors import UserError
 from host_bridge.wire.typed_config import ConfigError
+from plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
 
-SUBCOMMANDS = ("info", "play", "serve", "encode-prompts", "bench", "eval")
-EXIT_USAGE = 2
+SUBCOMMANDS = ("info", "play", "serve", "pull", "encode-prompts", "bench", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
+    parser.add_argument("--version", action="version", version=f"loom {version()}",
+                        help="print Loom's version and exit")
     logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
@@ -34,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's own usage, not the top-level one
+        command = parser._subparsers._group_actions[0].choices.get(args.command) if args.command else None
+        (command or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logs.configure(args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"loom {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

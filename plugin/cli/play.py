@@ -1,7 +1,7 @@
 """`loom play`: the Loom player (plugin.player) from the command line.
 
-This module only parses arguments and checks the engine configuration (so a bad `--set` fails
-here, with the config's own message, before an engine process is started). The player itself
+This module only parses arguments and checks what needs no engine (the configuration, its weights,
+the endpoint, the transport), so those fail here with exit code 2 before an engine process is started. The player itself
 lives in `plugin.player` and is imported inside `run`: nothing in `engine` imports `plugin` at
 import time.
 """
@@ -12,6 +12,8 @@ import argparse
 import sys
 
 from engine.config import load_config
+from plugin.cli.common import add_config_options, add_overwrite_option
+from plugin.cli.preflight import check_engine_run
 
 EPILOG = """\
 inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
@@ -22,7 +24,10 @@ keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/pre
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
           /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit
-exit codes: 0 done, 2 bad input/output/option, 3 engine failed, 130 stopped with Ctrl-C
+outputs are written beside the target under a hidden temporary name and moved into place when finished:
+          a failed run leaves an existing file as it was; an existing file is refused without -y/--overwrite
+exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engine failed, 130 stopped with Ctrl-C,
+          143/129 stopped by SIGTERM/SIGHUP
 """
 
 
@@ -43,9 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="video file, camera index, or stream URL (default: a generated clip)")
     p.add_argument("-o", "--output", action="append", dest="outputs", metavar="OUTPUT",
                    help="file, udp:// srt:// rtmp:// URL, or 'window'; repeatable (default: loom_out.mp4)")
-    p.add_argument("-c", "--config", default="default", help="preset name or YAML file (default: default)")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set stream.steps=[700]")
+    add_config_options(p)
+    add_overwrite_option(p)
     p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
                    help="style prompt; repeat for a list to step through with n/b or OSC")
     p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
@@ -75,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
+    check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, transport=args.transport)
     from plugin.player import PlayerOptions, read_prompt_file, run_player
     from plugin.player.options import PlayerError
 
@@ -92,5 +97,5 @@ def run(args: argparse.Namespace) -> int:
         max_frames=args.max_frames, size=args.size, fps=args.fps, mode=args.mode, loop=args.loop,
         transport=args.transport, endpoint=args.endpoint, engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
-        startup_timeout_s=args.startup_timeout, quiet=args.quiet)
+        startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite)
     return run_player(options)

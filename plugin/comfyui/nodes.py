@@ -36,6 +36,7 @@ class EngineHandle:
     key: str
     bridge: Any
     settings: dict[str, Any]
+    interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -100,7 +101,7 @@ def _start_bridge(settings: dict[str, Any]) -> Any:
 
 def _images_to_frames(images: Any) -> np.ndarray:
     """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]."""
-    from plugin.comfyui.pixels import from_comfy
+    from .pixels import from_comfy
 
     array = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
     return from_comfy(array)
@@ -109,7 +110,7 @@ def _images_to_frames(images: Any) -> np.ndarray:
 def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
     import torch
 
-    from plugin.comfyui.pixels import to_comfy
+    from .pixels import to_comfy
 
     return torch.from_numpy(to_comfy(frames if isinstance(frames, np.ndarray) else np.stack(frames)))
 
@@ -234,11 +235,15 @@ class LoomStream:
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
         _wait_running(engine.bridge, limit, cancelled)
+        if engine.interrupted:  # the engine confirms the new stream before this run's first frame goes
+            engine.bridge.reset(wait=True)
+            engine.interrupted = False
         try:
             outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
         except BaseException:
             # Cancel (or a failure) mid-batch: process() has put the engine back in live mode; the frames
             # it still holds of this batch's stream go too, so the next run starts a stream of its own
+            engine.interrupted = True
             engine.bridge.reset()
             raise
         if len(outs) != len(frames):

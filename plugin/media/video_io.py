@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import signal
 import threading
 import weakref
@@ -364,12 +365,22 @@ def _close_open_sinks() -> None:
             sink.close()
 
 
+def partial_path(path: Path) -> Path:
+    """Where a file output is written until it is finalised: beside the target (same drive, so the
+    final rename is atomic), hidden, with the target's suffix (FFmpeg picks the container from it)."""
+    return path.with_name(f".{path.stem}.loom-partial{path.suffix}")
+
+
 class FrameSink:
     """H.264 (yuv420p) output to a file or a network stream; build it with ``open_sink``.
 
     The size is fixed at open. ``close()`` flushes the encoder and writes the container
     trailer; it runs even when the program is interrupted (use ``with`` or ``finally``), and a
     second Ctrl-C during ``close()`` is held back until the file is complete.
+
+    A file is written to ``partial_path(target)`` and renamed onto the target only by a ``close()``
+    that finalises it with at least one frame: a run that fails, or stops before its first frame,
+    leaves whatever was at the target as it was.
     """
 
     def __init__(self, name: str, target: str, container_format: str | None, is_network: bool,
@@ -383,8 +394,10 @@ class FrameSink:
         self.is_network = is_network
         self.frames_written = 0
         self.closed = False
+        self._final: Path | None = None if is_network else Path(target)
+        self._partial: Path | None = None if is_network else partial_path(Path(target))
         try:
-            self._container = av.open(target, "w", format=container_format)
+            self._container = av.open(str(self._partial) if self._partial else target, "w", format=container_format)
         except (av.error.FFmpegError, OSError) as e:
             raise MediaError(f"{name}: cannot open for writing: {_reason(e)}") from e
         try:
@@ -394,10 +407,12 @@ class FrameSink:
             self._container.start_encoding()  # connect / write the header now, so errors show at open
         except av.error.ProtocolNotFoundError as e:
             self._abort()
+            self._discard_partial()
             raise MediaError(f"{name}: this FFmpeg build (bundled with PyAV) does not support this "
                              "protocol; use udp:// or rtmp://, or a PyAV built with it") from e
         except (av.error.FFmpegError, OSError) as e:
             self._abort()
+            self._discard_partial()
             raise MediaError(f"{name}: cannot start the output: {_reason(e)}") from e
         _OPEN_SINKS.add(self)
 
@@ -437,11 +452,13 @@ class FrameSink:
         except (av.error.FFmpegError, OSError) as e:
             raise MediaError(f"{self.name}: writing failed: {_reason(e)}") from e
 
-    def close(self) -> None:
-        """Flush the encoder, finish the audio up to the video's end, write the trailer.
+    def close(self, keep: bool = True) -> None:
+        """Flush the encoder, finish the audio up to the video's end, write the trailer, and move a
+        file onto its target; ``keep=False`` (a failed run) discards a file instead.
 
-        Raises MediaError when that fails (a full disk, a vanished drive): FFmpeg buffers its
-        writes, so this is often the first moment such a failure shows, and the output is incomplete.
+        A file without frames is never kept: it would replace the target with nothing playable.
+        Raises MediaError when finishing fails (a full disk, a vanished drive): FFmpeg buffers its
+        writes, so this is often the first moment such a failure shows; the target is then left as it was.
         """
         import av
 
@@ -458,8 +475,35 @@ class FrameSink:
                 finally:
                     self._abort()
             except (av.error.FFmpegError, OSError) as e:
+                self._discard_partial()
                 raise MediaError(f"{self.name}: finishing the output failed: {_reason(e)}; "
-                                 "it is incomplete") from e
+                                 "nothing was written to it") from e
+            if self._partial is None:
+                return
+            if not keep or self.frames_written == 0:
+                self._discard_partial()
+                return
+            try:
+                os.replace(self._partial, self._final)
+            except OSError as e:
+                self._discard_partial()
+                raise MediaError(f"{self.name}: cannot move the finished file into place: {_reason(e)}") from e
+
+    def discard(self) -> None:
+        """Stop without keeping anything: a file's target is left as it was (a network stream just ends)."""
+        with contextlib.suppress(MediaError):
+            self.close(keep=False)
+        self._discard_partial()
+
+    @property
+    def kept(self) -> bool:
+        """Whether the output now holds this sink's frames (a closed file moved onto its target)."""
+        return self.closed and (self._partial is None or not self._partial.exists()) and self.frames_written > 0
+
+    def _discard_partial(self) -> None:
+        if self._partial is not None:
+            with contextlib.suppress(OSError):
+                self._partial.unlink()
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -551,12 +595,13 @@ class _AudioPassThrough:
 
 
 def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
-              audio_from: str | int | Path | None = None) -> FrameSink:
+              audio_from: str | int | Path | None = None, overwrite: bool = True) -> FrameSink:
     """Open an H.264 output: a .mp4/.mkv/.mov file, or udp:// / srt:// (MPEG-TS), rtmp:// (FLV).
 
     ``size`` is (width, height), both even (yuv420p). ``audio_from``: the source spec whose
     audio should go into a file output; ignored for cameras, URLs and network outputs, and when
-    the source has no audio.
+    the source has no audio. A file output is never the ``audio_from`` file, and with
+    ``overwrite=False`` never an existing file (see ``check_output_file``).
     """
     width, height = _check_size(size, f"output {spec}")
     if width % 2 or height % 2:
@@ -577,9 +622,24 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     path = Path(spec)
     if path.suffix.lower() not in FILE_SINK_SUFFIXES:
         raise MediaError(f"output file {path} must end in one of {', '.join(FILE_SINK_SUFFIXES)}")
+    check_output_file(path, [audio_from] if audio_from is not None else [], overwrite)
+    return FrameSink(str(path), str(path), None, False, float(fps), width, height, _audio_file(audio_from))
+
+
+def check_output_file(path: str | Path, inputs: list[str | int | Path], overwrite: bool) -> None:
+    """Refuse an output file that is one of ``inputs`` (always), or that exists (unless ``overwrite``),
+    the way ffmpeg refuses without ``-y``: a user's file is never replaced by surprise."""
+    path = Path(path).expanduser()
     if not path.parent.is_dir():
         raise MediaError(f"output folder does not exist: {path.parent}")
-    return FrameSink(str(path), str(path), None, False, float(fps), width, height, _audio_file(audio_from))
+    for spec in inputs:
+        if isinstance(spec, int) or "://" in str(spec) or not Path(spec).expanduser().exists():
+            continue
+        if path.exists() and os.path.samefile(path, Path(spec).expanduser()):
+            raise MediaError(f"output {path} is the input file; write to another file "
+                             "(the input is read while the output is written)")
+    if path.exists() and not overwrite:
+        raise MediaError(f"output {path} exists; give --overwrite (-y) to replace it, or another -o")
 
 
 def _audio_file(audio_from: str | int | Path | None) -> Path | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_bridge.wire.params import LIVE, PROMPT, whole_chunks
+from plugin.media.video_io import MediaError, check_output_file
 
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"
@@ -59,6 +60,7 @@ class PlayerOptions:
     osc_host: str = "127.0.0.1"
     startup_timeout_s: float = 300.0
     quiet: bool = False
+    overwrite: bool = False
 
     def check(self) -> None:
         """Reject impossible combinations before opening anything."""
@@ -72,10 +74,14 @@ class PlayerOptions:
             raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
+        inputs = [] if self.uses_generated_clip else [self.input]
         for spec in self.outputs:
-            kind = output_kind(spec)
-            if kind == "file" and not Path(spec).parent.is_dir():
-                raise PlayerError(f"output folder does not exist: {Path(spec).parent}")
+            if output_kind(spec) != "file":
+                continue
+            try:
+                check_output_file(spec, inputs, self.overwrite)
+            except MediaError as exc:
+                raise PlayerError(str(exc)) from None
 
     @property
     def uses_generated_clip(self) -> bool:

@@ -140,3 +140,33 @@ def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(n
         assert out.shape == images.shape and torch.equal(out, images)
     with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 1\) is not allowed; expected \[B, H, W, 3\]"):
         _run(nodes_pkg, "LoomStream", engine=handle, images=torch.rand(2, 16, 16, 1))
+
+
+def test_a_cancelled_run_leaves_no_trace_in_the_next_one(nodes_pkg, monkeypatch):
+    """The embedded model (state: KV cache, motion, noise): a run after a cancelled one returns exactly
+    what the same run returns after a complete one."""
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = management = ComfyInterrupt()
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", management)
+    handle, _ = _engine(nodes_pkg, overrides="resolution.width=32\nresolution.height=32")
+    handle.bridge.wait_running(120)
+    batch = _image_batch(9, 32, 32, seed=5)
+    clean, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=batch)
+    received = handle.bridge.stats()["received"]
+
+    def cancel_after_the_first_outputs() -> None:
+        deadline = time.monotonic() + 60
+        while handle.bridge.stats()["received"] < received + 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        management.interrupt_current_processing(True)
+
+    canceller = threading.Thread(target=cancel_after_the_first_outputs)
+    canceller.start()
+    try:
+        with pytest.raises(ComfyInterrupt.InterruptProcessingException):
+            _run(nodes_pkg, "LoomStream", engine=handle, images=_image_batch(60, 32, 32, seed=6))
+    finally:
+        canceller.join()
+    after, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=batch)
+    assert torch.equal(after, clean), f"max difference {float((after - clean).abs().max()) * 255:.1f} levels"

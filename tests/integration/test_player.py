@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from host_bridge.wire.params import steps_for
+from plugin.media.video_io import partial_path
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
 
@@ -169,7 +170,8 @@ def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
                             text=True, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (not dst.exists() or dst.stat().st_size < 20_000):
+        partial = partial_path(dst)  # the file is written under this name until it is finalised
+        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 20_000):
             time.sleep(0.2)
             assert proc.poll() is None, proc.communicate()[1]
         proc.send_signal(signal.SIGINT)
@@ -194,7 +196,8 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
                             text=True, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (not dst.exists() or dst.stat().st_size < 2_000):
+        partial = partial_path(dst)
+        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 2_000):
             time.sleep(0.05)
             assert proc.poll() is None, proc.communicate()[1]
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
@@ -233,6 +236,28 @@ def test_bad_inputs_end_with_a_clear_message(tmp_path, make_input, expected):
     assert expected in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "never.mp4").exists()
+
+
+def test_an_output_equal_to_the_input_or_existing_is_refused_and_left_untouched(tmp_path):
+    clip = _write_clip(tmp_path / "mine.mp4", [np.full((48, 64, 3), 90, np.uint8)] * 8)
+    before = clip.read_bytes()
+    same = _play("-i", str(clip), "-o", str(tmp_path / "." / "mine.mp4"), "-y", "--passthrough", timeout=60)
+    assert same.returncode == 2 and "is the input file" in same.stderr, same.stderr
+    exists = _play("-i", str(clip), "-o", str(clip.with_name("other.mp4")), "--passthrough", timeout=60)
+    assert exists.returncode == 0, exists.stderr
+    again = _play("-i", str(clip), "-o", str(clip.with_name("other.mp4")), "--passthrough", timeout=60)
+    assert again.returncode == 2 and "exists; give --overwrite (-y)" in again.stderr, again.stderr
+    assert clip.read_bytes() == before
+
+
+def test_a_failed_run_leaves_an_existing_output_as_it_was(tmp_path):
+    """The engine cannot start (exit 3) after the output was opened: with -y the old file still stands."""
+    dst = tmp_path / "kept.mp4"
+    dst.write_bytes(b"yesterday's render")
+    out = _play("-n", "10", "--size", "64x64", "-o", str(dst), "-y", "--engine-python", "/bin/false", timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert dst.read_bytes() == b"yesterday's render"
+    assert not partial_path(dst).exists()
 
 
 def _garbage(path: Path) -> str:
@@ -580,10 +605,11 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
 def test_a_recording_that_could_not_be_finished_is_an_error_not_a_success(tmp_path):
     """A full recording drive: the run says so and exits with 2; the other output is complete."""
     full, good = tmp_path / "full.mkv", tmp_path / "good.mkv"
-    full.symlink_to("/dev/full")  # every write fails with ENOSPC
+    partial_path(full).symlink_to("/dev/full")  # every write fails with ENOSPC
     out = _play("-n", "30", "--size", "64x64", "-o", str(full), "-o", str(good), "--passthrough")
     assert out.returncode == 2, out.stderr
     assert "full.mkv: finishing the output failed: No space left on device" in out.stderr
+    assert not full.exists(), "an output that could not be finished is not put in place"
     assert "Traceback" not in out.stderr
     assert len(_decode(good)) == 30
 

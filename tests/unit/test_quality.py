@@ -9,6 +9,7 @@ import cv2
 import numpy as np
 import pytest
 
+from engine.tools import eval as ev
 from engine.tools.quality import (
     FARNEBACK_PARAMS,
     REPORT_VERSION,
@@ -180,7 +181,7 @@ def test_drift_shows_as_a_rising_trend_and_a_plot(tmp_path: Path) -> None:
     path = plot_reports([("drifting", drift), ("steady", steady)], tmp_path / "drift.png", title="drift")
     image = cv2.imread(str(path))
     assert image is not None and image.shape[1] == 1000 and image.shape[0] > 600
-    # Both series are drawn: blue (first) and orange (second) pixels are present.
+    # Both series are drawn (matplotlib's first two colours, blue and orange, in BGR).
     for bgr in ((180, 119, 31), (14, 127, 255)):
         assert np.any(np.all(image == bgr, axis=-1))
 
@@ -249,8 +250,8 @@ def test_bad_settings() -> None:
 
 def test_eval_pairs_outputs_with_inputs_through_engine_latency() -> None:
     frames = _panning(11)
-    settings = eval_cmd.EvalSettings(window=5, chunk=4)
-    lagged = eval_cmd.measure_clip(DelayedIdentity(lag=3), iter(frames), settings)
+    settings = ev.EvalSettings(window=5, chunk=4)
+    lagged = ev.measure_clip(DelayedIdentity(lag=3), iter(frames), settings)
     direct = evaluate_frames(frames, frames, window=5)
     assert lagged.frames == 11
     assert lagged.totals == direct.totals and lagged.windows == direct.windows
@@ -258,15 +259,15 @@ def test_eval_pairs_outputs_with_inputs_through_engine_latency() -> None:
 
 
 def test_eval_refuses_an_engine_that_loses_frames() -> None:
-    settings = eval_cmd.EvalSettings(chunk=4)
-    with pytest.raises(eval_cmd.EvalError, match="returned 9 frames for 10 inputs"):
-        eval_cmd.measure_clip(DelayedIdentity(drop_last=True), iter(_panning(10)), settings)
+    settings = ev.EvalSettings(chunk=4)
+    with pytest.raises(ev.EvalError, match="returned 9 frames for 10 inputs"):
+        ev.measure_clip(DelayedIdentity(drop_last=True), iter(_panning(10)), settings)
 
 
 def test_eval_compares_two_processors(tmp_path: Path) -> None:
-    clip = eval_cmd.Clip("gen", "generated", lambda: iter(generate_clip(24, (96, 64), seed=5)))
-    runs = [eval_cmd.EvalRun("identity", eval_cmd.IdentityProcessor), eval_cmd.EvalRun("blur", Blur)]
-    report = eval_cmd.evaluate(runs, [clip], eval_cmd.EvalSettings(window=8), tmp_path, log=lambda m: None)
+    clip = ev.Clip("gen", "generated", lambda: iter(generate_clip(24, (96, 64), seed=5)))
+    runs = [ev.EvalRun("identity", ev.IdentityProcessor), ev.EvalRun("blur", Blur)]
+    report = ev.evaluate(runs, [clip], ev.EvalSettings(window=8), tmp_path, log=lambda m: None)
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(report))
     assert [r["label"] for r in saved["runs"]] == ["identity", "blur"]
@@ -279,16 +280,16 @@ def test_eval_compares_two_processors(tmp_path: Path) -> None:
 
 
 def test_ping_pong_loops_without_a_cut() -> None:
-    assert list(eval_cmd._ping_pong(iter([0, 1, 2]), 9)) == [0, 1, 2, 1, 0, 1, 2, 1, 0]
-    assert list(eval_cmd._ping_pong(iter([0, 1, 2, 3]), 2)) == [0, 1]
+    assert list(ev.ping_pong(iter([0, 1, 2]), 9)) == [0, 1, 2, 1, 0, 1, 2, 1, 0]
+    assert list(ev.ping_pong(iter([0, 1, 2, 3]), 2)) == [0, 1]
 
 
 def test_loom_eval_identity_on_a_real_clip(media_dir: Path, tmp_path: Path, capsys) -> None:
-    code = eval_cmd.main(["--identity", str(media_dir / "davis512_libby.mp4"), "--frames", "60",
+    code = eval_cmd.main([str(media_dir / "davis512_libby.mp4"), "--frames", "60",
                           "--size", "128x128", "--window", "20", "--flow", "dis", "-o", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    result = report["clips"][0]["results"]["identity"]
+    result = report["clips"][0]["results"]["as-is"]
     assert (result["frames"], result["width"], result["mode"]) == (60, 128, "dis")
     assert result["windows"]["start_frame"] == [0, 20, 40]
     assert result["totals"]["flicker"] == 0.0 and 0 < result["totals"]["warp_error"] < 20
@@ -297,16 +298,18 @@ def test_loom_eval_identity_on_a_real_clip(media_dir: Path, tmp_path: Path, caps
 
 
 def test_loom_eval_without_clips_uses_the_generated_clip(tmp_path: Path) -> None:
-    assert eval_cmd.main(["--identity", "--frames", "12", "--size", "64x48", "-o", str(tmp_path)]) == 0
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-o", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["clips"][0]["clip"] == "generated"
-    assert report["clips"][0]["results"]["identity"]["frames"] == 12
+    result = report["clips"][0]["results"]["as-is"]
+    assert result["frames"] == 12
+    assert len(result["windows"]["start_frame"]) >= 6, "the window fits a short clip: a line, not a point"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--identity", "/no/such/clip.mp4"], "clip not found: /no/such/clip.mp4"),
-    (["--identity", "--window", "1"], "--window must be at least 2"),
-    (["--config", "/no/such.yaml"], "/no/such.yaml: config file not found"),
+    (["/no/such/clip.mp4"], "clip not found: /no/such/clip.mp4"),
+    (["--window", "1"], "--window must be at least 2"),
+    (["--restyle", "--config", "/no/such.yaml"], "/no/such.yaml: config file not found"),
 ])
 def test_loom_eval_bad_input_exits_2_with_a_message(tmp_path: Path, capsys, argv, message) -> None:
     assert eval_cmd.main([*argv, "-o", str(tmp_path)]) == 2
@@ -316,23 +319,42 @@ def test_loom_eval_bad_input_exits_2_with_a_message(tmp_path: Path, capsys, argv
 
 def test_loom_eval_folder_without_clips(tmp_path: Path, capsys) -> None:
     (tmp_path / "notes.txt").write_text("no video here")
-    assert eval_cmd.main(["--identity", str(tmp_path), "-o", str(tmp_path / "out")]) == 2
+    assert eval_cmd.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 2
     assert f"folder {tmp_path} holds no video clips" in capsys.readouterr().err
 
 
 def test_loom_eval_bad_size_is_an_argument_error(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        eval_cmd.main(["--identity", "--size", "big"])
+        eval_cmd.main(["--size", "big"])
     assert exit_info.value.code == 2
     assert "size must look like 832x480" in capsys.readouterr().err
 
 
 def test_loom_eval_runs_the_engine_and_compares_two_configs(tmp_path: Path) -> None:
     small = ["--set", "resolution.width=32", "--set", "resolution.height=32"]
-    argv = ["--frames", "13", "--size", "32x32", "--compare", "default", *small,
+    argv = ["--restyle", "--frames", "13", "--size", "32x32", "--compare", "default", *small,
             "--set", "stream.steps=[700]", "-o", str(tmp_path)]
     assert eval_cmd.main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     results = report["clips"][0]["results"]
     assert len(results) == 2 and all(r["frames"] == 13 for r in results.values())
     assert (tmp_path / "generated.png").stat().st_size > 0
+
+
+def test_the_window_fits_the_clip() -> None:
+    assert ev.fit_window(None) == 100 and ev.fit_window(3000) == 100
+    assert ev.fit_window(49) == 6 and ev.fit_window(5) == 2
+
+
+def test_sharpness_is_reported_beside_warp_error_and_falls_with_blur() -> None:
+    frames = _panning(8)
+    blurred = [cv2.GaussianBlur(f, (0, 0), 3.0) for f in frames]
+    sharp, soft = evaluate_frames(frames, frames, window=4), evaluate_frames(frames, blurred, window=4)
+    assert sharp.totals["sharpness"] > 2 * soft.totals["sharpness"] > 0
+    assert soft.totals["input_sharpness"] == sharp.totals["sharpness"]
+    assert len(soft.windows["sharpness"]) == 2
+
+
+def test_a_restyle_of_a_preset_without_weights_fails_before_loading(tmp_path: Path, capsys) -> None:
+    assert eval_cmd.main(["--restyle", "-c", "wan2.1-1.3b", "-o", str(tmp_path)]) == 2
+    assert "loom pull wan2.1-1.3b" in capsys.readouterr().err

@@ -15,7 +15,14 @@ import av
 import numpy as np
 import pytest
 
-from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
+from plugin.media.video_io import (
+    MediaError,
+    check_output_file,
+    generate_clip,
+    open_sink,
+    open_source,
+    partial_path,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -329,9 +336,40 @@ def test_damaged_packets_mid_file_are_skipped_and_the_rest_is_read(tmp_path: Pat
 def test_a_full_disk_is_reported_when_the_file_cannot_be_finished(tmp_path: Path) -> None:
     """FFmpeg buffers its writes, so a full disk often shows only at close: it must be a MediaError there."""
     full = tmp_path / "full.mkv"
-    full.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full recording drive
+    full.write_bytes(b"an earlier recording")
+    # The file is written under its partial name first: that one is the full drive (every write fails
+    # with ENOSPC, as on a full recording drive).
+    partial_path(full).symlink_to("/dev/full")
     sink = open_sink(full, 24, (64, 48))
     for i in range(5):
         sink.write(np.full((48, 64, 3), i * 40, np.uint8))
     with pytest.raises(MediaError, match="full.mkv: finishing the output failed: No space left on device"):
         sink.close()
+    assert full.read_bytes() == b"an earlier recording", "a failed output must leave the target as it was"
+    assert not partial_path(full).exists()
+
+
+def test_a_file_appears_only_when_finished_and_a_discarded_one_leaves_the_target(tmp_path: Path) -> None:
+    out = tmp_path / "out.mp4"
+    out.write_bytes(b"mine")
+    sink = open_sink(out, 24, (64, 48))
+    sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert out.read_bytes() == b"mine" and partial_path(out).exists()
+    sink.discard()
+    assert out.read_bytes() == b"mine" and not partial_path(out).exists()
+    empty = open_sink(out, 24, (64, 48))
+    empty.close()  # no frame: nothing playable to put in place
+    assert out.read_bytes() == b"mine"
+    with open_sink(out, 24, (64, 48)) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert out.read_bytes() != b"mine" and list(tmp_path.iterdir()) == [out]
+
+
+def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "clip.mp4"
+    src.write_bytes(b"input")
+    with pytest.raises(MediaError, match="is the input file"):
+        check_output_file(tmp_path / "." / "clip.mp4", [str(src)], overwrite=True)
+    with pytest.raises(MediaError, match="exists; give --overwrite"):
+        check_output_file(src, [], overwrite=False)
+    check_output_file(tmp_path / "new.mp4", [str(src)], overwrite=False)
