@@ -582,7 +582,7 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
                             text=True, env=env, cwd=ROOT)
     try:
         for line in proc.stderr:  # the first progress line: frames are being written
-            if "/100000 frames" in line:
+            if "/100000 [" in line:  # tqdm's format: done/total [elapsed<eta, rate]
                 break
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         proc.send_signal(signum)
@@ -699,7 +699,7 @@ def test_an_output_that_fails_mid_run_stops_alone_and_the_others_go_on(tmp_path)
     server can: that output is reported and stopped; the other output still gets every frame."""
     fifo, broken, kept = tmp_path / "fifo", tmp_path / "broken.mkv", tmp_path / "kept.mkv"
     os.mkfifo(fifo)
-    broken.symlink_to(fifo)
+    partial_path(broken).symlink_to(fifo)  # the file is written under this name until it is finalised
 
     def read_a_little() -> None:
         with open(fifo, "rb") as f:
