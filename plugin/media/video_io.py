@@ -608,16 +608,16 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     the source has no audio. A file output is never the ``audio_from`` file, and with
     ``overwrite=False`` never an existing file (see ``check_output_file``).
     """
+    from plugin.media.app_io import is_app_output, open_app_sink
+
     width, height = _check_size(size, f"output {spec}")
-    if width % 2 or height % 2:
-        raise MediaError(f"output {spec}: H.264 yuv420p needs an even width and height, got {width}x{height}")
     if not (isinstance(fps, (int, float, Fraction)) and math.isfinite(fps) and fps > 0):
         raise MediaError(f"output {spec}: fps must be a positive number, got {fps!r}")
     spec_str = str(spec)
-    from plugin.media.app_io import is_app_output, open_app_sink
-
-    if is_app_output(spec_str):
+    if is_app_output(spec_str):  # raw frames to another application: any size
         return open_app_sink(spec_str, float(fps), (width, height))
+    if width % 2 or height % 2:
+        raise MediaError(f"output {spec}: H.264 yuv420p needs an even width and height, got {width}x{height}")
     if "://" in spec_str:
         scheme = spec_str.split("://", 1)[0].lower()
         if scheme not in NETWORK_SINK_FORMATS:
