@@ -17,8 +17,9 @@ from plugin.cli.preflight import check_engine_run
 
 EPILOG = """\
 inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
-          or nothing for a built-in generated clip
-outputs:  -o FILE.mp4|.mkv|.mov, -o udp://HOST:PORT or srt://HOST:PORT (MPEG-TS), -o rtmp://..., -o window
+          ndi://SOURCE NAME (--list-ndi lists them), or nothing for a built-in generated clip
+outputs:  -o FILE.mp4|.mkv|.mov, -o udp://HOST:PORT or srt://HOST:PORT (MPEG-TS), -o rtmp://..., -o window,
+          -o ndi://NAME, -o spout://NAME (Windows), -o syphon://NAME (macOS), -o virtualcam
           (repeat -o for several); default: loom_out.mp4
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
@@ -45,9 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("play", help="restyle a video file, camera or stream live (the Loom player)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--input", default=None, metavar="INPUT",
-                   help="video file, camera index, or stream URL (default: a generated clip)")
+                   help="video file, camera index, stream URL or ndi://SOURCE (default: a generated clip)")
     p.add_argument("-o", "--output", action="append", dest="outputs", metavar="OUTPUT",
-                   help="file, udp:// srt:// rtmp:// URL, or 'window'; repeatable (default: loom_out.mp4)")
+                   help="file, udp:// srt:// rtmp:// ndi:// spout:// syphon:// URL, 'virtualcam' or 'window'; "
+                        "repeatable (default: loom_out.mp4)")
+    p.add_argument("--list-ndi", action="store_true",
+                   help="list the NDI sources on the network (for -i ndi://NAME) and exit")
     add_config_options(p)
     add_overwrite_option(p)
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
@@ -80,6 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list_ndi:
+        return _list_ndi()
     args.overrides = [*args.overrides, *lora_override(args.loras)]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, transport=args.transport)
@@ -103,3 +109,21 @@ def run(args: argparse.Namespace) -> int:
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
         startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite)
     return run_player(options)
+
+
+def _list_ndi() -> int:
+    """Print the NDI sources seen within a few seconds, one a line; exit code 2 when NDI is missing."""
+    from plugin.media.ndi import list_sources
+    from plugin.media.video_io import MediaError
+
+    try:
+        names = list_sources()
+    except MediaError as exc:
+        print(f"loom play: error: {exc}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(name)
+    if not names:
+        print("loom play: no NDI source found (NDI finds sources by mDNS; see the README's VJ set-up for "
+              "other networks)", file=sys.stderr)
+    return 0

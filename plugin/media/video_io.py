@@ -314,7 +314,7 @@ def open_source(spec: str | int | Path, *, open_timeout: float = DEFAULT_OPEN_TI
                 read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FrameSource:
     """Open a video file, a camera (an int or a digit string) or a stream URL.
 
-    URLs: rtsp, srt, udp, rtmp, http(s), tcp (PyAV/FFmpeg). Network inputs give up after
+    URLs: rtsp, srt, udp, rtmp, http(s), tcp (PyAV/FFmpeg), ndi://SOURCE (cyndilib). Network inputs give up after
     ``open_timeout`` seconds without an answer and ``read_timeout`` seconds without data.
     """
     if isinstance(spec, bool):
@@ -325,6 +325,10 @@ def open_source(spec: str | int | Path, *, open_timeout: float = DEFAULT_OPEN_TI
         scheme = spec.split("://", 1)[0].lower()
         if scheme == "file":
             return _open_file(Path(spec.split("://", 1)[1]))
+        if scheme == "ndi":
+            from plugin.media.ndi import NdiSource
+
+            return NdiSource(spec.split("://", 1)[1], open_timeout, read_timeout)
         if scheme not in NETWORK_SOURCE_SCHEMES:
             raise MediaError(f"unsupported URL scheme {scheme!r} in {spec!r}; allowed: "
                              f"{', '.join(NETWORK_SOURCE_SCHEMES)}")
@@ -596,19 +600,24 @@ class _AudioPassThrough:
 
 def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
               audio_from: str | int | Path | None = None, overwrite: bool = True) -> FrameSink:
-    """Open an H.264 output: a .mp4/.mkv/.mov file, or udp:// / srt:// (MPEG-TS), rtmp:// (FLV).
+    """Open an H.264 output: a .mp4/.mkv/.mov file, or udp:// / srt:// (MPEG-TS), rtmp:// (FLV); or an
+    application output (ndi://, spout://, syphon://, virtualcam: see ``plugin.media.app_io``).
 
     ``size`` is (width, height), both even (yuv420p). ``audio_from``: the source spec whose
     audio should go into a file output; ignored for cameras, URLs and network outputs, and when
     the source has no audio. A file output is never the ``audio_from`` file, and with
     ``overwrite=False`` never an existing file (see ``check_output_file``).
     """
+    from plugin.media.app_io import is_app_output, open_app_sink
+
     width, height = _check_size(size, f"output {spec}")
-    if width % 2 or height % 2:
-        raise MediaError(f"output {spec}: H.264 yuv420p needs an even width and height, got {width}x{height}")
     if not (isinstance(fps, (int, float, Fraction)) and math.isfinite(fps) and fps > 0):
         raise MediaError(f"output {spec}: fps must be a positive number, got {fps!r}")
     spec_str = str(spec)
+    if is_app_output(spec_str):  # raw frames to another application: any size
+        return open_app_sink(spec_str, float(fps), (width, height))
+    if width % 2 or height % 2:
+        raise MediaError(f"output {spec}: H.264 yuv420p needs an even width and height, got {width}x{height}")
     if "://" in spec_str:
         scheme = spec_str.split("://", 1)[0].lower()
         if scheme not in NETWORK_SINK_FORMATS:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_bridge.wire.params import LIVE, PROMPT, whole_chunks
+from plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
 from plugin.media.video_io import MediaError, check_output_file
 
 DEFAULT_OUTPUT = "loom_out.mp4"
@@ -90,15 +91,18 @@ class PlayerOptions:
 
 
 def output_kind(spec: str) -> str:
-    """'window', 'network' or 'file'; an unknown URL scheme is refused with the allowed ones."""
+    """'window', 'app' (NDI, Spout, Syphon, virtual camera), 'network' or 'file'; an unknown URL
+    scheme is refused with the allowed ones."""
     if spec == WINDOW_OUTPUT:
         return "window"
+    if is_app_output(spec):
+        return "app"
     if "://" in spec:
         scheme = spec.split("://", 1)[0].lower()
         if scheme not in NETWORK_OUTPUT_SCHEMES:
             raise PlayerError(f"output {spec!r}: unsupported URL scheme {scheme!r}; allowed: "
-                              f"{', '.join(s + '://' for s in NETWORK_OUTPUT_SCHEMES)}, a .mp4/.mkv/.mov file "
-                              f"or '{WINDOW_OUTPUT}'")
+                              f"{', '.join(s + '://' for s in NETWORK_OUTPUT_SCHEMES + APP_OUTPUT_SCHEMES[:-1])}, "
+                              f"'{VIRTUALCAM}', a .mp4/.mkv/.mov file or '{WINDOW_OUTPUT}'")
         return "network"
     return "file"
 
