@@ -38,6 +38,7 @@ no side-stream encode overlap as on one GPU; one node only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -56,7 +57,8 @@ from engine.models.wan_dit import DIT_PRESETS
 from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
 from engine.parallel.plan import NoiseLedger, check_split, stage_ranges, suggest_split
 from engine.parallel.ranks import PipelineError, RankProcesses
-from engine.parallel.stage import Payload, Stage, init_group, rank_config, rank_device, send_payload
+from engine.parallel.scheduler import BlockScheduler
+from engine.parallel.stage import Payload, Stage, configure, init_group, move, rank_config, rank_device, send_payload
 from engine.stream.frames import FrameMapper, validate_frames
 from engine.stream.metrics import StreamMetrics
 from engine.stream.motion_noise import MotionNoiseController
@@ -64,11 +66,14 @@ from engine.stream.prompts import PromptConditioner, check_prompt, make_text_enc
 from engine.stream.schedule import FlowSchedule
 
 FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (as StreamSession)
-# Live parameters that only rank 0 uses; the steps, mode and plan are fixed by the ranks' caches and graphs
-SETTABLE = {"noise": ("noise_scale", "motion_aware"), "prompt": ("transition_chunks",)}
+# Live parameters, as on one GPU (engine.stream.session.SETTABLE), by config section
+SETTABLE = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
+            "prompt": ("transition_chunks",), "slo": ("target_fps", "latency_budget_ms")}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 
 __all__ = ["PipelineError", "PipelineSession"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,7 +98,19 @@ class PipelineSession:
 
     accepts_device_frames = False  # frames in and out are numpy arrays
     raw_passthrough = False
-    unfinished = 0  # frames leave the ring inside a push (or a flush), never between pushes
+
+    @classmethod
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> PipelineSession:
+        """Build and, on GPUs, warm up (compilation and graph capture happen before the first frame)."""
+        session = cls(cfg)
+        if warmup and session.device.type == "cuda":
+            session.warmup()
+        return session
+
+    @property
+    def unfinished(self) -> int:
+        """Chunks finished but not yet handed out (a step change drains the ring between pushes)."""
+        return len(self._outputs)
 
     def __init__(self, cfg: LoomConfig) -> None:
         self.cfg, self.P = cfg, cfg.parallel.gpus
@@ -148,6 +165,10 @@ class PipelineSession:
         self._wait_s = 0.0
         self._chunks_done = 0
         self.ledger = NoiseLedger(self.n, self._generator(), self.device, self.dtype)
+        pc = self.cfg.parallel
+        self.scheduler = BlockScheduler(pc.rebalance_threshold, pc.rebalance_dwell_chunks) if pc.rebalance else None
+        self._times: list[dict[str, Any]] | None = None  # the windows of a scheduler round being collected
+        self.moves = 0
         self._new_stream()
 
     def _generator(self) -> torch.Generator:
@@ -163,7 +184,7 @@ class PipelineSession:
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._chunks: dict[int, _Chunk] = {}
         self._inflight: deque[list[Header]] = deque()
-        self._returned: list[_Row] = []
+        self._received: deque[list[_Row]] = deque()  # returns collected ahead of their tick (a block move)
         self._outputs: list[np.ndarray | torch.Tensor] = []
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
@@ -242,14 +263,16 @@ class PipelineSession:
         self.prompt.request(check_prompt(text), transition_chunks)
 
     def set_params(self, **params: Any) -> None:
-        """Change the live parameters rank 0 owns; others raise ValueError naming what is allowed."""
-        allowed = [k for keys in SETTABLE.values() for k in keys]
+        """Change live parameters, as on one GPU; unknown keys or bad values raise ValueError naming
+        them. The stream always runs in batch mode over the ranks (a `mode` that allows it is taken).
+        Steps, sink threshold and LoRA scales reach every rank between the same two micro-batches."""
+        allowed = [k for keys in SETTABLE.values() for k in keys] + ["lora_scales"]
         refused = [k for k in params if k not in allowed]
         if refused:
-            raise ValueError(f"{refused[0]!r}: not settable while the DiT runs over several GPUs; "
-                             f"settable: {', '.join(allowed)}")
+            raise ValueError(f"unknown parameter {refused[0]!r}; settable: {', '.join(allowed)}")
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
+        lora = self._lora_request(params.get("lora_scales"))
         new = self.cfg
         for section, keys in SETTABLE.items():
             changed = {k: params[k] for k in keys if k in params}
@@ -257,9 +280,101 @@ class PipelineSession:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
                                                      path=section)})
-        self.cfg = new
+        new = replace(new, lora=lora)  # a LoomConfig: its checks run again (sequential mode is refused)
+        old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
+        self.metrics.set_budget(new.slo.latency_budget_ms / 1000.0)
+        extra: dict[str, Any] = {}
+        if new.stream.sink_threshold != old.stream.sink_threshold:
+            extra["sink_threshold"] = new.stream.sink_threshold
+        scales = {e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale}
+        if scales:
+            extra["lora_scales"] = scales
+        with self._guard(), torch.inference_mode():
+            if new.stream.steps != old.stream.steps:
+                self._change_steps(list(old.stream.steps), list(new.stream.steps))
+            if extra:
+                self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra=extra))
+                configure(self.stage, None, extra)
+
+    def _lora_request(self, scales: Any) -> list:
+        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
+        if scales is None:
+            return self.cfg.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        from host_bridge.wire.typed_config import build
+
+        entries = {e.key: e for e in self.cfg.lora}
+        for name in scales:
+            if name not in entries:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
+        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
+
+    def _change_steps(self, old: list[int], steps: list[int]) -> None:
+        """New step list: the chunks in the ring leave (decoded as usual), then every rank maps its
+        cache rows to the new steps (the nearest old step's row), as one GPU does."""
+        self._drain()
+        nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in steps]
+        self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra={"steps": steps, "nearest": nearest}))
+        self.stage.change_steps(len(steps), nearest)
+        self.n = len(steps)
+        self.sigmas = [self.schedule.sigma(s) for s in steps]
+        self.ledger = NoiseLedger(self.n, self.ledger.generator, self.device, self.dtype)  # the same draws go on
+
+    def _drain(self) -> None:
+        """Finish every row in the ring, drawing the re-noise in the one-GPU drain's order."""
+        self.ledger.drain()
+        while any(self._inflight) or any(self._received):
+            self._send_tick(None)
+
+    # ----------------------------------------------------------------------------- block moves
+    def move_block(self, block: int, dst: int) -> None:
+        """Move `block` (an end block of its rank) to the neighbouring rank `dst`, with its weights,
+        KV cache rows and cross-attention K/V, between two ticks and without draining the ring:
+        the move travels the ring in stream order, so every tick runs each block exactly once."""
+        src = next(r for r, rng in enumerate(self.ranges) if block in rng)
+        if abs(dst - src) != 1 or not 0 <= dst < self.P:
+            raise ValueError(f"block {block} is on rank {src}: it can move to rank {src - 1} or {src + 1}, not {dst}")
+        if len(self.ranges[src]) < 2 or block != (self.ranges[src].stop - 1 if dst > src else self.ranges[src].start):
+            raise ValueError(f"block {block}: rank {src} (blocks {self.ranges[src].start}-{self.ranges[src].stop - 1})"
+                             f" can give rank {dst} only its {'last' if dst > src else 'first'} block, and keeps one")
+        with self._guard(), torch.inference_mode():
+            if dst == 0:  # the block comes from rank 1 once it ran every tick before the move: collect them first
+                while self._inflight:
+                    self._received.append(self._receive(self._inflight.popleft()))
+            self.link.send_header(self.ranks.outbox, Header(Kind.MOVE, extra={"block": block, "src": src,
+                                                                              "dst": dst}))
+            self._collect_timings()
+            move(self.stage, 0, self.link, {"block": block, "src": src, "dst": dst})
+        self.split[src] -= 1
+        self.split[dst] += 1
+        self.ranges = stage_ranges(self.split)
+        self.moves += 1
+        log.info("pipeline: block %d moved from rank %d to rank %d; split %s", block, src, dst, self.split)
+
+    def _schedule(self) -> None:
+        """One step of the block scheduler, after a tick: ask the ranks for the stage times of the
+        window since the last ask, and once all have answered, move a block when it pays."""
+        if self.scheduler is None:
+            return
+        if self._times is None:
+            if self.scheduler.due():
+                self._collect_timings()
+                self._times = [self.stage.take_window(0)]
+                self.link.send_header(self.ranks.outbox, Header(Kind.TIMES))
+            return
+        self.ranks.check()
+        self._times += self.ranks.take_events("times")
+        if len(self._times) < self.P:
+            return
+        windows, self._times = sorted(self._times, key=lambda w: w["rank"]), None
+        decision = self.scheduler.decide(windows, self.split)
+        if decision is not None:
+            self.move_block(*decision)
+            self.scheduler.moved()
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
@@ -284,11 +399,10 @@ class PipelineSession:
                 del self._buffer[:n]
             return self._deliver()
 
-    def poll(self, wait: bool = False) -> np.ndarray:
-        """StreamSession's call for frames finished between pushes. Here frames only leave the ring
-        inside a push (each push waits for the tick it needs back), so there are none; `flush()`
-        drains the ring."""
-        return np.zeros((0, 0, 0, 3), np.uint8)
+    def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
+        """Frames finished between pushes (a step change drains the ring); otherwise frames leave the
+        ring inside a push, which waits for the tick it needs back, and `flush()` drains the ring."""
+        return self._deliver()
 
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
@@ -299,9 +413,7 @@ class PipelineSession:
                 self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
                 self._buffer = []
             with torch.inference_mode():
-                self.ledger.drain()
-                while any(self._inflight) or self._returned:
-                    self._send_tick(None)
+                self._drain()
             out = self._deliver(padding=pad)
             self._new_stream()
             return out
@@ -348,6 +460,9 @@ class PipelineSession:
         if self.prompt.transition_done:
             self._flags |= REFRESH_SINKS
         self._send_tick(row)
+        if self.scheduler is not None:
+            self.scheduler.tick()
+            self._schedule()
 
     def _first_sigma(self, t0: torch.Tensor | float) -> torch.Tensor | float:
         """As `StreamDenoiser._first_sigma`: the chunk's own first step, above the list's second."""
@@ -358,10 +473,9 @@ class PipelineSession:
 
     def _send_tick(self, new: _Row | None) -> None:
         """Tick t: the new chunk's row plus the rows tick t-P returned, one message per run of equal length."""
-        if len(self._inflight) >= self.P:
-            self._receive(self._inflight.popleft())
-        rows = ([new] if new is not None else []) + self._returned
-        self._returned = []
+        rows = [new] if new is not None else []
+        if len(self._received) + len(self._inflight) >= self.P:  # tick t sends what tick t-P returned
+            rows += self._received.popleft() if self._received else self._receive(self._inflight.popleft())
         rows.sort(key=lambda r: r.step)
         groups: list[list[_Row]] = []
         for r in rows:
@@ -372,6 +486,7 @@ class PipelineSession:
         sent = [self._send_rows(g) for g in groups]
         self._inflight.append(sent)
         self._tick += 1
+        self.stage.window_ticks += 1
 
     def _send_rows(self, rows: list[_Row]) -> Header:
         latents = torch.cat([r.latent for r in rows])
@@ -390,8 +505,10 @@ class PipelineSession:
         send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
         return header
 
-    def _receive(self, sent: list[Header], keep: bool = True) -> None:
-        """The returns of one tick from the last rank: next-step rows, and a leaving chunk's frames."""
+    def _receive(self, sent: list[Header], keep: bool = True) -> list[_Row]:
+        """The returns of one tick from the last rank: its next-step rows (returned), and the
+        frames of a chunk that leaves."""
+        rows: list[_Row] = []
         for h in sent:
             t = time.perf_counter()
             back = self.link.recv_header(self.ranks.inbox, self.ranks.check)
@@ -405,7 +522,7 @@ class PipelineSession:
             for j, chunk in enumerate(back.chunks):
                 step = back.first_step + j + 1
                 if step < self.n and keep:
-                    self._returned.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
+                    rows.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
             if back.out_frames:
                 h_px, w_px = self.cfg.resolution.height, self.cfg.resolution.width
                 pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src, back=True)
@@ -415,10 +532,12 @@ class PipelineSession:
                     with self.stage.timer.span("postprocess"):
                         self._outputs.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
         self._collect_timings()
+        return rows
 
     def _collect_timings(self) -> None:
         for name, _, seconds in self.stage.timer.collect():
             self.metrics.stage(name, seconds)
+            self.stage.window[name] = self.stage.window.get(name, 0.0) + seconds
             rec = self.stage.totals.setdefault(name, [0, 0.0])
             rec[0] += 1
             rec[1] += seconds
@@ -433,10 +552,13 @@ class PipelineSession:
             ranks = [self.stage.report(0, self._wait_s), *self.ranks.await_events("stats", self.P - 1)]
         ranks.sort(key=lambda r: r["rank"])
         snap = self.metrics.snapshot()
-        snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks,
+        snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks, "block_moves": self.moves,
                      "suggested_split": suggest_split(ranks, self._chunks_done, sum(self.split)),
                      "steps": list(self.cfg.stream.steps), "device": str(self.device),
-                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1}})
+                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1},
+                     "noise_scale": self.motion.telemetry()[0], "motion": self.motion.telemetry()[1],
+                     "prompt": self.prompt.text, "prompt_error": self.prompt.error,
+                     "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales})
         if reset:
             self.metrics.reset()
             self.stage.totals.clear()

@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="split the DiT over N GPUs (sets parallel.gpus; on a CPU device: N processes)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
@@ -39,15 +41,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _session_factory(args: argparse.Namespace):
     from engine.config import load_config
 
-    config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
-    if config.parallel.gpus > 1 and not args.passthrough:
-        raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
-                        "the pipeline over several GPUs is measured with `loom bench --gpus N`")
+    overrides = [*args.overrides, *([f"parallel.gpus={args.gpus}"] if args.gpus is not None else [])]
+    config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
 
     def build():
         if args.passthrough:
             from engine.server.passthrough import PassthroughSession
             return PassthroughSession()
+        if config.parallel.gpus > 1:  # this process becomes rank 0; the host still sees one engine
+            from engine.parallel.session import PipelineSession
+            return PipelineSession.from_config(config)
         try:
             from engine.stream.session import StreamSession
         except ImportError as exc:
