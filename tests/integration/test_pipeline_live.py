@@ -1,0 +1,115 @@
+"""The pipeline over CPU ranks while it streams: live block moves (by hand and by the scheduler),
+a step change, and a hung rank. Oracle: the one-process StreamSession on the same frames and seed.
+
+A move travels the ring between two ticks, with the block's weights, KV cache rows and
+cross-attention K/V, so the frames must be the ones computed without any move.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from engine.config import load_config
+from engine.parallel.scheduler import BlockScheduler
+from engine.parallel.session import PipelineError, PipelineSession
+from engine.stream.session import StreamSession
+from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
+
+STEPS = [*BASE, "stream.steps=[700]"]
+
+
+def live(session, frames: np.ndarray, between) -> np.ndarray:
+    """Push the frames in four parts; `between(i)` runs after part i (moves, a step change)."""
+    cuts = [0, 9, 17, 25, len(frames)]
+    outs = []
+    for i in range(4):
+        outs.append(session.push(frames[cuts[i]:cuts[i + 1]]))
+        between(i)
+    outs.append(session.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
+def assert_same_frames(out: np.ndarray, reference: np.ndarray) -> None:
+    assert out.shape == reference.shape
+    diff = np.abs(out.astype(int) - reference.astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3  # float32 both sides; batch-size rounding only
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    one = StreamSession.from_config(load_config(None, STEPS))
+    return live(one, clip(33), lambda i: i == 1 and one.set_params(steps=[700, 500]))
+
+
+def test_two_ranks_move_blocks_both_ways_across_a_step_change(reference):
+    with PipelineSession(load_config(None, [*STEPS, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        def between(i: int) -> None:
+            if i == 0:
+                pipe.move_block(1, 1)  # rank 0 -> rank 1 mid-stream: split [1, 3]
+            elif i == 1:
+                pipe.set_params(steps=[700, 500])
+                pipe.move_block(1, 0)  # back to rank 0, which first collects the ticks in the ring
+            elif i == 2:
+                pipe.move_block(2, 0)  # [3, 1]
+        out = live(pipe, clip(33), between)
+        stats = pipe.stats()
+        with pytest.raises(ValueError, match="rank 0 .* only its last block"):
+            pipe.move_block(0, 1)
+        with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
+            pipe.set_params(stepz=[700])
+        with pytest.raises(ValueError, match="sequential"):
+            pipe.set_params(mode="sequential")
+    assert_same_frames(out, reference)
+    assert stats["split"] == [3, 1] and stats["block_moves"] == 3 and stats["steps"] == [700, 500]
+    assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
+    assert no_children_left()
+
+
+class Scripted(BlockScheduler):
+    """The live scheduler's path (TIMES through the ring, windows back, a move) with scripted
+    decisions: which way a CPU's timings point is not what this test is about."""
+
+    def __init__(self, moves: list[tuple[int, int]]) -> None:
+        super().__init__(threshold=0.0, dwell=1)
+        self.script, self.seen = moves, []
+
+    def decide(self, windows, split):
+        self.seen.append([w["ticks"] > 0 and "dit" in w["seconds"] for w in windows])
+        self.chunks = 0
+        return self.script.pop(0) if self.script else None
+
+
+def test_three_ranks_follow_the_scheduler_without_a_glitch(reference):
+    with PipelineSession(load_config(None, [*STEPS, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
+        # both boundaries, both directions: [1,2,1] -> [1,1,2] -> [1,2,1] -> [2,1,1]
+        pipe.scheduler = Scripted([(2, 2), (2, 1), (1, 0)])
+        out = live(pipe, clip(33), lambda i: i == 1 and pipe.set_params(steps=[700, 500]))
+        stats = pipe.stats()
+    assert_same_frames(out, reference)
+    assert pipe.scheduler.seen and all(all(s) for s in pipe.scheduler.seen)  # every rank measured its window
+    # how many rounds fit depends on when the ranks' answers arrive; each is one move
+    moves = stats["block_moves"]
+    assert moves >= 1 and stats["split"] == [[1, 2, 1], [1, 1, 2], [1, 2, 1], [2, 1, 1]][moves]
+    assert no_children_left()
+
+
+def test_a_hung_rank_ends_the_session_with_a_clear_error():
+    pipe = PipelineSession(load_config(None, [*STEPS, "parallel.gpus=2"]))
+    frames = clip(13)
+    pipe.push(frames[:9])
+    rank = pipe.ranks.procs[0]
+    os.kill(rank.pid, signal.SIGSTOP)  # alive but silent: no exit code, no closed pipe
+    try:
+        with pytest.raises(PipelineError, match=r"rank 1 .*hung: no heartbeat"):
+            pipe.push(frames[9:])
+            pipe.flush()
+    finally:
+        if rank.is_alive():
+            os.kill(rank.pid, signal.SIGCONT)
+    rank.join(10)
+    assert not rank.is_alive()
+    assert no_children_left()
