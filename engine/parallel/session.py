@@ -182,6 +182,7 @@ class PipelineSession:
         self.stage.cache.reset()
         self.enc_state.reset()
         self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._frame_shape: tuple[int, ...] | None = None  # the input size of the frames in the ring
         self._chunks: dict[int, _Chunk] = {}
         self._inflight: deque[list[Header]] = deque()
         self._received: deque[list[_Row]] = deque()  # returns collected ahead of their tick (a block move)
@@ -383,14 +384,14 @@ class PipelineSession:
             raise PipelineError("the pipeline session is closed")
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
-        if len(good) and self._buffer and self._buffer[0].shape != good.shape[1:]:
-            raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
-                             "inside a chunk; call flush() between sizes")
         with self._guard():
             self.ranks.check()
             if dropped:
                 self.metrics.on_drop(dropped, "non-finite")
+            if len(good) and self._frame_shape not in (None, tuple(good.shape[1:])):
+                return self._change_size(good, now)
             if len(good):
+                self._frame_shape = tuple(good.shape[1:])
                 self.metrics.on_input(len(good), now)
                 self._buffer.extend(good)
             while len(self._buffer) >= self._chunk_frames():
@@ -398,6 +399,28 @@ class PipelineSession:
                 self._enter(_stack(self._buffer[:n]))
                 del self._buffer[:n]
             return self._deliver()
+
+    def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+        """New input size, as on one GPU: the stream goes on (caches and positions stay), but every
+        frame of the old size leaves first (the partial chunk padded, the ring drained), so no
+        result mixes two sizes. The new frames wait in the buffer for the next call."""
+        pad = self._pad_partial()
+        with torch.inference_mode():
+            self._drain()
+        out = self._deliver(padding=pad)
+        self.metrics.on_input(len(good), now)
+        self._buffer.extend(good)
+        self._frame_shape = tuple(good.shape[1:])
+        return out
+
+    def _pad_partial(self) -> int:
+        """Enter the partial chunk padded with copies of its last frame; returns the padding."""
+        if not self._buffer:
+            return 0
+        pad = self._chunk_frames() - len(self._buffer)
+        self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
+        self._buffer = []
+        return pad
 
     def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
         """Frames finished between pushes (a step change drains the ring); otherwise frames leave the
@@ -407,11 +430,7 @@ class PipelineSession:
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
         with self._guard():
-            pad = 0
-            if self._buffer:
-                pad = self._chunk_frames() - len(self._buffer)
-                self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
-                self._buffer = []
+            pad = self._pad_partial()
             with torch.inference_mode():
                 self._drain()
             out = self._deliver(padding=pad)

@@ -39,10 +39,18 @@ def assert_same_frames(out: np.ndarray, reference: np.ndarray) -> None:
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3  # float32 both sides; batch-size rounding only
 
 
+def resized(session) -> list[np.ndarray]:
+    """A host that changes its output size mid-stream (TouchDesigner, say): frames one by one."""
+    rng = np.random.default_rng(4)
+    outs = [session.push(rng.integers(0, 256, (1, h, w, 3), np.uint8)) for h, w in [(32, 48)] * 7 + [(40, 64)] * 6]
+    outs.append(session.flush())
+    return [frame for o in outs for frame in o]
+
+
 @pytest.fixture(scope="module")
-def reference() -> np.ndarray:
+def reference() -> tuple[np.ndarray, list[np.ndarray]]:
     one = StreamSession.from_config(load_config(None, STEPS))
-    return live(one, clip(33), lambda i: i == 1 and one.set_params(steps=[700, 500]))
+    return live(one, clip(33), lambda i: i == 1 and one.set_params(steps=[700, 500])), resized(one)
 
 
 def test_two_ranks_move_blocks_both_ways_across_a_step_change(reference):
@@ -57,13 +65,17 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(reference):
                 pipe.move_block(2, 0)  # [3, 1]
         out = live(pipe, clip(33), between)
         stats = pipe.stats()
+        sizes = resized(pipe)
         with pytest.raises(ValueError, match="rank 0 .* only its last block"):
             pipe.move_block(0, 1)
         with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
             pipe.set_params(stepz=[700])
         with pytest.raises(ValueError, match="sequential"):
             pipe.set_params(mode="sequential")
-    assert_same_frames(out, reference)
+    assert_same_frames(out, reference[0])
+    assert [f.shape for f in sizes] == [f.shape for f in reference[1]] == [(32, 48, 3)] * 7 + [(40, 64, 3)] * 6
+    assert_same_frames(np.stack(sizes[:7]), np.stack(reference[1][:7]))
+    assert_same_frames(np.stack(sizes[7:]), np.stack(reference[1][7:]))
     assert stats["split"] == [3, 1] and stats["block_moves"] == 3 and stats["steps"] == [700, 500]
     assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
     assert no_children_left()
@@ -89,7 +101,7 @@ def test_three_ranks_follow_the_scheduler_without_a_glitch(reference):
         pipe.scheduler = Scripted([(2, 2), (2, 1), (1, 0)])
         out = live(pipe, clip(33), lambda i: i == 1 and pipe.set_params(steps=[700, 500]))
         stats = pipe.stats()
-    assert_same_frames(out, reference)
+    assert_same_frames(out, reference[0])
     assert pipe.scheduler.seen and all(all(s) for s in pipe.scheduler.seen)  # every rank measured its window
     # how many rounds fit depends on when the ranks' answers arrive; each is one move
     moves = stats["block_moves"]
