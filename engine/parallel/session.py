@@ -25,15 +25,28 @@ comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` d
 
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
-single-process session to float tolerance (tests/test_pipeline_parallel.py). One difference: a
+single-process session to float tolerance (tests/integration/test_pipeline_*.py). One difference: a
 prompt change reaches each row at the tick it is applied on, which groups rows differently
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 
 Each rank replays CUDA graphs of its blocks for full micro-batches (engine/graphs/pipeline_blocks.py).
-Limits: the split is static (`parallel.split`, or the balanced split `stats()` suggests from
-the measured stage times); live `set_params` changes only what rank 0 owns (noise, prompt
-blending), not the steps or the mode, which the ranks' caches and graphs are built for; there is
-no side-stream encode overlap as on one GPU; one node only.
+
+Live control travels the ring in stream order, as headers between two ticks, so every rank
+applies it between the same two micro-batches: a step change drains the ring first (as one GPU
+drains its denoiser) and then maps each rank's cache rows to the new steps; the sink threshold
+and LoRA scales apply on each rank to its own blocks. A block moves the same way (`move_block`):
+the giving rank sends its weights, KV cache rows and cross-attention K/V after the last tick it
+ran the block for, and the receiving rank runs it from the next tick on, so the frames are those
+of no move. The block scheduler (`engine/parallel/scheduler.py`) decides the moves from stage
+times measured continuously on every rank; the VAE encode (rank 0) and decode (the last rank)
+are measured as stages of their own and weigh in as the fixed work of those ranks.
+
+Failures: a rank that fails reports its traceback, one that exits is seen by its exit code, one
+that hangs (stopped, frozen) by its heartbeat going stale for `parallel.rank_timeout_s`; any of
+them ends the session with a `PipelineError` naming the rank, and the server then exits so the
+host's supervisor starts a fresh engine. Limits: the SLO scheduler's plan is fixed (batch mode,
+one-latent chunks; `target_fps` and `latency_budget_ms` are taken for the metrics); no side-stream
+encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations
@@ -96,8 +109,13 @@ class PipelineSession:
     It implements `engine.session_api.EngineSession`, as `StreamSession` does.
     """
 
-    accepts_device_frames = False  # frames in and out are numpy arrays
     raw_passthrough = False
+
+    @property
+    def accepts_device_frames(self) -> bool:
+        """On GPUs rank 0 takes device tensors (the cuda-ipc server's frames) and answers with
+        tensors on its device; numpy frames are answered with numpy frames."""
+        return self.device.type == "cuda"
 
     @classmethod
     def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> PipelineSession:
@@ -549,7 +567,8 @@ class PipelineSession:
                 self._chunks_done += 1
                 if keep:
                     with self.stage.timer.span("postprocess"):
-                        self._outputs.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
+                        out = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
+                        self._outputs.append(out if isinstance(chunk.frames, torch.Tensor) else out.cpu().numpy())
         self._collect_timings()
         return rows
 
