@@ -177,7 +177,8 @@ class ParallelConfig:
     rebalance_dwell_chunks: int = spec(24, min=1, max=100000,
                                        doc="chunks measured after a start or a move before the next move")
     rank_timeout_s: float = spec(1.5, min=0.2, max=600.0,
-                                 doc="a rank whose heartbeat is older than this is hung: the engine stops")
+                                 doc="a rank whose heartbeat is older than this is hung: the engine stops "
+                                     "(on GPUs once warmed up)")
 
     def __post_init__(self) -> None:
         if self.split and len(self.split) != self.gpus:

@@ -83,6 +83,9 @@ FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (
 SETTABLE = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
             "prompt": ("transition_chunks",), "slo": ("target_fps", "latency_budget_ms")}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
+# Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL
+# (and so its heartbeat thread) for seconds
+SETTLING_TIMEOUT_S = 120.0
 
 __all__ = ["PipelineError", "PipelineSession"]
 
@@ -146,6 +149,8 @@ class PipelineSession:
         self.n = len(cfg.stream.steps)
         self._closed = False
         self.ranks = RankProcesses(cfg, self.ranges)
+        if self.device.type == "cuda":  # until warmed up, a rank may sit in a compiler holding the GIL
+            self.ranks.timeout_s = max(SETTLING_TIMEOUT_S, cfg.parallel.rank_timeout_s)
         try:
             self._start()
         except BaseException:
@@ -251,6 +256,7 @@ class PipelineSession:
             self.push(frames[start:start + FRAMES_PER_LATENT * 8])
         self.flush()
         self.stats(reset=True)
+        self.ranks.timeout_s = self.cfg.parallel.rank_timeout_s  # compiled and captured: silence means hung
 
     # ----------------------------------------------------------------------------- failures
     @contextmanager
