@@ -80,6 +80,7 @@ class Stage:
             rope_policy=st.rope_policy, refresh_at=st.rope_refresh_at, sink_threshold=st.sink_threshold,
             device=self.device, dtype=self.dtype, blocks=blocks)
         self.cross = None
+        self.context: torch.Tensor | None = None  # the prompt embedding the cross K/V were made from
         self._graphs = st.cuda_graphs and self.device.type == "cuda"
         self.graphed = GraphedBlocks(self._blocks) if self._graphs else None
         self.lora = models.lora
@@ -107,6 +108,8 @@ class Stage:
         """Each rank merges the scales into its own blocks (the merger skips blocks it does not hold)."""
         for name, scale in scales.items():
             self.lora.set_scale(name, scale)
+        if self.context is not None:  # cross-attention K/V depend on the merged weights too
+            self.cross = self.dit.cross_kv(self.context, blocks=self.blocks)
 
     # ----- moving a block to a neighbouring rank ------------------------------------------------
     def block_tensors(self, block: int) -> list[torch.Tensor]:
@@ -155,6 +158,7 @@ class Stage:
         if flags & RESET:
             self.cache.reset()
         if flags & NEW_CONTEXT:
+            self.context = context
             self.cross = self.dit.cross_kv(context, blocks=self.blocks)
         if flags & REFRESH_SINKS:
             self.cache.refresh_sinks()

@@ -1,5 +1,6 @@
 """The pipeline over CPU ranks while it streams: live block moves (by hand and by the scheduler),
-a step change, and a hung rank. Oracle: the one-process StreamSession on the same frames and seed.
+a LoRA scale change, a step change, a new input size, and a hung rank. Oracle: the one-process
+StreamSession on the same frames and seed.
 
 A move travels the ring between two ticks, with the block's weights, KV cache rows and
 cross-attention K/V, so the frames must be the ones computed without any move.
@@ -12,14 +13,32 @@ import signal
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from engine.config import load_config
+from engine.models.loading import load_models
 from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.session import PipelineError, PipelineSession
 from engine.stream.session import StreamSession
 from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
 
 STEPS = [*BASE, "stream.steps=[700]"]
+
+
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory) -> list[str]:
+    """The config with a style LoRA on every block's linears: a moved block must take it along."""
+    dit = load_models(load_config(None, STEPS)).dit
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for name, m in dit.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
+            sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, m.in_features, generator=g) * 0.3
+            sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
+    path = tmp_path_factory.mktemp("lora") / "style.safetensors"
+    save_file(sd, str(path))
+    return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
 
 
 def live(session, frames: np.ndarray, between) -> np.ndarray:
@@ -47,19 +66,28 @@ def resized(session) -> list[np.ndarray]:
     return [frame for o in outs for frame in o]
 
 
+def script(session, i: int) -> None:
+    """The live changes of both sessions: a LoRA scale and the sink threshold after the first part,
+    steps after the second."""
+    if i == 0:
+        session.set_params(lora_scales={"style": 0.5}, sink_threshold=0.5)
+    elif i == 1:
+        session.set_params(steps=[700, 500])
+
+
 @pytest.fixture(scope="module")
-def reference() -> tuple[np.ndarray, list[np.ndarray]]:
-    one = StreamSession.from_config(load_config(None, STEPS))
-    return live(one, clip(33), lambda i: i == 1 and one.set_params(steps=[700, 500])), resized(one)
+def reference(styled) -> tuple[np.ndarray, list[np.ndarray]]:
+    one = StreamSession.from_config(load_config(None, styled))
+    return live(one, clip(33), lambda i: script(one, i)), resized(one)
 
 
-def test_two_ranks_move_blocks_both_ways_across_a_step_change(reference):
-    with PipelineSession(load_config(None, [*STEPS, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference):
+    with PipelineSession(load_config(None, [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
         def between(i: int) -> None:
+            script(pipe, i)
             if i == 0:
-                pipe.move_block(1, 1)  # rank 0 -> rank 1 mid-stream: split [1, 3]
+                pipe.move_block(1, 1)  # rank 0 -> rank 1 mid-stream, LoRA and all: split [1, 3]
             elif i == 1:
-                pipe.set_params(steps=[700, 500])
                 pipe.move_block(1, 0)  # back to rank 0, which first collects the ticks in the ring
             elif i == 2:
                 pipe.move_block(2, 0)  # [3, 1]
@@ -77,6 +105,7 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(reference):
     assert_same_frames(np.stack(sizes[:7]), np.stack(reference[1][:7]))
     assert_same_frames(np.stack(sizes[7:]), np.stack(reference[1][7:]))
     assert stats["split"] == [3, 1] and stats["block_moves"] == 3 and stats["steps"] == [700, 500]
+    assert stats["lora_scales"] == {"style": 0.5}
     assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
     assert no_children_left()
 
@@ -95,11 +124,12 @@ class Scripted(BlockScheduler):
         return self.script.pop(0) if self.script else None
 
 
-def test_three_ranks_follow_the_scheduler_without_a_glitch(reference):
-    with PipelineSession(load_config(None, [*STEPS, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
+@pytest.mark.slow
+def test_three_ranks_follow_the_scheduler_without_a_glitch(styled, reference):
+    with PipelineSession(load_config(None, [*styled, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
         # both boundaries, both directions: [1,2,1] -> [1,1,2] -> [1,2,1] -> [2,1,1]
         pipe.scheduler = Scripted([(2, 2), (2, 1), (1, 0)])
-        out = live(pipe, clip(33), lambda i: i == 1 and pipe.set_params(steps=[700, 500]))
+        out = live(pipe, clip(33), lambda i: script(pipe, i))
         stats = pipe.stats()
     assert_same_frames(out, reference[0])
     assert pipe.scheduler.seen and all(all(s) for s in pipe.scheduler.seen)  # every rank measured its window
