@@ -9,6 +9,7 @@ names the file, the key path, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,20 +17,21 @@ from typing import Any
 
 import yaml
 
+from host_bridge.wire import params as live
 from host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
 PRESET_PACKAGE = "engine.presets"
-TRAIN_TIMESTEPS = 1000
-MAX_STEPS = 4
 
 
 @dataclass
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
 
+    family: str = spec("wan", choices=("wan", "edit"),
+                       doc="wan: the causal Wan DiT; edit: the MLLM-conditioned edit UNet (the `edit` section)")
     preset: str = spec("tiny", choices=("tiny", "wan2.1-1.3b", "wan2.1-14b"), doc="DiT architecture")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -83,13 +85,11 @@ class Resolution:
 class StreamConfig:
     """Denoising schedule and the KV-cache window."""
 
-    steps: list[int] = spec(default_factory=lambda: [700, 500], min=1, max=TRAIN_TIMESTEPS - 1,
-                            min_len=1, max_len=MAX_STEPS, doc="denoising timesteps, descending")
-    mode: str = spec("auto", choices=("auto", "batch", "sequential"),
-                     doc="stream-batch, sequential, or chosen by the SLO scheduler")
+    steps: list[int] = live.STEPS.field()
+    mode: str = live.MODE.field()
     num_kv_cache: int = spec(6, min=1, max=64, doc="latent frames kept in the KV window")
     sink: int = spec(3, min=0, max=63, doc="of which sink frames kept from the stream start")
-    sink_threshold: float = spec(0.2, min=-1.0, max=1.0, doc="adaptive sink cosine threshold; <0 disables")
+    sink_threshold: float = live.SINK_THRESHOLD.field()
     rope_policy: str = spec("refresh", choices=("refresh", "window"), doc="how RoPE positions stay bounded")
     rope_refresh_at: int = spec(50, min=2, max=1000, doc="latent-frame index at which refresh moves back")
     timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
@@ -106,16 +106,17 @@ class StreamConfig:
         if self.rope_policy == "refresh" and self.rope_refresh_at <= self.num_kv_cache:
             raise ValueError(f"rope_refresh_at: {self.rope_refresh_at} must be larger than num_kv_cache "
                              f"({self.num_kv_cache}) with the refresh policy")
-        if any(a <= b for a, b in zip(self.steps, self.steps[1:])):
-            raise ValueError(f"steps: {self.steps} must be strictly descending")
+        problem = live.STEPS.problem(self.steps)  # what the field's constraints cannot say: descending
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class NoiseConfig:
     """Motion-aware noise: more motion, less noise (StreamDiffusionV2's controller)."""
 
-    motion_aware: bool = spec(True)
-    noise_scale: float = spec(0.8, min=0.1, max=1.0, doc="s_init: noise strength for a static scene")
+    motion_aware: bool = live.MOTION_AWARE.field()
+    noise_scale: float = live.NOISE_SCALE.field()
     estimator: str = spec("frame_diff", choices=("frame_diff", "farneback", "dis"),
                           doc="motion estimate: pixel difference, or optical flow on a worker thread")
     ema: float = spec(0.9, min=0.0, max=1.0, doc="weight of the new estimate in the running scale")
@@ -125,25 +126,26 @@ class NoiseConfig:
 class PromptConfig:
     """Text conditioning."""
 
-    text: str = spec("a painting in the style of van gogh, vivid brush strokes", min_len=1)
+    text: str = live.PROMPT.field()
     encoder: str = spec("hash", choices=("hash", "file", "umt5"),
                         doc="hash: small deterministic encoder; file: precomputed embeddings; umt5: local model")
     path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
     device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
-    transition_chunks: int = spec(4, min=0, max=1000, doc="chunks over which a prompt change blends")
+    transition_chunks: int = live.TRANSITION_CHUNKS.field()
     blend: str = spec("slerp", choices=("linear", "slerp"))
 
     def __post_init__(self) -> None:
-        if not self.text.strip():
-            raise ValueError("text: the prompt is empty; give a few words describing the style")
+        problem = live.PROMPT.problem(self.text)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class SLOConfig:
     """Service-level targets the scheduler keeps."""
 
-    target_fps: float = spec(0.0, min=0.0, max=1000.0, doc="output FPS to sustain; 0 = as fast as possible")
-    latency_budget_ms: float = spec(1000.0, min=1.0, max=60000.0, doc="per-frame push-to-output budget")
+    target_fps: float = live.TARGET_FPS.field()
+    latency_budget_ms: float = live.LATENCY_BUDGET_MS.field()
 
 
 @dataclass
@@ -191,12 +193,42 @@ class LoraEntry:
     """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
 
     path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
-    scale: float = spec(1.0, min=-4.0, max=4.0, doc="strength; changed live with the lora_scales parameter")
+    scale: float = spec(1.0, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
+                        doc="strength; changed live with the lora_scales parameter")
     name: str | None = spec(None, doc="name for live control; default: the file name without extension")
 
     @property
     def key(self) -> str:
         return self.name or Path(self.path).stem
+
+
+@dataclass
+class EditConfig:
+    """The edit family (engine/edit): DreamLite-mobile UNet, Qwen3-VL conditioning, temporal LLLite."""
+
+    unet: str = spec("tiny", choices=("tiny", "dreamlite-mobile"), doc="edit UNet architecture")
+    checkpoint: str | None = spec(None, doc="DreamLite-mobile directory (unet/, vae/) or UNet weights file; "
+                                            "none = seeded tiny weights, or random with model.random_weights")
+    vae: str = spec("tiny", choices=("tiny", "taesd"), doc="tiny autoencoder architecture")
+    vae_checkpoint: str | None = spec(None, doc="autoencoder weights; none = from checkpoint's vae/ or random")
+    encoder: str = spec("hash", choices=("hash", "qwen3-vl"),
+                        doc="hash: small deterministic stand-in; qwen3-vl: the vision-language encoder")
+    encoder_path: str | None = spec(None, doc="Qwen3-VL-2B directory; none with qwen3-vl = random weights "
+                                              "(needs model.random_weights)")
+    batch: int = spec(8, min=1, max=64, doc="frames per UNet call (B); outputs lag by up to one batch")
+    steps: int = spec(1, min=1, max=4, doc="Euler flow-matching steps")
+    prompt_refresh_every: int = live.PROMPT_REFRESH_EVERY.field()
+    prompt_one_frame: bool = spec(True, doc="encode one frame per refresh and broadcast it to the batch")
+    lllite: str | None = spec(None, doc="temporal LLLite weights (safetensors); none = zero-initialised adapter")
+    lllite_hooks: str = spec("down", choices=("all", "down", "none"),
+                             doc="hooked attention projections: all, the down blocks only, or none")
+    adapter_strength: float = live.ADAPTER_STRENGTH.field()
+    cond_refresh_every: int = live.COND_REFRESH_EVERY.field()
+    flow: str = spec("farneback", choices=("farneback", "none"),
+                     doc="warp the previous output to the new frames for the adapter's condition")
+    compile: bool = spec(True, doc="torch.compile the UNet + adapter as one graph (CUDA; needs triton)")
+    two_streams: bool = spec(True, doc="side stream (encoders) beside the main stream (UNet, decode)")
+    seed: int = spec(0, min=0, doc="noise seed; the same noise is used for every frame")
 
 
 @dataclass
@@ -212,7 +244,9 @@ class LoomConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: list[LoraEntry] = spec(default_factory=list, max_len=8, doc="style LoRAs, each with its own scale")
+    lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
+                                 doc="style LoRAs, each with its own scale")
+    edit: EditConfig = field(default_factory=EditConfig)
 
     def __post_init__(self) -> None:
         names = [e.key for e in self.lora]
@@ -220,6 +254,11 @@ class LoomConfig:
             raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
         if self.lora and self.model.fp8_linear:
             raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
+        if self.model.family == "edit" and self.parallel.gpus > 1:
+            raise ValueError("parallel.gpus: the edit family runs on one GPU; set parallel.gpus=1")
+        if self.model.family == "edit" and self.model.dtype == "float16":
+            raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
+                             "states peak near 1160); use auto, bfloat16 or float32")
         if self.parallel.gpus > 1 and self.stream.mode == "sequential":
             raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
                              "use batch or auto (the pipeline runs stream-batch)")
@@ -232,6 +271,19 @@ class LoomConfig:
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
+
+
+def lora_override(specs: list[str]) -> list[str]:
+    """`--lora PATH[:SCALE]` options as one `--set lora=[...]` override (none given: none)."""
+    entries = []
+    for text in specs:
+        path, sep, tail = text.rpartition(":")
+        try:
+            scale = float(tail) if sep else 1.0
+        except ValueError:  # a colon of the path itself (C:\\...), no scale
+            path, scale = text, 1.0
+        entries.append({"path": path if sep and path else text, "scale": scale})
+    return [f"lora={json.dumps(entries)}"] if entries else []
 
 
 def list_presets() -> list[str]:

@@ -36,7 +36,7 @@ from engine.cache.kv_cache import (
 )
 from engine.layers.attention import attention
 from engine.layers.rope import RopeTables, host_index, rotate
-from engine.models.wan_dit_ops import EAGER_OPS, BlockOps, layer_norm_f32
+from engine.models.wan_dit_ops import EAGER_OPS, BlockOps
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
@@ -182,8 +182,8 @@ class WanBlock(nn.Module):
         return ops.gated_residual(x, y, gate2)
 
     def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.norm3 is None:
-            return layer_norm_f32(x, self.eps).to(x.dtype)
+        if self.norm3 is None:  # cross_attn_norm=False: the identity, as in Wan2.1 and diffusers
+            return x
         return self.ops.affine_norm(x, self.norm3.weight, self.norm3.bias, self.norm3.eps)
 
 

@@ -77,11 +77,9 @@ from engine.stream.metrics import StreamMetrics
 from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
+from engine.stream.session import LIVE_SECTIONS
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4 (as StreamSession)
-# Live parameters, as on one GPU (engine.stream.session.SETTABLE), by config section
-SETTABLE = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
-            "prompt": ("transition_chunks",), "slo": ("target_fps", "latency_budget_ms")}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 # Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL
 # (and so its heartbeat thread) for seconds
@@ -291,16 +289,17 @@ class PipelineSession:
         """Change live parameters, as on one GPU; unknown keys or bad values raise ValueError naming
         them. The stream always runs in batch mode over the ranks (a `mode` that allows it is taken).
         Steps, sink threshold and LoRA scales reach every rank between the same two micro-batches."""
-        allowed = [k for keys in SETTABLE.values() for k in keys] + ["lora_scales"]
-        refused = [k for k in params if k not in allowed]
-        if refused:
-            raise ValueError(f"unknown parameter {refused[0]!r}; settable: {', '.join(allowed)}")
+        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
+        unknown = [k for k in params if k not in settable]
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
-        lora = self._lora_request(params.get("lora_scales"))
+        params = dict(params)
+        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
         new = self.cfg
-        for section, keys in SETTABLE.items():
-            changed = {k: params[k] for k in keys if k in params}
+        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
+            changed = {k: params[k] for k in LIVE.section(section) if k in params}
             if changed:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",

@@ -33,7 +33,7 @@ import zmq
 
 from engine.server.frame_worker import FrameWorker
 from engine.session_api import EngineSession
-from host_bridge.wire.channel import Channel, CurveServer, EndpointError, remove_private_endpoint
+from host_bridge.wire.channel import Channel, CurveServer, EndpointError, SharedSecret, remove_private_endpoint
 from host_bridge.wire.doorbell import Doorbell, DoorbellError
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.wire.processes import pid_alive
@@ -72,10 +72,13 @@ class EngineServer:
     def __init__(self, session_factory: Callable[[], EngineSession], *, connect: str | None = None,
                  bind: str | None = None,
                  token: str = "", parent_pid: int | None = None, heartbeat_s: float = 0.2,
-                 host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0, curve: CurveServer | None = None,
+                 host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0,
+                 curve: CurveServer | SharedSecret | None = None,
                  stall_after: int | None = None):
         if (connect is None) == (bind is None):
             raise ValueError("give exactly one of connect (launched by a host) or bind (serve hosts)")
+        if bind is not None and isinstance(curve, SharedSecret):
+            token = curve.secret  # a served host proves it holds the secret in its hello too
         self._factory = session_factory
         self._connect, self._bind = connect, bind
         self._token = token
@@ -98,7 +101,8 @@ class EngineServer:
         self._install_signals()
         try:
             if self._connect:
-                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine")
+                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
+                                       curve=self._launch_guard())
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
                 log.info("listening on %s", self.channel.endpoint)
@@ -108,6 +112,11 @@ class EngineServer:
             if self.channel is not None:
                 self.channel.close()
             self._ctx.term()
+
+    def _launch_guard(self) -> SharedSecret | None:
+        """Launched on tcp: the host checks our launch token before it connects us (any local process can
+        reach 127.0.0.1); on ipc its private directory already keeps others out."""
+        return SharedSecret(self._token, server=False) if self._connect.startswith("tcp://") and self._token else None
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -130,32 +139,15 @@ class EngineServer:
         while not self._stop.is_set():
             for msg, _payload in ch.poll(TICK_S):
                 last_heard = time.monotonic()
-                kind = msg["type"]
-                if kind == "hello":
-                    if msg["role"] != "host" or (self._connect and msg["token"] != self._token):
-                        ch.refuse("hello from a peer that is not our host")
-                        continue
-                    if self._connect and self.worker is not None:
-                        ch.refuse("second hello from the host")
-                        continue
-                    if self._bind:  # a (new) host: start over
-                        self._end_session(remove=False)
-                    lane = self._open_lane(msg)
-                    if lane is None:
-                        continue
-                    if self._bind:
-                        self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
-                    host_pid = msg["pid"]
-                    self._start_worker(lane)
-                elif self.worker is None:
-                    ch.refuse(f"{kind} before hello")
-                elif kind == "bye":
-                    if self._connect:
-                        return EXIT_OK
-                    self._end_session(remove=False)
-                    host_pid = None
-                else:
-                    self._dispatch(kind, msg)
+                try:
+                    outcome = self._on_message(msg, host_pid)
+                except Exception as exc:  # an odd message is refused and counted, never fatal
+                    ch.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                    continue
+                if outcome == EXIT_OK:
+                    return EXIT_OK
+                if outcome != "same":
+                    host_pid = outcome
             now = time.monotonic()
             if self.worker is not None and now - last_beat >= self._heartbeat_s:
                 last_beat = now
@@ -178,6 +170,35 @@ class EngineServer:
         self._end_session(remove=False)
         self._say_bye("engine stopping")
         return EXIT_OK
+
+    def _on_message(self, msg: dict[str, Any], host_pid: int | None) -> int | str | None:
+        """Act on one control message: returns EXIT_OK to exit, "same" when the host is unchanged, else
+        the new host's pid (None: no host)."""
+        ch, kind = self.channel, msg["type"]
+        if kind == "hello":
+            if msg["role"] != "host" or ((self._connect or self._token) and msg["token"] != self._token):
+                ch.refuse("hello from a peer that is not our host (wrong token or session secret)")
+                return "same"
+            if self.worker is not None:  # one host at a time: it must leave (bye or silence) first
+                ch.refuse("hello from a second host while one is attached")
+                return "same"
+            lane = self._open_lane(msg)
+            if lane is None:
+                return "same"
+            if self._bind:
+                self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
+            self._start_worker(lane)
+            return msg["pid"]
+        if self.worker is None:
+            ch.refuse(f"{kind} before hello")
+        elif kind == "bye":
+            if self._connect:
+                return EXIT_OK
+            self._end_session(remove=False)
+            return None
+        else:
+            self._dispatch(kind, msg)
+        return "same"
 
     def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:
         if self.worker is None:
@@ -206,7 +227,7 @@ class EngineServer:
                 if "lane" not in hello:
                     raise EndpointError("the host's hello names no frame lane (a host of an older protocol?)")
                 return FrameLane(self._ctx, lane_endpoint_for(self._connect, hello["lane"]), bind=False,
-                                 side="engine")
+                                 side="engine", curve=self._launch_guard())
             return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
                              curve=self._curve)
         except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError

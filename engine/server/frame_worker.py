@@ -118,14 +118,20 @@ class FrameWorker:
         finally:
             self.lane.release()
         for msg, payload in messages:
-            if msg["type"] == "frame":
-                if len(self.inputs) >= MAX_SLOTS:
-                    self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
-                    continue
-                self._last_in_seq = max(self._last_in_seq, msg["seq"])
-                self._offer(msg["slot"], msg["seq"], msg["gen"], payload)
-            elif not self._on_release(msg["slot"], msg["gen"]):
-                self.lane.refuse(f"release of output slot {msg['slot']} that was not published")
+            try:
+                self._take_notice(msg, payload)
+            except Exception as exc:  # an odd notice is refused and counted; the worker goes on
+                self.lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
+
+    def _take_notice(self, msg: dict[str, Any], payload: list[bytes]) -> None:
+        if msg["type"] == "frame":
+            if len(self.inputs) >= MAX_SLOTS:
+                self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
+                return
+            self._last_in_seq = max(self._last_in_seq, msg["seq"])
+            self._offer(msg["slot"], msg["seq"], msg["gen"], payload)
+        elif not self._on_release(msg["slot"], msg["gen"]):
+            self.lane.refuse(f"release of output slot {msg['slot']} that was not published")
 
     def _offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
         """A new input frame notice."""
@@ -214,7 +220,8 @@ class FrameWorker:
                     count = self._flush(msg.get("seq"))
                     self._send(make("flushed", id=rid, count=count))
                     continue
-                self._send(make("ack", id=rid))
+                if rid is not None:  # nobody waits for an id-less request's answer
+                    self._send(make("ack", id=rid))
                 if kind in ("prompt", "params", "reset"):
                     self.session_stats = self.session.stats()
             except (ValueError, TypeError, KeyError) as exc:

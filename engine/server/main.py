@@ -23,15 +23,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="default", help="preset name or YAML file (default: default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="split the DiT over N GPUs (sets parallel.gpus; on a CPU device: N processes)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run synthetic streams through the session (compile, capture graphs) before saying ready")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
     p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
     p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
     p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="--bind on a loopback or ipc endpoint without CurveZMQ: the session secret hosts must hold "
+                        "(a file of mode 600, created with a random secret if missing; hosts name it as secret_file)")
     p.add_argument("--stall-after", type=int, default=None,
                    help="fault injection for tests: stop taking frames after this many")
     logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
@@ -39,25 +46,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _session_factory(args: argparse.Namespace):
-    from engine.config import load_config
+    from engine.config import load_config, lora_override
 
-    overrides = [*args.overrides, *([f"parallel.gpus={args.gpus}"] if args.gpus is not None else [])]
+    overrides = [*args.overrides, *lora_override(args.loras)]
+    if args.gpus is not None:
+        overrides.append(f"parallel.gpus={args.gpus}")
     config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
 
     def build():
         if args.passthrough:
             from engine.server.passthrough import PassthroughSession
             return PassthroughSession()
-        if config.parallel.gpus > 1:  # this process becomes rank 0; the host still sees one engine
-            from engine.parallel.session import PipelineSession
-            return PipelineSession.from_config(config)
         try:
-            from engine.stream.session import StreamSession
+            from engine.graphs.compile_cache import enable_persistent_compile_cache
+            from engine.session_api import open_session
         except ImportError as exc:
-            raise RuntimeError(f"engine.stream.session is not available ({exc}); use --passthrough") from exc
-        return StreamSession.from_config(config)
+            raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
+        enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
+        session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
+        if args.warmup:
+            session.warmup()
+        return session
 
     return build
+
+
+def _session_secret(args: argparse.Namespace):
+    """A served engine without Curve keys takes only hosts that hold its session secret: any local
+    process could otherwise reach a loopback endpoint and drive it."""
+    from host_bridge.wire.channel import SharedSecret, is_loopback, read_secret_file
+
+    if args.secret_file and not args.bind:
+        raise UserError("--secret-file is for --bind (a launched engine gets its token from the host)")
+    if not args.bind or not is_loopback(args.bind):
+        return None  # a remote endpoint needs Curve keys: the channel says so
+    if not args.secret_file:
+        raise UserError(f"--bind {args.bind}: without CurveZMQ keys a served engine needs --secret-file FILE "
+                        "(mode 600, created if missing); hosts give the same file as secret_file")
+    return SharedSecret(read_secret_file(args.secret_file, create=True), server=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_file) != bool(args.curve_authorized):
         raise UserError("--curve-secret-file and --curve-authorized go together")
     curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
+    factory = _session_factory(args)  # a bad config is named before anything about endpoints
     try:
-        server = EngineServer(_session_factory(args), connect=args.connect, bind=args.bind,
+        curve = curve or _session_secret(args)
+        server = EngineServer(factory, connect=args.connect, bind=args.bind,
                               token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
                               heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
                               handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)

@@ -2,8 +2,10 @@
 
 It implements `engine.session_api.EngineSession` as `engine.stream.session.StreamSession` does, so
 the server, the bridge, the transports and the supervisor are tested end to end with exact content
-and without a model, and a user can measure the bridge's own latency. Its parameter checks follow the real session's
-contract (unknown keys and bad values raise ValueError) so error paths are exercised too.
+and without a model, and a user can measure the bridge's own latency. Its parameter checks follow
+the real session's contract (the live-parameter schema: unknown keys and bad values raise
+ValueError) so error paths are exercised too. It counts the prompts it is sent, so a test can see
+that a fresh engine is told the host's prompt exactly once.
 """
 
 from __future__ import annotations
@@ -12,12 +14,7 @@ from typing import Any
 
 import numpy as np
 
-PARAM_CHECKS = {
-    "steps": (lambda v: isinstance(v, list) and 1 <= len(v) <= 4 and all(isinstance(t, int) and 0 < t < 1000
-                                                                           for t in v), "a list of 1-4 timesteps"),
-    "noise_scale": (lambda v: isinstance(v, (int, float)) and 0.1 <= v <= 1.0, "a number in [0.1, 1.0]"),
-    "motion_aware": (lambda v: isinstance(v, bool), "true or false"),
-}
+from host_bridge.wire.params import LIVE, check_prompt_request
 
 
 class PassthroughSession:
@@ -30,6 +27,7 @@ class PassthroughSession:
     def __init__(self) -> None:
         self.reset()
         self.prompt = ""
+        self.prompts_received = 0
         self.params: dict[str, Any] = {}
 
     def push(self, frames: np.ndarray) -> np.ndarray:
@@ -46,18 +44,11 @@ class PassthroughSession:
         return np.zeros((0, 1, 1, 3), np.uint8)
 
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
-        if not text.strip():
-            raise ValueError("prompt: empty; give a few words describing the style")
-        self.prompt = text
+        self.prompt, _ = check_prompt_request(text, transition_chunks)
+        self.prompts_received += 1
 
     def set_params(self, **params: Any) -> None:
-        for key, value in params.items():
-            if key not in PARAM_CHECKS:
-                raise ValueError(f"{key}: unknown parameter; allowed: {', '.join(PARAM_CHECKS)}")
-            ok, allowed = PARAM_CHECKS[key]
-            if not ok(value):
-                raise ValueError(f"{key}: {value!r} is not allowed; expected {allowed}")
-        self.params.update(params)
+        self.params.update(LIVE.check(params))
 
     def reset(self) -> None:
         self.frames_in = 0
@@ -65,7 +56,7 @@ class PassthroughSession:
 
     def stats(self) -> dict[str, Any]:
         return {"mode": "passthrough", "frames_in": self.frames_in, "frames_out": self.frames_out,
-                "prompt": self.prompt, "params": dict(self.params)}
+                "prompt": self.prompt, "prompts_received": self.prompts_received, "params": dict(self.params)}
 
     def close(self) -> None:
         """Nothing to release: no device memory, no threads."""

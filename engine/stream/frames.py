@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 ACCEPTED_DTYPES = ("uint8", "float16", "float32", "float64")
+SHRINK_BAND_ROWS = 256  # a huge input is area-shrunk this many rows at a time, so its float copy stays small
 
 
 class FrameError(ValueError):
@@ -92,11 +93,11 @@ class FrameMapper:
             t = frames_u8.to(self.device, non_blocking=True)
         else:
             t = _to_device(torch.from_numpy(frames_u8), self.device)
-        x = t.permute(0, 3, 1, 2).to(torch.float32)
         p = placement(frames_u8.shape[1], frames_u8.shape[2], self.height, self.width, self.policy)
         top, left, h, w = p.box
-        x = x[:, :, top:top + h, left:left + w]
         mt, ml, mh, mw = p.model_box
+        x = _area_shrink(t[:, top:top + h, left:left + w], min(h // mh, w // mw) // 2)
+        h, w = x.shape[2:]
         if (h, w) != (mh, mw):
             x = F.interpolate(x, size=(mh, mw), mode="bilinear", antialias=True, align_corners=False)
         if (mh, mw) != (self.height, self.width):
@@ -117,11 +118,9 @@ class FrameMapper:
         """
         p = placement(inputs_u8.shape[1], inputs_u8.shape[2], self.height, self.width, self.policy)
         mt, ml, mh, mw = p.model_box
-        y = x[:, :, mt:mt + mh, ml:ml + mw].float()
         top, left, h, w = p.box
-        if (mh, mw) != (h, w):
-            y = F.interpolate(y, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
-        out = ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        out = torch.cat([_to_uint8(x[i:i + 1, :, mt:mt + mh, ml:ml + mw].float(), (h, w))  # a frame at a time:
+                         for i in range(x.shape[0])])  # the float copy at input size is one frame's
         if (h, w) == (p.in_h, p.in_w):
             return out
         if isinstance(inputs_u8, torch.Tensor):
@@ -130,6 +129,24 @@ class FrameMapper:
             full = _to_device(torch.from_numpy(np.array(inputs_u8)), out.device)  # a copy: never the caller's
         full[:, top:top + h, left:left + w] = out
         return full
+
+
+def _area_shrink(t_u8: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [T, H, W, 3] -> float32 [T, 3, H // k, W // k], each pixel the mean of its k x k block,
+    converted a band of rows at a time: a huge input frame never exists in float32 at full size."""
+    if k <= 1:
+        return t_u8.permute(0, 3, 1, 2).to(torch.float32)
+    rows, cols = t_u8.shape[1] // k * k, t_u8.shape[2] // k * k
+    band = max(k, SHRINK_BAND_ROWS // k * k)
+    return torch.cat([F.avg_pool2d(t_u8[:, r:min(r + band, rows), :cols].permute(0, 3, 1, 2).to(torch.float32), k)
+                      for r in range(0, rows, band)], dim=2)
+
+
+def _to_uint8(y: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[1, 3, h, w] in [-1, 1] -> uint8 [1, H, W, 3] at `size`."""
+    if tuple(y.shape[2:]) != size:
+        y = F.interpolate(y, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -18,6 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from host_bridge.wire.params import MOTION_AWARE, NOISE_SCALE
+
 MOTION_NORM = 0.2  # RMS frame difference (in [-1, 1] units) that counts as full motion
 MOTION_SLOPE = 0.1  # how much full motion lowers the noise scale
 STEP_OFFSET = 100  # t0 = 1000 * s - STEP_OFFSET
@@ -93,7 +95,7 @@ def _host(frames: np.ndarray | torch.Tensor | None) -> np.ndarray | None:
 class MotionNoiseController:
     """Keeps the running noise scale s and turns it into the first step index t0."""
 
-    def __init__(self, noise_scale: float = 0.8, ema: float = 0.9, enabled: bool = True,
+    def __init__(self, noise_scale: float = NOISE_SCALE.default, ema: float = 0.9, enabled: bool = MOTION_AWARE.default,
                  estimator: str = "frame_diff") -> None:
         self.noise_scale = noise_scale
         self.ema = ema

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from host_bridge.wire.params import TRANSITION_CHUNKS
+
 TEXT_LEN = 512  # tokens per prompt, as the Wan DiT was trained
 CACHE_PROMPTS = 32  # embeddings kept in the per-prompt cache
 SLERP_EPS = 1e-4  # below this angle slerp falls back to a linear blend
@@ -157,7 +159,7 @@ class PromptConditioner:
     """
 
     def __init__(self, encoder: TextEncoder, text: str, *, device: torch.device, dtype: torch.dtype,
-                 transition_chunks: int = 4, blend_mode: str = "slerp") -> None:
+                 transition_chunks: int = TRANSITION_CHUNKS.default, blend_mode: str = "slerp") -> None:
         self.encoder = encoder
         self.device, self.dtype = device, dtype
         self.transition_chunks = transition_chunks

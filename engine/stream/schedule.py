@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-TRAIN_TIMESTEPS = 1000
+from host_bridge.wire.params import TRAIN_TIMESTEPS
 
 
 @dataclass(frozen=True)

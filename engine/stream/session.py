@@ -42,10 +42,10 @@ from engine.stream.prompts import PromptConditioner, check_prompt, make_text_enc
 from engine.stream.schedule import FlowSchedule
 from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler
 from engine.stream.stage_timer import StageTimer
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-FIRST_CHUNK_FRAMES = 5  # the Wan VAE's causal first frame plus one group of 4
-SETTABLE = ("steps", "noise_scale", "motion_aware", "mode", "transition_chunks", "target_fps",
-            "latency_budget_ms", "sink_threshold", "lora_scales")
+# The schema's sections this family takes (another family's parameters are refused by name)
+LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
 
 
 @dataclass
@@ -211,17 +211,16 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        unknown = [k for k in params if k not in SETTABLE]
+        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
+        unknown = [k for k in params if k not in settable]
         if unknown:
-            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(SETTABLE)}")
-        lora = self._lora_request(params.pop("lora_scales", None))
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
+        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
-        sections = {"stream": ("steps", "mode", "sink_threshold"), "noise": ("noise_scale", "motion_aware"),
-                    "prompt": ("transition_chunks",), "slo": ("target_fps", "latency_budget_ms")}
         new = self.cfg
-        for section, keys in sections.items():
-            changed = {k: params[k] for k in keys if k in params}
+        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
+            changed = {k: params[k] for k in LIVE.section(section) if k in params}
             if changed:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.config import LoomConfig
-from engine.stream.session import StreamSession
+from engine.session_api import open_session
 
 FRAMES_PER_CHUNK = 4
 
@@ -38,7 +38,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
         if session.device.type == "cuda":
             session.warmup()
     else:
-        session = StreamSession.from_config(cfg)
+        session = open_session(cfg)
     _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     device = session.device
     t_start = time.perf_counter()

@@ -38,7 +38,7 @@ OCCLUSION_ALPHA = 0.01
 OCCLUSION_BETA = 0.5
 # Per-window columns of a report, in this order; all but the occlusion column are always floats.
 WINDOW_METRICS = ("warp_error", "flicker", "output_diff", "input_diff", "occluded_fraction",
-                  "luma_shift", "saturation_shift", "contrast_ratio")
+                  "luma_shift", "saturation_shift", "contrast_ratio", "sharpness")
 PLOT_METRICS = ("warp_error", "flicker", "luma_shift", "saturation_shift")
 METRIC_LABELS = {
     "warp_error": "warp error (0..255, lower is steadier)",
@@ -49,6 +49,7 @@ METRIC_LABELS = {
     "luma_shift": "luma shift (output - input)",
     "saturation_shift": "saturation shift (output - input)",
     "contrast_ratio": "contrast ratio (output / input)",
+    "sharpness": "Sobel sharpness of the output (levels per pixel, higher is crisper)",
 }
 
 
@@ -165,7 +166,7 @@ class _Sums:
         return out
 
 
-_FRAME_METRICS = ("luma_shift", "saturation_shift", "contrast_ratio")
+_FRAME_METRICS = ("luma_shift", "saturation_shift", "contrast_ratio", "sharpness")
 
 
 class QualityMeter:
@@ -310,7 +311,19 @@ def _frame_stats(input_frame: np.ndarray, output_frame: np.ndarray) -> dict[str,
     (in_luma, in_sat, in_std), (out_luma, out_sat, out_std) = stats
     # +1 level on both sides keeps the ratio finite and near 1 on flat (black, blank) inputs.
     return {"luma_shift": out_luma - in_luma, "saturation_shift": out_sat - in_sat,
-            "contrast_ratio": (out_std + 1.0) / (in_std + 1.0)}
+            "contrast_ratio": (out_std + 1.0) / (in_std + 1.0), "sharpness": sobel_sharpness(output_frame)}
+
+
+def sobel_sharpness(frame: np.ndarray) -> float:
+    """Mean Sobel gradient magnitude of the luma, in levels per pixel (the 3x3 kernel divided by 8).
+
+    Reported beside warp error because warp error alone rewards smoothing: a blurred output
+    warps onto its neighbour with less error, and only its falling sharpness shows the loss.
+    """
+    luma = cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY).astype(np.float32)
+    gx = cv2.Sobel(luma, cv2.CV_32F, 1, 0, ksize=3) / 8.0
+    gy = cv2.Sobel(luma, cv2.CV_32F, 0, 1, ksize=3) / 8.0
+    return float(cv2.magnitude(gx, gy).mean())
 
 
 def _trend(x: list[float], y: list[float | None], weights: list[int]) -> dict[str, float | None]:

@@ -13,14 +13,21 @@ Endpoints: a local engine gets `ipc://` in a fresh private directory (mode 0700)
 Curve server (its secret key file, plus a directory of authorised client public keys), the host
 is a Curve client (its own certificate file and the engine's public key file); files are the
 ones `zmq.auth.create_certificates` writes. The frame lane uses the same keys.
+An engine served on a loopback or ipc endpoint without Curve holds a session secret (`SharedSecret`):
+ZMQ's PLAIN mechanism checks it before a peer is connected at all, so another local process that does
+not hold it can neither drive the engine nor receive a share of its messages (a DEALER deals its
+messages round-robin among connected peers). PLAIN sends the secret in the clear, so it is refused
+on a non-loopback endpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -57,6 +64,83 @@ class CurveClient:
     server_public_file: str
 
 
+@dataclass(frozen=True)
+class SharedSecret:
+    """A served engine's session secret; `server`: the binding side checks it, the other presents it."""
+
+    secret: str
+    server: bool
+
+    def __repr__(self) -> str:
+        return f"SharedSecret(server={self.server})"  # never the secret itself in a log or traceback
+
+    @property
+    def domain(self) -> str:
+        """The ZAP domain of the sockets this secret guards: links of one context (a bridge's engine and
+        its standby) are checked against their own secret each."""
+        return "loom-" + hashlib.sha256(self.secret.encode()).hexdigest()[:16]
+
+
+Auth = CurveServer | CurveClient | SharedSecret
+PLAIN_USER = b"loom"
+SECRET_BYTES = 32
+
+
+def read_secret_file(path: str, *, create: bool = False) -> str:
+    """The session secret in `path`, a file only its owner may read (mode 0600 on POSIX); `create`
+    writes a fresh random one when the file does not exist. Raises EndpointError saying what is wrong."""
+    import secrets
+    import stat
+
+    if create and not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise EndpointError(f"secret file {path}: not a regular file")
+        if os.name != "nt" and st.st_mode & 0o077:
+            raise EndpointError(f"secret file {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read it; "
+                                "expected 600 (chmod 600)")
+        with open(path, encoding="utf-8") as f:
+            secret = f.read(1024).strip()
+    except OSError as exc:
+        raise EndpointError(f"secret file {path}: {exc.strerror or exc}") from None
+    if not 16 <= len(secret) <= 128 or not secret.isprintable():
+        raise EndpointError(f"secret file {path}: expected one line of 16 to 128 printable characters")
+    return secret
+
+
+_zap_lock = threading.Lock()
+_zap_handlers: dict[int, list[Any]] = {}  # id(context) -> [authenticator, channels using it]
+
+
+def _zap_acquire(ctx: zmq.Context) -> Any:
+    """The context's one ZAP authenticator (ZMQ allows one per context), started on first use."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    with _zap_lock:
+        entry = _zap_handlers.get(id(ctx))
+        if entry is None:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            entry = _zap_handlers[id(ctx)] = [auth, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _zap_release(ctx: zmq.Context) -> None:
+    with _zap_lock:
+        entry = _zap_handlers.get(id(ctx))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _zap_handlers[id(ctx)]
+            entry[0].stop()
+
+
 def is_loopback(endpoint: str) -> bool:
     """ipc/inproc are local; tcp is local only on a loopback address."""
     scheme, _, rest = endpoint.partition("://")
@@ -73,17 +157,28 @@ def is_loopback(endpoint: str) -> bool:
         return False  # a name or interface other than localhost: treat as remote
 
 
-def check_endpoint(endpoint: str, curve: CurveServer | CurveClient | None) -> None:
+def check_endpoint(endpoint: str, curve: Auth | None) -> None:
+    if not is_loopback(endpoint) and isinstance(curve, SharedSecret):
+        raise EndpointError(f"endpoint {endpoint!r} is not a loopback address: a session secret would cross the "
+                            "network in the clear; use CurveZMQ keys")
     if not is_loopback(endpoint) and curve is None:
         raise EndpointError(f"endpoint {endpoint!r} is not a loopback address: CurveZMQ keys are required "
                             "(bridge: curve_secret_file + curve_server_public_file; serve: --curve-secret-file "
                             "+ --curve-authorized)")
 
 
-def apply_curve_keys(sock: zmq.Socket, curve: CurveServer | CurveClient | None) -> None:
-    """Make `sock` a Curve server or client with these certificate files (the control socket and the
-    frame lane use the same ones). A server also needs a running authenticator on its context."""
+def apply_curve_keys(sock: zmq.Socket, curve: Auth | None) -> None:
+    """Make `sock` a Curve server or client with these certificate files, or a PLAIN one with the session
+    secret (the control socket and the frame lane use the same ones). A server also needs a running
+    authenticator on its context."""
     if curve is None:
+        return
+    if isinstance(curve, SharedSecret):
+        if curve.server:
+            sock.zap_domain = curve.domain.encode()
+            sock.plain_server = True
+        else:
+            sock.plain_username, sock.plain_password = PLAIN_USER, curve.secret.encode()
         return
     import zmq.auth
     public, secret = zmq.auth.load_certificate(curve.secret_file)
@@ -143,7 +238,7 @@ class PrivateEndpoint:
 
 class Channel:
     def __init__(self, ctx: zmq.Context, endpoint: str | None, *, bind: bool,
-                 curve: CurveServer | CurveClient | None = None, identity: bytes | None = None):
+                 curve: Auth | None = None, identity: bytes | None = None):
         self._ctx = ctx
         self.sock = ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, SOCKET_HWM), (zmq.RCVHWM, SOCKET_HWM),
@@ -181,14 +276,16 @@ class Channel:
         self.sent = 0
         self.received = 0
 
-    def _setup_curve(self, curve: CurveServer | CurveClient | None) -> None:
-        if isinstance(curve, CurveServer):
+    def _setup_curve(self, curve: Auth | None) -> None:
+        if isinstance(curve, SharedSecret) and curve.server:
+            apply_curve_keys(self.sock, curve)
+            self._auth = _zap_acquire(self._ctx)
+            self._auth.configure_plain(domain=curve.domain, passwords={PLAIN_USER.decode(): curve.secret})
+        elif isinstance(curve, CurveServer):
             if not os.path.isdir(curve.authorized_dir):
                 raise EndpointError(f"{curve.authorized_dir}: not a directory of authorised client keys")
             apply_curve_keys(self.sock, curve)  # checks the certificate before an authenticator starts
-            from zmq.auth.thread import ThreadAuthenticator
-            self._auth = ThreadAuthenticator(self._ctx)  # serves every Curve socket of this context
-            self._auth.start()
+            self._auth = _zap_acquire(self._ctx)
             self._auth.configure_curve(domain="*", location=curve.authorized_dir)
         else:
             apply_curve_keys(self.sock, curve)
@@ -231,6 +328,8 @@ class Channel:
                     out.append((decode(parts), parts[1:]))
                 except ProtocolError as exc:
                     self.refuse(str(exc))
+                except Exception as exc:  # anything unexpected from a peer is refused, never fatal
+                    self.refuse(f"unreadable message ({type(exc).__name__})")
         return out
 
     def refuse(self, why: str) -> None:
@@ -252,5 +351,5 @@ class Channel:
             wake.close()
         self.sock.close(linger=0)
         if self._auth is not None:
-            self._auth.stop()
+            _zap_release(self._ctx)
             self._auth = None

@@ -36,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from host_bridge.wire.channel import CurveClient, CurveServer, EndpointError, apply_curve_keys, check_endpoint
+from host_bridge.wire.channel import Auth, EndpointError, apply_curve_keys, check_endpoint
 from host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, NOTICE_DIRS, ProtocolError, decode, encode, make
 from host_bridge.wire.wakeup import Wakeup
 
@@ -72,7 +72,7 @@ def lane_endpoint_for(control_endpoint: str, announced: str) -> str:
 
 class FrameLane:
     def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool, side: str,
-                 curve: CurveServer | CurveClient | None = None):
+                 curve: Auth | None = None):
         if side not in ACCEPTS:
             raise ValueError(f"side: {side!r}; expected 'host' or 'engine'")
         self._accepts = ACCEPTS[side]
@@ -166,12 +166,18 @@ class FrameLane:
             for _ in range(MAX_RECV_PER_CALL):
                 if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:  # CurveZMQ: readiness may come from handshake traffic, not a message
+                    break
                 self.received += 1
                 try:
                     msg = decode(parts)
                 except ProtocolError as exc:
                     self.refuse(str(exc))
+                    continue
+                except Exception as exc:  # anything unexpected from a peer is refused, never fatal
+                    self.refuse(f"unreadable message ({type(exc).__name__})")
                     continue
                 if (msg["type"], msg.get("dir")) not in self._accepts:
                     self.refuse(f"{msg['type']} {msg.get('dir', '')} message on the frame lane; it carries only "

@@ -30,7 +30,28 @@ def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
         raise ValueError(f"{what}: shape {frame.shape} is not allowed; expected [H, W] or [H, W, C] with C in 1..4")
     if frame.dtype not in DTYPES:
         raise ValueError(f"{what}: dtype {frame.dtype} is not allowed; expected uint8, uint16 or float32")
+    if frame.dtype.kind == "f" and not (np.isfinite(frame.min()) and np.isfinite(frame.max())):  # NaN propagates
+        raise ValueError(f"{what}: holds NaN or infinite values; expected finite values (0..1)")
     return frame
+
+
+def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
+    """`frame` [H, W, C] itself when neither side exceeds `max_side`, else shrunk by the smallest whole
+    factor that fits, each output pixel the mean of its block (an area filter, in the frame's dtype).
+    Done before any other conversion, so a huge input costs the host one pass and never reaches a ring."""
+    h, w = frame.shape[:2]
+    k = -(-max(h, w) // max_side)
+    if k <= 1:
+        return frame
+    oh, ow = h // k, w // k
+    if oh < 1 or ow < 1:
+        raise ValueError(f"frame: {w}x{h} cannot be shrunk to at most {max_side} px per side; the aspect is too "
+                         "extreme")
+    blocks = frame[:oh * k, :ow * k].reshape(oh, k, ow, k, frame.shape[2])
+    mean = blocks.mean(axis=(1, 3), dtype=np.float32)
+    if frame.dtype.kind == "f":
+        return mean.astype(frame.dtype)
+    return np.rint(mean).astype(frame.dtype)
 
 
 def to_uint8(values: np.ndarray) -> np.ndarray:

@@ -18,10 +18,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
+
 PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
+MAX_FRAME_SIDE = 16384  # the longest side a ring slot may have (hosts downscale larger frames first)
 MAX_TEXT = 4096
 MAX_ENDPOINT = 256
 LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
@@ -54,8 +57,9 @@ def _int(lo: int = 0, hi: int = 2**62) -> Callable[[Any], str | None]:
 
 def _num(lo: float = -1e300, hi: float = 1e300) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-        return None if ok else f"a finite number in [{lo}, {hi}]"
+        # an int is compared as it is: math.isfinite() raises OverflowError on one of 400 digits
+        number = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v)
+        return None if number and lo <= v <= hi else f"a finite number in [{lo}, {hi}]"
     return check
 
 
@@ -103,6 +107,17 @@ def _json_object(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a JSON object"
 
 
+def _live(param: LiveParam) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if param.problem(v) is None else param.allowed()
+    return check
+
+
+def _live_params(v: Any) -> str | None:
+    problem = LIVE.problem(v)
+    return None if problem is None else f"live parameters ({problem})"
+
+
 def _ring_spec(v: Any) -> str | None:
     if not isinstance(v, dict):
         return "a ring description object"
@@ -138,9 +153,10 @@ SCHEMA: dict[str, Fields] = {
               "nbytes": (_opt(_int(0, MAX_PAYLOAD_BYTES)), False)},
     "release": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
                 "gen": (_int(), True), "dropped": (_bool, False)},
-    # session control (requests may carry an id; the engine answers ack or error with it)
-    "prompt": {**_ID, "text": (_str(MAX_TEXT, 1), True), "transition_chunks": (_opt(_int(0, 100000)), False)},
-    "params": {**_ID, "params": (_json_object, True)},
+    # session control (requests may carry an id; the engine answers ack or error with it); prompt and
+    # parameter values are checked against the live-parameter schema (params.py)
+    "prompt": {**_ID, "text": (_live(PROMPT), True), "transition_chunks": (_opt(_live(TRANSITION_CHUNKS)), False)},
+    "params": {**_ID, "params": (_live_params, True)},
     "mode": {**_ID, "lossless": (_bool, True)},
     # flush: `seq` = the last frame notice sent before it (on the lane); the engine waits for that notice
     "flush": {**_ID, "seq": (_opt(_int()), False)},
@@ -183,7 +199,12 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"not a UTF-8 JSON message ({type(exc).__name__})") from None
-    validate(msg)
+    try:
+        validate(msg)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a checker that trips over an odd value still refuses, never crashes the receiver
+        raise ProtocolError(f"unreadable message ({type(exc).__name__})") from None
     allowed_parts = (1, 2) if msg["type"] == "frame" else (1,)
     if len(parts) not in allowed_parts:
         raise ProtocolError(f"{msg['type']}: {len(parts)} parts; expected {' or '.join(map(str, allowed_parts))}")
@@ -266,7 +287,8 @@ class RingSpec:
     def from_dict(cls, data: dict[str, Any]) -> RingSpec:
         checks: Fields = {
             "transport": (_choice(*TRANSPORTS), True), "dir": (_choice(*DIRECTIONS), True),
-            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, 16384), True), "height": (_int(1, 16384), True),
+            "slots": (_int(1, MAX_SLOTS), True), "width": (_int(1, MAX_FRAME_SIDE), True),
+            "height": (_int(1, MAX_FRAME_SIDE), True),
             "channels": (_int(1, 4), True), "dtype": (_choice(*DTYPES), True), "pitch": (_int(1, 2**20), True),
             "generation": (_int(), True), "orientation": (_choice(*ORIENTATIONS), False),
             "order": (_str(4, 1), False), "handles": (_str_list(MAX_SLOTS, 256), False),

@@ -12,6 +12,7 @@ Field constraints ride on dataclass field metadata, built with `spec()`:
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -39,7 +40,8 @@ def build(cls: type[T], data: Any, *, source: str = "<config>", path: str = "") 
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: {where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        raise ConfigError(f"{source}: {where}: expected a mapping of keys, got {type(data).__name__} "
+                          f"{short_repr(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
@@ -143,7 +145,16 @@ def _name(tp: Any) -> str:
 
 
 def _fail(source: str, path: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"{source}: {path}: {value!r} is not allowed; expected {allowed}")
+    raise ConfigError(f"{source}: {path}: {short_repr(value)} is not allowed; expected {allowed}")
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """repr() of at most `limit` characters that never walks a whole container: a YAML alias bomb
+    expands to gigabytes of text."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, limit, limit
+    text = r.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def to_dict(obj: Any) -> Any:

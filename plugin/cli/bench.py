@@ -8,15 +8,17 @@ import platform
 
 import numpy as np
 
-from engine.config import LoomConfig, load_config
+from engine.config import LoomConfig, load_config, lora_override
 from plugin.media.video_io import generate_clip, open_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark the streaming pipeline (random weights unless given)")
-    p.add_argument("--config", default="wan2.1-1.3b", help="preset name or YAML file (default wan2.1-1.3b)")
+    p.add_argument("-c", "--config", default="wan2.1-1.3b", help="preset name or YAML file (default wan2.1-1.3b)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--frames", type=int, default=3000, help="frames to stream after warm-up")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--warmup", type=int, default=41, help="frames streamed before measuring")
     p.add_argument("--steps", help="denoising steps, e.g. 700,500")
     p.add_argument("--mode", choices=("auto", "batch", "sequential"))
@@ -38,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "24 GB card suffices; use with --set memory.low_vram=true)")
     p.add_argument("--gpus", type=int, help="split the DiT over this many GPUs (pipeline parallelism; "
                    "sets parallel.gpus; on a CPU device: processes)")
+    p.add_argument("--batches", default="8,16",
+                   help="edit family (model.family=edit): the batch sizes B to stream at, e.g. 8,16")
     p.add_argument("--json", help="write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
     # off the per-frame path (a prompt is encoded once, not per chunk).
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
     overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
     for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
@@ -73,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={flag}")
     cfg = load_config(args.config, overrides)
     frames = clip_frames(cfg, args.clip, args.warmup + args.frames)
+    if cfg.model.family == "edit":
+        return _run_edit(args, cfg, frames)
     print(f"loom bench: {cfg.model.preset} {cfg.resolution.width}x{cfg.resolution.height} steps {cfg.stream.steps}"
           f" -- streaming {args.frames} frames after {args.warmup} warm-up", flush=True)
     result = {
@@ -111,3 +118,33 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(result, args.json)
     return 0
+
+
+def _run_edit(args: argparse.Namespace, cfg: LoomConfig, frames: np.ndarray) -> int:
+    """The edit family: a streaming run per batch size and the encoder's amortisation (no Wan baseline)."""
+    import torch
+
+    from engine.tools.bench import write_json
+    from engine.tools.bench_edit import edit_summary_table, run_edit
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise SystemExit(f"--batches: {args.batches!r} is not a list of batch sizes such as 8,16") from None
+    print(f"loom bench: edit family {cfg.edit.unet} {cfg.resolution.width}x{cfg.resolution.height} "
+          f"steps {cfg.edit.steps}, B in {batches} -- streaming {args.frames} frames after {args.warmup} warm-up",
+          flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "preset": args.config,
+        "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
+        "config": cfg.to_dict(),
+        "edit": run_edit(cfg, frames, args.warmup, args.input_fps, batches),
+    }
+    print(edit_summary_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+

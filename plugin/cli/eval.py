@@ -34,7 +34,7 @@ DEFAULT_OUT = "loom_eval"
 GENERATED_CLIP_FRAMES = 120
 GENERATED_CLIP_SIZE = (832, 480)
 EVAL_REPORT_VERSION = 1
-SUMMARY_METRICS = ("warp_error", "flicker", "output_diff", "luma_shift", "saturation_shift")
+SUMMARY_METRICS = ("warp_error", "sharpness", "flicker", "output_diff", "luma_shift", "saturation_shift")
 
 
 class EvalError(RuntimeError):
@@ -334,23 +334,25 @@ def _engine_run(config_path: str | None, overrides: list[str]) -> EvalRun:
     """A run of the real engine; the config (a YAML file or a preset name) is loaded and validated
     now, the model once per clip."""
     from engine.config import load_config
-    from engine.stream.session import StreamSession
+    from engine.session_api import open_session
 
     config = load_config(config_path, overrides)
     label = Path(config_path).stem if config_path else "default"
-    return EvalRun(label, lambda: StreamSession.from_config(config),
+    return EvalRun(label, lambda: open_session(config),
                    {"identity": False, "config": config_path, "overrides": list(overrides)})
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The console summary: one line per clip and run."""
-    header = f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'flicker':>8} {'drift/1k':>9}"
+    header = (f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'sharpness':>9} {'flicker':>8} "
+              f"{'drift/1k':>9}")
     lines = [header, "-" * len(header)]
     for clip in report["clips"]:
         for label, result in clip["results"].items():
             slope = result["trend"]["warp_error"]["slope_per_1000_frames"]
             lines.append(f"{clip['clip'][:28]:<28} {label[:16]:<16} {result['frames']:>6} "
-                         f"{result['totals']['warp_error']:>9.3f} {result['totals']['flicker']:>8.3f} "
+                         f"{result['totals']['warp_error']:>9.3f} {result['totals']['sharpness']:>9.3f} "
+                         f"{result['totals']['flicker']:>8.3f} "
                          f"{'-' if slope is None else f'{slope:+.3f}':>9}")
     return "\n".join(lines)
 

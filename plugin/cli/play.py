@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import load_config
+from engine.config import load_config, lora_override
 
 EPILOG = """\
 inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
@@ -46,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--config", default="default", help="preset name or YAML file (default: default)")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                    help="override a config key, e.g. --set stream.steps=[700]")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
                    help="style prompt; repeat for a list to step through with n/b or OSC")
     p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
@@ -74,6 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
     from plugin.player import PlayerOptions, read_prompt_file, run_player
     from plugin.player.options import PlayerError
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         input=args.input, outputs=args.outputs or ["loom_out.mp4"], config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
+        lora_scales={e.key: e.scale for e in cfg.lora},
         max_frames=args.max_frames, size=args.size, fps=args.fps, mode=args.mode, loop=args.loop,
         transport=args.transport, endpoint=args.endpoint, engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from host_bridge import EngineState
+from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
@@ -42,9 +44,9 @@ from plugin.player.options import (
 from plugin.player.status import StatusPrinter, live_line, progress_line
 
 # Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
-# the first chunk is 5 frames, later ones 4 (first batch 5 + 4*4, then 5*4).
-FIRST_BATCH = 21
-LATER_BATCH = 20
+# five chunks, the first batch starting the stream with its longer first chunk.
+FIRST_BATCH = whole_chunks(5)
+LATER_BATCH = 5 * CHUNK_FRAMES
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
 RETRY_PAUSE_S = 1.0
@@ -78,7 +80,8 @@ class Player:
         prompts = list(options.prompts) or [options.default_prompt]
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
-                                              motion_aware=options.motion_aware))
+                                              motion_aware=options.motion_aware,
+                                              lora_scales=dict(options.lora_scales)))
         self.keyboard = KeyboardInput(self.controls)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
@@ -197,8 +200,8 @@ class Player:
             self._open_outputs()
             self._start_engine()
             self._start_osc()
-            if self.opts.prompts:  # sent as soon as the engine runs (and again to a restarted one)
-                self.controls.sync.set_prompt(self.controls.state.prompt)
+            if self.opts.prompts:  # the bridge tells the engine as soon as it runs (and a restarted one)
+                self.bridge.set_prompt(self.controls.state.prompt)
             live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
             if live:
                 self._run_live()
@@ -450,11 +453,11 @@ def _raise_on_stop_signals() -> dict[int, Any]:
 
 
 def _is_ready(status: Any) -> bool:
-    return status.state == "running"
+    return status.state == EngineState.RUNNING
 
 
 def _is_failed(status: Any) -> bool:
-    return status.state in ("dead", "stopped")
+    return status.state in (EngineState.DEAD, EngineState.STOPPED)
 
 
 def run_player(options: PlayerOptions) -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host_bridge.wire.params import LIVE, PROMPT, whole_chunks
+
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"
 GENERATED_INPUT = "generated"
-# 5 + 4k frames: the engine's first chunk is 5 frames, the next ones 4 (no partial last chunk).
-DEFAULT_GENERATED_FRAMES = 49
+DEFAULT_GENERATED_FRAMES = whole_chunks(12)  # whole engine chunks: no partial last chunk
 DEFAULT_GENERATED_SIZE = (256, 256)
 DEFAULT_GENERATED_FPS = 24.0
 NETWORK_OUTPUT_SCHEMES = ("udp", "srt", "rtmp", "rtmps")
@@ -40,10 +41,11 @@ class PlayerOptions:
     config: str = "default"
     overrides: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
-    default_prompt: str = "a painting in the style of van gogh, vivid brush strokes"
-    steps: int = 2
-    noise_scale: float = 0.8
-    motion_aware: bool = True
+    default_prompt: str = PROMPT.default
+    steps: int = len(LIVE["steps"].default)
+    noise_scale: float = LIVE["noise_scale"].default
+    motion_aware: bool = LIVE["motion_aware"].default
+    lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
     max_frames: int | None = None
     size: tuple[int, int] = DEFAULT_GENERATED_SIZE
     fps: float = DEFAULT_GENERATED_FPS

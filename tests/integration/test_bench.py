@@ -9,8 +9,9 @@ from plugin.cli.main import main
 
 def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", "default", "--frames", "24", "--warmup", "9", "--bridge", "shm",
-               "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
+    # the embedded default at 64x64: the table and the JSON have the same rows at any size
+    rc = main(["bench", "--config", "default", "--width", "64", "--height", "64", "--frames", "24", "--warmup", "9",
+               "--bridge", "shm", "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     for row in ("FPS", "time to first frame", "latency p95/p99/max", "chunk period", "stage dit", "stage bridge",
@@ -31,3 +32,16 @@ def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
 def test_bench_refuses_a_bad_override(capsys):
     assert main(["bench", "--config", "default", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
     assert "steps" in capsys.readouterr().err
+
+
+def test_bench_edit_family_reports_each_batch_size_and_the_encoder(tmp_path, capsys):
+    out = tmp_path / "edit.json"
+    rc = main(["bench", "-c", "edit-tiny", "--frames", "12", "--warmup", "4", "--batches", "2,4",
+               "--set", "resolution.width=32", "--set", "resolution.height=32", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for row in ("B=2 FPS", "B=4 latency p50/p99", "B=4 stage main.unet", "B=2 stage side.vae_encode",
+                "encoder at B=16"):
+        assert row in table
+    data = json.loads(out.read_text())
+    assert set(data["edit"]["runs"]) == {"2", "4"} and data["edit"]["runs"]["4"]["frames_out"] > 0

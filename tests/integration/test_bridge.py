@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from host_bridge import Bridge, BridgeConfig
+from tests.fakes.engines import indexed_frame, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -46,30 +47,15 @@ def _gone(pid: int, timeout_s: float = 5.0) -> bool:
     return False
 
 
-def _wait(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def _engine_took(bridge: Bridge, frames: int, timeout_s: float) -> bool:
-    return _wait(lambda: bridge.stats()["engine"].get("frames_in", 0) >= frames, timeout_s)
-
-
-def _frame(i: int, h: int = 48, w: int = 64) -> np.ndarray:
-    """A frame whose content identifies its index."""
-    rng = np.random.default_rng(i)
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return wait_until(lambda: bridge.stats()["engine"].get("frames_in", 0) >= frames, timeout_s)
 
 
 @posix_only
 def test_thousand_frames_round_trip_in_order_with_exact_content():
     with Bridge(_config()) as bridge:
         bridge.wait_running(30)
-        frames = [_frame(i) for i in range(1000)]
+        frames = [indexed_frame(i, 48, 64) for i in range(1000)]
         outputs = bridge.process(frames, timeout_s=60)
         assert len(outputs) == 1000
         for i, (a, b) in enumerate(zip(frames, outputs)):
@@ -84,7 +70,7 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
         sent = {}
         last_seq = -1
         for i in range(200):
-            f = _frame(5000 + i)
+            f = indexed_frame(5000 + i, 48, 64)
             bridge.submit(f)
             sent[bridge.last_seq] = f
             time.sleep(0.002)
@@ -99,21 +85,24 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
 
 
 @posix_only
-def test_thousand_frames_through_the_tiny_model_in_order():
-    """The real embedded model behind the bridge. With the crop policy and a wider input the side
-    bands pass through unchanged, so each output carries the identity of its input."""
-    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]"]
+def test_a_long_stream_through_the_tiny_model_comes_back_in_order():
+    """The real embedded model behind the bridge, over a stream long enough that the KV ring wraps
+    and RoPE refreshes many times (25 latent frames; a 3-frame ring, and a refresh every 2 latent frames
+    once position 8 is reached). With the crop policy and a wider input the side bands pass through unchanged, so each
+    output carries the identity of its input."""
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "stream.rope_refresh_at=8"]
+    n = 5 + 4 * 24  # the first chunk, then 24 latent frames
     frames = []
-    for i in range(1000):
-        f = _frame(i, 32, 48)
+    for i in range(n):
+        f = indexed_frame(i, 32, 48)
         f[:, :8] = i % 251
         frames.append(f)
     with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
         bridge.wait_running(120)
         outputs = bridge.process(frames, timeout_s=600)
-    assert len(outputs) == 1000
+    assert len(outputs) == n
     assert all(o.shape == (32, 48, 3) for o in outputs)
-    assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(1000)]
+    assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(n)]
     assert not all(np.array_equal(a[:, 8:40], b[:, 8:40]) for a, b in zip(frames[:20], outputs[:20]))
 
 
@@ -126,7 +115,7 @@ def test_frame_size_changes_through_the_tiny_model():
     sizes = [(32, 48)] * 7 + [(40, 64)] * 6 + [(32, 48)] * 3
     frames = []
     for i, (h, w) in enumerate(sizes):
-        f = _frame(i, h, w)
+        f = indexed_frame(i, h, w)
         f[:, :4] = i * 10  # the crop policy passes the side bands through: each output's identity
         frames.append(f)
     with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
@@ -136,12 +125,12 @@ def test_frame_size_changes_through_the_tiny_model():
         assert [int(o[0, 0, 0]) for o in outputs] == [i * 10 for i in range(len(frames))]
 
         for i in range(7):  # live: a first chunk of 5 frames and 2 of the next, each taken by the engine
-            bridge.submit(_frame(i, 32, 48))  # (one replaced by the next, latest wins, would shift the chunks)
+            bridge.submit(indexed_frame(i, 32, 48))  # (one replaced by the next, latest wins, would shift the chunks)
             assert _engine_took(bridge, len(frames) + i + 1, 20), bridge.stats()["engine"]
         deadline = time.monotonic() + 20
         fresh = None
         while fresh is None and time.monotonic() < deadline:
-            bridge.submit(_frame(0, 40, 64))
+            bridge.submit(indexed_frame(0, 40, 64))
             time.sleep(0.03)
             out, status = bridge.latest()
             if not status.fallback and out.shape == (40, 64, 3):
@@ -165,7 +154,7 @@ def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goe
         with pytest.raises(ValueError, match="no embedding for prompt 'watercolour'.*ink wash"):
             bridge.set_prompt("watercolour", wait=True)
         bridge.set_prompt("ink wash", wait=True)
-        outputs = bridge.process([_frame(i, 32, 32) for i in range(9)], timeout_s=60)
+        outputs = bridge.process([indexed_frame(i, 32, 32) for i in range(9)], timeout_s=60)
         assert len(outputs) == 9 and bridge.status().state == "running"
 
 
@@ -181,7 +170,7 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
         first_pid = bridge.stats()["engine_pid"]
         i = 0
         while bridge.status().frames_out < 10:
-            bridge.submit(_frame(i))
+            bridge.submit(indexed_frame(i, 48, 64))
             i += 1
             time.sleep(period)
         first_segments = set(bridge.stats()["segments"])
@@ -192,7 +181,7 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
         saw_fallback = saw_down = False
         recovered_at = None
         while time.monotonic() - killed_at < 15:
-            f = _frame(i)
+            f = indexed_frame(i, 48, 64)
             t0 = time.monotonic()
             bridge.submit(f)
             out, status = bridge.latest()
@@ -208,7 +197,8 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
             time.sleep(period)
         assert saw_fallback and recovered_at is not None, bridge.status()
         assert recovered_at - killed_at < 10
-        assert worst < period, f"a host call blocked {worst * 1000:.1f} ms"
+        # a call held by the restart would wait for the engine's stop and start (a second or more)
+        assert worst < 0.5, f"a host call blocked {worst * 1000:.1f} ms"
         assert bridge.status().restarts == 1
         assert _gone(first_pid)
         assert not (_segments() & first_segments), "the dead engine's segments were not removed"
@@ -227,18 +217,66 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
     assert not (_segments() & second_segments)
 
 
+def _engine_session(bridge: Bridge, pid: int, ready, timeout_s: float = 10.0) -> dict:
+    """The session report of engine `pid` once `ready(report)` holds (reports come about once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engine = bridge.stats()["engine"]
+        if engine.get("pid") == pid and ready(engine.get("session") or {}):
+            return engine["session"]
+        time.sleep(0.05)
+    raise AssertionError(f"engine {pid} never reported the expected session: {bridge.stats()['engine']}")
+
+
 @posix_only
-def test_hung_engine_is_detected_within_two_seconds_and_replaced():
+def test_a_fresh_engine_is_told_the_hosts_prompt_and_params_exactly_once():
+    """A host (the player's controls) sets a prompt before the engine runs; the first engine and a
+    restarted one each receive it once: the bridge alone remembers and re-sends what the host wants."""
+    from plugin.player.controls import Controls, ControlState, prompt_command, steps_command
+
+    def told(session: dict) -> bool:
+        return session.get("prompt") == "velvet" and session.get("params") == {"steps": [700, 500, 400]}
+
+    bridge = Bridge(_config())
+    controls = Controls(ControlState(prompts=["ink"]))
+    controls.put(prompt_command("velvet", 2))
+    controls.put(steps_command(3))
+    controls.apply_pending(bridge)  # before start: remembered by the bridge
+    bridge.start()
+    try:
+        for engine in ("first", "restarted"):
+            bridge.wait_running(30)
+            pid = bridge.stats()["engine_pid"]
+            for _ in range(3):  # the host's frame loop goes on applying (nothing new) while the engine runs
+                controls.apply_pending(bridge)
+                time.sleep(0.05)
+            _engine_session(bridge, pid, told)
+            time.sleep(1.5)  # one more report: a late second copy would have arrived by then
+            session = _engine_session(bridge, pid, told)
+            assert session["prompts_received"] == 1, (engine, session)
+            if engine == "first":
+                os.kill(pid, signal.SIGKILL)
+                assert wait_until(lambda gone=pid: bridge.stats()["engine_pid"] not in (None, gone), 15)
+        assert bridge.status().restarts == 1
+        assert bridge.wanted.prompt.text == "velvet" and bridge.wanted.params == {"steps": [700, 500, 400]}
+    finally:
+        bridge.close()
+
+
+@posix_only
+def test_hung_engine_is_detected_soon_after_its_timeout_and_replaced():
     bridge = Bridge(_config(stop_timeout_s=0.3)).start()
     try:
         bridge.wait_running(30)
         pid = bridge.stats()["engine_pid"]
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        while bridge.status().state == "running" and time.monotonic() - stopped_at < 5:
-            bridge.submit(_frame(0))
+        while bridge.status().state == "running" and time.monotonic() - stopped_at < 20:
+            bridge.submit(indexed_frame(0, 48, 64))
             time.sleep(0.02)
-        assert time.monotonic() - stopped_at < 2.0, "hang not detected within 2 s"
+        # hang_timeout_s is 1 s: "within 5 s" has room for a loaded machine, and still fails a detector
+        # that never fires or waits for something else (a stop timeout, a heartbeat backlog)
+        assert time.monotonic() - stopped_at < 5.0, "hang not detected within 5 s of a 1 s hang timeout"
         assert "silent" in bridge.status().message
         bridge.wait_running(15)
         assert bridge.stats()["engine_pid"] != pid
@@ -252,7 +290,7 @@ def test_stalled_engine_never_grows_host_memory():
     bridge = Bridge(_config(engine_args=["--stall-after", "5"])).start()
     try:
         bridge.wait_running(30)
-        frame = _frame(1, 128, 128)  # 48 KiB per frame: 3,000 leaked frames would be 147 MiB
+        frame = indexed_frame(1, 128, 128)  # 48 KiB per frame: 3,000 leaked frames would be 147 MiB
         for _ in range(50):
             bridge.submit(frame)
         time.sleep(0.3)
@@ -351,7 +389,7 @@ def test_missing_engine_python_is_reported_not_raised():
     try:
         with pytest.raises(RuntimeError, match="cannot start the engine"):
             bridge.wait_running(10)
-        frame = _frame(3)
+        frame = indexed_frame(3, 48, 64)
         bridge.submit(frame)
         out, status = bridge.latest()
         assert status.state == "dead" and np.array_equal(out, frame)

@@ -14,65 +14,24 @@ import types
 import pytest
 import torch
 
-from .test_comfyui import PACKAGE_DIR, _engine, _image_batch, _load_like_comfyui, _run
+from tests.fakes.comfyui import ComfyInterrupt, engine_node, image_batch, loaded_node_package, run_node
+from tests.fakes.engines import engine_report
 
 
 @pytest.fixture(scope="module")
 def nodes_pkg():
-    """A load of its own (test_comfyui.py has another, under the same module name: each load leaves no
-    trace in sys.modules, or the next load's relative import would find the old `nodes`)."""
-    names = (str(PACKAGE_DIR).replace(".", "_x_"), str(PACKAGE_DIR).replace(".", "_x_") + ".nodes")
-    for name in names:
-        sys.modules.pop(name, None)
-    module = _load_like_comfyui(PACKAGE_DIR)
-    yield module
-    module.nodes.ENGINES.close_all()
-    for name in names:
-        sys.modules.pop(name, None)
+    with loaded_node_package() as package:
+        yield package
 
 
 def test_a_refused_prompt_is_not_kept_and_later_runs_still_stream(nodes_pkg):
-    handle, _ = _engine(nodes_pkg, passthrough=True)
-    with pytest.raises(ValueError, match="Loom Prompt: prompt.text: .* expected a string of 1 to 4096 characters"):
-        _run(nodes_pkg, "LoomPrompt", engine=handle, prompt="x" * 5000, steps=2, noise_scale=0.8,
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    with pytest.raises(ValueError, match="Loom Prompt: the prompt has 5000 characters; expected at most 4096"):
+        run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="x" * 5000, steps=2, noise_scale=0.8,
              motion_aware=True, transition_chunks=4)
-    images = _image_batch(3, 16, 24)
-    out, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+    images = image_batch(3, 16, 24)
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
     assert torch.equal(out, images)
-
-
-class ComfyInterrupt(types.ModuleType):
-    """comfy.model_management's interrupt, as ComfyUI has it: Cancel sets a flag under a lock
-    (interrupt_current_processing); a node that calls throw_exception_if_processing_interrupted gets
-    InterruptProcessingException, and the flag is cleared."""
-
-    class InterruptProcessingException(Exception):
-        pass
-
-    def __init__(self) -> None:
-        super().__init__("comfy.model_management")
-        self._lock = threading.RLock()
-        self._flag = False
-
-    def interrupt_current_processing(self, value: bool = True) -> None:
-        with self._lock:
-            self._flag = value
-
-    def throw_exception_if_processing_interrupted(self) -> None:
-        with self._lock:
-            if self._flag:
-                self._flag = False
-                raise self.InterruptProcessingException()
-
-
-def _engine_report(bridge, ready, timeout_s: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        report = bridge.stats()["engine"]
-        if ready(report):
-            return report
-        time.sleep(0.05)
-    raise AssertionError(f"engine never reported the expected state: {bridge.stats()['engine']}")
 
 
 def test_comfyui_cancel_stops_a_batch_and_leaves_the_engine_streaming_live(nodes_pkg, monkeypatch):
@@ -82,9 +41,9 @@ def test_comfyui_cancel_stops_a_batch_and_leaves_the_engine_streaming_live(nodes
     comfy.model_management = management = ComfyInterrupt()
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.model_management", management)
-    handle, _ = _engine(nodes_pkg, passthrough=True)
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
     handle.bridge.wait_running(60)
-    images = _image_batch(1000, 32, 32, seed=3)  # seconds of work: Cancel comes long before its end
+    images = image_batch(1000, 32, 32, seed=3)  # seconds of work: Cancel comes long before its end
     received = handle.bridge.stats()["received"]
 
     def cancel_after_the_first_outputs() -> None:
@@ -98,27 +57,26 @@ def test_comfyui_cancel_stops_a_batch_and_leaves_the_engine_streaming_live(nodes
     submitted = handle.bridge.stats()["submitted"]
     try:
         with pytest.raises(ComfyInterrupt.InterruptProcessingException):
-            _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+            run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
     finally:
         canceller.join()
     assert handle.bridge.stats()["submitted"] - submitted < len(images) // 2, "the batch ran on after Cancel"
-    _engine_report(handle.bridge, lambda r: r.get("lossless") is False)
-    after = _image_batch(7, 24, 40, seed=4)
-    out, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=after)
+    engine_report(handle.bridge, lambda r: r.get("lossless") is False)
+    after = image_batch(7, 24, 40, seed=4)
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=after)
     assert torch.equal(out, after)
 
 
-def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_next_run(nodes_pkg):
+def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_nextrun_node(nodes_pkg):
     """The engine process stops answering (a hung driver; here SIGSTOP) while the workflow is idle. Once
     the bridge has given up on it, the next run waits for the restarted engine and returns every frame,
     instead of failing on a state that still says 'running' while the hung process is being stopped
     (terminate, wait, kill: seconds)."""
     from host_bridge import Bridge, BridgeConfig
-    from plugin.live_params import ControlSync
 
     # the Engine node's bridge, with a shorter wait before a hung engine is killed (a faster test)
     bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable, stop_timeout_s=0.5))
-    handle = nodes_pkg.nodes.EngineHandle("hung", bridge.start(), {}, ControlSync())
+    handle = nodes_pkg.nodes.EngineHandle("hung", bridge.start(), {})
     try:
         bridge.wait_running(60)
         pid = bridge.stats()["engine_pid"]
@@ -126,8 +84,8 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_next_run(nodes
         deadline = time.monotonic() + 20
         while bridge.stats()["engine_pid"] == pid and time.monotonic() < deadline:
             time.sleep(0.005)
-        images = _image_batch(6, 16, 24, seed=5)
-        out, status = _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+        images = image_batch(6, 16, 24, seed=5)
+        out, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
         assert torch.equal(out, images) and "running" in status
         assert bridge.status().restarts >= 1
     finally:
@@ -135,9 +93,9 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_next_run(nodes
 
 
 def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(nodes_pkg):
-    handle, _ = _engine(nodes_pkg, passthrough=True)
-    for images in (_image_batch(2, 1, 1), _image_batch(3, 17, 33, seed=1), torch.zeros(0, 16, 24, 3)):
-        out, _ = _run(nodes_pkg, "LoomStream", engine=handle, images=images)
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    for images in (image_batch(2, 1, 1), image_batch(3, 17, 33, seed=1), torch.zeros(0, 16, 24, 3)):
+        out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
         assert out.shape == images.shape and torch.equal(out, images)
     with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 1\) is not allowed; expected \[B, H, W, 3\]"):
-        _run(nodes_pkg, "LoomStream", engine=handle, images=torch.rand(2, 16, 16, 1))
+        run_node(nodes_pkg, "LoomStream", engine=handle, images=torch.rand(2, 16, 16, 1))

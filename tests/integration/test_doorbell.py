@@ -129,10 +129,10 @@ def test_torn_corrupt_and_out_of_range_records_are_refused_and_counted(pair):
         raw.write(db.KIND_FRAME | 1 << 8, 12, 1)
         t0 = time.monotonic()
         got = []
-        while not got and time.monotonic() - t0 < 2:
+        while not got and time.monotonic() - t0 < 10:
             got = _take(engine, 0.005)
         assert [m["seq"] for m in got] == [12] and engine.refused == 1 and "torn or corrupt" in engine.last_refusal
-        assert time.monotonic() - t0 < db.RECORD_GRACE_S + 0.5
+        assert time.monotonic() - t0 < db.RECORD_GRACE_S + 2  # skipped after its grace, not left blocking
 
         bad = [db.KIND_FRAME | 16 << 8, db.KIND_RELEASE | 255 << 8, 7 | 1 << 8, db.KIND_FRAME | db.FLAG_DROPPED << 16,
                db.KIND_RELEASE | 4 << 16]
@@ -381,7 +381,8 @@ def test_bridge_refuses_bad_records_from_its_engine_and_never_blocks():
                 t0 = time.monotonic()
                 bridge.submit(np.zeros((8, 8, 3), np.uint8))
                 frame, status = bridge.latest()
-                assert time.monotonic() - t0 < 0.1 and frame is not None and status.state == "running"
+                # a call that waited on the flood of bad records would take seconds
+                assert time.monotonic() - t0 < 1.0 and frame is not None and status.state == "running"
                 engine.send(encode(make("heartbeat", t=time.time())))
         deadline = time.monotonic() + 10
         while bridge.stats()["refused"] + bridge.stats()["stale"] < expected + stale and time.monotonic() < deadline:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from plugin.media.video_io import generate_clip, open_sink, open_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +29,9 @@ def test_in_process_example_restyles_every_frame_of_a_file(tmp_path):
     for frame in generate_clip(n_frames=23, size=(96, 64)):  # 5 + 4 * 4 + a tail of 2
         sink.write(frame)
     sink.close()
-    printed = _run("restyle_in_process.py", str(src), str(out))
+    # the model at the clip's size with one step (the example's --set, as its usage shows): less work, same path
+    printed = _run("restyle_in_process.py", str(src), str(out), "--set", "resolution.width=96", "--set",
+                   "resolution.height=64", "--set", "stream.steps=[700]")
     assert printed.startswith("23 frames to")
     with open_source(out) as restyled:
         frames = list(restyled)
@@ -37,8 +41,14 @@ def test_in_process_example_restyles_every_frame_of_a_file(tmp_path):
     assert abs(frames[0].astype(int) - first.astype(int)).mean() > 1  # restyled, not copied
 
 
-def test_host_frame_loop_example_streams_through_a_launched_engine():
-    printed = _run("host_frame_loop.py", "--seconds", "6", "--fps", "20")  # the first chunk needs 5 frames and a CPU
+def test_host_frame_loop_example_streams_through_a_launched_engine(tmp_path):
+    # the embedded default at 64x64 with one step, so a loaded CPU still restyles within the run
+    settings = yaml.safe_load((ROOT / "engine" / "presets" / "default.yaml").read_text())
+    settings["resolution"] = {"width": 64, "height": 64}
+    settings["stream"]["steps"] = [700]
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    printed = _run("host_frame_loop.py", "--seconds", "6", "--fps", "20", "--config", str(config))
     m = re.search(r"(\d+) frames submitted, (\d+) restyled frames shown, \d+ fallbacks; .* restarts (\d+)", printed)
     assert m, printed
     submitted, shown, restarts = map(int, m.groups())

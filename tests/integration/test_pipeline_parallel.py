@@ -22,14 +22,14 @@ from engine.models.loading import load_models
 from engine.parallel.plan import NoiseLedger, balanced_split, even_split, stage_ranges
 from engine.parallel.session import PipelineError, PipelineSession
 from engine.stream.session import StreamSession
+from tests.fakes.media import panning_clip
 
 BASE = ["resolution.width=32", "resolution.height=32", "stream.mode=batch", "model.dtype=float32",
         "stream.num_kv_cache=4", "stream.sink=1", "stream.rope_refresh_at=6"]
 
 
 def clip(n: int, seed: int = 0) -> np.ndarray:
-    base = np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8)
-    frames = np.stack([np.roll(base, 2 * i, axis=1) for i in range(n)])
+    frames = panning_clip(n, 32, 32, seed, shift=2)
     frames[:, :2, :2] = np.arange(n)[:, None, None, None]  # some motion that differs per frame
     return frames
 
@@ -47,7 +47,7 @@ def no_children_left() -> bool:
 @pytest.mark.parametrize("steps", ["[700]", "[700,500]"])
 def test_two_ranks_give_the_one_process_frames(steps):
     overrides = [*BASE, f"stream.steps={steps}"]
-    frames = clip(41)  # 11 latent frames: the ring wraps and RoPE refreshes on every rank
+    frames = clip(33)  # 9 latent frames: the ring wraps and RoPE refreshes on every rank and KV row
     one = StreamSession.from_config(load_config(None, overrides))
     reference = stream(one, frames)
     with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2"])) as pipe:

@@ -23,9 +23,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from plugin.live_params import STEP_LISTS
+from host_bridge.wire.params import steps_for
+from plugin.cli.main import main
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 120
@@ -113,19 +115,13 @@ def test_generated_clip_passthrough_frame_count_and_size(tmp_path):
     assert "25/25 frames" in out.stderr or "25 frames" in out.stderr
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 MIN_UDP_FRAMES = 20  # of 25 sent: UDP may lose a few on a busy machine
 
 
 def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
     import av
 
-    port = _free_udp_port()
+    port = free_udp_port()
     received: list[np.ndarray] = []
     ready = threading.Event()
     errors: list[BaseException] = []
@@ -227,11 +223,13 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     (lambda d: "rtsp://127.0.0.1:9/stream", "rtsp://127.0.0.1:9/stream: cannot open"),
     (lambda d: "gopher://example/x", "unsupported URL scheme 'gopher'"),
 ])
-def test_bad_inputs_end_with_a_clear_message(tmp_path, make_input, expected):
-    out = _play("-i", make_input(tmp_path), "-o", str(tmp_path / "never.mp4"), timeout=60)
-    assert out.returncode == 2, out.stderr
-    assert expected in out.stderr
-    assert "Traceback" not in out.stderr
+def test_bad_inputs_end_with_a_clear_message(tmp_path, capsys, make_input, expected):
+    # in this process: `loom` exits with what main() returns (a real process is run by the tests above)
+    code = main(["play", "-i", make_input(tmp_path), "-o", str(tmp_path / "never.mp4")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err
+    assert "Traceback" not in err
     assert not (tmp_path / "never.mp4").exists()
 
 
@@ -263,11 +261,14 @@ def _audio_only(path: Path) -> str:
     (["--set", "stream.stepz=[700]"], "stream.stepz: unknown key"),
     (["--prompts", "/no/such/prompts.txt"], "--prompts: file not found"),
 ])
-def test_bad_options_end_with_a_clear_message(tmp_path, args, expected):
-    out = _play("-n", "5", "--size", "32x32", *args, cwd=tmp_path, timeout=60)
-    assert out.returncode == 2, out.stderr
-    assert expected in out.stderr
-    assert "Traceback" not in out.stderr
+def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, args, expected):
+    monkeypatch.chdir(tmp_path)
+    code = main(["play", "-n", "5", "--size", "32x32", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.iterdir()), "a refused run left a file behind"
 
 
 def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
@@ -306,7 +307,7 @@ def test_keys_change_steps_noise_prompt_and_quit():
     for key in "3]]n":
         keys.press(ord(key))
     controls.apply_pending(bridge)
-    assert bridge.params == [{"steps": STEP_LISTS[3], "noise_scale": 0.9}]  # one update per frame
+    assert bridge.params == [{"steps": steps_for(3), "noise_scale": 0.9}]  # one update per frame
     assert bridge.prompts == [("oil", None)]
     for key in "tneon\r":  # type a prompt, Enter sends it
         keys.press(ord(key))
@@ -316,22 +317,18 @@ def test_keys_change_steps_noise_prompt_and_quit():
     assert controls.state.quit
 
 
-def test_controls_reach_an_engine_that_starts_later_and_a_restarted_one():
+def test_each_change_goes_to_the_bridge_once_whatever_the_engine_is_doing():
+    """The bridge remembers what was set and tells a later or restarted engine (test_bridge.py):
+    the controls hand each change over once, and never again."""
     controls, bridge = _controls("ink"), RecordingBridge()
-    state = SimpleNamespace(state="starting", restarts=0)
-    bridge.status = lambda: state
+    bridge.status = lambda: SimpleNamespace(state="starting", restarts=0)
     controls.put(Command("prompt", ("velvet", 4)))
     controls.put(steps_command(1))
     controls.apply_pending(bridge)
-    assert bridge.prompts == [] and bridge.params == []  # a starting engine would drop them
-    state.state = "running"
+    assert bridge.prompts == [("velvet", 4)] and bridge.params == [{"steps": steps_for(1)}]
+    bridge.status = lambda: SimpleNamespace(state="running", restarts=1)
     controls.apply_pending(bridge)
-    assert bridge.prompts == [("velvet", 0)] and bridge.params == [{"steps": STEP_LISTS[1]}]
-    controls.apply_pending(bridge)
-    assert len(bridge.prompts) == 1  # sent once
-    state.restarts = 1  # the engine crashed and came back: a fresh process gets everything again
-    controls.apply_pending(bridge)
-    assert bridge.prompts[-1] == ("velvet", 0) and bridge.params[-1] == {"steps": STEP_LISTS[1]}
+    assert len(bridge.prompts) == 1 and len(bridge.params) == 1
 
 
 def test_typing_a_prompt_can_be_cancelled():
@@ -349,8 +346,8 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
     assert command_for("/loom/prompt", ("glass", 2)) == Command("prompt", ("glass", 2))
     assert command_for("/loom/quit", ()) == Command("quit")
     for address, args, why in [("/loom/steps", (7,), "expected 1, 2, 3 or 4"),
-                               ("/loom/noise_scale", (3.0,), "out of range"),
-                               ("/loom/prompt", ("",), "non-empty"),
+                               ("/loom/noise_scale", (3.0,), r"noise_scale: .*expected a number in \[0.1, 1\]"),
+                               ("/loom/prompt", ("",), "prompt is empty"),
                                ("/loom/bogus", (), "unknown OSC address"),
                                ("/loom/quit", (1, 2), "wrong arguments")]:
         with pytest.raises(ControlError, match=why):
@@ -359,7 +356,7 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
 
 
 def test_osc_server_feeds_the_controls():
-    pytest.importorskip("pythonosc")
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
 
     from plugin.player.osc import OSCServer
@@ -380,16 +377,16 @@ def test_osc_server_feeds_the_controls():
     finally:
         server.close()
     assert bridge.prompts == [("chrome", 3)]
-    assert bridge.params == [{"steps": STEP_LISTS[4]}]
+    assert bridge.params == [{"steps": steps_for(4)}]
     assert server.rejected == 1 and "steps" in server.last_error
     assert controls.state.quit
 
 
 def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
-    pytest.importorskip("pythonosc")
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
 
-    port = _free_udp_port()
+    port = free_udp_port()
     dst = tmp_path / "osc.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
@@ -490,34 +487,8 @@ def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
 # --- faults on stage: damaged input, a stream that stops, outputs, signals ---------------------
 
 
-def _write_clip(path: Path, frames: list[np.ndarray]) -> Path:
-    """H.264 at 24 fps, a keyframe every 12 frames, no B-frames (so no decoder delay)."""
-    import av
-
-    with av.open(str(path), "w") as out:
-        video = out.add_stream("libx264", rate=24, options={"g": "12", "bframes": "0"})
-        video.height, video.width = frames[0].shape[:2]
-        video.pix_fmt = "yuv420p"
-        for i, image in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
-            frame.pts = i
-            out.mux(video.encode(frame))
-        out.mux(video.encode(None))
-    return path
-
-
-def _noise_clip(path: Path, n: int, size: tuple[int, int] = (64, 48), seed: int = 0) -> Path:
-    """Noise frames: a file big enough to damage in the middle of its picture data."""
-    rng = np.random.default_rng(seed)
-    return _write_clip(path, [rng.integers(0, 256, (size[1], size[0], 3), np.uint8) for _ in range(n)])
-
-
 def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
-    src, dst = _noise_clip(tmp_path / "damaged.mp4", 60), tmp_path / "out.mkv"
-    data = bytearray(src.read_bytes())
-    mid = len(data) // 2  # inside the picture data: the file opens, then packets fail to decode
-    data[mid:mid + 3000] = bytes((b * 7 + 13) & 255 for b in data[mid:mid + 3000])
-    src.write_bytes(bytes(data))
+    src, dst = damage_middle(noise_clip(tmp_path / "damaged.mp4", 60)), tmp_path / "out.mkv"
     out = _play("-i", str(src), "-o", str(dst), "--passthrough")
     assert out.returncode == 0, out.stderr
     assert "damaged" in out.stderr and "Traceback" not in out.stderr
@@ -527,7 +498,7 @@ def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
 def test_a_stream_that_stops_keeps_every_frame_read_before_it(tmp_path):
     """A lossless run of a TCP stream that goes silent: the frames that came before are all written."""
     n = 36  # one first batch (21) and part of the next: the part used to be lost
-    clip = _noise_clip(tmp_path / "feed.ts", n).read_bytes()
+    clip = noise_clip(tmp_path / "feed.ts", n).read_bytes()
     stop = threading.Event()
     server = socket.create_server(("127.0.0.1", 0))
 
@@ -599,8 +570,8 @@ def test_an_input_that_changes_size_mid_stream_stays_whole_in_the_output(tmp_pat
     grey = np.full((48, 64, 3), 128, np.uint8)
     halves = np.zeros((96, 128, 3), np.uint8)
     halves[:, :64] = 255
-    first = _write_clip(tmp_path / "a.ts", [grey] * 12).read_bytes()
-    second = _write_clip(tmp_path / "b.ts", [halves] * 12).read_bytes()
+    first = write_clip(tmp_path / "a.ts", [grey] * 12).read_bytes()
+    second = write_clip(tmp_path / "b.ts", [halves] * 12).read_bytes()
     src, dst = tmp_path / "switched.ts", tmp_path / "out.mkv"
     src.write_bytes(first + second)
     out = _play("-i", str(src), "-o", str(dst), "--passthrough")
@@ -616,8 +587,8 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     """A TCP MPEG-TS feed sends dark frames, goes silent (past the 5 s read timeout), and comes back
     with bright frames on a new connection: the run goes on, every output keeps getting frames (the
     last picture, held) during the stall, and the new feed reaches the output."""
-    dark = _write_clip(tmp_path / "dark.ts", [np.zeros((48, 64, 3), np.uint8)] * 24).read_bytes()
-    bright = _write_clip(tmp_path / "bright.ts", [np.full((48, 64, 3), 255, np.uint8)] * 24).read_bytes()
+    dark = write_clip(tmp_path / "dark.ts", [np.zeros((48, 64, 3), np.uint8)] * 24).read_bytes()
+    bright = write_clip(tmp_path / "bright.ts", [np.full((48, 64, 3), 255, np.uint8)] * 24).read_bytes()
     stop = threading.Event()
     server = socket.create_server(("127.0.0.1", 0))
 

@@ -5,15 +5,14 @@ The server runs in a thread of this process, serving on loopback tcp; the Bridge
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 
 import numpy as np
 import pytest
 
-from engine.server.core import EngineServer
 from host_bridge import Bridge, BridgeConfig
+from tests.fakes.engines import InProcessEngine
 
 
 class ChunkSession:
@@ -118,26 +117,18 @@ class BrokenSession(FailingSession):
     reset_fails = True
 
 
-class _Served:
+class _Served(InProcessEngine):
     """A server thread on loopback tcp with a Bridge connected to it."""
 
     def __init__(self, session_cls) -> None:
-        self.server = EngineServer(session_cls, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
-        self.exit_code: list[int] = []
-        self.thread = threading.Thread(target=lambda: self.exit_code.append(self.server.run()), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while self.server.channel is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.bridge = Bridge(BridgeConfig(launch=False, endpoint=self.server.channel.endpoint, heartbeat_s=0.1,
+        super().__init__(session_cls)
+        self.bridge = Bridge(BridgeConfig(launch=False, endpoint=self.endpoint, heartbeat_s=0.1,
                                           hang_timeout_s=1.0)).start()
         self.bridge.wait_running(20)
 
     def close(self) -> None:
         self.bridge.close()
-        self.server.request_stop()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+        self.stop()
 
 
 @pytest.fixture(params=[ChunkSession, GpuLikeSession])
@@ -192,7 +183,7 @@ def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
     for i in range(9):  # the first chunk (5 frames) and one more (4)
         served.submit(np.full((16, 24, 3), i, np.uint8))
         time.sleep(0.02)
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 10
     while served.status().frames_out < 9 and time.monotonic() < deadline:
         served.latest()
         time.sleep(0.005)

@@ -1,5 +1,5 @@
 """The TouchDesigner operator under the failures a show meets: bad parameter values, odd input TOPs,
-restarts, re-initialised extensions. TouchDesigner's objects are the stand-ins of test_touchdesigner.py;
+restarts, re-initialised extensions. TouchDesigner's objects are the stand-ins of tests/fakes/touchdesigner.py;
 the bridge and the pass-through engine process are real (shm transport).
 """
 
@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from host_bridge.wire.pixels import from_touchdesigner, to_engine
-from plugin.live_params import STEP_LISTS
+from host_bridge.wanted import PromptWish
+from host_bridge.wire.params import steps_for
+from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
-
-from .test_touchdesigner import (
+from tests.fakes.engines import InProcessEngine, wait_until
+from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     CUDAMemory,
     CUDAMemoryShape,
@@ -30,34 +31,12 @@ from .test_touchdesigner import (
     LoomComp,
     ScriptTOP,
     StandInDeviceBuffer,
-    _make_component,
-    _td_texture,
+    configure,
+    cook_until,
+    make_component,
+    running,
+    td_texture,
 )
-
-
-def _configure(comp: LoomComp) -> None:
-    comp.parexec_enabled = False
-    comp.par.Enginepython = sys.executable
-    comp.par.Transport = "shm"
-    comp.par.Passthrough = True
-    comp.parexec_enabled = True
-
-
-def _cook_until(script: ScriptTOP, ready, what: str, timeout_s: float = 30.0) -> list[float]:
-    durations = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        durations.append(script.cook())
-        if ready():
-            return durations
-        time.sleep(0.02)
-    comp = script.parent()
-    raise AssertionError(f"{what} not within {timeout_s} s: {comp.par.State.eval()} {comp.par.Message.eval()}")
-
-
-def _running(comp: LoomComp) -> bool:
-    bridge = comp.ext.LoomExt.bridge
-    return comp.par.State.eval() == "running" and bridge is not None and bridge.stats()["received"] > 0
 
 
 def _engine_session(ext: LoomExt) -> dict[str, Any]:
@@ -67,13 +46,13 @@ def _engine_session(ext: LoomExt) -> dict[str, Any]:
 def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_goes_on():
     """An empty or overlong prompt, or out-of-range steps/noise/transition from the UI or OSC: a message on
     the component, the last good value kept, and neither the parameter callback nor any cook raises."""
-    comp, script, ext = _make_component(InputTOP(_td_texture(24, 32)))
-    _configure(comp)
+    comp, script, ext = make_component(InputTOP(td_texture(24, 32)))
+    configure(comp)
     comp.par.Prompt = "ink wash"
     comp.par.Steps = 3
     comp.par.Active = True
     try:
-        _cook_until(script, lambda: _running(comp), "engine running")
+        cook_until(script, lambda: running(comp), "engine running")
         bad = [("Prompt", "   ", "prompt"), ("Prompt", "x" * 5000, "prompt"), ("Transition", -3, "transition"),
                ("Steps", 7, "steps"), ("Noisescale", 5.0, "noise_scale"), ("Noisescale", float("nan"), "noise_scale")]
         for name, value, word in bad:
@@ -87,8 +66,9 @@ def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_go
             setattr(comp.par, name, good)  # the user puts it back
             comp.parexec_enabled = True
             setattr(comp.par, name, good)
-        assert ext.controls.prompt == ("ink wash", 4)
-        assert ext.controls.params["steps"] == STEP_LISTS[3] and ext.controls.params["noise_scale"] == 0.8
+        wanted = ext.bridge.wanted
+        assert wanted.prompt == PromptWish("ink wash", 4)
+        assert wanted.params["steps"] == steps_for(3) and wanted.params["noise_scale"] == 0.8
         comp.par.Prompt = "velvet"  # a good value clears the message and reaches the engine
         deadline = time.monotonic() + 10
         while _engine_session(ext).get("prompt") != "velvet" and time.monotonic() < deadline:
@@ -100,8 +80,8 @@ def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_go
         comp.par.Steps = 9  # a restart with a bad value on the page: it starts, and says what is wrong
         comp.parexec_enabled = True
         comp.par.Start.pulse()
-        _cook_until(script, lambda: _running(comp), "engine running again")
-        assert "Steps" in comp.par.Message.eval() and ext.controls.params["steps"] == STEP_LISTS[3]
+        cook_until(script, lambda: running(comp), "engine running again")
+        assert "Steps" in comp.par.Message.eval() and ext.bridge.wanted.params["steps"] == steps_for(3)
     finally:
         comp.par.Active = False
 
@@ -119,28 +99,31 @@ class FlakyTOP(InputTOP):
 
 
 def _output_is(script: ScriptTOP, texture: np.ndarray) -> bool:
-    """The pass-through engine's output of `texture`, in the Script TOP (uint8 BGRA bottom-up)."""
+    """The pass-through engine's output of `texture`, in the Script TOP (copyNumpyArray: uint8 RGB
+    bottom-up; copyCUDAMemory: the input's own layout)."""
     out = script.output
     want = from_touchdesigner(texture) if texture.dtype != np.float16 else from_touchdesigner(
         texture.astype(np.float32))
-    return out is not None and out.shape[:2] == texture.shape[:2] and np.array_equal(
-        to_engine(out, order="BGRA", bottom_up=True), want)
+    if out is None or out.shape[:2] != texture.shape[:2]:
+        return False
+    order = "RGB" if out.shape[2] == 3 else touchdesigner_order(out.dtype, out.shape[2])
+    return np.array_equal(to_engine(out, order=order, bottom_up=True), want)
 
 
 def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_comes_back():
-    source = FlakyTOP(_td_texture(24, 32, seed=1))
-    comp, script, ext = _make_component(source)
-    _configure(comp)
+    source = FlakyTOP(td_texture(24, 32, seed=1))
+    comp, script, ext = make_component(source)
+    configure(comp)
     comp.par.Active = True
     try:
-        _cook_until(script, lambda: _running(comp), "engine running")
+        cook_until(script, lambda: running(comp), "engine running")
         source.empty = True
         durations = [script.cook() for _ in range(5)]
         assert max(durations) < COOK_BUDGET_S
         assert "no image" in comp.par.Message.eval()
         source.empty = False
-        source.texture = _td_texture(24, 32, seed=2)
-        _cook_until(script, lambda: _output_is(script, source.texture), "output of the returned input")
+        source.texture = td_texture(24, 32, seed=2)
+        cook_until(script, lambda: _output_is(script, source.texture), "output of the returned input")
         assert "no image" not in comp.par.Message.eval()
     finally:
         comp.par.Active = False
@@ -151,17 +134,17 @@ def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raisin
     bridge takes: those cooks go through numpyArray(), with a note, and the stream goes on both ways."""
     from host_bridge import Bridge, BridgeConfig
 
-    source = InputTOP(_td_texture(24, 32, np.uint8, seed=3))
-    comp, script, ext = _make_component(source)
+    source = InputTOP(td_texture(24, 32, np.uint8, seed=3))
+    comp, script, ext = make_component(source)
     bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
     bridge.start()
     ext.bridge = DeviceCopyingBridge(bridge)
     ext.device_output = StandInDeviceBuffer()
     try:
-        _cook_until(script, lambda: _running(comp), "engine running")
-        for texture in (_td_texture(24, 32, np.float32, seed=4).astype(np.float16), _td_texture(24, 32, seed=5)):
+        cook_until(script, lambda: running(comp), "engine running")
+        for texture in (td_texture(24, 32, np.float32, seed=4).astype(np.float16), td_texture(24, 32, seed=5)):
             source.texture = texture
-            durations = _cook_until(script, lambda t=texture: _output_is(script, t), f"{texture.dtype} output")
+            durations = cook_until(script, lambda t=texture: _output_is(script, t), f"{texture.dtype} output")
             assert max(durations) < COOK_BUDGET_S
             assert ("through the CPU" in comp.par.Message.eval()) == (texture.dtype == np.float16)
     finally:
@@ -169,12 +152,12 @@ def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raisin
 
 
 class BoundedRuntime:
-    """The CPU stand-in for cuda-python's runtime (test_transport_cuda_fake.FakeRuntime), where a copy into
+    """The CPU stand-in for cuda-python's runtime (tests/fakes/cuda_runtime.py), where a copy into
     device memory must land inside one allocation: a write past the end is recorded and refused, where a
     GPU would corrupt TouchDesigner's memory or fault."""
 
     def __init__(self) -> None:
-        from .test_transport_cuda_fake import FakeRuntime
+        from tests.fakes.cuda_runtime import FakeRuntime
 
         self._rt = FakeRuntime()
         self.textures: dict[int, int] = {}  # TD's texture copies handed out by cudaMemory(): ptr -> size
@@ -239,46 +222,39 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
     """The input TOP changes resolution or pixel format mid-show on cuda-ipc: until the engine's first
     output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
     for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
-    pytest.importorskip("cuda.bindings.runtime")
-    from engine.server.core import EngineServer
+    pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
     from engine.server.passthrough import PassthroughSession
     from host_bridge import Bridge, BridgeConfig
     from host_bridge.wire.rings import cuda as tc
 
     rt = BoundedRuntime()
     monkeypatch.setattr(tc, "cudart", rt)
-    server = EngineServer(PassthroughSession, bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while server.channel is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    engine = InProcessEngine(PassthroughSession)
     comp = LoomComp()
     comp.rt = rt
-    source = HostMemoryTOP(_td_texture(48, 64, seed=1), rt)
+    source = HostMemoryTOP(td_texture(48, 64, seed=1), rt)
     script = HostScriptTOP(comp, source)
     script_top_callbacks.onSetupParameters(script)
     comp.ext.LoomExt = ext = LoomExt(comp)
-    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", launch=False, endpoint=server.channel.endpoint,
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", launch=False, endpoint=engine.endpoint,
                                      heartbeat_s=0.1, hang_timeout_s=2.0)).start()
     try:
-        _cook_until(script, lambda: _running(comp), "engine running")
+        cook_until(script, lambda: running(comp), "engine running")
         for h, w, dtype in ((24, 64, np.uint8), (48, 32, np.uint8), (48, 32, np.float32), (40, 56, np.uint16),
                             (48, 64, np.uint8)):
-            source.texture = texture = _td_texture(h, w, dtype, seed=h + w)
+            source.texture = texture = td_texture(h, w, dtype, seed=h + w)
             received = ext.bridge.stats()["received"]
 
             def restyled(t=texture, before=received) -> bool:  # the engine's output of the new input
                 out = script.output
                 return ext.bridge.stats()["received"] > before + 2 and out is not None and np.array_equal(out, t)
 
-            _cook_until(script, restyled, f"{h}x{w} {np.dtype(dtype).name} output", 10)
+            cook_until(script, restyled, f"{h}x{w} {np.dtype(dtype).name} output", 10)
             assert rt.violations == [], (h, w, dtype, rt.violations)
             assert ext.cuda_submits > 0 and "not taken" not in comp.par.Message.eval()
     finally:
         ext.Stop()
-        server.request_stop()
-        thread.join(10)
+        engine.stop()
 
 
 CALLBACK_BUDGET_S = 0.5  # a parameter callback runs on TD's main thread: every cook waits for it
@@ -303,21 +279,14 @@ class EngineTraces:
         return segments, threads
 
 
-def _wait_until(ready, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return ready()
-
-
 def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():
     """Stopping an engine waits for it to exit (seconds, more while it is still starting); TD runs parameter
     callbacks on its main thread, so that wait must happen elsewhere. Afterwards nothing is left."""
     from host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
-    comp, script, ext = _make_component(InputTOP(_td_texture(16, 24)))
-    _configure(comp)
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
     slowest = 0.0
     try:
         for i in range(4):
@@ -329,7 +298,7 @@ def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_
                 time.sleep(0.2 * (i % 2))  # some stop while the engine process starts, some at once
             comp.par.Active = False
         comp.par.Active = True
-        _cook_until(script, lambda: _running(comp), "engine running after the toggles")
+        cook_until(script, lambda: running(comp), "engine running after the toggles")
         traces.pids.add(ext.bridge.stats()["engine_pid"])
     finally:
         start = time.perf_counter()
@@ -338,7 +307,7 @@ def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_
     assert slowest < CALLBACK_BUDGET_S, f"a callback or cook held TD's main thread for {slowest:.2f} s"
     assert ext.WaitClosed(30), "an engine did not stop"
     assert not any(pid_alive(p) for p in traces.pids - {os.getpid()})
-    assert _wait_until(lambda: traces.left() == (set(), set())), traces.left()
+    assert wait_until(lambda: traces.left() == (set(), set()), 20), traces.left()
 
 
 def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over():
@@ -348,20 +317,20 @@ def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over
     from host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
-    comp, script, old = _make_component(InputTOP(_td_texture(16, 24)))
-    _configure(comp)
+    comp, script, old = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
     comp.par.Active = True
-    _cook_until(script, lambda: _running(comp), "engine running")
+    cook_until(script, lambda: running(comp), "engine running")
     old_pid = old.bridge.stats()["engine_pid"]
     traces.pids.add(old_pid)
-    getattr(old, "onDestroyTD", lambda: None)()  # what TD does on re-init
+    old.onDestroyTD()  # what TD does on re-init
     comp.ext.LoomExt = new = LoomExt(comp)
-    getattr(new, "onInitTD", lambda: None)()
+    new.onInitTD()
     try:
-        assert _wait_until(lambda: not pid_alive(old_pid)), "the old extension's engine is still running"
-        _cook_until(script, lambda: _running(comp), "the new extension's engine running")
+        assert wait_until(lambda: not pid_alive(old_pid), 20), "the old extension's engine is still running"
+        cook_until(script, lambda: running(comp), "the new extension's engine running")
         traces.pids.add(new.bridge.stats()["engine_pid"])
     finally:
         comp.par.Active = False
     assert new.WaitClosed(30) and old.WaitClosed(30)
-    assert _wait_until(lambda: traces.left() == (set(), set())), traces.left()
+    assert wait_until(lambda: traces.left() == (set(), set()), 20), traces.left()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine.models.dit_convert import to_diffusers_key, to_wan_key
 from engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig, preset
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = pytest.importorskip("diffusers", reason="the diffusers oracle is in the test extra")
 
 CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
 
@@ -22,7 +24,7 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
     return model
 
 
-def diffusers_twin(cfg: WanDiTConfig = CFG):
+def diffusers_twin(cfg: WanDiTConfig = CFG, cross_attn_norm: bool = True):
     return diffusers.WanTransformer3DModel(
         patch_size=cfg.patch_size,
         num_attention_heads=cfg.num_heads,
@@ -33,7 +35,7 @@ def diffusers_twin(cfg: WanDiTConfig = CFG):
         freq_dim=cfg.freq_dim,
         ffn_dim=cfg.ffn_dim,
         num_layers=cfg.num_layers,
-        cross_attn_norm=True,
+        cross_attn_norm=cross_attn_norm,
         qk_norm="rms_norm_across_heads",
         eps=cfg.eps,
         image_dim=None,
@@ -160,3 +162,15 @@ def test_bad_inputs_are_named(pair):
         model(torch.randn(1, 16, 1, 4, 4), torch.tensor([1.0]), torch.randn(1, 4, 7))
     with pytest.raises(ValueError, match="timestep must be"):
         model(torch.randn(1, 16, 2, 4, 4), torch.ones(1, 3), torch.randn(1, 4, CFG.text_dim))
+
+
+def test_no_cross_attention_norm_is_the_identity_like_diffusers():
+    """cross_attn_norm=False: no norm at all before cross-attention (Wan2.1, diffusers' nn.Identity)."""
+    cfg = dataclasses.replace(CFG, cross_attn_norm=False)
+    model = random_model(cfg)
+    twin = diffusers_twin(cfg, cross_attn_norm=False)
+    twin.load_state_dict({to_diffusers_key(k): v for k, v in model.state_dict().items()}, strict=True)
+    torch.manual_seed(3)
+    x, t, ctx = torch.randn(1, 16, 2, 4, 6), torch.tensor([600.0]), torch.randn(1, CFG.text_len, CFG.text_dim)
+    with torch.no_grad():
+        assert (model(x, t, ctx) - twin(x, t, ctx, return_dict=False)[0]).abs().max() < 1e-4

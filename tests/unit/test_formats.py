@@ -65,7 +65,8 @@ def test_bad_frames_say_what_is_allowed():
 @pytest.mark.parametrize("dtype, order, bottom_up", [("uint8", "BGRA", True), ("uint16", "RGBA", True),
                                                       ("float32", "RGBA", False), ("uint8", "RGB", False)])
 def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from engine.server import device_frames as server_gpu
 
     rng = np.random.default_rng(1)

@@ -336,3 +336,14 @@ def test_loom_eval_runs_the_engine_and_compares_two_configs(tmp_path: Path) -> N
     results = report["clips"][0]["results"]
     assert len(results) == 2 and all(r["frames"] == 13 for r in results.values())
     assert (tmp_path / "generated.png").stat().st_size > 0
+
+
+def test_sharpness_falls_when_the_output_is_smoothed_even_as_warp_error_improves():
+    frames = _panning()
+    noisy = _noisy(frames, lambda t: 12)
+    blurred = [cv2.GaussianBlur(f, (0, 0), 3.0) for f in noisy]
+    sharp, smooth = evaluate_frames(frames, noisy), evaluate_frames(frames, blurred)
+    assert smooth.totals["warp_error"] < sharp.totals["warp_error"]  # the smoothing warp error rewards ...
+    assert smooth.totals["sharpness"] < 0.5 * sharp.totals["sharpness"]  # ... and sharpness exposes
+    flat = [np.full((32, 32, 3), 90, np.uint8)] * 3
+    assert evaluate_frames(flat, flat).totals["sharpness"] == 0.0

@@ -59,3 +59,12 @@ def test_stream_session_is_an_engine_session():
     with StreamSession.from_config(cfg, warmup=False) as session:
         assert isinstance(session, EngineSession)
         assert session.raw_passthrough is False and session.unfinished == 0
+
+
+def test_the_wan_session_refuses_another_familys_parameters_by_name():
+    from engine.config import load_config
+    from engine.stream.session import StreamSession
+
+    with StreamSession.from_config(load_config("default"), warmup=False) as session:
+        with pytest.raises(ValueError, match="unknown parameter 'adapter_strength'; settable: steps"):
+            session.set_params(adapter_strength=0.5)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-sentencepiece = pytest.importorskip("sentencepiece")
+REASON = "the UMT5 oracle needs the t5 or test extra (transformers, sentencepiece)"
+transformers = pytest.importorskip("transformers", reason=REASON)
+sentencepiece = pytest.importorskip("sentencepiece", reason=REASON)
 
 from engine.stream.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
 

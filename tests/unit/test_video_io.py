@@ -16,14 +16,9 @@ import numpy as np
 import pytest
 
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_listed(port: int) -> bool:
@@ -131,7 +126,7 @@ def test_file_written_reads_back(tmp_path: Path, suffix: str) -> None:
 
 
 def test_udp_mpegts_sink_reaches_a_pyav_reader() -> None:
-    port = _free_udp_port()
+    port = free_udp_port()
     received: list[np.ndarray] = []
     errors: list[BaseException] = []
 
@@ -199,7 +194,7 @@ def test_unreachable_url_fails_fast() -> None:
 
 def test_srt_without_a_peer_or_without_support_is_a_clear_error() -> None:
     """This PyAV build may lack SRT (libsrt); either way the message names the URL and the reason."""
-    port = _free_udp_port()
+    port = free_udp_port()
     pattern = rf"srt://127\.0\.0\.1:{port}: (this FFmpeg build .* does not support|cannot|no answer)"
     with pytest.raises(MediaError, match=pattern):
         open_source(f"srt://127.0.0.1:{port}", open_timeout=1.0)
@@ -210,7 +205,7 @@ def test_srt_without_a_peer_or_without_support_is_a_clear_error() -> None:
 def test_silent_stream_times_out() -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="no answer within 1 s"):
-        open_source(f"udp://127.0.0.1:{_free_udp_port()}", open_timeout=1.0)
+        open_source(f"udp://127.0.0.1:{free_udp_port()}", open_timeout=1.0)
     assert time.monotonic() - start < 5
 
 
@@ -293,32 +288,8 @@ def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def _noise_clip(path: Path, n: int = 60, size: tuple[int, int] = (64, 48), seed: int = 0) -> None:
-    """Noise frames (so the file is large enough to damage in the middle), a keyframe every 12."""
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), "w") as out:
-        video = out.add_stream("libx264", rate=24, options={"g": "12"})
-        video.width, video.height, video.pix_fmt = size[0], size[1], "yuv420p"
-        for i in range(n):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8), format="rgb24")
-            frame.pts = i
-            out.mux(video.encode(frame))
-        out.mux(video.encode(None))
-
-
-def damaged_mp4(path: Path) -> Path:
-    """A 60-frame MP4 whose middle 3000 bytes (inside the picture data) are scrambled: it opens, then
-    some packets fail to decode mid-stream (a copy cut short, a bad sector)."""
-    _noise_clip(path)
-    data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    data[mid:mid + 3000] = bytes((b * 7 + 13) & 255 for b in data[mid:mid + 3000])
-    path.write_bytes(bytes(data))
-    return path
-
-
 def test_damaged_packets_mid_file_are_skipped_and_the_rest_is_read(tmp_path: Path) -> None:
-    with open_source(damaged_mp4(tmp_path / "damaged.mp4")) as src:
+    with open_source(damage_middle(noise_clip(tmp_path / "damaged.mp4", 60))) as src:
         frames = list(src)
         assert src.skipped_packets >= 1, "the damage should reach the decoder (else this test tests nothing)"
     assert len(frames) >= 50, f"reading stopped at the damage: {len(frames)} of 60 frames"

@@ -13,6 +13,7 @@ owner pid is gone (Linux lists segments under /dev/shm; elsewhere there is nothi
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import secrets
@@ -56,15 +57,49 @@ def is_segment_name(name: str) -> bool:
     return SEGMENT_NAME.fullmatch(name) is not None
 
 
-def open_segment(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
+def open_segment(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory | PosixSegment:
     """Create (mode 0600) or open a segment, kept away from Python's resource tracker."""
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
-    shm = shared_memory.SharedMemory(name=name, create=create, size=size)
     if sys.platform != "win32":
-        from multiprocessing import resource_tracker
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (the tracker's own key)
-    return shm
+        return PosixSegment(name, create, size)  # SharedMemory would start the tracker process to register it
+    return shared_memory.SharedMemory(name=name, create=create, size=size)
+
+
+class PosixSegment:
+    """A POSIX shared-memory segment mapped directly (Python < 3.13): `SharedMemory` there registers every
+    segment with multiprocessing's resource tracker, which starts a helper process (with `sys.executable`,
+    not Python inside TouchDesigner) that unlinks the segments when the process that merely attached exits.
+    The same attributes as `SharedMemory` that the rings and the doorbell use."""
+
+    def __init__(self, name: str, create: bool, size: int = 0):
+        if create and size <= 0:
+            raise ValueError(f"shm segment {name}: size {size}; expected a positive size")
+        self.name = name
+        self._name = "/" + name  # the POSIX name, as `SharedMemory._name`
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = shared_memory._posixshmem.shm_open(self._name, flags, mode=0o600)  # noqa: SLF001
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            if create:
+                shared_memory._posixshmem.shm_unlink(self._name)  # noqa: SLF001
+            raise
+        os.close(fd)
+        self.buf: memoryview | None = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap; raises BufferError while a view of it is still alive, as `SharedMemory.close`."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
 
 
 class ShmRing(Ring):
@@ -140,7 +175,7 @@ class ShmRing(Ring):
             unlink_segment(shm)
 
 
-def unlink_segment(shm: shared_memory.SharedMemory) -> None:
+def unlink_segment(shm: shared_memory.SharedMemory | PosixSegment) -> None:
     """Remove a segment's name (bypassing the resource tracker); mappings stay valid until closed."""
     if sys.platform == "win32":
         return  # Windows frees the mapping when the last handle closes
