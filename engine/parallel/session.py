@@ -358,7 +358,9 @@ class PipelineSession:
     def move_block(self, block: int, dst: int) -> None:
         """Move `block` (an end block of its rank) to the neighbouring rank `dst`, with its weights,
         KV cache rows and cross-attention K/V, between two ticks and without draining the ring:
-        the move travels the ring in stream order, so every tick runs each block exactly once."""
+        the move travels the ring in stream order, so every tick runs each block exactly once. A
+        block moving to rank 0 arrives only after rank 1 ran the ticks in flight, so rank 0 collects
+        their returns first: the ring runs without overlap for one round then."""
         src = next(r for r, rng in enumerate(self.ranges) if block in rng)
         if abs(dst - src) != 1 or not 0 <= dst < self.P:
             raise ValueError(f"block {block} is on rank {src}: it can move to rank {src - 1} or {src + 1}, not {dst}")
