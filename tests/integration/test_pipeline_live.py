@@ -155,3 +155,25 @@ def test_a_hung_rank_ends_the_session_with_a_clear_error():
     rank.join(10)
     assert not rank.is_alive()
     assert no_children_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_move_blocks_over_nccl_across_a_step_change(styled):
+    """The same live script on two GPUs: blocks (weights, KV rows, cross K/V, LoRA) move over NCCL,
+    and graphs are captured afresh after each move and the step change."""
+    overrides = [*styled, "model.device=cuda"]
+    one = StreamSession.from_config(load_config(None, overrides), warmup=False)
+    reference = live(one, clip(33), lambda i: script(one, i))
+    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        moves = {0: (1, 1), 1: (1, 0), 2: (2, 0)}  # as on the CPU ranks above: [1, 3], [2, 2], [3, 1]
+
+        def between(i: int) -> None:
+            script(pipe, i)
+            if i in moves:
+                pipe.move_block(*moves[i])
+        out = live(pipe, clip(33), between)
+        assert pipe.stats()["split"] == [3, 1]
+    diff = np.abs(out.astype(int) - reference.astype(int))
+    assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
+    assert no_children_left()
