@@ -171,6 +171,16 @@ class ParallelConfig:
                                            "(on a CPU device the ranks are processes: tests)")
     split: list[int] = spec(default_factory=list, min=1, max=1000, max_len=64,
                             doc="DiT blocks per rank, e.g. [20, 10]; empty = an even split")
+    rebalance: bool = spec(True, doc="move block boundaries between ranks while streaming when the measured "
+                                     "stage times are unbalanced (the output is the same either way)")
+    rebalance_threshold: float = spec(0.15, min=0.0, max=10.0,
+                                      doc="move a boundary only when the slowest stage would be this fraction "
+                                          "faster (hysteresis)")
+    rebalance_dwell_chunks: int = spec(24, min=1, max=100000,
+                                       doc="chunks measured after a start or a move before the next move")
+    rank_timeout_s: float = spec(1.5, min=0.2, max=600.0,
+                                 doc="a rank whose heartbeat is older than this is hung: the engine stops "
+                                     "(on GPUs once warmed up)")
 
     def __post_init__(self) -> None:
         if self.split and len(self.split) != self.gpus:

@@ -161,6 +161,7 @@ class LoraMerger:
         self._scales: dict[str, float] = {}
         self._base_weight: dict[str, torch.Tensor] = {}
         self._base_bias: dict[str, torch.Tensor | None] = {}
+        self._elsewhere: dict[str, dict[str, LowRank]] = {}  # LoRA -> its layers in blocks another rank holds
 
     @property
     def scales(self) -> dict[str, float]:
@@ -169,22 +170,54 @@ class LoraMerger:
     def add(self, lora: LoraFile, scale: float = 1.0) -> None:
         if lora.name in self._loras:
             raise ValueError(f"lora: a LoRA named {lora.name!r} is loaded already; give it another name")
-        device = self.keep_device
+        self._elsewhere[lora.name] = {m: u for m, u in lora.modules.items() if self._linears[m].weight.is_meta}
         lora.modules = {m: u for m, u in lora.modules.items() if not self._linears[m].weight.is_meta}
         for module, update in lora.modules.items():
-            target = self._linears[module]
-            if module not in self._base_weight:
-                self._base_weight[module] = target.weight.detach().to(device, copy=True)
-                bias = target.bias
-                self._base_bias[module] = None if bias is None else bias.detach().to(device, copy=True)
-            if update.bias is not None and target.bias is None:
-                raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
-            where = device or target.weight.device
-            update.down, update.up = update.down.to(where), update.up.to(where)
+            self._hold(lora, module, update)
         self._loras[lora.name] = lora
         self._scales[lora.name] = float(scale)
         self._merge(lora.modules)
         log.info("LoRA %s: %d layers, rank %s, scale %g", lora.name, len(lora.modules), lora.ranks, scale)
+
+    def _hold(self, lora: LoraFile, module: str, update: LowRank) -> None:
+        """Keep the original of `module` and put the update where merges compute."""
+        target = self._linears[module]
+        if module not in self._base_weight:
+            self._base_weight[module] = target.weight.detach().to(self.keep_device, copy=True)
+            bias = target.bias
+            self._base_bias[module] = None if bias is None else bias.detach().to(self.keep_device, copy=True)
+        if update.bias is not None and target.bias is None:
+            raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
+        where = self.keep_device or target.weight.device
+        update.down, update.up = update.down.to(where), update.up.to(where)
+
+    @torch.no_grad()
+    def forget(self, prefix: str) -> None:
+        """A pipeline rank hands the layers under `prefix` (a block) to another rank: their original
+        weights go back into the layers (what is sent), and their updates wait for a later `adopt`."""
+        for module in [m for m in self._base_weight if m.startswith(prefix)]:
+            target = self._linears[module]
+            target.weight.copy_(self._base_weight.pop(module))
+            bias = self._base_bias.pop(module)
+            if bias is not None:
+                target.bias.copy_(bias)
+        for name, lora in self._loras.items():
+            moved = {m: u for m, u in lora.modules.items() if m.startswith(prefix)}
+            self._elsewhere[name].update(moved)
+            lora.modules = {m: u for m, u in lora.modules.items() if m not in moved}
+
+    def adopt(self, prefix: str) -> None:
+        """The layers under `prefix` arrived from another rank with their original weights: merge
+        every loaded LoRA into them at its current scale."""
+        touched: dict[str, LowRank] = {}
+        for name, lora in self._loras.items():
+            arrived = {m: u for m, u in self._elsewhere[name].items() if m.startswith(prefix)}
+            for module, update in arrived.items():
+                self._hold(lora, module, update)
+                del self._elsewhere[name][module]
+            lora.modules.update(arrived)
+            touched.update(arrived)
+        self._merge(touched)
 
     def set_scale(self, name: str, scale: float) -> None:
         """Change one LoRA's scale; only the weights it touches are recomputed."""

@@ -41,6 +41,9 @@ class Kind(IntEnum):
     DATA = 1  # a micro-batch of rows (forward), or its result (return to rank 0)
     STATS = 2  # report stage times to rank 0, pass it on
     STOP = 3  # finish and exit, pass it on
+    CONFIG = 4  # live settings (extra: steps, sink_threshold, lora_scales), in stream order, pass it on
+    MOVE = 5  # extra {block, src, dst}: the block moves between neighbouring ranks here in the stream
+    TIMES = 6  # report the stage seconds since the last TIMES (the block scheduler's window), pass it on
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Host-side planning of the DiT pipeline: which blocks each rank runs, and the stream's noise.
 
-Block split: contiguous block ranges, one per rank. The split is static for a run: either given
-(`parallel.split`), or even, or balanced from measured stage times with `balanced_split` (rank 0
-also preprocesses and VAE-encodes, the last rank runs the head and VAE-decodes, so an even split
-leaves those two ranks the slowest). Boundaries do not move while streaming.
+Block split: contiguous block ranges, one per rank. A run starts from the given split
+(`parallel.split`) or an even one; `balanced_split` computes the split that balances measured
+stage times (rank 0 also preprocesses and VAE-encodes, the last rank runs the head and
+VAE-decodes, so an even split leaves those two ranks the slowest), which the block scheduler
+(`engine/parallel/scheduler.py`) moves towards while streaming.
 
 Noise: the one-GPU `StreamDenoiser` draws every noise tensor of a stream from one generator, in
 an order fixed by the sequence of chunks (a chunk's first noise when it enters, then the re-noise

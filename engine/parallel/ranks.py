@@ -41,6 +41,9 @@ class RankProcesses:
         self.init_file = os.path.join(self._tmp, "rendezvous")  # the ranks' FileStore rendezvous
         ctx = mp.get_context("spawn")
         self._events = ctx.Queue()
+        self.timeout_s = cfg.parallel.rank_timeout_s
+        self.beats = ctx.Array("d", self.P, lock=False)  # each rank's last heartbeat (time.monotonic)
+        self._hung: set[int] = set()
         self._held: list[tuple[str, int, Any]] = []
         self.procs: list[Any] = []
         chain = [ctx.Pipe(duplex=False) for _ in range(self.P - 1)]  # rank r -> r+1: (reader, writer)
@@ -51,7 +54,7 @@ class RankProcesses:
             outbox = chain[r][1] if r < self.P - 1 else back_writer
             p = ctx.Process(target=worker_main, name=f"loom-pipeline-rank{r}", daemon=True,
                             args=(r, self.P, cfg, ranges[r], chain[r - 1][0], outbox, self._events,
-                                  self.init_file, os.getpid()))
+                                  self.init_file, os.getpid(), self.beats))
             p.start()
             self.procs.append(p)
         for conn in [c for pair in chain for c in pair] + [back_writer]:  # the ends the ranks own
@@ -63,7 +66,7 @@ class RankProcesses:
         return all(p.is_alive() for p in self.procs)
 
     def check(self) -> None:
-        """Raise PipelineError when a rank reported an error or exited."""
+        """Raise PipelineError when a rank reported an error, exited, or stopped beating (hung)."""
         try:
             while True:
                 event = self._events.get_nowait()
@@ -81,6 +84,13 @@ class RankProcesses:
                 except std_mp.queues.Empty:
                     pass
                 raise PipelineError(f"pipeline rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        now = time.monotonic()
+        for r, p in enumerate(self.procs, start=1):
+            silent = now - self.beats[r]
+            if self.beats[r] and silent > self.timeout_s:
+                self._hung.add(r)
+                raise PipelineError(f"pipeline rank {r} (pid {p.pid}) is hung: no heartbeat for {silent:.1f} s "
+                                    f"(parallel.rank_timeout_s: {self.timeout_s:g})")
 
     def await_events(self, kind: str, count: int) -> list[Any]:
         """Wait for `count` events of `kind` ("loaded", "stats"), one per rank; raises on a failure."""
@@ -93,6 +103,13 @@ class RankProcesses:
                 return got
             time.sleep(0.01)
 
+    def take_events(self, kind: str) -> list[Any]:
+        """The events of `kind` that arrived so far (without waiting)."""
+        self.check()
+        got = [info for k, _, info in self._held if k == kind]
+        self._held = [e for e in self._held if e[0] != kind]
+        return got
+
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for p in self.procs:
@@ -100,9 +117,12 @@ class RankProcesses:
 
     def kill(self) -> None:
         """Terminate what still runs, leave the process group, remove the rendezvous folder."""
-        for p in self.procs:
+        for r, p in enumerate(self.procs, start=1):
             if p.is_alive():
-                p.terminate()
+                if r in self._hung:  # a stopped or frozen process would not act on SIGTERM
+                    p.kill()
+                else:
+                    p.terminate()
         for p in self.procs:
             p.join(KILL_JOIN_S)
             if p.is_alive():

@@ -25,19 +25,33 @@ comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` d
 
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
-single-process session to float tolerance (tests/integration/test_pipeline_parallel.py). One difference: a
+single-process session to float tolerance (tests/integration/test_pipeline_*.py). One difference: a
 prompt change reaches each row at the tick it is applied on, which groups rows differently
 from one GPU's forwards, so a blend is applied a few chunks apart between the two.
 
 Each rank replays CUDA graphs of its blocks for full micro-batches (engine/graphs/pipeline_blocks.py).
-Limits: the split is static (`parallel.split`, or the balanced split `stats()` suggests from
-the measured stage times); live `set_params` changes only what rank 0 owns (noise, prompt
-blending), not the steps or the mode, which the ranks' caches and graphs are built for; there is
-no side-stream encode overlap as on one GPU; one node only.
+
+Live control travels the ring in stream order, as headers between two ticks, so every rank
+applies it between the same two micro-batches: a step change drains the ring first (as one GPU
+drains its denoiser) and then maps each rank's cache rows to the new steps; the sink threshold
+and LoRA scales apply on each rank to its own blocks. A block moves the same way (`move_block`):
+the giving rank sends its weights, KV cache rows and cross-attention K/V after the last tick it
+ran the block for, and the receiving rank runs it from the next tick on, so the frames are those
+of no move. The block scheduler (`engine/parallel/scheduler.py`) decides the moves from stage
+times measured continuously on every rank; the VAE encode (rank 0) and decode (the last rank)
+are measured as stages of their own and weigh in as the fixed work of those ranks.
+
+Failures: a rank that fails reports its traceback, one that exits is seen by its exit code, one
+that hangs (stopped, frozen) by its heartbeat going stale for `parallel.rank_timeout_s`; any of
+them ends the session with a `PipelineError` naming the rank, and the server then exits so the
+host's supervisor starts a fresh engine. Limits: the SLO scheduler's plan is fixed (batch mode,
+one-latent chunks; `target_fps` and `latency_budget_ms` are taken for the metrics); no side-stream
+encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -56,19 +70,24 @@ from engine.models.wan_dit import DIT_PRESETS
 from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
 from engine.parallel.plan import NoiseLedger, check_split, stage_ranges, suggest_split
 from engine.parallel.ranks import PipelineError, RankProcesses
-from engine.parallel.stage import Payload, Stage, init_group, rank_config, rank_device, send_payload
+from engine.parallel.scheduler import BlockScheduler
+from engine.parallel.stage import Payload, Stage, configure, init_group, move, rank_config, rank_device, send_payload
 from engine.stream.frames import FrameMapper, validate_frames
 from engine.stream.metrics import StreamMetrics
 from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
-from host_bridge.wire.params import FIRST_CHUNK_FRAMES
+from engine.stream.session import LIVE_SECTIONS
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-# Live parameters that only rank 0 uses; the steps, mode and plan are fixed by the ranks' caches and graphs
-SETTABLE = {"noise": ("noise_scale", "motion_aware"), "prompt": ("transition_chunks",)}
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
+# Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL
+# (and so its heartbeat thread) for seconds
+SETTLING_TIMEOUT_S = 120.0
 
 __all__ = ["PipelineError", "PipelineSession"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,9 +110,26 @@ class PipelineSession:
     It implements `engine.session_api.EngineSession`, as `StreamSession` does.
     """
 
-    accepts_device_frames = False  # frames in and out are numpy arrays
     raw_passthrough = False
-    unfinished = 0  # frames leave the ring inside a push (or a flush), never between pushes
+
+    @property
+    def accepts_device_frames(self) -> bool:
+        """On GPUs rank 0 takes device tensors (the cuda-ipc server's frames) and answers with
+        tensors on its device; numpy frames are answered with numpy frames."""
+        return self.device.type == "cuda"
+
+    @classmethod
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> PipelineSession:
+        """Build and, on GPUs, warm up (compilation and graph capture happen before the first frame)."""
+        session = cls(cfg)
+        if warmup and session.device.type == "cuda":
+            session.warmup()
+        return session
+
+    @property
+    def unfinished(self) -> int:
+        """Chunks finished but not yet handed out (a step change drains the ring between pushes)."""
+        return len(self._outputs)
 
     def __init__(self, cfg: LoomConfig) -> None:
         self.cfg, self.P = cfg, cfg.parallel.gpus
@@ -111,6 +147,8 @@ class PipelineSession:
         self.n = len(cfg.stream.steps)
         self._closed = False
         self.ranks = RankProcesses(cfg, self.ranges)
+        if self.device.type == "cuda":  # until warmed up, a rank may sit in a compiler holding the GIL
+            self.ranks.timeout_s = max(SETTLING_TIMEOUT_S, cfg.parallel.rank_timeout_s)
         try:
             self._start()
         except BaseException:
@@ -148,6 +186,10 @@ class PipelineSession:
         self._wait_s = 0.0
         self._chunks_done = 0
         self.ledger = NoiseLedger(self.n, self._generator(), self.device, self.dtype)
+        pc = self.cfg.parallel
+        self.scheduler = BlockScheduler(pc.rebalance_threshold, pc.rebalance_dwell_chunks) if pc.rebalance else None
+        self._times: list[dict[str, Any]] | None = None  # the windows of a scheduler round being collected
+        self.moves = 0
         self._new_stream()
 
     def _generator(self) -> torch.Generator:
@@ -161,9 +203,10 @@ class PipelineSession:
         self.stage.cache.reset()
         self.enc_state.reset()
         self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._frame_shape: tuple[int, ...] | None = None  # the input size of the frames in the ring
         self._chunks: dict[int, _Chunk] = {}
         self._inflight: deque[list[Header]] = deque()
-        self._returned: list[_Row] = []
+        self._received: deque[list[_Row]] = deque()  # returns collected ahead of their tick (a block move)
         self._outputs: list[np.ndarray | torch.Tensor] = []
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
@@ -211,6 +254,7 @@ class PipelineSession:
             self.push(frames[start:start + FRAMES_PER_LATENT * 8])
         self.flush()
         self.stats(reset=True)
+        self.ranks.timeout_s = self.cfg.parallel.rank_timeout_s  # compiled and captured: silence means hung
 
     # ----------------------------------------------------------------------------- failures
     @contextmanager
@@ -242,24 +286,121 @@ class PipelineSession:
         self.prompt.request(check_prompt(text), transition_chunks)
 
     def set_params(self, **params: Any) -> None:
-        """Change the live parameters rank 0 owns; others raise ValueError naming what is allowed."""
-        allowed = [k for keys in SETTABLE.values() for k in keys]
-        refused = [k for k in params if k not in allowed]
-        if refused:
-            raise ValueError(f"{refused[0]!r}: not settable while the DiT runs over several GPUs; "
-                             f"settable: {', '.join(allowed)}")
+        """Change live parameters, as on one GPU; unknown keys or bad values raise ValueError naming
+        them. The stream always runs in batch mode over the ranks (a `mode` that allows it is taken).
+        Steps, sink threshold and LoRA scales reach every rank between the same two micro-batches."""
+        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
+        unknown = [k for k in params if k not in settable]
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
+        params = dict(params)
+        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
         new = self.cfg
-        for section, keys in SETTABLE.items():
-            changed = {k: params[k] for k in keys if k in params}
+        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
+            changed = {k: params[k] for k in LIVE.section(section) if k in params}
             if changed:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
                                                      path=section)})
-        self.cfg = new
+        new = replace(new, lora=lora)  # a LoomConfig: its checks run again (sequential mode is refused)
+        old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
+        self.metrics.set_budget(new.slo.latency_budget_ms / 1000.0)
+        extra: dict[str, Any] = {}
+        if new.stream.sink_threshold != old.stream.sink_threshold:
+            extra["sink_threshold"] = new.stream.sink_threshold
+        scales = {e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale}
+        if scales:
+            extra["lora_scales"] = scales
+        with self._guard(), torch.inference_mode():
+            if new.stream.steps != old.stream.steps:
+                self._change_steps(list(old.stream.steps), list(new.stream.steps))
+            if extra:
+                self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra=extra))
+                configure(self.stage, None, extra)
+
+    def _lora_request(self, scales: Any) -> list:
+        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
+        if scales is None:
+            return self.cfg.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        from host_bridge.wire.typed_config import build
+
+        entries = {e.key: e for e in self.cfg.lora}
+        for name in scales:
+            if name not in entries:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
+        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
+
+    def _change_steps(self, old: list[int], steps: list[int]) -> None:
+        """New step list: the chunks in the ring leave (decoded as usual), then every rank maps its
+        cache rows to the new steps (the nearest old step's row), as one GPU does."""
+        self._drain()
+        nearest = [min(range(len(old)), key=lambda i: abs(old[i] - s)) for s in steps]
+        self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra={"steps": steps, "nearest": nearest}))
+        self.stage.change_steps(len(steps), nearest)
+        self.n = len(steps)
+        self.sigmas = [self.schedule.sigma(s) for s in steps]
+        self.ledger = NoiseLedger(self.n, self.ledger.generator, self.device, self.dtype)  # the same draws go on
+
+    def _drain(self) -> None:
+        """Finish every row in the ring, drawing the re-noise in the one-GPU drain's order."""
+        self.ledger.drain()
+        while any(self._inflight) or any(self._received):
+            self._send_tick(None)
+
+    # ----------------------------------------------------------------------------- block moves
+    def move_block(self, block: int, dst: int) -> None:
+        """Move `block` (an end block of its rank) to the neighbouring rank `dst`, with its weights,
+        KV cache rows and cross-attention K/V, between two ticks and without draining the ring:
+        the move travels the ring in stream order, so every tick runs each block exactly once. A
+        block moving to rank 0 arrives only after rank 1 ran the ticks in flight, so rank 0 collects
+        their returns first: the ring runs without overlap for one round then."""
+        src = next(r for r, rng in enumerate(self.ranges) if block in rng)
+        if abs(dst - src) != 1 or not 0 <= dst < self.P:
+            raise ValueError(f"block {block} is on rank {src}: it can move to rank {src - 1} or {src + 1}, not {dst}")
+        if len(self.ranges[src]) < 2 or block != (self.ranges[src].stop - 1 if dst > src else self.ranges[src].start):
+            raise ValueError(f"block {block}: rank {src} (blocks {self.ranges[src].start}-{self.ranges[src].stop - 1})"
+                             f" can give rank {dst} only its {'last' if dst > src else 'first'} block, and keeps one")
+        with self._guard(), torch.inference_mode():
+            if dst == 0:  # the block comes from rank 1 once it ran every tick before the move: collect them first
+                while self._inflight:
+                    self._received.append(self._receive(self._inflight.popleft()))
+            self.link.send_header(self.ranks.outbox, Header(Kind.MOVE, extra={"block": block, "src": src,
+                                                                              "dst": dst}))
+            self._collect_timings()
+            move(self.stage, 0, self.link, {"block": block, "src": src, "dst": dst})
+        self.split[src] -= 1
+        self.split[dst] += 1
+        self.ranges = stage_ranges(self.split)
+        self.moves += 1
+        log.info("pipeline: block %d moved from rank %d to rank %d; split %s", block, src, dst, self.split)
+
+    def _schedule(self) -> None:
+        """One step of the block scheduler, after a tick: ask the ranks for the stage times of the
+        window since the last ask, and once all have answered, move a block when it pays."""
+        if self.scheduler is None:
+            return
+        if self._times is None:
+            if self.scheduler.due():
+                self._collect_timings()
+                self._times = [self.stage.take_window(0)]
+                self.link.send_header(self.ranks.outbox, Header(Kind.TIMES))
+            return
+        self.ranks.check()
+        self._times += self.ranks.take_events("times")
+        if len(self._times) < self.P:
+            return
+        windows, self._times = sorted(self._times, key=lambda w: w["rank"]), None
+        decision = self.scheduler.decide(windows, self.split)
+        if decision is not None:
+            self.move_block(*decision)
+            self.scheduler.moved()
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
@@ -268,14 +409,14 @@ class PipelineSession:
             raise PipelineError("the pipeline session is closed")
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
-        if len(good) and self._buffer and self._buffer[0].shape != good.shape[1:]:
-            raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
-                             "inside a chunk; call flush() between sizes")
         with self._guard():
             self.ranks.check()
             if dropped:
                 self.metrics.on_drop(dropped, "non-finite")
+            if len(good) and self._frame_shape not in (None, tuple(good.shape[1:])):
+                return self._change_size(good, now)
             if len(good):
+                self._frame_shape = tuple(good.shape[1:])
                 self.metrics.on_input(len(good), now)
                 self._buffer.extend(good)
             while len(self._buffer) >= self._chunk_frames():
@@ -284,24 +425,39 @@ class PipelineSession:
                 del self._buffer[:n]
             return self._deliver()
 
-    def poll(self, wait: bool = False) -> np.ndarray:
-        """StreamSession's call for frames finished between pushes. Here frames only leave the ring
-        inside a push (each push waits for the tick it needs back), so there are none; `flush()`
-        drains the ring."""
-        return np.zeros((0, 0, 0, 3), np.uint8)
+    def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+        """New input size, as on one GPU: the stream goes on (caches and positions stay), but every
+        frame of the old size leaves first (the partial chunk padded, the ring drained), so no
+        result mixes two sizes. The new frames wait in the buffer for the next call."""
+        pad = self._pad_partial()
+        with torch.inference_mode():
+            self._drain()
+        out = self._deliver(padding=pad)
+        self.metrics.on_input(len(good), now)
+        self._buffer.extend(good)
+        self._frame_shape = tuple(good.shape[1:])
+        return out
+
+    def _pad_partial(self) -> int:
+        """Enter the partial chunk padded with copies of its last frame; returns the padding."""
+        if not self._buffer:
+            return 0
+        pad = self._chunk_frames() - len(self._buffer)
+        self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
+        self._buffer = []
+        return pad
+
+    def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
+        """Frames finished between pushes (a step change drains the ring); otherwise frames leave the
+        ring inside a push, which waits for the tick it needs back, and `flush()` drains the ring."""
+        return self._deliver()
 
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
         with self._guard():
-            pad = 0
-            if self._buffer:
-                pad = self._chunk_frames() - len(self._buffer)
-                self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
-                self._buffer = []
+            pad = self._pad_partial()
             with torch.inference_mode():
-                self.ledger.drain()
-                while any(self._inflight) or self._returned:
-                    self._send_tick(None)
+                self._drain()
             out = self._deliver(padding=pad)
             self._new_stream()
             return out
@@ -348,6 +504,9 @@ class PipelineSession:
         if self.prompt.transition_done:
             self._flags |= REFRESH_SINKS
         self._send_tick(row)
+        if self.scheduler is not None:
+            self.scheduler.tick()
+            self._schedule()
 
     def _first_sigma(self, t0: torch.Tensor | float) -> torch.Tensor | float:
         """As `StreamDenoiser._first_sigma`: the chunk's own first step, above the list's second."""
@@ -358,10 +517,9 @@ class PipelineSession:
 
     def _send_tick(self, new: _Row | None) -> None:
         """Tick t: the new chunk's row plus the rows tick t-P returned, one message per run of equal length."""
-        if len(self._inflight) >= self.P:
-            self._receive(self._inflight.popleft())
-        rows = ([new] if new is not None else []) + self._returned
-        self._returned = []
+        rows = [new] if new is not None else []
+        if len(self._received) + len(self._inflight) >= self.P:  # tick t sends what tick t-P returned
+            rows += self._received.popleft() if self._received else self._receive(self._inflight.popleft())
         rows.sort(key=lambda r: r.step)
         groups: list[list[_Row]] = []
         for r in rows:
@@ -372,6 +530,7 @@ class PipelineSession:
         sent = [self._send_rows(g) for g in groups]
         self._inflight.append(sent)
         self._tick += 1
+        self.stage.window_ticks += 1
 
     def _send_rows(self, rows: list[_Row]) -> Header:
         latents = torch.cat([r.latent for r in rows])
@@ -390,8 +549,10 @@ class PipelineSession:
         send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
         return header
 
-    def _receive(self, sent: list[Header], keep: bool = True) -> None:
-        """The returns of one tick from the last rank: next-step rows, and a leaving chunk's frames."""
+    def _receive(self, sent: list[Header], keep: bool = True) -> list[_Row]:
+        """The returns of one tick from the last rank: its next-step rows (returned), and the
+        frames of a chunk that leaves."""
+        rows: list[_Row] = []
         for h in sent:
             t = time.perf_counter()
             back = self.link.recv_header(self.ranks.inbox, self.ranks.check)
@@ -405,7 +566,7 @@ class PipelineSession:
             for j, chunk in enumerate(back.chunks):
                 step = back.first_step + j + 1
                 if step < self.n and keep:
-                    self._returned.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
+                    rows.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
             if back.out_frames:
                 h_px, w_px = self.cfg.resolution.height, self.cfg.resolution.width
                 pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src, back=True)
@@ -413,12 +574,15 @@ class PipelineSession:
                 self._chunks_done += 1
                 if keep:
                     with self.stage.timer.span("postprocess"):
-                        self._outputs.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
+                        out = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
+                        self._outputs.append(out if isinstance(chunk.frames, torch.Tensor) else out.cpu().numpy())
         self._collect_timings()
+        return rows
 
     def _collect_timings(self) -> None:
         for name, _, seconds in self.stage.timer.collect():
             self.metrics.stage(name, seconds)
+            self.stage.window[name] = self.stage.window.get(name, 0.0) + seconds
             rec = self.stage.totals.setdefault(name, [0, 0.0])
             rec[0] += 1
             rec[1] += seconds
@@ -433,10 +597,13 @@ class PipelineSession:
             ranks = [self.stage.report(0, self._wait_s), *self.ranks.await_events("stats", self.P - 1)]
         ranks.sort(key=lambda r: r["rank"])
         snap = self.metrics.snapshot()
-        snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks,
+        snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks, "block_moves": self.moves,
                      "suggested_split": suggest_split(ranks, self._chunks_done, sum(self.split)),
                      "steps": list(self.cfg.stream.steps), "device": str(self.device),
-                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1}})
+                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1},
+                     "noise_scale": self.motion.telemetry()[0], "motion": self.motion.telemetry()[1],
+                     "prompt": self.prompt.text, "prompt_error": self.prompt.error,
+                     "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales})
         if reset:
             self.metrics.reset()
             self.stage.totals.clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from engine.stream.stage_timer import StageTimer
 
 LATENT_STRIDE = 8  # VAE spatial compression: pixels per latent
 INIT_TIMEOUT_S = 300  # rendezvous of the ranks (model loading is done before it)
+BEAT_S = 0.1  # heartbeat period of a rank (rank 0 allows `parallel.rank_timeout_s` of silence)
 
 
 @dataclass
@@ -78,16 +80,85 @@ class Stage:
             rope_policy=st.rope_policy, refresh_at=st.rope_refresh_at, sink_threshold=st.sink_threshold,
             device=self.device, dtype=self.dtype, blocks=blocks)
         self.cross = None
-        graphs = st.cuda_graphs and self.device.type == "cuda"
-        self.graphed = GraphedBlocks(self._blocks) if graphs else None
+        self.context: torch.Tensor | None = None  # the prompt embedding the cross K/V were made from
+        self._graphs = st.cuda_graphs and self.device.type == "cuda"
+        self.graphed = GraphedBlocks(self._blocks) if self._graphs else None
+        self.lora = models.lora
         self.timer = StageTimer(self.device)
         self.totals: dict[str, list[float]] = {}  # stage -> [calls, seconds]
+        self.window: dict[str, float] = {}  # stage -> seconds since the scheduler last asked
+        self.window_ticks = 0
+
+    def _recapture(self) -> None:
+        """Captured graphs hold the old cache's and blocks' tensors: capture afresh."""
+        if self._graphs:
+            self.graphed = GraphedBlocks(self._blocks)
+
+    def change_steps(self, steps: int, nearest: list[int]) -> None:
+        """A new step list (the ring is drained): row i takes the cache row of the nearest old step,
+        as `StreamDenoiser.change_steps` does on one GPU."""
+        self.cache = self.cache.rows(nearest)
+        self._recapture()
+
+    def set_sink_threshold(self, threshold: float) -> None:
+        self.cache.set_sink_threshold(threshold)
+        self._recapture()
+
+    def set_lora_scales(self, scales: dict[str, float]) -> None:
+        """Each rank merges the scales into its own blocks (the merger skips blocks it does not hold)."""
+        for name, scale in scales.items():
+            self.lora.set_scale(name, scale)
+        if self.context is not None:  # cross-attention K/V depend on the merged weights too
+            self.cross = self.dit.cross_kv(self.context, blocks=self.blocks)
+
+    # ----- moving a block to a neighbouring rank ------------------------------------------------
+    def block_tensors(self, block: int) -> list[torch.Tensor]:
+        """Everything a rank needs to run `block` from now on, in a fixed order both ends know:
+        its parameters and buffers, then its K/V cache rows and its cross-attention K/V."""
+        module = self.dit.blocks[block]
+        return [*module.parameters(), *module.buffers(), self.cache.k[block], self.cache.v[block],
+                self.cross.k[block], self.cross.v[block]]
+
+    def give_block(self, block: int, link: Link, dst: int) -> None:
+        """Send `block` (weights, caches) to rank `dst` and drop it here."""
+        if len(self.blocks) < 2 or block not in (self.blocks.start, self.blocks.stop - 1):
+            raise ValueError(f"block {block}: rank with blocks {self.blocks.start}-{self.blocks.stop - 1} "
+                             "can only give an end block and must keep one")
+        self.lora.forget(f"blocks.{block}.")  # the original weights travel; the receiver merges its LoRAs
+        for t in self.block_tensors(block):
+            link.send(t, dst)
+        self.cache.pop_block(block)
+        self.cross.k.pop(block)
+        self.cross.v.pop(block)
+        self.dit.blocks[block].to("meta")
+        self.blocks = range(self.blocks.start + 1, self.blocks.stop) if block == self.blocks.start \
+            else range(self.blocks.start, self.blocks.stop - 1)
+        self._recapture()
+
+    def take_block(self, block: int, link: Link, src: int) -> None:
+        """Receive `block` from rank `src` (its `give_block`), then merge this rank's LoRAs into it."""
+        if block not in (self.blocks.start - 1, self.blocks.stop):
+            raise ValueError(f"block {block} does not border blocks {self.blocks.start}-{self.blocks.stop - 1}")
+        module = self.dit.blocks[block]
+        module.to_empty(device=self.device)
+        for t in [*module.parameters(), *module.buffers()]:
+            t.copy_(link.recv(tuple(t.shape), t.dtype, src))
+        like = self.cache.k[self.blocks.start]
+        k, v = (link.recv(tuple(like.shape), like.dtype, src) for _ in range(2))
+        self.cache.put_block(block, k, v)
+        cross = self.cross.k[self.blocks.start]
+        self.cross.k[block], self.cross.v[block] = (link.recv(tuple(cross.shape), cross.dtype, src) for _ in range(2))
+        self.lora.adopt(f"blocks.{block}.")
+        start, stop = self.blocks.start, self.blocks.stop
+        self.blocks = range(block, stop) if block < start else range(start, block + 1)
+        self._recapture()
 
     def apply(self, flags: int, context: torch.Tensor | None) -> None:
         """Header flags, in the order the one-GPU session applies them before a forward."""
         if flags & RESET:
             self.cache.reset()
         if flags & NEW_CONTEXT:
+            self.context = context
             self.cross = self.dit.cross_kv(context, blocks=self.blocks)
         if flags & REFRESH_SINKS:
             self.cache.refresh_sinks()
@@ -121,6 +192,16 @@ class Stage:
             rec = self.totals.setdefault(name, [0, 0.0])
             rec[0] += 1
             rec[1] += seconds
+            self.window[name] = self.window.get(name, 0.0) + seconds
+
+    def take_window(self, rank: int) -> dict[str, Any]:
+        """Stage seconds since the last call (for the block scheduler), then a new window."""
+        self.collect()
+        out = {"rank": rank, "blocks": [self.blocks.start, self.blocks.stop], "ticks": self.window_ticks,
+               "seconds": dict(self.window)}
+        self.window.clear()
+        self.window_ticks = 0
+        return out
 
     def report(self, rank: int, wait_s: float) -> dict[str, Any]:
         self.collect()
@@ -190,6 +271,34 @@ class LastRank:
         return nxt, pixels
 
 
+def configure(stage: Stage, last: LastRank | None, extra: dict[str, Any]) -> None:
+    """Live settings, applied between the same two micro-batches on every rank."""
+    if "steps" in extra:
+        stage.change_steps(len(extra["steps"]), extra["nearest"])
+        if last is not None:
+            last.sigmas = [last.schedule.sigma(s) for s in extra["steps"]]
+    if "sink_threshold" in extra:
+        stage.set_sink_threshold(extra["sink_threshold"])
+    if "lora_scales" in extra:
+        stage.set_lora_scales(extra["lora_scales"])
+
+
+def move(stage: Stage, rank: int, link: Link, extra: dict[str, Any]) -> None:
+    """This rank's part of a block move (see `Kind.MOVE`); ranks not involved do nothing."""
+    if rank == extra["src"]:
+        stage.give_block(extra["block"], link, extra["dst"])
+    elif rank == extra["dst"]:
+        stage.take_block(extra["block"], link, extra["src"])
+    stage.take_window(rank)  # the scheduler's next window measures the new split only
+
+
+def beat(beats: Any, rank: int) -> None:
+    """The heartbeat of a rank: rank 0 takes a stale one for a hung process (stopped, frozen)."""
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(BEAT_S)
+
+
 def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connection, outbox: Connection,
           events: Any, init_file: str, parent_pid: int) -> None:
     """The loop of a rank > 0: receive a micro-batch, run the blocks, pass it on (or finish it)."""
@@ -225,6 +334,16 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
                 if last is None:
                     link.send_header(outbox, header)
                 continue
+            if header.kind in (Kind.CONFIG, Kind.MOVE, Kind.TIMES):
+                if last is None:  # passed on first: a block coming back from the next rank needs it there
+                    link.send_header(outbox, header)
+                if header.kind == Kind.CONFIG:
+                    configure(stage, last, header.extra)
+                elif header.kind == Kind.MOVE:
+                    move(stage, rank, link, header.extra)
+                else:
+                    events.put(("times", rank, stage.take_window(rank)))
+                continue
             p = recv_payload(link, rank - 1, stage, header)
             stage.apply(header.flags, p.context)
             cond = stage.condition(p.sigmas, header.frames)
@@ -240,6 +359,7 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
                 link.send(nxt, 0, back=True)
                 if pixels is not None:
                     link.send(pixels, 0, back=True)
+            stage.window_ticks += 1
             stage.collect()
         link.flush()
 
@@ -256,8 +376,9 @@ def init_group(cfg: LoomConfig, rank: int, world: int, init_file: str) -> dist.P
 
 
 def worker_main(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connection, outbox: Connection,
-                events: Any, init_file: str, parent_pid: int) -> None:
+                events: Any, init_file: str, parent_pid: int, beats: Any) -> None:
     """Entry point of a spawned rank: any failure is reported to rank 0 with its traceback."""
+    threading.Thread(target=beat, args=(beats, rank), name=f"loom-rank{rank}-heartbeat", daemon=True).start()
     if rank_device(cfg, rank).type == "cpu":
         torch.set_num_threads(1)  # CPU ranks share the machine's cores
     try:

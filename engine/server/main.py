@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
                    help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="split the DiT over N GPUs (sets parallel.gpus; on a CPU device: N processes)")
     p.add_argument("--warmup", action="store_true",
                    help="run synthetic streams through the session (compile, capture graphs) before saying ready")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
@@ -48,8 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _session_factory(args: argparse.Namespace):
     from engine.config import load_config, lora_override
 
-    args.overrides = [*args.overrides, *lora_override(args.loras)]
-    config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    overrides = [*args.overrides, *lora_override(args.loras)]
+    if args.gpus is not None:
+        overrides.append(f"parallel.gpus={args.gpus}")
+    config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
     if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
         from engine.models.weights import missing_weights
 
@@ -57,9 +61,6 @@ def _session_factory(args: argparse.Namespace):
         if missing:
             raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
                             f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
-    if config.parallel.gpus > 1 and not args.passthrough:
-        raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
-                        "the pipeline over several GPUs is measured with `loom bench --gpus N`")
 
     def build():
         if args.passthrough:

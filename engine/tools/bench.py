@@ -177,7 +177,8 @@ def summary_table(result: dict[str, Any]) -> str:
         rows.append((f"rank {r['rank']} blocks {r['blocks'][0]}-{r['blocks'][1] - 1}",
                      f"{stages} ms/call; waited {r['wait_s']:.2f} s"))
     if "ranks" in loom:
-        rows.append(("block split / suggested", f"{loom['split']} / {loom['suggested_split']}"))
+        rows.append(("block split / suggested", f"{loom['split']} / {loom['suggested_split']} "
+                                                f"({loom.get('block_moves', 0)} live moves)"))
     if "bridge" in result and "error" in result["bridge"]:
         rows.append(("stage bridge", f"not measured: {result['bridge']['error']}"))
     elif "bridge" in result:

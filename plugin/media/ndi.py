@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from plugin.media.app_io import AppSink, opaque_rgba, require
-from plugin.media.video_io import FrameSource, MediaError
+from plugin.media.base import AppSink, FrameSource, MediaError, opaque_rgba, require
 
 log = logging.getLogger(__name__)
 

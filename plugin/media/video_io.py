@@ -4,9 +4,8 @@ One module so that every front end opens media the same way and fails the same w
 input always ends in a ``MediaError`` whose message names the input and what is allowed, never
 in a hang or a decoder traceback. Frames are uint8 RGB numpy arrays ``[H, W, 3]``, rows top-down.
 
-This lives in ``host_bridge`` (no torch, no engine) because the player runs in the host process.
-``av`` (PyAV) and ``cv2`` are imported inside the functions that need them, so that importing
-``host_bridge`` inside TouchDesigner, which has neither, still works.
+No torch and no engine: the player runs in the host process. ``av`` (PyAV) and ``cv2`` are
+imported inside the functions that need them, so importing this module costs neither.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from plugin.media.base import FrameSource, MediaError
+
 NETWORK_SOURCE_SCHEMES = ("rtsp", "rtsps", "srt", "udp", "rtmp", "rtmps", "http", "https", "tcp")
 NETWORK_SINK_FORMATS = {"udp": "mpegts", "srt": "mpegts", "rtmp": "flv", "rtmps": "flv"}
 FILE_SINK_SUFFIXES = (".mp4", ".mkv", ".mov")
@@ -41,72 +42,6 @@ MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
 # Damaged packets in a row after which a source is declared unreadable (about 10 s of video at 25 fps):
 # a few are skipped, as FFmpeg's own tools do, but a stream of nothing else must not spin silently.
 MAX_BAD_PACKETS_IN_A_ROW = 250
-
-
-class MediaError(ValueError):
-    """A source or sink could not be opened, read or written; the message says why."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Sources
-
-
-class FrameSource:
-    """Iterable of uint8 RGB frames ``[H, W, 3]`` with the stream's rate and size.
-
-    ``frame_count`` is exact when the file records it, estimated from the duration otherwise
-    (MKV), and None for cameras and network streams (``is_live``). Use as a context
-    manager or call ``close()``; iteration ends at the end of the input. ``skipped_packets``
-    counts damaged packets passed over so far (the picture goes on from the next good one).
-    """
-
-    skipped_packets = 0
-
-    def __init__(self, name: str, fps: float, width: int, height: int, frame_count: int | None,
-                 is_live: bool) -> None:
-        self.name = name
-        self.fps = fps
-        self.width = width
-        self.height = height
-        self.frame_count = frame_count
-        self.is_live = is_live
-        self.closed = False
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """(width, height) in pixels."""
-        return self.width, self.height
-
-    def read(self) -> np.ndarray | None:
-        """The next frame, or None at the end of the input."""
-        if self.closed:
-            raise MediaError(f"{self.name}: source is closed")
-        return self._read()
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        while (frame := self.read()) is not None:
-            yield frame
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._close()
-
-    def __enter__(self) -> FrameSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        count = "live" if self.frame_count is None else f"{self.frame_count} frames"
-        return f"<{type(self).__name__} {self.name!r} {self.width}x{self.height} @ {self.fps:g} fps, {count}>"
-
-    def _read(self) -> np.ndarray | None:
-        raise NotImplementedError
-
-    def _close(self) -> None:
-        """Release the underlying device or file (subclasses)."""
 
 
 class _AVSource(FrameSource):

@@ -7,8 +7,7 @@ import sys
 
 import numpy as np
 
-from plugin.media.app_io import AppSink, require
-from plugin.media.video_io import MediaError
+from plugin.media.base import AppSink, MediaError, require
 
 # What makes a virtual camera exist, per platform: pyvirtualcam only drives one that is installed.
 _BACKEND_HINTS = {

@@ -1,0 +1,70 @@
+"""The block scheduler: moves DiT block boundaries between pipeline ranks while the stream runs.
+
+A pipeline runs at the pace of its slowest rank. Each rank has fixed work (rank 0: preprocess
+and VAE encode; the last rank: head and VAE decode) and its blocks, whose cost depends on the
+GPU, the resolution, the step count and what else shares the machine. So the scheduler measures
+rather than assumes: every `dwell` chunks rank 0 asks each rank for its stage seconds since the
+last ask (a TIMES message through the ring), models rank r's time per tick as
+`fixed[r] + blocks[r] * block[r]`, and computes the split that minimises the slowest rank
+(`balanced_split`). When that split would make the slowest rank faster by more than `threshold`
+it moves one block across one boundary (`PipelineSession.move_block`), then measures afresh for
+`dwell` chunks before the next decision. Moving one block at a time with a margin and a dwell is
+what keeps it from oscillating on noisy measurements: a move back needs the measurements to
+show, again by the margin, that the previous split was better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.parallel.plan import balanced_split
+
+
+class BlockScheduler:
+    """Decides block moves from the ranks' measured stage times; see the module docstring."""
+
+    def __init__(self, threshold: float, dwell: int) -> None:
+        self.threshold, self.dwell = threshold, dwell
+        self.chunks = 0  # since the start or the last move
+
+    def tick(self) -> None:
+        self.chunks += 1
+
+    def due(self) -> bool:
+        return self.chunks >= self.dwell
+
+    def moved(self) -> None:
+        self.chunks = 0
+
+    def decide(self, windows: Sequence[dict[str, Any]], split: Sequence[int]) -> tuple[int, int] | None:
+        """(block, destination rank) of the move that pays, or None. `windows[r]`: rank r's
+        {"ticks", "seconds": {stage: seconds}} since the last ask (`Stage.take_window`)."""
+        if any(w["ticks"] == 0 for w in windows):
+            return None
+        block_s, fixed_s = [], []
+        for w, blocks in zip(windows, split):
+            per_tick = {k: v / w["ticks"] for k, v in w["seconds"].items()}
+            block_s.append(max(per_tick.pop("dit", 0.0) / blocks, 1e-9))
+            fixed_s.append(sum(per_tick.values()))
+        self.chunks = 0  # the next decision waits for a fresh window, move or not
+        target = balanced_split(sum(split), block_s, fixed_s)
+        now = max(f + n * b for f, n, b in zip(fixed_s, split, block_s))
+        best = max(f + n * b for f, n, b in zip(fixed_s, target, block_s))
+        if now <= 0 or (now - best) / now <= self.threshold:
+            return None
+        return first_move(split, target)
+
+
+def first_move(split: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
+    """One block across the first boundary where `split` and `target` differ, towards `target`:
+    (block, destination rank)."""
+    have = want = 0
+    for r in range(len(split) - 1):
+        have += split[r]
+        want += target[r]
+        if want < have:  # rank r gives its last block to rank r + 1
+            return have - 1, r + 1
+        if want > have:  # rank r + 1 gives its first block to rank r
+            return have, r
+    raise ValueError(f"split {list(split)} is already {list(target)}")

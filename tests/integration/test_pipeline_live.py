@@ -1,0 +1,179 @@
+"""The pipeline over CPU ranks while it streams: live block moves (by hand and by the scheduler),
+a LoRA scale change, a step change, a new input size, and a hung rank. Oracle: the one-process
+StreamSession on the same frames and seed.
+
+A move travels the ring between two ticks, with the block's weights, KV cache rows and
+cross-attention K/V, so the frames must be the ones computed without any move.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.config import load_config
+from engine.models.loading import load_models
+from engine.parallel.scheduler import BlockScheduler
+from engine.parallel.session import PipelineError, PipelineSession
+from engine.stream.session import StreamSession
+from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
+
+STEPS = [*BASE, "stream.steps=[700]"]
+
+
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory) -> list[str]:
+    """The config with a style LoRA on every block's linears: a moved block must take it along."""
+    dit = load_models(load_config(None, STEPS)).dit
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for name, m in dit.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
+            sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, m.in_features, generator=g) * 0.3
+            sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
+    path = tmp_path_factory.mktemp("lora") / "style.safetensors"
+    save_file(sd, str(path))
+    return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
+
+
+def live(session, frames: np.ndarray, between) -> np.ndarray:
+    """Push the frames in four parts; `between(i)` runs after part i (moves, a step change)."""
+    cuts = [0, 9, 17, 25, len(frames)]
+    outs = []
+    for i in range(4):
+        outs.append(session.push(frames[cuts[i]:cuts[i + 1]]))
+        between(i)
+    outs.append(session.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
+def assert_same_frames(out: np.ndarray, reference: np.ndarray) -> None:
+    assert out.shape == reference.shape
+    diff = np.abs(out.astype(int) - reference.astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3  # float32 both sides; batch-size rounding only
+
+
+def resized(session) -> list[np.ndarray]:
+    """A host that changes its output size mid-stream (TouchDesigner, say): frames one by one."""
+    rng = np.random.default_rng(4)
+    outs = [session.push(rng.integers(0, 256, (1, h, w, 3), np.uint8)) for h, w in [(32, 48)] * 7 + [(40, 64)] * 6]
+    outs.append(session.flush())
+    return [frame for o in outs for frame in o]
+
+
+def script(session, i: int) -> None:
+    """The live changes of both sessions: a LoRA scale and the sink threshold after the first part,
+    steps after the second."""
+    if i == 0:
+        session.set_params(lora_scales={"style": 0.5}, sink_threshold=0.5)
+    elif i == 1:
+        session.set_params(steps=[700, 500])
+
+
+@pytest.fixture(scope="module")
+def reference(styled) -> tuple[np.ndarray, list[np.ndarray]]:
+    one = StreamSession.from_config(load_config(None, styled))
+    return live(one, clip(33), lambda i: script(one, i)), resized(one)
+
+
+def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference):
+    with PipelineSession(load_config(None, [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        def between(i: int) -> None:
+            script(pipe, i)
+            if i == 0:
+                pipe.move_block(1, 1)  # rank 0 -> rank 1 mid-stream, LoRA and all: split [1, 3]
+            elif i == 1:
+                pipe.move_block(1, 0)  # back to rank 0, which first collects the ticks in the ring
+            elif i == 2:
+                pipe.move_block(2, 0)  # [3, 1]
+        out = live(pipe, clip(33), between)
+        stats = pipe.stats()
+        sizes = resized(pipe)
+        with pytest.raises(ValueError, match="rank 0 .* only its last block"):
+            pipe.move_block(0, 1)
+        with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
+            pipe.set_params(stepz=[700])
+        with pytest.raises(ValueError, match="sequential"):
+            pipe.set_params(mode="sequential")
+    assert_same_frames(out, reference[0])
+    assert [f.shape for f in sizes] == [f.shape for f in reference[1]] == [(32, 48, 3)] * 7 + [(40, 64, 3)] * 6
+    assert_same_frames(np.stack(sizes[:7]), np.stack(reference[1][:7]))
+    assert_same_frames(np.stack(sizes[7:]), np.stack(reference[1][7:]))
+    assert stats["split"] == [3, 1] and stats["block_moves"] == 3 and stats["steps"] == [700, 500]
+    assert stats["lora_scales"] == {"style": 0.5}
+    assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
+    assert no_children_left()
+
+
+class Scripted(BlockScheduler):
+    """The live scheduler's path (TIMES through the ring, windows back, a move) with scripted
+    decisions: which way a CPU's timings point is not what this test is about."""
+
+    def __init__(self, moves: list[tuple[int, int]]) -> None:
+        super().__init__(threshold=0.0, dwell=1)
+        self.script, self.seen = moves, []
+
+    def decide(self, windows, split):
+        self.seen.append([w["ticks"] > 0 and "dit" in w["seconds"] for w in windows])
+        self.chunks = 0
+        return self.script.pop(0) if self.script else None
+
+
+@pytest.mark.slow
+def test_three_ranks_follow_the_scheduler_without_a_glitch(styled, reference):
+    with PipelineSession(load_config(None, [*styled, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
+        # both boundaries, both directions: [1,2,1] -> [1,1,2] -> [1,2,1] -> [2,1,1]
+        pipe.scheduler = Scripted([(2, 2), (2, 1), (1, 0)])
+        out = live(pipe, clip(33), lambda i: script(pipe, i))
+        stats = pipe.stats()
+    assert_same_frames(out, reference[0])
+    assert pipe.scheduler.seen and all(all(s) for s in pipe.scheduler.seen)  # every rank measured its window
+    # how many rounds fit depends on when the ranks' answers arrive; each is one move
+    moves = stats["block_moves"]
+    assert moves >= 1 and stats["split"] == [[1, 2, 1], [1, 1, 2], [1, 2, 1], [2, 1, 1]][moves]
+    assert no_children_left()
+
+
+def test_a_hung_rank_ends_the_session_with_a_clear_error():
+    pipe = PipelineSession(load_config(None, [*STEPS, "parallel.gpus=2"]))
+    frames = clip(13)
+    pipe.push(frames[:9])
+    rank = pipe.ranks.procs[0]
+    os.kill(rank.pid, signal.SIGSTOP)  # alive but silent: no exit code, no closed pipe
+    try:
+        with pytest.raises(PipelineError, match=r"rank 1 .*hung: no heartbeat"):
+            pipe.push(frames[9:])
+            pipe.flush()
+    finally:
+        if rank.is_alive():
+            os.kill(rank.pid, signal.SIGCONT)
+    rank.join(10)
+    assert not rank.is_alive()
+    assert no_children_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_move_blocks_over_nccl_across_a_step_change(styled):
+    """The same live script on two GPUs: blocks (weights, KV rows, cross K/V, LoRA) move over NCCL,
+    and graphs are captured afresh after each move and the step change."""
+    overrides = [*styled, "model.device=cuda"]
+    one = StreamSession.from_config(load_config(None, overrides), warmup=False)
+    reference = live(one, clip(33), lambda i: script(one, i))
+    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        moves = {0: (1, 1), 1: (1, 0), 2: (2, 0)}  # as on the CPU ranks above: [1, 3], [2, 2], [3, 1]
+
+        def between(i: int) -> None:
+            script(pipe, i)
+            if i in moves:
+                pipe.move_block(*moves[i])
+        out = live(pipe, clip(33), between)
+        assert pipe.stats()["split"] == [3, 1]
+    diff = np.abs(out.astype(int) - reference.astype(int))
+    assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
+    assert no_children_left()
