@@ -30,7 +30,8 @@ MAX_STEPS = 4
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
 
-    preset: str = spec("tiny", choices=("tiny", "wan2.1-1.3b", "wan2.1-14b"), doc="DiT architecture")
+    preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b"),
+                        doc="DiT architecture; embedded = the trained default (with its own VAE and style text)")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
@@ -126,8 +127,9 @@ class PromptConfig:
     """Text conditioning."""
 
     text: str = spec("a painting in the style of van gogh, vivid brush strokes", min_len=1)
-    encoder: str = spec("hash", choices=("hash", "file", "umt5"),
-                        doc="hash: small deterministic encoder; file: precomputed embeddings; umt5: local model")
+    encoder: str = spec("hash", choices=("hash", "style", "file", "umt5"),
+                        doc="hash: small deterministic encoder; style: the embedded model's prompt -> style table; "
+                            "file: precomputed embeddings; umt5: local model")
     path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
     device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
     transition_chunks: int = spec(4, min=0, max=1000, doc="chunks over which a prompt change blends")

@@ -19,7 +19,7 @@ import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -47,6 +47,13 @@ class TextEncoder(Protocol):
     dim: int
 
     def encode(self, texts: list[str]) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class DescribingEncoder(Protocol):
+    """An encoder that can say what a prompt landed on (the style table: which style, how near)."""
+
+    def describe(self, text: str) -> Any: ...
 
 
 class HashTextEncoder:
@@ -122,9 +129,14 @@ class UMT5TextEncoder:
         return (hidden * batch.attention_mask[..., None].to(hidden.dtype)).float().cpu()
 
 
-def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str) -> TextEncoder:
+def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str, text_len: int = TEXT_LEN
+                      ) -> TextEncoder:
     if kind == "hash":
         return HashTextEncoder(text_dim)
+    if kind == "style":  # the embedded model's prompt -> style table (engine/style_text.py)
+        from engine.style_text import StyleTextEncoder
+
+        return StyleTextEncoder(text_dim, text_len, path)
     if path is None:
         raise PromptError(f"prompt.encoder={kind} needs prompt.path (an embeddings file or a umT5 directory)")
     encoder: TextEncoder = FileTextEncoder(path) if kind == "file" else UMT5TextEncoder(path, device=device)
@@ -167,6 +179,7 @@ class PromptConditioner:
         self._pending: tuple[str, int, Future] | None = None
         self.error: str | None = None  # why the newest requested prompt did not take effect
         self.text = check_prompt(text)
+        self.match = self._describe(self.text)
         self._from = self._to = self._embed(self.text)
         self._steps_total = 0
         self._step = 0
@@ -190,6 +203,12 @@ class PromptConditioner:
                 torch.cuda.current_stream(self.device).synchronize()
             return emb
         return self.encoder.encode([text])[0].to(self.device, self.dtype)
+
+    def _describe(self, text: str) -> dict | None:
+        """What the prompt landed on, for the stats (encoders that can say it; else None)."""
+        if isinstance(self.encoder, DescribingEncoder):
+            return self.encoder.describe(text).to_dict()
+        return None
 
     def request(self, text: str, transition_chunks: int | None = None) -> None:
         """Start encoding a new prompt in the background; it takes effect at a chunk boundary."""
@@ -240,6 +259,7 @@ class PromptConditioner:
                 self.error = f"prompt {text!r} could not be encoded: {type(exc).__name__}: {exc}"
             else:
                 self._from, self._to, self.text, self.error = self._blend_now(), new, text, None
+                self.match = self._describe(text)
                 self._steps_total, self._step = chunks, 0
                 changed = True
         if self._steps_total and self._step < self._steps_total:
