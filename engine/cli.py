@@ -13,7 +13,7 @@ import sys
 
 from host_bridge.typed_config import ConfigError
 
-SUBCOMMANDS = ("info", "play", "serve", "encode-prompts", "bench", "eval")
+SUBCOMMANDS = ("info", "play", "serve", "encode-prompts", "bench", "eval", "train")
 EXIT_USAGE = 2
 
 

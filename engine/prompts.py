@@ -59,13 +59,13 @@ class DescribingEncoder(Protocol):
 class HashTextEncoder:
     """Deterministic stand-in for umT5: each word seeds a unit-variance token vector."""
 
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
+    def __init__(self, dim: int, text_len: int = TEXT_LEN) -> None:
+        self.dim, self.text_len = dim, text_len
 
     def encode(self, texts: list[str]) -> torch.Tensor:
-        out = torch.zeros(len(texts), TEXT_LEN, self.dim)
+        out = torch.zeros(len(texts), self.text_len, self.dim)
         for i, text in enumerate(texts):
-            words = check_prompt(text).lower().split()[:TEXT_LEN]
+            words = check_prompt(text).lower().split()[:self.text_len]
             for j, word in enumerate(words):
                 seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
                 gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
@@ -132,7 +132,7 @@ class UMT5TextEncoder:
 def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str, text_len: int = TEXT_LEN
                       ) -> TextEncoder:
     if kind == "hash":
-        return HashTextEncoder(text_dim)
+        return HashTextEncoder(text_dim, text_len)
     if kind == "style":  # the embedded model's prompt -> style table (engine/style_text.py)
         from engine.style_text import StyleTextEncoder
 

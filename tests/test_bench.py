@@ -9,7 +9,7 @@ from engine.cli import main
 
 def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", "default", "--frames", "24", "--warmup", "9", "--bridge", "shm",
+    rc = main(["bench", "--config", "tiny-random", "--frames", "24", "--warmup", "9", "--bridge", "shm",
                "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
@@ -29,5 +29,5 @@ def test_bench_reports_pipeline_bridge_and_baseline(tmp_path, capsys):
 
 
 def test_bench_refuses_a_bad_override(capsys):
-    assert main(["bench", "--config", "default", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
+    assert main(["bench", "--config", "tiny-random", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
     assert "steps" in capsys.readouterr().err
