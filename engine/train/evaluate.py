@@ -111,13 +111,14 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
     torch.set_num_threads(2)
     clips = held_out(frames)
     report = {"frames": frames, "size": SIZE, "clips": list(clips), "runs": {}}
+    ablated = STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
     for name, overrides in ABLATIONS.items():
-        styles = STYLES if name == "default" else STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
+        styles = STYLES if name == "default" else ablated
         rows = measure(clips, overrides, styles)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "rows": rows,
                                 "summary": summary(rows)}
         if name == "default":  # the ablation compares like with like: the same styles
-            sub = [r for r in rows if r["style"] in {s.name for s in styles}]
+            sub = [r for r in rows if r["style"] in {s.name for s in ablated}]
             report["runs"]["default (ablation styles)"] = {"summary": summary(sub)}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
@@ -143,3 +144,23 @@ def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour
     path.parent.mkdir(parents=True, exist_ok=True)
     cv2.imwrite(str(path), cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
     return path
+
+
+def tables(report: dict) -> str:
+    """The model card's metric tables (markdown) from an eval report."""
+    lines = ["| clip | style | nearest target | SSIM | warp error (target) | sharpness (target) |",
+             "|---|---|---|---|---|---|"]
+    for r in report["runs"]["default"]["rows"]:
+        ok = "yes" if r["nearest"] == r["style"] else f"no ({r['nearest']})"
+        lines.append(f"| {r['clip'].replace('davis512_', '')} | {r['style']} | {ok} | {r['ssim']:.2f} | "
+                     f"{r['warp_error']:.2f} ({r['target_warp_error']:.2f}) | {r['sharpness']:.1f} "
+                     f"({r['target_sharpness']:.1f}) |")
+    lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's |",
+              "|---|---|---|---|---|---|---|"]
+    for name, run in report["runs"].items():
+        s = run["summary"]
+        styles = "all" if name == "default" else ", ".join(report["runs"]["sinks off"]["styles"])
+        lines.append(f"| {name} | {styles} | {s['pairs']} | {s['nearest_own']:.0%} | {s['ssim']:.2f} | "
+                     f"{s['warp_error']:.2f} / {s['target_warp_error']:.2f} = {s['warp_ratio']:.2f} | "
+                     f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} |")
+    return "\n".join(lines)
