@@ -11,7 +11,9 @@ idle between frames, so its wake-up is part of the time.
 
 GPU machine (cuda-ipc, torch or cupy for allocation):
     python benchmarks/bench_ipc.py --frames 1000 --fps 60 --json out/bench_ipc.json
-CPU smoke run (shm transport, numpy, tiny frames):
+Any machine (shm transport, numpy RGBA host frames, which the bridge hands over as RGB):
+    python benchmarks/bench_ipc.py --transport shm --size 1920x1080 --frames 300 --fps 60
+CPU smoke run (shm transport, tiny frames):
     python benchmarks/bench_ipc.py --smoke --json /tmp/bench_ipc.json
 """
 
@@ -28,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
+from engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
 from host_bridge import Bridge, BridgeConfig  # noqa: E402
 
 SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
@@ -72,7 +74,7 @@ class DeviceBuffers:
 def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
     """The bridge's five GPU copies in one process, no messages: caller -> staging -> input slot ->
     output slot -> newest-output buffer -> caller. The handoff minus this is messaging and threads."""
-    from host_bridge.transport import create_ring
+    from host_bridge.wire.rings import create_ring
 
     rings = [create_ring("cuda-ipc", d, slots=n, width=w, height=h, channels=4)
              for d, n in (("in", 1), ("in", 3), ("out", 3), ("out", 1))]
@@ -105,9 +107,9 @@ def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
 
 
 def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
-    src = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    src = np.random.default_rng(0).integers(0, 256, (h, w, 4), dtype=np.uint8)  # RGBA, as hosts hand it
     handoff, out = handoff_host(bridge, src, frames, warmup)
-    assert np.array_equal(out, src), "round trip changed the frame"
+    assert np.array_equal(out, src[:, :, :3]), "round trip changed the frame"
     result = {"handoff": handoff}
     if paced[0]:
         result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1])[0]
@@ -122,9 +124,10 @@ def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
 
 def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
     """The shm path's copies in one process, no messages: into the input slot, slot to slot, out."""
-    from host_bridge.transport import attach_ring, create_ring
+    from host_bridge.wire.rings import attach_ring, create_ring
 
     h, w, _ = src.shape
+    src = np.ascontiguousarray(src[:, :, :3])  # the engine's RGB, as `submit` makes it
     ring_in, ring_out = (create_ring("shm", d, slots=3, width=w, height=h) for d in ("in", "out"))
     peer_in, peer_out = attach_ring(ring_in.spec), attach_ring(ring_out.spec)
     samples = []
@@ -142,6 +145,11 @@ def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU run over shm with tiny frames")
+    ap.add_argument("--transport", choices=("cuda-ipc", "shm"), default=None,
+                    help="cuda-ipc: device buffers (default); shm: host arrays (the default with --smoke)")
+    ap.add_argument("--size", action="append", default=None,
+                    help=f"measure only this size (repeatable); one of {', '.join(SIZES)} (smoke: "
+                         f"{', '.join(SMOKE_SIZES)})")
     ap.add_argument("--frames", type=int, default=None, help="measured frames per size (default 1000, smoke 50)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--fps", type=float, default=0.0, help="also measure a frame every 1/FPS s (a host frame loop)")
@@ -153,17 +161,23 @@ def main() -> int:
     paced = (args.paced_frames, 1.0 / args.fps) if args.fps else (0, 0.0)
     frames = args.frames or (50 if args.smoke else 1000)
     sizes = SMOKE_SIZES if args.smoke else SIZES
-    transport = "shm" if args.smoke else "cuda-ipc"
+    unknown = sorted(set(args.size or ()) - set(sizes))
+    if unknown:
+        ap.error(f"--size {', '.join(unknown)}: expected one of {', '.join(sizes)}")
+    sizes = {name: wh for name, wh in sizes.items() if not args.size or name in args.size}
+    transport = args.transport or ("shm" if args.smoke else "cuda-ipc")
+    if args.smoke and transport != "shm":
+        ap.error("--smoke runs over shm; leave out --transport or give --transport shm")
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
     results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
                      "sizes": {}}
     with Bridge(cfg) as bridge:
         bridge.wait_running(60)
         for name, (w, h) in sizes.items():
-            run = bench_cpu if args.smoke else bench_gpu
+            run = bench_cpu if transport == "shm" else bench_gpu
             results["sizes"][name] = run(bridge, w, h, frames, args.warmup, paced)
         results["bridge_stats"] = bridge.stats()
-    base_key = "host_copy" if args.smoke else "device_copy"
+    base_key = "host_copy" if transport == "shm" else "device_copy"
     print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
     paced_head = f" {f'@{args.fps:g}fps p50':>12} {'p99':>9}" if paced[0] else ""
     print(f"{'size':>10} {'handoff p50':>12} {'p99':>9}{paced_head} {base_key + ' p50':>16} {'p99':>9} "

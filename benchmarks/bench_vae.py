@@ -11,7 +11,7 @@ Each variant is a `+`-joined set of switches, so the lead can see what pays:
   fuse     WanVAE.fuse_norms(): only the RMS-norm+SiLU steps compiled (Wan VAE only)
   compile  torch.compile of the encoder and decoder (default mode, static shapes)
   compmax  torch.compile with mode="max-autotune-no-cudagraphs"
-  graph    CUDA graph over the fixed-shape steady chunk step (engine.vae_stream.GraphedStep)
+  graph    CUDA graph over the fixed-shape steady chunk step (engine.cache.vae_cache.GraphedStep)
 A steady chunk is 4 pixel frames -> 1 latent (encode) and 1 latent -> 4 frames (decode),
 after a first chunk of 5 frames that starts the stream. Timing: CUDA events around every
 step, `--warmup` untimed steps first, median and p90 over `--iters` steps.
@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model_loading import to_channels_last  # noqa: E402
+from engine.graphs.vae_steps import GraphedStep  # noqa: E402
+from engine.models.loading import to_channels_last  # noqa: E402
 from engine.models.taehv import TinyVAE  # noqa: E402
 from engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
-from engine.vae_stream import GraphedStep  # noqa: E402
 
 SWITCHES = ("eager", "cudnn", "cl", "fuse", "compile", "compmax", "graph")
 DEFAULT_VARIANTS = (

@@ -2,7 +2,7 @@
 
 The same stream of latent chunks runs through three copies of one model, each with its own KV
 cache, so errors carried through the cache count too: a float32 reference, the bf16 model as
-the session runs it, and the bf16 model with its block linears in FP8 (engine/fp8_linear.py).
+the session runs it, and the bf16 model with its block linears in FP8 (engine/models/fp8_linear.py).
 Per chunk it reports ||a - b|| / ||b|| and the cosine similarity of the predicted flow v, for
 bf16 vs float32 (the error the session already accepts), FP8 vs float32, and FP8 vs bf16 (what
 turning the option on changes). Rows of the stream batch sit at different timesteps, as in
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fp8_linear import convert_dit_to_fp8  # noqa: E402
+from engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
 from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 
 PAIRS = (("bf16", "fp32"), ("fp8", "fp32"), ("fp8", "bf16"))

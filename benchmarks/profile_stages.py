@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from engine.model_loading import to_channels_last
+from engine.models.loading import to_channels_last
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 from engine.models.wan_vae import VAE_PRESETS, WanVAE
-from engine.stage_timer import median_cuda_ms
+from engine.stream.stage_timer import median_cuda_ms
 
 
 def profile(fn, label: str, rows: int) -> None:

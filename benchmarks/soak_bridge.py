@@ -1,8 +1,12 @@
 """Soak test of the whole host path: a host frame loop against a launched engine for minutes.
 
 What a show needs beyond a short test: memory flat in both processes, latency not drifting,
-no restart, no fallback once running, however long the set. Prints one row per interval and a
-summary table; `--json` writes the same. Linux (reads /proc for the processes' memory).
+no restart, no fallback once running, however long the set. With `--refuse-every N` a careless
+host's frames join the loop every N frames: a NaN frame and a frame of a shape no engine takes
+(both refused by `submit()` and counted), and a frame larger than `max_frame_side` (shrunk on the
+host); every refusal must show in the bridge's counters and none may disturb the stream.
+Prints one row per interval and a summary table; `--json` writes the same. Linux (reads /proc for
+the processes' memory).
 
     python benchmarks/soak_bridge.py --minutes 5 --fps 30                  # embedded default, shm
     python benchmarks/soak_bridge.py --minutes 10 --transport cuda-ipc --config wan2.1-1.3b \\
@@ -20,8 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from host_bridge import Bridge, BridgeConfig  # noqa: E402
-from host_bridge.video_io import generate_clip  # noqa: E402
+from plugin.media.video_io import generate_clip  # noqa: E402
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -35,6 +41,13 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
+def careless_frames(height: int, width: int) -> list[np.ndarray]:
+    """Frames a careless host sends: one holding NaN, one of five channels."""
+    nan = np.full((height, width, 3), 0.5, np.float32)
+    nan[height // 2, width // 2, 1] = np.nan
+    return [nan, np.zeros((height, width, 5), np.uint8)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -44,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="default")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--size", default="256x256", help="host frame size WxH")
+    ap.add_argument("--refuse-every", type=int, default=0, metavar="N",
+                    help="every N frames also submit a NaN frame, a bad shape and an oversized frame (0: never)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     width, height = (int(v) for v in args.size.split("x"))
@@ -54,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         bridge.wait_running(900)
         pid = bridge.stats()["engine_pid"]
         start = next_frame = mark = time.monotonic()
-        i = fallbacks = slow_calls = 0
+        i = fallbacks = slow_calls = injected = 0
+        bad_frames = careless_frames(height, width)
+        oversized = np.zeros((height * 3, cfg.max_frame_side + 1, 3), np.uint8)
         restyled = False  # fallbacks count once the first restyled frame has been shown
         while time.monotonic() - start < args.minutes * 60:
             t = time.monotonic()
+            if args.refuse_every and i % args.refuse_every == args.refuse_every - 1:
+                for bad in bad_frames:
+                    try:
+                        bridge.submit(bad)
+                    except ValueError:
+                        injected += 1
+                bridge.submit(oversized)
             bridge.submit(clip[i % len(clip)])
             _, status = bridge.latest()
             slow_calls += time.monotonic() - t > period  # the host loop must never wait a frame
@@ -68,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 s = bridge.stats()
                 rows.append({"t_s": round(time.monotonic() - start, 1), "submitted": i, "received": s["received"],
                              "fallbacks": fallbacks, "slow_host_calls": slow_calls, "restarts": s["restarts"],
+                             "refused_injected": injected, "refused_frames": s["refused_frames"],
+                             "refused_messages": s["refused"] + int(s["engine"].get("refused", 0)),
                              "latency_p50_ms": s["latency_ms_p50"], "latency_p99_ms": s["latency_ms_p99"],
                              "host_rss_mib": rss_mib(os.getpid()), "engine_rss_mib": rss_mib(pid)})
                 print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
@@ -83,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                   if last["engine_rss_mib"] is not None and first["engine_rss_mib"] is not None
                                   else None),
         "latency_p50_first_last_ms": [first["latency_p50_ms"], last["latency_p50_ms"]],
+        "refused_frames_injected_counted": [last["refused_injected"], last["refused_frames"]],
+        "refused_messages": last["refused_messages"],
     }
     print("\nsoak summary (memory growth from the first to the last interval)")
     for k, v in summary.items():

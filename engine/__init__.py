@@ -11,7 +11,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "StreamSession":
-        from engine.session import StreamSession
+        from engine.stream.session import StreamSession
 
         return StreamSession
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""`python -m engine ...` is the same as the `loom` command (the launcher uses this form)."""
+"""`python -m engine serve ...`: the engine process's own entry point (the launcher uses this form)."""
 
 import sys
 
-from engine.cli import main
+from engine.server.main import main
 
 sys.exit(main())

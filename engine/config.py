@@ -9,6 +9,7 @@ names the file, the key path, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,20 +17,21 @@ from typing import Any
 
 import yaml
 
-from host_bridge.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
+from host_bridge.wire import params as live
+from host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
 PRESET_PACKAGE = "engine.presets"
-TRAIN_TIMESTEPS = 1000
-MAX_STEPS = 4
 
 
 @dataclass
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
 
+    family: str = spec("wan", choices=("wan", "edit"),
+                       doc="wan: the causal Wan DiT; edit: the MLLM-conditioned edit UNet (the `edit` section)")
     preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b"),
                         doc="DiT architecture; embedded = the trained default (with its own VAE and style text)")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
@@ -65,7 +67,7 @@ class VAEConfig:
     random_weights: bool = spec(False, doc="random weights when no checkpoint is given (benchmarks, tests)")
     fuse_norms: bool = spec(True, doc="compile the Wan VAE's norm+SiLU steps on CUDA (needs triton)")
     compile_step: bool = spec(True, doc="compile the whole Wan VAE encoder and decoder on CUDA (needs triton; "
-                                        "adds about a minute to the warm-up, encode+decode 77 -> 58 ms per chunk)")
+                                        "a longer warm-up for faster VAE chunks)")
     normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
     denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
 
@@ -84,13 +86,11 @@ class Resolution:
 class StreamConfig:
     """Denoising schedule and the KV-cache window."""
 
-    steps: list[int] = spec(default_factory=lambda: [700, 500], min=1, max=TRAIN_TIMESTEPS - 1,
-                            min_len=1, max_len=MAX_STEPS, doc="denoising timesteps, descending")
-    mode: str = spec("auto", choices=("auto", "batch", "sequential"),
-                     doc="stream-batch, sequential, or chosen by the SLO scheduler")
+    steps: list[int] = live.STEPS.field()
+    mode: str = live.MODE.field()
     num_kv_cache: int = spec(6, min=1, max=64, doc="latent frames kept in the KV window")
     sink: int = spec(3, min=0, max=63, doc="of which sink frames kept from the stream start")
-    sink_threshold: float = spec(0.2, min=-1.0, max=1.0, doc="adaptive sink cosine threshold; <0 disables")
+    sink_threshold: float = live.SINK_THRESHOLD.field()
     rope_policy: str = spec("refresh", choices=("refresh", "window"), doc="how RoPE positions stay bounded")
     rope_refresh_at: int = spec(50, min=2, max=1000, doc="latent-frame index at which refresh moves back")
     timestep_shift: float = spec(8.0, min=0.1, max=100.0, doc="flow-matching sigma shift")
@@ -107,16 +107,17 @@ class StreamConfig:
         if self.rope_policy == "refresh" and self.rope_refresh_at <= self.num_kv_cache:
             raise ValueError(f"rope_refresh_at: {self.rope_refresh_at} must be larger than num_kv_cache "
                              f"({self.num_kv_cache}) with the refresh policy")
-        if any(a <= b for a, b in zip(self.steps, self.steps[1:])):
-            raise ValueError(f"steps: {self.steps} must be strictly descending")
+        problem = live.STEPS.problem(self.steps)  # what the field's constraints cannot say: descending
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class NoiseConfig:
     """Motion-aware noise: more motion, less noise (StreamDiffusionV2's controller)."""
 
-    motion_aware: bool = spec(True)
-    noise_scale: float = spec(0.8, min=0.1, max=1.0, doc="s_init: noise strength for a static scene")
+    motion_aware: bool = live.MOTION_AWARE.field()
+    noise_scale: float = live.NOISE_SCALE.field()
     estimator: str = spec("frame_diff", choices=("frame_diff", "farneback", "dis"),
                           doc="motion estimate: pixel difference, or optical flow on a worker thread")
     ema: float = spec(0.9, min=0.0, max=1.0, doc="weight of the new estimate in the running scale")
@@ -126,26 +127,27 @@ class NoiseConfig:
 class PromptConfig:
     """Text conditioning."""
 
-    text: str = spec("a painting in the style of van gogh, vivid brush strokes", min_len=1)
+    text: str = live.PROMPT.field()
     encoder: str = spec("hash", choices=("hash", "style", "file", "umt5"),
                         doc="hash: small deterministic encoder; style: the embedded model's prompt -> style table; "
                             "file: precomputed embeddings; umt5: local model")
     path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
     device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
-    transition_chunks: int = spec(4, min=0, max=1000, doc="chunks over which a prompt change blends")
+    transition_chunks: int = live.TRANSITION_CHUNKS.field()
     blend: str = spec("slerp", choices=("linear", "slerp"))
 
     def __post_init__(self) -> None:
-        if not self.text.strip():
-            raise ValueError("text: the prompt is empty; give a few words describing the style")
+        problem = live.PROMPT.problem(self.text)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
 class SLOConfig:
     """Service-level targets the scheduler keeps."""
 
-    target_fps: float = spec(0.0, min=0.0, max=1000.0, doc="output FPS to sustain; 0 = as fast as possible")
-    latency_budget_ms: float = spec(1000.0, min=1.0, max=60000.0, doc="per-frame push-to-output budget")
+    target_fps: float = live.TARGET_FPS.field()
+    latency_budget_ms: float = live.LATENCY_BUDGET_MS.field()
 
 
 @dataclass
@@ -165,7 +167,7 @@ class MemoryConfig:
 
 @dataclass
 class ParallelConfig:
-    """Pipeline parallelism of the DiT over several GPUs (engine/pipeline_parallel.py)."""
+    """Pipeline parallelism of the DiT over several GPUs (engine/parallel/session.py)."""
 
     gpus: int = spec(1, min=1, max=64, doc="pipeline ranks, one GPU each; 1 = one GPU, no pipeline "
                                            "(on a CPU device the ranks are processes: tests)")
@@ -176,6 +178,49 @@ class ParallelConfig:
         if self.split and len(self.split) != self.gpus:
             raise ValueError(f"split: {self.split} has {len(self.split)} entries for gpus={self.gpus}; "
                              "give one block count per GPU, or none for an even split")
+
+
+@dataclass
+class LoraEntry:
+    """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
+
+    path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
+    scale: float = spec(1.0, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
+                        doc="strength; changed live with the lora_scales parameter")
+    name: str | None = spec(None, doc="name for live control; default: the file name without extension")
+
+    @property
+    def key(self) -> str:
+        return self.name or Path(self.path).stem
+
+
+@dataclass
+class EditConfig:
+    """The edit family (engine/edit): DreamLite-mobile UNet, Qwen3-VL conditioning, temporal LLLite."""
+
+    unet: str = spec("tiny", choices=("tiny", "dreamlite-mobile"), doc="edit UNet architecture")
+    checkpoint: str | None = spec(None, doc="DreamLite-mobile directory (unet/, vae/) or UNet weights file; "
+                                            "none = seeded tiny weights, or random with model.random_weights")
+    vae: str = spec("tiny", choices=("tiny", "taesd"), doc="tiny autoencoder architecture")
+    vae_checkpoint: str | None = spec(None, doc="autoencoder weights; none = from checkpoint's vae/ or random")
+    encoder: str = spec("hash", choices=("hash", "qwen3-vl"),
+                        doc="hash: small deterministic stand-in; qwen3-vl: the vision-language encoder")
+    encoder_path: str | None = spec(None, doc="Qwen3-VL-2B directory; none with qwen3-vl = random weights "
+                                              "(needs model.random_weights)")
+    batch: int = spec(8, min=1, max=64, doc="frames per UNet call (B); outputs lag by up to one batch")
+    steps: int = spec(1, min=1, max=4, doc="Euler flow-matching steps")
+    prompt_refresh_every: int = live.PROMPT_REFRESH_EVERY.field()
+    prompt_one_frame: bool = spec(True, doc="encode one frame per refresh and broadcast it to the batch")
+    lllite: str | None = spec(None, doc="temporal LLLite weights (safetensors); none = zero-initialised adapter")
+    lllite_hooks: str = spec("down", choices=("all", "down", "none"),
+                             doc="hooked attention projections: all, the down blocks only, or none")
+    adapter_strength: float = live.ADAPTER_STRENGTH.field()
+    cond_refresh_every: int = live.COND_REFRESH_EVERY.field()
+    flow: str = spec("farneback", choices=("farneback", "none"),
+                     doc="warp the previous output to the new frames for the adapter's condition")
+    compile: bool = spec(True, doc="torch.compile the UNet + adapter as one graph (CUDA; needs triton)")
+    two_streams: bool = spec(True, doc="side stream (encoders) beside the main stream (UNet, decode)")
+    seed: int = spec(0, min=0, doc="noise seed; the same noise is used for every frame")
 
 
 @dataclass
@@ -191,8 +236,21 @@ class LoomConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
+                                 doc="style LoRAs, each with its own scale")
+    edit: EditConfig = field(default_factory=EditConfig)
 
     def __post_init__(self) -> None:
+        names = [e.key for e in self.lora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
+        if self.lora and self.model.fp8_linear:
+            raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
+        if self.model.family == "edit" and self.parallel.gpus > 1:
+            raise ValueError("parallel.gpus: the edit family runs on one GPU; set parallel.gpus=1")
+        if self.model.family == "edit" and self.model.dtype == "float16":
+            raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
+                             "states peak near 1160); use auto, bfloat16 or float32")
         if self.parallel.gpus > 1 and self.stream.mode == "sequential":
             raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
                              "use batch or auto (the pipeline runs stream-batch)")
@@ -205,6 +263,19 @@ class LoomConfig:
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
+
+
+def lora_override(specs: list[str]) -> list[str]:
+    """`--lora PATH[:SCALE]` options as one `--set lora=[...]` override (none given: none)."""
+    entries = []
+    for text in specs:
+        path, sep, tail = text.rpartition(":")
+        try:
+            scale = float(tail) if sep else 1.0
+        except ValueError:  # a colon of the path itself (C:\\...), no scale
+            path, scale = text, 1.0
+        entries.append({"path": path if sep and path else text, "scale": scale})
+    return [f"lora={json.dumps(entries)}"] if entries else []
 
 
 def list_presets() -> list[str]:
@@ -243,11 +314,14 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
 
 
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
-    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything."""
+    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything; weights the
+    run needs and the user did not give are looked up in what `loom pull` fetched (engine.models.weights)."""
     data, source = _load_source(name_or_path)
     for text in overrides:
         keys, raw = parse_override(text)
         apply_override(data, keys, _read_yaml(raw, f"--set {text}") if raw.strip() else None)
     if overrides:
         source += " (with --set overrides)"
-    return build(LoomConfig, data, source=source)
+    from engine.models.weights import fill_pulled_weights
+
+    return fill_pulled_weights(build(LoomConfig, data, source=source))

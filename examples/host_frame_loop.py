@@ -16,7 +16,7 @@ import sys
 import time
 
 from host_bridge import Bridge, BridgeConfig
-from host_bridge.video_io import generate_clip
+from plugin.media.video_io import generate_clip
 
 
 def main(argv: list[str] | None = None) -> int:

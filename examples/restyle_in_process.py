@@ -20,7 +20,7 @@ import numpy as np
 
 from engine import StreamSession
 from engine.config import load_config
-from host_bridge.video_io import FrameSink, open_sink, open_source
+from plugin.media.video_io import FrameSink, open_sink, open_source
 
 PUSH_FRAMES = 4  # one latent frame's worth: the session's steady chunk
 

@@ -6,6 +6,7 @@ pyzmq; cuda-python only for the cuda-ipc transport, imported when that transport
 
 from host_bridge.client import Bridge, BridgeStatus
 from host_bridge.config import BridgeConfig
-from host_bridge.protocol import PROTOCOL_VERSION, ProtocolError, RingSpec
+from host_bridge.supervisor import EngineState
+from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, RingSpec
 
-__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "PROTOCOL_VERSION", "ProtocolError", "RingSpec"]
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "EngineState", "PROTOCOL_VERSION", "ProtocolError", "RingSpec"]

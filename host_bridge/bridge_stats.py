@@ -3,7 +3,7 @@
 The bookkeeping lives in one object so that its bounds are in one place: submit times are kept
 only for a limited number of frames (a stalled engine must not grow the host), latencies and
 output times in fixed windows. `latest()` reads fps and the median latency once per frame, so
-both are computed in plain Python, cheaply. The bridge calls into it with its own lock held.
+both are computed in plain Python, cheaply. The bridge calls into it with the engine lock held.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+
+from host_bridge.supervisor import EngineState
 
 LATENCY_WINDOW = 256
 SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
@@ -22,7 +23,7 @@ FPS_IDLE_S = 1.0  # no output for this long: the output rate reads 0
 class BridgeStatus:
     """What the host shows its user about the engine and the frame it was just given."""
 
-    state: str = "stopped"  # starting | running | restarting | dead | stopped
+    state: EngineState = EngineState.STOPPED
     fps: float = 0.0
     latency_ms: float = 0.0
     dropped: int = 0
@@ -32,14 +33,15 @@ class BridgeStatus:
     fallback: bool = True
     restarts: int = 0
     frames_out: int = 0
+    refused: int = 0  # frames and messages refused, on this side and (as last reported) on the engine's
+    heard_s: float = -1.0  # seconds since the engine last spoke (-1: no engine); fresh only within hang_timeout_s
 
 
 class FrameStats:
-    """Frame counters, submit-to-output latencies, the output rate and the engine's latest report."""
+    """Frame counters, submit-to-output latencies and the output rate."""
 
     def __init__(self) -> None:
-        self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, errors=0)
-        self.engine: dict[str, Any] = {}  # the engine's latest stats report
+        self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, refused_frames=0)
         self._submit_times: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
@@ -61,10 +63,6 @@ class FrameStats:
             self._latencies.append(now - t0)
             self._sorted = None
 
-    def dropped(self) -> int:
-        """Frames dropped on this side and, as the engine last reported, on its side."""
-        return self.counts["dropped"] + int(self.engine.get("dropped", 0))
-
     def fps(self) -> float:
         t = self._out_times
         if len(t) < 2 or time.monotonic() - t[-1] > FPS_IDLE_S:
@@ -73,7 +71,8 @@ class FrameStats:
 
     def latency_ms(self, q: float) -> float:
         """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile costs about 0.1 ms there; the sort is kept until a new latency arrives."""
+        and np.percentile's per-call overhead dwarfs a sort of a short list; the sort is kept until a new
+        latency arrives."""
         if self._sorted is None:
             self._sorted = sorted(self._latencies)
         values = self._sorted

@@ -1,10 +1,11 @@
 """`Bridge`: what a host calls. Frames in without blocking, the newest output (or a fallback) out.
 
-The bridge is the facade over three helpers that share its lock: `EngineLoop` (engine_loop.py),
-the background thread that keeps one engine linked and restarts it; `NewestFrames`
-(newest_frames.py), the output and fallback frames `latest()` answers with, and the cuda staging
-buffer; `FrameStats` (bridge_stats.py), counters and latencies. What stays here is the frame flow
-and the calls a host makes.
+The bridge is the facade over four helpers: the `Supervisor` (supervisor.py), the background
+thread that keeps one engine linked and restarts it, and owner of the engine lock the bridge's
+frame state is kept under; `Wanted` (wanted.py), the prompt and parameters the host asked for,
+which every fresh engine is told once; `NewestFrames` (newest_frames.py), the output and fallback
+frames `latest()` answers with, and the cuda staging buffer; `FrameStats` (bridge_stats.py),
+counters and latencies. What stays here is the frame flow and the calls a host makes.
 
 Frames do not pass through the loop thread: their notices travel on the link's lane (the
 shared-memory `Doorbell` on shm and cuda-ipc, the `FrameLane` socket on tcp), used by the host's own
@@ -14,8 +15,9 @@ a slow nor a dead engine can block or grow the host. Whoever asks for output dra
 `latest()`/`latest_cuda()` without waiting (on the doorbell: a look at a counter in shared memory),
 `wait_for_output()` and the batch calls by waiting on it (holding only the lane's lock). The loop
 thread also drains it on each tick, without waiting for the lock, so slots come back and counters
-move even when the host never asks.
-Lock order: the lane's lock, then the bridge's; a thread holding the bridge's lock only ever tries
+move even when the host never asks (not on cuda-ipc: there draining copies on the device, which
+stays on the host's threads).
+Lock order: the lane's lock, then the engine lock; a thread holding the engine lock only ever tries
 the lane's lock without waiting.
 """
 
@@ -30,13 +32,15 @@ from typing import Any
 import numpy as np
 import zmq
 
-from host_bridge import formats
 from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
-from host_bridge.engine_loop import EngineLoop
 from host_bridge.link import Link
 from host_bridge.newest_frames import NewestFrames, check_device_frame
-from host_bridge.protocol import PROTOCOL_VERSION, RingSpec, make
+from host_bridge.supervisor import EngineState, Supervisor
+from host_bridge.wanted import PromptWish, Wanted
+from host_bridge.wire import pixels as formats
+from host_bridge.wire.params import LIVE, check_prompt_request
+from host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
@@ -50,8 +54,8 @@ class Bridge:
             raise TypeError("give either a BridgeConfig or keyword settings, not both")
         self.config: BridgeConfig = config
         self._ctx = zmq.Context()
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._sup = Supervisor(config, self._ctx)
+        self._lock, self._cond = self._sup.lock, self._sup.cond  # the engine lock: the supervisor's
         self._process_lock = threading.Lock()
         self._seq = itertools.count()
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
@@ -59,12 +63,10 @@ class Bridge:
         self._frames = NewestFrames(config.cuda_device)
         self._collect: dict[int, np.ndarray] | None = None
         self._stats = FrameStats()
-        self._loop = EngineLoop(config, self._ctx, self._lock, self._cond, self._stats, self._on_ready, self._on_tick)
-        self._wanted_prompt: dict[str, Any] | None = None
-        self._wanted_params: dict[str, Any] = {}
+        self._wanted = Wanted()
         self._cuda_problem: str | None = None
         if config.transport == "cuda-ipc":
-            from host_bridge.transport_cuda import cuda_available
+            from host_bridge.wire.rings.cuda import cuda_available
             ok, why = cuda_available()
             self._cuda_problem = None if ok else f"cuda-ipc transport unavailable: {why}"
 
@@ -73,21 +75,20 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
-        if self._loop.started:
+        if self._sup.started:
             return self
         if self._cuda_problem is not None:
-            self._loop.set_state("dead", self._cuda_problem)
+            self._sup.refuse_start(self._cuda_problem)
             return self
-        self._loop.start()
+        self._sup.start(self)
         return self
 
     def close(self) -> None:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
-        if self._loop.closing:
+        if self._sup.closing:
             return
-        self._loop.stop()
+        self._sup.stop()
         self._frames.close()
-        self._loop.set_state("stopped", "closed")
         self._ctx.term()
 
     def __enter__(self) -> Bridge:
@@ -97,8 +98,8 @@ class Bridge:
         self.close()
 
     def __del__(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None and loop.started and not loop.closing:
+        sup = getattr(self, "_sup", None)
+        if sup is not None and sup.started and not sup.closing:
             try:
                 self.close()
             except Exception:
@@ -113,18 +114,25 @@ class Bridge:
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
+        A frame with a side over `max_frame_side` is shrunk first; one the engine cannot take (NaN or
+        inf, a wrong shape or dtype) raises ValueError and is counted (`stats()["refused_frames"]`).
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
         cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
-        if cuda:
-            native = np.ascontiguousarray(formats.check_frame(frame))
-            if native.shape[2] == 2:
-                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
-            engine = None
-        else:
-            native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
-                               else formats.to_engine(frame))
+        try:
+            frame = formats.limit_size(formats.check_frame(frame), self.config.max_frame_side)
+            if cuda:
+                native = np.ascontiguousarray(frame)
+                if native.shape[2] == 2:
+                    raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
+                engine = None
+            else:
+                native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
+                                   else formats.to_engine(frame))
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -149,8 +157,15 @@ class Bridge:
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        dtype = np.dtype(dtype).name
-        check_device_frame(pitch, width, height, channels, dtype)
+        try:
+            dtype = np.dtype(dtype).name
+            check_device_frame(pitch, width, height, channels, dtype)
+            if max(width, height) > self.config.max_frame_side:
+                raise ValueError(f"size: {width}x{height} is not allowed; expected at most "
+                                 f"{self.config.max_frame_side} px per side (max_frame_side)")
+        except (TypeError, ValueError):
+            self._refused_frame()
+            raise
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -161,6 +176,10 @@ class Bridge:
             self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
             self._set_pending(seq, None, now)
             return self._pump()
+
+    def _refused_frame(self) -> None:
+        with self._lock:
+            self._stats.counts["refused_frames"] += 1
 
     def _next_seq(self) -> int:
         self.last_seq = next(self._seq)
@@ -181,7 +200,7 @@ class Bridge:
             status = self._status()
             frames = self._frames
             if frames.has_output:
-                fresh = status.state == "running" and frames.link_id == self._loop.link_id
+                fresh = self._fresh()
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
                     return frames.output_array(), status
@@ -198,7 +217,7 @@ class Bridge:
         with self._lock:
             status = self._status()
             frames = self._frames
-            fresh = status.state == "running" and frames.link_id == self._loop.link_id
+            fresh = self._fresh()
             out, staging = frames.output_device, frames.staging
             fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
             if fits and (fresh or self.config.fallback == "last"):
@@ -212,33 +231,50 @@ class Bridge:
         with self._lock:
             return self._status()
 
+    def _fresh(self) -> bool:
+        """The newest output counts as fresh only while its engine is known alive (the hang timeout
+        bounds how stale a frame marked fresh can be); lock held."""
+        link = self._link
+        return (self._sup.state == EngineState.RUNNING and link is not None and self._frames.link_id == link.id
+                and link.known_alive(time.monotonic()))
+
     def _status(self) -> BridgeStatus:
         link = self._link
-        tail = link.log_tail() if link is not None else self._loop.log_tail
-        return BridgeStatus(state=self._loop.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
-                            dropped=self._stats.dropped(), message=self._loop.message, log_tail=tail,
-                            restarts=self._loop.restarts, frames_out=self._stats.counts["received"])
+        sup = self._sup
+        tail = link.log_tail() if link is not None else sup.log_tail
+        counts = self._stats.counts
+        dropped = counts["dropped"] + int(sup.engine_report.get("dropped", 0))
+        refused = (counts["refused"] + counts["refused_frames"] + (link.refused if link else 0)
+                   + int(sup.engine_report.get("refused", 0)))
+        heard = time.monotonic() - link.last_heard if link is not None and link.hello_done else -1.0
+        message = sup.message
+        if sup.state == EngineState.RUNNING and heard > self.config.hang_timeout_s:
+            message = f"engine silent for {heard:.1f} s: its frames are not fresh"
+        return BridgeStatus(state=sup.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
+                            dropped=dropped, message=message, log_tail=tail, restarts=sup.restarts,
+                            frames_out=counts["received"], refused=refused, heard_s=round(heard, 3))
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
         with self._lock:
-            link = self._link
+            link, sup = self._link, self._sup
             counts = self._stats.counts
             refused = counts["refused"] + (link.refused if link else 0)
             return {
-                "state": self._loop.state, "message": self._loop.message, "transport": self.config.transport,
-                **{k: v for k, v in counts.items() if k != "refused"}, "refused": refused,
+                "state": sup.state.value, "message": sup.message, "transport": self.config.transport,
+                **{k: v for k, v in counts.items() if k != "refused"}, "refused": refused, "errors": sup.errors,
                 "last_refusal": link.last_refusal if link else "",
-                "restarts": self._loop.restarts, "fps": round(self._stats.fps(), 2),
+                "restarts": sup.restarts, "fps": round(self._stats.fps(), 2),
                 "latency_ms_p50": round(self._stats.latency_ms(50), 3),
                 "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
-                "last_error": self._loop.last_error, "engine": dict(self._stats.engine),
+                "last_error": sup.last_error, "engine": dict(sup.engine_report),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
                 "lane_endpoint": link.lane.endpoint if link and link.lane else None,
                 "messages": link.message_counts() if link else {},
+                "standby": sup.standby.describe() if sup.standby else None,
             }
 
     # ------------------------------------------------------------------------------------------------
@@ -253,7 +289,7 @@ class Bridge:
         deadline = time.monotonic() + timeout_s
         self.wait_running(timeout_s)
         with self._process_lock:
-            link_id = self._loop.link_id
+            link_id = self._sup.link_id
             self._request("mode", deadline, lossless=True)
             seqs: list[int] = []
             with self._lock:
@@ -273,7 +309,7 @@ class Bridge:
             finally:
                 with self._lock:
                     self._collect = None
-                if self._loop.link_id == link_id:
+                if self._sup.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
 
     def _finish_lossless(self, seqs: list[int], link_id: int, deadline: float) -> None:
@@ -303,15 +339,15 @@ class Bridge:
                         LANE_WAIT_S)
 
     def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
-        if self._loop.link_id != link_id or self._loop.state != "running":
-            raise RuntimeError(f"engine stopped during process(): {self._loop.state}: {self._loop.message}")
+        if self._sup.link_id != link_id or self._sup.state != EngineState.RUNNING:
+            raise RuntimeError(f"engine stopped during process(): {self._sup.state}: {self._sup.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"process(): timed out ({what})")
 
     def wait_for_output(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the output of input `seq` (or a later one) has arrived (scripts, tests, benchmarks)."""
         frames = self._frames
-        return self._await(lambda: frames.seq >= seq and frames.link_id == self._loop.link_id, timeout_s)
+        return self._await(lambda: frames.seq >= seq and frames.link_id == self._sup.link_id, timeout_s)
 
     def _await(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `ready()` (checked under the lock) or the timeout, draining the frame lane meanwhile;
@@ -338,10 +374,10 @@ class Bridge:
         """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while (state := self._loop.state) != "running":
-                if state in ("dead", "stopped") or time.monotonic() > deadline:
+            while (state := self._sup.state) != EngineState.RUNNING:
+                if state.ended or time.monotonic() > deadline:
                     tail = "\n".join(self._status().log_tail)
-                    raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._loop.message}\n{tail}")
+                    raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._sup.message}\n{tail}")
                 self._cond.wait(0.05)
             return self._status()
 
@@ -349,70 +385,72 @@ class Bridge:
     # control
 
     def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
-        """Change the prompt. Remembered: an engine that starts or restarts later gets it too; with
-        wait=True a refusal (e.g. a prompt missing from the engine's embeddings file) raises ValueError
-        and is forgotten."""
-        make("prompt", text=text, transition_chunks=transition_chunks)  # a bad call fails here, not on the wire
-        with self._lock:
-            before = self._wanted_prompt
-            self._wanted_prompt = {"text": text, "transition_chunks": transition_chunks}
-        try:
-            self._control("prompt", wait, text=text, transition_chunks=transition_chunks)
-        except ValueError:
-            with self._lock:
-                self._wanted_prompt = before
-            raise
+        """Change the prompt. Remembered: an engine that starts or restarts later is told it once, when
+        ready. A bad prompt raises ValueError and is not remembered; nor is one a running engine refuses
+        with wait=True (e.g. missing from its embeddings file)."""
+        wish = PromptWish(*check_prompt_request(text, transition_chunks))
+        self._control("prompt", wait, lambda: self._wanted.want_prompt(wish), text=wish.text,
+                      transition_chunks=wish.transition_chunks)
 
     def set_params(self, *, wait: bool = False, **params: Any) -> None:
-        """Change session parameters (steps, noise_scale, ...); with wait=True a refusal raises ValueError.
-        Remembered like the prompt; a refused call (wait=True) is forgotten."""
-        make("params", params=params)
+        """Change live parameters (host_bridge/wire/params.py: steps, noise_scale, ...). Remembered like the
+        prompt; a bad value raises ValueError and is not remembered, nor is one the engine refuses (wait=True)."""
+        checked = LIVE.check(params)
+        self._control("params", wait, lambda: self._wanted.want_params(checked), params=checked)
+
+    @property
+    def wanted(self) -> Wanted:
+        """A copy of the prompt and parameters the host asked for (what a fresh engine is told)."""
         with self._lock:
-            before = dict(self._wanted_params)
-            self._wanted_params.update(params)
-        try:
-            self._control("params", wait, params=params)
-        except ValueError:
-            with self._lock:
-                self._wanted_params = before
-            raise
+            return self._wanted.snapshot()
 
     def reset(self, *, wait: bool = False) -> None:
         self._control("reset", wait)
 
-    def _control(self, kind: str, wait: bool, **fields: Any) -> None:
+    def _control(self, kind: str, wait: bool, remember: Callable[[], Callable[[], None]] | None = None,
+                 **fields: Any) -> None:
+        """Remember (`remember()` returns its undo) and send to a ready engine in one hold of the engine
+        lock, so that this send and a fresh engine's `on_engine_ready` never both deliver one value."""
         if wait:
-            self._request(kind, time.monotonic() + self.config.request_timeout_s, **fields)
+            undo: list[Callable[[], None]] = []
+            try:
+                self._request(kind, time.monotonic() + self.config.request_timeout_s,
+                              before_send=(lambda: undo.append(remember())) if remember else None, **fields)
+            except ValueError:
+                with self._lock:
+                    for u in undo:
+                        u()
+                raise
             return
         with self._lock:
+            if remember is not None:
+                remember()
             link = self._link
             if link is None or not link.ready:
                 return  # sent when the engine is ready (prompt and parameters are remembered)
             if not link.send(make(kind, **fields)):
-                self._loop.message = f"{kind} not sent: the engine is not reading"
+                self._sup.note(f"{kind} not sent: the engine is not reading")
 
-    def _send_wanted(self, link: Link) -> None:
-        """A fresh engine gets the prompt and parameters the host asked for."""
-        if self._wanted_prompt is not None:
-            link.send(make("prompt", **self._wanted_prompt))
-        if self._wanted_params:
-            link.send(make("params", params=dict(self._wanted_params)))
-
-    def _request(self, kind: str, deadline: float, **fields: Any) -> dict[str, Any]:
-        rid = next(self._loop.request_ids)
-        msg = make(kind, id=rid, **fields)
+    def _request(self, kind: str, deadline: float, *, before_send: Callable[[], None] | None = None,
+                 **fields: Any) -> dict[str, Any]:
+        """Send a request and wait for the engine's answer; `before_send` runs in the same lock hold."""
+        sup = self._sup
         with self._cond:
+            if before_send is not None:
+                before_send()
+            rid = sup.new_request_id()
+            msg = make(kind, id=rid, **fields)
             link = self._link
-            if link is None or self._loop.state not in ("running",) or not link.send(msg):
-                raise RuntimeError(f"{kind}: engine is {self._loop.state}: {self._loop.message}")
+            if link is None or sup.state != EngineState.RUNNING or not link.send(msg):
+                raise RuntimeError(f"{kind}: engine is {sup.state}: {sup.message}")
         # the engine may need released output slots to answer (a flush): keep draining the lane
-        while not self._await(lambda: rid in self._loop.replies or self._link is not link, LANE_WAIT_S):
+        while not self._await(lambda: sup.has_reply(rid) or self._link is not link, LANE_WAIT_S):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{kind}: no reply from the engine")
         with self._cond:
-            if rid not in self._loop.replies:
-                raise RuntimeError(f"{kind}: engine went away: {self._loop.message}")
-            reply = self._loop.replies.pop(rid)
+            reply = sup.take_reply(rid)
+        if reply is None:
+            raise RuntimeError(f"{kind}: engine went away: {sup.message}")
         if reply["type"] == "error":
             raise ValueError(f"engine refused {kind}: {reply['message']}")
         return reply
@@ -423,7 +461,7 @@ class Bridge:
     @property
     def _link(self) -> Link | None:
         """The link to the engine now in use (the loop thread opens and replaces it)."""
-        return self._loop.link
+        return self._sup.link
 
     def _drain(self, timeout_s: float, link: Link | None = None) -> bool:
         """Receive what the frame lane holds (waiting up to `timeout_s`) and act on it. False, at once,
@@ -437,7 +475,10 @@ class Bridge:
             if messages:
                 with self._cond:
                     for msg, payload in messages:
-                        self._on_lane(link, msg, payload)
+                        try:
+                            self._on_lane(link, msg, payload)
+                        except Exception as exc:  # an odd notice is refused and counted, never raised to a host
+                            lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
         finally:
             lane.release()
         return True
@@ -481,22 +522,35 @@ class Bridge:
         try:
             if not link.write_frame(seq, frame, self._frames.staging, t):
                 return False
+        except ValueError as exc:  # a frame no ring can hold: refused and counted, never retried
+            self._pending = None
+            self._stats.counts["refused_frames"] += 1
+            self._sup.note(f"frame refused: {exc}", error=True)
+            return False
         except Exception as exc:  # e.g. out of shared or device memory: report, never raise into the frame loop
-            self._loop.last_error = self._loop.message = f"cannot hand the frame over: {type(exc).__name__}: {exc}"
+            self._sup.note(f"cannot hand the frame over: {type(exc).__name__}: {exc}", error=True)
             return False
         self._pending = None
         self._stats.sent(seq, t)
         return True
 
-    def _on_ready(self, link: Link) -> None:
-        """The loop thread's news of a fresh engine: it gets what the host asked for, and the pending frame."""
-        self._send_wanted(link)
+    # ------------------------------------------------------------------------------------------------
+    # the supervisor's calls (supervisor.FrameSide)
+
+    def on_engine_ready(self, link: Link) -> None:
+        """A fresh engine (called with the engine lock held): it is told what the host wants, once, and
+        gets the pending frame."""
+        for kind, fields in self._wanted.for_fresh_engine():
+            link.send(make(kind, **fields))
         self._pump()
 
-    def _on_tick(self, link: Link) -> None:
+    def on_tick(self, link: Link) -> None:
         """The loop thread's turn at the frames: outputs and releases nobody asked for yet (never waiting
-        for the lane), then the pending frame."""
-        self._drain(0.0, link)
+        for the lane), then the pending frame. On cuda-ipc it leaves the lane to the host's threads: an
+        output notice means a device copy in the host's process, and a host such as TouchDesigner wants
+        its CUDA work on its own (main) thread; the host asks every frame, so nothing waits long."""
+        if self.config.transport != "cuda-ipc":
+            self._drain(0.0, link)
         with self._lock:
             self._pump()
 

@@ -10,8 +10,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from host_bridge.protocol import ENCODINGS, MAX_SLOTS, TRANSPORTS
-from host_bridge.typed_config import ConfigError, build, spec
+from host_bridge.wire.protocol import ENCODINGS, MAX_FRAME_SIDE, MAX_SLOTS, TRANSPORTS
+from host_bridge.wire.typed_config import ConfigError, build, spec
 
 FALLBACKS = ("passthrough", "last")
 MAX_HANG_TIMEOUT_S = 2.0  # the promise: a dead or hung engine is noticed within 2 s
@@ -33,6 +33,10 @@ class BridgeConfig:
     endpoint: str | None = spec(None, doc="engine control endpoint (tcp://HOST:PORT or ipc://PATH); none = private")
     fallback: str = spec("passthrough", choices=FALLBACKS, doc="shown while the engine is not delivering")
     ring_slots: int = spec(3, min=2, max=MAX_SLOTS, doc="frame slots per direction")
+    max_frame_side: int = spec(4096, min=16, max=MAX_FRAME_SIDE,
+                               doc="longest frame side handed to the engine: larger host frames are shrunk by a "
+                                   "whole factor first (outputs come back at that size); larger device frames "
+                                   "(submit_cuda) are refused")
     handshake_timeout_s: float = spec(20.0, min=0.5, max=600.0, doc="engine start to its hello")
     load_timeout_s: float = spec(900.0, min=1.0, max=7200.0, doc="hello to ready (model loading)")
     heartbeat_s: float = spec(0.2, min=0.01, max=1.0, doc="heartbeat interval, both ways")
@@ -41,6 +45,10 @@ class BridgeConfig:
                                          doc="the same while the engine loads: reading a checkpoint and compiling "
                                              "can hold Python's GIL, and so its heartbeats, for seconds")
     restart: bool = spec(True, doc="restart (or reconnect) after a crash or hang")
+    standby: bool = spec(False, doc="keep a second launched engine loaded (and warmed) to take over at once when "
+                                    "the one in use dies or hangs; costs a second engine's memory (launch only)")
+    engine_warmup: bool = spec(False, doc="launched engines warm up (compile, capture graphs) before they say "
+                                          "ready, so the first frames do not stall")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
     restart_backoff_max_s: float = spec(10.0, min=0.0, max=600.0)
     stop_timeout_s: float = spec(2.0, min=0.1, max=60.0, doc="wait after bye and after terminate")
@@ -50,6 +58,8 @@ class BridgeConfig:
     cuda_device: int = spec(0, min=0, max=64, doc="GPU for cuda-ipc rings when frames come from host memory")
     curve_secret_file: str | None = spec(None, doc="host certificate (zmq.auth) for CurveZMQ")
     curve_server_public_file: str | None = spec(None, doc="engine public key certificate for CurveZMQ")
+    secret_file: str | None = spec(None, doc="a served engine's session secret (`loom serve --secret-file`, mode "
+                                             "600), for launch=false on a loopback or ipc endpoint without CurveZMQ")
 
     def __post_init__(self) -> None:
         if not getattr(_building, "active", False):
@@ -62,6 +72,11 @@ class BridgeConfig:
             raise ValueError("endpoint: required when launch is false (the running engine's tcp:// or ipc:// address)")
         if self.encoding == "jpeg" and self.transport != "tcp":
             raise ValueError(f"encoding: 'jpeg' needs transport 'tcp', not {self.transport!r}")
+        if self.standby and not self.launch:
+            raise ValueError("standby: needs launch=true (the bridge starts the standby engine itself)")
+        if self.secret_file is not None and (self.launch or self.curve_secret_file is not None):
+            raise ValueError("secret_file: only for launch=false without CurveZMQ keys (a launched engine gets a "
+                             "fresh token; Curve keys authenticate on their own)")
         if (self.curve_secret_file is None) != (self.curve_server_public_file is None):
             raise ValueError("curve_secret_file and curve_server_public_file: give both or neither")
         if self.hang_timeout_s < 2 * self.heartbeat_s:

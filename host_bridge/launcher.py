@@ -3,8 +3,12 @@
 The engine runs in another interpreter (TouchDesigner's Python has no torch), in its own process
 group (POSIX: a new session; Windows: CREATE_NEW_PROCESS_GROUP) so that stopping it reaches every
 process it started (torch workers, pipeline-parallel ranks) and so a Ctrl-C meant for the host
-does not hit it. Stop is: terminate the group, wait, kill the group. Its output is kept as a short
-tail for the host's status display.
+does not hit it. On Windows it also gets CREATE_NO_WINDOW: launched from GUI TouchDesigner it would
+otherwise open a console window. Without a console there is no Ctrl-Break to send, so a Windows
+stop asks the tree to end (`taskkill /T`), waits, then ends it by force (`taskkill /F /T`), which
+reaches a hung engine too; the bridge has already said "bye" on the control channel by then.
+POSIX: terminate the group, wait, kill the group. Its output is kept as a short tail for the
+host's status display.
 """
 
 from __future__ import annotations
@@ -16,11 +20,22 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+
+from host_bridge.wire import logs
 
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
-PROCESS_QUERY_LIMITED_INFORMATION = 0x1000  # Windows OpenProcess access right
-STILL_ACTIVE = 259  # Windows GetExitCodeProcess: still running
+# Windows process creation flags (subprocess defines them only on Windows)
+CREATE_NEW_PROCESS_GROUP = 0x00000200
+CREATE_NO_WINDOW = 0x08000000
+
+
+def popen_options(os_name: str | None = None) -> dict:
+    """Popen keywords that give the engine a process group of its own (and no console window on Windows)."""
+    if (os_name or os.name) == "nt":
+        return {"creationflags": CREATE_NEW_PROCESS_GROUP | CREATE_NO_WINDOW}
+    return {"start_new_session": True}
 
 
 class EngineProcess:
@@ -29,11 +44,7 @@ class EngineProcess:
     def __init__(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None):
         self.argv = argv
         self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-        kwargs: dict = {}
-        if os.name == "nt":
-            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
-        else:
-            kwargs["start_new_session"] = True
+        kwargs = popen_options()
         full_env = dict(os.environ)
         full_env["PYTHONUNBUFFERED"] = "1"
         if env:
@@ -89,12 +100,13 @@ class EngineProcess:
         _signal_tree(self.proc, kill=True)
 
 
-def _signal_tree(proc: subprocess.Popen, *, kill: bool) -> None:
-    if os.name == "nt":
+def _signal_tree(proc: subprocess.Popen, *, kill: bool, os_name: str | None = None,
+                 run: Callable[..., object] = subprocess.run) -> None:
+    if (os_name or os.name) == "nt":
         if kill:
-            subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True, check=False)
-        elif proc.poll() is None:
-            proc.send_signal(signal.CTRL_BREAK_EVENT)  # reaches the whole new process group
+            run(["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True, check=False)
+        elif proc.poll() is None:  # no console, so no Ctrl-Break: ask the tree to close
+            run(["taskkill", "/T", "/PID", str(proc.pid)], capture_output=True, check=False)
         return
     try:
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)  # pgid == pid: new session
@@ -102,27 +114,6 @@ def _signal_tree(proc: subprocess.Popen, *, kill: bool) -> None:
         pass
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process exists. Portable: on Windows `os.kill(pid, 0)` would send CTRL_C_EVENT."""
-    if os.name == "nt":
-        import ctypes
-
-        kernel32 = ctypes.windll.kernel32
-        handle = kernel32.OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
-        if not handle:
-            return False
-        code = ctypes.c_ulong()
-        ok = kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
-        kernel32.CloseHandle(handle)
-        return bool(ok) and code.value == STILL_ACTIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists but belongs to someone else
-    return True
-
-
 def engine_argv(python: str | None, *args: str) -> list[str]:
-    return [python or sys.executable, "-m", "engine", "serve", *args]
+    """The engine's command line; it logs at this process's level (`args` may still set another)."""
+    return [python or sys.executable, "-m", "engine", "serve", *logs.engine_args(), *args]

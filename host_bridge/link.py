@@ -5,8 +5,8 @@ and releases, used directly by whichever host thread moves frames: the shared-me
 shm and cuda-ipc (the engine is on this machine), the `FrameLane` socket on tcp; both are `lane`
 here. A restart is a new `Link` (new sockets, new endpoints, new token, new doorbell, new rings),
 so nothing from a dead engine (queued messages, half-written slots) can leak into the next one.
-The `Bridge` holds its lock while calling into a link, except for `teardown`, which may wait for a
-process to exit.
+The bridge and the supervisor hold the engine lock while calling into a link, except for `teardown`,
+which may wait for a process to exit.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.channel import Channel, CurveClient, EndpointError, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.doorbell import Doorbell
-from host_bridge.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.launcher import EngineProcess
-from host_bridge.protocol import TRANSPORTS, make
-from host_bridge.transport import Ring, SlotTracker, create_ring
+from host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint, SharedSecret
+from host_bridge.wire.doorbell import Doorbell
+from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
+from host_bridge.wire.protocol import TRANSPORTS, make
+from host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
 
 class Link:
     def __init__(self, link_id: int, channel: Channel, lane: FrameLane | Doorbell | None, proc: EngineProcess | None,
                  endpoint: PrivateEndpoint | None, token: str | None, cfg: BridgeConfig, lock: threading.RLock,
-                 curve: CurveClient | None = None):
+                 curve: CurveClient | SharedSecret | None = None):
         self.id = link_id
         self.channel = channel
         # the doorbell, made with the link; or a lane bound here when we launched the engine, else
@@ -83,17 +83,19 @@ class Link:
     def send_hello(self) -> None:
         doorbell = self.lane.name if isinstance(self.lane, Doorbell) else None
         lane = self.lane.endpoint if self.cfg.launch and doorbell is None else None
-        self.send(make("hello", role="host", token=self.token or "", pid=os.getpid(), transports=list(TRANSPORTS),
+        secret = self.curve.secret if isinstance(self.curve, SharedSecret) else ""
+        self.send(make("hello", role="host", token=self.token or secret, pid=os.getpid(), transports=list(TRANSPORTS),
                        software="loom host_bridge", lane=lane, doorbell=doorbell))
 
     def on_hello(self, msg: dict[str, Any]) -> str | None:
         if self.phase != "hello":
             self.channel.refuse("second hello")
             return None
-        if msg["role"] != "engine":
-            return f"handshake: peer says it is a {msg['role']}, expected an engine"
-        if self.token is not None and msg["token"] != self.token:
-            return "handshake: the engine's token does not match the one it was launched with"
+        if msg["role"] != "engine" or self.token is not None and msg["token"] != self.token:
+            # another local process (a tcp endpoint on 127.0.0.1 is reachable by any): refused and counted,
+            # never a reason to give up on the engine we launched
+            self.channel.refuse(f"hello from a {msg['role']} without this engine's launch token")
+            return None
         if self.cfg.transport not in msg.get("transports", []):
             return f"handshake: the engine does not offer transport {self.cfg.transport!r} ({msg.get('transports')})"
         self.engine_pid = msg["pid"]
@@ -161,17 +163,26 @@ class Link:
             s = self.ring_in.spec
             if all(getattr(s, k) == v for k, v in want.items()):
                 return
+        generation = self.generation + 1
+        common = dict(slots=self.cfg.ring_slots, generation=generation, **want, **extra)
+        rings: list[Ring] = []
+        try:  # both ring messages are validated before the rings replace the old ones
+            for direction in ("in", "out"):
+                rings.append(create_ring(self.cfg.transport, direction, **common))
+            messages = {next(self._request_ids): make("ring", spec=r.spec.to_dict()) for r in rings}
+        except Exception as exc:
+            for ring in rings:
+                ring.close()
+            raise ValueError(f"frame {want['width']}x{want['height']} {want['dtype']}: no ring for it ({exc})") \
+                from None
+        if self.ring_in is not None:
             self.retired += [self.ring_in, self.ring_out]
-        self.generation += 1
-        common = dict(slots=self.cfg.ring_slots, generation=self.generation, **want, **extra)
-        self.ring_in = self.ring_out = None
-        self.ring_in = create_ring(self.cfg.transport, "in", **common)
-        self.ring_out = create_ring(self.cfg.transport, "out", **common)
+        self.generation = generation
+        self.ring_in, self.ring_out = rings
         self.in_tracker = SlotTracker(self.cfg.ring_slots)
-        for ring in (self.ring_in, self.ring_out):
-            rid = next(self._request_ids)
-            self.ring_requests[rid] = self.generation
-            self.send(make("ring", id=rid, spec=ring.spec.to_dict()))
+        for rid, msg in messages.items():
+            self.ring_requests[rid] = generation
+            self.send({**msg, "id": rid})
 
     def retire_older(self, generation: int) -> None:
         """The engine attached generation `generation`: older rings can go."""
@@ -184,6 +195,12 @@ class Link:
         self.retired = keep
 
     # -- liveness ------------------------------------------------------------------------------------
+
+    def known_alive(self, now: float) -> bool:
+        """Whether the engine is running as far as this side can tell right now: its process (when we
+        launched it) has not exited and it spoke within the hang timeout. Its frames are fresh only then."""
+        return self.phase == "running" and (self.proc is None or self.proc.alive) \
+            and now - self.last_heard <= self.cfg.hang_timeout_s
 
     def check(self, now: float) -> str | None:
         """A reason to give up on this engine, or None."""

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 
 import zmq
 
-from host_bridge.channel import Channel, CurveClient, PrivateEndpoint
 from host_bridge.config import BridgeConfig
-from host_bridge.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
-from host_bridge.doorbell import Doorbell
-from host_bridge.frame_lane import FrameLane, lane_bind_address
 from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
 from host_bridge.link import Link
+from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint, SharedSecret, read_secret_file
+from host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
+from host_bridge.wire.doorbell import Doorbell
+from host_bridge.wire.frame_lane import FrameLane, lane_bind_address
 
 TOKEN_BYTES = 16
 
@@ -37,12 +37,18 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
     """A new `Link` (taking its id from `link_ids` only once it exists); the engine launched if `cfg.launch`."""
     token = secrets.token_hex(TOKEN_BYTES)
     endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
-    curve = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
-             if cfg.curve_secret_file and cfg.curve_server_public_file else None)
+    curve: CurveClient | SharedSecret | None = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
+                                                 if cfg.curve_secret_file and cfg.curve_server_public_file else None)
     channel = lane = None
     try:
+        if cfg.secret_file:
+            curve = SharedSecret(read_secret_file(cfg.secret_file), server=False)
         if cfg.launch:
-            channel = Channel(ctx, endpoint.address if endpoint else cfg.endpoint, bind=True)
+            address = endpoint.address if endpoint else cfg.endpoint
+            # ipc lives in a private directory; tcp on 127.0.0.1 is open to every local process: the
+            # engine must show the launch token before it is even connected
+            guard = SharedSecret(token, server=True) if address is None or address.startswith("tcp://") else None
+            channel = Channel(ctx, address, bind=True, curve=guard)
         else:
             channel = Channel(ctx, cfg.endpoint, bind=False, curve=curve)
         if cfg.transport in DOORBELL_TRANSPORTS:
@@ -50,7 +56,7 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
         elif cfg.launch:  # we bound the control endpoint: the frame lane goes next to it
             lane_address = endpoint.lane_address if endpoint and endpoint.lane_address else \
                 lane_bind_address(channel.endpoint)
-            lane = FrameLane(ctx, lane_address, bind=True, side="host")
+            lane = FrameLane(ctx, lane_address, bind=True, side="host", curve=guard)
     except Exception as exc:
         for opened in (channel, lane):
             if opened is not None:
@@ -82,4 +88,6 @@ def _engine_args(cfg: BridgeConfig, control_endpoint: str) -> list[str]:
         args += ["--set", o]
     if cfg.passthrough:
         args.append("--passthrough")
+    if cfg.engine_warmup:
+        args.append("--warmup")
     return args + list(cfg.engine_args)

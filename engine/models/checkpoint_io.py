@@ -30,6 +30,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
+    if not (p.is_file() or p.is_dir()):  # a device (/dev/zero) or a FIFO would block or never end
+        raise CheckpointError(f"{p}: not a regular file or directory; expected a checkpoint file "
+                              f"({', '.join(SAFETENSORS_SUFFIXES + PICKLE_SUFFIXES)}) or a directory of them")
     if p.is_file() and p.name.endswith(".index.json"):
         return _index_shards(p)
     if p.is_file():
@@ -42,8 +45,8 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     indexes = sorted(p.glob("*.safetensors.index.json"))
     if indexes:
         return _index_shards(indexes[0])
-    files = sorted(p.glob("*.safetensors")) or sorted(
-        f for f in p.iterdir() if f.name.endswith(PICKLE_SUFFIXES)
+    files = sorted(f for f in p.glob("*.safetensors") if f.is_file()) or sorted(
+        f for f in p.iterdir() if f.name.endswith(PICKLE_SUFFIXES) and f.is_file()
     )
     if not files:
         raise CheckpointError(f"{p}: directory holds no .safetensors, .pt or .pth checkpoint")

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
 from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 from engine.models.wan_vae import (
     TIME_STRIDE,
@@ -57,7 +58,6 @@ from engine.models.wan_vae import (
     decode_in_pieces,
     encode_in_pieces,
 )
-from engine.vae_stream import FrameCache, VAEStreamState, check_signature
 
 DECODER_TRIM = TIME_STRIDE - 1  # decoder outputs dropped at the start of a stream
 

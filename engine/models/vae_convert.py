@@ -17,8 +17,10 @@ containers; the differences are:
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from engine.models.wan_vae import WanVAEConfig
+if TYPE_CHECKING:  # annotations only: wan_vae imports this module to load checkpoints
+    from engine.models.wan_vae import WanVAEConfig
 
 _TOP = {"conv1.": "quant_conv.", "conv2.": "post_quant_conv."}
 _HEAD = {"head.0.": "norm_out.", "head.2.": "conv_out.", "conv1.": "conv_in."}

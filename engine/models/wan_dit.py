@@ -10,7 +10,7 @@ FFN, and an output head with 2-way modulation. The timestep may differ per laten
 Three ways to run it, sharing one block implementation:
 - `forward`: the whole sequence at once, optionally block-causal over latent frames (the oracle
   for streaming, and the training path);
-- `forward_stream`: one chunk of latent frames against a `KVCache` (engine/kv_cache.py);
+- `forward_stream`: one chunk of latent frames against a `KVCache` (engine/cache/kv_cache.py);
 - `embed` / `run_blocks(a, b, ...)` / `head` separately, so a pipeline rank runs blocks[a:b].
 Per-prompt cross-attention K/V come from `cross_kv` and are reused until the prompt changes.
 """
@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import attention
-from engine.kv_cache import (
+from engine.cache.kv_cache import (
     DEFAULT_NUM_KV_CACHE,
     DEFAULT_REFRESH_AT,
     DEFAULT_SINK,
@@ -35,8 +34,9 @@ from engine.kv_cache import (
     CrossKV,
     KVCache,
 )
-from engine.models.wan_dit_ops import EAGER_OPS, BlockOps, layer_norm_f32
-from engine.rope import RopeTables, host_index, rotate
+from engine.layers.attention import attention
+from engine.layers.rope import RopeTables, host_index, rotate
+from engine.models.wan_dit_ops import EAGER_OPS, BlockOps
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
@@ -184,8 +184,8 @@ class WanBlock(nn.Module):
         return ops.gated_residual(x, y, gate2)
 
     def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.norm3 is None:
-            return layer_norm_f32(x, self.eps).to(x.dtype)
+        if self.norm3 is None:  # cross_attn_norm=False: the identity, as in Wan2.1 and diffusers
+            return x
         return self.ops.affine_norm(x, self.norm3.weight, self.norm3.bias, self.norm3.eps)
 
 
@@ -283,7 +283,7 @@ class WanDiT(nn.Module):
     def fuse_elementwise(self, ops: BlockOps | None = None) -> None:
         """Run the blocks' norm/modulation/gate/RoPE chains through `ops` (default: compiled).
 
-        Measured on an H200 with CUDA graphs, those chains were half of the streaming forward's
+        With CUDA graphs those memory-bound chains are a large share of the streaming forward's
         GPU time; compiled, each becomes one or two kernels. Needs a torch.compile backend
         (Triton on CUDA); `BlockOps.eager()` switches back.
         """

@@ -2,8 +2,9 @@
 
 Between its matrix products a block runs float32 LayerNorms, per-frame modulation, gated
 residuals, RMS norms on q and k, and RoPE on q and k. Run eagerly, each of these is a chain of
-separate full passes over [B, L, dim] activations (casts, means, multiplies, adds). With CUDA
-graphs on an H200 those chains took about half of the 1.3B model's GPU time.
+separate full passes over [B, L, dim] activations (casts, means, multiplies, adds). Once CUDA
+graphs remove the launch overhead, those memory-bound chains are a large share of the model's GPU
+time (see docs/performance.md).
 
 `BlockOps.eager()` is the plain-PyTorch reference. `BlockOps.compiled()` passes the same functions
 through `torch.compile`, so each chain becomes one or two fused kernels. The matrix products and
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.rope import rotate
+from engine.layers.rope import rotate
 
 
 def layer_norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:

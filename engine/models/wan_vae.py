@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
 from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
-from engine.vae_stream import FrameCache, VAEStreamState, check_signature
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
 WAN21_LATENTS_MEAN = (
@@ -81,7 +81,7 @@ class WanVAEConfig:
 VAE_PRESETS: dict[str, WanVAEConfig] = {
     "wan2.1": WanVAEConfig(),
     # Same architecture at 1/12 width with one residual block per level: the embedded default
-    # and the CPU test model (about 0.8 s per 4-frame chunk at 128x128 on one CPU core).
+    # and the CPU test model (small enough for the CPU test suite).
     "tiny": WanVAEConfig(base_dim=8, num_res_blocks=1),
 }
 
@@ -377,8 +377,8 @@ class WanVAE(nn.Module):
         """Compile the encoder and decoder whole (Inductor, static shapes).
 
         Beyond `fuse_norms`, this fuses each conv's bias add, the residual adds and the history
-        concatenations into the neighbouring norm kernels: measured on an H200, a steady 4-frame
-        chunk went from 29.1 + 47.5 ms to 22.1 + 35.8 ms. Each distinct chunk shape compiles
+        concatenations into the neighbouring norm kernels, fewer passes over the activations
+        (encode and decode timings in docs/performance.md). Each distinct chunk shape compiles
         once (tens of seconds), so callers keep the shapes few: the session runs steady steps one
         latent at a time (`VAEGraphs`) and compiles them in its warm-up.
         """

@@ -64,10 +64,39 @@ def read_clip(path: str | Path, size: int, limit: int | None = None) -> np.ndarr
 
 
 def shapes_clip(seed: int, size: int, n: int = GENERATED_FRAMES) -> np.ndarray:
-    from host_bridge.video_io import generate_clip
+    """Loom's built-in generated clip (plugin.media.video_io.generate_clip: moving textured squares
+    and shaded discs over a drifting gradient), the same frames to within one grey
+    level, computed here because the engine never imports the host side."""
+    rng = np.random.default_rng(seed)
+    pos = rng.uniform(0.1, 0.9, (6, 2)) * (size, size)
+    vel = rng.uniform(1.5, 5.0, (6, 2)) * rng.choice([-1.0, 1.0], (6, 2))
+    radius = rng.uniform(0.06, 0.14, 6) * size
+    colour = rng.uniform(30, 255, (6, 3))
+    square = rng.random(6) < 0.5
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    u, v = x / size, y / size
+    frames = []
+    for t in range(n):
+        img = np.stack([90 + 60 * np.sin(2 * np.pi * (u * (c + 1) * 0.5 + v * 0.7 + 0.01 * t) + phase[c])
+                        for c in range(3)], axis=-1)
+        for p, vl, r, col, sq in zip(pos, vel, radius, colour, square):
+            dx, dy = x - _bounce(p[0] + vl[0] * t, r, size - r), y - _bounce(p[1] + vl[1] * t, r, size - r)
+            if sq:
+                mask = (np.abs(dx) < r) & (np.abs(dy) < r)
+                fill = col * (0.55 + 0.45 * ((np.floor(dx / (r / 3)) + np.floor(dy / (r / 3))) % 2)[..., None])
+            else:
+                mask = dx * dx + dy * dy < r * r
+                fill = col * (1.0 - 0.4 * np.sqrt(dx * dx + dy * dy)[..., None] / r)
+            img = np.where(mask[..., None], fill, img)
+        frames.append(np.clip(img, 0, 255).astype(np.uint8))
+    return np.stack(frames)
 
-    src = generate_clip(n, (size, size), 24.0, seed)
-    return np.stack([src.frame(t) for t in range(n)])
+
+def _bounce(p: float, lo: float, hi: float) -> float:
+    span = hi - lo
+    q = (p - lo) % (2 * span)
+    return lo + (q if q < span else 2 * span - q)
 
 
 def camera_move(still: np.ndarray, size: int, seed: int, n: int = GENERATED_FRAMES) -> np.ndarray:

@@ -50,7 +50,7 @@ def sharpness(frames: np.ndarray) -> float:
 
 
 def warp_error(inputs: np.ndarray, outputs: np.ndarray) -> float:
-    from engine.quality import evaluate_frames
+    from engine.tools.quality import evaluate_frames
 
     return float(evaluate_frames(inputs, outputs).totals["warp_error"])
 
@@ -59,7 +59,7 @@ def stylise(frames: np.ndarray, prompt: str, overrides: list[str] = (), weights:
             chunk: int = 4) -> np.ndarray:
     """Stream frames through the default preset with one prompt; returns one output per frame."""
     from engine.config import load_config
-    from engine.session import StreamSession
+    from engine.stream.session import StreamSession
 
     sets = [f"prompt.text={prompt}", *overrides]
     if weights:

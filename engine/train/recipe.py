@@ -31,12 +31,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.flow_schedule import FlowSchedule
 from engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
 from engine.models.taehv import TinyVAE
 from engine.models.wan_dit import WanDiT
-from engine.motion_noise import MotionNoiseController, frame_difference_motion
-from engine.prompts import blend
+from engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
+from engine.stream.prompts import blend
+from engine.stream.schedule import FlowSchedule
 from engine.train.data import SOURCE, Clip, load_pairs
 from engine.train.styles import STYLE_NAMES
 

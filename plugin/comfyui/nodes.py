@@ -31,12 +31,12 @@ CANCEL_POLL_S = 0.05  # how often a run waiting for its engine looks at its stat
 
 @dataclass
 class EngineHandle:
-    """What flows along a LOOM_ENGINE wire: the bridge, its settings, and the prompt/params to keep sent."""
+    """What flows along a LOOM_ENGINE wire: the bridge (which remembers the prompt and params) and its settings."""
 
     key: str
     bridge: Any
     settings: dict[str, Any]
-    controls: Any = None  # plugin.live_params.ControlSync
+    interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -56,9 +56,7 @@ class EngineRegistry:
         with self._lock:
             handle = self._engines.get(key)
             if handle is None:
-                from plugin.live_params import ControlSync
-
-                handle = EngineHandle(key, _start_bridge(settings), dict(settings), ControlSync())
+                handle = EngineHandle(key, _start_bridge(settings), dict(settings))
                 self._engines[key] = handle
             return handle
 
@@ -103,7 +101,7 @@ def _start_bridge(settings: dict[str, Any]) -> Any:
 
 def _images_to_frames(images: Any) -> np.ndarray:
     """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]."""
-    from host_bridge.formats import from_comfy
+    from .pixels import from_comfy
 
     array = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
     return from_comfy(array)
@@ -112,7 +110,7 @@ def _images_to_frames(images: Any) -> np.ndarray:
 def _frames_to_images(frames: list[np.ndarray] | np.ndarray) -> Any:
     import torch
 
-    from host_bridge.formats import to_comfy
+    from .pixels import to_comfy
 
     return torch.from_numpy(to_comfy(frames if isinstance(frames, np.ndarray) else np.stack(frames)))
 
@@ -173,30 +171,32 @@ class LoomPrompt:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
+        from host_bridge.wire.params import LIVE, PROMPT, STEP_LISTS
+
         return {
             "required": {
                 "engine": (ENGINE_TYPE,),
-                "prompt": ("STRING", {"default": "a painting in the style of van gogh, vivid brush strokes",
-                                      "multiline": True}),
-                "steps": ("INT", {"default": 2, "min": 1, "max": 4, "tooltip": "denoising steps"}),
-                "noise_scale": ("FLOAT", {"default": 0.8, "min": 0.1, "max": 1.0, "step": 0.05}),
-                "motion_aware": ("BOOLEAN", {"default": True}),
-                "transition_chunks": ("INT", {"default": 4, "min": 0, "max": 64}),
+                "prompt": ("STRING", {"default": PROMPT.default, "multiline": True}),
+                "steps": ("INT", {"default": len(LIVE["steps"].default), "min": min(STEP_LISTS),
+                                  "max": max(STEP_LISTS), "tooltip": "denoising steps"}),
+                "noise_scale": _live_input("noise_scale"),
+                "motion_aware": _live_input("motion_aware"),
+                "transition_chunks": _live_input("transition_chunks"),
             },
         }
 
     def apply(self, engine: EngineHandle, prompt: str, steps: int, noise_scale: float, motion_aware: bool,
               transition_chunks: int) -> tuple[EngineHandle]:
-        from plugin.live_params import engine_params, prompt_request
+        from host_bridge.wire.params import LIVE, check_prompt_request, steps_for
 
-        try:  # refused before it is recorded: a bad value kept would fail every later Loom Stream run
-            params = engine_params(steps, noise_scale, motion_aware)
-            text, chunks = prompt_request(prompt, transition_chunks)
+        try:  # all checked before any is sent: a refused node changes nothing
+            text, chunks = check_prompt_request(prompt, transition_chunks)
+            params = LIVE.check({"steps": steps_for(steps), "noise_scale": noise_scale, "motion_aware": motion_aware})
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None
-        engine.controls.set_prompt(text, transition_chunks=chunks)
-        engine.controls.set_params(**params)
-        engine.controls.sync(engine.bridge)  # now if the engine runs, else before the next stream
+        # the bridge remembers both: the engine is told now if it runs, else as soon as it does
+        engine.bridge.set_prompt(text, transition_chunks=chunks)
+        engine.bridge.set_params(**params)
         return (engine,)
 
 
@@ -235,17 +235,39 @@ class LoomStream:
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
         _wait_running(engine.bridge, limit, cancelled)
-        engine.controls.sync(engine.bridge)
+        if engine.interrupted:  # the engine confirms the new stream before this run's first frame goes
+            engine.bridge.reset(wait=True)
+            engine.interrupted = False
         try:
             outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
         except BaseException:
             # Cancel (or a failure) mid-batch: process() has put the engine back in live mode; the frames
             # it still holds of this batch's stream go too, so the next run starts a stream of its own
+            engine.interrupted = True
             engine.bridge.reset()
             raise
         if len(outs) != len(frames):
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
         return _frames_to_images(outs), engine.status_text()
+
+
+_INPUT_KINDS = {"int": "INT", "float": "FLOAT", "bool": "BOOLEAN"}
+
+
+def _live_input(name: str) -> tuple[str, dict[str, Any]]:
+    """A ComfyUI input for one live parameter: type, default, range and step from the schema (a widget
+    stops at the schema's `ui_max` where the allowed maximum is far beyond useful values)."""
+    from host_bridge.wire.params import LIVE
+
+    p = LIVE[name]
+    options: dict[str, Any] = {"default": p.default, "tooltip": p.doc}
+    if p.min is not None:
+        options["min"] = p.min
+    if p.max is not None:
+        options["max"] = p.ui_max if p.ui_max is not None else p.max
+    if p.ui_step is not None:
+        options["step"] = p.ui_step
+    return _INPUT_KINDS[p.kind], options
 
 
 def _cancel_check() -> Callable[[], None]:
@@ -269,10 +291,12 @@ def _until_cancelled(frames: np.ndarray, cancelled: Callable[[], None]) -> Itera
 
 def _wait_running(bridge: Any, limit_s: float, cancelled: Callable[[], None]) -> None:
     """Wait for the engine (loading a model takes a while), answering Cancel meanwhile."""
+    from host_bridge import EngineState
+
     deadline = time.monotonic() + limit_s
-    while (status := bridge.status()).state != "running":
+    while (status := bridge.status()).state != EngineState.RUNNING:
         cancelled()
-        gone = status.state in ("dead", "stopped")
+        gone = status.state in (EngineState.DEAD, EngineState.STOPPED)
         if gone or time.monotonic() > deadline:
             tail = "\n".join(status.log_tail or [])
             raise RuntimeError(f"Loom Stream: the engine is {status.state}{'' if gone else f' after {limit_s:.0f} s'}"

@@ -20,11 +20,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from host_bridge.video_io import MediaError, generate_clip, open_sink, open_source
+from host_bridge import EngineState
+from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
+from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (
@@ -39,12 +42,12 @@ from plugin.player.options import (
     PlayerOptions,
     output_kind,
 )
-from plugin.player.status import StatusPrinter, live_line, progress_line
+from plugin.player.status import StatusPrinter, live_line
 
 # Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
-# the first chunk is 5 frames, later ones 4 (first batch 5 + 4*4, then 5*4).
-FIRST_BATCH = 21
-LATER_BATCH = 20
+# five chunks, the first batch starting the stream with its longer first chunk.
+FIRST_BATCH = whole_chunks(5)
+LATER_BATCH = 5 * CHUNK_FRAMES
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
 RETRY_PAUSE_S = 1.0
@@ -78,7 +81,8 @@ class Player:
         prompts = list(options.prompts) or [options.default_prompt]
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
-                                              motion_aware=options.motion_aware))
+                                              motion_aware=options.motion_aware,
+                                              lora_scales=dict(options.lora_scales)))
         self.keyboard = KeyboardInput(self.controls)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
@@ -92,7 +96,6 @@ class Player:
         self.size: tuple[int, int] = (0, 0)
         self._last_out: np.ndarray | None = None
         self._started = time.monotonic()
-        self._stream_started = self._started
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
         self._log_tail: list[str] = []
         self._last_error = ""
@@ -136,7 +139,8 @@ class Player:
             kind = output_kind(spec)
             try:
                 self.sinks.append(open_sink(spec, self.source.fps, self.size,
-                                            audio_from=audio_from if kind == "file" else None))
+                                            audio_from=audio_from if kind == "file" else None,
+                                            overwrite=o.overwrite))
             except MediaError as exc:
                 raise PlayerError(f"output: {exc}") from None
 
@@ -173,14 +177,13 @@ class Player:
             _, status = self.bridge.latest()
             self._remember_log(status)
             if _is_ready(status):
-                self._stream_started = time.monotonic()
                 return
             if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
                 raise self._engine_error("the engine did not start", status)
             if time.monotonic() > deadline:
                 raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
                                          status)
-            self.printer.update(f"starting the engine: {status.message or status.state}")
+            self.printer.stage(f"loom play: starting the engine: {status.message or status.state}")
             self._poll_controls()
             if self.controls.state.quit:
                 return
@@ -191,14 +194,15 @@ class Player:
     def run(self) -> int:
         """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
         stopped_by, code = "", EXIT_OK
+        failed = True  # until the run ends normally or by the user: a failed run keeps no file
         previous_handlers = _raise_on_stop_signals()
         try:
             self._open_source()
             self._open_outputs()
             self._start_engine()
             self._start_osc()
-            if self.opts.prompts:  # sent as soon as the engine runs (and again to a restarted one)
-                self.controls.sync.set_prompt(self.controls.state.prompt)
+            if self.opts.prompts:  # the bridge tells the engine as soon as it runs (and a restarted one)
+                self.bridge.set_prompt(self.controls.state.prompt)
             live = self.opts.mode == "live" or (self.opts.mode == "auto" and self.source.is_live)
             if live:
                 self._run_live()
@@ -207,14 +211,16 @@ class Player:
                 self._run_lossless()
             if self._input_error is not None:
                 raise self._input_error
+            failed = False
         except KeyboardInterrupt:
-            stopped_by, code = "Ctrl-C", EXIT_INTERRUPTED
+            stopped_by, code, failed = "Ctrl-C", EXIT_INTERRUPTED, False
         except StopRequested as stop:
             stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
+            failed = False
         finally:
             for signum in previous_handlers:  # a second signal must not cut the finalising short
                 signal.signal(signum, signal.SIG_IGN)
-            self._close()
+            self._close(keep=not failed)
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
         self._report(stopped_by)
@@ -288,6 +294,9 @@ class Player:
                 batch = []
         if batch:
             self._process(batch, total)
+        if not self.controls.state.quit and self._input_error is None:
+            # The input ended: what was written is the whole (a container's frame count is only an estimate).
+            self.printer.end_progress(final_total=self.frames_out)
 
     def _process(self, batch: list[np.ndarray], total: int | None) -> None:
         """One batch through the engine; if the engine crashes meanwhile, the batch goes again to the restarted one."""
@@ -307,9 +316,7 @@ class Player:
                 time.sleep(RETRY_PAUSE_S * attempt)  # let the bridge finish its restart before asking again
         for out in outs:
             self._emit(out)
-            elapsed = time.monotonic() - self._stream_started
-            line = progress_line(self.frames_out, total, elapsed) if total else f"{self.frames_out} frames"
-            self.printer.update(line)
+            self.printer.progress(self.frames_out, total)
 
     def _run_live(self) -> None:
         period = 1.0 / self.source.fps if self.source.fps else 0.0
@@ -366,8 +373,7 @@ class Player:
         """One output failed (a recording drive, a streaming server gone): the others, and the show, go on."""
         self.sinks.remove(sink)
         self._unfinished.append(sink.name)
-        with contextlib.suppress(Exception):  # keep what it holds as far as it can be finished
-            sink.close()
+        sink.discard()  # incomplete: a file's target keeps what it held before
         if not self.sinks and self.window is None:
             raise PlayerError(f"output: {error}")
         self.printer.quiet = False  # errors are always shown
@@ -412,11 +418,15 @@ class Player:
 
     # --- tear-down ---------------------------------------------------------------------------
 
-    def _close(self) -> None:
-        """Finalise outputs first (they matter most), then stop the engine, OSC, window and input."""
+    def _close(self, keep: bool) -> None:
+        """Finalise outputs first (they matter most), then stop the engine, OSC, window and input.
+
+        `keep`: the run ended normally or was stopped by the user, so the files written so far replace
+        their targets. After a failure a target that existed is left as it was; a new one gets the
+        frames written before the failure (finalised, so they play) rather than nothing."""
         for sink in self.sinks:
             try:
-                sink.close()
+                sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()))
             except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
@@ -430,7 +440,8 @@ class Player:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
-        written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished) or "the window"
+        written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished and
+                            (s.is_network or s.kept)) or ("the window" if self.window is not None else "no output")
         how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
@@ -450,11 +461,11 @@ def _raise_on_stop_signals() -> dict[int, Any]:
 
 
 def _is_ready(status: Any) -> bool:
-    return status.state == "running"
+    return status.state == EngineState.RUNNING
 
 
 def _is_failed(status: Any) -> bool:
-    return status.state in ("dead", "stopped")
+    return status.state in (EngineState.DEAD, EngineState.STOPPED)
 
 
 def run_player(options: PlayerOptions) -> int:

@@ -3,19 +3,22 @@
 Keys in the window and OSC messages both turn into `Command`s on one thread-safe queue; the
 frame loop drains the queue between frames and applies each command to the engine. So the OSC
 server's thread never touches the bridge, and a burst of messages (a fader sweep) cannot stall
-the frame loop: only the newest value of each setting is sent to the engine per frame.
+the frame loop: only the newest value of each setting is sent to the engine per frame. The bridge
+remembers what was set and tells an engine that starts or restarts later; ranges, defaults and
+step lists are the live-parameter schema's (host_bridge/wire/params.py).
 """
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from plugin.live_params import NOISE_SCALE_RANGE, STEP_LISTS, ControlSync
+from host_bridge.wire.params import LIVE, LORA_SCALES, NOISE_SCALE, STEP_LISTS, check_prompt_request, steps_for
 
-NOISE_SCALE_KEY_STEP = 0.05
+NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
+LORA_KEY_STEP = LORA_SCALES.ui_step
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class Command:
 
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
-            "motion_aware", "pause", "overlay", "fullscreen", "quit")
+            "motion_aware", "lora_scale", "lora_step", "lora_next", "pause", "overlay", "fullscreen", "quit")
 
 
 class ControlError(ValueError):
@@ -40,10 +43,12 @@ class ControlState:
 
     prompts: list[str]
     prompt_index: int = 0
-    steps: int = 2
-    noise_scale: float = 0.8
-    motion_aware: bool = True
+    steps: int = len(LIVE["steps"].default)
+    noise_scale: float = NOISE_SCALE.default
+    motion_aware: bool = LIVE["motion_aware"].default
     transition_chunks: int | None = None
+    lora_scales: dict[str, float] = field(default_factory=dict)  # the loaded LoRAs, by name
+    lora_index: int = 0  # the LoRA the keys adjust
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
@@ -54,32 +59,48 @@ class ControlState:
     def prompt(self) -> str:
         return self.prompts[self.prompt_index]
 
+    @property
+    def lora(self) -> str | None:
+        names = list(self.lora_scales)
+        return names[self.lora_index % len(names)] if names else None
+
 
 def steps_command(value: Any) -> Command:
     n = _int(value, "steps")
-    if n not in STEP_LISTS:
-        raise ControlError(f"steps: {n} is not allowed; expected 1, 2, 3 or 4")
+    try:
+        steps_for(n)
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
     return Command("steps", (n,))
 
 
 def noise_scale_command(value: Any) -> Command:
-    lo, hi = NOISE_SCALE_RANGE
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise ControlError(f"noise_scale: {value!r} is not a number; expected {lo}..{hi}") from None
-    if not lo <= x <= hi:
-        raise ControlError(f"noise_scale: {x:g} is out of range; expected {lo}..{hi}")
-    return Command("noise_scale", (x,))
+        raise ControlError(f"noise_scale: {value!r} is not a number; expected {NOISE_SCALE.allowed()}") from None
+    return Command("noise_scale", (_checked(NOISE_SCALE.check, x),))
+
+
+def lora_scale_command(name: Any, value: Any) -> Command:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
+    scales = _checked(LORA_SCALES.check, {str(name): x})
+    return Command("lora_scale", next(iter(scales.items())))
 
 
 def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
-    if not isinstance(text, str) or not text.strip():
-        raise ControlError("prompt: expected a non-empty text describing the style")
     chunks = None if transition_chunks is None else _int(transition_chunks, "transition_chunks")
-    if chunks is not None and chunks < 0:
-        raise ControlError(f"transition_chunks: {chunks} must be >= 0")
-    return Command("prompt", (text.strip(), chunks))
+    return Command("prompt", _checked(check_prompt_request, text, chunks))
+
+
+def _checked(check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
 
 
 def _int(value: Any, what: str) -> int:
@@ -108,7 +129,6 @@ class Controls:
 
     def __init__(self, state: ControlState) -> None:
         self.state = state
-        self.sync = ControlSync()
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     def put(self, command: Command) -> None:
@@ -126,7 +146,8 @@ class Controls:
                 return out
 
     def apply_pending(self, bridge: Any) -> list[str]:
-        """Apply every queued command to the state; the engine gets one update per setting when it runs.
+        """Apply every queued command to the state; the bridge gets one update per changed setting (it
+        tells the engine now, or when one runs).
 
         Returns what changed, one line per command, for the status display and the log.
         """
@@ -137,11 +158,28 @@ class Controls:
             self._apply(command, changes)
             done.append(self.state.message)
         if "prompt" in changes:
-            self.sync.set_prompt(*changes.pop("prompt"))
+            text, chunks = changes.pop("prompt")
+            bridge.set_prompt(text, transition_chunks=chunks)
         if changes:
-            self.sync.set_params(**changes)
-        self.sync.sync(bridge)
+            bridge.set_params(**changes)
         return done
+
+    def _apply_lora(self, name: str, args: tuple[Any, ...], changes: dict[str, Any]) -> bool:
+        s = self.state
+        if not s.lora_scales:
+            s.message = "no LoRA loaded (--lora PATH[:SCALE])"
+            return False
+        if name == "lora_next":
+            s.lora_index = (s.lora_index + 1) % len(s.lora_scales)
+            return True
+        lora, value = args if name == "lora_scale" else (s.lora, s.lora_scales[s.lora] + args[0])
+        if lora not in s.lora_scales:
+            s.message = f"no LoRA named {lora!r}; loaded: {', '.join(s.lora_scales)}"
+            return False
+        s.lora_index = list(s.lora_scales).index(lora)
+        s.lora_scales[lora] = round(min(LORA_SCALES.max, max(LORA_SCALES.min, value)), 4)
+        changes.setdefault("lora_scales", {})[lora] = s.lora_scales[lora]
+        return True
 
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
         s = self.state
@@ -164,15 +202,18 @@ class Controls:
             changes["prompt"] = (s.prompt, s.transition_chunks)
         elif name == "steps":
             s.steps = args[0]
-            changes["steps"] = list(STEP_LISTS[s.steps])
+            changes["steps"] = steps_for(s.steps)
         elif name in ("noise_scale", "noise_step"):
-            lo, hi = NOISE_SCALE_RANGE
+            lo, hi = NOISE_SCALE.min, NOISE_SCALE.max
             target = args[0] if name == "noise_scale" else s.noise_scale + args[0]
             s.noise_scale = round(min(hi, max(lo, target)), 4)
             changes["noise_scale"] = s.noise_scale
         elif name == "motion_aware":
             s.motion_aware = _flag(args[0] if args else None, s.motion_aware)
             changes["motion_aware"] = s.motion_aware
+        elif name in ("lora_scale", "lora_step", "lora_next"):
+            if not self._apply_lora(name, args, changes):
+                return
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -188,11 +229,13 @@ def _describe(command: Command, s: ControlState) -> str:
     if command.name.startswith("prompt"):
         return f"prompt: {s.prompt}"
     if command.name == "steps":
-        return f"steps: {s.steps} {STEP_LISTS[s.steps]}"
+        return f"steps: {s.steps} {steps_for(s.steps)}"
     if command.name in ("noise_scale", "noise_step"):
         return f"noise scale: {s.noise_scale:.2f}"
     if command.name == "motion_aware":
         return f"motion-aware noise: {'on' if s.motion_aware else 'off'}"
+    if command.name.startswith("lora"):
+        return f"LoRA {s.lora}: scale {s.lora_scales[s.lora]:.2f}"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name
@@ -205,9 +248,11 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     ("space", "pause / resume the input"),
     ("Enter or t", "type a new prompt (Enter sends it, Esc cancels)"),
     ("n / b", "next / previous prompt of the --prompts list"),
-    ("1 2 3 4", "number of denoising steps"),
+    (" ".join(map(str, STEP_LISTS)), "number of denoising steps"),
     ("[ / ]", f"noise scale down / up by {NOISE_SCALE_KEY_STEP}"),
     ("m", "motion-aware noise on / off"),
+    ("l", "select the next LoRA (--lora)"),
+    (", / .", f"the selected LoRA's scale down / up by {LORA_KEY_STEP}"),
     ("h", "hide / show the status overlay"),
     ("f", "full screen on / off"),
 )
@@ -224,6 +269,9 @@ _SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
     "[": lambda: Command("noise_step", (-NOISE_SCALE_KEY_STEP,)),
     "]": lambda: Command("noise_step", (NOISE_SCALE_KEY_STEP,)),
     "m": lambda: Command("motion_aware"),
+    "l": lambda: Command("lora_next"),
+    ",": lambda: Command("lora_step", (-LORA_KEY_STEP,)),
+    ".": lambda: Command("lora_step", (LORA_KEY_STEP,)),
     "h": lambda: Command("overlay"),
     "f": lambda: Command("fullscreen"),
 }
@@ -246,7 +294,7 @@ class KeyboardInput:
             self.controls.put(Command("quit"))
         elif code in KEY_ENTER or chr(code) == "t":
             self.typing = ""
-        elif chr(code) in "1234":
+        elif chr(code).isdigit() and int(chr(code)) in STEP_LISTS:
             self.controls.put(steps_command(int(chr(code))))
         elif chr(code) in _SIMPLE_KEYS:
             self.controls.put(_SIMPLE_KEYS[chr(code)]())

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host_bridge.wire.params import LIVE, PROMPT, whole_chunks
+from plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
+from plugin.media.video_io import MediaError, check_output_file
+
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"
 GENERATED_INPUT = "generated"
-# 5 + 4k frames: the engine's first chunk is 5 frames, the next ones 4 (no partial last chunk).
-DEFAULT_GENERATED_FRAMES = 49
+DEFAULT_GENERATED_FRAMES = whole_chunks(12)  # whole engine chunks: no partial last chunk
 DEFAULT_GENERATED_SIZE = (256, 256)
 DEFAULT_GENERATED_FPS = 24.0
 NETWORK_OUTPUT_SCHEMES = ("udp", "srt", "rtmp", "rtmps")
@@ -40,10 +43,11 @@ class PlayerOptions:
     config: str = "default"
     overrides: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
-    default_prompt: str = "a painting in the style of van gogh, vivid brush strokes"
-    steps: int = 2
-    noise_scale: float = 0.8
-    motion_aware: bool = True
+    default_prompt: str = PROMPT.default
+    steps: int = len(LIVE["steps"].default)
+    noise_scale: float = LIVE["noise_scale"].default
+    motion_aware: bool = LIVE["motion_aware"].default
+    lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
     max_frames: int | None = None
     size: tuple[int, int] = DEFAULT_GENERATED_SIZE
     fps: float = DEFAULT_GENERATED_FPS
@@ -58,6 +62,7 @@ class PlayerOptions:
     osc_host: str = "127.0.0.1"
     startup_timeout_s: float = 300.0
     quiet: bool = False
+    overwrite: bool = False
 
     def check(self) -> None:
         """Reject impossible combinations before opening anything."""
@@ -71,10 +76,14 @@ class PlayerOptions:
             raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
+        inputs = [] if self.uses_generated_clip else [self.input]
         for spec in self.outputs:
-            kind = output_kind(spec)
-            if kind == "file" and not Path(spec).parent.is_dir():
-                raise PlayerError(f"output folder does not exist: {Path(spec).parent}")
+            if output_kind(spec) != "file":
+                continue
+            try:
+                check_output_file(spec, inputs, self.overwrite)
+            except MediaError as exc:
+                raise PlayerError(str(exc)) from None
 
     @property
     def uses_generated_clip(self) -> bool:
@@ -82,15 +91,18 @@ class PlayerOptions:
 
 
 def output_kind(spec: str) -> str:
-    """'window', 'network' or 'file'; an unknown URL scheme is refused with the allowed ones."""
+    """'window', 'app' (NDI, Spout, Syphon, virtual camera), 'network' or 'file'; an unknown URL
+    scheme is refused with the allowed ones."""
     if spec == WINDOW_OUTPUT:
         return "window"
+    if is_app_output(spec):
+        return "app"
     if "://" in spec:
         scheme = spec.split("://", 1)[0].lower()
         if scheme not in NETWORK_OUTPUT_SCHEMES:
             raise PlayerError(f"output {spec!r}: unsupported URL scheme {scheme!r}; allowed: "
-                              f"{', '.join(s + '://' for s in NETWORK_OUTPUT_SCHEMES)}, a .mp4/.mkv/.mov file "
-                              f"or '{WINDOW_OUTPUT}'")
+                              f"{', '.join(s + '://' for s in NETWORK_OUTPUT_SCHEMES + APP_OUTPUT_SCHEMES[:-1])}, "
+                              f"'{VIRTUALCAM}', a .mp4/.mkv/.mov file or '{WINDOW_OUTPUT}'")
         return "network"
     return "file"
 

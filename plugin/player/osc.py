@@ -11,7 +11,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from plugin.player.controls import Command, ControlError, Controls, noise_scale_command, prompt_command, steps_command
+from host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, STEP_LISTS
+from plugin.player.controls import (
+    Command,
+    ControlError,
+    Controls,
+    lora_scale_command,
+    noise_scale_command,
+    prompt_command,
+    steps_command,
+)
 
 # address -> (arguments, what it does); the README's table is this one.
 OSC_ADDRESSES: dict[str, tuple[str, str]] = {
@@ -19,9 +28,10 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
     "/loom/prompt/next": ("", "next prompt of the --prompts list"),
     "/loom/prompt/prev": ("", "previous prompt of the --prompts list"),
     "/loom/prompt/index": ("i", "prompt number i (0-based) of the --prompts list"),
-    "/loom/steps": ("i", "number of denoising steps, 1..4"),
-    "/loom/noise_scale": ("f", "noise strength for a static scene, 0.1..1.0"),
+    "/loom/steps": ("i", f"number of denoising steps, {min(STEP_LISTS)}..{max(STEP_LISTS)}"),
+    "/loom/noise_scale": ("f", f"noise strength for a static scene, {NOISE_SCALE.min}..{NOISE_SCALE.max}"),
     "/loom/motion_aware": ("[0|1]", "motion-aware noise off / on (no argument: toggle)"),
+    "/loom/lora/scale": ("name f", f"scale of the LoRA of that name, {LORA_SCALES.min:g}..{LORA_SCALES.max:g}"),
     "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
     "/loom/quit": ("", "stop the player; outputs are finalised"),
 }
@@ -42,6 +52,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "/loom/steps": steps_command,
     "/loom/noise_scale": noise_scale_command,
     "/loom/motion_aware": lambda *a: Command("motion_aware", a[:1]),
+    "/loom/lora/scale": lora_scale_command,
     "/loom/pause": lambda *a: Command("pause", a[:1]),
     "/loom/quit": lambda: Command("quit"),
 }

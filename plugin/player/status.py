@@ -1,7 +1,9 @@
-"""The player's terminal feedback: a progress bar for files, a status line for live inputs.
+"""The player's terminal feedback: start-up stages, a progress bar for files, a status line for live inputs.
 
-On a terminal the line is redrawn in place; when stderr is a pipe or a log file, a full line
-is printed every few seconds instead, so logs stay readable.
+Start-up stages are printed once each, as they happen. A file's progress is tqdm's bar, started at
+the first restyled frame (so its rate and ETA measure the stream, not the engine's start-up) and
+closed at N/N. On a terminal the bar and the live line are redrawn in place; when stderr is a pipe
+or a log file, a full line (tqdm's own format) is printed every few seconds, so logs stay readable.
 """
 
 from __future__ import annotations
@@ -10,24 +12,10 @@ import sys
 import time
 from typing import Any, TextIO
 
-BAR_WIDTH = 24
+from tqdm import tqdm
+
 LOG_INTERVAL_S = 2.0
 TTY_INTERVAL_S = 0.1
-
-
-def _clock(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def progress_line(done: int, total: int, elapsed_s: float) -> str:
-    """`[#####-------]  12/49 frames  3.1 fps  eta 0:12` for a file of known length."""
-    total = max(total, 1)
-    filled = min(BAR_WIDTH, BAR_WIDTH * done // total)
-    fps = done / elapsed_s if elapsed_s > 0 else 0.0
-    eta = (total - done) / fps if fps > 0 else 0.0
-    return (f"[{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {done:>5}/{total} frames  {fps:5.1f} fps  "
-            f"eta {_clock(eta)}")
 
 
 def live_line(frames_out: int, status: Any, stats: dict[str, Any] | None = None) -> str:
@@ -52,6 +40,12 @@ class StatusPrinter:
         self._last = 0.0
         self._width = 0
         self._shown = ""
+        self._stage = ""
+        self._created = time.monotonic()
+        self._bar: tqdm | None = None
+        self._bar_started = 0.0
+        self._done = 0
+        self._total: int | None = None
 
     def update(self, line: str, force: bool = False) -> None:
         if self.quiet:
@@ -68,9 +62,56 @@ class StatusPrinter:
         self._shown = line
         self.stream.flush()
 
-    def say(self, text: str) -> None:
-        """A message on its own line (the status line is redrawn after it)."""
+    def stage(self, text: str) -> None:
+        """A start-up stage: printed once, however often it is reported, with the seconds since the start."""
+        if text == self._stage:
+            return
+        self._stage = text
+        self.say(f"{text} ({time.monotonic() - self._created:.0f} s)")
+
+    def progress(self, done: int, total: int | None) -> None:
+        """Frames done out of `total` (None: unknown); the first call starts the clock."""
         if self.quiet:
+            return
+        if self._bar is None:
+            self._bar = tqdm(total=total, unit="frame", file=self.stream, dynamic_ncols=True, leave=True,
+                             disable=not self.tty, mininterval=TTY_INTERVAL_S, desc="loom play")
+            self._bar_started = self._last = time.monotonic()  # a log's first line comes with a real rate
+        self._bar.update(done - self._done)
+        self._done, self._total = done, total
+        if not self.tty:
+            now = time.monotonic()
+            if now - self._last >= LOG_INTERVAL_S or done == total:
+                self._last = now
+                self._log_progress()
+
+    def _log_progress(self) -> None:
+        line = tqdm.format_meter(self._done, self._total, time.monotonic() - self._bar_started, unit="frame",
+                                 prefix="loom play", ncols=100)
+        if line != self._shown:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._shown = line
+
+    def end_progress(self, final_total: int | None = None) -> None:
+        """Close the bar where it stands; `final_total`: the run is complete, so the bar ends at N/N
+        even when the input's announced length was an estimate. A log gets that last line too."""
+        if self._bar is None:
+            return
+        if final_total is not None:
+            self._bar.total = self._total = final_total
+            self._bar.refresh()
+        if not self.tty:
+            self._log_progress()
+        self._bar.close()
+        self._bar = None
+
+    def say(self, text: str) -> None:
+        """A message on its own line (the status line or bar is redrawn after it)."""
+        if self.quiet:
+            return
+        if self._bar is not None and self.tty:
+            self._bar.write(text, file=self.stream)
             return
         if self.tty and self._width:
             self.stream.write("\r" + " " * self._width + "\r")
@@ -80,6 +121,7 @@ class StatusPrinter:
 
     def finish(self, line: str) -> None:
         """The final state of the line, always printed in full."""
+        self.end_progress()
         if self.quiet:
             return
         if self.tty:

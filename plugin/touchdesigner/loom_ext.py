@@ -1,17 +1,26 @@
 """The Loom TouchDesigner extension: one object per Loom component that owns the bridge to the engine.
 
-Put this file in a Text DAT named `loom_ext` inside the component (or point the DAT's File
-parameter at it) and set the component's Extension to `op('./loom_ext').module.LoomExt(me)` with
-Promote on. The Script TOP's callbacks (`script_top_callbacks.py`) call `Cook`; a Parameter
-Execute DAT (`parexec_callbacks.py`) forwards parameter changes.
+`build_loom.py` creates the component (run once in the Textport): a Text DAT `loom_ext` that
+imports this class, the component's Extension `op('./loom_ext').module.LoomExt(me)` promoted, the
+Script TOP `loom_top` whose callbacks (`script_top_callbacks.py`) call `Cook`, a Parameter Execute
+DAT (`parexec_callbacks.py`) watching the control parameters only, and an Execute DAT
+(`execute_callbacks.py`) that forces a cook in each frame nothing else cooked it while the engine
+runs: TouchDesigner cooks a node only when something needs it, and the engine's frame for input N arrives after
+cook N, so without it a still input or an unwatched output would never show new engine frames.
+A Switch TOP shows the input while the component is inactive, so an inactive Loom costs nothing.
 
 Frames in: `TOP.cudaMemory()` when the transport is cuda-ipc (device to device, no CPU copy),
-`TOP.numpyArray()` otherwise. The CUDAMemory object owns TouchDesigner's copy of the texture and
-frees it when dropped, and the texture is reused after the cook, so `Cook` holds the object until
-the bridge has finished copying out of it, inside the cook. Frames out: the newest engine frame
-(or the fallback) through `copyNumpyArray`, in TouchDesigner's layout (bottom-up rows, BGRA for
-uint8). Nothing here blocks the cook on the engine: a slow or dead engine shows the fallback and a
-status on the read-only parameters.
+`TOP.numpyArray(delayed=True)` otherwise (the download of the last cook, so the GPU is never
+stalled), and for any texture `cudaMemory` refuses (16-bit float); on shm and tcp its conversion
+to the engine's format runs on a feeder thread (`host_feeder.py`), not in the cook. The CUDAMemory object owns
+TouchDesigner's copy of the texture and frees it when dropped, and the texture is reused after the
+cook, so `Cook` holds the object until the bridge has finished copying out of it, inside the cook.
+All CUDA work on TouchDesigner's memory happens here, on its main thread, on one CUDA stream per
+component, passed to `cudaMemory`, to the bridge's device copies and to `copyCUDAMemory`. Frames
+out: the newest engine frame (or the fallback) through `copyCUDAMemory` in the input's layout, or
+`copyNumpyArray` as uint8 RGB bottom-up (the channel order the Script TOP documents). Nothing here
+blocks the cook on the engine: a slow or dead engine shows the fallback and a status on the
+read-only parameters.
 """
 
 from __future__ import annotations
@@ -22,10 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from plugin.live_params import ControlSync, engine_params
+from host_bridge.wire.params import steps_for
+from plugin.touchdesigner.parameters import PARAMETERS
 
-OUTPUT_CHANNELS = 4
 LOG_TAIL_LINES = 6
+SCRIPT_TOP = "loom_top"  # the component's Script TOP (build_loom.py names it)
+STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the cook, never by a user
+# What the Parameter Execute DAT watches: written each cook, the status parameters would fire it every cook
+PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
@@ -43,10 +56,16 @@ class LoomExt:
         self.last_error = ""
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
-        self.controls = ControlSync()  # what the Loom page asks for, sent whenever an engine runs
         self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
         self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
+        self.last_wanted: Any = None  # what the stopped bridge had been asked for, handed to the next one
+        self._host_output: np.ndarray | None = None  # the shm/tcp output in TD's row order, reused
+        self._host_output_of: np.ndarray | None = None  # the engine frame it holds
+        self._asked_last_frame = False  # something other than OnFrameStart cooked the Script TOP
+        self._forcing = False
+        self.feeder: Any = None  # shm/tcp: converts and submits input frames off the main thread
+        self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -67,7 +86,7 @@ class LoomExt:
             return
         transport, note = str(par.Transport.eval()), ""
         if transport == "cuda-ipc":
-            from host_bridge.transport_cuda import cuda_available
+            from host_bridge.wire.rings.cuda import cuda_available
 
             ok, why = cuda_available()
             if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
@@ -83,8 +102,13 @@ class LoomExt:
             self._error(f"cannot start the engine: {exc}")
             return
         self.note = note
-        self.controls.new_bridge()  # its engine gets everything; a refused value keeps the last good one
-        for group in (PROMPT_PARS, PARAM_PARS):
+        self._downloading = False
+        if transport != "cuda-ipc":  # on cuda-ipc a host frame is staged on the device: that stays in the cook
+            from plugin.touchdesigner.host_feeder import HostFeeder
+
+            self.feeder = HostFeeder(self.bridge)
+        self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
+        for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
         par.State = "starting"
 
@@ -93,8 +117,10 @@ class LoomExt:
         this runs on TouchDesigner's main thread (a parameter callback), where every cook would wait."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
+            feeder, self.feeder = self.feeder, None
+            self.last_wanted = bridge.wanted
             # not a daemon: should TD quit meanwhile, its Python waits for the engine to be stopped
-            closer = threading.Thread(target=self._close, args=(bridge,), name="loom-close")
+            closer = threading.Thread(target=self._close, args=(bridge, feeder), name="loom-close")
             closer.start()
             self.closers = [t for t in self.closers if t.is_alive()] + [closer]
         if self.device_output is not None:
@@ -109,8 +135,10 @@ class LoomExt:
             closer.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self.closers)
 
-    def _close(self, bridge: Any) -> None:
+    def _close(self, bridge: Any, feeder: Any = None) -> None:
         try:
+            if feeder is not None:
+                feeder.close()
             bridge.close()
         except Exception as exc:  # closing must always leave the component usable
             self.last_error = str(exc)
@@ -129,17 +157,39 @@ class LoomExt:
         Extensions): its engine goes with it, or it would keep running beside the new one's."""
         self.Stop()
 
+    def __delTD__(self) -> None:
+        """What builds that know no `onDestroyTD` call on re-initialisation: the same clean-up."""
+        self.Stop()
+
+    def OnFrameStart(self) -> None:
+        """The Execute DAT's onFrameStart: while the engine runs, a frame in which nothing else cooked
+        the Script TOP is followed by a forced cook, so engine frames show even when the input is still
+        or nothing downstream asks for the output. Where something does ask every frame, nothing is
+        forced: a forced cook on top of it would submit each input twice."""
+        if self.bridge is None:
+            return
+        asked, self._asked_last_frame = self._asked_last_frame, False
+        script = self.ownerComp.op(SCRIPT_TOP)
+        if asked or script is None:
+            return
+        self._forcing = True
+        try:
+            script.cook(force=True)
+        finally:
+            self._forcing = False
+
     # --- parameters --------------------------------------------------------------------------
 
     def OnParValueChange(self, par: Any, prev: Any = None) -> None:
         name = par.name
+        if name in STATUS_PARS:  # the cook's own writes, should the DAT watch them
+            return
         if name == "Active":
             self.Start() if par.eval() else self.Stop()
         elif self.bridge is None:
             return
         elif name in PROMPT_PARS + PARAM_PARS:
             self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
-            self.controls.sync(self.bridge)
         elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
                 self.ownerComp.par.Active.eval():
             self.Start()
@@ -150,8 +200,17 @@ class LoomExt:
         elif par.name == "Stop":
             self.Stop()
 
+    def _hand_over(self, wanted: Any) -> None:
+        """Ask the new bridge for what the last one was asked for (values it already took)."""
+        if wanted is None:
+            return
+        if wanted.prompt is not None:
+            self.bridge.set_prompt(wanted.prompt.text, transition_chunks=wanted.prompt.transition_chunks)
+        if wanted.params:
+            self.bridge.set_params(**wanted.params)
+
     def _record_controls(self, group: tuple[str, ...]) -> None:
-        """Record the Loom page's prompt or parameter values, to be sent whenever an engine runs.
+        """Give the bridge the Loom page's prompt or parameter values; it tells the engine now or when one runs.
 
         A value the engine cannot take (an empty prompt, steps 7 sent over OSC) is refused here with a
         message on the component, and the last good value stays: a refusal must never reach the cook.
@@ -159,10 +218,10 @@ class LoomExt:
         par = self.ownerComp.par
         try:
             if group == PROMPT_PARS:
-                self.controls.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
-            else:
-                self.controls.set_params(**engine_params(int(par.Steps.eval()), float(par.Noisescale.eval()),
-                                                         bool(par.Motionaware.eval())))
+                self.bridge.set_prompt(str(par.Prompt.eval()), transition_chunks=int(par.Transition.eval()))
+            else:  # the bridge checks the values against the live-parameter schema
+                self.bridge.set_params(steps=steps_for(int(par.Steps.eval())), noise_scale=float(par.Noisescale.eval()),
+                                       motion_aware=bool(par.Motionaware.eval()))
         except ValueError as exc:
             self.refused[group[0]] = f"{'/'.join(group)} refused ({exc}); keeping the last good value"
         else:
@@ -180,15 +239,12 @@ class LoomExt:
         Never raises: an input the bridge cannot take this cook (a TOP with no image, a pixel format
         it does not know) is said on the component and the stream goes on with the next cook."""
         self.cooks += 1
+        self._asked_last_frame = self._asked_last_frame or not self._forcing
+        if self.bridge is None:  # inactive: the component's Switch TOP shows the input, nothing to copy
+            return
         top = scriptOp.inputs[0] if scriptOp.inputs else None
         if top is None:
             return
-        if self.bridge is None:
-            frame = top.numpyArray(delayed=False)
-            if frame is not None:
-                scriptOp.copyNumpyArray(frame)  # inactive: pass the input through
-            return
-        self.controls.sync(self.bridge)
         self.input_note = ""
         try:
             status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None
@@ -200,26 +256,52 @@ class LoomExt:
         self._publish(status)
 
     def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
-        """Through host memory: the input's numpyArray() in, the newest output as uint8 BGRA out."""
-        from host_bridge.formats import to_touchdesigner
-
-        frame = top.numpyArray(delayed=False)
-        if frame is None:
-            raise ValueError("the input TOP has no image this cook")
-        self.bridge.submit(frame, layout="touchdesigner")
-        self.numpy_submits += 1
+        """Through host memory: the last cook's download of the input in, the newest output out as
+        uint8 RGB bottom-up (3 channels: no alpha to build, no channel order to swap)."""
+        frame = top.numpyArray(delayed=True)  # None on the first call: nothing downloaded yet
+        if frame is None and self._downloading:
+            self.input_note = "the input TOP has no image this cook"
+        self._downloading = True
+        if frame is not None:
+            if self.feeder is not None:
+                self.feeder.offer(frame)  # converted and submitted on the feeder thread
+                self.input_note = self.input_note or self.feeder.error
+            else:  # cuda-ipc (no float conversion: the frame is staged on the device as it is)
+                self.bridge.submit(frame, layout="touchdesigner")
+            self.numpy_submits += 1
         out, status = self.bridge.latest()
-        scriptOp.copyNumpyArray(frame if out is None else to_touchdesigner(out, np.uint8, OUTPUT_CHANNELS))
+        if out is not None:
+            scriptOp.copyNumpyArray(self._bottom_up(out))
+        elif frame is not None:
+            scriptOp.copyNumpyArray(frame)
         return status
+
+    def _bottom_up(self, rgb: np.ndarray) -> np.ndarray:
+        """The engine's top-down frame in TouchDesigner's row order, in a buffer reused across cooks."""
+        buf = self._host_output
+        if buf is not None and self._host_output_of is rgb:
+            return buf  # no new engine frame since the last cook: the flipped copy stands
+        if buf is None or buf.shape != rgb.shape:
+            buf = self._host_output = np.empty_like(rgb)
+        np.copyto(buf, rgb[::-1])
+        self._host_output_of = rgb  # the bridge hands out each frame as one read-only array
+        return buf
 
     def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
         """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP.
 
         Returns None, having taken nothing, for a texture format the bridge does not take on the device
         (16-bit float, 2 channels): that cook goes through host memory instead."""
-        from host_bridge.formats import DTYPE_NAMES
+        from host_bridge.wire.pixels import DTYPE_NAMES
 
-        memory = top.cudaMemory()  # TD's copy of the texture; freed when `memory` is dropped
+        if self.device_output is None:
+            self.device_output = DeviceBuffer()
+        stream = self.device_output.stream
+        try:
+            memory = _on_stream(top.cudaMemory, stream)  # TD's copy of the texture; freed when `memory` is dropped
+        except Exception as exc:  # e.g. TD 2025 refuses 16-bit float formats: this input goes through the CPU
+            self.input_note = f"the input's cudaMemory() refused ({exc}); it goes through the CPU"
+            return None
         if memory is None:
             raise ValueError("the input TOP has no image this cook")
         shape = memory.shape
@@ -230,31 +312,33 @@ class LoomExt:
             return None
         pitch = shape.width * shape.numComps * dtype.itemsize
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
-                                layout="touchdesigner")
+                                layout="touchdesigner", stream=stream)
         self.cuda_submits += 1
         del memory  # only now: submit_cuda has finished its device copy when it returns
         nbytes = pitch * shape.height
-        if self.device_output is None:
-            self.device_output = DeviceBuffer()
         ptr = self.device_output.ensure(nbytes)
-        status = self.bridge.latest_cuda(ptr, pitch)  # output comes back in the input's layout and size
-        scriptOp.copyCUDAMemory(ptr, nbytes, shape)
+        # output comes back in the input's layout and size, copied here, on TD's main thread
+        status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
+        _on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
         return status
 
     def _use_cuda(self) -> bool:
         return self.bridge.config.transport == "cuda-ipc"
 
     def _publish(self, status: Any) -> None:
-        par = self.ownerComp.par
-        par.State = status.state
-        par.Fps = round(float(status.fps or 0.0), 2)
-        par.Latency = round(float(status.latency_ms or 0.0), 1)
-        par.Dropped = int(status.dropped or 0)
-        par.Message = self._message(status.message)
+        """Write the status parameters that changed (each write is work for TD and for what watches it)."""
         tail = status.log_tail or ""
         if isinstance(tail, (list, tuple)):
             tail = "\n".join(tail)
-        par.Log = "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])
+        values = {"State": str(getattr(status.state, "value", status.state)),
+                  "Fps": round(float(status.fps or 0.0), 2),
+                  "Latency": round(float(status.latency_ms or 0.0), 1), "Dropped": int(status.dropped or 0),
+                  "Message": self._message(status.message),
+                  "Log": "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])}
+        par = self.ownerComp.par
+        for name, value in values.items():
+            if getattr(par, name).eval() != value:
+                setattr(par, name, value)
 
     def _error(self, text: str) -> None:
         self.last_error = text
@@ -262,21 +346,36 @@ class LoomExt:
         self.ownerComp.par.Message = text
 
 
-class DeviceBuffer:
-    """One cudaMalloc'd buffer in TouchDesigner's process that the engine's output is copied into.
+def _on_stream(method: Any, stream: int, *args: Any) -> Any:
+    """Call a TD method with `stream=`; builds whose method takes no stream get the call without it
+    (their copy then runs on the default stream, ordered by the bridge's synchronising copies)."""
+    try:
+        return method(*args, stream=stream)
+    except TypeError as exc:
+        if "stream" not in str(exc):
+            raise
+        return method(*args)
 
-    `scriptTOP.copyCUDAMemory` copies from it into the TOP during the cook, so the buffer must
-    outlive the cook; it is reallocated only when the frame size changes.
+
+class DeviceBuffer:
+    """The component's CUDA stream, and one cudaMalloc'd buffer the engine's output is copied into.
+
+    The docs warn that the default stream "results in poor performance": every device call of a
+    cook goes on this one non-blocking stream, in order. `scriptTOP.copyCUDAMemory` copies from the
+    buffer into the TOP during the cook, so the buffer must outlive the cook; it is reallocated
+    only when the frame size changes.
     """
 
     def __init__(self) -> None:
-        from host_bridge.transport_cuda import check, cudart
+        from host_bridge.wire.rings.cuda import check, cudart
 
         if cudart is None:
             raise RuntimeError("the cuda-ipc transport needs cuda-python in TouchDesigner's Python")
         self._check, self._cudart = check, cudart
         self.ptr = 0
         self.nbytes = 0
+        self._stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreate")
+        self.stream = int(self._stream)  # the handle as TouchDesigner's methods take it
 
     def ensure(self, nbytes: int) -> int:
         if nbytes != self.nbytes:
@@ -286,6 +385,11 @@ class DeviceBuffer:
         return self.ptr
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._check(self._cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         if self.ptr:
             self._check(self._cudart.cudaFree(self.ptr), "cudaFree")
             self.ptr, self.nbytes = 0, 0
+        if self._stream is not None:
+            self._check(self._cudart.cudaStreamDestroy(self._stream), "cudaStreamDestroy")
+            self._stream = None

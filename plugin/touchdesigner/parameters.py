@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from host_bridge.wire.params import LIVE, PROMPT, STEP_LISTS
+
 PAGE_CONTROL = "Loom"
 PAGE_ENGINE = "Engine"
 PAGE_STATUS = "Status"
@@ -34,16 +36,26 @@ class ParSpec:
     help: str = ""
 
 
+_PAR_KINDS = {"int": "Int", "float": "Float", "bool": "Toggle"}
+
+
+def live_par(name: str, label: str, param: str, help: str = "") -> ParSpec:
+    """A Loom page parameter for one live parameter: kind, default and range from the schema (a slider
+    stops at the schema's `ui_max` where the allowed maximum is far beyond useful values)."""
+    p = LIVE[param]
+    top = p.ui_max if p.ui_max is not None else p.max
+    return ParSpec(name, label, _PAR_KINDS[p.kind], PAGE_CONTROL, p.default, p.min, top, help=help or p.doc)
+
+
 PARAMETERS: tuple[ParSpec, ...] = (
     ParSpec("Active", "Active", "Toggle", PAGE_CONTROL, False, help="start the engine and stream while on"),
-    ParSpec("Prompt", "Prompt", "Str", PAGE_CONTROL, "a painting in the style of van gogh, vivid brush strokes"),
-    ParSpec("Transition", "Transition Chunks", "Int", PAGE_CONTROL, 4, 0, 64,
-            help="chunks over which a prompt change blends"),
-    ParSpec("Steps", "Steps", "Int", PAGE_CONTROL, 2, 1, 4, help="denoising steps (1 = fastest)"),
-    ParSpec("Noisescale", "Noise Scale", "Float", PAGE_CONTROL, 0.8, 0.1, 1.0,
-            help="how far from the input the style may go (static scene)"),
-    ParSpec("Motionaware", "Motion Aware Noise", "Toggle", PAGE_CONTROL, True,
-            help="less noise where the input moves (StreamDiffusionV2)"),
+    ParSpec("Prompt", "Prompt", "Str", PAGE_CONTROL, PROMPT.default),
+    live_par("Transition", "Transition Chunks", "transition_chunks"),
+    ParSpec("Steps", "Steps", "Int", PAGE_CONTROL, len(LIVE["steps"].default), min(STEP_LISTS), max(STEP_LISTS),
+            help="denoising steps (1 = fastest)"),
+    live_par("Noisescale", "Noise Scale", "noise_scale", help="how far from the input the style may go (static scene)"),
+    live_par("Motionaware", "Motion Aware Noise", "motion_aware",
+             help="less noise where the input moves (StreamDiffusionV2)"),
     ParSpec("Start", "Start", "Pulse", PAGE_CONTROL),
     ParSpec("Stop", "Stop", "Pulse", PAGE_CONTROL),
     ParSpec("Enginepython", "Engine Python", "File", PAGE_ENGINE, "",
@@ -94,6 +106,9 @@ def setup_parameters(comp: Any) -> None:
         if spec.default is not None:
             par.default = spec.default
             par.val = spec.default
-        if spec.help and hasattr(par, "help"):  # builds before 2022 have no parameter help text
-            par.help = spec.help
+        if spec.help:
+            try:
+                par.help = spec.help
+            except Exception:  # noqa: BLE001 - read-only or missing on some builds (td.tdError, AttributeError)
+                pass
         par.readOnly = spec.read_only

@@ -1,6 +1,8 @@
 """Parameter Execute DAT callbacks: forward the component's parameter changes to its LoomExt.
 
-Set the DAT's OPs to the Loom component, Parameters to `*`, and turn on Value Change and On Pulse.
+`build_loom.py` sets the DAT's OPs to the Loom component, its Parameters to the control parameters
+(`loom_ext.PAREXEC_PARS`: not the status ones the cook writes, which would fire it every cook), and
+turns on Value Change and On Pulse.
 """
 
 from __future__ import annotations

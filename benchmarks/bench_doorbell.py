@@ -1,0 +1,101 @@
+"""A notice's round trip through the doorbell between two processes, without frames or copies.
+
+What the doorbell itself adds to a frame (the wake-up of the waiting side, twice): this process
+publishes a frame notice, an echo process answers it with a notice of its own, this process waits for
+it. Back to back, and paced like a host's frame loop (one notice every 1/FPS s, so both sides fall
+asleep in between). Also reports the echo process's CPU time per second during the paced run, which
+is what a spin before sleeping costs.
+
+    python benchmarks/bench_doorbell.py --notices 2000 --fps 60 --paced 300 [--spin-us 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_idle_cpu import process_cpu_s  # noqa: E402
+from engine.tools.bridge_probe import percentiles  # noqa: E402
+from host_bridge.wire import doorbell as db  # noqa: E402
+from host_bridge.wire.shared_wait import backend  # noqa: E402
+
+ECHO = textwrap.dedent("""
+    import sys
+    from host_bridge.wire import doorbell as db
+    db.SPIN_S = float(sys.argv[2])
+    side = db.Doorbell.attach(sys.argv[1])
+    print("ready", flush=True)
+    running = True
+    with side.lock:
+        while running:
+            for msg, _ in side.receive(1.0):
+                running = msg["seq"] != 0
+                side.send_frame(msg["slot"], msg["seq"], msg["gen"])
+    side.close()
+""")
+
+
+def round_trips(bell: db.Doorbell, first_seq: int, count: int, period_s: float) -> list[float]:
+    samples = []
+    with bell.lock:
+        for seq in range(first_seq, first_seq + count):
+            t0 = time.perf_counter()
+            bell.send_frame(0, seq, 1)
+            while not bell.receive(5.0):
+                pass
+            samples.append(time.perf_counter() - t0)
+            rest = period_s - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+    return samples
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--notices", type=int, default=2000, help="back-to-back round trips")
+    ap.add_argument("--fps", type=float, default=60.0)
+    ap.add_argument("--paced", type=int, default=300, help="round trips at --fps")
+    ap.add_argument("--spin-us", type=float, default=db.SPIN_S * 1e6, help="both sides spin this long first")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.notices < 1 or args.paced < 1 or args.fps <= 0 or args.spin_us < 0:
+        ap.error("--notices, --paced and --fps must be > 0, --spin-us >= 0")
+    db.SPIN_S = args.spin_us / 1e6
+    bell = db.Doorbell.create()
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, bell.name, str(db.SPIN_S)], cwd=ROOT,
+                            stdout=subprocess.PIPE, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    try:
+        echo.stdout.readline()
+        round_trips(bell, 1, 50, 0.0)  # warm-up
+        b2b = round_trips(bell, 100, args.notices, 0.0)
+        c0, t0 = process_cpu_s(echo.pid), time.monotonic()
+        paced = round_trips(bell, 100 + args.notices, args.paced, 1.0 / args.fps)
+        echo_cpu = 100 * (process_cpu_s(echo.pid) - c0) / (time.monotonic() - t0)
+        bell.send_frame(0, 0, 1)
+        echo.wait(10)
+    finally:
+        if echo.poll() is None:
+            echo.kill()
+        bell.close()
+    result = {"backend": backend(), "spin_us": args.spin_us, "back_to_back": percentiles(b2b),
+              "paced": percentiles(paced), "fps": args.fps, "echo_cpu_pct_paced": echo_cpu}
+    print(f"doorbell round trip ({result['backend']}, spin {args.spin_us:g} us), ms: back to back p50 "
+          f"{result['back_to_back']['p50_ms']:.3f} p99 {result['back_to_back']['p99_ms']:.3f}; at {args.fps:g} fps "
+          f"p50 {result['paced']['p50_ms']:.3f} p99 {result['paced']['p99_ms']:.3f}; echo process CPU while "
+          f"paced {echo_cpu:.1f} % of a core")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Style LoRAs at full speed: the same stream with no LoRA, and with two merged LoRAs whose scale
+changes live once a second. Random weights and random rank-R LoRAs on every attention and FFN
+linear of the preset's DiT (speed does not depend on weight values). Prints one table and writes
+JSON: FPS of both runs, their ratio, and the GPU time of a scale change (the session's `lora` stage).
+
+    python benchmarks/bench_lora.py --json out/bench_lora.json                 # 1.3B, 480x832, 1 step
+    python benchmarks/bench_lora.py --config default --frames 40 --json /tmp/l.json   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import load_config  # noqa: E402
+from engine.models.dit_convert import to_diffusers_key  # noqa: E402
+from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from engine.tools.bench import run_loom  # noqa: E402
+from plugin.cli.bench import clip_frames  # noqa: E402
+
+
+def write_random_lora(preset: str, rank: int, seed: int, path: Path) -> None:
+    """A diffusers-layout LoRA of this rank on every linear of the preset's DiT blocks."""
+    with torch.device("meta"):
+        model = WanDiT(DIT_PRESETS[preset])
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
+            base = "transformer." + to_diffusers_key(name + ".weight").removesuffix(".weight")
+            sd[f"{base}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g) * 0.01).to(torch.bfloat16)
+            sd[f"{base}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g) * 0.01).to(torch.bfloat16)
+    save_file(sd, str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", default="wan2.1-1.3b", help="preset or YAML (default wan2.1-1.3b)")
+    p.add_argument("--steps", default="700", help="step list, e.g. 700 or 700,500")
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    p.add_argument("--frames", type=int, default=1500, help="frames measured per run")
+    p.add_argument("--warmup", type=int, default=41, help="frames streamed before measuring")
+    p.add_argument("--period", type=float, default=1.0, help="seconds between live scale changes")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    base = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash",
+            f"stream.steps=[{args.steps}]"]
+    preset = load_config(args.config, base).model.preset
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [Path(tmp) / f"style{i}.safetensors" for i in range(2)]
+        for i, path in enumerate(paths):
+            write_random_lora(preset, args.rank, i, path)
+        loras = "lora=[" + ", ".join(f"{{path: {p}, scale: 0.8}}" for p in paths) + "]"
+        for label, overrides, period in (("no LoRA", base, 0.0), ("2 LoRAs, live scale", [*base, loras], args.period)):
+            cfg = load_config(args.config, overrides)
+            frames = clip_frames(cfg, None, args.warmup + args.frames)
+            results[label] = run_loom(cfg, frames, args.warmup, input_fps=0.0, lora_period_s=period)
+    plain, lora = results["no LoRA"], results["2 LoRAs, live scale"]
+    change_ms = lora["stages_ms"].get("lora", {})
+    print(f"\n{'run':<22} {'FPS':>8} {'p99 ms':>8} {'scale changes':>14}")
+    for label, r in results.items():
+        print(f"{label:<22} {r['fps']:>8.2f} {r['latency_ms'].get('p99', float('nan')):>8.1f} {r['lora_changes']:>14}")
+    print(f"LoRA / no LoRA: {lora['fps'] / plain['fps']:.3f}; scale change GPU time: {change_ms}")
+    if args.json:
+        out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+               "config": args.config, "steps": args.steps, "rank": args.rank, "runs": results,
+               "fps_ratio": lora["fps"] / plain["fps"], "scale_change_ms": change_ms}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Recovery of a show: start to the first restyled frame, and SIGKILL of the engine to the next one.
+
+A host loop submits frames at `--fps` and reads `latest()` as a show would, against a launched
+engine behind the bridge, in two modes: `restart` (the supervisor starts a new engine after a
+crash; its compiled kernels come from the persistent Inductor cache) and `standby` (a second engine
+is kept loaded and warmed, and takes over at once). For each mode: seconds from `start()` to the
+first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
+fresh output of its successor, and the longest host call meanwhile. Prints one table; `--json`
+writes the same. Needs a GPU for the default preset; Linux (SIGKILL).
+
+    python benchmarks/bench_recovery.py --json out/recovery.json        # wan2.1-1.3b, cuda-ipc, both modes
+    python benchmarks/bench_recovery.py --config default --transport shm --passthrough --kills 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from host_bridge import Bridge, BridgeConfig  # noqa: E402
+from plugin.media.video_io import generate_clip  # noqa: E402
+
+RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
+
+
+class HostLoop:
+    """Submit and read at a fixed rate, as a show's frame loop does; remembers its longest call."""
+
+    def __init__(self, bridge: Bridge, clip: list[np.ndarray], fps: float):
+        self.bridge, self.clip, self.period = bridge, clip, 1.0 / fps
+        self.i = 0
+        self.longest_call_s = 0.0
+
+    def until(self, done, timeout_s: float) -> float | None:
+        """Run the loop until `done(status)`; seconds taken, or None at the timeout."""
+        start = next_frame = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            t = time.monotonic()
+            self.bridge.submit(self.clip[self.i % len(self.clip)])
+            _, status = self.bridge.latest()
+            self.longest_call_s = max(self.longest_call_s, time.monotonic() - t)
+            self.i += 1
+            if done(status):
+                return time.monotonic() - start
+            next_frame += self.period
+            time.sleep(max(0.0, next_frame - time.monotonic()))
+        return None
+
+
+def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dict:
+    overrides = ([] if args.trained_weights else RANDOM_WEIGHTS) + args.overrides
+    cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
+                       passthrough=args.passthrough,
+                       standby=mode == "standby", engine_warmup=args.warmup, restart_backoff_s=0.0,
+                       handshake_timeout_s=120.0, load_timeout_s=args.timeout)
+    row: dict = {"mode": mode, "kills": []}
+    bridge = Bridge(cfg)
+    loop = HostLoop(bridge, clip, args.fps)
+    t0 = time.monotonic()
+    bridge.start()
+    try:
+        row["start_to_first_frame_s"] = loop.until(lambda s: not s.fallback, args.timeout)
+        if row["start_to_first_frame_s"] is None:
+            row["error"] = f"no restyled frame within {args.timeout:.0f} s: {bridge.status().message}"
+            return row
+        row["start_to_first_frame_s"] = round(time.monotonic() - t0, 2)
+        for _ in range(args.kills):
+            if mode == "standby":  # a kill before the standby is ready measures a restart, not the standby
+                ready = loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
+                if ready is None:
+                    row["error"] = f"standby not ready within {args.timeout:.0f} s"
+                    return row
+            loop.until(lambda s: False, args.steady_s)
+            pid = bridge.stats()["engine_pid"]
+            loop.longest_call_s = 0.0
+            os.kill(pid, signal.SIGKILL)
+            took = loop.until(lambda s, old=pid: not s.fallback and bridge.stats()["engine_pid"] != old, args.timeout)
+            row["kills"].append({"kill_to_frame_s": None if took is None else round(took, 2),
+                                 "longest_host_call_ms": round(loop.longest_call_s * 1000, 2)})
+    finally:
+        bridge.close()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="wan2.1-1.3b")
+    ap.add_argument("--transport", default="cuda-ipc", choices=("cuda-ipc", "shm", "tcp"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--passthrough", action="store_true", help="engines return their input (a smoke run)")
+    ap.add_argument("--trained-weights", action="store_true", help="load the checkpoints instead of random weights")
+    ap.add_argument("--modes", default="restart,standby", help="comma-separated: restart, standby")
+    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--fps", type=float, default=30.0)
+    ap.add_argument("--steady-s", type=float, default=5.0, help="frames before each kill")
+    ap.add_argument("--size", default="832x480", help="host frame size WxH")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="engines warm up (compile, capture) before they say ready")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    width, height = (int(v) for v in args.size.split("x"))
+    clip = list(generate_clip(n_frames=48, size=(width, height), fps=args.fps))
+    rows = [run_mode(mode.strip(), args, clip) for mode in args.modes.split(",") if mode.strip()]
+    print(f"\nrecovery: {args.config} over {args.transport}, {args.size}, {args.kills} kills per mode")
+    print(f"{'mode':8s} {'start->frame s':>15s} {'kill->frame s (each)':>28s} {'longest host call ms':>22s}")
+    for r in rows:
+        kills = ", ".join("-" if k["kill_to_frame_s"] is None else f"{k['kill_to_frame_s']:.2f}" for k in r["kills"])
+        longest = max((k["longest_host_call_ms"] for k in r["kills"]), default=0.0)
+        start = r.get("start_to_first_frame_s")
+        print(f"{r['mode']:8s} {'-' if start is None else f'{start:.2f}':>15s} {kills:>28s} {longest:>22.2f}"
+              + (f"  ({r['error']})" if "error" in r else ""))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

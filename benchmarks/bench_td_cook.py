@@ -1,0 +1,193 @@
+"""Main-thread time of the Loom TouchDesigner operator's cook at 1920x1080, TouchDesigner left out.
+
+What TouchDesigner's main thread spends in Loom's own code each frame: `LoomExt.Cook` with a real
+`Bridge` and a real pass-through engine process (`loom serve --passthrough`), on stand-in TD objects
+(tests/fakes/touchdesigner.py) that hand out realistic arrays at no cost of their own. TD's own work
+is not counted: the GPU download behind `numpyArray(delayed=True)`, the copy behind `cudaMemory()`,
+and the upload behind `copyNumpyArray` / `copyCUDAMemory`. Cooks are paced at `--fps` as TD's frame
+loop would call them; the first second after the engine runs is warm-up and not counted.
+
+shm (any machine; the input TOP's numpyArray() is float32 RGBA, as TouchDesigner hands it out):
+    python benchmarks/bench_td_cook.py --transport shm --json out/bench_td_cook_shm.json
+cuda-ipc (GPU machine with cuda-python; the texture is uint8 BGRA in device memory):
+    python benchmarks/bench_td_cook.py --transport cuda-ipc --json out/bench_td_cook_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.fakes.touchdesigner import (  # noqa: E402
+    CUDAMemoryShape,
+    InputTOP,
+    ScriptTOP,
+    configure,
+    make_component,
+    running,
+    td_texture,
+)
+
+TARGET_MS = {"shm": 6.0, "cuda-ipc": 1.0}
+WARMUP_S = 1.0
+
+
+class HostTOP(InputTOP):
+    """numpyArray(delayed=True) as TD hands it out (float32 RGBA 0..1, bottom-up), two frames alternating."""
+
+    def __init__(self, w: int, h: int) -> None:
+        super().__init__(td_texture(h, w))
+        self._frames = [td_texture(h, w, np.float32, seed=s) for s in (1, 2)]
+        self._n = 0
+
+    def numpyArray(self, delayed: bool = False, writable: bool = False) -> np.ndarray:
+        self._n += 1
+        return self._frames[self._n % 2]
+
+
+class DeviceTOP(InputTOP):
+    """cudaMemory() on two uint8 BGRA textures kept in device memory (TD's own copy is not counted)."""
+
+    def __init__(self, w: int, h: int) -> None:
+        from cuda.bindings import runtime as cudart
+
+        from host_bridge.wire.rings.cuda import check
+
+        super().__init__(td_texture(h, w))
+        self._ptrs = []
+        for seed in (1, 2):
+            data = td_texture(h, w, seed=seed)
+            ptr = int(check(cudart.cudaMalloc(data.nbytes), "cudaMalloc"))
+            check(cudart.cudaMemcpy(ptr, data.ctypes.data, data.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice),
+                  "cudaMemcpy")
+            self._ptrs.append(ptr)
+        self._shape = CUDAMemoryShape(w, h, 4, np.uint8)
+        self._n = 0
+
+    def cudaMemory(self, stream: int | None = None) -> Any:
+        self._n += 1
+        ptr = self._ptrs[self._n % 2]
+        return type("Mem", (), {"ptr": ptr, "size": self._shape.width * self._shape.height * 4,
+                                "shape": self._shape})()
+
+    def end_cook(self) -> None:
+        """The textures live for the whole run."""
+
+
+class BenchScriptTOP(ScriptTOP):
+    """Takes the output as TD would, without counting TD's upload."""
+
+    def copyNumpyArray(self, array: np.ndarray) -> None:
+        self.output = array
+
+    def copyCUDAMemory(self, address: int, size: int, shape: CUDAMemoryShape, stream: int | None = None) -> None:
+        self.output = (address, size)
+
+
+def run(transport: str, w: int, h: int, seconds: float, fps: float) -> dict[str, Any]:
+    source = DeviceTOP(w, h) if transport == "cuda-ipc" else HostTOP(w, h)
+    comp, _, ext = make_component(source)
+    script = BenchScriptTOP(comp, source)
+    configure(comp, transport=transport)
+    comp.par.Active = True
+    try:
+        deadline = time.monotonic() + 120
+        while not running(comp):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine not running: {comp.par.State.eval()} {comp.par.Message.eval()}")
+            _cook(ext, script)
+            time.sleep(0.02)
+        if transport == "cuda-ipc" and ext.cuda_submits == 0:
+            raise RuntimeError(f"cuda-ipc not in use: {comp.par.Message.eval()}")
+        durations, fresh, period = [], [], 1.0 / fps
+        start = time.monotonic()
+        counted_from = start + WARMUP_S
+        received0 = None
+        next_at = start
+        while time.monotonic() < counted_from + seconds:
+            before = ext._host_output_of
+            t = _cook(ext, script)
+            if time.monotonic() >= counted_from:
+                # a cook that showed a new engine frame (at 60 engine FPS every cook does); cuda-ipc copies every cook
+                fresh.append(transport == "cuda-ipc" or ext._host_output_of is not before)
+                if received0 is None:
+                    received0, t0 = ext.bridge.stats()["received"], time.monotonic()
+                durations.append(t * 1000.0)
+            next_at += period
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        elapsed = time.monotonic() - t0
+        received = ext.bridge.stats()["received"] - received0
+        message = comp.par.Message.eval()
+    finally:
+        comp.par.Active = False
+        ext.WaitClosed(20)
+    d = np.asarray(durations)
+    new = d[np.asarray(fresh, bool)]
+    return {"transport": transport, "size": f"{w}x{h}", "cooks": len(d), "paced_fps": fps,
+            "cook_ms": _stats(d), "new_frame_cooks": len(new), "new_frame_cook_ms": _stats(new),
+            "engine_fps": round(received / elapsed, 1), "target_ms": TARGET_MS[transport],
+            "message": message}
+
+
+def _stats(d: np.ndarray) -> dict[str, float]:
+    if not len(d):
+        return {}
+    return {k: round(float(v), 3) for k, v in (("p50", np.percentile(d, 50)), ("p90", np.percentile(d, 90)),
+                                                ("p99", np.percentile(d, 99)), ("max", d.max()), ("mean", d.mean()))}
+
+
+def _cook(ext: Any, script: ScriptTOP) -> float:
+    script.cooking = True
+    t = time.perf_counter()
+    try:
+        ext.Cook(script)
+    finally:
+        script.cooking = False
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--transport", choices=("shm", "cuda-ipc"), default="shm")
+    ap.add_argument("--size", default="1920x1080", help="WxH")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured time after the warm-up")
+    ap.add_argument("--fps", type=float, default=60.0, help="cook rate, as TouchDesigner's frame loop")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args()
+    try:
+        w, h = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        ap.error(f"--size: {args.size!r} is not WxH, e.g. 1920x1080")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    result = run(args.transport, w, h, args.seconds, args.fps)
+    result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in load],
+                         "loadavg_after": [round(x, 2) for x in (os.getloadavg() if hasattr(os, "getloadavg")
+                                                                 else load)]}
+    print(f"\nLoom TD operator, main-thread time per cook ({result['transport']}, {result['size']}, "
+          f"paced at {args.fps:g} FPS; {os.cpu_count()} CPUs, load {load[0]:.1f})")
+    print(f"{'cooks':>22} {'n':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8} {'engine FPS':>11} "
+          f"{'target':>7}")
+    for label, key, n in (("all", "cook_ms", result["cooks"]),
+                          ("with a new engine frame", "new_frame_cook_ms", result["new_frame_cooks"])):
+        c = result[key]
+        if c:
+            print(f"{label:>22} {n:5d} {c['p50']:8.2f} {c['p90']:8.2f} {c['p99']:8.2f} {c['max']:8.2f} "
+                  f"{c['mean']:8.2f} {result['engine_fps']:11.1f} {result['target_ms']:6.1f}")
+    print(json.dumps(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

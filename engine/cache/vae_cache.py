@@ -1,0 +1,112 @@
+"""Stream state for the video VAEs: the frame history each causal layer carries between chunks.
+
+A causal video VAE sees a stream one chunk at a time. Every layer that looks back in time (a
+causal 3D conv needs its last 2 input frames, a temporal downsample its last input frame, a
+TAEHV memory block the previous frame) keeps those frames here, not on the module, so a
+stream can be reset, copied, or run beside another stream through the same weights.
+
+Fast-path rules the buffers follow: each history buffer is allocated once, on the first chunk,
+with a fixed shape, and later chunks overwrite it in place (`copy_`). A steady-state chunk step
+therefore reads and writes the same memory every time, which is what lets it be captured in a
+CUDA graph (`GraphedStep`) or compiled once; nothing here reads values back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FRAMES_PER_LATENT = 4  # Wan's temporal compression: a steady step is 4 frames <-> 1 latent
+
+
+class FrameCache:
+    """Per-direction (encode or decode) histories, keyed by the owning layer's name.
+
+    `started` is False until the first chunk has gone through: some layers treat the very
+    first frame of a stream specially (Wan's temporal resampling passes it through alone).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.started = False
+        self.signature: tuple | None = None
+
+    def extend(self, key: str, x: torch.Tensor, frames: int, dim: int = 2) -> torch.Tensor:
+        """Return `x` with the layer's last `frames` frames in front; remember the new last ones.
+
+        At the start of a stream the history is zeros, which is exactly the causal zero padding
+        a one-shot pass over the whole clip would use.
+        """
+        history = self._buffer(key, x, frames, dim)
+        full = torch.cat([history, x], dim=dim)
+        history.copy_(full.narrow(dim, full.shape[dim] - frames, frames))
+        return full
+
+    def remember(self, key: str, x: torch.Tensor, frames: int, dim: int = 2) -> None:
+        """Store the last `frames` frames of `x` (which must have at least that many)."""
+        self._buffer(key, x, frames, dim).copy_(x.narrow(dim, x.shape[dim] - frames, frames))
+
+    def last(self, key: str) -> torch.Tensor:
+        return self.buffers[key]
+
+    def _buffer(self, key: str, x: torch.Tensor, frames: int, dim: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = frames
+        buf = self.buffers.get(key)
+        if buf is None or list(buf.shape) != shape or buf.dtype != x.dtype or buf.device != x.device:
+            buf = x.new_zeros(shape)
+            channels_last = x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+            if channels_last and not x.is_contiguous():
+                buf = buf.contiguous(memory_format=torch.channels_last_3d)
+            self.buffers[key] = buf
+        return buf
+
+    def reset(self) -> None:
+        """Start a new stream. Buffers are zeroed in place (not freed) so a captured graph stays valid."""
+        for buf in self.buffers.values():
+            buf.zero_()
+        self.started = False
+        self.signature = None
+
+    def copy(self) -> FrameCache:
+        other = FrameCache()
+        other.buffers = {k: v.clone() for k, v in self.buffers.items()}
+        other.started = self.started
+        other.signature = self.signature
+        return other
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class VAEStreamState:
+    """Everything one video stream needs between chunks: an encode and a decode history."""
+
+    def __init__(self) -> None:
+        self.encoder = FrameCache()
+        self.decoder = FrameCache()
+
+    def reset(self) -> None:
+        self.encoder.reset()
+        self.decoder.reset()
+
+    def copy(self) -> VAEStreamState:
+        """An independent snapshot: continuing either stream leaves the other untouched."""
+        other = VAEStreamState()
+        other.encoder = self.encoder.copy()
+        other.decoder = self.decoder.copy()
+        return other
+
+    def nbytes(self) -> int:
+        return self.encoder.nbytes() + self.decoder.nbytes()
+
+
+def check_signature(cache: FrameCache, signature: tuple, what: str) -> None:
+    """Later chunks of a stream must keep the batch, size and device of the first one (the
+    histories have that shape; input dtype does not matter, chunks are cast to the model's)."""
+    if cache.signature is None:
+        cache.signature = signature
+    elif cache.signature != signature:
+        raise ValueError(
+            f"{what}: this chunk has (batch, height, width, device) = {signature} but the stream "
+            f"started with {cache.signature}; call state.reset() (or use a new state) to change them"
+        )

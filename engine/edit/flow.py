@@ -1,0 +1,36 @@
+"""The adapter's condition: the previous output warped onto each new frame by optical flow.
+
+Dense Farneback flow is measured between the inputs (the previous batch's last input and each
+new frame), not the outputs, so the restyling does not disturb the motion estimate; the
+previous output is then pulled along that flow. It runs on the CPU (OpenCV), on worker threads,
+while the GPU works on the next batch.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+
+import cv2
+import numpy as np
+
+# Farneback settings: pyramid scale, levels, window, iterations, polynomial size and sigma
+FARNEBACK = dict(pyr_scale=0.5, levels=3, winsize=15, iterations=3, poly_n=5, poly_sigma=1.2, flags=0)
+
+
+def gray(rgb: np.ndarray) -> np.ndarray:
+    return cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+
+
+def warp_previous(prev_out: np.ndarray, prev_in_gray: np.ndarray, frame: np.ndarray) -> np.ndarray:
+    """prev_out uint8 [H, W, 3] moved by the flow from the previous input to `frame` (uint8 RGB)."""
+    flow = cv2.calcOpticalFlowFarneback(prev_in_gray, gray(frame), None, **FARNEBACK)
+    h, w = flow.shape[:2]
+    xs, ys = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
+    return cv2.remap(prev_out, xs - flow[..., 0], ys - flow[..., 1], cv2.INTER_LINEAR,
+                     borderMode=cv2.BORDER_REPLICATE)
+
+
+def warp_batch(prev_out: np.ndarray, prev_in: np.ndarray, frames: np.ndarray, pool: Executor) -> np.ndarray:
+    """One condition image per frame of the batch, frames in parallel on `pool`."""
+    prev_gray = gray(prev_in)
+    return np.stack(list(pool.map(lambda f: warp_previous(prev_out, prev_gray, f), frames)))

@@ -1,0 +1,98 @@
+"""Building the edit family's models from the config: weights, random weights or seeded tiny ones."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import LoomConfig
+from engine.edit.checkpoint import load_lllite, load_unet, load_vae
+from engine.edit.encoder import EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
+from engine.edit.lllite import LLLite, select_hooks
+from engine.edit.unet import UNET_PRESETS, EditUNet
+from engine.edit.vae import VAE_PRESETS, TinyVAE
+from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
+
+log = logging.getLogger(__name__)
+
+LATENT_SCALE = 8
+
+
+@dataclass
+class EditModels:
+    unet: EditUNet
+    vae: TinyVAE
+    encoder: EditConditioner
+    lllite: LLLite | None  # None: no hooks
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_edit_models(cfg: LoomConfig) -> EditModels:
+    e = cfg.edit
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    check_resolution(cfg)
+    unet = _build(lambda: EditUNet(UNET_PRESETS[e.unet]), e.checkpoint, load_unet, e.unet == "tiny", cfg, device,
+                  dtype, "edit.checkpoint")
+    vae_path = e.vae_checkpoint or (e.checkpoint if e.checkpoint and (Path(e.checkpoint) / "vae").is_dir() else None)
+    vae = _build(lambda: TinyVAE(VAE_PRESETS[e.vae]), vae_path, load_vae, e.vae == "tiny", cfg, device, dtype,
+                 "edit.vae_checkpoint")
+    lllite = None
+    points = select_hooks(unet.hook_points(), e.lllite_hooks)
+    if points:
+        latent_h = cfg.resolution.height // LATENT_SCALE
+        with torch.device(device):
+            lllite = LLLite(unet.hook_sizes(latent_h), points, (cfg.resolution.height, cfg.resolution.width),
+                            e.batch).to(dtype).eval()
+        if e.lllite:
+            load_lllite(lllite, e.lllite, unet.hook_points(), device, dtype)
+        lllite.set_strength(e.adapter_strength)
+        log.info("LLLite: %d of %d hook points (%s)", len(points), len(unet.hook_points()), e.lllite_hooks)
+    elif e.lllite:
+        log.warning("edit.lllite is given but edit.lllite_hooks=none: the adapter is not used")
+    if device.type == "cuda":  # cuDNN's fast convolution kernels want channels-last activations
+        to_channels_last(unet)
+        to_channels_last(vae)
+    return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
+                      lllite, device, dtype)
+
+
+def check_resolution(cfg: LoomConfig) -> None:
+    multiple = LATENT_SCALE * UNET_PRESETS[cfg.edit.unet].downscale
+    for key, v in (("width", cfg.resolution.width), ("height", cfg.resolution.height)):
+        if v % multiple:
+            raise ValueError(f"resolution.{key}: {v} must be a multiple of {multiple} for edit.unet={cfg.edit.unet}")
+
+
+def _build(make: Callable[[], nn.Module], path: str | None, load: Callable, tiny: bool, cfg: LoomConfig,
+           device: torch.device, dtype: torch.dtype, key: str) -> nn.Module:
+    """Weights from `path`; else seeded ones for a tiny architecture or with model.random_weights."""
+    if path:
+        with torch.device("meta"):
+            module = make()
+        load(module, path, device, dtype)
+        return module.eval()
+    if not tiny and not cfg.model.random_weights:
+        raise ValueError(f"{key}: no weights given for a real-size model; give them, or set "
+                         "model.random_weights=true to run on random weights (benchmarks)")
+    return _seeded(make, cfg.model.seed, device, dtype)
+
+
+def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) -> EditConditioner:
+    """The conditioning encoder the config names (alone: the benchmark times it apart from the UNet)."""
+    e = cfg.edit
+    if e.encoder == "hash":
+        dim = UNET_PRESETS[e.unet].context_dim
+        return HashEditEncoder(dim, 192 if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
+    if e.encoder_path:
+        return Qwen3VLEncoder.from_pretrained(e.encoder_path, device, dtype)
+    if not cfg.model.random_weights:
+        raise ValueError("edit.encoder_path: no Qwen3-VL weights given; give a Qwen3-VL-2B directory, or set "
+                         "model.random_weights=true to run on random weights (benchmarks)")
+    return Qwen3VLEncoder.random(qwen3vl_2b_config(), device, dtype, cfg.model.seed)

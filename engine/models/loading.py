@@ -1,0 +1,150 @@
+"""Building the models a run needs: from the user's checkpoints, or the embedded default.
+
+The tiny presets come with fixed seeded weights, so Loom runs end to end out of the box (on a
+CPU too) without any download. A real-size preset without a checkpoint is refused unless the
+run explicitly asks for random weights (benchmarks: speed does not depend on weight values), so a
+forgotten path never silently produces noise on stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import LoomConfig
+from engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
+from engine.models.lora import LoraMerger, read_lora
+from engine.models.taehv import TinyVAE
+from engine.models.wan_dit import DIT_PRESETS, WanDiT
+from engine.models.wan_vae import VAE_PRESETS, WanVAE
+
+EMBEDDED_PRESETS = ("tiny",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModels:
+    dit: WanDiT
+    encoder: Any  # WanVAE, TinyVAE, or a TiledVAE around one: encode_stream / new_stream_state
+    decoder: Any  # WanVAE, TinyVAE, or a TiledVAE around one: decode_stream / new_stream_state
+    device: torch.device
+    dtype: torch.dtype
+    lora: LoraMerger  # the DiT's merged style LoRAs (none loaded: a no-op owner)
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {setting!r} asked for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return device
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[setting]
+
+
+def _seeded(build, seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build a module with weights drawn from a fixed seed, without touching the global RNG."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        with torch.device(device):
+            module = build()
+    return module.to(dtype=dtype).eval()
+
+
+def to_channels_last(module: nn.Module) -> None:
+    """Channels-last weights: cuDNN's 3D convolutions of the Wan VAE are faster in that layout
+    (figures in docs/performance.md)."""
+    for p in module.parameters():
+        if p.dim() == 5:
+            p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+        elif p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+
+
+def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
+    """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
+    read from the checkpoint alone, or, for seeded weights, built whole and the rest dropped."""
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    mc, vc = cfg.model, cfg.vae
+    if mc.fp8_linear:  # before any weight is read
+        check_fp8_device(device)
+    dit_cfg = DIT_PRESETS[mc.preset]
+    embedded = mc.preset == "embedded" and not mc.checkpoint
+    if embedded:  # the trained default: its DiT and VAE ship together in the package
+        from engine.models.embedded import load_embedded
+
+        if vc.encoder != "taehv" or vc.decoder != "taehv" or vc.taehv_checkpoint:
+            raise ValueError("model.preset: 'embedded' comes with its own VAE; leave vae.encoder and vae.decoder "
+                             "at taehv and vae.taehv_checkpoint empty")
+        dit, embedded_vae, _ = load_embedded(device, dtype)
+    elif mc.checkpoint:
+        dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
+    elif mc.preset in EMBEDDED_PRESETS or mc.random_weights:
+        dit = _seeded(lambda: WanDiT(dit_cfg), mc.seed, device, dtype)
+        for i in range(dit_cfg.num_layers) if dit_blocks is not None else ():
+            if i not in dit_blocks:
+                dit.blocks[i].to("meta")  # same seeded values as one GPU for the blocks kept
+    else:
+        raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "
+                         "give model.checkpoint=PATH (or model.random_weights=true for a benchmark)")
+    vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
+                      denormalize_on_decode=vc.denormalize_on_decode)
+    wan = None
+    if "wan" in (vc.encoder, vc.decoder):
+        if vc.checkpoint:
+            wan = WanVAE.from_checkpoint(vc.checkpoint, vae_cfg, device=device, dtype=dtype).eval()
+        elif vc.preset in EMBEDDED_PRESETS or vc.random_weights:
+            wan = _seeded(lambda: WanVAE(vae_cfg), mc.seed + 1, device, dtype)
+        else:
+            raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
+                             "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
+    tiny = None
+    if "taehv" in (vc.encoder, vc.decoder):
+        if embedded:
+            tiny = embedded_vae
+        elif vc.taehv_checkpoint:
+            tiny = TinyVAE.from_checkpoint(vc.taehv_checkpoint, device=device, dtype=dtype).eval()
+        elif vc.random_weights:
+            tiny = _seeded(TinyVAE, mc.seed + 2, device, dtype)
+        else:
+            raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
+                             "(or vae.random_weights=true for a benchmark)")
+    lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
+    for entry in cfg.lora:  # merged before the weights are compiled or captured
+        lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
+    if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
+        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        if mc.fuse_elementwise:
+            dit.fuse_elementwise()
+        if wan is not None:
+            to_channels_last(wan)
+            if vc.compile_step:
+                wan.compile_step()  # includes what fuse_norms does
+            elif vc.fuse_norms:
+                wan.fuse_norms()
+    encoder = wan if vc.encoder == "wan" else tiny
+    decoder = wan if vc.decoder == "wan" else tiny
+    mem = cfg.memory
+    if mem.low_vram:  # activations bounded by the tile area instead of the frame's
+        from engine.models.vae_tiling import TiledVAE
+
+        encoder = TiledVAE(encoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)
+        decoder = TiledVAE(decoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)
+    for m in (dit, wan, tiny):
+        if m is not None:
+            m.requires_grad_(False)
+    return LoadedModels(dit, encoder, decoder, device, dtype, lora)

@@ -1,0 +1,129 @@
+"""Where a preset's real weights come from, and finding them again once `loom pull` has fetched them.
+
+A preset that needs weights (the Wan2.1 sizes) names, for each config key it cannot run without,
+the Hugging Face repository and files that fill it. `loom pull PRESET` downloads those into the
+Hugging Face cache (the standard one: `HF_HUB_CACHE` / `HF_HOME`, shared with other tools);
+`fill_pulled_weights` then points every key the user left unset at the cached copy, so the preset
+runs with no `--set`. A path the user gives always wins. Only the local cache is read here: loading
+a config never touches the network.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Files of one Hugging Face repository that fill one config key.
+
+    `target` is the repository path the key points at: a file, or a folder ("" = the snapshot root)."""
+
+    key: str
+    repo: str
+    files: tuple[str, ...]
+    target: str
+    licence: str
+    what: str
+
+
+_WAN_LICENCE = "Apache-2.0"
+_SDV2_LICENCE = "Apache-2.0 (StreamDiffusionV2 model card)"
+
+
+def _wan_sources(size: str, causal_folder: str) -> tuple[WeightSource, ...]:
+    return (
+        WeightSource("model.checkpoint", "jerryfeng/StreamDiffusionV2", (f"{causal_folder}/model.pt",),
+                     f"{causal_folder}/model.pt", _SDV2_LICENCE, f"StreamDiffusionV2 causal generator ({size})"),
+        WeightSource("vae.checkpoint", f"Wan-AI/Wan2.1-T2V-{size}", ("Wan2.1_VAE.pth",), "Wan2.1_VAE.pth",
+                     _WAN_LICENCE, "Wan2.1 VAE"),
+        # Loom's umT5 encoder reads the transformers layout (tokenizer/ + text_encoder/), which the
+        # diffusers copy of Wan2.1 holds; Wan's own models_t5_umt5-xxl-enc-bf16.pth is another format.
+        WeightSource("prompt.path", f"Wan-AI/Wan2.1-T2V-{size}-Diffusers",
+                     ("tokenizer/*", "text_encoder/*"), "", _WAN_LICENCE, "umT5-XXL text encoder and tokenizer"),
+    )
+
+
+# By model.preset (a YAML file built on a preset finds the same weights).
+PRESET_WEIGHTS: dict[str, tuple[WeightSource, ...]] = {
+    "wan2.1-1.3b": _wan_sources("1.3B", "wan_causal_dmd_v2v"),
+    "wan2.1-14b": _wan_sources("14B", "wan_causal_dmd_v2v_14b"),
+}
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face cache, read from the environment now (not at import) so tests and users can move it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | None:
+    """The cached copy of what `source.key` should point at, or None when any of its files is missing."""
+    snapshot = _snapshot(source.repo, cache_dir or hub_cache_dir())
+    if snapshot is None:
+        return None
+    for pattern in source.files:
+        folder, _, name = pattern.rpartition("/")
+        base = snapshot / folder if folder else snapshot
+        if name == "*" and not (base.is_dir() and any(base.iterdir())):
+            return None
+        if name != "*" and not (base / name).is_file():
+            return None
+    return snapshot / source.target if source.target else snapshot
+
+
+def _snapshot(repo: str, cache_dir: Path) -> Path | None:
+    """The snapshot folder the cache's `main` ref points at (the revision `loom pull` fetches)."""
+    repo_dir = cache_dir / f"models--{repo.replace('/', '--')}"
+    ref = repo_dir / "refs" / "main"
+    if not ref.is_file():
+        return None
+    snapshot = repo_dir / "snapshots" / ref.read_text().strip()
+    return snapshot if snapshot.is_dir() else None
+
+
+def _get(cfg: Any, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _needs(cfg: Any, source: WeightSource) -> bool:
+    """Whether the run reads this key: not given, and not replaced by random weights or another encoder."""
+    if _get(cfg, source.key):
+        return False
+    if source.key == "model.checkpoint":
+        return not cfg.model.random_weights
+    if source.key == "vae.checkpoint":
+        return not cfg.vae.random_weights and "wan" in (cfg.vae.encoder, cfg.vae.decoder)
+    if source.key == "prompt.path":
+        return cfg.prompt.encoder == "umt5"
+    return True
+
+
+def fill_pulled_weights(cfg: Any, cache_dir: Path | None = None) -> Any:
+    """`cfg` with each needed, unset weight key pointed at its pulled copy (explicit paths win)."""
+    sections: dict[str, dict[str, str]] = {}
+    for source in PRESET_WEIGHTS.get(cfg.model.preset, ()):
+        if not _needs(cfg, source):
+            continue
+        path = cached_path(source, cache_dir)
+        if path is not None:
+            section, name = source.key.split(".")
+            sections.setdefault(section, {})[name] = str(path)
+    if not sections:
+        return cfg
+    return cfg.replace(**{s: replace(getattr(cfg, s), **values) for s, values in sections.items()})
+
+
+def missing_weights(cfg: Any) -> list[str]:
+    """One line per weight the run needs and has neither a path for nor a pulled copy of."""
+    lines = []
+    for source in PRESET_WEIGHTS.get(cfg.model.preset, ()):
+        if _needs(cfg, source):
+            lines.append(f"{source.key} ({source.what}, from {source.repo})")
+    return lines

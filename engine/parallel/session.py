@@ -1,0 +1,455 @@
+"""Pipeline parallelism of the streaming DiT over several GPUs: `PipelineSession` (rank 0).
+
+A user only says how many GPUs (`parallel.gpus = P`); this process becomes rank 0 and spawns
+ranks 1..P-1 (torch.multiprocessing), which join one torch.distributed group (NCCL on GPUs,
+gloo on CPUs). The DiT's blocks are cut into P contiguous ranges (`engine/parallel/plan.py`):
+- rank 0: frames in, preprocess, motion-aware noise, VAE encode, the noise of every step
+  (see below), patch and time embedding, its blocks; frames out (postprocess);
+- ranks 1..P-2: their blocks;
+- rank P-1: its blocks, the head, the scheduler step (x0, re-noise) and the VAE decode.
+Each rank loads only its blocks' weights and holds only their KV cache (all n step rows) and
+cross-attention K/V. Activations [B, tokens, dim] go rank to rank (`engine/parallel/link.py`).
+
+How the stream-batch rows go round the ring. With n steps a chunk passes the ring n times; row
+i of the KV cache only ever sees chunks at step i, as on one GPU. The unit on the ring is a
+tick's micro-batch: at tick t rank 0 sends the rows {chunk t at step 0} plus every row that
+came back from tick t-P, now one step further. By induction tick t holds chunk t - i*P at step i
+(i = 0..n-1): n rows, one chunk enters and one leaves per tick, and P ticks are in flight, so
+every rank works on a different tick at the same time. Rank 0 waits for tick t-P's return
+before sending tick t; that return (rank P-1 -> rank 0) carries the rows' next-step latents,
+and the decoded pixels of the chunk that had its last step. With 1 step nothing comes back but
+the pixels: only each rank's own KV cache orders successive chunks. The first chunk (5 frames,
+2 latent frames) cannot share a forward with 1-latent chunks: a tick is sent as one message per
+run of rows of equal length. Pushes drive the ring as they drive the one-GPU session: chunk c
+comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` drains the ring.
+
+Same function as one GPU: every row sees the same chunks in the same order with the same
+conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
+single-process session to float tolerance (tests/integration/test_pipeline_parallel.py). One difference: a
+prompt change reaches each row at the tick it is applied on, which groups rows differently
+from one GPU's forwards, so a blend is applied a few chunks apart between the two.
+
+Each rank replays CUDA graphs of its blocks for full micro-batches (engine/graphs/pipeline_blocks.py).
+Limits: the split is static (`parallel.split`, or the balanced split `stats()` suggests from
+the measured stage times); live `set_params` changes only what rank 0 owns (noise, prompt
+blending), not the steps or the mode, which the ranks' caches and graphs are built for; there is
+no side-stream encode overlap as on one GPU; one node only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.cache.vae_cache import FRAMES_PER_LATENT
+from engine.config import LoomConfig
+from engine.graphs.vae_steps import VAEGraphs
+from engine.models.loading import load_models
+from engine.models.wan_dit import DIT_PRESETS
+from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
+from engine.parallel.plan import NoiseLedger, check_split, stage_ranges, suggest_split
+from engine.parallel.ranks import PipelineError, RankProcesses
+from engine.parallel.stage import Payload, Stage, init_group, rank_config, rank_device, send_payload
+from engine.stream.frames import FrameMapper, validate_frames
+from engine.stream.metrics import StreamMetrics
+from engine.stream.motion_noise import MotionNoiseController
+from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
+from engine.stream.schedule import FlowSchedule
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES
+
+# Live parameters that only rank 0 uses; the steps, mode and plan are fixed by the ranks' caches and graphs
+SETTABLE = {"noise": ("noise_scale", "motion_aware"), "prompt": ("transition_chunks",)}
+STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
+
+__all__ = ["PipelineError", "PipelineSession"]
+
+
+@dataclass
+class _Row:
+    chunk: int
+    step: int
+    latent: torch.Tensor  # [1, C, f, H, W] noisy at its step
+    sigma: torch.Tensor | float
+
+
+@dataclass
+class _Chunk:
+    frames: np.ndarray | torch.Tensor  # the accepted input frames (for the crop policy's border)
+    first: bool
+
+
+class PipelineSession:
+    """A live stream with the DiT split over `cfg.parallel.gpus` ranks. Drive it from one thread.
+
+    It implements `engine.session_api.EngineSession`, as `StreamSession` does.
+    """
+
+    accepts_device_frames = False  # frames in and out are numpy arrays
+    raw_passthrough = False
+    unfinished = 0  # frames leave the ring inside a push (or a flush), never between pushes
+
+    def __init__(self, cfg: LoomConfig) -> None:
+        self.cfg, self.P = cfg, cfg.parallel.gpus
+        if self.P < 2:
+            raise ValueError(f"parallel.gpus: {self.P}; the pipeline needs 2 or more (1 GPU: StreamSession)")
+        num_layers = DIT_PRESETS[cfg.model.preset].num_layers
+        self.split = check_split(cfg.parallel.split, num_layers, self.P)
+        self.ranges = stage_ranges(self.split)
+        self.device = rank_device(cfg, 0)
+        if self.device.type == "cuda":
+            visible, last = torch.cuda.device_count(), rank_device(cfg, self.P - 1).index
+            if last >= visible:
+                raise ValueError(f"parallel.gpus: {self.P} GPUs from {self.device} on need GPU {last}, but only "
+                                 f"{visible} are visible; allowed: at most {visible - (self.device.index or 0)}")
+        self.n = len(cfg.stream.steps)
+        self._closed = False
+        self.ranks = RankProcesses(cfg, self.ranges)
+        try:
+            self._start()
+        except BaseException:
+            self._closed = True
+            self.ranks.kill()
+            raise
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        cfg0 = rank_config(self.cfg, 0)
+        self.models = load_models(cfg0, dit_blocks=self.ranges[0])  # while the other ranks load theirs
+        self.ranks.await_events("loaded", self.P - 1)
+        self.link = Link(self.device, init_group(cfg0, 0, self.P, self.ranks.init_file))
+        self.dtype = self.models.dtype
+        self.stage = Stage(cfg0, self.models, self.ranges[0])
+        self.schedule = FlowSchedule(shift=self.cfg.stream.timestep_shift)
+        self.sigmas = [self.schedule.sigma(s) for s in self.cfg.stream.steps]
+        self.mapper = FrameMapper(self.cfg.resolution.width, self.cfg.resolution.height,
+                                  self.cfg.resolution.resize, self.device, self.dtype)
+        pc = self.cfg.prompt
+        on_gpu = self.device.type == "cuda" and (pc.device == "cuda" or pc.device == "auto"
+                                                  and not self.cfg.memory.low_vram)
+        encoder = make_text_encoder(pc.encoder, self.models.dit.cfg.text_dim, pc.path, "cuda" if on_gpu else "cpu")
+        self.prompt = PromptConditioner(encoder, pc.text, device=self.device, dtype=self.dtype,
+                                        transition_chunks=pc.transition_chunks, blend_mode=pc.blend)
+        nc = self.cfg.noise
+        self.motion = MotionNoiseController(nc.noise_scale, nc.ema, nc.motion_aware, nc.estimator)
+        self.enc_state = self.models.encoder.new_stream_state()
+        self._vae_graphs = VAEGraphs(self.cfg.stream.cuda_graphs and self.device.type == "cuda")
+        self.metrics = StreamMetrics(self.cfg.slo.latency_budget_ms / 1000.0)
+        self._next_chunk = 0
+        self._tick = 0
+        self._wait_s = 0.0
+        self._chunks_done = 0
+        self.ledger = NoiseLedger(self.n, self._generator(), self.device, self.dtype)
+        self._new_stream()
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(self.cfg.stream.seed)
+
+    @torch.inference_mode()
+    def _new_stream(self) -> None:
+        """Start a new stream (after a flush): caches, positions, noise; metrics and prompt stay."""
+        self.ledger.reset(self._generator())
+        self.motion.reset()
+        self.stage.cache.reset()
+        self.enc_state.reset()
+        self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._chunks: dict[int, _Chunk] = {}
+        self._inflight: deque[list[Header]] = deque()
+        self._returned: list[_Row] = []
+        self._outputs: list[np.ndarray | torch.Tensor] = []
+        self._prev_last: torch.Tensor | None = None
+        self._prev_last_u8: np.ndarray | torch.Tensor | None = None
+        self._stream_chunks = 0
+        self._flags = RESET | NEW_CONTEXT  # the other ranks reset with the next micro-batch
+        self._context = self.prompt.current()[None]
+
+    def close(self) -> None:
+        """Stop every rank (they finish what is in flight) and leave no process behind."""
+        if not self._closed and self.ranks.alive:
+            try:
+                with torch.inference_mode():
+                    while self._inflight:
+                        self._receive(self._inflight.popleft(), keep=False)
+                self.link.send_header(self.ranks.outbox, Header(Kind.STOP))
+                self.link.flush()
+                self.ranks.join(STOP_JOIN_S)
+            except Exception:  # noqa: BLE001 - closing must not fail half-way: the ranks are killed below
+                pass
+        self._shut()
+        self.prompt.close()
+        self.motion.close()
+
+    def _shut(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.ranks.kill()
+
+    def __enter__(self) -> PipelineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def warmup(self, chunks: int | None = None) -> None:
+        """Stream synthetic frames through every rank (compilation, autotuning), then start afresh.
+
+        The default runs past a RoPE refresh, so the step patterns of a long stream are met here."""
+        st = self.cfg.stream
+        if chunks is None:
+            chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + self.n * self.P + 2
+        h, w = self.cfg.resolution.height, self.cfg.resolution.width
+        frames = np.random.default_rng(0).integers(0, 256, (1 + FRAMES_PER_LATENT * chunks, h, w, 3), np.uint8)
+        for start in range(0, len(frames), FRAMES_PER_LATENT * 8):
+            self.push(frames[start:start + FRAMES_PER_LATENT * 8])
+        self.flush()
+        self.stats(reset=True)
+
+    # ----------------------------------------------------------------------------- failures
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Any failure inside the ring closes the session with the rank's error."""
+        if self._closed:
+            raise PipelineError("the pipeline session is closed")
+        try:
+            yield
+        except PipelineError:
+            self._shut()
+            raise
+        except Exception as exc:
+            try:
+                self.ranks.check()
+            except PipelineError as rank_error:
+                self._shut()
+                raise rank_error from exc
+            self._shut()
+            raise
+
+    def reset(self) -> None:
+        """Start a new stream: what is in the ring is finished and dropped, metrics start afresh."""
+        self.flush()
+        self.metrics.reset()
+
+    # ----------------------------------------------------------------------------- streaming
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        self.prompt.request(check_prompt(text), transition_chunks)
+
+    def set_params(self, **params: Any) -> None:
+        """Change the live parameters rank 0 owns; others raise ValueError naming what is allowed."""
+        allowed = [k for keys in SETTABLE.values() for k in keys]
+        refused = [k for k in params if k not in allowed]
+        if refused:
+            raise ValueError(f"{refused[0]!r}: not settable while the DiT runs over several GPUs; "
+                             f"settable: {', '.join(allowed)}")
+        from host_bridge.wire.typed_config import build  # the same validation as the config file
+
+        new = self.cfg
+        for section, keys in SETTABLE.items():
+            changed = {k: params[k] for k in keys if k in params}
+            if changed:
+                data = {**getattr(new, section).__dict__, **changed}
+                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
+                                                     path=section)})
+        self.cfg = new
+        self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
+        self.prompt.set_transition_chunks(new.prompt.transition_chunks)
+
+    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
+        Bad frames raise ValueError and leave the stream as it was."""
+        if self._closed:
+            raise PipelineError("the pipeline session is closed")
+        now = time.perf_counter()
+        good, dropped = validate_frames(frames)
+        if len(good) and self._buffer and self._buffer[0].shape != good.shape[1:]:
+            raise ValueError(f"frame size changed from {self._buffer[0].shape} to {good.shape[1:]} "
+                             "inside a chunk; call flush() between sizes")
+        with self._guard():
+            self.ranks.check()
+            if dropped:
+                self.metrics.on_drop(dropped, "non-finite")
+            if len(good):
+                self.metrics.on_input(len(good), now)
+                self._buffer.extend(good)
+            while len(self._buffer) >= self._chunk_frames():
+                n = self._chunk_frames()
+                self._enter(_stack(self._buffer[:n]))
+                del self._buffer[:n]
+            return self._deliver()
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        """StreamSession's call for frames finished between pushes. Here frames only leave the ring
+        inside a push (each push waits for the tick it needs back), so there are none; `flush()`
+        drains the ring."""
+        return np.zeros((0, 0, 0, 3), np.uint8)
+
+    def flush(self) -> np.ndarray | torch.Tensor:
+        """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
+        with self._guard():
+            pad = 0
+            if self._buffer:
+                pad = self._chunk_frames() - len(self._buffer)
+                self._enter(_stack(self._buffer + [self._buffer[-1]] * pad))
+                self._buffer = []
+            with torch.inference_mode():
+                self.ledger.drain()
+                while any(self._inflight) or self._returned:
+                    self._send_tick(None)
+            out = self._deliver(padding=pad)
+            self._new_stream()
+            return out
+
+    def _chunk_frames(self) -> int:
+        return FIRST_CHUNK_FRAMES if self._stream_chunks == 0 else FRAMES_PER_LATENT
+
+    def _deliver(self, padding: int = 0) -> np.ndarray | torch.Tensor:
+        outs, self._outputs = self._outputs, []
+        if not outs:
+            return np.zeros((0, 0, 0, 3), np.uint8)
+        result = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else np.concatenate(outs)
+        if padding:
+            result = result[:-padding]
+        self.metrics.on_output(len(result))
+        return result
+
+    @torch.inference_mode()
+    def _enter(self, frames: np.ndarray | torch.Tensor) -> None:
+        """A new chunk: preprocess, motion noise, encode, its noise draws, then a tick of the ring."""
+        chunk_id, first = self._next_chunk, self._stream_chunks == 0
+        self._next_chunk += 1
+        self._stream_chunks += 1
+        self._chunks[chunk_id] = _Chunk(frames, first)
+        timer = self.stage.timer
+        with timer.span("preprocess"):
+            x = self.mapper.to_model(frames)
+        t0 = self.motion.first_step(self.motion.update(x, self._prev_last, frames, self._prev_last_u8))
+        self._prev_last, self._prev_last_u8 = x[-1], frames[-1]
+        with timer.span("encode"):
+            layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
+            pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
+            z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
+        if first or self.n == 1:
+            self.ledger.sequential(chunk_id, tuple(z.shape))
+        else:
+            self.ledger.batch(chunk_id, tuple(z.shape))
+        sigma0 = self._first_sigma(t0)
+        row = _Row(chunk_id, 0, self.schedule.add_noise(z, self.ledger.take(chunk_id, 0), sigma0), sigma0)
+        context, changed = self.prompt.advance()
+        if changed:
+            self._flags |= NEW_CONTEXT
+            self._context = context[None]
+        if self.prompt.transition_done:
+            self._flags |= REFRESH_SINKS
+        self._send_tick(row)
+
+    def _first_sigma(self, t0: torch.Tensor | float) -> torch.Tensor | float:
+        """As `StreamDenoiser._first_sigma`: the chunk's own first step, above the list's second."""
+        lo = self.cfg.stream.steps[1] + 1 if self.n > 1 else 1
+        hi = self.schedule.train_timesteps - 1
+        t0 = t0.clamp(lo, hi) if isinstance(t0, torch.Tensor) else min(max(t0, lo), hi)
+        return self.schedule.sigma(t0)
+
+    def _send_tick(self, new: _Row | None) -> None:
+        """Tick t: the new chunk's row plus the rows tick t-P returned, one message per run of equal length."""
+        if len(self._inflight) >= self.P:
+            self._receive(self._inflight.popleft())
+        rows = ([new] if new is not None else []) + self._returned
+        self._returned = []
+        rows.sort(key=lambda r: r.step)
+        groups: list[list[_Row]] = []
+        for r in rows:
+            if groups and groups[-1][-1].latent.shape == r.latent.shape:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        sent = [self._send_rows(g) for g in groups]
+        self._inflight.append(sent)
+        self._tick += 1
+
+    def _send_rows(self, rows: list[_Row]) -> Header:
+        latents = torch.cat([r.latent for r in rows])
+        sigmas = torch.stack([_scalar(r.sigma, latents) for r in rows])
+        noise = torch.cat([self.ledger.take(r.chunk, r.step + 1) if r.step + 1 < self.n
+                           else torch.zeros_like(r.latent) for r in rows])
+        header = Header(Kind.DATA, self._tick, rows[0].step, latents.shape[2], tuple(r.chunk for r in rows),
+                        self._flags, self._context.shape[1] if self._flags & NEW_CONTEXT else 0)
+        context = self._context.to(self.dtype) if self._flags & NEW_CONTEXT else None
+        self._flags = 0
+        self.stage.apply(header.flags, context)
+        with self.stage.timer.span("dit"):
+            tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas))
+            tokens = self.stage.run(tokens, cond, header.first_step, header.frames)
+        self.link.send_header(self.ranks.outbox, header)
+        send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
+        return header
+
+    def _receive(self, sent: list[Header], keep: bool = True) -> None:
+        """The returns of one tick from the last rank: next-step rows, and a leaving chunk's frames."""
+        for h in sent:
+            t = time.perf_counter()
+            back = self.link.recv_header(self.ranks.inbox, self.ranks.check)
+            self._wait_s += time.perf_counter() - t
+            if (back.tick, back.chunks) != (h.tick, h.chunks):
+                raise PipelineError(f"out of order: expected tick {h.tick} rows {h.chunks}, got {back.tick} "
+                                    f"rows {back.chunks}")
+            src = self.P - 1
+            latents = self.link.recv((back.rows, self.models.dit.cfg.in_channels, back.frames, *self.stage.latent_hw),
+                                     self.dtype, src, back=True)
+            for j, chunk in enumerate(back.chunks):
+                step = back.first_step + j + 1
+                if step < self.n and keep:
+                    self._returned.append(_Row(chunk, step, latents[j:j + 1], self.sigmas[step]))
+            if back.out_frames:
+                h_px, w_px = self.cfg.resolution.height, self.cfg.resolution.width
+                pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src, back=True)
+                chunk = self._chunks.pop(back.chunks[-1])
+                self._chunks_done += 1
+                if keep:
+                    with self.stage.timer.span("postprocess"):
+                        self._outputs.append(self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames))
+        self._collect_timings()
+
+    def _collect_timings(self) -> None:
+        for name, _, seconds in self.stage.timer.collect():
+            self.metrics.stage(name, seconds)
+            rec = self.stage.totals.setdefault(name, [0, 0.0])
+            rec[0] += 1
+            rec[1] += seconds
+
+    # ----------------------------------------------------------------------------- telemetry
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Stream metrics plus every rank's stage times and a split that would balance them;
+        `reset` then starts all of them afresh (after a warm-up)."""
+        with self._guard():
+            self._collect_timings()
+            self.link.send_header(self.ranks.outbox, Header(Kind.STATS, extra={"reset": reset}))
+            ranks = [self.stage.report(0, self._wait_s), *self.ranks.await_events("stats", self.P - 1)]
+        ranks.sort(key=lambda r: r["rank"])
+        snap = self.metrics.snapshot()
+        snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks,
+                     "suggested_split": suggest_split(ranks, self._chunks_done, sum(self.split)),
+                     "steps": list(self.cfg.stream.steps), "device": str(self.device),
+                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1}})
+        if reset:
+            self.metrics.reset()
+            self.stage.totals.clear()
+            self._wait_s, self._chunks_done = 0.0, 0
+        return snap
+
+
+def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
+    return torch.stack(frames) if isinstance(frames[0], torch.Tensor) else np.stack(frames)
+
+
+def _scalar(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(sigma, torch.Tensor):
+        return sigma.to(device=like.device, dtype=torch.float32).reshape(())
+    return torch.tensor(sigma, device=like.device, dtype=torch.float32)
+

@@ -1,0 +1,308 @@
+"""`loom serve`: a StreamSession behind the bridge protocol.
+
+Two ways to meet a host. Launched by a host (`--connect`): the host bound a private endpoint and
+passed a token in the environment; the engine connects, says hello, and exits when the host says
+bye, when SIGTERM arrives, when its parent process dies, or when the host falls silent. Serving
+(`--bind`): the engine waits for hosts (over tcp with CurveZMQ unless loopback); a host that leaves
+or goes silent frees the engine for the next one.
+
+Two paths per host. The main thread runs the control loop below (handshake, heartbeats, ring
+attachment, requests, stats); it keeps answering heartbeats while the session is busy, which is how
+the host tells a busy engine from a hung one. A `FrameWorker` thread owns the session and the path
+of frame notices and releases, which it polls itself: the host's shared-memory doorbell when its
+hello names one (shm and cuda-ipc, see `host_bridge.wire.doorbell`), else the frame lane socket (tcp, see
+`host_bridge.wire.frame_lane`); the control loop hands it commands through `FrameWorker.post`. The side
+that bound the control endpoint binds the lane and names it in its hello (launched: the host;
+serving: this engine, once per host).
+Malformed messages, and frame messages on the control channel, are refused and counted, never
+fatal. Rings are only attached here: the host owns and removes them, except when the host is gone,
+then the engine removes the shared memory it knew about before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine.server.frame_worker import FrameWorker
+from engine.session_api import EngineSession
+from host_bridge.wire.channel import Channel, CurveServer, EndpointError, SharedSecret, remove_private_endpoint
+from host_bridge.wire.doorbell import Doorbell, DoorbellError
+from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
+from host_bridge.wire.processes import pid_alive
+from host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
+from host_bridge.wire.rings import TransportUnavailable, attach_ring
+
+TICK_S = 0.05
+EXIT_OK = 0
+EXIT_SESSION_FAILED = 1
+EXIT_HOST_LOST = 3
+EXIT_NO_HANDSHAKE = 4
+WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
+EXIT_JOIN_S = 0.5  # exiting: do not wait longer for a busy session (the worker thread is a daemon)
+
+# To stderr (see host_bridge.wire.logs): the launching host keeps its tail for its status. When the host
+# died, the pipe it read from is gone: logging swallows that OSError.
+log = logging.getLogger(__name__)
+
+
+def offered_transports() -> list[str]:
+    from host_bridge.wire.rings.cuda import cuda_available
+
+    return [t for t in TRANSPORTS if t != "cuda-ipc" or cuda_available()[0]]
+
+
+def parent_alive(pid: int | None) -> bool:
+    """Whether the launching host still runs (POSIX: also whether we were reparented)."""
+    if pid is None:
+        return True
+    if os.name != "nt" and os.getppid() != pid:
+        return False
+    return pid_alive(pid)
+
+
+class EngineServer:
+    def __init__(self, session_factory: Callable[[], EngineSession], *, connect: str | None = None,
+                 bind: str | None = None,
+                 token: str = "", parent_pid: int | None = None, heartbeat_s: float = 0.2,
+                 host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0,
+                 curve: CurveServer | SharedSecret | None = None,
+                 stall_after: int | None = None):
+        if (connect is None) == (bind is None):
+            raise ValueError("give exactly one of connect (launched by a host) or bind (serve hosts)")
+        if bind is not None and isinstance(curve, SharedSecret):
+            token = curve.secret  # a served host proves it holds the secret in its hello too
+        self._factory = session_factory
+        self._connect, self._bind = connect, bind
+        self._token = token
+        self._parent_pid = parent_pid
+        self._heartbeat_s = heartbeat_s
+        self._host_timeout_s = host_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
+        self._curve = curve
+        self._stall_after = stall_after
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self.channel: Channel | None = None
+        self.worker: FrameWorker | None = None
+        self.refused_semantic = 0
+        self.stop_signal: int | None = None
+
+    def request_stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop serving; a signal is remembered so that `run` ends with the shell's code for it
+        (130 after Ctrl-C, 143 after SIGTERM), as `loom play` does."""
+        if isinstance(signum, int):
+            self.stop_signal = signum
+        self._stop.set()
+
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            if self._connect:
+                self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
+                                       curve=self._launch_guard())
+            else:
+                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
+                log.info("listening on %s", self.channel.endpoint)
+            code = self._serve()
+            return 128 + self.stop_signal if self.stop_signal and code == 0 else code
+        finally:
+            self._end_session(remove=False, join_s=EXIT_JOIN_S)
+            if self.channel is not None:
+                self.channel.close()
+            self._ctx.term()
+
+    def _launch_guard(self) -> SharedSecret | None:
+        """Launched on tcp: the host checks our launch token before it connects us (any local process can
+        reach 127.0.0.1); on ipc its private directory already keeps others out."""
+        return SharedSecret(self._token, server=False) if self._connect.startswith("tcp://") and self._token else None
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        if hasattr(signal, "SIGBREAK"):  # Windows: CTRL_BREAK_EVENT from the launcher
+            signal.signal(signal.SIGBREAK, self.request_stop)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _serve(self) -> int:
+        ch = self.channel
+        host_pid: int | None = None
+        started = time.monotonic()
+        last_heard = started
+        last_beat = 0.0
+        if self._connect:
+            self._send_hello()
+        while not self._stop.is_set():
+            for msg, _payload in ch.poll(TICK_S):
+                last_heard = time.monotonic()
+                try:
+                    outcome = self._on_message(msg, host_pid)
+                except Exception as exc:  # an odd message is refused and counted, never fatal
+                    ch.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                    continue
+                if outcome == EXIT_OK:
+                    return EXIT_OK
+                if outcome != "same":
+                    host_pid = outcome
+            now = time.monotonic()
+            if self.worker is not None and now - last_beat >= self._heartbeat_s:
+                last_beat = now
+                busy = self.worker.busy_since
+                ch.send(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
+            if self.worker is not None and (self.worker.error and self.worker.session is None
+                                            or not self.worker.thread.is_alive()):
+                log.error("the frame worker ended: %s", self.worker.error or "unexpectedly")
+                return EXIT_SESSION_FAILED
+            lost = self._host_lost(now, last_heard, started, host_pid)
+            if lost:
+                had_host = self.worker is not None
+                self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
+                log.warning("%s", lost)
+                if self._connect:
+                    if had_host:
+                        remove_private_endpoint(self._connect)
+                    return EXIT_HOST_LOST if had_host else EXIT_NO_HANDSHAKE
+                host_pid = None
+        self._end_session(remove=False)
+        self._say_bye("engine stopping")
+        return EXIT_OK
+
+    def _on_message(self, msg: dict[str, Any], host_pid: int | None) -> int | str | None:
+        """Act on one control message: returns EXIT_OK to exit, "same" when the host is unchanged, else
+        the new host's pid (None: no host)."""
+        ch, kind = self.channel, msg["type"]
+        if kind == "hello":
+            if msg["role"] != "host" or ((self._connect or self._token) and msg["token"] != self._token):
+                ch.refuse("hello from a peer that is not our host (wrong token or session secret)")
+                return "same"
+            if self.worker is not None:  # one host at a time: it must leave (bye or silence) first
+                ch.refuse("hello from a second host while one is attached")
+                return "same"
+            lane = self._open_lane(msg)
+            if lane is None:
+                return "same"
+            if self._bind:
+                self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
+            self._start_worker(lane)
+            return msg["pid"]
+        if self.worker is None:
+            ch.refuse(f"{kind} before hello")
+        elif kind == "bye":
+            if self._connect:
+                return EXIT_OK
+            self._end_session(remove=False)
+            return None
+        else:
+            self._dispatch(kind, msg)
+        return "same"
+
+    def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:
+        if self.worker is None:
+            if self._connect and now - started > self._handshake_timeout_s:
+                return f"no hello from the host within {self._handshake_timeout_s:.0f} s"
+            return None
+        if self._connect and not parent_alive(self._parent_pid):
+            return f"parent process {self._parent_pid} is gone"
+        if now - last_heard > self._host_timeout_s:
+            return f"host silent for {now - last_heard:.1f} s"
+        return None
+
+    def _send_hello(self, lane: str | None = None) -> None:
+        from host_bridge.wire.rings.cuda import all_uuids
+
+        self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
+                               transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine"))
+
+    def _open_lane(self, hello: dict[str, Any]) -> FrameLane | Doorbell | None:
+        """The host's doorbell when its hello names one. Else, launched: connect to the lane the hello
+        names; serving: bind a fresh one for this host."""
+        try:
+            if "doorbell" in hello:
+                return Doorbell.attach(hello["doorbell"])
+            if self._connect:
+                if "lane" not in hello:
+                    raise EndpointError("the host's hello names no frame lane (a host of an older protocol?)")
+                return FrameLane(self._ctx, lane_endpoint_for(self._connect, hello["lane"]), bind=False,
+                                 side="engine", curve=self._launch_guard())
+            return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
+                             curve=self._curve)
+        except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
+            self.channel.refuse(f"hello: no frame lane: {exc}")
+            self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]))
+            return None
+
+    def _say_bye(self, reason: str) -> None:
+        self.channel.send(make("bye", reason=reason))
+        self.channel.poll(0)
+
+    def _start_worker(self, lane: FrameLane | Doorbell) -> None:
+        self.worker = FrameWorker(self._factory, self.channel.send, lane, stall_after=self._stall_after)
+        self.worker.thread.start()
+
+    def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:
+        """Stop the worker, let go of the rings and the lane or doorbell (remove = the host is gone, delete
+        its segments). A worker still busy in a session call holds neither the rings' lock nor the lane's,
+        and finds both closed when it returns."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        if not worker.halt(join_s):
+            log.warning("the session is still busy; closing its rings and lane under it")
+        worker.close_rings(remove)
+        lane = worker.lane  # the worker holds the lane's lock only while it polls or sends
+        if remove and isinstance(lane, Doorbell):
+            lane.remove()
+        else:
+            lane.close()
+
+    def _dispatch(self, kind: str, msg: dict[str, Any]) -> None:
+        w, ch = self.worker, self.channel
+        if kind == "heartbeat":
+            return
+        if kind in LANE_MESSAGES:
+            ch.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
+        elif kind == "ring":
+            self._attach(msg)
+        elif kind in ("mode", "prompt", "params", "reset", "flush"):
+            w.post(kind, msg)  # answered by the worker, in order with the frames it has taken
+        elif kind == "stats":
+            ch.send(make("stats", id=msg.get("id"), data=self.stats()))
+        else:
+            ch.refuse(f"unexpected {kind} message from the host")
+
+    def _attach(self, msg: dict[str, Any]) -> None:
+        spec = RingSpec.from_dict(msg["spec"])
+        try:
+            ring = attach_ring(spec)
+        except (OSError, ValueError, RuntimeError, TransportUnavailable) as exc:
+            self.channel.send(make("error", id=msg.get("id"), code="ring",
+                                   message=f"cannot attach the {spec.transport} {spec.dir} ring: {exc}"[:4000]))
+            return
+        self.worker.post("ring", msg, ring)  # installed and acknowledged between two frames
+
+    def stats(self) -> dict[str, Any]:
+        w, ch = self.worker, self.channel
+        lane = w.lane if w is not None else None
+        data: dict[str, Any] = {"pid": os.getpid(), "refused": ch.refused, "last_refusal": ch.last_refusal,
+                                "dropped_messages": ch.dropped_messages, "control_received": ch.received}
+        if lane is not None:
+            data["refused"] += lane.refused
+            if lane.refused_at > ch.refused_at:
+                data["last_refusal"] = lane.last_refusal
+            data.update(dropped_messages=ch.dropped_messages + lane.dropped, lane_received=lane.received)
+        if w is not None:
+            data.update(w.counts)
+            data["lossless"] = w.lossless
+            data["error"] = w.error or ""
+            data["session"] = w.session_stats
+        return data

@@ -1,0 +1,455 @@
+"""The engine server's compute side: one thread that owns the session and moves frames.
+
+It owns the path of frame notices for as long as it runs (the host's shared-memory doorbell, or on
+tcp the frame lane socket; both are `lane` here): it polls it itself for input frame notices and
+output slot releases, and sends output notices and input releases on it, so a frame costs one
+record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached
+input ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
+every one, in order), pushes them through the session, and writes outputs into free output slots.
+A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
+paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
+the last frame of each chunk.
+
+Everything else arrives through the server's control loop as commands (rings, mode, prompt,
+parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
+flushed, error) goes back on the control channel. The session is only touched by this thread.
+Rings travel on the control channel and frame notices on the doorbell or lane, so a notice may
+arrive before the ring of its generation: it waits (bounded by the slots) until that ring is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.session_api import EngineSession
+from host_bridge.wire import pixels as formats
+from host_bridge.wire.doorbell import Doorbell
+from host_bridge.wire.frame_lane import FrameLane
+from host_bridge.wire.protocol import MAX_SLOTS, make
+from host_bridge.wire.rings import Ring, SlotTracker
+
+PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
+INTERVAL_EMA = 0.2
+WAIT_S = 0.02
+ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
+STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
+FLUSH_WAIT_S = 2.0  # a flush waits this long at most for the frame notice it names to arrive
+OUTPUT_POLL_S = 0.001  # while a GPU session still runs a chunk, look for its frames this often
+
+log = logging.getLogger(__name__)
+
+
+class FrameWorker:
+    def __init__(self, session_factory: Callable[[], EngineSession], send: Callable[..., bool],
+                 lane: FrameLane | Doorbell,
+                 stall_after: int | None = None):
+        self._factory = session_factory
+        self._send = send  # the control channel (thread-safe)
+        self.lane = lane
+        self.session: EngineSession | None = None
+        self.lock = threading.Lock()  # ring access: this thread reads/writes slots, the server closes rings
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.ring_in: Ring | None = None
+        self.ring_out: Ring | None = None
+        self.out_tracker: SlotTracker | None = None
+        self.inputs: deque[tuple[int, int, int, list[bytes]]] = deque()  # (slot, seq, gen, payload)
+        self.lossless = False
+        self.stop = False
+        self.busy_since: float | None = None
+        self.error: str | None = None
+        self._stall_after = stall_after
+        self._last_in_seq = -1
+        self._seqs: deque[int] = deque()
+        self._paced: deque[tuple[int, Any]] = deque()  # numpy arrays, or tensors from a GPU session
+        self._next_emit = 0.0
+        self._interval = 0.0
+        self._last_arrival: float | None = None
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0, new_streams=0)
+        self._error_sent = 0.0
+        self.session_stats: dict[str, Any] = {}
+        self._stats_at = 0.0
+        self._device_slots: Any = None
+        self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
+
+    # -- called by the server's control thread --------------------------------------------------------
+
+    def post(self, kind: str, msg: dict[str, Any], ring: Ring | None = None) -> None:
+        """Queue a command (ring, mode, prompt, params, reset, flush) and wake the worker's poll."""
+        self.commands.put((kind, msg, ring))
+        self.lane.wake()
+
+    def halt(self, timeout_s: float) -> bool:
+        """Ask the thread to stop, wake it, wait for it. False when it is still busy in a session call."""
+        self.stop = True
+        self.lane.wake()
+        self.thread.join(timeout=timeout_s)
+        return not self.thread.is_alive()
+
+    def close_rings(self, remove: bool) -> None:
+        """Let go of the rings, also those attached but not installed yet (remove: the host is gone)."""
+        rings = [self.ring_in, self.ring_out]
+        while True:
+            try:
+                rings.append(self.commands.get_nowait()[2])
+            except queue.Empty:
+                break
+        with self.lock:
+            for ring in rings:
+                if ring is not None:
+                    ring.remove() if remove else ring.close()
+            self.ring_in = self.ring_out = None
+
+    # -- the worker thread: frames from the lane ------------------------------------------------------
+
+    def _read_lane(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for lane messages (or a wake-up) and take them in."""
+        if not self.lane.acquire(timeout_s=max(timeout_s, WAIT_S)):
+            return
+        try:
+            messages = self.lane.receive(timeout_s)
+        finally:
+            self.lane.release()
+        for msg, payload in messages:
+            try:
+                self._take_notice(msg, payload)
+            except Exception as exc:  # an odd notice is refused and counted; the worker goes on
+                self.lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
+
+    def _take_notice(self, msg: dict[str, Any], payload: list[bytes]) -> None:
+        if msg["type"] == "frame":
+            if len(self.inputs) >= MAX_SLOTS:
+                self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
+                return
+            self._last_in_seq = max(self._last_in_seq, msg["seq"])
+            self._offer(msg["slot"], msg["seq"], msg["gen"], payload)
+        elif not self._on_release(msg["slot"], msg["gen"]):
+            self.lane.refuse(f"release of output slot {msg['slot']} that was not published")
+
+    def _offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+        """A new input frame notice."""
+        now = time.monotonic()
+        if self._last_arrival is not None:
+            dt = now - self._last_arrival
+            self._interval = dt if self._interval == 0 else (1 - INTERVAL_EMA) * self._interval + INTERVAL_EMA * dt
+        self._last_arrival = now
+        if not self.lossless:
+            while self.inputs:  # latest wins: hand the superseded slots straight back
+                old = self.inputs.popleft()
+                self._release_in(old[0], old[2], dropped=True)
+                self.counts["dropped"] += 1
+        self.inputs.append((slot, seq, gen, payload))
+
+    def _on_release(self, slot: int, gen: int) -> bool:
+        if self.ring_out is None or gen != self.ring_out.spec.generation:
+            return True  # an old generation's slot
+        return self.out_tracker.release(slot)
+
+    def _install(self, ring: Ring) -> None:
+        with self.lock:
+            if ring.spec.dir == "in":
+                if self.ring_in is not None:
+                    self.ring_in.close()
+                self.ring_in = ring
+            else:
+                if self.ring_out is not None:
+                    self.ring_out.close()
+                self.ring_out = ring
+                self.out_tracker = SlotTracker(ring.spec.slots)
+
+    # -- the worker thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._send(make("status", state="loading", message="building the session (loading weights)"))
+        try:
+            self.session = self._factory()
+        except Exception as exc:  # any failure to build is reported, then the server exits
+            self.error = f"session could not be built: {type(exc).__name__}: {exc}"
+            log.error("%s", self.error)
+            self._send(make("status", state="error", message=self.error[:4000]))
+            return
+        self._send(make("ready", info={"session": type(self.session).__name__}))
+        log.info("%s ready", type(self.session).__name__)
+        try:
+            while not self.stop:
+                self._run_commands()
+                if self.stop:  # halted, or the session failed beyond repair (then it is gone)
+                    break
+                ready = self._next_input(take=False) is not None
+                self._read_lane(0.0 if ready else self._wait_time())
+                job = self._next_input()
+                if job is not None:
+                    self._process(*job)
+                elif self.session.unfinished:
+                    self._take_outputs(self.session.poll())
+                self._emit_due()
+        except Exception as exc:  # outside any one frame (collecting a chunk, say): the server exits and
+            # the host's supervisor starts a fresh engine, rather than heartbeats hiding an engine taking no frames
+            self.error = f"the frame worker failed: {type(exc).__name__}: {exc}"
+            self._send(make("status", state="error", message=self.error[:4000]))
+            self.session = None
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                kind, msg, ring = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            rid = msg.get("id")
+            try:
+                if kind == "ring":
+                    self._install(ring)
+                elif kind == "mode":
+                    self.lossless = msg["lossless"]
+                elif kind == "prompt":
+                    self.session.set_prompt(msg["text"], msg.get("transition_chunks"))
+                elif kind == "params":
+                    self.session.set_params(**msg["params"])
+                elif kind == "reset":
+                    self.session.reset()
+                    self._seqs.clear()
+                    self._paced.clear()
+                elif kind == "flush":
+                    count = self._flush(msg.get("seq"))
+                    self._send(make("flushed", id=rid, count=count))
+                    continue
+                if rid is not None:  # nobody waits for an id-less request's answer
+                    self._send(make("ack", id=rid))
+                if kind in ("prompt", "params", "reset"):
+                    self.session_stats = self.session.stats()
+            except (ValueError, TypeError, KeyError) as exc:
+                self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
+            except Exception as exc:  # failed inside the session: answered, then a new stream
+                text = f"{type(exc).__name__}: {exc}"
+                self._send(make("error", id=rid, code=kind, message=text[:4000]))
+                log.warning("%s failed in the session, starting a new stream: %s", kind, text)
+                self._new_stream(text)
+                if self.stop:
+                    return
+
+    def _next_input(self, take: bool = True) -> tuple | None:
+        """The oldest input that can be processed now (peek with take=False). Notices of an older
+        generation are released as stale on the way; one of a newer generation waits for its rings."""
+        stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
+        while self.inputs and not stalled:
+            slot, seq, gen, payload = self.inputs[0]
+            ring, out = self.ring_in, self.ring_out
+            if ring is None or out is None or gen > ring.spec.generation or gen > out.spec.generation:
+                return None  # its rings are still on their way over the control channel
+            if gen < ring.spec.generation:
+                self.inputs.popleft()
+                self.counts["stale"] += 1
+                self._release_in(slot, gen, dropped=True)
+                continue
+            if slot >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload):
+                self.inputs.popleft()
+                self.lane.refuse(f"frame notice for slot {slot} does not fit the ring")
+                continue
+            if take:
+                self.inputs.popleft()
+            return ring, slot, seq, gen, payload
+        return None
+
+    def _wait_time(self) -> float:
+        wait = OUTPUT_POLL_S if self.session.unfinished else WAIT_S
+        if self._paced:
+            return max(0.0, min(wait, self._next_emit - time.monotonic()))
+        return wait
+
+    def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            if self.session.raw_passthrough and self._raw_copy(ring, slot, seq):
+                return
+            on_gpu = ring.on_device
+            with self.lock:
+                if ring is not self.ring_in:
+                    self.counts["stale"] += 1
+                    return
+                native = self._gpu().read(ring, slot) if on_gpu else ring.read(slot, payload)
+            self._release_in(slot, gen)
+            spec = ring.spec
+            if not on_gpu:
+                batch = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")[None]
+            elif self.session.accepts_device_frames:
+                batch = native[None]  # stays on the GPU
+            else:
+                batch = native[None].cpu().numpy()
+            outputs = self.session.push(batch)
+            self.counts["frames_in"] += 1
+            self._seqs.append(seq)
+            self._take_outputs(outputs)
+            if time.monotonic() - self._stats_at > STATS_REFRESH_S:  # not per frame: off the hot path
+                self.session_stats = self.session.stats()
+                self._stats_at = time.monotonic()
+        except Exception as exc:  # report and keep serving: one bad frame must not kill the stream
+            self.counts["errors"] += 1
+            text = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            if text != self.error or now - self._error_sent > ERROR_REPEAT_S:  # no flood at frame rate
+                self._error_sent = now
+                self._send(make("error", code="frame", message=text[:4000]))
+                log.warning("frame %d: %s", seq, text)
+            self.error = text
+            if not isinstance(exc, ValueError):  # a refused input leaves the stream as it was
+                self._new_stream(text)
+        finally:
+            self.busy_since = None
+
+    def _new_stream(self, failure: str) -> None:
+        """A failure inside the session (out of GPU memory, say) leaves its caches half updated and
+        the frames it had taken without an answer: start a new stream rather than restyle from that
+        state, or pair outputs with the wrong inputs. A session that cannot even do that is gone:
+        the server exits, and the host's supervisor starts a fresh engine."""
+        self._seqs.clear()
+        try:
+            self.session.reset()
+        except Exception as exc:
+            self.error = (f"the session failed ({failure}) and could not start a new stream: "
+                          f"{type(exc).__name__}: {exc}")
+            self._send(make("status", state="error", message=self.error[:4000]))
+            log.error("%s", self.error)
+            self.session = None
+            self.stop = True
+            return
+        self.counts["new_streams"] += 1
+
+    def _take_outputs(self, outputs: Any) -> None:
+        """Outputs come in input order, each paired with the seq of the input frame it answers."""
+        for out in outputs:
+            self._queue_output(self._seqs.popleft() if self._seqs else -1, out)
+
+    def _gpu(self) -> Any:
+        """GPU slot reader/writer (torch), created on first use: only cuda-ipc rings need it."""
+        if self._device_slots is None:
+            from engine.server.device_frames import DeviceSlots
+            self._device_slots = DeviceSlots()
+        return self._device_slots
+
+    def _raw_copy(self, ring: Ring, slot: int, seq: int) -> bool:
+        """Pass-through: slot to slot, no frame array (rings of one layout: cuda-ipc on the GPU, or shm)."""
+        out = self.ring_out
+        if not ring.copies_slots or out is None or type(out) is not type(ring) \
+                or _layout(out.spec) != _layout(ring.spec):
+            return False
+        out_slot = self._acquire_out()
+        if out_slot is None:  # stopping, or (live) no free output slot: the frame is dropped
+            self._release_in(slot, ring.spec.generation, dropped=True)
+            return True
+        with self.lock:
+            if ring is not self.ring_in or out is not self.ring_out:
+                return True
+            ring.copy_to(slot, out, out_slot)
+        self.counts["frames_in"] += 1
+        self._publish(out_slot, seq, out, [])  # first: the host is waiting for this one
+        self._release_in(slot, ring.spec.generation)
+        return True
+
+    def _queue_output(self, seq: int, frame: np.ndarray) -> None:
+        if self.lossless:
+            self._emit(seq, frame)
+            return
+        if len(self._paced) >= PACED_QUEUE_LIMIT:
+            self._paced.popleft()
+            self.counts["dropped_out"] += 1
+        self._paced.append((seq, frame))
+
+    def _emit_due(self) -> None:
+        while self._paced:
+            now = time.monotonic()
+            if now < self._next_emit and not self.lossless:
+                return
+            seq, frame = self._paced.popleft()
+            self._emit(seq, frame)
+            self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
+
+    def _flush(self, until_seq: int | None) -> int:
+        """Everything sent before the flush request goes through first, then the session's tail. The
+        request came on the control channel; `until_seq` names the last notice the host sent on the lane."""
+        deadline = time.monotonic() + FLUSH_WAIT_S
+        while until_seq is not None and self._last_in_seq < until_seq and time.monotonic() < deadline \
+                and not self.stop:
+            self._read_lane(WAIT_S)
+        while not self.stop and (job := self._next_input()) is not None:
+            self._process(*job)
+        while self._paced:
+            self._emit(*self._paced.popleft())
+        if self.session is None:  # it failed beyond repair on the way: the server is exiting
+            return 0
+        outputs = self.session.flush()
+        for out in outputs:
+            self._emit(self._seqs.popleft() if self._seqs else -1, out)
+        return len(outputs)
+
+    def _acquire_out(self) -> int | None:
+        """A free output slot; in lossless mode wait (reading the lane) for the host to release one."""
+        while not self.stop:
+            if self.out_tracker is not None:
+                slot = self.out_tracker.acquire()
+                if slot is not None:
+                    return slot
+            if not self.lossless:
+                self.counts["dropped_out"] += 1
+                return None
+            self._read_lane(WAIT_S)
+        return None
+
+    def _emit(self, seq: int, frame: np.ndarray) -> None:
+        out = self.ring_out
+        if out is None:
+            return
+        slot = self._acquire_out()
+        if slot is None:
+            return
+        on_gpu = out.on_device
+        fitted = frame if on_gpu else _fit(np.asarray(frame if isinstance(frame, np.ndarray) else frame.cpu()), out)
+        with self.lock:
+            if out is not self.ring_out:
+                return
+            try:
+                if on_gpu:
+                    self._gpu().write(out, slot, fitted)
+                    payload = []
+                else:
+                    payload = out.write(slot, fitted)
+            except Exception:
+                self.out_tracker.unacquire(slot)
+                raise
+        self._publish(slot, seq, out, payload)
+
+    def _publish(self, slot: int, seq: int, out: Ring, payload: list[Any]) -> None:
+        self.out_tracker.publish(slot)
+        self.counts["frames_out"] += 1
+        self.lane.send_frame(slot, max(seq, 0), out.spec.generation, payload)
+
+    def _release_in(self, slot: int, gen: int, dropped: bool = False) -> None:
+        self.lane.send_release(slot, gen, dropped)
+
+
+def _layout(spec: Any) -> tuple:
+    return spec.width, spec.height, spec.channels, spec.dtype, spec.order, spec.orientation, spec.pitch
+
+
+def _fit(frame: np.ndarray, ring: Ring) -> np.ndarray:
+    """An engine frame (uint8 RGB top-down) in the output ring's size and layout."""
+    spec = ring.spec
+    if frame.shape[:2] != (spec.height, spec.width):
+        import cv2
+        frame = cv2.resize(frame, (spec.width, spec.height), interpolation=cv2.INTER_AREA)
+    if spec.channels == 3 and spec.order == "RGB" and spec.dtype == "uint8" and spec.orientation == "top-down":
+        return np.ascontiguousarray(frame)
+    data = frame[:, :, ::-1] if spec.order.startswith("BGR") else frame
+    if spec.channels == 4:
+        data = np.concatenate([data, np.full(frame.shape[:2] + (1,), 255, np.uint8)], axis=2)
+    elif spec.channels == 1:
+        data = frame[:, :, :1]
+    if spec.orientation == "bottom-up":
+        data = data[::-1]
+    return np.ascontiguousarray(formats.from_uint8(np.ascontiguousarray(data), spec.dtype))

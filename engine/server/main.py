@@ -1,0 +1,129 @@
+"""`loom serve` / `python -m engine serve`: run an engine behind the bridge protocol.
+
+The launcher starts engines with `python -m engine serve`, which needs only this module: the
+engine process never imports the host adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from host_bridge.launcher import TOKEN_ENV
+from host_bridge.wire import logs
+from host_bridge.wire.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the engine for a host (TouchDesigner, ComfyUI, player) over the bridge")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--connect", metavar="ENDPOINT", help="connect to the host that launched this engine")
+    where.add_argument("--bind", metavar="ENDPOINT", help="serve hosts at this endpoint (tcp://0.0.0.0:5555 ...)")
+    # The same -c/--set as every `loom` command that runs a model (plugin.cli.common, which engine cannot import).
+    p.add_argument("-c", "--config", default="default", metavar="PRESET_OR_YAML",
+                   help="preset name (see `loom info --presets`) or YAML file (default: default, the embedded "
+                        "model that runs anywhere)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set stream.steps=[700]; repeatable")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
+    p.add_argument("--passthrough", action="store_true", help="return input frames unchanged (no model)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run synthetic streams through the session (compile, capture graphs) before saying ready")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
+    p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
+    p.add_argument("--handshake-timeout", type=float, default=20.0, help="wait this long for the host's hello")
+    p.add_argument("--curve-secret-file", help="this engine's CurveZMQ certificate (zmq.auth format)")
+    p.add_argument("--curve-authorized", metavar="DIR", help="directory of authorised host public keys")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="--bind on a loopback or ipc endpoint without CurveZMQ: the session secret hosts must hold "
+                        "(a file of mode 600, created with a random secret if missing; hosts name it as secret_file)")
+    p.add_argument("--stall-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stall after N frames
+    logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
+    p.set_defaults(func=run)
+
+
+def _session_factory(args: argparse.Namespace):
+    from engine.config import load_config, lora_override
+
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
+    config = load_config(args.config, args.overrides)  # validate now: a bad key fails before serving
+    if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
+        from engine.models.weights import missing_weights
+
+        missing = missing_weights(config)
+        if missing:
+            raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
+                            f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
+    if config.parallel.gpus > 1 and not args.passthrough:
+        raise UserError(f"parallel.gpus={config.parallel.gpus}: `loom serve` runs on one GPU so far; "
+                        "the pipeline over several GPUs is measured with `loom bench --gpus N`")
+
+    def build():
+        if args.passthrough:
+            from engine.server.passthrough import PassthroughSession
+            return PassthroughSession()
+        try:
+            from engine.graphs.compile_cache import enable_persistent_compile_cache
+            from engine.session_api import open_session
+        except ImportError as exc:
+            raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
+        enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
+        session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
+        if args.warmup:
+            session.warmup()
+        return session
+
+    return build
+
+
+def _session_secret(args: argparse.Namespace):
+    """A served engine without Curve keys takes only hosts that hold its session secret: any local
+    process could otherwise reach a loopback endpoint and drive it."""
+    from host_bridge.wire.channel import SharedSecret, is_loopback, read_secret_file
+
+    if args.secret_file and not args.bind:
+        raise UserError("--secret-file is for --bind (a launched engine gets its token from the host)")
+    if not args.bind or not is_loopback(args.bind):
+        return None  # a remote endpoint needs Curve keys: the channel says so
+    if not args.secret_file:
+        raise UserError(f"--bind {args.bind}: without CurveZMQ keys a served engine needs --secret-file FILE "
+                        "(mode 600, created if missing); hosts give the same file as secret_file")
+    return SharedSecret(read_secret_file(args.secret_file, create=True), server=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.server.core import EngineServer
+    from host_bridge.wire.channel import CurveServer, EndpointError
+
+    if bool(args.curve_secret_file) != bool(args.curve_authorized):
+        raise UserError("--curve-secret-file and --curve-authorized go together")
+    curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
+    factory = _session_factory(args)  # a bad config is named before anything about endpoints
+    try:
+        curve = curve or _session_secret(args)
+        server = EngineServer(factory, connect=args.connect, bind=args.bind,
+                              token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
+                              heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
+                              handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)
+        return server.run()
+    except EndpointError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine serve ...`: the same parser and exit codes as `loom serve`."""
+    from host_bridge.wire.typed_config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    logs.add_option(parser)
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:
+        print(f"loom serve: error: {exc}", file=sys.stderr)
+        return 2

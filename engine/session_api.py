@@ -1,0 +1,65 @@
+"""The seam between the engine server and a model family: what a streaming session must offer.
+
+The server drives any object of this shape and nothing else: it never probes a session for
+optional attributes. A model family (the causal Wan DiT in `engine.stream`, the pass-through in
+`engine.server.passthrough`, further families beside them) plugs in behind the same server,
+bridge and hosts by implementing it. Frames are uint8 [N, H, W, 3] RGB, numpy arrays, or torch
+tensors on the session's device where `accepts_device_frames` is true.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EngineSession(Protocol):
+    """A stream of frames in, restyled frames out, in order, steered by prompt and live params."""
+
+    @property
+    def accepts_device_frames(self) -> bool:
+        """True when `push` takes torch tensors on the session's device (the cuda-ipc path)."""
+
+    @property
+    def raw_passthrough(self) -> bool:
+        """True when outputs are the inputs untouched, so the server may copy ring to ring."""
+
+    @property
+    def unfinished(self) -> int:
+        """Outputs still being computed, collected by `poll` (chunks or frames: the server only asks
+        whether there are any, to decide how soon to poll)."""
+
+    def push(self, frames: Any) -> Any:
+        """Take N frames; return the finished outputs (possibly none), oldest first."""
+
+    def poll(self, wait: bool = False) -> Any:
+        """Outputs finished since the last call; with `wait`, block until the oldest is done."""
+
+    def flush(self) -> Any:
+        """End the stream: every remaining output, then a state ready for a new stream."""
+
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        """Change the prompt, blended over that many chunks; raises ValueError when refused."""
+
+    def set_params(self, **params: Any) -> None:
+        """Change live parameters (the shared schema's names); raises ValueError when refused."""
+
+    def reset(self) -> None:
+        """Start a new stream: caches, motion state and queues back to their start."""
+
+    def stats(self) -> dict[str, Any]:
+        """Telemetry for the host's status, cheap enough to call several times a second."""
+
+    def close(self) -> None:
+        """Release the session's device resources."""
+
+
+def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
+    """The session for the config's model family (`model.family`), loaded and warmed up."""
+    if cfg.model.family == "edit":
+        from engine.edit.session import EditSession
+
+        return EditSession.from_config(cfg, warmup=warmup)
+    from engine.stream.session import StreamSession
+
+    return StreamSession.from_config(cfg, warmup=warmup)

@@ -1,0 +1,542 @@
+"""StreamSession: the engine's streaming pipeline, usable in-process and behind the server.
+
+Per chunk of input frames (5 for the first chunk, then 4 per latent frame):
+preprocess to [-1, 1] at the model size -> motion-aware noise scale -> Stream-VAE encode ->
+few-step causal DiT denoising with the rolling KV cache (stream-batch or sequential) ->
+Stream-VAE decode -> frames back at the input size. One output frame per accepted input frame,
+in order.
+
+On CUDA the session runs on three streams of its own: the work that does not depend on the
+previous chunk (preprocessing, motion inputs, VAE encode), the denoise, and the decode, so the
+encode of chunk n+1, the denoise of chunk n and the decode of chunk n-1 can share the GPU (the
+DiT's 1560-token GEMMs and attention leave SMs idle that the VAE's convolutions fill); CUDA
+events order them. The caller's stream only carries its own frame conversions, so a caller that
+synchronises it (the cuda-ipc server does, before each slot read) never waits for the model.
+For the overlap to happen across pushes, a push does not wait for its own chunk: it returns the
+frames of chunks already finished, leaving at most `stream.max_unfinished_chunks` running
+(`poll()` collects them between pushes). On a CPU the same code runs in order and every push
+returns its own frames.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.cache.vae_cache import FRAMES_PER_LATENT
+from engine.config import LoomConfig
+from engine.graphs.vae_steps import VAEGraphs
+from engine.models.loading import LoadedModels, load_models
+from engine.stream.denoiser import StreamDenoiser
+from engine.stream.frames import FrameMapper, validate_frames
+from engine.stream.metrics import StreamMetrics
+from engine.stream.motion_noise import MotionNoiseController
+from engine.stream.output_queue import OutputQueue
+from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
+from engine.stream.schedule import FlowSchedule
+from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler
+from engine.stream.stage_timer import StageTimer
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
+
+# The schema's sections this family takes (another family's parameters are refused by name)
+LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
+
+
+@dataclass
+class _Chunk:
+    """A chunk on its way through the pipeline."""
+
+    frames: np.ndarray | torch.Tensor  # accepted input frames (uint8), for the crop policy's border
+    latent: torch.Tensor | None = None
+    t0: torch.Tensor | float = 0.0
+    ready: torch.cuda.Event | None = None
+    first: bool = False  # the stream's first chunk: its own shape, eager, not steady state
+    keep: int | None = None  # a padded chunk: only its first `keep` frames are real inputs
+
+
+class StreamSession:
+    """A live stream through the model. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, cfg: LoomConfig, models: LoadedModels) -> None:
+        if cfg.parallel.gpus > 1:
+            raise ValueError(f"parallel.gpus: {cfg.parallel.gpus}; a StreamSession runs on one GPU (1). The DiT "
+                             "pipeline over several GPUs is PipelineSession, run by `loom bench --gpus N`; "
+                             "`loom serve`, `play` and `eval` do not use it yet")
+        self.cfg = cfg
+        self.models = models
+        self.device, self.dtype = models.device, models.dtype
+        self.schedule = FlowSchedule(shift=cfg.stream.timestep_shift)
+        self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
+                                  self.device, self.dtype)
+        self.timer = StageTimer(self.device)
+        # Until the warm-up has compiled the steady shapes, compiling is how they get made; after
+        # it, an unseen shape (new size, rare plan) runs eagerly: a compile would stall the stream.
+        self._compile_stance = "default"
+        cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if cuda else None
+        self._denoise_stream = torch.cuda.Stream(self.device) if cuda else None
+        # low_vram runs the stages one after another: decode on the denoise stream (one memory pool for
+        # both: streams do not share cached memory) and no chunk left running, so their memory never coexists
+        self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
+        self._decode_stream = torch.cuda.Stream(self.device) if cuda and not cfg.memory.low_vram else None
+        self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
+        text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
+                                         _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
+                                         models.dit.cfg.text_len)
+        self.prompt = PromptConditioner(text_encoder, cfg.prompt.text, device=self.device, dtype=self.dtype,
+                                        transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
+        self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
+                                            cfg.noise.estimator)
+        self._lora_pending: dict[str, float] = {}
+        self._build_parts()
+        self.reset()
+
+    @classmethod
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> StreamSession:
+        """Load the models the config names (or the embedded default) and start a stream.
+
+        On a GPU the session then warms up (kernel autotuning, compilation, graph capture) on
+        synthetic frames, so the first real frame is served at steady-state speed.
+        """
+        session = cls(cfg, load_models(cfg))
+        if warmup and session.device.type == "cuda":
+            session.warmup()
+        return session
+
+    def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
+        """Run synthetic streams through every stage, then start afresh (metrics included).
+
+        The first stream runs past a RoPE refresh (or twice round the KV ring with the window
+        policy), so the step patterns of a long stream are compiled and captured here rather
+        than in the middle of a show, where each would stall one chunk.
+        """
+        st = self.cfg.stream
+        if chunks is None:
+            chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + len(st.steps) + 2
+        h, w = self.cfg.resolution.height, self.cfg.resolution.width
+        for i in range(streams):
+            n = chunks if i == 0 else min(chunks, 8)
+            frames = np.random.default_rng(i).integers(0, 256, (1 + FRAMES_PER_LATENT * n, h, w, 3), np.uint8)
+            for start in range(0, len(frames), FRAMES_PER_LATENT * 8):  # pushes of a bounded size
+                self.push(frames[start:start + FRAMES_PER_LATENT * 8])
+            self.flush()
+        self.reset()
+        self._compile_stance = "eager_on_recompile"
+        if self.cfg.memory.low_vram and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what autotuning and the warm-up left cached
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @torch.inference_mode()
+    def _build_parts(self) -> None:
+        """The stream's parts, once: later streams reset them in place (captured CUDA graphs point
+        at the caches and VAE states)."""
+        cfg = self.cfg
+        self.metrics = StreamMetrics(cfg.slo.latency_budget_ms / 1000.0)
+        ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
+        self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
+                                initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
+                                max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring),
+                                overlapped=self._overlapped)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
+        self.enc_state = self.models.encoder.new_stream_state()
+        self.dec_state = self.models.decoder.new_stream_state()
+        # low_vram: no VAE graphs, whose private memory pools would keep every step's activations
+        self._vae_graphs = VAEGraphs(cfg.stream.cuda_graphs and self.device.type == "cuda"
+                                     and not cfg.memory.low_vram)
+        self.denoiser = self._new_denoiser(self.models.dit.cross_kv(self.prompt.current()[None]))
+        self._outputs = OutputQueue(self.device, cfg.stream.max_unfinished_chunks if self._overlapped else 0)
+
+    def _new_denoiser(self, cross: Any) -> StreamDenoiser:
+        cfg = self.cfg
+        h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
+        cache = self.models.dit.new_cache(
+            len(cfg.stream.steps), frame_shape=(h, w), num_kv_cache=cfg.stream.num_kv_cache,
+            sink=cfg.stream.sink, rope_policy=cfg.stream.rope_policy, refresh_at=cfg.stream.rope_refresh_at,
+            sink_threshold=cfg.stream.sink_threshold, device=self.device, dtype=self.dtype)
+        graphs = cfg.stream.cuda_graphs and self.device.type == "cuda"
+        return StreamDenoiser(self.models.dit, cache, cross, list(cfg.stream.steps), self.schedule,
+                              self.generator, cuda_graphs=graphs)
+
+    def reset(self) -> None:
+        """Start a new stream: caches, positions, noise, metrics, plan; the prompt stays."""
+        self._new_stream()
+        self.metrics.reset()
+        self.slo.reset()
+
+    @torch.inference_mode()
+    def _new_stream(self) -> None:
+        """Every part that holds the stream's state starts afresh; metrics and the scheduler's
+        learnt stage times are the caller's to keep (a flush keeps them) or reset."""
+        cfg = self.cfg
+        if self.device.type == "cuda":  # caches are reset in place: no stream may still be using them
+            torch.cuda.synchronize(self.device)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
+        self.enc_state.reset()
+        self.dec_state.reset()
+        cross = self.models.dit.cross_kv(self.prompt.current()[None])
+        if self.denoiser.cache.batch == len(cfg.stream.steps):
+            self.denoiser.reset(list(cfg.stream.steps), cross, self.generator)
+        else:  # a step change that failed half-way left the other shape: build it for the steps asked
+            self.denoiser = self._new_denoiser(cross)
+        self.motion.reset()
+        self._outputs.clear()
+        self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._frame_shape: tuple[int, ...] | None = None  # of the frames accepted last
+        self._chunks_started = 0
+        self._prev_last: torch.Tensor | None = None
+        self._prev_last_u8: np.ndarray | torch.Tensor | None = None
+        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
+        if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.prompt.close()
+        self.motion.close()
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- controls
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        """Change the prompt without stalling: encoded in the background, blended in over chunks."""
+        self.prompt.request(check_prompt(text), transition_chunks)
+
+    def set_params(self, **params: Any) -> None:
+        """Change live parameters; unknown keys or bad values raise ValueError naming them."""
+        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
+        unknown = [k for k in params if k not in settable]
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
+        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
+        from host_bridge.wire.typed_config import build  # the same validation as the config file
+
+        new = self.cfg
+        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
+            changed = {k: params[k] for k in LIVE.section(section) if k in params}
+            if changed:
+                data = {**getattr(new, section).__dict__, **changed}
+                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
+                                                     path=section)})
+        old, self.cfg = self.cfg, new.replace(lora=lora)
+        self._lora_pending.update({e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale})
+        budget = new.slo.latency_budget_ms / 1000.0
+        self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
+        self.prompt.set_transition_chunks(new.prompt.transition_chunks)
+        self.slo.set_targets(new.slo.target_fps, budget)
+        self.metrics.set_budget(budget)
+        if new.stream.mode != old.stream.mode:
+            self.slo.allow_modes(_modes(new.stream.mode))
+        if new.stream.sink_threshold != old.stream.sink_threshold:
+            self.denoiser.set_sink_threshold(new.stream.sink_threshold)
+        if new.stream.steps != old.stream.steps:
+            self._change_steps(list(new.stream.steps))
+
+    def _lora_request(self, scales: Any) -> list:
+        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
+        if scales is None:
+            return self.cfg.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        from host_bridge.wire.typed_config import build
+
+        entries = {e.key: e for e in self.cfg.lora}
+        for name in scales:
+            if name not in entries:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
+        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
+
+    def _apply_lora(self) -> bool:
+        """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
+        if not self._lora_pending:
+            return False
+        with self.timer.span("lora", None):
+            for name, scale in self._lora_pending.items():
+                self.models.lora.set_scale(name, scale)
+        self._lora_pending.clear()
+        return True
+
+    @torch.inference_mode()
+    def _change_steps(self, steps: list[int]) -> None:
+        """New step list: the chunks in flight leave (decoded as usual), then the denoiser switches."""
+        with _on(self._denoise_stream):
+            self._emit(self.denoiser.drain())
+            self.denoiser.change_steps(steps)
+            self.slo.set_steps(len(steps))
+
+    # ----------------------------------------------------------------------------- streaming
+    @property
+    def accepts_device_frames(self) -> bool:
+        """On a GPU the session takes and returns device tensors, so the cuda-ipc server never
+        copies frames through the CPU."""
+        return self.device.type == "cuda"
+
+    @property
+    def raw_passthrough(self) -> bool:
+        """Outputs are restyled frames, never the inputs: the server always reads them."""
+        return False
+
+    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that are finished,
+        in order, as a numpy array (or, for tensor input, a tensor on the compute device). On a GPU
+        the newest chunk's frames may come from a later push or `poll()`.
+
+        Raises ValueError for input it refuses (dtype, shape), leaving the stream as it was. The
+        frame size may change between any two frames (a new output resolution in TouchDesigner,
+        say): see `_change_size`.
+        """
+        now = time.perf_counter()
+        good, dropped = validate_frames(frames)
+        if dropped:
+            self.metrics.on_drop(dropped, "non-finite")
+        if len(good) and self._frame_shape not in (None, good.shape[1:]):
+            return self._change_size(good, now)
+        if len(good):
+            self._accept(good, now)
+        out = self._process(self._full_chunks())
+        self._update_input_rate()
+        return out
+
+    def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
+        """The outputs that finished since the last call, without new input; `wait`: all of them."""
+        with torch.inference_mode():
+            return self._ready_outputs(wait)
+
+    @property
+    def unfinished(self) -> int:
+        """Chunks of output frames not yet returned."""
+        return len(self._outputs)
+
+    def flush(self) -> np.ndarray | torch.Tensor:
+        """End of stream: pad the last partial chunk, drain the pipeline, return every remaining frame.
+
+        The padded frames are processed but not returned. The next push starts a new stream.
+        """
+        chunks = self._full_chunks()
+        if self._buffer:
+            chunks.append(self._padded_chunk())
+        out = self._process(chunks, drain=True)
+        self._new_stream()  # metrics and the scheduler's learning carry over to the next stream
+        return out
+
+    def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+        """New input size: the stream goes on (the model size, caches and positions stay).
+
+        Every frame of the old size leaves first: the partial chunk padded as at the end of a
+        stream, the denoiser drained, and this call waits for all of them, so no result ever mixes
+        two sizes. That costs one stall of the chunks in flight, once per size change. The new
+        frames wait in the buffer for the next call.
+        """
+        chunks = [self._padded_chunk()] if self._buffer else []
+        out = self._process(chunks, drain=True)
+        self._accept(good, now)
+        return out
+
+    def _accept(self, good: np.ndarray | torch.Tensor, now: float) -> None:
+        self.metrics.on_input(len(good), now)
+        self._input_times.append((now, len(good)))
+        self._buffer.extend(good)
+        self._frame_shape = tuple(good.shape[1:])
+
+    def _full_chunks(self) -> list[_Chunk]:
+        chunks = []
+        while len(self._buffer) >= self._next_chunk_frames():
+            n = self._next_chunk_frames()
+            chunks.append(_Chunk(_stack(self._buffer[:n])))
+            del self._buffer[:n]
+            self._chunks_started += 1
+        return chunks
+
+    def _padded_chunk(self) -> _Chunk:
+        """The buffered frames (less than a chunk) as a whole chunk, completed with copies of the
+        last one; the copies' outputs are not returned."""
+        n = len(self._buffer)
+        frames = _stack(self._buffer + [self._buffer[-1]] * (self._next_chunk_frames() - n))
+        self._buffer = []
+        self._chunks_started += 1
+        return _Chunk(frames, keep=n)
+
+    def _next_chunk_frames(self) -> int:
+        if self._chunks_started == 0:
+            return FIRST_CHUNK_FRAMES
+        return FRAMES_PER_LATENT * self.slo.plan.chunk_latents
+
+    def _update_input_rate(self) -> None:
+        """Input frames per second over the recent pushes (frames after the first push / time)."""
+        if len(self._input_times) >= 2 and self._input_times[-1][0] > self._input_times[0][0]:
+            frames = sum(n for _, n in list(self._input_times)[1:])
+            self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
+
+    def _process(self, chunks: list[_Chunk], drain: bool = False) -> np.ndarray | torch.Tensor:
+        if self._side is not None:  # the inputs were stacked or converted on the caller's stream
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.compiler.set_stance(self._compile_stance):
+            with _on(self._denoise_stream):
+                self._run_chunks(chunks, drain)
+            return self._ready_outputs(wait=drain)  # on the caller's stream, where it will be used
+
+    def _run_chunks(self, chunks: list[_Chunk], drain: bool) -> None:
+        for c in chunks:  # side stream: everything that does not wait for the previous chunk
+            self._encode(c)
+        for c in chunks:
+            if self._side is not None:
+                torch.cuda.current_stream(self.device).wait_event(c.ready)
+            self._denoise(c)
+        if drain:
+            self._emit(self.denoiser.drain())
+
+    def _ready_outputs(self, wait: bool) -> np.ndarray | torch.Tensor:
+        outputs = self._outputs.take(wait_all=wait)
+        self._collect_timings()
+        if not outputs:
+            return np.zeros((0, 0, 0, 3), np.uint8)
+        result = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else np.concatenate(outputs)
+        self.metrics.on_output(len(result))
+        return result
+
+    def _encode(self, c: _Chunk) -> None:
+        stream = self._side
+        # The caching allocator reuses a block once its own stream is past the last use, so a tensor
+        # used on another stream is recorded there, or a later chunk could overwrite it in flight.
+        consumer = torch.cuda.current_stream(self.device) if stream is not None else None  # the denoise stream
+        if stream is not None and _on_gpu(c.frames):
+            c.frames.record_stream(stream)  # stacked on the caller's stream, read on this one
+        with _on(stream):
+            with self.timer.span("preprocess", len(c.frames)):
+                x = self.mapper.to_model(c.frames)
+            # The stream's first chunk (5 frames, eager, masked attention) says nothing about steady
+            # state, so the scheduler does not learn from it (units=None).
+            c.first = self._prev_last is None
+            prev_u8 = self._prev_last_u8
+            if prev_u8 is not None and tuple(prev_u8.shape) != tuple(c.frames.shape[1:]):
+                prev_u8 = None  # the input size changed: the optical flow has no previous frame
+            scale = self.motion.update(x, self._prev_last, c.frames, prev_u8)
+            c.t0 = self.motion.first_step(scale)
+            self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
+            with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
+                pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
+                c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
+            if stream is not None:
+                c.ready = torch.cuda.Event()
+                c.ready.record(stream)
+                for t in (c.latent, c.t0):
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(consumer)
+
+    def _denoise(self, c: _Chunk) -> None:
+        self._advance_prompt(weights_changed=self._apply_lora())
+        k = c.latent.shape[2]
+        d = self.denoiser
+        plan = self.slo.plan
+        out: list[tuple[torch.Tensor, Any]] = []
+        batch = plan.mode == "batch" and d.n > 1 and not c.first
+        busy = [r for r in d.rows if r is not None]
+        if not batch or (busy and busy[0].latent.shape != c.latent.shape):
+            out += d.drain()
+        if batch:
+            full = d.in_flight + 1 == d.n  # fill forwards run eagerly on fewer rows: not steady state
+            with self.timer.span("dit", d.n * k if full else None):
+                out += d.push_batch(c.latent, c.t0, c)
+        else:
+            with self.timer.span("dit", None if c.first else (k, d.n)):
+                out.append((d.run_sequential(c.latent, c.t0), c))
+        self._emit(out)
+        if self.cfg.stream.mode == "auto":
+            self.slo.decide()
+
+    def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> None:
+        """Decode the chunks that left the denoiser and queue their frames for the caller."""
+        stream = self._decode_stream
+        for latent, chunk in leaving:
+            if stream is not None:  # after the denoise that made `latent`, which stays alive until used there
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                latent.record_stream(stream)
+                if _on_gpu(chunk.frames):  # the letterbox border is taken from the input frames
+                    chunk.frames.record_stream(stream)
+            with _on(stream):
+                with self.timer.span("decode", None if chunk.first else latent.shape[2]):
+                    pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent,
+                                                  self.dec_state)
+                with self.timer.span("postprocess", pixels.shape[2]):
+                    frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
+                self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
+
+    def _advance_prompt(self, weights_changed: bool = False) -> None:
+        context, changed = self.prompt.advance()
+        if changed or weights_changed:  # cross-attention K/V depend on the LoRA-merged weights too
+            self.denoiser.set_context(self.models.dit.cross_kv(context[None]))
+        if self.prompt.transition_done:
+            self.denoiser.cache.refresh_sinks()
+
+    def _collect_timings(self) -> None:
+        """Feed finished stage timings to the metrics and the SLO scheduler's latency model.
+
+        units None: not steady state, metrics only. A sequential DiT span covers n forwards of
+        k frames each: the scheduler models one forward, so it learns seconds / n per k units.
+        """
+        for stage, units, seconds in self.timer.collect():
+            self.metrics.stage(stage, seconds)
+            if units is None or stage not in ("encode", "dit", "decode"):
+                continue
+            if isinstance(units, tuple):
+                k, forwards = units
+                self.slo.observe(stage, k, seconds / forwards)
+            else:
+                self.slo.observe(stage, units, seconds)
+
+    # ----------------------------------------------------------------------------- telemetry
+    def stats(self) -> dict[str, Any]:
+        """JSON-able snapshot: frames, drops, FPS, latency percentiles, jitter, stages, plan, memory."""
+        snap = self.metrics.snapshot()
+        cache = self.denoiser.cache
+        snap.update({
+            "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},
+            "steps": list(self.denoiser.steps),
+            "noise_scale": self.motion.telemetry()[0],
+            "motion": self.motion.telemetry()[1],
+            "prompt": self.prompt.text,
+            "prompt_error": self.prompt.error,
+            "prompt_blend": self.prompt.weight,
+            "prompt_style": self.prompt.match,
+            "lora_scales": self.models.lora.scales,
+            "kv_positions": cache.next_positions,
+            "kv_cache_bytes": cache.memory_bytes(),
+            "device": str(self.device),
+            "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)
+                                      if self.device.type == "cuda" else None),
+        })
+        return snap
+
+
+def _on(stream: torch.cuda.Stream | None) -> Any:
+    """Run the block on `stream` (CUDA), or in place (CPU: no streams)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _on_gpu(frames: np.ndarray | torch.Tensor) -> bool:
+    return isinstance(frames, torch.Tensor) and frames.is_cuda
+
+
+def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
+    return torch.stack(frames) if isinstance(frames[0], torch.Tensor) else np.stack(frames)
+
+
+def _modes(setting: str) -> tuple[str, ...]:
+    return ("batch", "sequential") if setting == "auto" else (setting,)
+
+
+def _encoder_device(setting: str, device: torch.device, low_vram: bool) -> str:
+    """Where the text encoder runs: umT5-XXL alone is about 11 GB in bf16, so low_vram keeps it on
+    the CPU (a prompt is encoded once per change, off the per-frame path)."""
+    if setting == "auto":
+        return "cuda" if device.type == "cuda" and not low_vram else "cpu"
+    return setting

@@ -1,0 +1,211 @@
+"""`loom bench`: the real streaming pipeline on a preset's exact shapes, and a naive baseline.
+
+Loom's number is the StreamSession itself (preprocess, VAE encode, DiT with KV cache, VAE
+decode, postprocess to uint8 on the host) fed with frames of a real or generated clip. The
+baseline runs the same model shapes the way a user would without Loom: diffusers' Wan
+transformer and VAE, eager, one full-sequence forward over a sliding window of latent frames per
+chunk (no KV cache, no stream-batch), measured in the same run so the ratio is fair.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import LoomConfig
+from engine.session_api import open_session
+from engine.tools.progress import FrameProgress
+
+FRAMES_PER_CHUNK = 4
+
+
+def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
+             lora_period_s: float = 0.0) -> dict[str, Any]:
+    """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
+    that many GPUs); metrics over the frames after warm-up. With `lora_period_s`, the first LoRA's
+    scale alternates between its configured value and half of it at that period (live changes)."""
+    t_load = time.perf_counter()
+    if cfg.parallel.gpus > 1:
+        from engine.parallel.session import PipelineSession
+
+        session = PipelineSession(cfg)
+        _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
+        if session.device.type == "cuda":
+            session.warmup()
+    else:
+        session = open_session(cfg)
+    _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
+    device = session.device
+    t_start = time.perf_counter()
+    first = session.push(frames[:5])
+    if not len(first):
+        first = session.poll(wait=True)
+    ttff = time.perf_counter() - t_start if len(first) else None
+    done = 5
+    while done < warmup:
+        session.push(frames[done:done + FRAMES_PER_CHUNK])
+        done += FRAMES_PER_CHUNK
+    session.poll(wait=True)
+    _sync(device)
+    if cfg.parallel.gpus > 1:
+        ttff = session.metrics.ttff_s  # a pipeline's first frame leaves after n*P chunks, not on the first push
+        session.stats(reset=True)  # every rank's stage times too
+    else:
+        session.metrics.reset()
+    load_peak = 0
+    if device.type == "cuda":
+        load_peak = torch.cuda.max_memory_reserved(device)  # load, compile and warm-up included
+        torch.cuda.reset_peak_memory_stats(device)
+    _progress(f"warm-up done ({warmup} frames); measuring {len(frames) - done} frames")
+    t0 = time.perf_counter()
+    period = 1.0 / input_fps if input_fps > 0 else 0.0
+    bar = FrameProgress(len(frames) - done, "loom bench")
+    changes, next_change = 0, t0 + lora_period_s
+    for i in range(done, len(frames), FRAMES_PER_CHUNK):
+        if lora_period_s and cfg.lora and time.perf_counter() >= next_change:
+            changes += 1
+            entry = cfg.lora[0]
+            session.set_params(lora_scales={entry.key: entry.scale * (0.5 if changes % 2 else 1.0)})
+            next_change += lora_period_s
+        if period:
+            due = t0 + (i - done + FRAMES_PER_CHUNK) * period
+            while time.perf_counter() < due:
+                time.sleep(min(0.0005, due - time.perf_counter()))
+        session.push(frames[i:i + FRAMES_PER_CHUNK])
+        bar.update(len(frames[i:i + FRAMES_PER_CHUNK]))
+    bar.close()
+    session.poll(wait=True)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    stats = session.stats()
+    stats["ttff_s"] = ttff
+    stats["lora_changes"] = changes
+    stats["measured_frames"] = stats["frames_out"]
+    stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
+    if device.type == "cuda":  # what the card must hold, from load to the last frame
+        stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))
+    session.close()
+    return stats
+
+
+def _progress(text: str) -> None:
+    """Milestones on stderr, so a run stopped by a time limit shows how far it got."""
+    print(f"loom bench: {text}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_baseline(cfg: LoomConfig, frames: np.ndarray, chunks: int, window: int) -> dict[str, Any]:
+    """diffusers Wan transformer + VAE, eager, a full-sequence forward over a window per chunk."""
+    try:
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from diffusers.utils import logging as diffusers_logging
+    except ImportError as exc:
+        raise RuntimeError("the baseline needs diffusers: pip install 'loom-live[bench]'") from exc
+    diffusers_logging.set_verbosity_error()  # its notices about unused config keys are not the bench's output
+    from engine.models.loading import resolve_device, resolve_dtype
+    from engine.models.wan_dit import DIT_PRESETS
+
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    d = DIT_PRESETS[cfg.model.preset]
+    with torch.device(device):
+        dit = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=d.num_heads, attention_head_dim=d.dim // d.num_heads,
+            in_channels=d.in_channels, out_channels=d.out_channels, text_dim=d.text_dim, freq_dim=d.freq_dim,
+            ffn_dim=d.ffn_dim, num_layers=d.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            eps=d.eps).to(dtype).eval()
+        vae = AutoencoderKLWan().to(dtype).eval() if cfg.vae.preset == "wan2.1" else None
+    steps = len(cfg.stream.steps)
+    h, w = cfg.resolution.height // 8, cfg.resolution.width // 8
+    context = torch.randn(1, 512, d.text_dim, device=device, dtype=dtype)
+    latents = torch.randn(1, d.in_channels, window, h, w, device=device, dtype=dtype)
+    x = torch.from_numpy(frames[:5]).to(device).permute(3, 0, 1, 2)[None].to(dtype) / 127.5 - 1
+    times = []
+    with torch.inference_mode():
+        for i in range(chunks + 2):
+            _sync(device)
+            t = time.perf_counter()
+            if vae is not None:
+                z = vae.encode(x).latent_dist.mode()
+                latents = torch.cat([latents[:, :, 1:], z[:, :, -1:]], dim=2)
+            for _ in range(steps):
+                flow = dit(latents, torch.full((1,), 500.0, device=device), context, return_dict=False)[0]
+                latents = latents - 0.1 * flow
+            if vae is not None:
+                vae.decode(latents[:, :, -2:])
+            _sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+    per_chunk = float(np.median(times))
+    return {"fps": FRAMES_PER_CHUNK / per_chunk, "chunk_ms": per_chunk * 1000, "window_latents": window,
+            "chunks": chunks}
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    loom = result["loom"]
+    lat = loom["latency_ms"]
+    rows = [
+        ("preset", result["preset"]),
+        ("resolution", result["resolution"]),
+        ("steps / mode", f"{result['steps']} / {loom['plan']['mode']} x{loom['plan']['chunk_latents']}"),
+        ("vae enc/dec", result["vae"]),
+        ("frames measured", loom["measured_frames"]),
+        ("FPS", f"{loom['fps']:.2f}"),
+        ("time to first frame", f"{loom['ttff_s']:.3f} s" if loom["ttff_s"] is not None else "-"),
+        ("latency mean/p50/p90", _ms(lat, ("mean", "p50", "p90"))),
+        ("latency p95/p99/max", _ms(lat, ("p95", "p99", "max"))),
+        ("jitter latency/interval", f"{_f(loom['latency_jitter_ms'])} / {_f(loom['interval_jitter_ms'])} ms"),
+        (f"SLO miss rate @{loom['slo_budget_ms']:.0f} ms", f"{100 * loom['slo_miss_rate']:.2f} %"),
+    ]
+    if loom["fps"] > 0:  # on a GPU the stages of neighbouring chunks share it: their spans overlap
+        rows.append(("chunk period", f"{FRAMES_PER_CHUNK * 1000 / loom['fps']:.2f} ms per {FRAMES_PER_CHUNK} "
+                                     "frames (stage spans below may overlap it)"))
+    for stage, v in loom["stages_ms"].items():
+        rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
+    for r in loom.get("ranks", []):  # the DiT pipeline over several GPUs
+        stages = ", ".join(f"{k} {v['mean']:.2f}" for k, v in r["stages_ms"].items())
+        rows.append((f"rank {r['rank']} blocks {r['blocks'][0]}-{r['blocks'][1] - 1}",
+                     f"{stages} ms/call; waited {r['wait_s']:.2f} s"))
+    if "ranks" in loom:
+        rows.append(("block split / suggested", f"{loom['split']} / {loom['suggested_split']}"))
+    if "bridge" in result and "error" in result["bridge"]:
+        rows.append(("stage bridge", f"not measured: {result['bridge']['error']}"))
+    elif "bridge" in result:
+        b = result["bridge"]
+        rows.append(("stage bridge", f"{b['mean_ms']:.2f} ms/frame (p50 {b['p50_ms']:.2f}, p99 {b['p99_ms']:.2f}; "
+                                     f"{b['transport']} round trip, pass-through engine)"))
+    if loom.get("gpu_memory_peak_bytes"):
+        rows.append(("GPU memory peak", f"{loom['gpu_memory_peak_bytes'] / 2**30:.2f} GiB"))
+    if loom.get("gpu_memory_reserved_peak_bytes"):
+        cap = result.get("memory_cap_gib")
+        rows.append(("GPU memory reserved, whole run", f"{loom['gpu_memory_reserved_peak_bytes'] / 2**30:.2f} GiB"
+                     + (f" (capped at {cap:g} GiB)" if cap else "")))
+    if "baseline" in result:
+        b = result["baseline"]
+        rows.append(("baseline (diffusers, eager)", f"{b['fps']:.2f} FPS ({b['chunk_ms']:.1f} ms/chunk)"))
+        rows.append(("Loom / baseline", f"{loom['fps'] / b['fps']:.2f}x"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _ms(lat: dict, keys: tuple[str, ...]) -> str:
+    return " / ".join(_f(lat.get(k)) for k in keys) + " ms"
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str))

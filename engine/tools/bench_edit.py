@@ -1,0 +1,87 @@
+"""`loom bench` for the edit family: the streaming session at each batch size, and the encoder alone.
+
+The session numbers come from the same streaming loop as the Wan family's (`run_loom`): FPS,
+latency percentiles, and per-stream stage times (side: preprocess, VAE encode, prompt encode;
+main: UNet, VAE decode, postprocess). The encoder is then timed apart, at batch sizes 1, 8 and
+16, to show how its cost per frame falls with the batch (the reason frames are batched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import LoomConfig
+from engine.tools.bench import _progress, run_loom
+
+ENCODER_BATCHES = (1, 8, 16)
+ENCODER_ITERS = 10
+# Published figures of the system this family follows (512x512, 1 step; docs/performance.md)
+PUBLISHED = "RTX 3090 Ti: 27.4 FPS at B=8, 29.6 FPS at B=16 (p50 about 0.5 s / 1.0 s); 4090: 54.9; 5090: 74.1"
+
+
+def run_edit(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
+             batches: tuple[int, ...]) -> dict[str, Any]:
+    """One streaming run per batch size, then the encoder's cost per frame by batch size."""
+    runs = {}
+    for b in batches:
+        _progress(f"edit family, B={b}")
+        runs[b] = run_loom(cfg.replace(edit=dataclasses.replace(cfg.edit, batch=b)), frames, warmup, input_fps)
+    return {"runs": runs, "encoder_ms_per_frame": encoder_amortisation(cfg)}
+
+
+def encoder_amortisation(cfg: LoomConfig, sizes: tuple[int, ...] = ENCODER_BATCHES) -> dict[int, dict[str, float]]:
+    """Median time of one encoder call on B frames, and per frame, for each B."""
+    from engine.edit.loading import load_edit_encoder
+    from engine.models.loading import resolve_device, resolve_dtype
+    from engine.stream.stage_timer import median_cuda_ms
+
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    encoder = load_edit_encoder(cfg, device, dtype)
+    out = {}
+    for b in sizes:
+        images = torch.rand(b, 3, cfg.resolution.height, cfg.resolution.width, device=device) * 2 - 1
+
+        def call(images: torch.Tensor = images) -> object:
+            return encoder.encode(cfg.prompt.text, images)
+
+        with torch.inference_mode():
+            ms = median_cuda_ms(call, ENCODER_ITERS) if device.type == "cuda" else _median_wall_ms(call)
+        out[b] = {"batch_ms": ms, "per_frame_ms": ms / b}
+    return out
+
+
+def _median_wall_ms(fn: Any, iters: int = 3) -> float:
+    fn()  # the first call pays for lazy initialisation
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000.0)
+    return float(np.median(times))
+
+
+def edit_summary_table(result: dict[str, Any]) -> str:
+    edit = result["edit"]
+    rows = [("preset", result["preset"]), ("resolution", result["resolution"]),
+            ("steps / hooks", f"{result['config']['edit']['steps']} / {result['config']['edit']['lllite_hooks']}")]
+    for b, run in edit["runs"].items():
+        lat = run["latency_ms"]
+        rows.append((f"B={b} FPS", f"{run['fps']:.2f}"))
+        rows.append((f"B={b} latency p50/p99", f"{_f(lat.get('p50'))} / {_f(lat.get('p99'))} ms"))
+        for stage, v in run["stages_ms"].items():
+            rows.append((f"B={b} stage {stage}", f"{v['mean']:.2f} ms/call"))
+    for b, v in edit["encoder_ms_per_frame"].items():
+        rows.append((f"encoder at B={b}", f"{v['batch_ms']:.1f} ms/call, {v['per_frame_ms']:.2f} ms/frame"))
+    rows.append(("published (other GPUs)", PUBLISHED))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"

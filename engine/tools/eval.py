@@ -1,0 +1,267 @@
+"""`loom eval`'s measuring: frames through a processor (the engine, or none), temporal quality per clip.
+
+Why here: the measuring is engine-side work on arrays; the command (plugin.cli.eval) only opens
+files and parses arguments, so frames reach this module as iterables of uint8 RGB arrays and the
+engine never imports the hosts. Every run gets a JSON report and one PNG per clip.
+
+The engine is reached through one small function, ``run_clip``; everything else here works on
+any object with ``push(frames) -> frames`` and ``flush() -> frames``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import cv2
+import numpy as np
+
+from engine.tools.progress import FrameProgress
+from engine.tools.quality import DEFAULT_WINDOW, PLOT_METRICS, QualityMeter, QualityReport, plot_reports
+
+DEFAULT_CHUNK = 4
+EVAL_REPORT_VERSION = 2
+SUMMARY_METRICS = ("warp_error", "sharpness", "flicker", "output_diff", "luma_shift", "saturation_shift")
+AS_IS_PLOT_METRICS = ("warp_error", "sharpness", "output_diff")
+# A clip of known length is cut into this many windows at least (so its plot has a line, not a point),
+# with windows of at most DEFAULT_WINDOW frames.
+MIN_WINDOWS = 8
+
+
+class EvalError(RuntimeError):
+    """The engine misbehaved in a way eval can name (lost frames) or is not available."""
+
+
+class Processor(Protocol):
+    """What eval needs from the engine: frames in, the frames that became ready out, in order."""
+
+    def push(self, frames: np.ndarray) -> np.ndarray: ...
+
+    def flush(self) -> np.ndarray: ...
+
+
+class IdentityProcessor:
+    """Output = input: the baseline every restyling pipeline is measured against."""
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        return frames
+
+    def flush(self) -> np.ndarray:
+        return np.empty((0, 0, 0, 3), np.uint8)
+
+
+@dataclass
+class EvalRun:
+    """One column of the comparison: a label and how to make a fresh processor for each clip."""
+
+    label: str
+    make_processor: Callable[[], Processor]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Clip:
+    """A clip to measure: where it comes from, how to get its frames again for every run, and how many
+    it has (None when unknown: a stream, or a container that does not say)."""
+
+    name: str
+    source: str
+    frames: Callable[[], Iterator[np.ndarray]]
+    frame_count: int | None = None
+
+
+@dataclass
+class EvalSettings:
+    """How to measure; ``window=None`` fits the window to each clip (``fit_window``)."""
+
+    flow: str = "farneback"
+    occlusion: bool = False
+    window: int | None = None
+    chunk: int = DEFAULT_CHUNK
+    progress: bool = True
+
+
+def fit_window(frame_count: int | None) -> int:
+    """Frames per window for a clip: at least MIN_WINDOWS windows, each 2..DEFAULT_WINDOW frames."""
+    if not frame_count:
+        return DEFAULT_WINDOW
+    return max(2, min(DEFAULT_WINDOW, frame_count // MIN_WINDOWS))
+
+
+def run_clip(session: Processor, frames: Iterable[np.ndarray], chunk: int = DEFAULT_CHUNK,
+             timing: dict[str, float] | None = None) -> Iterator[np.ndarray]:
+    """Push ``frames`` through ``session`` ``chunk`` at a time; yield outputs in order, then the tail.
+
+    ``timing["engine_s"]`` accumulates the time spent inside the session.
+    """
+    timing = timing if timing is not None else {}
+    timing.setdefault("engine_s", 0.0)
+
+    def timed(call: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+        start = time.perf_counter()
+        out = call(*args)
+        timing["engine_s"] += time.perf_counter() - start
+        return out
+
+    batch: list[np.ndarray] = []
+    for frame in frames:
+        batch.append(frame)
+        if len(batch) == chunk:
+            yield from timed(session.push, np.stack(batch))
+            batch = []
+    if batch:
+        yield from timed(session.push, np.stack(batch))
+    yield from timed(session.flush)
+
+
+def measure_clip(processor: Processor, frames: Iterable[np.ndarray], settings: EvalSettings,
+                 meta: dict[str, Any] | None = None, frame_count: int | None = None,
+                 label: str = "loom eval") -> QualityReport:
+    """Stream a clip through ``processor`` and measure it; memory is bounded by the engine's lag.
+
+    Output i is paired with input i. When the engine outputs another size than it was given
+    (its own resolution), the input is resized to the output's size for the flow and the
+    report's meta says so.
+    """
+    window = settings.window or fit_window(frame_count)
+    meter = QualityMeter(flow=settings.flow, occlusion=settings.occlusion, window=window)
+    progress = FrameProgress(frame_count, label, quiet=not settings.progress)
+    waiting: deque[np.ndarray] = deque()
+
+    def remember(source: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        for frame in source:
+            waiting.append(frame)
+            yield frame
+
+    timing: dict[str, float] = {}
+    resized_to: list[int] | None = None
+    for output in run_clip(processor, remember(frames), settings.chunk, timing):
+        if not waiting:
+            raise EvalError(f"the engine returned more frames than it was given ({meter.frames + 1})")
+        source = waiting.popleft()
+        output = np.asarray(output)
+        if output.ndim == 3 and source.shape != output.shape:
+            resized_to = [output.shape[1], output.shape[0]]
+            source = cv2.resize(source, tuple(resized_to), interpolation=cv2.INTER_AREA)
+        meter.update(source, output)
+        progress.update(1)
+    progress.close()
+    if waiting:
+        raise EvalError(f"the engine returned {meter.frames} frames for {meter.frames + len(waiting)} "
+                           "inputs, even after flush()")
+    meta = dict(meta or {})
+    meta["engine_seconds"] = round(timing["engine_s"], 4)
+    meta["engine_fps"] = round(meter.frames / timing["engine_s"], 2) if timing["engine_s"] > 0 else None
+    meta["input_resized_to"] = resized_to
+    return meter.report(meta)
+
+
+def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out_dir: Path,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every run on every clip; write ``report.json`` and one PNG per clip into ``out_dir``."""
+    if not runs or not clips:
+        raise ValueError("eval needs at least one run and one clip")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clip_entries = []
+    plot_names: set[str] = set()
+    for clip in clips:
+        results: dict[str, QualityReport] = {}
+        for run in runs:
+            log(f"[eval] {clip.name}: {run.label} ...")
+            results[run.label] = measure_clip(run.make_processor(), clip.frames(), settings,
+                                              meta={"clip": clip.name, "run": run.label},
+                                              frame_count=clip.frame_count, label=f"{clip.name}: {run.label}")
+        plot_name = _unique(f"{Path(clip.name).stem}.png", plot_names)
+        title = f"{clip.name}: " + " vs ".join(results)
+        try:
+            plot_reports(list(results.items()), out_dir / plot_name, title=title, metrics=_plot_metrics(runs))
+        except ImportError as exc:  # the numbers stand without the picture
+            log(f"[eval] no plot: {exc}")
+            plot_name = None
+        clip_entries.append({"clip": clip.name, "source": clip.source, "plot": plot_name,
+                             "results": {label: report.to_dict() for label, report in results.items()}})
+    report = {
+        "version": EVAL_REPORT_VERSION,
+        "tool": "loom eval",
+        "settings": {"flow": settings.flow, "occlusion": settings.occlusion, "window": settings.window or "fit",
+                     "chunk": settings.chunk},
+        "runs": [{"label": run.label, **run.info} for run in runs],
+        "clips": clip_entries,
+        "summary": _summary(runs, clip_entries),
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _plot_metrics(runs: list[EvalRun]) -> tuple[str, ...]:
+    """Files scored as they are have no input to differ from: only their own steadiness and sharpness."""
+    return PLOT_METRICS if any(run.info.get("restyled", True) for run in runs) else AS_IS_PLOT_METRICS
+
+
+def _summary(runs: list[EvalRun], clips: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per run: each total averaged over the clips, and the mean warp-error drift slope."""
+    summary = {}
+    for run in runs:
+        reports = [clip["results"][run.label] for clip in clips]
+        row: dict[str, float | None] = {}
+        for key in SUMMARY_METRICS:
+            values = [r["totals"][key] for r in reports if r["totals"][key] is not None]
+            row[key] = float(np.mean(values)) if values else None
+        slopes = [r["trend"]["warp_error"]["slope_per_1000_frames"] for r in reports]
+        slopes = [s for s in slopes if s is not None]
+        row["warp_error_slope_per_1000_frames"] = float(np.mean(slopes)) if slopes else None
+        summary[run.label] = row
+    return summary
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    stem, suffix, n = Path(name).stem, Path(name).suffix, 1
+    while name in taken:
+        n += 1
+        name = f"{stem}_{n}{suffix}"
+    taken.add(name)
+    return name
+
+
+def ping_pong(frames: Iterator[np.ndarray], count: int) -> Iterator[np.ndarray]:
+    """``count`` frames: the clip, then back and forth over it (kept in memory once) as needed."""
+    clip: list[np.ndarray] = []
+    for frame in frames:
+        if len(clip) == count:
+            return
+        clip.append(frame)
+        yield frame
+    if len(clip) < 2:
+        raise ValueError(f"a clip needs at least 2 frames to loop, got {len(clip)}")
+    cycle = clip[-2:0:-1] + clip  # backwards (ends excluded), then forwards again
+    emitted = len(clip)
+    while True:
+        for frame in cycle:
+            if emitted == count:
+                return
+            emitted += 1
+            yield frame
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The console summary: one line per clip and run."""
+    header = (f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'sharpness':>9} {'flicker':>8} "
+              f"{'drift/1k':>9}")
+    lines = [header, "-" * len(header)]
+    restyled = {run["label"]: run.get("restyled", True) for run in report["runs"]}
+    for clip in report["clips"]:
+        for label, result in clip["results"].items():
+            slope = result["trend"]["warp_error"]["slope_per_1000_frames"]
+            flicker = f"{result['totals']['flicker']:.3f}" if restyled.get(label, True) else "-"  # no input to compare
+            lines.append(f"{clip['clip'][:28]:<28} {label[:16]:<16} {result['frames']:>6} "
+                         f"{result['totals']['warp_error']:>9.3f} {result['totals']['sharpness']:>9.2f} "
+                         f"{flicker:>8} "
+                         f"{'-' if slope is None else f'{slope:+.3f}':>9}")
+    return "\n".join(lines)
+
+

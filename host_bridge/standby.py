@@ -1,0 +1,139 @@
+"""A hot standby engine: a second launched engine, loaded (and warmed) while the active one serves.
+
+Restarting a GPU engine means loading weights, compiling and capturing graphs again, which takes
+far longer than a show can stand in fallback. With `BridgeConfig.standby`, the supervisor keeps one
+more engine process ready: launched with the same settings, handshaked, loaded, and kept alive by
+heartbeats, but given no rings and no frames. When the active engine dies or hangs, the supervisor
+takes the standby (`take()`) and uses it at once: it gets the prompt, the parameters and the next
+frame like any fresh engine, and its rings on its first frame. Then a new standby is started.
+
+The standby's control messages are served here, on the supervisor's thread (`step()`); host threads
+never see a standby link. Its own failures (exit, hang, no handshake) only cost a new standby after
+a backoff, never the show.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from host_bridge.config import BridgeConfig
+from host_bridge.link import Link
+from host_bridge.link_open import LinkOpenError, open_link
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 2.0  # after a standby failed to open or died, wait this long before the next one
+
+
+class Standby:
+    """At most one standby link; the supervisor thread calls every method."""
+
+    def __init__(self, config: BridgeConfig, ctx: zmq.Context, lock: threading.RLock, link_ids: Iterator[int]):
+        self.config = config
+        self._ctx = ctx
+        self._lock = lock
+        self._link_ids = link_ids
+        self.link: Link | None = None
+        self.problem = ""  # why the last standby went away
+        self.started = 0  # standby engines launched so far
+        self._next_open = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.link is not None and self.link.ready
+
+    def describe(self) -> dict[str, Any]:
+        """For the host's stats: state (none, starting, loading, ready), its pid, why the last one went."""
+        state = "none" if self.link is None else \
+            {"hello": "starting", "loading": "loading", "running": "ready"}[self.link.phase]
+        return {"state": state, "pid": self.link.pid if self.link else None, "launched": self.started,
+                "last_problem": self.problem}
+
+    def step(self, open_new: bool) -> None:
+        """Open a standby when there is none (if `open_new` and the retry time has come), serve its
+        control messages without waiting, send heartbeats, and give it up when it exits or hangs."""
+        link = self.link
+        if link is None:
+            if open_new and time.monotonic() >= self._next_open:
+                self._open()
+            return
+        try:
+            messages = link.channel.poll(0)
+        except zmq.ZMQError as exc:
+            self._drop(f"control socket error: {exc}")
+            return
+        for msg, _payload in messages:
+            try:
+                problem = self._handle(link, msg)
+            except Exception as exc:  # an odd message is refused and counted, never fatal
+                link.channel.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                continue
+            if problem:
+                self._drop(problem)
+                return
+        problem = link.check(time.monotonic())
+        if problem:
+            self._drop(problem)
+            return
+        link.maybe_heartbeat(time.monotonic())
+
+    def take(self) -> Link | None:
+        """The ready standby link, handed over (a new standby is opened on a later `step`); else None."""
+        if not self.ready:
+            return None
+        link, self.link = self.link, None
+        link.heard()  # it was heard until now; the new owner judges it from here
+        return link
+
+    def close(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.teardown("closed", self.config.stop_timeout_s)
+
+    def _open(self) -> None:
+        try:
+            self.link = open_link(self._ctx, self.config, self._link_ids, self._lock)
+        except LinkOpenError as exc:
+            self._failed(str(exc))
+            return
+        self.started += 1
+        logger.info("standby engine launched (pid %s)", self.link.pid)
+
+    def _handle(self, link: Link, msg: dict[str, Any]) -> str | None:
+        kind = msg["type"]
+        link.heard()
+        if kind == "hello":
+            return link.on_hello(msg)
+        if kind == "ready":
+            if not link.hello_done:
+                link.channel.refuse("ready before hello")
+            else:
+                link.on_ready(msg.get("info") or {})
+                logger.info("standby engine ready (pid %s)", link.pid)
+        elif kind == "status" and msg["state"] == "error":
+            self.problem = f"standby engine error: {msg.get('message', '')}"
+        elif kind == "bye":
+            return f"standby engine said bye: {msg.get('reason', '')}"
+        elif kind not in ("heartbeat", "status", "ack", "error", "stats"):
+            link.channel.refuse(f"unexpected {kind} message from the standby engine")
+        return None
+
+    def _drop(self, reason: str) -> None:
+        """Give the standby up; stopping its process happens on a thread of its own, so the supervisor
+        goes on serving the active engine meanwhile."""
+        link, self.link = self.link, None
+        if link is not None:
+            threading.Thread(target=link.teardown, args=(reason, self.config.stop_timeout_s),
+                             name="loom-standby-teardown", daemon=True).start()
+        self._failed(reason)
+
+    def _failed(self, reason: str) -> None:
+        self.problem = reason
+        self._next_open = time.monotonic() + max(RETRY_S, self.config.restart_backoff_s)
+        logger.warning("standby engine: %s", reason)

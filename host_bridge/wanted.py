@@ -1,0 +1,66 @@
+"""What the host wants the engine to use: the newest prompt and live parameters, remembered once.
+
+The bridge is the only owner: a host calls `Bridge.set_prompt` / `set_params` whenever its user
+changes something, whether or not an engine runs. A running engine is told at once; an engine that
+starts or restarts later (a fresh process knows nothing) is told everything here exactly once, when
+it becomes ready. The bridge checks values against the live-parameter schema before they are
+remembered, so nothing unsendable is kept to fail every later engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PromptWish:
+    """A prompt and the chunks over which a running engine blends into it (None: the engine's own default)."""
+
+    text: str
+    transition_chunks: int | None = None
+
+
+@dataclass
+class Wanted:
+    """The host's prompt and parameters. Not locked itself: the bridge reads and writes it under its
+    engine lock, in the same hold as it sends, so a change and a fresh engine's catch-up never both
+    deliver one value."""
+
+    prompt: PromptWish | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def want_prompt(self, wish: PromptWish) -> Callable[[], None]:
+        """Remember a prompt (checked by the caller); returns what undoes it (the engine refused it)."""
+        before, self.prompt = self.prompt, wish
+
+        def undo() -> None:
+            self.prompt = before
+        return undo
+
+    def want_params(self, params: dict[str, Any]) -> Callable[[], None]:
+        """Remember parameters (checked by the caller, `LIVE.check`); returns what undoes them."""
+        before = copy.deepcopy(self.params)
+        for key, value in params.items():  # a mapping (LoRA scales by name) adds to what was wanted
+            old = self.params.get(key)
+            self.params[key] = {**old, **value} if isinstance(value, dict) and isinstance(old, dict) else value
+
+        def undo() -> None:
+            self.params = before
+        return undo
+
+    def for_fresh_engine(self) -> list[tuple[str, dict[str, Any]]]:
+        """The control messages (type, fields) that tell a fresh engine everything; the prompt without a
+        blend, so its first frames already have the host's style rather than the config's."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self.prompt is not None:
+            out.append(("prompt", {"text": self.prompt.text, "transition_chunks": 0}))
+        if self.params:
+            out.append(("params", {"params": dict(self.params)}))
+        return out
+
+    def snapshot(self) -> Wanted:
+        """A copy a host may keep and change without touching what the bridge remembers."""
+        return Wanted(self.prompt, copy.deepcopy(self.params))

@@ -1,0 +1,125 @@
+"""Frame format conversion between the hosts and the engine (numpy, CPU side).
+
+Three conventions meet here:
+- the engine: uint8 RGB, rows top-down, shape [H, W, 3];
+- TouchDesigner: rows bottom-up (OpenGL), uint8 4-channel textures in BGRA order, every other
+  dtype (uint16, float32) and channel count in RGBA order; float values nominally 0..1;
+- ComfyUI `IMAGE`: float32 RGB in 0..1, rows top-down, shape [B, H, W, 3].
+Each conversion is one function so the rules live in one place; the GPU variant for the CUDA
+transport (engine side, torch) follows the same rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LAYOUTS = ("rgb", "touchdesigner")
+DTYPES = (np.uint8, np.uint16, np.float32)
+DTYPE_NAMES = ("uint8", "uint16", "float32")
+UINT16_MAX = 65535
+UINT8_MAX = 255
+
+
+def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
+    """A host frame as [H, W, C] (C in 1..4) of a supported dtype, or a ValueError saying what is allowed."""
+    if not isinstance(frame, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array, got {type(frame).__name__}")
+    if frame.ndim == 2:
+        frame = frame[:, :, None]
+    if frame.ndim != 3 or frame.shape[2] not in (1, 2, 3, 4) or frame.shape[0] < 1 or frame.shape[1] < 1:
+        raise ValueError(f"{what}: shape {frame.shape} is not allowed; expected [H, W] or [H, W, C] with C in 1..4")
+    if frame.dtype not in DTYPES:
+        raise ValueError(f"{what}: dtype {frame.dtype} is not allowed; expected uint8, uint16 or float32")
+    if frame.dtype.kind == "f" and not (np.isfinite(frame.min()) and np.isfinite(frame.max())):  # NaN propagates
+        raise ValueError(f"{what}: holds NaN or infinite values; expected finite values (0..1)")
+    return frame
+
+
+def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
+    """`frame` [H, W, C] itself when neither side exceeds `max_side`, else shrunk by the smallest whole
+    factor that fits, each output pixel the mean of its block (an area filter, in the frame's dtype).
+    Done before any other conversion, so a huge input costs the host one pass and never reaches a ring."""
+    h, w = frame.shape[:2]
+    k = -(-max(h, w) // max_side)
+    if k <= 1:
+        return frame
+    oh, ow = h // k, w // k
+    if oh < 1 or ow < 1:
+        raise ValueError(f"frame: {w}x{h} cannot be shrunk to at most {max_side} px per side; the aspect is too "
+                         "extreme")
+    blocks = frame[:oh * k, :ow * k].reshape(oh, k, ow, k, frame.shape[2])
+    mean = blocks.mean(axis=(1, 3), dtype=np.float32)
+    if frame.dtype.kind == "f":
+        return mean.astype(frame.dtype)
+    return np.rint(mean).astype(frame.dtype)
+
+
+def to_uint8(values: np.ndarray) -> np.ndarray:
+    """Any supported dtype to uint8 with rounding (float: 0..1 clipped; uint16: full range)."""
+    if values.dtype == np.uint8:
+        return values
+    if values.dtype == np.uint16:
+        return ((values.astype(np.uint32) * UINT8_MAX + UINT16_MAX // 2) // UINT16_MAX).astype(np.uint8)
+    return np.rint(np.clip(values, 0.0, 1.0) * UINT8_MAX).astype(np.uint8)
+
+
+def from_uint8(values: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """uint8 to uint8/uint16/float32 (exact inverse of `to_uint8` on uint8-representable values)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.uint8:
+        return values
+    if dtype == np.uint16:
+        return values.astype(np.uint16) * np.uint16(257)
+    if dtype == np.float32:
+        return values.astype(np.float32) / np.float32(UINT8_MAX)
+    raise ValueError(f"dtype {dtype} is not allowed; expected uint8, uint16 or float32")
+
+
+def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False) -> np.ndarray:
+    """A host frame to the engine's uint8 RGB top-down [H, W, 3] (always a new contiguous array)."""
+    frame = check_frame(frame, "frame")
+    c = frame.shape[2]
+    if c in (1, 2):  # grey (+alpha)
+        rgb = np.repeat(frame[:, :, :1], 3, axis=2)
+    elif order.upper().startswith("BGR"):
+        rgb = frame[:, :, 2::-1]
+    else:
+        rgb = frame[:, :, :3]
+    if bottom_up:
+        rgb = rgb[::-1]
+    if frame.dtype != np.uint8:
+        return np.ascontiguousarray(to_uint8(rgb))  # the conversion already made a new array
+    return np.array(rgb, dtype=np.uint8, order="C")  # copy: the caller may reuse its buffer
+
+
+def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
+    """TouchDesigner's channel order: BGRA for uint8 4-channel textures, RGBA otherwise."""
+    return "BGRA" if np.dtype(dtype) == np.uint8 and channels == 4 else "RGBA"
+
+
+def from_touchdesigner(frame: np.ndarray) -> np.ndarray:
+    """A TouchDesigner TOP array (`numpyArray()`, bottom-up) to the engine's uint8 RGB top-down."""
+    frame = check_frame(frame, "TouchDesigner frame")
+    return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True)
+
+
+def to_touchdesigner(rgb: np.ndarray, dtype: np.dtype | type = np.uint8, channels: int = 4) -> np.ndarray:
+    """Engine uint8 RGB top-down to a TouchDesigner array (`copyNumpyArray`): bottom-up, TD's channel order."""
+    rgb = _engine_frame(rgb)
+    if channels not in (1, 3, 4):
+        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
+    if channels == 1:
+        data = rgb[:, :, :1]
+    else:
+        data = rgb[:, :, ::-1] if touchdesigner_order(dtype, channels) == "BGRA" else rgb
+        if channels == 4:
+            alpha = np.full(rgb.shape[:2] + (1,), UINT8_MAX, np.uint8)
+            data = np.concatenate([data, alpha], axis=2)
+    return np.ascontiguousarray(from_uint8(np.ascontiguousarray(data[::-1]), dtype))
+
+
+def _engine_frame(rgb: np.ndarray) -> np.ndarray:
+    if not isinstance(rgb, np.ndarray) or rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        got = f"{rgb.dtype} {rgb.shape}" if isinstance(rgb, np.ndarray) else type(rgb).__name__
+        raise ValueError(f"engine frame: {got}; expected uint8 [H, W, 3]")
+    return rgb

@@ -1,0 +1,249 @@
+"""The frame ring in GPU memory, shared between processes with CUDA IPC (through cuda-python).
+
+Slots are plain `cudaMalloc` buffers (never a framework's caching allocator: IPC handles refer to
+whole allocations) exported with `cudaIpcGetMemHandle`. Each slot has one interprocess event
+(`cudaEventInterprocess | cudaEventDisableTiming`): the writer records it on its stream after the
+copy into the slot and only then publishes the slot index; the reader makes its own stream wait
+on that event before it copies out, and synchronises that stream before it releases the slot.
+No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
+processes with different `CUDA_VISIBLE_DEVICES`.
+
+cuda-python is optional: importing this module without it works; creating a ring raises
+`TransportUnavailable`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from host_bridge.wire.protocol import RingSpec
+from host_bridge.wire.rings.base import Ring, TransportUnavailable, packed_pitch
+
+try:
+    from cuda.bindings import runtime as cudart
+except ImportError:  # pragma: no cover - depends on the install
+    try:
+        from cuda import cudart  # cuda-python before 12.6 named the module this way
+    except ImportError:
+        cudart = None
+
+IPC_HANDLE_BYTES = 64
+PITCH_ALIGN = 256  # row alignment of slots: coalesced copies
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether cuda-ipc can work here, and why not."""
+    if cudart is None:
+        return False, "cuda-python is not installed"
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        return False, f"no usable CUDA device ({_name(err)})"
+    return True, f"{count} device(s)"
+
+
+def _name(err: Any) -> str:
+    return getattr(err, "name", str(err))
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda-python call result `(err, *values)`; raise with the call name on error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{what} failed: {_name(err)}")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+def _require() -> None:
+    ok, why = cuda_available()
+    if not ok:
+        raise TransportUnavailable(f"cuda-ipc transport unavailable: {why}")
+
+
+def device_uuid(index: int) -> str:
+    raw = bytes(check(cudart.cudaGetDeviceProperties(index), "cudaGetDeviceProperties").uuid.bytes)[:16]
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def device_by_uuid(uuid: str) -> int:
+    count = check(cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
+    for i in range(count):
+        if device_uuid(i) == uuid:
+            return i
+    raise TransportUnavailable(f"GPU {uuid} is not visible to this process ({count} device(s) visible)")
+
+
+def pointer_device(ptr: int) -> int:
+    """The device that owns a device pointer (TouchDesigner's cudaMemory().ptr, a tensor's data_ptr())."""
+    attrs = check(cudart.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+    return int(attrs.device)
+
+
+def all_uuids() -> list[str]:
+    if cudart is None:
+        return []
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess:
+        return []
+    return [device_uuid(i) for i in range(count)]
+
+
+def _to_hex(handle: Any) -> str:
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex()
+
+
+def _from_hex(cls: Any, text: str) -> Any:
+    raw = bytes.fromhex(text)
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise ValueError(f"CUDA IPC handle of {len(raw)} bytes; expected {IPC_HANDLE_BYTES}")
+    handle = cls()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    return handle
+
+
+def _stream(stream: Any) -> Any:
+    return stream if isinstance(stream, cudart.cudaStream_t) else cudart.cudaStream_t(int(stream or 0))
+
+
+
+class CudaRing(Ring):
+    """Slots in device memory; `write_device`/`read_device` move frames from/to raw device pointers."""
+
+    on_device = True
+    copies_slots = True
+
+    def __init__(self, spec: RingSpec, device: int, ptrs: list[int], events: list[Any], owner: bool):
+        self.spec = spec
+        self.device = device
+        self.ptrs = ptrs
+        self.events = events
+        self._owner = owner
+        check(cudart.cudaSetDevice(device), "cudaSetDevice")
+        # a blocking stream on purpose: work the caller queued on the legacy default stream (torch's
+        # default, many apps') completes before our copies start, without the caller syncing
+        self.stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamDefault), "cudaStreamCreate")
+        self._closed = False
+
+    @classmethod
+    def create(cls, *, device: int = 0, **fields: Any) -> CudaRing:
+        _require()
+        check(cudart.cudaSetDevice(device), "cudaSetDevice")
+        pitch = packed_pitch(fields["width"], fields["channels"], fields["dtype"], PITCH_ALIGN)
+        size = pitch * fields["height"]
+        ptrs, events, handles, event_handles = [], [], [], []
+        flags = cudart.cudaEventInterprocess | cudart.cudaEventDisableTiming
+        try:
+            for _ in range(fields["slots"]):
+                ptr = check(cudart.cudaMalloc(size), "cudaMalloc")
+                ptrs.append(ptr)
+                handles.append(_to_hex(check(cudart.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")))
+                event = check(cudart.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+                events.append(event)
+                event_handles.append(_to_hex(check(cudart.cudaIpcGetEventHandle(event), "cudaIpcGetEventHandle")))
+        except Exception:
+            for p in ptrs:
+                cudart.cudaFree(p)
+            for e in events:
+                cudart.cudaEventDestroy(e)
+            raise
+        spec = RingSpec(pitch=pitch, handles=handles, events=event_handles, gpu_uuid=device_uuid(device), **fields)
+        return cls(spec, device, ptrs, events, owner=True)
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> CudaRing:
+        _require()
+        if spec.gpu_uuid is None or len(spec.handles) != spec.slots or len(spec.events) != spec.slots:
+            raise ValueError("cuda-ipc ring: needs a GPU UUID and one memory and one event handle per slot")
+        device = device_by_uuid(spec.gpu_uuid)
+        check(cudart.cudaSetDevice(device), "cudaSetDevice")
+        ptrs, events = [], []
+        for mem_hex, event_hex in zip(spec.handles, spec.events):
+            handle = _from_hex(cudart.cudaIpcMemHandle_t, mem_hex)
+            ptrs.append(check(cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess),
+                              "cudaIpcOpenMemHandle"))
+            ev = _from_hex(cudart.cudaIpcEventHandle_t, event_hex)
+            events.append(check(cudart.cudaIpcOpenEventHandle(ev), "cudaIpcOpenEventHandle"))
+        return cls(spec, device, ptrs, events, owner=False)
+
+    # -- device pointers (the zero-copy path) -------------------------------------------------------
+
+    def write_device(self, slot: int, src: int, src_pitch: int | None = None, *, wait_event: Any = None,
+                     sync: bool = True, stream: Any = None) -> None:
+        """Copy a frame from device memory into `slot`, then record the slot's event.
+
+        `stream`: the caller's stream the source was produced on (TouchDesigner's cudaMemory
+        stream); the copy is queued behind that work. `sync` waits for the copy before returning:
+        TouchDesigner frees or reuses its buffer after the cook, so it must have been read by then.
+        """
+        self.check_slot(slot)
+        row = self.spec.row_bytes
+        s = self.stream if stream is None else _stream(stream)
+        check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        if wait_event is not None:
+            check(cudart.cudaStreamWaitEvent(s, wait_event, 0), "cudaStreamWaitEvent")
+        check(cudart.cudaMemcpy2DAsync(self.ptrs[slot], self.spec.pitch, src, src_pitch or row, row,
+                                       self.spec.height, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s),
+              "cudaMemcpy2DAsync")
+        check(cudart.cudaEventRecord(self.events[slot], s), "cudaEventRecord")
+        if sync:
+            check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+
+    def read_device(self, slot: int, dst: int, dst_pitch: int | None = None, *, stream: Any = None) -> None:
+        """Copy `slot` into device memory after the writer's event; returns when the copy is done
+        (the slot is released right after, so it must have been read)."""
+        self.check_slot(slot)
+        row = self.spec.row_bytes
+        s = self.stream if stream is None else _stream(stream)
+        check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        check(cudart.cudaStreamWaitEvent(s, self.events[slot], 0), "cudaStreamWaitEvent")
+        check(cudart.cudaMemcpy2DAsync(dst, dst_pitch or row, self.ptrs[slot], self.spec.pitch, row, self.spec.height,
+                                       cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s), "cudaMemcpy2DAsync")
+        check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+
+    def copy_to(self, slot: int, other: CudaRing, other_slot: int) -> None:
+        """Slot to slot on the GPU (the pass-through engine): waits on this slot's event, records other's."""
+        other.write_device(other_slot, self.ptrs[slot], self.spec.pitch, wait_event=self.events[slot])
+
+    # -- host arrays (for hosts without device memory of their own, and tests) --------------------------
+
+    def write(self, slot: int, frame: np.ndarray) -> list[Any]:
+        self.check_slot(slot)
+        self.check_frame(frame)
+        frame = np.ascontiguousarray(frame)
+        row = self.spec.row_bytes
+        check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        check(cudart.cudaMemcpy2DAsync(self.ptrs[slot], self.spec.pitch, frame.ctypes.data, row, row, self.spec.height,
+                                       cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream), "cudaMemcpy2DAsync")
+        check(cudart.cudaEventRecord(self.events[slot], self.stream), "cudaEventRecord")
+        check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        return []
+
+    def read(self, slot: int, payload: list[bytes]) -> np.ndarray:
+        self.check_slot(slot)
+        out = np.empty(self.shape, self.spec.dtype)
+        row = self.spec.row_bytes
+        check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        check(cudart.cudaStreamWaitEvent(self.stream, self.events[slot], 0), "cudaStreamWaitEvent")
+        check(cudart.cudaMemcpy2DAsync(out.ctypes.data, row, self.ptrs[slot], self.spec.pitch, row, self.spec.height,
+                                       cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream), "cudaMemcpy2DAsync")
+        check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cudart.cudaSetDevice(self.device)
+        cudart.cudaStreamSynchronize(self.stream)
+        for ptr in self.ptrs:
+            if self._owner:
+                cudart.cudaFree(ptr)
+            else:
+                cudart.cudaIpcCloseMemHandle(ptr)
+        for event in self.events:
+            cudart.cudaEventDestroy(event)
+        cudart.cudaStreamDestroy(self.stream)
+        self.ptrs, self.events = [], []

@@ -1,0 +1,184 @@
+"""`loom bench`: FPS, time to first frame, latency percentiles, jitter and stage times, vs a baseline."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+import numpy as np
+
+from engine.config import LoomConfig, load_config, lora_override
+from host_bridge.wire.errors import UserError
+from plugin.cli.common import add_config_options
+from plugin.media.video_io import generate_clip, open_source
+
+CUDA_FRAMES = 3000
+CUDA_WARMUP = 41
+# The embedded model on a CPU: a few chunks, so a laptop finishes in well under a minute.
+CPU_FRAMES = 40
+CPU_WARMUP = 9
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark the streaming pipeline (random weights unless given)",
+                       description="Stream a clip through the pipeline and report FPS, time to first frame, "
+                                   "latency percentiles, jitter and stage times. Real-size presets run on random "
+                                   "weights (speed does not depend on weight values) unless checkpoints are given.")
+    add_config_options(p)
+    p.add_argument("--frames", type=int, default=None,
+                   help=f"frames to stream after warm-up (default {CUDA_FRAMES} on a GPU, {CPU_FRAMES} on a CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"frames streamed before measuring (default {CUDA_WARMUP} on a GPU, {CPU_WARMUP} on a CPU)")
+    p.add_argument("--steps", help="denoising steps, e.g. 700,500 (sets stream.steps)")
+    p.add_argument("--mode", choices=("auto", "batch", "sequential"), help="stream mode (sets stream.mode)")
+    p.add_argument("--decoder", choices=("wan", "taehv"), help="VAE decoder (sets vae.decoder)")
+    p.add_argument("--encoder", choices=("wan", "taehv"), help="VAE encoder (sets vae.encoder)")
+    p.add_argument("--width", type=int, help="frame width (sets resolution.width)")
+    p.add_argument("--height", type=int, help="frame height (sets resolution.height)")
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
+    p.add_argument("--input-fps", type=float, default=0.0, help="pace the input (0: as fast as possible)")
+    p.add_argument("--clip", help="video file to stream (default: a generated clip)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time diffusers' eager Wan transformer+VAE on the same shapes (default: on for the "
+                        "Wan presets on a GPU; the embedded model has no diffusers counterpart)")
+    p.add_argument("--baseline-chunks", type=int, default=20, help="chunks the baseline times (default 20)")
+    p.add_argument("--bridge", choices=("auto", "shm", "cuda-ipc", "none"), default="auto",
+                   help="also time the host bridge's round trip at the output size through a pass-through "
+                        "engine process (auto: cuda-ipc on a GPU, else shm)")
+    p.add_argument("--bridge-frames", type=int, default=300, help="frames of the bridge round trip (default 300)")
+    p.add_argument("--memory-cap-gib", type=float, default=0.0,
+                   help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
+                        "24 GB card suffices; use with --set memory.low_vram=true)")
+    p.add_argument("--gpus", type=int, help="split the DiT over this many GPUs (pipeline parallelism; "
+                   "sets parallel.gpus; on a CPU device: processes)")
+    p.add_argument("--batches", default="8,16",
+                   help="edit family (model.family=edit): the batch sizes B to stream at, e.g. 8,16")
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.set_defaults(func=run)
+
+
+def plan(cfg: LoomConfig, frames: int | None, baseline: bool | None, cuda: bool) -> tuple[int, bool]:
+    """Frames to stream and whether to run the baseline; a run that cannot finish or compare is refused, with why."""
+    embedded = cfg.model.preset == "tiny"
+    if not cuda and not embedded and frames is None:
+        raise UserError(f"preset {cfg.model.preset!r} at {cfg.resolution.width}x{cfg.resolution.height} on a CPU "
+                        "takes minutes per frame, so the default run would not finish; bench it on a GPU, use "
+                        "-c default (the embedded model), or give --frames N to run it anyway")
+    if baseline and embedded:
+        raise UserError("--baseline compares against diffusers' Wan2.1 at a real size; the embedded model (-c default) "
+                        "has no such counterpart: use -c wan2.1-1.3b, or leave out --baseline")
+    if baseline and not cuda:
+        raise UserError("--baseline times diffusers' Wan2.1 on a GPU; on a CPU it would not finish")
+    return frames or (CUDA_FRAMES if cuda else CPU_FRAMES), (not embedded and cuda) if baseline is None else baseline
+
+
+def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
+    """`count` frames at the model size: a real clip looped, or a generated one."""
+    w, h = cfg.resolution.width, cfg.resolution.height
+    if source:
+        with open_source(source) as src:
+            frames = [f for _, f in zip(range(count), src)]
+        import cv2
+
+        frames = [cv2.resize(f, (w, h), interpolation=cv2.INTER_AREA) for f in frames]
+    else:
+        frames = list(generate_clip(min(count, 120), (w, h), 24, seed=0))
+    reps = -(-count // len(frames))
+    return np.stack((frames * reps)[:count])
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.tools.bench import run_baseline, run_loom, summary_table, write_json
+
+    # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
+    # off the per-frame path (a prompt is encoded once, not per chunk).
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
+    overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
+    for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
+                      (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
+                      (args.width, "resolution.width"), (args.height, "resolution.height"),
+                      (args.gpus, "parallel.gpus")):
+        if flag:
+            overrides.append(f"{key}={flag}")
+    cfg = load_config(args.config, overrides)
+    cuda = torch.cuda.is_available()
+    count, baseline = plan(cfg, args.frames, args.baseline, cuda)
+    warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
+    frames = clip_frames(cfg, args.clip, warmup + count)
+    if cfg.model.family == "edit":
+        args.frames, args.warmup = count, warmup
+        return _run_edit(args, cfg, frames)
+    print(f"loom bench: {cfg.model.preset} {cfg.resolution.width}x{cfg.resolution.height} steps {cfg.stream.steps}"
+          f" -- streaming {count} frames after {warmup} warm-up", file=sys.stderr, flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "preset": cfg.model.preset,
+        "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
+        "steps": list(cfg.stream.steps),
+        "gpus": cfg.parallel.gpus,
+        "vae": f"{cfg.vae.encoder}/{cfg.vae.decoder}",
+        "config": cfg.to_dict(),
+    }
+    if args.memory_cap_gib > 0:
+        if not torch.cuda.is_available():
+            raise UserError("--memory-cap-gib needs a CUDA GPU")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+        result["memory_cap_gib"] = args.memory_cap_gib
+    result["loom"] = run_loom(cfg, frames, warmup, args.input_fps)
+    if args.memory_cap_gib > 0:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the baseline is not what is being capped
+    if args.bridge != "none":
+        from engine.tools.bridge_probe import probe
+
+        transport = args.bridge if args.bridge != "auto" else ("cuda-ipc" if torch.cuda.is_available() else "shm")
+        print(f"loom bench: bridge round trip over {transport} (pass-through engine process)", file=sys.stderr,
+              flush=True)
+        try:
+            result["bridge"] = probe(transport, cfg.resolution.width, cfg.resolution.height, frames=args.bridge_frames)
+        except Exception as exc:  # the pipeline's numbers above must not be lost to a bridge problem
+            result["bridge"] = {"transport": transport, "error": f"{type(exc).__name__}: {exc}"}
+    if baseline:
+        print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", file=sys.stderr, flush=True)
+        result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
+    print(summary_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
+def _run_edit(args: argparse.Namespace, cfg: LoomConfig, frames: np.ndarray) -> int:
+    """The edit family: a streaming run per batch size and the encoder's amortisation (no Wan baseline)."""
+    import torch
+
+    from engine.tools.bench import write_json
+    from engine.tools.bench_edit import edit_summary_table, run_edit
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise SystemExit(f"--batches: {args.batches!r} is not a list of batch sizes such as 8,16") from None
+    print(f"loom bench: edit family {cfg.edit.unet} {cfg.resolution.width}x{cfg.resolution.height} "
+          f"steps {cfg.edit.steps}, B in {batches} -- streaming {args.frames} frames after {args.warmup} warm-up",
+          flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "preset": args.config,
+        "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
+        "config": cfg.to_dict(),
+        "edit": run_edit(cfg, frames, args.warmup, args.input_fps, batches),
+    }
+    print(edit_summary_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+

@@ -1,0 +1,40 @@
+"""Options and exit codes every `loom` subcommand shares, so the same thing is spelled and ends the same way.
+
+Every subcommand that runs a model (play, serve, bench, eval) takes the same `-c/--config` and
+`--set`, with the same default preset; every one ends with the same exit code for the same event.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib import metadata
+
+DEFAULT_CONFIG = "default"
+EXIT_OK = 0
+EXIT_USAGE = 2  # bad input, output, option, config or missing weights: one line says what and what is allowed
+EXIT_ENGINE_FAILED = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def version() -> str:
+    """Loom's installed version (the `loom-live` distribution), or 'unknown' when run from a bare checkout."""
+    try:
+        return metadata.version("loom-live")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """`-c/--config` and `--set`, spelled and defaulted the same on every subcommand that runs a model."""
+    parser.add_argument("-c", "--config", default=DEFAULT_CONFIG, metavar="PRESET_OR_YAML",
+                        help=f"preset name (see `loom info --presets`) or YAML file (default: {DEFAULT_CONFIG}, "
+                             "the embedded model that runs anywhere)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set stream.steps=[700]; repeatable")
+
+
+def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    """ffmpeg's convention: an existing output file is refused unless `-y/--overwrite` is given."""
+    parser.add_argument("-y", "--overwrite", action="store_true",
+                        help="replace output files that exist (without it an existing file is refused, "
+                             "as ffmpeg does without -y)")

@@ -1,0 +1,98 @@
+"""`loom info`: what this machine offers Loom (Python, torch, GPUs, CUDA IPC, media libraries)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+from typing import Any
+
+from engine.config import list_presets
+from plugin.cli.common import version
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="show Loom's version, Python, torch, GPUs, CUDA IPC and library versions")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--presets", action="store_true", help="list the shipped configuration presets")
+    p.set_defaults(func=run)
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # a broken optional install must not break `loom info`
+        return None
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def _gpus() -> list[dict[str, Any]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "uuid": f"GPU-{p.uuid}",
+                    "memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}"})
+    return out
+
+
+def _cuda_ipc() -> tuple[bool, str]:
+    """CUDA IPC needs cuda-python's runtime bindings and a device that supports it."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return False, "cuda-python not installed"
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count == 0:
+        return False, "no CUDA device"
+    if sys.platform == "darwin":
+        return False, "not supported on macOS"
+    return True, f"{count} device(s)"
+
+
+def collect() -> dict[str, Any]:
+    import torch
+
+    ipc_ok, ipc_why = _cuda_ipc()
+    return {
+        "loom": version(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
+        "gpus": _gpus(),
+        "cuda_python": _version("cuda.bindings") or _version("cuda"),
+        "cuda_ipc": ipc_ok,
+        "cuda_ipc_detail": ipc_why,
+        "pyzmq": _version("zmq"),
+        "av": _version("av"),
+        "opencv": _version("cv2"),
+        "numpy": _version("numpy"),
+        "presets": list_presets(),
+    }
+
+
+def _table(info: dict[str, Any]) -> str:
+    rows = [(k, v) for k, v in info.items() if k not in ("gpus", "presets")]
+    for g in info["gpus"]:
+        rows.append((f"gpu {g['index']}", f"{g['name']}  {g['memory_gib']} GiB  sm_{g['capability']}  {g['uuid']}"))
+    if not info["gpus"]:
+        rows.append(("gpus", "none (the engine runs on the CPU)"))
+    rows.append(("presets", ", ".join(info["presets"])))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {'-' if v is None else v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.presets:
+        print(json.dumps(list_presets()) if args.json else "\n".join(list_presets()))
+        return 0
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else _table(info))
+    return 0

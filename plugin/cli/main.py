@@ -1,0 +1,58 @@
+"""The `loom` command: one entry point, one module per subcommand under plugin.cli.
+
+The engine's own entry point (`python -m engine serve`, what the launcher runs) is
+`engine.server.main`; `loom serve` registers that same parser here, so `engine` never imports `plugin`.
+
+Each subcommand module exposes `add_parser(subparsers)`, which registers its parser and sets
+`func` to a callable taking the parsed arguments and returning an exit code. Errors a user can
+fix (bad config, missing file) end with a one-line message and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from host_bridge.wire import logs
+from host_bridge.wire.errors import UserError
+from host_bridge.wire.typed_config import ConfigError
+from plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
+
+SUBCOMMANDS = ("info", "play", "serve", "pull", "encode-prompts", "bench", "eval", "train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
+    parser.add_argument("--version", action="version", version=f"loom {version()}",
+                        help="print Loom's version and exit")
+    logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = "engine.server.main" if name == "serve" else f"plugin.cli.{name.replace('-', '_')}"
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's own usage, not the top-level one
+        command = parser._subparsers._group_actions[0].choices.get(args.command) if args.command else None
+        (command or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    logs.configure(args.log_level)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:
+        print(f"loom {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"loom {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

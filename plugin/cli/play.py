@@ -1,0 +1,129 @@
+"""`loom play`: the Loom player (plugin.player) from the command line.
+
+This module only parses arguments and checks what needs no engine (the configuration, its weights,
+the endpoint, the transport), so those fail here with exit code 2 before an engine process is started. The player itself
+lives in `plugin.player` and is imported inside `run`: nothing in `engine` imports `plugin` at
+import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.config import load_config, lora_override
+from plugin.cli.common import add_config_options, add_overwrite_option
+from plugin.cli.preflight import check_engine_run
+
+EPILOG = """\
+inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
+          ndi://SOURCE NAME (--list-ndi lists them), or nothing for a built-in generated clip
+outputs:  -o FILE.mp4|.mkv|.mov, -o udp://HOST:PORT or srt://HOST:PORT (MPEG-TS), -o rtmp://..., -o window,
+          -o ndi://NAME, -o spout://NAME (Windows), -o syphon://NAME (macOS), -o virtualcam
+          (repeat -o for several); default: loom_out.mp4
+keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
+          1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
+OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
+          /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit
+outputs are written beside the target under a hidden temporary name and moved into place when finished:
+          a failed run leaves an existing file as it was; an existing file is refused without -y/--overwrite
+exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engine failed, 130 stopped with Ctrl-C,
+          143/129 stopped by SIGTERM/SIGHUP
+"""
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT, e.g. 256x256") from None
+    if w < 16 or h < 16 or w % 2 or h % 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be even and at least 16")
+    return w, h
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("play", help="restyle a video file, camera or stream live (the Loom player)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-i", "--input", default=None, metavar="INPUT",
+                   help="video file, camera index, stream URL or ndi://SOURCE (default: a generated clip)")
+    p.add_argument("-o", "--output", action="append", dest="outputs", metavar="OUTPUT",
+                   help="file, udp:// srt:// rtmp:// ndi:// spout:// syphon:// URL, 'virtualcam' or 'window'; "
+                        "repeatable (default: loom_out.mp4)")
+    p.add_argument("--list-ndi", action="store_true",
+                   help="list the NDI sources on the network (for -i ndi://NAME) and exit")
+    add_config_options(p)
+    add_overwrite_option(p)
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
+    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
+                   help="style prompt; repeat for a list to step through with n/b or OSC")
+    p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
+    p.add_argument("-n", "--frames", type=int, default=None, dest="max_frames", metavar="N",
+                   help="stop after N frames (the generated clip has 49 by default)")
+    p.add_argument("--size", type=_size, default=(256, 256), metavar="WxH",
+                   help="generated clip size WxH (default 256x256)")
+    p.add_argument("--fps", type=float, default=24.0, help="generated clip frame rate (default 24)")
+    p.add_argument("--mode", choices=("auto", "lossless", "live"), default="auto",
+                   help="lossless: every frame, in order (default for files); live: latest frame wins, "
+                        "input at its own rate (default for cameras and streams)")
+    p.add_argument("--loop", action="store_true", help="loop a file input (stop with q or Ctrl-C)")
+    p.add_argument("--transport", choices=("shm", "tcp", "cuda-ipc"), default="shm",
+                   help="frame transport to the engine (default shm)")
+    p.add_argument("--endpoint", default=None, metavar="URL",
+                   help="connect to a running engine instead of starting one")
+    p.add_argument("--engine-python", default=None, metavar="PATH",
+                   help="Python that runs the engine (default: this one)")
+    p.add_argument("--passthrough", action="store_true",
+                   help="engine returns its input unchanged (tests the plumbing without a model)")
+    p.add_argument("--osc-port", type=int, default=None, metavar="PORT", help="listen for OSC control on this UDP port")
+    p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the engine")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or status line")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_ndi:
+        return _list_ndi()
+    args.overrides = [*args.overrides, *lora_override(args.loras)]
+    cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
+    check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, transport=args.transport)
+    from plugin.player import PlayerOptions, read_prompt_file, run_player
+    from plugin.player.options import PlayerError
+
+    prompts = list(args.prompts)
+    if args.prompt_file:
+        try:
+            prompts += read_prompt_file(args.prompt_file)
+        except PlayerError as exc:
+            print(f"loom play: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+    options = PlayerOptions(
+        input=args.input, outputs=args.outputs or ["loom_out.mp4"], config=args.config,
+        overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
+        steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
+        lora_scales={e.key: e.scale for e in cfg.lora},
+        max_frames=args.max_frames, size=args.size, fps=args.fps, mode=args.mode, loop=args.loop,
+        transport=args.transport, endpoint=args.endpoint, engine_python=args.engine_python,
+        passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
+        startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite)
+    return run_player(options)
+
+
+def _list_ndi() -> int:
+    """Print the NDI sources seen within a few seconds, one a line; exit code 2 when NDI is missing."""
+    from plugin.media.ndi import list_sources
+    from plugin.media.video_io import MediaError
+
+    try:
+        names = list_sources()
+    except MediaError as exc:
+        print(f"loom play: error: {exc}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(name)
+    if not names:
+        print("loom play: no NDI source found (NDI finds sources by mDNS; see the README's VJ set-up for "
+              "other networks)", file=sys.stderr)
+    return 0

@@ -1,0 +1,142 @@
+"""`loom pull PRESET`: download the weights a preset needs into the Hugging Face cache.
+
+Through `huggingface_hub` (the `pull` extra): each file shows a progress bar, an interrupted
+download resumes where it stopped, every file is checked against the checksum the hub gave for it,
+and a file already cached is not fetched again. With `--offline` (or `HF_HUB_OFFLINE=1`) nothing
+is fetched: the command says what is cached and what is missing. Once pulled, the preset finds
+the files by itself (engine.models.weights); a path given with `--set` still wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from engine.config import load_config
+from engine.models.weights import PRESET_WEIGHTS, WeightSource, cached_path, hub_cache_dir
+from host_bridge.wire.errors import UserError
+
+log = logging.getLogger(__name__)
+HASH_CHUNK = 1 << 22
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="download the weights a preset needs (Hugging Face; pip install 'loom-live[pull]')",
+                       description="Fetch a preset's weights into the Hugging Face cache (HF_HUB_CACHE / HF_HOME); "
+                                   "the preset then finds them with no --set.")
+    p.add_argument("preset", metavar="PRESET",
+                   help=f"preset or YAML file whose weights to fetch ({', '.join(PRESET_WEIGHTS)})")
+    p.add_argument("--offline", action="store_true",
+                   help="fetch nothing: report what is cached and fail if anything is missing (also HF_HUB_OFFLINE=1)")
+    p.add_argument("--list", action="store_true", dest="list_only",
+                   help="list the repositories, files and licences without fetching")
+    p.set_defaults(func=run)
+
+
+def sources_for(preset: str) -> tuple[WeightSource, ...]:
+    """The weight sources of a preset name or YAML file (by its model.preset)."""
+    cfg = load_config(preset)
+    sources = PRESET_WEIGHTS.get(cfg.model.preset)
+    if not sources:
+        raise UserError(f"preset {preset!r} (model.preset {cfg.model.preset!r}) needs no download: its weights are "
+                        f"embedded; presets with weights to pull: {', '.join(PRESET_WEIGHTS)}")
+    return sources
+
+
+def run(args: argparse.Namespace) -> int:
+    sources = sources_for(args.preset)
+    if args.list_only:
+        for s in sources:
+            print(f"{s.key:<17} {s.what}: https://huggingface.co/{s.repo} {', '.join(s.files)}  [{s.licence}]")
+        return 0
+    offline = args.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        raise UserError("loom pull needs huggingface_hub: pip install 'loom-live[pull]'") from None
+    for source in sources:
+        path = _pull(source, offline)
+        print(f"{source.key} = {path}  ({source.what}, {source.licence})")
+    print(f"loom pull: {args.preset} is ready; it finds these files by itself (cache: {hub_cache_dir()})")
+    return 0
+
+
+def _pull(source: WeightSource, offline: bool) -> Path:
+    """Fetch (or, offline, find) every file of one source; returns what its config key points at."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    try:
+        for name in _repo_files(source, offline, endpoint):
+            path = _download(source.repo, name, cache, endpoint, offline)
+            if not offline:
+                _verify(Path(path), source.repo, name)
+    except LocalEntryNotFoundError:
+        if offline:
+            raise UserError(f"{source.repo}: not in the cache ({cache}) and offline mode is on "
+                            "(--offline or HF_HUB_OFFLINE=1); run `loom pull` with network access") from None
+        raise UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}); "
+                        "check the network, or set HF_ENDPOINT to a mirror") from None
+    except HfHubHTTPError as exc:
+        raise UserError(f"{source.repo}: the hub refused the download: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise UserError(f"{source.repo}: download failed: {exc}") from None
+    path = cached_path(source, cache)
+    if path is None:
+        raise UserError(f"{source.repo}: the cache ({cache}) still lacks files of {', '.join(source.files)}")
+    return path
+
+
+def _repo_files(source: WeightSource, offline: bool, endpoint: str | None) -> list[str]:
+    """The repository files a source's patterns name (a folder pattern is listed through the hub's API)."""
+    if all("*" not in f for f in source.files):
+        return list(source.files)
+    if offline:
+        snapshot = cached_path(source)
+        if snapshot is None:
+            from huggingface_hub.errors import LocalEntryNotFoundError
+
+            raise LocalEntryNotFoundError(source.repo)
+        return []
+    from huggingface_hub import HfApi
+
+    listed = HfApi(endpoint=endpoint).list_repo_files(source.repo)
+    names = [n for n in listed if any(fnmatch.fnmatch(n, pattern) for pattern in source.files)]
+    if not names:
+        raise UserError(f"{source.repo}: holds none of {', '.join(source.files)}")
+    return names
+
+
+def _download(repo: str, name: str, cache: Path, endpoint: str | None, offline: bool) -> str:
+    from huggingface_hub import hf_hub_download
+
+    # hf_hub_download keeps a partial file (.incomplete) and resumes it, and skips a file already cached.
+    return hf_hub_download(repo, name, cache_dir=cache, endpoint=endpoint, local_files_only=offline)
+
+
+def _verify(path: Path, repo: str, name: str) -> None:
+    """The cache names each file by the hub's ETag: the SHA-256 of a large (LFS) file, the git blob SHA-1 of a
+    small one. Recompute it, so a truncated or damaged download never passes for the real weights."""
+    blob = path.resolve()
+    expected = blob.name
+    if len(expected) == 64:
+        digest = hashlib.sha256()
+    elif len(expected) == 40:
+        digest = hashlib.sha1()
+        digest.update(f"blob {blob.stat().st_size}\0".encode())
+    else:
+        log.warning("%s/%s: no checksum to verify against (etag %r)", repo, name, expected)
+        return
+    with open(blob, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        blob.unlink(missing_ok=True)
+        raise UserError(f"{repo}/{name}: checksum mismatch (damaged download, removed); run `loom pull` again")
+    print(f"  {repo}/{name}: checksum ok", file=sys.stderr)

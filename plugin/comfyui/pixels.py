@@ -1,0 +1,25 @@
+"""ComfyUI's IMAGE tensors (float32 [B, H, W, 3] in 0..1, top-down RGB) to and from engine frames."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host_bridge.wire.pixels import from_uint8, to_uint8
+
+
+def from_comfy(images: np.ndarray) -> np.ndarray:
+    """ComfyUI IMAGE float [B, H, W, 3] in 0..1 to engine uint8 [B, H, W, 3]."""
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[3] not in (3, 4):
+        raise ValueError(f"ComfyUI IMAGE: shape {images.shape} is not allowed; expected [B, H, W, 3]")
+    return np.ascontiguousarray(to_uint8(images[..., :3].astype(np.float32, copy=False)))
+
+
+def to_comfy(frames: np.ndarray) -> np.ndarray:
+    """Engine uint8 [B, H, W, 3] (or one [H, W, 3]) to ComfyUI IMAGE float32 [B, H, W, 3] in 0..1."""
+    frames = np.asarray(frames)
+    if frames.ndim == 3:
+        frames = frames[None]
+    if frames.ndim != 4 or frames.shape[3] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"engine frames: {frames.dtype} {frames.shape}; expected uint8 [B, H, W, 3]")
+    return from_uint8(frames, np.float32)

@@ -1,0 +1,114 @@
+"""A stand-in for the part of cuda-python's runtime module (`cuda.bindings.runtime`) the bridge uses, on a CPU.
+
+"Device" memory is host buffers (pointers are real addresses, so 2D copies with pitch really move
+bytes), and an IPC handle carries the address, so a ring opened "in another process" works within
+this one. Enum and handle types are cuda-python's own: importing this module needs cuda-python
+installed (no GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+from cuda.bindings import runtime as cuda_bindings
+
+OK = cuda_bindings.cudaError_t.cudaSuccess
+
+
+class FakeRuntime:
+    """The subset of cuda.bindings.runtime the bridge uses, on host memory."""
+
+    cudaError_t = cuda_bindings.cudaError_t
+    cudaMemcpyKind = cuda_bindings.cudaMemcpyKind
+    cudaStream_t = cuda_bindings.cudaStream_t
+    cudaIpcMemHandle_t = cuda_bindings.cudaIpcMemHandle_t
+    cudaIpcEventHandle_t = cuda_bindings.cudaIpcEventHandle_t
+    cudaEventInterprocess = cuda_bindings.cudaEventInterprocess
+    cudaEventDisableTiming = cuda_bindings.cudaEventDisableTiming
+    cudaIpcMemLazyEnablePeerAccess = cuda_bindings.cudaIpcMemLazyEnablePeerAccess
+    cudaStreamDefault = cuda_bindings.cudaStreamDefault
+    cudaStreamNonBlocking = cuda_bindings.cudaStreamNonBlocking
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, ctypes.Array] = {}
+        self.events: dict[int, str] = {}
+        self.recorded: list[int] = []
+        self.waited: list[int] = []
+        self.freed = 0
+
+    def cudaGetDeviceCount(self):
+        return OK, 1
+
+    def cudaGetDeviceProperties(self, i):
+        return OK, SimpleNamespace(uuid=SimpleNamespace(bytes=bytes(range(16))))
+
+    def cudaSetDevice(self, i):
+        assert i == 0
+        return (OK,)
+
+    def cudaPointerGetAttributes(self, ptr):
+        return OK, SimpleNamespace(device=0)
+
+    def cudaMalloc(self, size):
+        buf = ctypes.create_string_buffer(size)
+        ptr = ctypes.addressof(buf)
+        self.buffers[ptr] = buf
+        return OK, ptr
+
+    def cudaFree(self, ptr):
+        self.buffers.pop(ptr)
+        self.freed += 1
+        return (OK,)
+
+    def cudaIpcGetMemHandle(self, ptr):
+        assert ptr in self.buffers, "IPC handles are only for cudaMalloc'ed memory"
+        h = cuda_bindings.cudaIpcMemHandle_t()
+        ctypes.memmove(h.getPtr(), ctypes.c_uint64(ptr).value.to_bytes(8, "little"), 8)
+        return OK, h
+
+    def cudaIpcOpenMemHandle(self, handle, flags):
+        return OK, int.from_bytes(ctypes.string_at(handle.getPtr(), 8), "little")
+
+    def cudaIpcCloseMemHandle(self, ptr):
+        return (OK,)
+
+    def cudaEventCreateWithFlags(self, flags):
+        assert flags == self.cudaEventInterprocess | self.cudaEventDisableTiming
+        ev = len(self.events) + 1
+        self.events[ev] = "created"
+        return OK, ev
+
+    def cudaIpcGetEventHandle(self, ev):
+        h = cuda_bindings.cudaIpcEventHandle_t()
+        ctypes.memmove(h.getPtr(), ev.to_bytes(8, "little"), 8)
+        return OK, h
+
+    def cudaIpcOpenEventHandle(self, handle):
+        return OK, int.from_bytes(ctypes.string_at(handle.getPtr(), 8), "little")
+
+    def cudaEventDestroy(self, ev):
+        return (OK,)
+
+    def cudaEventRecord(self, ev, stream):
+        self.recorded.append(ev)
+        return (OK,)
+
+    def cudaStreamWaitEvent(self, stream, ev, flags):
+        self.waited.append(ev)
+        return (OK,)
+
+    def cudaStreamCreateWithFlags(self, flags):
+        return OK, cuda_bindings.cudaStream_t(0)
+
+    def cudaStreamSynchronize(self, stream):
+        return (OK,)
+
+    def cudaStreamDestroy(self, stream):
+        return (OK,)
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        assert width <= dpitch and width <= spitch, "row wider than a pitch"
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return (OK,)

@@ -1,0 +1,80 @@
+"""Engines for tests: a real EngineServer on a thread of this process, and the polling helpers the
+multi-process tests wait with.
+
+A server in this process needs no engine process to start (a second or more on a loaded machine),
+and lets a test reach into it (its worker's counters) or hand it a fake session class.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.server.core import EngineServer
+
+
+def wait_until(ready: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll `ready()` until it is true or `timeout_s` passes; True if it became true.
+
+    Timeouts are upper bounds for a loaded machine, never the behaviour under test: a passing wait
+    returns as soon as the condition holds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            return bool(ready())
+        time.sleep(interval_s)
+    return True
+
+
+def indexed_frame(i: int, h: int = 24, w: int = 32) -> np.ndarray:
+    """An RGB uint8 frame whose content identifies its index `i`."""
+    return np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+class InProcessEngine:
+    """An EngineServer serving `session_cls` on a daemon thread; a Bridge connects with `launch=False`
+    to `endpoint`. `exit_code` holds what `run()` returned once the server has ended."""
+
+    def __init__(self, session_cls: type, bind: str = "tcp://127.0.0.1:*", heartbeat_s: float = 0.1) -> None:
+        self.server = EngineServer(session_cls, bind=bind, heartbeat_s=heartbeat_s)
+        self.exit_code: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.exit_code.append(self.server.run()), daemon=True,
+                                       name="test-engine-server")
+        self.thread.start()
+        if not wait_until(lambda: self.server.channel is not None, 10, 0.01):
+            self.stop()
+            raise AssertionError("the in-process engine server did not bind within 10 s")
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.channel.endpoint
+
+    def stop(self) -> None:
+        """Ask the server to stop and wait for its thread (it must end: a test asserts nothing lingers)."""
+        self.server.request_stop()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the in-process engine server did not stop within 10 s"
+
+    def __enter__(self) -> InProcessEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_report(bridge: Any, ready: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
+    """The engine's own report (sent about once a second, in `bridge.stats()["engine"]`) once
+    `ready(report)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = bridge.stats()["engine"]
+        if ready(report):
+            return report
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine never reported the expected state: {report}")
+        time.sleep(0.05)

@@ -1,0 +1,45 @@
+"""Tiny Wan DiTs with random weights, and diffusers' WanTransformer3DModel twin as the oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.dit_convert import to_diffusers_key
+from engine.models.wan_dit import WanDiT, WanDiTConfig
+
+CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
+
+
+def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
+    torch.manual_seed(seed)
+    model = WanDiT(cfg).eval()
+    with torch.no_grad():  # non-trivial values everywhere, norms and modulations included
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None):
+    """diffusers' Wan transformer of the same shape; with `model`, loaded with its weights."""
+    import diffusers
+
+    twin = diffusers.WanTransformer3DModel(
+        patch_size=cfg.patch_size,
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        text_dim=cfg.text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=cfg.eps,
+        image_dim=None,
+        added_kv_proj_dim=None,
+        rope_max_seq_len=1024,
+    ).eval()
+    if model is not None:
+        twin.load_state_dict({to_diffusers_key(k): v for k, v in model.state_dict().items()}, strict=True)
+    return twin

@@ -1,0 +1,64 @@
+"""`loom bench` end to end on the embedded default: the table and JSON a user reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from host_bridge.wire.errors import UserError
+from plugin.cli.main import main
+
+
+def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    # the embedded default at 64x64: the table and the JSON have the same rows at any size
+    rc = main(["bench", "--config", "tiny-random", "--width", "64", "--height", "64", "--frames", "24", "--warmup", "9",
+               "--bridge", "shm", "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    table = captured.out
+    for row in ("FPS", "time to first frame", "latency p95/p99/max", "chunk period", "stage dit", "stage bridge"):
+        assert row in table
+    assert "baseline" not in table, "the embedded model has no diffusers counterpart to compare with"
+    assert "24/24" in captured.err, "progress ends at N/N"
+    result = json.loads(out.read_text())
+    loom = result["loom"]
+    # outputs counted in the timed window: the 24 pushed frames, shifted by the chunks in flight
+    in_flight = 4 * len(result["steps"])
+    assert abs(loom["measured_frames"] - 24) <= in_flight and loom["fps"] > 0 and loom["dropped"] == 0
+    assert loom["latency_ms"]["p99"] >= loom["latency_ms"]["p50"] > 0
+    assert {"encode", "dit", "decode"} <= set(loom["stages_ms"])
+    assert result["bridge"]["transport"] == "shm" and result["bridge"]["n"] == 30
+    assert result["bridge"]["width"] == result["config"]["resolution"]["width"]
+    assert result["preset"] == "tiny", "bench defaults to the same preset as every other command"
+
+
+def test_bench_says_why_it_will_not_run_what_cannot_finish_or_compare(capsys):
+    assert main(["bench", "--baseline", "--bridge", "none"]) == 2
+    assert "no such counterpart" in capsys.readouterr().err
+    from engine.config import load_config
+    from plugin.cli.bench import CPU_FRAMES, plan
+
+    assert plan(load_config("default"), None, None, cuda=False) == (CPU_FRAMES, False)
+    assert plan(load_config("wan2.1-1.3b", ["model.random_weights=true"]), None, None, cuda=True) == (3000, True)
+    with pytest.raises(UserError, match="on a CPU"):
+        plan(load_config("wan2.1-1.3b", ["model.random_weights=true"]), None, None, cuda=False)
+
+
+def test_bench_refuses_a_bad_override(capsys):
+    assert main(["bench", "--config", "tiny-random", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
+    assert "steps" in capsys.readouterr().err
+
+
+def test_bench_edit_family_reports_each_batch_size_and_the_encoder(tmp_path, capsys):
+    out = tmp_path / "edit.json"
+    rc = main(["bench", "-c", "edit-tiny", "--frames", "12", "--warmup", "4", "--batches", "2,4",
+               "--set", "resolution.width=32", "--set", "resolution.height=32", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for row in ("B=2 FPS", "B=4 latency p50/p99", "B=4 stage main.unet", "B=2 stage side.vae_encode",
+                "encoder at B=16"):
+        assert row in table
+    data = json.loads(out.read_text())
+    assert set(data["edit"]["runs"]) == {"2", "4"} and data["edit"]["runs"]["4"]["frames_out"] > 0

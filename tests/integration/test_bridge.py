@@ -1,0 +1,417 @@
+"""Two real processes over shared memory: the Bridge in this process, `loom serve --passthrough` in another.
+
+Checks what a host relies on: exact content and order, a non-blocking frame loop through an
+engine crash or hang, restart, and nothing left behind (processes, segments, sockets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host_bridge import Bridge, BridgeConfig
+from tests.fakes.engines import indexed_frame, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+SHM = Path("/dev/shm")
+posix_only = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory under /dev/shm")
+
+
+def _config(**kw) -> BridgeConfig:
+    base = dict(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0,
+                restart_backoff_s=0.2, stop_timeout_s=1.0)
+    return BridgeConfig(**{**base, **kw})
+
+
+def _segments() -> set[str]:
+    return {p.name for p in SHM.glob("loom_*")} if SHM.is_dir() else set()
+
+
+def _gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _engine_took(bridge: Bridge, frames: int, timeout_s: float) -> bool:
+    return wait_until(lambda: bridge.stats()["engine"].get("frames_in", 0) >= frames, timeout_s)
+
+
+@posix_only
+def test_thousand_frames_round_trip_in_order_with_exact_content():
+    with Bridge(_config()) as bridge:
+        bridge.wait_running(30)
+        frames = [indexed_frame(i, 48, 64) for i in range(1000)]
+        outputs = bridge.process(frames, timeout_s=60)
+        assert len(outputs) == 1000
+        for i, (a, b) in enumerate(zip(frames, outputs)):
+            assert np.array_equal(a, b), f"frame {i} differs"
+        segment_names = set(bridge.stats()["segments"])
+        assert len(segment_names) == 3 and segment_names <= _segments()  # a ring per direction, the doorbell
+        assert bridge.stats()["lane_endpoint"].startswith("doorbell:loom_")
+        for name in segment_names:
+            assert (SHM / name).stat().st_mode & 0o777 == 0o600
+        pid = bridge.stats()["engine_pid"]
+        # live mode: every output that arrives is the exact frame submitted with that sequence number
+        sent = {}
+        last_seq = -1
+        for i in range(200):
+            f = indexed_frame(5000 + i, 48, 64)
+            bridge.submit(f)
+            sent[bridge.last_seq] = f
+            time.sleep(0.002)
+            out, status = bridge.latest()
+            if not status.fallback:
+                assert status.seq >= last_seq
+                last_seq = status.seq
+                assert status.seq < 1000 or np.array_equal(out, sent[status.seq])
+        assert last_seq >= 1000 and len(sent) == 200
+    assert _gone(pid)
+    assert not (_segments() & segment_names)
+
+
+@posix_only
+def test_a_long_stream_through_the_tiny_model_comes_back_in_order():
+    """The real embedded model behind the bridge, over a stream long enough that the KV ring wraps
+    and RoPE refreshes many times (25 latent frames; a 3-frame ring, and a refresh every 2 latent frames
+    once position 8 is reached). With the crop policy and a wider input the side bands pass through unchanged, so each
+    output carries the identity of its input."""
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "stream.rope_refresh_at=8"]
+    n = 5 + 4 * 24  # the first chunk, then 24 latent frames
+    frames = []
+    for i in range(n):
+        f = indexed_frame(i, 32, 48)
+        f[:, :8] = i % 251
+        frames.append(f)
+    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+        bridge.wait_running(120)
+        outputs = bridge.process(frames, timeout_s=600)
+    assert len(outputs) == n
+    assert all(o.shape == (32, 48, 3) for o in outputs)
+    assert [int(o[0, 0, 0]) for o in outputs] == [i % 251 for i in range(n)]
+    assert not all(np.array_equal(a[:, 8:40], b[:, 8:40]) for a, b in zip(frames[:20], outputs[:20]))
+
+
+@posix_only
+def test_frame_size_changes_through_the_tiny_model():
+    """A host that changes its resolution: lossless batches with mixed sizes come back whole and in
+    order; a live stream changed mid-chunk goes on at the new size (the engine once kept refusing
+    every frame after such a change)."""
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]"]
+    sizes = [(32, 48)] * 7 + [(40, 64)] * 6 + [(32, 48)] * 3
+    frames = []
+    for i, (h, w) in enumerate(sizes):
+        f = indexed_frame(i, h, w)
+        f[:, :4] = i * 10  # the crop policy passes the side bands through: each output's identity
+        frames.append(f)
+    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+        bridge.wait_running(120)
+        outputs = bridge.process(frames, timeout_s=120)
+        assert [o.shape for o in outputs] == [f.shape for f in frames]
+        assert [int(o[0, 0, 0]) for o in outputs] == [i * 10 for i in range(len(frames))]
+
+        for i in range(7):  # live: a first chunk of 5 frames and 2 of the next, each taken by the engine
+            bridge.submit(indexed_frame(i, 32, 48))  # (one replaced by the next, latest wins, would shift the chunks)
+            assert _engine_took(bridge, len(frames) + i + 1, 20), bridge.stats()["engine"]
+        deadline = time.monotonic() + 20
+        fresh = None
+        while fresh is None and time.monotonic() < deadline:
+            bridge.submit(indexed_frame(0, 40, 64))
+            time.sleep(0.03)
+            out, status = bridge.latest()
+            if not status.fallback and out.shape == (40, 64, 3):
+                fresh = out
+        assert fresh is not None, bridge.stats()["last_error"]
+        assert bridge.stats()["restarts"] == 0
+
+
+@posix_only
+def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goes_on(tmp_path):
+    """An engine without umT5 reads prompts from a file written by `loom encode-prompts`."""
+    from engine.stream.prompts import HashTextEncoder
+    from plugin.cli.encode_prompts import write_embeddings
+
+    path = tmp_path / "prompts.safetensors"
+    write_embeddings(HashTextEncoder(4096), ["neon city", "ink wash"], path)  # umT5-XXL width, as Wan
+    overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "prompt.encoder=file",
+                 f"prompt.path={path}", "prompt.text=neon city"]
+    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+        bridge.wait_running(120)
+        with pytest.raises(ValueError, match="no embedding for prompt 'watercolour'.*ink wash"):
+            bridge.set_prompt("watercolour", wait=True)
+        bridge.set_prompt("ink wash", wait=True)
+        outputs = bridge.process([indexed_frame(i, 32, 32) for i in range(9)], timeout_s=60)
+        assert len(outputs) == 9 and bridge.status().state == "running"
+
+
+@posix_only
+def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
+    period = 1 / 30
+    bridge = Bridge(_config())
+    bridge.set_prompt("ink wash, loose brush")  # before start: remembered, given to every engine
+    bridge.set_params(noise_scale=0.5)
+    bridge.start()
+    try:
+        bridge.wait_running(30)
+        first_pid = bridge.stats()["engine_pid"]
+        i = 0
+        while bridge.status().frames_out < 10:
+            bridge.submit(indexed_frame(i, 48, 64))
+            i += 1
+            time.sleep(period)
+        first_segments = set(bridge.stats()["segments"])
+        assert first_segments and first_segments <= _segments()
+        os.kill(first_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        worst = 0.0
+        saw_fallback = saw_down = False
+        recovered_at = None
+        while time.monotonic() - killed_at < 15:
+            f = indexed_frame(i, 48, 64)
+            t0 = time.monotonic()
+            bridge.submit(f)
+            out, status = bridge.latest()
+            worst = max(worst, time.monotonic() - t0)
+            if status.state != "running":
+                saw_down = True
+                assert status.fallback and np.array_equal(out, f)  # pass-through fallback: the frame just given
+                saw_fallback = True
+            elif saw_down and not status.fallback and status.seq > i - 30:
+                recovered_at = time.monotonic()
+                break
+            i += 1
+            time.sleep(period)
+        assert saw_fallback and recovered_at is not None, bridge.status()
+        assert recovered_at - killed_at < 10
+        # a call held by the restart would wait for the engine's stop and start (a second or more)
+        assert worst < 0.5, f"a host call blocked {worst * 1000:.1f} ms"
+        assert bridge.status().restarts == 1
+        assert _gone(first_pid)
+        assert not (_segments() & first_segments), "the dead engine's segments were not removed"
+        second_pid = bridge.stats()["engine_pid"]
+        second_segments = set(bridge.stats()["segments"])
+        assert second_pid != first_pid and second_segments
+        deadline = time.monotonic() + 5  # the prompt reaches the worker thread, then a stats poll reports it
+        while (bridge.stats()["engine"].get("pid") != second_pid or "prompt" not in
+               bridge.stats()["engine"].get("session", {})) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        session = bridge.stats()["engine"]["session"]
+        assert session["prompt"] == "ink wash, loose brush" and session["params"] == {"noise_scale": 0.5}
+    finally:
+        bridge.close()
+    assert _gone(second_pid)
+    assert not (_segments() & second_segments)
+
+
+def _engine_session(bridge: Bridge, pid: int, ready, timeout_s: float = 10.0) -> dict:
+    """The session report of engine `pid` once `ready(report)` holds (reports come about once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engine = bridge.stats()["engine"]
+        if engine.get("pid") == pid and ready(engine.get("session") or {}):
+            return engine["session"]
+        time.sleep(0.05)
+    raise AssertionError(f"engine {pid} never reported the expected session: {bridge.stats()['engine']}")
+
+
+@posix_only
+def test_a_fresh_engine_is_told_the_hosts_prompt_and_params_exactly_once():
+    """A host (the player's controls) sets a prompt before the engine runs; the first engine and a
+    restarted one each receive it once: the bridge alone remembers and re-sends what the host wants."""
+    from plugin.player.controls import Controls, ControlState, prompt_command, steps_command
+
+    def told(session: dict) -> bool:
+        return session.get("prompt") == "velvet" and session.get("params") == {"steps": [700, 500, 400]}
+
+    bridge = Bridge(_config())
+    controls = Controls(ControlState(prompts=["ink"]))
+    controls.put(prompt_command("velvet", 2))
+    controls.put(steps_command(3))
+    controls.apply_pending(bridge)  # before start: remembered by the bridge
+    bridge.start()
+    try:
+        for engine in ("first", "restarted"):
+            bridge.wait_running(30)
+            pid = bridge.stats()["engine_pid"]
+            for _ in range(3):  # the host's frame loop goes on applying (nothing new) while the engine runs
+                controls.apply_pending(bridge)
+                time.sleep(0.05)
+            _engine_session(bridge, pid, told)
+            time.sleep(1.5)  # one more report: a late second copy would have arrived by then
+            session = _engine_session(bridge, pid, told)
+            assert session["prompts_received"] == 1, (engine, session)
+            if engine == "first":
+                os.kill(pid, signal.SIGKILL)
+                assert wait_until(lambda gone=pid: bridge.stats()["engine_pid"] not in (None, gone), 15)
+        assert bridge.status().restarts == 1
+        assert bridge.wanted.prompt.text == "velvet" and bridge.wanted.params == {"steps": [700, 500, 400]}
+    finally:
+        bridge.close()
+
+
+@posix_only
+def test_hung_engine_is_detected_soon_after_its_timeout_and_replaced():
+    bridge = Bridge(_config(stop_timeout_s=0.3)).start()
+    try:
+        bridge.wait_running(30)
+        pid = bridge.stats()["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while bridge.status().state == "running" and time.monotonic() - stopped_at < 20:
+            bridge.submit(indexed_frame(0, 48, 64))
+            time.sleep(0.02)
+        # hang_timeout_s is 1 s: "within 5 s" has room for a loaded machine, and still fails a detector
+        # that never fires or waits for something else (a stop timeout, a heartbeat backlog)
+        assert time.monotonic() - stopped_at < 5.0, "hang not detected within 5 s of a 1 s hang timeout"
+        assert "silent" in bridge.status().message
+        bridge.wait_running(15)
+        assert bridge.stats()["engine_pid"] != pid
+        assert _gone(pid)  # the stopped process was killed, not left behind
+    finally:
+        bridge.close()
+
+
+@posix_only
+def test_stalled_engine_never_grows_host_memory():
+    bridge = Bridge(_config(engine_args=["--stall-after", "5"])).start()
+    try:
+        bridge.wait_running(30)
+        frame = indexed_frame(1, 128, 128)  # 48 KiB per frame: 3,000 leaked frames would be 147 MiB
+        for _ in range(50):
+            bridge.submit(frame)
+        time.sleep(0.3)
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(3000):
+            assert bridge.submit(frame) in (True, False)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        stats = bridge.stats()
+        assert grown < 2 * 2**20, f"host memory grew by {grown / 2**20:.1f} MiB"
+        assert stats["in_flight"] <= bridge.config.ring_slots
+        assert stats["submitted"] == 3050
+        assert stats["submitted"] - stats["sent"] <= stats["dropped"] + 1  # every frame not sent is counted
+        assert bridge.status().state == "running"  # stalled is not dead: it keeps its heartbeat
+    finally:
+        bridge.close()
+
+
+HOST_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from host_bridge import Bridge, BridgeConfig
+    b = Bridge(BridgeConfig(passthrough=True, engine_cwd=sys.argv[1])).start()
+    b.wait_running(30)
+    b.submit(np.zeros((16, 16, 3), np.uint8))
+    while b.status().frames_out < 1:
+        time.sleep(0.01)
+    print(b.stats()["engine_pid"], b.stats()["endpoint"], " ".join(b.stats()["segments"]), flush=True)
+    time.sleep(60)
+""")
+
+
+@posix_only
+def test_engine_exits_and_removes_segments_when_its_host_dies():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, str(ROOT)], stdout=subprocess.PIPE, env=env)
+    try:
+        pid_text, endpoint, *names = host.stdout.readline().decode().split()
+        engine_pid, names = int(pid_text), set(names)
+        private_dir = Path(endpoint.removeprefix("ipc://")).parent
+        assert private_dir.is_dir() and private_dir.stat().st_mode & 0o777 == 0o700
+        assert len(names) == 3 and names <= _segments()  # a ring per direction and the doorbell
+        host.kill()
+        host.wait()
+        assert _gone(engine_pid, 5.0), "engine outlived its host"
+        assert not (_segments() & names), "segments left after the host died"
+        assert not private_dir.exists(), "the private endpoint directory was left behind"
+    finally:
+        host.kill()
+
+
+@posix_only
+def test_segments_of_dead_owners_are_swept():
+    from host_bridge.wire.rings import create_ring
+    from host_bridge.wire.rings.shm import open_segment
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"loom_{dead.pid}_0123456789ab"
+    open_segment(name, create=True, size=64).close()  # a crashed owner's segment
+    ring = create_ring("shm", "in", slots=2, width=4, height=4)
+    try:
+        assert name not in _segments()
+        assert ring.spec.handles[0].startswith(f"loom_{os.getpid()}_")
+    finally:
+        ring.close()
+
+
+def test_settings_fail_with_key_value_and_allowed():
+    from host_bridge.wire.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"transport: 'udp' is not allowed; expected one of 'shm'"):
+        BridgeConfig(transport="udp")
+    with pytest.raises(ConfigError, match="ring_slots"):
+        BridgeConfig(ring_slots=1)
+    with pytest.raises(ConfigError, match="hang_timeout_s"):
+        BridgeConfig(hang_timeout_s=5.0)
+    with pytest.raises(ConfigError, match="endpoint: required"):
+        BridgeConfig(launch=False)
+    with pytest.raises(ConfigError, match="unknown key"):
+        BridgeConfig.from_dict({"transprot": "shm"})
+
+
+def test_engine_config_error_reaches_the_host_status():
+    bridge = Bridge(_config(engine_overrides=["model.preset=bogus"], restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="model.preset: 'bogus' is not allowed"):
+            bridge.wait_running(30)
+        assert bridge.status().state == "dead" and "exited with code 2" in bridge.status().message
+    finally:
+        bridge.close()
+
+
+def test_missing_engine_python_is_reported_not_raised():
+    bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="cannot start the engine"):
+            bridge.wait_running(10)
+        frame = indexed_frame(3, 48, 64)
+        bridge.submit(frame)
+        out, status = bridge.latest()
+        assert status.state == "dead" and np.array_equal(out, frame)
+    finally:
+        bridge.close()
+
+
+def test_a_loading_engine_may_be_silent_longer_than_a_running_one():
+    """Reading a checkpoint or compiling can hold the engine's GIL (and its heartbeats) for seconds:
+    that must not get a loading engine killed and restarted forever, while a running one that goes
+    silent is still given up on after hang_timeout_s."""
+    import threading
+
+    from host_bridge.link import Link
+
+    cfg = _config(loading_hang_timeout_s=8.0)
+    link = Link(1, channel=None, lane=None, proc=None, endpoint=None, token=None, cfg=cfg, lock=threading.RLock())
+    link.phase = "loading"
+    link.load_deadline = link.last_heard + 100.0
+    assert link.check(link.last_heard + 3.0) is None  # 3 s > hang_timeout_s (1 s), still loading
+    assert "while loading" in link.check(link.last_heard + 9.0)
+    link.on_ready({})
+    assert "silent" in link.check(link.last_heard + 1.5)
+    with pytest.raises(ValueError, match="loading_hang_timeout_s"):
+        BridgeConfig(hang_timeout_s=1.0, loading_hang_timeout_s=0.5)

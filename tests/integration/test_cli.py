@@ -1,0 +1,50 @@
+"""The `loom` command's entry point and `loom info`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from plugin.cli.main import main
+
+
+def test_info_json_reports_the_machine(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for key in ("python", "torch", "cuda_available", "gpus", "cuda_ipc", "pyzmq", "av", "opencv"):
+        assert key in info
+    assert "default" in info["presets"]
+
+
+def test_info_table_in_a_real_process():
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", "info"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "cuda_ipc" in out.stdout and "presets" in out.stdout
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def test_ci_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    ci = (root / ".ci" / "run").read_text()
+    line = next(x for x in ci.splitlines() if x.startswith("TEST_CMD="))
+    command = line.split("=", 1)[1].strip("'")
+    assert command in (root / "README.md").read_text()
+
+
+def test_serve_and_the_one_gpu_session_refuse_several_gpus_clearly(capsys):
+    from engine.config import load_config
+    from engine.stream.session import StreamSession
+
+    assert main(["serve", "--bind", "tcp://127.0.0.1:0", "--set", "parallel.gpus=2"]) != 0
+    assert "loom bench --gpus" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="parallel.gpus"):
+        StreamSession.from_config(load_config("tiny-random", ["parallel.gpus=2"]), warmup=False)

@@ -1,0 +1,101 @@
+"""One CLI: the same options, defaults, help and exit codes on every `loom` subcommand, and failures that
+need no engine reported before one starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plugin.cli.main import build_parser, main
+from plugin.cli.preflight import check_transport
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_COMMANDS = ("play", "serve", "bench", "eval")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return dict(parser._subparsers._group_actions[0].choices)
+
+
+def test_commands_that_run_a_model_take_the_same_config_options_and_default():
+    subs = _subparsers()
+    for name in MODEL_COMMANDS:
+        actions = {a.dest: a for a in subs[name]._actions}
+        assert {"-c", "--config"} <= set(actions["config"].option_strings), name
+        assert actions["config"].default == "default", name
+        assert actions["overrides"].option_strings == ["--set"] and actions["overrides"].default == [], name
+
+
+def test_every_option_has_help_and_test_hooks_are_hidden():
+    for name, sub in _subparsers().items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"loom {name} {'/'.join(action.option_strings) or action.dest}: no help text"
+    serve_help = _subparsers()["serve"].format_help()
+    assert "--stall-after" not in serve_help
+
+
+def test_version_and_a_bad_option_named_by_its_own_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("loom ")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["play", "--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: loom play" in err and "unrecognized arguments: --bogus" in err
+
+
+def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, capsys):
+    assert main(["play", "-c", "wan2.1-1.3b", "-o", str(tmp_path / "x.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("loom pull wan2.1-1.3b") == 1 and not (tmp_path / "x.mp4").exists()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    assert main(["play", "--endpoint", f"tcp://127.0.0.1:{port}", "-o", str(tmp_path / "y.mp4")]) == 2
+    assert "no engine answers there" in capsys.readouterr().err
+    assert time.monotonic() - started < 30  # refused at once, not after a start-up timeout
+    assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
+
+
+def test_cuda_ipc_is_refused_with_a_hint_where_it_cannot_work():
+    try:
+        check_transport("cuda-ipc")
+    except Exception as exc:
+        assert "shm" in str(exc)
+    else:
+        pytest.skip("CUDA IPC works on this machine")
+
+
+def test_serve_exits_130_on_ctrl_c_like_play(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+                             "--passthrough", "--secret-file", str(tmp_path / "secret")],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if "listening" in line or not line:
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130

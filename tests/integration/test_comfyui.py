@@ -1,0 +1,102 @@
+"""The ComfyUI node package, loaded the way ComfyUI loads a custom node folder, driving a real engine.
+
+ComfyUI imports `custom_nodes/<folder>/__init__.py` by path under a module name of its own, reads
+NODE_CLASS_MAPPINGS / NODE_DISPLAY_NAME_MAPPINGS, calls INPUT_TYPES to build the node UI, and calls
+the FUNCTION method with keyword arguments. IMAGE is a float32 torch tensor [B, H, W, 3] in 0..1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.fakes.comfyui import PACKAGE_DIR, engine_node, image_batch, loaded_node_package, run_node
+from tests.fakes.engines import engine_report
+
+COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE"}
+
+
+@pytest.fixture(scope="module")
+def nodes_pkg():
+    with loaded_node_package() as package:
+        yield package
+
+
+def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
+    classes, names = nodes_pkg.NODE_CLASS_MAPPINGS, nodes_pkg.NODE_DISPLAY_NAME_MAPPINGS
+    assert set(classes) == {"LoomEngine", "LoomPrompt", "LoomStream"} == set(names)
+    for cls in classes.values():
+        assert isinstance(cls.CATEGORY, str) and callable(getattr(cls, cls.FUNCTION))
+        assert isinstance(cls.RETURN_TYPES, tuple) and all(isinstance(t, str) for t in cls.RETURN_TYPES)
+        spec = cls.INPUT_TYPES()
+        assert set(spec) <= {"required", "optional", "hidden"} and "required" in spec
+        for section in spec.values():
+            for name, entry in section.items():
+                kind = entry[0]
+                assert isinstance(kind, list) or kind in COMFY_TYPES, (cls.__name__, name, kind)
+                if isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN"):
+                    assert "default" in entry[1], (cls.__name__, name)
+                    if isinstance(kind, list):
+                        assert entry[1]["default"] in kind
+
+
+def test_registry_metadata():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    meta = tomllib.loads((PACKAGE_DIR / "pyproject.toml").read_text())
+    assert {"PublisherId", "DisplayName"} <= set(meta["tool"]["comfy"])
+    assert meta["project"]["name"] and meta["project"]["version"].count(".") == 2
+    assert "comfyui" not in meta["project"]["name"].lower()  # the registry's naming rule
+
+
+def test_is_changed_live_stream_always_reruns_engine_only_on_new_settings(nodes_pkg):
+    stream, engine = nodes_pkg.NODE_CLASS_MAPPINGS["LoomStream"], nodes_pkg.NODE_CLASS_MAPPINGS["LoomEngine"]
+    mark = stream.IS_CHANGED(engine=None, images=None)
+    assert math.isnan(mark) and mark != mark  # NaN never equals the last value: ComfyUI re-runs the node
+    a = engine.IS_CHANGED(config="default", transport="shm", fallback="passthrough")
+    assert a == engine.IS_CHANGED(config="default", transport="shm", fallback="passthrough")
+    assert a != engine.IS_CHANGED(config="default", transport="tcp", fallback="passthrough")
+
+
+def test_stream_returns_every_frame_in_order_passthrough(nodes_pkg):
+    handle, status = engine_node(nodes_pkg, passthrough=True)
+    assert "engine" in status
+    again, _ = engine_node(nodes_pkg, passthrough=True)
+    assert again is handle and len(nodes_pkg.nodes.ENGINES) == 1  # a re-run reuses the engine
+    (handle,) = run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="stained glass", steps=1, noise_scale=0.6,
+                     motion_aware=False, transition_chunks=0)
+    images = image_batch(9, 48, 64)
+    out, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == images.shape
+    assert torch.equal(out, images)  # content exact: order kept, nothing lost or duplicated
+    assert "running" in status
+    report = engine_report(handle.bridge, lambda r: (r.get("session") or {}).get("prompt") == "stained glass")
+    session = report["session"]
+    assert session["params"] == {"steps": [700], "noise_scale": 0.6, "motion_aware": False}
+
+
+def test_prompt_node_refuses_bad_values(nodes_pkg):
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="  ", steps=2, noise_scale=0.8, motion_aware=True,
+             transition_chunks=4)
+    with pytest.raises(ValueError, match="steps: 5 is not allowed"):
+        run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="x", steps=5, noise_scale=0.8, motion_aware=True,
+             transition_chunks=4)
+
+
+def test_stream_refuses_a_non_image(nodes_pkg):
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    with pytest.raises(ValueError, match="expected \\[B, H, W, 3\\]"):
+        run_node(nodes_pkg, "LoomStream", engine=handle, images=torch.zeros(2, 3, 16, 16))
+
+
+def test_stream_through_the_embedded_model_on_cpu(nodes_pkg):
+    # the model at the input's size and one step: the same path, a quarter of the work of the preset
+    handle, _ = engine_node(nodes_pkg, overrides="resolution.width=64\nresolution.height=64\nstream.steps=[700]")
+    images = image_batch(9, 64, 64, seed=1)
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+    assert out.shape == images.shape and out.dtype == torch.float32
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
+    assert not torch.equal(out, images)

@@ -1,0 +1,131 @@
+"""The ComfyUI nodes under the failures a workflow meets: bad values, unusual batches, a dead engine,
+ComfyUI's Cancel. The node package is loaded the way ComfyUI loads it; the engine process is real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from tests.fakes.comfyui import ComfyInterrupt, engine_node, image_batch, loaded_node_package, run_node
+from tests.fakes.engines import engine_report
+
+
+@pytest.fixture(scope="module")
+def nodes_pkg():
+    with loaded_node_package() as package:
+        yield package
+
+
+def test_a_refused_prompt_is_not_kept_and_later_runs_still_stream(nodes_pkg):
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    with pytest.raises(ValueError, match="Loom Prompt: the prompt has 5000 characters; expected at most 4096"):
+        run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="x" * 5000, steps=2, noise_scale=0.8,
+             motion_aware=True, transition_chunks=4)
+    images = image_batch(3, 16, 24)
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+    assert torch.equal(out, images)
+
+
+def test_comfyui_cancel_stops_a_batch_and_leaves_the_engine_streaming_live(nodes_pkg, monkeypatch):
+    """Cancel mid-batch: the node stops within a few frames (not after the whole batch), the engine is
+    back in live mode holding no half stream, and the next run returns every frame of its own batch."""
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = management = ComfyInterrupt()
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", management)
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    handle.bridge.wait_running(60)
+    images = image_batch(1000, 32, 32, seed=3)  # seconds of work: Cancel comes long before its end
+    received = handle.bridge.stats()["received"]
+
+    def cancel_after_the_first_outputs() -> None:
+        deadline = time.monotonic() + 30
+        while handle.bridge.stats()["received"] < received + 5 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        management.interrupt_current_processing(True)
+
+    canceller = threading.Thread(target=cancel_after_the_first_outputs)
+    canceller.start()
+    submitted = handle.bridge.stats()["submitted"]
+    try:
+        with pytest.raises(ComfyInterrupt.InterruptProcessingException):
+            run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+    finally:
+        canceller.join()
+    assert handle.bridge.stats()["submitted"] - submitted < len(images) // 2, "the batch ran on after Cancel"
+    engine_report(handle.bridge, lambda r: r.get("lossless") is False)
+    after = image_batch(7, 24, 40, seed=4)
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=after)
+    assert torch.equal(out, after)
+
+
+def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_nextrun_node(nodes_pkg):
+    """The engine process stops answering (a hung driver; here SIGSTOP) while the workflow is idle. Once
+    the bridge has given up on it, the next run waits for the restarted engine and returns every frame,
+    instead of failing on a state that still says 'running' while the hung process is being stopped
+    (terminate, wait, kill: seconds)."""
+    from host_bridge import Bridge, BridgeConfig
+
+    # the Engine node's bridge, with a shorter wait before a hung engine is killed (a faster test)
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable, stop_timeout_s=0.5))
+    handle = nodes_pkg.nodes.EngineHandle("hung", bridge.start(), {})
+    try:
+        bridge.wait_running(60)
+        pid = bridge.stats()["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while bridge.stats()["engine_pid"] == pid and time.monotonic() < deadline:
+            time.sleep(0.005)
+        images = image_batch(6, 16, 24, seed=5)
+        out, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert torch.equal(out, images) and "running" in status
+        assert bridge.status().restarts >= 1
+    finally:
+        bridge.close()
+
+
+def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(nodes_pkg):
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    for images in (image_batch(2, 1, 1), image_batch(3, 17, 33, seed=1), torch.zeros(0, 16, 24, 3)):
+        out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert out.shape == images.shape and torch.equal(out, images)
+    with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 1\) is not allowed; expected \[B, H, W, 3\]"):
+        run_node(nodes_pkg, "LoomStream", engine=handle, images=torch.rand(2, 16, 16, 1))
+
+
+def test_a_cancelled_run_leaves_no_trace_in_the_next_one(nodes_pkg, monkeypatch):
+    """The embedded model (state: KV cache, motion, noise): a run after a cancelled one returns exactly
+    what the same run returns after a complete one."""
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = management = ComfyInterrupt()
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", management)
+    handle, _ = engine_node(nodes_pkg, overrides="resolution.width=32\nresolution.height=32")
+    handle.bridge.wait_running(120)
+    batch = image_batch(9, 32, 32, seed=5)
+    clean, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=batch)
+    received = handle.bridge.stats()["received"]
+
+    def cancel_after_the_first_outputs() -> None:
+        deadline = time.monotonic() + 60
+        while handle.bridge.stats()["received"] < received + 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        management.interrupt_current_processing(True)
+
+    canceller = threading.Thread(target=cancel_after_the_first_outputs)
+    canceller.start()
+    try:
+        with pytest.raises(ComfyInterrupt.InterruptProcessingException):
+            run_node(nodes_pkg, "LoomStream", engine=handle, images=image_batch(60, 32, 32, seed=6))
+    finally:
+        canceller.join()
+    after, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=batch)
+    assert torch.equal(after, clean), f"max difference {float((after - clean).abs().max()) * 255:.1f} levels"

@@ -1,0 +1,688 @@
+"""`loom play` end to end, as a user runs it: `python -m plugin.cli play ...` in a real process.
+
+Engine runs use few, small frames to stay inside the CPU test budget. `--passthrough` runs make the
+content exact (the engine returns its input), so the plumbing is checked pixel for pixel; the
+default runs use the embedded model, as a user's first `loom play` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from host_bridge.wire.params import steps_for
+from plugin.cli.main import main
+from plugin.media.video_io import partial_path
+from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
+from plugin.player.osc import OSC_ADDRESSES, command_for
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 120
+
+
+def _play(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "plugin.cli", "play", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+def _decode(path: Path) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+def test_no_arguments_writes_loom_out_mp4_with_the_embedded_model(tmp_path):
+    """The README's first command: no input, no output given -> ./loom_out.mp4 from the generated clip."""
+    out = _play("-n", "17", cwd=tmp_path)  # -n keeps the CPU run short; everything else is the default
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    frames = _decode(tmp_path / "loom_out.mp4")
+    assert frames.shape == (17, 256, 256, 3)
+
+
+def test_real_clip_through_the_embedded_model(media_dir, tmp_path):
+    src = media_dir / "davis512_blackswan.mp4"
+    dst = tmp_path / "styled.mp4"
+    out = _play("-i", str(src), "-o", str(dst), "-n", "17")
+    assert out.returncode == 0, out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (17, 512, 512, 3)
+    original = _decode_first(src, 17)
+    assert _psnr(frames, original) < 40, "the model should change the picture"
+
+
+def _decode_first(path: Path, n: int) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        frames = []
+        for f in container.decode(video=0):
+            frames.append(f.to_ndarray(format="rgb24"))
+            if len(frames) == n:
+                break
+    return np.stack(frames)
+
+
+def test_real_clip_passthrough_keeps_every_frame_in_order(media_dir, tmp_path):
+    src = media_dir / "davis512_parkour.mp4"
+    dst = tmp_path / "through.mkv"
+    out = _play("-i", str(src), "-o", str(dst), "-n", "21", "--passthrough")
+    assert out.returncode == 0, out.stderr
+    got = _decode(dst)
+    want = _decode_first(src, 21)
+    assert got.shape == want.shape == (21, 512, 512, 3)
+    # H.264 twice (the source and our output) but the same frames in the same order: high PSNR per
+    # frame, and each output frame is closest to its own input frame (a shift would break this).
+    small_got, small_want = got[:, ::4, ::4], want[:, ::4, ::4]  # subsampled: 21x21 comparisons stay cheap
+    for i in range(len(got)):
+        scores = [_psnr(small_got[i], small_want[j]) for j in range(len(want))]
+        assert int(np.argmax(scores)) == i
+        assert _psnr(got[i], want[i]) > 30
+
+
+def test_generated_clip_passthrough_frame_count_and_size(tmp_path):
+    dst = tmp_path / "gen.mp4"
+    out = _play("-n", "25", "--size", "96x64", "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (25, 64, 96, 3)
+    assert "25/25 frames" in out.stderr or "25 frames" in out.stderr
+
+
+MIN_UDP_FRAMES = 20  # of 25 sent: UDP may lose a few on a busy machine
+
+
+def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
+    import av
+
+    port = free_udp_port()
+    received: list[np.ndarray] = []
+    ready = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            # PyAV (FFmpeg) listens on the port. The first frame comes only once the engine runs, which
+            # takes seconds on a loaded box (a 2 s timeout failed there), so the timeout is generous, and
+            # the read stops once the 20 frames asked for below are in: the last one or two are handed
+            # out only at the end of the stream, i.e. with the timeout.
+            with av.open(f"udp://127.0.0.1:{port}?timeout=10000000", format="mpegts", timeout=(30, 10)) as c:
+                for frame in c.decode(video=0):
+                    received.append(frame.to_ndarray(format="rgb24"))
+                    if len(received) == MIN_UDP_FRAMES:
+                        return
+        except Exception as exc:  # end of stream shows up as a timeout error
+            if not received:
+                errors.append(exc)
+
+    def open_then_signal() -> None:
+        ready.set()
+        reader()
+
+    t = threading.Thread(target=open_then_signal, daemon=True)
+    t.start()
+    ready.wait()
+    time.sleep(0.5)  # let FFmpeg bind the port before the player sends
+    out = _play("-n", "25", "--size", "128x96", "-o", f"udp://127.0.0.1:{port}", "--passthrough", "--fps", "25")
+    assert out.returncode == 0, out.stderr
+    t.join(timeout=60)
+    assert not errors, errors
+    assert len(received) >= MIN_UDP_FRAMES, f"only {len(received)} of 25 frames arrived over UDP"
+    assert received[0].shape == (96, 128, 3)
+
+
+def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
+    dst = tmp_path / "stopped.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "64x64",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        partial = partial_path(dst)  # the file is written under this name until it is finalised
+        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 20_000):
+            time.sleep(0.2)
+            assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "stopped by Ctrl-C" in err
+    frames = _decode(dst)  # a finalised file: the trailer is there and every frame decodes
+    assert len(frames) > 0 and frames.shape[1:] == (64, 64, 3)
+
+
+def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):
+    """SIGKILL the engine mid-file: the bridge restarts it and the player resends the batch in flight."""
+    dst = tmp_path / "survived.mp4"
+    n = 1200
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", str(n), "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        partial = partial_path(dst)
+        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 2_000):
+            time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()[1]
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        engines = [pid for pid in children if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, children  # the engine process this player launched
+        os.kill(int(engines[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    frames = _decode(dst)
+    assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
+    from plugin.media.video_io import generate_clip
+
+    source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
+    aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])
+    shifted = np.mean([_psnr(frames[i], source[i + 1]) for i in range(n - 1)])
+    assert aligned > shifted + 3, "every frame in its place, also around the restart"
+
+
+# --- bad inputs: one clear line, a documented exit code, never a traceback ----------------------
+
+
+@pytest.mark.parametrize("make_input, expected", [
+    (lambda d: str(d / "missing.mp4"), "video file not found"),
+    (lambda d: _garbage(d / "broken.mp4"), "not a readable video"),
+    (lambda d: _audio_only(d / "voice.m4a"), "contains no video stream"),
+    (lambda d: "97", "camera 97 could not be opened"),
+    (lambda d: "rtsp://127.0.0.1:9/stream", "rtsp://127.0.0.1:9/stream: cannot open"),
+    (lambda d: "gopher://example/x", "unsupported URL scheme 'gopher'"),
+])
+def test_bad_inputs_end_with_a_clear_message(tmp_path, capsys, make_input, expected):
+    # in this process: `loom` exits with what main() returns (a real process is run by the tests above)
+    code = main(["play", "-i", make_input(tmp_path), "-o", str(tmp_path / "never.mp4")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "never.mp4").exists()
+
+
+def test_an_output_equal_to_the_input_or_existing_is_refused_and_left_untouched(tmp_path):
+    clip = write_clip(tmp_path / "mine.mp4", [np.full((48, 64, 3), 90, np.uint8)] * 8)
+    before = clip.read_bytes()
+    same = _play("-i", str(clip), "-o", str(tmp_path / "." / "mine.mp4"), "-y", "--passthrough", timeout=60)
+    assert same.returncode == 2 and "is the input file" in same.stderr, same.stderr
+    exists = _play("-i", str(clip), "-o", str(clip.with_name("other.mp4")), "--passthrough", timeout=60)
+    assert exists.returncode == 0, exists.stderr
+    again = _play("-i", str(clip), "-o", str(clip.with_name("other.mp4")), "--passthrough", timeout=60)
+    assert again.returncode == 2 and "exists; give --overwrite (-y)" in again.stderr, again.stderr
+    assert clip.read_bytes() == before
+
+
+def test_a_failed_run_leaves_an_existing_output_as_it_was(tmp_path):
+    """The engine cannot start (exit 3) after the output was opened: with -y the old file still stands."""
+    dst = tmp_path / "kept.mp4"
+    dst.write_bytes(b"yesterday's render")
+    out = _play("-n", "10", "--size", "64x64", "-o", str(dst), "-y", "--engine-python", "/bin/false", timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert dst.read_bytes() == b"yesterday's render"
+    assert not partial_path(dst).exists()
+
+
+def _garbage(path: Path) -> str:
+    # Fixed bytes: some random draws happen to probe as a raw h263 or audio stream.
+    path.write_bytes(random.Random(0).randbytes(4096))
+    return str(path)
+
+
+def _audio_only(path: Path) -> str:
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("aac", rate=48000)
+        samples = np.zeros((1, 48000), dtype=np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate = 48000
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-o", "ftp://host/x"], "unsupported URL scheme 'ftp'"),
+    (["-o", "/no/such/folder/x.mp4"], "output folder does not exist"),
+    (["-o", "clip.avi"], "must end in one of .mp4, .mkv, .mov"),
+    (["--set", "stream.stepz=[700]"], "stream.stepz: unknown key"),
+    (["--prompts", "/no/such/prompts.txt"], "--prompts: file not found"),
+])
+def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, args, expected):
+    monkeypatch.chdir(tmp_path)
+    code = main(["play", "-n", "5", "--size", "32x32", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.iterdir()), "a refused run left a file behind"
+
+
+def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
+    out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python",
+                str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "engine" in out.stderr and "Traceback" not in out.stderr
+
+
+# --- live control: keyboard and OSC map to the same commands ------------------------------------
+
+
+class RecordingBridge:
+    def __init__(self) -> None:
+        self.prompts: list[tuple[str, int | None]] = []
+        self.params: list[dict] = []
+
+    def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
+        self.prompts.append((text, transition_chunks))
+
+    def set_params(self, **kw) -> None:
+        self.params.append(kw)
+
+    def status(self):
+        return SimpleNamespace(state="running", restarts=0)
+
+
+def _controls(*prompts: str) -> Controls:
+    return Controls(ControlState(prompts=list(prompts) or ["a", "b"]))
+
+
+def test_keys_change_steps_noise_prompt_and_quit():
+    controls, bridge = _controls("ink", "oil"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
+    keys = KeyboardInput(controls)
+    for key in "3]]n":
+        keys.press(ord(key))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"steps": steps_for(3), "noise_scale": 0.9}]  # one update per frame
+    assert bridge.prompts == [("oil", None)]
+    for key in "tneon\r":  # type a prompt, Enter sends it
+        keys.press(ord(key))
+    keys.press(27)  # Esc outside typing = quit
+    controls.apply_pending(bridge)
+    assert bridge.prompts[-1] == ("neon", None)
+    assert controls.state.quit
+
+
+def test_each_change_goes_to_the_bridge_once_whatever_the_engine_is_doing():
+    """The bridge remembers what was set and tells a later or restarted engine (test_bridge.py):
+    the controls hand each change over once, and never again."""
+    controls, bridge = _controls("ink"), RecordingBridge()
+    bridge.status = lambda: SimpleNamespace(state="starting", restarts=0)
+    controls.put(Command("prompt", ("velvet", 4)))
+    controls.put(steps_command(1))
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [("velvet", 4)] and bridge.params == [{"steps": steps_for(1)}]
+    bridge.status = lambda: SimpleNamespace(state="running", restarts=1)
+    controls.apply_pending(bridge)
+    assert len(bridge.prompts) == 1 and len(bridge.params) == 1
+
+
+def test_typing_a_prompt_can_be_cancelled():
+    controls, bridge = _controls(), RecordingBridge()
+    keys = KeyboardInput(controls)
+    for code in (13, ord("x"), 27):
+        keys.press(code)
+    controls.apply_pending(bridge)
+    assert bridge.prompts == [] and not controls.state.quit and keys.typing is None
+
+
+def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
+    assert command_for("/loom/steps", (1,)) == Command("steps", (1,))
+    assert command_for("/loom/noise_scale", (0.5,)) == Command("noise_scale", (0.5,))
+    assert command_for("/loom/prompt", ("glass", 2)) == Command("prompt", ("glass", 2))
+    assert command_for("/loom/quit", ()) == Command("quit")
+    for address, args, why in [("/loom/steps", (7,), "expected 1, 2, 3 or 4"),
+                               ("/loom/noise_scale", (3.0,), r"noise_scale: .*expected a number in \[0.1, 1\]"),
+                               ("/loom/prompt", ("",), "prompt is empty"),
+                               ("/loom/bogus", (), "unknown OSC address"),
+                               ("/loom/quit", (1, 2), "wrong arguments")]:
+        with pytest.raises(ControlError, match=why):
+            command_for(address, args)
+    assert set(OSC_ADDRESSES) >= {"/loom/prompt", "/loom/steps", "/loom/noise_scale", "/loom/quit"}
+
+
+def test_osc_server_feeds_the_controls():
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
+    from pythonosc.udp_client import SimpleUDPClient
+
+    from plugin.player.osc import OSCServer
+
+    controls, bridge = _controls("ink"), RecordingBridge()
+    controls.apply_pending(bridge)  # the engine runs: nothing to send yet
+    server = OSCServer(controls, "127.0.0.1", 0)
+    try:
+        client = SimpleUDPClient(*server.address)
+        client.send_message("/loom/prompt", ["chrome", 3])
+        client.send_message("/loom/steps", 4)
+        client.send_message("/loom/steps", 9)  # refused, counted
+        client.send_message("/loom/quit", [])
+        deadline = time.monotonic() + 5
+        while server.received < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        controls.apply_pending(bridge)
+    finally:
+        server.close()
+    assert bridge.prompts == [("chrome", 3)]
+    assert bridge.params == [{"steps": steps_for(4)}]
+    assert server.rejected == 1 and "steps" in server.last_error
+    assert controls.state.quit
+
+
+def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
+    from pythonosc.udp_client import SimpleUDPClient
+
+    port = free_udp_port()
+    dst = tmp_path / "osc.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
+                             "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not dst.exists():
+            time.sleep(0.1)
+            assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(1.5)  # the live loop writes from its first frame on (fallback frames until the engine runs)
+        client = SimpleUDPClient("127.0.0.1", port)
+        client.send_message("/loom/prompt", ["neon city"])
+        client.send_message("/loom/quit", [])
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert len(_decode(dst)) > 0
+
+
+@pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),
+                    reason="needs Xvfb and xdotool for a virtual display and key presses")
+def test_window_keys_drive_a_live_run(tmp_path):
+    """A real window on a virtual display: keys change steps and prompt, pause, and q quits cleanly."""
+    display = f":{90 + os.getpid() % 100}"
+    xvfb = subprocess.Popen(["Xvfb", display, "-screen", "0", "640x480x24"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    dst = tmp_path / "win.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DISPLAY": display}
+    proc = None
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"/tmp/.X11-unix/X{display[1:]}").exists():  # the server is up when its socket is
+            assert time.monotonic() < deadline and xvfb.poll() is None, "Xvfb did not start"
+            time.sleep(0.1)
+        proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-o", "window", "-o", str(dst), "--mode",
+                                 "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
+                                 "-p", "ink", "-p", "oil"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=ROOT)
+        found = subprocess.run(["xdotool", "search", "--sync", "--onlyvisible", "--name", "^Loom$"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        window = found.stdout.split()[0]
+        time.sleep(1.0)  # the window is mapped; give its event loop a moment before typing
+
+        def keys(*names: str) -> None:
+            subprocess.run(["xdotool", "key", "--delay", "50", "--window", window, *names], env=env, check=True)
+            time.sleep(0.5)
+
+        keys("3", "n", "t", "g", "l", "o", "w", "Return")
+        keys("q")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        xvfb.terminate()
+        xvfb.wait(timeout=10)
+    assert proc.returncode == 0, err
+    assert "steps: 3" in err and "prompt: oil" in err and "prompt: glow" in err
+    assert len(_decode(dst)) > 0
+
+
+def _clip_with_audio(path: Path, n: int = 25, fps: int = 25, size: int = 64) -> None:
+    import av
+
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264" if "libx264" in av.codecs_available else "h264", rate=fps)
+        video.width = video.height = size
+        video.pix_fmt = "yuv420p"
+        audio = out.add_stream("aac", rate=44100, layout="mono")
+        for i in range(n):
+            img = np.full((size, size, 3), (i * 9) % 256, np.uint8)
+            out.mux(video.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(44100 * n // fps) / 44100)).astype(np.float32)
+        for start in range(0, len(tone), 1024):
+            frame = av.AudioFrame.from_ndarray(tone[None, start:start + 1024], format="fltp", layout="mono")
+            frame.sample_rate = 44100
+            out.mux(audio.encode(frame))
+        out.mux(video.encode(None))
+        out.mux(audio.encode(None))
+
+
+def test_audio_of_a_file_input_passes_through_to_the_file_output(tmp_path):
+    import av
+
+    src, dst = tmp_path / "with_audio.mp4", tmp_path / "out.mp4"
+    _clip_with_audio(src)
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    with av.open(str(dst)) as c:
+        assert c.streams.audio, "the output lost the audio track"
+        seconds = sum(f.samples for f in c.decode(audio=0)) / c.streams.audio[0].rate
+    assert 0.8 < seconds < 1.2  # one second of video, one second of sound
+    assert len(_decode(dst)) == 25
+
+
+# --- faults on stage: damaged input, a stream that stops, outputs, signals ---------------------
+
+
+def test_a_file_damaged_mid_stream_plays_on_past_the_damage(tmp_path):
+    src, dst = damage_middle(noise_clip(tmp_path / "damaged.mp4", 60)), tmp_path / "out.mkv"
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    assert "damaged" in out.stderr and "Traceback" not in out.stderr
+    assert len(_decode(dst)) >= 50, "the run stopped at the damage"
+
+
+def test_a_stream_that_stops_keeps_every_frame_read_before_it(tmp_path):
+    """A lossless run of a TCP stream that goes silent: the frames that came before are all written."""
+    n = 36  # one first batch (21) and part of the next: the part used to be lost
+    clip = noise_clip(tmp_path / "feed.ts", n).read_bytes()
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(clip)
+            stop.wait(60)  # connected but silent, as a stalled camera feed
+
+    threading.Thread(target=serve, daemon=True).start()
+    dst = tmp_path / "out.mkv"
+    try:
+        out = _play("-i", f"tcp://127.0.0.1:{server.getsockname()[1]}", "--mode", "lossless", "-o", str(dst),
+                    "--passthrough", timeout=60)
+    finally:
+        stop.set()
+        server.close()
+    assert out.returncode == 2, out.stderr
+    assert "no data for 5 s" in out.stderr and "Traceback" not in out.stderr
+    assert len(_decode(dst)) >= n - 2, "frames read before the stall were dropped"
+
+
+def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
+    """What a process manager sends (SIGHUP from a closed terminal takes the same path): the recording
+    still plays, the engine process is gone and no shared-memory segment is left."""
+    signum = signal.SIGTERM
+    dst = tmp_path / "stopped.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        for line in proc.stderr:  # the first progress line: frames are being written
+            if "/100000 [" in line:  # tqdm's format: done/total [elapsed<eta, rate]
+                break
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
+    frames = _decode(dst)  # without the handler Python died on the spot: an MP4 without its index
+    assert len(frames) > 0 and frames.shape[1:] == (32, 32, 3)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "the engine outlived the player"
+    assert not list(Path("/dev/shm").glob(f"loom_{proc.pid}_*")), "shared memory left behind"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_recording_that_could_not_be_finished_is_an_error_not_a_success(tmp_path):
+    """A full recording drive: the run says so and exits with 2; the other output is complete."""
+    full, good = tmp_path / "full.mkv", tmp_path / "good.mkv"
+    partial_path(full).symlink_to("/dev/full")  # every write fails with ENOSPC
+    out = _play("-n", "30", "--size", "64x64", "-o", str(full), "-o", str(good), "--passthrough")
+    assert out.returncode == 2, out.stderr
+    assert "full.mkv: finishing the output failed: No space left on device" in out.stderr
+    assert not full.exists(), "an output that could not be finished is not put in place"
+    assert "Traceback" not in out.stderr
+    assert len(_decode(good)) == 30
+
+
+def test_an_input_that_changes_size_mid_stream_stays_whole_in_the_output(tmp_path):
+    """Two MPEG-TS segments back to back (a stream switched to another camera): 64x48 grey, then
+    128x96 white on the left and black on the right. The output keeps 64x48 and shows the whole
+    second picture scaled, not its top-left corner."""
+    grey = np.full((48, 64, 3), 128, np.uint8)
+    halves = np.zeros((96, 128, 3), np.uint8)
+    halves[:, :64] = 255
+    first = write_clip(tmp_path / "a.ts", [grey] * 12).read_bytes()
+    second = write_clip(tmp_path / "b.ts", [halves] * 12).read_bytes()
+    src, dst = tmp_path / "switched.ts", tmp_path / "out.mkv"
+    src.write_bytes(first + second)
+    out = _play("-i", str(src), "-o", str(dst), "--passthrough")
+    assert out.returncode == 0, out.stderr
+    assert "changed size to 128x96" in out.stderr
+    frames = _decode(dst)
+    assert frames.shape == (24, 48, 64, 3)
+    after = frames[12:].astype(np.float32)
+    assert after[:, :, 4:28].mean() > 200 and after[:, :, 36:60].mean() < 55, "the picture was cropped"
+
+
+def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
+    """A TCP MPEG-TS feed sends dark frames, goes silent (past the 5 s read timeout), and comes back
+    with bright frames on a new connection: the run goes on, every output keeps getting frames (the
+    last picture, held) during the stall, and the new feed reaches the output."""
+    dark = write_clip(tmp_path / "dark.ts", [np.zeros((48, 64, 3), np.uint8)] * 24).read_bytes()
+    bright = write_clip(tmp_path / "bright.ts", [np.full((48, 64, 3), 255, np.uint8)] * 24).read_bytes()
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def send_paced(conn: socket.socket, clip: bytes) -> None:
+        step = len(clip) // 24 + 1  # about a frame's worth of bytes every 1/24 s
+        for i in range(0, len(clip), step):
+            conn.sendall(clip[i:i + step])
+            time.sleep(1 / 24)
+
+    def stall(conn: socket.socket) -> None:
+        with conn:
+            send_paced(conn, dark)
+            stop.wait(60)  # connected but silent until the test ends: only the player's timeout notices
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            threading.Thread(target=stall, args=(conn,), daemon=True).start()
+            while not stop.is_set():  # the feed is back: each new connection gets it
+                conn, _ = server.accept()
+                with conn, contextlib.suppress(OSError):
+                    while not stop.is_set():
+                        send_paced(conn, bright)
+
+    threading.Thread(target=serve, daemon=True).start()
+    dst = tmp_path / "show.mkv"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    seen, back_at = [], None
+    try:
+        for line in proc.stderr:  # until the feed has been back for a while (status lines come every 2 s)
+            seen.append(line)
+            if "input reconnected" in line:
+                back_at = time.monotonic()
+            if back_at is not None and line.startswith("live") and time.monotonic() - back_at > 1.5:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop.set()
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(seen) + err
+    assert proc.returncode == 143, err
+    assert "input lost" in err and "no data for 5 s" in err and "Traceback" not in err
+    assert "input stalled" in err  # the status line says so while it lasts
+    means = _decode(dst).reshape(-1, 48 * 64 * 3).mean(axis=1)
+    assert (means < 30).sum() >= 48, "during the stall the outputs got no frames (>= 2 s of held picture expected)"
+    assert means[-1] > 220, "the reconnected feed did not reach the output"
+
+
+def test_an_output_that_fails_mid_run_stops_alone_and_the_others_go_on(tmp_path):
+    """A recorder that goes away mid-set (here the reader of a FIFO closes it: EPIPE), as a streaming
+    server can: that output is reported and stopped; the other output still gets every frame."""
+    fifo, broken, kept = tmp_path / "fifo", tmp_path / "broken.mkv", tmp_path / "kept.mkv"
+    os.mkfifo(fifo)
+    partial_path(broken).symlink_to(fifo)  # the file is written under this name until it is finalised
+
+    def read_a_little() -> None:
+        with open(fifo, "rb") as f:
+            f.read(1000)
+
+    threading.Thread(target=read_a_little, daemon=True).start()
+    out = _play("-n", "200", "--size", "64x64", "-o", str(broken), "-o", str(kept), "--passthrough")
+    assert out.returncode == 2, out.stderr
+    assert "broken.mkv: writing failed" in out.stderr and "the others go on" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(_decode(kept)) == 200, "the failure of one output cut the other short"

@@ -1,0 +1,252 @@
+"""The server with a session that behaves like the real one (outputs in chunk bursts, a tail on flush).
+
+The server runs in a thread of this process, serving on loopback tcp; the Bridge connects to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+
+from host_bridge import Bridge, BridgeConfig
+from tests.fakes.engines import InProcessEngine
+
+
+class ChunkSession:
+    """StreamSession's timing with identity content: outputs after 5 inputs, then 4 at a time; flush emits the rest."""
+
+    accepts_device_frames = False
+    raw_passthrough = False
+    unfinished = 0  # every push returns what its chunks finished
+
+    def __init__(self) -> None:
+        self.pending: list[np.ndarray] = []
+        self.chunk = 5
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames[0, 0, 0, 0] == 255:
+            raise ValueError("frame rejected by the session")
+        self.pending.extend(frames)
+        out = []
+        while len(self.pending) >= self.chunk:
+            out += self.pending[: self.chunk]
+            self.pending = self.pending[self.chunk:]
+            self.chunk = 4
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        return np.zeros((0, 1, 1, 3), np.uint8)
+
+    def flush(self) -> np.ndarray:
+        out, self.pending = self.pending, []
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def set_prompt(self, text, transition_chunks=None):
+        pass
+
+    def set_params(self, **kw):
+        raise ValueError(f"{next(iter(kw))}: unknown parameter")
+
+    def reset(self):
+        self.pending, self.chunk = [], 5
+
+    def stats(self):
+        return {"pending": len(self.pending)}
+
+    def close(self) -> None:
+        pass
+
+
+class GpuLikeSession(ChunkSession):
+    """A GPU session's contract: a push returns only chunks already finished; the newest one
+    finishes DELAY_S later and is collected by `poll()` (the server must ask, no push comes)."""
+
+    DELAY_S = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: deque[tuple[float, np.ndarray]] = deque()
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        done = super().push(frames)
+        if len(done):
+            self.running.append((time.monotonic() + self.DELAY_S, done))
+        return self.poll()
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        out = []
+        while self.running and (wait or self.running[0][0] <= time.monotonic()):
+            out += list(self.running.popleft()[1])
+        return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.running)
+
+    def flush(self) -> np.ndarray:
+        parts = [p for p in (self.poll(wait=True), super().flush()) if len(p)]
+        return np.concatenate(parts) if parts else np.zeros((0, 1, 1, 3), np.uint8)
+
+    def reset(self) -> None:
+        super().reset()
+        self.running.clear()
+
+
+class FailingSession(ChunkSession):
+    """Frames marked 254 fail inside the pipeline after being taken, as a CUDA out-of-memory error
+    in the middle of a chunk would; `reset_fails`: the session cannot start a new stream either."""
+
+    reset_fails = False
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        if frames[0, 0, 0, 0] == 254:
+            self.pending.extend(frames)
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return super().push(frames)
+
+    def reset(self):
+        if self.reset_fails and self.pending:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        super().reset()
+
+
+class BrokenSession(FailingSession):
+    reset_fails = True
+
+
+class _Served(InProcessEngine):
+    """A server thread on loopback tcp with a Bridge connected to it."""
+
+    def __init__(self, session_cls) -> None:
+        super().__init__(session_cls)
+        self.bridge = Bridge(BridgeConfig(launch=False, endpoint=self.endpoint, heartbeat_s=0.1,
+                                          hang_timeout_s=1.0)).start()
+        self.bridge.wait_running(20)
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.stop()
+
+
+@pytest.fixture(params=[ChunkSession, GpuLikeSession])
+def served(request):
+    s = _Served(request.param)
+    try:
+        yield s.bridge
+    finally:
+        s.close()
+
+
+def test_chunked_session_is_lossless_in_order_with_the_flushed_tail(served):
+    frames = [np.full((16, 24, 3), i, np.uint8) for i in range(23)]  # 5 + 4*4 + a tail of 2
+    outs = served.process(frames, timeout_s=30)
+    assert [int(o[0, 0, 0]) for o in outs] == list(range(23))
+    with pytest.raises(ValueError, match="unknown parameter"):
+        served.set_params(wait=True, strength=3)
+
+
+def test_live_outputs_are_paced_not_bursty(served):
+    period = 0.02
+    seen, t_next = set(), time.monotonic()
+    for i in range(80):
+        served.submit(np.full((16, 24, 3), i % 256, np.uint8))
+        t_next += period
+        while time.monotonic() < t_next:
+            out, status = served.latest()
+            if not status.fallback:
+                assert int(out[0, 0, 0]) == status.seq % 256  # each output is the frame with its seq
+                seen.add(status.seq)
+            time.sleep(0.003)
+    time.sleep(0.2)
+    delivered = served.status().frames_out
+    assert delivered >= 60
+    # bursts of 4 delivered at once would let a 3 ms poll see about a quarter of them
+    assert len(seen) >= 0.6 * delivered, (len(seen), delivered)
+
+
+def test_a_failing_frame_is_reported_and_the_stream_goes_on(served):
+    served.submit(np.full((16, 24, 3), 255, np.uint8))
+    deadline = time.monotonic() + 5
+    while "rejected" not in served.stats()["last_error"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "frame rejected by the session" in served.stats()["last_error"]
+    frames = [np.full((16, 24, 3), i, np.uint8) for i in range(9)]
+    assert [int(o[0, 0, 0]) for o in served.process(frames, timeout_s=20)] == list(range(9))
+    assert served.status().state == "running"
+
+
+def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
+    """No frame comes after the second chunk: its outputs arrive because the server polls."""
+    for i in range(9):  # the first chunk (5 frames) and one more (4)
+        served.submit(np.full((16, 24, 3), i, np.uint8))
+        time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while served.status().frames_out < 9 and time.monotonic() < deadline:
+        served.latest()
+        time.sleep(0.005)
+    assert served.status().frames_out == 9
+
+
+def test_a_failure_inside_the_session_starts_a_new_stream():
+    """Its half-done chunk is not restyled on, and later outputs are still paired with their inputs."""
+    s = _Served(FailingSession)
+    try:
+        bridge = s.bridge
+        for i in (1, 2, 254):  # two frames taken, then one that fails inside the pipeline
+            bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while "out of memory" not in bridge.stats()["last_error"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "CUDA out of memory" in bridge.stats()["last_error"]
+        frames = [np.full((16, 24, 3), i, np.uint8) for i in range(10, 19)]
+        assert [int(o[0, 0, 0]) for o in bridge.process(frames, timeout_s=20)] == list(range(10, 19))
+        deadline = time.monotonic() + 5
+        while bridge.stats()["engine"].get("new_streams") != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bridge.stats()["engine"]["new_streams"] == 1
+        assert bridge.status().state == "running"
+    finally:
+        s.close()
+
+
+def test_a_session_that_cannot_recover_ends_the_engine():
+    """Exiting is what lets the host's supervisor start a fresh engine (a launched one is restarted)."""
+    s = _Served(BrokenSession)
+    try:
+        s.bridge.submit(np.full((16, 24, 3), 254, np.uint8))
+        s.thread.join(10)
+        assert s.exit_code == [1]  # EXIT_SESSION_FAILED
+        assert "could not start a new stream" in s.bridge.stats()["last_error"]  # the host was told why
+    finally:
+        s.close()
+
+
+class PollFailsSession(GpuLikeSession):
+    """Pushes leave their chunks running; collecting them (the worker's poll between frames) fails."""
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        done = ChunkSession.push(self, frames)
+        if len(done):
+            self.running.append((time.monotonic(), done))
+        return np.zeros((0, 1, 1, 3), np.uint8)
+
+    def poll(self, wait: bool = False) -> np.ndarray:
+        raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+
+
+def test_an_engine_whose_frame_worker_dies_exits_rather_than_idle_on():
+    """Heartbeats alone would keep a host waiting forever on an engine that no longer takes frames."""
+    s = _Served(PollFailsSession)
+    try:
+        for i in range(20):  # a first chunk runs, and collecting it fails in the worker's own loop
+            s.bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            time.sleep(0.02)
+        s.thread.join(10)
+        assert s.exit_code == [1]
+        assert "frame worker failed: RuntimeError: CUDA error" in s.bridge.stats()["last_error"]
+    finally:
+        s.close()

@@ -1,0 +1,336 @@
+"""The TouchDesigner operator under the failures a show meets: bad parameter values, odd input TOPs,
+restarts, re-initialised extensions. TouchDesigner's objects are the stand-ins of tests/fakes/touchdesigner.py;
+the bridge and the pass-through engine process are real (shm transport).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from host_bridge.wanted import PromptWish
+from host_bridge.wire.params import steps_for
+from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
+from plugin.touchdesigner import script_top_callbacks
+from plugin.touchdesigner.loom_ext import LoomExt
+from tests.fakes.engines import InProcessEngine, wait_until
+from tests.fakes.touchdesigner import (
+    COOK_BUDGET_S,
+    CUDAMemory,
+    CUDAMemoryShape,
+    DeviceCopyingBridge,
+    InputTOP,
+    LoomComp,
+    ScriptTOP,
+    StandInDeviceBuffer,
+    configure,
+    cook_until,
+    make_component,
+    running,
+    td_texture,
+)
+
+
+def _engine_session(ext: LoomExt) -> dict[str, Any]:
+    return ext.bridge.stats()["engine"].get("session") or {}
+
+
+def test_invalid_parameter_values_are_refused_on_the_component_and_the_stream_goes_on():
+    """An empty or overlong prompt, or out-of-range steps/noise/transition from the UI or OSC: a message on
+    the component, the last good value kept, and neither the parameter callback nor any cook raises."""
+    comp, script, ext = make_component(InputTOP(td_texture(24, 32)))
+    configure(comp)
+    comp.par.Prompt = "ink wash"
+    comp.par.Steps = 3
+    comp.par.Active = True
+    try:
+        cook_until(script, lambda: running(comp), "engine running")
+        bad = [("Prompt", "   ", "prompt"), ("Prompt", "x" * 5000, "prompt"), ("Transition", -3, "transition"),
+               ("Steps", 7, "steps"), ("Noisescale", 5.0, "noise_scale"), ("Noisescale", float("nan"), "noise_scale")]
+        for name, value, word in bad:
+            good = getattr(comp.par, name).eval()
+            setattr(comp.par, name, value)  # the Parameter Execute DAT's callback runs here
+            for _ in range(3):
+                script.cook()
+            message = comp.par.Message.eval()
+            assert word in message and name in message, (name, value, message)
+            comp.parexec_enabled = False
+            setattr(comp.par, name, good)  # the user puts it back
+            comp.parexec_enabled = True
+            setattr(comp.par, name, good)
+        wanted = ext.bridge.wanted
+        assert wanted.prompt == PromptWish("ink wash", 4)
+        assert wanted.params["steps"] == steps_for(3) and wanted.params["noise_scale"] == 0.8
+        comp.par.Prompt = "velvet"  # a good value clears the message and reaches the engine
+        deadline = time.monotonic() + 10
+        while _engine_session(ext).get("prompt") != "velvet" and time.monotonic() < deadline:
+            script.cook()
+            time.sleep(0.05)
+        assert _engine_session(ext).get("prompt") == "velvet"
+        assert "prompt" not in comp.par.Message.eval()
+        comp.parexec_enabled = False
+        comp.par.Steps = 9  # a restart with a bad value on the page: it starts, and says what is wrong
+        comp.parexec_enabled = True
+        comp.par.Start.pulse()
+        cook_until(script, lambda: running(comp), "engine running again")
+        assert "Steps" in comp.par.Message.eval() and ext.bridge.wanted.params["steps"] == steps_for(3)
+    finally:
+        comp.par.Active = False
+
+
+class FlakyTOP(InputTOP):
+    """An input TOP that, for some cooks, has no image to give (disconnected upstream, not cooked yet)."""
+
+    empty = False
+
+    def numpyArray(self, delayed: bool = False, writable: bool = False) -> Any:
+        return None if self.empty else super().numpyArray(delayed, writable)
+
+    def cudaMemory(self, stream: int | None = None) -> Any:
+        return None if self.empty else super().cudaMemory(stream)
+
+
+def _output_is(script: ScriptTOP, texture: np.ndarray) -> bool:
+    """The pass-through engine's output of `texture`, in the Script TOP (copyNumpyArray: uint8 RGB
+    bottom-up; copyCUDAMemory: the input's own layout)."""
+    out = script.output
+    want = from_touchdesigner(texture) if texture.dtype != np.float16 else from_touchdesigner(
+        texture.astype(np.float32))
+    if out is None or out.shape[:2] != texture.shape[:2]:
+        return False
+    order = "RGB" if out.shape[2] == 3 else touchdesigner_order(out.dtype, out.shape[2])
+    return np.array_equal(to_engine(out, order=order, bottom_up=True), want)
+
+
+def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_comes_back():
+    source = FlakyTOP(td_texture(24, 32, seed=1))
+    comp, script, ext = make_component(source)
+    configure(comp)
+    comp.par.Active = True
+    try:
+        cook_until(script, lambda: running(comp), "engine running")
+        source.empty = True
+        durations = [script.cook() for _ in range(5)]
+        assert max(durations) < COOK_BUDGET_S
+        assert "no image" in comp.par.Message.eval()
+        source.empty = False
+        source.texture = td_texture(24, 32, seed=2)
+        cook_until(script, lambda: _output_is(script, source.texture), "output of the returned input")
+        assert "no image" not in comp.par.Message.eval()
+    finally:
+        comp.par.Active = False
+
+
+def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raising():
+    """TouchDesigner's 16-bit float textures (cudaMemory dataType float16) are not a device format the
+    bridge takes: those cooks go through numpyArray(), with a note, and the stream goes on both ways."""
+    from host_bridge import Bridge, BridgeConfig
+
+    source = InputTOP(td_texture(24, 32, np.uint8, seed=3))
+    comp, script, ext = make_component(source)
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
+    bridge.start()
+    ext.bridge = DeviceCopyingBridge(bridge)
+    ext.device_output = StandInDeviceBuffer()
+    try:
+        cook_until(script, lambda: running(comp), "engine running")
+        for texture in (td_texture(24, 32, np.float32, seed=4).astype(np.float16), td_texture(24, 32, seed=5)):
+            source.texture = texture
+            durations = cook_until(script, lambda t=texture: _output_is(script, t), f"{texture.dtype} output")
+            assert max(durations) < COOK_BUDGET_S
+            assert ("through the CPU" in comp.par.Message.eval()) == (texture.dtype == np.float16)
+    finally:
+        ext.Stop()
+
+
+class BoundedRuntime:
+    """The CPU stand-in for cuda-python's runtime (tests/fakes/cuda_runtime.py), where a copy into
+    device memory must land inside one allocation: a write past the end is recorded and refused, where a
+    GPU would corrupt TouchDesigner's memory or fault."""
+
+    def __init__(self) -> None:
+        from tests.fakes.cuda_runtime import FakeRuntime
+
+        self._rt = FakeRuntime()
+        self.textures: dict[int, int] = {}  # TD's texture copies handed out by cudaMemory(): ptr -> size
+        self.violations: list[str] = []
+
+    def _inside(self, ptr: int, size: int) -> bool:
+        spans = [(p, ctypes.sizeof(b)) for p, b in self._rt.buffers.items()] + list(self.textures.items())
+        return any(base <= ptr and ptr + size <= base + n for base, n in spans)
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):  # noqa: N802
+        if kind != self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost and not self._inside(
+                dst, (height - 1) * dpitch + width):
+            self.violations.append(f"{height} rows of {width} bytes (pitch {dpitch}) past the destination")
+            raise RuntimeError(self.violations[-1])
+        if width > dpitch:
+            self.violations.append(f"rows of {width} bytes into a pitch of {dpitch}")
+            raise RuntimeError(self.violations[-1])
+        return self._rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+
+class HostMemoryTOP(InputTOP):
+    """cudaMemory() as TD gives it: a copy of the texture the CUDAMemory object owns (here in host memory
+    that the stand-in runtime treats as device memory), freed when the object is dropped."""
+
+    def __init__(self, texture: np.ndarray, rt: BoundedRuntime) -> None:
+        super().__init__(texture)
+        self.rt = rt
+
+    def cudaMemory(self, stream: int | None = None) -> Any:
+        data = np.ascontiguousarray(self.texture).copy()
+        ptr = data.ctypes.data
+        self.rt.textures[ptr] = data.nbytes
+        h, w, c = data.shape
+        memory = HostCUDAMemory(ptr, data.nbytes, CUDAMemoryShape(w, h, c, data.dtype.type))
+        memory.keep, memory.rt = data, self.rt
+        return memory
+
+    def end_cook(self) -> None:
+        """The copies are owned (and freed) by HostCUDAMemory."""
+
+
+class HostCUDAMemory(CUDAMemory):
+    def __del__(self) -> None:
+        self.rt.textures.pop(self._ptr, None)
+
+
+class HostScriptTOP(ScriptTOP):
+    def copyCUDAMemory(self, address: int, size: int, shape: Any, stream: int | None = None) -> None:
+        if not self.cooking:
+            raise RuntimeError("copyCUDAMemory outside the cook")
+        rt = self.parent().rt
+        if not rt._inside(address, size):
+            raise RuntimeError(f"copyCUDAMemory of {size} bytes from outside an allocation")
+        data = np.frombuffer(ctypes.string_at(address, size), np.dtype(shape.dataType))
+        self.output = data.reshape(shape.height, shape.width, shape.numComps).copy()
+
+
+def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(monkeypatch):
+    """The input TOP changes resolution or pixel format mid-show on cuda-ipc: until the engine's first
+    output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
+    for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
+    pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
+    from engine.server.passthrough import PassthroughSession
+    from host_bridge import Bridge, BridgeConfig
+    from host_bridge.wire.rings import cuda as tc
+
+    rt = BoundedRuntime()
+    monkeypatch.setattr(tc, "cudart", rt)
+    engine = InProcessEngine(PassthroughSession)
+    comp = LoomComp()
+    comp.rt = rt
+    source = HostMemoryTOP(td_texture(48, 64, seed=1), rt)
+    script = HostScriptTOP(comp, source)
+    script_top_callbacks.onSetupParameters(script)
+    comp.ext.LoomExt = ext = LoomExt(comp)
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", launch=False, endpoint=engine.endpoint,
+                                     heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    try:
+        cook_until(script, lambda: running(comp), "engine running")
+        for h, w, dtype in ((24, 64, np.uint8), (48, 32, np.uint8), (48, 32, np.float32), (40, 56, np.uint16),
+                            (48, 64, np.uint8)):
+            source.texture = texture = td_texture(h, w, dtype, seed=h + w)
+            received = ext.bridge.stats()["received"]
+
+            def restyled(t=texture, before=received) -> bool:  # the engine's output of the new input
+                out = script.output
+                return ext.bridge.stats()["received"] > before + 2 and out is not None and np.array_equal(out, t)
+
+            cook_until(script, restyled, f"{h}x{w} {np.dtype(dtype).name} output", 10)
+            assert rt.violations == [], (h, w, dtype, rt.violations)
+            assert ext.cuda_submits > 0 and "not taken" not in comp.par.Message.eval()
+    finally:
+        ext.Stop()
+        engine.stop()
+
+
+CALLBACK_BUDGET_S = 0.5  # a parameter callback runs on TD's main thread: every cook waits for it
+
+
+class EngineTraces:
+    """What engines started from now on leave while they live: their shared-memory segments (named
+    loom_<creator pid>_...) and loom threads in this process. Other tests' and other processes' are not counted."""
+
+    def __init__(self) -> None:
+        self.pids = {os.getpid()}
+        self._segments = self._all_segments()
+        self._threads = {t.ident for t in threading.enumerate()}
+
+    @staticmethod
+    def _all_segments() -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob("loom_*")} if Path("/dev/shm").is_dir() else set()
+
+    def left(self) -> tuple[set[str], set[str]]:
+        segments = {n for n in self._all_segments() - self._segments if int(n.split("_")[1]) in self.pids}
+        threads = {t.name for t in threading.enumerate() if t.ident not in self._threads and t.name.startswith("loom")}
+        return segments, threads
+
+
+def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():
+    """Stopping an engine waits for it to exit (seconds, more while it is still starting); TD runs parameter
+    callbacks on its main thread, so that wait must happen elsewhere. Afterwards nothing is left."""
+    from host_bridge.wire.processes import pid_alive
+
+    traces = EngineTraces()
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    slowest = 0.0
+    try:
+        for i in range(4):
+            for change in (lambda: setattr(comp.par, "Active", True), lambda: setattr(comp.par, "Active", False),
+                           lambda: setattr(comp.par, "Active", True), comp.par.Start.pulse):
+                start = time.perf_counter()
+                change()
+                slowest = max(slowest, time.perf_counter() - start, script.cook())
+                time.sleep(0.2 * (i % 2))  # some stop while the engine process starts, some at once
+            comp.par.Active = False
+        comp.par.Active = True
+        cook_until(script, lambda: running(comp), "engine running after the toggles")
+        traces.pids.add(ext.bridge.stats()["engine_pid"])
+    finally:
+        start = time.perf_counter()
+        comp.par.Active = False
+        slowest = max(slowest, time.perf_counter() - start)
+    assert slowest < CALLBACK_BUDGET_S, f"a callback or cook held TD's main thread for {slowest:.2f} s"
+    assert ext.WaitClosed(30), "an engine did not stop"
+    assert not any(pid_alive(p) for p in traces.pids - {os.getpid()})
+    assert wait_until(lambda: traces.left() == (set(), set()), 20), traces.left()
+
+
+def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over():
+    """TD re-creates an extension when its DAT is edited or on Re-Init Extensions, calling the old object's
+    onDestroyTD and the new one's onInitTD: the old engine must not keep running (a second engine on the
+    GPU), and with Active on the show goes on with the new one."""
+    from host_bridge.wire.processes import pid_alive
+
+    traces = EngineTraces()
+    comp, script, old = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.par.Active = True
+    cook_until(script, lambda: running(comp), "engine running")
+    old_pid = old.bridge.stats()["engine_pid"]
+    traces.pids.add(old_pid)
+    old.onDestroyTD()  # what TD does on re-init
+    comp.ext.LoomExt = new = LoomExt(comp)
+    new.onInitTD()
+    try:
+        assert wait_until(lambda: not pid_alive(old_pid), 20), "the old extension's engine is still running"
+        cook_until(script, lambda: running(comp), "the new extension's engine running")
+        traces.pids.add(new.bridge.stats()["engine_pid"])
+    finally:
+        comp.par.Active = False
+    assert new.WaitClosed(30) and old.WaitClosed(30)
+    assert wait_until(lambda: traces.left() == (set(), set()), 20), traces.left()

@@ -1,0 +1,175 @@
+"""Frame rings (shm, tcp) and endpoints: slots, ownership, cleanup; tcp to a served engine with CurveZMQ."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+
+from host_bridge import Bridge, BridgeConfig
+from host_bridge.wire.channel import EndpointError, check_endpoint, is_loopback
+from host_bridge.wire.protocol import ProtocolError
+from host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
+from host_bridge.wire.rings.cuda import cuda_available
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _frames(n: int, h: int = 24, w: int = 40) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="POSIX shared memory")
+def test_shm_ring_is_private_shared_and_removed_by_its_owner():
+    ring = create_ring("shm", "in", slots=3, width=40, height=24, generation=1)
+    other = create_ring("shm", "in", slots=3, width=40, height=24, generation=1)
+    path = Path("/dev/shm") / ring.spec.handles[0]
+    try:
+        assert ring.spec.handles != other.spec.handles  # random names
+        assert path.stat().st_mode & 0o777 == 0o600
+        peer = attach_ring(ring.spec)
+        frames = _frames(3)
+        for slot, f in enumerate(frames):
+            ring.write(slot, f)
+        assert all(np.array_equal(peer.read(s, []), f) for s, f in enumerate(frames))
+        peer.close()
+        assert path.exists()  # the engine only attaches: closing its view removes nothing
+        with pytest.raises(ValueError, match="does not fit"):
+            ring.write(0, np.zeros((24, 40, 4), np.uint8))
+        with pytest.raises(ProtocolError, match="outside the ring"):
+            ring.read(3, [])
+    finally:
+        ring.close()
+        other.close()
+    assert not path.exists()
+
+
+def test_tcp_ring_raw_is_exact_and_jpeg_is_close():
+    f = _frames(1)[0]
+    raw = create_ring("tcp", "in", slots=2, width=40, height=24)
+    assert np.array_equal(attach_ring(raw.spec).read(0, raw.write(0, f)), f)
+    with pytest.raises(ProtocolError, match="payload"):
+        raw.read(0, [b"short"])
+    smooth = np.tile(np.linspace(0, 255, 40, dtype=np.uint8)[None, :, None], (24, 1, 3))
+    jpeg = create_ring("tcp", "out", slots=2, width=40, height=24, encoding="jpeg", jpeg_quality=95)
+    payload = jpeg.write(1, smooth)
+    assert len(payload[0]) < smooth.nbytes
+    back = attach_ring(jpeg.spec).read(1, payload)
+    assert np.abs(back.astype(int) - smooth).mean() < 3
+
+
+def test_slot_tracker_never_hands_out_a_published_slot():
+    t = SlotTracker(3)
+    slots = [t.acquire() for _ in range(3)]
+    for s in slots:
+        t.publish(s)
+    assert t.acquire() is None and t.in_flight == 3
+    assert not t.release(7)  # never published: refused
+    assert t.release(slots[1]) and t.acquire() == slots[1]
+
+
+def test_cuda_ipc_is_optional():
+    ok, why = cuda_available()
+    if ok:
+        pytest.skip("a GPU is present; the gpu tests cover cuda-ipc")
+    assert why
+    with pytest.raises(TransportUnavailable, match="cuda-ipc transport unavailable"):
+        create_ring("cuda-ipc", "in", slots=2, width=8, height=8)
+    with Bridge(BridgeConfig(transport="cuda-ipc", passthrough=True)) as bridge:  # a host on a machine without CUDA
+        status = bridge.status()
+        assert status.state == "dead" and "cuda-ipc transport unavailable" in status.message
+        frame = _frames(1)[0]
+        assert bridge.submit(frame) is False
+        out, status = bridge.latest()
+        assert np.array_equal(out, frame) and status.fallback  # the host keeps showing its input
+        with pytest.raises(ValueError, match="pitch: 10 bytes is smaller than one row"):
+            bridge.submit_cuda(1234, 10, 8, 8, 4, "uint8")
+        with pytest.raises(ValueError, match="channels: 2"):
+            bridge.submit_cuda(1234, 64, 8, 8, 2, "uint8")
+
+
+def test_non_loopback_tcp_needs_curve():
+    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("ipc:///tmp/x") and is_loopback("tcp://localhost:1")
+    assert not is_loopback("tcp://10.0.0.2:5555") and not is_loopback("tcp://0.0.0.0:5555")
+    with pytest.raises(EndpointError, match="CurveZMQ keys are required"):
+        check_endpoint("tcp://192.168.1.20:5555", None)
+    bridge = Bridge(BridgeConfig(launch=False, endpoint="tcp://192.168.1.20:5555", restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match="CurveZMQ"):
+            bridge.wait_running(5)
+    finally:
+        bridge.close()
+    out = subprocess.run([sys.executable, "-m", "engine", "serve", "--bind", "tcp://0.0.0.0:5599", "--passthrough"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "CurveZMQ keys are required" in out.stderr
+
+
+def test_tcp_transport_through_a_launched_engine_is_lossless_and_ordered():
+    frames = _frames(40)
+    with Bridge(BridgeConfig(transport="tcp", passthrough=True, engine_cwd=str(ROOT))) as bridge:
+        bridge.wait_running(30)
+        outs = bridge.process(frames, timeout_s=30)
+    assert all(np.array_equal(a, b) for a, b in zip(frames, outs))
+
+
+def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
+    server_dir, client_dir, authorized, stranger_dir = (tmp_path / n for n in ("s", "c", "auth", "x"))
+    for d in (server_dir, client_dir, authorized, stranger_dir):
+        d.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(server_dir), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(client_dir), "client")
+    _, stranger_secret = zmq.auth.create_certificates(str(stranger_dir), "stranger")
+    os.replace(client_public, authorized / "client.key")
+    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
+                               "--passthrough", "--curve-secret-file", server_secret, "--curve-authorized",
+                               str(authorized)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = engine.stderr.readline()
+        assert "listening on tcp://127.0.0.1:" in line, line
+        endpoint = line.split()[-1]
+        cfg = dict(launch=False, endpoint=endpoint, transport="tcp", encoding="jpeg", handshake_timeout_s=2.0,
+                   curve_server_public_file=server_public)
+        with Bridge(BridgeConfig(**cfg, curve_secret_file=client_secret)) as bridge:
+            bridge.wait_running(30)
+            smooth = np.tile(np.linspace(0, 255, 64, dtype=np.uint8)[None, :, None], (32, 1, 3))
+            outs = bridge.process([smooth] * 5, timeout_s=20)
+            assert len(outs) == 5 and all(np.abs(o.astype(int) - smooth).mean() < 3 for o in outs)
+        stranger = Bridge(BridgeConfig(**cfg, curve_secret_file=stranger_secret, restart=False)).start()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="no handshake"):
+                stranger.wait_running(10)
+            assert time.monotonic() - t0 < 5
+        finally:
+            stranger.close()
+        assert engine.poll() is None  # the served engine outlives its hosts
+    finally:
+        engine.terminate()
+        assert engine.wait(timeout=10) == 0
+
+
+def test_host_bridge_needs_neither_torch_nor_engine_nor_cuda_python():
+    code = (
+        "import sys\n"
+        "sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None  # as if cuda-python were absent\n"
+        "import numpy as np\n"
+        "from host_bridge import Bridge, BridgeConfig\n"
+        "from host_bridge.wire.rings import create_ring\n"
+        "from host_bridge.wire.rings.cuda import cuda_available\n"
+        "ok, why = cuda_available(); assert not ok and 'cuda-python' in why, why\n"
+        "r = create_ring('shm', 'in', slots=2, width=4, height=4)\n"
+        "r.write(0, np.zeros((4, 4, 3), np.uint8)); r.close()\n"
+        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), 'imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr

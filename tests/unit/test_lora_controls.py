@@ -1,0 +1,54 @@
+"""LoRA scales from the player's keys and OSC reach the bridge as one lora_scales update per frame."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, lora_scale_command
+from plugin.player.osc import command_for
+
+
+class RecordingBridge:
+    def __init__(self) -> None:
+        self.params: list[dict] = []
+
+    def set_params(self, **params) -> None:
+        self.params.append(params)
+
+    def set_prompt(self, text, transition_chunks=None) -> None:
+        pass
+
+
+def _controls(**scales: float) -> Controls:
+    return Controls(ControlState(prompts=["ink"], lora_scales=dict(scales)))
+
+
+def test_keys_select_a_lora_and_step_its_scale():
+    controls, bridge = _controls(ink=1.0, film=0.5), RecordingBridge()
+    keys = KeyboardInput(controls)
+    for key in ".l,,":
+        keys.press(ord(key))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"lora_scales": {"ink": 1.05, "film": 0.4}}]
+    assert controls.state.message == "LoRA film: scale 0.40"
+
+
+def test_osc_sets_a_named_lora_and_refuses_what_is_not_allowed():
+    controls, bridge = _controls(ink=1.0), RecordingBridge()
+    controls.put(command_for("/loom/lora/scale", ("ink", 0.25)))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"lora_scales": {"ink": 0.25}}]
+    with pytest.raises(ControlError, match=r"lora_scales: .* expected a mapping .* numbers in \[-4, 4\]"):
+        lora_scale_command("ink", 9)
+    with pytest.raises(ControlError, match="wrong arguments"):
+        command_for("/loom/lora/scale", (0.5,))
+    controls.put(Command("lora_scale", ("nope", 1.0)))
+    controls.apply_pending(bridge)
+    assert controls.state.message == "no LoRA named 'nope'; loaded: ink" and len(bridge.params) == 1
+
+
+def test_without_loras_the_keys_say_how_to_load_one():
+    controls, bridge = _controls(), RecordingBridge()
+    KeyboardInput(controls).press(ord("."))
+    controls.apply_pending(bridge)
+    assert bridge.params == [] and "--lora" in controls.state.message

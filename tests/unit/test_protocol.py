@@ -1,0 +1,92 @@
+"""The wire schema: valid messages round-trip, everything malformed is refused with a reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from host_bridge.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ProtocolError, RingSpec, decode, encode, make
+
+RING = dict(transport="shm", dir="in", slots=3, width=64, height=32, channels=3, dtype="uint8", pitch=192,
+            generation=1, handles=["loom_0123456789abcdef"])
+
+
+def _raw(obj) -> list[bytes]:
+    return [json.dumps(obj).encode()]
+
+
+def test_valid_messages_round_trip():
+    msgs = [
+        make("hello", role="engine", token="t", pid=12, transports=["shm", "tcp"], gpu_uuids=[]),
+        make("hello", role="host", token="t", pid=12, lane="ipc:///tmp/loom-1-x/lane"),
+        make("hello", role="host", token="t", pid=12, doorbell="loom_4242_0123456789ab"),
+        make("flush", id=4, seq=99),
+        make("ready", info={"session": "X"}),
+        make("heartbeat", t=1.5, busy_s=0.2),
+        make("ring", id=3, spec=RING),
+        make("frame", dir="in", slot=2, seq=10, gen=1, t=2.0),
+        make("release", dir="out", slot=0, gen=1),
+        make("prompt", id=1, text="oil painting", transition_chunks=4),
+        make("params", id=2, params={"steps": [700, 500], "noise_scale": 0.7}),
+        make("error", id=2, code="params", message="steps: bad"),
+        make("bye", reason="done"),
+    ]
+    for m in msgs:
+        assert decode([encode(m)]) == m
+    payload = b"\x01" * 100
+    m = make("frame", dir="out", slot=0, seq=1, gen=1, nbytes=100)
+    assert decode([encode(m), payload])["nbytes"] == 100
+
+
+@pytest.mark.parametrize("obj, reason", [
+    ({"v": PROTOCOL_VERSION + 1, "type": "hello"}, "newer protocol version"),
+    ({"v": 0, "type": "hello"}, "older protocol version"),
+    ({"type": "bye"}, "protocol version"),
+    ({"v": PROTOCOL_VERSION, "type": "launch_missiles"}, "unknown"),
+    ({"v": PROTOCOL_VERSION, "type": "bye", "extra": 1}, "bye.extra: unknown field"),
+    ({"v": PROTOCOL_VERSION, "type": "frame", "dir": "in", "slot": 99, "seq": 0, "gen": 0}, "frame.slot"),
+    ({"v": PROTOCOL_VERSION, "type": "frame", "dir": "in", "seq": 0, "gen": 0}, "frame.slot: missing"),
+    ({"v": PROTOCOL_VERSION, "type": "prompt", "text": ""}, "prompt.text"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "lane": "udp://h:1"},
+     "hello.lane"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "doorbell": "../../etc/x"},
+     "hello.doorbell"),
+    ({"v": PROTOCOL_VERSION, "type": "hello", "role": "host", "token": "", "pid": 1, "doorbell": "loom_1_ab\n"},
+     "hello.doorbell"),
+    ({"v": PROTOCOL_VERSION, "type": "heartbeat", "t": True}, "heartbeat.t"),
+    ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "pitch": 10}}, "smaller than a row"),
+    ({"v": PROTOCOL_VERSION, "type": "ring", "spec": {**RING, "order": "BGRA"}}, "ring.order"),
+    ([1, 2, 3], "JSON object"),
+])
+def test_malformed_messages_are_refused_with_the_reason(obj, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        decode(_raw(obj))
+
+
+def test_size_limit_non_json_nan_and_parts_are_refused():
+    big = encode(make("bye", reason="x"))[:-2] + b"x" * MAX_MESSAGE_BYTES + b'"}'
+    with pytest.raises(ProtocolError, match="limit"):
+        decode([big])
+    with pytest.raises(ProtocolError, match="JSON"):
+        decode([b"\xff\xfe not json"])
+    with pytest.raises(ProtocolError, match="NaN"):
+        decode([b'{"v":1,"type":"heartbeat","t":NaN}'])
+    with pytest.raises(ProtocolError, match="JSON"):
+        decode([b"[" * 30000 + b"]" * 30000])
+    with pytest.raises(ProtocolError, match="parts"):
+        decode([encode(make("bye")), b"extra"])
+    with pytest.raises(ProtocolError, match="nbytes"):
+        decode([encode(make("frame", dir="in", slot=0, seq=0, gen=0)), b"payload"])
+    with pytest.raises(ProtocolError, match="empty"):
+        decode([])
+    with pytest.raises(ProtocolError):
+        make("frame", dir="sideways", slot=0, seq=0, gen=0)  # senders are validated too
+
+
+def test_ring_spec_describes_the_slots():
+    spec = RingSpec.from_dict(RING)
+    assert spec.row_bytes == 64 * 3 and spec.slot_bytes == 192 * 32
+    assert RingSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ProtocolError, match="jpeg"):
+        RingSpec.from_dict({**RING, "encoding": "jpeg"})

@@ -1,0 +1,203 @@
+"""StreamSession end to end on the CPU with the embedded tiny models."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import numpy as np
+import pytest
+
+from engine.config import load_config
+from engine.stream.session import StreamSession
+from tests.fakes.media import panning_clip
+
+SMALL = ["resolution.width=64", "resolution.height=64"]
+
+
+def session(*overrides: str) -> StreamSession:
+    return StreamSession.from_config(load_config("tiny-random", [*SMALL, *overrides]))
+
+
+def clip(n: int, h: int = 64, w: int = 64, seed: int = 0) -> np.ndarray:
+    return panning_clip(n, h, w, seed)
+
+
+def run_all(s: StreamSession, frames: np.ndarray, step: int) -> np.ndarray:
+    outs = [s.push(frames[i:i + step]) for i in range(0, len(frames), step)]
+    outs.append(s.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
+def test_81_frames_in_81_out_same_size():
+    frames = clip(81)
+    out = run_all(session(), frames, 81)
+    assert out.shape == frames.shape and out.dtype == np.uint8
+
+
+def test_output_is_deterministic_for_a_seed():
+    tiny = ("resolution.width=32", "resolution.height=32")
+    frames = clip(21, 32, 32)
+    a = run_all(session(*tiny), frames, 21)
+    assert np.array_equal(a, run_all(session(*tiny), frames, 21))
+    assert not np.array_equal(a, run_all(session(*tiny, "stream.seed=1"), frames, 21))
+
+
+def test_one_frame_pushes_give_the_same_frames_as_one_big_push():
+    frames = clip(29)
+    whole = run_all(session("stream.mode=batch"), frames, 29)
+    single = run_all(session("stream.mode=batch"), frames, 1)
+    assert np.array_equal(whole, single)
+
+
+def test_outputs_come_back_in_input_order():
+    # crop policy with a wider input: the side bands pass through unchanged, so they carry
+    # each input frame's identity to its output.
+    frames = clip(23, h=64, w=96)
+    for i in range(len(frames)):
+        frames[i, :, :8] = i * 10
+    out = run_all(session("resolution.resize=crop"), frames, 3)
+    assert out.shape == frames.shape
+    assert [int(o[0, 0, 0]) for o in out] == [i * 10 for i in range(23)]
+
+
+@pytest.mark.parametrize("size", [(37, 53), (120, 50)])
+def test_odd_input_sizes(size):
+    frames = clip(9, *size)
+    for policy in ("crop", "fit", "stretch"):
+        out = run_all(session(f"resolution.resize={policy}"), frames, 2)
+        assert out.shape == frames.shape
+
+
+def test_sequential_and_batch_modes_and_switching_keep_the_stream():
+    frames = clip(45)
+    s = session("stream.steps=[700,500,300]", "stream.mode=batch")
+    outs = [s.push(frames[:21])]
+    assert s.stats()["plan"]["mode"] == "batch"
+    s.set_params(mode="sequential")
+    outs.append(s.push(frames[21:33]))
+    s.set_params(mode="batch", steps=[700, 400])
+    outs.append(s.push(frames[33:]))
+    outs.append(s.flush())
+    out = np.concatenate([o for o in outs if len(o)])
+    assert out.shape == frames.shape
+
+
+def test_bad_input_is_refused_or_dropped_and_the_stream_goes_on():
+    s = session()
+    with pytest.raises(ValueError, match="dtype int32"):
+        s.push(np.zeros((2, 64, 64, 3), np.int32))
+    with pytest.raises(ValueError, match=r"\[N, H, W, 3\]"):
+        s.push(np.zeros((2, 64, 64, 4), np.uint8))
+    with pytest.raises(ValueError, match="zero size"):
+        s.push(np.zeros((2, 0, 64, 3), np.uint8))
+    with pytest.raises(ValueError, match="empty"):
+        s.set_prompt("  ")
+    with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
+        s.set_params(stepz=[700])
+    with pytest.raises(ValueError, match="noise_scale"):
+        s.set_params(noise_scale=7.0)
+    good = clip(9).astype(np.float32) / 255.0
+    good[3, 5, 5, 1] = np.nan
+    good[6, 0, 0, 0] = np.inf
+    out = [s.push(good)]
+    out.append(s.flush())
+    assert sum(len(o) for o in out) == 7
+    assert s.stats()["dropped"] == 2
+
+
+def test_prompt_switch_blends_without_resetting_positions():
+    s = session("prompt.transition_chunks=3", "prompt.blend=linear")
+    frames = clip(41)
+    s.push(frames[:13])
+    before = s.stats()["kv_positions"]
+    s.set_prompt("charcoal sketch")
+    s.prompt.wait_pending(30)
+    weights = []
+    for i in range(4):
+        s.push(frames[13 + 4 * i:17 + 4 * i])
+        weights.append(s.stats()["prompt_blend"])
+    after = s.stats()["kv_positions"]
+    assert weights == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    assert min(after) > max(before)  # positions kept counting, no reset
+    assert s.stats()["prompt"] == "charcoal sketch"
+
+
+def test_stats_report_what_a_performer_needs():
+    s = session()
+    run_all(s, clip(21), 4)
+    st = s.stats()
+    for key in ("frames_in", "frames_out", "dropped", "fps", "ttff_s", "latency_ms", "latency_jitter_ms",
+                "slo_miss_rate", "stages_ms", "plan", "noise_scale"):
+        assert key in st
+    assert st["frames_in"] == st["frames_out"] == 21
+    assert {"encode", "dit", "decode"} <= set(st["stages_ms"])
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+@pytest.mark.slow
+def test_1000_chunks_memory_flat_positions_bounded():
+    s = session("resolution.width=16", "resolution.height=16", "stream.steps=[700]")
+    frame = clip(4, 16, 16)
+    s.push(clip(5, 16, 16))
+    cache_bytes = s.stats()["kv_cache_bytes"]
+    rss = None
+    highest = produced = 0
+    for i in range(1000):  # about 20 RoPE refreshes
+        produced += len(s.push(frame))
+        highest = max(highest, max(s.denoiser.cache.next_positions))
+        if i == 250:
+            rss = _rss_mb()
+    assert produced + len(s.flush()) == 4000
+    assert s.stats()["kv_cache_bytes"] == cache_bytes
+    assert highest <= 50  # RoPE refresh keeps positions inside the trained range
+    assert _rss_mb() - rss < 25  # over 750 chunks: a leak of more than ~33 KiB a chunk fails
+
+
+def test_tensor_frames_stay_tensors_and_match_the_numpy_path():
+    """The cuda-ipc server hands device tensors; the session keeps them off the CPU. On a CPU the
+    same path runs with CPU tensors and must give exactly the numpy path's frames."""
+    import torch
+
+    frames = clip(13, 48, 64)
+    ref = run_all(session("resolution.resize=crop"), frames, 13)
+    s = session("resolution.resize=crop")
+    got = [s.push(torch.from_numpy(frames[:7])), s.push(torch.from_numpy(frames[7:])), s.flush()]
+    tensors = [g for g in got if isinstance(g, torch.Tensor)]
+    assert tensors and all(g.dtype == torch.uint8 for g in tensors)
+    assert np.array_equal(torch.cat(tensors).numpy(), ref)
+    assert s.accepts_device_frames is False  # on a CPU the server keeps using numpy frames
+
+
+def test_live_sink_threshold_change_reaches_the_cache():
+    s = session()
+    produced = len(s.push(clip(9)))
+    s.set_params(sink_threshold=-1.0)
+    assert s.denoiser.cache.sink_threshold == -1.0
+    produced += len(s.push(clip(4))) + len(s.flush())
+    assert produced == 13
+
+
+@pytest.mark.parametrize("overrides", [("stream.mode=batch",), ("stream.mode=sequential", "noise.estimator=farneback")])
+def test_input_size_may_change_mid_chunk_and_the_stream_goes_on(overrides):
+    """A host that changes its resolution on stage (between any two frames, here mid-chunk): no
+    error and no new stream; each output has its own input's size, and they come in order (the
+    crop policy passes the side bands through, carrying each frame's index)."""
+    sizes = [(64, 96)] * 7 + [(48, 80)] * 6 + [(64, 80)] * 9 + [(48, 80)] * 3
+    frames = [clip(1, h, w, seed=i)[0] for i, (h, w) in enumerate(sizes)]
+    for i, f in enumerate(frames):
+        f[:, :4] = i * 10
+    s = session("resolution.resize=crop", *overrides)
+    out, positions = [], []
+    for f in frames:
+        out += list(s.push(f))
+        positions.append(max(s.denoiser.cache.next_positions))
+    out += list(s.flush())
+    assert [o.shape for o in out] == [f.shape for f in frames]
+    assert [int(o[0, 0, 0]) for o in out] == [i * 10 for i in range(len(frames))]
+    assert positions == sorted(positions) and positions[-1] > positions[7]  # one stream: positions go on
+    assert s.stats()["frames_out"] == len(frames) and s.stats()["dropped"] == 0

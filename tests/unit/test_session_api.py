@@ -1,0 +1,70 @@
+"""Every session the server or bench drives implements the declared `EngineSession` interface:
+the server never probes a session, so a missing member or a changed signature must fail here."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from engine.config import load_config
+from engine.parallel.session import PipelineSession
+from engine.server.passthrough import PassthroughSession
+from engine.session_api import EngineSession
+from engine.stream.session import StreamSession
+
+SESSIONS = [PassthroughSession, StreamSession, PipelineSession]
+METHODS = [name for name, member in vars(EngineSession).items()
+           if inspect.isfunction(member) and not name.startswith("_")]
+PROPERTIES = [name for name, member in vars(EngineSession).items() if isinstance(member, property)]
+
+
+def test_the_interface_names_what_the_server_uses():
+    assert set(METHODS) == {"push", "poll", "flush", "set_prompt", "set_params", "reset", "stats", "close"}
+    assert set(PROPERTIES) == {"accepts_device_frames", "raw_passthrough", "unfinished"}
+
+
+@pytest.mark.parametrize("cls", SESSIONS, ids=lambda c: c.__name__)
+def test_session_class_has_every_member_with_a_compatible_signature(cls):
+    for name in PROPERTIES:
+        member = inspect.getattr_static(cls, name, None)
+        assert member is not None, f"{cls.__name__}.{name} is missing"
+        assert not callable(member), f"{cls.__name__}.{name} must be a property or a value, not a method"
+    for name in METHODS:
+        impl = inspect.getattr_static(cls, name, None)
+        assert inspect.isfunction(impl), f"{cls.__name__}.{name} is missing"
+        want = inspect.signature(getattr(EngineSession, name)).parameters
+        have = inspect.signature(impl).parameters
+        for pname, param in want.items():
+            assert pname in have, f"{cls.__name__}.{name} lacks parameter {pname!r}"
+            assert have[pname].kind == param.kind, f"{cls.__name__}.{name}({pname}): {have[pname].kind}"
+            assert have[pname].default == param.default, f"{cls.__name__}.{name}({pname}) default"
+        extra = [p for n, p in have.items() if n not in want and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        assert all(p.default is not p.empty for p in extra), f"{cls.__name__}.{name}: extra required parameters"
+
+
+def test_passthrough_session_is_an_engine_session():
+    session = PassthroughSession()
+    assert isinstance(session, EngineSession)
+    assert session.raw_passthrough and not session.accepts_device_frames and session.unfinished == 0
+    frames = np.zeros((2, 4, 4, 3), np.uint8)
+    assert np.array_equal(session.push(frames), frames)
+    assert len(session.poll()) == 0 and len(session.flush()) == 0
+    session.close()
+
+
+def test_stream_session_is_an_engine_session():
+    cfg = load_config("tiny-random", ["resolution.width=32", "resolution.height=32"])
+    with StreamSession.from_config(cfg, warmup=False) as session:
+        assert isinstance(session, EngineSession)
+        assert session.raw_passthrough is False and session.unfinished == 0
+
+
+def test_the_wan_session_refuses_another_familys_parameters_by_name():
+    from engine.config import load_config
+    from engine.stream.session import StreamSession
+
+    with StreamSession.from_config(load_config("default"), warmup=False) as session:
+        with pytest.raises(ValueError, match="unknown parameter 'adapter_strength'; settable: steps"):
+            session.set_params(adapter_strength=0.5)

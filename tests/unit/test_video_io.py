@@ -1,0 +1,346 @@
+"""Video I/O: real clips, files written and read back, a UDP stream, audio pass-through, bad inputs."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from plugin.media.video_io import (
+    MediaError,
+    check_output_file,
+    generate_clip,
+    open_sink,
+    open_source,
+    partial_path,
+)
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _port_listed(port: int) -> bool:
+    """Linux lists bound UDP sockets in /proc/net/udp (FFmpeg may bind with SO_REUSEADDR, which a
+    bind probe cannot see)."""
+    try:
+        rows = Path("/proc/net/udp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(row.split()[1].endswith(f":{port:04X}") for row in rows)
+
+
+def _wait_until_bound(port: int, timeout_s: float = 20.0) -> None:
+    """Wait until someone (the PyAV reader) holds the UDP port."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _port_listed(port):
+            return
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the reader never bound udp port {port}")
+
+
+def _make_clip_with_audio(path: Path, audio_codec: str, video_s: float, audio_s: float) -> None:
+    """A small clip (h264 video + a 440 Hz tone) written with PyAV, audio longer than video."""
+    fps, rate, width, height = 24, 48000, 64, 48
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = out.add_stream(audio_codec, rate=rate, layout="stereo")
+        for i in range(round(video_s * fps)):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 8 * i, np.uint8), format="rgb24")
+            frame.pts = i
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+        tone = (np.sin(2 * np.pi * 440 * np.arange(round(audio_s * rate)) / rate) * 8000).astype(np.int16)
+        for start in range(0, len(tone), 1024):
+            chunk = tone[start:start + 1024]
+            packed = np.repeat(chunk, 2)[None, :]  # interleaved stereo s16
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(packed), format="s16", layout="stereo")
+            frame.sample_rate, frame.pts = rate, start
+            out.mux(audio.encode(frame))
+        out.mux(audio.encode(None))
+
+
+def _stream_summary(path: Path) -> dict[str, tuple[str, float]]:
+    """Codec name and decoded duration (seconds) per stream type."""
+    summary = {}
+    for kind in ("video", "audio"):
+        with av.open(str(path)) as c:
+            streams = getattr(c.streams, kind)
+            if not streams:
+                continue
+            last = 0.0
+            for frame in c.decode(streams[0]):
+                duration = frame.samples / frame.sample_rate if kind == "audio" else 0.0
+                last = max(last, frame.time + duration)
+            summary[kind] = (streams[0].codec_context.name, last)
+    return summary
+
+
+def test_reads_real_clip(media_dir: Path) -> None:
+    with open_source(media_dir / "davis512_blackswan.mp4") as src:
+        assert (src.width, src.height, src.fps, src.frame_count, src.is_live) == (512, 512, 24.0, 50, False)
+        frames = list(src)
+    assert len(frames) == 50
+    assert all(f.shape == (512, 512, 3) and f.dtype == np.uint8 for f in frames)
+    assert frames[0].std() > 10 and np.abs(frames[0].astype(int) - frames[-1]).mean() > 1
+
+
+def test_reads_non_square_clip_as_rows_by_columns(media_dir: Path) -> None:
+    with open_source(str(media_dir / "sdv2_original_832x480.mp4")) as src:
+        assert src.size == (832, 480) and src.fps == 16.0
+        assert src.read().shape == (480, 832, 3)
+
+
+def test_generated_clip_is_deterministic_and_moves() -> None:
+    a = np.stack(list(generate_clip(6, (96, 64), 24, seed=3)))
+    b = np.stack(list(generate_clip(6, (96, 64), 24, seed=3)))
+    c = np.stack(list(generate_clip(6, (96, 64), 24, seed=4)))
+    assert a.shape == (6, 64, 96, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert all(np.abs(a[i + 1].astype(int) - a[i]).mean() > 0.5 for i in range(5))
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv", ".mov"])
+def test_file_written_reads_back(tmp_path: Path, suffix: str) -> None:
+    frames = list(generate_clip(20, (96, 64), 24, seed=1))
+    path = tmp_path / f"out{suffix}"
+    with open_sink(path, 24, (96, 64)) as sink:
+        for frame in frames:
+            sink.write(frame)
+        assert sink.frames_written == 20
+    with open_source(path) as src:
+        assert src.size == (96, 64) and src.fps == pytest.approx(24.0)
+        assert src.frame_count == 20 and not src.is_live
+        back = list(src)
+    assert len(back) == 20
+    error = np.abs(np.stack(back).astype(np.float32) - np.stack(frames)).mean()
+    assert error < 6.0, f"decoded frames differ from what was written (mean abs diff {error:.1f})"
+
+
+def test_udp_mpegts_sink_reaches_a_pyav_reader() -> None:
+    port = free_udp_port()
+    received: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            with av.open(f"udp://127.0.0.1:{port}", format="mpegts", timeout=(10.0, 1.5)) as c:
+                for frame in c.decode(video=0):
+                    received.append(frame.to_ndarray(format="rgb24"))
+        except av.error.ExitError:
+            pass  # read timeout: the sender stopped
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    _wait_until_bound(port)
+    frames = list(generate_clip(48, (160, 96), 24, seed=2))
+    with open_sink(f"udp://127.0.0.1:{port}", 24, (160, 96)) as sink:
+        assert sink.is_network
+        for frame in frames:
+            sink.write(frame)
+            time.sleep(0.004)
+    thread.join(timeout=20)
+    assert not errors, errors
+    assert len(received) >= 40, f"only {len(received)} of 48 frames arrived"
+    assert received[0].shape == (96, 160, 3)
+    assert np.abs(received[-1].astype(np.float32) - frames[-1]).mean() < 10.0
+
+
+def test_missing_file() -> None:
+    with pytest.raises(MediaError, match="video file not found: .*nope.mp4"):
+        open_source("/definitely/nope.mp4")
+
+
+def test_text_file_named_mp4(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.mp4"
+    fake.write_text("this is not a video\n" * 50)
+    with pytest.raises(MediaError, match="fake.mp4: not a readable video"):
+        open_source(fake)
+
+
+def test_folder_is_not_a_video(tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="is a directory"):
+        open_source(tmp_path)
+
+
+@pytest.mark.parametrize("spec", [99, "99"])
+def test_camera_that_does_not_open(spec: int | str) -> None:
+    with pytest.raises(MediaError, match="camera 99 could not be opened"):
+        open_source(spec)
+
+
+def test_bad_url_scheme() -> None:
+    with pytest.raises(MediaError, match="unsupported URL scheme 'foo'.*allowed: rtsp"):
+        open_source("foo://example/stream")
+
+
+def test_unreachable_url_fails_fast() -> None:
+    with socket.socket() as s:  # a port that is certainly closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(MediaError, match=f"rtsp://127.0.0.1:{port}/live: cannot open"):
+        open_source(f"rtsp://127.0.0.1:{port}/live")
+
+
+def test_srt_without_a_peer_or_without_support_is_a_clear_error() -> None:
+    """This PyAV build may lack SRT (libsrt); either way the message names the URL and the reason."""
+    port = free_udp_port()
+    pattern = rf"srt://127\.0\.0\.1:{port}: (this FFmpeg build .* does not support|cannot|no answer)"
+    with pytest.raises(MediaError, match=pattern):
+        open_source(f"srt://127.0.0.1:{port}", open_timeout=1.0)
+    with pytest.raises(MediaError, match=pattern):
+        open_sink(f"srt://127.0.0.1:{port}", 24, (64, 48))
+
+
+def test_silent_stream_times_out() -> None:
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="no answer within 1 s"):
+        open_source(f"udp://127.0.0.1:{free_udp_port()}", open_timeout=1.0)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(("spec", "size", "message"), [
+    ("out.avi", (64, 48), "must end in one of .mp4, .mkv, .mov"),
+    ("out.mp4", (65, 48), "even width and height"),
+    ("ftp://host/x", (64, 48), "unsupported output URL scheme 'ftp'"),
+    ("missing_dir/out.mp4", (64, 48), "output folder does not exist"),
+])
+def test_bad_sinks(tmp_path: Path, spec: str, size: tuple[int, int], message: str) -> None:
+    target = spec if "://" in spec else tmp_path / spec
+    with pytest.raises(MediaError, match=message):
+        open_sink(target, 24, size)
+
+
+def test_sink_refuses_wrong_frames(tmp_path: Path) -> None:
+    with open_sink(tmp_path / "out.mp4", 24, (64, 48)) as sink:
+        with pytest.raises(MediaError, match=r"frame shape must be \(48, 64, 3\)"):
+            sink.write(np.zeros((64, 48, 3), np.uint8))
+        with pytest.raises(MediaError, match="must be uint8"):
+            sink.write(np.zeros((48, 64, 3), np.float32))
+
+
+@pytest.mark.parametrize(("audio_codec", "expected"), [("aac", "aac"), ("pcm_s16le", "aac")])
+def test_audio_passes_through_to_a_file(tmp_path: Path, audio_codec: str, expected: str) -> None:
+    """AAC is copied as is; PCM (poorly supported in MP4) is re-encoded to AAC; cut at the video end."""
+    source = tmp_path / "with_audio.mkv"
+    _make_clip_with_audio(source, audio_codec, video_s=1.0, audio_s=2.0)
+    with open_source(source) as src:
+        frames = list(src)[:12]  # stop after half a second, like a run ended early
+    out = tmp_path / "out.mp4"
+    with open_sink(out, 24, (64, 48), audio_from=source) as sink:
+        for frame in frames:
+            sink.write(frame)
+    summary = _stream_summary(out)
+    assert summary["audio"][0] == expected
+    assert summary["audio"][1] == pytest.approx(0.5, abs=0.05)
+    with open_source(out) as back:
+        assert len(list(back)) == 12
+
+
+def test_audio_source_without_audio_is_fine(tmp_path: Path) -> None:
+    silent = tmp_path / "silent.mp4"
+    with open_sink(silent, 24, (64, 48)) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+    out = tmp_path / "out.mkv"
+    with open_sink(out, 24, (64, 48), audio_from=silent) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert "audio" not in _stream_summary(out)
+
+
+def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
+    out = tmp_path / "interrupted.mp4"
+    script = textwrap.dedent(f"""
+        import sys, numpy as np
+        from plugin.media.video_io import generate_clip, open_sink
+        clip = generate_clip(10, (96, 64), 24, seed=0)
+        with open_sink({str(out)!r}, 24, (96, 64)) as sink:
+            for i in range(10**6):
+                sink.write(clip.frame(i))
+                if i == 10:
+                    print("writing", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt" in stderr
+    with open_source(out) as src:
+        assert src.size == (96, 64)
+        assert len(list(src)) > 10
+
+
+def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
+    code = ("import sys, plugin.media.video_io; "
+            "print(sorted(m for m in ('av', 'cv2', 'torch', 'engine') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_damaged_packets_mid_file_are_skipped_and_the_rest_is_read(tmp_path: Path) -> None:
+    with open_source(damage_middle(noise_clip(tmp_path / "damaged.mp4", 60))) as src:
+        frames = list(src)
+        assert src.skipped_packets >= 1, "the damage should reach the decoder (else this test tests nothing)"
+    assert len(frames) >= 50, f"reading stopped at the damage: {len(frames)} of 60 frames"
+    assert all(f.shape == (48, 64, 3) for f in frames)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_full_disk_is_reported_when_the_file_cannot_be_finished(tmp_path: Path) -> None:
+    """FFmpeg buffers its writes, so a full disk often shows only at close: it must be a MediaError there."""
+    full = tmp_path / "full.mkv"
+    full.write_bytes(b"an earlier recording")
+    # The file is written under its partial name first: that one is the full drive (every write fails
+    # with ENOSPC, as on a full recording drive).
+    partial_path(full).symlink_to("/dev/full")
+    sink = open_sink(full, 24, (64, 48))
+    for i in range(5):
+        sink.write(np.full((48, 64, 3), i * 40, np.uint8))
+    with pytest.raises(MediaError, match="full.mkv: finishing the output failed: No space left on device"):
+        sink.close()
+    assert full.read_bytes() == b"an earlier recording", "a failed output must leave the target as it was"
+    assert not partial_path(full).exists()
+
+
+def test_a_file_appears_only_when_finished_and_a_discarded_one_leaves_the_target(tmp_path: Path) -> None:
+    out = tmp_path / "out.mp4"
+    out.write_bytes(b"mine")
+    sink = open_sink(out, 24, (64, 48))
+    sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert out.read_bytes() == b"mine" and partial_path(out).exists()
+    sink.discard()
+    assert out.read_bytes() == b"mine" and not partial_path(out).exists()
+    empty = open_sink(out, 24, (64, 48))
+    empty.close()  # no frame: nothing playable to put in place
+    assert out.read_bytes() == b"mine"
+    with open_sink(out, 24, (64, 48)) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert out.read_bytes() != b"mine" and list(tmp_path.iterdir()) == [out]
+
+
+def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "clip.mp4"
+    src.write_bytes(b"input")
+    with pytest.raises(MediaError, match="is the input file"):
+        check_output_file(tmp_path / "." / "clip.mp4", [str(src)], overwrite=True)
+    with pytest.raises(MediaError, match="exists; give --overwrite"):
+        check_output_file(src, [], overwrite=False)
+    check_output_file(tmp_path / "new.mp4", [str(src)], overwrite=False)
