@@ -20,7 +20,7 @@ from engine.models.taehv import TinyVAE, TinyVAEConfig
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 
 EMBEDDED_DIT = DIT_PRESETS["embedded"]
-STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/style_text.py)
+STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/stream/style_text.py)
 STYLE_TEXT_LEN = EMBEDDED_DIT.text_len  # tokens per prompt: the style vector in the first, zeros after
 EMBEDDED_VAE = TinyVAEConfig(encoder_width=16, decoder_widths=(64, 48, 32, 16), latents_mean=(0.0,) * 16,
                              latents_std=(1.0,) * 16, normalize_on_encode=True, denormalize_on_decode=True)

