@@ -32,7 +32,8 @@ class ModelConfig:
 
     family: str = spec("wan", choices=("wan", "edit"),
                        doc="wan: the causal Wan DiT; edit: the MLLM-conditioned edit UNet (the `edit` section)")
-    preset: str = spec("tiny", choices=("tiny", "wan2.1-1.3b", "wan2.1-14b"), doc="DiT architecture")
+    preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b"),
+                        doc="DiT architecture; embedded = the trained default (with its own VAE and style text)")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
@@ -127,8 +128,9 @@ class PromptConfig:
     """Text conditioning."""
 
     text: str = live.PROMPT.field()
-    encoder: str = spec("hash", choices=("hash", "file", "umt5"),
-                        doc="hash: small deterministic encoder; file: precomputed embeddings; umt5: local model")
+    encoder: str = spec("hash", choices=("hash", "style", "file", "umt5"),
+                        doc="hash: small deterministic encoder; style: the embedded model's prompt -> style table; "
+                            "file: precomputed embeddings; umt5: local model")
     path: str | None = spec(None, doc="embeddings file (encoder=file) or umT5 directory (encoder=umt5)")
     device: str = spec("auto", choices=("auto", "cpu", "cuda"), doc="where the text encoder runs")
     transition_chunks: int = live.TRANSITION_CHUNKS.field()

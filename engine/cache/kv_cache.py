@@ -401,16 +401,19 @@ class KVCache:
         k = k.unflatten(1, (step.frames, self.frame_tokens)).to(kc.dtype)
         v = v.unflatten(1, (step.frames, self.frame_tokens)).to(vc.dtype)
         saved = []
-        for b, runs in enumerate(step.writes):
-            for slot, first, n in runs:
-                if not step.commit[b]:
+        lockstep = all(step.commit) and all(w == step.writes[0] for w in step.writes[1:])
+        for b, runs in [(slice(None), step.writes[0])] if lockstep else enumerate(step.writes):
+            for slot, first, n in runs:  # rows in lockstep (every row the same slots): one copy for all
+                if not lockstep and not step.commit[b]:
                     saved.append((b, slot, n, kc[b, slot : slot + n].clone(), vc[b, slot : slot + n].clone()))
                 kc[b, slot : slot + n] = k[b, first : first + n]
                 vc[b, slot : slot + n] = v[b, first : first + n]
-        keys = kc.flatten(1, 2)
+        keys, values = kc.flatten(1, 2), vc.flatten(1, 2)
+        if torch.is_grad_enabled():  # training (engine/train): the slots change after this attention
+            keys, values = keys.clone(), values.clone()  # reads them, so autograd keeps its own copy
         if step.k_rope is not None:
             keys = rotate(keys, *step.k_rope)
-        out = attention(q, keys.to(q.dtype), vc.flatten(1, 2).to(q.dtype), step.mask)
+        out = attention(q, keys.to(q.dtype), values.to(q.dtype), step.mask)
         for b, slot, n, ks, vs in saved:
             kc[b, slot : slot + n] = ks
             vc[b, slot : slot + n] = vs

@@ -81,7 +81,15 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
     dit_cfg = DIT_PRESETS[mc.preset]
-    if mc.checkpoint:
+    embedded = mc.preset == "embedded" and not mc.checkpoint
+    if embedded:  # the trained default: its DiT and VAE ship together in the package
+        from engine.models.embedded import load_embedded
+
+        if vc.encoder != "taehv" or vc.decoder != "taehv" or vc.taehv_checkpoint:
+            raise ValueError("model.preset: 'embedded' comes with its own VAE; leave vae.encoder and vae.decoder "
+                             "at taehv and vae.taehv_checkpoint empty")
+        dit, embedded_vae, _ = load_embedded(device, dtype)
+    elif mc.checkpoint:
         dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
     elif mc.preset in EMBEDDED_PRESETS or mc.random_weights:
         dit = _seeded(lambda: WanDiT(dit_cfg), mc.seed, device, dtype)
@@ -104,7 +112,9 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
                              "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
     tiny = None
     if "taehv" in (vc.encoder, vc.decoder):
-        if vc.taehv_checkpoint:
+        if embedded:
+            tiny = embedded_vae
+        elif vc.taehv_checkpoint:
             tiny = TinyVAE.from_checkpoint(vc.taehv_checkpoint, device=device, dtype=dtype).eval()
         elif vc.random_weights:
             tiny = _seeded(TinyVAE, mc.seed + 2, device, dtype)

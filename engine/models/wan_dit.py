@@ -81,6 +81,8 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     "wan2.1-14b": WanDiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
     # Loom's embedded default and test model: runs on a CPU at a few FPS at 256 tokens/frame.
     "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
+    # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors.
+    "embedded": WanDiTConfig(dim=192, ffn_dim=768, num_heads=3, num_layers=4, text_dim=384, text_len=4),
 }
 
 

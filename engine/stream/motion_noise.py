@@ -125,6 +125,11 @@ class MotionNoiseController:
             d: torch.Tensor | float = self._flow.latest()
         else:
             d = frame_difference_motion(frames, previous)
+        return self.advance(d)
+
+    def advance(self, d: torch.Tensor | float) -> torch.Tensor | float:
+        """Advance by one chunk whose motion estimate d in [0, 1] is known (the training recipe
+        precomputes it); returns the new scale s."""
         self.last_motion = d
         self._scale = (self.noise_scale - MOTION_SLOPE * d) * self.ema + self._scale * (1.0 - self.ema)
         if isinstance(self._scale, torch.Tensor) and self._scale.is_cuda:

@@ -19,7 +19,7 @@ import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -51,16 +51,23 @@ class TextEncoder(Protocol):
     def encode(self, texts: list[str]) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class DescribingEncoder(Protocol):
+    """An encoder that can say what a prompt landed on (the style table: which style, how near)."""
+
+    def describe(self, text: str) -> Any: ...
+
+
 class HashTextEncoder:
     """Deterministic stand-in for umT5: each word seeds a unit-variance token vector."""
 
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
+    def __init__(self, dim: int, text_len: int = TEXT_LEN) -> None:
+        self.dim, self.text_len = dim, text_len
 
     def encode(self, texts: list[str]) -> torch.Tensor:
-        out = torch.zeros(len(texts), TEXT_LEN, self.dim)
+        out = torch.zeros(len(texts), self.text_len, self.dim)
         for i, text in enumerate(texts):
-            words = check_prompt(text).lower().split()[:TEXT_LEN]
+            words = check_prompt(text).lower().split()[:self.text_len]
             for j, word in enumerate(words):
                 seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
                 gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
@@ -127,9 +134,14 @@ class UMT5TextEncoder:
         return (hidden * batch.attention_mask[..., None].to(hidden.dtype)).float().cpu()
 
 
-def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str) -> TextEncoder:
+def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str, text_len: int = TEXT_LEN
+                      ) -> TextEncoder:
     if kind == "hash":
-        return HashTextEncoder(text_dim)
+        return HashTextEncoder(text_dim, text_len)
+    if kind == "style":  # the embedded model's prompt -> style table (engine/stream/style_text.py)
+        from engine.stream.style_text import StyleTextEncoder
+
+        return StyleTextEncoder(text_dim, text_len, path)
     if path is None:
         raise PromptError(f"prompt.encoder={kind} needs prompt.path (an embeddings file or a umT5 directory)")
     encoder: TextEncoder = FileTextEncoder(path) if kind == "file" else UMT5TextEncoder(path, device=device)
@@ -172,6 +184,7 @@ class PromptConditioner:
         self._pending: tuple[str, int, Future] | None = None
         self.error: str | None = None  # why the newest requested prompt did not take effect
         self.text = check_prompt(text)
+        self.match = self._describe(self.text)
         self._from = self._to = self._embed(self.text)
         self._steps_total = 0
         self._step = 0
@@ -195,6 +208,12 @@ class PromptConditioner:
                 torch.cuda.current_stream(self.device).synchronize()
             return emb
         return self.encoder.encode([text])[0].to(self.device, self.dtype)
+
+    def _describe(self, text: str) -> dict | None:
+        """What the prompt landed on, for the stats (encoders that can say it; else None)."""
+        if isinstance(self.encoder, DescribingEncoder):
+            return self.encoder.describe(text).to_dict()
+        return None
 
     def set_transition_chunks(self, chunks: int) -> None:
         """Chunks over which later prompt changes blend in (0: at once); a blend under way keeps its own."""
@@ -251,6 +270,7 @@ class PromptConditioner:
                 self.error = f"prompt {text!r} could not be encoded: {type(exc).__name__}: {exc}"
             else:
                 self._from, self._to, self.text, self.error = self._blend_now(), new, text, None
+                self.match = self._describe(text)
                 self._steps_total, self._step = chunks, 0
                 changed = True
         if self._steps_total and self._step < self._steps_total:

@@ -87,7 +87,8 @@ class StreamSession:
         self._decode_stream = torch.cuda.Stream(self.device) if cuda and not cfg.memory.low_vram else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
-                                         _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram))
+                                         _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
+                                         models.dit.cfg.text_len)
         self.prompt = PromptConditioner(text_encoder, cfg.prompt.text, device=self.device, dtype=self.dtype,
                                         transition_chunks=cfg.prompt.transition_chunks, blend_mode=cfg.prompt.blend)
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
@@ -505,6 +506,7 @@ class StreamSession:
             "prompt": self.prompt.text,
             "prompt_error": self.prompt.error,
             "prompt_blend": self.prompt.weight,
+            "prompt_style": self.prompt.match,
             "lora_scales": self.models.lora.scales,
             "kv_positions": cache.next_positions,
             "kv_cache_bytes": cache.memory_bytes(),

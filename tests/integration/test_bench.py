@@ -13,7 +13,7 @@ from plugin.cli.main import main
 def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # the embedded default at 64x64: the table and the JSON have the same rows at any size
-    rc = main(["bench", "--config", "default", "--width", "64", "--height", "64", "--frames", "24", "--warmup", "9",
+    rc = main(["bench", "--config", "tiny-random", "--width", "64", "--height", "64", "--frames", "24", "--warmup", "9",
                "--bridge", "shm", "--bridge-frames", "30", "--baseline-chunks", "2", "--json", str(out)])
     assert rc == 0
     captured = capsys.readouterr()
@@ -47,7 +47,7 @@ def test_bench_says_why_it_will_not_run_what_cannot_finish_or_compare(capsys):
 
 
 def test_bench_refuses_a_bad_override(capsys):
-    assert main(["bench", "--config", "default", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
+    assert main(["bench", "--config", "tiny-random", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
     assert "steps" in capsys.readouterr().err
 
 

@@ -47,4 +47,4 @@ def test_serve_and_the_one_gpu_session_refuse_several_gpus_clearly(capsys):
     assert main(["serve", "--bind", "tcp://127.0.0.1:0", "--set", "parallel.gpus=2"]) != 0
     assert "loom bench --gpus" in capsys.readouterr().err
     with pytest.raises(ValueError, match="parallel.gpus"):
-        StreamSession.from_config(load_config(None, ["parallel.gpus=2"]), warmup=False)
+        StreamSession.from_config(load_config("tiny-random", ["parallel.gpus=2"]), warmup=False)

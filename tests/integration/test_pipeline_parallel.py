@@ -48,9 +48,9 @@ def no_children_left() -> bool:
 def test_two_ranks_give_the_one_process_frames(steps):
     overrides = [*BASE, f"stream.steps={steps}"]
     frames = clip(33)  # 9 latent frames: the ring wraps and RoPE refreshes on every rank and KV row
-    one = StreamSession.from_config(load_config(None, overrides))
+    one = StreamSession.from_config(load_config("tiny-random", overrides))
     reference = stream(one, frames)
-    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2"])) as pipe:
+    with PipelineSession(load_config("tiny-random", [*overrides, "parallel.gpus=2"])) as pipe:
         assert pipe.split == [2, 2]
         out = stream(pipe, frames)
         again = stream(pipe, frames, push=5)  # a flush starts a new stream: the same frames again
@@ -80,26 +80,26 @@ def test_two_ranks_give_the_one_process_frames(steps):
 def test_the_comparison_can_fail():
     # the oracle test above is only meaningful if another noise seed changes the frames
     frames = clip(13)
-    a = stream(StreamSession.from_config(load_config(None, BASE)), frames)
-    b = stream(StreamSession.from_config(load_config(None, [*BASE, "stream.seed=1"])), frames)
+    a = stream(StreamSession.from_config(load_config("tiny-random", BASE)), frames)
+    b = stream(StreamSession.from_config(load_config("tiny-random", [*BASE, "stream.seed=1"])), frames)
     assert np.abs(a.astype(int) - b.astype(int)).max() > 8
 
 
 def test_a_rank_that_fails_to_load_reports_its_error_and_leaves_nothing_behind(tmp_path):
     # a partial checkpoint: blocks 2 and 3 (rank 1's) are missing
-    models = load_models(load_config(None, BASE))
+    models = load_models(load_config("tiny-random", BASE))
     weights = {k: v.contiguous() for k, v in models.dit.state_dict().items()
                if not k.startswith(("blocks.2.", "blocks.3."))}
     path = tmp_path / "partial.safetensors"
     save_file(weights, str(path))
-    cfg = load_config(None, [*BASE, "parallel.gpus=2", f"model.checkpoint={path}"])
+    cfg = load_config("tiny-random", [*BASE, "parallel.gpus=2", f"model.checkpoint={path}"])
     with pytest.raises(PipelineError, match=r"(?s)rank 1 failed.*blocks\.2\."):
         PipelineSession(cfg)
     assert no_children_left()
 
 
 def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
-    pipe = PipelineSession(load_config(None, [*BASE, "parallel.gpus=2"]))
+    pipe = PipelineSession(load_config("tiny-random", [*BASE, "parallel.gpus=2"]))
     frames = clip(21)
     pipe.push(frames[:9])
     with pytest.raises(ValueError):  # bad input is refused and the ring goes on
@@ -118,13 +118,13 @@ def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
 
 def test_bad_settings_are_refused_before_any_process_starts():
     with pytest.raises(ConfigError, match="parallel.split"):
-        load_config(None, ["parallel.gpus=2", "parallel.split=[1,1,2]"])
+        load_config("tiny-random", ["parallel.gpus=2", "parallel.split=[1,1,2]"])
     with pytest.raises(ConfigError, match="sequential"):
-        load_config(None, ["parallel.gpus=2", "stream.mode=sequential"])
+        load_config("tiny-random", ["parallel.gpus=2", "stream.mode=sequential"])
     with pytest.raises(ValueError, match="parallel.split"):
-        PipelineSession(load_config(None, ["parallel.gpus=2", "parallel.split=[1,2]"]))  # 4 blocks
+        PipelineSession(load_config("tiny-random", ["parallel.gpus=2", "parallel.split=[1,2]"]))  # 4 blocks
     with pytest.raises(ValueError, match="parallel.gpus"):
-        PipelineSession(load_config(None, ["parallel.gpus=5"]))  # 5 ranks for 4 blocks
+        PipelineSession(load_config("tiny-random", ["parallel.gpus=5"]))  # 5 ranks for 4 blocks
     assert no_children_left()
 
 
@@ -183,7 +183,7 @@ def test_loom_bench_gpus_reports_every_rank(tmp_path, capsys):
     from plugin.cli.main import main
 
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", "default", "--gpus", "2", "--frames", "16", "--warmup", "9", "--bridge", "none",
+    rc = main(["bench", "--config", "tiny-random", "--gpus", "2", "--frames", "16", "--warmup", "9", "--bridge", "none",
                "--no-baseline", "--set", "resolution.width=64", "--set", "resolution.height=64", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
@@ -201,7 +201,7 @@ def test_graphed_stage_blocks_match_eager_on_a_gpu():
 
     stages = []
     for graphs in ("true", "false"):
-        cfg = load_config(None, [*BASE, "model.device=cuda", f"stream.cuda_graphs={graphs}", "stream.steps=[700,500]"])
+        cfg = load_config("tiny-random", [*BASE, "model.device=cuda", f"stream.cuda_graphs={graphs}", "stream.steps=[700,500]"])
         stage = Stage(cfg, load_models(cfg, dit_blocks=range(0, 2)), range(0, 2))
         context = torch.randn(1, 8, stage.dit.cfg.text_dim, generator=torch.Generator().manual_seed(1)).cuda()
         stage.apply(NEW_CONTEXT, context)
@@ -221,8 +221,8 @@ def test_graphed_stage_blocks_match_eager_on_a_gpu():
 def test_two_gpus_give_the_one_gpu_frames():
     overrides = [*BASE, "model.device=cuda", "stream.steps=[700,500]"]
     frames = clip(61)
-    reference = stream(StreamSession.from_config(load_config(None, overrides), warmup=False), frames)
-    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2"])) as pipe:
+    reference = stream(StreamSession.from_config(load_config("tiny-random", overrides), warmup=False), frames)
+    with PipelineSession(load_config("tiny-random", [*overrides, "parallel.gpus=2"])) as pipe:
         out = stream(pipe, frames)
     diff = np.abs(out.astype(int) - reference.astype(int))
     assert out.shape == frames.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2

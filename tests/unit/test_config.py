@@ -13,10 +13,13 @@ def test_every_shipped_preset_loads():
         assert isinstance(load_config(name), LoomConfig)
 
 
-def test_default_is_the_embedded_tiny_model():
+def test_default_is_the_trained_embedded_model():
     cfg = load_config()
-    assert cfg.model.preset == "tiny" and cfg.model.checkpoint is None
+    assert cfg.model.preset == "embedded" and cfg.model.checkpoint is None and cfg.prompt.encoder == "style"
+    assert cfg.resolution.width >= 192 and cfg.resolution.height >= 192
     assert cfg.stream.num_kv_cache == 6 and cfg.stream.sink == 3
+    tiny = load_config("tiny-random")  # the seeded random-weight model the tests use
+    assert tiny.model.preset == "tiny" and tiny.prompt.encoder == "hash"
 
 
 def test_overrides_parse_yaml_values():

@@ -119,7 +119,7 @@ def test_cuda_path_refuses_the_cpu_with_what_is_allowed():
 
 
 def test_load_models_refuses_fp8_on_cpu_before_reading_weights(tmp_path):
-    cfg = load_config(None, ["model.device=cpu", "model.fp8_linear=true",
+    cfg = load_config("tiny-random", ["model.device=cpu", "model.fp8_linear=true",
                              f"model.checkpoint={tmp_path / 'absent.safetensors'}"])
     with pytest.raises(ValueError, match=r"fp8_linear: device 'cpu'"):  # not the missing-file error
         load_models(cfg)
@@ -206,6 +206,6 @@ def test_cuda_fp8_dit_streams_under_graphs_like_the_emulation():
 def test_load_models_converts_the_dit_on_a_capable_gpu():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs compute capability >= 8.9")
-    models = load_models(load_config(None, ["model.device=cuda", "model.fp8_linear=true"]))
+    models = load_models(load_config("tiny-random", ["model.device=cuda", "model.fp8_linear=true"]))
     assert _linear_names(models.dit, FP8Linear) == {f"blocks.{i}.{p}" for i in range(4) for p in BLOCK_LINEARS}
     assert models.dit.blocks[0].ffn[0].weight_fp8.is_cuda

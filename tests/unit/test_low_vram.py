@@ -12,7 +12,7 @@ from engine.stream.session import StreamSession, _encoder_device
 
 
 def _run(overrides: list[str]) -> tuple[StreamSession, np.ndarray]:
-    cfg = load_config(None, ["resolution.width=64", "resolution.height=64", "stream.mode=batch", *overrides])
+    cfg = load_config("tiny-random", ["resolution.width=64", "resolution.height=64", "stream.mode=batch", *overrides])
     frames = np.random.default_rng(1).integers(0, 255, (17, 64, 64, 3), dtype=np.uint8)
     s = StreamSession.from_config(cfg, warmup=False)
     out = [s.push(frames[i:i + 4]) for i in range(0, 17, 4)] + [s.flush()]
@@ -42,4 +42,4 @@ def test_low_vram_keeps_the_text_encoder_on_the_cpu():
 
 def test_low_vram_refuses_a_text_encoder_on_the_gpu():
     with pytest.raises(ConfigError, match="low_vram"):
-        load_config(None, ["memory.low_vram=true", "prompt.device=cuda"])
+        load_config("tiny-random", ["memory.low_vram=true", "prompt.device=cuda"])

@@ -28,7 +28,7 @@ def test_negative_depth_is_refused():
 
 def test_a_bad_config_value_fails_at_load():
     with pytest.raises(ValueError, match="max_unfinished_chunks"):
-        load_config(None, ["stream.max_unfinished_chunks=9"])
+        load_config("tiny-random", ["stream.max_unfinished_chunks=9"])
 
 
 @pytest.mark.gpu
@@ -55,7 +55,7 @@ def test_a_session_that_overlaps_pushes_gives_the_same_frames_as_one_that_waits(
     frames = np.random.default_rng(0).integers(0, 255, (45, 64, 64, 3), dtype=np.uint8)
     outs = []
     for depth in (0, 1):
-        cfg = load_config(None, ["resolution.width=64", "resolution.height=64", "model.dtype=float32",
+        cfg = load_config("tiny-random", ["resolution.width=64", "resolution.height=64", "model.dtype=float32",
                                  f"stream.max_unfinished_chunks={depth}"])
         s = StreamSession.from_config(cfg)
         got = [s.push(frames[i:i + 4]) for i in range(0, 45, 4)] + [s.poll(), s.flush()]

@@ -332,7 +332,7 @@ def test_loom_eval_bad_size_is_an_argument_error(capsys) -> None:
 
 def test_loom_eval_runs_the_engine_and_compares_two_configs(tmp_path: Path) -> None:
     small = ["--set", "resolution.width=32", "--set", "resolution.height=32"]
-    argv = ["--restyle", "--frames", "13", "--size", "32x32", "--compare", "default", *small,
+    argv = ["--restyle", "--frames", "13", "--size", "32x32", "--compare", "tiny-random", *small,
             "--set", "stream.steps=[700]", "-o", str(tmp_path)]
     assert eval_cmd.main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())

@@ -16,7 +16,7 @@ SMALL = ["resolution.width=64", "resolution.height=64"]
 
 
 def session(*overrides: str) -> StreamSession:
-    return StreamSession.from_config(load_config(None, [*SMALL, *overrides]))
+    return StreamSession.from_config(load_config("tiny-random", [*SMALL, *overrides]))
 
 
 def clip(n: int, h: int = 64, w: int = 64, seed: int = 0) -> np.ndarray:

@@ -55,7 +55,7 @@ def test_passthrough_session_is_an_engine_session():
 
 
 def test_stream_session_is_an_engine_session():
-    cfg = load_config(None, ["resolution.width=32", "resolution.height=32"])
+    cfg = load_config("tiny-random", ["resolution.width=32", "resolution.height=32"])
     with StreamSession.from_config(cfg, warmup=False) as session:
         assert isinstance(session, EngineSession)
         assert session.raw_passthrough is False and session.unfinished == 0

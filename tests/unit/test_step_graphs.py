@@ -43,7 +43,7 @@ def test_session_with_graphs_matches_session_without():
     frames = np.random.default_rng(0).integers(0, 255, (45, 64, 64, 3), dtype=np.uint8)
     outs = []
     for graphs in ("true", "false"):
-        cfg = load_config(None, ["resolution.width=64", "resolution.height=64", "model.dtype=float32",
+        cfg = load_config("tiny-random", ["resolution.width=64", "resolution.height=64", "model.dtype=float32",
                                  "stream.mode=batch", f"stream.cuda_graphs={graphs}"])
         s = StreamSession.from_config(cfg)
         got = [s.push(frames[i:i + 4]) for i in range(0, 45, 4)] + [s.flush()]

@@ -1,0 +1,91 @@
+"""Loom's embedded default model: a tiny causal Wan DiT and a tiny TAEHV-layout VAE, trained by
+Loom's own recipe (`python -m engine.train`, docs/embedded-model.md) and shipped in the package.
+
+The architecture is fixed here; the weights file carries the trained values and the VAE's latent
+statistics (its metadata), and its SHA-256 is recorded below so a corrupted or swapped file is
+refused at load instead of restyling with the wrong weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from engine.models.taehv import TinyVAE, TinyVAEConfig
+from engine.models.wan_dit import DIT_PRESETS, WanDiT
+
+EMBEDDED_DIT = DIT_PRESETS["embedded"]
+STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/stream/style_text.py)
+STYLE_TEXT_LEN = EMBEDDED_DIT.text_len  # tokens per prompt: the style vector in the first, zeros after
+EMBEDDED_VAE = TinyVAEConfig(encoder_width=16, decoder_widths=(64, 48, 32, 16), latents_mean=(0.0,) * 16,
+                             latents_std=(1.0,) * 16, normalize_on_encode=True, denormalize_on_decode=True)
+WEIGHTS_PACKAGE = "engine.models"
+WEIGHTS_NAME = "weights/embedded.safetensors"
+WEIGHTS_SHA256 = "fb7560cb883dd34ba4368cacdc7bbe649bf6de378c813657ac391af82e6f6533"
+
+
+class EmbeddedWeightsError(RuntimeError):
+    """The shipped weights are missing or are not the recorded file."""
+
+
+def weights_path() -> Path:
+    return Path(str(resources.files(WEIGHTS_PACKAGE).joinpath(WEIGHTS_NAME)))
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def save_embedded(path: str | Path, dit: WanDiT, vae: TinyVAE, meta: dict) -> str:
+    """Write both models to one safetensors file (float16; metadata: VAE latent stats + `meta`)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"dit.{k}": v.detach().to("cpu", torch.float16).contiguous() for k, v in dit.state_dict().items()}
+    tensors.update({f"vae.{k}": v.detach().to("cpu", torch.float16).contiguous()
+                    for k, v in vae.state_dict().items()})
+    info = {"latents_mean": list(vae.cfg.latents_mean), "latents_std": list(vae.cfg.latents_std), **meta}
+    save_file(tensors, str(path), metadata={"loom": json.dumps(info)})
+    return file_sha256(path)
+
+
+def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tuple[dict, dict, dict]:
+    """(dit state, vae state, metadata) from the weights file, checked against the recorded hash."""
+    from safetensors import safe_open
+
+    path = Path(path) if path is not None else weights_path()
+    if not path.is_file():
+        raise EmbeddedWeightsError(f"{path}: the embedded model's weights are missing; reinstall Loom "
+                                   "or train them with `python -m engine.train`")
+    if check_hash and path == weights_path() and file_sha256(path) != WEIGHTS_SHA256:
+        raise EmbeddedWeightsError(f"{path}: SHA-256 {file_sha256(path)} differs from the recorded "
+                                   f"{WEIGHTS_SHA256}; the file is damaged or not the shipped one")
+    dit, vae = {}, {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("loom", "{}"))
+        for key in f.keys():
+            part, _, name = key.partition(".")
+            (dit if part == "dit" else vae)[name] = f.get_tensor(key)
+    return dit, vae, meta
+
+
+def vae_config(meta: dict) -> TinyVAEConfig:
+    return replace(EMBEDDED_VAE, latents_mean=tuple(meta["latents_mean"]), latents_std=tuple(meta["latents_std"]))
+
+
+def load_embedded(device: torch.device, dtype: torch.dtype, path: str | Path | None = None
+                  ) -> tuple[WanDiT, TinyVAE, dict]:
+    """The trained embedded DiT and VAE on `device` in `dtype`, strictly loaded."""
+    dit_state, vae_state, meta = read_embedded(path)
+    with torch.device("meta"):
+        dit, vae = WanDiT(EMBEDDED_DIT), TinyVAE(vae_config(meta))
+    dit.load_state_dict(dit_state, strict=True, assign=True)
+    vae.load_state_dict(vae_state, strict=True, assign=True)
+    vae._set_latent_stats(device)
+    dit = dit.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return dit, vae, meta

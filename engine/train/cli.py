@@ -1,0 +1,69 @@
+"""Command line of the embedded model's recipe.
+
+    python -m engine.train prepare [--out build/loom_styles_192.npz]     # CPU: styled pairs, one file
+    python -m engine.train table [--out engine/models/weights/style_text.npz]  # CPU: text table
+    python -m engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
+    python -m engine.train eval [--weights ...] [--out docs/embedded-eval.json]   # CPU: model card metrics
+    python -m engine.train picture [--out docs/embedded-styles.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.train.recipe import RecipeConfig
+
+    p = argparse.ArgumentParser(prog="loom train", description="train Loom's embedded default model")
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="style the training clips (CPU) into one data file")
+    prep.add_argument("--out", default=RecipeConfig.data)
+    prep.add_argument("--size", type=int, default=192)
+    table = sub.add_parser("table", help="distil the style text table from the sentence model")
+    table.add_argument("--out", default=RecipeConfig.table)
+    fit = sub.add_parser("fit", help="train the VAE and the DiT (one GPU, about 10 minutes)")
+    for f in dataclasses.fields(RecipeConfig):
+        if f.type in ("str", "float", "int"):
+            kind = {"str": str, "float": float, "int": int}[f.type]
+            fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    ev = sub.add_parser("eval", help="measure the model card's metrics on the held-out clips (CPU)")
+    ev.add_argument("--weights", default=None)
+    ev.add_argument("--out", default="docs/embedded-eval.json")
+    ev.add_argument("--frames", type=int, default=49)
+    pic = sub.add_parser("picture", help="the README picture: input frames beside four styles")
+    pic.add_argument("--out", default="docs/embedded-styles.png")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "prepare":
+        from engine.train.data import prepare
+
+        print(prepare(args.out, size=args.size))
+    elif args.command == "table":
+        from engine.train.text_table import build
+
+        print(build(args.out))
+    elif args.command == "fit":
+        from engine.train.recipe import RecipeConfig, run
+
+        names = {f.name for f in dataclasses.fields(RecipeConfig)}
+        cfg = RecipeConfig(**{k: v for k, v in vars(args).items() if k in names})
+        print(run(cfg))
+    elif args.command == "eval":
+        from engine.train.evaluate import main as evaluate
+
+        evaluate(args.weights, args.out, args.frames)
+    elif args.command == "picture":
+        from engine.train.evaluate import picture
+
+        print(picture(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Training data for the embedded model: styled clip pairs, prepared on the CPU, in one file.
+
+Sources (all at the model's resolution, centre-cropped square):
+- the shared test clips except the held-out ones (`HELD_OUT`, kept for evaluation) and except
+  any DAVIS sequence not already in ../shared/media (those stay for independent evaluation);
+- generated clips: Loom's own moving-shapes clip (two seeds), and slow synthetic camera moves
+  (pan and zoom) over frames of the training clips, for motion the short clips lack.
+
+Every clip is stored once as its source and once per style, each as an H.264 4:4:4 stream
+(crf 16, about 35 dB PSNR): 2-3x smaller than JPEG at the same quality, so the whole set is one
+file of some 25 MB that travels to the GPU machine. `load_pairs` decodes it back to uint8 arrays.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from engine.train.styles import STYLE_NAMES, apply_style
+
+HELD_OUT = ("davis512_parkour.mp4", "davis512_libby.mp4")
+TRAIN_CLIPS = ("davis512_blackswan.mp4", "davis512_kite-surf.mp4", "davis512_scenecut_kite_dance.mp4",
+               "sdv2_original_832x480.mp4")
+MEDIA = Path(__file__).resolve().parents[2].parent / "shared" / "media"
+SOURCE = "source"
+CRF = 16
+GENERATED_FRAMES = 49
+
+
+@dataclass
+class Clip:
+    name: str
+    frames: dict[str, np.ndarray]  # "source" and each style name -> [T, H, W, 3] uint8 RGB
+
+
+def square(frame: np.ndarray, size: int) -> np.ndarray:
+    """Centre-crop to a square and resize (what the engine's `crop` resize policy does)."""
+    h, w = frame.shape[:2]
+    s = min(h, w)
+    top, left = (h - s) // 2, (w - s) // 2
+    return cv2.resize(frame[top:top + s, left:left + s], (size, size), interpolation=cv2.INTER_AREA)
+
+
+def read_clip(path: str | Path, size: int, limit: int | None = None) -> np.ndarray:
+    """Frames of a video file as [T, size, size, 3] uint8 RGB."""
+    cap = cv2.VideoCapture(str(path))
+    frames = []
+    while limit is None or len(frames) < limit:
+        ok, bgr = cap.read()
+        if not ok:
+            break
+        frames.append(square(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), size))
+    cap.release()
+    if not frames:
+        raise ValueError(f"{path}: no frames could be read")
+    return np.stack(frames)
+
+
+def shapes_clip(seed: int, size: int, n: int = GENERATED_FRAMES) -> np.ndarray:
+    """Loom's built-in generated clip (plugin.media.video_io.generate_clip: moving textured squares
+    and shaded discs over a drifting gradient), the same frames to within one grey
+    level, computed here because the engine never imports the host side."""
+    rng = np.random.default_rng(seed)
+    pos = rng.uniform(0.1, 0.9, (6, 2)) * (size, size)
+    vel = rng.uniform(1.5, 5.0, (6, 2)) * rng.choice([-1.0, 1.0], (6, 2))
+    radius = rng.uniform(0.06, 0.14, 6) * size
+    colour = rng.uniform(30, 255, (6, 3))
+    square = rng.random(6) < 0.5
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    u, v = x / size, y / size
+    frames = []
+    for t in range(n):
+        img = np.stack([90 + 60 * np.sin(2 * np.pi * (u * (c + 1) * 0.5 + v * 0.7 + 0.01 * t) + phase[c])
+                        for c in range(3)], axis=-1)
+        for p, vl, r, col, sq in zip(pos, vel, radius, colour, square):
+            dx, dy = x - _bounce(p[0] + vl[0] * t, r, size - r), y - _bounce(p[1] + vl[1] * t, r, size - r)
+            if sq:
+                mask = (np.abs(dx) < r) & (np.abs(dy) < r)
+                fill = col * (0.55 + 0.45 * ((np.floor(dx / (r / 3)) + np.floor(dy / (r / 3))) % 2)[..., None])
+            else:
+                mask = dx * dx + dy * dy < r * r
+                fill = col * (1.0 - 0.4 * np.sqrt(dx * dx + dy * dy)[..., None] / r)
+            img = np.where(mask[..., None], fill, img)
+        frames.append(np.clip(img, 0, 255).astype(np.uint8))
+    return np.stack(frames)
+
+
+def _bounce(p: float, lo: float, hi: float) -> float:
+    span = hi - lo
+    q = (p - lo) % (2 * span)
+    return lo + (q if q < span else 2 * span - q)
+
+
+def camera_move(still: np.ndarray, size: int, seed: int, n: int = GENERATED_FRAMES) -> np.ndarray:
+    """A slow pan plus zoom over one still frame: rigid motion with known, smooth flow."""
+    rng = np.random.default_rng(seed)
+    h, w = still.shape[:2]
+    s0, s1 = rng.uniform(0.55, 0.8) * min(h, w), rng.uniform(0.55, 0.8) * min(h, w)
+    x0, y0 = rng.uniform(0, w - s0), rng.uniform(0, h - s0)
+    x1, y1 = rng.uniform(0, w - s1), rng.uniform(0, h - s1)
+    out = []
+    for t in np.linspace(0.0, 1.0, n):
+        s, x, y = s0 + (s1 - s0) * t, x0 + (x1 - x0) * t, y0 + (y1 - y0) * t
+        m = np.array([[size / s, 0, -x * size / s], [0, size / s, -y * size / s]], np.float32)
+        out.append(cv2.warpAffine(still, m, (size, size), flags=cv2.INTER_AREA, borderMode=cv2.BORDER_REFLECT))
+    return np.stack(out)
+
+
+def source_clips(media: Path, size: int) -> dict[str, np.ndarray]:
+    clips = {Path(n).stem: read_clip(media / n, size) for n in TRAIN_CLIPS}
+    for seed in (1, 2):
+        clips[f"shapes_{seed}"] = shapes_clip(seed, size)
+    for seed, name in enumerate(TRAIN_CLIPS[:3]):
+        still = read_clip(media / name, 512, limit=1)[0]
+        clips[f"camera_{seed}"] = camera_move(still, size, seed)
+    return clips
+
+
+def encode_video(frames: np.ndarray, crf: int = CRF) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=24)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv444p"
+        stream.options = {"crf": str(crf), "preset": "medium"}
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def decode_video(data: bytes) -> np.ndarray:
+    """H.264 bytes -> [T, H, W, 3] uint8 RGB (OpenCV's FFmpeg: present wherever Loom runs)."""
+    fd, name = tempfile.mkstemp(suffix=".mp4")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        cap = cv2.VideoCapture(name)
+        frames = []
+        while True:
+            ok, bgr = cap.read()
+            if not ok:
+                break
+            frames.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+        cap.release()
+    finally:
+        os.unlink(name)
+    return np.stack(frames)
+
+
+def prepare(out: str | Path, size: int = 192, media: Path = MEDIA, progress: bool = True) -> Path:
+    """Style every training clip and write the set to one .npz (H.264 streams + metadata)."""
+    from tqdm import tqdm
+
+    clips = source_clips(media, size)
+    arrays: dict[str, np.ndarray] = {}
+    variants = (SOURCE, *STYLE_NAMES)
+    todo = [(c, v) for c in clips for v in variants]
+    for clip, variant in tqdm(todo, desc="styling clips", disable=not progress):
+        frames = clips[clip] if variant == SOURCE else apply_style(variant, clips[clip])
+        arrays[f"{clip}/{variant}"] = np.frombuffer(encode_video(frames), np.uint8)
+    meta = {"size": size, "clips": list(clips), "variants": list(variants), "held_out": list(HELD_OUT),
+            "frames": {c: len(f) for c, f in clips.items()}, "crf": CRF}
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, **arrays)
+    return out
+
+
+def load_pairs(path: str | Path) -> tuple[dict, list[Clip]]:
+    """Decode the data file: (metadata, clips with their source and styled frames)."""
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        clips = []
+        for name in meta["clips"]:
+            frames = {v: decode_video(bytes(data[f"{name}/{v}"])) for v in meta["variants"]}
+            n = min(len(f) for f in frames.values())
+            clips.append(Clip(name, {v: f[:n] for v, f in frames.items()}))
+    return meta, clips

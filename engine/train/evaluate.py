@@ -1,0 +1,166 @@
+"""The embedded model's card metrics, measured on held-out clips (CPU), and the README picture.
+
+For every held-out clip and style, the clip is streamed through a `StreamSession` of the default
+preset with the style's canonical prompt, at the model's resolution, and compared with every
+style's procedural target of the same frames:
+- style accuracy: the output is nearest (mean absolute error) to its own style's target;
+- SSIM against its own target (mean over frames, 11x11 Gaussian window, on each RGB channel);
+- temporal: Farneback warp error (engine/quality.py, flow on the input frames) of the output and
+  of the target, and Sobel sharpness (mean gradient magnitude) of both; the card gives ratios.
+The ablation runs the same with sinks off (stream.sink=0) and motion-aware noise off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from engine.train.data import HELD_OUT, MEDIA, read_clip
+from engine.train.styles import STYLES, apply_style
+
+SIZE = 192
+ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"]}
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM of two uint8 RGB frames (Wang et al. 2004 constants, Gaussian window 11, sigma 1.5)."""
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    x, y = a.astype(np.float64), b.astype(np.float64)
+
+    def blur(t: np.ndarray) -> np.ndarray:
+        return cv2.GaussianBlur(t, (11, 11), 1.5)
+
+    mx, my = blur(x), blur(y)
+    vx, vy, cxy = blur(x * x) - mx * mx, blur(y * y) - my * my, blur(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def sharpness(frames: np.ndarray) -> float:
+    """Mean Sobel gradient magnitude of the grey frames (0..~1000)."""
+    vals = []
+    for f in frames:
+        g = cv2.cvtColor(f, cv2.COLOR_RGB2GRAY).astype(np.float32)
+        vals.append(np.sqrt(cv2.Sobel(g, cv2.CV_32F, 1, 0) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1) ** 2).mean())
+    return float(np.mean(vals))
+
+
+def warp_error(inputs: np.ndarray, outputs: np.ndarray) -> float:
+    from engine.tools.quality import evaluate_frames
+
+    return float(evaluate_frames(inputs, outputs).totals["warp_error"])
+
+
+def stylise(frames: np.ndarray, prompt: str, overrides: list[str] = (), weights: str | None = None,
+            chunk: int = 4) -> np.ndarray:
+    """Stream frames through the default preset with one prompt; returns one output per frame."""
+    from engine.config import load_config
+    from engine.stream.session import StreamSession
+
+    sets = [f"prompt.text={prompt}", *overrides]
+    if weights:
+        sets.append(f"model.checkpoint={weights}")
+    with StreamSession.from_config(load_config("default", sets)) as s:
+        outs = [s.push(frames[i:i + chunk]) for i in range(0, len(frames), chunk)]
+        outs.append(s.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
+def held_out(frames: int) -> dict[str, np.ndarray]:
+    return {Path(n).stem: read_clip(MEDIA / n, SIZE, limit=frames) for n in HELD_OUT}
+
+
+def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES) -> list[dict]:
+    rows = []
+    for clip, frames in clips.items():
+        targets = {s.name: apply_style(s.name, frames) for s in STYLES}
+        for style in styles:
+            t = time.perf_counter()
+            out = stylise(frames, style.prompt, overrides)
+            mae = {n: float(np.abs(out.astype(np.float32) - tg).mean()) for n, tg in targets.items()}
+            own = targets[style.name]
+            rows.append({
+                "clip": clip, "style": style.name, "nearest": min(mae, key=mae.get), "mae": mae[style.name],
+                "ssim": float(np.mean([ssim(o, g) for o, g in zip(out, own)])),
+                "warp_error": warp_error(frames, out), "target_warp_error": warp_error(frames, own),
+                "sharpness": sharpness(out), "target_sharpness": sharpness(own),
+                "seconds": round(time.perf_counter() - t, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in rows]))
+
+    return {"pairs": len(rows), "nearest_own": float(np.mean([r["nearest"] == r["style"] for r in rows])),
+            "ssim": mean("ssim"), "ssim_min": float(min(r["ssim"] for r in rows)),
+            "warp_error": mean("warp_error"), "target_warp_error": mean("target_warp_error"),
+            "warp_ratio": mean("warp_error") / mean("target_warp_error"),
+            "sharpness": mean("sharpness"), "target_sharpness": mean("target_sharpness"),
+            "sharpness_ratio": mean("sharpness") / mean("target_sharpness")}
+
+
+def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int = 2) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    clips = held_out(frames)
+    report = {"frames": frames, "size": SIZE, "clips": list(clips), "runs": {}}
+    ablated = STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
+    for name, overrides in ABLATIONS.items():
+        styles = STYLES if name == "default" else ablated
+        rows = measure(clips, overrides, styles)
+        report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "rows": rows,
+                                "summary": summary(rows)}
+        if name == "default":  # the ablation compares like with like: the same styles
+            sub = [r for r in rows if r["style"] in {s.name for s in ablated}]
+            report["runs"]["default (ablation styles)"] = {"summary": summary(sub)}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour.mp4",
+            styles: tuple[str, ...] = ("pencil sketch", "thermal camera", "pixel art", "watercolour painting"),
+            at: tuple[int, ...] = (4, 12, 20)) -> Path:
+    """Input frames (rows: three moments of a held-out clip) beside four styles made by the model."""
+    frames = read_clip(MEDIA / clip, SIZE, limit=max(at) + 1)
+    columns = [frames[list(at)]] + [stylise(frames, p)[list(at)] for p in styles]
+    pad = 4
+    h, w = SIZE, SIZE
+    label_h = 22
+    canvas = np.full((label_h + len(at) * (h + pad), len(columns) * (w + pad), 3), 255, np.uint8)
+    for j, (col, name) in enumerate(zip(columns, ("input", *styles))):
+        cv2.putText(canvas, name, (j * (w + pad) + 4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
+        for i, f in enumerate(col):
+            y, x = label_h + i * (h + pad), j * (w + pad)
+            canvas[y:y + h, x:x + w] = f
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cv2.imwrite(str(path), cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
+    return path
+
+
+def tables(report: dict) -> str:
+    """The model card's metric tables (markdown) from an eval report."""
+    lines = ["| clip | style | nearest target | SSIM | warp error (target) | sharpness (target) |",
+             "|---|---|---|---|---|---|"]
+    for r in report["runs"]["default"]["rows"]:
+        ok = "yes" if r["nearest"] == r["style"] else f"no ({r['nearest']})"
+        lines.append(f"| {r['clip'].replace('davis512_', '')} | {r['style']} | {ok} | {r['ssim']:.2f} | "
+                     f"{r['warp_error']:.2f} ({r['target_warp_error']:.2f}) | {r['sharpness']:.1f} "
+                     f"({r['target_sharpness']:.1f}) |")
+    lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's |",
+              "|---|---|---|---|---|---|---|"]
+    for name, run in report["runs"].items():
+        s = run["summary"]
+        styles = "all" if name == "default" else ", ".join(report["runs"]["sinks off"]["styles"])
+        lines.append(f"| {name} | {styles} | {s['pairs']} | {s['nearest_own']:.0%} | {s['ssim']:.2f} | "
+                     f"{s['warp_error']:.2f} / {s['target_warp_error']:.2f} = {s['warp_ratio']:.2f} | "
+                     f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} |")
+    return "\n".join(lines)

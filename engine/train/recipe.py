@@ -1,0 +1,395 @@
+"""The embedded model's training recipe: the VAE, then the causal DiT, streamed as Loom runs it.
+
+Phase 1, the VAE (engine/models/taehv.py, the embedded widths) as a streaming autoencoder: random
+windows of source and styled clips go through `encode_stream` / `decode_stream` chunk by chunk
+(5 frames, then 4), exactly the session's path, with an L1 + Sobel-gradient loss. Its latents
+are then normalised per channel (the statistics ship in the weights' metadata).
+
+Phase 2, the DiT (engine/models/wan_dit.py) for the inference Loom runs, unrolled over a stream:
+a window of a source clip is cut into the session's chunks (5 frames, then 4: one latent each)
+and VAE-encoded as a stream; each chunk's first timestep comes from a `MotionNoiseController`
+fed the chunk's frames (random noise scale, motion-aware on or off); the chunk is noised with
+the `FlowSchedule` and denoised through the step list of 1 to 4 steps that the hosts offer,
+each step its own `KVCache` (sinks, ring, RoPE refresh and adaptive sinks as configured), in
+sequential mode: what `StreamDenoiser.run_sequential` computes, for a batch of streams at once
+(test_train_recipe checks the two agree). Every step's clean estimate is pulled towards the
+styled clip's latent; the final one is also decoded and compared in pixels. Gradients flow
+through the cache across the whole unroll, so the model learns from its own cached keys. The
+condition is the style's text vector (sometimes a blend of two styles with a blended target,
+so prompt transitions are gradual).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
+from engine.models.taehv import TinyVAE
+from engine.models.wan_dit import WanDiT
+from engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
+from engine.stream.prompts import blend
+from engine.stream.schedule import FlowSchedule
+from engine.train.data import SOURCE, Clip, load_pairs
+from engine.train.styles import STYLE_NAMES
+
+STEP_LISTS = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}  # the hosts' lists
+STEP_WEIGHTS = (0.25, 0.4, 0.2, 0.15)  # 2 steps is the default preset
+FIRST_CHUNK = 5
+CHUNK = 4
+
+
+@dataclass
+class RecipeConfig:
+    """Everything a training run depends on (written next to the weights)."""
+
+    data: str = "build/loom_styles_192.npz"
+    table: str = "engine/models/weights/style_text.npz"
+    out: str = "build/embedded"
+    vae_seconds: float = 150.0
+    dit_seconds: float = 330.0
+    vae_batch: int = 16
+    vae_chunks: int = 3  # 5 + 4 + 4 frames
+    dit_batch: int = 64
+    pixel_batch: int = 16  # of which this many also get the decoded-pixel loss
+    dit_chunks: int = 7  # the first chunk (5 frames, 2 latents) + 6 more: past one ring wrap
+    vae_lr: float = 2e-3
+    dit_lr: float = 5e-4
+    timestep_shift: float = 0.25
+    noise_scale: tuple[float, float] = (0.45, 1.0)
+    motion_aware_p: float = 0.8
+    blend_p: float = 0.15
+    switch_p: float = 0.25  # batches whose prompt changes mid-stream, blended over 0-4 chunks as the session does
+    num_kv_cache: int = 6
+    sink: int = 3
+    sink_threshold: float = 0.2
+    rope_refresh_at: int = 50
+    pixel_loss: float = 1.0
+    seed: int = 0
+    max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
+
+
+class Windows:
+    """Random training windows (on the device, uint8) from the decoded pairs."""
+
+    def __init__(self, clips: list[Clip], device: torch.device, seed: int) -> None:
+        self.variants = (SOURCE, *STYLE_NAMES)
+        self.data = [torch.from_numpy(np.stack([c.frames[v] for v in self.variants])).to(device) for c in clips]
+        self.rng = np.random.default_rng(seed)
+        self.device = device
+        self.motion = [self._pair_motion(i) for i in range(len(self.data))]
+
+    def _pair_motion(self, clip: int) -> np.ndarray:
+        """d of every consecutive source frame pair (the session's estimate, per pair): a chunk's
+        d is the largest of its pairs', which is what `frame_difference_motion` gives the chunk."""
+        x = self.get(clip, 0, 0, self.data[clip].shape[1], False).transpose(0, 1)  # [T, 3, H, W]
+        pairs = [frame_difference_motion(x[t:t + 1], x[t - 1]) for t in range(1, len(x))]
+        return np.concatenate([[0.0], torch.stack(pairs).cpu().numpy()])
+
+    def sample(self, frames: int) -> tuple[int, int, bool]:
+        clip = int(self.rng.integers(len(self.data)))
+        start = int(self.rng.integers(self.data[clip].shape[1] - frames + 1))
+        return clip, start, bool(self.rng.random() < 0.5)
+
+    def get(self, clip: int, variant: int, start: int, frames: int, flip: bool) -> torch.Tensor:
+        """[3, T, H, W] in [-1, 1] (float32)."""
+        x = self.data[clip][variant, start:start + frames].permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+        return x.flip(-1) if flip else x
+
+
+def chunks_of(x: torch.Tensor, n_chunks: int, dim: int = 2) -> list[torch.Tensor]:
+    sizes = [FIRST_CHUNK] + [CHUNK] * (n_chunks - 1)
+    return list(x.split(sizes, dim=dim))
+
+
+def stream_encode(vae: TinyVAE, x: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    state = vae.new_stream_state()
+    return torch.cat([vae.encode_stream(c, state) for c in chunks_of(x, n_chunks)], dim=2)
+
+
+def stream_decode(vae: TinyVAE, z: torch.Tensor) -> torch.Tensor:
+    state = vae.new_stream_state()
+    return torch.cat([vae.decode_stream(z[:, :, i:i + 1], state) for i in range(z.shape[2])], dim=2)
+
+
+def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 on pixels and on their vertical and horizontal differences (keeps edges sharp)."""
+    def dy(t: torch.Tensor) -> torch.Tensor:
+        return t[..., 1:, :] - t[..., :-1, :]
+
+    def dx(t: torch.Tensor) -> torch.Tensor:
+        return t[..., :, 1:] - t[..., :, :-1]
+
+    return F.l1_loss(y, x) + F.l1_loss(dy(y), dy(x)) + F.l1_loss(dx(y), dx(x))
+
+
+# --------------------------------------------------------------------------------------- phase 1
+def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) -> TinyVAE:
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    vae = TinyVAE(replace(EMBEDDED_VAE, normalize_on_encode=False, denormalize_on_decode=False)).to(device)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    frames = FIRST_CHUNK + CHUNK * (cfg.vae_chunks - 1)
+    rng = windows.rng
+    start, step = time.perf_counter(), 0
+    bar = tqdm(desc="vae", unit="step")
+    while time.perf_counter() - start < cfg.vae_seconds and not (cfg.max_steps and step >= cfg.max_steps):
+        batch = []
+        for _ in range(cfg.vae_batch):
+            clip, s, flip = windows.sample(frames)
+            variant = 0 if rng.random() < 0.3 else int(rng.integers(1, len(windows.variants)))
+            batch.append(windows.get(clip, variant, s, frames, flip))
+        x = torch.stack(batch)
+        frac = (time.perf_counter() - start) / cfg.vae_seconds
+        for g in opt.param_groups:
+            g["lr"] = cfg.vae_lr * _cosine(frac)
+        z = stream_encode(vae, x, cfg.vae_chunks)
+        y = stream_decode(vae, z)
+        loss = pixel_loss(y, x) + 1e-3 * F.relu(z.abs() - 2.5).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update()
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            log({"phase": "vae", "step": step, "loss": loss.item(), "t": time.perf_counter() - start})
+    bar.close()
+    return vae.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def latent_stats(vae: TinyVAE, windows: Windows) -> tuple[list[float], list[float]]:
+    zs = []
+    for clip in range(len(windows.data)):
+        for v in range(len(windows.variants)):
+            x = windows.get(clip, v, 0, FIRST_CHUNK + CHUNK * 8, False)[None]
+            zs.append(stream_encode(vae, x, 9).transpose(0, 1).flatten(1))
+    z = torch.cat(zs, dim=1)
+    return z.mean(1).tolist(), z.std(1).clamp_min(1e-3).tolist()
+
+
+# --------------------------------------------------------------------------------------- phase 2
+class StyleConditions:
+    """The style condition vectors (from the shipped text table) as DiT contexts [B, L, dim]."""
+
+    def __init__(self, table: str | Path, device: torch.device) -> None:
+        with np.load(table) as t:
+            names = [str(s) for s in t["styles"]]
+            if names != list(STYLE_NAMES):
+                raise ValueError(f"{table}: styles {names} differ from engine.train.styles {STYLE_NAMES}")
+            self.vectors = torch.from_numpy(t["condition"].astype(np.float32)).to(device)
+
+    def contexts(self, a: int, b: int, weights: list[float]) -> list[torch.Tensor]:
+        return [self.context(a, b, w) if 0 < w < 1 else self.context(b if w >= 1 else a) for w in weights]
+
+    def context(self, a: int, b: int | None = None, w: float = 0.0) -> torch.Tensor:
+        v = self.vectors[a] if b is None else blend(self.vectors[a][None], self.vectors[b][None], w, "slerp")[0]
+        ctx = torch.zeros(STYLE_TEXT_LEN, v.shape[-1], device=v.device)
+        ctx[0] = v
+        return ctx
+
+
+def noise_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+
+
+def first_sigma(schedule: FlowSchedule, t0: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    """The chunk's first sigma, clamped as `StreamDenoiser._first_sigma` does."""
+    lo = steps[1] + 1 if len(steps) > 1 else 1
+    return schedule.sigma(t0.clamp(lo, schedule.train_timesteps - 1))
+
+
+def unroll(dit: WanDiT, schedule: FlowSchedule, z: torch.Tensor, t0: list[torch.Tensor], cross, steps: list[int],
+           cfg: RecipeConfig, gen: torch.Generator, on_step=None) -> list[torch.Tensor]:
+    """Stream the source latents z [B, C, F, h, w] chunk by chunk (2 latents, then 1) through the
+    step list, one KV cache per step (sequential mode); returns each chunk's clean latent.
+    `cross` is one prompt's CrossKV, or a list of one per chunk (a prompt change mid-stream).
+    `on_step(chunk, step, x0)` sees every step's clean estimate (the training losses)."""
+    b, _, f, h, w = z.shape
+    caches = [dit.new_cache(b, (h, w), num_kv_cache=cfg.num_kv_cache, sink=cfg.sink, rope_policy="refresh",
+                            refresh_at=cfg.rope_refresh_at, sink_threshold=cfg.sink_threshold)
+              for _ in steps]
+    sigmas = [schedule.sigma(s) for s in steps]
+    out = []
+    for c, zc in enumerate(z.split([2] + [1] * (f - 2), dim=2)):
+        sigma0 = first_sigma(schedule, t0[c], steps)
+        x = schedule.add_noise(zc, noise_like(zc, gen), sigma0)
+        for i, cache in enumerate(caches):
+            sig = sigma0 if i == 0 else torch.full((b,), sigmas[i], device=z.device)
+            flow = dit.forward_stream(x, sig * schedule.train_timesteps, cache,
+                                      cross[c] if isinstance(cross, list) else cross)
+            x0 = schedule.to_x0(x, flow.float(), sig)
+            if on_step is not None:
+                on_step(c, i, x0)
+            if i + 1 < len(steps):
+                x = schedule.add_noise(x0, noise_like(x0, gen), sigmas[i + 1])
+        out.append(x0)
+    return out
+
+
+def motion_t0(pair_d: np.ndarray, start: int, n_chunks: int, noise_scale: float, motion_aware: bool
+              ) -> list[float]:
+    """Per chunk, the first step the session's `MotionNoiseController` gives a stream that starts at
+    frame `start` (pair_d: the clip's per-pair motion, see `Windows`)."""
+    ctl = MotionNoiseController(noise_scale, enabled=motion_aware)
+    out, lo = [], start
+    for size in [FIRST_CHUNK] + [CHUNK] * (n_chunks - 1):
+        hi = lo + size
+        first = lo + 1 if lo == start else lo  # a later chunk also compares with the previous chunk's last frame
+        d = float(pair_d[first:hi].max(initial=0.0))
+        out.append(ctl.first_step(ctl.advance(d) if motion_aware else ctl.update(None, None)))
+        lo = hi
+    return out
+
+
+def switch_weights(at: int, span: int, n_chunks: int) -> list[float]:
+    """Per chunk, the new prompt's blend weight when it arrives at chunk `at` with
+    transition_chunks=`span` (what `PromptConditioner.advance` gives)."""
+    return [0.0 if c < at else 1.0 if span == 0 else min(1.0, (c - at + 1) / span) for c in range(n_chunks)]
+
+
+def frame_weights(w: list[float], device: torch.device) -> torch.Tensor:
+    """Chunk weights spread over the chunks' frames, shaped to lerp [3, T, H, W] frames."""
+    sizes = [FIRST_CHUNK] + [CHUNK] * (len(w) - 1)
+    return torch.tensor([wc for wc, k in zip(w, sizes) for _ in range(k)], device=device)[None, :, None, None]
+
+
+def train_dit(cfg: RecipeConfig, windows: Windows, vae: TinyVAE, device: torch.device, log, save=None) -> WanDiT:
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed + 1)
+    dit = WanDiT(EMBEDDED_DIT).to(device)
+    conds = StyleConditions(cfg.table, device)
+    schedule = FlowSchedule(shift=cfg.timestep_shift)
+    opt = torch.optim.AdamW(dit.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
+    gen = torch.Generator(device).manual_seed(cfg.seed)
+    frames = FIRST_CHUNK + CHUNK * (cfg.dit_chunks - 1)
+    rng = windows.rng
+    n_styles = len(STYLE_NAMES)
+    start, step = time.perf_counter(), 0
+    bar = tqdm(desc="dit", unit="step")
+    while time.perf_counter() - start < cfg.dit_seconds and not (cfg.max_steps and step >= cfg.max_steps):
+        n = int(rng.choice(4, p=STEP_WEIGHTS)) + 1
+        steps = STEP_LISTS[n]
+        switch = rng.random() < cfg.switch_p
+        src, tgt, ctx, t0s = [], [], [], []
+        for _ in range(cfg.dit_batch):
+            clip, s, flip = windows.sample(frames)
+            a = int(rng.integers(n_styles))
+            x = windows.get(clip, 0, s, frames, flip)
+            y = windows.get(clip, 1 + a, s, frames, flip)
+            if switch:  # the prompt changes at chunk `at`, blended in over `span` chunks
+                b = int(rng.integers(n_styles))
+                w = switch_weights(int(rng.integers(1, cfg.dit_chunks)), int(rng.choice([0, 1, 2, 4])), cfg.dit_chunks)
+                y = torch.lerp(y, windows.get(clip, 1 + b, s, frames, flip), frame_weights(w, device))
+                ctx.append(torch.stack(conds.contexts(a, b, w)))
+            elif rng.random() < cfg.blend_p:  # a blend of two styles: blended condition and target
+                b, w = int(rng.integers(n_styles)), float(rng.uniform(0.0, 1.0))
+                y = torch.lerp(y, windows.get(clip, 1 + b, s, frames, flip), w)
+                ctx.append(conds.context(a, b, w))
+            else:
+                ctx.append(conds.context(a))
+            src.append(x)
+            tgt.append(y)
+            scale = float(rng.uniform(*cfg.noise_scale))
+            t0s.append(motion_t0(windows.motion[clip], s, cfg.dit_chunks, scale,
+                                 bool(rng.random() < cfg.motion_aware_p)))
+        src, tgt = torch.stack(src), torch.stack(tgt)
+        t0 = [torch.tensor([t[c] for t in t0s], device=device) for c in range(cfg.dit_chunks)]
+        with torch.no_grad():
+            z_src = stream_encode(vae, src, cfg.dit_chunks)
+            z_tgt = stream_encode(vae, tgt, cfg.dit_chunks)
+        if switch:
+            per_chunk = torch.stack(ctx)  # [B, chunks, L, dim]
+            cross = [dit.cross_kv(per_chunk[:, c]) for c in range(cfg.dit_chunks)]
+        else:
+            cross = dit.cross_kv(torch.stack(ctx))
+        frac = (time.perf_counter() - start) / cfg.dit_seconds
+        for g in opt.param_groups:
+            g["lr"] = cfg.dit_lr * _cosine(frac)
+        targets = z_tgt.split([2] + [1] * (z_tgt.shape[2] - 2), dim=2)
+        losses = []
+
+        def on_step(c, i, x0, targets=targets, losses=losses, n=n):
+            losses.append((0.5 if i + 1 < n else 1.0) * F.mse_loss(x0, targets[c]))
+
+        out = unroll(dit, schedule, z_src, t0, cross, steps, cfg, gen, on_step)
+        loss = torch.stack(losses).sum() / cfg.dit_chunks
+        if cfg.pixel_loss:
+            k = cfg.pixel_batch
+            y = stream_decode(vae, torch.cat(out, dim=2)[:k])
+            loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}", steps=n)
+            log({"phase": "dit", "step": step, "loss": loss.item(), "steps": n, "t": time.perf_counter() - start})
+        if save is not None and step % 200 == 0:  # a run cut short still leaves weights
+            save(dit, {"partial_step": step})
+    bar.close()
+    return dit.eval().requires_grad_(False)
+
+
+def _cosine(frac: float, warmup: float = 0.03) -> float:
+    if frac < warmup:
+        return frac / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (frac - warmup) / (1 - warmup)))) * 0.95 + 0.05
+
+
+# --------------------------------------------------------------------------------------- driver
+def normalised(vae: TinyVAE, mean: list[float], std: list[float]) -> TinyVAE:
+    """The trained VAE with its latent statistics, normalising on encode and undoing it on decode."""
+    out = TinyVAE(replace(EMBEDDED_VAE, latents_mean=tuple(mean), latents_std=tuple(std)))
+    out.load_state_dict(vae.state_dict())
+    return out.to(next(vae.parameters()).device).eval().requires_grad_(False)
+
+
+def run(cfg: RecipeConfig) -> Path:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = False  # many shapes, few steps each: autotuning does not pay
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "train_log.jsonl").open("w")
+
+    def log(rec: dict) -> None:
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+
+    t_start = time.perf_counter()
+    _, clips = load_pairs(cfg.data)
+    windows = Windows(clips, device, cfg.seed)
+    log({"phase": "data", "clips": len(clips), "seconds": time.perf_counter() - t_start})
+    vae = train_vae(cfg, windows, device, log)
+    mean, std = latent_stats(vae, windows)
+    vae = normalised(vae, mean, std)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    meta = {"recipe": asdict(cfg), "device": gpu, "styles": list(STYLE_NAMES), "torch": torch.__version__}
+
+    def save(dit: WanDiT, extra: dict) -> str:
+        return save_embedded(out / "embedded.safetensors", dit, vae,
+                             {**meta, "seconds": round(time.perf_counter() - t_start, 1), **extra})
+
+    dit = train_dit(cfg, windows, vae, device, log, save)
+    seconds = time.perf_counter() - t_start
+    meta["seconds"] = round(seconds, 1)
+    sha = save(dit, {})
+    log({"phase": "done", "seconds": seconds, "sha256": sha})
+    (out / "recipe.json").write_text(json.dumps({**meta, "sha256": sha}, indent=2))
+    return out / "embedded.safetensors"

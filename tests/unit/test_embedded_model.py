@@ -1,0 +1,110 @@
+"""The trained embedded default: shipped weights, styles on a held-out clip, prompts, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import load_config
+from engine.models.embedded import WEIGHTS_SHA256, file_sha256, load_embedded, read_embedded, weights_path
+from engine.stream.session import StreamSession
+from engine.train.data import read_clip
+from engine.train.styles import STYLES, apply_style
+
+CLIP = "davis512_libby.mp4"  # held out of training (engine/train/data.py HELD_OUT)
+FRAMES = 13  # the first chunk (5 frames) and two more
+SIZE = 192
+
+
+def stream(frames: np.ndarray, prompt: str, *overrides: str, change: tuple[int, str, int] | None = None
+           ) -> tuple[np.ndarray, StreamSession]:
+    """Frames through the default preset, 4 at a time; `change` = (at chunk, prompt, transition_chunks)."""
+    session = StreamSession.from_config(load_config("default", [f"prompt.text={prompt}", *overrides]))
+    out = [session.push(frames[:5])]
+    for i, start in enumerate(range(5, len(frames), 4)):
+        if change is not None and i + 1 == change[0]:
+            session.set_prompt(change[1], change[2])
+            session.prompt.wait_pending()
+        out.append(session.push(frames[start:start + 4]))
+    out.append(session.flush())
+    session.close()
+    return np.concatenate([o for o in out if len(o)]), session
+
+
+def mae(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float32) - b.astype(np.float32)).mean())
+
+
+@pytest.fixture(scope="module")
+def clip(request) -> np.ndarray:
+    media = request.getfixturevalue("media_dir")
+    return read_clip(media / CLIP, SIZE, limit=FRAMES)
+
+
+@pytest.fixture(scope="module")
+def media_dir():  # module scope for the clip fixture; the same check as conftest's
+    from tests.conftest import MEDIA
+
+    if not MEDIA.is_dir():
+        pytest.skip(f"shared test media not found at {MEDIA} (a fresh clone has no ../shared)")
+    return MEDIA
+
+
+def test_shipped_weights_load_and_match_their_recorded_hash():
+    assert file_sha256(weights_path()) == WEIGHTS_SHA256
+    dit_state, vae_state, meta = read_embedded()
+    assert meta["styles"] == [s.name for s in STYLES] and len(meta["latents_std"]) == 16
+    import torch
+
+    dit, vae, _ = load_embedded(torch.device("cpu"), torch.float32)  # strict: every key, every shape
+    assert sum(p.numel() for p in dit.parameters()) == sum(t.numel() for t in dit_state.values())
+
+
+@pytest.mark.xfail(strict=True, reason="the shipped model (ten GPU minutes) confuses toon, thermal, pixel art, "
+                   "blueprint and pop art on this clip: docs/embedded-model.md, Metrics and Limits. A better model "
+                   "makes this XPASS, which fails: then drop the mark")
+def test_each_style_is_nearest_its_own_target_on_a_held_out_clip(clip):
+    targets = {s.name: apply_style(s.name, clip) for s in STYLES}
+    wrong = {}
+    for style in STYLES:
+        out, _ = stream(clip, style.prompt)
+        dist = {name: mae(out, t) for name, t in targets.items()}
+        nearest = min(dist, key=dist.get)
+        if nearest != style.name:
+            wrong[style.name] = nearest
+    assert not wrong, f"styles whose output is nearer another style's target: {wrong}"
+
+
+def test_a_prompt_change_reaches_the_new_style_within_transition_chunks_plus_one(clip):
+    frames = np.concatenate([clip, clip[::-1][1:], clip[1:]])  # 37 frames: 9 chunks
+    transition = 2
+    out, session = stream(frames, "pencil sketch", f"prompt.transition_chunks={transition}",
+                          change=(2, "thermal camera", transition))
+    assert session.stats()["prompt_style"]["style"] == "thermal"
+    after = 5 + 4 * (2 + transition + 1)  # frames before the chunk that must show the new style
+    new, old = apply_style("thermal", frames[after:]), apply_style("pencil_sketch", frames[after:])
+    assert mae(out[after:], new) < mae(out[after:], old)
+
+
+def test_the_same_input_and_seed_give_the_same_output(clip):
+    a, _ = stream(clip[:9], "watercolour")
+    b, _ = stream(clip[:9], "watercolour")
+    assert np.array_equal(a, b)
+    c, _ = stream(clip[:9], "watercolour", "stream.seed=1")
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("prompt, style", [("charcoal drawing", "pencil_sketch"), ("infrared camera", "thermal"),
+                                           ("8 bit retro game", "pixel_art"), ("chinese brush painting", "ink_wash"),
+                                           ("old movie", "sepia_film"), ("glowing neon", "neon_edges")])
+def test_prompts_in_other_words_land_on_their_style(prompt, style):
+    from engine.stream.style_text import StyleTextEncoder
+
+    assert StyleTextEncoder(384, 4).describe(prompt).style == style
+
+
+def test_an_unrelated_prompt_gets_the_nearest_style_and_the_stats_say_how_near():
+    session = StreamSession.from_config(load_config("default", ["prompt.text=a banana on a table"]))
+    match = session.stats()["prompt_style"]
+    session.close()
+    assert match["style"] in [s.name for s in STYLES] and 0.0 <= match["similarity"] < 0.6
