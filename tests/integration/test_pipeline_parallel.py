@@ -201,7 +201,8 @@ def test_graphed_stage_blocks_match_eager_on_a_gpu():
 
     stages = []
     for graphs in ("true", "false"):
-        cfg = load_config("tiny-random", [*BASE, "model.device=cuda", f"stream.cuda_graphs={graphs}", "stream.steps=[700,500]"])
+        cfg = load_config("tiny-random", [*BASE, "model.device=cuda", f"stream.cuda_graphs={graphs}",
+                                          "stream.steps=[700,500]"])
         stage = Stage(cfg, load_models(cfg, dit_blocks=range(0, 2)), range(0, 2))
         context = torch.randn(1, 8, stage.dit.cfg.text_dim, generator=torch.Generator().manual_seed(1)).cuda()
         stage.apply(NEW_CONTEXT, context)
