@@ -23,6 +23,7 @@ from host_bridge.wire.typed_config import ConfigError, apply_override, build, pa
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
+CPU_PRESETS = ("tiny", "embedded")  # DiT presets small enough to stream on a CPU (the shipped default, tests)
 PRESET_PACKAGE = "engine.presets"
 
 

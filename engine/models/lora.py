@@ -240,9 +240,21 @@ class LoraMerger:
                 if target.bias is not None:
                     target.bias.copy_(self._base_bias[module])
                 continue
-            weight = base.float() + sum(s * u.delta() for s, u in parts)
-            target.weight.copy_(weight.to(target.weight.dtype))
+            self._merge_weight(target.weight, base, parts)
             biases = [(s, u.bias) for s, u in parts if u.bias is not None]
             if biases:
                 bias = self._base_bias[module].float() + sum(s * b.to(base.device).float() for s, b in biases)
                 target.bias.copy_(bias.to(target.bias.dtype))
+
+    @staticmethod
+    def _merge_weight(weight: torch.Tensor, base: torch.Tensor, parts: list[tuple[float, LowRank]]) -> None:
+        """W = W0 + [B_1 .. B_n] @ [s_1 a_1 A_1; ..; s_n a_n A_n]: one matmul-add written straight into the
+        parameter where W0 sits beside it (no float32 copy of the weight); otherwise (W0 kept on the
+        CPU in low-VRAM mode) in float32 and copied over."""
+        if base.device == weight.device and base.dtype == weight.dtype:
+            ups = torch.cat([u.up.to(weight.dtype) for _, u in parts], dim=1)
+            downs = torch.cat([(u.down.float() * (s * u.alpha_scale)).to(weight.dtype) for s, u in parts], dim=0)
+            torch.addmm(base, ups.to(weight.device), downs.to(weight.device), out=weight)
+            return
+        merged = base.float() + sum(s * u.delta() for s, u in parts)
+        weight.copy_(merged.to(weight.dtype))

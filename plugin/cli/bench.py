@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from engine.config import LoomConfig, load_config, lora_override
+from engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
 from host_bridge.wire.errors import UserError
 from plugin.cli.common import add_config_options
 from plugin.media.video_io import generate_clip, open_source
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def plan(cfg: LoomConfig, frames: int | None, baseline: bool | None, cuda: bool) -> tuple[int, bool]:
     """Frames to stream and whether to run the baseline; a run that cannot finish or compare is refused, with why."""
-    embedded = cfg.model.preset == "tiny"
+    embedded = cfg.model.preset in CPU_PRESETS
     if not cuda and not embedded and frames is None:
         raise UserError(f"preset {cfg.model.preset!r} at {cfg.resolution.width}x{cfg.resolution.height} on a CPU "
                         "takes minutes per frame, so the default run would not finish; bench it on a GPU, use "
