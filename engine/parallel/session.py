@@ -173,7 +173,8 @@ class PipelineSession:
         pc = self.cfg.prompt
         on_gpu = self.device.type == "cuda" and (pc.device == "cuda" or pc.device == "auto"
                                                   and not self.cfg.memory.low_vram)
-        encoder = make_text_encoder(pc.encoder, self.models.dit.cfg.text_dim, pc.path, "cuda" if on_gpu else "cpu")
+        dit = self.models.dit.cfg
+        encoder = make_text_encoder(pc.encoder, dit.text_dim, pc.path, "cuda" if on_gpu else "cpu", dit.text_len)
         self.prompt = PromptConditioner(encoder, pc.text, device=self.device, dtype=self.dtype,
                                         transition_chunks=pc.transition_chunks, blend_mode=pc.blend)
         nc = self.cfg.noise

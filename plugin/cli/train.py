@@ -8,7 +8,8 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train Loom's embedded default model (prepare, table, fit, eval, picture)",
                        add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="the recipe's own command and options (prepare, table, fit, eval, picture; --help lists them)")
     p.set_defaults(func=run)
 
 

@@ -97,7 +97,8 @@ def test_a_long_stream_through_the_tiny_model_comes_back_in_order():
         f = indexed_frame(i, 32, 48)
         f[:, :8] = i % 251
         frames.append(f)
-    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+    with Bridge(_config(passthrough=False, engine_config="tiny-random", engine_overrides=overrides,
+                        load_timeout_s=120)) as bridge:
         bridge.wait_running(120)
         outputs = bridge.process(frames, timeout_s=600)
     assert len(outputs) == n
@@ -149,7 +150,8 @@ def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goe
     write_embeddings(HashTextEncoder(4096), ["neon city", "ink wash"], path)  # umT5-XXL width, as Wan
     overrides = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "prompt.encoder=file",
                  f"prompt.path={path}", "prompt.text=neon city"]
-    with Bridge(_config(passthrough=False, engine_overrides=overrides, load_timeout_s=120)) as bridge:
+    with Bridge(_config(passthrough=False, engine_config="tiny-random", engine_overrides=overrides,
+                        load_timeout_s=120)) as bridge:
         bridge.wait_running(120)
         with pytest.raises(ValueError, match="no embedding for prompt 'watercolour'.*ink wash"):
             bridge.set_prompt("watercolour", wait=True)

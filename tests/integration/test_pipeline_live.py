@@ -29,7 +29,7 @@ STEPS = [*BASE, "stream.steps=[700]"]
 @pytest.fixture(scope="module")
 def styled(tmp_path_factory) -> list[str]:
     """The config with a style LoRA on every block's linears: a moved block must take it along."""
-    dit = load_models(load_config(None, STEPS)).dit
+    dit = load_models(load_config("tiny-random", STEPS)).dit
     g = torch.Generator().manual_seed(7)
     sd = {}
     for name, m in dit.named_modules():
@@ -77,12 +77,12 @@ def script(session, i: int) -> None:
 
 @pytest.fixture(scope="module")
 def reference(styled) -> tuple[np.ndarray, list[np.ndarray]]:
-    one = StreamSession.from_config(load_config(None, styled))
+    one = StreamSession.from_config(load_config("tiny-random", styled))
     return live(one, clip(33), lambda i: script(one, i)), resized(one)
 
 
 def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference):
-    with PipelineSession(load_config(None, [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+    with PipelineSession(load_config("tiny-random", [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
         def between(i: int) -> None:
             script(pipe, i)
             if i == 0:
@@ -126,7 +126,7 @@ class Scripted(BlockScheduler):
 
 @pytest.mark.slow
 def test_three_ranks_follow_the_scheduler_without_a_glitch(styled, reference):
-    with PipelineSession(load_config(None, [*styled, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
+    with PipelineSession(load_config("tiny-random", [*styled, "parallel.gpus=3", "parallel.split=[1,2,1]"])) as pipe:
         # both boundaries, both directions: [1,2,1] -> [1,1,2] -> [1,2,1] -> [2,1,1]
         pipe.scheduler = Scripted([(2, 2), (2, 1), (1, 0)])
         out = live(pipe, clip(33), lambda i: script(pipe, i))
@@ -140,7 +140,7 @@ def test_three_ranks_follow_the_scheduler_without_a_glitch(styled, reference):
 
 
 def test_a_hung_rank_ends_the_session_with_a_clear_error():
-    pipe = PipelineSession(load_config(None, [*STEPS, "parallel.gpus=2"]))
+    pipe = PipelineSession(load_config("tiny-random", [*STEPS, "parallel.gpus=2"]))
     frames = clip(13)
     pipe.push(frames[:9])
     rank = pipe.ranks.procs[0]
@@ -163,9 +163,10 @@ def test_two_gpus_move_blocks_over_nccl_across_a_step_change(styled):
     """The same live script on two GPUs: blocks (weights, KV rows, cross K/V, LoRA) move over NCCL,
     and graphs are captured afresh after each move and the step change."""
     overrides = [*styled, "model.device=cuda"]
-    one = StreamSession.from_config(load_config(None, overrides), warmup=False)
+    one = StreamSession.from_config(load_config("tiny-random", overrides), warmup=False)
     reference = live(one, clip(33), lambda i: script(one, i))
-    with PipelineSession(load_config(None, [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+    cfg = load_config("tiny-random", [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])
+    with PipelineSession(cfg) as pipe:
         moves = {0: (1, 1), 1: (1, 0), 2: (2, 0)}  # as on the CPU ranks above: [1, 3], [2, 2], [3, 1]
 
         def between(i: int) -> None:
