@@ -1,4 +1,4 @@
-"""Loom's engine: the models, the streaming session, the server and the `loom` command.
+"""Loom's engine: the models, the streaming sessions of each model family, and the server (`python -m engine serve`).
 
 `engine.StreamSession` is the in-process API (scripts, notebooks, tests); it is imported on first
 use, so `loom` commands that do not need torch's models start quickly.
