@@ -272,6 +272,20 @@ class LoomConfig:
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 
+    def lora_with_scales(self, scales: Any) -> list[LoraEntry]:
+        """The LoRA entries with live `lora_scales` applied (None: as they are); ValueError naming an
+        unknown LoRA or a scale out of range, before anything changes."""
+        if scales is None:
+            return self.lora
+        if not isinstance(scales, dict):
+            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
+        names = [e.key for e in self.lora]
+        for name in scales:
+            if name not in names:
+                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(names) or 'none'}")
+        return [build(LoraEntry, {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
+                      path=f"lora_scales.{e.key}") for e in self.lora]
+
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
 

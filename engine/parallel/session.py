@@ -297,7 +297,7 @@ class PipelineSession:
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         params = dict(params)
-        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
+        lora = self.cfg.lora_with_scales(params.pop("lora_scales", None))  # the lora section is a list: its own path
         new = self.cfg
         for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
             changed = {k: params[k] for k in LIVE.section(section) if k in params}
@@ -322,21 +322,6 @@ class PipelineSession:
             if extra:
                 self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra=extra))
                 configure(self.stage, None, extra)
-
-    def _lora_request(self, scales: Any) -> list:
-        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
-        if scales is None:
-            return self.cfg.lora
-        if not isinstance(scales, dict):
-            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
-        from host_bridge.wire.typed_config import build
-
-        entries = {e.key: e for e in self.cfg.lora}
-        for name in scales:
-            if name not in entries:
-                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
-        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
-                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
 
     def _change_steps(self, old: list[int], steps: list[int]) -> None:
         """New step list: the chunks in the ring leave (decoded as usual), then every rank maps its

@@ -216,7 +216,7 @@ class StreamSession:
         unknown = [k for k in params if k not in settable]
         if unknown:
             raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
-        lora = self._lora_request(params.pop("lora_scales", None))  # the lora section is a list: its own path
+        lora = self.cfg.lora_with_scales(params.pop("lora_scales", None))  # the lora section is a list: its own path
         from host_bridge.wire.typed_config import build  # the same validation as the config file
 
         new = self.cfg
@@ -239,21 +239,6 @@ class StreamSession:
             self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
             self._change_steps(list(new.stream.steps))
-
-    def _lora_request(self, scales: Any) -> list:
-        """The config's LoRA entries with the requested scales; refuses unknown names and bad values."""
-        if scales is None:
-            return self.cfg.lora
-        if not isinstance(scales, dict):
-            raise ValueError(f"lora_scales: {scales!r} is not allowed; expected a mapping of LoRA name to scale")
-        from host_bridge.wire.typed_config import build
-
-        entries = {e.key: e for e in self.cfg.lora}
-        for name in scales:
-            if name not in entries:
-                raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(entries) or 'none'}")
-        return [build(type(e), {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
-                      path=f"lora_scales.{e.key}") for e in self.cfg.lora]
 
     def _apply_lora(self) -> bool:
         """Merge requested LoRA scale changes, between two forwards on the denoise stream."""

@@ -19,7 +19,7 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
     return model
 
 
-def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None):
+def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None, cross_attn_norm: bool = True):
     """diffusers' Wan transformer of the same shape; with `model`, loaded with its weights."""
     import diffusers
 
@@ -33,7 +33,7 @@ def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None):
         freq_dim=cfg.freq_dim,
         ffn_dim=cfg.ffn_dim,
         num_layers=cfg.num_layers,
-        cross_attn_norm=True,
+        cross_attn_norm=cross_attn_norm,
         qk_norm="rms_norm_across_heads",
         eps=cfg.eps,
         image_dim=None,

@@ -11,37 +11,7 @@ from engine.models.dit_convert import to_diffusers_key, to_wan_key
 from engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig, preset
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers oracle is in the test extra")
-
-CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
-
-
-def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
-    torch.manual_seed(seed)
-    model = WanDiT(cfg).eval()
-    with torch.no_grad():  # non-trivial values everywhere, norms and modulations included
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model
-
-
-def diffusers_twin(cfg: WanDiTConfig = CFG, cross_attn_norm: bool = True):
-    return diffusers.WanTransformer3DModel(
-        patch_size=cfg.patch_size,
-        num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        text_dim=cfg.text_dim,
-        freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        cross_attn_norm=cross_attn_norm,
-        qk_norm="rms_norm_across_heads",
-        eps=cfg.eps,
-        image_dim=None,
-        added_kv_proj_dim=None,
-        rope_max_seq_len=1024,
-    ).eval()
+from tests.fakes.wan_models import CFG, diffusers_twin, random_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
