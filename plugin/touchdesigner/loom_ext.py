@@ -378,18 +378,23 @@ class DeviceBuffer:
         self.stream = int(self._stream)  # the handle as TouchDesigner's methods take it
 
     def ensure(self, nbytes: int) -> int:
+        """The buffer for `nbytes`; a new size frees the old buffer but keeps the stream, whose handle
+        TouchDesigner's calls of this cook already hold (a destroyed stream crashes the driver)."""
         if nbytes != self.nbytes:
-            self.close()
+            self._free_buffer()
             self.ptr = int(self._check(self._cudart.cudaMalloc(nbytes), "cudaMalloc"))
             self.nbytes = nbytes
         return self.ptr
 
-    def close(self) -> None:
+    def _free_buffer(self) -> None:
         if self._stream is not None:
             self._check(self._cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
         if self.ptr:
             self._check(self._cudart.cudaFree(self.ptr), "cudaFree")
             self.ptr, self.nbytes = 0, 0
+
+    def close(self) -> None:
+        self._free_buffer()
         if self._stream is not None:
             self._check(self._cudart.cudaStreamDestroy(self._stream), "cudaStreamDestroy")
             self._stream = None

@@ -36,6 +36,9 @@ class FakeRuntime:
         self.recorded: list[int] = []
         self.waited: list[int] = []
         self.freed = 0
+        self._next_stream = 0x1000  # distinct non-zero handles, as the driver's are
+        self.streams: set[int] = set()  # live streams made by cudaStreamCreateWithFlags
+        self.destroyed_streams: set[int] = set()
 
     def cudaGetDeviceCount(self):
         return OK, 1
@@ -90,24 +93,38 @@ class FakeRuntime:
     def cudaEventDestroy(self, ev):
         return (OK,)
 
+    def _use(self, stream) -> None:
+        """The real runtime dereferences a stream handle: a destroyed one crashes the process."""
+        if int(stream) in self.destroyed_streams:
+            raise AssertionError(f"stream {int(stream):#x} used after cudaStreamDestroy (a segfault on a GPU)")
+
     def cudaEventRecord(self, ev, stream):
+        self._use(stream)
         self.recorded.append(ev)
         return (OK,)
 
     def cudaStreamWaitEvent(self, stream, ev, flags):
+        self._use(stream)
         self.waited.append(ev)
         return (OK,)
 
     def cudaStreamCreateWithFlags(self, flags):
-        return OK, cuda_bindings.cudaStream_t(0)
+        handle, self._next_stream = self._next_stream, self._next_stream + 1
+        self.streams.add(handle)
+        return OK, cuda_bindings.cudaStream_t(handle)
 
     def cudaStreamSynchronize(self, stream):
+        self._use(stream)
         return (OK,)
 
     def cudaStreamDestroy(self, stream):
+        self._use(stream)
+        self.streams.discard(int(stream))
+        self.destroyed_streams.add(int(stream))
         return (OK,)
 
     def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        self._use(stream)
         assert width <= dpitch and width <= spitch, "row wider than a pitch"
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
