@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from host_bridge.wire.errors import UserError
+from plugin.cli import preflight
 from plugin.cli.main import build_parser, main
 from plugin.cli.preflight import check_transport
 
@@ -68,6 +70,23 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
     assert "no engine answers there" in capsys.readouterr().err
     assert time.monotonic() - started < 30  # refused at once, not after a start-up timeout
     assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
+
+
+def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(monkeypatch):
+    """A host that drops packets (no refusal comes back) is waited for CONNECT_TIMEOUT_S, not a start-up
+    timeout; the message says so and the run ends with exit code 2."""
+    asked: list[float] = []
+
+    def blackhole(address, timeout):
+        asked.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(preflight.socket, "create_connection", blackhole)
+    with pytest.raises(UserError, match=r"tcp://192\.0\.2\.1:5555: no engine answers there \(timed out after at "
+                                        r"most 3 s\)"):
+        preflight.check_endpoint("tcp://192.0.2.1:5555")
+    assert asked == [preflight.CONNECT_TIMEOUT_S] and preflight.CONNECT_TIMEOUT_S <= 5
+    assert main(["play", "--endpoint", "tcp://192.0.2.1:5555", "--passthrough"]) == 2
 
 
 def test_cuda_ipc_is_refused_with_a_hint_where_it_cannot_work():

@@ -28,6 +28,7 @@ from plugin.cli.main import main
 from plugin.media.video_io import partial_path
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
+from tests.fakes.engines import exiting_engine
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,6 +302,22 @@ def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
                 str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
     assert out.returncode == 3, out.stderr
     assert "engine" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
+@pytest.mark.parametrize("mode", ["lossless", "live"])
+def test_an_engine_that_refuses_its_run_ends_the_player_with_exit_2_and_its_message_once(tmp_path, mode):
+    """An engine that exits with code 2 (its config, its weights) is not restarted: the player says the
+    engine's own error once and exits 2, and an existing output stays as it was."""
+    engine = exiting_engine(tmp_path, 2, "preset 'wan2.1-1.3b' needs weights that are not here")
+    dst = tmp_path / "kept.mp4"
+    dst.write_bytes(b"yesterday's render")
+    out = _play("-n", "5", "--size", "32x32", "--mode", mode, "-o", str(dst), "-y", "--engine-python", str(engine),
+                "--startup-timeout", "60", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("needs weights that are not here") == 1, out.stderr
+    assert "loom play: error: preset 'wan2.1-1.3b' needs weights" in out.stderr and "Traceback" not in out.stderr
+    assert dst.read_bytes() == b"yesterday's render" and not partial_path(dst).exists()
 
 
 # --- live control: keyboard and OSC map to the same commands ------------------------------------
