@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from host_bridge.wire.channel import EndpointError
+from host_bridge.wire.channel import check_endpoint as check_channel_endpoint
 from host_bridge.wire.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
@@ -35,6 +37,10 @@ def check_endpoint(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         return
     if parts.scheme != "tcp" or not parts.hostname or not parts.port:
         raise UserError(f"--endpoint {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
+    try:  # the bridge would refuse it too, but only once an engine start had been promised
+        check_channel_endpoint(endpoint, None)
+    except EndpointError as exc:
+        raise UserError(f"--endpoint: {exc}") from None
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
             pass
