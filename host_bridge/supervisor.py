@@ -4,12 +4,12 @@ It owns the control side of the current `Link`: it opens the link (launching or 
 engine), handshakes, answers and sends heartbeats, asks for stats, files the engine's replies for
 the host threads that wait on them, and on a crash, exit, hang or bad message tears the link down
 and opens a new one after a backoff that doubles up to a limit (and resets once an engine has run
-for a while). An engine that exits with code 2 refused its run (a bad config, missing weights): a
-new one would refuse it the same way, so the supervisor ends there (dead, with the engine's own
-error as the message, said once) instead of restarting it. Frames are not its business: each tick
-it hands the link to the frame side (a `FrameSide`: the bridge) to drain the frame lane and hand
-over a pending frame, and when an engine becomes ready it lets the frame side send what that engine
-must know.
+for a while). An engine that exits with code 2 before it is ready refused its run (a bad config,
+missing weights): a new one would refuse it the same way, so the supervisor ends there (dead, with
+the engine's own error as the message, said once) instead of restarting it. Frames are not its
+business: each tick it hands the link to the frame side (a `FrameSide`: the bridge) to drain the
+frame lane and hand over a pending frame, and when an engine becomes ready it lets the frame side
+send what that engine must know.
 
 It owns the engine lock and its condition (`lock`, `cond`): its own fields, the link, and the
 bridge's frame state are read and written under them, so the bridge takes them from here. It never
@@ -282,7 +282,9 @@ class Supervisor:
         """Tear the link down (outside the lock: stopping a process takes time) and plan a restart, or
         switch to the standby engine at once when one is ready. An engine that refused its run is not
         restarted: the state becomes dead with its reason."""
-        refusal = link.refusal()  # before the lock: it may wait a moment for the engine's last output
+        # Only before it was ready: a refusal is about the run's settings, checked at start; an engine that
+        # ran and then exits is a crash whatever its code, and a show gets a fresh one.
+        refusal = None if link.ready else link.refusal()  # before the lock: it may wait for the last output
         with self.cond:
             if self.link is not link:
                 return

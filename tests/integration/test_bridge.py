@@ -419,6 +419,32 @@ def test_a_crash_at_start_is_restarted_but_a_refusal_is_not(tmp_path, code):
         bridge.close()
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the engine under its wrapper through /proc")
+def test_an_engine_that_ran_and_then_exits_2_is_restarted_like_any_crash(tmp_path):
+    """Exit code 2 means a refused run only before the engine was ready: one that ran is restarted, so a show
+    goes on. The stand-in runs the real engine, then exits 2 when it ends (here: killed)."""
+    wrapper = tmp_path / "engine-python"
+    wrapper.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import subprocess, sys
+        args = sys.argv[1:]
+        at = args.index("--parent-pid")  # the engine's parent is this wrapper, not the host
+        subprocess.call([sys.executable, *args[:at], *args[at + 2:]])
+        sys.exit(2)
+    """))
+    wrapper.chmod(0o755)
+    bridge = Bridge(_config(engine_python=str(wrapper))).start()
+    try:
+        bridge.wait_running(60)
+        shell = bridge.stats()["engine_pid"]
+        engine = int(Path(f"/proc/{shell}/task/{shell}/children").read_text().split()[0])
+        os.kill(engine, signal.SIGKILL)
+        assert wait_until(lambda: bridge.status().restarts >= 1, 30), bridge.status()
+        assert bridge.wait_running(60).refusal == ""
+    finally:
+        bridge.close()
+
+
 def test_missing_engine_python_is_reported_not_raised():
     bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
     try:
