@@ -150,8 +150,8 @@ class Player:
         o = self.opts
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
-                           engine_overrides=list(o.overrides), endpoint=o.endpoint, fallback="passthrough",
-                           passthrough=o.passthrough)
+                           engine_overrides=list(o.overrides), endpoint=o.endpoint, secret_file=o.secret_file,
+                           fallback="passthrough", passthrough=o.passthrough)
         try:
             self.bridge = Bridge(cfg)
             self.bridge.start()

@@ -28,7 +28,7 @@ from plugin.cli.main import main
 from plugin.media.video_io import partial_path
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
-from tests.fakes.engines import exiting_engine
+from tests.fakes.engines import exiting_engine, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,6 +295,35 @@ def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, arg
     assert expected in err
     assert "Traceback" not in err
     assert not list(tmp_path.iterdir()), "a refused run left a file behind"
+
+
+def test_play_reaches_an_engine_served_on_this_machine_with_its_session_secret(tmp_path):
+    """`loom serve --bind` on a loopback endpoint takes only hosts that hold its secret file: with the same
+    --secret-file the player streams through it; the served engine keeps running afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+        return serve.poll() is not None
+
+    secret = tmp_path / "secret"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    serve = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+                              str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(listening, 60) and serve.poll() is None, serve.stderr
+        dst = tmp_path / "out.mp4"
+        out = _play("-n", "6", "--size", "32x32", "-o", str(dst), "--endpoint", endpoint, "--secret-file",
+                    str(secret), "--passthrough", timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert len(_decode(dst)) == 6 and serve.poll() is None
+    finally:
+        serve.terminate()
+        serve.communicate(timeout=30)
 
 
 def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
