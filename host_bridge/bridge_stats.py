@@ -35,6 +35,7 @@ class BridgeStatus:
     frames_out: int = 0
     refused: int = 0  # frames and messages refused, on this side and (as last reported) on the engine's
     heard_s: float = -1.0  # seconds since the engine last spoke (-1: no engine); fresh only within hang_timeout_s
+    refusal: str = ""  # the engine's own error when it refused its run (bad config, missing weights): not restarted
 
 
 class FrameStats:

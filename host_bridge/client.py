@@ -46,6 +46,12 @@ LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then 
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
 
 
+class EngineRefused(RuntimeError):
+    """The engine refused its run (a bad config, missing weights: it exited with code 2) and is not
+    restarted; the message is the engine's own, and says what to fix."""
+
+
+
 class Bridge:
     def __init__(self, config: BridgeConfig | Mapping[str, Any] | None = None, **overrides: Any):
         if config is None or isinstance(config, Mapping):
@@ -252,7 +258,8 @@ class Bridge:
             message = f"engine silent for {heard:.1f} s: its frames are not fresh"
         return BridgeStatus(state=sup.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
                             dropped=dropped, message=message, log_tail=tail, restarts=sup.restarts,
-                            frames_out=counts["received"], refused=refused, heard_s=round(heard, 3))
+                            frames_out=counts["received"], refused=refused, heard_s=round(heard, 3),
+                            refusal=sup.refusal)
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""
@@ -268,7 +275,7 @@ class Bridge:
                 "latency_ms_p50": round(self._stats.latency_ms(50), 3),
                 "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
-                "last_error": sup.last_error, "engine": dict(sup.engine_report),
+                "last_error": sup.last_error, "refusal": sup.refusal, "engine": dict(sup.engine_report),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],
                 "endpoint": link.channel.endpoint if link else None,
@@ -371,10 +378,15 @@ class Bridge:
                         self._cond.wait(min(remaining, LANE_BUSY_WAIT_S))
 
     def wait_running(self, timeout_s: float = 60.0) -> BridgeStatus:
-        """Block until the engine is running (for scripts and batch use; never call from a frame loop)."""
+        """Block until the engine is running (for scripts and batch use; never call from a frame loop).
+
+        Raises EngineRefused with the engine's own message when it refused its run, else RuntimeError
+        (with the engine's last output) when it ended or did not start in time."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while (state := self._sup.state) != EngineState.RUNNING:
+                if self._sup.refusal:
+                    raise EngineRefused(self._sup.refusal)
                 if state.ended or time.monotonic() > deadline:
                     tail = "\n".join(self._status().log_tail)
                     raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._sup.message}\n{tail}")
@@ -560,4 +572,4 @@ def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
     return spec.width, spec.height, spec.channels, spec.dtype
 
 
-__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "RingSpec"]
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "EngineRefused", "RingSpec"]

@@ -8,7 +8,8 @@ otherwise open a console window. Without a console there is no Ctrl-Break to sen
 stop asks the tree to end (`taskkill /T`), waits, then ends it by force (`taskkill /F /T`), which
 reaches a hung engine too; the bridge has already said "bye" on the control channel by then.
 POSIX: terminate the group, wait, kill the group. Its output is kept as a short tail for the
-host's status display.
+host's status display, and an engine that refused its run (exit code 2) is told apart from a crash
+by its own one-line error, so the host can say why once instead of restarting it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 from host_bridge.wire import logs
+from host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
 
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
@@ -75,6 +77,19 @@ class EngineProcess:
         """The last line an exited engine printed (its error, usually)."""
         self._reader.join(timeout=0.5)
         return self._tail[-1] if self._tail else ""
+
+    def refusal(self) -> str | None:
+        """The engine's own error when it exited refusing its run (a bad config, missing weights), else None.
+
+        Only exit code 2 means that; any other end (a signal, a crash) is not the user's to fix."""
+        if self.returncode != EXIT_USER_ERROR:
+            return None
+        self._reader.join(timeout=0.5)
+        for line in reversed(self._tail):
+            _, found, text = line.partition(SERVE_ERROR_PREFIX)
+            if found and text.strip():
+                return text.strip()
+        return self.last_words() or f"the engine exited with code {EXIT_USER_ERROR}"
 
     def log_tail(self, lines: int = 10) -> list[str]:
         return list(self._tail)[-lines:]

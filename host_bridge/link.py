@@ -256,6 +256,10 @@ class Link:
     def log_tail(self) -> list[str]:
         return self.proc.log_tail() if self.proc else []
 
+    def refusal(self) -> str | None:
+        """The launched engine's own error when it exited refusing its run (exit code 2), else None."""
+        return self.proc.refusal() if self.proc is not None else None
+
     # -- teardown ------------------------------------------------------------------------------------
 
     def say_bye(self) -> None:

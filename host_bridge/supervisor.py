@@ -4,9 +4,12 @@ It owns the control side of the current `Link`: it opens the link (launching or 
 engine), handshakes, answers and sends heartbeats, asks for stats, files the engine's replies for
 the host threads that wait on them, and on a crash, exit, hang or bad message tears the link down
 and opens a new one after a backoff that doubles up to a limit (and resets once an engine has run
-for a while). Frames are not its business: each tick it hands the link to the frame side (a
-`FrameSide`: the bridge) to drain the frame lane and hand over a pending frame, and when an engine
-becomes ready it lets the frame side send what that engine must know.
+for a while). An engine that exits with code 2 before it is ready refused its run (a bad config,
+missing weights): a new one would refuse it the same way, so the supervisor ends there (dead, with
+the engine's own error as the message, said once) instead of restarting it. Frames are not its
+business: each tick it hands the link to the frame side (a `FrameSide`: the bridge) to drain the
+frame lane and hand over a pending frame, and when an engine becomes ready it lets the frame side
+send what that engine must know.
 
 It owns the engine lock and its condition (`lock`, `cond`): its own fields, the link, and the
 bridge's frame state are read and written under them, so the bridge takes them from here. It never
@@ -85,6 +88,7 @@ class Supervisor:
         self.errors = 0  # error messages from engines
         self.engine_report: dict[str, Any] = {}  # the engine's latest stats report
         self.log_tail: list[str] = []  # the last engine's output, kept once its link is gone
+        self.refusal = ""  # the engine's own error when it refused its run (exit code 2); nothing restarts then
         self.restarts = 0
         self.closing = False
         self._request_ids = itertools.count(1)  # ids of requests (the host's and the stats polls) and replies
@@ -276,21 +280,29 @@ class Supervisor:
 
     def _fail(self, link: Link, reason: str) -> None:
         """Tear the link down (outside the lock: stopping a process takes time) and plan a restart, or
-        switch to the standby engine at once when one is ready."""
+        switch to the standby engine at once when one is ready. An engine that refused its run is not
+        restarted: the state becomes dead with its reason."""
+        # Only before it was ready: a refusal is about the run's settings, checked at start; an engine that
+        # ran and then exits is a crash whatever its code, and a show gets a fresh one.
+        refusal = None if link.ready else link.refusal()  # before the lock: it may wait for the last output
         with self.cond:
             if self.link is not link:
                 return
-            if self._switch_to_standby(link, reason):
+            if refusal is None and self._switch_to_standby(link, reason):
                 return
             self.link = None
             self.log_tail = link.log_tail()
+            if refusal is not None:
+                self.refusal = self.last_error = refusal
+                reason = f"the engine refused to start: {refusal}"
             # said now: a host must not see 'running' (and send to no link) while a hung engine is stopped
-            restart = self.config.restart and not self.closing
-            self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD, f"{reason}; stopping the engine")
+            restart = self.config.restart and not self.closing and refusal is None
+            self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
+                            reason if refusal is not None else f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self.cond:
             self.log_tail = link.log_tail()
-            if self.config.restart and not self.closing:
+            if restart and not self.closing:
                 self.restarts += 1
                 self._next_start = time.monotonic() + self._backoff
                 self._set_state(EngineState.RESTARTING, f"{reason}; restarting in {self._backoff:.1f} s")

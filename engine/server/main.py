@@ -12,7 +12,7 @@ import sys
 
 from host_bridge.launcher import TOKEN_ENV
 from host_bridge.wire import logs
-from host_bridge.wire.errors import UserError
+from host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX, UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -126,5 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UserError, FileNotFoundError, ValueError) as exc:
-        print(f"loom serve: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{SERVE_ERROR_PREFIX}{exc}", file=sys.stderr)
+        return EXIT_USER_ERROR

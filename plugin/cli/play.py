@@ -71,7 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=("shm", "tcp", "cuda-ipc"), default="shm",
                    help="frame transport to the engine (default shm)")
     p.add_argument("--endpoint", default=None, metavar="URL",
-                   help="connect to a running engine instead of starting one")
+                   help="connect to a running engine on this machine (loom serve --bind) instead of starting one")
+    p.add_argument("--secret-file", default=None, metavar="FILE",
+                   help="with --endpoint: the served engine's session secret (its loom serve --secret-file)")
     p.add_argument("--engine-python", default=None, metavar="PATH",
                    help="Python that runs the engine (default: this one)")
     p.add_argument("--passthrough", action="store_true",
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         return _list_ndi()
     args.overrides = [*args.overrides, *lora_override(args.loras)]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
-    check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, transport=args.transport)
+    check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
+                     transport=args.transport)
     from plugin.player import PlayerOptions, read_prompt_file, run_player
     from plugin.player.options import PlayerError
 
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
         max_frames=args.max_frames, size=args.size, fps=args.fps, mode=args.mode, loop=args.loop,
-        transport=args.transport, endpoint=args.endpoint, engine_python=args.engine_python,
+        transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
+        engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
         startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite)
     return run_player(options)

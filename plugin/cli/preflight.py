@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
 from host_bridge.wire.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
@@ -26,8 +27,27 @@ def check_weights(cfg: Any) -> None:
                         "(or use -c default, the embedded model)")
 
 
-def check_endpoint(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """A tcp:// engine endpoint accepts a connection within a few seconds; an ipc:// one exists."""
+def check_endpoint(endpoint: str, secret_file: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A running engine can be reached and will take this host: an engine served on this machine takes
+    only hosts that hold its session secret (`loom serve --secret-file`), a remote one only hosts with
+    CurveZMQ keys, which the command line does not take; a tcp:// endpoint accepts a connection within
+    a few seconds, an ipc:// one exists. Without these checks a host would wait for a handshake that
+    never comes, through restarts."""
+    try:
+        local = is_loopback(endpoint)
+    except EndpointError as exc:
+        raise UserError(f"--endpoint: {exc}") from None
+    if not local:
+        raise UserError(f"--endpoint {endpoint}: not an address on this machine; a remote engine takes only hosts "
+                        "with CurveZMQ keys, which a host script gives to the bridge (BridgeConfig "
+                        "curve_secret_file, curve_server_public_file), not the command line")
+    if not secret_file:
+        raise UserError(f"--endpoint {endpoint}: an engine served on this machine takes only hosts that hold its "
+                        "session secret; give --secret-file FILE, the file its `loom serve --secret-file` uses")
+    try:
+        read_secret_file(secret_file)
+    except EndpointError as exc:
+        raise UserError(f"--secret-file: {exc}") from None
     parts = urlsplit(endpoint)
     if parts.scheme == "ipc":
         if not Path(endpoint[len("ipc://"):]).exists():
@@ -61,10 +81,12 @@ def check_transport(transport: str) -> None:
 
 
 def check_engine_run(cfg: Any, *, passthrough: bool = False, endpoint: str | None = None,
-                     transport: str = "shm") -> None:
+                     secret_file: str | None = None, transport: str = "shm") -> None:
     """All of the above that apply to a run that starts (or reaches) an engine."""
     check_transport(transport)
+    if secret_file and not endpoint:
+        raise UserError("--secret-file is for --endpoint (an engine this command starts gets its own token)")
     if endpoint:
-        check_endpoint(endpoint)  # a running engine has its own config and weights
+        check_endpoint(endpoint, secret_file)  # a running engine has its own config and weights
     elif not passthrough:
         check_weights(cfg)

@@ -53,12 +53,20 @@ class EngineRegistry:
 
     def get_or_start(self, settings: dict[str, Any]) -> EngineHandle:
         key = settings_key(settings)
+        if self.ended(key):  # e.g. refused for missing weights, now pulled: the next queue run tries a fresh engine
+            self.close(key)
         with self._lock:
             handle = self._engines.get(key)
             if handle is None:
                 handle = EngineHandle(key, _start_bridge(settings), dict(settings))
                 self._engines[key] = handle
             return handle
+
+    def ended(self, key: str) -> bool:
+        """Whether the engine of these settings was started and is now dead (it is not restarted)."""
+        with self._lock:
+            handle = self._engines.get(key)
+        return handle is not None and handle.bridge.status().state.ended
 
     def close(self, key: str) -> None:
         with self._lock:
@@ -142,8 +150,10 @@ class LoomEngine:
 
     @classmethod
     def IS_CHANGED(cls, **settings: Any) -> str:
-        """Same settings, same engine: re-run only when a setting changes."""
-        return settings_key(_engine_settings(**settings))
+        """Same settings, same engine: re-run only when a setting changes, or when that engine has ended
+        (then the node runs again and starts a fresh one)."""
+        key = settings_key(_engine_settings(**settings))
+        return f"{key}:ended" if ENGINES.ended(key) else key
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
               overrides: str = "", passthrough: bool = False) -> tuple[EngineHandle, str]:
@@ -296,6 +306,8 @@ def _wait_running(bridge: Any, limit_s: float, cancelled: Callable[[], None]) ->
     deadline = time.monotonic() + limit_s
     while (status := bridge.status()).state != EngineState.RUNNING:
         cancelled()
+        if status.refusal:  # the engine refused its settings (config, weights): its own message says what to fix
+            raise RuntimeError(f"Loom Stream: the engine refused to start: {status.refusal}")
         gone = status.state in (EngineState.DEAD, EngineState.STOPPED)
         if gone or time.monotonic() > deadline:
             tail = "\n".join(status.log_tail or [])

@@ -150,8 +150,8 @@ class Player:
         o = self.opts
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
-                           engine_overrides=list(o.overrides), endpoint=o.endpoint, fallback="passthrough",
-                           passthrough=o.passthrough)
+                           engine_overrides=list(o.overrides), endpoint=o.endpoint, secret_file=o.secret_file,
+                           fallback="passthrough", passthrough=o.passthrough)
         try:
             self.bridge = Bridge(cfg)
             self.bridge.start()
@@ -411,6 +411,8 @@ class Player:
         self._last_error = self.bridge.stats().get("last_error") or self._last_error
 
     def _engine_error(self, what: str, status: Any) -> PlayerError:
+        if status.refusal:  # the engine refused the run (its config, its weights): the user's to fix, said once
+            return PlayerError(status.refusal, EXIT_BAD_INPUT)
         self._remember_log(status)
         text = f"{what}: {status.message}" if status.message and status.message not in what else what
         lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail

@@ -56,6 +56,7 @@ class PlayerOptions:
     loop: bool = False
     transport: str = "shm"
     endpoint: str | None = None
+    secret_file: str | None = None  # a served engine's session secret (with endpoint)
     engine_python: str | None = None
     passthrough: bool = False
     osc_port: int | None = None

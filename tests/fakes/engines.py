@@ -7,14 +7,18 @@ and lets a test reach into it (its worker's counters) or hand it a fake session 
 
 from __future__ import annotations
 
+import os
+import shlex
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.server.core import EngineServer
+from host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
 
 def wait_until(ready: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -78,3 +82,14 @@ def engine_report(bridge: Any, ready: Callable[[dict], bool], timeout_s: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"engine never reported the expected state: {report}")
         time.sleep(0.05)
+
+
+def exiting_engine(folder: Path, code: int, error: str = "", name: str = "engine-python") -> Path:
+    """An 'engine Python' (BridgeConfig.engine_python, --engine-python) that says `error` the way the engine
+    process does and exits with `code` at once, whatever it is asked to run (POSIX: a shell script).
+    Exit code 2 is the engine refusing its run; any other code is a crash."""
+    path = folder / name
+    said = f"printf '%s\\n' {shlex.quote(SERVE_ERROR_PREFIX + error)} >&2\n" if error else ""
+    path.write_text(f"#!/bin/sh\necho 'engine starting'\n{said}exit {code}\n")
+    os.chmod(path, 0o755)
+    return path

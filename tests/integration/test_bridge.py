@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig
-from tests.fakes.engines import indexed_frame, wait_until
+from host_bridge import Bridge, BridgeConfig, EngineRefused
+from tests.fakes.engines import exiting_engine, indexed_frame, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -376,12 +376,71 @@ def test_settings_fail_with_key_value_and_allowed():
         BridgeConfig.from_dict({"transprot": "shm"})
 
 
-def test_engine_config_error_reaches_the_host_status():
-    bridge = Bridge(_config(engine_overrides=["model.preset=bogus"], restart=False)).start()
+def test_engine_config_error_ends_the_engine_once_with_its_own_message():
+    """A config the engine refuses (exit code 2) would be refused by every restart: the bridge stops there,
+    dead, with the engine's message, instead of restarting it and repeating the error."""
+    bridge = Bridge(_config(engine_overrides=["model.preset=bogus"])).start()
     try:
-        with pytest.raises(RuntimeError, match="model.preset: 'bogus' is not allowed"):
+        with pytest.raises(EngineRefused, match="model.preset: 'bogus' is not allowed") as refused:
             bridge.wait_running(30)
-        assert bridge.status().state == "dead" and "exited with code 2" in bridge.status().message
+        assert "Traceback" not in str(refused.value)
+        status = bridge.status()
+        assert status.state == "dead" and status.restarts == 0
+        assert status.message.startswith("the engine refused to start: ") and status.message.count("bogus") == 1
+        assert status.refusal == str(refused.value) == bridge.stats()["refusal"]
+    finally:
+        bridge.close()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
+@pytest.mark.parametrize("code", [1, -9])
+def test_a_crash_at_start_is_restarted_but_a_refusal_is_not(tmp_path, code):
+    """Only exit code 2 means 'the user must fix this'; a crash (another code, a signal) is restarted as before."""
+    crash = "kill -9 $$" if code < 0 else f"exit {code}"
+    script = exiting_engine(tmp_path, 0, "not the reason")
+    script.write_text(script.read_text().replace("exit 0", crash))
+    bridge = Bridge(_config(engine_python=str(script), passthrough=False)).start()
+    try:
+        assert wait_until(lambda: bridge.status().restarts >= 2, 30), bridge.status()
+        assert bridge.status().state in ("restarting", "starting") and not bridge.status().refusal
+    finally:
+        bridge.close()
+    refusing = exiting_engine(tmp_path, 2, "preset 'x' needs weights that are not here", name="refusing")
+    bridge = Bridge(_config(engine_python=str(refusing), passthrough=False)).start()
+    try:
+        assert wait_until(lambda: bridge.status().state == "dead", 30), bridge.status()
+        time.sleep(0.5)  # longer than the restart backoff: a restart would have begun by now
+        status = bridge.status()
+        assert status.restarts == 0 and status.state == "dead"
+        assert status.message == "the engine refused to start: preset 'x' needs weights that are not here"
+        with pytest.raises(EngineRefused, match="^preset 'x' needs weights that are not here$"):
+            bridge.wait_running(5)
+    finally:
+        bridge.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the engine under its wrapper through /proc")
+def test_an_engine_that_ran_and_then_exits_2_is_restarted_like_any_crash(tmp_path):
+    """Exit code 2 means a refused run only before the engine was ready: one that ran is restarted, so a show
+    goes on. The stand-in runs the real engine, then exits 2 when it ends (here: killed)."""
+    wrapper = tmp_path / "engine-python"
+    wrapper.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import subprocess, sys
+        args = sys.argv[1:]
+        at = args.index("--parent-pid")  # the engine's parent is this wrapper, not the host
+        subprocess.call([sys.executable, *args[:at], *args[at + 2:]])
+        sys.exit(2)
+    """))
+    wrapper.chmod(0o755)
+    bridge = Bridge(_config(engine_python=str(wrapper))).start()
+    try:
+        bridge.wait_running(60)
+        shell = bridge.stats()["engine_pid"]
+        engine = int(Path(f"/proc/{shell}/task/{shell}/children").read_text().split()[0])
+        os.kill(engine, signal.SIGKILL)
+        assert wait_until(lambda: bridge.status().restarts >= 1, 30), bridge.status()
+        assert bridge.wait_running(60).refusal == ""
     finally:
         bridge.close()
 

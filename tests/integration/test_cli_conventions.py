@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from host_bridge.wire.errors import UserError
+from plugin.cli import preflight
 from plugin.cli.main import build_parser, main
 from plugin.cli.preflight import check_transport
 
@@ -63,11 +65,45 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
     started = time.monotonic()
-    assert main(["play", "--endpoint", f"tcp://127.0.0.1:{port}", "-o", str(tmp_path / "y.mp4")]) == 2
+    assert main(["play", "--endpoint", f"tcp://127.0.0.1:{port}", "--secret-file", str(secret),
+                 "-o", str(tmp_path / "y.mp4")]) == 2
     assert "no engine answers there" in capsys.readouterr().err
     assert time.monotonic() - started < 30  # refused at once, not after a start-up timeout
     assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
+
+
+def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(monkeypatch, tmp_path, capsys):
+    """A host that drops packets (no refusal comes back) is waited for CONNECT_TIMEOUT_S, not a start-up
+    timeout; the message says so and the run ends with exit code 2. So do an endpoint the player could
+    never be let in by: no session secret for a local engine, no Curve keys for a remote one."""
+    asked: list[float] = []
+
+    def blackhole(address, timeout):
+        asked.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(preflight.socket, "create_connection", blackhole)
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    with pytest.raises(UserError, match=r"tcp://127\.0\.0\.1:5555: no engine answers there \(timed out after at "
+                                        r"most 3 s\)"):
+        preflight.check_endpoint("tcp://127.0.0.1:5555", str(secret))
+    assert asked == [preflight.CONNECT_TIMEOUT_S] and preflight.CONNECT_TIMEOUT_S <= 5
+    local = ["play", "--passthrough", "--endpoint", "tcp://127.0.0.1:5555"]
+    assert main([*local, "--secret-file", str(secret)]) == 2
+    assert main(local) == 2 and "give --secret-file FILE" in capsys.readouterr().err
+    secret.chmod(0o644)
+    assert main([*local, "--secret-file", str(secret)]) == 2 and "chmod 600" in capsys.readouterr().err
+    assert main(["play", "--passthrough", "--endpoint", "tcp://192.0.2.1:5555"]) == 2
+    assert "not an address on this machine" in capsys.readouterr().err
+    assert main(["play", "--passthrough", "--secret-file", str(secret)]) == 2
+    assert "--secret-file is for --endpoint" in capsys.readouterr().err
+    assert len(asked) == 2  # only the two runs that got as far as connecting
 
 
 def test_cuda_ipc_is_refused_with_a_hint_where_it_cannot_work():

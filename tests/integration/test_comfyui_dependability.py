@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.fakes.comfyui import ComfyInterrupt, engine_node, image_batch, loaded_node_package, run_node
-from tests.fakes.engines import engine_report
+from tests.fakes.engines import engine_report, exiting_engine
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,29 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_nextrun_node(n
         assert bridge.status().restarts >= 1
     finally:
         bridge.close()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
+def test_an_engine_that_refuses_its_settings_is_named_once_and_the_next_run_starts_afresh(nodes_pkg, tmp_path):
+    """An engine that exits with code 2 (missing weights, a bad config) is not restarted: the stream node
+    fails with the engine's own message, once; the Engine node then runs again on the next queue and
+    starts a fresh engine (the user may have pulled the weights meanwhile)."""
+    engine = exiting_engine(tmp_path, 2, "preset 'wan2.1-1.3b' needs weights that are not here")
+    settings = dict(config="wan2.1-1.3b", transport="shm", fallback="passthrough", engine_python=str(engine))
+    handle, _ = engine_node(nodes_pkg, **settings)
+    engine_cls = nodes_pkg.NODE_CLASS_MAPPINGS["LoomEngine"]
+    mark = engine_cls.IS_CHANGED(**settings)
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            run_node(nodes_pkg, "LoomStream", engine=handle, images=image_batch(2, 16, 16))
+        assert str(failed.value) == ("Loom Stream: the engine refused to start: "
+                                     "preset 'wan2.1-1.3b' needs weights that are not here")
+        assert handle.bridge.status().restarts == 0
+        assert engine_cls.IS_CHANGED(**settings) != mark  # ComfyUI runs the Engine node again
+        again, _ = engine_node(nodes_pkg, **settings)
+        assert again is not handle and handle.bridge.status().state == "stopped"
+    finally:
+        nodes_pkg.nodes.ENGINES.close(handle.key)
 
 
 def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(nodes_pkg):

@@ -80,6 +80,7 @@ def unpacked(tmp_path: Path) -> Path:
     archive = tmp_path / "node.zip"
     names = pack(NODE_DIR, archive)
     assert {"__init__.py", "nodes.py", "pixels.py", "pyproject.toml", "requirements.txt"} <= set(names)
+    assert "check_publish.py" not in names  # the publisher's tool, not part of the nodes
     folder = tmp_path / "ComfyUI" / "custom_nodes" / "loom-live-nodes"
     with zipfile.ZipFile(archive) as zf:
         zf.extractall(folder)
@@ -111,3 +112,28 @@ def test_registry_metadata_is_complete():
     assert {"PublisherId", "DisplayName", "Icon", "includes"} <= set(comfy) and comfy["PublisherId"]
     assert {"name", "description", "version", "license", "dependencies"} <= set(meta["project"])
     assert meta["project"]["urls"]["Repository"].startswith("https://")
+
+
+def _check_publish(pyproject: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(NODE_DIR / "check_publish.py"), str(pyproject)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_shipped_placeholders_cannot_be_published_until_filled_in(tmp_path):
+    """The repository URL is unknown to a checkout: the publish steps run check_publish.py first, which
+    refuses the shipped file, naming each field to fill in, and passes once they are filled in."""
+    shipped = (NODE_DIR / "pyproject.toml").read_text()
+    out = _check_publish(NODE_DIR / "pyproject.toml")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    for field in ("[project.urls] Repository", "[project.urls] Documentation", "[project.urls] Bug Tracker",
+                  "[tool.comfy] Icon"):
+        assert field in out.stderr, field
+    assert "is a placeholder; replace OWNER" in out.stderr
+    filled = tmp_path / "pyproject.toml"
+    filled.write_text(shipped.replace("OWNER", "someone").replace('Icon = ""',
+                                                                   'Icon = "https://example.org/loom.png"'))
+    out = _check_publish(filled)
+    assert out.returncode == 0, out.stderr
+    filled.write_text(shipped.replace("OWNER", "someone"))  # the URLs alone are not enough
+    out = _check_publish(filled)
+    assert out.returncode == 1 and "[tool.comfy] Icon: empty" in out.stderr and "Repository" not in out.stderr

@@ -28,6 +28,7 @@ from plugin.cli.main import main
 from plugin.media.video_io import partial_path
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
+from tests.fakes.engines import exiting_engine, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,11 +297,56 @@ def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, arg
     assert not list(tmp_path.iterdir()), "a refused run left a file behind"
 
 
+def test_play_reaches_an_engine_served_on_this_machine_with_its_session_secret(tmp_path):
+    """`loom serve --bind` on a loopback endpoint takes only hosts that hold its secret file: with the same
+    --secret-file the player streams through it; the served engine keeps running afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+        return serve.poll() is not None
+
+    secret = tmp_path / "secret"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    serve = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+                              str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(listening, 60) and serve.poll() is None, serve.stderr
+        dst = tmp_path / "out.mp4"
+        out = _play("-n", "6", "--size", "32x32", "-o", str(dst), "--endpoint", endpoint, "--secret-file",
+                    str(secret), "--passthrough", timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert len(_decode(dst)) == 6 and serve.poll() is None
+    finally:
+        serve.terminate()
+        serve.communicate(timeout=30)
+
+
 def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
     out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python",
                 str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
     assert out.returncode == 3, out.stderr
     assert "engine" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
+@pytest.mark.parametrize("mode", ["lossless", "live"])
+def test_an_engine_that_refuses_its_run_ends_the_player_with_exit_2_and_its_message_once(tmp_path, mode):
+    """An engine that exits with code 2 (its config, its weights) is not restarted: the player says the
+    engine's own error once and exits 2, and an existing output stays as it was."""
+    engine = exiting_engine(tmp_path, 2, "preset 'wan2.1-1.3b' needs weights that are not here")
+    dst = tmp_path / "kept.mp4"
+    dst.write_bytes(b"yesterday's render")
+    out = _play("-n", "5", "--size", "32x32", "--mode", mode, "-o", str(dst), "-y", "--engine-python", str(engine),
+                "--startup-timeout", "60", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("needs weights that are not here") == 1, out.stderr
+    assert "loom play: error: preset 'wan2.1-1.3b' needs weights" in out.stderr and "Traceback" not in out.stderr
+    assert dst.read_bytes() == b"yesterday's render" and not partial_path(dst).exists()
 
 
 # --- live control: keyboard and OSC map to the same commands ------------------------------------

@@ -21,7 +21,7 @@ from host_bridge.wire.params import steps_for
 from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
-from tests.fakes.engines import InProcessEngine, wait_until
+from tests.fakes.engines import InProcessEngine, exiting_engine, wait_until
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     CUDAMemory,
@@ -277,6 +277,28 @@ class EngineTraces:
         segments = {n for n in self._all_segments() - self._segments if int(n.split("_")[1]) in self.pids}
         threads = {t.name for t in threading.enumerate() if t.ident not in self._threads and t.name.startswith("loom")}
         return segments, threads
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
+def test_an_engine_that_refuses_its_config_shows_its_message_once_and_is_not_restarted(tmp_path):
+    """An engine that exits with code 2 (missing weights, a bad config) would refuse every restart: the
+    component says dead with the engine's own message, and the cook goes on with the fallback."""
+    engine = exiting_engine(tmp_path, 2, "preset 'wan2.1-1.3b' needs weights that are not here")
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Enginepython = str(engine)
+    comp.parexec_enabled = True
+    try:
+        ext.Start()
+        cook_until(script, lambda: comp.par.State.eval() == "dead", "engine dead")
+        time.sleep(0.5)  # longer than the restart backoff: a restart would have begun by now
+        script.cook()
+        assert comp.par.State.eval() == "dead" and ext.bridge.status().restarts == 0
+        message = comp.par.Message.eval()
+        assert message == "the engine refused to start: preset 'wan2.1-1.3b' needs weights that are not here"
+    finally:
+        ext.Stop()
 
 
 def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():

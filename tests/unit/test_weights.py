@@ -1,0 +1,27 @@
+"""The Hugging Face repositories and files `loom pull` fetches for each Wan preset.
+
+These names were checked against the upstream projects (the README's weights section says where);
+a test pins them so that a change to one is deliberate, never a typo that only shows as a 404 at a
+user's first `loom pull`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.models.weights import PRESET_WEIGHTS
+
+
+@pytest.mark.parametrize(("preset", "size", "causal"), [("wan2.1-1.3b", "1.3B", "wan_causal_dmd_v2v"),
+                                                        ("wan2.1-14b", "14B", "wan_causal_dmd_v2v_14b")])
+def test_each_wan_preset_pulls_the_checked_upstream_files(preset, size, causal):
+    sources = {s.key: s for s in PRESET_WEIGHTS[preset]}
+    assert set(sources) == {"model.checkpoint", "vae.checkpoint", "prompt.path"}
+    generator, vae, text = sources["model.checkpoint"], sources["vae.checkpoint"], sources["prompt.path"]
+    assert (generator.repo, generator.files, generator.target) == (
+        "jerryfeng/StreamDiffusionV2", (f"{causal}/model.pt",), f"{causal}/model.pt")
+    assert (vae.repo, vae.files, vae.target) == (f"Wan-AI/Wan2.1-T2V-{size}", ("Wan2.1_VAE.pth",), "Wan2.1_VAE.pth")
+    # Loom's umT5 encoder reads the transformers layout: the diffusers copy's tokenizer/ and text_encoder/
+    assert (text.repo, set(text.files), text.target) == (
+        f"Wan-AI/Wan2.1-T2V-{size}-Diffusers", {"tokenizer/*", "text_encoder/*"}, "")
+    assert all(s.licence.startswith("Apache-2.0") for s in sources.values())
