@@ -15,7 +15,7 @@ import torch
 from tests.fakes.comfyui import PACKAGE_DIR, engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.engines import engine_report
 
-COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE"}
+COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE", "LOOM_LORAS"}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def nodes_pkg():
 
 def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
     classes, names = nodes_pkg.NODE_CLASS_MAPPINGS, nodes_pkg.NODE_DISPLAY_NAME_MAPPINGS
-    assert set(classes) == {"LoomEngine", "LoomPrompt", "LoomStream"} == set(names)
+    assert set(classes) == {"LoomEngine", "LoomLora", "LoomPrompt", "LoomStream"} == set(names)
     for cls in classes.values():
         assert isinstance(cls.CATEGORY, str) and callable(getattr(cls, cls.FUNCTION))
         assert isinstance(cls.RETURN_TYPES, tuple) and all(isinstance(t, str) for t in cls.RETURN_TYPES)
