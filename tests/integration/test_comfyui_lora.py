@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.engines import engine_report
 
@@ -48,8 +49,11 @@ def test_lora_nodes_list_the_loras_folder_chain_and_refuse_what_cannot_load(node
     monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
 
     node = nodes_pkg.NODE_CLASS_MAPPINGS["LoomLora"]
-    files = node.INPUT_TYPES()["required"]["lora_name"][0]
-    assert files == [nodes_pkg.nodes.NO_LORA_FILE, "styles/ink.safetensors"]
+    required = node.INPUT_TYPES()["required"]
+    assert required["lora_name"][0] == [nodes_pkg.nodes.NO_LORA_FILE, "styles/ink.safetensors"]
+    strength = required["strength"][1]  # the widget's range is the live-parameter schema's
+    assert (strength["default"], strength["min"], strength["max"], strength["step"]) == \
+        (LORA_DEFAULT_SCALE, LORA_SCALES.min, LORA_SCALES.ui_max, LORA_SCALES.ui_step)
     one = _lora(nodes_pkg, lora_name="styles/ink.safetensors", strength=0.8)
     two = _lora(nodes_pkg, film, 0.5, loras=one)  # a path, chained after the folder's file
     assert one == ((str(ink), 0.8),) and two == ((str(ink), 0.8), (str(film), 0.5))
