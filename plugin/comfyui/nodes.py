@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ class EngineHandle:
     settings: dict[str, Any]
     interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
     loras: tuple[Any, ...] = ()  # the `host_bridge.loras.LoraChoice`s the engine was started with
+    users: set[str] = field(default_factory=set)  # the Engine nodes (ComfyUI's node ids) that use it
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -59,19 +60,24 @@ class EngineRegistry:
         self._engines: dict[str, EngineHandle] = {}
         self._lock = threading.Lock()
 
-    def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> EngineHandle:
-        """The engine of these settings and LoRA files, started if needed. An engine of the same settings
-        with other LoRA files is stopped first (a restart with the new files: two would hold the model
-        twice); one with the same files is told the strengths live."""
+    def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = (), node: str = "") -> EngineHandle:
+        """The engine of these settings and LoRA files, started if needed. When Engine node `node` moves to
+        other LoRA files, the engine it used with the same settings stops first if no other node uses it
+        (a restart with the new files: two would hold the model twice); an engine with the same files is
+        told the strengths live."""
         key = settings_key({**settings, "loras": [c.path for c in loras]})
         with self._lock:
             handle = self._engines.get(key)
+            for old_key, old in list(self._engines.items()):
+                if old is not handle and node in old.users:
+                    old.users.discard(node)
+                    if not old.users and old.settings == settings:
+                        self._engines.pop(old_key).bridge.close()
             if handle is None:
-                for old_key in [k for k, h in self._engines.items() if h.settings == settings]:
-                    self._engines.pop(old_key).bridge.close()
                 handle = EngineHandle(key, _start_bridge(settings, loras), dict(settings), loras=loras)
                 self._engines[key] = handle
-            elif loras:
+            handle.users.add(node)
+            if loras:
                 from host_bridge.loras import scales
 
                 handle.bridge.set_params(lora_scales=scales(loras))
@@ -150,6 +156,7 @@ class LoomEngine:
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
+            "hidden": {"unique_id": "UNIQUE_ID"},  # ComfyUI's id of this node: which engine it used before
             "required": {
                 "config": ("STRING", {"default": "default", "tooltip": "preset name or YAML file of the engine"}),
                 "transport": (TRANSPORTS, {"default": "shm"}),
@@ -165,18 +172,20 @@ class LoomEngine:
         }
 
     @classmethod
-    def IS_CHANGED(cls, loras: Any = None, **settings: Any) -> str:
+    def IS_CHANGED(cls, loras: Any = None, unique_id: Any = None, **settings: Any) -> str:
         """Same settings, same engine: re-run only when a setting (or a LoRA or its strength) changes."""
         return settings_key({**_engine_settings(**settings), "loras": [list(x) for x in loras or ()]})
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
-              overrides: str = "", passthrough: bool = False, loras: Any = None) -> tuple[EngineHandle, str]:
+              overrides: str = "", passthrough: bool = False, loras: Any = None,
+              unique_id: Any = None) -> tuple[EngineHandle, str]:
         from host_bridge.loras import LoraChoice
 
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        overrides=overrides, passthrough=passthrough),
-                                      tuple(LoraChoice(path, strength) for path, strength in loras or ()))
+                                      tuple(LoraChoice(path, strength) for path, strength in loras or ()),
+                                      node="" if unique_id is None else str(unique_id))
         return handle, handle.status_text()
 
 

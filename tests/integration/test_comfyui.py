@@ -32,7 +32,9 @@ def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
         assert isinstance(cls.RETURN_TYPES, tuple) and all(isinstance(t, str) for t in cls.RETURN_TYPES)
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"} and "required" in spec
-        for section in spec.values():
+        # hidden inputs are filled by ComfyUI itself, named by its own words (the node's id: UNIQUE_ID)
+        assert set(spec.get("hidden", {}).values()) <= {"UNIQUE_ID", "PROMPT", "EXTRA_PNGINFO"}
+        for section in (spec["required"], spec.get("optional", {})):
             for name, entry in section.items():
                 kind = entry[0]
                 assert isinstance(kind, list) or kind in COMFY_TYPES, (cls.__name__, name, kind)

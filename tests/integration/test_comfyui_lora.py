@@ -96,6 +96,13 @@ def test_strengths_change_live_and_files_restart_the_engine(nodes_pkg, tmp_path)
         assert other is not handle and len(engines) == 1
         assert handle.bridge.status().state == "stopped"
         assert other.bridge.config.engine_args == ["--lora", f"{ink}:0.8"]
+
+        # two Engine nodes with different files (an A/B comparison) each keep their engine
+        first, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")
+        second, _ = engine_node(nodes_pkg, passthrough=True, loras=both, unique_id="8")
+        assert first is other and len(engines) == 2
+        assert engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")[0] is first
+        assert first.bridge.status().state != "stopped" and second.bridge.status().state != "stopped"
     finally:
         engines.close_all()
 
