@@ -47,7 +47,7 @@ STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the
 PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
-ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough", *LORA_FILE_PARS)
+ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough")
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
@@ -213,6 +213,8 @@ class LoomExt:
             self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
         elif name in LORA_SCALE_PARS:
             self._record_lora_scales()
+        elif name in LORA_FILE_PARS and self.ownerComp.par.Active.eval():
+            self._start()  # the model is the same: a LoRA it refused stays out (Start tries it again)
         elif name in ENGINE_PARS and self.ownerComp.par.Active.eval():
             self.Start()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -91,6 +92,7 @@ def test_lora_files_load_at_start_scales_change_live_and_bad_slots_are_said(tmp_
     assert ext.WaitClosed()
 
 
+@pytest.mark.slow  # two engines load the tiny model (about 10 s on two idle cores)
 def test_a_lora_the_engine_refuses_is_left_out_and_the_stream_goes_on(tmp_path):
     """A LoRA for another model size is refused by the engine only (it takes the model's shapes): the
     component names the file and the engine's reason, and starts the engine again with the other LoRAs."""
@@ -111,6 +113,10 @@ def test_a_lora_the_engine_refuses_is_left_out_and_the_stream_goes_on(tmp_path):
         time.sleep(0.2)
         script.cook()
         assert comp.par.State.eval() == "running" and "LoRA 1 not loaded" in comp.par.Message.eval()
+        film = _lora_file(tmp_path / "film.safetensors")
+        comp.par.Lora3 = str(film)  # another file, the same model: the refused one stays out
+        assert ext.bridge.config.engine_args == ["--lora", f"{good}:1.0", "--lora", f"{film}:1.0"]
+        assert "LoRA 1 not loaded, the engine refused it" in comp.par.Message.eval()
     finally:
         comp.par.Active = False
     assert ext.WaitClosed()
