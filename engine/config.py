@@ -196,13 +196,13 @@ class LoraEntry:
     """One style LoRA merged into the DiT's weights (engine/models/lora.py)."""
 
     path: str = spec(doc="LoRA file: diffusers/PEFT, original Wan or kohya/musubi layout (.safetensors/.pt)")
-    scale: float = spec(1.0, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
+    scale: float = spec(live.LORA_DEFAULT_SCALE, min=live.LORA_SCALES.min, max=live.LORA_SCALES.max,
                         doc="strength; changed live with the lora_scales parameter")
     name: str | None = spec(None, doc="name for live control; default: the file name without extension")
 
     @property
     def key(self) -> str:
-        return self.name or Path(self.path).stem
+        return self.name or live.lora_name(self.path)
 
 
 @dataclass
@@ -296,9 +296,9 @@ def lora_override(specs: list[str]) -> list[str]:
     for text in specs:
         path, sep, tail = text.rpartition(":")
         try:
-            scale = float(tail) if sep else 1.0
+            scale = float(tail) if sep else live.LORA_DEFAULT_SCALE
         except ValueError:  # a colon of the path itself (C:\\...), no scale
-            path, scale = text, 1.0
+            path, scale = text, live.LORA_DEFAULT_SCALE
         entries.append({"path": path if sep and path else text, "scale": scale})
     return [f"lora={json.dumps(entries)}"] if entries else []
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 KINDS = ("int", "float", "bool", "choice", "text", "timesteps", "scales")
@@ -227,6 +228,12 @@ PROMPT = LiveParam("text", "text", "a painting in the style of van gogh, vivid b
 
 LORA_SCALES = LiveParam("lora_scales", "scales", {}, "lora", "scale of each loaded style LoRA, by name",
                         min=-4.0, max=4.0, max_len=8, ui_step=0.05, ui_max=2.0)
+LORA_DEFAULT_SCALE = 1.0  # a LoRA loaded without a scale
+
+
+def lora_name(path: str) -> str:
+    """The name live controls use for a LoRA loaded without one: its file name without the extension."""
+    return PurePath(path).stem
 # The edit family's own (engine/edit, model.family=edit), kept in its config section `edit`.
 ADAPTER_STRENGTH = LiveParam("adapter_strength", "float", 1.0, "edit", "temporal LLLite output multiplier",
                              min=0.0, max=2.0, ui_step=0.05)
@@ -260,5 +267,6 @@ def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str,
     return text.strip(), chunks
 
 
-__all__ = ["CHUNK_FRAMES", "EDIT_PARAMS", "FIRST_CHUNK_FRAMES", "LIVE", "LiveParam", "MAX_STEPS", "PROMPT",
-           "ParamSchema", "STEP_LISTS", "TRAIN_TIMESTEPS", "check_prompt_request", "steps_for", "whole_chunks"]
+__all__ = ["CHUNK_FRAMES", "EDIT_PARAMS", "FIRST_CHUNK_FRAMES", "LIVE", "LORA_DEFAULT_SCALE", "LORA_SCALES",
+           "LiveParam", "MAX_STEPS", "NAME_LEN", "PROMPT", "ParamSchema", "STEP_LISTS", "TRAIN_TIMESTEPS",
+           "check_prompt_request", "lora_name", "steps_for", "whole_chunks"]

@@ -3,6 +3,11 @@
 `IMAGE` is a float32 tensor [B, H, W, 3] in 0..1, rows top-down. Engines started by the Engine
 node live in `ENGINES` (keyed by their settings) across queue runs, so re-running a workflow does
 not start a second engine; they are closed when ComfyUI exits.
+
+LoRAs: a chain of Loom LoRA nodes builds a `LOOM_LORAS` list of (file, strength) that the Engine
+node takes. The files are part of the engine's settings: other files replace the engine with one
+started with them (`--lora`); other strengths only go to the running engine as the live
+`lora_scales` parameter, without a restart.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 CATEGORY = "Loom"
 ENGINE_TYPE = "LOOM_ENGINE"
+LORAS_TYPE = "LOOM_LORAS"  # a tuple of (absolute path, strength), one per LoRA, in chain order
+NO_LORA_FILE = "(none: use path)"  # the file list's entry when ComfyUI's loras folder is empty or unknown
 TRANSPORTS = ["shm", "tcp", "cuda-ipc"]
 FALLBACKS = ["passthrough", "last"]
 # Seconds per frame a batch may take before the engine is declared stuck, plus start-up time.
@@ -37,6 +44,8 @@ class EngineHandle:
     bridge: Any
     settings: dict[str, Any]
     interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
+    loras: tuple[Any, ...] = ()  # the `host_bridge.loras.LoraChoice`s the engine was started with
+    users: set[str] = field(default_factory=set)  # the Engine nodes (ComfyUI's node ids) that use it
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -51,15 +60,30 @@ class EngineRegistry:
         self._engines: dict[str, EngineHandle] = {}
         self._lock = threading.Lock()
 
-    def get_or_start(self, settings: dict[str, Any]) -> EngineHandle:
-        key = settings_key(settings)
+    def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = (), node: str = "") -> EngineHandle:
+        """The engine of these settings and LoRA files, started if needed. When Engine node `node` moves to
+        other LoRA files, the engine it used with the same settings stops first if no other node uses it
+        (a restart with the new files: two would hold the model twice); an engine with the same files is
+        told the strengths live."""
+        key = engine_key(settings, loras)
         if self.ended(key):  # e.g. refused for missing weights, now pulled: the next queue run tries a fresh engine
             self.close(key)
         with self._lock:
             handle = self._engines.get(key)
+            for old_key, old in list(self._engines.items()):
+                if old is not handle and node in old.users:
+                    old.users.discard(node)
+                    if not old.users and old.settings == settings:
+                        self._engines.pop(old_key).bridge.close()
             if handle is None:
-                handle = EngineHandle(key, _start_bridge(settings), dict(settings))
+                handle = EngineHandle(key, _start_bridge(settings, loras), dict(settings), loras=loras)
                 self._engines[key] = handle
+            handle.users.add(node)
+            if loras:
+                from host_bridge.loras import scales
+
+                handle.bridge.set_params(lora_scales=scales(loras))
+                handle.loras = loras
             return handle
 
     def ended(self, key: str) -> bool:
@@ -90,18 +114,28 @@ def settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _start_bridge(settings: dict[str, Any]) -> Any:
+def engine_key(settings: dict[str, Any], loras: tuple[Any, ...]) -> str:
+    """One engine per settings and LoRA files (strengths change live on it)."""
+    return settings_key({**settings, "loras": [c.path for c in loras]})
+
+
+def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
     try:
         from host_bridge import Bridge, BridgeConfig
+        from host_bridge.loras import engine_args
     except ImportError as exc:
         raise RuntimeError(f"Loom: cannot import host_bridge ({exc}); link this folder from a Loom checkout "
                            "into custom_nodes, or pip install the Loom repository into ComfyUI's Python") from exc
     endpoint = settings["endpoint"].strip() or None
     overrides = [line.strip() for line in settings["overrides"].splitlines() if line.strip()]
+    if loras and endpoint is not None:
+        raise ValueError("Loom Engine: LoRA files load with an engine this node starts; the engine at endpoint "
+                         "has the LoRAs it was served with (loom serve --lora). Disconnect the loras input")
     cfg = BridgeConfig(transport=settings["transport"], launch=endpoint is None,
                        engine_python=settings["engine_python"].strip() or sys.executable,
                        engine_config=settings["config"], engine_overrides=overrides, endpoint=endpoint,
-                       fallback=settings["fallback"], passthrough=settings["passthrough"])
+                       fallback=settings["fallback"], passthrough=settings["passthrough"],
+                       engine_args=engine_args(loras))
     bridge = Bridge(cfg)
     bridge.start()
     return bridge
@@ -135,6 +169,7 @@ class LoomEngine:
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
+            "hidden": {"unique_id": "UNIQUE_ID"},  # ComfyUI's id of this node: which engine it used before
             "required": {
                 "config": ("STRING", {"default": "default", "tooltip": "preset name or YAML file of the engine"}),
                 "transport": (TRANSPORTS, {"default": "shm"}),
@@ -145,21 +180,31 @@ class LoomEngine:
                 "endpoint": ("STRING", {"default": "", "tooltip": "empty: start a local engine; else its address"}),
                 "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": "key=value per line"}),
                 "passthrough": ("BOOLEAN", {"default": False, "tooltip": "engine returns frames unchanged"}),
+                "loras": (LORAS_TYPE, {"tooltip": "style LoRAs from a chain of Loom LoRA nodes"}),
             },
         }
 
     @classmethod
-    def IS_CHANGED(cls, **settings: Any) -> str:
-        """Same settings, same engine: re-run only when a setting changes, or when that engine has ended
-        (then the node runs again and starts a fresh one)."""
-        key = settings_key(_engine_settings(**settings))
-        return f"{key}:ended" if ENGINES.ended(key) else key
+    def IS_CHANGED(cls, loras: Any = None, unique_id: Any = None, **settings: Any) -> str:
+        """Same settings, same engine: re-run only when a setting (or a LoRA or its strength) changes, or
+        when that engine has ended (then the node runs again and starts a fresh one)."""
+        from host_bridge.loras import LoraChoice
+
+        engine_settings = _engine_settings(**settings)
+        key = settings_key({**engine_settings, "loras": [list(x) for x in loras or ()]})
+        choices = tuple(LoraChoice(path, strength) for path, strength in loras or ())
+        return f"{key}:ended" if ENGINES.ended(engine_key(engine_settings, choices)) else key
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
-              overrides: str = "", passthrough: bool = False) -> tuple[EngineHandle, str]:
+              overrides: str = "", passthrough: bool = False, loras: Any = None,
+              unique_id: Any = None) -> tuple[EngineHandle, str]:
+        from host_bridge.loras import LoraChoice
+
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
-                                                       overrides=overrides, passthrough=passthrough))
+                                                       overrides=overrides, passthrough=passthrough),
+                                      tuple(LoraChoice(path, strength) for path, strength in loras or ()),
+                                      node="" if unique_id is None else str(unique_id))
         return handle, handle.status_text()
 
 
@@ -168,6 +213,71 @@ def _engine_settings(config: str = "default", transport: str = "shm", fallback: 
                      passthrough: bool = False) -> dict[str, Any]:
     return {"config": config, "transport": transport, "fallback": fallback, "engine_python": engine_python,
             "endpoint": endpoint, "overrides": overrides, "passthrough": bool(passthrough)}
+
+
+class LoomLora:
+    """One style LoRA and its strength, added to the LoRAs of the previous Loom LoRA node (if any)."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (LORAS_TYPE,)
+    RETURN_NAMES = ("loras",)
+    FUNCTION = "add"
+    DESCRIPTION = ("A Wan2.1 style LoRA for the Loom Engine node; chain several. A strength change reaches a "
+                   "running engine live; a file change restarts it. Put the LoRA's trigger words in the prompt.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        from host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
+
+        files = [NO_LORA_FILE, *_lora_folder_files()]
+        return {
+            "required": {
+                "lora_name": (files, {"default": NO_LORA_FILE, "tooltip": "a file of ComfyUI's models/loras folder"}),
+                "strength": ("FLOAT", {"default": LORA_DEFAULT_SCALE, "min": LORA_SCALES.min,
+                                       "max": LORA_SCALES.ui_max, "step": LORA_SCALES.ui_step,
+                                       "tooltip": LORA_SCALES.doc}),
+            },
+            "optional": {
+                "path": ("STRING", {"default": "", "tooltip": "a LoRA file anywhere; used instead of lora_name"}),
+                "loras": (LORAS_TYPE, {"tooltip": "the LoRAs of the previous Loom LoRA node"}),
+            },
+        }
+
+    def add(self, lora_name: str, strength: float, path: str = "",
+            loras: tuple[tuple[str, float], ...] | None = None) -> tuple[tuple[tuple[str, float], ...]]:
+        from host_bridge.loras import LoraChoice, check_together, lora_choice
+
+        file = path.strip() or _lora_folder_path(lora_name)
+        try:
+            choice = lora_choice(file, strength)
+            chain = (*(LoraChoice(p, s) for p, s in loras or ()), choice)
+            check_together(chain)
+        except ValueError as exc:
+            raise ValueError(f"Loom LoRA: {exc}") from None
+        return (tuple((c.path, c.scale) for c in chain),)
+
+
+def _lora_folder_files() -> list[str]:
+    """The files of ComfyUI's `loras` folder(s), as its own LoRA loader lists them; none outside ComfyUI."""
+    try:
+        import folder_paths
+    except ImportError:
+        return []
+    return list(folder_paths.get_filename_list("loras"))
+
+
+def _lora_folder_path(name: str) -> str:
+    """A name from the loras folder list -> its full path; ValueError when there is none."""
+    if name == NO_LORA_FILE:
+        raise ValueError("Loom LoRA: pick a file in lora_name (ComfyUI's models/loras folder) or give a path")
+    try:
+        import folder_paths
+    except ImportError:
+        raise ValueError(f"Loom LoRA: {name!r}: no ComfyUI loras folder here; give the file's path") from None
+    full = folder_paths.get_full_path("loras", name)
+    if full is None:
+        raise ValueError(f"Loom LoRA: {name!r} is not in ComfyUI's loras folder any more; pick another")
+    return full
 
 
 class LoomPrompt:
@@ -244,7 +354,7 @@ class LoomStream:
             return _frames_to_images(frames), engine.status_text()
         limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
-        _wait_running(engine.bridge, limit, cancelled)
+        _wait_running(engine, limit, cancelled)
         if engine.interrupted:  # the engine confirms the new stream before this run's first frame goes
             engine.bridge.reset(wait=True)
             engine.interrupted = False
@@ -299,13 +409,16 @@ def _until_cancelled(frames: np.ndarray, cancelled: Callable[[], None]) -> Itera
         yield frame
 
 
-def _wait_running(bridge: Any, limit_s: float, cancelled: Callable[[], None]) -> None:
-    """Wait for the engine (loading a model takes a while), answering Cancel meanwhile."""
+def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], None]) -> None:
+    """Wait for the engine (loading a model takes a while), answering Cancel meanwhile. An engine that
+    failed naming one of its LoRA files (one for another model size) is stopped, and the run says which."""
     from host_bridge import EngineState
 
+    bridge = engine.bridge
     deadline = time.monotonic() + limit_s
     while (status := bridge.status()).state != EngineState.RUNNING:
         cancelled()
+        _raise_if_lora_refused(engine)
         if status.refusal:  # the engine refused its settings (config, weights): its own message says what to fix
             raise RuntimeError(f"Loom Stream: the engine refused to start: {status.refusal}")
         gone = status.state in (EngineState.DEAD, EngineState.STOPPED)
@@ -316,6 +429,22 @@ def _wait_running(bridge: Any, limit_s: float, cancelled: Callable[[], None]) ->
         time.sleep(CANCEL_POLL_S)
 
 
-NODE_CLASS_MAPPINGS = {"LoomEngine": LoomEngine, "LoomPrompt": LoomPrompt, "LoomStream": LoomStream}
-NODE_DISPLAY_NAME_MAPPINGS = {"LoomEngine": "Loom Engine", "LoomPrompt": "Loom Prompt & Params",
-                              "LoomStream": "Loom Stream Images"}
+def _raise_if_lora_refused(engine: EngineHandle) -> None:
+    if not engine.loras:
+        return
+    from host_bridge.loras import refused_lora
+
+    stats = engine.bridge.stats()
+    found = refused_lora(f"{stats.get('last_error') or ''}\n{stats.get('message') or ''}", engine.loras)
+    if found is None:
+        return
+    ENGINES.close(engine.key)  # else it would fail again and again; a fixed file gets a fresh engine
+    choice, words = found
+    raise RuntimeError(f"Loom Stream: the engine refused the LoRA {choice.name!r}: {words}. Remove it from the "
+                       "Loom LoRA chain, or pick one made for this model")
+
+
+NODE_CLASS_MAPPINGS = {"LoomEngine": LoomEngine, "LoomLora": LoomLora, "LoomPrompt": LoomPrompt,
+                       "LoomStream": LoomStream}
+NODE_DISPLAY_NAME_MAPPINGS = {"LoomEngine": "Loom Engine", "LoomLora": "Loom LoRA",
+                              "LoomPrompt": "Loom Prompt & Params", "LoomStream": "Loom Stream Images"}

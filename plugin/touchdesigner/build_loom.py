@@ -6,9 +6,9 @@ It makes a Base COMP `loom` with an In TOP, the Script TOP `loom_top` (callbacks
 `loom_callbacks`, not the Script TOP's own docked `loom_top_callbacks`), a Switch TOP that shows
 the input while the component is inactive, an Out TOP, the extension DAT `loom_ext`, a Parameter
 Execute DAT watching the control parameters, an Execute DAT that cooks the Script TOP in each
-frame nothing else does while the engine runs, and the Loom, Engine and Status pages. The callback DATs hold the text of
-this folder's callback modules (TouchDesigner runs a DAT's text with `me` set); the extension DAT
-imports `LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
+frame nothing else does while the engine runs, and the Loom, Engine, LoRA and Status pages. The
+callback DATs hold the text of this folder's callback modules (TouchDesigner runs a DAT's text with
+`me` set); the extension DAT imports `LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
 An existing operator of the same name is never replaced: pick another name or delete it first.
 """
 

@@ -21,6 +21,12 @@ out: the newest engine frame (or the fallback) through `copyCUDAMemory` in the i
 `copyNumpyArray` as uint8 RGB bottom-up (the channel order the Script TOP documents). Nothing here
 blocks the cook on the engine: a slow or dead engine shows the fallback and a status on the
 read-only parameters.
+
+LoRAs: the LoRA page's files go to a launched engine as `--lora PATH:SCALE`, its scales as the
+`lora_scales` live parameter. A file the host can see is wrong (missing, a name another slot has) is
+left out with a message; one the engine refuses (a LoRA for another model size) is named in the
+engine's failure, so the component starts the engine again without it and says so: either way the
+stream goes on with the other LoRAs.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from host_bridge.wire.params import steps_for
-from plugin.touchdesigner.parameters import PARAMETERS
+from plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PARAMETERS
 
 LOG_TAIL_LINES = 6
 SCRIPT_TOP = "loom_top"  # the component's Script TOP (build_loom.py names it)
@@ -41,6 +47,9 @@ STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the
 PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
+ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough")
+LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
+SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
 
 
@@ -66,11 +75,18 @@ class LoomExt:
         self._forcing = False
         self.feeder: Any = None  # shm/tcp: converts and submits input frames off the main thread
         self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
+        self.loras: dict[str, Any] = {}  # the LoRAs the running engine was started with, by slot (file parameter)
+        self.engine_refused: dict[str, str] = {}  # LoRA path -> the engine's words; left out until the next Start
 
     # --- engine lifetime ---------------------------------------------------------------------
 
     def Start(self) -> None:
-        """Start (or restart) the bridge with the current Engine page settings."""
+        """Start (or restart) the bridge with the current Engine and LoRA page settings; a LoRA an earlier
+        engine refused is tried again (the model may have changed with them)."""
+        self.engine_refused.clear()
+        self._start()
+
+    def _start(self) -> None:
         self.Stop()
         par = self.ownerComp.par
         try:
@@ -91,10 +107,14 @@ class LoomExt:
             ok, why = cuda_available()
             if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
                 transport, note = "shm", f"cuda-ipc unavailable ({why}); using shm"
+        from host_bridge import loras
+
+        self.loras = self._lora_choices(launch=endpoint is None)
         try:
             cfg = BridgeConfig(transport=transport, launch=endpoint is None, engine_python=python,
                                engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
-                               fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()))
+                               fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()),
+                               engine_args=loras.engine_args(self.loras.values()))
             self.bridge = Bridge(cfg)
             self.bridge.start()
         except Exception as exc:  # a bad setting must show on the component, never break the network
@@ -110,6 +130,7 @@ class LoomExt:
         self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
         for group in (PROMPT_PARS, PARAM_PARS):  # the bridge tells each engine it starts what the page says
             self._record_controls(group)
+        self._record_lora_scales()
         par.State = "starting"
 
     def Stop(self) -> None:
@@ -190,8 +211,11 @@ class LoomExt:
             return
         elif name in PROMPT_PARS + PARAM_PARS:
             self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
-        elif name in ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough") and \
-                self.ownerComp.par.Active.eval():
+        elif name in LORA_SCALE_PARS:
+            self._record_lora_scales()
+        elif name in LORA_FILE_PARS and self.ownerComp.par.Active.eval():
+            self._start()  # the model is the same: a LoRA it refused stays out (Start tries it again)
+        elif name in ENGINE_PARS and self.ownerComp.par.Active.eval():
             self.Start()
 
     def OnPulse(self, par: Any) -> None:
@@ -201,13 +225,73 @@ class LoomExt:
             self.Stop()
 
     def _hand_over(self, wanted: Any) -> None:
-        """Ask the new bridge for what the last one was asked for (values it already took)."""
+        """Ask the new bridge for what the last one was asked for (values it already took). Not the LoRA
+        scales: the new engine may load other LoRAs, and a fresh engine is told all parameters in one
+        message, which a scale for a LoRA it lacks would get refused whole; the LoRA page says them."""
         if wanted is None:
             return
         if wanted.prompt is not None:
             self.bridge.set_prompt(wanted.prompt.text, transition_chunks=wanted.prompt.transition_chunks)
-        if wanted.params:
-            self.bridge.set_params(**wanted.params)
+        params = {k: v for k, v in wanted.params.items() if k != "lora_scales"}
+        if params:
+            self.bridge.set_params(**params)
+
+    def _lora_choices(self, launch: bool) -> dict[str, Any]:
+        """The LoRA page's files to load, by slot; a slot that cannot be loaded gets a message and is left out."""
+        from host_bridge.loras import lora_choice
+
+        par, chosen = self.ownerComp.par, {}
+        for slot, file in enumerate(LORA_FILE_PARS, 1):
+            self.refused.pop(file, None)
+            path = str(getattr(par, file).eval() or "").strip()
+            if not path:
+                continue
+            if not launch:
+                self.refused[file] = (f"LoRA {slot} not loaded: LoRA files load with a launched engine; a remote "
+                                      "engine has the LoRAs it was served with (loom serve --lora)")
+                continue
+            try:
+                choice = lora_choice(path, float(getattr(par, SCALE_OF[file]).eval()))
+            except ValueError as exc:
+                self.refused[file] = f"LoRA {slot} not loaded: {exc}"
+                continue
+            taken = next((LORA_FILE_PARS.index(f) + 1 for f, c in chosen.items() if c.name == choice.name), None)
+            if choice.path in self.engine_refused:
+                self.refused[file] = f"LoRA {slot} not loaded, the engine refused it: " + \
+                    self.engine_refused[choice.path]
+            elif taken is not None:
+                self.refused[file] = (f"LoRA {slot} not loaded: LoRA {taken} has a file named {choice.name!r} too "
+                                      "(the name live scales address); rename one")
+            else:
+                chosen[file] = choice
+        return chosen
+
+    def _record_lora_scales(self) -> None:
+        """Give the bridge the LoRA page's scales of the loaded LoRAs, by name, as one `lora_scales` update."""
+        if not self.loras:
+            return
+        par = self.ownerComp.par
+        try:
+            self.bridge.set_params(lora_scales={c.name: float(getattr(par, SCALE_OF[file]).eval())
+                                                for file, c in self.loras.items()})
+        except ValueError as exc:
+            self.refused[LORA_GROUP] = f"LoRA scales refused ({exc}); keeping the last good values"
+        else:
+            self.refused.pop(LORA_GROUP, None)
+        par.Message = self._message()
+
+    def _leave_out_refused_lora(self) -> None:
+        """An engine that failed naming one of its LoRA files (for another model, unreadable) is started
+        again without it: the stream goes on with the others, and the component says which was refused."""
+        from host_bridge.loras import refused_lora
+
+        stats = self.bridge.stats()
+        found = refused_lora(f"{stats.get('last_error') or ''}\n{stats.get('message') or ''}", self.loras.values())
+        if found is None:
+            return
+        choice, words = found
+        self.engine_refused[choice.path] = words
+        self._start()
 
     def _record_controls(self, group: tuple[str, ...]) -> None:
         """Give the bridge the Loom page's prompt or parameter values; it tells the engine now or when one runs.
@@ -254,6 +338,8 @@ class LoomExt:
             self.input_note = f"input frame not taken: {exc}"
             status = self.bridge.status()
         self._publish(status)
+        if self.loras and status.state != "running":  # EngineState is a str enum
+            self._leave_out_refused_lora()
 
     def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
         """Through host memory: the last cook's download of the input in, the newest output out as

@@ -3,6 +3,11 @@
 TouchDesigner custom parameter names start with a capital letter followed by lower-case letters
 or digits; `par.<Name>` reads them. Read-only parameters carry the engine status (state, FPS,
 latency, drops, log tail) so a network can reference them like any other value.
+
+The LoRA page has a fixed number of slots (as many LoRAs as an engine loads), each a file and a
+scale: the files are start-up settings like the Engine page's, the scales are live. Fixed slots
+rather than a sequence parameter, so the page builds the same way on every TouchDesigner build and
+an expression or an OSC In CHOP can bind to `Lora2scale` by name.
 """
 
 from __future__ import annotations
@@ -10,11 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from host_bridge.wire.params import LIVE, PROMPT, STEP_LISTS
+from host_bridge.wire.params import LIVE, LORA_DEFAULT_SCALE, LORA_SCALES, PROMPT, STEP_LISTS, lora_name
 
 PAGE_CONTROL = "Loom"
 PAGE_ENGINE = "Engine"
+PAGE_LORA = "LoRA"
 PAGE_STATUS = "Status"
+LORA_SLOTS = LORA_SCALES.max_len or 0
+LORA_FILE_PARS = tuple(f"Lora{i}" for i in range(1, LORA_SLOTS + 1))
+LORA_SCALE_PARS = tuple(f"Lora{i}scale" for i in range(1, LORA_SLOTS + 1))
 
 TRANSPORT_MENU = ("cuda-ipc", "shm", "tcp")
 FALLBACK_MENU = ("passthrough", "last")
@@ -47,6 +56,19 @@ def live_par(name: str, label: str, param: str, help: str = "") -> ParSpec:
     return ParSpec(name, label, _PAR_KINDS[p.kind], PAGE_CONTROL, p.default, p.min, top, help=help or p.doc)
 
 
+def lora_pars() -> tuple[ParSpec, ...]:
+    """The LoRA page: per slot a file (read when the engine starts) and its live scale (range from the schema)."""
+    top = LORA_SCALES.ui_max if LORA_SCALES.ui_max is not None else LORA_SCALES.max
+    pars: list[ParSpec] = []
+    for slot, (file, scale) in enumerate(zip(LORA_FILE_PARS, LORA_SCALE_PARS), 1):
+        pars.append(ParSpec(file, f"LoRA {slot}", "File", PAGE_LORA, "",
+                            help="a Wan2.1 LoRA file (.safetensors) for this model size; empty: none. Changing "
+                                 "it restarts the engine"))
+        pars.append(ParSpec(scale, f"LoRA {slot} Scale", "Float", PAGE_LORA, LORA_DEFAULT_SCALE, LORA_SCALES.min,
+                            top, help=f"strength of LoRA {slot}, changed live ({LORA_SCALES.allowed()})"))
+    return tuple(pars)
+
+
 PARAMETERS: tuple[ParSpec, ...] = (
     ParSpec("Active", "Active", "Toggle", PAGE_CONTROL, False, help="start the engine and stream while on"),
     ParSpec("Prompt", "Prompt", "Str", PAGE_CONTROL, PROMPT.default),
@@ -68,6 +90,7 @@ PARAMETERS: tuple[ParSpec, ...] = (
             help="what to show while the engine starts or restarts"),
     ParSpec("Passthrough", "Passthrough Engine", "Toggle", PAGE_ENGINE, False,
             help="the engine returns its input unchanged: checks the wiring without a model"),
+    *lora_pars(),
     ParSpec("State", "State", "Str", PAGE_STATUS, "stopped", read_only=True),
     ParSpec("Fps", "FPS", "Float", PAGE_STATUS, 0.0, read_only=True),
     ParSpec("Latency", "Latency (ms)", "Float", PAGE_STATUS, 0.0, read_only=True),
@@ -77,6 +100,16 @@ PARAMETERS: tuple[ParSpec, ...] = (
 )
 
 PAR_BY_NAME = {p.name: p for p in PARAMETERS}
+
+
+def lora_scale_par(comp: Any, name: str) -> Any:
+    """The scale parameter of the slot whose file has LoRA name `name` (what OSC and the engine call
+    it: the file name without the extension); None when no slot holds such a file."""
+    for file, scale in zip(LORA_FILE_PARS, LORA_SCALE_PARS):
+        path = str(getattr(comp.par, file).eval() or "").strip()
+        if path and lora_name(path) == name:
+            return getattr(comp.par, scale)
+    return None
 
 
 def setup_parameters(comp: Any) -> None:

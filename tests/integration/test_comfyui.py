@@ -15,7 +15,7 @@ import torch
 from tests.fakes.comfyui import PACKAGE_DIR, engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.engines import engine_report
 
-COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE"}
+COMFY_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "IMAGE", "LOOM_ENGINE", "LOOM_LORAS"}
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,15 @@ def nodes_pkg():
 
 def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
     classes, names = nodes_pkg.NODE_CLASS_MAPPINGS, nodes_pkg.NODE_DISPLAY_NAME_MAPPINGS
-    assert set(classes) == {"LoomEngine", "LoomPrompt", "LoomStream"} == set(names)
+    assert set(classes) == {"LoomEngine", "LoomLora", "LoomPrompt", "LoomStream"} == set(names)
     for cls in classes.values():
         assert isinstance(cls.CATEGORY, str) and callable(getattr(cls, cls.FUNCTION))
         assert isinstance(cls.RETURN_TYPES, tuple) and all(isinstance(t, str) for t in cls.RETURN_TYPES)
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"} and "required" in spec
-        for section in spec.values():
+        # hidden inputs are filled by ComfyUI itself, named by its own words (the node's id: UNIQUE_ID)
+        assert set(spec.get("hidden", {}).values()) <= {"UNIQUE_ID", "PROMPT", "EXTRA_PNGINFO"}
+        for section in (spec["required"], spec.get("optional", {})):
             for name, entry in section.items():
                 kind = entry[0]
                 assert isinstance(kind, list) or kind in COMFY_TYPES, (cls.__name__, name, kind)

@@ -95,7 +95,7 @@ def test_the_registry_archive_loads_with_loom_as_its_declared_dependency(tmp_pat
     _installed_loom(site)
     out = _load(tmp_path, unpacked, str(site))
     assert out.returncode == 0, out.stderr
-    assert "LOADED ['LoomEngine', 'LoomPrompt', 'LoomStream']" in out.stdout
+    assert "LOADED ['LoomEngine', 'LoomLora', 'LoomPrompt', 'LoomStream']" in out.stdout
     assert str(site) in out.stdout, "Loom must come from the installed dependency, not this checkout"
 
 

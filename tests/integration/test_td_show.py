@@ -299,7 +299,7 @@ def test_the_build_script_creates_a_working_component_in_a_network():
     comp.parexec_enabled = False
     comp.par.Active = True
     assert index() == 1
-    assert [p.name for p in comp.customPages] == ["Loom", "Engine", "Status"]
+    assert [p.name for p in comp.customPages] == ["Loom", "Engine", "LoRA", "Status"]
     assert comp.par.extension1.eval() == EXTENSION and comp.par.promoteextension1.eval() is True
     ext = eval(EXTENSION, {"op": comp.op, "me": comp})
     assert isinstance(ext, LoomExt) and ext.ownerComp is comp

@@ -52,3 +52,21 @@ def test_without_loras_the_keys_say_how_to_load_one():
     KeyboardInput(controls).press(ord("."))
     controls.apply_pending(bridge)
     assert bridge.params == [] and "--lora" in controls.state.message
+
+
+def test_a_hosts_lora_arguments_are_what_the_engine_reads_and_its_refusal_names_the_file():
+    import json
+
+    from engine.config import lora_override
+    from host_bridge.loras import LoraChoice, engine_args, refused_lora
+
+    choices = [LoraChoice(r"C:\loras\ink.safetensors", 0.1 + 0.2), LoraChoice("/loras/ink.safetensors.bak", 1.0)]
+    args = engine_args(choices)
+    assert args[0::2] == ["--lora", "--lora"]
+    (override,) = lora_override(args[1::2])
+    assert json.loads(override.removeprefix("lora=")) == [{"path": c.path, "scale": c.scale} for c in choices]
+    failure = ("session could not be built: LoraError: /loras/ink.safetensors.bak: shapes that do not fit this "
+               "model (a LoRA for another model size?): blocks.0.self_attn.q\nTraceback ...")
+    choice, words = refused_lora(failure, [LoraChoice("/loras/ink.safetensors", 1.0), choices[1]])
+    assert choice == choices[1] and words.startswith("/loras/ink.safetensors.bak: shapes") and "Traceback" not in words
+    assert refused_lora("engine exited with code 3", choices) is None

@@ -119,3 +119,15 @@ def test_wanted_lora_scales_add_up_by_name():
     assert wanted.params["lora_scales"] == {"ink": 0.5, "film": 0.2}
     undo()
     assert wanted.params["lora_scales"] == {"ink": 0.5}
+
+
+def test_a_loras_default_scale_and_name_are_one_fact_for_the_engine_and_the_hosts(tmp_path):
+    from engine.config import LoraEntry
+    from host_bridge.loras import lora_choice
+    from host_bridge.wire.params import LORA_DEFAULT_SCALE, lora_name
+
+    (tmp_path / "ink.v2.safetensors").write_bytes(b"")
+    entry = load_config("default", [f"lora=[{{path: {tmp_path / 'ink.v2.safetensors'}}}]"]).lora[0]
+    assert entry.scale == LORA_DEFAULT_SCALE == PAR_BY_NAME["Lora1scale"].default
+    assert entry.key == lora_name(entry.path) == lora_choice(entry.path, entry.scale).name == "ink.v2"
+    assert LoraEntry(path="a/ink.safetensors", name="film").key == "film"  # a config may name it itself
