@@ -26,19 +26,23 @@ from tests.integration.test_pipeline_parallel import BASE, clip, no_children_lef
 STEPS = [*BASE, "stream.steps=[700]"]
 
 
-@pytest.fixture(scope="module")
-def styled(tmp_path_factory) -> list[str]:
+def with_style_lora(preset: str, folder) -> list[str]:
     """The config with a style LoRA on every block's linears: a moved block must take it along."""
-    dit = load_models(load_config("tiny-random", STEPS)).dit
+    dit = load_models(load_config(preset, STEPS)).dit
     g = torch.Generator().manual_seed(7)
     sd = {}
     for name, m in dit.named_modules():
         if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
             sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, m.in_features, generator=g) * 0.3
             sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
-    path = tmp_path_factory.mktemp("lora") / "style.safetensors"
+    path = folder / "style.safetensors"
     save_file(sd, str(path))
     return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
+
+
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory) -> list[str]:
+    return with_style_lora("tiny-random", tmp_path_factory.mktemp("lora"))
 
 
 def live(session, frames: np.ndarray, between) -> np.ndarray:
@@ -107,6 +111,29 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference)
     assert stats["split"] == [3, 1] and stats["block_moves"] == 3 and stats["steps"] == [700, 500]
     assert stats["lora_scales"] == {"style": 0.5}
     assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
+    assert no_children_left()
+
+
+def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
+    """The trained embedded model (the `default` preset, its own VAE and style text encoder): each
+    rank holds only its blocks, so a block that moves after a LoRA scale change arrives with the
+    original weights and is merged at the current scale on its new rank."""
+    styled = with_style_lora("default", tmp_path)
+
+    def between(session, i: int) -> None:
+        if i == 0:
+            session.set_params(lora_scales={"style": 0.5})
+            if isinstance(session, PipelineSession):
+                session.move_block(1, 1)
+
+    one = StreamSession.from_config(load_config("default", styled))
+    reference = live(one, clip(25), lambda i: between(one, i))
+    with PipelineSession(load_config("default", [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        held = [b for b, block in enumerate(pipe.models.dit.blocks) if not next(block.parameters()).is_meta]
+        assert held == [0, 1]
+        out = live(pipe, clip(25), lambda i: between(pipe, i))
+        assert pipe.split == [1, 3]
+    assert_same_frames(out, reference)
     assert no_children_left()
 
 
