@@ -21,6 +21,7 @@ from engine.models.loading import load_models
 from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.session import PipelineError, PipelineSession
 from engine.stream.session import StreamSession
+from engine.stream.slo_scheduler import Plan
 from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
 
 STEPS = [*BASE, "stream.steps=[700]"]
@@ -102,8 +103,8 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference)
             pipe.move_block(0, 1)
         with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
             pipe.set_params(stepz=[700])
-        with pytest.raises(ValueError, match="sequential"):
-            pipe.set_params(mode="sequential")
+        with pytest.raises(ValueError, match="mode"):
+            pipe.set_params(mode="parallel")
     assert_same_frames(out, reference[0])
     assert [f.shape for f in sizes] == [f.shape for f in reference[1]] == [(32, 48, 3)] * 7 + [(40, 64, 3)] * 6
     assert_same_frames(np.stack(sizes[:7]), np.stack(reference[1][:7]))
@@ -134,6 +135,36 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
         out = live(pipe, clip(25), lambda i: between(pipe, i))
         assert pipe.split == [1, 3]
     assert_same_frames(out, reference)
+    assert no_children_left()
+
+
+def test_mode_and_chunk_size_changes_give_the_one_process_frames():
+    """The plans of the SLO scheduler on the ring: stream-batch, sequential (the ring drained
+    first, then each chunk round the ring n times alone), 2-latent chunks, and back, switched at
+    the same chunks as one process; `stream.mode` is a live parameter on the pipeline too."""
+    overrides = [*BASE, "stream.steps=[700,500,300]"]  # 3 rows: a drain re-noises a row (draw order)
+
+    def plans(session, i: int) -> None:
+        if i == 0:
+            session.set_params(mode="sequential")
+        elif i == 1:
+            session.set_params(mode="batch")
+            session.slo.plan = Plan("batch", 2)  # as the scheduler in auto mode would pick it
+        elif i == 2:
+            session.slo.plan = Plan("batch", 1)
+
+    one = StreamSession.from_config(load_config("tiny-random", overrides))
+    reference = live(one, clip(33), lambda i: plans(one, i))
+    seen = []
+    with PipelineSession(load_config("tiny-random", [*overrides, "parallel.gpus=2"])) as pipe:
+        def between(i: int) -> None:
+            seen.append((pipe.stats()["frames_in"] - pipe.stats()["frames_out"], pipe.stats()["plan"]))
+            plans(pipe, i)
+        out = live(pipe, clip(33), between)
+    assert_same_frames(out, reference)
+    # batch: chunks in the ring; sequential: every chunk out within its push (nothing in flight)
+    assert seen[0][0] > 0 and seen[1] == (0, {"mode": "sequential", "chunk_latents": 1})
+    assert seen[2][1] == {"mode": "batch", "chunk_latents": 2}
     assert no_children_left()
 
 
