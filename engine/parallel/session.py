@@ -23,6 +23,15 @@ the pixels: only each rank's own KV cache orders successive chunks. The first ch
 run of rows of equal length. Pushes drive the ring as they drive the one-GPU session: chunk c
 comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` drains the ring.
 
+Plans, as on one GPU (`engine/stream/slo_scheduler.py`): stream-batch as above, or sequential,
+where the ring is drained and each chunk then goes round it n times alone and leaves within its
+own push (the lowest latency, one rank busy at a time); and chunks of 1 to `MAX_CHUNK_LATENTS`
+latent frames (rows of another length travel as messages of their own). `stream.mode` pins the
+mode (a live parameter); in auto mode the SLO scheduler prices every plan from the stage times
+the ranks report every `SLO_WINDOW_CHUNKS` chunks (`engine/parallel/slo.py`) and switches with
+the one-GPU margin and patience. Across every switch the noise is drawn in the one-GPU order:
+the ledger drains its rows where one GPU drains its denoiser (a sequential chunk, a new size).
+
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
 single-process session to float tolerance (tests/integration/test_pipeline_*.py). One difference: a
@@ -44,9 +53,10 @@ are measured as stages of their own and weigh in as the fixed work of those rank
 Failures: a rank that fails reports its traceback, one that exits is seen by its exit code, one
 that hangs (stopped, frozen) by its heartbeat going stale for `parallel.rank_timeout_s`; any of
 them ends the session with a `PipelineError` naming the rank, and the server then exits so the
-host's supervisor starts a fresh engine. Limits: the SLO scheduler's plan is fixed (batch mode,
-one-latent chunks; `target_fps` and `latency_budget_ms` are taken for the metrics); no side-stream
-encode overlap as on one GPU; one node only.
+host's supervisor starts a fresh engine. Limits: the SLO scheduler learns from windows of
+several chunks, not from each chunk, so it switches a few chunks later than one GPU would, and
+the same script of plans gives the one-GPU frames only when it switches at the same chunks; no
+side-stream encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations

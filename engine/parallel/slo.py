@@ -54,11 +54,13 @@ class PipelineSLO(SLOScheduler):
         frames of the micro-batches (and how many messages). Each part learns its mean time at
         its mean size; a part that did not run in the window learns nothing."""
         for w in windows:
+            by_kind: dict[str, float] = {}
             for stage, seconds in w["seconds"].items():
-                units, times = work.get(stage_kind(stage), (0.0, 0))
+                by_kind[stage_kind(stage)] = by_kind.get(stage_kind(stage), 0.0) + seconds
+            for kind, seconds in by_kind.items():
+                units, times = work.get(kind, (0.0, 0))
                 if times > 0:
-                    part = self.stages.setdefault(f"{w['rank']}:{stage_kind(stage)}", StageModel())
-                    part.observe(units / times, seconds / times)
+                    self.stages.setdefault(f"{w['rank']}:{kind}", StageModel()).observe(units / times, seconds / times)
 
     def _part(self, rank: int, kind: str, units: float) -> float:
         model = self.stages.get(f"{rank}:{kind}")

@@ -22,7 +22,7 @@ from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.session import PipelineError, PipelineSession
 from engine.stream.session import StreamSession
 from engine.stream.slo_scheduler import Plan
-from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
+from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left, stream
 
 STEPS = [*BASE, "stream.steps=[700]"]
 
@@ -166,6 +166,31 @@ def test_mode_and_chunk_size_changes_give_the_one_process_frames():
     assert seen[0][0] > 0 and seen[1] == (0, {"mode": "sequential", "chunk_latents": 1})
     assert seen[2][1] == {"mode": "batch", "chunk_latents": 2}
     assert no_children_left()
+
+
+def test_auto_mode_learns_from_the_ranks_and_switches_as_one_process_would():
+    """Auto mode with a budget no plan meets: the scheduler learns the ranks' stage times and,
+    after its patience, takes the lowest-latency plan (sequential). One process given the same
+    decisions at the same chunks gives the same frames."""
+    overrides = [*BASE, "stream.steps=[700,500,300]", "stream.mode=auto", "slo.latency_budget_ms=1"]
+    frames = clip(1 + 4 * 17)  # the first window after 8 chunks, then the patience
+    decisions: list[Plan] = []
+    cfg = load_config("tiny-random", [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])
+    with PipelineSession(cfg) as pipe:
+        decide = pipe.slo.decide
+        pipe.slo.decide = lambda: decisions.append(decide()) or decisions[-1]
+        out = stream(pipe, frames, push=4)
+        assert pipe.stats()["plan"] == {"mode": "sequential", "chunk_latents": 1}
+    assert decisions[0] == Plan("batch", 1) and set(decisions) == {Plan("batch", 1), Plan("sequential", 1)}
+    one = StreamSession.from_config(load_config("tiny-random", overrides))
+    script = iter(decisions)
+
+    def replay() -> Plan:
+        one.slo.plan = next(script)
+        return one.slo.plan
+    one.slo.decide = replay
+    assert_same_frames(out, stream(one, frames, push=4))
+    assert next(script, None) is None and no_children_left()
 
 
 class Scripted(BlockScheduler):
