@@ -203,7 +203,6 @@ class PipelineSession:
                                else min(MAX_CHUNK_LATENTS, st.num_kv_cache - st.sink))
         self._work: dict[str, list[float]] = {}  # what rank 0 sent since the ranks last reported times
         self._slo_chunks = 0
-        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._next_chunk = 0
         self._tick = 0
         self._wait_s = 0.0
@@ -235,6 +234,7 @@ class PipelineSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._stream_chunks = 0
+        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._flags = RESET | NEW_CONTEXT  # the other ranks reset with the next micro-batch
         self._context = self.prompt.current()[None]
 
@@ -278,6 +278,7 @@ class PipelineSession:
             self.push(frames[start:start + FRAMES_PER_LATENT * 8])
         self.flush()
         self.stats(reset=True)
+        self.slo.reset()  # compiling and capturing are not the stage times of the stream
         self.ranks.timeout_s = self.cfg.parallel.rank_timeout_s  # compiled and captured: silence means hung
 
     # ----------------------------------------------------------------------------- failures
