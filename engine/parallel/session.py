@@ -416,7 +416,7 @@ class PipelineSession:
         if len(self._times) < self.P:
             return
         windows, self._times = sorted(self._times, key=lambda w: w["rank"]), None
-        self.slo.observe_windows(windows, {kind: (units, times) for kind, (units, times) in self._times_work.items()})
+        self.slo.observe_windows(windows, self._times_work)
         decision = self.scheduler.decide(windows, self.split) if self.scheduler is not None and \
             self.scheduler.due() else None
         if decision is not None:
@@ -469,6 +469,7 @@ class PipelineSession:
             self._drain()
         out = self._deliver(padding=pad)
         self.metrics.on_input(len(good), now)
+        self._observe_input(len(good), now)
         self._buffer.extend(good)
         self._frame_shape = tuple(good.shape[1:])
         return out

@@ -14,7 +14,9 @@ in that window: every rank runs the same micro-batches, so rank 0 knows each win
   so a tick's period is the slowest rank, and a chunk leaves n*P periods after it entered;
 - sequential: a chunk goes round the ring n times alone (one rank busy at a time), so its time
   through is the sum of every rank's work over the n passes, and that is also the period.
-Latency adds the wait for a chunk's frames to arrive (4k input periods), as on one GPU.
+Latency adds the wait for a chunk's frames to arrive (4k input periods), as on one GPU. The
+activations' transfers between ranks are not in the model (the ranks' windows time their work,
+not their waits), so a plan's latency is priced a little low on a slow link.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class PipelineSLO(SLOScheduler):
         super().reset()
         self.stages = {}
 
-    def observe_windows(self, windows: Sequence[dict[str, Any]], work: dict[str, tuple[float, int]]) -> None:
+    def observe_windows(self, windows: Sequence[dict[str, Any]], work: dict[str, Sequence[float]]) -> None:
         """Learn from one TIMES round: `windows[r]["seconds"]` per stage on rank r, and the work
         rank 0 sent in that window, `work[kind] = (units, times)`: "in" the latent frames of the
         chunks that entered (and how many chunks), "out" those that left, "rows" the rows x latent
