@@ -138,34 +138,45 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
     assert no_children_left()
 
 
-def test_mode_and_chunk_size_changes_give_the_one_process_frames():
-    """The plans of the SLO scheduler on the ring: stream-batch, sequential (the ring drained
-    first, then each chunk round the ring n times alone), 2-latent chunks, and back, switched at
-    the same chunks as one process; `stream.mode` is a live parameter on the pipeline too."""
-    overrides = [*BASE, "stream.steps=[700,500,300]"]  # 3 rows: a drain re-noises a row (draw order)
+def switch_plans(session, i: int) -> None:
+    """Sequential after the first part, 2-latent chunks after the second, 1 after the third."""
+    if i == 0:
+        session.set_params(mode="sequential")
+    elif i == 1:
+        session.set_params(mode="batch")
+        session.slo.plan = Plan("batch", 2)  # as the scheduler in auto mode would pick it
+    elif i == 2:
+        session.slo.plan = Plan("batch", 1)
 
-    def plans(session, i: int) -> None:
-        if i == 0:
-            session.set_params(mode="sequential")
-        elif i == 1:
-            session.set_params(mode="batch")
-            session.slo.plan = Plan("batch", 2)  # as the scheduler in auto mode would pick it
-        elif i == 2:
-            session.slo.plan = Plan("batch", 1)
 
-    one = StreamSession.from_config(load_config("tiny-random", overrides))
-    reference = live(one, clip(33), lambda i: plans(one, i))
+def check_plan_switches(overrides: list[str], gpus: int) -> None:
+    overrides = [*overrides, "stream.steps=[700,500,300]"]  # 3 rows: a drain re-noises a row (draw order)
+    one = StreamSession.from_config(load_config("tiny-random", overrides), warmup=False)
+    reference = live(one, clip(33), lambda i: switch_plans(one, i))
     seen = []
-    with PipelineSession(load_config("tiny-random", [*overrides, "parallel.gpus=2"])) as pipe:
+    with PipelineSession(load_config("tiny-random", [*overrides, f"parallel.gpus={gpus}"])) as pipe:
         def between(i: int) -> None:
-            seen.append((pipe.stats()["frames_in"] - pipe.stats()["frames_out"], pipe.stats()["plan"]))
-            plans(pipe, i)
+            stats = pipe.stats()
+            seen.append((stats["frames_in"] - stats["frames_out"], stats["plan"]))
+            switch_plans(pipe, i)
         out = live(pipe, clip(33), between)
-    assert_same_frames(out, reference)
+    if pipe.device.type == "cuda":  # TF32 and kernels picked per batch size: a level or two, rarely
+        diff = np.abs(out.astype(int) - reference.astype(int))
+        assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
+    else:
+        assert_same_frames(out, reference)
     # batch: chunks in the ring; sequential: every chunk out within its push (nothing in flight)
     assert seen[0][0] > 0 and seen[1] == (0, {"mode": "sequential", "chunk_latents": 1})
     assert seen[2][1] == {"mode": "batch", "chunk_latents": 2}
     assert no_children_left()
+
+
+@pytest.mark.parametrize("gpus", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_mode_and_chunk_size_changes_give_the_one_process_frames(gpus):
+    """The plans of the SLO scheduler on the ring: stream-batch, sequential (the ring drained
+    first, then each chunk round the ring n times alone), 2-latent chunks, and back, switched at
+    the same chunks as one process; `stream.mode` is a live parameter on the pipeline too."""
+    check_plan_switches(BASE, gpus)
 
 
 def test_auto_mode_learns_from_the_ranks_and_switches_as_one_process_would():
@@ -261,3 +272,11 @@ def test_two_gpus_move_blocks_over_nccl_across_a_step_change(styled):
     diff = np.abs(out.astype(int) - reference.astype(int))
     assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
     assert no_children_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_switch_plans_as_one_gpu():
+    """The same plan switches on two GPUs: graphs captured for batch micro-batches, eager
+    sequential passes, 2-latent rows over NCCL."""
+    check_plan_switches([*BASE, "model.device=cuda"], 2)
