@@ -262,9 +262,6 @@ class LoomConfig:
         if self.model.family == "edit" and self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
                              "states peak near 1160); use auto, bfloat16 or float32")
-        if self.parallel.gpus > 1 and self.stream.mode == "sequential":
-            raise ValueError("stream.mode: 'sequential' cannot keep a pipeline of parallel.gpus > 1 busy; "
-                             "use batch or auto (the pipeline runs stream-batch)")
         if self.memory.low_vram and self.prompt.device == "cuda":
             raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
                              "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")

@@ -72,9 +72,18 @@ def to_channels_last(module: nn.Module) -> None:
             p.data = p.data.contiguous(memory_format=torch.channels_last)
 
 
+def _drop_blocks(dit: WanDiT, keep: range | None) -> None:
+    """A pipeline rank holds only its blocks: the others go to the meta device. The LoRA merger
+    and the block moves rely on it (a block a rank holds is its own to merge; one on meta arrives
+    by a move and is merged then)."""
+    for i in range(len(dit.blocks)) if keep is not None else ():
+        if i not in keep:
+            dit.blocks[i].to("meta")
+
+
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
     """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
-    read from the checkpoint alone, or, for seeded weights, built whole and the rest dropped."""
+    read from the checkpoint alone, or, for seeded and embedded weights, built whole and the rest dropped."""
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     mc, vc = cfg.model, cfg.vae
@@ -89,13 +98,12 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             raise ValueError("model.preset: 'embedded' comes with its own VAE; leave vae.encoder and vae.decoder "
                              "at taehv and vae.taehv_checkpoint empty")
         dit, embedded_vae, _ = load_embedded(device, dtype)
+        _drop_blocks(dit, dit_blocks)
     elif mc.checkpoint:
         dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
     elif mc.preset in EMBEDDED_PRESETS or mc.random_weights:
         dit = _seeded(lambda: WanDiT(dit_cfg), mc.seed, device, dtype)
-        for i in range(dit_cfg.num_layers) if dit_blocks is not None else ():
-            if i not in dit_blocks:
-                dit.blocks[i].to("meta")  # same seeded values as one GPU for the blocks kept
+        _drop_blocks(dit, dit_blocks)  # same seeded values as one GPU for the blocks kept
     else:
         raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "
                          "give model.checkpoint=PATH (or model.random_weights=true for a benchmark)")

@@ -23,6 +23,15 @@ the pixels: only each rank's own KV cache orders successive chunks. The first ch
 run of rows of equal length. Pushes drive the ring as they drive the one-GPU session: chunk c
 comes out of the push of chunk c + n*P (one GPU: chunk c + n - 1), and `flush` drains the ring.
 
+Plans, as on one GPU (`engine/stream/slo_scheduler.py`): stream-batch as above, or sequential,
+where the ring is drained and each chunk then goes round it n times alone and leaves within its
+own push (the lowest latency, one rank busy at a time); and chunks of 1 to `MAX_CHUNK_LATENTS`
+latent frames (rows of another length travel as messages of their own). `stream.mode` pins the
+mode (a live parameter); in auto mode the SLO scheduler prices every plan from the stage times
+the ranks report every `SLO_WINDOW_CHUNKS` chunks (`engine/parallel/slo.py`) and switches with
+the one-GPU margin and patience. Across every switch the noise is drawn in the one-GPU order:
+the ledger drains its rows where one GPU drains its denoiser (a sequential chunk, a new size).
+
 Same function as one GPU: every row sees the same chunks in the same order with the same
 conditioning, and rank 0 replays the one-GPU noise draws (`NoiseLedger`), so outputs match the
 single-process session to float tolerance (tests/integration/test_pipeline_*.py). One difference: a
@@ -44,9 +53,10 @@ are measured as stages of their own and weigh in as the fixed work of those rank
 Failures: a rank that fails reports its traceback, one that exits is seen by its exit code, one
 that hangs (stopped, frozen) by its heartbeat going stale for `parallel.rank_timeout_s`; any of
 them ends the session with a `PipelineError` naming the rank, and the server then exits so the
-host's supervisor starts a fresh engine. Limits: the SLO scheduler's plan is fixed (batch mode,
-one-latent chunks; `target_fps` and `latency_budget_ms` are taken for the metrics); no side-stream
-encode overlap as on one GPU; one node only.
+host's supervisor starts a fresh engine. Limits: the SLO scheduler learns from windows of
+several chunks, not from each chunk, so it switches a few chunks later than one GPU would, and
+the same script of plans gives the one-GPU frames only when it switches at the same chunks; no
+side-stream encode overlap as on one GPU; one node only.
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind
 from engine.parallel.plan import NoiseLedger, check_split, stage_ranges, suggest_split
 from engine.parallel.ranks import PipelineError, RankProcesses
 from engine.parallel.scheduler import BlockScheduler
+from engine.parallel.slo import PipelineSLO
 from engine.parallel.stage import Payload, Stage, configure, init_group, move, rank_config, rank_device, send_payload
 from engine.stream.frames import FrameMapper, validate_frames
 from engine.stream.metrics import StreamMetrics
@@ -78,12 +89,14 @@ from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
 from engine.stream.session import LIVE_SECTIONS
+from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
 from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 # Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL
 # (and so its heartbeat thread) for seconds
 SETTLING_TIMEOUT_S = 120.0
+SLO_WINDOW_CHUNKS = 8  # in auto mode, the ranks' stage times are asked for every this many chunks
 
 __all__ = ["PipelineError", "PipelineSession"]
 
@@ -182,6 +195,14 @@ class PipelineSession:
         self.enc_state = self.models.encoder.new_stream_state()
         self._vae_graphs = VAEGraphs(self.cfg.stream.cuda_graphs and self.device.type == "cuda")
         self.metrics = StreamMetrics(self.cfg.slo.latency_budget_ms / 1000.0)
+        st, modes = self.cfg.stream, allowed_modes(self.cfg.stream.mode)
+        self.slo = PipelineSLO(self.P, self.n, target_fps=self.cfg.slo.target_fps,
+                               latency_budget_s=self.cfg.slo.latency_budget_ms / 1000.0,
+                               initial=Plan(modes[0], 1), allowed_modes=modes,
+                               max_chunk_latents=1 if self.cfg.memory.low_vram
+                               else min(MAX_CHUNK_LATENTS, st.num_kv_cache - st.sink))
+        self._work: dict[str, list[float]] = {}  # what rank 0 sent since the ranks last reported times
+        self._slo_chunks = 0
         self._next_chunk = 0
         self._tick = 0
         self._wait_s = 0.0
@@ -190,6 +211,7 @@ class PipelineSession:
         pc = self.cfg.parallel
         self.scheduler = BlockScheduler(pc.rebalance_threshold, pc.rebalance_dwell_chunks) if pc.rebalance else None
         self._times: list[dict[str, Any]] | None = None  # the windows of a scheduler round being collected
+        self._times_work: dict[str, list[float]] = {}  # the work those windows cover
         self.moves = 0
         self._new_stream()
 
@@ -212,6 +234,7 @@ class PipelineSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._stream_chunks = 0
+        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._flags = RESET | NEW_CONTEXT  # the other ranks reset with the next micro-batch
         self._context = self.prompt.current()[None]
 
@@ -255,6 +278,7 @@ class PipelineSession:
             self.push(frames[start:start + FRAMES_PER_LATENT * 8])
         self.flush()
         self.stats(reset=True)
+        self.slo.reset()  # compiling and capturing are not the stage times of the stream
         self.ranks.timeout_s = self.cfg.parallel.rank_timeout_s  # compiled and captured: silence means hung
 
     # ----------------------------------------------------------------------------- failures
@@ -281,6 +305,7 @@ class PipelineSession:
         """Start a new stream: what is in the ring is finished and dropped, metrics start afresh."""
         self.flush()
         self.metrics.reset()
+        self.slo.reset()
 
     # ----------------------------------------------------------------------------- streaming
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
@@ -288,8 +313,9 @@ class PipelineSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters, as on one GPU; unknown keys or bad values raise ValueError naming
-        them. The stream always runs in batch mode over the ranks (a `mode` that allows it is taken).
-        Steps, sink threshold and LoRA scales reach every rank between the same two micro-batches."""
+        them. Steps, sink threshold and LoRA scales reach every rank between the same two
+        micro-batches; `mode` and the SLO targets go to the SLO scheduler, whose plan the next
+        chunk follows (a switch to sequential drains the ring first, as one GPU drains its denoiser)."""
         settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
         unknown = [k for k in params if k not in settable]
         if unknown:
@@ -305,11 +331,14 @@ class PipelineSession:
                 data = {**getattr(new, section).__dict__, **changed}
                 new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
                                                      path=section)})
-        new = replace(new, lora=lora)  # a LoomConfig: its checks run again (sequential mode is refused)
+        new = replace(new, lora=lora)  # a LoomConfig: its checks run again
         old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
         self.metrics.set_budget(new.slo.latency_budget_ms / 1000.0)
+        self.slo.set_targets(new.slo.target_fps, new.slo.latency_budget_ms / 1000.0)
+        if new.stream.mode != old.stream.mode:
+            self.slo.allow_modes(allowed_modes(new.stream.mode))
         extra: dict[str, Any] = {}
         if new.stream.sink_threshold != old.stream.sink_threshold:
             extra["sink_threshold"] = new.stream.sink_threshold
@@ -331,6 +360,7 @@ class PipelineSession:
         self.link.send_header(self.ranks.outbox, Header(Kind.CONFIG, extra={"steps": steps, "nearest": nearest}))
         self.stage.change_steps(len(steps), nearest)
         self.n = len(steps)
+        self.slo.set_steps(self.n)
         self.sigmas = [self.schedule.sigma(s) for s in steps]
         self.ledger = NoiseLedger(self.n, self.ledger.generator, self.device, self.dtype)  # the same draws go on
 
@@ -339,6 +369,7 @@ class PipelineSession:
         self.ledger.drain()
         while any(self._inflight) or any(self._received):
             self._send_tick(None)
+        self._inflight.clear()  # ticks that carried nothing: the ring is empty
 
     # ----------------------------------------------------------------------------- block moves
     def move_block(self, block: int, dst: int) -> None:
@@ -361,6 +392,7 @@ class PipelineSession:
                                                                               "dst": dst}))
             self._collect_timings()
             move(self.stage, 0, self.link, {"block": block, "src": src, "dst": dst})
+            self._work = {}  # every rank's window starts afresh (`move`)
         self.split[src] -= 1
         self.split[dst] += 1
         self.ranges = stage_ranges(self.split)
@@ -368,14 +400,15 @@ class PipelineSession:
         log.info("pipeline: block %d moved from rank %d to rank %d; split %s", block, src, dst, self.split)
 
     def _schedule(self) -> None:
-        """One step of the block scheduler, after a tick: ask the ranks for the stage times of the
-        window since the last ask, and once all have answered, move a block when it pays."""
-        if self.scheduler is None:
-            return
+        """After a chunk: when the block scheduler is due, or every few chunks in auto mode, ask
+        the ranks for the stage times of the window since the last ask; once all have answered,
+        the SLO scheduler learns from them and the block scheduler moves a block when it pays."""
         if self._times is None:
-            if self.scheduler.due():
+            slo_due = self.cfg.stream.mode == "auto" and self._slo_chunks >= SLO_WINDOW_CHUNKS
+            if slo_due or (self.scheduler is not None and self.scheduler.due()):
                 self._collect_timings()
                 self._times = [self.stage.take_window(0)]
+                self._times_work, self._work, self._slo_chunks = self._work, {}, 0
                 self.link.send_header(self.ranks.outbox, Header(Kind.TIMES))
             return
         self.ranks.check()
@@ -383,10 +416,18 @@ class PipelineSession:
         if len(self._times) < self.P:
             return
         windows, self._times = sorted(self._times, key=lambda w: w["rank"]), None
-        decision = self.scheduler.decide(windows, self.split)
+        self.slo.observe_windows(windows, self._times_work)
+        decision = self.scheduler.decide(windows, self.split) if self.scheduler is not None and \
+            self.scheduler.due() else None
         if decision is not None:
             self.move_block(*decision)
             self.scheduler.moved()
+
+    def _count(self, kind: str, units: int) -> None:
+        """Work sent to the ranks, for the SLO scheduler (see `PipelineSLO.observe_windows`)."""
+        rec = self._work.setdefault(kind, [0, 0])
+        rec[0] += units
+        rec[1] += 1
 
     def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
@@ -404,12 +445,20 @@ class PipelineSession:
             if len(good):
                 self._frame_shape = tuple(good.shape[1:])
                 self.metrics.on_input(len(good), now)
+                self._observe_input(len(good), now)
                 self._buffer.extend(good)
             while len(self._buffer) >= self._chunk_frames():
                 n = self._chunk_frames()
                 self._enter(_stack(self._buffer[:n]))
                 del self._buffer[:n]
             return self._deliver()
+
+    def _observe_input(self, count: int, now: float) -> None:
+        """Input frames per second over the recent pushes, for the SLO scheduler (as one GPU)."""
+        self._input_times.append((now, count))
+        if len(self._input_times) >= 2 and self._input_times[-1][0] > self._input_times[0][0]:
+            frames = sum(n for _, n in list(self._input_times)[1:])
+            self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
         """New input size, as on one GPU: the stream goes on (caches and positions stay), but every
@@ -420,6 +469,7 @@ class PipelineSession:
             self._drain()
         out = self._deliver(padding=pad)
         self.metrics.on_input(len(good), now)
+        self._observe_input(len(good), now)
         self._buffer.extend(good)
         self._frame_shape = tuple(good.shape[1:])
         return out
@@ -449,7 +499,7 @@ class PipelineSession:
             return out
 
     def _chunk_frames(self) -> int:
-        return FIRST_CHUNK_FRAMES if self._stream_chunks == 0 else FRAMES_PER_LATENT
+        return FIRST_CHUNK_FRAMES if self._stream_chunks == 0 else FRAMES_PER_LATENT * self.slo.plan.chunk_latents
 
     def _deliver(self, padding: int = 0) -> np.ndarray | torch.Tensor:
         outs, self._outputs = self._outputs, []
@@ -477,10 +527,14 @@ class PipelineSession:
             layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
             pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
             z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
-        if first or self.n == 1:
-            self.ledger.sequential(chunk_id, tuple(z.shape))
-        else:
-            self.ledger.batch(chunk_id, tuple(z.shape))
+        self._count("in", z.shape[2])
+        # The noise draws in the one-GPU denoiser's order: it drains its stream-batch rows before a
+        # sequential chunk or a chunk of another size
+        plan, shape = self.slo.plan, tuple(z.shape)
+        batch = plan.mode == "batch" and self.n > 1 and not first
+        if not batch or any(r is not None and r[1] != shape for r in self.ledger.rows):
+            self.ledger.drain()
+        (self.ledger.batch if batch else self.ledger.sequential)(chunk_id, shape)
         sigma0 = self._first_sigma(t0)
         row = _Row(chunk_id, 0, self.schedule.add_noise(z, self.ledger.take(chunk_id, 0), sigma0), sigma0)
         context, changed = self.prompt.advance()
@@ -489,10 +543,20 @@ class PipelineSession:
             self._context = context[None]
         if self.prompt.transition_done:
             self._flags |= REFRESH_SINKS
-        self._send_tick(row)
+        if plan.mode == "sequential":  # the chunk goes round the ring n times alone, then leaves
+            self._drain()
+            for _ in range(self.n):
+                self._send_tick(row)
+                back = self._receive(self._inflight.popleft())
+                row = back[0] if back else None
+        else:
+            self._send_tick(row)
+        self._slo_chunks += 1
         if self.scheduler is not None:
             self.scheduler.tick()
-            self._schedule()
+        self._schedule()
+        if self.cfg.stream.mode == "auto":
+            self.slo.decide()
 
     def _first_sigma(self, t0: torch.Tensor | float) -> torch.Tensor | float:
         """As `StreamDenoiser._first_sigma`: the chunk's own first step, above the list's second."""
@@ -527,6 +591,9 @@ class PipelineSession:
                         self._flags, self._context.shape[1] if self._flags & NEW_CONTEXT else 0)
         context = self._context.to(self.dtype) if self._flags & NEW_CONTEXT else None
         self._flags = 0
+        self._count("rows", len(rows) * header.frames)
+        if rows[-1].step == self.n - 1:
+            self._count("out", header.frames)
         self.stage.apply(header.flags, context)
         with self.stage.timer.span("dit"):
             tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas))
@@ -586,7 +653,7 @@ class PipelineSession:
         snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks, "block_moves": self.moves,
                      "suggested_split": suggest_split(ranks, self._chunks_done, sum(self.split)),
                      "steps": list(self.cfg.stream.steps), "device": str(self.device),
-                     "plan": {"mode": "batch" if self.n > 1 else "sequential", "chunk_latents": 1},
+                     "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},
                      "noise_scale": self.motion.telemetry()[0], "motion": self.motion.telemetry()[1],
                      "prompt": self.prompt.text, "prompt_error": self.prompt.error,
                      "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales})

@@ -40,7 +40,7 @@ from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.output_queue import OutputQueue
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
-from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler
+from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
 from engine.stream.stage_timer import StageTimer
 from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
@@ -139,8 +139,9 @@ class StreamSession:
         cfg = self.cfg
         self.metrics = StreamMetrics(cfg.slo.latency_budget_ms / 1000.0)
         ring = cfg.stream.num_kv_cache - cfg.stream.sink  # a chunk must fit the cache's ring
+        modes = allowed_modes(cfg.stream.mode)
         self.slo = SLOScheduler(len(cfg.stream.steps), cfg.slo.target_fps, cfg.slo.latency_budget_ms / 1000.0,
-                                initial=Plan(_modes(cfg.stream.mode)[0], 1), allowed_modes=_modes(cfg.stream.mode),
+                                initial=Plan(modes[0], 1), allowed_modes=modes,
                                 max_chunk_latents=1 if cfg.memory.low_vram else min(MAX_CHUNK_LATENTS, ring),
                                 overlapped=self._overlapped)
         self.generator = torch.Generator(self.device).manual_seed(cfg.stream.seed)
@@ -234,7 +235,7 @@ class StreamSession:
         self.slo.set_targets(new.slo.target_fps, budget)
         self.metrics.set_budget(budget)
         if new.stream.mode != old.stream.mode:
-            self.slo.allow_modes(_modes(new.stream.mode))
+            self.slo.allow_modes(allowed_modes(new.stream.mode))
         if new.stream.sink_threshold != old.stream.sink_threshold:
             self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
@@ -513,10 +514,6 @@ def _on_gpu(frames: np.ndarray | torch.Tensor) -> bool:
 
 def _stack(frames: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
     return torch.stack(frames) if isinstance(frames[0], torch.Tensor) else np.stack(frames)
-
-
-def _modes(setting: str) -> tuple[str, ...]:
-    return ("batch", "sequential") if setting == "auto" else (setting,)
 
 
 def _encoder_device(setting: str, device: torch.device, low_vram: bool) -> str:

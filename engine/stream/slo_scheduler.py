@@ -32,6 +32,11 @@ class Plan:
     chunk_latents: int  # latent frames per forward
 
 
+def allowed_modes(setting: str) -> tuple[str, ...]:
+    """The modes a `stream.mode` setting lets the scheduler choose from (auto: both, batch first)."""
+    return ("batch", "sequential") if setting == "auto" else (setting,)
+
+
 class StageModel:
     """time = fixed + per_unit * units, by weighted least squares with forgetting."""
 

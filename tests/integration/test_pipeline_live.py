@@ -21,24 +21,29 @@ from engine.models.loading import load_models
 from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.session import PipelineError, PipelineSession
 from engine.stream.session import StreamSession
-from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left
+from engine.stream.slo_scheduler import Plan
+from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left, stream
 
 STEPS = [*BASE, "stream.steps=[700]"]
 
 
-@pytest.fixture(scope="module")
-def styled(tmp_path_factory) -> list[str]:
+def with_style_lora(preset: str, folder) -> list[str]:
     """The config with a style LoRA on every block's linears: a moved block must take it along."""
-    dit = load_models(load_config("tiny-random", STEPS)).dit
+    dit = load_models(load_config(preset, STEPS)).dit
     g = torch.Generator().manual_seed(7)
     sd = {}
     for name, m in dit.named_modules():
         if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
             sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, m.in_features, generator=g) * 0.3
             sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
-    path = tmp_path_factory.mktemp("lora") / "style.safetensors"
+    path = folder / "style.safetensors"
     save_file(sd, str(path))
     return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
+
+
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory) -> list[str]:
+    return with_style_lora("tiny-random", tmp_path_factory.mktemp("lora"))
 
 
 def live(session, frames: np.ndarray, between) -> np.ndarray:
@@ -98,8 +103,8 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference)
             pipe.move_block(0, 1)
         with pytest.raises(ValueError, match="unknown parameter 'stepz'"):
             pipe.set_params(stepz=[700])
-        with pytest.raises(ValueError, match="sequential"):
-            pipe.set_params(mode="sequential")
+        with pytest.raises(ValueError, match="mode"):
+            pipe.set_params(mode="parallel")
     assert_same_frames(out, reference[0])
     assert [f.shape for f in sizes] == [f.shape for f in reference[1]] == [(32, 48, 3)] * 7 + [(40, 64, 3)] * 6
     assert_same_frames(np.stack(sizes[:7]), np.stack(reference[1][:7]))
@@ -108,6 +113,95 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference)
     assert stats["lora_scales"] == {"style": 0.5}
     assert [r["blocks"] for r in sorted(stats["ranks"], key=lambda r: r["rank"])] == [[0, 3], [3, 4]]
     assert no_children_left()
+
+
+def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
+    """The trained embedded model (the `default` preset, its own VAE and style text encoder): each
+    rank holds only its blocks, so a block that moves after a LoRA scale change arrives with the
+    original weights and is merged at the current scale on its new rank."""
+    styled = with_style_lora("default", tmp_path)
+
+    def between(session, i: int) -> None:
+        if i == 0:
+            session.set_params(lora_scales={"style": 0.5})
+            if isinstance(session, PipelineSession):
+                session.move_block(1, 1)
+
+    one = StreamSession.from_config(load_config("default", styled))
+    reference = live(one, clip(25), lambda i: between(one, i))
+    with PipelineSession(load_config("default", [*styled, "parallel.gpus=2", "parallel.rebalance=false"])) as pipe:
+        held = [b for b, block in enumerate(pipe.models.dit.blocks) if not next(block.parameters()).is_meta]
+        assert held == [0, 1]
+        out = live(pipe, clip(25), lambda i: between(pipe, i))
+        assert pipe.split == [1, 3]
+    assert_same_frames(out, reference)
+    assert no_children_left()
+
+
+def switch_plans(session, i: int) -> None:
+    """Sequential after the first part, 2-latent chunks after the second, 1 after the third."""
+    if i == 0:
+        session.set_params(mode="sequential")
+    elif i == 1:
+        session.set_params(mode="batch")
+        session.slo.plan = Plan("batch", 2)  # as the scheduler in auto mode would pick it
+    elif i == 2:
+        session.slo.plan = Plan("batch", 1)
+
+
+def check_plan_switches(overrides: list[str], gpus: int) -> None:
+    overrides = [*overrides, "stream.steps=[700,500,300]"]  # 3 rows: a drain re-noises a row (draw order)
+    one = StreamSession.from_config(load_config("tiny-random", overrides), warmup=False)
+    reference = live(one, clip(33), lambda i: switch_plans(one, i))
+    seen = []
+    with PipelineSession(load_config("tiny-random", [*overrides, f"parallel.gpus={gpus}"])) as pipe:
+        def between(i: int) -> None:
+            stats = pipe.stats()
+            seen.append((stats["frames_in"] - stats["frames_out"], stats["plan"]))
+            switch_plans(pipe, i)
+        out = live(pipe, clip(33), between)
+    if pipe.device.type == "cuda":  # GPU kernels differ with the batch size: a level or two, rarely
+        diff = np.abs(out.astype(int) - reference.astype(int))
+        assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
+    else:
+        assert_same_frames(out, reference)
+    # batch: chunks in the ring; sequential: every chunk out within its push (nothing in flight)
+    assert seen[0][0] > 0 and seen[1] == (0, {"mode": "sequential", "chunk_latents": 1})
+    assert seen[2][1] == {"mode": "batch", "chunk_latents": 2}
+    assert no_children_left()
+
+
+@pytest.mark.parametrize("gpus", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_mode_and_chunk_size_changes_give_the_one_process_frames(gpus):
+    """The plans of the SLO scheduler on the ring: stream-batch, sequential (the ring drained
+    first, then each chunk round the ring n times alone), 2-latent chunks, and back, switched at
+    the same chunks as one process; `stream.mode` is a live parameter on the pipeline too."""
+    check_plan_switches(BASE, gpus)
+
+
+def test_auto_mode_learns_from_the_ranks_and_switches_as_one_process_would():
+    """Auto mode with a budget no plan meets: the scheduler learns the ranks' stage times and,
+    after its patience, takes the lowest-latency plan (sequential). One process given the same
+    decisions at the same chunks gives the same frames."""
+    overrides = [*BASE, "stream.steps=[700,500,300]", "stream.mode=auto", "slo.latency_budget_ms=1"]
+    frames = clip(1 + 4 * 17)  # the first window after 8 chunks, then the patience
+    decisions: list[Plan] = []
+    cfg = load_config("tiny-random", [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])
+    with PipelineSession(cfg) as pipe:
+        decide = pipe.slo.decide
+        pipe.slo.decide = lambda: decisions.append(decide()) or decisions[-1]
+        out = stream(pipe, frames, push=4)
+        assert pipe.stats()["plan"] == {"mode": "sequential", "chunk_latents": 1}
+    assert decisions[0] == Plan("batch", 1) and set(decisions) == {Plan("batch", 1), Plan("sequential", 1)}
+    one = StreamSession.from_config(load_config("tiny-random", overrides))
+    script = iter(decisions)
+
+    def replay() -> Plan:
+        one.slo.plan = next(script)
+        return one.slo.plan
+    one.slo.decide = replay
+    assert_same_frames(out, stream(one, frames, push=4))
+    assert next(script, None) is None and no_children_left()
 
 
 class Scripted(BlockScheduler):
@@ -178,3 +272,11 @@ def test_two_gpus_move_blocks_over_nccl_across_a_step_change(styled):
     diff = np.abs(out.astype(int) - reference.astype(int))
     assert out.shape == reference.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
     assert no_children_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_switch_plans_as_one_gpu():
+    """The same plan switches on two GPUs: graphs captured for batch micro-batches, eager
+    sequential passes, 2-latent rows over NCCL."""
+    check_plan_switches([*BASE, "model.device=cuda"], 2)

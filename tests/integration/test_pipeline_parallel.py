@@ -119,8 +119,6 @@ def test_a_rank_that_dies_mid_stream_surfaces_as_an_error():
 def test_bad_settings_are_refused_before_any_process_starts():
     with pytest.raises(ConfigError, match="parallel.split"):
         load_config("tiny-random", ["parallel.gpus=2", "parallel.split=[1,1,2]"])
-    with pytest.raises(ConfigError, match="sequential"):
-        load_config("tiny-random", ["parallel.gpus=2", "stream.mode=sequential"])
     with pytest.raises(ValueError, match="parallel.split"):
         PipelineSession(load_config("tiny-random", ["parallel.gpus=2", "parallel.split=[1,2]"]))  # 4 blocks
     with pytest.raises(ValueError, match="parallel.gpus"):
