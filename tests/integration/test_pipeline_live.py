@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +27,7 @@ from tests.integration.test_pipeline_parallel import BASE, clip, no_children_lef
 STEPS = [*BASE, "stream.steps=[700]"]
 
 
-@pytest.fixture(scope="module")
-def styled(tmp_path_factory) -> list[str]:
+def style_lora(folder: Path) -> list[str]:
     """The config with a style LoRA on every block's linears: a moved block must take it along."""
     dit = load_models(load_config("tiny-random", STEPS)).dit
     g = torch.Generator().manual_seed(7)
@@ -36,9 +36,14 @@ def styled(tmp_path_factory) -> list[str]:
         if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
             sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(2, m.in_features, generator=g) * 0.3
             sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
-    path = tmp_path_factory.mktemp("lora") / "style.safetensors"
+    path = folder / "style.safetensors"
     save_file(sd, str(path))
     return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
+
+
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory) -> list[str]:
+    return style_lora(tmp_path_factory.mktemp("lora"))
 
 
 def live(session, frames: np.ndarray, between) -> np.ndarray:
