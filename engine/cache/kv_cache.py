@@ -189,7 +189,11 @@ class KVCache:
             self._rows[b].sink_pending = self.sink
 
     def _like(
-        self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], rows: list[_Row], device: torch.device | None = None
+        self,
+        k: dict[int, torch.Tensor],
+        v: dict[int, torch.Tensor],
+        rows: list[_Row],
+        device: torch.device | str | None = None,
     ) -> KVCache:
         return KVCache(
             k,

@@ -72,6 +72,8 @@ def check_split(split: Sequence[int], num_blocks: int, ranks: int) -> list[int]:
         return even_split(num_blocks, ranks)
     if len(split) != ranks:
         problem = f"{len(split)} entries for {ranks} GPUs"
+    elif min(split) < 0:
+        problem = "a negative block count"
     elif any(n < min_blocks(r, ranks) for r, n in enumerate(split)):
         empty = [r for r, n in enumerate(split) if n < min_blocks(r, ranks)]
         problem = f"rank {', '.join(map(str, empty))} would run no blocks (only rank 0 and the last rank may)"

@@ -126,8 +126,9 @@ class Stage:
         """Send `block` (weights, caches) to rank `dst`, the next rank when `forward`, and drop it
         here; the rank may give its only block (rank 0, the last rank: `plan.check_move`)."""
         if block != (self.blocks.stop - 1 if forward else self.blocks.start) or not self.blocks:
-            raise ValueError(f"block {block}: a rank with blocks {list(self.blocks)} gives the "
-                             f"{'next' if forward else 'previous'} rank only its {'last' if forward else 'first'} block")
+            side, end = ("next", "last") if forward else ("previous", "first")
+            raise ValueError(f"block {block}: a rank with blocks {list(self.blocks)} gives the {side} rank only "
+                             f"its {end} block")
         self.lora.forget(f"blocks.{block}.")  # the original weights travel; the receiver merges its LoRAs
         for t in self.block_tensors(block):
             link.send(t, dst)

@@ -187,7 +187,7 @@ def test_loom_bench_gpus_reports_every_rank(tmp_path, capsys):
                "--no-baseline", "--set", "resolution.width=64", "--set", "resolution.height=64", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "rank 0 blocks 0-1" in table and "rank 1 blocks 2-3" in table and "suggested" in table
+    assert "rank 0 encode + blocks 0-1" in table and "rank 1 blocks 2-3 + decode" in table and "suggested" in table
     loom = json.loads(out.read_text())["loom"]
     assert loom["gpus"] == 2 and loom["fps"] > 0 and loom["measured_frames"] > 0
     assert {"decode", "dit"} <= set(loom["ranks"][1]["stages_ms"])

@@ -17,7 +17,7 @@ from engine.parallel.plan import check_move
 from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.session import PipelineSession
 from engine.stream.session import StreamSession
-from tests.integration.test_pipeline_live import assert_same_frames, live, script, style_lora
+from tests.integration.test_pipeline_live import assert_same_frames, script, style_lora
 from tests.integration.test_pipeline_parallel import clip, no_children_left
 
 
@@ -26,10 +26,23 @@ def styled(tmp_path_factory) -> list[str]:
     return style_lora(tmp_path_factory.mktemp("lora"))
 
 
+CUTS = [0, 9, 13, 17, 21]  # four parts: 2 chunks (the first has 5 frames), then 1 chunk each
+
+
+def live(session, between) -> np.ndarray:
+    """Push the clip in four parts; `between(i)` runs after part i (the script, moves)."""
+    frames, outs = clip(CUTS[-1]), []
+    for i in range(4):
+        outs.append(session.push(frames[CUTS[i]:CUTS[i + 1]]))
+        between(i)
+    outs.append(session.flush())
+    return np.concatenate([o for o in outs if len(o)])
+
+
 @pytest.fixture(scope="module")
 def reference(styled) -> np.ndarray:
     one = StreamSession.from_config(load_config("tiny-random", styled))
-    return live(one, clip(33), lambda i: script(one, i))
+    return live(one, lambda i: script(one, i))
 
 
 def moving(pipe: PipelineSession, moves: dict[int, list[tuple[int, int]]]) -> tuple[np.ndarray, list[list[int]]]:
@@ -42,7 +55,7 @@ def moving(pipe: PipelineSession, moves: dict[int, list[tuple[int, int]]]) -> tu
         for block, dst in moves.get(i, []):
             pipe.move_block(block, dst)
         splits.append(list(pipe.split))
-    return live(pipe, clip(33), between), splits
+    return live(pipe, between), splits
 
 
 class Watching(BlockScheduler):
