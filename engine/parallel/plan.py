@@ -116,14 +116,17 @@ def stage_ranges(split: Sequence[int]) -> list[range]:
     return out
 
 
-def rank_costs(split: Sequence[int], dit: Sequence[float], rest: Sequence[float]) -> tuple[list[float], list[float]]:
+def rank_costs(split: Sequence[int], dit: Sequence[float], rest: Sequence[float],
+               earlier: Sequence[float | None] | None = None) -> tuple[list[float], list[float]]:
     """Per rank (time per block, fixed time per tick), from what each rank measured per tick in its
     blocks (`dit`) and in the rest of its work (`rest`: pre/postprocess, encode, embed, head,
-    decode). A rank without blocks measured no block time: it is taken as the mean block time of
-    the ranks with blocks (the GPUs of one node are alike; a move corrects it with a measurement),
-    and the bookkeeping it did in its empty block stage counts as fixed."""
+    decode). A rank without blocks measured no block time now: it is taken as the one it measured
+    when it last had blocks (`earlier[r]`), or else as the mean block time of the ranks with blocks
+    (the GPUs of one node are alike; a move corrects it with a measurement). The bookkeeping it did
+    in its empty block stage counts as fixed."""
     mean = sum(d for d, n in zip(dit, split) if n) / sum(split)
-    block = [max(d / n if n else mean, 1e-9) for d, n in zip(dit, split)]
+    earlier = earlier or [None] * len(split)
+    block = [max(d / n if n else earlier[r] or mean, 1e-9) for r, (d, n) in enumerate(zip(dit, split))]
     fixed = [f + (0.0 if n else d) for f, d, n in zip(rest, dit, split)]
     return block, fixed
 

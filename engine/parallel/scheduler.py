@@ -12,7 +12,9 @@ than `threshold` it moves one block across one boundary (`PipelineSession.move_b
 the last block off an end rank or the first one onto an empty end rank, then measures afresh for
 `dwell` chunks before the next decision. Moving one block at a time with a margin and a dwell is
 what keeps it from oscillating on noisy measurements: a move back needs the measurements to
-show, again by the margin, that the previous split was better.
+show, again by the margin, that the previous split was better. A rank that gave away its last
+block is costed with the block time it measured before (not the other ranks'), so a block it ran
+slowly is not handed back to it on an estimate.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class BlockScheduler:
     def __init__(self, threshold: float, dwell: int) -> None:
         self.threshold, self.dwell = threshold, dwell
         self.chunks = 0  # since the start or the last move
+        self.block_s: dict[int, float] = {}  # each rank's block time when it last held blocks
 
     def tick(self) -> None:
         self.chunks += 1
@@ -49,7 +52,8 @@ class BlockScheduler:
             per_tick = {k: v / w["ticks"] for k, v in w["seconds"].items()}
             dit.append(per_tick.pop("dit", 0.0))
             rest.append(sum(per_tick.values()))
-        block_s, fixed_s = rank_costs(split, dit, rest)
+        block_s, fixed_s = rank_costs(split, dit, rest, [self.block_s.get(r) for r in range(len(split))])
+        self.block_s.update({r: b for r, (b, n) in enumerate(zip(block_s, split)) if n})
         self.chunks = 0  # the next decision waits for a fresh window, move or not
         target = balanced_split(sum(split), block_s, fixed_s)
         now = max(f + n * b for f, n, b in zip(fixed_s, split, block_s))

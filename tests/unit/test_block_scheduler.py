@@ -118,3 +118,14 @@ def test_first_move_never_empties_a_middle_rank():
     assert first_move([1, 3], [0, 4]) == (0, 1)  # the last block off rank 0
     assert first_move([0, 4, 0], [1, 3, 0]) == (0, 0)  # onto an empty rank 0
     assert first_move([1, 3, 0], [1, 2, 1]) == (3, 2)  # onto an empty last rank
+
+
+def test_a_rank_that_ran_its_block_slowly_does_not_get_it_back_on_an_estimate():
+    s = BlockScheduler(threshold=0.05, dwell=4)
+    # rank 0: encode 10 ms + its block at 3 ms; rank 1: 3 blocks of 1 ms + decode 8 ms -> 13 vs 11 ms
+    assert s.decide([window(0, 10, 0.030, encode=0.100), window(1, 10, 0.030, decode=0.080)], [1, 3]) == (0, 1)
+    # [0, 4]: 10 vs 12 ms. At the others' 1 ms a block, [1, 3] would look faster (11 vs 11 ms) and the
+    # block would go back and forth; rank 0's own 3 ms say it would not (13 ms)
+    at_empty = [window(0, 10, 0.0, encode=0.100), window(1, 10, 0.040, decode=0.080)]
+    assert s.decide(at_empty, [0, 4]) is None
+    assert BlockScheduler(threshold=0.05, dwell=4).decide(at_empty, [0, 4]) == (0, 0)  # no history: the estimate
