@@ -59,7 +59,7 @@ def even_split(num_blocks: int, ranks: int) -> list[int]:
     since rank 0 and the last rank also run the VAE)."""
     if not 1 <= ranks <= num_blocks:
         raise ValueError(f"parallel.gpus: {ranks} ranks cannot share {num_blocks} blocks evenly (1..{num_blocks}); "
-                         "more ranks need a parallel.split whose first and last entries are 0")
+                         "more ranks need a parallel.split with 0 blocks on rank 0 or the last rank (or both)")
     base, extra = divmod(num_blocks, ranks)
     order = sorted(range(ranks), key=lambda r: (r in (0, ranks - 1), r))
     return [base + (r in order[:extra]) for r in range(ranks)]
