@@ -3,8 +3,9 @@
 Real pipeline (preprocess, Wan VAE encode, DiT with per-rank KV caches, VAE decode, uint8 out),
 real shapes, random weights (speed does not depend on weight values). For each step list:
 the even block split, then the split balanced from the stage times that run measured (rank 0
-also encodes, the last rank also decodes, so an even split is not balanced), and optionally
-the one-GPU session for comparison. Prints one table; `--json` writes every run's stats.
+also encodes, the last rank also decodes, so an even split is not balanced; when their VAE work
+alone is the slowest stage they get no block, e.g. [0, 15, 15, 0]), and optionally the one-GPU
+session for comparison. Prints one table; `--json` writes every run's stats.
 
     python benchmarks/bench_pipeline.py --gpus 2 --json out/bench_pipeline.json      # 2 GPUs
     python benchmarks/bench_pipeline.py --gpus 2 --steps 700 --single --json out/pp_1step.json

@@ -172,8 +172,9 @@ class ParallelConfig:
 
     gpus: int = spec(1, min=1, max=64, doc="pipeline ranks, one GPU each; 1 = one GPU, no pipeline "
                                            "(on a CPU device the ranks are processes: tests)")
-    split: list[int] = spec(default_factory=list, min=1, max=1000, max_len=64,
-                            doc="DiT blocks per rank, e.g. [20, 10]; empty = an even split")
+    split: list[int] = spec(default_factory=list, min=0, max=1000, max_len=64,
+                            doc="DiT blocks per rank at the start, e.g. [20, 10]; 0 only on the first rank "
+                                "(VAE encode) or the last (VAE decode); empty = an even split")
     rebalance: bool = spec(True, doc="move block boundaries between ranks while streaming when the measured "
                                      "stage times are unbalanced (the output is the same either way)")
     rebalance_threshold: float = spec(0.15, min=0.0, max=10.0,

@@ -118,11 +118,15 @@ class KVCache:
         sink_threshold: float,
         rows: list[_Row] | None = None,
         rope: RopeTables | None = None,
+        empty: tuple[tuple[int, ...], torch.device] | None = None,
     ) -> None:
-        if not k:
-            raise ValueError("a KV cache needs at least one block")
-        first = next(iter(k.values()))
-        self.batch, self.num_slots, self.frame_tokens, self.heads, self.head_dim = first.shape
+        """`empty`: the (block shape, device) of a cache that holds no block (yet), which a pipeline
+        rank without blocks keeps so its bookkeeping runs on as every rank's does."""
+        first = next(iter(k.values()), None)
+        if first is None and empty is None:
+            raise ValueError("a KV cache without blocks needs its block shape and device (empty=...)")
+        shape, device = (tuple(first.shape), first.device) if first is not None else empty
+        self.batch, self.num_slots, self.frame_tokens, self.heads, self.head_dim = shape
         self.k, self.v = k, v
         self.token_grid = token_grid
         self.sink = sink
@@ -130,7 +134,7 @@ class KVCache:
         self.rope_policy = rope_policy
         self.refresh_at = refresh_at
         self.sink_threshold = sink_threshold
-        self.device = first.device
+        self.device = device
         same = rope is not None and rope.device == self.device
         self.rope = rope if same else RopeTables(self.head_dim, self.device)
         self._rows = rows if rows is not None else [_Row() for _ in range(self.batch)]
@@ -165,7 +169,8 @@ class KVCache:
         shape = (batch, num_kv_cache, token_grid[0] * token_grid[1], heads, head_dim)
         k = {i: torch.zeros(shape, device=device, dtype=dtype) for i in blocks}
         v = {i: torch.zeros(shape, device=device, dtype=dtype) for i in blocks}
-        return cls(k, v, token_grid, sink, rope_policy, refresh_at, sink_threshold)
+        return cls(k, v, token_grid, sink, rope_policy, refresh_at, sink_threshold,
+                   empty=(shape, torch.device(device)))
 
     # ----- state management -------------------------------------------------------------
     def reset(self, rows: Sequence[int] | None = None) -> None:
@@ -183,7 +188,13 @@ class KVCache:
         for b in range(self.batch) if rows is None else rows:
             self._rows[b].sink_pending = self.sink
 
-    def _like(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], rows: list[_Row]) -> KVCache:
+    def _like(
+        self,
+        k: dict[int, torch.Tensor],
+        v: dict[int, torch.Tensor],
+        rows: list[_Row],
+        device: torch.device | str | None = None,
+    ) -> KVCache:
         return KVCache(
             k,
             v,
@@ -194,6 +205,7 @@ class KVCache:
             self.sink_threshold,
             rows,
             self.rope,
+            empty=((len(rows), *self.block_shape[1:]), self.device if device is None else torch.device(device)),
         )
 
     def copy(self) -> KVCache:
@@ -234,6 +246,7 @@ class KVCache:
             {i: t.to(device) for i, t in self.k.items()},
             {i: t.to(device) for i, t in self.v.items()},
             [_Row(**vars(r)) for r in self._rows],
+            device,
         )
 
     def pop_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,13 +255,14 @@ class KVCache:
 
     def put_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Adopt one block's K/V from another rank (same rows, slots and bookkeeping)."""
-        if (
-            k.shape != v.shape
-            or k.shape[:2] != (self.batch, self.num_slots)
-            or k.shape[2:] != (self.frame_tokens, self.heads, self.head_dim)
-        ):
+        if k.shape != v.shape or tuple(k.shape) != self.block_shape:
             raise ValueError(f"block {block} K/V of shape {tuple(k.shape)} do not fit this cache")
         self.k[block], self.v[block] = k.to(self.device), v.to(self.device)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one block's K (and V): [B, slots, tokens, heads, head_dim]."""
+        return (self.batch, self.num_slots, self.frame_tokens, self.heads, self.head_dim)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())

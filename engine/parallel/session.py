@@ -2,13 +2,17 @@
 
 A user only says how many GPUs (`parallel.gpus = P`); this process becomes rank 0 and spawns
 ranks 1..P-1 (torch.multiprocessing), which join one torch.distributed group (NCCL on GPUs,
-gloo on CPUs). The DiT's blocks are cut into P contiguous ranges (`engine/parallel/plan.py`):
+gloo on CPUs). The DiT's blocks are cut into P contiguous ranges, the placement
+(`engine/parallel/plan.py`):
 - rank 0: frames in, preprocess, motion-aware noise, VAE encode, the noise of every step
   (see below), patch and time embedding, its blocks; frames out (postprocess);
-- ranks 1..P-2: their blocks;
+- ranks 1..P-2: their blocks (at least one);
 - rank P-1: its blocks, the head, the scheduler step (x0, re-noise) and the VAE decode.
-Each rank loads only its blocks' weights and holds only their KV cache (all n step rows) and
-cross-attention K/V. Activations [B, tokens, dim] go rank to rank (`engine/parallel/link.py`).
+Rank 0 and rank P-1 may hold no block: their VAE work is then a stage of its own, which is the
+fastest placement when the VAE outweighs the DiT. Each rank loads only its blocks' weights and
+holds only their KV cache (all n step rows) and cross-attention K/V. Activations [B, tokens,
+dim] go rank to rank (`engine/parallel/link.py`); a rank without blocks passes them on as they
+came (rank 0: the embedded tokens).
 
 How the stream-batch rows go round the ring. With n steps a chunk passes the ring n times; row
 i of the KV cache only ever sees chunks at step i, as on one GPU. The unit on the ring is a
@@ -46,9 +50,10 @@ drains its denoiser) and then maps each rank's cache rows to the new steps; the 
 and LoRA scales apply on each rank to its own blocks. A block moves the same way (`move_block`):
 the giving rank sends its weights, KV cache rows and cross-attention K/V after the last tick it
 ran the block for, and the receiving rank runs it from the next tick on, so the frames are those
-of no move. The block scheduler (`engine/parallel/scheduler.py`) decides the moves from stage
-times measured continuously on every rank; the VAE encode (rank 0) and decode (the last rank)
-are measured as stages of their own and weigh in as the fixed work of those ranks.
+of no move; a move may take the last block off rank 0 or the last rank, or bring one to them
+again. The block scheduler (`engine/parallel/scheduler.py`) decides the moves from stage times
+measured continuously on every rank; the VAE encode (rank 0) and decode (the last rank) are
+measured as stages of their own and weigh in as the fixed work of those ranks.
 
 Failures: a rank that fails reports its traceback, one that exits is seen by its exit code, one
 that hangs (stopped, frozen) by its heartbeat going stale for `parallel.rank_timeout_s`; any of
@@ -78,7 +83,7 @@ from engine.graphs.vae_steps import VAEGraphs
 from engine.models.loading import load_models
 from engine.models.wan_dit import DIT_PRESETS
 from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from engine.parallel.plan import NoiseLedger, check_split, stage_ranges, suggest_split
+from engine.parallel.plan import NoiseLedger, check_move, check_split, placement, stage_ranges, suggest_split
 from engine.parallel.ranks import PipelineError, RankProcesses
 from engine.parallel.scheduler import BlockScheduler
 from engine.parallel.slo import PipelineSLO
@@ -378,12 +383,7 @@ class PipelineSession:
         the move travels the ring in stream order, so every tick runs each block exactly once. A
         block moving to rank 0 arrives only after rank 1 ran the ticks in flight, so rank 0 collects
         their returns first: the ring runs without overlap for one round then."""
-        src = next(r for r, rng in enumerate(self.ranges) if block in rng)
-        if abs(dst - src) != 1 or not 0 <= dst < self.P:
-            raise ValueError(f"block {block} is on rank {src}: it can move to rank {src - 1} or {src + 1}, not {dst}")
-        if len(self.ranges[src]) < 2 or block != (self.ranges[src].stop - 1 if dst > src else self.ranges[src].start):
-            raise ValueError(f"block {block}: rank {src} (blocks {self.ranges[src].start}-{self.ranges[src].stop - 1})"
-                             f" can give rank {dst} only its {'last' if dst > src else 'first'} block, and keeps one")
+        src = check_move(self.split, block, dst)
         with self._guard(), torch.inference_mode():
             if dst == 0:  # the block comes from rank 1 once it ran every tick before the move: collect them first
                 while self._inflight:
@@ -397,7 +397,8 @@ class PipelineSession:
         self.split[dst] += 1
         self.ranges = stage_ranges(self.split)
         self.moves += 1
-        log.info("pipeline: block %d moved from rank %d to rank %d; split %s", block, src, dst, self.split)
+        log.info("pipeline: block %d moved from rank %d to rank %d; split %s: %s", block, src, dst, self.split,
+                 " | ".join(map(str, placement(self.split))))
 
     def _schedule(self) -> None:
         """After a chunk: when the block scheduler is due, or every few chunks in auto mode, ask
@@ -595,8 +596,9 @@ class PipelineSession:
         if rows[-1].step == self.n - 1:
             self._count("out", header.frames)
         self.stage.apply(header.flags, context)
-        with self.stage.timer.span("dit"):
+        with self.stage.timer.span("embed"):  # fixed work of rank 0, apart from its blocks' ("dit")
             tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas))
+        with self.stage.timer.span("dit"):
             tokens = self.stage.run(tokens, cond, header.first_step, header.frames)
         self.link.send_header(self.ranks.outbox, header)
         send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
@@ -651,6 +653,7 @@ class PipelineSession:
         ranks.sort(key=lambda r: r["rank"])
         snap = self.metrics.snapshot()
         snap.update({"gpus": self.P, "split": list(self.split), "ranks": ranks, "block_moves": self.moves,
+                     "placement": [str(w) for w in placement(self.split)],
                      "suggested_split": suggest_split(ranks, self._chunks_done, sum(self.split)),
                      "steps": list(self.cfg.stream.steps), "device": str(self.device),
                      "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},

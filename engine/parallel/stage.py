@@ -1,7 +1,11 @@
 """One pipeline rank's share of the streaming DiT, and the loop of ranks 1..P-1.
 
 A `Stage` holds a contiguous range of blocks, the KV cache of those blocks only (all n step
-rows) and their cross-attention K/V. Every rank plans each micro-batch on its own cache with
+rows) and their cross-attention K/V. The range may be empty on rank 0 and the last rank (their
+VAE work is a stage of its own, `engine/parallel/plan.py`): such a stage runs no block but still
+plans every micro-batch on its (blockless) cache, passes the ring's messages on, applies live
+settings and takes part in block moves, so a block can arrive there at any tick and find the
+bookkeeping every other rank has. Every rank plans each micro-batch on its own cache with
 the same (rows, frames, commit) in the same order, so the host-side bookkeeping (ring slots,
 RoPE positions and refresh shifts, pending sink refreshes) evolves identically on every rank
 without being exchanged; the device-side parts (ring re-rotation, adaptive sink replacement,
@@ -82,7 +86,7 @@ class Stage:
         self.cross = None
         self.context: torch.Tensor | None = None  # the prompt embedding the cross K/V were made from
         self._graphs = st.cuda_graphs and self.device.type == "cuda"
-        self.graphed = GraphedBlocks(self._blocks) if self._graphs else None
+        self._recapture()
         self.lora = models.lora
         self.timer = StageTimer(self.device)
         self.totals: dict[str, list[float]] = {}  # stage -> [calls, seconds]
@@ -90,9 +94,8 @@ class Stage:
         self.window_ticks = 0
 
     def _recapture(self) -> None:
-        """Captured graphs hold the old cache's and blocks' tensors: capture afresh."""
-        if self._graphs:
-            self.graphed = GraphedBlocks(self._blocks)
+        """Captured graphs hold the old cache's and blocks' tensors: capture afresh (no blocks: nothing to replay)."""
+        self.graphed = GraphedBlocks(self._blocks) if self._graphs and self.blocks else None
 
     def change_steps(self, steps: int, nearest: list[int]) -> None:
         """A new step list (the ring is drained): row i takes the cache row of the nearest old step,
@@ -119,11 +122,13 @@ class Stage:
         return [*module.parameters(), *module.buffers(), self.cache.k[block], self.cache.v[block],
                 self.cross.k[block], self.cross.v[block]]
 
-    def give_block(self, block: int, link: Link, dst: int) -> None:
-        """Send `block` (weights, caches) to rank `dst` and drop it here."""
-        if len(self.blocks) < 2 or block not in (self.blocks.start, self.blocks.stop - 1):
-            raise ValueError(f"block {block}: rank with blocks {self.blocks.start}-{self.blocks.stop - 1} "
-                             "can only give an end block and must keep one")
+    def give_block(self, block: int, link: Link, dst: int, forward: bool) -> None:
+        """Send `block` (weights, caches) to rank `dst`, the next rank when `forward`, and drop it
+        here; the rank may give its only block (rank 0, the last rank: `plan.check_move`)."""
+        if block != (self.blocks.stop - 1 if forward else self.blocks.start) or not self.blocks:
+            side, end = ("next", "last") if forward else ("previous", "first")
+            raise ValueError(f"block {block}: a rank with blocks {list(self.blocks)} gives the {side} rank only "
+                             f"its {end} block")
         self.lora.forget(f"blocks.{block}.")  # the original weights travel; the receiver merges its LoRAs
         for t in self.block_tensors(block):
             link.send(t, dst)
@@ -131,27 +136,33 @@ class Stage:
         self.cross.k.pop(block)
         self.cross.v.pop(block)
         self.dit.blocks[block].to("meta")
-        self.blocks = range(self.blocks.start + 1, self.blocks.stop) if block == self.blocks.start \
-            else range(self.blocks.start, self.blocks.stop - 1)
+        start, stop = self.blocks.start, self.blocks.stop
+        self.blocks = range(start, stop - 1) if forward else range(start + 1, stop)
         self._recapture()
 
-    def take_block(self, block: int, link: Link, src: int) -> None:
-        """Receive `block` from rank `src` (its `give_block`), then merge this rank's LoRAs into it."""
-        if block not in (self.blocks.start - 1, self.blocks.stop):
-            raise ValueError(f"block {block} does not border blocks {self.blocks.start}-{self.blocks.stop - 1}")
+    def take_block(self, block: int, link: Link, src: int, forward: bool) -> None:
+        """Receive `block` from rank `src` (its `give_block`; `forward`: from the previous rank),
+        then merge this rank's LoRAs into it. An empty range takes the block where it sits."""
+        if block != (self.blocks.start - 1 if forward else self.blocks.stop):
+            raise ValueError(f"block {block} does not border blocks {list(self.blocks)} from the "
+                             f"{'previous' if forward else 'next'} rank")
         module = self.dit.blocks[block]
         module.to_empty(device=self.device)
         for t in [*module.parameters(), *module.buffers()]:
             t.copy_(link.recv(tuple(t.shape), t.dtype, src))
-        like = self.cache.k[self.blocks.start]
-        k, v = (link.recv(tuple(like.shape), like.dtype, src) for _ in range(2))
+        k, v = (link.recv(self.cache.block_shape, self.dtype, src) for _ in range(2))
         self.cache.put_block(block, k, v)
-        cross = self.cross.k[self.blocks.start]
-        self.cross.k[block], self.cross.v[block] = (link.recv(tuple(cross.shape), cross.dtype, src) for _ in range(2))
+        cross = self.cross_shape()
+        self.cross.k[block], self.cross.v[block] = (link.recv(cross, self.dtype, src) for _ in range(2))
         self.lora.adopt(f"blocks.{block}.")
         start, stop = self.blocks.start, self.blocks.stop
-        self.blocks = range(block, stop) if block < start else range(start, block + 1)
+        self.blocks = range(start - 1, stop) if forward else range(start, stop + 1)
         self._recapture()
+
+    def cross_shape(self) -> tuple[int, ...]:
+        """The shape of one block's cross-attention K (and V) for the current prompt embedding."""
+        cfg = self.dit.cfg
+        return (self.context.shape[0], cfg.text_len, cfg.num_heads, cfg.head_dim)
 
     def apply(self, flags: int, context: torch.Tensor | None) -> None:
         """Header flags, in the order the one-GPU session applies them before a forward."""
@@ -285,10 +296,11 @@ def configure(stage: Stage, last: LastRank | None, extra: dict[str, Any]) -> Non
 
 def move(stage: Stage, rank: int, link: Link, extra: dict[str, Any]) -> None:
     """This rank's part of a block move (see `Kind.MOVE`); ranks not involved do nothing."""
+    forward = extra["dst"] > extra["src"]
     if rank == extra["src"]:
-        stage.give_block(extra["block"], link, extra["dst"])
+        stage.give_block(extra["block"], link, extra["dst"], forward)
     elif rank == extra["dst"]:
-        stage.take_block(extra["block"], link, extra["src"])
+        stage.take_block(extra["block"], link, extra["src"], forward)
     stage.take_window(rank)  # the scheduler's next window measures the new split only
 
 

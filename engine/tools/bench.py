@@ -174,7 +174,7 @@ def summary_table(result: dict[str, Any]) -> str:
         rows.append((f"stage {stage}", f"{v['mean']:.2f} ms/call"))
     for r in loom.get("ranks", []):  # the DiT pipeline over several GPUs
         stages = ", ".join(f"{k} {v['mean']:.2f}" for k, v in r["stages_ms"].items())
-        rows.append((f"rank {r['rank']} blocks {r['blocks'][0]}-{r['blocks'][1] - 1}",
+        rows.append((f"rank {r['rank']} {loom['placement'][r['rank']]}",
                      f"{stages} ms/call; waited {r['wait_s']:.2f} s"))
     if "ranks" in loom:
         rows.append(("block split / suggested", f"{loom['split']} / {loom['suggested_split']} "

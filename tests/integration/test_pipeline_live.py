@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from tests.integration.test_pipeline_parallel import BASE, clip, no_children_lef
 STEPS = [*BASE, "stream.steps=[700]"]
 
 
-def with_style_lora(preset: str, folder) -> list[str]:
+def style_lora(folder: Path, preset: str = "tiny-random") -> list[str]:
     """The config with a style LoRA on every block's linears: a moved block must take it along."""
     dit = load_models(load_config(preset, STEPS)).dit
     g = torch.Generator().manual_seed(7)
@@ -43,7 +44,7 @@ def with_style_lora(preset: str, folder) -> list[str]:
 
 @pytest.fixture(scope="module")
 def styled(tmp_path_factory) -> list[str]:
-    return with_style_lora("tiny-random", tmp_path_factory.mktemp("lora"))
+    return style_lora(tmp_path_factory.mktemp("lora"))
 
 
 def live(session, frames: np.ndarray, between) -> np.ndarray:
@@ -119,7 +120,7 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
     """The trained embedded model (the `default` preset, its own VAE and style text encoder): each
     rank holds only its blocks, so a block that moves after a LoRA scale change arrives with the
     original weights and is merged at the current scale on its new rank."""
-    styled = with_style_lora("default", tmp_path)
+    styled = style_lora(tmp_path, "default")
 
     def between(session, i: int) -> None:
         if i == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.parallel.plan import stage_ranges
 from engine.parallel.scheduler import BlockScheduler, first_move
 
 
@@ -63,3 +64,68 @@ def test_first_move_over_three_ranks():
     assert first_move([10, 10, 10], [9, 11, 10]) == (9, 1)  # rank 0 gives its last block to rank 1
     with pytest.raises(ValueError):
         first_move([2, 2], [2, 2])
+
+
+def test_a_slow_encoder_gives_its_last_block_and_becomes_vae_only():
+    # 1 ms per block; rank 0 encodes for 10 ms a tick: [1, 3] -> 11 vs 3 ms, [0, 4] -> 10 vs 4 ms (9% faster)
+    windows = [window(0, 10, 0.010, encode=0.100), window(1, 10, 0.030)]
+    assert BlockScheduler(threshold=0.05, dwell=4).decide(windows, [1, 3]) == (0, 1)
+    assert BlockScheduler(threshold=0.1, dwell=4).decide(windows, [1, 3]) is None  # inside the margin
+
+
+def test_an_empty_end_rank_takes_a_block_back_when_the_others_slow_down():
+    # rank 0 only encodes (1 ms) and spent a little in its empty block stage; rank 1 runs 4 blocks of
+    # 2 ms and decodes for 1 ms: 9 ms. The empty rank is costed at 2 ms a block, so blocks go back to it.
+    windows = [window(0, 10, 0.001, encode=0.010), window(1, 10, 0.080, decode=0.010)]
+    assert BlockScheduler(threshold=0.1, dwell=4).decide(windows, [0, 4]) == (0, 0)
+    # once the end rank's VAE is the slowest stage by itself, an empty rank stays empty
+    windows = [window(0, 10, 0.001, encode=0.100), window(1, 10, 0.080, decode=0.010)]
+    assert BlockScheduler(threshold=0.0, dwell=4).decide(windows, [0, 4]) is None
+
+
+def measured(split: list[int], block_s: float, fixed: list[dict[str, float]]) -> list[dict]:
+    """The windows a split gives over 10 ticks: `block_s` per block, `fixed[r]` per tick on rank r."""
+    return [window(r, 10, 10 * n * block_s, **{k: 10 * v for k, v in f.items()})
+            for r, (n, f) in enumerate(zip(split, fixed))]
+
+
+def converge(threshold: float, split: list[int], fixed: list[dict[str, float]]) -> list[int]:
+    """Decide and move, with the windows each split gives (1 ms per block), until nothing pays."""
+    s = BlockScheduler(threshold=threshold, dwell=4)
+    for _ in range(20):
+        move = s.decide(measured(split, 0.001, fixed), split)
+        if move is None:
+            return split
+        block, dst = move
+        src = next(r for r, rng in enumerate(stage_ranges(split)) if block in rng)
+        split = [n - (r == src) + (r == dst) for r, n in enumerate(split)]
+        assert min(split[1:-1]) >= 1
+    raise AssertionError(f"no rest after 20 moves: {split}")
+
+
+def test_the_scheduler_makes_the_last_rank_decode_only_and_stays():
+    # rank 0 encodes for 10 ms, the last rank decodes for 40 ms a tick: its blocks all go
+    fixed = [{"encode": 0.010}, {}, {"decode": 0.040}]
+    assert converge(0.02, [5, 5, 5], fixed)[2] == 0  # [encode + blocks] [blocks] [decode]
+    # with a 5% margin it rests once the decoder's last blocks would gain less than that (2 of 42 ms)
+    assert converge(0.05, [5, 5, 5], fixed)[2] == 2
+    # DiT-heavy (the VAE is 1 ms each side): every rank keeps blocks
+    assert min(converge(0.02, [2, 11, 2], [{"encode": 0.001}, {}, {"decode": 0.001}])) > 0
+
+
+def test_first_move_never_empties_a_middle_rank():
+    assert first_move([0, 1, 3], [1, 3, 0]) == (1, 1)  # not block 0 off rank 1 first: rank 2 gives block 1
+    assert first_move([1, 3], [0, 4]) == (0, 1)  # the last block off rank 0
+    assert first_move([0, 4, 0], [1, 3, 0]) == (0, 0)  # onto an empty rank 0
+    assert first_move([1, 3, 0], [1, 2, 1]) == (3, 2)  # onto an empty last rank
+
+
+def test_a_rank_that_ran_its_block_slowly_does_not_get_it_back_on_an_estimate():
+    s = BlockScheduler(threshold=0.05, dwell=4)
+    # rank 0: encode 10 ms + its block at 3 ms; rank 1: 3 blocks of 1 ms + decode 8 ms -> 13 vs 11 ms
+    assert s.decide([window(0, 10, 0.030, encode=0.100), window(1, 10, 0.030, decode=0.080)], [1, 3]) == (0, 1)
+    # [0, 4]: 10 vs 12 ms. At the others' 1 ms a block, [1, 3] would look faster (11 vs 11 ms) and the
+    # block would go back and forth; rank 0's own 3 ms say it would not (13 ms)
+    at_empty = [window(0, 10, 0.0, encode=0.100), window(1, 10, 0.040, decode=0.080)]
+    assert s.decide(at_empty, [0, 4]) is None
+    assert BlockScheduler(threshold=0.05, dwell=4).decide(at_empty, [0, 4]) == (0, 0)  # no history: the estimate
