@@ -177,7 +177,7 @@ class ParallelConfig:
                                 "(VAE encode) or the last (VAE decode); empty = an even split")
     rebalance: bool = spec(True, doc="move block boundaries between ranks while streaming when the measured "
                                      "stage times are unbalanced (the output is the same either way)")
-    rebalance_threshold: float = spec(0.15, min=0.0, max=10.0,
+    rebalance_threshold: float = spec(0.1, min=0.0, max=10.0,
                                       doc="move a boundary only when the slowest stage would be this fraction "
                                           "faster (hysteresis)")
     rebalance_dwell_chunks: int = spec(24, min=1, max=100000,
