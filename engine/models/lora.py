@@ -188,8 +188,11 @@ class LoraMerger:
             self._base_bias[module] = None if bias is None else bias.detach().to(self.keep_device, copy=True)
         if update.bias is not None and target.bias is None:
             raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
-        where = self.keep_device or target.weight.device
-        update.down, update.up = update.down.to(where), update.up.to(where)
+        if self.keep_device is None:  # merged on the device by addmm: in the weight's own dtype, once
+            update.down = update.down.to(target.weight.device, target.weight.dtype)
+            update.up = update.up.to(target.weight.device, target.weight.dtype)
+        else:
+            update.down, update.up = update.down.to(self.keep_device), update.up.to(self.keep_device)
 
     @torch.no_grad()
     def forget(self, prefix: str) -> None:
@@ -248,13 +251,15 @@ class LoraMerger:
 
     @staticmethod
     def _merge_weight(weight: torch.Tensor, base: torch.Tensor, parts: list[tuple[float, LowRank]]) -> None:
-        """W = W0 + [B_1 .. B_n] @ [s_1 a_1 A_1; ..; s_n a_n A_n]: one matmul-add written straight into the
-        parameter where W0 sits beside it (no float32 copy of the weight); otherwise (W0 kept on the
-        CPU in low-VRAM mode) in float32 and copied over."""
+        """W = W0 + sum_i (s_i a_i) B_i A_i: where W0 sits beside the weight, one addmm per LoRA written
+        straight into the parameter, the scale as the matmul's own float alpha (no temporaries, so a live
+        change costs a few kernel launches per layer); otherwise (W0 kept on the CPU in low-VRAM mode) in
+        float32 and copied over."""
         if base.device == weight.device and base.dtype == weight.dtype:
-            ups = torch.cat([u.up.to(weight.dtype) for _, u in parts], dim=1)
-            downs = torch.cat([(u.down.float() * (s * u.alpha_scale)).to(weight.dtype) for s, u in parts], dim=0)
-            torch.addmm(base, ups.to(weight.device), downs.to(weight.device), out=weight)
+            (s, first), rest = parts[0], parts[1:]
+            torch.addmm(base, first.up, first.down, alpha=s * first.alpha_scale, out=weight)
+            for s, u in rest:
+                weight.addmm_(u.up, u.down, alpha=s * u.alpha_scale)
             return
         merged = base.float() + sum(s * u.delta() for s, u in parts)
         weight.copy_(merged.to(weight.dtype))
