@@ -4,16 +4,11 @@ with exit code 2 and one line, instead of after an engine start-up (or several, 
 
 from __future__ import annotations
 
-import socket
 import sys
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
+from host_bridge.reach import CONNECT_TIMEOUT_S, check_reachable
 from host_bridge.wire.errors import UserError
-
-CONNECT_TIMEOUT_S = 3.0
 
 
 def check_weights(cfg: Any) -> None:
@@ -28,40 +23,14 @@ def check_weights(cfg: Any) -> None:
 
 
 def check_endpoint(endpoint: str, secret_file: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """A running engine can be reached and will take this host: an engine served on this machine takes
-    only hosts that hold its session secret (`loom serve --secret-file`), a remote one only hosts with
-    CurveZMQ keys, which the command line does not take; a tcp:// endpoint accepts a connection within
-    a few seconds, an ipc:// one exists. Without these checks a host would wait for a handshake that
-    never comes, through restarts."""
+    """A running engine can be reached and will take this host (host_bridge/reach.py); the command line
+    takes no CurveZMQ keys, so a remote engine is refused here."""
     try:
-        local = is_loopback(endpoint)
-    except EndpointError as exc:
-        raise UserError(f"--endpoint: {exc}") from None
-    if not local:
-        raise UserError(f"--endpoint {endpoint}: not an address on this machine; a remote engine takes only hosts "
-                        "with CurveZMQ keys, which a host script gives to the bridge (BridgeConfig "
-                        "curve_secret_file, curve_server_public_file), not the command line")
-    if not secret_file:
-        raise UserError(f"--endpoint {endpoint}: an engine served on this machine takes only hosts that hold its "
-                        "session secret; give --secret-file FILE, the file its `loom serve --secret-file` uses")
-    try:
-        read_secret_file(secret_file)
-    except EndpointError as exc:
-        raise UserError(f"--secret-file: {exc}") from None
-    parts = urlsplit(endpoint)
-    if parts.scheme == "ipc":
-        if not Path(endpoint[len("ipc://"):]).exists():
-            raise UserError(f"--endpoint {endpoint}: nothing listens there (no such socket file)")
-        return
-    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
-        raise UserError(f"--endpoint {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
-    try:
-        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
-        raise UserError(f"--endpoint {endpoint}: no engine answers there ({why} after at most {timeout_s:g} s); "
-                        "start one with `loom serve --bind ...`, or leave out --endpoint") from None
+        check_reachable(endpoint, secret_file, names=("--endpoint", "--secret-file"), timeout_s=timeout_s)
+    except UserError as exc:
+        if "no engine answers there" in str(exc):
+            raise UserError(f"{exc}, or leave out --endpoint") from None
+        raise
 
 
 def check_transport(transport: str) -> None:

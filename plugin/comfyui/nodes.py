@@ -131,9 +131,19 @@ def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
     if loras and endpoint is not None:
         raise ValueError("Loom Engine: LoRA files load with an engine this node starts; the engine at endpoint "
                          "has the LoRAs it was served with (loom serve --lora). Disconnect the loras input")
+    secret_file = settings["secret_file"].strip() or None
+    if endpoint is not None:
+        from host_bridge.reach import check_reachable
+        from host_bridge.wire.errors import UserError
+
+        try:  # a peer that will never let this node in is said now, not after a silent wait
+            check_reachable(endpoint, secret_file, names=("endpoint", "secret_file"))
+        except UserError as exc:
+            raise ValueError(f"Loom Engine: {exc}") from None
     cfg = BridgeConfig(transport=settings["transport"], launch=endpoint is None,
                        engine_python=settings["engine_python"].strip() or sys.executable,
                        engine_config=settings["config"], engine_overrides=overrides, endpoint=endpoint,
+                       secret_file=secret_file if endpoint is not None else None,
                        fallback=settings["fallback"], passthrough=settings["passthrough"],
                        engine_args=engine_args(loras))
     bridge = Bridge(cfg)
@@ -177,7 +187,10 @@ class LoomEngine:
             },
             "optional": {
                 "engine_python": ("STRING", {"default": "", "tooltip": "python with torch and Loom; empty: ComfyUI's"}),
-                "endpoint": ("STRING", {"default": "", "tooltip": "empty: start a local engine; else its address"}),
+                "endpoint": ("STRING", {"default": "", "tooltip": "empty: start a local engine; else the address "
+                                                                 "of one `loom serve --bind` runs on this machine"}),
+                "secret_file": ("STRING", {"default": "", "tooltip": "with endpoint: the served engine's session "
+                                                                    "secret (its loom serve --secret-file)"}),
                 "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": "key=value per line"}),
                 "passthrough": ("BOOLEAN", {"default": False, "tooltip": "engine returns frames unchanged"}),
                 "loras": (LORAS_TYPE, {"tooltip": "style LoRAs from a chain of Loom LoRA nodes"}),
@@ -196,23 +209,25 @@ class LoomEngine:
         return f"{key}:ended" if ENGINES.ended(engine_key(engine_settings, choices)) else key
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
-              overrides: str = "", passthrough: bool = False, loras: Any = None,
+              secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None) -> tuple[EngineHandle, str]:
         from host_bridge.loras import LoraChoice
 
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
-                                                       overrides=overrides, passthrough=passthrough),
+                                                       secret_file=secret_file, overrides=overrides,
+                                                       passthrough=passthrough),
                                       tuple(LoraChoice(path, strength) for path, strength in loras or ()),
                                       node="" if unique_id is None else str(unique_id))
         return handle, handle.status_text()
 
 
 def _engine_settings(config: str = "default", transport: str = "shm", fallback: str = "passthrough",
-                     engine_python: str = "", endpoint: str = "", overrides: str = "",
+                     engine_python: str = "", endpoint: str = "", secret_file: str = "", overrides: str = "",
                      passthrough: bool = False) -> dict[str, Any]:
     return {"config": config, "transport": transport, "fallback": fallback, "engine_python": engine_python,
-            "endpoint": endpoint, "overrides": overrides, "passthrough": bool(passthrough)}
+            "endpoint": endpoint, "secret_file": secret_file, "overrides": overrides,
+            "passthrough": bool(passthrough)}
 
 
 class LoomLora:

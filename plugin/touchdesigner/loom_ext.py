@@ -47,7 +47,7 @@ STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the
 PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
-ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Fallback", "Passthrough")
+ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", "Fallback", "Passthrough")
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
@@ -100,6 +100,16 @@ class LoomExt:
         if endpoint is None and not python:
             self._error("set 'Engine Python' to the python executable of the environment that has torch")
             return
+        secret_file = str(par.Secretfile.eval() or "").strip() or None
+        if endpoint is not None:
+            from host_bridge.reach import check_reachable
+            from host_bridge.wire.errors import UserError
+
+            try:  # a peer that will never let this host in is said now, not after a silent wait
+                check_reachable(endpoint, secret_file, names=("Remote Endpoint", "Secret File"))
+            except UserError as exc:
+                self._error(str(exc))
+                return
         transport, note = str(par.Transport.eval()), ""
         if transport == "cuda-ipc":
             from host_bridge.wire.rings.cuda import cuda_available
@@ -113,6 +123,7 @@ class LoomExt:
         try:
             cfg = BridgeConfig(transport=transport, launch=endpoint is None, engine_python=python,
                                engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
+                               secret_file=secret_file if endpoint is not None else None,
                                fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()),
                                engine_args=loras.engine_args(self.loras.values()))
             self.bridge = Bridge(cfg)

@@ -86,7 +86,9 @@ def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(m
         asked.append(timeout)
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(preflight.socket, "create_connection", blackhole)
+    from host_bridge import reach
+
+    monkeypatch.setattr(reach.socket, "create_connection", blackhole)
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
     secret.chmod(0o600)
