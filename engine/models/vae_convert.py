@@ -17,10 +17,15 @@ containers; the differences are:
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # annotations only: wan_vae imports this module to load checkpoints
-    from engine.models.wan_vae import WanVAEConfig
+
+class VAELayout(Protocol):
+    """What the key mapping needs of a VAE's config (`WanVAEConfig` has it): the model imports this
+    module to load checkpoints, so this module names the shape it reads rather than the model."""
+
+    dim_mult: tuple[int, ...]
+    num_res_blocks: int
 
 _TOP = {"conv1.": "quant_conv.", "conv2.": "post_quant_conv."}
 _HEAD = {"head.0.": "norm_out.", "head.2.": "conv_out.", "conv1.": "conv_in."}
@@ -31,7 +36,7 @@ _ORIGINAL_MARKERS = ("encoder.downsamples.", "decoder.upsamples.", "encoder.midd
                      "encoder.head.", "decoder.head.", "encoder.conv1.", "decoder.conv1.")
 
 
-def _decoder_layout(cfg: WanVAEConfig) -> list[str]:
+def _decoder_layout(cfg: VAELayout) -> list[str]:
     """Native prefix of each entry of the original decoder's flat `upsamples` list."""
     layout = []
     for level in range(len(cfg.dim_mult)):
@@ -48,7 +53,7 @@ def _swap_prefix(rest: str, table: dict[str, str]) -> str:
     return rest
 
 
-def original_to_native(key: str, cfg: WanVAEConfig) -> str:
+def original_to_native(key: str, cfg: VAELayout) -> str:
     """Map one original Wan2.1 key to Loom's name; keys that are not original-format pass unchanged."""
     part, _, rest = key.partition(".")
     if part not in ("encoder", "decoder"):
@@ -66,7 +71,7 @@ def original_to_native(key: str, cfg: WanVAEConfig) -> str:
     return f"{part}.{layout[index]}{inner}" if index < len(layout) else key
 
 
-def native_to_original(key: str, cfg: WanVAEConfig) -> str:
+def native_to_original(key: str, cfg: VAELayout) -> str:
     """Map one Loom (diffusers) key to the original Wan2.1 name (the inverse of `original_to_native`)."""
     part, _, rest = key.partition(".")
     if part not in ("encoder", "decoder"):
@@ -88,7 +93,7 @@ def is_original_key(key: str) -> bool:
     return key.startswith(_ORIGINAL_MARKERS) or key.startswith(tuple(_TOP))
 
 
-def wan_key_to_native(key: str, cfg: WanVAEConfig) -> str:
+def wan_key_to_native(key: str, cfg: VAELayout) -> str:
     """Accept original and diffusers names alike (they never collide)."""
     return original_to_native(key, cfg) if is_original_key(key) else key
 
