@@ -464,10 +464,12 @@ def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
                              "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
+        partial = partial_path(dst)  # the output is written beside the target until it is finalised
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not dst.exists():
+        while time.monotonic() < deadline and not partial.exists():
             time.sleep(0.1)
             assert proc.poll() is None, proc.communicate()[1]
+        assert partial.exists() and not dst.exists()
         time.sleep(1.5)  # the live loop writes from its first frame on (fallback frames until the engine runs)
         client = SimpleUDPClient("127.0.0.1", port)
         client.send_message("/loom/prompt", ["neon city"])
