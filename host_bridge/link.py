@@ -272,17 +272,20 @@ class Link:
             return None
         at = f"the engine at {self.channel.endpoint}"
         if isinstance(self.curve, SharedSecret):
-            what, hint = "session secret", "is the secret file given to this host the one its `loom serve " \
-                "--secret-file` uses?"
+            what = "session secret"
+            refused = "is the secret file given to this host the one its `loom serve --secret-file` uses?"
+            broken = "was it served with `--secret-file`?"
         else:
-            what, hint = "CurveZMQ keys", "is the public key of curve_secret_file in the folder its `loom serve " \
-                "--curve-authorized` names, and curve_server_public_file the engine's public key?"
+            what = "CurveZMQ keys"
+            refused = "is the public key of curve_secret_file in the folder its `loom serve --curve-authorized` names?"
+            broken = ("is curve_server_public_file the engine's public key, and was it served with "
+                      "`--curve-secret-file`?")
         if refusal.kind == "credentials":
-            return f"{at} refused this host's {what} ({hint})"
+            return f"{at} refused this host's {what} ({refused})"
         if refusal.kind == "mechanism":
             return (f"{at} does not take a host's {what}: it was served with another kind of security "
                     "(`loom serve --secret-file`: a session secret; `--curve-secret-file`: CurveZMQ keys)")
-        return f"{at} broke off the handshake with this host's {what} ({refusal.detail}; {hint})"
+        return f"{at} broke off the handshake with this host's {what} ({refusal.detail}; {broken})"
 
     # -- teardown ------------------------------------------------------------------------------------
 
