@@ -8,10 +8,9 @@ for a while). An engine that exits with code 2 before it is ready refused its ru
 missing weights): a new one would refuse it the same way, so the supervisor ends there (dead, with
 the engine's own error as the message, said once) instead of restarting it. So does a served
 engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
-again. Frames are not its
-business: each tick it hands the link to the frame side (a `FrameSide`: the bridge) to drain the
-frame lane and hand over a pending frame, and when an engine becomes ready it lets the frame side
-send what that engine must know.
+again. Frames are not its business: each tick it hands the link to the frame side (a `FrameSide`:
+the bridge) to drain the frame lane and hand over a pending frame, and when an engine becomes ready
+it lets the frame side send what that engine must know.
 
 It owns the engine lock and its condition (`lock`, `cond`): its own fields, the link, and the
 bridge's frame state are read and written under them, so the bridge takes them from here. It never
