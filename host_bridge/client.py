@@ -47,8 +47,9 @@ LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long 
 
 
 class EngineRefused(RuntimeError):
-    """The engine refused its run (a bad config, missing weights: it exited with code 2) and is not
-    restarted; the message is the engine's own, and says what to fix."""
+    """The engine refused its run (a bad config, missing weights: it exited with code 2), or a served
+    engine refused this host's session secret or CurveZMQ keys; nothing is restarted, and the message
+    says what to fix."""
 
 
 

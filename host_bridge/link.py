@@ -207,6 +207,9 @@ class Link:
         if self.proc is not None and not self.proc.alive:
             last = self.proc.last_words()
             return f"engine exited with code {self.proc.returncode}" + (f": {last}" if last else "")
+        refused = self.credentials_refused()
+        if refused:
+            return refused
         if self.phase == "hello":
             if now > self.hello_deadline:
                 return f"no handshake from the engine within {self.cfg.handshake_timeout_s:.1f} s"
@@ -257,8 +260,32 @@ class Link:
         return self.proc.log_tail() if self.proc else []
 
     def refusal(self) -> str | None:
-        """The launched engine's own error when it exited refusing its run (exit code 2), else None."""
-        return self.proc.refusal() if self.proc is not None else None
+        """Why no engine will take this run, so that none is tried again, else None: the launched engine's
+        own error when it exited refusing its run (exit code 2), or a served engine's refusal of this
+        host's credentials."""
+        return self.proc.refusal() if self.proc is not None else self.credentials_refused()
+
+    def credentials_refused(self) -> str | None:
+        """What to fix when the engine turned this host's session secret or CurveZMQ keys down, else None."""
+        refusal = self.channel.handshake_refusal
+        if refusal is None:
+            return None
+        at = f"the engine at {self.channel.endpoint}"
+        if isinstance(self.curve, SharedSecret):
+            what = "session secret"
+            refused = "is the secret file given to this host the one its `loom serve --secret-file` uses?"
+            broken = "was it served with `--secret-file`?"
+        else:
+            what = "CurveZMQ keys"
+            refused = "is the public key of curve_secret_file in the folder its `loom serve --curve-authorized` names?"
+            broken = ("is curve_server_public_file the engine's public key, and was it served with "
+                      "`--curve-secret-file`?")
+        if refusal.kind == "credentials":
+            return f"{at} refused this host's {what} ({refused})"
+        if refusal.kind == "mechanism":
+            return (f"{at} does not take a host's {what}: it was served with another kind of security "
+                    "(`loom serve --secret-file`: a session secret; `--curve-secret-file`: CurveZMQ keys)")
+        return f"{at} broke off the handshake with this host's {what} ({refusal.detail}; {broken})"
 
     # -- teardown ------------------------------------------------------------------------------------
 

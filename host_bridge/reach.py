@@ -1,10 +1,12 @@
 """Whether a running engine will take this host, checked before a bridge waits for its handshake.
 
 An engine served on this machine (`loom serve --bind`) lets in only hosts that hold its session
-secret; a remote one only hosts with CurveZMQ keys; a refused or absent peer never answers the
-hello. Without these checks a host (the player, the TouchDesigner operator, the ComfyUI node) would
-wait for a handshake that never comes, through restarts. Every host runs the same check and names
-its own setting in the message (`names`: what the host calls the endpoint and the secret file).
+secret; a remote one only hosts with CurveZMQ keys; an absent peer never answers the hello. Without
+these checks a host (the player, the TouchDesigner operator, the ComfyUI node) would wait for a
+handshake that never comes, through restarts. A secret file that is readable but not the engine's
+shows only in ZMQ's handshake: the bridge's control channel watches for that refusal and ends the
+bridge with it. Every host runs the same check and names its own setting in the message (`names`:
+what the host calls the endpoint and the secret file).
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ the host threads that wait on them, and on a crash, exit, hang or bad message te
 and opens a new one after a backoff that doubles up to a limit (and resets once an engine has run
 for a while). An engine that exits with code 2 before it is ready refused its run (a bad config,
 missing weights): a new one would refuse it the same way, so the supervisor ends there (dead, with
-the engine's own error as the message, said once) instead of restarting it. Frames are not its
-business: each tick it hands the link to the frame side (a `FrameSide`: the bridge) to drain the
-frame lane and hand over a pending frame, and when an engine becomes ready it lets the frame side
-send what that engine must know.
+the engine's own error as the message, said once) instead of restarting it. So does a served
+engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
+again. Frames are not its business: each tick it hands the link to the frame side (a `FrameSide`:
+the bridge) to drain the frame lane and hand over a pending frame, and when an engine becomes ready
+it lets the frame side send what that engine must know.
 
 It owns the engine lock and its condition (`lock`, `cond`): its own fields, the link, and the
 bridge's frame state are read and written under them, so the bridge takes them from here. It never
@@ -294,7 +295,9 @@ class Supervisor:
             self.log_tail = link.log_tail()
             if refusal is not None:
                 self.refusal = self.last_error = refusal
-                reason = f"the engine refused to start: {refusal}"
+                # a launched engine's refusal is its own error; a served engine's refusal of this host's
+                # credentials says itself which engine refused what
+                reason = f"the engine refused to start: {refusal}" if link.proc is not None else refusal
             # said now: a host must not see 'running' (and send to no link) while a hung engine is stopped
             restart = self.config.restart and not self.closing and refusal is None
             self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,

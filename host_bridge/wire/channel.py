@@ -17,7 +17,8 @@ An engine served on a loopback or ipc endpoint without Curve holds a session sec
 ZMQ's PLAIN mechanism checks it before a peer is connected at all, so another local process that does
 not hold it can neither drive the engine nor receive a share of its messages (a DEALER deals its
 messages round-robin among connected peers). PLAIN sends the secret in the clear, so it is refused
-on a non-loopback endpoint.
+on a non-loopback endpoint. A peer that refuses a connecting channel's credentials sends nothing at
+all; the channel watches its handshakes (`handshake_watch`) and says so (`handshake_refusal`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from host_bridge.wire.handshake_watch import HandshakeRefusal, HandshakeWatch
 from host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
 from host_bridge.wire.wakeup import Wakeup
 
@@ -247,6 +249,7 @@ class Channel:
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self._auth = None
+        self._watch: HandshakeWatch | None = None
         try:
             if endpoint is not None:
                 check_endpoint(endpoint, curve)
@@ -259,6 +262,8 @@ class Channel:
                     self.sock.bind(endpoint)  # tcp://HOST:* picks a free port
                     endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             else:
+                if curve is not None:  # a peer that refuses these credentials says so only to a monitor
+                    self._watch = HandshakeWatch(self.sock)
                 self.sock.connect(endpoint)
         except Exception:
             self.close()
@@ -269,6 +274,8 @@ class Channel:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wake.rx, zmq.POLLIN)
+        if self._watch is not None:
+            self._poller.register(self._watch.socket, zmq.POLLIN)
         self.refused = 0
         self.last_refusal = ""
         self.refused_at = 0.0
@@ -316,6 +323,8 @@ class Channel:
         if self._wake.rx in events:
             self._wake.drain()
             self._flush()
+        if self._watch is not None and self._watch.socket in events:
+            self._watch.read()
         out = []
         if self.sock in events:
             for _ in range(MAX_RECV_PER_POLL):
@@ -338,6 +347,11 @@ class Channel:
         self.refused_at = time.monotonic()
 
     @property
+    def handshake_refusal(self) -> HandshakeRefusal | None:
+        """How the peer refused this side's credentials (a connecting channel that presents some), else None."""
+        return self._watch.refusal if self._watch is not None else None
+
+    @property
     def context(self) -> zmq.Context:
         return self._ctx
 
@@ -349,6 +363,9 @@ class Channel:
         wake = getattr(self, "_wake", None)
         if wake is not None:
             wake.close()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.sock.close(linger=0)
         if self._auth is not None:
             _zap_release(self._ctx)

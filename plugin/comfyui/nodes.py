@@ -434,8 +434,8 @@ def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], 
     while (status := bridge.status()).state != EngineState.RUNNING:
         cancelled()
         _raise_if_lora_refused(engine)
-        if status.refusal:  # the engine refused its settings (config, weights): its own message says what to fix
-            raise RuntimeError(f"Loom Stream: the engine refused to start: {status.refusal}")
+        if status.refusal:  # the engine refused its settings (config, weights) or this host's session secret:
+            raise RuntimeError(f"Loom Stream: {status.message}")  # the bridge's message says which, once
         gone = status.state in (EngineState.DEAD, EngineState.STOPPED)
         if gone or time.monotonic() > deadline:
             tail = "\n".join(status.log_tail or [])

@@ -411,7 +411,7 @@ class Player:
         self._last_error = self.bridge.stats().get("last_error") or self._last_error
 
     def _engine_error(self, what: str, status: Any) -> PlayerError:
-        if status.refusal:  # the engine refused the run (its config, its weights): the user's to fix, said once
+        if status.refusal:  # the engine refused the run (config, weights, this host's secret): the user's to fix, once
             return PlayerError(status.refusal, EXIT_BAD_INPUT)
         self._remember_log(status)
         text = f"{what}: {status.message}" if status.message and status.message not in what else what

@@ -1,7 +1,7 @@
 """The TouchDesigner operator and the ComfyUI nodes reach an engine `loom serve --bind` runs on this
-machine: with its session secret file they stream through it; without one, or with an address where
-nothing listens, they say so at once (a served engine silently refuses a host without the secret, so
-a host that tried anyway would wait for a handshake that never comes)."""
+machine: with its session secret file they stream through it; without one, with another secret file,
+or with an address where nothing listens, they say so at once and once (a served engine refuses a host
+without the secret during ZMQ's handshake and sends it nothing: only the socket monitor tells)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,15 @@ import numpy as np
 import pytest
 import torch
 
+import host_bridge.supervisor
+from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
+from host_bridge.wire.channel import read_secret_file
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
-from tests.fakes.touchdesigner import InputTOP, configure, cook_until_running, make_component, td_texture
+from tests.fakes.touchdesigner import InputTOP, configure, cook_until, cook_until_running, make_component, td_texture
 
 ROOT = Path(__file__).resolve().parents[2]
+HANDSHAKE_TIMEOUT_S = 20.0  # the bridge's default wait for a hello: a refusal must be known well before it
+REFUSED = "refused this host's session secret"
 
 
 def _free_port() -> int:
@@ -51,6 +56,90 @@ def served(tmp_path_factory):
         serve.communicate(timeout=30)
 
 
+@pytest.fixture
+def other_secret(tmp_path) -> str:
+    """A valid session secret file (mode 600) that is not the served engine's."""
+    path = tmp_path / "other.secret"
+    read_secret_file(str(path), create=True)
+    return str(path)
+
+
+def refusal_of(endpoint: str) -> str:
+    return (f"the engine at {endpoint} refused this host's session secret (is the secret file given to this "
+            "host the one its `loom serve --secret-file` uses?)")
+
+
+def test_a_bridge_with_another_secret_file_is_dead_at_once_and_never_tries_again(served, other_secret, monkeypatch):
+    endpoint, _ = served
+    opened = []
+    real_open = host_bridge.supervisor.open_link
+
+    def counting_open(*args, **kwargs):
+        opened.append(1)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(host_bridge.supervisor, "open_link", counting_open)
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=other_secret, transport="tcp",
+                       restart_backoff_s=0.05)
+    bridge = Bridge(cfg).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineRefused) as refused:
+            bridge.wait_running(HANDSHAKE_TIMEOUT_S * 2)
+        assert time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S / 2  # told by the handshake, not by a timeout
+        assert str(refused.value) == refusal_of(endpoint)
+        time.sleep(0.5)  # ten restart backoffs: a restart would have begun by now
+        status = bridge.status()
+        assert status.state == EngineState.DEAD and status.restarts == 0 and len(opened) == 1
+        assert status.message == status.refusal == refusal_of(endpoint)
+    finally:
+        bridge.close()
+    with Bridge(BridgeConfig(launch=False, endpoint=endpoint, secret_file=served[1], transport="tcp")) as right:
+        assert right.wait_running(30).refusal == ""  # the engine still takes the host that holds its secret
+
+
+@pytest.mark.parametrize("mode", ["lossless", "live"])
+def test_play_with_another_secret_file_exits_2_with_one_line_saying_so(served, other_secret, tmp_path, mode):
+    endpoint, _ = served
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
+                          str(tmp_path / "out.mp4"), "--mode", mode, "--endpoint", endpoint, "--secret-file",
+                          other_secret, "--passthrough"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count(REFUSED) == 1 and refusal_of(endpoint) in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "restarting" not in out.stderr
+
+
+def test_touchdesigner_shows_a_refused_secret_file_and_stays_dead(served, other_secret):
+    endpoint, _ = served
+    comp, script, ext = make_component(InputTOP(td_texture(8, 8)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Endpoint = endpoint
+    comp.par.Secretfile = other_secret
+    comp.parexec_enabled = True
+    ext.Start()
+    try:
+        cook_until(script, lambda: comp.par.State.eval() == "dead", "engine dead", timeout_s=HANDSHAKE_TIMEOUT_S)
+        time.sleep(0.6)  # longer than the restart backoff: a restart would have begun by now
+        script.cook()
+        assert comp.par.State.eval() == "dead" and ext.bridge.status().restarts == 0
+        assert comp.par.Message.eval() == refusal_of(endpoint)
+    finally:
+        ext.Stop()
+
+
+def test_comfyui_says_a_refused_secret_file_once(served, other_secret):
+    endpoint, _ = served
+    with loaded_node_package() as package:
+        handle, _ = engine_node(package, endpoint=endpoint, secret_file=other_secret)
+        with pytest.raises(RuntimeError) as failed:
+            run_node(package, "LoomStream", engine=handle, images=image_batch(2, 16, 16))
+        assert str(failed.value) == f"Loom Stream: {refusal_of(endpoint)}"
+        assert handle.bridge.status().restarts == 0
+
+
 def test_touchdesigner_streams_through_a_served_engine_with_its_secret_file(served):
     endpoint, secret = served
     comp, script, ext = make_component(InputTOP(td_texture(16, 16)))
@@ -70,6 +159,8 @@ def test_touchdesigner_streams_through_a_served_engine_with_its_secret_file(serv
         assert ext.bridge.config.secret_file == secret and not ext.bridge.config.launch
     finally:
         ext.Stop()
+        # the served engine takes one host at a time: the next test's host must find this one gone
+        assert ext.WaitClosed()
 
 
 def test_touchdesigner_says_when_nothing_listens_at_the_endpoint(served, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,9 +14,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from host_bridge import Bridge, BridgeConfig
-from host_bridge.wire.channel import EndpointError, check_endpoint, is_loopback
-from host_bridge.wire.protocol import ProtocolError
+from host_bridge import Bridge, BridgeConfig, EngineRefused
+from host_bridge.wire.channel import Channel, EndpointError, SharedSecret, check_endpoint, is_loopback, read_secret_file
+from host_bridge.wire.protocol import ProtocolError, make
 from host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
 from host_bridge.wire.rings.cuda import cuda_available
 
@@ -120,13 +121,39 @@ def test_tcp_transport_through_a_launched_engine_is_lossless_and_ordered():
     assert all(np.array_equal(a, b) for a, b in zip(frames, outs))
 
 
+def test_a_channel_knows_when_its_peer_refuses_its_session_secret():
+    """A peer that refuses the credentials sends nothing at all; the connecting channel learns it from its
+    handshake, at once, and one that holds the secret is never taken for refused."""
+    ctx = zmq.Context()
+    server = Channel(ctx, "tcp://127.0.0.1:*", bind=True, curve=SharedSecret("s" * 32, server=True))
+    clients = {secret: Channel(ctx, server.endpoint, bind=False, curve=SharedSecret(secret, server=False))
+               for secret in ("w" * 32, "s" * 32)}
+    try:
+        wrong, right = clients.values()
+        right.send(make("heartbeat", t=0.0))
+        deadline = time.monotonic() + 10
+        got = []
+        while (wrong.handshake_refusal is None or not got) and time.monotonic() < deadline:
+            for channel in clients.values():
+                channel.poll(0.02)
+            got += server.poll(0.02)
+        assert wrong.handshake_refusal is not None and wrong.handshake_refusal.kind == "credentials"
+        assert [m["type"] for m, _ in got] == ["heartbeat"] and right.handshake_refusal is None
+    finally:
+        for channel in (*clients.values(), server):
+            channel.close()
+        ctx.term()  # a monitor left open would keep this waiting
+
+
 def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     server_dir, client_dir, authorized, stranger_dir = (tmp_path / n for n in ("s", "c", "auth", "x"))
     for d in (server_dir, client_dir, authorized, stranger_dir):
         d.mkdir()
     server_public, server_secret = zmq.auth.create_certificates(str(server_dir), "server")
     client_public, client_secret = zmq.auth.create_certificates(str(client_dir), "client")
-    _, stranger_secret = zmq.auth.create_certificates(str(stranger_dir), "stranger")
+    stranger_public, stranger_secret = zmq.auth.create_certificates(str(stranger_dir), "stranger")
+    secret = tmp_path / "session.secret"
+    read_secret_file(str(secret), create=True)
     os.replace(client_public, authorized / "client.key")
     engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
                                "--passthrough", "--curve-secret-file", server_secret, "--curve-authorized",
@@ -143,14 +170,26 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
             smooth = np.tile(np.linspace(0, 255, 64, dtype=np.uint8)[None, :, None], (32, 1, 3))
             outs = bridge.process([smooth] * 5, timeout_s=20)
             assert len(outs) == 5 and all(np.abs(o.astype(int) - smooth).mean() < 3 for o in outs)
-        stranger = Bridge(BridgeConfig(**cfg, curve_secret_file=stranger_secret, restart=False)).start()
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(RuntimeError, match="no handshake"):
-                stranger.wait_running(10)
-            assert time.monotonic() - t0 < 5
-        finally:
-            stranger.close()
+        # a host the engine will never take is told by the handshake itself, well before the bridge's
+        # 2 s handshake timeout, and not restarted (restart is on)
+        wrong = {"a key not in --curve-authorized": dict(cfg, curve_secret_file=stranger_secret),
+                 "another engine's public key": dict(cfg, curve_secret_file=client_secret,
+                                                     curve_server_public_file=stranger_public),
+                 "a session secret": dict(launch=False, endpoint=endpoint, transport="tcp", secret_file=str(secret))}
+        at = re.escape(f"the engine at {endpoint}")
+        expected = {"a key not in --curve-authorized": f"{at} refused this host's CurveZMQ keys",
+                    "another engine's public key": f"{at} broke off the handshake with this host's CurveZMQ keys",
+                    # which side notices the mismatch first is a race: the other sees the handshake broken off
+                    "a session secret": f"{at} (does not take a host's|broke off the handshake with this host's) "
+                                        "session secret"}
+        for what, settings in wrong.items():
+            stranger = Bridge(BridgeConfig(**{**settings, "handshake_timeout_s": 2.0})).start()
+            try:
+                with pytest.raises(EngineRefused, match=expected[what]):
+                    stranger.wait_running(10)
+                assert stranger.status().restarts == 0, what
+            finally:
+                stranger.close()
         assert engine.poll() is None  # the served engine outlives its hosts
     finally:
         engine.terminate()
