@@ -14,6 +14,7 @@ import textwrap
 import time
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -467,7 +468,8 @@ def test_a_loading_engine_may_be_silent_longer_than_a_running_one():
     from host_bridge.link import Link
 
     cfg = _config(loading_hang_timeout_s=8.0)
-    link = Link(1, channel=None, lane=None, proc=None, endpoint=None, token=None, cfg=cfg, lock=threading.RLock())
+    quiet = SimpleNamespace(handshake_refusal=None, endpoint=None)  # a channel that hears nothing
+    link = Link(1, channel=quiet, lane=None, proc=None, endpoint=None, token=None, cfg=cfg, lock=threading.RLock())
     link.phase = "loading"
     link.load_deadline = link.last_heard + 100.0
     assert link.check(link.last_heard + 3.0) is None  # 3 s > hang_timeout_s (1 s), still loading
