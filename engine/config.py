@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -283,6 +284,26 @@ class LoomConfig:
                 raise ValueError(f"lora_scales: no LoRA named {name!r}; loaded: {', '.join(names) or 'none'}")
         return [build(LoraEntry, {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
                       path=f"lora_scales.{e.key}") for e in self.lora]
+
+    def with_live(self, params: dict[str, Any], settable: Sequence[live.LiveParam], family: str = "") -> LoomConfig:
+        """This config with live `params` applied, each validated exactly as its config-file section is
+        (the same words for the same refusal); ValueError names an unknown key (allowed: `settable`,
+        the session's share of the schema; `family` says whose, in the message) or a bad value, before
+        anything changes. `lora_scales` changes the scales of the `lora` list (`lora_with_scales`)."""
+        names = {p.name: p for p in settable}
+        unknown = [k for k in params if k not in names]
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}{family}; settable: {', '.join(names)}")
+        params = dict(params)
+        new = self
+        if live.LORA_SCALES.name in params:
+            new = new.replace(lora=self.lora_with_scales(params.pop(live.LORA_SCALES.name)))
+        for section in dict.fromkeys(names[k].section for k in params):
+            data = {**getattr(new, section).__dict__,
+                    **{k: v for k, v in params.items() if names[k].section == section}}
+            new = new.replace(**{section: build(type(getattr(new, section)), data, source="set_params",
+                                                path=section)})
+        return new
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)

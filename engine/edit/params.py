@@ -9,7 +9,6 @@ refused by name.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from engine.config import LoomConfig
@@ -20,17 +19,4 @@ SETTABLE = (*EDIT_PARAMS, TARGET_FPS, LATENCY_BUDGET_MS)
 
 def apply_params(cfg: LoomConfig, params: dict[str, Any]) -> LoomConfig:
     """The config with these live changes, validated; ValueError names an unknown or bad one."""
-    from host_bridge.wire.typed_config import build
-
-    names = {p.name: p for p in SETTABLE}
-    unknown = [k for k in params if k not in names]
-    if unknown:
-        raise ValueError(f"unknown parameter {unknown[0]!r} for the edit family; settable: {', '.join(names)}")
-    new = cfg
-    for section in dict.fromkeys(p.section for p in SETTABLE):
-        changed = {k: v for k, v in params.items() if names[k].section == section}
-        if changed:
-            data = {**getattr(new, section).__dict__, **changed}
-            new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
-                                                 path=section)})
-    return new
+    return cfg.with_live(params, SETTABLE, family=" for the edit family")

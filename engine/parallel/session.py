@@ -71,7 +71,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,9 +93,9 @@ from engine.stream.metrics import StreamMetrics
 from engine.stream.motion_noise import MotionNoiseController
 from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from engine.stream.schedule import FlowSchedule
-from engine.stream.session import LIVE_SECTIONS
+from engine.stream.session import LIVE_PARAMS
 from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
-from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
+from host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 # Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL
@@ -321,22 +321,7 @@ class PipelineSession:
         them. Steps, sink threshold and LoRA scales reach every rank between the same two
         micro-batches; `mode` and the SLO targets go to the SLO scheduler, whose plan the next
         chunk follows (a switch to sequential drains the ring first, as one GPU drains its denoiser)."""
-        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
-        unknown = [k for k in params if k not in settable]
-        if unknown:
-            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
-        from host_bridge.wire.typed_config import build  # the same validation as the config file
-
-        params = dict(params)
-        lora = self.cfg.lora_with_scales(params.pop("lora_scales", None))  # the lora section is a list: its own path
-        new = self.cfg
-        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
-            changed = {k: params[k] for k in LIVE.section(section) if k in params}
-            if changed:
-                data = {**getattr(new, section).__dict__, **changed}
-                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
-                                                     path=section)})
-        new = replace(new, lora=lora)  # a LoomConfig: its checks run again
+        new = self.cfg.with_live(params, LIVE_PARAMS)
         old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
@@ -347,7 +332,7 @@ class PipelineSession:
         extra: dict[str, Any] = {}
         if new.stream.sink_threshold != old.stream.sink_threshold:
             extra["sink_threshold"] = new.stream.sink_threshold
-        scales = {e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale}
+        scales = {e.key: e.scale for e in new.lora if self.models.lora.scales.get(e.key) != e.scale}
         if scales:
             extra["lora_scales"] = scales
         with self._guard(), torch.inference_mode():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
 # The schema's sections this family takes (another family's parameters are refused by name)
 LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
+LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
 
 
 @dataclass
@@ -213,22 +214,10 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        settable = [p.name for p in LIVE if p.section in LIVE_SECTIONS]
-        unknown = [k for k in params if k not in settable]
-        if unknown:
-            raise ValueError(f"unknown parameter {unknown[0]!r}; settable: {', '.join(settable)}")
-        lora = self.cfg.lora_with_scales(params.pop("lora_scales", None))  # the lora section is a list: its own path
-        from host_bridge.wire.typed_config import build  # the same validation as the config file
-
-        new = self.cfg
-        for section in LIVE_SECTIONS:  # each live parameter lives in the config section the schema names
-            changed = {k: params[k] for k in LIVE.section(section) if k in params}
-            if changed:
-                data = {**getattr(new, section).__dict__, **changed}
-                new = replace(new, **{section: build(type(getattr(new, section)), data, source="set_params",
-                                                     path=section)})
-        old, self.cfg = self.cfg, new.replace(lora=lora)
-        self._lora_pending.update({e.key: e.scale for e in lora if self.models.lora.scales.get(e.key) != e.scale})
+        new = self.cfg.with_live(params, LIVE_PARAMS)
+        old, self.cfg = self.cfg, new
+        self._lora_pending.update({e.key: e.scale for e in new.lora
+                                   if self.models.lora.scales.get(e.key) != e.scale})
         budget = new.slo.latency_budget_ms / 1000.0
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
