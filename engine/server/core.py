@@ -43,6 +43,7 @@ from host_bridge.wire.rings import TransportUnavailable, attach_ring
 TICK_S = 0.05
 EXIT_OK = 0
 EXIT_SESSION_FAILED = 1
+LAST_WORDS_S = 0.5  # an exiting engine's queued messages may take this long to leave (a gone host: no longer)
 EXIT_HOST_LOST = 3
 EXIT_NO_HANDSHAKE = 4
 WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
@@ -116,7 +117,8 @@ class EngineServer:
         finally:
             self._end_session(remove=False, join_s=EXIT_JOIN_S)
             if self.channel is not None:
-                self.channel.close()
+                self.channel.poll(0)  # what is still queued (the worker's last error, a bye) goes out...
+                self.channel.close(linger_s=LAST_WORDS_S)  # ...and gets a moment to reach the host
             self._ctx.term()
 
     def _launch_guard(self) -> SharedSecret | None:

@@ -359,14 +359,16 @@ class Channel:
     def pending(self) -> int:
         return len(self._outbox)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket; `linger_s`: how long messages already handed to the socket may still take
+        to leave (the default drops them: a host must never wait on a peer that is gone)."""
         wake = getattr(self, "_wake", None)
         if wake is not None:
             wake.close()
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        self.sock.close(linger=0)
+        self.sock.close(linger=int(linger_s * 1000))
         if self._auth is not None:
             _zap_release(self._ctx)
             self._auth = None

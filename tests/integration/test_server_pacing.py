@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from host_bridge import Bridge, BridgeConfig
-from tests.fakes.engines import InProcessEngine
+from tests.fakes.engines import InProcessEngine, wait_until
 
 
 class ChunkSession:
@@ -220,7 +220,9 @@ def test_a_session_that_cannot_recover_ends_the_engine():
         s.bridge.submit(np.full((16, 24, 3), 254, np.uint8))
         s.thread.join(10)
         assert s.exit_code == [1]  # EXIT_SESSION_FAILED
-        assert "could not start a new stream" in s.bridge.stats()["last_error"]  # the host was told why
+        # the host was told why: the engine's last message reaches the bridge's thread just after it exits
+        assert wait_until(lambda: "could not start a new stream" in s.bridge.stats()["last_error"], 10), \
+            s.bridge.stats()["last_error"]
     finally:
         s.close()
 
