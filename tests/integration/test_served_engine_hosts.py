@@ -185,3 +185,45 @@ def test_comfyui_streams_through_a_served_engine_with_its_secret_file(served):
         out, status = run_node(package, "LoomStream", engine=handle, images=images)
         assert isinstance(out, torch.Tensor) and torch.equal(out, images)
         assert np.isfinite(out.numpy()).all() and "running" in status
+
+
+def _engine_report(bridge: Bridge, timeout_s: float = 10.0) -> dict:
+    """The engine's stats as this bridge last polled them (it polls once it is running)."""
+    deadline = time.monotonic() + timeout_s
+    while not bridge.stats()["engine"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = bridge.stats()["engine"]
+    assert report, "no stats from the engine"
+    return report
+
+
+def test_a_host_connecting_while_another_is_attached_gets_in_soon_after_its_bye(served):
+    """A TouchDesigner Stop then Start: the new host says hello before the old one's bye arrives; it is
+    let in within about a second of that bye, not after the handshake timeout, and the hellos it repeats
+    while it waits are not refusals piling up in the engine's stats."""
+    endpoint, secret = served
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=secret, transport="tcp")
+    first = Bridge(cfg).start()
+    second = None
+    try:
+        first.wait_running(30)
+        refused_before = _engine_report(first)["refused"]
+        second = Bridge(cfg).start()
+        time.sleep(2.5)  # the second host says hello again and again while the first is attached
+        assert second.status().state != EngineState.RUNNING
+        assert second.stats()["messages"]["control_sent"] >= 3  # hellos, and nothing else before an answer
+        t0 = time.monotonic()
+        first.close()
+        second.wait_running(HANDSHAKE_TIMEOUT_S)
+        assert time.monotonic() - t0 < 8.0  # well under the handshake timeout even on a loaded box
+        frames = [np.full((16, 24, 3), i * 40, np.uint8) for i in range(4)]
+        out = second.process(frames, timeout_s=30)
+        assert all(np.array_equal(a, b) for a, b in zip(out, frames, strict=True))
+        # refused as a second host while the first was attached, and counted once, not once per hello
+        report = _engine_report(second)
+        assert report["refused"] == refused_before + 1 and "second host" in report["last_refusal"]
+        assert second.status().restarts == 0
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
