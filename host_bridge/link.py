@@ -26,6 +26,12 @@ from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.wire.protocol import TRANSPORTS, make
 from host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
+# A served engine takes one host at a time and refuses, without a word, a hello that arrives while the
+# previous host is still attached (it cannot address a reply to one of two peers). Connecting, the
+# host says hello again this often until the engine answers, so that it gets in about this soon after
+# the previous host's bye instead of waiting out the handshake timeout.
+HELLO_RESEND_S = 1.0
+
 
 class Link:
     def __init__(self, link_id: int, channel: Channel, lane: FrameLane | Doorbell | None, proc: EngineProcess | None,
@@ -49,6 +55,7 @@ class Link:
         self.last_heard = now
         self.last_beat = 0.0
         self.last_stats = 0.0
+        self.last_hello: float | None = None  # when this host last said hello first (connecting)
         self.ready_at = float("inf")
         self.engine_busy_s = 0.0
         self.engine_pid: int | None = None
@@ -84,6 +91,8 @@ class Link:
         doorbell = self.lane.name if isinstance(self.lane, Doorbell) else None
         lane = self.lane.endpoint if self.cfg.launch and doorbell is None else None
         secret = self.curve.secret if isinstance(self.curve, SharedSecret) else ""
+        if not self.cfg.launch:  # we speak first: said again until the engine answers (maybe_heartbeat)
+            self.last_hello = time.monotonic()
         self.send(make("hello", role="host", token=self.token or secret, pid=os.getpid(), transports=list(TRANSPORTS),
                        software="loom host_bridge", lane=lane, doorbell=doorbell))
 
@@ -223,7 +232,12 @@ class Link:
         return None
 
     def maybe_heartbeat(self, now: float) -> None:
-        if self.phase != "hello" and now - self.last_beat >= self.cfg.heartbeat_s:
+        """A heartbeat when one is due; before the engine's hello, a connecting host's hello again."""
+        if self.phase == "hello":
+            if self.last_hello is not None and now - self.last_hello >= HELLO_RESEND_S:
+                self.send_hello()
+            return
+        if now - self.last_beat >= self.cfg.heartbeat_s:
             self.last_beat = now
             self.send(make("heartbeat", t=time.time()))
 

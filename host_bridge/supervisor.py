@@ -20,6 +20,7 @@ tears a link down while holding the lock: host threads must never wait on a dyin
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from enum import Enum
@@ -37,6 +38,8 @@ STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff
 TICK_S = 0.05
 REPLIES_KEPT = 64  # replies nobody collected (the asker timed out) are forgotten beyond this many
+
+log = logging.getLogger(__name__)
 
 
 class EngineState(str, Enum):
@@ -220,6 +223,13 @@ class Supervisor:
         """Act on one control message; returns a reason to give up on this engine, or None."""
         kind = msg["type"]
         link.heard()
+        if not link.hello_done and not link.cfg.launch and kind not in ("hello", "bye") \
+                and not (kind == "error" and msg.get("code") == "handshake"):
+            # a served engine deals its messages among the peers connected to it: until it answers our
+            # hello, what reaches us was meant for the host it still serves (its replies carry request ids
+            # like ours), so it is not ours to act on
+            log.debug("ignored a %s message from the engine before its hello", kind)
+            return None
         with self.cond:
             if kind == "heartbeat":
                 link.engine_busy_s = msg.get("busy_s") or 0.0

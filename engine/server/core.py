@@ -94,6 +94,10 @@ class EngineServer:
         self.channel: Channel | None = None
         self.worker: FrameWorker | None = None
         self.refused_semantic = 0
+        # the attached host's hello token and whether it said anything since (with its pid: how a hello it
+        # repeats before our answer reaches it is told from another host's); the last second host refused
+        self._host_token, self._host_spoke = "", False
+        self._refused_hello: tuple[str, int] | None = None
         self.stop_signal: int | None = None
 
     def request_stop(self, signum: int | None = None, *_: Any) -> None:
@@ -188,7 +192,14 @@ class EngineServer:
                 ch.refuse("hello from a peer that is not our host (wrong token or session secret)")
                 return "same"
             if self.worker is not None:  # one host at a time: it must leave (bye or silence) first
-                ch.refuse("hello from a second host while one is attached")
+                who = (msg["token"], msg["pid"])
+                if who == (self._host_token, host_pid) and not self._host_spoke:
+                    # the attached host saying hello again before our answer reached it (a connecting host
+                    # repeats it until answered): it has its lane already, nothing to do or to count
+                    log.debug("hello again from the attached host (pid %s)", host_pid)
+                elif who != self._refused_hello:  # a waiting host repeats its hello: refused, counted once
+                    self._refused_hello = who
+                    ch.refuse("hello from a second host while one is attached")
                 return "same"
             lane = self._open_lane(msg)
             if lane is None:
@@ -196,16 +207,18 @@ class EngineServer:
             if self._bind:
                 self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
             self._start_worker(lane)
+            self._host_token, self._host_spoke, self._refused_hello = msg["token"], False, None
             return msg["pid"]
         if self.worker is None:
             ch.refuse(f"{kind} before hello")
-        elif kind == "bye":
+            return "same"
+        self._host_spoke = True  # from here a hello with its token and pid is another host of its process
+        if kind == "bye":
             if self._connect:
                 return EXIT_OK
             self._end_session(remove=False)
             return None
-        else:
-            self._dispatch(kind, msg)
+        self._dispatch(kind, msg)
         return "same"
 
     def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:

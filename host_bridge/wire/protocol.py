@@ -134,7 +134,8 @@ Fields = dict[str, tuple[Callable[[Any], str | None], bool]]
 _ID: Fields = {"id": (_opt(_int()), False)}
 
 SCHEMA: dict[str, Fields] = {
-    # handshake: each side sends hello once; the engine sends ready when its session is built. The side
+    # handshake: each side sends hello once (a host connecting to a served engine repeats it until answered:
+    # the engine takes one host at a time); the engine sends ready when its session is built. The side
     # that bound the control endpoint also bound the frame lane and names it in `lane`; a host on shm or
     # cuda-ipc names its doorbell segment instead (frame notices then travel through it, not a lane)
     "hello": {"role": (_choice("host", "engine"), True), "token": (_str(128), True), "pid": (_int(0, 2**31), True),

@@ -10,16 +10,21 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 import host_bridge.supervisor
+from engine.server.core import EngineServer
+from engine.server.passthrough import PassthroughSession
 from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
-from host_bridge.wire.channel import read_secret_file
+from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from host_bridge.wire.protocol import make
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.touchdesigner import InputTOP, configure, cook_until, cook_until_running, make_component, td_texture
 
@@ -185,3 +190,91 @@ def test_comfyui_streams_through_a_served_engine_with_its_secret_file(served):
         out, status = run_node(package, "LoomStream", engine=handle, images=images)
         assert isinstance(out, torch.Tensor) and torch.equal(out, images)
         assert np.isfinite(out.numpy()).all() and "running" in status
+
+
+def _engine_report(bridge: Bridge, timeout_s: float = 10.0) -> dict:
+    """The engine's stats as this bridge last polled them (it polls once it is running)."""
+    deadline = time.monotonic() + timeout_s
+    while not bridge.stats()["engine"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = bridge.stats()["engine"]
+    assert report, "no stats from the engine"
+    return report
+
+
+def test_a_host_connecting_while_another_is_attached_gets_in_soon_after_its_bye(served):
+    """A TouchDesigner Stop then Start: the new host says hello before the old one's bye arrives; it is
+    let in within about a second of that bye, not after the handshake timeout, and the hellos it repeats
+    while it waits are not refusals piling up in the engine's stats."""
+    endpoint, secret = served
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=secret, transport="tcp")
+    first = Bridge(cfg).start()
+    second = None
+    try:
+        first.wait_running(30)
+        refused_before = _engine_report(first)["refused"]
+        second = Bridge(cfg).start()
+        time.sleep(2.5)  # the second host says hello again and again while the first is attached
+        assert second.status().state != EngineState.RUNNING
+        assert second.stats()["messages"]["control_sent"] >= 3  # hellos, and nothing else before an answer
+        t0 = time.monotonic()
+        first.close()
+        second.wait_running(HANDSHAKE_TIMEOUT_S)
+        assert time.monotonic() - t0 < 8.0  # well under the handshake timeout even on a loaded box
+        frames = [np.full((16, 24, 3), i * 40, np.uint8) for i in range(4)]
+        out = second.process(frames, timeout_s=30)
+        assert all(np.array_equal(a, b) for a, b in zip(out, frames, strict=True))
+        # refused as a second host while the first was attached, and counted once, not once per hello
+        report = _engine_report(second)
+        assert report["refused"] == refused_before + 1 and "second host" in report["last_refusal"]
+        assert second.status().restarts == 0
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_hello_the_attached_host_repeats_before_the_answer_starts_nothing(tmp_path):
+    """Said again before the engine's answer arrived, a host's hello neither starts a second session or
+    lane nor counts as a refusal; once the host has spoken, a hello with its secret and pid is another
+    host of its process: refused, and counted once however often it is repeated."""
+    secret = read_secret_file(str(tmp_path / "secret"), create=True)
+    server = EngineServer(PassthroughSession, bind="tcp://127.0.0.1:*", curve=SharedSecret(secret, server=True))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    host = None
+    try:
+        deadline = time.monotonic() + 10
+        while server.channel is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        host = Channel(ctx, server.channel.endpoint, bind=False, curve=SharedSecret(secret, server=False))
+        hello = make("hello", role="host", token=secret, pid=os.getpid(), transports=["tcp"])
+        for _ in range(3):
+            host.send(hello)
+        received: list[str] = []
+        deadline = time.monotonic() + 10
+        while "ready" not in received and time.monotonic() < deadline:
+            received += [m["type"] for m, _ in host.poll(0.05)]
+        worker = server.worker
+        host.send(hello)  # still before the host said anything else
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            received += [m["type"] for m, _ in host.poll(0.05)]
+        assert received.count("hello") == 1 and received.count("ready") == 1, received
+        assert server.worker is worker and server.channel.refused == 0
+        host.send(make("heartbeat", t=time.time()))
+        for _ in range(3):
+            host.send(hello)
+        deadline = time.monotonic() + 10
+        while server.channel.refused == 0 and time.monotonic() < deadline:
+            host.poll(0.05)
+        host.poll(0.3)
+        assert server.channel.refused == 1 and "second host" in server.channel.last_refusal
+        assert server.worker is worker
+    finally:
+        if host is not None:
+            host.close()
+        server.request_stop()
+        thread.join(10)
+        ctx.term()
