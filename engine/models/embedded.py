@@ -3,7 +3,10 @@ Loom's own recipe (`python -m engine.train`, docs/embedded-model.md) and shipped
 
 The architecture is fixed here; the weights file carries the trained values and the VAE's latent
 statistics (its metadata), and its SHA-256 is recorded below so a corrupted or swapped file is
-refused at load instead of restyling with the wrong weights.
+refused at load instead of restyling with the wrong weights. Matrices and convolution kernels are
+stored as int8 with one float16 scale per output channel (half the size of float16, so the package
+stays small; the restyled frames move by well under one grey level on average), everything else
+as float16.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +30,8 @@ EMBEDDED_VAE = TinyVAEConfig(encoder_width=16, decoder_widths=(64, 48, 32, 16), 
                              latents_std=(1.0,) * 16, normalize_on_encode=True, denormalize_on_decode=True)
 WEIGHTS_PACKAGE = "engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
-WEIGHTS_SHA256 = "fb7560cb883dd34ba4368cacdc7bbe649bf6de378c813657ac391af82e6f6533"
+SCALE_SUFFIX = "#scale"  # never part of a state-dict name
+WEIGHTS_SHA256 = "5bf5446e3ef760ac3b6b3288645f75130eb75fd805c82a8eafb797703e54e8d8"
 
 
 class EmbeddedWeightsError(RuntimeError):
@@ -42,15 +47,34 @@ def file_sha256(path: str | Path) -> str:
 
 
 def save_embedded(path: str | Path, dit: WanDiT, vae: TinyVAE, meta: dict) -> str:
-    """Write both models to one safetensors file (float16; metadata: VAE latent stats + `meta`)."""
+    """Write both models to one safetensors file (metadata: VAE latent stats + `meta`)."""
     from safetensors.torch import save_file
 
-    tensors = {f"dit.{k}": v.detach().to("cpu", torch.float16).contiguous() for k, v in dit.state_dict().items()}
-    tensors.update({f"vae.{k}": v.detach().to("cpu", torch.float16).contiguous()
-                    for k, v in vae.state_dict().items()})
+    tensors: dict[str, torch.Tensor] = {}
+    for part, model in (("dit", dit), ("vae", vae)):
+        for name, value in model.state_dict().items():
+            tensors.update(_pack(f"{part}.{name}", value.detach().to("cpu", torch.float32)))
     info = {"latents_mean": list(vae.cfg.latents_mean), "latents_std": list(vae.cfg.latents_std), **meta}
     save_file(tensors, str(path), metadata={"loom": json.dumps(info)})
     return file_sha256(path)
+
+
+def _pack(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A tensor as stored: int8 plus a per-output-channel scale (`key + SCALE_SUFFIX`) for matrices and
+    kernels, float16 for vectors."""
+    if value.ndim < 2:
+        return {key: value.to(torch.float16).contiguous()}
+    scale = (value.abs().flatten(1).amax(1).clamp_min(1e-12) / 127.0).to(torch.float16)
+    shape = (-1,) + (1,) * (value.ndim - 1)
+    q = torch.round(value / scale.float().view(shape)).clamp(-127, 127).to(torch.int8)
+    return {key: q.contiguous(), key + SCALE_SUFFIX: scale.contiguous()}
+
+
+def _unpack(key: str, value: torch.Tensor, stored: Any) -> torch.Tensor:
+    if value.dtype != torch.int8:
+        return value
+    scale = stored.get_tensor(key + SCALE_SUFFIX).float()
+    return (value.float() * scale.view((-1,) + (1,) * (value.ndim - 1))).to(torch.float16)
 
 
 def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tuple[dict, dict, dict]:
@@ -68,8 +92,10 @@ def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tu
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("loom", "{}"))
         for key in f.keys():
+            if key.endswith(SCALE_SUFFIX):
+                continue
             part, _, name = key.partition(".")
-            (dit if part == "dit" else vae)[name] = f.get_tensor(key)
+            (dit if part == "dit" else vae)[name] = _unpack(key, f.get_tensor(key), f)
     return dit, vae, meta
 
 

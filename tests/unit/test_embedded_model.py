@@ -108,3 +108,34 @@ def test_an_unrelated_prompt_gets_the_nearest_style_and_the_stats_say_how_near()
     match = session.stats()["prompt_style"]
     session.close()
     assert match["style"] in [s.name for s in STYLES] and 0.0 <= match["similarity"] < 0.6
+
+
+def test_saved_weights_are_int8_matrices_that_read_back_within_one_step_of_their_scale(tmp_path):
+    """What `loom train` writes and the package ships: matrices and kernels as int8 with a per-channel
+    scale (half the bytes of float16), read back to within half a quantisation step."""
+    import torch
+    from safetensors import safe_open
+
+    from engine.models.embedded import EMBEDDED_DIT, SCALE_SUFFIX, save_embedded, vae_config
+    from engine.models.taehv import TinyVAE
+    from engine.models.wan_dit import WanDiT
+
+    torch.manual_seed(0)
+    dit = WanDiT(EMBEDDED_DIT)
+    _, _, meta = read_embedded()
+    vae = TinyVAE(vae_config(meta))
+    path = tmp_path / "w.safetensors"
+    save_embedded(path, dit, vae, {"note": "test"})
+    with safe_open(str(path), framework="pt") as f:
+        kinds = {k: f.get_tensor(k).dtype for k in f.keys()}
+    assert kinds["dit.blocks.0.ffn.0.weight"] == torch.int8 and f"dit.blocks.0.ffn.0.weight{SCALE_SUFFIX}" in kinds
+    dit_back, vae_back, meta_back = read_embedded(path)
+    assert meta_back["note"] == "test" and not any(k.endswith(SCALE_SUFFIX) for k in dit_back)
+    for name, value in dit.state_dict().items():
+        back = dit_back[name].float()
+        if value.ndim >= 2:
+            step = value.abs().flatten(1).amax(1).view(-1, *[1] * (value.ndim - 1)) / 127
+            assert ((back - value).abs() <= step * 0.51 + 1e-3).all(), name
+        else:
+            assert torch.allclose(back, value, atol=1e-3, rtol=1e-3), name
+    assert set(vae_back) == set(vae.state_dict())
