@@ -239,7 +239,6 @@ class PipelineSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._stream_chunks = 0
-        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         self._flags = RESET | NEW_CONTEXT  # the other ranks reset with the next micro-batch
         self._context = self.prompt.current()[None]
 
@@ -431,20 +430,13 @@ class PipelineSession:
             if len(good):
                 self._frame_shape = tuple(good.shape[1:])
                 self.metrics.on_input(len(good), now)
-                self._observe_input(len(good), now)
+                self.slo.observe_input(len(good), now)
                 self._buffer.extend(good)
             while len(self._buffer) >= self._chunk_frames():
                 n = self._chunk_frames()
                 self._enter(_stack(self._buffer[:n]))
                 del self._buffer[:n]
             return self._deliver()
-
-    def _observe_input(self, count: int, now: float) -> None:
-        """Input frames per second over the recent pushes, for the SLO scheduler (as one GPU)."""
-        self._input_times.append((now, count))
-        if len(self._input_times) >= 2 and self._input_times[-1][0] > self._input_times[0][0]:
-            frames = sum(n for _, n in list(self._input_times)[1:])
-            self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
         """New input size, as on one GPU: the stream goes on (caches and positions stay), but every
@@ -455,7 +447,7 @@ class PipelineSession:
             self._drain()
         out = self._deliver(padding=pad)
         self.metrics.on_input(len(good), now)
-        self._observe_input(len(good), now)
+        self.slo.observe_input(len(good), now)
         self._buffer.extend(good)
         self._frame_shape = tuple(good.shape[1:])
         return out

@@ -21,7 +21,6 @@ returns its own frames.
 from __future__ import annotations
 
 import time
-from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -193,7 +192,6 @@ class StreamSession:
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
-        self._input_times: deque[tuple[float, int]] = deque(maxlen=64)
         if self.device.type == "cuda":  # what was reset on this stream is seen by the session's streams
             torch.cuda.synchronize(self.device)
 
@@ -277,9 +275,7 @@ class StreamSession:
             return self._change_size(good, now)
         if len(good):
             self._accept(good, now)
-        out = self._process(self._full_chunks())
-        self._update_input_rate()
-        return out
+        return self._process(self._full_chunks())
 
     def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
         """The outputs that finished since the last call, without new input; `wait`: all of them."""
@@ -318,7 +314,7 @@ class StreamSession:
 
     def _accept(self, good: np.ndarray | torch.Tensor, now: float) -> None:
         self.metrics.on_input(len(good), now)
-        self._input_times.append((now, len(good)))
+        self.slo.observe_input(len(good), now)
         self._buffer.extend(good)
         self._frame_shape = tuple(good.shape[1:])
 
@@ -344,12 +340,6 @@ class StreamSession:
         if self._chunks_started == 0:
             return FIRST_CHUNK_FRAMES
         return FRAMES_PER_LATENT * self.slo.plan.chunk_latents
-
-    def _update_input_rate(self) -> None:
-        """Input frames per second over the recent pushes (frames after the first push / time)."""
-        if len(self._input_times) >= 2 and self._input_times[-1][0] > self._input_times[0][0]:
-            frames = sum(n for _, n in list(self._input_times)[1:])
-            self.slo.observe_input_rate(frames / (self._input_times[-1][0] - self._input_times[0][0]))
 
     def _process(self, chunks: list[_Chunk], drain: bool = False) -> np.ndarray | torch.Tensor:
         if self._side is not None:  # the inputs were stacked or converted on the caller's stream

@@ -15,6 +15,7 @@ misses the SLO: a switch drains the stream-batch pipeline, which a performer wou
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from engine.cache.vae_cache import FRAMES_PER_LATENT
@@ -23,6 +24,7 @@ FORGET = 0.9  # weight of history in the per-stage fits
 HYSTERESIS = 0.15  # a new plan must be this much better...
 PATIENCE = 3  # ...for this many consecutive decisions
 MAX_CHUNK_LATENTS = 4
+INPUT_WINDOW = 64  # arrivals the input rate is measured over
 PRIOR_FIXED_FRACTION = 0.3  # until two work sizes are measured, assume this share of a stage is fixed cost
 
 
@@ -78,6 +80,7 @@ class SLOScheduler:
         self.budget = latency_budget_s
         self.plan = initial
         self.input_fps = target_fps or 0.0
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=INPUT_WINDOW)
         self.max_chunk_latents = max_chunk_latents
         self.allow_modes(allowed_modes)
         self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
@@ -86,6 +89,7 @@ class SLOScheduler:
         """A new stream: the first allowed mode at one latent per chunk, and nothing learnt yet."""
         self.plan = Plan(self.modes[0], 1)
         self.input_fps = self.target_fps or 0.0
+        self._arrivals.clear()
         self.allow_modes(self.modes)
         self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
 
@@ -109,6 +113,14 @@ class SLOScheduler:
     def observe(self, stage: str, units: float, seconds: float) -> None:
         """Feed one measured stage time; units: latent frames (encode/decode), rows x frames (dit)."""
         self.stages[stage].observe(units, seconds)
+
+    def observe_input(self, frames: int, now: float) -> None:
+        """`frames` arrived at `now` (seconds): the input rate is the frames after the first of the
+        recent arrivals over the time they span."""
+        self._arrivals.append((now, frames))
+        first, last = self._arrivals[0][0], self._arrivals[-1][0]
+        if last > first:
+            self.observe_input_rate(sum(n for _, n in list(self._arrivals)[1:]) / (last - first))
 
     def observe_input_rate(self, fps: float) -> None:
         if fps > 0:

@@ -119,6 +119,13 @@ def engine_key(settings: dict[str, Any], loras: tuple[Any, ...]) -> str:
     return settings_key({**settings, "loras": [c.path for c in loras]})
 
 
+def _choices(loras: Any) -> tuple[Any, ...]:
+    """A `LOOM_LORAS` list as the LoRA choices an engine is started with."""
+    from host_bridge.loras import LoraChoice
+
+    return tuple(LoraChoice(path, strength) for path, strength in loras or ())
+
+
 def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
     try:
         from host_bridge import Bridge, BridgeConfig
@@ -201,23 +208,18 @@ class LoomEngine:
     def IS_CHANGED(cls, loras: Any = None, unique_id: Any = None, **settings: Any) -> str:
         """Same settings, same engine: re-run only when a setting (or a LoRA or its strength) changes, or
         when that engine has ended (then the node runs again and starts a fresh one)."""
-        from host_bridge.loras import LoraChoice
-
         engine_settings = _engine_settings(**settings)
         key = settings_key({**engine_settings, "loras": [list(x) for x in loras or ()]})
-        choices = tuple(LoraChoice(path, strength) for path, strength in loras or ())
-        return f"{key}:ended" if ENGINES.ended(engine_key(engine_settings, choices)) else key
+        return f"{key}:ended" if ENGINES.ended(engine_key(engine_settings, _choices(loras))) else key
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None) -> tuple[EngineHandle, str]:
-        from host_bridge.loras import LoraChoice
-
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
                                                        passthrough=passthrough),
-                                      tuple(LoraChoice(path, strength) for path, strength in loras or ()),
+                                      _choices(loras),
                                       node="" if unique_id is None else str(unique_id))
         return handle, handle.status_text()
 
