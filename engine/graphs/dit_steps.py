@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
+from host_bridge.wire.params import TRAIN_TIMESTEPS
 
 MAX_GRAPHS = 32  # distinct plans kept; more means something is not steady, so stop capturing
 
@@ -83,7 +84,7 @@ class GraphedStreamForward:
         m = self.model
         tokens, cond, grid = m.embed(x, timestep)
         tokens = m.run_blocks(0, m.cfg.num_layers, tokens, cond, cross, cache.attention(step, m.ops.rotate))
-        return m.head(tokens, cond, grid)
+        return m.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
 
     def _capture(self, x, timestep, cache, cross, step) -> _Captured:
         static_x, static_t = x.clone(), timestep.clone()

@@ -37,6 +37,7 @@ from engine.cache.kv_cache import (
 from engine.layers.attention import attention
 from engine.layers.rope import RopeTables, host_index, rotate
 from engine.models.wan_dit_ops import EAGER_OPS, BlockOps
+from host_bridge.wire.params import TRAIN_TIMESTEPS
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
@@ -60,6 +61,11 @@ class WanDiTConfig:
     freq_dim: int = 256
     eps: float = 1e-6
     cross_attn_norm: bool = True
+    # What the head predicts: "flow" (Wan2.1: v = noise - x0) or "x0" (the clean latent, turned into the
+    # flow it implies, so every caller still reads flow). A head narrower than a token's latent values
+    # (out_channels * patch area > dim) cannot predict the noise in every direction of a flow, and the
+    # noise it misses stays in x0 = x_t - sigma * v; predicting x0 leaves no noise behind.
+    prediction: str = "flow"
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -70,6 +76,8 @@ class WanDiTConfig:
             raise ValueError(f"freq_dim={self.freq_dim} must be even")
         if self.patch_size[0] != 1:
             raise ValueError(f"patch_size={self.patch_size}: streaming needs a temporal patch of 1")
+        if self.prediction not in ("flow", "x0"):
+            raise ValueError(f"prediction={self.prediction!r}: allowed are 'flow' and 'x0'")
 
     @property
     def head_dim(self) -> int:
@@ -81,8 +89,10 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     "wan2.1-14b": WanDiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
     # Loom's embedded default and test model: runs on a CPU at a few FPS at 256 tokens/frame.
     "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
-    # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors.
-    "embedded": WanDiTConfig(dim=192, ffn_dim=768, num_heads=3, num_layers=4, text_dim=384, text_len=4),
+    # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors; its
+    # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 48 values per 8x8 block).
+    "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=192, out_channels=192,
+                             text_dim=384, text_len=4, prediction="x0"),
 }
 
 
@@ -197,18 +207,28 @@ class Head(nn.Module):
         self.eps = cfg.eps
         self.patch_size = cfg.patch_size
         self.out_channels = cfg.out_channels
+        self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
         self.ops = EAGER_OPS
 
-    def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int],
+                x_t: torch.Tensor | None = None, sigma: torch.Tensor | None = None) -> torch.Tensor:
+        """The flow for the chunk's latents `x_t` at noise `sigma` ([B] or [B, F]; both are needed
+        only when the model predicts x0)."""
         shift, scale = (self.modulation.float()[:, None] + cond.temb.float()[:, :, None]).unbind(2)
         x = self.head(self.ops.norm_modulate(x, shift, scale, self.eps))
         (f, h, w), (pt, ph, pw) = grid, self.patch_size
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, self.out_channels)
-        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(
+        out = x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(
             x.shape[0], self.out_channels, f * pt, h * ph, w * pw
         )
+        if self.prediction == "flow":
+            return out
+        if x_t is None or sigma is None:
+            raise ValueError("a model that predicts x0 needs the chunk's latents and sigma to give its flow")
+        s = sigma.float().view(sigma.shape[0], 1, -1, 1, 1).clamp_min(1e-4)
+        return ((x_t.float() - out.float()) / s).to(out.dtype)
 
 
 class FullSequenceAttention:
@@ -383,7 +403,7 @@ class WanDiT(nn.Module):
         tokens, cond, grid = self.embed(x, timestep)
         attend = FullSequenceAttention(self.rope(tokens.device), grid, block_causal_frames)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, self.cross_kv(context), attend)
-        return self.head(tokens, cond, grid)
+        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
 
     def new_cache(
         self,
@@ -440,7 +460,7 @@ class WanDiT(nn.Module):
         step = cache.plan(grid[0], commit)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
         cache.finish(step)
-        return self.head(tokens, cond, grid)
+        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
 
 
 def preset(name: str, **overrides: object) -> WanDiTConfig:

@@ -268,7 +268,7 @@ class LastRank:
         with s.timer.span("head"):
             h, w = s.latent_hw
             _, ph, pw = s.dit.cfg.patch_size
-            flow = s.dit.head(tokens, cond, (header.frames, h // ph, w // pw))
+            flow = s.dit.head(tokens, cond, (header.frames, h // ph, w // pw), p.latents, p.sigmas)
             x0 = self.schedule.to_x0(p.latents.float(), flow.float(), p.sigmas.float()).to(p.latents.dtype)
             nxt = x0.clone()
             for j in range(header.rows):

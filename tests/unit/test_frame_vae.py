@@ -1,0 +1,88 @@
+"""The embedded model's per-frame VAE keeps the Wan stream geometry, and its DiT's x0 head gives the
+flow every caller reads (engine/models/frame_vae.py, WanDiTConfig.prediction)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.models.frame_vae import FrameVAE, FrameVAEConfig
+from engine.models.wan_dit import DIT_PRESETS, WanDiT
+from engine.stream.schedule import FlowSchedule
+
+SMALL = FrameVAEConfig(frame_channels=8, encoder_width=16, decoder_width=16, upsample_width=8)
+
+
+def randomised(vae: FrameVAE) -> FrameVAE:
+    """The zero-initialised residual paths get values, so every layer takes part."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.normal_(0.0, 0.05)
+    return vae.eval()
+
+
+def test_a_stream_of_chunks_equals_the_whole_clip_and_keeps_1_plus_4k_geometry():
+    vae = randomised(FrameVAE(SMALL))
+    x = torch.rand(2, 3, 13, 32, 48) * 2 - 1
+    state = vae.new_stream_state()
+    parts = [vae.encode_stream(c, state) for c in x.split([5, 4, 4], dim=2)]
+    assert [p.shape[2] for p in parts] == [2, 1, 1] and parts[0].shape[1] == SMALL.latent_channels
+    z = torch.cat(parts, dim=2)
+    torch.testing.assert_close(z, vae.encode(x))
+    dec = vae.new_stream_state()
+    y = torch.cat([vae.decode_stream(z[:, :, i:i + 1], dec) for i in range(z.shape[2])], dim=2)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, vae.decode(z))
+
+
+def test_a_latent_frame_holds_four_frames_coded_alone():
+    """Frame t's pixels reach only latent frame (t + 3) // 4, in its slot (t + 3) % 4."""
+    vae = randomised(FrameVAE(replace(SMALL, normalize_on_encode=False)))
+    x = torch.zeros(1, 3, 9, 16, 16)
+    base = vae.encode(x)
+    x[:, :, 6] = 0.7  # frame 6: latent 2, slot 1
+    diff = (vae.encode(x) - base).abs().sum(dim=(0, 3, 4))  # [C, T']
+    c = SMALL.frame_channels
+    assert diff[:, :2].sum() == 0 and diff[:c, 2].sum() == 0 and diff[2 * c:, 2].sum() == 0
+    assert diff[c:2 * c, 2].sum() > 0
+
+
+def test_the_round_trip_of_a_fresh_vae_starts_from_its_linear_block_codec():
+    """The residual paths start at zero: decode(encode(x)) is the two 1x1 block maps alone."""
+    vae = FrameVAE(SMALL).eval()
+    x = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    with torch.no_grad():
+        assert vae.encoder.body[-1].weight.abs().sum() == 0 and vae.decoder.body[-2].weight.abs().sum() == 0
+        y = vae.decode_stream(vae.encode_stream(x, vae.new_stream_state()), vae.new_stream_state(), clamp=False)
+        blocks = torch.nn.functional.pixel_unshuffle(x[0].transpose(0, 1), 8)
+        want = torch.nn.functional.pixel_shuffle(vae.decoder.linear(vae.encoder.linear(blocks)), 8)
+    torch.testing.assert_close(y[0].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_latent_stats_are_refused_with_the_count_needed():
+    with pytest.raises(ValueError, match="need 32 values"):
+        FrameVAE(replace(SMALL, latents_mean=(0.0,) * 3))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_x0_head_gives_the_flow_whose_x0_is_the_head_output(stream):
+    cfg = replace(DIT_PRESETS["embedded"], num_layers=1, in_channels=8, out_channels=8)
+    torch.manual_seed(0)
+    model = WanDiT(cfg).eval()
+    x = torch.randn(2, 8, 2, 4, 4)
+    t = torch.tensor([600.0, 250.0])
+    ctx = torch.randn(2, cfg.text_len, cfg.text_dim)
+    with torch.no_grad():
+        def run() -> torch.Tensor:
+            if not stream:
+                return model(x, t, ctx)
+            return model.forward_stream(x, t, model.new_cache(2, (4, 4)), model.cross_kv(ctx))
+
+        flow = run()
+        model.head.prediction = "flow"  # the same head read as it is
+        raw = run()
+    torch.testing.assert_close(FlowSchedule.to_x0(x, flow, (t / 1000).view(2, 1, 1, 1, 1)), raw,
+                               atol=1e-5, rtol=1e-5)
