@@ -1,4 +1,4 @@
-"""Loom's embedded default model: a tiny causal Wan DiT and a tiny TAEHV-layout VAE, trained by
+"""Loom's embedded default model: a tiny causal Wan DiT and a per-frame VAE, trained by
 Loom's own recipe (`python -m engine.train`, docs/embedded-model.md) and shipped in the package.
 
 The architecture is fixed here; the weights file carries the trained values and the VAE's latent
@@ -20,18 +20,17 @@ from typing import Any
 
 import torch
 
-from engine.models.taehv import TinyVAE, TinyVAEConfig
+from engine.models.frame_vae import FrameVAE, FrameVAEConfig
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
 
 EMBEDDED_DIT = DIT_PRESETS["embedded"]
 STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/stream/style_text.py)
 STYLE_TEXT_LEN = EMBEDDED_DIT.text_len  # tokens per prompt: the style vector in the first, zeros after
-EMBEDDED_VAE = TinyVAEConfig(encoder_width=16, decoder_widths=(64, 48, 32, 16), latents_mean=(0.0,) * 16,
-                             latents_std=(1.0,) * 16, normalize_on_encode=True, denormalize_on_decode=True)
+EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "5bf5446e3ef760ac3b6b3288645f75130eb75fd805c82a8eafb797703e54e8d8"
+WEIGHTS_SHA256 = "510314688fb4a52e63ae36eed657767c9697f8a8ea78f9bc6aba3bb082accac1"
 
 
 class EmbeddedWeightsError(RuntimeError):
@@ -46,7 +45,7 @@ def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def save_embedded(path: str | Path, dit: WanDiT, vae: TinyVAE, meta: dict) -> str:
+def save_embedded(path: str | Path, dit: WanDiT, vae: FrameVAE, meta: dict) -> str:
     """Write both models to one safetensors file (metadata: VAE latent stats + `meta`)."""
     from safetensors.torch import save_file
 
@@ -99,16 +98,16 @@ def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tu
     return dit, vae, meta
 
 
-def vae_config(meta: dict) -> TinyVAEConfig:
+def vae_config(meta: dict) -> FrameVAEConfig:
     return replace(EMBEDDED_VAE, latents_mean=tuple(meta["latents_mean"]), latents_std=tuple(meta["latents_std"]))
 
 
 def load_embedded(device: torch.device, dtype: torch.dtype, path: str | Path | None = None
-                  ) -> tuple[WanDiT, TinyVAE, dict]:
+                  ) -> tuple[WanDiT, FrameVAE, dict]:
     """The trained embedded DiT and VAE on `device` in `dtype`, strictly loaded."""
     dit_state, vae_state, meta = read_embedded(path)
     with torch.device("meta"):
-        dit, vae = WanDiT(EMBEDDED_DIT), TinyVAE(vae_config(meta))
+        dit, vae = WanDiT(EMBEDDED_DIT), FrameVAE(vae_config(meta))
     dit.load_state_dict(dit_state, strict=True, assign=True)
     vae.load_state_dict(vae_state, strict=True, assign=True)
     vae._set_latent_stats(device)

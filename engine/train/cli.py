@@ -1,6 +1,6 @@
 """Command line of the embedded model's recipe.
 
-    python -m engine.train prepare [--out build/loom_styles_192.npz]     # CPU: styled pairs, one file
+    python -m engine.train prepare [--out build/loom_styles_256.npz] [--held-out]  # CPU: styled pairs, one file
     python -m engine.train table [--out engine/models/weights/style_text.npz]  # CPU: text table
     python -m engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
     python -m engine.train eval [--weights ...] [--out docs/embedded-eval.json]   # CPU: model card metrics
@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="style the training clips (CPU) into one data file")
     prep.add_argument("--out", default=RecipeConfig.data)
-    prep.add_argument("--size", type=int, default=192)
+    prep.add_argument("--size", type=int, default=256)
+    prep.add_argument("--held-out", action="store_true", help="the held-out clips instead (evaluation only)")
     table = sub.add_parser("table", help="distil the style text table from the sentence model")
     table.add_argument("--out", default=RecipeConfig.table)
     fit = sub.add_parser("fit", help="train the VAE and the DiT (one GPU, about 10 minutes)")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         from engine.train.data import prepare
 
-        print(prepare(args.out, size=args.size))
+        print(prepare(args.out, size=args.size, held_out=args.held_out))
     elif args.command == "table":
         from engine.train.text_table import build
 

@@ -32,6 +32,7 @@ MEDIA = Path(__file__).resolve().parents[2].parent / "shared" / "media"
 SOURCE = "source"
 CRF = 16
 GENERATED_FRAMES = 49
+CAMERA_FRAMES = (0, 40)  # the frames of each training clip that the camera moves look at
 
 
 @dataclass
@@ -118,8 +119,8 @@ def source_clips(media: Path, size: int) -> dict[str, np.ndarray]:
     clips = {Path(n).stem: read_clip(media / n, size) for n in TRAIN_CLIPS}
     for seed in (1, 2):
         clips[f"shapes_{seed}"] = shapes_clip(seed, size)
-    for seed, name in enumerate(TRAIN_CLIPS[:3]):
-        still = read_clip(media / name, 512, limit=1)[0]
+    for seed, (name, at) in enumerate((n, at) for at in CAMERA_FRAMES for n in TRAIN_CLIPS):
+        still = read_clip(media / name, 512, limit=at + 1)[at]
         clips[f"camera_{seed}"] = camera_move(still, size, seed)
     return clips
 
@@ -160,11 +161,16 @@ def decode_video(data: bytes) -> np.ndarray:
     return np.stack(frames)
 
 
-def prepare(out: str | Path, size: int = 192, media: Path = MEDIA, progress: bool = True) -> Path:
-    """Style every training clip and write the set to one .npz (H.264 streams + metadata)."""
+def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: bool = True,
+            held_out: bool = False) -> Path:
+    """Style every training clip (or, with `held_out`, the first 49 frames of each held-out clip:
+    evaluation only) and write the set to one .npz (H.264 streams + metadata)."""
     from tqdm import tqdm
 
-    clips = source_clips(media, size)
+    if held_out:
+        clips = {Path(n).stem: read_clip(media / n, size, limit=GENERATED_FRAMES) for n in HELD_OUT}
+    else:
+        clips = source_clips(media, size)
     arrays: dict[str, np.ndarray] = {}
     variants = (SOURCE, *STYLE_NAMES)
     todo = [(c, v) for c in clips for v in variants]

@@ -22,7 +22,9 @@ import numpy as np
 from engine.train.data import HELD_OUT, MEDIA, read_clip
 from engine.train.styles import STYLES, apply_style
 
-SIZE = 192
+SIZE = 256
+GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
+GATE_SATURATION = 0.10  # mean saturation within this fraction of the input's
 ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"]}
 
 
@@ -47,6 +49,30 @@ def sharpness(frames: np.ndarray) -> float:
         g = cv2.cvtColor(f, cv2.COLOR_RGB2GRAY).astype(np.float32)
         vals.append(np.sqrt(cv2.Sobel(g, cv2.CV_32F, 1, 0) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1) ** 2).mean())
     return float(np.mean(vals))
+
+
+def change_ratios(frames: np.ndarray, first_chunk: int = 5, chunk: int = 4) -> tuple[float, float]:
+    """(mean change at chunk boundaries, largest change) over the mean consecutive-frame change:
+    a stream that pulses at its chunk boundaries, cache wraps or RoPE refreshes shows up here."""
+    d = np.abs(np.diff(frames.astype(np.float32), axis=0)).mean(axis=(1, 2, 3))  # d[t-1]: frame t vs t-1
+    mean = max(float(d.mean()), 1e-6)
+    starts = [t for t in range(first_chunk, len(frames), chunk)]
+    boundary = float(np.mean([d[t - 1] for t in starts])) if starts else 0.0
+    return boundary / mean, float(d.max()) / mean
+
+
+def colour_error(out: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """(mean chroma error, mean hue error in degrees) in CIELAB, hue over the target's coloured pixels."""
+    def lab(f: np.ndarray) -> np.ndarray:
+        flat = np.ascontiguousarray(f.reshape(-1, f.shape[-2], 3))
+        return cv2.cvtColor(flat.astype(np.float32) / 255.0, cv2.COLOR_RGB2LAB)
+
+    a, b = lab(out), lab(target)
+    ca, cb = np.hypot(a[..., 1], a[..., 2]), np.hypot(b[..., 1], b[..., 2])
+    coloured = cb > 10.0
+    hue = np.abs(np.angle(np.exp(1j * (np.arctan2(a[..., 2], a[..., 1]) - np.arctan2(b[..., 2], b[..., 1])))))
+    hue_err = float(np.degrees(hue[coloured]).mean()) if coloured.any() else 0.0
+    return float(np.abs(ca - cb).mean()), hue_err
 
 
 def warp_error(inputs: np.ndarray, outputs: np.ndarray) -> float:
@@ -88,9 +114,51 @@ def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES) -
                 "ssim": float(np.mean([ssim(o, g) for o, g in zip(out, own)])),
                 "warp_error": warp_error(frames, out), "target_warp_error": warp_error(frames, own),
                 "sharpness": sharpness(out), "target_sharpness": sharpness(own),
+                **dict(zip(("chroma_error", "hue_error"), colour_error(out, own))),
+                **dict(zip(("boundary_change", "max_change"), change_ratios(out))),
                 "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def saturation(frames: np.ndarray) -> float:
+    """Mean HSV saturation (0..255) of [T, H, W, 3] uint8 RGB frames."""
+    flat = np.ascontiguousarray(frames.reshape(-1, frames.shape[-2], 3))
+    return float(cv2.cvtColor(flat, cv2.COLOR_RGB2HSV)[..., 1].mean())
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 10.0 * np.log10(255.0 ** 2 / max(mse, 1e-10))
+
+
+def reconstruction(vae, clips: list, device) -> list[dict]:
+    """The VAE alone (streamed encode, then decode) on every clip's source and styles: PSNR and mean
+    saturation against the input. `clips` are `engine.train.data.Clip`s."""
+    import torch
+
+    rows = []
+    with torch.inference_mode():
+        for clip in clips:
+            for variant, frames in clip.frames.items():
+                frames = frames[:1 + 4 * ((len(frames) - 1) // 4)]
+                x = torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None].float().div(127.5).sub(1.0)
+                y = vae.decode(vae.encode(x))[0].permute(1, 2, 3, 0)
+                out = y.add(1.0).mul(127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+                rows.append({"clip": clip.name, "variant": variant, "psnr": round(psnr(out, frames), 2),
+                             "saturation_in": round(saturation(frames), 1),
+                             "saturation_out": round(saturation(out), 1)})
+    return rows
+
+
+def gate_summary(rows: list[dict]) -> dict:
+    """Which (clip, variant) pairs miss the reconstruction gate, and the worst figures."""
+    def sat_ok(r: dict) -> bool:
+        return abs(r["saturation_out"] - r["saturation_in"]) <= GATE_SATURATION * max(r["saturation_in"], 1.0)
+
+    misses = [f"{r['clip']}/{r['variant']}" for r in rows if r["psnr"] < GATE_PSNR or not sat_ok(r)]
+    return {"pairs": len(rows), "passes": len(rows) - len(misses), "misses": misses,
+            "psnr_min": min(r["psnr"] for r in rows), "psnr_mean": float(np.mean([r["psnr"] for r in rows]))}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -102,7 +170,8 @@ def summary(rows: list[dict]) -> dict:
             "warp_error": mean("warp_error"), "target_warp_error": mean("target_warp_error"),
             "warp_ratio": mean("warp_error") / mean("target_warp_error"),
             "sharpness": mean("sharpness"), "target_sharpness": mean("target_sharpness"),
-            "sharpness_ratio": mean("sharpness") / mean("target_sharpness")}
+            "sharpness_ratio": mean("sharpness") / mean("target_sharpness"),
+            "boundary_change": mean("boundary_change"), "max_change": float(max(r["max_change"] for r in rows))}
 
 
 def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int = 2) -> dict:

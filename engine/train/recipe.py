@@ -1,9 +1,11 @@
 """The embedded model's training recipe: the VAE, then the causal DiT, streamed as Loom runs it.
 
-Phase 1, the VAE (engine/models/taehv.py, the embedded widths) as a streaming autoencoder: random
-windows of source and styled clips go through `encode_stream` / `decode_stream` chunk by chunk
-(5 frames, then 4), exactly the session's path, with an L1 + Sobel-gradient loss. Its latents
-are then normalised per channel (the statistics ship in the weights' metadata).
+Phase 1, the VAE (engine/models/frame_vae.py) as a streaming autoencoder: random windows of
+source and styled clips go through `encode_stream` / `decode_stream` chunk by chunk (5 frames,
+then 4), exactly the session's path, with an L1 + gradient-L1 + squared-error loss on the raw
+(unclamped) output. Its latents are then normalised per channel (the statistics ship in the
+weights' metadata), and its reconstruction is measured on the held-out clips when their data file
+is given (`eval_data`): the gate the DiT phase relies on.
 
 Phase 2, the DiT (engine/models/wan_dit.py) for the inference Loom runs, unrolled over a stream:
 a window of a source clip is cut into the session's chunks (5 frames, then 4: one latent each)
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
-from engine.models.taehv import TinyVAE
+from engine.models.frame_vae import FrameVAE
 from engine.models.wan_dit import WanDiT
 from engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
 from engine.stream.prompts import blend
@@ -50,18 +52,21 @@ CHUNK = 4
 class RecipeConfig:
     """Everything a training run depends on (written next to the weights)."""
 
-    data: str = "build/loom_styles_192.npz"
+    data: str = "build/loom_styles_256.npz"
+    eval_data: str = "build/loom_heldout_256.npz"  # held-out clips and styles: the VAE gate (skipped if absent)
+    vae_from: str = ""  # a weights file of an earlier run: reuse its VAE, skip phase 1
+    dit_from: str = ""  # a weights file of an earlier run: go on training its DiT
     table: str = "engine/models/weights/style_text.npz"
     out: str = "build/embedded"
     vae_seconds: float = 150.0
     dit_seconds: float = 330.0
-    vae_batch: int = 16
-    vae_chunks: int = 3  # 5 + 4 + 4 frames
-    dit_batch: int = 64
+    vae_batch: int = 32
+    vae_chunks: int = 2  # 5 + 4 frames
+    dit_batch: int = 96
     pixel_batch: int = 16  # of which this many also get the decoded-pixel loss
     dit_chunks: int = 7  # the first chunk (5 frames, 2 latents) + 6 more: past one ring wrap
-    vae_lr: float = 2e-3
-    dit_lr: float = 5e-4
+    vae_lr: float = 1e-3
+    dit_lr: float = 7e-4
     timestep_shift: float = 0.25
     noise_scale: tuple[float, float] = (0.45, 1.0)
     motion_aware_p: float = 0.8
@@ -109,14 +114,14 @@ def chunks_of(x: torch.Tensor, n_chunks: int, dim: int = 2) -> list[torch.Tensor
     return list(x.split(sizes, dim=dim))
 
 
-def stream_encode(vae: TinyVAE, x: torch.Tensor, n_chunks: int) -> torch.Tensor:
+def stream_encode(vae: FrameVAE, x: torch.Tensor, n_chunks: int) -> torch.Tensor:
     state = vae.new_stream_state()
     return torch.cat([vae.encode_stream(c, state) for c in chunks_of(x, n_chunks)], dim=2)
 
 
-def stream_decode(vae: TinyVAE, z: torch.Tensor) -> torch.Tensor:
+def stream_decode(vae: FrameVAE, z: torch.Tensor, clamp: bool = True) -> torch.Tensor:
     state = vae.new_stream_state()
-    return torch.cat([vae.decode_stream(z[:, :, i:i + 1], state) for i in range(z.shape[2])], dim=2)
+    return torch.cat([vae.decode_stream(z[:, :, i:i + 1], state, clamp) for i in range(z.shape[2])], dim=2)
 
 
 def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -131,11 +136,11 @@ def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- phase 1
-def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) -> TinyVAE:
+def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) -> FrameVAE:
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    vae = TinyVAE(replace(EMBEDDED_VAE, normalize_on_encode=False, denormalize_on_decode=False)).to(device)
+    vae = FrameVAE(replace(EMBEDDED_VAE, normalize_on_encode=False, denormalize_on_decode=False)).to(device)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     frames = FIRST_CHUNK + CHUNK * (cfg.vae_chunks - 1)
     rng = windows.rng
@@ -152,8 +157,8 @@ def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) ->
         for g in opt.param_groups:
             g["lr"] = cfg.vae_lr * _cosine(frac)
         z = stream_encode(vae, x, cfg.vae_chunks)
-        y = stream_decode(vae, z)
-        loss = pixel_loss(y, x) + 1e-3 * F.relu(z.abs() - 2.5).pow(2).mean()
+        y = stream_decode(vae, z, clamp=False)
+        loss = pixel_loss(y, x) + F.mse_loss(y, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -168,7 +173,7 @@ def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) ->
 
 
 @torch.no_grad()
-def latent_stats(vae: TinyVAE, windows: Windows) -> tuple[list[float], list[float]]:
+def latent_stats(vae: FrameVAE, windows: Windows) -> tuple[list[float], list[float]]:
     zs = []
     for clip in range(len(windows.data)):
         for v in range(len(windows.variants)):
@@ -264,11 +269,11 @@ def frame_weights(w: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor([wc for wc, k in zip(w, sizes) for _ in range(k)], device=device)[None, :, None, None]
 
 
-def train_dit(cfg: RecipeConfig, windows: Windows, vae: TinyVAE, device: torch.device, log, save=None) -> WanDiT:
+def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, device: torch.device, log,
+              save=None) -> WanDiT:
     from tqdm import tqdm
 
-    torch.manual_seed(cfg.seed + 1)
-    dit = WanDiT(EMBEDDED_DIT).to(device)
+    dit.train().requires_grad_(True)
     conds = StyleConditions(cfg.table, device)
     schedule = FlowSchedule(shift=cfg.timestep_shift)
     opt = torch.optim.AdamW(dit.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
@@ -278,12 +283,12 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: TinyVAE, device: torch.d
     n_styles = len(STYLE_NAMES)
     start, step = time.perf_counter(), 0
     bar = tqdm(desc="dit", unit="step")
-    while time.perf_counter() - start < cfg.dit_seconds and not (cfg.max_steps and step >= cfg.max_steps):
+    def train_step(batch: int) -> tuple[torch.Tensor, int]:
         n = int(rng.choice(4, p=STEP_WEIGHTS)) + 1
         steps = STEP_LISTS[n]
         switch = rng.random() < cfg.switch_p
         src, tgt, ctx, t0s = [], [], [], []
-        for _ in range(cfg.dit_batch):
+        for _ in range(batch):
             clip, s, flip = windows.sample(frames)
             a = int(rng.integers(n_styles))
             x = windows.get(clip, 0, s, frames, flip)
@@ -327,17 +332,31 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: TinyVAE, device: torch.d
         loss = torch.stack(losses).sum() / cfg.dit_chunks
         if cfg.pixel_loss:
             k = cfg.pixel_batch
-            y = stream_decode(vae, torch.cat(out, dim=2)[:k])
+            y = stream_decode(vae, torch.cat(out, dim=2)[:k], clamp=False)
             loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
         opt.step()
+        return loss, n
+
+    batch = cfg.dit_batch
+    while time.perf_counter() - start < cfg.dit_seconds and not (cfg.max_steps and step >= cfg.max_steps):
+        try:
+            loss, n = train_step(batch)
+        except torch.OutOfMemoryError:  # a long step list at this batch does not fit: go on with half
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            batch = max(8, batch // 2)
+            log({"phase": "dit", "out_of_memory": True, "batch": batch})
+            continue
         step += 1
         bar.update()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}", steps=n)
-            log({"phase": "dit", "step": step, "loss": loss.item(), "steps": n, "t": time.perf_counter() - start})
+            mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            log({"phase": "dit", "step": step, "loss": loss.item(), "steps": n, "batch": batch,
+                 "t": time.perf_counter() - start, "peak_gib": round(mem, 1)})
         if save is not None and step % 200 == 0:  # a run cut short still leaves weights
             save(dit, {"partial_step": step})
     bar.close()
@@ -351,11 +370,19 @@ def _cosine(frac: float, warmup: float = 0.03) -> float:
 
 
 # --------------------------------------------------------------------------------------- driver
-def normalised(vae: TinyVAE, mean: list[float], std: list[float]) -> TinyVAE:
+def normalised(vae: FrameVAE, mean: list[float], std: list[float]) -> FrameVAE:
     """The trained VAE with its latent statistics, normalising on encode and undoing it on decode."""
-    out = TinyVAE(replace(EMBEDDED_VAE, latents_mean=tuple(mean), latents_std=tuple(std)))
+    out = FrameVAE(replace(EMBEDDED_VAE, latents_mean=tuple(mean), latents_std=tuple(std)))
     out.load_state_dict(vae.state_dict())
     return out.to(next(vae.parameters()).device).eval().requires_grad_(False)
+
+
+def load_parts(path: str, device: torch.device) -> tuple[WanDiT, FrameVAE]:
+    """The DiT and the normalised VAE of an earlier run's weights file."""
+    from engine.models.embedded import load_embedded
+
+    dit, vae, _ = load_embedded(device, torch.float32, path)
+    return dit, vae
 
 
 def run(cfg: RecipeConfig) -> Path:
@@ -366,7 +393,7 @@ def run(cfg: RecipeConfig) -> Path:
         torch.backends.cudnn.benchmark = False  # many shapes, few steps each: autotuning does not pay
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.jsonl").open("w")
+    log_file = (out / "train_log.jsonl").open("a" if cfg.vae_from or cfg.dit_from else "w")
 
     def log(rec: dict) -> None:
         log_file.write(json.dumps(rec) + "\n")
@@ -376,9 +403,15 @@ def run(cfg: RecipeConfig) -> Path:
     _, clips = load_pairs(cfg.data)
     windows = Windows(clips, device, cfg.seed)
     log({"phase": "data", "clips": len(clips), "seconds": time.perf_counter() - t_start})
-    vae = train_vae(cfg, windows, device, log)
-    mean, std = latent_stats(vae, windows)
-    vae = normalised(vae, mean, std)
+    torch.manual_seed(cfg.seed + 1)
+    dit = WanDiT(EMBEDDED_DIT).to(device)
+    if cfg.dit_from:
+        dit.load_state_dict(load_parts(cfg.dit_from, device)[0].state_dict())
+    if cfg.vae_from:
+        vae = load_parts(cfg.vae_from, device)[1]
+    else:
+        vae = train_vae(cfg, windows, device, log)
+        vae = normalised(vae, *latent_stats(vae, windows))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {"recipe": asdict(cfg), "device": gpu, "styles": list(STYLE_NAMES), "torch": torch.__version__}
 
@@ -386,7 +419,14 @@ def run(cfg: RecipeConfig) -> Path:
         return save_embedded(out / "embedded.safetensors", dit, vae,
                              {**meta, "seconds": round(time.perf_counter() - t_start, 1), **extra})
 
-    dit = train_dit(cfg, windows, vae, device, log, save)
+    if not cfg.vae_from:
+        save(dit, {"phase": "vae"})  # a later run can start from this VAE (vae_from)
+        if Path(cfg.eval_data).is_file():
+            from engine.train.evaluate import gate_summary, reconstruction
+
+            rows = reconstruction(vae, load_pairs(cfg.eval_data)[1], device)
+            log({"phase": "vae_gate", **gate_summary(rows), "rows": rows})
+    dit = train_dit(cfg, windows, vae, dit, device, log, save)
     seconds = time.perf_counter() - t_start
     meta["seconds"] = round(seconds, 1)
     sha = save(dit, {})

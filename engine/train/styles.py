@@ -172,9 +172,11 @@ POP = np.array([(20, 20, 60), (230, 30, 120), (40, 200, 230), (255, 230, 40)], n
 
 
 def pop_art(frame: Frame) -> Frame:
-    """Warhol-style poster: four flat, loud colours by brightness, black contours."""
-    g = cv2.GaussianBlur(_grey(frame), (5, 5), 0).astype(np.float32) / 255.0
-    g = cv2.equalizeHist((g * 255).astype(np.uint8)).astype(np.float32) / 255.0
+    """Warhol-style poster: four flat, loud colours by brightness, black contours. The brightness is
+    smoothed edge-preservingly first, so textured areas (grass, water) become flat fields, not speckle."""
+    k = _scale(frame, 0.03)
+    g = cv2.GaussianBlur(cv2.bilateralFilter(_grey(frame), 9, 60, 9), (k, k), 0)
+    g = cv2.equalizeHist(g).astype(np.float32) / 255.0
     idx = np.clip((g * 4).astype(np.int32), 0, 3)
     poster = POP[idx]
     edge = np.clip(_edges(_grey(frame), 5) * 8.0 - 1.0, 0, 1)[..., None]

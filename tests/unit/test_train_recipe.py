@@ -21,7 +21,7 @@ def test_unroll_equals_the_sequential_denoiser(steps):
     dit = WanDiT(DIT_PRESETS["embedded"]).eval()
     schedule = FlowSchedule(shift=0.25)
     cfg = recipe.RecipeConfig()
-    z = torch.randn(1, 16, 5, 4, 4)
+    z = torch.randn(1, DIT_PRESETS["embedded"].in_channels, 5, 4, 4)
     t0 = [torch.tensor([650.0]), torch.tensor([620.0]), torch.tensor([600.0]), torch.tensor([640.0])]
     ctx = torch.zeros(1, 4, 384)
     ctx[0, 0] = torch.randn(384)
