@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import LoomConfig
 from engine.edit.checkpoint import load_lllite, load_unet, load_vae
-from engine.edit.encoder import EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
+from engine.edit.encoder import CONDITIONING_TOKENS, EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
 from engine.edit.lllite import LLLite, select_hooks
 from engine.edit.unet import UNET_PRESETS, EditUNet
 from engine.edit.vae import VAE_PRESETS, TinyVAE
@@ -92,7 +92,7 @@ def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype)
     e = cfg.edit
     if e.encoder == "hash":
         dim = UNET_PRESETS[e.unet].context_in
-        return HashEditEncoder(dim, 192 if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
+        return HashEditEncoder(dim, CONDITIONING_TOKENS if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
     if e.encoder_path:
         return Qwen3VLEncoder.from_pretrained(e.encoder_path, device, dtype)
     if not cfg.model.random_weights:
