@@ -14,6 +14,7 @@ from engine.config import LoomConfig
 from engine.edit.checkpoint import load_lllite, load_unet, load_vae
 from engine.edit.encoder import CONDITIONING_TOKENS, EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
 from engine.edit.lllite import LLLite, select_hooks
+from engine.edit.schedule import ShiftLine
 from engine.edit.unet import UNET_PRESETS, EditUNet
 from engine.edit.vae import VAE_PRESETS, TinyVAE
 from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
@@ -31,6 +32,7 @@ class EditModels:
     lllite: LLLite | None  # None: no hooks
     device: torch.device
     dtype: torch.dtype
+    shift: ShiftLine = ShiftLine()  # the checkpoint's scheduler config, or the pipeline's defaults
 
 
 def load_edit_models(cfg: LoomConfig) -> EditModels:
@@ -67,7 +69,12 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         to_channels_last(unet)
         to_channels_last(vae)
     return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
-                      lllite, device, dtype)
+                      lllite, device, dtype, _shift_line(e.checkpoint))
+
+
+def _shift_line(checkpoint: str | None) -> ShiftLine:
+    config = Path(checkpoint).expanduser() / "scheduler" / "scheduler_config.json" if checkpoint else None
+    return ShiftLine.from_file(config) if config is not None and config.is_file() else ShiftLine()
 
 
 def check_resolution(cfg: LoomConfig, downscale: int | None = None) -> None:

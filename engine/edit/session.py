@@ -63,7 +63,7 @@ class EditSession:
         self.device, self.dtype = models.device, models.dtype
         self.batch = e.batch
         self.latent_hw = (cfg.resolution.height // LATENT_SCALE, cfg.resolution.width // LATENT_SCALE)
-        self.schedule = EulerFlowSchedule(e.steps, *self.latent_hw)
+        self.schedule = EulerFlowSchedule(e.steps, *self.latent_hw, models.shift)
         self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
                                   self.device, self.dtype)
         self.timer = StageTimer(self.device)

@@ -127,13 +127,14 @@ def test_an_edit_step_of_the_session_equals_dreamlite_mobile_pipeline(tmp_path, 
     vae = diffusers.AutoencoderTiny(encoder_block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
                                     num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1),
                                     scaling_factor=0.8, shift_factor=0.1).eval()
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.16)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.4, max_shift=1.3)
     pipe = diffusers.DreamLiteMobilePipeline(text_encoder=qwen, tokenizer=tokenizer,
                                              processor=_image_only_processor(tokenizer), vae=vae, unet=unet,
                                              scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     unet.save_pretrained(tmp_path / "dreamlite" / "unet")
     vae.save_pretrained(tmp_path / "dreamlite" / "vae")
+    scheduler.save_pretrained(tmp_path / "dreamlite" / "scheduler")
     qwen.save_pretrained(tmp_path / "qwen")
     tokenizer.save_pretrained(tmp_path / "qwen")
 
