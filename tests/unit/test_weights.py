@@ -25,3 +25,22 @@ def test_each_wan_preset_pulls_the_checked_upstream_files(preset, size, causal):
     assert (text.repo, set(text.files), text.target) == (
         f"Wan-AI/Wan2.1-T2V-{size}-Diffusers", {"tokenizer/*", "text_encoder/*"}, "")
     assert all(s.licence.startswith("Apache-2.0") for s in sources.values())
+
+
+def test_the_dreamlite_edit_preset_pulls_the_released_files_and_says_they_are_non_commercial(capsys):
+    from engine.config import load_config
+    from engine.models.weights import weight_sources
+    from plugin.cli.main import main
+
+    sources = {s.key: s for s in weight_sources(load_config("dreamlite-edit"))}
+    unet, encoder, lllite = sources["edit.checkpoint"], sources["edit.encoder_path"], sources["edit.lllite"]
+    # diffusers' layout of DreamLite-mobile is its `diffusers` revision (unet/, vae/, scheduler/)
+    assert (unet.repo, unet.revision, set(unet.files), unet.target) == (
+        "carlofkl/DreamLite-mobile", "diffusers", {"unet/*", "vae/*", "scheduler/*"}, "")
+    assert (encoder.repo, encoder.licence) == ("Qwen/Qwen3-VL-2B-Instruct", "Apache-2.0")
+    assert lllite.target == "temporal_lllite_step001440.safetensors"
+    assert "non-commercial" in unet.licence and "non-commercial" in lllite.licence
+    assert main(["pull", "dreamlite-edit", "--list"]) == 0
+    out = capsys.readouterr()
+    assert "NON-COMMERCIAL" in out.err and "carlofkl/DreamLite-mobile (revision diffusers)" in out.out
+    assert weight_sources(load_config("edit-tiny")) == ()  # seeded tiny weights: nothing to pull
