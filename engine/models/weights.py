@@ -22,7 +22,8 @@ class WeightSource:
     """Files of one Hugging Face repository that fill one config key.
 
     `target` is the repository path the key points at: a file, or a folder ("" = the snapshot root).
-    `notice` is said to the user before the download (a licence that restricts use)."""
+    `notice` is said to the user before the download (a licence that restricts use). An `optional`
+    source is used when pulled, and a run without it is not refused."""
 
     key: str
     repo: str
@@ -32,6 +33,7 @@ class WeightSource:
     what: str
     revision: str = "main"
     notice: str | None = None
+    optional: bool = False
 
 
 _WAN_LICENCE = "Apache-2.0"
@@ -67,7 +69,7 @@ _DREAMLITE_SOURCES = (
                  "Qwen3-VL-2B-Instruct conditioning encoder and tokenizer"),
     WeightSource("edit.lllite", "otnl/dreamlite-stream-temporal-lllite-v3", ("temporal_lllite_step001440.safetensors",),
                  "temporal_lllite_step001440.safetensors", _DREAMLITE_LICENCE + "; trained on DreamLite-mobile",
-                 "temporal LLLite v3 adapter (108 hooks)", notice=_DREAMLITE_NOTICE),
+                 "temporal LLLite v3 adapter (108 hooks)", notice=_DREAMLITE_NOTICE, optional=True),
 )
 
 # By model.preset for the Wan family, by edit.unet for the edit family (a YAML file built on a preset
@@ -78,6 +80,11 @@ PRESET_WEIGHTS: dict[str, tuple[WeightSource, ...]] = {
     "dreamlite-mobile": _DREAMLITE_SOURCES,
 }
 PULLABLE_PRESETS = ("wan2.1-1.3b", "wan2.1-14b", "dreamlite-edit")  # the preset names a user gives `loom pull`
+
+
+def pull_name(cfg: Any) -> str:
+    """The preset name `loom pull` takes for this config's weights."""
+    return "dreamlite-edit" if cfg.model.family == "edit" else cfg.model.preset
 
 
 def weight_sources(cfg: Any) -> tuple[WeightSource, ...]:
@@ -159,6 +166,6 @@ def missing_weights(cfg: Any) -> list[str]:
     """One line per weight the run needs and has neither a path for nor a pulled copy of."""
     lines = []
     for source in weight_sources(cfg):
-        if _needs(cfg, source):
+        if _needs(cfg, source) and not source.optional:
             lines.append(f"{source.key} ({source.what}, from {source.repo})")
     return lines

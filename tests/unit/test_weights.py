@@ -44,3 +44,15 @@ def test_the_dreamlite_edit_preset_pulls_the_released_files_and_says_they_are_no
     out = capsys.readouterr()
     assert "NON-COMMERCIAL" in out.err and "carlofkl/DreamLite-mobile (revision diffusers)" in out.out
     assert weight_sources(load_config("edit-tiny")) == ()  # seeded tiny weights: nothing to pull
+
+
+def test_an_unpulled_dreamlite_edit_run_is_refused_naming_its_pull(tmp_path, monkeypatch):
+    from engine.config import load_config
+    from host_bridge.wire.errors import UserError
+    from plugin.cli.preflight import check_weights
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(UserError, match=r"preset 'dreamlite-edit' needs .*edit\.checkpoint.*edit\.encoder_path.*"
+                                        r"Run `loom pull dreamlite-edit`"):
+        check_weights(load_config("dreamlite-edit"))
+    check_weights(load_config("dreamlite-edit", ["model.random_weights=true"]))  # a benchmark: no adapter needed
