@@ -211,9 +211,12 @@ class LoraEntry:
 class EditConfig:
     """The edit family (engine/edit): DreamLite-mobile UNet, Qwen3-VL conditioning, temporal LLLite."""
 
-    unet: str = spec("tiny", choices=("tiny", "dreamlite-mobile"), doc="edit UNet architecture")
-    checkpoint: str | None = spec(None, doc="DreamLite-mobile directory (unet/, vae/) or UNet weights file; "
-                                            "none = seeded tiny weights, or random with model.random_weights")
+    unet: str = spec("tiny", choices=("tiny", "dreamlite-mobile"),
+                     doc="edit UNet architecture (dreamlite-mobile: the released DreamLite UNet); a checkpoint's "
+                         "own unet/config.json wins")
+    checkpoint: str | None = spec(None, doc="DreamLite directory in diffusers' layout (unet/, vae/, scheduler/; "
+                                            "`loom pull dreamlite-edit`) or UNet weights file; none = seeded tiny "
+                                            "weights, or random with model.random_weights")
     vae: str = spec("tiny", choices=("tiny", "taesd"), doc="tiny autoencoder architecture")
     vae_checkpoint: str | None = spec(None, doc="autoencoder weights; none = from checkpoint's vae/ or random")
     encoder: str = spec("hash", choices=("hash", "qwen3-vl"),

@@ -1,39 +1,80 @@
-"""Loading the released DreamLite-mobile and temporal-LLLite weights, strictly.
+"""Loading the released DreamLite and temporal-LLLite weights, strictly.
 
-The UNet and autoencoder use diffusers' names, which the modules here keep, so loading is a
-direct copy: a DreamLite-mobile directory holds `unet/` and `vae/` subfolders. A temporal-LLLite
-file holds adapters for every hook point of the UNet (108); a run hooking a subset (the 38 in the
-down blocks) skips the others, while a key that names no hook point of this UNet, a missing key
-or a shape that differs fails with an error naming them.
+A DreamLite checkpoint in diffusers' layout (carlofkl/DreamLite-mobile, revision `diffusers`) is
+a directory with `unet/` and `vae/` subfolders, each a `config.json` beside its safetensors. The
+modules here keep diffusers' parameter names, so loading is a direct copy; the architecture is
+built from the checkpoint's own config.json when it has one (the preset's otherwise), so the
+weights always meet the model they were saved from. A missing or unexpected key, or a shape that
+differs, fails with an error naming them.
+
+A temporal-LLLite file holds adapters for every hook point of the UNet (108 for DreamLite); a run
+hooking a subset (the 38 in the down blocks) skips the others, while a key that names no hook
+point of this UNet fails.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.edit.lllite import module_key
+from engine.edit.unet import EditUNet, EditUNetConfig
+from engine.edit.vae import TinyVAE, TinyVAEConfig
 from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 __all__ = ["CheckpointError", "load_unet", "load_vae", "load_lllite"]
 
+log = logging.getLogger(__name__)
+
 LLLITE_PREFIX = "modules_dict."
+CONFIG = "config.json"
 
 
-def _part(path: str | Path, sub: str) -> list[Path]:
+def _folder(path: str | Path, sub: str) -> Path:
     """A model directory's subfolder when it has one, else the path itself."""
     p = Path(path).expanduser()
-    return checkpoint_files(p / sub if (p / sub).is_dir() else p)
+    return p / sub if (p / sub).is_dir() else p
 
 
-def load_unet(unet: nn.Module, path: str | Path, device: torch.device, dtype: torch.dtype) -> None:
-    load_into_module(unet, _part(path, "unet"), lambda k: k, device=device, dtype=dtype)
+def _own_config(folder: Path) -> Path | None:
+    return folder / CONFIG if folder.is_dir() and (folder / CONFIG).is_file() else None
 
 
-def load_vae(vae: nn.Module, path: str | Path, device: torch.device, dtype: torch.dtype) -> None:
-    load_into_module(vae, _part(path, "vae"), lambda k: k, device=device, dtype=dtype)
+def load_unet(path: str | Path, preset: EditUNetConfig | None, device: torch.device,
+              dtype: torch.dtype) -> EditUNet:
+    """The UNet of a DreamLite directory (or weights file), built from its config.json if it has one."""
+    folder = _folder(path, "unet")
+    config = _own_config(folder)
+    cfg = _read_config(EditUNetConfig.from_file, config) if config else preset
+    if cfg is None:
+        raise CheckpointError(f"{folder}: no {CONFIG} beside the UNet weights and no edit.unet preset to build")
+    if config and preset is not None and cfg != preset:
+        log.warning("%s describes another UNet than the edit.unet preset; building the checkpoint's", config)
+    with torch.device("meta"):
+        unet = EditUNet(cfg)
+    load_into_module(unet, checkpoint_files(folder), lambda k: k, device=device, dtype=dtype)
+    return unet.eval()
+
+
+def load_vae(path: str | Path, preset: TinyVAEConfig, device: torch.device, dtype: torch.dtype) -> TinyVAE:
+    """The tiny autoencoder of a DreamLite directory (or weights file), with its config's latent scaling."""
+    folder = _folder(path, "vae")
+    config = _own_config(folder)
+    cfg = _read_config(TinyVAEConfig.from_file, config) if config else preset
+    with torch.device("meta"):
+        vae = TinyVAE(cfg)
+    load_into_module(vae, checkpoint_files(folder), lambda k: k, device=device, dtype=dtype)
+    return vae.eval()
+
+
+def _read_config(read, config: Path):
+    try:
+        return read(config)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def load_lllite(lllite: nn.Module, path: str | Path, all_points: list[str], device: torch.device,

@@ -5,10 +5,14 @@ Qwen3-VL-2B) over the instruction and the source image, minus the system-prompt 
 hidden states are wide (std about 37, peaks about 1160): float16 attention over them overflows,
 so the encoder runs in bfloat16 (float32 on a CPU) and refuses float16.
 
-The instruction is wrapped in DreamLite's edit template and padded to a fixed 256 tokens, so
-the conditioning is always [B, 192, 2048] whatever the prompt: a new prompt never changes a
-shape the compiled UNet was specialised on. Each frame is resized to 256x256, which the vision
-tower turns into 64 merged image tokens.
+The layout is DreamLiteMobilePipeline's edit mode: the instruction in DreamLite's edit template,
+the frame at 512x512 (the vision tower's 32x32 patches merge to 256 image tokens), the last
+hidden state without the first 64 tokens (the system prompt). The pipeline resizes the frame
+with PIL's Lanczos filter; here it is resized on the GPU (bilinear), which is the same image when
+the model resolution is 512x512 (the dreamlite-edit preset) and close to it otherwise. The
+sequence is padded to a fixed 512 tokens (the padding masked, and invisible to the causal
+encoder's real tokens), so the conditioning is always [B, 448, 2048] whatever the prompt: a new
+prompt never changes a shape the compiled UNet was specialised on.
 
 `transformers` is an optional extra (`pip install 'loom-live[edit]'`). With `random_weights` the
 model is built from the Qwen3-VL-2B architecture without a checkpoint or tokenizer (the token ids
@@ -27,9 +31,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 256  # fixed padded length of the template + image + instruction
-DROP_TOKENS = 64  # leading system-prompt tokens left out of the conditioning
-IMAGE_SIZE = 256  # each frame is resized to this square before the vision tower
+MAX_TOKENS = 512  # fixed padded length of the template + image + instruction
+DROP_TOKENS = 64  # leading system-prompt tokens left out of the conditioning (the pipeline's start index)
+IMAGE_SIZE = 512  # each frame is resized to this square before the vision tower (the pipeline's)
+CONDITIONING_TOKENS = MAX_TOKENS - DROP_TOKENS
 EDIT_PREFIX = ("[Edit]: A diptych with two side-by-side images of the same scene. "
                "Compared to the right side, the left one has ")
 SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
@@ -127,7 +132,7 @@ class Qwen3VLEncoder:
         self.patch, self.merge, self.temporal = v.patch_size, v.spatial_merge_size, v.temporal_patch_size
         self.grid = IMAGE_SIZE // self.patch
         self.image_tokens = (self.grid // self.merge) ** 2
-        self.tokens = MAX_TOKENS - DROP_TOKENS
+        self.tokens = CONDITIONING_TOKENS
         self.dim = config.text_config.hidden_size
         self._ids: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 

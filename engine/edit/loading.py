@@ -12,8 +12,9 @@ from torch import nn
 
 from engine.config import LoomConfig
 from engine.edit.checkpoint import load_lllite, load_unet, load_vae
-from engine.edit.encoder import EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
+from engine.edit.encoder import CONDITIONING_TOKENS, EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
 from engine.edit.lllite import LLLite, select_hooks
+from engine.edit.schedule import ShiftLine
 from engine.edit.unet import UNET_PRESETS, EditUNet
 from engine.edit.vae import VAE_PRESETS, TinyVAE
 from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
@@ -31,6 +32,7 @@ class EditModels:
     lllite: LLLite | None  # None: no hooks
     device: torch.device
     dtype: torch.dtype
+    shift: ShiftLine = ShiftLine()  # the checkpoint's scheduler config, or the pipeline's defaults
 
 
 def load_edit_models(cfg: LoomConfig) -> EditModels:
@@ -38,11 +40,18 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_resolution(cfg)
-    unet = _build(lambda: EditUNet(UNET_PRESETS[e.unet]), e.checkpoint, load_unet, e.unet == "tiny", cfg, device,
-                  dtype, "edit.checkpoint")
+    if e.checkpoint:  # the checkpoint's own config.json builds the UNet it was saved from
+        unet = load_unet(e.checkpoint, UNET_PRESETS[e.unet], device, dtype)
+    else:
+        unet = _seeded_or_refused(lambda: EditUNet(UNET_PRESETS[e.unet]), e.unet == "tiny", cfg, device, dtype,
+                                  "edit.checkpoint")
+    check_resolution(cfg, unet.cfg.downscale)  # again: a checkpoint's own config may have more levels
     vae_path = e.vae_checkpoint or (e.checkpoint if e.checkpoint and (Path(e.checkpoint) / "vae").is_dir() else None)
-    vae = _build(lambda: TinyVAE(VAE_PRESETS[e.vae]), vae_path, load_vae, e.vae == "tiny", cfg, device, dtype,
-                 "edit.vae_checkpoint")
+    if vae_path:
+        vae = load_vae(vae_path, VAE_PRESETS[e.vae], device, dtype)
+    else:
+        vae = _seeded_or_refused(lambda: TinyVAE(VAE_PRESETS[e.vae]), e.vae == "tiny", cfg, device, dtype,
+                                 "edit.vae_checkpoint")
     lllite = None
     points = select_hooks(unet.hook_points(), e.lllite_hooks)
     if points:
@@ -60,24 +69,25 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         to_channels_last(unet)
         to_channels_last(vae)
     return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
-                      lllite, device, dtype)
+                      lllite, device, dtype, _shift_line(e.checkpoint))
 
 
-def check_resolution(cfg: LoomConfig) -> None:
-    multiple = LATENT_SCALE * UNET_PRESETS[cfg.edit.unet].downscale
+def _shift_line(checkpoint: str | None) -> ShiftLine:
+    config = Path(checkpoint).expanduser() / "scheduler" / "scheduler_config.json" if checkpoint else None
+    return ShiftLine.from_file(config) if config is not None and config.is_file() else ShiftLine()
+
+
+def check_resolution(cfg: LoomConfig, downscale: int | None = None) -> None:
+    """Width and height must survive the UNet's halvings exactly (its skips are added back at each level)."""
+    multiple = LATENT_SCALE * (downscale or UNET_PRESETS[cfg.edit.unet].downscale)
     for key, v in (("width", cfg.resolution.width), ("height", cfg.resolution.height)):
         if v % multiple:
             raise ValueError(f"resolution.{key}: {v} must be a multiple of {multiple} for edit.unet={cfg.edit.unet}")
 
 
-def _build(make: Callable[[], nn.Module], path: str | None, load: Callable, tiny: bool, cfg: LoomConfig,
-           device: torch.device, dtype: torch.dtype, key: str) -> nn.Module:
-    """Weights from `path`; else seeded ones for a tiny architecture or with model.random_weights."""
-    if path:
-        with torch.device("meta"):
-            module = make()
-        load(module, path, device, dtype)
-        return module.eval()
+def _seeded_or_refused(make: Callable[[], nn.Module], tiny: bool, cfg: LoomConfig, device: torch.device,
+                       dtype: torch.dtype, key: str) -> nn.Module:
+    """Seeded weights for a tiny architecture or with model.random_weights; a real size needs its weights."""
     if not tiny and not cfg.model.random_weights:
         raise ValueError(f"{key}: no weights given for a real-size model; give them, or set "
                          "model.random_weights=true to run on random weights (benchmarks)")
@@ -88,8 +98,8 @@ def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype)
     """The conditioning encoder the config names (alone: the benchmark times it apart from the UNet)."""
     e = cfg.edit
     if e.encoder == "hash":
-        dim = UNET_PRESETS[e.unet].context_dim
-        return HashEditEncoder(dim, 192 if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
+        dim = UNET_PRESETS[e.unet].context_in
+        return HashEditEncoder(dim, CONDITIONING_TOKENS if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
     if e.encoder_path:
         return Qwen3VLEncoder.from_pretrained(e.encoder_path, device, dtype)
     if not cfg.model.random_weights:

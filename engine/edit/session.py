@@ -63,7 +63,7 @@ class EditSession:
         self.device, self.dtype = models.device, models.dtype
         self.batch = e.batch
         self.latent_hw = (cfg.resolution.height // LATENT_SCALE, cfg.resolution.width // LATENT_SCALE)
-        self.schedule = EulerFlowSchedule(e.steps, *self.latent_hw)
+        self.schedule = EulerFlowSchedule(e.steps, *self.latent_hw, models.shift)
         self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
                                   self.device, self.dtype)
         self.timer = StageTimer(self.device)
@@ -82,7 +82,7 @@ class EditSession:
         # main stream, and the autoencoder's two halves (encode on the side stream, decode on the main)
         self._denoise, self._vae_encode, self._vae_decode = (
             torch.compile(fn, backend=compile_backend, fullgraph=True, dynamic=False) if e.compile else fn
-            for fn in (self._denoise_eager, models.vae.encode, models.vae.decode))
+            for fn in (self._denoise_eager, models.vae.encode, models.vae.decode_latents))
         self._prompt_text = cfg.prompt.text
         log.info("edit session: %s UNet, B=%d, %dx%d, %d step(s), %d adapter hooks, %s, %s", e.unet, self.batch,
                  cfg.resolution.width, cfg.resolution.height, e.steps,

@@ -1,93 +1,45 @@
-"""The edit denoiser: a DreamLite-mobile-style pruned UNet with grouped-query attention.
+"""The edit denoiser: DreamLite's UNet (diffusers' `DreamLiteUNetModel`), built from its config.
 
 Editing works by in-context spatial concatenation: the noisy target latent and the source
-latent sit side by side along the width, [B, 4, h, 2w], and every layer sees both; the output's
-left half is the prediction for the target. Conditioning is the vision-language model's last
-hidden state (2048-d), projected once to the cross-attention width.
+latent sit side by side along the width, [B, 4, h, 2w] (text-to-image puts zeros on the right),
+and every layer sees both; the output's left half is the prediction for the target.
+Conditioning is the vision-language model's last hidden state, projected once (Linear + RMSNorm)
+to the cross-attention width; the target size (width, height) is embedded like the timestep.
 
-Attention has one key/value head shared by all query heads (GQA with a single KV head) and
-RMSNorm on q and k. With one KV head every query head attends to the same keys, so the heads are
-folded into the query sequence and attention runs as one head over H*N queries: the same result
-as repeating K/V H times, without materialising the repeats.
+What DreamLite adds to the SDXL-style UNet, all reproduced here: depthwise-separable resnet
+convolutions that expand to twice the channels in between; grouped-query attention with one
+key/value head and RMSNorm on each head of q and k; blocks without self-attention at the high
+resolutions, where the block's first LayerNorm output *replaces* the hidden state (no residual:
+DreamLite's released weights were trained that way); a GEGLU feed-forward of width 3x.
 
-Module and parameter names follow the diffusers UNet layout the released weights use
-(`down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight`, ...), so loading needs no
-renaming. Each attention projection the LLLite adapter may hook is named by that same path; the
-UNet asks the adapter (state kept outside the model) for the shifted input at each hook point.
+Speed: with one KV head every query head attends to the same keys, so the heads are folded into
+the query sequence and attention runs as one head over H*N queries: the same result as repeating
+K/V H times (what diffusers does), without materialising the repeats. The forward has no
+data-dependent branches, so it compiles to one graph with the LLLite adapter, which is asked
+(state kept outside the model) for the shifted input of each hooked projection.
+
+Module and parameter names are diffusers' (`down_blocks.0.resnets.0.conv1.depthwise.weight`,
+`...transformer_blocks.0.attn2.to_q.weight`), so a released checkpoint loads with no renaming and
+each LLLite hook is named by its projection's path.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.edit.unet_config import UNET_PRESETS, EditUNetConfig
+
+__all__ = ["Adapter", "EditUNet", "EditUNetConfig", "HOOK_PROJECTIONS", "UNET_PRESETS"]
+
 HOOK_PROJECTIONS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q")
-
-
-@dataclass(frozen=True)
-class EditUNetConfig:
-    """Architecture of the edit UNet: one resolution level per entry of `channels`.
-
-    `down_depths[i][j]` is the number of transformer blocks after resnet j of down level i (0: no
-    attention there); `up_depths[i]` likewise for up block i (which mirrors level n-1-i, with
-    layers_per_block + 1 resnets). `self_attention[i]` says whether transformer blocks at level i
-    have self-attention (attn1) or only cross-attention: the highest resolution skips the
-    quadratic self-attention.
-    """
-
-    in_channels: int = 4
-    channels: tuple[int, ...] = (256, 512, 768)
-    layers_per_block: int = 2
-    down_depths: tuple[tuple[int, ...], ...] = ((1, 1), (1, 1), (4, 3))
-    mid_depth: int = 2
-    up_depths: tuple[tuple[int, ...], ...] = ((4, 4, 3), (1, 1, 1), (2, 2, 2))
-    self_attention: tuple[bool, ...] = (False, True, True)
-    head_dim: int = 64
-    kv_heads: int = 1
-    cross_dim: int = 1024
-    context_dim: int = 2048
-    ff_mult: int = 4
-    norm_groups: int = 32
-    time_ids: int = 2  # (width, height) of the target, embedded like the timestep
-
-    def __post_init__(self) -> None:
-        n = len(self.channels)
-        if len(self.down_depths) != n or len(self.up_depths) != n or len(self.self_attention) != n:
-            raise ValueError(f"down_depths, up_depths and self_attention need one entry per level ({n})")
-        if any(len(d) != self.layers_per_block for d in self.down_depths):
-            raise ValueError(f"down_depths: each level needs {self.layers_per_block} entries")
-        if any(len(d) != self.layers_per_block + 1 for d in self.up_depths):
-            raise ValueError(f"up_depths: each up block needs {self.layers_per_block + 1} entries")
-        if any(c % self.head_dim or c % self.norm_groups for c in self.channels):
-            raise ValueError(f"channels {self.channels} must be multiples of head_dim and norm_groups")
-
-    @property
-    def time_dim(self) -> int:
-        return self.channels[0] * 4
-
-    @property
-    def downscale(self) -> int:
-        """Latent-to-feature factor at the lowest level."""
-        return 2 ** (len(self.channels) - 1)
-
-
-UNET_PRESETS: dict[str, EditUNetConfig] = {
-    # DreamLite-mobile at the published scale: 108 adapter hook points, 38 of them in the down
-    # blocks, about 0.39B parameters. The released config.json was not available to read, so the
-    # block layout is chosen to match those published counts; the strict loader names any
-    # difference from a real checkpoint key by key.
-    "dreamlite-mobile": EditUNetConfig(),
-    # small enough to compile in seconds on a CPU, with every kind of block: cross-only and full
-    # attention, resnets with and without a transformer, hooks inside and outside the down blocks
-    "tiny": EditUNetConfig(channels=(16, 32), layers_per_block=1, down_depths=((1,), (0,)), mid_depth=1,
-                           up_depths=((0, 0), (1, 0)), self_attention=(False, True), head_dim=8,
-                           cross_dim=16, context_dim=24, ff_mult=2, norm_groups=4),
-}
+TRANSFORMER_NORM_EPS = 1e-5  # DreamLite's transformer LayerNorms (not the UNet's norm_eps)
+TRANSFORMER_GROUPNORM_EPS = 1e-6
+QK_NORM_EPS = 1e-5
 
 
 class Adapter(Protocol):
@@ -97,27 +49,31 @@ class Adapter(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """Normalised in float32, scaled in the weight's dtype (as diffusers' RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(self.weight.dtype) * self.weight
 
 
 class Attention(nn.Module):
-    """Multi-query attention: `heads` query heads, `kv_heads` key/value heads, RMSNorm on q and k."""
+    """`heads` query heads over `kv_heads` key/value heads (GQA), optional RMSNorm on q and k."""
 
-    def __init__(self, dim: int, kv_in: int, head_dim: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, kv_in: int, heads: int, kv_heads: int | None, qk_norm: bool) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.kv_heads = dim // head_dim, head_dim, kv_heads
+        self.heads, self.head_dim = heads, dim // heads
+        self.kv_heads = kv_heads or heads
         self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_k = nn.Linear(kv_in, kv_heads * head_dim, bias=False)
-        self.to_v = nn.Linear(kv_in, kv_heads * head_dim, bias=False)
-        self.norm_q = RMSNorm(head_dim)
-        self.norm_k = RMSNorm(head_dim)
+        self.to_k = nn.Linear(kv_in, self.kv_heads * self.head_dim, bias=False)
+        self.to_v = nn.Linear(kv_in, self.kv_heads * self.head_dim, bias=False)
+        self.norm_q = RMSNorm(self.head_dim, QK_NORM_EPS) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(self.head_dim, QK_NORM_EPS) if qk_norm else nn.Identity()
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
 
     def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
@@ -134,7 +90,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """GEGLU feed-forward (diffusers names: net.0.proj, net.2)."""
+    """GEGLU (diffusers names: net.0.proj, net.2)."""
 
     def __init__(self, dim: int, mult: int) -> None:
         super().__init__()
@@ -153,16 +109,16 @@ class _Proj(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention (optional), cross-attention to the VLM tokens, GEGLU; pre-LayerNorm."""
+    """LayerNorm, self-attention (or its DreamLite replacement), cross-attention, GEGLU."""
 
-    def __init__(self, key: str, dim: int, cfg: EditUNetConfig, self_attention: bool) -> None:
+    def __init__(self, key: str, dim: int, heads: int, cfg: EditUNetConfig, self_attention: bool) -> None:
         super().__init__()
         self.keys = {p: f"{key}.{p}" for p in HOOK_PROJECTIONS}
-        self.norm1 = nn.LayerNorm(dim) if self_attention else None
-        self.attn1 = Attention(dim, dim, cfg.head_dim, cfg.kv_heads) if self_attention else None
-        self.norm2 = nn.LayerNorm(dim)
-        self.attn2 = Attention(dim, cfg.cross_dim, cfg.head_dim, cfg.kv_heads)
-        self.norm3 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=TRANSFORMER_NORM_EPS)
+        self.attn1 = Attention(dim, dim, heads, cfg.kv_heads, cfg.qk_norm) if self_attention else None
+        self.norm2 = nn.LayerNorm(dim, eps=TRANSFORMER_NORM_EPS)
+        self.attn2 = Attention(dim, cfg.cross_dim, heads, cfg.kv_heads, cfg.qk_norm)
+        self.norm3 = nn.LayerNorm(dim, eps=TRANSFORMER_NORM_EPS)
         self.ff = FeedForward(dim, cfg.ff_mult)
 
     def hook_points(self) -> list[str]:
@@ -170,8 +126,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
                 adapter: Adapter | None) -> torch.Tensor:
-        if self.attn1 is not None:
-            h = self.norm1(x)
+        h = self.norm1(x)
+        if self.attn1 is None:
+            x = h  # DreamLite's "removed self-attention": the normalised state goes on, without a residual
+        else:
             q = k = v = h
             if adapter is not None:
                 q, k, v = (adapter.shift(self.keys[p], h) for p in HOOK_PROJECTIONS[:3])
@@ -183,40 +141,68 @@ class TransformerBlock(nn.Module):
 
 
 class SpatialTransformer(nn.Module):
-    """GroupNorm, linear in-projection, transformer blocks over the h*w tokens, out-projection."""
+    """GroupNorm, in-projection, transformer blocks over the h*w tokens, out-projection, residual."""
 
-    def __init__(self, key: str, dim: int, depth: int, cfg: EditUNetConfig, self_attention: bool) -> None:
+    def __init__(self, key: str, dim: int, heads: int, depth: int, cfg: EditUNetConfig,
+                 self_attention: bool) -> None:
         super().__init__()
-        self.norm = nn.GroupNorm(cfg.norm_groups, dim, eps=1e-6)
-        self.proj_in = nn.Linear(dim, dim)
+        self.linear = cfg.linear_projection
+        self.norm = nn.GroupNorm(cfg.norm_groups, dim, eps=TRANSFORMER_GROUPNORM_EPS)
+        self.proj_in = nn.Linear(dim, dim) if self.linear else nn.Conv2d(dim, dim, 1)
         self.transformer_blocks = nn.ModuleList(
-            TransformerBlock(f"{key}.transformer_blocks.{i}", dim, cfg, self_attention) for i in range(depth))
-        self.proj_out = nn.Linear(dim, dim)
+            TransformerBlock(f"{key}.transformer_blocks.{i}", dim, heads, cfg, self_attention) for i in range(depth))
+        self.proj_out = nn.Linear(dim, dim) if self.linear else nn.Conv2d(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
                 adapter: Adapter | None) -> torch.Tensor:
         b, c, h, w = x.shape
-        t = self.proj_in(self.norm(x).flatten(2).transpose(1, 2))
+        t = self.norm(x)
+        if not self.linear:
+            t = self.proj_in(t)
+        t = t.permute(0, 2, 3, 1).reshape(b, h * w, c)
+        if self.linear:
+            t = self.proj_in(t)
         for block in self.transformer_blocks:
             t = block(t, ctx, mask, adapter)
-        return x + self.proj_out(t).transpose(1, 2).reshape(b, c, h, w)
+        if self.linear:
+            t = self.proj_out(t)
+        t = t.reshape(b, h, w, c).permute(0, 3, 1, 2)
+        return (t if self.linear else self.proj_out(t)) + x
+
+
+class SeparableConv(nn.Module):
+    """3x3 depthwise then 1x1 pointwise, no biases."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(cin, cin, 3, padding=1, groups=cin, bias=False)
+        self.pointwise = nn.Conv2d(cin, cout, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pointwise(self.depthwise(x))
 
 
 class ResnetBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, temb: int, groups: int) -> None:
+    """GroupNorm-SiLU-conv twice with the time embedding added between; separable convolutions
+    widen to 2 x cout inside the block."""
+
+    def __init__(self, cin: int, cout: int, cfg: EditUNetConfig, scale: float = 1.0) -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, cin, eps=1e-5)
-        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
-        self.time_emb_proj = nn.Linear(temb, cout)
-        self.norm2 = nn.GroupNorm(groups, cout, eps=1e-5)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        inner = 2 * cout if cfg.sep_conv else cout
+        self.scale = scale
+        self.norm1 = nn.GroupNorm(cfg.norm_groups, cin, eps=cfg.norm_eps)
+        self.conv1 = SeparableConv(cin, inner) if cfg.sep_conv else nn.Conv2d(cin, cout, 3, padding=1)
+        self.time_emb_proj = nn.Linear(cfg.temb_dim, inner)
+        self.norm2 = nn.GroupNorm(cfg.norm_groups, inner, eps=cfg.norm_eps)
+        self.conv2 = SeparableConv(inner, cout) if cfg.sep_conv else nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         h = self.conv1(F.silu(self.norm1(x)))
         h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
         h = self.conv2(F.silu(self.norm2(h)))
-        return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
+        out = (self.conv_shortcut(x) if self.conv_shortcut is not None else x) + h
+        return out if self.scale == 1.0 else out / self.scale
 
 
 class _Resample(nn.Module):
@@ -230,26 +216,32 @@ class _Resample(nn.Module):
 
 
 class Level(nn.Module):
-    """A down block, the mid block or an up block: resnets, each followed by its transformer (if any)."""
+    """A down, mid or up block: resnets, each followed by its attention where the block has them."""
 
-    def __init__(self, key: str, ins: list[int], out: int, depths: tuple[int, ...], cfg: EditUNetConfig,
-                 self_attention: bool, resample: str | None) -> None:
+    def __init__(self, key: str, ins: list[int], out: int, heads: int, depths: tuple[int, ...] | None,
+                 cfg: EditUNetConfig, self_attention: bool, resample: str | None, scale: float = 1.0) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(ResnetBlock(c, out, cfg.time_dim, cfg.norm_groups) for c in ins)
+        self.resnets = nn.ModuleList(ResnetBlock(c, out, cfg, scale) for c in ins)
         self.attentions = nn.ModuleList(
-            SpatialTransformer(f"{key}.attentions.{i}", out, d, cfg, self_attention) for i, d in enumerate(depths)
-            if d > 0)
-        self.attention_of = [sum(1 for d in depths[:i] if d > 0) if depths[i] > 0 else -1 for i in range(len(depths))]
+            SpatialTransformer(f"{key}.attentions.{i}", out, heads, d, cfg, self_attention)
+            for i, d in enumerate(depths or ()))
         self.downsamplers = nn.ModuleList([_Resample(out, True)]) if resample == "down" else None
         self.upsamplers = nn.ModuleList([_Resample(out, False)]) if resample == "up" else None
 
+    def run(self, j: int, x: torch.Tensor, temb: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
+            adapter: Adapter | None) -> torch.Tensor:
+        """Resnet j, then attention j if the block has attentions."""
+        x = self.resnets[j](x, temb)
+        return self.attentions[j](x, ctx, mask, adapter) if len(self.attentions) else x
 
-def _timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding, cos first (flip_sin_to_cos), frequency shift 0."""
+
+def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool, freq_shift: float) -> torch.Tensor:
+    """Sinusoidal embedding in float32 (diffusers' get_timestep_embedding, max period 10000)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    args = t.float()[:, None] * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    exponent = -math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / (half - freq_shift)
+    args = t.float()[:, None] * torch.exp(exponent)[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)] if flip_sin_to_cos else [torch.sin(args), torch.cos(args)], -1)
+    return F.pad(emb, (0, 1)) if dim % 2 else emb
 
 
 class _TimeMLP(nn.Module):
@@ -263,37 +255,40 @@ class _TimeMLP(nn.Module):
 
 
 class EditUNet(nn.Module):
-    """noise prediction for [target | source] latents side by side, conditioned on VLM tokens."""
+    """Velocity prediction for [target | source] latents side by side, conditioned on VLM tokens."""
 
     def __init__(self, cfg: EditUNetConfig) -> None:
         super().__init__()
         self.cfg = cfg
         ch, n, lpb = cfg.channels, len(cfg.channels), cfg.layers_per_block
-        self.conv_in = nn.Conv2d(cfg.in_channels, ch[0], 3, padding=1)
-        self.time_embedding = _TimeMLP(ch[0], cfg.time_dim)
-        self.add_embedding = _TimeMLP(256 * cfg.time_ids, cfg.time_dim)
-        self.encoder_hid_proj = nn.Sequential(nn.Linear(cfg.context_dim, cfg.cross_dim), RMSNorm(cfg.cross_dim))
-        self.down_blocks = nn.ModuleList()
-        skips = [ch[0]]
-        for i in range(n):
-            ins = [ch[max(i - 1, 0)]] + [ch[i]] * (lpb - 1)
-            self.down_blocks.append(Level(f"down_blocks.{i}", ins, ch[i], cfg.down_depths[i], cfg,
-                                          cfg.self_attention[i], "down" if i < n - 1 else None))
-            skips += [ch[i]] * lpb + ([ch[i]] if i < n - 1 else [])
-        self.mid_block = Level("mid_block", [ch[-1], ch[-1]], ch[-1], (cfg.mid_depth, 0), cfg,
-                               cfg.self_attention[-1], None)
-        self.up_blocks = nn.ModuleList()
-        prev = ch[-1]
-        for i in range(n):
-            level = n - 1 - i
-            ins = []
-            for _ in range(lpb + 1):
-                ins.append(prev + skips.pop())
-                prev = ch[level]
-            self.up_blocks.append(Level(f"up_blocks.{i}", ins, ch[level], cfg.up_depths[i], cfg,
-                                        cfg.self_attention[level], "up" if i < n - 1 else None))
-        self.conv_norm_out = nn.GroupNorm(cfg.norm_groups, ch[0], eps=1e-5)
-        self.conv_out = nn.Conv2d(ch[0], cfg.in_channels, 3, padding=1)
+        self.conv_in = nn.Conv2d(4, ch[0], 3, padding=1)
+        self.time_embedding = _TimeMLP(ch[0], cfg.temb_dim)
+        self.add_embedding = _TimeMLP(cfg.time_ids_proj, cfg.temb_dim) if cfg.time_ids_dim else None
+        self.encoder_hid_proj = (nn.Sequential(nn.Linear(cfg.context_dim, cfg.cross_dim), RMSNorm(cfg.cross_dim, 1e-5))
+                                 if cfg.context_dim else None)
+        self.down_blocks = nn.ModuleList(
+            Level(f"down_blocks.{i}", [ch[max(i - 1, 0)]] + [ch[i]] * (lpb[i] - 1), ch[i], cfg.heads[i],
+                  None if cfg.down[i] == "plain" else (cfg.depth[i],) * lpb[i], cfg, cfg.down[i] == "cross",
+                  "down" if i < n - 1 else None)
+            for i in range(n))
+        self.mid_block = Level("mid_block", [ch[-1]] * (cfg.mid_layers + 1), ch[-1], cfg.heads[-1],
+                               (cfg.depth[-1],) * cfg.mid_layers, cfg, True, None, cfg.mid_scale)
+        self.up_blocks = nn.ModuleList(self._up_block(i) for i in range(n))
+        self.conv_norm_out = nn.GroupNorm(cfg.norm_groups, ch[0], eps=cfg.norm_eps)
+        self.conv_out = nn.Conv2d(ch[0], 4, 3, padding=1)
+
+    def _up_block(self, i: int) -> Level:
+        """Up block i at level n-1-i, with diffusers' channel plumbing (the last resnet takes the skip
+        from the level below)."""
+        cfg, n = self.cfg, len(self.cfg.channels)
+        level = n - 1 - i
+        out, below = cfg.channels[level], cfg.channels[max(level - 1, 0)]
+        prev = cfg.channels[min(level + 1, n - 1)]
+        layers = cfg.layers_per_block[level] + 1
+        ins = [(prev if j == 0 else out) + (below if j == layers - 1 else out) for j in range(layers)]
+        kind = cfg.up[i]
+        return Level(f"up_blocks.{i}", ins, out, cfg.heads[level], None if kind == "plain" else cfg.up_depths(i),
+                     cfg, kind == "cross", "up" if i < n - 1 else None)
 
     def hook_points(self) -> list[str]:
         """Every projection the LLLite adapter can hook, in forward order."""
@@ -310,39 +305,37 @@ class EditUNet(nn.Module):
         return sizes
 
     def forward(self, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
-                context_mask: torch.Tensor | None, time_ids: torch.Tensor,
+                context_mask: torch.Tensor | None, time_ids: torch.Tensor | None,
                 adapter: Adapter | None = None) -> torch.Tensor:
         """sample [B, 4, h, 2w]; timestep [B] in 0..1000; context [B, L, context_dim]; context_mask
-        [B, L] bool (True: a real token) or None; time_ids [B, 2] -> prediction [B, 4, h, 2w]."""
-        temb = self.time_embedding(_timestep_embedding(timestep, self.cfg.channels[0]).to(sample.dtype))
-        ids = _timestep_embedding(time_ids.flatten(), 256).reshape(time_ids.shape[0], -1)
-        temb = temb + self.add_embedding(ids.to(sample.dtype))
-        ctx = self.encoder_hid_proj(context)
+        [B, L] bool (True: a real token) or None; time_ids [B, 2] (width, height) -> velocity [B, 4, h, 2w]."""
+        cfg = self.cfg
+        temb = self.time_embedding(
+            timestep_embedding(timestep, cfg.channels[0], cfg.flip_sin_to_cos, cfg.freq_shift).to(sample.dtype))
+        if self.add_embedding is not None:
+            ids = timestep_embedding(time_ids.flatten(), cfg.time_ids_dim, cfg.flip_sin_to_cos, cfg.freq_shift)
+            temb = temb + self.add_embedding(ids.reshape(sample.shape[0], -1).to(temb.dtype))
+        ctx = self.encoder_hid_proj(context) if self.encoder_hid_proj is not None else context
         mask = context_mask[:, None, None, :] if context_mask is not None else None
         x = self.conv_in(sample)
         skips = [x]
         for block in self.down_blocks:
-            for j, res in enumerate(block.resnets):
-                x = _attend(block, j, res(x, temb), ctx, mask, adapter)
+            for j in range(len(block.resnets)):
+                x = block.run(j, x, temb, ctx, mask, adapter)
                 skips.append(x)
             if block.downsamplers is not None:
                 x = block.downsamplers[0](x)
                 skips.append(x)
-        x = self.mid_block.resnets[0](x, temb)
-        x = _attend(self.mid_block, 0, x, ctx, mask, adapter)
-        x = self.mid_block.resnets[1](x, temb)
+        mid = self.mid_block
+        x = mid.resnets[0](x, temb)
+        for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
+            x = resnet(attention(x, ctx, mask, adapter), temb)
         for block in self.up_blocks:
-            for j, res in enumerate(block.resnets):
-                x = _attend(block, j, res(torch.cat([x, skips.pop()], dim=1), temb), ctx, mask, adapter)
+            for j in range(len(block.resnets)):
+                x = block.run(j, torch.cat([x, skips.pop()], dim=1), temb, ctx, mask, adapter)
             if block.upsamplers is not None:
                 x = block.upsamplers[0](x)
         return self.conv_out(F.silu(self.conv_norm_out(x)))
-
-
-def _attend(block: Level, j: int, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
-            adapter: Adapter | None) -> torch.Tensor:
-    i = block.attention_of[j]
-    return block.attentions[i](x, ctx, mask, adapter) if i >= 0 else x
 
 
 def _level_of(name: str, levels: int) -> int:

@@ -4,11 +4,18 @@ Pixels [-1, 1] -> 4-channel latents at 1/8 size and back, with plain 3x3 convolu
 residual blocks: a few milliseconds per frame, so encode rides on the side stream and decode on
 the main stream without either becoming the critical path. Names follow diffusers'
 AutoencoderTiny (`encoder.layers.N`, `decoder.layers.N`).
+
+Latent scaling follows DreamLiteMobilePipeline: the source latents go into the UNet as the
+encoder gives them (unscaled), and the denoised latents are unscaled before decoding
+(z / scaling_factor + shift_factor, from the autoencoder's config.json; 1 and 0 for TAESD).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +28,25 @@ class TinyVAEConfig:
     channels: int = 64
     encoder_blocks: tuple[int, ...] = (1, 3, 3, 3)
     decoder_blocks: tuple[int, ...] = (3, 3, 3, 1)
+    scaling_factor: float = 1.0
+    shift_factor: float = 0.0
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TinyVAEConfig:
+        """An AutoencoderTiny config.json (one channel width throughout, 4 latent channels)."""
+        try:
+            c: dict[str, Any] = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable autoencoder config.json ({exc})") from exc
+        widths = set(c.get("encoder_block_out_channels", (64,))) | set(c.get("decoder_block_out_channels", (64,)))
+        if len(widths) != 1 or c.get("latent_channels", LATENT_CHANNELS) != LATENT_CHANNELS:
+            raise ValueError(f"{path}: a tiny autoencoder of one channel width and {LATENT_CHANNELS} latent "
+                             f"channels is expected, got widths {sorted(widths)}, "
+                             f"latent_channels {c.get('latent_channels')}")
+        return cls(channels=widths.pop(), encoder_blocks=tuple(c.get("num_encoder_blocks", (1, 3, 3, 3))),
+                   decoder_blocks=tuple(c.get("num_decoder_blocks", (3, 3, 3, 1))),
+                   scaling_factor=float(c.get("scaling_factor", 1.0)),
+                   shift_factor=float(c.get("shift_factor") or 0.0))
 
     @property
     def scale(self) -> int:
@@ -86,4 +112,11 @@ class TinyVAE(nn.Module):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """[B, 4, h, w] -> [B, 3, 8h, 8w] in about [-1, 1]."""
+        return self.decoder(z)
+
+    def decode_latents(self, z: torch.Tensor) -> torch.Tensor:
+        """Denoised latents -> pixels, unscaled first as the DreamLite pipeline does."""
+        cfg = self.cfg
+        if cfg.scaling_factor != 1.0 or cfg.shift_factor != 0.0:
+            z = z / cfg.scaling_factor + cfg.shift_factor
         return self.decoder(z)

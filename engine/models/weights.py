@@ -1,8 +1,9 @@
 """Where a preset's real weights come from, and finding them again once `loom pull` has fetched them.
 
-A preset that needs weights (the Wan2.1 sizes) names, for each config key it cannot run without,
-the Hugging Face repository and files that fill it. `loom pull PRESET` downloads those into the
-Hugging Face cache (the standard one: `HF_HUB_CACHE` / `HF_HOME`, shared with other tools);
+A preset that needs weights (the Wan2.1 sizes; the edit family's DreamLite-mobile UNet) names, for
+each config key it cannot run without, the Hugging Face repository, revision and files that fill
+it. `loom pull PRESET` downloads those into the Hugging Face cache (the standard one:
+`HF_HUB_CACHE` / `HF_HOME`, shared with other tools);
 `fill_pulled_weights` then points every key the user left unset at the cached copy, so the preset
 runs with no `--set`. A path the user gives always wins. Only the local cache is read here: loading
 a config never touches the network.
@@ -20,7 +21,9 @@ from typing import Any
 class WeightSource:
     """Files of one Hugging Face repository that fill one config key.
 
-    `target` is the repository path the key points at: a file, or a folder ("" = the snapshot root)."""
+    `target` is the repository path the key points at: a file, or a folder ("" = the snapshot root).
+    `notice` is said to the user before the download (a licence that restricts use). An `optional`
+    source is used when pulled, and a run without it is not refused."""
 
     key: str
     repo: str
@@ -28,6 +31,9 @@ class WeightSource:
     target: str
     licence: str
     what: str
+    revision: str = "main"
+    notice: str | None = None
+    optional: bool = False
 
 
 _WAN_LICENCE = "Apache-2.0"
@@ -47,11 +53,43 @@ def _wan_sources(size: str, causal_folder: str) -> tuple[WeightSource, ...]:
     )
 
 
-# By model.preset (a YAML file built on a preset finds the same weights).
+_DREAMLITE_LICENCE = "non-commercial (DreamLite model licence, see the model card)"
+_DREAMLITE_NOTICE = ("DreamLite's weights (ByteDance, carlofkl/DreamLite-mobile) are licensed for NON-COMMERCIAL "
+                     "use only, and so is what is trained on them (the temporal LLLite adapter); read the model "
+                     "card's licence before using them")
+
+# The edit family (by edit.unet): DreamLite-mobile in diffusers' layout (its `diffusers` revision: unet/,
+# vae/, scheduler/; the text encoder is Qwen3-VL-2B-Instruct, which DreamLite's code loads separately),
+# and the temporal LLLite adapter of otanl/dreamlite-stream (its hub card: otnl/dreamlite-stream-temporal-lllite-v3).
+_DREAMLITE_SOURCES = (
+    WeightSource("edit.checkpoint", "carlofkl/DreamLite-mobile", ("unet/*", "vae/*", "scheduler/*"), "",
+                 _DREAMLITE_LICENCE, "DreamLite-mobile UNet, TAESD autoencoder and scheduler (diffusers layout)",
+                 revision="diffusers", notice=_DREAMLITE_NOTICE),
+    WeightSource("edit.encoder_path", "Qwen/Qwen3-VL-2B-Instruct", ("*",), "", "Apache-2.0",
+                 "Qwen3-VL-2B-Instruct conditioning encoder and tokenizer"),
+    WeightSource("edit.lllite", "otnl/dreamlite-stream-temporal-lllite-v3", ("temporal_lllite_step001440.safetensors",),
+                 "temporal_lllite_step001440.safetensors", _DREAMLITE_LICENCE + "; trained on DreamLite-mobile",
+                 "temporal LLLite v3 adapter (108 hooks)", notice=_DREAMLITE_NOTICE, optional=True),
+)
+
+# By model.preset for the Wan family, by edit.unet for the edit family (a YAML file built on a preset
+# finds the same weights).
 PRESET_WEIGHTS: dict[str, tuple[WeightSource, ...]] = {
     "wan2.1-1.3b": _wan_sources("1.3B", "wan_causal_dmd_v2v"),
     "wan2.1-14b": _wan_sources("14B", "wan_causal_dmd_v2v_14b"),
+    "dreamlite-mobile": _DREAMLITE_SOURCES,
 }
+PULLABLE_PRESETS = ("wan2.1-1.3b", "wan2.1-14b", "dreamlite-edit")  # the preset names a user gives `loom pull`
+
+
+def pull_name(cfg: Any) -> str:
+    """The preset name `loom pull` takes for this config's weights."""
+    return "dreamlite-edit" if cfg.model.family == "edit" else cfg.model.preset
+
+
+def weight_sources(cfg: Any) -> tuple[WeightSource, ...]:
+    """The weight sources of a config: by its edit UNet for the edit family, else by model.preset."""
+    return PRESET_WEIGHTS.get(cfg.edit.unet if cfg.model.family == "edit" else cfg.model.preset, ())
 
 
 def hub_cache_dir() -> Path:
@@ -64,7 +102,7 @@ def hub_cache_dir() -> Path:
 
 def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | None:
     """The cached copy of what `source.key` should point at, or None when any of its files is missing."""
-    snapshot = _snapshot(source.repo, cache_dir or hub_cache_dir())
+    snapshot = _snapshot(source.repo, cache_dir or hub_cache_dir(), source.revision)
     if snapshot is None:
         return None
     for pattern in source.files:
@@ -77,10 +115,10 @@ def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | N
     return snapshot / source.target if source.target else snapshot
 
 
-def _snapshot(repo: str, cache_dir: Path) -> Path | None:
-    """The snapshot folder the cache's `main` ref points at (the revision `loom pull` fetches)."""
+def _snapshot(repo: str, cache_dir: Path, revision: str = "main") -> Path | None:
+    """The snapshot folder the cache's ref for `revision` points at (the revision `loom pull` fetches)."""
     repo_dir = cache_dir / f"models--{repo.replace('/', '--')}"
-    ref = repo_dir / "refs" / "main"
+    ref = repo_dir / "refs" / revision
     if not ref.is_file():
         return None
     snapshot = repo_dir / "snapshots" / ref.read_text().strip()
@@ -102,13 +140,17 @@ def _needs(cfg: Any, source: WeightSource) -> bool:
         return not cfg.vae.random_weights and "wan" in (cfg.vae.encoder, cfg.vae.decoder)
     if source.key == "prompt.path":
         return cfg.prompt.encoder == "umt5"
+    if source.key in ("edit.checkpoint", "edit.encoder_path"):
+        return not cfg.model.random_weights and (source.key == "edit.checkpoint" or cfg.edit.encoder == "qwen3-vl")
+    if source.key == "edit.lllite":
+        return cfg.edit.lllite_hooks != "none"
     return True
 
 
 def fill_pulled_weights(cfg: Any, cache_dir: Path | None = None) -> Any:
     """`cfg` with each needed, unset weight key pointed at its pulled copy (explicit paths win)."""
     sections: dict[str, dict[str, str]] = {}
-    for source in PRESET_WEIGHTS.get(cfg.model.preset, ()):
+    for source in weight_sources(cfg):
         if not _needs(cfg, source):
             continue
         path = cached_path(source, cache_dir)
@@ -123,7 +165,7 @@ def fill_pulled_weights(cfg: Any, cache_dir: Path | None = None) -> Any:
 def missing_weights(cfg: Any) -> list[str]:
     """One line per weight the run needs and has neither a path for nor a pulled copy of."""
     lines = []
-    for source in PRESET_WEIGHTS.get(cfg.model.preset, ()):
-        if _needs(cfg, source):
+    for source in weight_sources(cfg):
+        if _needs(cfg, source) and not source.optional:
             lines.append(f"{source.key} ({source.what}, from {source.repo})")
     return lines

@@ -55,12 +55,12 @@ def _session_factory(args: argparse.Namespace):
         overrides.append(f"parallel.gpus={args.gpus}")
     config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
     if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
-        from engine.models.weights import missing_weights
+        from engine.models.weights import missing_weights, pull_name
 
         missing = missing_weights(config)
         if missing:
-            raise UserError(f"preset {config.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
-                            f"Run `loom pull {config.model.preset}`, or give the paths with --set KEY=PATH")
+            raise UserError(f"preset {pull_name(config)!r} needs weights that are not here: {'; '.join(missing)}. "
+                            f"Run `loom pull {pull_name(config)}`, or give the paths with --set KEY=PATH")
 
     def build():
         if args.passthrough:

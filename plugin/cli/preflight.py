@@ -13,12 +13,12 @@ from host_bridge.wire.errors import UserError
 
 def check_weights(cfg: Any) -> None:
     """Every weight the config needs is given or pulled (`loom pull`), or the run is refused now."""
-    from engine.models.weights import missing_weights
+    from engine.models.weights import missing_weights, pull_name
 
     missing = missing_weights(cfg)
     if missing:
-        raise UserError(f"preset {cfg.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
-                        f"Run `loom pull {cfg.model.preset}`, or give the paths with --set KEY=PATH "
+        raise UserError(f"preset {pull_name(cfg)!r} needs weights that are not here: {'; '.join(missing)}. "
+                        f"Run `loom pull {pull_name(cfg)}`, or give the paths with --set KEY=PATH "
                         "(or use -c default, the embedded model)")
 
 

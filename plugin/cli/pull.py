@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.config import load_config
-from engine.models.weights import PRESET_WEIGHTS, WeightSource, cached_path, hub_cache_dir
+from engine.models.weights import PULLABLE_PRESETS, WeightSource, cached_path, hub_cache_dir, weight_sources
 from host_bridge.wire.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Fetch a preset's weights into the Hugging Face cache (HF_HUB_CACHE / HF_HOME); "
                                    "the preset then finds them with no --set.")
     p.add_argument("preset", metavar="PRESET",
-                   help=f"preset or YAML file whose weights to fetch ({', '.join(PRESET_WEIGHTS)})")
+                   help=f"preset or YAML file whose weights to fetch ({', '.join(PULLABLE_PRESETS)})")
     p.add_argument("--offline", action="store_true",
                    help="fetch nothing: report what is cached and fail if anything is missing (also HF_HUB_OFFLINE=1)")
     p.add_argument("--list", action="store_true", dest="list_only",
@@ -41,18 +41,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def sources_for(preset: str) -> tuple[WeightSource, ...]:
     """The weight sources of a preset name or YAML file (by its model.preset)."""
     cfg = load_config(preset)
-    sources = PRESET_WEIGHTS.get(cfg.model.preset)
+    sources = weight_sources(cfg)
     if not sources:
-        raise UserError(f"preset {preset!r} (model.preset {cfg.model.preset!r}) needs no download: its weights are "
-                        f"embedded; presets with weights to pull: {', '.join(PRESET_WEIGHTS)}")
+        what = f"edit.unet {cfg.edit.unet!r}" if cfg.model.family == "edit" else f"model.preset {cfg.model.preset!r}"
+        raise UserError(f"preset {preset!r} ({what}) needs no download: its weights are embedded or seeded; "
+                        f"presets with weights to pull: {', '.join(PULLABLE_PRESETS)}")
     return sources
 
 
 def run(args: argparse.Namespace) -> int:
     sources = sources_for(args.preset)
+    for notice in dict.fromkeys(s.notice for s in sources if s.notice):
+        print(f"loom pull: NOTE: {notice}", file=sys.stderr)
     if args.list_only:
         for s in sources:
-            print(f"{s.key:<17} {s.what}: https://huggingface.co/{s.repo} {', '.join(s.files)}  [{s.licence}]")
+            rev = f" (revision {s.revision})" if s.revision != "main" else ""
+            print(f"{s.key:<18} {s.what}: https://huggingface.co/{s.repo}{rev} {', '.join(s.files)}  [{s.licence}]")
         return 0
     offline = args.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
@@ -74,7 +78,7 @@ def _pull(source: WeightSource, offline: bool) -> Path:
     endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
         for name in _repo_files(source, offline, endpoint):
-            path = _download(source.repo, name, cache, endpoint, offline)
+            path = _download(source, name, cache, endpoint, offline)
             if not offline:
                 _verify(Path(path), source.repo, name)
     except LocalEntryNotFoundError:
@@ -106,18 +110,19 @@ def _repo_files(source: WeightSource, offline: bool, endpoint: str | None) -> li
         return []
     from huggingface_hub import HfApi
 
-    listed = HfApi(endpoint=endpoint).list_repo_files(source.repo)
+    listed = HfApi(endpoint=endpoint).list_repo_files(source.repo, revision=source.revision)
     names = [n for n in listed if any(fnmatch.fnmatch(n, pattern) for pattern in source.files)]
     if not names:
         raise UserError(f"{source.repo}: holds none of {', '.join(source.files)}")
     return names
 
 
-def _download(repo: str, name: str, cache: Path, endpoint: str | None, offline: bool) -> str:
+def _download(source: WeightSource, name: str, cache: Path, endpoint: str | None, offline: bool) -> str:
     from huggingface_hub import hf_hub_download
 
     # hf_hub_download keeps a partial file (.incomplete) and resumes it, and skips a file already cached.
-    return hf_hub_download(repo, name, cache_dir=cache, endpoint=endpoint, local_files_only=offline)
+    return hf_hub_download(source.repo, name, revision=source.revision, cache_dir=cache, endpoint=endpoint,
+                           local_files_only=offline)
 
 
 def _verify(path: Path, repo: str, name: str) -> None:

@@ -27,6 +27,12 @@ def _repos(bad_checksum: bool) -> dict[str, dict[str, bytes]]:
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"tokenizer/tokenizer_config.json": b"{}",
                                              "text_encoder/config.json": b'{"d_model": 4096}',
                                              "vae/config.json": b"{}"},
+        # the edit family: DreamLite-mobile's `diffusers` revision (any revision resolves here)
+        "carlofkl/DreamLite-mobile": {"unet/config.json": b"{}", "unet/diffusion_pytorch_model.safetensors": b"u",
+                                      "vae/config.json": b"{}", "scheduler/scheduler_config.json": b"{}",
+                                      "dreamlite/original.pt": b"not the diffusers layout"},
+        "Qwen/Qwen3-VL-2B-Instruct": {"config.json": b"{}", "tokenizer.json": b"{}"},
+        "otnl/dreamlite-stream-temporal-lllite-v3": {"temporal_lllite_step001440.safetensors": b"adapter"},
     }, bad_checksum
 
 
@@ -178,3 +184,16 @@ def test_pull_offline_says_what_is_missing_and_then_uses_the_cache(hub_env, caps
 def test_pull_of_an_embedded_preset_says_there_is_nothing_to_fetch(capsys):
     assert main(["pull", "default"]) == 2
     assert "embedded" in capsys.readouterr().err
+
+
+def test_pull_of_the_dreamlite_edit_preset_says_non_commercial_and_the_preset_finds_it(hub_env, capsys):
+    hub_env()
+    assert load_config("dreamlite-edit").edit.checkpoint is None
+    assert main(["pull", "dreamlite-edit"]) == 0
+    assert "NON-COMMERCIAL" in capsys.readouterr().err
+    cfg = load_config("dreamlite-edit")
+    assert (Path(cfg.edit.checkpoint) / "unet" / "config.json").is_file()
+    assert (Path(cfg.edit.checkpoint) / "scheduler" / "scheduler_config.json").is_file()
+    assert not (Path(cfg.edit.checkpoint) / "dreamlite").exists()  # only the diffusers layout's folders
+    assert (Path(cfg.edit.encoder_path) / "tokenizer.json").is_file()
+    assert Path(cfg.edit.lllite).read_bytes() == b"adapter"

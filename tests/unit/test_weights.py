@@ -25,3 +25,34 @@ def test_each_wan_preset_pulls_the_checked_upstream_files(preset, size, causal):
     assert (text.repo, set(text.files), text.target) == (
         f"Wan-AI/Wan2.1-T2V-{size}-Diffusers", {"tokenizer/*", "text_encoder/*"}, "")
     assert all(s.licence.startswith("Apache-2.0") for s in sources.values())
+
+
+def test_the_dreamlite_edit_preset_pulls_the_released_files_and_says_they_are_non_commercial(capsys):
+    from engine.config import load_config
+    from engine.models.weights import weight_sources
+    from plugin.cli.main import main
+
+    sources = {s.key: s for s in weight_sources(load_config("dreamlite-edit"))}
+    unet, encoder, lllite = sources["edit.checkpoint"], sources["edit.encoder_path"], sources["edit.lllite"]
+    # diffusers' layout of DreamLite-mobile is its `diffusers` revision (unet/, vae/, scheduler/)
+    assert (unet.repo, unet.revision, set(unet.files), unet.target) == (
+        "carlofkl/DreamLite-mobile", "diffusers", {"unet/*", "vae/*", "scheduler/*"}, "")
+    assert (encoder.repo, encoder.licence) == ("Qwen/Qwen3-VL-2B-Instruct", "Apache-2.0")
+    assert lllite.target == "temporal_lllite_step001440.safetensors"
+    assert "non-commercial" in unet.licence and "non-commercial" in lllite.licence
+    assert main(["pull", "dreamlite-edit", "--list"]) == 0
+    out = capsys.readouterr()
+    assert "NON-COMMERCIAL" in out.err and "carlofkl/DreamLite-mobile (revision diffusers)" in out.out
+    assert weight_sources(load_config("edit-tiny")) == ()  # seeded tiny weights: nothing to pull
+
+
+def test_an_unpulled_dreamlite_edit_run_is_refused_naming_its_pull(tmp_path, monkeypatch):
+    from engine.config import load_config
+    from host_bridge.wire.errors import UserError
+    from plugin.cli.preflight import check_weights
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(UserError, match=r"preset 'dreamlite-edit' needs .*edit\.checkpoint.*edit\.encoder_path.*"
+                                        r"Run `loom pull dreamlite-edit`"):
+        check_weights(load_config("dreamlite-edit"))
+    check_weights(load_config("dreamlite-edit", ["model.random_weights=true"]))  # a benchmark: no adapter needed
