@@ -215,8 +215,8 @@ class ControlConfig:
 
     control_source: str = live.CONTROL.field()
     context_scale: float = live.CONTEXT_SCALE.field()
-    video: str | None = spec(None, doc="control video file read beside the input (control_source=video), "
-                                       "frame by frame; it must have the input's size")
+    video: str | None = spec(None, doc="control video file read beside the input (control_source=video), frame "
+                                       "by frame, looping; without it the host gives control frames with the input")
     depth_model: str | None = spec(None, doc="depth estimation model directory for control_source=depth "
                                              "(transformers, e.g. Depth Anything V2 small); loaded at start")
     reference: str | None = spec(None, doc="reference image file: a fixed first entry of the stream that sets "
@@ -304,8 +304,6 @@ class LoomConfig:
             return
         if self.parallel.gpus > 1:
             raise ValueError("parallel.gpus: VACE control runs on one GPU; set parallel.gpus=1")
-        if c.control_source == "video" and not c.video:
-            raise ValueError("control.video: control_source 'video' needs a control video file (control.video=PATH)")
         if c.control_source == "depth" and not c.depth_model:
             raise ValueError("control.depth_model: control_source 'depth' needs a depth model directory "
                              "(e.g. Depth Anything V2 small for transformers)")
