@@ -361,6 +361,22 @@ def lora_override(specs: list[str]) -> list[str]:
     return [f"lora={json.dumps(entries)}"] if entries else []
 
 
+def control_override(control: str | None, reference: str | None) -> list[str]:
+    """`--control edges|grey|flow|depth|FILE` and `--reference IMAGE` as `--set` overrides (a FILE is a control
+    video the engine reads beside the input; paths made absolute, the engine may run elsewhere)."""
+    def absolute(path: str) -> str:
+        return json.dumps(str(Path(path).expanduser().resolve()))
+
+    out = []
+    if control in live.CONTROL_SOURCES and control != "video":
+        out.append(f"control.control_source={control}")
+    elif control:
+        out += ["control.control_source=video", f"control.video={absolute(control)}"]
+    if reference:
+        out.append(f"control.reference={absolute(reference)}")
+    return out
+
+
 def list_presets() -> list[str]:
     """Names of the presets shipped inside the package."""
     folder = resources.files(PRESET_PACKAGE)

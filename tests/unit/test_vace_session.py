@@ -109,3 +109,12 @@ def test_control_latents_are_the_grey_and_control_videos_encoded_beside_a_mask_o
             assert torch.equal(got[:, :16], models.encoder.encode_stream(torch.zeros_like(pixels), grey_state))
             assert torch.equal(got[:, 16:32], models.encoder.encode_stream(pixels, control_state))
             assert got.shape[1] == 96 and bool((got[:, 32:] == 1).all())
+
+
+def test_player_control_options_become_config_keys(tmp_path):
+    from engine.config import control_override
+
+    assert control_override("flow", None) == ["control.control_source=flow"]
+    cfg = load_config("tiny-vace", control_override(str(tmp_path / "c.mp4"), str(tmp_path / "r.png")))
+    assert (cfg.control.control_source, cfg.control.video, cfg.control.reference) == (
+        "video", str(tmp_path / "c.mp4"), str(tmp_path / "r.png"))
