@@ -24,7 +24,8 @@ from host_bridge.wire.typed_config import ConfigError, apply_override, build, pa
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
-CPU_PRESETS = ("tiny", "embedded")  # DiT presets small enough to stream on a CPU (the shipped default, tests)
+CPU_PRESETS = ("tiny", "embedded", "tiny-vace")  # DiT presets small enough to stream on a CPU (default, tests)
+VACE_PRESETS = ("tiny-vace", "wan2.1-vace-1.3b", "wan2.1-vace-14b")  # DiTs with VACE control blocks
 PRESET_PACKAGE = "engine.presets"
 
 
@@ -34,8 +35,9 @@ class ModelConfig:
 
     family: str = spec("wan", choices=("wan", "edit"),
                        doc="wan: the causal Wan DiT; edit: the MLLM-conditioned edit UNet (the `edit` section)")
-    preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b"),
-                        doc="DiT architecture; embedded = the trained default (with its own VAE and style text)")
+    preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b") + VACE_PRESETS,
+                        doc="DiT architecture; embedded = the trained default (with its own VAE and style text); "
+                            "*vace*: with VACE structure control (the `control` section)")
     checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
@@ -208,6 +210,20 @@ class LoraEntry:
 
 
 @dataclass
+class ControlConfig:
+    """VACE structure control (a *vace* model preset): the control video, its strength, a reference image."""
+
+    control_source: str = live.CONTROL.field()
+    context_scale: float = live.CONTEXT_SCALE.field()
+    video: str | None = spec(None, doc="control video file read beside the input (control_source=video), frame "
+                                       "by frame, looping; without it the host gives control frames with the input")
+    depth_model: str | None = spec(None, doc="depth estimation model directory for control_source=depth "
+                                             "(transformers, e.g. Depth Anything V2 small); loaded at start")
+    reference: str | None = spec(None, doc="reference image file: a fixed first entry of the stream that sets "
+                                           "the look")
+
+
+@dataclass
 class EditConfig:
     """The edit family (engine/edit): DreamLite-mobile UNet, Qwen3-VL conditioning, temporal LLLite."""
 
@@ -255,6 +271,7 @@ class LoomConfig:
     lora: list[LoraEntry] = spec(default_factory=list, max_len=live.LORA_SCALES.max_len,
                                  doc="style LoRAs, each with its own scale")
     edit: EditConfig = field(default_factory=EditConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
         names = [e.key for e in self.lora]
@@ -267,12 +284,34 @@ class LoomConfig:
         if self.model.family == "edit" and self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
                              "states peak near 1160); use auto, bfloat16 or float32")
+        self._check_control()
         if self.memory.low_vram and self.prompt.device == "cuda":
             raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
                              "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
+
+    @property
+    def vace(self) -> bool:
+        """Whether the DiT has VACE control blocks (the `control` section applies)."""
+        return self.model.family == "wan" and self.model.preset in VACE_PRESETS
+
+    def _check_control(self) -> None:
+        c = self.control
+        if not self.vace:
+            given = [k for k in ("video", "depth_model", "reference") if getattr(c, k)]
+            if given:
+                raise ValueError(f"control.{given[0]}: structure control needs a VACE model; set model.preset to one "
+                                 f"of {', '.join(VACE_PRESETS)}")
+            return
+        if self.parallel.gpus > 1:
+            raise ValueError("parallel.gpus: VACE control runs on one GPU; set parallel.gpus=1")
+        if c.control_source == "depth" and not c.depth_model:
+            raise ValueError("control.depth_model: control_source 'depth' needs a depth model directory "
+                             "(e.g. Depth Anything V2 small for transformers)")
+        if c.reference and self.stream.sink < 1:
+            raise ValueError("control.reference: the reference is the stream's first sink; set stream.sink >= 1")
 
     def lora_with_scales(self, scales: Any) -> list[LoraEntry]:
         """The LoRA entries with live `lora_scales` applied (None: as they are); ValueError naming an
@@ -323,6 +362,22 @@ def lora_override(specs: list[str]) -> list[str]:
             path, scale = text, live.LORA_DEFAULT_SCALE
         entries.append({"path": path if sep and path else text, "scale": scale})
     return [f"lora={json.dumps(entries)}"] if entries else []
+
+
+def control_override(control: str | None, reference: str | None) -> list[str]:
+    """`--control edges|grey|flow|depth|FILE` and `--reference IMAGE` as `--set` overrides (a FILE is a control
+    video the engine reads beside the input; paths made absolute, the engine may run elsewhere)."""
+    def absolute(path: str) -> str:
+        return json.dumps(str(Path(path).expanduser().resolve()))
+
+    out = []
+    if control in live.CONTROL_SOURCES and control != "video":
+        out.append(f"control.control_source={control}")
+    elif control:
+        out += ["control.control_source=video", f"control.video={absolute(control)}"]
+    if reference:
+        out.append(f"control.reference={absolute(reference)}")
+    return out
 
 
 def list_presets() -> list[str]:

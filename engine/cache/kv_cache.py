@@ -21,6 +21,9 @@ sink's position). The decision is taken per block on the GPU, without a host syn
 also stays in the ring as usual; unlike StreamDiffusionV2, which diverts the ring write into
 the sink slot, this keeps ring order and positions identical across blocks and host-known.
 `refresh_sinks()` forces the next `sink` committed frames into the sink slots (prompt change).
+
+Pinned sinks: `pin_sinks(n)` keeps the first n sink slots out of both replacements, for an entry
+that conditions the whole stream and must stay (VACE's reference image, committed first).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class _Row:
     frames: int = 0  # frames committed since the stream (re)started
     next_pos: int = 0  # RoPE time position of the next frame (refresh policy)
     sink_pending: int = 0  # sink slots still to be overwritten after refresh_sinks()
+    pinned: int = 0  # leading sink slots never replaced (adaptive or refreshed)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class SinkPlan:
     eligible: torch.Tensor | None  # [B] bool: rows that may replace a sink (None: all rows)
     forced: torch.Tensor | None  # [B] long: sink slot to overwrite unconditionally, -1 none
     last_pos: torch.Tensor  # [B] long: RoPE position of the chunk's last frame
+    pinned: torch.Tensor | None = None  # [B] long: leading sink slots that stay (None: none pinned)
 
 
 class KVCache:
@@ -186,7 +191,17 @@ class KVCache:
     def refresh_sinks(self, rows: Sequence[int] | None = None) -> None:
         """After a prompt change: the next `sink` committed frames replace the sinks one by one."""
         for b in range(self.batch) if rows is None else rows:
-            self._rows[b].sink_pending = self.sink
+            self._rows[b].sink_pending = self.sink - self._rows[b].pinned
+
+    def pin_sinks(self, count: int, rows: Sequence[int] | None = None) -> None:
+        """Keep the first `count` sink slots of the given rows (default all) as they are from now on:
+        neither adaptive replacement nor `refresh_sinks` touches them. A reset unpins."""
+        if not 0 <= count <= self.sink:
+            raise ValueError(f"pin_sinks: {count} pinned slots; this cache has {self.sink} sink slots")
+        for b in range(self.batch) if rows is None else rows:
+            r = self._rows[b]
+            r.pinned = count
+            r.sink_pending = min(r.sink_pending, self.sink - count)
 
     def _like(
         self,
@@ -358,7 +373,7 @@ class KVCache:
             k_pos.append(self._slot_positions(r.frames + f, r.next_pos + f))
             filled = self._filled_slots(r.frames + f)
             valid.append([s in filled for s in range(self.num_slots)])
-            sinks_full = r.frames >= self.sink > 0
+            sinks_full = r.frames >= self.sink > r.pinned
             sink_rows.append(commits[b] and sinks_full and (self.sink_threshold >= 0 or r.sink_pending > 0))
             forced.append(self.sink - r.sink_pending if commits[b] and sinks_full and r.sink_pending else -1)
             last_pos.append(chunk_pos[-1])
@@ -375,6 +390,8 @@ class KVCache:
                 eligible=None if all(sink_rows) else host_index(sink_rows, self.device).bool(),
                 forced=host_index(forced, self.device) if any(i >= 0 for i in forced) else None,
                 last_pos=host_index(last_pos, self.device),
+                pinned=host_index([r.pinned for r in self._rows], self.device)
+                if any(r.pinned for r in self._rows) else None,
             )
         return StreamStep(f, commits, writes, q_rope, k_rope, mask, forced, sinks)
 
@@ -447,7 +464,11 @@ class KVCache:
         sim_v = torch.cosine_similarity(
             vc[:, :s].mean(2, dtype=f32).flatten(2), v_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
         )
-        lowest, idx = ((sim_k + sim_v) / 2).min(dim=-1)
+        sim = (sim_k + sim_v) / 2
+        if plan.pinned is not None:  # a pinned slot is never the one replaced
+            slots = torch.arange(s, device=self.device)
+            sim = sim.masked_fill(slots[None] < plan.pinned[:, None], float("inf"))
+        lowest, idx = sim.min(dim=-1)
         replace = (
             lowest < self.sink_threshold if self.sink_threshold >= 0 else torch.zeros_like(lowest).bool()
         )

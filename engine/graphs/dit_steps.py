@@ -34,6 +34,7 @@ class _Captured:
     t: torch.Tensor
     step: StreamStep
     out: torch.Tensor
+    inputs: dict[str, torch.Tensor]
 
 
 class GraphedStreamForward:
@@ -54,48 +55,47 @@ class GraphedStreamForward:
         self._cross = StaticCross()
 
     def __call__(self, x: torch.Tensor, timestep: torch.Tensor, cache: KVCache, cross: CrossKV,
-                 commit: bool = True) -> torch.Tensor:
+                 commit: bool = True, **inputs: torch.Tensor) -> torch.Tensor:
+        """`inputs`: further per-chunk device tensors of the model's `stream_step` (VACE's control
+        latents and scale), copied into static buffers like the latents."""
         m = self.model
         tokens_grid = (x.shape[2], x.shape[3] // m.cfg.patch_size[1], x.shape[4] // m.cfg.patch_size[2])
         if not x.is_cuda or tokens_grid[1:] != cache.token_grid:
-            return m.forward_stream(x, timestep, cache, cross, commit)
+            return m.forward_stream(x, timestep, cache, cross, commit, **inputs)
         step = cache.plan(x.shape[2], commit)
-        key = _key(x, timestep, cache, step)
+        key = _key(x, timestep, cache, step, inputs)
         if key is None or (key not in self._graphs and (key not in self._seen or len(self._graphs) >= MAX_GRAPHS)):
             self._seen.add(key)
-            out = self._eager(x, timestep, cache, cross, step)
+            out = m.stream_step(x, timestep, cache, cross, step, **inputs)
             cache.finish(step)
             return out
         static_cross, reshaped = self._cross.update(cross)
         if reshaped:
             self._graphs.clear()
         if key not in self._graphs:
-            self._graphs[key] = self._capture(x, timestep, cache, static_cross, step)
+            self._graphs[key] = self._capture(x, timestep, cache, static_cross, step, inputs)
         cap = self._graphs[key]
         cap.x.copy_(x)
         cap.t.copy_(timestep)
+        for name, t in inputs.items():
+            cap.inputs[name].copy_(t)
         _copy_step(cap.step, step)
         cap.graph.replay()
         self.replays += 1
         cache.finish(step)
         return cap.out.clone()
 
-    def _eager(self, x, timestep, cache, cross, step) -> torch.Tensor:
-        m = self.model
-        tokens, cond, grid = m.embed(x, timestep)
-        tokens = m.run_blocks(0, m.cfg.num_layers, tokens, cond, cross, cache.attention(step, m.ops.rotate))
-        return m.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
-
-    def _capture(self, x, timestep, cache, cross, step) -> _Captured:
+    def _capture(self, x, timestep, cache, cross, step, inputs) -> _Captured:
         static_x, static_t = x.clone(), timestep.clone()
+        static_inputs = {name: t.clone() for name, t in inputs.items()}
         static_step = _clone_step(step)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(x.device)
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._eager(static_x, static_t, cache, cross, static_step)
+            out = self.model.stream_step(static_x, static_t, cache, cross, static_step, **static_inputs)
         if self._pool is None:
             self._pool = graph.pool()
-        return _Captured(graph, static_x, static_t, static_step, out)
+        return _Captured(graph, static_x, static_t, static_step, out, static_inputs)
 
 
 class StaticCross:
@@ -120,14 +120,17 @@ class StaticCross:
         return self.buffers, reshaped
 
 
-def _key(x: torch.Tensor, t: torch.Tensor, cache: KVCache, step: StreamStep) -> tuple | None:
+def _key(x: torch.Tensor, t: torch.Tensor, cache: KVCache, step: StreamStep,
+         inputs: dict[str, torch.Tensor] | None = None) -> tuple | None:
     if step.mask is not None:
         return None  # the window is still filling: transitional, run eagerly
-    sinks = None if step.sinks is None else (step.sinks.eligible is None, step.sinks.forced is None)
+    sinks = None if step.sinks is None else (step.sinks.eligible is None, step.sinks.forced is None,
+                                             step.sinks.pinned is None)
     writes = tuple(tuple(r) for r in step.writes)
     first_k = next(iter(cache.k.values()))
     return (tuple(x.shape), x.dtype, tuple(t.shape), first_k.data_ptr(), writes, tuple(step.commit),
-            tuple(step.forced_sink), sinks, step.k_rope is None)
+            tuple(step.forced_sink), sinks, step.k_rope is None,
+            tuple((name, tuple(v.shape), v.dtype) for name, v in sorted((inputs or {}).items())))
 
 
 def _cross_shape(cross: CrossKV) -> tuple:
@@ -142,7 +145,7 @@ def _clone_step(step: StreamStep) -> StreamStep:
     sinks = None
     if step.sinks is not None:
         s = step.sinks
-        sinks = SinkPlan(_clone_opt(s.eligible), _clone_opt(s.forced), s.last_pos.clone())
+        sinks = SinkPlan(_clone_opt(s.eligible), _clone_opt(s.forced), s.last_pos.clone(), _clone_opt(s.pinned))
     k_rope = None if step.k_rope is None else tuple(t.clone() for t in step.k_rope)
     return replace(step, q_rope=tuple(t.clone() for t in step.q_rope), k_rope=k_rope, sinks=sinks)
 
@@ -154,7 +157,7 @@ def _copy_step(static: StreamStep, new: StreamStep) -> None:
         for a, b in zip(static.k_rope, new.k_rope):
             a.copy_(b)
     if static.sinks is not None:
-        for name in ("eligible", "forced", "last_pos"):
+        for name in ("eligible", "forced", "last_pos", "pinned"):
             dst = getattr(static.sinks, name)
             if dst is not None:
                 dst.copy_(getattr(new.sinks, name))

@@ -5,7 +5,10 @@
   scale_shift_table; its block `norm2` is Wan's cross-attention `norm3`);
 - CausVid / StreamDiffusionV2 generators (`model.pt` whose `generator` / `generator_ema` dict,
   unwrapped by checkpoint_io, holds Wan keys under a `model.` prefix);
-- ComfyUI-style single files with a `model.diffusion_model.` prefix.
+- ComfyUI-style single files with a `model.diffusion_model.` prefix;
+- the VACE layout (engine/models/wan_vace.py): Wan2.1-VACE's `vace_patch_embedding` and
+  `vace_blocks.N.` (blocks with `before_proj` / `after_proj`), diffusers' `WanVACETransformer3DModel`
+  (the same blocks with `proj_in` / `proj_out`).
 Every key is translated on its own (the two layouts never share a name for different tensors),
 so no global format guess is needed; keys of anything else end up as unexpected keys.
 """
@@ -19,7 +22,9 @@ from torch import nn
 
 from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
-LAYOUTS = "Wan2.1 original, diffusers WanTransformer3DModel, CausVid/StreamDiffusionV2 generator"
+LAYOUTS = ("Wan2.1 original, diffusers WanTransformer3DModel, CausVid/StreamDiffusionV2 generator, "
+           "Wan2.1-VACE, diffusers WanVACETransformer3DModel")
+BLOCK_LISTS = ("blocks", "vace_blocks")
 PREFIXES = ("model.diffusion_model.", "model.")
 WEIGHT_BIAS = ("weight", "bias")
 
@@ -33,6 +38,7 @@ def _top_level() -> dict[str, str]:
         "time_embedding.2": "condition_embedder.time_embedder.linear_2",
         "time_projection.1": "condition_embedder.time_proj",
         "head.head": "proj_out",
+        "vace_patch_embedding": "vace_patch_embedding",
     }
     names = {f"{w}.{s}": f"{d}.{s}" for w, d in pairs.items() for s in WEIGHT_BIAS}
     names["head.modulation"] = "scale_shift_table"
@@ -45,7 +51,8 @@ def _in_block() -> dict[str, str]:
         for proj, hf_proj in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):
             names.update({f"{wan}.{proj}.{s}": f"{hf}.{hf_proj}.{s}" for s in WEIGHT_BIAS})
         names.update({f"{wan}.{n}.weight": f"{hf}.{n}.weight" for n in ("norm_q", "norm_k")})
-    for wan, hf in (("norm3", "norm2"), ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2")):
+    for wan, hf in (("norm3", "norm2"), ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"),
+                    ("before_proj", "proj_in"), ("after_proj", "proj_out")):  # the last two: VACE blocks
         names.update({f"{wan}.{s}": f"{hf}.{s}" for s in WEIGHT_BIAS})
     return names
 
@@ -57,10 +64,11 @@ DIFFUSERS_TO_WAN_BLOCK = {v: k for k, v in WAN_TO_DIFFUSERS_BLOCK.items()}
 
 
 def _split_block(key: str) -> tuple[str, str]:
-    """'blocks.3.ffn.0.weight' -> ('blocks.3.', 'ffn.0.weight'); other keys -> ('', key)."""
+    """'blocks.3.ffn.0.weight' -> ('blocks.3.', 'ffn.0.weight') (and 'vace_blocks.N.'); other keys ->
+    ('', key)."""
     parts = key.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit():
-        return f"blocks.{parts[1]}.", parts[2]
+    if len(parts) == 3 and parts[0] in BLOCK_LISTS and parts[1].isdigit():
+        return f"{parts[0]}.{parts[1]}.", parts[2]
     return "", key
 
 

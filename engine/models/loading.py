@@ -19,9 +19,10 @@ from engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
 from engine.models.lora import LoraMerger, read_lora
 from engine.models.taehv import TinyVAE
 from engine.models.wan_dit import DIT_PRESETS, WanDiT
+from engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
 from engine.models.wan_vae import VAE_PRESETS, WanVAE
 
-EMBEDDED_PRESETS = ("tiny",)
+EMBEDDED_PRESETS = ("tiny", "tiny-vace")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,7 +90,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     mc, vc = cfg.model, cfg.vae
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
-    dit_cfg = DIT_PRESETS[mc.preset]
+    dit_class, dit_cfg = (WanVaceDiT, VACE_PRESETS[mc.preset]) if mc.preset in VACE_PRESETS else \
+        (WanDiT, DIT_PRESETS.get(mc.preset))
     embedded = mc.preset == "embedded" and not mc.checkpoint
     if embedded:  # the trained default: its DiT and VAE ship together in the package
         from engine.models.embedded import load_embedded
@@ -100,9 +102,9 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         dit, embedded_vae, _ = load_embedded(device, dtype)
         _drop_blocks(dit, dit_blocks)
     elif mc.checkpoint:
-        dit = WanDiT.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
+        dit = dit_class.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()
     elif mc.preset in EMBEDDED_PRESETS or mc.random_weights:
-        dit = _seeded(lambda: WanDiT(dit_cfg), mc.seed, device, dtype)
+        dit = _seeded(lambda: dit_class(dit_cfg), mc.seed, device, dtype)
         _drop_blocks(dit, dit_blocks)  # same seeded values as one GPU for the blocks kept
     else:
         raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "

@@ -18,7 +18,7 @@ Per-prompt cross-attention K/V come from `cross_kv` and are reused until the pro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from engine.cache.kv_cache import (
     DEFAULT_SINK_THRESHOLD,
     CrossKV,
     KVCache,
+    StreamStep,
 )
 from engine.layers.attention import attention
 from engine.layers.rope import RopeTables, host_index, rotate
@@ -335,18 +336,22 @@ class WanDiT(nn.Module):
         mod = self.time_projection(temb).float().unflatten(-1, (NUM_MODULATIONS, -1))
         return Conditioning(temb=temb, mod=mod)
 
+    def token_grid(self, x: torch.Tensor, channels: int, what: str) -> tuple[int, int, int]:
+        """The token grid (F, h, w) of latents x [B, channels, F, H, W]; ValueError naming `what` when
+        the shape does not fit the model."""
+        if x.ndim != 5 or x.shape[1] != channels:
+            raise ValueError(f"{what} must be [B, {channels}, F, H, W], got {tuple(x.shape)}")
+        _, ph, pw = self.cfg.patch_size
+        if x.shape[3] % ph or x.shape[4] % pw:
+            raise ValueError(f"{what}: size {tuple(x.shape[3:])} is not divisible by the patch {self.cfg.patch_size}")
+        return x.shape[2], x.shape[3] // ph, x.shape[4] // pw
+
     def embed(
         self, x: torch.Tensor, timestep: torch.Tensor
     ) -> tuple[torch.Tensor, Conditioning, tuple[int, int, int]]:
         """Patchify latents [B, C, F, H, W] into tokens [B, F*h*w, dim]; returns (tokens,
         conditioning, token grid (F, h, w))."""
-        if x.ndim != 5 or x.shape[1] != self.cfg.in_channels:
-            raise ValueError(f"latents must be [B, {self.cfg.in_channels}, F, H, W], got {tuple(x.shape)}")
-        _, ph, pw = self.cfg.patch_size
-        if x.shape[3] % ph or x.shape[4] % pw:
-            raise ValueError(
-                f"latent size {tuple(x.shape[3:])} is not divisible by the patch {self.cfg.patch_size}"
-            )
+        self.token_grid(x, self.cfg.in_channels, "latents")
         if timestep.shape[0] != x.shape[0]:
             raise ValueError(f"timestep has {timestep.shape[0]} rows for a batch of {x.shape[0]}")
         param = self.patch_embedding.weight
@@ -380,14 +385,18 @@ class WanDiT(nn.Module):
         cond: Conditioning,
         cross: CrossKV,
         self_attend: SelfAttend,
+        hints: Mapping[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run blocks[start:stop] on tokens x [B, L, dim]. `self_attend(block, q, k, v)` is the
-        self-attention: `FullSequenceAttention` or `KVCache.attention(step)`."""
+        self-attention: `FullSequenceAttention` or `KVCache.attention(step)`. `hints[i]`, where
+        given, is added to the tokens after block i (VACE's control hints, already scaled)."""
         for i in range(start, stop):
             block = self.blocks[i]
             if block.modulation.is_meta:
                 raise RuntimeError(f"block {i} was not loaded on this rank (from_checkpoint(blocks=...))")
             x = block(x, cond.mod, cross.k[i], cross.v[i], lambda q, k, v, i=i: self_attend(i, q, k, v))
+            if hints is not None and i in hints:
+                x = x + hints[i].to(x.dtype)
         return x
 
     # ----- whole passes -----------------------------------------------------------------
@@ -447,19 +456,28 @@ class WanDiT(nn.Module):
         cache: KVCache,
         cross: CrossKV,
         commit: bool | Sequence[bool] = True,
+        **inputs: torch.Tensor | float,
     ) -> torch.Tensor:
         """Flow prediction for one chunk x [B, 16, f, H, W] of B independent streams: each row
-        attends to its cached window and itself; with `commit` the chunk's K/V enter the cache."""
+        attends to its cached window and itself; with `commit` the chunk's K/V enter the cache.
+        `inputs` go to `stream_step` (a subclass's further per-chunk inputs)."""
         if x.ndim != 5 or x.shape[0] != cache.batch:
             raise ValueError(
                 f"chunk must be [{cache.batch}, C, f, H, W] for this cache, got {tuple(x.shape)}"
             )
-        tokens, cond, grid = self.embed(x, timestep)
+        grid = self.token_grid(x, self.cfg.in_channels, "latents")
         if grid[1:] != cache.token_grid:
             raise ValueError(f"chunk token grid {grid[1:]} differs from the cache's {cache.token_grid}")
         step = cache.plan(grid[0], commit)
-        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
+        out = self.stream_step(x, timestep, cache, cross, step, **inputs)
         cache.finish(step)
+        return out
+
+    def stream_step(self, x: torch.Tensor, timestep: torch.Tensor, cache: KVCache, cross: CrossKV,
+                    step: StreamStep) -> torch.Tensor:
+        """The device work of one chunk already planned on the host: what a CUDA graph captures."""
+        tokens, cond, grid = self.embed(x, timestep)
+        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
         return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
 
 

@@ -46,10 +46,25 @@ def _wan_sources(size: str, causal_folder: str) -> tuple[WeightSource, ...]:
                      f"{causal_folder}/model.pt", _SDV2_LICENCE, f"StreamDiffusionV2 causal generator ({size})"),
         WeightSource("vae.checkpoint", f"Wan-AI/Wan2.1-T2V-{size}", ("Wan2.1_VAE.pth",), "Wan2.1_VAE.pth",
                      _WAN_LICENCE, "Wan2.1 VAE"),
-        # Loom's umT5 encoder reads the transformers layout (tokenizer/ + text_encoder/), which the
-        # diffusers copy of Wan2.1 holds; Wan's own models_t5_umt5-xxl-enc-bf16.pth is another format.
-        WeightSource("prompt.path", f"Wan-AI/Wan2.1-T2V-{size}-Diffusers",
-                     ("tokenizer/*", "text_encoder/*"), "", _WAN_LICENCE, "umT5-XXL text encoder and tokenizer"),
+        _umt5_source(size),
+    )
+
+
+def _umt5_source(size: str) -> WeightSource:
+    # Loom's umT5 encoder reads the transformers layout (tokenizer/ + text_encoder/), which the
+    # diffusers copy of Wan2.1 holds; Wan's own models_t5_umt5-xxl-enc-bf16.pth is another format.
+    return WeightSource("prompt.path", f"Wan-AI/Wan2.1-T2V-{size}-Diffusers", ("tokenizer/*", "text_encoder/*"), "",
+                        _WAN_LICENCE, "umT5-XXL text encoder and tokenizer")
+
+
+def _vace_sources(size: str, dit_files: tuple[str, ...], dit_target: str) -> tuple[WeightSource, ...]:
+    """Wan2.1-VACE: its DiT (original layout, control blocks included) and VAE from the VACE release; the
+    umT5 encoder is Wan2.1's, in the transformers layout of the diffusers copy as above."""
+    repo = f"Wan-AI/Wan2.1-VACE-{size}"
+    return (
+        WeightSource("model.checkpoint", repo, dit_files, dit_target, _WAN_LICENCE, f"Wan2.1-VACE DiT ({size})"),
+        WeightSource("vae.checkpoint", repo, ("Wan2.1_VAE.pth",), "Wan2.1_VAE.pth", _WAN_LICENCE, "Wan2.1 VAE"),
+        _umt5_source(size),
     )
 
 
@@ -78,8 +93,13 @@ PRESET_WEIGHTS: dict[str, tuple[WeightSource, ...]] = {
     "wan2.1-1.3b": _wan_sources("1.3B", "wan_causal_dmd_v2v"),
     "wan2.1-14b": _wan_sources("14B", "wan_causal_dmd_v2v_14b"),
     "dreamlite-mobile": _DREAMLITE_SOURCES,
+    "wan2.1-vace-1.3b": _vace_sources("1.3B", ("diffusion_pytorch_model.safetensors",),
+                                      "diffusion_pytorch_model.safetensors"),
+    # seven shards (and an index where the repository has one): the snapshot folder, read as a whole
+    "wan2.1-vace-14b": _vace_sources("14B", ("diffusion_pytorch_model*.safetensors*",), ""),
 }
-PULLABLE_PRESETS = ("wan2.1-1.3b", "wan2.1-14b", "dreamlite-edit")  # the preset names a user gives `loom pull`
+# the preset names a user gives `loom pull`
+PULLABLE_PRESETS = ("wan2.1-1.3b", "wan2.1-14b", "wan2.1-vace-1.3b", "wan2.1-vace-14b", "dreamlite-edit")
 
 
 def pull_name(cfg: Any) -> str:
@@ -110,7 +130,9 @@ def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | N
         base = snapshot / folder if folder else snapshot
         if name == "*" and not (base.is_dir() and any(base.iterdir())):
             return None
-        if name != "*" and not (base / name).is_file():
+        if "*" in name and name != "*" and not any(f.is_file() for f in base.glob(name)):
+            return None  # shards named by a pattern: at least one there (the index lists them all)
+        if "*" not in name and not (base / name).is_file():
             return None
     return snapshot / source.target if source.target else snapshot
 

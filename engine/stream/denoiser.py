@@ -28,6 +28,7 @@ class InFlight:
 
     latent: torch.Tensor  # noisy latent [1, C, f, h, w] at the step of the row it sits in
     tag: Any  # whatever the session needs back when the chunk leaves (its input frames, timing)
+    control: torch.Tensor | None = None  # VACE control latents of the chunk, beside it at every step
 
 
 class StreamDenoiser:
@@ -45,6 +46,7 @@ class StreamDenoiser:
         self.set_steps(steps)
         self.rows: list[InFlight | None] = [None] * len(steps)
         self._row0_sigma: torch.Tensor | float = self._sigmas[0]
+        self.context_scale = 1.0  # VACE: how strongly the control latents steer (a live parameter)
 
     def replace_cache(self, cache) -> None:
         """Use another KV cache (a new step list); captured graphs of the old one are dropped."""
@@ -88,6 +90,22 @@ class StreamDenoiser:
         self.set_steps(steps)
         self.rows = [None] * len(steps)
 
+    def set_context_scale(self, scale: float) -> None:
+        """VACE: the control strength from the next forward on (an input of captured graphs, not a constant)."""
+        self.context_scale = float(scale)
+
+    def add_reference(self, latent: torch.Tensor, control: torch.Tensor) -> None:
+        """VACE: commit a reference entry (one clean latent frame and its control frame, at timestep 0)
+        into every cache row as the stream's first frame, and pin it there as a fixed first sink."""
+        rows = self.cache.batch
+        grow = lambda t: t.expand(rows, *t.shape[1:])  # noqa: E731
+        self.model.forward_stream(grow(latent), latent.new_zeros(rows), self.cache, self.cross, commit=True,
+                                  control=grow(control), context_scale=self._scale(rows, latent))
+        self.cache.pin_sinks(1)
+
+    def _scale(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.full((rows,), float(self.context_scale), device=like.device, dtype=like.dtype)
+
     @property
     def n(self) -> int:
         return len(self.steps)
@@ -108,20 +126,24 @@ class StreamDenoiser:
             t0 = min(max(t0, lo), self.schedule.train_timesteps - 1)
         return self.schedule.sigma(t0)
 
-    def _forward(self, x: torch.Tensor, sigmas: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, sigmas: torch.Tensor, first: int, last: int,
+                 control: torch.Tensor | None = None) -> torch.Tensor:
         """One DiT forward over cache rows [first, last); returns x0 for each row."""
         t = sigmas * self.schedule.train_timesteps
         full = first == 0 and last == self.n
+        extra = {} if control is None else {"control": control, "context_scale": self._scale(x.shape[0], x)}
         if full:
-            flow = self.full_forward(x, t.to(x.dtype), self.cache, self.cross)
+            flow = self.full_forward(x, t.to(x.dtype), self.cache, self.cross, **extra)
         else:
             cache = self.cache.rows(slice(first, last))
-            flow = self.model.forward_stream(x, t.to(x.dtype), cache, self.cross, commit=True)
+            flow = self.model.forward_stream(x, t.to(x.dtype), cache, self.cross, commit=True, **extra)
             self.cache.set_rows(list(range(first, last)), cache)
         return self.schedule.to_x0(x.float(), flow.float(), sigmas.float()).to(x.dtype)
 
-    def run_sequential(self, z: torch.Tensor, t0: torch.Tensor | float) -> torch.Tensor:
-        """Denoise one chunk through all n rows now; returns its clean latent."""
+    def run_sequential(self, z: torch.Tensor, t0: torch.Tensor | float,
+                       control: torch.Tensor | None = None) -> torch.Tensor:
+        """Denoise one chunk (with its VACE control latents, if any) through all n rows now; returns its
+        clean latent."""
         if self.in_flight:
             raise RuntimeError("drain the stream-batch pipeline before a sequential chunk")
         sigma0 = self._first_sigma(t0)
@@ -129,13 +151,15 @@ class StreamDenoiser:
         x0 = z
         for i in range(self.n):
             sig = _row_sigma(sigma0 if i == 0 else self._sigmas[i], x)
-            x0 = self._forward(x, sig, i, i + 1)
+            x0 = self._forward(x, sig, i, i + 1, control)
             if i + 1 < self.n:
                 x = self.schedule.add_noise(x0, self._noise(x0), self._sigmas[i + 1])
         return x0
 
-    def push_batch(self, z: torch.Tensor | None, t0: torch.Tensor | float, tag: Any) -> list[tuple[torch.Tensor, Any]]:
-        """One stream-batch forward: z enters row 0 (None to drain); returns chunks that left."""
+    def push_batch(self, z: torch.Tensor | None, t0: torch.Tensor | float, tag: Any,
+                   control: torch.Tensor | None = None) -> list[tuple[torch.Tensor, Any]]:
+        """One stream-batch forward: z (with its VACE control latents, if any) enters row 0 (None to
+        drain); returns chunks that left."""
         if z is not None:
             if self.rows[0] is not None:
                 raise RuntimeError("row 0 is occupied")
@@ -143,7 +167,7 @@ class StreamDenoiser:
             if busy and busy[0] != z.shape:
                 raise RuntimeError("drain the pipeline before changing the chunk shape")
             sigma0 = self._first_sigma(t0)
-            self.rows[0] = InFlight(self.schedule.add_noise(z, self._noise(z), sigma0), tag)
+            self.rows[0] = InFlight(self.schedule.add_noise(z, self._noise(z), sigma0), tag, control)
             self._row0_sigma = sigma0
         active = [i for i, r in enumerate(self.rows) if r is not None]
         if not active:
@@ -153,7 +177,9 @@ class StreamDenoiser:
             raise RuntimeError(f"stream-batch rows must be contiguous, got {active}")
         x = torch.cat([self.rows[i].latent for i in range(first, last)])
         sig = torch.stack([_scalar(self._row0_sigma if i == 0 else self._sigmas[i], x) for i in range(first, last)])
-        x0 = self._forward(x, sig, first, last)
+        controls = [self.rows[i].control for i in range(first, last)]
+        control = None if controls[0] is None else torch.cat(controls)
+        x0 = self._forward(x, sig, first, last, control)
         out: list[tuple[torch.Tensor, Any]] = []
         moved: list[InFlight | None] = [None] * self.n
         for j, i in enumerate(range(first, last)):
@@ -162,7 +188,7 @@ class StreamDenoiser:
                 out.append((x0[j:j + 1], row.tag))
             else:
                 nxt = self.schedule.add_noise(x0[j:j + 1], self._noise(x0[j:j + 1]), self._sigmas[i + 1])
-                moved[i + 1] = InFlight(nxt, row.tag)
+                moved[i + 1] = InFlight(nxt, row.tag, row.control)
         self.rows = moved
         return out
 

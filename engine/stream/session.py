@@ -32,6 +32,7 @@ from engine.cache.vae_cache import FRAMES_PER_LATENT
 from engine.config import LoomConfig
 from engine.graphs.vae_steps import VAEGraphs
 from engine.models.loading import LoadedModels, load_models
+from engine.stream.control import VaceControl
 from engine.stream.denoiser import StreamDenoiser
 from engine.stream.frames import FrameMapper, validate_frames
 from engine.stream.metrics import StreamMetrics
@@ -43,9 +44,11 @@ from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, a
 from engine.stream.stage_timer import StageTimer
 from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-# The schema's sections this family takes (another family's parameters are refused by name)
+# The schema's sections this family takes (another family's parameters are refused by name); a VACE
+# model takes the `control` section too.
 LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
 LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
+VACE_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
 
 
 @dataclass
@@ -58,6 +61,8 @@ class _Chunk:
     ready: torch.cuda.Event | None = None
     first: bool = False  # the stream's first chunk: its own shape, eager, not steady state
     keep: int | None = None  # a padded chunk: only its first `keep` frames are real inputs
+    given: np.ndarray | torch.Tensor | None = None  # VACE: the host's control frames (uint8), if it gave them
+    control: torch.Tensor | None = None  # VACE: the chunk's control latents
 
 
 class StreamSession:
@@ -94,6 +99,8 @@ class StreamSession:
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
         self._lora_pending: dict[str, float] = {}
+        self._live_params = VACE_LIVE_PARAMS if cfg.vace else LIVE_PARAMS
+        self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
         self._build_parts()
         self.reset()
 
@@ -187,7 +194,10 @@ class StreamSession:
             self.denoiser = self._new_denoiser(cross)
         self.motion.reset()
         self._outputs.clear()
+        if self.control is not None:
+            self.control.start(self.denoiser)
         self._buffer: list[np.ndarray | torch.Tensor] = []
+        self._given: list[np.ndarray | torch.Tensor | None] = []  # VACE: host control frames, one per buffered frame
         self._frame_shape: tuple[int, ...] | None = None  # of the frames accepted last
         self._chunks_started = 0
         self._prev_last: torch.Tensor | None = None
@@ -212,8 +222,13 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        new = self.cfg.with_live(params, LIVE_PARAMS)
+        new = self.cfg.with_live(params, self._live_params)
+        if self.control is not None:
+            self.control.frames.check_source(new.control.control_source)
         old, self.cfg = self.cfg, new
+        if self.control is not None:
+            self.control.configure(new.control)
+            self.denoiser.set_context_scale(new.control.context_scale)
         self._lora_pending.update({e.key: e.scale for e in new.lora
                                    if self.models.lora.scales.get(e.key) != e.scale})
         budget = new.slo.latency_budget_ms / 1000.0
@@ -258,10 +273,14 @@ class StreamSession:
         """Outputs are restyled frames, never the inputs: the server always reads them."""
         return False
 
-    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    def push(self, frames: np.ndarray | torch.Tensor,
+             control: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         """Feed frames (uint8 RGB [N, H, W, 3] or [H, W, 3]); returns the outputs that are finished,
         in order, as a numpy array (or, for tensor input, a tensor on the compute device). On a GPU
         the newest chunk's frames may come from a later push or `poll()`.
+
+        `control` (VACE models, control_source 'video'): one control frame per input frame, of the
+        input's size; control frames that do not fit are refused and counted, the frames go on.
 
         Raises ValueError for input it refuses (dtype, shape), leaving the stream as it was. The
         frame size may change between any two frames (a new output resolution in TouchDesigner,
@@ -271,10 +290,11 @@ class StreamSession:
         good, dropped = validate_frames(frames)
         if dropped:
             self.metrics.on_drop(dropped, "non-finite")
+        given = self._given_control(control, good)
         if len(good) and self._frame_shape not in (None, good.shape[1:]):
-            return self._change_size(good, now)
+            return self._change_size(good, now, given)
         if len(good):
-            self._accept(good, now)
+            self._accept(good, now, given)
         return self._process(self._full_chunks())
 
     def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
@@ -299,7 +319,17 @@ class StreamSession:
         self._new_stream()  # metrics and the scheduler's learning carry over to the next stream
         return out
 
-    def _change_size(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+    def _given_control(self, control: Any, good: np.ndarray | torch.Tensor) -> list[Any]:
+        """The host's control frames, one entry per accepted frame (None where none or refused)."""
+        if control is None or not len(good):
+            return [None] * len(good)
+        if self.control is None:
+            raise ValueError("control frames were given, but this model has no VACE control blocks; "
+                             "use a *vace* model preset")
+        accepted = self.control.frames.accept(control, good)
+        return [None] * len(good) if accepted is None else list(accepted)
+
+    def _change_size(self, good: np.ndarray | torch.Tensor, now: float, given: list[Any]) -> np.ndarray | torch.Tensor:
         """New input size: the stream goes on (the model size, caches and positions stay).
 
         Every frame of the old size leaves first: the partial chunk padded as at the end of a
@@ -309,21 +339,23 @@ class StreamSession:
         """
         chunks = [self._padded_chunk()] if self._buffer else []
         out = self._process(chunks, drain=True)
-        self._accept(good, now)
+        self._accept(good, now, given)
         return out
 
-    def _accept(self, good: np.ndarray | torch.Tensor, now: float) -> None:
+    def _accept(self, good: np.ndarray | torch.Tensor, now: float, given: list[Any]) -> None:
         self.metrics.on_input(len(good), now)
         self.slo.observe_input(len(good), now)
         self._buffer.extend(good)
+        self._given.extend(given)
         self._frame_shape = tuple(good.shape[1:])
 
     def _full_chunks(self) -> list[_Chunk]:
         chunks = []
         while len(self._buffer) >= self._next_chunk_frames():
             n = self._next_chunk_frames()
-            chunks.append(_Chunk(_stack(self._buffer[:n])))
+            chunks.append(_Chunk(_stack(self._buffer[:n]), given=_stack_given(self._given[:n])))
             del self._buffer[:n]
+            del self._given[:n]
             self._chunks_started += 1
         return chunks
 
@@ -331,10 +363,12 @@ class StreamSession:
         """The buffered frames (less than a chunk) as a whole chunk, completed with copies of the
         last one; the copies' outputs are not returned."""
         n = len(self._buffer)
-        frames = _stack(self._buffer + [self._buffer[-1]] * (self._next_chunk_frames() - n))
-        self._buffer = []
+        pad = self._next_chunk_frames() - n
+        frames = _stack(self._buffer + [self._buffer[-1]] * pad)
+        given = _stack_given(self._given + [self._given[-1]] * pad)
+        self._buffer, self._given = [], []
         self._chunks_started += 1
-        return _Chunk(frames, keep=n)
+        return _Chunk(frames, keep=n, given=given)
 
     def _next_chunk_frames(self) -> int:
         if self._chunks_started == 0:
@@ -390,10 +424,13 @@ class StreamSession:
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
                 pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
                 c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
+            if self.control is not None:
+                with self.timer.span("control", len(c.frames)):
+                    c.control = self.control.latents(x, c.given)
             if stream is not None:
                 c.ready = torch.cuda.Event()
                 c.ready.record(stream)
-                for t in (c.latent, c.t0):
+                for t in (c.latent, c.t0, c.control):
                     if isinstance(t, torch.Tensor):
                         t.record_stream(consumer)
 
@@ -410,10 +447,10 @@ class StreamSession:
         if batch:
             full = d.in_flight + 1 == d.n  # fill forwards run eagerly on fewer rows: not steady state
             with self.timer.span("dit", d.n * k if full else None):
-                out += d.push_batch(c.latent, c.t0, c)
+                out += d.push_batch(c.latent, c.t0, c, c.control)
         else:
             with self.timer.span("dit", None if c.first else (k, d.n)):
-                out.append((d.run_sequential(c.latent, c.t0), c))
+                out.append((d.run_sequential(c.latent, c.t0, c.control), c))
         self._emit(out)
         if self.cfg.stream.mode == "auto":
             self.slo.decide()
@@ -474,12 +511,18 @@ class StreamSession:
             "prompt_style": self.prompt.match,
             "lora_scales": self.models.lora.scales,
             "kv_positions": cache.next_positions,
+            **({"control": self.control.stats()} if self.control is not None else {}),
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),
             "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)
                                       if self.device.type == "cuda" else None),
         })
         return snap
+
+
+def _stack_given(given: list[Any]) -> Any:
+    """The host's control frames of a chunk, or None unless every frame of it has one."""
+    return None if any(g is None for g in given) else _stack(given)
 
 
 def _on(stream: torch.cuda.Stream | None) -> Any:

@@ -245,8 +245,18 @@ PROMPT_REFRESH_EVERY = LiveParam("prompt_refresh_every", "int", 8, "edit",
                                  min=1, max=10000, ui_max=256)
 EDIT_PARAMS = (ADAPTER_STRENGTH, COND_REFRESH_EVERY, PROMPT_REFRESH_EVERY)
 
+# VACE structure control (the wan2.1-vace presets), kept in the config section `control`.
+CONTROL_SOURCES = ("edges", "grey", "flow", "depth", "video")
+CONTROL = LiveParam("control_source", "choice", "edges", "control",
+                    "the control video: made from the input (edges, grey, flow, depth) or a video given with it",
+                    choices=CONTROL_SOURCES)
+CONTEXT_SCALE = LiveParam("context_scale", "float", 1.0, "control",
+                          "how strongly the control video steers the structure; 0 = not at all",
+                          min=0.0, max=2.0, ui_step=0.05)
+CONTROL_PARAMS = (CONTROL, CONTEXT_SCALE)
+
 LIVE = ParamSchema(STEPS, MODE, SINK_THRESHOLD, NOISE_SCALE, MOTION_AWARE, TRANSITION_CHUNKS, TARGET_FPS,
-                   LATENCY_BUDGET_MS, LORA_SCALES, *EDIT_PARAMS)
+                   LATENCY_BUDGET_MS, LORA_SCALES, *EDIT_PARAMS, *CONTROL_PARAMS)
 
 
 def steps_for(count: Any) -> list[int]:
@@ -267,6 +277,7 @@ def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str,
     return text.strip(), chunks
 
 
-__all__ = ["CHUNK_FRAMES", "EDIT_PARAMS", "FIRST_CHUNK_FRAMES", "LIVE", "LORA_DEFAULT_SCALE", "LORA_SCALES",
+__all__ = ["CHUNK_FRAMES", "CONTROL_PARAMS", "CONTROL_SOURCES",
+           "EDIT_PARAMS", "FIRST_CHUNK_FRAMES", "LIVE", "LORA_DEFAULT_SCALE", "LORA_SCALES",
            "LiveParam", "MAX_STEPS", "NAME_LEN", "PROMPT", "ParamSchema", "STEP_LISTS", "TRAIN_TIMESTEPS",
            "check_prompt_request", "lora_name", "steps_for", "whole_chunks"]

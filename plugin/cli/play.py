@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import load_config, lora_override
+from engine.config import control_override, load_config, lora_override
+from host_bridge.wire.errors import UserError
 from plugin.cli.common import add_config_options, add_overwrite_option
 from plugin.cli.preflight import check_engine_run
 
@@ -56,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_overwrite_option(p)
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
                    help="a style LoRA file and its scale (default 1.0); repeat for several")
+    p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
+                   help="VACE presets: the control video, made from the input or read from a video FILE")
+    p.add_argument("--reference", metavar="IMAGE", help="VACE presets: a reference image that sets the look")
     p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
                    help="style prompt; repeat for a list to step through with n/b or OSC")
     p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
@@ -88,8 +92,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list_ndi:
         return _list_ndi()
-    args.overrides = [*args.overrides, *lora_override(args.loras)]
+    args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference)]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
+    if (args.control or args.reference) and not cfg.vace:
+        raise UserError(f"--control and --reference steer a VACE model; preset {cfg.model.preset!r} has no control "
+                        "blocks: use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
     from plugin.player import PlayerOptions, read_prompt_file, run_player

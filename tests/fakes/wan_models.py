@@ -43,3 +43,40 @@ def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None, cross_a
     if model is not None:
         twin.load_state_dict({to_diffusers_key(k): v for k, v in model.state_dict().items()}, strict=True)
     return twin
+
+
+def random_vace(cfg, seed: int = 0):
+    """A WanVaceDiT of `cfg` with non-trivial random values everywhere."""
+    from engine.models.wan_vace import WanVaceDiT
+
+    torch.manual_seed(seed)
+    model = WanVaceDiT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def diffusers_vace_twin(cfg, model=None):
+    """diffusers' WanVACETransformer3DModel of the same shape; with `model`, loaded with its weights."""
+    import diffusers
+
+    twin = diffusers.WanVACETransformer3DModel(
+        patch_size=cfg.patch_size,
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        text_dim=cfg.text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        cross_attn_norm=cfg.cross_attn_norm,
+        qk_norm="rms_norm_across_heads",
+        eps=cfg.eps,
+        vace_layers=list(cfg.vace_layers),
+        vace_in_channels=cfg.vace_in_channels,
+    ).eval()
+    if model is not None:
+        twin.load_state_dict({to_diffusers_key(k): v for k, v in model.state_dict().items()}, strict=True)
+    return twin

@@ -267,3 +267,27 @@ def test_static_cross_keeps_its_buffers_for_a_prompt_of_the_same_shape():
     assert not reshaped and second.k[0] is first.k[0] and float(second.v[0][0, 0, 0]) == -2.0
     third, reshaped = static.update(cross(3.0, tokens=16))  # another shape: new buffers, recapture
     assert reshaped and third.k[0].shape[1] == 16
+
+
+def test_pinned_sinks_stay_through_refresh_and_adaptation():
+    """pin_sinks(1): the first sink (a VACE reference entry) outlives a refresh and similarity swaps,
+    in the row that pinned it; the other row's sinks move as before; a reset unpins."""
+    torch.manual_seed(1)
+    cache = make_cache(batch=2, sink=2, slots=5, threshold=1.5)  # every frame is "dissimilar"
+    push(cache, rand_chunk(2, 2))
+    cache.pin_sinks(1, rows=[0])
+    kept = cache.k[0][:, 0].clone()
+    for i in range(6):
+        if i == 3:
+            cache.refresh_sinks()
+        push(cache, rand_chunk(2))
+    assert torch.equal(cache.k[0][0, 0], kept[0])
+    assert not torch.equal(cache.k[0][1, 0], kept[1])
+    cache.reset()
+    push(cache, rand_chunk(2, 2))
+    fresh = cache.k[0][0, :2].clone()
+    for _ in range(3):
+        push(cache, rand_chunk(2))
+    assert not torch.equal(cache.k[0][0, :2], fresh)  # row 0's sinks adapt again
+    with pytest.raises(ValueError, match="pin_sinks"):
+        cache.pin_sinks(3)

@@ -56,3 +56,24 @@ def test_an_unpulled_dreamlite_edit_run_is_refused_naming_its_pull(tmp_path, mon
                                         r"Run `loom pull dreamlite-edit`"):
         check_weights(load_config("dreamlite-edit"))
     check_weights(load_config("dreamlite-edit", ["model.random_weights=true"]))  # a benchmark: no adapter needed
+@pytest.mark.parametrize(("preset", "size"), [("wan2.1-vace-1.3b", "1.3B"), ("wan2.1-vace-14b", "14B")])
+def test_each_vace_preset_pulls_the_vace_release(preset, size):
+    sources = {s.key: s for s in PRESET_WEIGHTS[preset]}
+    assert set(sources) == {"model.checkpoint", "vae.checkpoint", "prompt.path"}
+    dit, vae = sources["model.checkpoint"], sources["vae.checkpoint"]
+    assert dit.repo == vae.repo == f"Wan-AI/Wan2.1-VACE-{size}"
+    assert vae.files == ("Wan2.1_VAE.pth",)
+    assert sources["prompt.path"].repo == f"Wan-AI/Wan2.1-T2V-{size}-Diffusers"
+
+
+def test_sharded_vace_dit_is_found_in_the_cache_by_its_pattern(tmp_path):
+    from engine.models.weights import cached_path
+
+    (source,) = [s for s in PRESET_WEIGHTS["wan2.1-vace-14b"] if s.key == "model.checkpoint"]
+    snapshot = tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "refs").mkdir()
+    (tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "refs" / "main").write_text("abc")
+    assert cached_path(source, tmp_path) is None
+    (snapshot / "diffusion_pytorch_model-00001-of-00007.safetensors").write_bytes(b"")
+    assert cached_path(source, tmp_path) == snapshot

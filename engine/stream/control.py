@@ -1,0 +1,58 @@
+"""The control side of a VACE stream: per chunk, control frames and their latents; per stream, the
+reference entry. The session owns one and calls it at the stream's start and for each chunk's encode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+from engine.config import ControlConfig, LoomConfig
+from engine.models.wan_vace import reference_entry
+from engine.stream.control_frames import ControlFrames
+from engine.stream.control_latents import ControlEncoder
+
+
+class VaceControl:
+    """Control frames (engine/stream/control_frames.py) -> control latents (control_latents.py), with the
+    live source and scale of the config's `control` section, and the reference image as a pinned entry."""
+
+    def __init__(self, cfg: LoomConfig, models: Any, mapper: Any, layout: torch.memory_format) -> None:
+        self.cfg = cfg.control
+        self.mapper = mapper
+        self.frames = ControlFrames(models.device, self.cfg.depth_model, self.cfg.video)
+        self.encoder = ControlEncoder(models.encoder, layout)
+        self.reference = read_image(self.cfg.reference) if self.cfg.reference else None
+
+    def configure(self, cfg: ControlConfig) -> None:
+        """New live settings (source, scale), already validated by the config's rules."""
+        self.cfg = cfg
+
+    def start(self, denoiser: Any) -> None:
+        """A new stream: control state afresh, the scale set, the reference committed and pinned."""
+        self.frames.reset()
+        self.encoder.reset()
+        denoiser.set_context_scale(self.cfg.context_scale)
+        if self.reference is not None:
+            latent = self.encoder.reference(self.mapper.to_model(self.reference))
+            denoiser.add_reference(*reference_entry(latent))
+
+    def latents(self, x: torch.Tensor, given: np.ndarray | torch.Tensor | None) -> torch.Tensor:
+        """Control latents [1, 96, f, h, w] for a chunk's model-size frames x (and the host's control frames)."""
+        given_x = self.mapper.to_model(given) if given is not None else None
+        return self.encoder.latents(self.frames.make(self.cfg.control_source, x, given_x))
+
+    def stats(self) -> dict[str, Any]:
+        return {"source": self.cfg.control_source, "context_scale": self.cfg.context_scale,
+                "refused_frames": self.frames.refused, "reference": self.cfg.reference}
+
+
+def read_image(path: str) -> np.ndarray:
+    """An image file as uint8 RGB [1, H, W, 3]; ValueError naming the file when it cannot be read."""
+    bgr = cv2.imread(str(Path(path).expanduser()), cv2.IMREAD_COLOR)
+    if bgr is None:
+        raise ValueError(f"control.reference: {path} cannot be read as an image (PNG, JPEG, ...)")
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)[None]

@@ -1,0 +1,120 @@
+"""A VACE stream end to end on the CPU (tiny-vace, 64x64, one step): control sources, the live control scale,
+host control frames refused when they do not fit, the depth source refused without its model, a reference."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ConfigError, load_config
+from engine.models.loading import load_models
+from engine.stream.control_latents import ControlEncoder
+from engine.stream.session import StreamSession
+
+SMALL = ["resolution.width=64", "resolution.height=64", "stream.steps=[700]", "stream.cuda_graphs=false"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_models(load_config("tiny-vace", SMALL))
+
+
+def session(models, *overrides: str) -> StreamSession:
+    return StreamSession(load_config("tiny-vace", [*SMALL, *overrides]), models)
+
+
+def clip(n: int, seed: int = 0) -> np.ndarray:
+    """A moving bright square on a dark ground: edges, flow and grey all differ."""
+    frames = np.full((n, 64, 64, 3), 30, np.uint8)
+    for i in range(n):
+        frames[i, 10 + i:30 + i, 12 + 2 * i:36 + 2 * i] = (220, 180, 90)
+    return frames
+
+
+def test_live_control_scale_switch_leaves_earlier_chunks_and_changes_later_ones(models):
+    """Switched at a chunk boundary: the frames before equal the unswitched stream's, the rest differ."""
+    frames = clip(13)
+    steady, switched = session(models), session(models)
+    a = [steady.push(frames[:5]), steady.push(frames[5:9]), steady.push(frames[9:])]
+    b = [switched.push(frames[:5]), switched.push(frames[5:9])]
+    switched.set_params(context_scale=0.0)
+    b.append(switched.push(frames[9:]))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert np.abs(a[2].astype(int) - b[2].astype(int)).max() > 0
+    assert switched.stats()["control"]["context_scale"] == 0.0
+    with pytest.raises(ValueError, match="context_scale"):
+        switched.set_params(context_scale=3.0)
+    assert switched.stats()["control"]["context_scale"] == 0.0
+
+
+def test_sources_steer_the_output(models):
+    frames = clip(9)
+    outs = {}
+    for source in ("edges", "grey", "flow"):
+        outs[source] = session(models, f"control.control_source={source}").push(frames)
+        assert outs[source].shape == frames.shape
+    assert not np.array_equal(outs["edges"], outs["grey"]) and not np.array_equal(outs["grey"], outs["flow"])
+
+
+def test_host_control_frames_of_the_wrong_size_or_count_are_refused_and_counted(models):
+    s = session(models, "control.control_source=video")
+    frames = clip(9)
+    out = s.push(frames[:5], control=np.zeros((5, 32, 32, 3), np.uint8))  # wrong size
+    out = np.concatenate([out, s.push(frames[5:], control=np.zeros((3, 64, 64, 3), np.uint8))])  # 3 for 4
+    assert len(out) == 9  # the stream went on
+    assert s.stats()["control"]["refused_frames"] == 9
+    given = session(models, "control.control_source=video")
+    fitting = given.push(frames, control=255 - frames)
+    assert given.stats()["control"]["refused_frames"] == 0
+    assert not np.array_equal(fitting, out)  # the host's control frames were used, not the grey stand-in
+
+
+def test_depth_source_without_its_model_is_refused_with_one_line(models, tmp_path):
+    with pytest.raises(ConfigError, match="control.depth_model"):
+        load_config("tiny-vace", [*SMALL, "control.control_source=depth"])
+    with pytest.raises(ValueError, match=r"control.depth_model: .*not a directory") as info:
+        session(models, "control.control_source=depth", f"control.depth_model={tmp_path / 'absent'}")
+    assert "\n" not in str(info.value)
+    s = session(models)
+    with pytest.raises(ValueError, match="depth"):
+        s.set_params(control_source="depth")
+    assert s.stats()["control"]["source"] == "edges"
+    with pytest.raises(ConfigError, match="needs a VACE model"):
+        load_config("tiny-random", [f"control.reference={tmp_path / 'x.png'}"])
+
+
+def test_reference_image_is_a_pinned_first_entry(models, tmp_path):
+    ref = tmp_path / "ref.png"
+    cv2.imwrite(str(ref), np.tile(np.linspace(0, 255, 64, dtype=np.uint8)[:, None, None], (1, 64, 3)))
+    frames = clip(9)
+    plain = session(models).push(frames)
+    s = session(models, f"control.reference={ref}")
+    out = s.push(frames)
+    assert out.shape == frames.shape and not np.array_equal(out, plain)
+    assert s.denoiser.cache.positions[0][0] == 0
+    with pytest.raises(ValueError, match="cannot be read as an image"):
+        session(models, f"control.reference={tmp_path / 'none.png'}")
+
+
+def test_control_latents_are_the_grey_and_control_videos_encoded_beside_a_mask_of_ones(models):
+    enc = ControlEncoder(models.encoder)
+    grey_state, control_state = models.encoder.new_stream_state(), models.encoder.new_stream_state()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for x in [torch.rand(5, 3, 64, 64) * 2 - 1, torch.rand(4, 3, 64, 64) * 2 - 1]:
+            got = enc.latents(x)
+            pixels = x.permute(1, 0, 2, 3)[None]
+            assert torch.equal(got[:, :16], models.encoder.encode_stream(torch.zeros_like(pixels), grey_state))
+            assert torch.equal(got[:, 16:32], models.encoder.encode_stream(pixels, control_state))
+            assert got.shape[1] == 96 and bool((got[:, 32:] == 1).all())
+
+
+def test_player_control_options_become_config_keys(tmp_path):
+    from engine.config import control_override
+
+    assert control_override("flow", None) == ["control.control_source=flow"]
+    cfg = load_config("tiny-vace", control_override(str(tmp_path / "c.mp4"), str(tmp_path / "r.png")))
+    assert (cfg.control.control_source, cfg.control.video, cfg.control.reference) == (
+        "video", str(tmp_path / "c.mp4"), str(tmp_path / "r.png"))
