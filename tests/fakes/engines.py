@@ -7,11 +7,15 @@ and lets a test reach into it (its worker's counters) or hand it a fake session 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +97,30 @@ def exiting_engine(folder: Path, code: int, error: str = "", name: str = "engine
     path.write_text(f"#!/bin/sh\necho 'engine starting'\n{said}exit {code}\n")
     os.chmod(path, 0o755)
     return path
+
+
+@contextlib.contextmanager
+def served_engine(folder: Path, *args: str, startup_s: float = 60.0) -> Iterator[tuple[str, str]]:
+    """`loom serve --bind` on a free loopback port with a session secret, as a process of its own (pass-through
+    unless `args` say otherwise): yields (endpoint, secret file) and stops it afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint, secret = f"tcp://127.0.0.1:{port}", folder / "served.secret"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+                             str(secret), *(args or ("--passthrough",))], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
+    try:
+        up = wait_until(lambda: proc.poll() is not None or _listens(port), startup_s, 0.1)
+        assert up and proc.poll() is None and secret.exists(), "loom serve did not come up"
+        yield endpoint, str(secret)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def _listens(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False

@@ -19,11 +19,11 @@ from engine.server.passthrough import PassthroughSession
 from host_bridge import Bridge, BridgeConfig
 from host_bridge.wire.channel import SharedSecret, read_secret_file
 from host_bridge.wire.frame_lane import FrameLane
-from host_bridge.wire.protocol import encode, make
+from host_bridge.wire.protocol import PROTOCOL_VERSION, encode, make
 
 ROOT = Path(__file__).resolve().parents[2]
 posix_ipc = pytest.mark.skipif(os.name == "nt" or not zmq.has("ipc"), reason="needs ipc endpoints")
-HUGE = b'{"v":3,"type":"heartbeat","t":1' + b"0" * 400 + b"}"
+HUGE = b'{"v":%d,"type":"heartbeat","t":1' % PROTOCOL_VERSION + b"0" * 400 + b"}"
 
 
 def _wait(predicate, timeout_s: float) -> bool:

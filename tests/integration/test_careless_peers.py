@@ -1,0 +1,65 @@
+"""Careless and hostile peers, round two (issue 32), through real processes, sockets, engines and bridges:
+one host's messages go only to that host, nothing a host sends can freeze it or park the engine, and a
+bad file is refused up front."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from host_bridge import Bridge, BridgeConfig, EngineState
+from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from host_bridge.wire.protocol import make
+from tests.fakes.engines import served_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with served_engine(tmp_path_factory.mktemp("served")) as endpoint_and_secret:
+        yield endpoint_and_secret
+
+
+def _waiting_host(endpoint: str, secret_file: str, ctx: zmq.Context) -> Channel:
+    """A second host that holds the secret and says hello, as a connecting bridge does."""
+    return Channel(ctx, endpoint, bind=False, curve=SharedSecret(read_secret_file(secret_file), server=False))
+
+
+def test_a_waiting_host_hears_only_that_it_waits_and_the_attached_host_loses_nothing(served):
+    """Point 1: the engine's replies went round-robin to every peer past the handshake, so a host waiting
+    to get in took the attached host's heartbeats, acks and stats (and its set_params timed out)."""
+    endpoint, secret = served
+    ctx = zmq.Context()
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=secret, transport="tcp", heartbeat_s=0.1,
+                       request_timeout_s=3.0)
+    waiting = None
+    try:
+        with Bridge(cfg) as attached:
+            attached.wait_running(30)
+            waiting = _waiting_host(endpoint, secret, ctx)
+            heard: list[dict] = []
+            hello = make("hello", role="host", token=read_secret_file(secret), pid=os.getpid() + 1,
+                         transports=["tcp"])
+            for i in range(3):
+                waiting.send(hello)
+                attached.set_params(wait=True, noise_scale=0.5 + 0.1 * i)  # each answered, none taken
+                attached.set_prompt(f"style {i}", wait=True)
+                deadline = time.monotonic() + 0.4
+                while time.monotonic() < deadline:
+                    heard += [m for m, _ in waiting.poll(0.05)]
+            frames = [np.full((8, 8, 3), i * 30, np.uint8) for i in range(4)]
+            assert all(np.array_equal(a, b) for a, b in zip(frames, attached.process(frames, timeout_s=20)))
+            assert attached.status().state == EngineState.RUNNING and attached.status().restarts == 0
+        kinds = [m["type"] for m in heard]
+        assert kinds and set(kinds) == {"wait"}, kinds
+        assert "another host" in heard[0]["reason"]
+    finally:
+        if waiting is not None:
+            waiting.close()
+        ctx.term()
