@@ -63,3 +63,15 @@ def test_a_waiting_host_hears_only_that_it_waits_and_the_attached_host_loses_not
         if waiting is not None:
             waiting.close()
         ctx.term()
+
+
+def test_a_bridge_without_the_secret_of_a_served_engine_is_refused_when_it_is_made(served):
+    """Point 2: it showed `restarting` and tried again every 20 s, never saying why."""
+    endpoint, _ = served
+    line = (f"endpoint {endpoint}: an engine served on this machine takes only hosts that hold its session "
+            "secret; give secret_file FILE, the file its `loom serve --secret-file` uses")
+    with pytest.raises(ValueError) as refused:
+        Bridge(launch=False, endpoint=endpoint, transport="tcp")
+    assert str(refused.value) == f"BridgeConfig: {line}"  # the hosts' own line, as every BridgeConfig error
+    with pytest.raises(ValueError, match="give secret_file FILE"):
+        BridgeConfig(launch=False, endpoint="ipc:///tmp/loom-engine", transport="tcp")

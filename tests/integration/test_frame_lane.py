@@ -159,7 +159,7 @@ def test_served_engine_lane_refuses_frames_on_control_and_is_removed_when_the_ho
     engine = InProcessEngine(PassthroughSession, bind=f"ipc://{tmp_path}/ctl")
     server = engine.server
     try:
-        cfg = BridgeConfig(launch=False, endpoint=server.channel.endpoint, transport="tcp", heartbeat_s=0.1,
+        cfg = BridgeConfig(**engine.host, transport="tcp", heartbeat_s=0.1,
                            hang_timeout_s=1.0)
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)
