@@ -34,6 +34,7 @@ import zmq
 
 from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
+from host_bridge.frame_shrink import FrameShrinker
 from host_bridge.link import Link
 from host_bridge.newest_frames import NewestFrames, check_device_frame
 from host_bridge.supervisor import EngineState, Supervisor
@@ -68,6 +69,7 @@ class Bridge:
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
         self._frames = NewestFrames(config.cuda_device)
+        self._shrinker = FrameShrinker(config.max_frame_side, self._take_shrunk, self._refused_shrunk)
         self._collect: dict[int, np.ndarray] | None = None
         self._stats = FrameStats()
         self._wanted = Wanted()
@@ -94,6 +96,7 @@ class Bridge:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
         if self._sup.closing:
             return
+        self._shrinker.close()
         self._sup.stop()
         self._frames.close()
         self._ctx.term()
@@ -121,22 +124,17 @@ class Bridge:
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
-        A frame with a side over `max_frame_side` is shrunk first; one the engine cannot take (NaN or
-        inf, a wrong shape or dtype) raises ValueError and is counted (`stats()["refused_frames"]`).
+        One the engine cannot take (NaN or inf, a wrong shape or dtype) raises ValueError and is counted
+        (`stats()["refused_frames"]`). A frame with a side over `max_frame_side` is shrunk on a thread of
+        the bridge (frame_shrink.py) and this returns False at once: such a frame must not be written
+        into afterwards, and NaN or inf in it is refused and counted there, without raising here.
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
         try:
-            frame = formats.limit_size(formats.check_frame(frame), self.config.max_frame_side)
-            if cuda:
-                native = np.ascontiguousarray(frame)
-                if native.shape[2] == 2:
-                    raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
-                engine = None
-            else:
-                native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
-                                   else formats.to_engine(frame))
+            frame = formats.check_shape(frame)
+            big = max(frame.shape[:2]) > self.config.max_frame_side
+            converted = None if big else self._convert(formats.check_frame(frame), layout)
         except (TypeError, ValueError):
             self._refused_frame()
             raise
@@ -144,13 +142,50 @@ class Bridge:
         with self._lock:
             seq = self._next_seq()
             self._stats.counts["submitted"] += 1
-            if cuda:
-                self._frames.stage_host(native, layout)
-                self._set_pending(seq, None, now)
-            else:
-                self._frames.keep_input(engine)
-                self._set_pending(seq, engine, now)
-            return self._pump()
+            if big:
+                if self._pending is not None:  # superseded by this frame, as a pending frame would be
+                    self._pending = None
+                    self._stats.counts["dropped"] += 1
+                if self._shrinker.offer(frame, layout, seq, now):
+                    self._stats.counts["dropped"] += 1
+                return False
+            return self._hand_over(converted, layout, seq, now)
+
+    def _convert(self, frame: np.ndarray, layout: str) -> np.ndarray:
+        """A checked host frame as the link takes it: its own layout on cuda-ipc, else engine RGB."""
+        if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
+            native = np.ascontiguousarray(frame)
+            if native.shape[2] == 2:
+                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
+            return native
+        return formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame)
+
+    def _hand_over(self, converted: np.ndarray, layout: str, seq: int, t: float) -> bool:
+        """Lock held: a converted frame becomes the pending one and goes into a slot if one is free."""
+        if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
+            self._frames.stage_host(converted, layout)
+            self._set_pending(seq, None, t)
+        else:
+            self._frames.keep_input(converted)
+            self._set_pending(seq, converted, t)
+        return self._pump()
+
+    def _take_shrunk(self, frame: np.ndarray, layout: str, seq: int, t: float) -> None:
+        """The shrinker's thread: a frame over the size limit, shrunk; dropped if a newer one came meanwhile."""
+        try:
+            converted = self._convert(frame, layout)
+        except (TypeError, ValueError) as exc:
+            self._refused_shrunk(str(exc))
+            return
+        with self._lock:
+            if seq != self.last_seq or self._sup.closing:
+                self._stats.counts["dropped"] += 1
+                return
+            self._hand_over(converted, layout, seq, t)
+
+    def _refused_shrunk(self, why: str) -> None:
+        self._refused_frame()
+        self._sup.note(f"frame refused: {why}", error=True)
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
                     *, layout: str = "rgb", stream: int | None = None) -> bool:

@@ -5,6 +5,7 @@ bad file is refused up front."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -13,9 +14,10 @@ import pytest
 import zmq
 
 from host_bridge import Bridge, BridgeConfig, EngineState
+from host_bridge.wire import pixels
 from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from host_bridge.wire.protocol import make
-from tests.fakes.engines import served_engine
+from tests.fakes.engines import served_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +77,49 @@ def test_a_bridge_without_the_secret_of_a_served_engine_is_refused_when_it_is_ma
     assert str(refused.value) == f"BridgeConfig: {line}"  # the hosts' own line, as every BridgeConfig error
     with pytest.raises(ValueError, match="give secret_file FILE"):
         BridgeConfig(launch=False, endpoint="ipc:///tmp/loom-engine", transport="tcp")
+
+
+def _launched(**kw) -> BridgeConfig:
+    base = dict(passthrough=True, engine_cwd=str(ROOT), heartbeat_s=0.1, hang_timeout_s=1.0, restart=False,
+                stop_timeout_s=1.0)
+    return BridgeConfig(**{**base, **kw})
+
+
+def test_an_8k_frame_never_holds_up_the_hosts_frame_loop(monkeypatch):
+    """Point 3: `submit()` of an 8192x8192 frame shrank it on the caller's thread (2-3 s of a frozen frame
+    loop). The shrink is held here until the host's calls have returned: they must not wait for it."""
+    gate = threading.Event()
+    shrink = pixels.limit_size
+
+    def held_shrink(frame, max_side):
+        gate.wait(60)
+        return shrink(frame, max_side)
+
+    monkeypatch.setattr(pixels, "limit_size", held_shrink)
+    frame = np.full((8192, 8192, 3), 9, np.uint8)
+    frame[:, 4096:] = 200
+    with Bridge(_launched(max_frame_side=1024)) as bridge:
+        bridge.wait_running(30)
+        returned = threading.Event()
+
+        def frame_loop():
+            bridge.submit(frame)
+            bridge.latest()
+            bridge.submit(frame)  # a second one while the first is still being shrunk: latest wins
+            bridge.latest()
+            returned.set()
+
+        threading.Thread(target=frame_loop, daemon=True).start()
+        try:
+            assert returned.wait(30), "submit() or latest() waited for the shrink"
+        finally:
+            gate.set()
+        assert bridge.wait_for_output(bridge.last_seq, 30)
+        out, status = bridge.latest()
+        assert out.shape == (1024, 1024, 3) and not status.fallback
+        assert (out[:, :512] == 9).all() and (out[:, 512:] == 200).all()
+        assert bridge.stats()["dropped"] == 1  # the first frame, replaced before it reached the engine
+        nan = np.full((8192, 8192, 3), np.nan, np.float32)
+        assert bridge.submit(nan) is False  # refused off the caller's thread, and counted
+        assert wait_until(lambda: bridge.stats()["refused_frames"] == 1, 30)
+        assert "NaN" in bridge.stats()["last_error"]
