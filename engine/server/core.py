@@ -38,6 +38,7 @@ from engine.server.frame_worker import FrameWorker
 from engine.session_api import EngineSession
 from host_bridge.wire.channel import Channel, CurveServer, EndpointError, SharedSecret, remove_private_endpoint
 from host_bridge.wire.doorbell import Doorbell, DoorbellError
+from host_bridge.wire.errors import EXIT_USER_ERROR
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.wire.processes import pid_alive
 from host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
@@ -97,6 +98,7 @@ class EngineServer:
         self.channel: Channel | None = None
         self.worker: FrameWorker | None = None
         self.refused_semantic = 0
+        self.refusal = ""  # why the session could not be built from its inputs (the engine then exits with 2)
         # the attached host's hello token and whether it said anything since (with its pid: how a hello it
         # repeats before our answer reaches it is told from another host's); the last second host refused
         self._host_peer: bytes | None = None  # the attached host's routing id (b"": launched, one peer)
@@ -174,6 +176,9 @@ class EngineServer:
                 self._to_host(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
             if self.worker is not None and (self.worker.error and self.worker.session is None
                                             or not self.worker.thread.is_alive()):
+                if self.worker.refusal:  # its inputs (config, weights) cannot make a session: said by `run`'s caller
+                    self.refusal = self.worker.refusal
+                    return EXIT_USER_ERROR
                 log.error("the frame worker ended: %s", self.worker.error or "unexpectedly")
                 return EXIT_SESSION_FAILED
             lost = self._host_lost(now, last_heard, started, host_pid)

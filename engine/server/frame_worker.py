@@ -65,6 +65,7 @@ class FrameWorker:
         self.stop = False
         self.busy_since: float | None = None
         self.error: str | None = None
+        self.refusal = ""  # the session could not be built from its inputs (CheckpointError, ConfigError, ...)
         self._stall_after = stall_after
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()
@@ -172,6 +173,8 @@ class FrameWorker:
             self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
             self.error = f"session could not be built: {type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError | FileNotFoundError):  # its inputs (a config, a weights file): a refusal
+                self.refusal = str(exc).splitlines()[0] if str(exc) else self.error
             log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return

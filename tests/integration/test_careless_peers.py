@@ -5,6 +5,8 @@ bad file is refused up front."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from host_bridge import Bridge, BridgeConfig, EngineState
+from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
 from host_bridge.wire import pixels
 from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from host_bridge.wire.protocol import make
@@ -123,3 +125,70 @@ def test_an_8k_frame_never_holds_up_the_hosts_frame_loop(monkeypatch):
         assert bridge.submit(nan) is False  # refused off the caller's thread, and counted
         assert wait_until(lambda: bridge.stats()["refused_frames"] == 1, 30)
         assert "NaN" in bridge.stats()["last_error"]
+
+
+def _not_a_checkpoint(folder: Path, kind: str) -> Path:
+    """A file that exists and is not the DiT's weights: text, a pickle of no tensors, a foreign pickle,
+    or a tensor file with a DiT key of the wrong shape."""
+    import torch
+
+    path = folder / ("passwd" if kind == "text" else "model.pt")
+    if kind == "text":
+        path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    elif kind == "pickle":
+        torch.save({"step": 3, "note": "not weights"}, path)
+    elif kind == "foreign pickle":
+        torch.save({"weights": {"w": torch.zeros(2)}, "loss": torch.nn.MSELoss()}, path)
+    else:
+        torch.save({"patch_embedding.weight": torch.zeros(3, 3)}, path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["text", "pickle", "foreign pickle", "wrong shapes"])
+def test_what_each_weights_file_holds_is_checked_without_reading_its_weights(tmp_path, kind):
+    from engine.config import load_config
+    from host_bridge.wire.errors import UserError
+    from plugin.cli.preflight import check_weights
+
+    path = _not_a_checkpoint(tmp_path, kind)
+    with pytest.raises(UserError) as refused:
+        check_weights(load_config("default", [f"model.checkpoint={path}"]))
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
+    expected = {"text": "unknown checkpoint format", "pickle": "holds no tensor dictionary",
+                "foreign pickle": "unreadable checkpoint", "wrong shapes": "file (3, 3) vs model"}[kind]
+    assert expected in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["text", "foreign pickle"])
+def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_path, kind):
+    """Point 4: it crashed the engine (exit 1), the bridge restarted it for ever, and `loom play` ended with
+    exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started."""
+    path = _not_a_checkpoint(tmp_path, kind)
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
+                          str(tmp_path / "out.mp4"), "--set", f"model.checkpoint={path}"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and str(path) in lines[0], out.stderr
+    assert "root:x" not in out.stderr and "engine" not in out.stderr.lower().replace("loom serve", "")
+
+
+def test_an_engine_whose_build_fails_on_its_inputs_refuses_its_run(tmp_path):
+    """Point 4: an engine whose session cannot be built from its inputs (here a LoRA for another model
+    size, found only when the DiT is built) refuses its run (dead, said once) instead of crashing with
+    exit 1 and being restarted for ever; a file that is not a checkpoint is refused before it is served."""
+    import torch
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "ink.safetensors"
+    save_file({"lora_unet_blocks_0_self_attn_q.lora_down.weight": torch.zeros(4, 7),
+               "lora_unet_blocks_0_self_attn_q.lora_up.weight": torch.zeros(192, 4)}, str(lora))
+    cfg = BridgeConfig(engine_cwd=str(ROOT), engine_args=["--lora", str(lora)], restart_backoff_s=0.05)
+    with Bridge(cfg) as bridge:
+        with pytest.raises(EngineRefused, match="shapes that do not fit this model"):
+            bridge.wait_running(60)
+        assert bridge.status().restarts == 0
+    pickle = _not_a_checkpoint(tmp_path, "pickle")
+    cfg = BridgeConfig(engine_cwd=str(ROOT), engine_overrides=[f"model.checkpoint={pickle}"])
+    with Bridge(cfg) as bridge:
+        with pytest.raises(EngineRefused, match="holds no tensor dictionary"):
+            bridge.wait_running(60)
