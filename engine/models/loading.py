@@ -97,6 +97,10 @@ def check_weight_files(cfg: LoomConfig) -> None:
         WanVAE.from_checkpoint(vc.checkpoint, vae_cfg, device="meta")
     if vc.taehv_checkpoint and "taehv" in (vc.encoder, vc.decoder):
         TinyVAE.from_checkpoint(vc.taehv_checkpoint, device="meta")
+    if cfg.prompt.encoder == "file" and cfg.prompt.path:  # small: read whole, as the session will
+        from engine.stream.prompts import FileTextEncoder
+
+        FileTextEncoder(cfg.prompt.path)
 
 
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:

@@ -21,12 +21,11 @@ def check_weights(cfg: Any) -> None:
         raise UserError(f"preset {cfg.model.preset!r} needs weights that are not here: {'; '.join(missing)}. "
                         f"Run `loom pull {cfg.model.preset}`, or give the paths with --set KEY=PATH "
                         "(or use -c default, the embedded model)")
-    from engine.models.checkpoint_io import CheckpointError
     from engine.models.loading import check_weight_files
 
     try:
         check_weight_files(cfg)  # each file is what its key needs: format, keys, shapes
-    except CheckpointError as exc:
+    except ValueError as exc:  # CheckpointError, PromptError: they name the file and what is wrong
         raise UserError(str(exc)) from None
 
 

@@ -192,3 +192,55 @@ def test_an_engine_whose_build_fails_on_its_inputs_refuses_its_run(tmp_path):
     with Bridge(cfg) as bridge:
         with pytest.raises(EngineRefused, match="holds no tensor dictionary"):
             bridge.wait_running(60)
+
+
+CONFIG_FILES = {  # point 5: what each file holds, and what its one-line refusal must say
+    "syntax": (b"model:\n  preset: tiny\n  seed: [1, 2\nvae:\n  x: 1\n", "not valid YAML at line 4, column 4"),
+    "twice": (b"model:\n  seed: 3\nvae: {encoder: taehv}\nmodel:\n  seed: 4\n",
+              "line 4, column 1: 'model' is written twice"),
+    "encoding": (b"model:\n  seed: 3 \xff\xfe\n", "not UTF-8 text"),
+    "shadow": (b"root:$6$abcdefgh$SECRETHASH:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+               "a key that is not a name"),
+    "unused": (b"model: {preset: embedded}\nvae: {encoder: taehv, decoder: taehv, checkpoint: /models/vae.pth}\n",
+               "vae.checkpoint: this run does not read it"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_FILES))
+def test_a_config_file_is_refused_in_one_line_that_names_it_and_echoes_none_of_it(tmp_path, case):
+    from engine.config import load_config
+
+    content, expected = CONFIG_FILES[case]
+    path = tmp_path / ("run.yaml" if case != "shadow" else "shadow")
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as refused:
+        load_config(str(path))
+    text = str(refused.value)
+    if case == "unused":  # the default preset given a Wan VAE's weights: said, not ignored
+        with pytest.raises(ValueError, match=expected):
+            load_config("default", ["vae.checkpoint=/models/Wan2.1_VAE.pth"])
+    assert "\n" not in text and str(path) in text and expected in text, text
+    assert "SECRET" not in text and "seed: [1" not in text
+
+
+def test_a_file_that_is_not_a_config_is_refused_by_the_command_without_a_line_of_it(tmp_path):
+    shadow = tmp_path / "shadow"
+    shadow.write_bytes(CONFIG_FILES["shadow"][0])
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-c", str(shadow), "-o",
+                          str(tmp_path / "out.mp4")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert str(shadow) in out.stderr and "SECRET" not in out.stderr and "$6$" not in out.stderr
+
+
+def test_an_embeddings_file_that_is_not_one_is_refused_in_loom_words(tmp_path):
+    from engine.config import load_config
+    from engine.models.loading import check_weight_files
+
+    path = tmp_path / "prompts.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}   garbage")
+    cfg = load_config("default", ["prompt.encoder=file", f"prompt.path={path}"])
+    with pytest.raises(ValueError) as refused:
+        check_weight_files(cfg)
+    text = str(refused.value)
+    assert text.startswith(f"{path}: not a prompt embeddings file") and "loom encode-prompts" in text, text
