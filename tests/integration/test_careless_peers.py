@@ -244,3 +244,17 @@ def test_an_embeddings_file_that_is_not_one_is_refused_in_loom_words(tmp_path):
         check_weight_files(cfg)
     text = str(refused.value)
     assert text.startswith(f"{path}: not a prompt embeddings file") and "loom encode-prompts" in text, text
+
+
+def test_flushes_naming_frames_that_never_come_park_nothing():
+    """Point 6: each flush that named a frame notice that never came parked the engine's frame worker for
+    2 s, frames and requests alike; ten of them froze the stream for 20 s."""
+    with Bridge(_launched(transport="tcp", request_timeout_s=30.0)) as bridge:
+        bridge.wait_running(30)
+        link = bridge._link
+        for i in range(10):  # what a careless or hostile host holding the secret can send
+            link.send(make("flush", id=10_000 + i, seq=10**9))
+        bridge.submit(np.full((16, 16, 3), 77, np.uint8))
+        assert bridge.wait_for_output(bridge.last_seq, 10), "the frame worker was parked"
+        assert (bridge.latest()[0] == 77).all()
+        bridge.set_params(wait=True, noise_scale=0.4)  # answered once the flushes gave up: each bounded
