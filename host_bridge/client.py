@@ -45,6 +45,10 @@ from host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
+# A new input size is taken (new rings; for a model session, its stream drained at the old size) only once
+# it has held this many frames, a chunk of the causal VAE; until then frames are fitted to the size in use,
+# so an input whose size changes every frame costs nothing, and one change costs at most a chunk.
+SIZE_SETTLE_FRAMES = 4
 
 
 class EngineRefused(RuntimeError):
@@ -70,6 +74,8 @@ class Bridge:
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
         self._frames = NewestFrames(config.cuda_device)
         self._shrinker = FrameShrinker(config.max_frame_side, self._take_shrunk, self._refused_shrunk)
+        self._settled_size: tuple[int, int] | None = None  # the input size in use (SIZE_SETTLE_FRAMES)
+        self._new_size: tuple[tuple[int, int] | None, int] = (None, 0)  # another size, and how many frames it held
         self._collect: dict[int, np.ndarray] | None = None
         self._stats = FrameStats()
         self._wanted = Wanted()
@@ -134,7 +140,7 @@ class Bridge:
         try:
             frame = formats.check_shape(frame)
             big = max(frame.shape[:2]) > self.config.max_frame_side
-            converted = None if big else self._convert(formats.check_frame(frame), layout)
+            converted = None if big else self._convert(self._settle_size(formats.check_frame(frame)), layout)
         except (TypeError, ValueError):
             self._refused_frame()
             raise
@@ -150,6 +156,22 @@ class Bridge:
                     self._stats.counts["dropped"] += 1
                 return False
             return self._hand_over(converted, layout, seq, now)
+
+    def _settle_size(self, frame: np.ndarray) -> np.ndarray:
+        """`frame`, or the frame fitted to the size in use while its own size has held for fewer than
+        SIZE_SETTLE_FRAMES frames (host frames only: a device frame is taken at its size)."""
+        size = frame.shape[:2]
+        with self._lock:
+            settled, (new, held) = self._settled_size, self._new_size
+            if settled is None or size == settled:
+                self._settled_size, self._new_size = size, (None, 0)
+                return frame
+            held = held + 1 if new == size else 1
+            if held >= SIZE_SETTLE_FRAMES:
+                self._settled_size, self._new_size = size, (None, 0)
+                return frame
+            self._new_size = (size, held)
+        return formats.resize(frame, *settled)
 
     def _convert(self, frame: np.ndarray, layout: str) -> np.ndarray:
         """A checked host frame as the link takes it: its own layout on cuda-ipc, else engine RGB."""
@@ -173,7 +195,7 @@ class Bridge:
     def _take_shrunk(self, frame: np.ndarray, layout: str, seq: int, t: float) -> None:
         """The shrinker's thread: a frame over the size limit, shrunk; dropped if a newer one came meanwhile."""
         try:
-            converted = self._convert(frame, layout)
+            converted = self._convert(self._settle_size(frame), layout)
         except (TypeError, ValueError) as exc:
             self._refused_shrunk(str(exc))
             return

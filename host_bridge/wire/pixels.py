@@ -68,6 +68,23 @@ def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
     return cv2.resize(view, (ow, oh), interpolation=cv2.INTER_AREA).reshape(oh, ow, frame.shape[2])
 
 
+def resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """`frame` [H, W, C] at `height` x `width`, in its dtype (OpenCV's area filter to shrink, linear to grow;
+    nearest pixels without OpenCV)."""
+    h, w, c = frame.shape
+    try:
+        import cv2
+    except ImportError:
+        cv2 = None
+    if cv2 is None or c > 4:
+        rows = np.arange(height) * h // height
+        cols = np.arange(width) * w // width
+        return np.ascontiguousarray(frame[rows][:, cols])
+    shrink = height * width <= h * w
+    out = cv2.resize(frame, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+    return out.reshape(height, width, c)
+
+
 def to_uint8(values: np.ndarray) -> np.ndarray:
     """Any supported dtype to uint8 with rounding (float: 0..1 clipped; uint16: full range)."""
     if values.dtype == np.uint8:

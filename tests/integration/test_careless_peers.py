@@ -258,3 +258,27 @@ def test_flushes_naming_frames_that_never_come_park_nothing():
         assert bridge.wait_for_output(bridge.last_seq, 10), "the frame worker was parked"
         assert (bridge.latest()[0] == 77).all()
         bridge.set_params(wait=True, noise_scale=0.4)  # answered once the flushes gave up: each bounded
+
+
+def test_an_input_size_that_changes_every_frame_keeps_the_stream_going():
+    """Point 6: a new input size on every frame made new rings (and, in a model session, a drained stream)
+    for every frame, so no output came until the churn stopped, and then seconds of nothing. The size the
+    engine sees changes only once a new one has held for a chunk of frames; until then frames are fitted
+    to the size in use, so a size change costs at most one chunk."""
+    sizes = [(24, 32), (30, 40), (36, 48), (20, 20)]
+    with Bridge(_launched()) as bridge:
+        bridge.wait_running(30)
+        bridge.submit(np.full((24, 32, 3), 5, np.uint8))
+        assert bridge.wait_for_output(bridge.last_seq, 10)
+        generation = bridge._link.generation
+        for i in range(40):
+            h, w = sizes[i % len(sizes)]
+            bridge.submit(np.full((h, w, 3), 100 + i, np.uint8))
+            assert bridge.wait_for_output(bridge.last_seq, 10), f"no output for churning frame {i}"
+            out, status = bridge.latest()
+            assert out.shape == (24, 32, 3) and (out == 100 + i).all() and not status.fallback
+        assert bridge._link.generation == generation  # no new rings while the size churned
+        for i in range(8):  # a size that holds: taken after a chunk of frames
+            bridge.submit(np.full((36, 48, 3), 200 + i, np.uint8))
+            assert bridge.wait_for_output(bridge.last_seq, 10)
+        assert bridge.latest()[0].shape == (36, 48, 3) and bridge._link.generation == generation + 1
