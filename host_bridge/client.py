@@ -267,8 +267,8 @@ class Bridge:
                 fresh = self._fresh()
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
-                    return frames.output_array(), status
-            return frames.fallback_array(), status
+                    return frames.output_array(), self._as_shown(status)
+            return frames.fallback_array(), self._as_shown(status)
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
@@ -289,11 +289,23 @@ class Bridge:
                 status.seq, status.fallback = frames.seq, not fresh
             elif frames.staging is not None:
                 frames.staging.read_device(0, ptr, pitch, stream=stream)
-            return status
+            return self._as_shown(status)
 
     def status(self) -> BridgeStatus:
+        """Where the engine is (running: it takes frames); the status `latest()` hands out with a frame
+        says what that frame is."""
         with self._lock:
             return self._status()
+
+    def _as_shown(self, status: BridgeStatus) -> BridgeStatus:
+        """Lock held: the status that goes out with a frame matches the frame. An engine that is ready but has
+        not sent this host a restyled frame yet (a fresh start, a restart, a switch to the standby) is
+        shown as starting or restarting while the fallback goes out, not as running."""
+        sup = self._sup
+        if status.state == EngineState.RUNNING and status.fallback and self._frames.link_id != sup.link_id:
+            status.state = EngineState.RESTARTING if sup.restarts else EngineState.STARTING
+            status.message = "engine ready; its first restyled frame is on its way (the fallback meanwhile)"
+        return status
 
     def _fresh(self) -> bool:
         """The newest output counts as fresh only while its engine is known alive (the hang timeout

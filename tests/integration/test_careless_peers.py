@@ -282,3 +282,26 @@ def test_an_input_size_that_changes_every_frame_keeps_the_stream_going():
             bridge.submit(np.full((36, 48, 3), 200 + i, np.uint8))
             assert bridge.wait_for_output(bridge.last_seq, 10)
         assert bridge.latest()[0].shape == (36, 48, 3) and bridge._link.generation == generation + 1
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_after_a_restart_the_state_shown_with_a_frame_matches_the_frame():
+    """Point 7: after a restart the status said `running` while fallback frames still went out (223 frames in
+    one run): a ready engine that has not sent this host a restyled frame yet is not shown as running."""
+    import signal
+
+    with Bridge(_launched(restart=True, restart_backoff_s=0.05)) as bridge:
+        bridge.wait_running(30)
+        bridge.submit(np.full((16, 16, 3), 50, np.uint8))
+        assert bridge.wait_for_output(bridge.last_seq, 10)
+        assert bridge.latest()[1].state == EngineState.RUNNING
+        os.kill(bridge._link.pid, signal.SIGKILL)
+        assert wait_until(lambda: bridge.status().restarts == 1 and bridge.status().state == EngineState.RUNNING,
+                          30)
+        frame, status = bridge.latest()  # the new engine is ready and has restyled nothing yet
+        assert status.fallback and status.state == EngineState.RESTARTING, status
+        assert "first restyled frame" in status.message
+        bridge.submit(np.full((16, 16, 3), 60, np.uint8))
+        assert bridge.wait_for_output(bridge.last_seq, 10)
+        frame, status = bridge.latest()
+        assert not status.fallback and status.state == EngineState.RUNNING and (frame == 60).all()
