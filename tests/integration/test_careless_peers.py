@@ -159,11 +159,11 @@ def test_what_each_weights_file_holds_is_checked_without_reading_its_weights(tmp
     assert expected in str(refused.value)
 
 
-@pytest.mark.parametrize("kind", ["text", "foreign pickle"])
-def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_path, kind):
+def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_path):
     """Point 4: it crashed the engine (exit 1), the bridge restarted it for ever, and `loom play` ended with
-    exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started."""
-    path = _not_a_checkpoint(tmp_path, kind)
+    exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started (the other kinds of file:
+    the test above)."""
+    path = _not_a_checkpoint(tmp_path, "text")
     out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
                           str(tmp_path / "out.mp4"), "--set", f"model.checkpoint={path}"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -175,7 +175,7 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_
 def test_an_engine_whose_build_fails_on_its_inputs_refuses_its_run(tmp_path):
     """Point 4: an engine whose session cannot be built from its inputs (here a LoRA for another model
     size, found only when the DiT is built) refuses its run (dead, said once) instead of crashing with
-    exit 1 and being restarted for ever; a file that is not a checkpoint is refused before it is served."""
+    exit 1 and being restarted for ever."""
     import torch
     from safetensors.torch import save_file
 
@@ -187,11 +187,6 @@ def test_an_engine_whose_build_fails_on_its_inputs_refuses_its_run(tmp_path):
         with pytest.raises(EngineRefused, match="shapes that do not fit this model"):
             bridge.wait_running(60)
         assert bridge.status().restarts == 0
-    pickle = _not_a_checkpoint(tmp_path, "pickle")
-    cfg = BridgeConfig(engine_cwd=str(ROOT), engine_overrides=[f"model.checkpoint={pickle}"])
-    with Bridge(cfg) as bridge:
-        with pytest.raises(EngineRefused, match="holds no tensor dictionary"):
-            bridge.wait_running(60)
 
 
 CONFIG_FILES = {  # point 5: what each file holds, and what its one-line refusal must say
@@ -248,11 +243,11 @@ def test_an_embeddings_file_that_is_not_one_is_refused_in_loom_words(tmp_path):
 
 def test_flushes_naming_frames_that_never_come_park_nothing():
     """Point 6: each flush that named a frame notice that never came parked the engine's frame worker for
-    2 s, frames and requests alike; ten of them froze the stream for 20 s."""
+    2 s, frames and requests alike; six of them froze the stream for 12 s."""
     with Bridge(_launched(transport="tcp", request_timeout_s=30.0)) as bridge:
         bridge.wait_running(30)
         link = bridge._link
-        for i in range(10):  # what a careless or hostile host holding the secret can send
+        for i in range(6):  # what a careless or hostile host holding the secret can send (before: 12 s parked)
             link.send(make("flush", id=10_000 + i, seq=10**9))
         bridge.submit(np.full((16, 16, 3), 77, np.uint8))
         assert bridge.wait_for_output(bridge.last_seq, 10), "the frame worker was parked"
