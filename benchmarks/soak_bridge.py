@@ -3,7 +3,7 @@
 What a show needs beyond a short test: memory flat in both processes, latency not drifting,
 no restart, no fallback once running, however long the set. With `--refuse-every N` a careless
 host's frames join the loop every N frames: a NaN frame and a frame of a shape no engine takes
-(both refused by `submit()` and counted), and a frame larger than `max_frame_side` (shrunk on the
+(both refused by `submit()` and counted), and a frame larger than `max_frame_side` (shrunk on a bridge thread of the
 host); every refusal must show in the bridge's counters and none may disturb the stream.
 Prints one row per interval and a summary table; `--json` writes the same. Linux (reads /proc for
 the processes' memory).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -285,9 +286,24 @@ class LoomConfig:
             raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
                              "states peak near 1160); use auto, bfloat16 or float32")
         self._check_control()
+        self._refuse_unused_paths()
         if self.memory.low_vram and self.prompt.device == "cuda":
             raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
                              "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")
+
+    def _refuse_unused_paths(self) -> None:
+        """A weights path the run would not read is a mistake to say, not to ignore (a VAE checkpoint given
+        to a run on the tiny VAE restyles with the tiny VAE)."""
+        vae, parts = self.vae, (self.vae.encoder, self.vae.decoder)
+        if vae.checkpoint and "wan" not in parts:
+            raise ValueError(f"vae.checkpoint: this run does not read it: the Wan VAE's weights are read only "
+                             f"when vae.encoder or vae.decoder is wan (here {vae.encoder} and {vae.decoder})")
+        if vae.taehv_checkpoint and "taehv" not in parts:
+            raise ValueError(f"vae.taehv_checkpoint: this run does not read it: the tiny VAE's weights are read "
+                             f"only when vae.encoder or vae.decoder is taehv (here {vae.encoder} and {vae.decoder})")
+        if self.prompt.path and self.prompt.encoder not in ("file", "umt5"):
+            raise ValueError(f"prompt.path: this run does not read it: only prompt.encoder file or umt5 reads a "
+                             f"path (here {self.prompt.encoder})")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -386,11 +402,47 @@ def list_presets() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (PyYAML keeps the last one, so a
+    section written twice would lose the first silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{_name(key)} is written twice; write each key once", key_node.start_mark)
+            if isinstance(key, str | int | float | bool):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _name(key: Any) -> str:
+    """A key as an error may show it: a name as it is, anything else (a line of some other file) not at all."""
+    return repr(key) if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", key) else "a key"
+
+
 def _read_yaml(text: str, source: str) -> Any:
+    """Parse YAML; an error is one line naming `source`, the line and the column, and no text of the file."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = (exc.problem or "unreadable").splitlines()[0][:120]
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
+        raise ConfigError(f"{source}: not valid YAML ({type(exc).__name__})") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config file is a UTF-8 YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
 
 
 def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
@@ -400,7 +452,7 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
-        source, text = str(path), path.read_text()
+        source, text = str(path), _read_text(path)
     else:
         name = str(name_or_path)
         if name not in list_presets():
@@ -412,6 +464,10 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
         raise ConfigError(f"{source}: the file is empty; expected a mapping such as 'model: {{preset: tiny}}'")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    strange = [k for k in data if _name(k) == "a key"]
+    if strange:  # not a config file at all (a key like 'root:$6$...'): say so without showing it
+        raise ConfigError(f"{source}: the top level holds a key that is not a name (is this a Loom config "
+                          f"file?); allowed keys here: {', '.join(f.name for f in dataclasses.fields(LoomConfig))}")
     return data, source
 
 

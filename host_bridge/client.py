@@ -34,6 +34,7 @@ import zmq
 
 from host_bridge.bridge_stats import BridgeStatus, FrameStats
 from host_bridge.config import BridgeConfig
+from host_bridge.frame_shrink import FrameShrinker
 from host_bridge.link import Link
 from host_bridge.newest_frames import NewestFrames, check_device_frame
 from host_bridge.supervisor import EngineState, Supervisor
@@ -44,6 +45,10 @@ from host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
+# A new input size is taken (new rings; for a model session, its stream drained at the old size) only once
+# it has held this many frames, a chunk of the causal VAE; until then frames are fitted to the size in use,
+# so an input whose size changes every frame costs nothing, and one change costs at most a chunk.
+SIZE_SETTLE_FRAMES = 4
 
 
 class EngineRefused(RuntimeError):
@@ -68,6 +73,9 @@ class Bridge:
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
         self._frames = NewestFrames(config.cuda_device)
+        self._shrinker = FrameShrinker(config.max_frame_side, self._take_shrunk, self._refused_shrunk)
+        self._settled_size: tuple[int, int] | None = None  # the input size in use (SIZE_SETTLE_FRAMES)
+        self._new_size: tuple[tuple[int, int] | None, int] = (None, 0)  # another size, and how many frames it held
         self._collect: dict[int, np.ndarray] | None = None
         self._stats = FrameStats()
         self._wanted = Wanted()
@@ -94,6 +102,7 @@ class Bridge:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
         if self._sup.closing:
             return
+        self._shrinker.close()
         self._sup.stop()
         self._frames.close()
         self._ctx.term()
@@ -121,22 +130,17 @@ class Bridge:
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
-        A frame with a side over `max_frame_side` is shrunk first; one the engine cannot take (NaN or
-        inf, a wrong shape or dtype) raises ValueError and is counted (`stats()["refused_frames"]`).
+        One the engine cannot take (NaN or inf, a wrong shape or dtype) raises ValueError and is counted
+        (`stats()["refused_frames"]`). A frame with a side over `max_frame_side` is shrunk on a thread of
+        the bridge (frame_shrink.py) and this returns False at once: such a frame must not be written
+        into afterwards, and NaN or inf in it is refused and counted there, without raising here.
         """
         if layout not in formats.LAYOUTS:
             raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
-        cuda = self.config.transport == "cuda-ipc" and self._cuda_problem is None
         try:
-            frame = formats.limit_size(formats.check_frame(frame), self.config.max_frame_side)
-            if cuda:
-                native = np.ascontiguousarray(frame)
-                if native.shape[2] == 2:
-                    raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
-                engine = None
-            else:
-                native = engine = (formats.from_touchdesigner(frame) if layout == "touchdesigner"
-                                   else formats.to_engine(frame))
+            frame = formats.check_shape(frame)
+            big = max(frame.shape[:2]) > self.config.max_frame_side
+            converted = None if big else self._convert(self._settle_size(formats.check_frame(frame)), layout)
         except (TypeError, ValueError):
             self._refused_frame()
             raise
@@ -144,13 +148,66 @@ class Bridge:
         with self._lock:
             seq = self._next_seq()
             self._stats.counts["submitted"] += 1
-            if cuda:
-                self._frames.stage_host(native, layout)
-                self._set_pending(seq, None, now)
-            else:
-                self._frames.keep_input(engine)
-                self._set_pending(seq, engine, now)
-            return self._pump()
+            if big:
+                if self._pending is not None:  # superseded by this frame, as a pending frame would be
+                    self._pending = None
+                    self._stats.counts["dropped"] += 1
+                if self._shrinker.offer(frame, layout, seq, now):
+                    self._stats.counts["dropped"] += 1
+                return False
+            return self._hand_over(converted, layout, seq, now)
+
+    def _settle_size(self, frame: np.ndarray) -> np.ndarray:
+        """`frame`, or the frame fitted to the size in use while its own size has held for fewer than
+        SIZE_SETTLE_FRAMES frames (host frames only: a device frame is taken at its size)."""
+        size = frame.shape[:2]
+        with self._lock:
+            settled, (new, held) = self._settled_size, self._new_size
+            if settled is None or size == settled:
+                self._settled_size, self._new_size = size, (None, 0)
+                return frame
+            held = held + 1 if new == size else 1
+            if held >= SIZE_SETTLE_FRAMES:
+                self._settled_size, self._new_size = size, (None, 0)
+                return frame
+            self._new_size = (size, held)
+        return formats.resize(frame, *settled)
+
+    def _convert(self, frame: np.ndarray, layout: str) -> np.ndarray:
+        """A checked host frame as the link takes it: its own layout on cuda-ipc, else engine RGB."""
+        if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
+            native = np.ascontiguousarray(frame)
+            if native.shape[2] == 2:
+                raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
+            return native
+        return formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame)
+
+    def _hand_over(self, converted: np.ndarray, layout: str, seq: int, t: float) -> bool:
+        """Lock held: a converted frame becomes the pending one and goes into a slot if one is free."""
+        if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
+            self._frames.stage_host(converted, layout)
+            self._set_pending(seq, None, t)
+        else:
+            self._frames.keep_input(converted)
+            self._set_pending(seq, converted, t)
+        return self._pump()
+
+    def _take_shrunk(self, frame: np.ndarray, layout: str, seq: int, t: float) -> None:
+        """The shrinker's thread: a frame over the size limit, shrunk; dropped if a newer one came meanwhile."""
+        try:
+            converted = self._convert(self._settle_size(frame), layout)
+        except (TypeError, ValueError) as exc:
+            self._refused_shrunk(str(exc))
+            return
+        with self._lock:
+            if seq != self.last_seq or self._sup.closing:
+                self._stats.counts["dropped"] += 1
+                return
+            self._hand_over(converted, layout, seq, t)
+
+    def _refused_shrunk(self, why: str) -> None:
+        self._refused_frame()
+        self._sup.note(f"frame refused: {why}", error=True)
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
                     *, layout: str = "rgb", stream: int | None = None) -> bool:
@@ -210,8 +267,8 @@ class Bridge:
                 fresh = self._fresh()
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
-                    return frames.output_array(), status
-            return frames.fallback_array(), status
+                    return frames.output_array(), self._as_shown(status)
+            return frames.fallback_array(), self._as_shown(status)
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
@@ -232,11 +289,23 @@ class Bridge:
                 status.seq, status.fallback = frames.seq, not fresh
             elif frames.staging is not None:
                 frames.staging.read_device(0, ptr, pitch, stream=stream)
-            return status
+            return self._as_shown(status)
 
     def status(self) -> BridgeStatus:
+        """Where the engine is (running: it takes frames); the status `latest()` hands out with a frame
+        says what that frame is."""
         with self._lock:
             return self._status()
+
+    def _as_shown(self, status: BridgeStatus) -> BridgeStatus:
+        """Lock held: the status that goes out with a frame matches the frame. An engine that is ready but has
+        not sent this host a restyled frame yet (a fresh start, a restart, a switch to the standby) is
+        shown as starting or restarting while the fallback goes out, not as running."""
+        sup = self._sup
+        if status.state == EngineState.RUNNING and status.fallback and self._frames.link_id != sup.link_id:
+            status.state = EngineState.RESTARTING if sup.restarts else EngineState.STARTING
+            status.message = "engine ready; its first restyled frame is on its way (the fallback meanwhile)"
+        return status
 
     def _fresh(self) -> bool:
         """The newest output counts as fresh only while its engine is known alive (the hang timeout

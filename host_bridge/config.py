@@ -77,6 +77,11 @@ class BridgeConfig:
         if self.secret_file is not None and (self.launch or self.curve_secret_file is not None):
             raise ValueError("secret_file: only for launch=false without CurveZMQ keys (a launched engine gets a "
                              "fresh token; Curve keys authenticate on their own)")
+        if not self.launch and self.secret_file is None and self.curve_secret_file is None and _local(self.endpoint):
+            # `loom serve` on this machine always holds a session secret: without it this host would only
+            # ever be turned away by ZMQ's handshake, which says nothing
+            from host_bridge.reach import secret_needed
+            raise ValueError(secret_needed(self.endpoint))
         if (self.curve_secret_file is None) != (self.curve_server_public_file is None):
             raise ValueError("curve_secret_file and curve_server_public_file: give both or neither")
         if self.hang_timeout_s < 2 * self.heartbeat_s:
@@ -89,6 +94,15 @@ class BridgeConfig:
     @classmethod
     def from_dict(cls, data: Any, source: str = "bridge config") -> BridgeConfig:
         return build(cls, data, source=source)
+
+
+def _local(endpoint: str) -> bool:
+    from host_bridge.wire.channel import EndpointError, is_loopback
+
+    try:
+        return is_loopback(endpoint)
+    except EndpointError:
+        return False  # malformed: the channel says so when the bridge opens it
 
 
 __all__ = ["BridgeConfig", "ConfigError", "FALLBACKS"]

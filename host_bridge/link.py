@@ -26,10 +26,9 @@ from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
 from host_bridge.wire.protocol import TRANSPORTS, make
 from host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
-# A served engine takes one host at a time and refuses, without a word, a hello that arrives while the
-# previous host is still attached (it cannot address a reply to one of two peers). Connecting, the
-# host says hello again this often until the engine answers, so that it gets in about this soon after
-# the previous host's bye instead of waiting out the handshake timeout.
+# A served engine takes one host at a time and answers a hello that arrives while another host is
+# attached only with `wait`. Connecting, the host says hello again this often until the engine answers,
+# so that it gets in about this soon after the previous host's bye.
 HELLO_RESEND_S = 1.0
 
 
@@ -95,6 +94,11 @@ class Link:
             self.last_hello = time.monotonic()
         self.send(make("hello", role="host", token=self.token or secret, pid=os.getpid(), transports=list(TRANSPORTS),
                        software="loom host_bridge", lane=lane, doorbell=doorbell))
+
+    def waiting(self) -> None:
+        """The served engine answered our hello with `wait`: it is there, and serves another host. No
+        handshake timeout while it says so; the hellos go on (maybe_heartbeat)."""
+        self.hello_deadline = time.monotonic() + self.cfg.handshake_timeout_s
 
     def on_hello(self, msg: dict[str, Any]) -> str | None:
         if self.phase != "hello":

@@ -36,8 +36,7 @@ def check_reachable(endpoint: str, secret_file: str | None, *, names: tuple[str,
                         "with CurveZMQ keys, which a host script gives to the bridge (BridgeConfig "
                         "curve_secret_file, curve_server_public_file)")
     if not secret_file:
-        raise UserError(f"{ep} {endpoint}: an engine served on this machine takes only hosts that hold its "
-                        f"session secret; give {sf} FILE, the file its `loom serve --secret-file` uses")
+        raise UserError(secret_needed(endpoint, names))
     try:
         read_secret_file(secret_file)
     except EndpointError as exc:
@@ -56,3 +55,11 @@ def check_reachable(endpoint: str, secret_file: str | None, *, names: tuple[str,
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
         raise UserError(f"{ep} {endpoint}: no engine answers there ({why} after at most {timeout_s:g} s); "
                         "start one with `loom serve --bind ...`") from None
+
+
+def secret_needed(endpoint: str, names: tuple[str, str] = ("endpoint", "secret_file")) -> str:
+    """What a host without a secret file is told about an engine served on this machine (the bridge
+    refuses such a configuration with it at construction, the hosts before they build a bridge)."""
+    ep, sf = names
+    return (f"{ep} {endpoint}: an engine served on this machine takes only hosts that hold its session secret; "
+            f"give {sf} FILE, the file its `loom serve --secret-file` uses")

@@ -223,15 +223,20 @@ class Supervisor:
         """Act on one control message; returns a reason to give up on this engine, or None."""
         kind = msg["type"]
         link.heard()
-        if not link.hello_done and not link.cfg.launch and kind not in ("hello", "bye") \
+        if not link.hello_done and not link.cfg.launch and kind not in ("hello", "bye", "wait") \
                 and not (kind == "error" and msg.get("code") == "handshake"):
-            # a served engine deals its messages among the peers connected to it: until it answers our
-            # hello, what reaches us was meant for the host it still serves (its replies carry request ids
-            # like ours), so it is not ours to act on
-            log.debug("ignored a %s message from the engine before its hello", kind)
+            link.channel.refuse(f"{kind} message from the engine before its hello")
             return None
         with self.cond:
-            if kind == "heartbeat":
+            if kind == "wait":
+                if link.hello_done or link.cfg.launch:
+                    link.channel.refuse("wait message after the handshake")
+                    return None
+                link.waiting()  # the engine is there and serves another host: keep saying hello
+                self.message = f"waiting: the engine at {link.channel.endpoint} serves another host; this host " \
+                               "gets in when that one leaves"
+                self.cond.notify_all()
+            elif kind == "heartbeat":
                 link.engine_busy_s = msg.get("busy_s") or 0.0
             elif kind == "hello":
                 return link.on_hello(msg)

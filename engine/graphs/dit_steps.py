@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
-from host_bridge.wire.params import TRAIN_TIMESTEPS
 
 MAX_GRAPHS = 32  # distinct plans kept; more means something is not steady, so stop capturing
 

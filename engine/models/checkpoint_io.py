@@ -10,6 +10,7 @@ in each model's conversion module, not here.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -65,29 +66,54 @@ def _index_shards(index: Path) -> list[Path]:
     return shards
 
 
-def iter_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yield (key, tensor, file) for every tensor in the files, one file in memory at a time."""
+def iter_tensors(files: Iterable[Path], *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Yield (key, tensor, file) for every tensor in the files, one file in memory at a time; `meta`: only
+    their names, shapes and dtypes (tensors on the meta device), which reads no weights."""
     for f in files:
-        yield from ((k, v, f) for k, v in _read_file(f).items())
+        yield from ((k, v, f) for k, v in _read_file(f, meta).items())
 
 
-def _read_file(f: Path) -> dict[str, torch.Tensor]:
+def _read_file(f: Path, meta: bool = False) -> dict[str, torch.Tensor]:
     if f.name.endswith(SAFETENSORS_SUFFIXES):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(f), device="cpu")
+            return _safetensors_meta(f) if meta else load_file(str(f), device="cpu")
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{f}: unreadable safetensors file ({exc})") from exc
-    try:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({_one_line(exc)})") from None
+    try:  # mmap: nothing is read until a tensor is used (the meta check uses none)
         obj = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for truncated or foreign pickles
         try:
             obj = torch.load(str(f), map_location="cpu", weights_only=True)
         except Exception:
-            raise CheckpointError(f"{f}: unreadable checkpoint ({type(exc).__name__}: {exc})") from exc
-    return _unwrap(obj, f)
+            raise CheckpointError(f"{f}: unreadable checkpoint ({type(exc).__name__}: {_one_line(exc)})") from None
+    tensors = _unwrap(obj, f)
+    return {k: v.to("meta") for k, v in tensors.items()} if meta else tensors
+
+
+def _safetensors_meta(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(f), framework="pt") as st:
+        for key in st.keys():
+            part = st.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
+            out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an error from a reader (torch's unpickling errors run to a dozen lines), short."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()  # and no terminal colours
+    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def _unwrap(obj: object, f: Path) -> dict[str, torch.Tensor]:
@@ -129,7 +155,7 @@ def load_into_module(
     unexpected: list[str] = []
     mismatched: list[str] = []
     mismatched_names: set[str] = set()
-    for key, tensor, _ in iter_tensors(files):
+    for key, tensor, _ in iter_tensors(files, meta=torch.device(device).type == "meta"):
         name = rename(key)
         if name is None:
             continue

@@ -82,6 +82,28 @@ def _drop_blocks(dit: WanDiT, keep: range | None) -> None:
             dit.blocks[i].to("meta")
 
 
+def check_weight_files(cfg: LoomConfig) -> None:
+    """Read each weight file the run names for its format, keys and shapes only (on the meta device: no
+    weights are read, the models take no memory), and raise CheckpointError naming the file and what is
+    wrong; so a file that is not the weights a model needs is refused before any engine starts, instead
+    of failing the engine's build after a host waited for it."""
+    mc, vc = cfg.model, cfg.vae
+    if mc.family != "wan":
+        return
+    if mc.checkpoint:
+        WanDiT.from_checkpoint(mc.checkpoint, DIT_PRESETS[mc.preset], device="meta")
+    if vc.checkpoint and "wan" in (vc.encoder, vc.decoder):
+        vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
+                          denormalize_on_decode=vc.denormalize_on_decode)
+        WanVAE.from_checkpoint(vc.checkpoint, vae_cfg, device="meta")
+    if vc.taehv_checkpoint and "taehv" in (vc.encoder, vc.decoder):
+        TinyVAE.from_checkpoint(vc.taehv_checkpoint, device="meta")
+    if cfg.prompt.encoder == "file" and cfg.prompt.path:  # small: read whole, as the session will
+        from engine.stream.prompts import FileTextEncoder
+
+        FileTextEncoder(cfg.prompt.path)
+
+
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
     """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
     read from the checkpoint alone, or, for seeded and embedded weights, built whole and the rest dropped."""

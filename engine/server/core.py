@@ -4,7 +4,10 @@ Two ways to meet a host. Launched by a host (`--connect`): the host bound a priv
 passed a token in the environment; the engine connects, says hello, and exits when the host says
 bye, when SIGTERM arrives, when its parent process dies, or when the host falls silent. Serving
 (`--bind`): the engine waits for hosts (over tcp with CurveZMQ unless loopback); a host that leaves
-or goes silent frees the engine for the next one.
+or goes silent frees the engine for the next one. It serves one host at a time, and every message it
+sends goes to that host alone (a ROUTER socket names each message's peer): a host that says hello
+meanwhile hears only that it waits, and nothing else it sends is acted on or keeps the attached
+host's session alive.
 
 Two paths per host. The main thread runs the control loop below (handshake, heartbeats, ring
 attachment, requests, stats); it keeps answering heartbeats while the session is busy, which is how
@@ -35,6 +38,7 @@ from engine.server.frame_worker import FrameWorker
 from engine.session_api import EngineSession
 from host_bridge.wire.channel import Channel, CurveServer, EndpointError, SharedSecret, remove_private_endpoint
 from host_bridge.wire.doorbell import Doorbell, DoorbellError
+from host_bridge.wire.errors import EXIT_USER_ERROR
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.wire.processes import pid_alive
 from host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
@@ -94,10 +98,12 @@ class EngineServer:
         self.channel: Channel | None = None
         self.worker: FrameWorker | None = None
         self.refused_semantic = 0
+        self.refusal = ""  # why the session could not be built from its inputs (the engine then exits with 2)
         # the attached host's hello token and whether it said anything since (with its pid: how a hello it
         # repeats before our answer reaches it is told from another host's); the last second host refused
-        self._host_token, self._host_spoke = "", False
-        self._refused_hello: tuple[str, int] | None = None
+        self._host_peer: bytes | None = None  # the attached host's routing id (b"": launched, one peer)
+        self._host_spoke = False  # it said something after its hello: a hello from it now is refused
+        self._refused_hello: bytes | None = None  # the last peer whose refused hello was counted
         self.stop_signal: int | None = None
 
     def request_stop(self, signum: int | None = None, *_: Any) -> None:
@@ -114,7 +120,7 @@ class EngineServer:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
                                        curve=self._launch_guard())
             else:
-                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve)
+                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve, router=True)
                 log.info("listening on %s", self.channel.endpoint)
             code = self._serve()
             return 128 + self.stop_signal if self.stop_signal and code == 0 else code
@@ -149,10 +155,13 @@ class EngineServer:
         if self._connect:
             self._send_hello()
         while not self._stop.is_set():
-            for msg, _payload in ch.poll(TICK_S):
+            for peer, msg, _payload in ch.poll_from(TICK_S):
+                if self.worker is not None and peer != self._host_peer:
+                    self._from_other_peer(peer, msg)  # never keeps the attached host's session alive
+                    continue
                 last_heard = time.monotonic()
                 try:
-                    outcome = self._on_message(msg, host_pid)
+                    outcome = self._on_message(peer, msg)
                 except Exception as exc:  # an odd message is refused and counted, never fatal
                     ch.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
                     continue
@@ -164,9 +173,12 @@ class EngineServer:
             if self.worker is not None and now - last_beat >= self._heartbeat_s:
                 last_beat = now
                 busy = self.worker.busy_since
-                ch.send(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
+                self._to_host(make("heartbeat", t=time.time(), busy_s=None if busy is None else now - busy))
             if self.worker is not None and (self.worker.error and self.worker.session is None
                                             or not self.worker.thread.is_alive()):
+                if self.worker.refusal:  # its inputs (config, weights) cannot make a session: said by `run`'s caller
+                    self.refusal = self.worker.refusal
+                    return EXIT_USER_ERROR
                 log.error("the frame worker ended: %s", self.worker.error or "unexpectedly")
                 return EXIT_SESSION_FAILED
             lost = self._host_lost(now, last_heard, started, host_pid)
@@ -183,36 +195,33 @@ class EngineServer:
         self._say_bye("engine stopping")
         return EXIT_OK
 
-    def _on_message(self, msg: dict[str, Any], host_pid: int | None) -> int | str | None:
-        """Act on one control message: returns EXIT_OK to exit, "same" when the host is unchanged, else
-        the new host's pid (None: no host)."""
+    def _on_message(self, peer: bytes, msg: dict[str, Any]) -> int | str | None:
+        """Act on one control message from the attached host, or from any peer while none is attached:
+        returns EXIT_OK to exit, "same" when the host is unchanged, else the new host's pid (None: no host)."""
         ch, kind = self.channel, msg["type"]
         if kind == "hello":
-            if msg["role"] != "host" or ((self._connect or self._token) and msg["token"] != self._token):
+            if not self._token_ok(msg):
                 ch.refuse("hello from a peer that is not our host (wrong token or session secret)")
                 return "same"
-            if self.worker is not None:  # one host at a time: it must leave (bye or silence) first
-                who = (msg["token"], msg["pid"])
-                if who == (self._host_token, host_pid) and not self._host_spoke:
-                    # the attached host saying hello again before our answer reached it (a connecting host
-                    # repeats it until answered): it has its lane already, nothing to do or to count
-                    log.debug("hello again from the attached host (pid %s)", host_pid)
-                elif who != self._refused_hello:  # a waiting host repeats its hello: refused, counted once
-                    self._refused_hello = who
-                    ch.refuse("hello from a second host while one is attached")
+            if self.worker is not None:  # the attached host itself (others go to _from_other_peer)
+                if self._host_spoke and self._refused_hello != peer:  # counted once, however often repeated
+                    self._refused_hello = peer
+                    ch.refuse("hello again from the attached host after its handshake")
+                else:  # said again before our answer reached it (a connecting host repeats it until answered)
+                    log.debug("hello again from the attached host")
                 return "same"
-            lane = self._open_lane(msg)
+            lane = self._open_lane(peer, msg)
             if lane is None:
                 return "same"
+            self._host_peer, self._host_spoke, self._refused_hello = peer, False, None
             if self._bind:
                 self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
             self._start_worker(lane)
-            self._host_token, self._host_spoke, self._refused_hello = msg["token"], False, None
             return msg["pid"]
         if self.worker is None:
             ch.refuse(f"{kind} before hello")
             return "same"
-        self._host_spoke = True  # from here a hello with its token and pid is another host of its process
+        self._host_spoke = True
         if kind == "bye":
             if self._connect:
                 return EXIT_OK
@@ -220,6 +229,29 @@ class EngineServer:
             return None
         self._dispatch(kind, msg)
         return "same"
+
+    def _token_ok(self, hello: dict[str, Any]) -> bool:
+        return hello["role"] == "host" and not ((self._connect or self._token) and hello["token"] != self._token)
+
+    def _from_other_peer(self, peer: bytes, msg: dict[str, Any]) -> None:
+        """A message from a peer that is not the attached host (served: one that holds the secret too). One
+        that says hello as a host is told that it waits, and counted once however often it repeats it; its
+        bye is let go; anything else is refused and counted. Nothing of it reaches the session."""
+        ch = self.channel
+        if msg["type"] == "bye":
+            return  # a waiting host that gives up: nothing to do
+        if msg["type"] != "hello" or not self._token_ok(msg):
+            ch.refuse(f"{msg['type']} message from a peer that is not the attached host")
+            return
+        if peer != self._refused_hello:
+            self._refused_hello = peer
+            ch.refuse("hello from a second host while one is attached")
+        ch.send(make("wait", reason="the engine serves another host; this host gets in when that one leaves"),
+                to=peer)
+
+    def _to_host(self, msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
+        """Send to the attached host, and to nobody else."""
+        return self.channel.send(msg, payload, to=self._host_peer)
 
     def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:
         if self.worker is None:
@@ -235,10 +267,11 @@ class EngineServer:
     def _send_hello(self, lane: str | None = None) -> None:
         from host_bridge.wire.rings.cuda import all_uuids
 
-        self.channel.send(make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
-                               transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine"))
+        msg = make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
+                   transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine")
+        self.channel.send(msg, to=self._host_peer if self._bind else None)
 
-    def _open_lane(self, hello: dict[str, Any]) -> FrameLane | Doorbell | None:
+    def _open_lane(self, peer: bytes, hello: dict[str, Any]) -> FrameLane | Doorbell | None:
         """The host's doorbell when its hello names one. Else, launched: connect to the lane the hello
         names; serving: bind a fresh one for this host."""
         try:
@@ -253,15 +286,20 @@ class EngineServer:
                              curve=self._curve)
         except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
             self.channel.refuse(f"hello: no frame lane: {exc}")
-            self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]))
+            self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]), to=peer)
             return None
 
     def _say_bye(self, reason: str) -> None:
-        self.channel.send(make("bye", reason=reason))
+        self._to_host(make("bye", reason=reason))
         self.channel.poll(0)
 
     def _start_worker(self, lane: FrameLane | Doorbell) -> None:
-        self.worker = FrameWorker(self._factory, self.channel.send, lane, stall_after=self._stall_after)
+        peer = self._host_peer  # a worker answers its own host, also a busy one that outlives its session
+
+        def send(msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
+            return self.channel.send(msg, payload, to=peer)
+
+        self.worker = FrameWorker(self._factory, send, lane, stall_after=self._stall_after)
         self.worker.thread.start()
 
     def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:
@@ -291,7 +329,7 @@ class EngineServer:
         elif kind in ("mode", "prompt", "params", "reset", "flush"):
             w.post(kind, msg)  # answered by the worker, in order with the frames it has taken
         elif kind == "stats":
-            ch.send(make("stats", id=msg.get("id"), data=self.stats()))
+            self._to_host(make("stats", id=msg.get("id"), data=self.stats()))
         else:
             ch.refuse(f"unexpected {kind} message from the host")
 
@@ -300,8 +338,8 @@ class EngineServer:
         try:
             ring = attach_ring(spec)
         except (OSError, ValueError, RuntimeError, TransportUnavailable) as exc:
-            self.channel.send(make("error", id=msg.get("id"), code="ring",
-                                   message=f"cannot attach the {spec.transport} {spec.dir} ring: {exc}"[:4000]))
+            self._to_host(make("error", id=msg.get("id"), code="ring",
+                               message=f"cannot attach the {spec.transport} {spec.dir} ring: {exc}"[:4000]))
             return
         self.worker.post("ring", msg, ring)  # installed and acknowledged between two frames
 

@@ -41,7 +41,9 @@ INTERVAL_EMA = 0.2
 WAIT_S = 0.02
 ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
-FLUSH_WAIT_S = 2.0  # a flush waits this long at most for the frame notice it names to arrive
+FLUSH_WAIT_S = 2.0  # a flush waits at most this long for the frame notice it names (the frames go on meanwhile)
+FLUSH_WAIT_PERIODS = 2  # ...and no longer than this many input frame periods
+FLUSH_MIN_WAIT_S = 0.5  # ...or this, for notices a loaded machine delivers late
 OUTPUT_POLL_S = 0.001  # while a GPU session still runs a chunk, look for its frames this often
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class FrameWorker:
         self.stop = False
         self.busy_since: float | None = None
         self.error: str | None = None
+        self.refusal = ""  # the session could not be built from its inputs (CheckpointError, ConfigError, ...)
         self._stall_after = stall_after
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()
@@ -77,6 +80,7 @@ class FrameWorker:
         self.session_stats: dict[str, Any] = {}
         self._stats_at = 0.0
         self._device_slots: Any = None
+        self._flush_due: tuple[int | None, int, float] | None = None  # a flush waiting for its notice: (id, seq, by)
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
 
     # -- called by the server's control thread --------------------------------------------------------
@@ -172,6 +176,8 @@ class FrameWorker:
             self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
             self.error = f"session could not be built: {type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError | FileNotFoundError):  # its inputs (a config, a weights file): a refusal
+                self.refusal = str(exc).splitlines()[0] if str(exc) else self.error
             log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return
@@ -179,7 +185,8 @@ class FrameWorker:
         log.info("%s ready", type(self.session).__name__)
         try:
             while not self.stop:
-                self._run_commands()
+                if self._flush_due is None or self._flush_ready():
+                    self._run_commands()  # in order: none overtakes a flush still waiting for its notice
                 if self.stop:  # halted, or the session failed beyond repair (then it is gone)
                     break
                 ready = self._next_input(take=False) is not None
@@ -217,8 +224,9 @@ class FrameWorker:
                     self._seqs.clear()
                     self._paced.clear()
                 elif kind == "flush":
-                    count = self._flush(msg.get("seq"))
-                    self._send(make("flushed", id=rid, count=count))
+                    if self._defer_flush(rid, msg.get("seq")):
+                        return
+                    self._send(make("flushed", id=rid, count=self._flush()))
                     continue
                 if rid is not None:  # nobody waits for an id-less request's answer
                     self._send(make("ack", id=rid))
@@ -370,13 +378,29 @@ class FrameWorker:
             self._emit(seq, frame)
             self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
 
-    def _flush(self, until_seq: int | None) -> int:
-        """Everything sent before the flush request goes through first, then the session's tail. The
-        request came on the control channel; `until_seq` names the last notice the host sent on the lane."""
-        deadline = time.monotonic() + FLUSH_WAIT_S
-        while until_seq is not None and self._last_in_seq < until_seq and time.monotonic() < deadline \
-                and not self.stop:
-            self._read_lane(WAIT_S)
+    def _defer_flush(self, rid: int | None, until_seq: int | None) -> bool:
+        """A flush that names a frame notice not yet here waits for it without holding up the frames: the
+        loop goes on and finishes the flush when the notice comes or after a frame period or two (a host
+        that names a frame it never sends parks nothing). True when deferred."""
+        if until_seq is None or self._last_in_seq >= until_seq:
+            return False
+        wait = min(FLUSH_WAIT_S, max(FLUSH_MIN_WAIT_S, FLUSH_WAIT_PERIODS * self._interval))
+        self._flush_due = (rid, until_seq, time.monotonic() + wait)
+        return True
+
+    def _flush_ready(self) -> bool:
+        """Finish the waiting flush if its notice came or its time is up; True when none waits any more."""
+        rid, until_seq, by = self._flush_due
+        if self._last_in_seq < until_seq and time.monotonic() < by and not self.stop:
+            return False
+        if self._last_in_seq < until_seq:
+            log.warning("flush %s: frame notice %d did not come; flushed what came", rid, until_seq)
+        self._flush_due = None
+        self._send(make("flushed", id=rid, count=self._flush()))
+        return True
+
+    def _flush(self) -> int:
+        """Everything taken before the flush goes through first, then the session's tail."""
         while not self.stop and (job := self._next_input()) is not None:
             self._process(*job)
         while self._paced:

@@ -61,6 +61,9 @@ def _session_factory(args: argparse.Namespace):
         if missing:
             raise UserError(f"preset {pull_name(config)!r} needs weights that are not here: {'; '.join(missing)}. "
                             f"Run `loom pull {pull_name(config)}`, or give the paths with --set KEY=PATH")
+        from engine.models.loading import check_weight_files
+
+        check_weight_files(config)  # and files that are not the weights (a CheckpointError is a ValueError)
 
     def build():
         if args.passthrough:
@@ -109,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
                               token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
                               heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
                               handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)
-        return server.run()
+        code = server.run()
     except EndpointError as exc:
         raise UserError(str(exc)) from exc
+    if server.refusal:  # the session could not be built from its inputs: a refusal, not a crash
+        raise UserError(server.refusal)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

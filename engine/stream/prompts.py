@@ -84,11 +84,16 @@ class FileTextEncoder:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise PromptError(f"{self.path}: prompt embeddings file not found")
-        with safe_open(str(self.path), framework="pt") as f:
-            meta = f.metadata() or {}
-            self._tensors = {k[len(FILE_KEY_PREFIX):]: f.get_tensor(k) for k in f.keys()
-                             if k.startswith(FILE_KEY_PREFIX)}
-        self.texts = json.loads(meta.get("prompts", "{}"))
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                self._tensors = {k[len(FILE_KEY_PREFIX):]: f.get_tensor(k) for k in f.keys()
+                                 if k.startswith(FILE_KEY_PREFIX)}
+            self.texts = json.loads(meta.get("prompts", "{}"))
+        except Exception as exc:  # safetensors' own errors (and a bad list of prompts) in Loom's words
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise PromptError(f"{self.path}: not a prompt embeddings file ({why}); write one with "
+                              "`loom encode-prompts`") from None
         if not self._tensors:
             raise PromptError(f"{self.path}: holds no prompt embeddings (write one with `loom encode-prompts`)")
         self.dim = next(iter(self._tensors.values())).shape[-1]

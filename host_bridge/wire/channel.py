@@ -15,10 +15,15 @@ is a Curve client (its own certificate file and the engine's public key file); f
 ones `zmq.auth.create_certificates` writes. The frame lane uses the same keys.
 An engine served on a loopback or ipc endpoint without Curve holds a session secret (`SharedSecret`):
 ZMQ's PLAIN mechanism checks it before a peer is connected at all, so another local process that does
-not hold it can neither drive the engine nor receive a share of its messages (a DEALER deals its
-messages round-robin among connected peers). PLAIN sends the secret in the clear, so it is refused
+not hold it can neither drive the engine nor reach it. PLAIN sends the secret in the clear, so it is refused
 on a non-loopback endpoint. A peer that refuses a connecting channel's credentials sends nothing at
 all; the channel watches its handshakes (`handshake_watch`) and says so (`handshake_refusal`).
+
+A served engine has several peers at once (the host it serves, hosts waiting to get in): its channel is
+a ROUTER (`router=True`), which says who sent each message (`poll_from`) and sends each message to the
+one peer named (`send(..., to=peer)`); a DEALER would deal its messages round-robin among all of them,
+so a waiting host would take the attached host's replies. A message for a peer that has gone is dropped
+and counted. A launched engine and every host have exactly one peer: a DEALER.
 """
 
 from __future__ import annotations
@@ -240,12 +245,15 @@ class PrivateEndpoint:
 
 class Channel:
     def __init__(self, ctx: zmq.Context, endpoint: str | None, *, bind: bool,
-                 curve: Auth | None = None, identity: bytes | None = None):
+                 curve: Auth | None = None, identity: bytes | None = None, router: bool = False):
         self._ctx = ctx
-        self.sock = ctx.socket(zmq.DEALER)
+        self.router = router
+        self.sock = ctx.socket(zmq.ROUTER if router else zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, SOCKET_HWM), (zmq.RCVHWM, SOCKET_HWM),
                            (zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 65536)):
             self.sock.setsockopt(opt, value)
+        if router:  # a message for an unknown or gone peer fails (and is counted) instead of vanishing
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self._auth = None
@@ -297,9 +305,15 @@ class Channel:
         else:
             apply_curve_keys(self.sock, curve)
 
-    def send(self, msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
-        """Queue a message from any thread; never blocks. False when the outbox is full (dropped)."""
+    def send(self, msg: dict[str, Any], payload: list[Any] | tuple = (), *, to: bytes | None = None) -> bool:
+        """Queue a message from any thread; never blocks. False when the outbox is full (dropped). A router
+        channel sends it to peer `to` only, and drops (and counts) one addressed to nobody."""
         parts = [encode(msg), *payload]
+        if self.router:
+            if to is None:
+                self.dropped_messages += 1
+                return False
+            parts.insert(0, to)
         if len(self._outbox) >= OUTBOX_LIMIT:
             self.dropped_messages += 1
             return False
@@ -310,14 +324,24 @@ class Channel:
         while self._outbox:
             parts = self._outbox[0]
             try:
-                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts) == 1)
+                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts) == 1 + self.router)
             except zmq.Again:
                 return  # the peer is slow or absent: keep the rest (bounded by OUTBOX_LIMIT)
+            except zmq.ZMQError as exc:  # router: that peer is gone (EHOSTUNREACH); the others still get theirs
+                self._outbox.popleft()
+                self.dropped_messages += 1
+                if exc.errno != zmq.EHOSTUNREACH:
+                    self.refuse(f"cannot send to a peer: {exc}")
+                continue
             self._outbox.popleft()
             self.sent += 1
 
     def poll(self, timeout_s: float) -> list[tuple[dict[str, Any], list[bytes]]]:
         """Loop thread only: send what is queued, wait up to `timeout_s`, return decoded messages."""
+        return [(msg, payload) for _, msg, payload in self.poll_from(timeout_s)]
+
+    def poll_from(self, timeout_s: float) -> list[tuple[bytes, dict[str, Any], list[bytes]]]:
+        """`poll`, with the peer each message came from (a router channel's routing id; b"" otherwise)."""
         self._flush()
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         if self._wake.rx in events:
@@ -333,8 +357,9 @@ class Channel:
                 except zmq.Again:
                     break
                 self.received += 1
+                peer = parts.pop(0) if self.router else b""
                 try:
-                    out.append((decode(parts), parts[1:]))
+                    out.append((peer, decode(parts), parts[1:]))
                 except ProtocolError as exc:
                     self.refuse(str(exc))
                 except Exception as exc:  # anything unexpected from a peer is refused, never fatal

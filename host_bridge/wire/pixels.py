@@ -21,7 +21,16 @@ UINT8_MAX = 255
 
 
 def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
-    """A host frame as [H, W, C] (C in 1..4) of a supported dtype, or a ValueError saying what is allowed."""
+    """A host frame as [H, W, C] (C in 1..4) of a supported dtype with finite values, or a ValueError
+    saying what is allowed."""
+    frame = check_shape(frame, what)
+    if frame.dtype.kind == "f" and not (np.isfinite(frame.min()) and np.isfinite(frame.max())):  # NaN propagates
+        raise ValueError(f"{what}: holds NaN or infinite values; expected finite values (0..1)")
+    return frame
+
+
+def check_shape(frame: np.ndarray, what: str = "frame") -> np.ndarray:
+    """`check_frame` without reading the values: shape and dtype only, whatever the frame's size."""
     if not isinstance(frame, np.ndarray):
         raise TypeError(f"{what}: expected a numpy array, got {type(frame).__name__}")
     if frame.ndim == 2:
@@ -30,15 +39,14 @@ def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
         raise ValueError(f"{what}: shape {frame.shape} is not allowed; expected [H, W] or [H, W, C] with C in 1..4")
     if frame.dtype not in DTYPES:
         raise ValueError(f"{what}: dtype {frame.dtype} is not allowed; expected uint8, uint16 or float32")
-    if frame.dtype.kind == "f" and not (np.isfinite(frame.min()) and np.isfinite(frame.max())):  # NaN propagates
-        raise ValueError(f"{what}: holds NaN or infinite values; expected finite values (0..1)")
     return frame
 
 
 def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
     """`frame` [H, W, C] itself when neither side exceeds `max_side`, else shrunk by the smallest whole
-    factor that fits, each output pixel the mean of its block (an area filter, in the frame's dtype).
-    Done before any other conversion, so a huge input costs the host one pass and never reaches a ring."""
+    factor k that fits, each output pixel the mean of its k x k block (an area filter, in the frame's
+    dtype). With OpenCV only every (k // 2)-th pixel of each row and column is read, and the area filter
+    averages those: a large factor costs a fraction of one pass over the frame."""
     h, w = frame.shape[:2]
     k = -(-max(h, w) // max_side)
     if k <= 1:
@@ -47,11 +55,34 @@ def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
     if oh < 1 or ow < 1:
         raise ValueError(f"frame: {w}x{h} cannot be shrunk to at most {max_side} px per side; the aspect is too "
                          "extreme")
-    blocks = frame[:oh * k, :ow * k].reshape(oh, k, ow, k, frame.shape[2])
-    mean = blocks.mean(axis=(1, 3), dtype=np.float32)
-    if frame.dtype.kind == "f":
-        return mean.astype(frame.dtype)
-    return np.rint(mean).astype(frame.dtype)
+    try:
+        import cv2
+    except ImportError:  # a host Python without OpenCV: numpy, every pixel
+        cv2 = None
+    if cv2 is None or frame.shape[2] > 4:
+        blocks = frame[:oh * k, :ow * k].reshape(oh, k, ow, k, frame.shape[2])
+        mean = blocks.mean(axis=(1, 3), dtype=np.float32)
+        return mean.astype(frame.dtype) if frame.dtype.kind == "f" else np.rint(mean).astype(frame.dtype)
+    step = max(1, k // 2)
+    view = frame[:oh * k:step, :ow * k:step]
+    return cv2.resize(view, (ow, oh), interpolation=cv2.INTER_AREA).reshape(oh, ow, frame.shape[2])
+
+
+def resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """`frame` [H, W, C] at `height` x `width`, in its dtype (OpenCV's area filter to shrink, linear to grow;
+    nearest pixels without OpenCV)."""
+    h, w, c = frame.shape
+    try:
+        import cv2
+    except ImportError:
+        cv2 = None
+    if cv2 is None or c > 4:
+        rows = np.arange(height) * h // height
+        cols = np.arange(width) * w // width
+        return np.ascontiguousarray(frame[rows][:, cols])
+    shrink = height * width <= h * w
+    out = cv2.resize(frame, (width, height), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+    return out.reshape(height, width, c)
 
 
 def to_uint8(values: np.ndarray) -> np.ndarray:

@@ -20,7 +20,9 @@ from typing import Any
 
 from host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
 
-PROTOCOL_VERSION = 3  # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine
+# 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
+# answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`)
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
@@ -143,6 +145,8 @@ SCHEMA: dict[str, Fields] = {
               "software": (_str(128), False), "lane": (_endpoint, False),
               "doorbell": (_segment, False)},
     "ready": {"info": (_json_object, False)},
+    # a served engine's only answer to a host that says hello while another host is attached
+    "wait": {"reason": (_str(MAX_TEXT), False)},
     "status": {"state": (_choice("loading", "running", "error"), True), "message": (_str(MAX_TEXT), False),
                "progress": (_opt(_num(0.0, 1.0)), False)},
     "heartbeat": {"t": (_num(0.0), True), "busy_s": (_opt(_num(0.0)), False)},

@@ -12,7 +12,8 @@ from host_bridge.wire.errors import UserError
 
 
 def check_weights(cfg: Any) -> None:
-    """Every weight the config needs is given or pulled (`loom pull`), or the run is refused now."""
+    """Every weight the config needs is given or pulled (`loom pull`) and is the weights its key names, or
+    the run is refused now."""
     from engine.models.weights import missing_weights, pull_name
 
     missing = missing_weights(cfg)
@@ -20,6 +21,12 @@ def check_weights(cfg: Any) -> None:
         raise UserError(f"preset {pull_name(cfg)!r} needs weights that are not here: {'; '.join(missing)}. "
                         f"Run `loom pull {pull_name(cfg)}`, or give the paths with --set KEY=PATH "
                         "(or use -c default, the embedded model)")
+    from engine.models.loading import check_weight_files
+
+    try:
+        check_weight_files(cfg)  # each file is what its key needs: format, keys, shapes
+    except ValueError as exc:  # CheckpointError, PromptError: they name the file and what is wrong
+        raise UserError(str(exc)) from None
 
 
 def check_endpoint(endpoint: str, secret_file: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

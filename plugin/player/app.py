@@ -174,7 +174,7 @@ class Player:
         """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while True:
-            _, status = self.bridge.latest()
+            status = self.bridge.status()  # the engine's own state: ready to take frames before it sent any
             self._remember_log(status)
             if _is_ready(status):
                 return

@@ -349,7 +349,7 @@ class LoomExt:
             self.input_note = f"input frame not taken: {exc}"
             status = self.bridge.status()
         self._publish(status)
-        if self.loras and status.state in ("restarting", "dead"):  # only a failed engine can have refused one
+        if self.loras and self.bridge.status().state in ("restarting", "dead"):  # only a failed engine refuses one
             self._leave_out_refused_lora()
 
     def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:

@@ -7,17 +7,25 @@ and lets a test reach into it (its worker's counters) or hand it a fake session 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 from engine.server.core import EngineServer
+from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
 
@@ -41,11 +49,16 @@ def indexed_frame(i: int, h: int = 24, w: int = 32) -> np.ndarray:
 
 
 class InProcessEngine:
-    """An EngineServer serving `session_cls` on a daemon thread; a Bridge connects with `launch=False`
-    to `endpoint`. `exit_code` holds what `run()` returned once the server has ended."""
+    """An EngineServer serving `session_cls` on a daemon thread with a session secret, as `loom serve` on
+    this machine does; a Bridge connects with `launch=False` to `endpoint`, given `secret_file` (or `host`
+    gives those settings). `exit_code` holds what `run()` returned once the server has ended."""
 
-    def __init__(self, session_cls: type, bind: str = "tcp://127.0.0.1:*", heartbeat_s: float = 0.1) -> None:
-        self.server = EngineServer(session_cls, bind=bind, heartbeat_s=heartbeat_s)
+    def __init__(self, session_cls: Callable[[], Any], bind: str = "tcp://127.0.0.1:*",
+                 heartbeat_s: float = 0.1) -> None:
+        self._secret_dir = tempfile.mkdtemp(prefix="loom-test-secret-")
+        self.secret_file = os.path.join(self._secret_dir, "secret")
+        secret = SharedSecret(read_secret_file(self.secret_file, create=True), server=True)
+        self.server = EngineServer(session_cls, bind=bind, heartbeat_s=heartbeat_s, curve=secret)
         self.exit_code: list[int] = []
         self.thread = threading.Thread(target=lambda: self.exit_code.append(self.server.run()), daemon=True,
                                        name="test-engine-server")
@@ -58,10 +71,16 @@ class InProcessEngine:
     def endpoint(self) -> str:
         return self.server.channel.endpoint
 
+    @property
+    def host(self) -> dict[str, Any]:
+        """The BridgeConfig settings that reach this engine."""
+        return dict(launch=False, endpoint=self.endpoint, secret_file=self.secret_file)
+
     def stop(self) -> None:
         """Ask the server to stop and wait for its thread (it must end: a test asserts nothing lingers)."""
         self.server.request_stop()
         self.thread.join(10)
+        shutil.rmtree(self._secret_dir, ignore_errors=True)
         assert not self.thread.is_alive(), "the in-process engine server did not stop within 10 s"
 
     def __enter__(self) -> InProcessEngine:
@@ -93,3 +112,53 @@ def exiting_engine(folder: Path, code: int, error: str = "", name: str = "engine
     path.write_text(f"#!/bin/sh\necho 'engine starting'\n{said}exit {code}\n")
     os.chmod(path, 0o755)
     return path
+
+
+@contextlib.contextmanager
+def served_engine(folder: Path, *args: str, startup_s: float = 60.0) -> Iterator[tuple[str, str]]:
+    """`loom serve --bind` on a free loopback port with a session secret, as a process of its own (pass-through
+    unless `args` say otherwise): yields (endpoint, secret file) and stops it afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint, secret = f"tcp://127.0.0.1:{port}", folder / "served.secret"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+                             str(secret), *(args or ("--passthrough",))], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
+    try:
+        up = wait_until(lambda: proc.poll() is not None or _listens(port), startup_s, 0.1)
+        assert up and proc.poll() is None and secret.exists(), "loom serve did not come up"
+        yield endpoint, str(secret)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def _listens(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+class GuardedSockets:
+    """Raw sockets bound on loopback that let in only peers holding one fresh session secret, as an engine
+    `loom serve` runs on this machine does: a test drives them by hand as a fake engine's control socket
+    and frame lane, and gives hosts `secret_file`. `close()` before the context is terminated."""
+
+    def __init__(self, ctx: zmq.Context, folder: Path) -> None:
+        self.secret_file = str(folder / "fake-engine.secret")
+        self._secret = SharedSecret(read_secret_file(self.secret_file, create=True), server=True)
+        self._ctx = ctx
+        self._channels: list[Channel] = []
+
+    def bind(self) -> tuple[zmq.Socket, int]:
+        """A DEALER bound to a free loopback port behind the secret, and that port."""
+        channel = Channel(self._ctx, "tcp://127.0.0.1:*", bind=True, curve=self._secret)
+        self._channels.append(channel)
+        return channel.sock, int(channel.endpoint.rpartition(":")[2])
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels = []

@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 
 from engine.config import load_config
-from engine.server.core import EngineServer
 from engine.session_api import open_session
 from host_bridge import Bridge, BridgeConfig
+from tests.fakes.engines import InProcessEngine
 
 
 @pytest.fixture
 def bridge():
     cfg = load_config("edit-tiny", ["resolution.width=32", "resolution.height=32", "edit.batch=3"])
-    server = EngineServer(lambda: open_session(cfg), bind="tcp://127.0.0.1:*", heartbeat_s=0.1)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while server.channel is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    b = Bridge(BridgeConfig(launch=False, endpoint=server.channel.endpoint, heartbeat_s=0.1,
-                            hang_timeout_s=2.0)).start()
-    b.wait_running(30)
-    try:
-        yield b
-    finally:
-        b.close()
-        server.request_stop()
-        thread.join(10)
+    with InProcessEngine(lambda: open_session(cfg)) as engine:
+        b = Bridge(BridgeConfig(**engine.host, heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+        try:
+            b.wait_running(30)
+            yield b
+        finally:
+            b.close()
 
 
 def test_edit_family_serves_every_frame_with_its_own_parameters(bridge):

@@ -20,6 +20,7 @@ import zmq
 
 from engine.server.passthrough import PassthroughSession
 from host_bridge import Bridge, BridgeConfig
+from host_bridge.client import SIZE_SETTLE_FRAMES
 from host_bridge.wire.channel import EndpointError
 from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
 from host_bridge.wire.protocol import decode, encode, make
@@ -143,14 +144,19 @@ def test_the_first_frame_after_a_resolution_change_waits_for_its_ring(transport)
                        hang_timeout_s=1.0)
     with Bridge(cfg) as bridge:
         bridge.wait_running(30)
-        for i in range(12):
-            size = (24, 32) if (i // 3) % 2 == 0 else (40, 56)
+        run = SIZE_SETTLE_FRAMES + 2  # a new size is taken (new rings) at its SIZE_SETTLE_FRAMES-th frame
+        for i in range(3 * run):
+            size = (24, 32) if (i // run) % 2 == 0 else (40, 56)
             frame = np.random.default_rng(i).integers(0, 256, (*size, 3), dtype=np.uint8)
             bridge.submit(frame)
             assert bridge.wait_for_output(bridge.last_seq, 5), f"frame {i} ({size}) lost after a ring change"
             out, status = bridge.latest()
-            assert np.array_equal(out, frame) and status.seq == bridge.last_seq
-        assert wait_until(lambda: bridge.stats()["engine"].get("frames_in") == 12, 5)
+            assert status.seq == bridge.last_seq
+            if i < run or i % run >= SIZE_SETTLE_FRAMES - 1:
+                assert np.array_equal(out, frame)
+            else:  # fitted to the size in use until the new one has held
+                assert out.shape != frame.shape
+        assert wait_until(lambda: bridge.stats()["engine"].get("frames_in") == 3 * run, 5)
         assert bridge.stats()["engine"]["stale"] == 0 and bridge.stats()["refused"] == 0
 
 
@@ -159,7 +165,7 @@ def test_served_engine_lane_refuses_frames_on_control_and_is_removed_when_the_ho
     engine = InProcessEngine(PassthroughSession, bind=f"ipc://{tmp_path}/ctl")
     server = engine.server
     try:
-        cfg = BridgeConfig(launch=False, endpoint=server.channel.endpoint, transport="tcp", heartbeat_s=0.1,
+        cfg = BridgeConfig(**engine.host, transport="tcp", heartbeat_s=0.1,
                            hang_timeout_s=1.0)
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)

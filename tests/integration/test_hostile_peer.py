@@ -19,11 +19,12 @@ from engine.server.passthrough import PassthroughSession
 from host_bridge import Bridge, BridgeConfig
 from host_bridge.wire.channel import SharedSecret, read_secret_file
 from host_bridge.wire.frame_lane import FrameLane
-from host_bridge.wire.protocol import encode, make
+from host_bridge.wire.protocol import PROTOCOL_VERSION, encode, make
+from tests.fakes.engines import GuardedSockets
 
 ROOT = Path(__file__).resolve().parents[2]
 posix_ipc = pytest.mark.skipif(os.name == "nt" or not zmq.has("ipc"), reason="needs ipc endpoints")
-HUGE = b'{"v":3,"type":"heartbeat","t":1' + b"0" * 400 + b"}"
+HUGE = b'{"v":%d,"type":"heartbeat","t":1' % PROTOCOL_VERSION + b"0" * 400 + b"}"
 
 
 def _wait(predicate, timeout_s: float) -> bool:
@@ -71,16 +72,13 @@ def test_hole2_lane_survives_zmq_again_after_poll(tmp_path, monkeypatch):
         ctx.term()
 
 
-def test_hole1_over_long_number_on_lane_and_control_is_refused_not_fatal():
+def test_hole1_over_long_number_on_lane_and_control_is_refused_not_fatal(tmp_path):
     ctx = zmq.Context()
-    engine = ctx.socket(zmq.DEALER)
-    engine.setsockopt(zmq.LINGER, 0)
-    port = engine.bind_to_random_port("tcp://127.0.0.1")
-    lane = ctx.socket(zmq.DEALER)
-    lane.setsockopt(zmq.LINGER, 0)
-    lane_port = lane.bind_to_random_port("tcp://127.0.0.1")
+    guard = GuardedSockets(ctx, tmp_path)
+    engine, port = guard.bind()
+    lane, lane_port = guard.bind()
     bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp",
-                                 restart=False)).start()
+                                 restart=False, secret_file=guard.secret_file)).start()
     try:
         assert _wait(lambda: engine.poll(0), 10)
         engine.recv_multipart()
@@ -94,8 +92,7 @@ def test_hole1_over_long_number_on_lane_and_control_is_refused_not_fatal():
         assert bridge.status().state == "running"
     finally:
         bridge.close()
-        engine.close()
-        lane.close()
+        guard.close()
         ctx.term()
 
 

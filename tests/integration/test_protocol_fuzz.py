@@ -17,6 +17,7 @@ import zmq
 
 from host_bridge import Bridge, BridgeConfig
 from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
+from tests.fakes.engines import GuardedSockets
 
 ROOT = Path(__file__).resolve().parents[2]
 N_MESSAGES = 10_000
@@ -151,17 +152,14 @@ def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
         ctx.term()
 
 
-def test_bridge_client_survives_fuzzing_and_counts_refusals():
+def test_bridge_client_survives_fuzzing_and_counts_refusals(tmp_path):
     messages = fuzz_messages(2, N_MESSAGES)  # made first: the bridge would judge the silence meanwhile a hang
     ctx = zmq.Context()
-    engine = ctx.socket(zmq.DEALER)
-    engine.setsockopt(zmq.LINGER, 0)
-    port = engine.bind_to_random_port("tcp://127.0.0.1")
-    lane = ctx.socket(zmq.DEALER)
-    lane.setsockopt(zmq.LINGER, 0)
-    lane_port = lane.bind_to_random_port("tcp://127.0.0.1")
-    bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp",
-                                 restart=False)).start()  # tcp: a link with a frame lane (shm has a doorbell)
+    guard = GuardedSockets(ctx, tmp_path)
+    engine, port = guard.bind()
+    lane, lane_port = guard.bind()
+    bridge = Bridge(BridgeConfig(launch=False, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp", restart=False,
+                                 secret_file=guard.secret_file)).start()  # tcp: a frame lane (shm has a doorbell)
     try:
         assert _recv(engine, "hello")["role"] == "host"
         engine.send(encode(make("hello", role="engine", token="", pid=os.getpid(), transports=["tcp"],
@@ -189,6 +187,5 @@ def test_bridge_client_survives_fuzzing_and_counts_refusals():
         assert _recv(lane, "frame")["dir"] == "in"  # the host's frames came on the lane
     finally:
         bridge.close()
-        engine.close()
-        lane.close()
+        guard.close()
         ctx.term()

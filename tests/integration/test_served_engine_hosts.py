@@ -236,8 +236,8 @@ def test_a_host_connecting_while_another_is_attached_gets_in_soon_after_its_bye(
 
 def test_a_hello_the_attached_host_repeats_before_the_answer_starts_nothing(tmp_path):
     """Said again before the engine's answer arrived, a host's hello neither starts a second session or
-    lane nor counts as a refusal; once the host has spoken, a hello with its secret and pid is another
-    host of its process: refused, and counted once however often it is repeated."""
+    lane nor counts as a refusal; once the host has spoken, a hello from it is refused, counted once however
+    often it is repeated, and still starts nothing."""
     secret = read_secret_file(str(tmp_path / "secret"), create=True)
     server = EngineServer(PassthroughSession, bind="tcp://127.0.0.1:*", curve=SharedSecret(secret, server=True))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -270,7 +270,7 @@ def test_a_hello_the_attached_host_repeats_before_the_answer_starts_nothing(tmp_
         while server.channel.refused == 0 and time.monotonic() < deadline:
             host.poll(0.05)
         host.poll(0.3)
-        assert server.channel.refused == 1 and "second host" in server.channel.last_refusal
+        assert server.channel.refused == 1 and "after its handshake" in server.channel.last_refusal
         assert server.worker is worker
     finally:
         if host is not None:

@@ -122,7 +122,7 @@ class _Served(InProcessEngine):
 
     def __init__(self, session_cls) -> None:
         super().__init__(session_cls)
-        self.bridge = Bridge(BridgeConfig(launch=False, endpoint=self.endpoint, heartbeat_s=0.1,
+        self.bridge = Bridge(BridgeConfig(**self.host, heartbeat_s=0.1,
                                           hang_timeout_s=1.0)).start()
         self.bridge.wait_running(20)
 

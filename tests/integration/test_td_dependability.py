@@ -236,7 +236,7 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
     script = HostScriptTOP(comp, source)
     script_top_callbacks.onSetupParameters(script)
     comp.ext.LoomExt = ext = LoomExt(comp)
-    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", launch=False, endpoint=engine.endpoint,
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", **engine.host,
                                      heartbeat_s=0.1, hang_timeout_s=2.0)).start()
     try:
         cook_until(script, lambda: running(comp), "engine running")

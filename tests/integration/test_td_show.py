@@ -233,7 +233,7 @@ def test_cuda_ipc_output_copies_run_on_the_hosts_thread_not_the_bridges(monkeypa
     rt.cudaMemcpy2DAsync = recording
     monkeypatch.setattr(tc, "cudart", rt)
     with InProcessEngine(PassthroughSession) as engine:
-        cfg = BridgeConfig(transport="cuda-ipc", launch=False, endpoint=engine.endpoint, heartbeat_s=0.05,
+        cfg = BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.05,
                            hang_timeout_s=1.0)
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)

@@ -55,7 +55,7 @@ def test_ring_copies_with_pitch_and_orders_with_events(fake):
 
 def test_bridge_round_trip_through_an_engine_on_cuda_ipc(fake):
     with InProcessEngine(PassthroughSession) as engine:
-        cfg = BridgeConfig(transport="cuda-ipc", launch=False, endpoint=engine.endpoint, heartbeat_s=0.1,
+        cfg = BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1,
                            hang_timeout_s=1.0)
         with Bridge(cfg) as bridge:
             bridge.wait_running(10)

@@ -13,19 +13,20 @@ import pytest
 import yaml
 
 from host_bridge.wire import pixels
-from host_bridge.wire.protocol import ProtocolError, decode, make
+from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, make
 from host_bridge.wire.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 HUGE = "1" + "0" * 400  # a 401-digit integer: math.isfinite() overflows on it
+V = f'{{"v":{PROTOCOL_VERSION},'  # the start of a message of this protocol version
 
 
 @pytest.mark.parametrize("text", [
-    '{"v":3,"type":"heartbeat","t":' + HUGE + "}",
-    '{"v":3,"type":"frame","dir":"in","slot":0,"seq":1,"gen":1,"t":' + HUGE + "}",
-    '{"v":3,"type":"status","state":"running","progress":-' + HUGE + "}",
-    '{"v":3,"type":"heartbeat","t":1e999}',
-    '{"v":3,"type":"heartbeat","t":' + "9" * 5000 + "}",  # past Python's int digit limit
+    V + '"type":"heartbeat","t":' + HUGE + "}",
+    V + '"type":"frame","dir":"in","slot":0,"seq":1,"gen":1,"t":' + HUGE + "}",
+    V + '"type":"status","state":"running","progress":-' + HUGE + "}",
+    V + '"type":"heartbeat","t":1e999}',
+    V + '"type":"heartbeat","t":' + "9" * 5000 + "}",  # past Python's int digit limit
 ])
 def test_hole1_over_long_numbers_are_refused_by_the_protocol_error(text):
     with pytest.raises(ProtocolError):
@@ -35,8 +36,8 @@ def test_hole1_over_long_numbers_are_refused_by_the_protocol_error(text):
 def test_hole1_deeply_nested_values_are_refused():
     deep = "[" * 100_000 + "]" * 100_000
     with pytest.raises(ProtocolError):
-        decode([('{"v":3,"type":"params","params":{"a":' + deep + "}}").encode()[:60_000]])
-    nested = '{"v":3,"type":"ready","info":' + '{"a":' * 5000 + "1" + "}" * 5001
+        decode([(V + '"type":"params","params":{"a":' + deep + "}}").encode()[:60_000]])
+    nested = V + '"type":"ready","info":' + '{"a":' * 5000 + "1" + "}" * 5001
     with pytest.raises(ProtocolError):
         decode([nested.encode()])
 
@@ -54,8 +55,10 @@ def test_host_downscales_frames_over_the_size_limit():
     frame = np.arange(40 * 24 * 3, dtype=np.uint16).reshape(40, 24, 3)
     small = pixels.limit_size(frame, 10)
     assert small.shape == (10, 6, 3) and small.dtype == np.uint16
-    assert small[0, 0, 0] == frame[:4, :4, 0].mean().round()
+    assert small[0, 0, 0] == frame[:4:2, :4:2, 0].mean().round()  # an area mean of every second pixel (k = 4)
     assert pixels.limit_size(frame, 40) is frame
+    exact = frame[:2, :2].mean(axis=(0, 1))  # k = 2: every pixel, rounded
+    assert (np.abs(pixels.limit_size(frame, 20)[0, 0] - exact) <= 0.5).all()
 
 
 def test_hole7_yaml_alias_bomb_gives_a_short_error():
