@@ -177,8 +177,10 @@ class Player:
             _, status = self.bridge.latest()
             self._remember_log(status)
             if _is_ready(status):
+                self.printer.end_stage()
                 return
             if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
+                self.printer.end_stage()
                 raise self._engine_error("the engine did not start", status)
             if time.monotonic() > deadline:
                 raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
