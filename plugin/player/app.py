@@ -416,7 +416,13 @@ class Player:
         if status.refusal:  # the engine refused the run (config, weights, this host's secret): the user's to fix, once
             return PlayerError(status.refusal, EXIT_BAD_INPUT)
         self._remember_log(status)
-        text = f"{what}: {status.message}" if status.message and status.message not in what else what
+        message = status.message
+        if not message or message in what:
+            text = what
+        elif message.startswith("the engine could not start"):  # the bridge's words say it all
+            text = message
+        else:
+            text = f"{what}: {message}"
         lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
         return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
 
