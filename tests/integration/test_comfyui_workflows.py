@@ -1,7 +1,8 @@
-"""The node package's example workflows (ComfyUI's `example_workflows/`, shown in its template browser), run
-the way ComfyUI runs a queued prompt: converted to the API format as the frontend does, nodes in ComfyUI's
-order, outputs cached between queue runs. The video loader and Save Video are ComfyUI's core nodes; they
-stand in here as functions of their inputs (the README's ComfyUI section records a run in a real ComfyUI).
+"""The node package's example workflows (ComfyUI's `example_workflows/`, shown in its template browser),
+run the way ComfyUI runs a queued prompt, with the embedded model on the CPU: converted to the API format
+as the frontend does, nodes in ComfyUI's order, outputs cached between queue runs. The video loader and
+Save Video are ComfyUI's core nodes; they stand in here as functions of their inputs (the README's
+ComfyUI section records a run in a real ComfyUI).
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def test_the_video_restyle_example_runs_and_a_requeued_run_with_a_new_prompt_equ
         assert prompt_id in runner.ran and (engine_id in runner.ran) == (not outputs)  # one engine, kept
         outputs.append(saved[-1])
     fresh, other, requeued = outputs
-    assert fresh.shape == frames.shape and not torch.equal(fresh, frames) and not torch.equal(other, fresh)
+    assert fresh.shape == frames.shape and fresh.dtype == torch.float32  # an IMAGE batch, one frame per frame
+    assert float(fresh.min()) >= 0.0 and float(fresh.max()) <= 1.0
+    assert not torch.equal(fresh, frames) and not torch.equal(other, fresh)  # restyled, by the prompt
     assert torch.equal(requeued, fresh), f"max difference {float((requeued - fresh).abs().max()) * 255:.1f} levels"
 
 
