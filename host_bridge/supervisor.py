@@ -4,7 +4,7 @@ It owns the control side of the current `Link`: it opens the link (launching or 
 engine), handshakes, answers and sends heartbeats, asks for stats, files the engine's replies for
 the host threads that wait on them, and on a crash, exit, hang or bad message tears the link down
 and opens a new one after a backoff that doubles up to a limit (and resets once an engine has run
-for a while). Restarts are for engines that were running: a launched engine that fails before the
+for a while). Restarts are for engines that were running: a launched engine that exits before the
 first one was ever ready (a wrong engine Python, a missing module, a crash while loading) would fail
 the same way again, so the supervisor ends there at once (dead, with the reason and the engine's last
 lines) instead of retrying it silently until a host's timeout. An engine that exits with code 2 before
@@ -331,8 +331,9 @@ class Supervisor:
                 self._set_state(EngineState.DEAD, reason)
 
     def _never_started(self, link: Link) -> bool:
-        """A launched engine failed before any engine of this bridge was ready: trying again would fail alike."""
-        return link.proc is not None and not link.ready and not self.ever_ready
+        """A launched engine exited before any engine of this bridge was ready: trying again would fail alike.
+        (One that is slow to say hello or hangs while loading on a busy machine is still tried again.)"""
+        return link.proc is not None and not link.proc.alive and not link.ready and not self.ever_ready
 
     def _switch_to_standby(self, link: Link, reason: str) -> bool:
         """Lock held: the ready standby becomes the engine in use; the failed one is stopped on a thread of
