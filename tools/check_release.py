@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -70,8 +71,8 @@ def build(out: Path, root: Path = ROOT) -> tuple[Path, Path]:
 
 
 def twine_check(files: list[Path]) -> str:
-    return _run("twine check", [sys.executable, "-m", "twine", "check", "--strict", *map(str, files)],
-                env={**os.environ, "NO_COLOR": "1"})
+    out = _run("twine check", [sys.executable, "-m", "twine", "check", "--strict", *map(str, files)])
+    return re.sub(r"\x1b\[[0-9;]*m", "", out)  # its colours
 
 
 def fresh_environment(where: Path, system_site_packages: bool) -> Path:

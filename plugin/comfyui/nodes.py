@@ -434,7 +434,7 @@ def _stream_frames(images: list[Any]) -> tuple[np.ndarray, str]:
         raise ValueError(f"Loom Stream: {exc}") from None
     sizes = sorted({f"{b.shape[2]}x{b.shape[1]}" for b in batches if len(b)})
     if len(sizes) > 1:
-        raise ValueError(f"Loom Stream: the images are a list of {len(batches)} of {len(sizes)} sizes "
+        raise ValueError(f"Loom Stream: the images come as a list of {len(batches)} in {len(sizes)} sizes "
                          f"({', '.join(sizes[:4])}); one stream takes one size: scale them to one size first "
                          "(e.g. Upscale Image), or stream each size with its own Loom Stream node")
     frames = np.concatenate(batches) if len(batches) > 1 else batches[0] if batches else np.zeros((0, 1, 1, 3))

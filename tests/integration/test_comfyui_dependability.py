@@ -153,7 +153,7 @@ def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(n
     images = [image_batch(1, 8, 12, seed=i) for i in range(5)]
     out, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=OutputList(images))
     assert torch.equal(out, torch.cat(images)) and "5 images of a list streamed as one video" in status
-    with pytest.raises(ValueError, match=r"list of 2 of 2 sizes \(12x8, 9x8\); one stream takes one size"):
+    with pytest.raises(ValueError, match=r"come as a list of 2 in 2 sizes \(12x8, 9x8\); one stream takes one size"):
         run_node(nodes_pkg, "LoomStream", engine=handle, images=OutputList([images[0], image_batch(1, 8, 9)]))
 
 
