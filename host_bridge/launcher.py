@@ -10,6 +10,12 @@ reaches a hung engine too; the bridge has already said "bye" on the control chan
 POSIX: terminate the group, wait, kill the group. Its output is kept as a short tail for the
 host's status display, and an engine that refused its run (exit code 2) is told apart from a crash
 by its own one-line error, so the host can say why once instead of restarting it.
+
+The engine is `python -m engine`: in a host that found Loom in a source checkout rather than an
+installed package (ComfyUI's node folder linked from a checkout, TouchDesigner's Python given the
+checkout's path), the engine's Python would not find it, so the checkout goes first on the engine's
+PYTHONPATH. An installed Loom is left to the engine's own environment: another Python's
+site-packages on its path would shadow its own compiled packages.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from host_bridge.wire import logs
 from host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
@@ -127,6 +134,26 @@ def _signal_tree(proc: subprocess.Popen, *, kill: bool, os_name: str | None = No
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)  # pgid == pid: new session
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def loom_checkout(package_dir: Path | None = None) -> Path | None:
+    """The source checkout this host's Loom was imported from (the folder holding `host_bridge/` and
+    `engine/`, with the project's pyproject.toml), or None for an installed Loom."""
+    root = (package_dir or Path(__file__).resolve().parent).parent
+    if (root / "engine" / "__main__.py").is_file() and (root / "pyproject.toml").is_file() \
+            and root.name not in ("site-packages", "dist-packages"):
+        return root
+    return None
+
+
+def engine_env(base: dict[str, str] | None = None, checkout: Path | None = None) -> dict[str, str]:
+    """Environment additions for a launched engine: PYTHONPATH with Loom's checkout first, if any."""
+    root = checkout or loom_checkout()
+    if root is None:
+        return {}
+    current = (os.environ if base is None else base).get("PYTHONPATH", "")
+    parts = [p for p in current.split(os.pathsep) if p and Path(p).resolve() != root]
+    return {"PYTHONPATH": os.pathsep.join([str(root), *parts])}
 
 
 def engine_argv(python: str | None, *args: str) -> list[str]:

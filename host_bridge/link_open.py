@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import zmq
 
 from host_bridge.config import BridgeConfig
-from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv
+from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv, engine_env
 from host_bridge.link import Link
 from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint, SharedSecret, read_secret_file
 from host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
@@ -68,7 +68,7 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
     if cfg.launch:
         try:
             proc = EngineProcess(engine_argv(cfg.engine_python, *_engine_args(cfg, channel.endpoint)),
-                                 cwd=cfg.engine_cwd, env={TOKEN_ENV: token})
+                                 cwd=cfg.engine_cwd, env={TOKEN_ENV: token, **engine_env()})
         except OSError as exc:
             channel.close()
             if lane is not None:

@@ -4,9 +4,12 @@ It owns the control side of the current `Link`: it opens the link (launching or 
 engine), handshakes, answers and sends heartbeats, asks for stats, files the engine's replies for
 the host threads that wait on them, and on a crash, exit, hang or bad message tears the link down
 and opens a new one after a backoff that doubles up to a limit (and resets once an engine has run
-for a while). An engine that exits with code 2 before it is ready refused its run (a bad config,
-missing weights): a new one would refuse it the same way, so the supervisor ends there (dead, with
-the engine's own error as the message, said once) instead of restarting it. So does a served
+for a while). Restarts are for engines that were running: a launched engine that exits before the
+first one was ever ready (a wrong engine Python, a missing module, a crash while loading) would fail
+the same way again, so the supervisor ends there at once (dead, with the reason and the engine's last
+lines) instead of retrying it silently until a host's timeout. An engine that exits with code 2 before
+it is ready refused its run (a bad config, missing weights), whether or not one ran before: the
+message is then the engine's own error, said once. So does a served
 engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
 again. Frames are not its business: each tick it hands the link to the frame side (a `FrameSide`:
 the bridge) to drain the frame lane and hand over a pending frame, and when an engine becomes ready
@@ -94,6 +97,7 @@ class Supervisor:
         self.log_tail: list[str] = []  # the last engine's output, kept once its link is gone
         self.refusal = ""  # the engine's own error when it refused its run (exit code 2); nothing restarts then
         self.restarts = 0
+        self.ever_ready = False  # an engine of this bridge has been ready once: later failures are restarted
         self.closing = False
         self._request_ids = itertools.count(1)  # ids of requests (the host's and the stats polls) and replies
         self._replies: dict[int, dict[str, Any]] = {}
@@ -245,6 +249,7 @@ class Supervisor:
                     link.channel.refuse("ready before hello")
                     return None
                 link.on_ready(msg.get("info") or {})
+                self.ever_ready = True
                 self._set_state(EngineState.RUNNING, "engine running")
                 self._frames.on_engine_ready(link)
             elif kind == "status":
@@ -314,9 +319,11 @@ class Supervisor:
                 # credentials says itself which engine refused what
                 reason = f"the engine refused to start: {refusal}" if link.proc is not None else refusal
             # said now: a host must not see 'running' (and send to no link) while a hung engine is stopped
-            restart = self.config.restart and not self.closing and refusal is None
+            elif self._never_started(link):
+                reason = f"the engine could not start: {reason}"
+            restart = self.config.restart and not self.closing and refusal is None and not self._never_started(link)
             self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
-                            reason if refusal is not None else f"{reason}; stopping the engine")
+                            reason if not restart else f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self.cond:
             self.log_tail = link.log_tail()
@@ -327,6 +334,11 @@ class Supervisor:
                 self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
             else:
                 self._set_state(EngineState.DEAD, reason)
+
+    def _never_started(self, link: Link) -> bool:
+        """A launched engine exited before any engine of this bridge was ready: trying again would fail alike.
+        (One that is slow to say hello or hangs while loading on a busy machine is still tried again.)"""
+        return link.proc is not None and not link.proc.alive and not link.ready and not self.ever_ready
 
     def _switch_to_standby(self, link: Link, reason: str) -> bool:
         """Lock held: the ready standby becomes the engine in use; the failed one is stopped on a thread of

@@ -267,17 +267,7 @@ class PromptConditioner:
         self.transition_done = False
         changed = False
         if self._pending is not None and self._pending[2].done():
-            text, chunks, fut = self._pending
-            self._pending = None
-            try:
-                new = fut.result()
-            except Exception as exc:  # e.g. out of memory in the text encoder: the stream keeps its prompt
-                self.error = f"prompt {text!r} could not be encoded: {type(exc).__name__}: {exc}"
-            else:
-                self._from, self._to, self.text, self.error = self._blend_now(), new, text, None
-                self.match = self._describe(text)
-                self._steps_total, self._step = chunks, 0
-                changed = True
+            changed = self._arrive()
         if self._steps_total and self._step < self._steps_total:
             self._step += 1
             changed = True
@@ -285,6 +275,28 @@ class PromptConditioner:
         elif changed:
             self.transition_done = True
         return self._blend_now(), changed
+
+    def settle(self) -> None:
+        """Jump to the newest requested prompt, waiting for its encoding, with no blend left under way: a
+        new stream starts on what was asked last, never on a blend begun in the stream before it."""
+        if self._pending is not None:
+            self._arrive()
+        self._from = self._to
+        self._steps_total = self._step = 0
+
+    def _arrive(self) -> bool:
+        """The pending prompt (waited for) starts blending in; False when its encoding failed."""
+        text, chunks, fut = self._pending
+        self._pending = None
+        try:
+            new = fut.result()
+        except Exception as exc:  # e.g. out of memory in the text encoder: the stream keeps its prompt
+            self.error = f"prompt {text!r} could not be encoded: {type(exc).__name__}: {exc}"
+            return False
+        self._from, self._to, self.text, self.error = self._blend_now(), new, text, None
+        self.match = self._describe(text)
+        self._steps_total, self._step = chunks, 0
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

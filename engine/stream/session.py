@@ -172,7 +172,9 @@ class StreamSession:
                               self.generator, cuda_graphs=graphs)
 
     def reset(self) -> None:
-        """Start a new stream: caches, positions, noise, metrics, plan; the prompt stays."""
+        """Start a new stream: caches, positions, noise, metrics, plan; on the newest prompt asked for,
+        arrived in full (a blend under way in the old stream does not carry over)."""
+        self.prompt.settle()
         self._new_stream()
         self.metrics.reset()
         self.slo.reset()

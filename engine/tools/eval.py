@@ -248,6 +248,24 @@ def ping_pong(frames: Iterator[np.ndarray], count: int) -> Iterator[np.ndarray]:
             yield frame
 
 
+# What each console column means, printed under the table (a newcomer reads numbers without a scale otherwise)
+COLUMN_NOTES = (
+    "warp err: how much each frame differs from the one before it, moved along the input's motion (optical "
+    "flow), 0..255 grey levels; lower is steadier. A soft or blurred output scores low too: read it beside "
+    "sharpness",
+    "sharpness: mean Sobel gradient of the frames' brightness; higher is crisper (compare clips of one size)",
+    "flicker: how much more the output changes from frame to frame than the input does, in grey levels; "
+    "0 changes as much as the input, negative changes less (steady, or smoothed), positive flickers. '-' for "
+    "a file scored as it is: there is no input to compare",
+    "drift/1k: the trend of warp err per 1,000 frames; positive grows less steady over a long run",
+)
+
+
+def format_notes() -> str:
+    """The column notes, one indented line each, for under `format_table`."""
+    return "\n".join(f"  {note}" for note in COLUMN_NOTES)
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The console summary: one line per clip and run."""
     header = (f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'sharpness':>9} {'flicker':>8} "

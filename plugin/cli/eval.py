@@ -29,6 +29,7 @@ from engine.tools.eval import (
     EvalSettings,
     IdentityProcessor,
     evaluate,
+    format_notes,
     format_table,
     ping_pong,
 )
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loom eval: error: {e}", file=sys.stderr)
         return 2
     print(format_table(report))
+    print(format_notes())
     print(f"report: {Path(args.out) / 'report.json'}")
     return 0
 

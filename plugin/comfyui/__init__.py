@@ -14,6 +14,8 @@ from pathlib import Path
 INSTALL_HINT = ("the Loom nodes need Loom itself (the `loom-live` package) in ComfyUI's Python: "
                 "pip install loom-live (or pip install -e /path/to/loom), or link this folder from a Loom "
                 "checkout into ComfyUI/custom_nodes")
+# import name -> the distribution that provides it, for Loom's host-side dependencies
+DISTRIBUTIONS = {"zmq": "pyzmq", "numpy": "numpy", "yaml": "pyyaml", "cv2": "opencv-python"}
 
 
 def _find_loom() -> None:
@@ -25,14 +27,27 @@ def _find_loom() -> None:
     except ImportError:
         pass
     # Linked into custom_nodes: the Loom checkout is two folders above the real location of this file.
-    root = str(Path(__file__).resolve().parents[2])
-    if (Path(root) / "host_bridge").is_dir() and root not in sys.path:
-        sys.path.insert(0, root)
+    root = Path(__file__).resolve().parents[2]
+    checkout = (root / "host_bridge").is_dir()
+    if checkout and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
     try:
         import host_bridge  # noqa: F401
         import host_bridge.wire.params  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT} ({exc})") from None
+        raise ImportError(_missing(exc, root if checkout else None)) from None
+
+
+def _missing(exc: ImportError, checkout: Path | None) -> str:
+    """What to install: Loom, or (found through the link) the dependency ComfyUI's Python lacks."""
+    name = (getattr(exc, "name", None) or "").partition(".")[0]
+    if checkout is None or name in ("", "host_bridge"):
+        return f"{INSTALL_HINT} ({exc})"
+    dist = DISTRIBUTIONS.get(name, name)
+    return (f"the Loom nodes found Loom's checkout at {checkout}, but ComfyUI's Python lacks {dist!r} ({exc}), "
+            f"which Loom's host side needs: install it into ComfyUI's Python ({sys.executable} -m pip install "
+            f"{dist}), or install the checkout with all its dependencies ({sys.executable} -m pip install -e "
+            f"{checkout})")
 
 
 _find_loom()

@@ -2,7 +2,13 @@
 
 `IMAGE` is a float32 tensor [B, H, W, 3] in 0..1, rows top-down. Engines started by the Engine
 node live in `ENGINES` (keyed by their settings) across queue runs, so re-running a workflow does
-not start a second engine; they are closed when ComfyUI exits.
+not start a second engine; an engine no Engine node uses any more (its node was given other
+settings) is stopped, and the rest are closed when ComfyUI exits. The Engine node waits for its
+engine, so a configuration the engine refuses, or an engine that cannot start, fails on that node.
+
+A queued run is a function of its inputs: the Stream node starts each run on a fresh stream and on
+the prompt as it is now (no blend carried over from the run before), unless the user asks for
+`blend_from_last_run`.
 
 LoRAs: a chain of Loom LoRA nodes builds a `LOOM_LORAS` list of (file, strength) that the Engine
 node takes. The files are part of the engine's settings: other files replace the engine with one
@@ -33,6 +39,7 @@ FALLBACKS = ["passthrough", "last"]
 # Seconds per frame a batch may take before the engine is declared stuck, plus start-up time.
 TIMEOUT_PER_FRAME_S = 30.0
 STARTUP_TIMEOUT_S = 300.0
+ENGINE_READY_TIMEOUT_S = 1200.0  # the Engine node's wait; the bridge gives up on a load itself before this
 CANCEL_POLL_S = 0.05  # how often a run waiting for its engine looks at its state and ComfyUI's Cancel
 
 
@@ -61,30 +68,41 @@ class EngineRegistry:
         self._lock = threading.Lock()
 
     def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = (), node: str = "") -> EngineHandle:
-        """The engine of these settings and LoRA files, started if needed. When Engine node `node` moves to
-        other LoRA files, the engine it used with the same settings stops first if no other node uses it
-        (a restart with the new files: two would hold the model twice); an engine with the same files is
-        told the strengths live."""
+        """The engine of these settings and LoRA files, started if needed; one with the same files is told
+        the strengths live. When Engine node `node` (ComfyUI's node id) moves to other settings or files,
+        the engine it used stops first unless another node uses it: an edited node leaves one engine (two
+        would hold the model twice). Without a node id (scripts) engines stay until `close_all`."""
         key = engine_key(settings, loras)
         if self.ended(key):  # e.g. refused for missing weights, now pulled: the next queue run tries a fresh engine
             self.close(key)
+        for unused in self._leave(node, key):  # stopped outside the lock: it takes a moment
+            unused.bridge.close()
         with self._lock:
             handle = self._engines.get(key)
-            for old_key, old in list(self._engines.items()):
-                if old is not handle and node in old.users:
-                    old.users.discard(node)
-                    if not old.users and old.settings == settings:
-                        self._engines.pop(old_key).bridge.close()
             if handle is None:
                 handle = EngineHandle(key, _start_bridge(settings, loras), dict(settings), loras=loras)
                 self._engines[key] = handle
-            handle.users.add(node)
+            if node:
+                handle.users.add(node)
             if loras:
                 from host_bridge.loras import scales
 
                 handle.bridge.set_params(lora_scales=scales(loras))
                 handle.loras = loras
             return handle
+
+    def _leave(self, node: str, key: str) -> list[EngineHandle]:
+        """Node `node` no longer uses the engines other than `key`'s: those no node uses leave the registry."""
+        if not node:
+            return []
+        unused = []
+        with self._lock:
+            for old_key, old in list(self._engines.items()):
+                if old_key != key and node in old.users:
+                    old.users.discard(node)
+                    if not old.users:
+                        unused.append(self._engines.pop(old_key))
+        return unused
 
     def ended(self, key: str) -> bool:
         """Whether the engine of these settings was started and is now dead (it is not restarted)."""
@@ -215,13 +233,25 @@ class LoomEngine:
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None) -> tuple[EngineHandle, str]:
+        _check_overrides(overrides)
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
                                                        passthrough=passthrough),
                                       _choices(loras),
                                       node="" if unique_id is None else str(unique_id))
+        # waited for here, so that a config the engine refuses, or an engine that cannot start, fails this node
+        _wait_running(handle, ENGINE_READY_TIMEOUT_S, _cancel_check(), "Loom Engine")
         return handle, handle.status_text()
+
+
+def _check_overrides(overrides: str) -> None:
+    """Each line `key=value` (the engine checks keys and values when it starts)."""
+    for number, line in enumerate(overrides.splitlines(), 1):
+        key, eq, _ = line.strip().partition("=")
+        if line.strip() and (not eq or not key.strip()):
+            raise ValueError(f"Loom Engine: overrides line {number}: {line.strip()!r} is not allowed; expected "
+                             "key=value, one per line (e.g. stream.steps=[700,500])")
 
 
 def _engine_settings(config: str = "default", transport: str = "shm", fallback: str = "passthrough",
@@ -304,7 +334,8 @@ class LoomPrompt:
     RETURN_TYPES = (ENGINE_TYPE,)
     RETURN_NAMES = ("engine",)
     FUNCTION = "apply"
-    DESCRIPTION = "Prompt and parameters for a Loom engine; a prompt change blends over transition_chunks chunks."
+    DESCRIPTION = ("Prompt and parameters for a Loom engine. Each queue run starts on its prompt; with the Stream "
+                   "node's blend_from_last_run on, a new prompt blends in over transition_chunks chunks instead.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
@@ -345,7 +376,9 @@ class LoomStream:
     RETURN_NAMES = ("images", "status")
     FUNCTION = "stream"
     DESCRIPTION = ("Sends the frames of an IMAGE batch (a video) through the engine's stream; returns one "
-                   "restyled frame per input frame. Each run is one stream, flushed at its end.")
+                   "restyled frame per input frame. Each run is one stream, started afresh and flushed at its end.")
+    # a list of images (a folder loader's) comes whole, as one call, so it can become one stream
+    INPUT_IS_LIST = True
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
@@ -357,6 +390,9 @@ class LoomStream:
             "optional": {
                 "timeout_s": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 36000.0,
                                         "tooltip": "0: a limit from the batch size"}),
+                "blend_from_last_run": ("BOOLEAN", {"default": False, "tooltip": (
+                    "off: every run starts a fresh stream on its prompt, so a queued run depends only on its "
+                    "inputs; on: a prompt changed since the last run blends in over transition_chunks")}),
             },
         }
 
@@ -365,15 +401,16 @@ class LoomStream:
         """NaN never equals itself: the stream is live, so the node runs every time."""
         return float("nan")
 
-    def stream(self, engine: EngineHandle, images: Any, timeout_s: float = 0.0) -> tuple[Any, str]:
-        frames = _images_to_frames(images)
-        if not len(frames):  # an empty batch (a video loader past the last frame): nothing to stream
-            return _frames_to_images(frames), engine.status_text()
-        limit = timeout_s or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
+    def stream(self, engine: list[EngineHandle], images: list[Any], timeout_s: list[float] = (0.0,),
+               blend_from_last_run: list[bool] = (False,)) -> tuple[Any, str]:
+        """Every input comes as a list (INPUT_IS_LIST); all but `images` hold one value."""
+        engine, timeout, blend = engine[0], float(timeout_s[0]), bool(blend_from_last_run[0])
+        frames, note = _stream_frames(images)
+        limit = timeout or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
-        _wait_running(engine, limit, cancelled)
-        if engine.interrupted:  # the engine confirms the new stream before this run's first frame goes
-            engine.bridge.reset(wait=True)
+        _wait_running(engine, limit, cancelled, "Loom Stream")
+        if engine.interrupted or not blend:  # confirmed before this run's first frame goes
+            engine.bridge.reset(wait=True)  # a fresh stream on the newest prompt, with no blend under way
             engine.interrupted = False
         try:
             outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
@@ -385,7 +422,27 @@ class LoomStream:
             raise
         if len(outs) != len(frames):
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
-        return _frames_to_images(outs), engine.status_text()
+        return _frames_to_images(outs), engine.status_text() + note
+
+
+def _stream_frames(images: list[Any]) -> tuple[np.ndarray, str]:
+    """The frames of one stream: an IMAGE batch, or a list of them (a folder loader's images) of one size,
+    joined in order. A note for the status says when a list was joined."""
+    try:
+        batches = [_images_to_frames(batch) for batch in images]
+    except ValueError as exc:
+        raise ValueError(f"Loom Stream: {exc}") from None
+    sizes = sorted({f"{b.shape[2]}x{b.shape[1]}" for b in batches if len(b)})
+    if len(sizes) > 1:
+        raise ValueError(f"Loom Stream: the images come as a list of {len(batches)} in {len(sizes)} sizes "
+                         f"({', '.join(sizes[:4])}); one stream takes one size: scale them to one size first "
+                         "(e.g. Upscale Image), or stream each size with its own Loom Stream node")
+    frames = np.concatenate(batches) if len(batches) > 1 else batches[0] if batches else np.zeros((0, 1, 1, 3))
+    if not len(frames):
+        raise ValueError("Loom Stream: the image batch is empty (0 frames); expected at least one frame "
+                         "(a video loader past the end of its video, or a skip_first_frames beyond it?)")
+    note = f"  ({len(batches)} images of a list streamed as one video)" if len(batches) > 1 else ""
+    return frames, note
 
 
 _INPUT_KINDS = {"int": "INT", "float": "FLOAT", "bool": "BOOLEAN"}
@@ -426,27 +483,28 @@ def _until_cancelled(frames: np.ndarray, cancelled: Callable[[], None]) -> Itera
         yield frame
 
 
-def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], None]) -> None:
-    """Wait for the engine (loading a model takes a while), answering Cancel meanwhile. An engine that
-    failed naming one of its LoRA files (one for another model size) is stopped, and the run says which."""
+def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], None], node: str) -> None:
+    """Wait for the engine (loading a model takes a while), answering Cancel meanwhile; a failure names
+    `node`. An engine that failed naming one of its LoRA files (one for another model size) is stopped,
+    and the run says which."""
     from host_bridge import EngineState
 
     bridge = engine.bridge
     deadline = time.monotonic() + limit_s
     while (status := bridge.status()).state != EngineState.RUNNING:
         cancelled()
-        _raise_if_lora_refused(engine)
+        _raise_if_lora_refused(engine, node)
         if status.refusal:  # the engine refused its settings (config, weights) or this host's session secret:
-            raise RuntimeError(f"Loom Stream: {status.message}")  # the bridge's message says which, once
+            raise RuntimeError(f"{node}: {status.message}")  # the bridge's message says which, once
         gone = status.state in (EngineState.DEAD, EngineState.STOPPED)
         if gone or time.monotonic() > deadline:
             tail = "\n".join(status.log_tail or [])
-            raise RuntimeError(f"Loom Stream: the engine is {status.state}{'' if gone else f' after {limit_s:.0f} s'}"
+            raise RuntimeError(f"{node}: the engine is {status.state}{'' if gone else f' after {limit_s:.0f} s'}"
                                f": {status.message}" + (f"\n{tail}" if tail else ""))
         time.sleep(CANCEL_POLL_S)
 
 
-def _raise_if_lora_refused(engine: EngineHandle) -> None:
+def _raise_if_lora_refused(engine: EngineHandle, node: str) -> None:
     if not engine.loras:
         return
     from host_bridge.loras import refused_lora
@@ -457,7 +515,7 @@ def _raise_if_lora_refused(engine: EngineHandle) -> None:
         return
     ENGINES.close(engine.key)  # else it would fail again and again; a fixed file gets a fresh engine
     choice, words = found
-    raise RuntimeError(f"Loom Stream: the engine refused the LoRA {choice.name!r}: {words}. Remove it from the "
+    raise RuntimeError(f"{node}: the engine refused the LoRA {choice.name!r}: {words}. Remove it from the "
                        "Loom LoRA chain, or pick one made for this model")
 
 

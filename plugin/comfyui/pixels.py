@@ -12,7 +12,13 @@ def from_comfy(images: np.ndarray) -> np.ndarray:
     images = np.asarray(images)
     if images.ndim != 4 or images.shape[3] not in (3, 4):
         raise ValueError(f"ComfyUI IMAGE: shape {images.shape} is not allowed; expected [B, H, W, 3]")
-    return np.ascontiguousarray(to_uint8(images[..., :3].astype(np.float32, copy=False)))
+    rgb = images[..., :3].astype(np.float32, copy=False)
+    bad = np.flatnonzero(~np.isfinite(rgb).reshape(len(rgb), -1).all(axis=1)) if len(rgb) else []
+    if len(bad):  # the bridge refuses such a frame too: NaN would silently become black
+        listed = ", ".join(str(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ValueError(f"ComfyUI IMAGE: frame {listed} ({len(bad)} of {len(rgb)}) holds NaN or infinite values; "
+                         "expected finite values (0..1)")
+    return np.ascontiguousarray(to_uint8(rgb))
 
 
 def to_comfy(frames: np.ndarray) -> np.ndarray:

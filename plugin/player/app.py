@@ -177,8 +177,10 @@ class Player:
             status = self.bridge.status()  # the engine's own state: ready to take frames before it sent any
             self._remember_log(status)
             if _is_ready(status):
+                self.printer.end_stage()
                 return
             if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
+                self.printer.end_stage()
                 raise self._engine_error("the engine did not start", status)
             if time.monotonic() > deadline:
                 raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
@@ -414,7 +416,13 @@ class Player:
         if status.refusal:  # the engine refused the run (config, weights, this host's secret): the user's to fix, once
             return PlayerError(status.refusal, EXIT_BAD_INPUT)
         self._remember_log(status)
-        text = f"{what}: {status.message}" if status.message and status.message not in what else what
+        message = status.message
+        if not message or message in what:
+            text = what
+        elif message.startswith("the engine could not start"):  # the bridge's words say it all
+            text = message
+        else:
+            text = f"{what}: {message}"
         lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
         return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
 

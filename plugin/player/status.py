@@ -1,6 +1,8 @@
 """The player's terminal feedback: start-up stages, a progress bar for files, a status line for live inputs.
 
-Start-up stages are printed once each, as they happen. A file's progress is tqdm's bar, started at
+Start-up stages are printed once each, as they begin, and each is closed with how long it took; a
+stage that lasts (the engine loading a model) gets a line every few seconds meanwhile, so a silent
+terminal never looks like a hang. A file's progress is tqdm's bar, started at
 the first restyled frame (so its rate and ETA measure the stream, not the engine's start-up) and
 closed at N/N. On a terminal the bar and the live line are redrawn in place; when stderr is a pipe
 or a log file, a full line (tqdm's own format) is printed every few seconds, so logs stay readable.
@@ -15,6 +17,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 LOG_INTERVAL_S = 2.0
+STAGE_HEARTBEAT_S = 5.0  # a stage still under way says so this often
 TTY_INTERVAL_S = 0.1
 
 
@@ -41,7 +44,7 @@ class StatusPrinter:
         self._width = 0
         self._shown = ""
         self._stage = ""
-        self._created = time.monotonic()
+        self._stage_started = self._stage_said = 0.0
         self._bar: tqdm | None = None
         self._bar_started = 0.0
         self._done = 0
@@ -63,11 +66,23 @@ class StatusPrinter:
         self.stream.flush()
 
     def stage(self, text: str) -> None:
-        """A start-up stage: printed once, however often it is reported, with the seconds since the start."""
+        """A start-up stage: printed when it begins (closing the one before with its duration); reported
+        again while it lasts, a heartbeat line every STAGE_HEARTBEAT_S."""
+        now = time.monotonic()
         if text == self._stage:
+            if now - self._stage_said >= STAGE_HEARTBEAT_S:
+                self._stage_said = now
+                self.say(f"{text} ... {now - self._stage_started:.0f} s so far")
             return
-        self._stage = text
-        self.say(f"{text} ({time.monotonic() - self._created:.0f} s)")
+        self.end_stage()
+        self._stage, self._stage_started, self._stage_said = text, now, now
+        self.say(f"{text} ...")
+
+    def end_stage(self) -> None:
+        """The stage under way (if any) is over: say how long it took."""
+        if self._stage:
+            self.say(f"{self._stage}: {time.monotonic() - self._stage_started:.1f} s")
+            self._stage = ""
 
     def progress(self, done: int, total: int | None) -> None:
         """Frames done out of `total` (None: unknown); the first call starts the clock."""

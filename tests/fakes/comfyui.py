@@ -47,9 +47,17 @@ def loaded_node_package(folder: Path = PACKAGE_DIR) -> Iterator[types.ModuleType
             sys.modules.pop(name, None)
 
 
+class OutputList(list):
+    """The values of an output a node marks OUTPUT_IS_LIST (a folder loader's images): ComfyUI hands a node
+    that marks INPUT_IS_LIST the whole list, and calls any other node once per item."""
+
+
 def run_node(package: types.ModuleType, node: str, **kwargs: Any) -> Any:
-    """What ComfyUI does for one node of a workflow: instantiate the class, call its FUNCTION by keyword."""
+    """What ComfyUI does for one node of a workflow: instantiate the class, call its FUNCTION by keyword;
+    a node that marks INPUT_IS_LIST gets every input as a list (one item unless an `OutputList`)."""
     cls = package.NODE_CLASS_MAPPINGS[node]
+    if getattr(cls, "INPUT_IS_LIST", False):
+        kwargs = {k: v if isinstance(v, OutputList) else [v] for k, v in kwargs.items()}
     return getattr(cls(), cls.FUNCTION)(**kwargs)
 
 
@@ -87,3 +95,75 @@ class ComfyInterrupt(types.ModuleType):
             if self._flag:
                 self._flag = False
                 raise self.InterruptProcessingException()
+
+
+EXAMPLES_DIR = PACKAGE_DIR / "example_workflows"
+
+
+def api_prompt(workflow: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A workflow as ComfyUI's frontend saves it (its template format) to the prompt it queues (the API
+    format): per node id, the class and the inputs, widget values by widget name and links as [node id, slot]."""
+    links = {link[0]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        if node.get("mode", 0) != 0:  # muted or bypassed nodes are not queued
+            continue
+        widgets = [i["name"] for i in node["inputs"] if "widget" in i]
+        inputs: dict[str, Any] = dict(zip(widgets, node["widgets_values"]))
+        for entry in node["inputs"]:
+            if entry.get("link") is not None:
+                _, origin, slot, *_ = links[entry["link"]]
+                inputs[entry["name"]] = [str(origin), slot]
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+class WorkflowRunner:
+    """ComfyUI's execution of queued prompts, for one node package: each output node's inputs first (depth
+    first, as ComfyUI's execution list takes them), a node's FUNCTION called by keyword with its hidden
+    UNIQUE_ID, and its outputs kept between queue runs: a node runs again only when one of its input values,
+    an upstream node's run, or its IS_CHANGED differs. Nodes of other packages (a video loader, Save Video)
+    are `stand_ins`: class name -> a function of the node's inputs that returns its outputs."""
+
+    def __init__(self, package: types.ModuleType, stand_ins: dict[str, Any]) -> None:
+        self.package = package
+        self.stand_ins = stand_ins
+        self._cache: dict[str, tuple[Any, tuple]] = {}  # node id -> (signature, outputs)
+        self.ran: list[str] = []  # the node ids the last queue run executed, in order
+
+    def queue(self, prompt: dict[str, dict[str, Any]]) -> dict[str, tuple]:
+        """Run the prompt; the outputs of every node (run or cached) by id."""
+        outputs: dict[str, tuple] = {}
+        signatures: dict[str, Any] = {}
+        self.ran = []
+        used = {v[0] for node in prompt.values() for v in node["inputs"].values() if isinstance(v, list)}
+        for node_id in [n for n in prompt if n not in used]:
+            self._visit(prompt, node_id, outputs, signatures)
+        return outputs
+
+    def _visit(self, prompt: dict, node_id: str, outputs: dict, signatures: dict) -> None:
+        if node_id in outputs:
+            return
+        node = prompt[node_id]
+        for value in node["inputs"].values():
+            if isinstance(value, list):
+                self._visit(prompt, value[0], outputs, signatures)
+        kwargs = {k: outputs[v[0]][v[1]] if isinstance(v, list) else v for k, v in node["inputs"].items()}
+        cls = self.package.NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if cls is not None and "unique_id" in cls.INPUT_TYPES().get("hidden", {}):
+            kwargs["unique_id"] = node_id
+        changed = cls.IS_CHANGED(**kwargs) if cls is not None and hasattr(cls, "IS_CHANGED") else None
+        signature = (node["class_type"], changed, tuple(sorted(
+            (k, signatures[v[0]], v[1]) if isinstance(v, list) else (k, repr(v)) for k, v in node["inputs"].items())))
+        signatures[node_id] = signature
+        cached = self._cache.get(node_id)
+        if cached is not None and cached[0] == signature and changed == changed:  # NaN: always runs
+            outputs[node_id] = cached[1]
+            return
+        if cls is None:
+            result = self.stand_ins[node["class_type"]](**kwargs)
+        else:
+            result = run_node(self.package, node["class_type"], **kwargs)
+        self.ran.append(node_id)
+        outputs[node_id] = result
+        self._cache[node_id] = (signature, result)

@@ -162,3 +162,23 @@ class GuardedSockets:
         for channel in self._channels:
             channel.close()
         self._channels = []
+
+
+def python_without_loom(folder: Path, honour_pythonpath: bool) -> Path:
+    """A Python with this one's packages (torch) but no Loom: neither the editable install nor a folder
+    holding Loom's packages is on its path, except (`honour_pythonpath`) folders PYTHONPATH names."""
+    path = folder / "python-without-loom"
+    path.write_text(f"""#!{sys.executable}
+import importlib.util, os, runpy, sys
+allowed = os.environ.get("PYTHONPATH", "").split(os.pathsep) if {honour_pythonpath!r} else []
+sys.meta_path = [f for f in sys.meta_path
+                 if "editable" not in (f if isinstance(f, type) else type(f)).__module__.lower()]
+sys.path = [p for p in sys.path[1:] if p in allowed or not os.path.isdir(os.path.join(p or ".", "host_bridge"))]
+assert sys.argv[1] == "-m", sys.argv
+module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
+if importlib.util.find_spec(module) is None:  # as `python -m` says it
+    sys.exit(f"{str(path)}: No module named {{module}}")
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+""")
+    path.chmod(0o755)
+    return path

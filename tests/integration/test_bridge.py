@@ -395,15 +395,23 @@ def test_engine_config_error_ends_the_engine_once_with_its_own_message():
 
 @pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")
 @pytest.mark.parametrize("code", [1, -9])
-def test_a_crash_at_start_is_restarted_but_a_refusal_is_not(tmp_path, code):
-    """Only exit code 2 means 'the user must fix this'; a crash (another code, a signal) is restarted as before."""
+def test_an_engine_that_dies_before_it_is_ready_is_reported_at_once_and_a_refusal_once(tmp_path, code):
+    """Restarts are for engines that ran: one that dies while starting (a wrong engine Python, a missing
+    module, a crash while loading) would die again, so the bridge says so at once, with its last lines.
+    Exit code 2 is the engine refusing its run: said in its own words."""
     crash = "kill -9 $$" if code < 0 else f"exit {code}"
-    script = exiting_engine(tmp_path, 0, "not the reason")
+    script = exiting_engine(tmp_path, 0, "ModuleNotFoundError: No module named 'engine'")
     script.write_text(script.read_text().replace("exit 0", crash))
     bridge = Bridge(_config(engine_python=str(script), passthrough=False)).start()
     try:
-        assert wait_until(lambda: bridge.status().restarts >= 2, 30), bridge.status()
-        assert bridge.status().state in ("restarting", "starting") and not bridge.status().refusal
+        with pytest.raises(RuntimeError, match="engine is dead") as failed:
+            bridge.wait_running(30)
+        status = bridge.status()
+        assert status.state == "dead" and status.restarts == 0 and not status.refusal
+        assert status.message.startswith(f"the engine could not start: engine exited with code {code}")
+        assert "engine starting" in status.log_tail and "engine starting" in str(failed.value)
+        time.sleep(0.5)  # longer than the restart backoff: a restart would have begun by now
+        assert bridge.status().restarts == 0 and bridge.status().state == "dead"
     finally:
         bridge.close()
     refusing = exiting_engine(tmp_path, 2, "preset 'x' needs weights that are not here", name="refusing")

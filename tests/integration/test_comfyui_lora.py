@@ -76,7 +76,7 @@ def test_strengths_change_live_and_files_restart_the_engine(nodes_pkg, tmp_path)
     engines = nodes_pkg.nodes.ENGINES
     both = _lora(nodes_pkg, film, 1.0, loras=_lora(nodes_pkg, ink, 0.8))
     try:
-        handle, _ = engine_node(nodes_pkg, passthrough=True, loras=both)
+        handle, _ = engine_node(nodes_pkg, passthrough=True, loras=both, unique_id="3")  # ComfyUI's node id
         assert handle.bridge.config.engine_args == ["--lora", f"{ink}:0.8", "--lora", f"{film}:1.0"]
         images = image_batch(5, 32, 32)
         out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
@@ -86,13 +86,13 @@ def test_strengths_change_live_and_files_restart_the_engine(nodes_pkg, tmp_path)
         weaker = _lora(nodes_pkg, film, 0.3, loras=_lora(nodes_pkg, ink, 0.8))
         settings = {"config": "default", "transport": "shm", "fallback": "passthrough", "passthrough": True}
         assert engine.IS_CHANGED(**settings, loras=weaker) != engine.IS_CHANGED(**settings, loras=both)
-        again, _ = engine_node(nodes_pkg, passthrough=True, loras=weaker)
+        again, _ = engine_node(nodes_pkg, passthrough=True, loras=weaker, unique_id="3")
         assert again is handle and handle.bridge.stats()["engine_pid"] == pid  # live: no restart
         engine_report(handle.bridge, lambda r: (r.get("session") or {}).get("params", {}).get("lora_scales")
                       == {"ink": 0.8, "film": 0.3})  # raises unless the engine reports the new strengths
 
         only_ink = _lora(nodes_pkg, ink, 0.8)
-        other, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink)  # another set of files: a restart
+        other, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="3")  # other files: a restart
         assert other is not handle and len(engines) == 1
         assert handle.bridge.status().state == "stopped"
         assert other.bridge.config.engine_args == ["--lora", f"{ink}:0.8"]
@@ -100,21 +100,21 @@ def test_strengths_change_live_and_files_restart_the_engine(nodes_pkg, tmp_path)
         # two Engine nodes with different files (an A/B comparison) each keep their engine
         first, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")
         second, _ = engine_node(nodes_pkg, passthrough=True, loras=both, unique_id="8")
-        assert first is other and len(engines) == 2
+        assert first is other and len(engines) == 2 and first.users == {"3", "7"}
         assert engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")[0] is first
         assert first.bridge.status().state != "stopped" and second.bridge.status().state != "stopped"
     finally:
         engines.close_all()
 
 
-def test_a_lora_the_engine_refuses_fails_the_run_with_the_file_and_the_reason(nodes_pkg, tmp_path):
+def test_a_lora_the_engine_refuses_fails_the_engine_node_with_the_file_and_the_reason(nodes_pkg, tmp_path):
     wrong = _lora(nodes_pkg, _lora_file(tmp_path / "wan14b.safetensors", dim_in=TINY_DIM + 8))
     engines = nodes_pkg.nodes.ENGINES
     try:
-        handle, _ = engine_node(nodes_pkg, config="tiny-random", loras=wrong)
-        with pytest.raises(RuntimeError, match="the engine refused the LoRA 'wan14b': .*wan14b.safetensors: shapes "
-                                               "that do not fit this model .*Remove it from the Loom LoRA chain"):
-            run_node(nodes_pkg, "LoomStream", engine=handle, images=image_batch(5, 32, 32), timeout_s=60.0)
-        assert len(engines) == 0 and handle.bridge.status().state == "stopped"  # not failing again and again
+        with pytest.raises(RuntimeError, match="^Loom Engine: the engine refused the LoRA 'wan14b': .*wan14b."
+                                               "safetensors: shapes that do not fit this model .*Remove it from "
+                                               "the Loom LoRA chain"):
+            engine_node(nodes_pkg, config="tiny-random", loras=wrong)
+        assert len(engines) == 0  # stopped: not failing again and again
     finally:
         engines.close_all()

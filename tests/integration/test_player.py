@@ -28,7 +28,7 @@ from plugin.cli.main import main
 from plugin.media.video_io import partial_path
 from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from plugin.player.osc import OSC_ADDRESSES, command_for
-from tests.fakes.engines import exiting_engine, wait_until
+from tests.fakes.engines import exiting_engine, python_without_loom, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,6 +331,19 @@ def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
                 str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
     assert out.returncode == 3, out.stderr
     assert "engine" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine Python is a POSIX script")
+def test_an_engine_that_dies_while_starting_ends_the_player_at_once_with_its_last_lines(tmp_path):
+    """A Python without Loom: the engine exits before it is ready; the player is not left waiting for its
+    start-up timeout (600 s here) while the bridge retries, but says why with the engine's last lines."""
+    python = python_without_loom(tmp_path, honour_pythonpath=False)
+    out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python", str(python),
+                "--startup-timeout", "600", timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert f"loom play: error: the engine could not start: engine exited with code 1: {python}: No module " \
+           "named engine" in out.stderr, out.stderr
+    assert "engine log (last lines):" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.skipif(os.name == "nt", reason="the stand-in engine is a POSIX shell script")

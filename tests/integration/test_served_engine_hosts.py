@@ -138,10 +138,10 @@ def test_touchdesigner_shows_a_refused_secret_file_and_stays_dead(served, other_
 def test_comfyui_says_a_refused_secret_file_once(served, other_secret):
     endpoint, _ = served
     with loaded_node_package() as package:
-        handle, _ = engine_node(package, endpoint=endpoint, secret_file=other_secret)
-        with pytest.raises(RuntimeError) as failed:
-            run_node(package, "LoomStream", engine=handle, images=image_batch(2, 16, 16))
-        assert str(failed.value) == f"Loom Stream: {refusal_of(endpoint)}"
+        with pytest.raises(RuntimeError) as failed:  # the Engine node waits for its engine: it says so
+            engine_node(package, endpoint=endpoint, secret_file=other_secret)
+        assert str(failed.value) == f"Loom Engine: {refusal_of(endpoint)}"
+        (handle,) = package.nodes.ENGINES._engines.values()
         assert handle.bridge.status().restarts == 0
 
 

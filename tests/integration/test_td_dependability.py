@@ -21,7 +21,7 @@ from host_bridge.wire.params import steps_for
 from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
 from plugin.touchdesigner import script_top_callbacks
 from plugin.touchdesigner.loom_ext import LoomExt
-from tests.fakes.engines import InProcessEngine, exiting_engine, wait_until
+from tests.fakes.engines import InProcessEngine, exiting_engine, python_without_loom, wait_until
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     CUDAMemory,
@@ -297,6 +297,27 @@ def test_an_engine_that_refuses_its_config_shows_its_message_once_and_is_not_res
         assert comp.par.State.eval() == "dead" and ext.bridge.status().restarts == 0
         message = comp.par.Message.eval()
         assert message == "the engine refused to start: preset 'wan2.1-1.3b' needs weights that are not here"
+    finally:
+        ext.Stop()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in engine Python is a POSIX script")
+def test_an_engine_python_without_loom_is_named_at_once_with_the_engines_last_lines(tmp_path):
+    """The Engine Python has no Loom: its engine dies before it is ready. The component says so at once, in
+    Message and the engine log, and does not retry it behind the user's back."""
+    python = python_without_loom(tmp_path, honour_pythonpath=False)
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Enginepython = str(python)
+    comp.parexec_enabled = True
+    try:
+        ext.Start()
+        cook_until(script, lambda: comp.par.State.eval() == "dead", "engine dead")
+        assert ext.bridge.status().restarts == 0
+        assert comp.par.Message.eval() == (f"the engine could not start: engine exited with code 1: {python}: "
+                                           "No module named engine")
+        assert "No module named engine" in comp.par.Log.eval()
     finally:
         ext.Stop()
 

@@ -297,8 +297,11 @@ def test_loom_eval_identity_on_a_real_clip(media_dir: Path, tmp_path: Path, caps
     assert "davis512_libby.mp4" in capsys.readouterr().out
 
 
-def test_loom_eval_without_clips_uses_the_generated_clip(tmp_path: Path) -> None:
+def test_loom_eval_without_clips_uses_the_generated_clip(tmp_path: Path, capsys) -> None:
     assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out  # under the table, what each column means
+    assert "A soft or blurred output scores low too" in out and "negative changes less" in out
+    assert "sharpness: mean Sobel gradient" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["clips"][0]["clip"] == "generated"
     result = report["clips"][0]["results"]["as-is"]

@@ -123,6 +123,21 @@ def test_prompt_switch_blends_without_resetting_positions():
     assert s.stats()["prompt"] == "charcoal sketch"
 
 
+def test_a_reset_starts_on_the_newest_prompt_with_no_blend_carried_over():
+    """A host that starts a new stream (ComfyUI's next queue run) gets what a fresh session on that prompt
+    gives, whatever prompt and blend the stream before it had, even with the encode still under way."""
+    frames = clip(9, 32, 32)
+    tiny = ("resolution.width=32", "resolution.height=32", "prompt.transition_chunks=4")
+    fresh = session(*tiny, "prompt.text=charcoal sketch")
+    expected = run_all(fresh, frames, 9)
+    s = session(*tiny)
+    run_all(s, clip(9, 32, 32, seed=1), 9)
+    s.set_prompt("charcoal sketch")  # would blend in over 4 chunks; the reset jumps to it
+    s.reset()
+    assert s.stats()["prompt_blend"] == 1.0 and s.stats()["prompt"] == "charcoal sketch"
+    assert np.array_equal(run_all(s, frames, 9), expected)
+
+
 def test_stats_report_what_a_performer_needs():
     s = session()
     run_all(s, clip(21), 4)

@@ -1,0 +1,33 @@
+"""The player's start-up stage lines: each says how long it took, and a long one keeps saying it is alive."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from plugin.player import status
+from plugin.player.status import StatusPrinter
+
+
+def test_stage_lines_say_how_long_each_stage_took_and_a_long_stage_has_a_heartbeat(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(status.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    printer = StatusPrinter(out)
+    printer.stage("loom play: starting the engine: launching the engine")
+    clock[0] += 0.4
+    printer.stage("loom play: starting the engine: loading the model")
+    for _ in range(24):  # polled every half second while the model loads, 12 s
+        clock[0] += 0.5
+        printer.stage("loom play: starting the engine: loading the model")
+    printer.end_stage()
+    printer.end_stage()  # nothing under way: nothing said
+    assert out.getvalue().splitlines() == [
+        "loom play: starting the engine: launching the engine ...",
+        "loom play: starting the engine: launching the engine: 0.4 s",
+        "loom play: starting the engine: loading the model ...",
+        "loom play: starting the engine: loading the model ... 5 s so far",
+        "loom play: starting the engine: loading the model ... 10 s so far",
+        "loom play: starting the engine: loading the model: 12.0 s",
+    ]
+    assert not re.search(r"\(0 s\)", out.getvalue())
