@@ -37,7 +37,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 SIZE = 128  # small frames: the embedded model on a loaded 2-core box still makes a few per second
 FPS = 10
 WAIT_S = 120.0  # generous: a loaded CI box starts the engine slowly; conditions end the waits early
-PAIRS = 6  # timed frame pairs looked at per phase
+PAIRS = 4  # timed frame pairs looked at per phase
 
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
                                 reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
@@ -68,7 +68,8 @@ def show(tmp_path_factory: pytest.TempPathFactory):
         [sys.executable, "-m", "plugin.cli", "web", "127.0.0.1:0", "--web-token-file", str(token_file),
          "--size", f"{SIZE}x{SIZE}", "--fps", str(FPS), "-p", "thermal camera",
          "--set", f"resolution.width={SIZE}", "--set", f"resolution.height={SIZE}", "--set", "stream.steps=[700]"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})  # one torch thread: two fight the browser on a 2-core box
     driver = None
     try:
         url = _wait("the page's address", lambda: _page_url(tmp / "loom.log"), 60.0, proc)
@@ -79,7 +80,7 @@ def show(tmp_path_factory: pytest.TempPathFactory):
                     "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
                     "--disable-backgrounding-occluded-windows", "--autoplay-policy=no-user-gesture-required",
                     "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                    f"--use-file-for-fake-video-capture={camera}", "--window-size=1200,800",
+                    f"--use-file-for-fake-video-capture={camera}", "--window-size=1100,760",
                     f"--user-data-dir={tmp / 'chromium'}"):
             options.add_argument(arg)
         from selenium.webdriver.chrome.service import Service
@@ -108,7 +109,7 @@ def _loom(driver: Any, expression: str) -> Any:
     return driver.execute_script(f"return {expression};")
 
 
-def _pairs_after(show: dict, t: float, skip: int = 3) -> list[dict]:
+def _pairs_after(show: dict, t: float, skip: int = 2) -> list[dict]:
     """PAIRS timed (camera frame, restyled frame) pairs whose camera frame was drawn after page time `t`,
     past the first `skip` (a chunk the engine had begun before the change)."""
     def ready() -> list[dict] | None:
@@ -159,11 +160,11 @@ def test_restyled_frames_arrive_and_follow_the_camera(show):
     # Following: each restyled frame is more like the camera frame it came from than like camera frames
     # drawn at other times of the moving clip.
     matched, others = [], []
-    everything = [p for p in _loom(driver, "window.loom.pairs") if p["at"] > 0]
+    sent = _loom(driver, "Array.from(window.loom.stamped.values()).filter((v, i) => i % 3 === 0)")
     for p in pairs:
         out = _grey(p["output"])
         matched.append(np.corrcoef(out, _grey(p["input"]))[0, 1])
-        others += [np.corrcoef(out, _grey(q["input"]))[0, 1] for q in everything if abs(q["at"] - p["at"]) > 1500]
+        others += [np.corrcoef(out, _grey(q["thumb"]))[0, 1] for q in sent if abs(q["t"] - p["at"]) > 1000]
     assert others, "the clip ran too short to compare with other moments"
     assert np.mean(matched) > np.mean(others) + 0.1, (np.mean(matched), np.mean(others))
     # Timed glass to glass (camera frame drawn -> restyled frame shown) and shown beside the engine's own.
@@ -171,27 +172,26 @@ def test_restyled_frames_arrive_and_follow_the_camera(show):
     _wait("the glass-to-glass figure on the page", lambda: driver.find_element("id", "g2g").text.endswith(" ms"))
 
 
-def test_a_slider_and_a_prompt_from_the_page_change_the_stream(show):
+def test_a_prompt_and_a_slider_from_the_page_change_the_stream(show):
     driver = show["driver"]
     _type(driver, "transition_chunks", "0")  # a prompt change lands at once
     _wait("transition chunks 0", lambda: _loom(driver, "window.loom.state.controls.transition_chunks") == 0)
-    before = _pairs_after(show, _now(driver))
-
-    _set_slider(driver, "noise_scale", 0.1)
-    t = _now(driver)
-    _wait("noise scale 0.1 in the engine", lambda: _loom(driver, "window.loom.state.session.noise_scale") is not None
-          and abs(_loom(driver, "window.loom.state.controls.noise_scale") - 0.1) < 1e-6)
-    gentle = _pairs_after(show, t)
-    # Less noise: the restyle keeps more of the camera picture.
-    assert _difference(gentle) < 0.9 * _difference(before), (_difference(gentle), _difference(before))
+    thermal = _pairs_after(show, _now(driver))
 
     _type(driver, "prompt", "pencil sketch")
     t = _now(driver)
     _wait("the page to show the resolved style", lambda: "pencil_sketch" in driver.find_element("id", "style").text)
     sketched = _pairs_after(show, t)
     # The embedded model's pencil sketch is a pale picture; its thermal style is not.
-    assert _brightness(sketched) > _brightness(gentle) + 30, (_brightness(sketched), _brightness(gentle))
+    assert _brightness(sketched) > _brightness(thermal) + 30, (_brightness(sketched), _brightness(thermal))
     assert "pencil sketch" in driver.find_element("id", "prompts").text
+
+    _set_slider(driver, "noise_scale", 0.1)
+    t = _now(driver)
+    _wait("noise scale 0.1", lambda: abs(_loom(driver, "window.loom.state.controls.noise_scale") - 0.1) < 1e-6)
+    gentle = _pairs_after(show, t)
+    # Less noise: the restyle keeps more of the camera picture.
+    assert _difference(gentle) < 0.8 * _difference(sketched), (_difference(gentle), _difference(sketched))
 
 
 def test_a_bad_value_is_refused_on_the_page_and_the_stream_goes_on(show):
@@ -201,7 +201,7 @@ def test_a_bad_value_is_refused_on_the_page_and_the_stream_goes_on(show):
     message = _wait("the refusal on the page", lambda: driver.find_element("id", "message").text
                     if "refused" in driver.find_element("id", "message").get_attribute("class") else None)
     assert "noise_scale" in message and "[0.1, 1]" in message
-    _wait("more restyled frames", lambda: _loom(driver, "window.loom.shown") > shown + 3, proc=show["proc"])
+    _wait("more restyled frames", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
 
 
 def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
@@ -224,7 +224,7 @@ def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
         driver.close()
         driver.switch_to.window(first)
     shown = _loom(driver, "window.loom.shown")
-    _wait("the show going on", lambda: _loom(driver, "window.loom.shown") > shown + 3, proc=show["proc"])
+    _wait("the show going on", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
     assert "refused" in show["log"].read_text()
 
 
