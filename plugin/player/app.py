@@ -187,10 +187,12 @@ class Player:
         if o.web is None:
             return
         try:
-            from plugin.web import WebHost, make_access
+            from plugin.web.access import make_access
 
             access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
                                  proxy=o.web_proxy)
+            from plugin.web.host import WebHost
+
             self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera)
             url = self.web.start()
         except ImportError as exc:

@@ -5,10 +5,6 @@ access.py checks who may open the page; server.py serves it (aiohttp) on its own
 tracks.py moves video over WebRTC (aiortc); camera.py makes the page's camera a player input;
 stamp.py marks frames so the page can time glass to glass; page_controls.py turns the page's
 messages into the player's commands; host.py ties them to the player. The page itself is plain
-HTML and JavaScript in static/ (no build step). Needs the `web` extra (aiohttp, aiortc).
+HTML and JavaScript in static/ (no build step). Needs the `web` extra (aiohttp, aiortc); this
+package imports nothing, so the parts that need neither load without them.
 """
-
-from plugin.web.access import Access, make_access
-from plugin.web.host import WebHost
-
-__all__ = ["Access", "WebHost", "make_access"]
