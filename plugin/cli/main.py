@@ -19,7 +19,7 @@ from host_bridge.wire.errors import UserError
 from host_bridge.wire.typed_config import ConfigError
 from plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
 
-SUBCOMMANDS = ("info", "play", "serve", "pull", "encode-prompts", "bench", "eval", "train")
+SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "encode-prompts", "bench", "eval", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,8 @@ keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/pre
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
           /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit
+web page (--web [HOST:]PORT): the output, the input and these controls in a browser; loom web: the browser's
+          camera as the input
 outputs are written beside the target under a hidden temporary name and moved into place when finished:
           a failed run leaves an existing file as it was; an existing file is refused without -y/--overwrite
 exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engine failed, 130 stopped with Ctrl-C,
@@ -55,14 +57,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="list the NDI sources on the network (for -i ndi://NAME) and exit")
     add_config_options(p)
     add_overwrite_option(p)
-    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
-                   help="a style LoRA file and its scale (default 1.0); repeat for several")
-    p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
-                   help="VACE presets: the control video, made from the input or read from a video FILE")
-    p.add_argument("--reference", metavar="IMAGE", help="VACE presets: a reference image that sets the look")
-    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
-                   help="style prompt; repeat for a list to step through with n/b or OSC")
-    p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
     p.add_argument("-n", "--frames", type=int, default=None, dest="max_frames", metavar="N",
                    help="stop after N frames (the generated clip has 49 by default)")
     p.add_argument("--size", type=_size, default=(256, 256), metavar="WxH",
@@ -72,6 +66,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="lossless: every frame, in order (default for files); live: latest frame wins, "
                         "input at its own rate (default for cameras and streams)")
     p.add_argument("--loop", action="store_true", help="loop a file input (stop with q or Ctrl-C)")
+    add_run_options(p)
+    p.add_argument("--web", default=None, metavar="[HOST:]PORT",
+                   help="serve a web page with the output, the input and the controls on this address "
+                        "(default host 127.0.0.1; another needs HTTPS or --web-proxy, and gets a token)")
+    add_web_options(p)
+    p.set_defaults(func=run)
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Prompts, LoRAs, the engine to use and live control: the same on `loom play` and `loom web`."""
+    p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
+                   help="a style LoRA file and its scale (default 1.0); repeat for several")
+    p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
+                   help="style prompt; repeat for a list to step through with n/b or OSC")
+    p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
+    p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
+                   help="VACE presets: the control video, made from the input or read from a video FILE")
+    p.add_argument("--reference", metavar="IMAGE", help="VACE presets: a reference image that sets the look")
     p.add_argument("--transport", choices=("shm", "tcp", "cuda-ipc"), default="shm",
                    help="frame transport to the engine (default shm)")
     p.add_argument("--endpoint", default=None, metavar="URL",
@@ -86,12 +98,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the engine")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or status line")
-    p.set_defaults(func=run)
+
+
+def add_web_options(p: argparse.ArgumentParser) -> None:
+    """Who may open the web page (plugin/web/access.py)."""
+    p.add_argument("--web-token-file", default=None, metavar="FILE",
+                   help="the page's token, in a file of mode 600 (created with a random one if missing); "
+                        "with it a token is asked on any address (default: printed at start, off-loopback only)")
+    p.add_argument("--web-cert", default=None, metavar="FILE", help="serve the page over HTTPS with this certificate")
+    p.add_argument("--web-key", default=None, metavar="FILE", help="the certificate's private key")
+    p.add_argument("--web-proxy", action="store_true",
+                   help="your own HTTPS proxy fronts the page (off-loopback without --web-cert)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.list_ndi:
         return _list_ndi()
+    return run_options(args, input=args.input, outputs=args.outputs or ["loom_out.mp4"], max_frames=args.max_frames,
+                       mode=args.mode, loop=args.loop, web=args.web)
+
+
+def run_options(args: argparse.Namespace, **run: object) -> int:
+    """Check the config and engine, then run the player with `run` (input, outputs, ...) and the shared options."""
     args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference)]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
     if (args.control or args.reference) and not cfg.vace:
@@ -110,15 +138,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"loom play: error: {exc}", file=sys.stderr)
             return exc.exit_code
     options = PlayerOptions(
-        input=args.input, outputs=args.outputs or ["loom_out.mp4"], config=args.config,
+        config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
-        max_frames=args.max_frames, size=args.size, fps=args.fps, mode=args.mode, loop=args.loop,
-        transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
+        size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
-        startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite)
+        startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite,
+        web_token_file=args.web_token_file, web_cert=args.web_cert, web_key=args.web_key, web_proxy=args.web_proxy,
+        **run)
     return run_player(options)
 
 

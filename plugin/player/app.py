@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from host_bridge import EngineState
+from host_bridge.wire.errors import UserError
 from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
@@ -91,6 +92,7 @@ class Player:
         self.sinks: list[Any] = []
         self.window: Any = None
         self.osc: Any = None
+        self.web: Any = None  # the web page (plugin/web), with --web
         self.frames_in = 0
         self.frames_out = 0
         self.size: tuple[int, int] = (0, 0)
@@ -110,7 +112,9 @@ class Player:
     def _open_source(self) -> None:
         o = self.opts
         try:
-            if o.uses_generated_clip:
+            if o.uses_web_camera:
+                self.source = self._web_camera()
+            elif o.uses_generated_clip:
                 n = o.max_frames or DEFAULT_GENERATED_FRAMES
                 self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
             else:
@@ -120,6 +124,12 @@ class Player:
         w, h = self.source.size
         # H.264 4:2:0 needs even sizes: drop a last odd column/row rather than refuse the input.
         self.size = (w - w % 2, h - h % 2)
+
+    def _web_camera(self) -> Any:
+        """The page's camera, the same one again after the feed lost it (only the end of the run closes it)."""
+        if self.web.camera.closed:
+            raise MediaError("the web page's camera is closed: the run is ending")
+        return self.web.camera
 
     def _open_outputs(self) -> None:
         from plugin.player.window import PreviewWindow, WindowUnavailable
@@ -170,6 +180,31 @@ class Player:
         host, port = self.osc.address
         self.printer.say(f"loom play: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
 
+    def _start_web(self) -> None:
+        """The page, before the input opens (`loom web` reads the page's camera); a refused address or
+        unsafe setting ends the run here, before an engine starts."""
+        o = self.opts
+        if o.web is None:
+            return
+        try:
+            from plugin.web.access import make_access
+
+            access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
+                                 proxy=o.web_proxy)
+            from plugin.web.host import WebHost
+
+            self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera)
+            url = self.web.start()
+        except ImportError as exc:
+            raise PlayerError(f"--web needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None
+        except (RuntimeError, UserError) as exc:
+            raise PlayerError(str(exc)) from None
+        self.printer.say(f"loom play: the page is at {url}")
+
+    def _web_size(self) -> tuple[int, int]:
+        w, h = self.opts.size
+        return w - w % 2, h - h % 2
+
     def _wait_ready(self) -> None:
         """Block until the engine answers (lossless mode needs it; live mode shows the fallback)."""
         deadline = time.monotonic() + self.opts.startup_timeout_s
@@ -199,9 +234,12 @@ class Player:
         failed = True  # until the run ends normally or by the user: a failed run keeps no file
         previous_handlers = _raise_on_stop_signals()
         try:
+            self._start_web()
             self._open_source()
             self._open_outputs()
             self._start_engine()
+            if self.web is not None:
+                self.web.attach(self.bridge)
             self._start_osc()
             if self.opts.prompts:  # the bridge tells the engine as soon as it runs (and a restarted one)
                 self.bridge.set_prompt(self.controls.state.prompt)
@@ -250,7 +288,10 @@ class Player:
             if frame is None:
                 return
             self.frames_in += 1
-            yield self._fit(frame)
+            frame = self._fit(frame)
+            if self.web is not None:
+                self.web.input_frame(frame)
+            yield frame
 
     def _fit(self, frame: np.ndarray) -> np.ndarray:
         """The output size: a last odd row/column dropped; a frame of another size (the input changed
@@ -326,10 +367,13 @@ class Player:
         next_due = time.monotonic()
         ran = False
         if self.source.is_live:
-            self.feed = LiveFeed(self.source, lambda: open_source(self.opts.input))
+            reopen = self._web_camera if self.opts.uses_web_camera else lambda: open_source(self.opts.input)
+            self.feed = LiveFeed(self.source, reopen)
         for frame in self._frames():
             if frame is not None:
                 self.bridge.submit(frame)
+                if self.web is not None:
+                    self.web.submitted(self.bridge.last_seq)
             out, status = self.bridge.latest()
             ran = ran or _is_ready(status)
             self._remember_log(status)
@@ -341,7 +385,7 @@ class Player:
             if shown is None:  # the input stalled: the last picture again, so every output stays alive
                 shown = self._last_out
             if shown is not None:
-                self._emit(shown)
+                self._emit(shown, status.seq)
             stalled = "  input stalled: the last picture is held" if self._holding else ""
             self.printer.update(live_line(self.frames_out, status) + stalled)
             if pace:
@@ -352,8 +396,9 @@ class Player:
                 else:
                     next_due = time.monotonic()
 
-    def _emit(self, frame: np.ndarray) -> None:
-        """Write one output frame everywhere; an engine frame of another size is fitted to the outputs."""
+    def _emit(self, frame: np.ndarray, seq: int = -1) -> None:
+        """Write one output frame everywhere; an engine frame of another size is fitted to the outputs.
+        `seq`: the input it was restyled from, when known (the web page times the round trip with it)."""
         w, h = self.size
         if frame.shape[:2] != (h, w):
             import cv2
@@ -370,13 +415,15 @@ class Player:
         self._last_out = frame
         self.frames_out += 1
         self._show(frame)
+        if self.web is not None:
+            self.web.output(frame, seq)
 
     def _drop_output(self, sink: Any, error: MediaError) -> None:
         """One output failed (a recording drive, a streaming server gone): the others, and the show, go on."""
         self.sinks.remove(sink)
         self._unfinished.append(sink.name)
         sink.discard()  # incomplete: a file's target keeps what it held before
-        if not self.sinks and self.window is None:
+        if not self.sinks and self.window is None and self.web is None:
             raise PlayerError(f"output: {error}")
         self.printer.quiet = False  # errors are always shown
         self.printer.say(f"loom play: error: output: {error}; this output is stopped, the others go on")
@@ -441,7 +488,7 @@ class Player:
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
                 self.printer.say(f"loom play: error: output: {exc}")
-        for thing in (self.bridge, self.osc, self.window, self.feed or self.source):
+        for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source):
             if thing is not None:
                 with contextlib.suppress(Exception):
                     thing.close()
@@ -451,7 +498,8 @@ class Player:
             return
         elapsed = time.monotonic() - self._started
         written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished and
-                            (s.is_network or s.kept)) or ("the window" if self.window is not None else "no output")
+                            (s.is_network or s.kept)) or ("the window" if self.window is not None else
+                                                          "the web page" if self.web is not None else "no output")
         how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""

@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from host_bridge.wire.params import LIVE, LORA_SCALES, NOISE_SCALE, STEP_LISTS, check_prompt_request, steps_for
+from host_bridge.wire.params import (
+    LIVE,
+    LORA_SCALES,
+    NOISE_SCALE,
+    STEP_LISTS,
+    TRANSITION_CHUNKS,
+    check_prompt_request,
+    steps_for,
+)
 
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 LORA_KEY_STEP = LORA_SCALES.ui_step
@@ -30,7 +38,8 @@ class Command:
 
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
-            "motion_aware", "lora_scale", "lora_step", "lora_next", "pause", "overlay", "fullscreen", "quit")
+            "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "pause", "overlay",
+            "fullscreen", "quit")
 
 
 class ControlError(ValueError):
@@ -89,6 +98,11 @@ def lora_scale_command(name: Any, value: Any) -> Command:
         raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
     scales = _checked(LORA_SCALES.check, {str(name): x})
     return Command("lora_scale", next(iter(scales.items())))
+
+
+def transition_chunks_command(value: Any) -> Command:
+    """How many chunks a prompt change blends over, from now on (the engine's default too)."""
+    return Command("transition_chunks", (_checked(TRANSITION_CHUNKS.check, _int(value, "transition_chunks")),))
 
 
 def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
@@ -214,6 +228,9 @@ class Controls:
         elif name in ("lora_scale", "lora_step", "lora_next"):
             if not self._apply_lora(name, args, changes):
                 return
+        elif name == "transition_chunks":
+            s.transition_chunks = args[0]
+            changes["transition_chunks"] = args[0]
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -236,6 +253,8 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"motion-aware noise: {'on' if s.motion_aware else 'off'}"
     if command.name.startswith("lora"):
         return f"LoRA {s.lora}: scale {s.lora_scales[s.lora]:.2f}"
+    if command.name == "transition_chunks":
+        return f"transition chunks: {s.transition_chunks}"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name

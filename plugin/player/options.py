@@ -12,6 +12,7 @@ from plugin.media.video_io import MediaError, check_output_file
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"
 GENERATED_INPUT = "generated"
+WEB_CAMERA_INPUT = "web-camera"  # `loom web`: the driving page's camera (plugin/web)
 DEFAULT_GENERATED_FRAMES = whole_chunks(12)  # whole engine chunks: no partial last chunk
 DEFAULT_GENERATED_SIZE = (256, 256)
 DEFAULT_GENERATED_FPS = 24.0
@@ -61,6 +62,11 @@ class PlayerOptions:
     passthrough: bool = False
     osc_port: int | None = None
     osc_host: str = "127.0.0.1"
+    web: str | None = None  # [HOST:]PORT of the page (plugin/web); None: no page
+    web_token_file: str | None = None
+    web_cert: str | None = None
+    web_key: str | None = None
+    web_proxy: bool = False  # the user's own HTTPS proxy fronts the page
     startup_timeout_s: float = 300.0
     quiet: bool = False
     overwrite: bool = False
@@ -73,11 +79,13 @@ class PlayerOptions:
             raise PlayerError(f"transport: {self.transport!r} is not allowed; expected {', '.join(TRANSPORTS)}")
         if self.max_frames is not None and self.max_frames < 1:
             raise PlayerError(f"--frames: {self.max_frames} must be at least 1")
-        if not self.outputs:
+        if not self.outputs and self.web is None:
             raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
+        if self.uses_web_camera and self.web is None:
+            raise PlayerError(f"input {WEB_CAMERA_INPUT!r} is the web page's camera: it needs the page (--web)")
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
-        inputs = [] if self.uses_generated_clip else [self.input]
+        inputs = [] if self.uses_generated_clip or self.uses_web_camera else [self.input]
         for spec in self.outputs:
             if output_kind(spec) != "file":
                 continue
@@ -89,6 +97,10 @@ class PlayerOptions:
     @property
     def uses_generated_clip(self) -> bool:
         return self.input is None or self.input == GENERATED_INPUT
+
+    @property
+    def uses_web_camera(self) -> bool:
+        return self.input == WEB_CAMERA_INPUT
 
 
 def output_kind(spec: str) -> str:

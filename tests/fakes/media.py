@@ -55,3 +55,17 @@ def panning_clip(n: int, h: int = 64, w: int = 64, seed: int = 0, shift: int = 1
     model sees, content a test can predict)."""
     base = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
     return np.stack([np.roll(base, shift * i, axis=1) for i in range(n)])
+
+
+def write_y4m(path: Path, frames: list[np.ndarray], fps: int = 24) -> Path:
+    """YUV4MPEG2 (4:2:0) of RGB uint8 `frames`: what Chromium's fake camera plays
+    (`--use-file-for-fake-video-capture`), in a loop."""
+    import cv2
+
+    h, w = frames[0].shape[:2]
+    with open(path, "wb") as f:
+        f.write(f"YUV4MPEG2 W{w} H{h} F{fps}:1 Ip A1:1 C420jpeg\n".encode())
+        for image in frames:
+            f.write(b"FRAME\n")
+            f.write(cv2.cvtColor(np.ascontiguousarray(image), cv2.COLOR_RGB2YUV_I420).tobytes())
+    return path

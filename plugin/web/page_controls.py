@@ -1,0 +1,77 @@
+"""The page's controls: what it may set (read off the live-parameter schema) and its messages as
+player commands.
+
+The page builds its sliders from `schema()`, so a range or a step list is written once, in
+host_bridge/wire/params.py, for the page as for the keys, OSC, TouchDesigner and ComfyUI. A message
+becomes the same `Command` a key or an OSC message would, through the same builders, so the page
+is refused the same mistakes with the same words; the frame loop applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, PROMPT, STEP_LISTS, TRANSITION_CHUNKS
+from plugin.player.controls import (
+    Command,
+    ControlError,
+    ControlState,
+    lora_scale_command,
+    noise_scale_command,
+    prompt_command,
+    steps_command,
+    transition_chunks_command,
+)
+
+
+def schema() -> dict[str, Any]:
+    """The controls' allowed values, as the page needs them."""
+    def slider(p: Any) -> dict[str, Any]:
+        return {"min": p.min, "max": p.max, "step": p.ui_step or 1, "ui_max": p.ui_max or p.max,
+                "allowed": p.allowed()}
+
+    return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
+            "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
+            "prompt_max_len": PROMPT.max_len}
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ControlError(f"{what}: {value!r} is not allowed; expected true or false")
+    return value
+
+
+def _index(value: Any) -> Command:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ControlError(f"prompt index: {value!r} is not a whole number")
+    return Command("prompt_index", (value,))
+
+
+_BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
+    "prompt": lambda m: prompt_command(m.get("text"), m.get("transition_chunks")),
+    "prompt_index": lambda m: _index(m.get("value")),
+    "steps": lambda m: steps_command(m.get("value")),
+    "noise_scale": lambda m: noise_scale_command(m.get("value")),
+    "motion_aware": lambda m: Command("motion_aware", (_flag(m.get("value"), "motion_aware"),)),
+    "lora_scale": lambda m: lora_scale_command(m.get("name"), m.get("value")),
+    "transition_chunks": lambda m: transition_chunks_command(m.get("value")),
+    "pause": lambda m: Command("pause", (_flag(m.get("value"), "pause"),)),
+}
+CONTROLS = tuple(_BUILDERS)
+
+
+def command_for(message: Mapping[str, Any]) -> Command:
+    """The command a page's control message asks for; ControlError names what is wrong and what is allowed."""
+    name = message.get("control")
+    builder = _BUILDERS.get(name) if isinstance(name, str) else None
+    if builder is None:
+        raise ControlError(f"unknown control {str(name)[:40]!r}; known: {', '.join(CONTROLS)}")
+    return builder(message)
+
+
+def control_state(s: ControlState) -> dict[str, Any]:
+    """What the performer has set, for the page to show."""
+    return {"prompts": list(s.prompts), "prompt_index": s.prompt_index, "steps": s.steps,
+            "noise_scale": s.noise_scale, "motion_aware": s.motion_aware, "transition_chunks": s.transition_chunks,
+            "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message}

@@ -1,0 +1,236 @@
+"""`loom web` in a real headless Chromium: its fake camera, fed a generated clip, goes to a real engine
+process (the embedded model) over WebRTC and comes back restyled to the page, which is driven like a
+user would: its prompt box, its sliders, a bad value, a second page, a wrong token.
+
+One `loom web` and one browser serve the whole module (starting them is most of its time); the tests
+run in file order, each waiting on conditions the page reports (`window.loom`, page.js), never on
+wall-clock bounds. The screenshot goes to pytest's temporary folder, or to LOOM_WEB_SCREENSHOT when
+set (how docs/web-page.png is made).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiortc", reason="the web host needs aiortc: pip install -e '.[web]'")
+pytest.importorskip("aiohttp", reason="the web host needs aiohttp: pip install -e '.[web]'")
+webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromium with selenium")
+
+from plugin.media.video_io import generate_clip  # noqa: E402
+from tests.fakes.media import write_y4m  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+SIZE = 128  # small frames: the embedded model on a loaded 2-core box still makes a few per second
+FPS = 10
+WAIT_S = 120.0  # generous: a loaded CI box starts the engine slowly; conditions end the waits early
+PAIRS = 4  # timed frame pairs looked at per phase
+
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
+                                       "chromium-driver; .ci/run installs them)")
+
+
+def _wait(what: str, check: Any, timeout_s: float = WAIT_S, proc: subprocess.Popen | None = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"loom web exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def show(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("web")
+    camera = write_y4m(tmp / "camera.y4m", list(generate_clip(40, size=(SIZE, SIZE), fps=FPS, seed=1)), fps=FPS)
+    token_file = tmp / "token"
+    token_file.write_text("a-token-for-the-browser-test-0123\n")
+    token_file.chmod(0o600)
+    log = open(tmp / "loom.log", "w+")  # noqa: SIM115 (read while the process writes)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plugin.cli", "web", "127.0.0.1:0", "--web-token-file", str(token_file),
+         "--size", f"{SIZE}x{SIZE}", "--fps", str(FPS), "-p", "thermal camera",
+         "--set", f"resolution.width={SIZE}", "--set", f"resolution.height={SIZE}", "--set", "stream.steps=[700]"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})  # one torch thread: two fight the browser on a 2-core box
+    driver = None
+    try:
+        url = _wait("the page's address", lambda: _page_url(tmp / "loom.log"), 60.0, proc)
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
+                    "--disable-backgrounding-occluded-windows", "--autoplay-policy=no-user-gesture-required",
+                    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                    f"--use-file-for-fake-video-capture={camera}", "--window-size=1100,760",
+                    f"--user-data-dir={tmp / 'chromium'}"):
+            options.add_argument(arg)
+        from selenium.webdriver.chrome.service import Service
+
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        driver.get(url)
+        yield {"driver": driver, "url": url, "proc": proc, "log": tmp / "loom.log", "tmp": tmp}
+    finally:
+        if driver is not None:
+            driver.quit()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _page_url(log: Path) -> str | None:
+    found = re.search(r"the page is at (\S+)", log.read_text())
+    return found.group(1) if found else None
+
+
+def _loom(driver: Any, expression: str) -> Any:
+    return driver.execute_script(f"return {expression};")
+
+
+def _pairs_after(show: dict, t: float, skip: int = 2) -> list[dict]:
+    """PAIRS timed (camera frame, restyled frame) pairs whose camera frame was drawn after page time `t`,
+    past the first `skip` (a chunk the engine had begun before the change)."""
+    def ready() -> list[dict] | None:
+        pairs = [p for p in _loom(show["driver"], "window.loom.pairs") if p["at"] > t]
+        return pairs[skip:skip + PAIRS] if len(pairs) >= skip + PAIRS else None
+
+    return _wait(f"{PAIRS} restyled frames after page time {t:.0f} ms", ready, proc=show["proc"])
+
+
+def _grey(thumb: list[int]) -> np.ndarray:
+    return np.asarray(thumb, np.float32).reshape(-1, 3).mean(axis=1)
+
+
+def _difference(pairs: list[dict]) -> float:
+    return float(np.mean([np.abs(np.asarray(p["output"], np.float32) - np.asarray(p["input"], np.float32)).mean()
+                          for p in pairs]))
+
+
+def _brightness(pairs: list[dict]) -> float:
+    return float(np.mean([np.mean(p["output"]) for p in pairs]))
+
+
+def _now(driver: Any) -> float:
+    return float(_loom(driver, "performance.now()"))
+
+
+def _set_slider(driver: Any, control: str, value: float) -> None:
+    """Move a range input as a drag would end: its value, then its change event."""
+    driver.execute_script(
+        "const r = document.getElementById(arguments[0] + '-range'); r.value = arguments[1];"
+        "r.dispatchEvent(new Event('input')); r.dispatchEvent(new Event('change'));", control, value)
+
+
+def _type(driver: Any, element_id: str, text: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element("id", element_id)
+    box.clear()
+    box.send_keys(text, Keys.ENTER)
+
+
+def test_restyled_frames_arrive_and_follow_the_camera(show):
+    driver = show["driver"]
+    _wait("the page to drive", lambda: _loom(driver, "window.loom.state && window.loom.state.role") == "driver")
+    pairs = _pairs_after(show, 0.0, skip=0)
+    # Restyled: the embedded model's thermal style is far from the camera's colours.
+    assert _difference(pairs) > 12, pairs[0]
+    # Following: each restyled frame is more like the camera frame it came from than like camera frames
+    # drawn at other times of the moving clip.
+    matched, others = [], []
+    sent = _loom(driver, "Array.from(window.loom.stamped.values()).filter((v, i) => i % 3 === 0)")
+    for p in pairs:
+        out = _grey(p["output"])
+        matched.append(np.corrcoef(out, _grey(p["input"]))[0, 1])
+        others += [np.corrcoef(out, _grey(q["thumb"]))[0, 1] for q in sent if abs(q["t"] - p["at"]) > 1000]
+    assert others, "the clip ran too short to compare with other moments"
+    assert np.mean(matched) > np.mean(others) + 0.1, (np.mean(matched), np.mean(others))
+    # Timed glass to glass (camera frame drawn -> restyled frame shown) and shown beside the engine's own.
+    assert all(p["ms"] > 0 for p in pairs)
+    _wait("the glass-to-glass figure on the page", lambda: driver.find_element("id", "g2g").text.endswith(" ms"))
+
+
+def test_a_prompt_and_a_slider_from_the_page_change_the_stream(show):
+    driver = show["driver"]
+    _type(driver, "transition_chunks", "0")  # a prompt change lands at once
+    _wait("transition chunks 0", lambda: _loom(driver, "window.loom.state.controls.transition_chunks") == 0)
+    thermal = _pairs_after(show, _now(driver))
+
+    _type(driver, "prompt", "pencil sketch")
+    t = _now(driver)
+    _wait("the page to show the resolved style", lambda: "pencil_sketch" in driver.find_element("id", "style").text)
+    sketched = _pairs_after(show, t)
+    # The embedded model's pencil sketch is a pale picture; its thermal style is not.
+    assert _brightness(sketched) > _brightness(thermal) + 30, (_brightness(sketched), _brightness(thermal))
+    assert "pencil sketch" in driver.find_element("id", "prompts").text
+
+    _set_slider(driver, "noise_scale", 0.1)
+    t = _now(driver)
+    _wait("noise scale 0.1", lambda: abs(_loom(driver, "window.loom.state.controls.noise_scale") - 0.1) < 1e-6)
+    gentle = _pairs_after(show, t)
+    # Less noise: the restyle keeps more of the camera picture.
+    assert _difference(gentle) < 0.8 * _difference(sketched), (_difference(gentle), _difference(sketched))
+
+
+def test_a_bad_value_is_refused_on_the_page_and_the_stream_goes_on(show):
+    driver = show["driver"]
+    shown = _loom(driver, "window.loom.shown")
+    _type(driver, "noise_scale", "5")
+    message = _wait("the refusal on the page", lambda: driver.find_element("id", "message").text
+                    if "refused" in driver.find_element("id", "message").get_attribute("class") else None)
+    assert "noise_scale" in message and "[0.1, 1]" in message
+    _wait("more restyled frames", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
+
+
+def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
+    driver = show["driver"]
+    first = driver.current_window_handle
+    url = show["url"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url.replace("?token=", "?token=wrong"), timeout=10)
+    assert refused.value.code == 403
+    driver.switch_to.new_window("tab")
+    try:
+        driver.get(url.replace("?token=", "?token=wrong"))
+        assert "refused" in driver.find_element("tag name", "body").text
+        driver.get(url)  # the right token: a second page, which watches
+        _wait("the second page's role", lambda: _loom(driver, "window.loom.state && window.loom.state.role"))
+        assert _loom(driver, "window.loom.state.role") == "viewer"
+        driver.execute_script("send({type: 'control', control: 'steps', value: 2})")
+        _wait("the read-only refusal", lambda: any("read-only" in r for r in _loom(driver, "window.loom.refusals")))
+    finally:
+        driver.close()
+        driver.switch_to.window(first)
+    shown = _loom(driver, "window.loom.shown")
+    _wait("the show going on", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
+    assert "refused" in show["log"].read_text()
+
+
+def test_screenshot(show):
+    driver = show["driver"]
+    _wait("a timed frame", lambda: _loom(driver, "window.loom.g2g.length") > 0)
+    target = Path(os.environ.get("LOOM_WEB_SCREENSHOT") or show["tmp"] / "web-page.png")
+    assert driver.save_screenshot(str(target))
+    assert target.stat().st_size > 10_000
