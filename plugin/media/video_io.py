@@ -35,8 +35,8 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 UDP_TS_PACKET_SIZE = 1316
 # Cameras that report no rate (0) are assumed to run at this rate.
 FALLBACK_CAMERA_FPS = 30.0
-# A file is written beside the engine on the same cores: veryfast at crf 17 keeps the picture of fast at
-# crf 18 (within half a dB) for a third of the encoder's CPU time (docs/performance.md, player path).
+# A file is encoded beside the engine, on the same cores: veryfast, with a crf one lower to keep the
+# picture of `fast` (the measurement is in docs/performance.md, "The player path on a CPU").
 FILE_ENCODER_OPTIONS = {"preset": "veryfast", "crf": "17"}
 NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "23"}
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
