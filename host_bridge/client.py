@@ -23,6 +23,7 @@ the lane's lock without waiting.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -284,6 +285,16 @@ class Bridge:
                 "messages": link.message_counts() if link else {},
                 "standby": sup.standby.describe() if sup.standby else None,
             }
+
+    def engine_report(self, refresh: bool = False) -> dict[str, Any]:
+        """The engine's latest report (`stats()["engine"]`: its counters and, under "session", the
+        session's stats), as polled every second; `refresh`: ask the running engine now and wait for
+        the answer (a host that must show what the engine just did, once, not per frame)."""
+        if refresh:
+            with contextlib.suppress(RuntimeError, TimeoutError, ValueError):  # not running: the last report
+                return self._request("stats", time.monotonic() + self.config.request_timeout_s).get("data") or {}
+        with self._lock:
+            return dict(self._sup.engine_report)
 
     # ------------------------------------------------------------------------------------------------
     # batch use (ComfyUI)

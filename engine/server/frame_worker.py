@@ -175,6 +175,7 @@ class FrameWorker:
             log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return
+        self.session_stats = self.session.stats()  # what the session starts with (its prompt's style) is known at once
         self._send(make("ready", info={"session": type(self.session).__name__}))
         log.info("%s ready", type(self.session).__name__)
         try:
@@ -218,6 +219,8 @@ class FrameWorker:
                     self._paced.clear()
                 elif kind == "flush":
                     count = self._flush(msg.get("seq"))
+                    if self.session is not None:  # a batch host looks at the stats between batches
+                        self.session_stats = self.session.stats()
                     self._send(make("flushed", id=rid, count=count))
                     continue
                 if rid is not None:  # nobody waits for an id-less request's answer

@@ -15,6 +15,7 @@ manager or a closed terminal sends, so a file written so far plays.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -43,6 +44,7 @@ from plugin.player.options import (
     output_kind,
 )
 from plugin.player.status import StatusPrinter, live_line
+from plugin.player.style_line import StyleReport
 
 # Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
 # five chunks, the first batch starting the stream with its longer first chunk.
@@ -57,6 +59,8 @@ PAUSE_POLL_S = 0.05
 # A live input late by this much is stalled: the last picture is held (at the input's rate) until it is back.
 STALL_GRACE_S = 0.5
 READY_POLL_S = 0.1
+# A live run looks at the engine's last report (polled by the bridge every second) this often for a new style.
+STYLE_POLL_S = 0.25
 # Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
 # they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -84,6 +88,8 @@ class Player:
                                               motion_aware=options.motion_aware,
                                               lora_scales=dict(options.lora_scales)))
         self.keyboard = KeyboardInput(self.controls)
+        self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
+        self._style_polled = 0.0
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
         self._holding = False
@@ -148,9 +154,12 @@ class Player:
         from host_bridge import Bridge, BridgeConfig
 
         o = self.opts
+        overrides = list(o.overrides)
+        if o.prompts:  # the engine starts on the first prompt: no blend in from the config's, its style known at once
+            overrides.append(f"prompt.text={json.dumps(self.controls.state.prompt)}")  # a YAML string, quoted
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
-                           engine_overrides=list(o.overrides), endpoint=o.endpoint, secret_file=o.secret_file,
+                           engine_overrides=overrides, endpoint=o.endpoint, secret_file=o.secret_file,
                            fallback="passthrough", passthrough=o.passthrough)
         try:
             self.bridge = Bridge(cfg)
@@ -208,6 +217,7 @@ class Player:
                 self._run_live()
             else:
                 self._wait_ready()
+                self._report_style(refresh=True)
                 self._run_lossless()
             if self._input_error is not None:
                 raise self._input_error
@@ -317,6 +327,7 @@ class Player:
         for out in outs:
             self._emit(out)
             self.printer.progress(self.frames_out, total)
+        self._report_style(refresh=True)
 
     def _run_live(self) -> None:
         period = 1.0 / self.source.fps if self.source.fps else 0.0
@@ -341,7 +352,8 @@ class Player:
             if shown is not None:
                 self._emit(shown)
             stalled = "  input stalled: the last picture is held" if self._holding else ""
-            self.printer.update(live_line(self.frames_out, status) + stalled)
+            self._report_style()
+            self.printer.update(live_line(self.frames_out, status, style=self.style.short) + stalled)
             if pace:
                 next_due += period
                 delay = next_due - time.monotonic()
@@ -386,7 +398,8 @@ class Player:
         lines: list[str] = []
         if s.overlay:
             _, status = self.bridge.latest()
-            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}",
+            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}" + (f"  ({self.style.short})"
+                                                                                   if self.style.short else ""),
                      f"steps {s.steps}  noise {s.noise_scale:.2f}  motion {'on' if s.motion_aware else 'off'}"]
             if s.message:
                 lines.append(s.message)
@@ -395,6 +408,18 @@ class Player:
         self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
         if self.window.closed_by_user():
             self.controls.state.quit = True
+
+    def _report_style(self, refresh: bool = False) -> None:
+        """Say the style the engine's prompt landed on, once per prompt: at the start and after each change
+        (keys, OSC, the prompt list alike). `refresh`: ask the engine now (a file run, between batches)."""
+        now = time.monotonic()
+        if not refresh and now - self._style_polled < STYLE_POLL_S:
+            return
+        self._style_polled = now
+        line = self.style.update(self.bridge.engine_report(refresh), wanted=self.controls.state.prompt)
+        if line is not None:
+            self.printer.say(f"loom play: {line}")
+            self.printer.set_postfix(self.style.short)
 
     def _poll_controls(self) -> None:
         for line in self.controls.apply_pending(self.bridge):
