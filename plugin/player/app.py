@@ -33,6 +33,7 @@ from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
+    DEFAULT_GENERATED_SIZE,
     DEFAULT_OUTPUT,
     EXIT_BAD_INPUT,
     EXIT_ENGINE_FAILED,
@@ -100,6 +101,7 @@ class Player:
         self.frames_in = 0
         self.frames_out = 0
         self.size: tuple[int, int] = (0, 0)
+        self._scaled = False  # --size on an input: every frame is scaled to it
         self._last_out: np.ndarray | None = None
         self._started = time.monotonic()
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
@@ -118,7 +120,7 @@ class Player:
         try:
             if o.uses_generated_clip:
                 n = o.max_frames or DEFAULT_GENERATED_FRAMES
-                self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
+                self.source = generate_clip(n, size=o.size or DEFAULT_GENERATED_SIZE, fps=o.fps, seed=o.seed)
             else:
                 self.source = open_source(o.input)
         except MediaError as exc:
@@ -126,6 +128,10 @@ class Player:
         w, h = self.source.size
         # H.264 4:2:0 needs even sizes: drop a last odd column/row rather than refuse the input.
         self.size = (w - w % 2, h - h % 2)
+        if o.size is not None and o.size != (w, h):  # --size on an input: scaled, never ignored
+            if not self._scaled:  # said once (a looped or reconnected input opens again)
+                self.printer.say(f"loom play: input {w}x{h} scaled to {o.size[0]}x{o.size[1]} (--size)")
+            self.size, self._scaled = o.size, True
 
     def _open_outputs(self) -> None:
         from plugin.player.window import PreviewWindow, WindowUnavailable
@@ -261,17 +267,19 @@ class Player:
             yield self._fit(frame)
 
     def _fit(self, frame: np.ndarray) -> np.ndarray:
-        """The output size: a last odd row/column dropped; a frame of another size (the input changed
-        resolution mid-stream) scaled, so the picture stays whole rather than cropped to a corner."""
+        """The output size: a last odd row/column dropped; a frame scaled when `--size` asks for another
+        size, or when the input changed resolution mid-stream (the picture stays whole rather than
+        cropped to a corner)."""
         w, h = self.size
-        if frame.shape[:2] == (self.source.height, self.source.width):
+        as_opened = frame.shape[:2] == (self.source.height, self.source.width)
+        if as_opened and not self._scaled:
             return frame[:h, :w]
         import cv2
 
-        if frame.shape[:2] != self._last_input_shape:
+        if not as_opened and frame.shape[:2] != self._last_input_shape:
             self.printer.say(f"loom play: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
                              f"scaled to the output's {w}x{h}")
-        self._last_input_shape = frame.shape[:2]
+            self._last_input_shape = frame.shape[:2]
         return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
 
     def _read(self) -> np.ndarray | None:
