@@ -27,7 +27,8 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -330,6 +331,50 @@ class Bridge:
                     self._collect = None
                 if self._sup.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def process_stream(self, frames: Iterable[np.ndarray], stall_timeout_s: float = 300.0, *,
+                       layout: str = "rgb") -> Iterator[np.ndarray]:
+        """Every frame through the engine, lossless and in order, as one stream; yields each output as
+        soon as it and every one before it are back (a player writing a long file).
+
+        Unlike one `process()` call per batch, the engine's stream (its caches, its motion estimate)
+        goes on from frame to frame: a flush, which ends a stream, comes only at the end and where
+        the frame size changes. Input frames are taken from `frames` only as slots free up, so
+        neither side holds more than the rings do. Raises like `process()` when the engine stops, or
+        when it returns nothing for `stall_timeout_s`; close the generator to stop early."""
+        self.wait_running(stall_timeout_s)
+        with self._process_lock:
+            link_id = self._sup.link_id
+            self._request("mode", time.monotonic() + stall_timeout_s, lossless=True)
+            waiting: deque[int] = deque()  # sequence numbers sent whose outputs were not yielded yet
+            with self._lock:
+                self._collect = {}
+            try:
+                shape = None
+                for frame in frames:
+                    if waiting and np.shape(frame) != shape:  # see process(): the old size finishes first
+                        self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
+                    shape = np.shape(frame)
+                    waiting.append(self._submit_lossless(frame, layout, link_id,
+                                                         time.monotonic() + stall_timeout_s))
+                    yield from self._in_order(waiting)
+                if waiting:
+                    self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
+                yield from self._in_order(waiting)
+            finally:
+                with self._lock:
+                    self._collect = None
+                if self._sup.link_id == link_id:  # back to live mode: best effort, an engine may be gone by now
+                    with contextlib.suppress(RuntimeError, TimeoutError, ValueError):
+                        self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def _in_order(self, waiting: deque[int]) -> list[np.ndarray]:
+        """The outputs that are back, from the oldest sent on, up to the first still missing."""
+        ready = []
+        with self._lock:
+            while waiting and waiting[0] in self._collect:
+                ready.append(self._collect.pop(waiting.popleft()))
+        return ready
 
     def _finish_lossless(self, seqs: list[int], link_id: int, deadline: float) -> None:
         """Flush the engine's stream up to the last of `seqs` and wait for all their outputs."""

@@ -15,11 +15,13 @@ manager or a closed terminal sends, so a file written so far plays.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from host_bridge import EngineState
-from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
@@ -47,15 +48,11 @@ from plugin.player.options import (
 from plugin.player.status import StatusPrinter, live_line
 from plugin.player.style_line import StyleReport
 
-# Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
-# five chunks, the first batch starting the stream with its longer first chunk.
-FIRST_BATCH = whole_chunks(5)
-LATER_BATCH = 5 * CHUNK_FRAMES
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
 RETRY_PAUSE_S = 1.0
-# Seconds a `process()` call may take per frame before the engine is declared stuck.
-PROCESS_TIMEOUT_PER_FRAME_S = 30.0
+# Seconds a lossless run waits for the engine's next frame (beyond the start-up timeout) before it is declared stuck.
+PROCESS_TIMEOUT_S = 120.0
 PAUSE_POLL_S = 0.05
 # A live input late by this much is stalled: the last picture is held (at the input's rate) until it is back.
 STALL_GRACE_S = 0.5
@@ -302,40 +299,52 @@ class Player:
         return frame
 
     def _run_lossless(self) -> None:
+        """Every input frame through the engine as one stream, each output written as soon as it is back
+        (the engine restyles the next frames meanwhile). If the engine crashes, the frames it had not
+        answered go again, first, to the restarted one, so the output still has every frame."""
         known = [n for n in (self.opts.max_frames, self.source.frame_count) if n]
         total = min(known) if known and not self.opts.loop else None
-        batch: list[np.ndarray] = []
-        for frame in self._frames():
-            batch.append(frame)
-            if len(batch) == (FIRST_BATCH if self.frames_out == 0 else LATER_BATCH):
-                self._process(batch, total)
-                batch = []
-        if batch:
-            self._process(batch, total)
+        inputs = self._frames()
+        unanswered: deque[np.ndarray] = deque()  # handed to the engine, output not back yet
+        failures = 0
+        while True:
+            outputs = self.bridge.process_stream(self._sent(list(unanswered), inputs, unanswered),
+                                                 stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s)
+            unanswered.clear()
+            try:
+                for out in outputs:
+                    unanswered.popleft()
+                    failures = 0
+                    self._emit(out)
+                    self.printer.progress(self.frames_out, total)
+                    self._report_style()
+                break
+            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
+                failures += 1
+                self._retry_after(exc, failures, len(unanswered))
+            finally:
+                outputs.close()
         if not self.controls.state.quit and self._input_error is None:
             # The input ended: what was written is the whole (a container's frame count is only an estimate).
             self.printer.end_progress(final_total=self.frames_out)
 
-    def _process(self, batch: list[np.ndarray], total: int | None) -> None:
-        """One batch through the engine; if the engine crashes meanwhile, the batch goes again to the restarted one."""
-        timeout_s = PROCESS_TIMEOUT_PER_FRAME_S * len(batch) + self.opts.startup_timeout_s
-        for attempt in range(1, MAX_FAILED_STARTS + 1):
-            try:
-                outs = self.bridge.process(batch, timeout_s=timeout_s)
-                break
-            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
-                _, status = self.bridge.latest()
-                self._remember_log(status)
-                if _is_failed(status) or attempt == MAX_FAILED_STARTS:
-                    raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
-                first = self.frames_out
-                self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}.."
-                                 f"{first + len(batch) - 1} go again once it has restarted")
-                time.sleep(RETRY_PAUSE_S * attempt)  # let the bridge finish its restart before asking again
-        for out in outs:
-            self._emit(out)
-            self.printer.progress(self.frames_out, total)
-        self._report_style(refresh=True)
+    @staticmethod
+    def _sent(again: list[np.ndarray], inputs: Iterator[np.ndarray | None],
+              unanswered: deque[np.ndarray]) -> Iterator[np.ndarray]:
+        """The frames to send, the unanswered ones of a crashed engine first; each is remembered as sent."""
+        for frame in itertools.chain(again, inputs):
+            unanswered.append(frame)
+            yield frame
+
+    def _retry_after(self, exc: Exception, failures: int, frames: int) -> None:
+        _, status = self.bridge.latest()
+        self._remember_log(status)
+        if _is_failed(status) or failures >= MAX_FAILED_STARTS:
+            raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
+        first = self.frames_out
+        self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}..{first + frames - 1} "
+                         "go again once it has restarted")
+        time.sleep(RETRY_PAUSE_S * failures)  # let the bridge finish its restart before asking again
 
     def _run_live(self) -> None:
         period = 1.0 / self.source.fps if self.source.fps else 0.0
