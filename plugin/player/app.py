@@ -15,7 +15,6 @@ manager or a closed terminal sends, so a file written so far plays.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import signal
 import sys
@@ -308,9 +307,8 @@ class Player:
         unanswered: deque[np.ndarray] = deque()  # handed to the engine, output not back yet
         failures = 0
         while True:
-            outputs = self.bridge.process_stream(self._sent(list(unanswered), inputs, unanswered),
+            outputs = self.bridge.process_stream(self._sent(inputs, unanswered),
                                                  stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s)
-            unanswered.clear()
             try:
                 for out in outputs:
                     unanswered.popleft()
@@ -329,10 +327,11 @@ class Player:
             self.printer.end_progress(final_total=self.frames_out)
 
     @staticmethod
-    def _sent(again: list[np.ndarray], inputs: Iterator[np.ndarray | None],
-              unanswered: deque[np.ndarray]) -> Iterator[np.ndarray]:
-        """The frames to send, the unanswered ones of a crashed engine first; each is remembered as sent."""
-        for frame in itertools.chain(again, inputs):
+    def _sent(inputs: Iterator[np.ndarray | None], unanswered: deque[np.ndarray]) -> Iterator[np.ndarray]:
+        """The frames to send: those a crashed engine left unanswered first (they stay listed until their
+        outputs are back, so a second failure loses none either), then new ones, each listed as sent."""
+        yield from list(unanswered)
+        for frame in inputs:
             unanswered.append(frame)
             yield frame
 
