@@ -43,6 +43,8 @@ class ModelConfig:
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
+    cpu_threads: int = spec(0, min=0, max=1024, doc="torch threads of an engine on a CPU; 0 = one less than "
+                                                    "its cores (the host gets one), at least 1")
     seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
     random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
     fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps on CUDA "

@@ -23,10 +23,12 @@ the lane's lock without waiting.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -354,6 +356,16 @@ class Bridge:
                 "standby": sup.standby.describe() if sup.standby else None,
             }
 
+    def engine_report(self, refresh: bool = False) -> dict[str, Any]:
+        """The engine's latest report (`stats()["engine"]`: its counters and, under "session", the
+        session's stats), as polled every second; `refresh`: ask the running engine now and wait for
+        the answer (a host that must show what the engine just did, once, not per frame)."""
+        if refresh:
+            with contextlib.suppress(RuntimeError, TimeoutError, ValueError):  # not running: the last report
+                return self._request("stats", time.monotonic() + self.config.request_timeout_s).get("data") or {}
+        with self._lock:
+            return dict(self._sup.engine_report)
+
     # ------------------------------------------------------------------------------------------------
     # batch use (ComfyUI)
 
@@ -388,6 +400,50 @@ class Bridge:
                     self._collect = None
                 if self._sup.link_id == link_id:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def process_stream(self, frames: Iterable[np.ndarray], stall_timeout_s: float = 300.0, *,
+                       layout: str = "rgb") -> Iterator[np.ndarray]:
+        """Every frame through the engine, lossless and in order, as one stream; yields each output as
+        soon as it and every one before it are back (a player writing a long file).
+
+        Unlike one `process()` call per batch, the engine's stream (its caches, its motion estimate)
+        goes on from frame to frame: a flush, which ends a stream, comes only at the end and where
+        the frame size changes. Input frames are taken from `frames` only as slots free up, so
+        neither side holds more than the rings do. Raises like `process()` when the engine stops, or
+        when it returns nothing for `stall_timeout_s`; close the generator to stop early."""
+        self.wait_running(stall_timeout_s)
+        with self._process_lock:
+            link_id = self._sup.link_id
+            self._request("mode", time.monotonic() + stall_timeout_s, lossless=True)
+            waiting: deque[int] = deque()  # sequence numbers sent whose outputs were not yielded yet
+            with self._lock:
+                self._collect = {}
+            try:
+                shape = None
+                for frame in frames:
+                    if waiting and np.shape(frame) != shape:  # see process(): the old size finishes first
+                        self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
+                    shape = np.shape(frame)
+                    waiting.append(self._submit_lossless(frame, layout, link_id,
+                                                         time.monotonic() + stall_timeout_s))
+                    yield from self._in_order(waiting)
+                if waiting:
+                    self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
+                yield from self._in_order(waiting)
+            finally:
+                with self._lock:
+                    self._collect = None
+                if self._sup.link_id == link_id:  # back to live mode: best effort, an engine may be gone by now
+                    with contextlib.suppress(RuntimeError, TimeoutError, ValueError):
+                        self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
+
+    def _in_order(self, waiting: deque[int]) -> list[np.ndarray]:
+        """The outputs that are back, from the oldest sent on, up to the first still missing."""
+        ready = []
+        with self._lock:
+            while waiting and waiting[0] in self._collect:
+                ready.append(self._collect.pop(waiting.popleft()))
+        return ready
 
     def _finish_lossless(self, seqs: list[int], link_id: int, deadline: float) -> None:
         """Flush the engine's stream up to the last of `seqs` and wait for all their outputs."""

@@ -181,6 +181,10 @@ class FrameWorker:
             log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return
+        try:  # what the session starts with (its prompt's style) is known from the first stats answer on
+            self.session_stats = self.session.stats()
+        except Exception as exc:  # telemetry: never a reason not to serve
+            log.warning("the session's first stats failed: %s: %s", type(exc).__name__, exc)
         self._send(make("ready", info={"session": type(self.session).__name__}))
         log.info("%s ready", type(self.session).__name__)
         try:
@@ -410,6 +414,7 @@ class FrameWorker:
         outputs = self.session.flush()
         for out in outputs:
             self._emit(self._seqs.popleft() if self._seqs else -1, out)
+        self.session_stats = self.session.stats()  # a batch host looks at the stats between batches
         return len(outputs)
 
     def _acquire_out(self) -> int | None:

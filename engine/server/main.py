@@ -71,10 +71,13 @@ def _session_factory(args: argparse.Namespace):
             return PassthroughSession()
         try:
             from engine.graphs.compile_cache import enable_persistent_compile_cache
+            from engine.models.loading import resolve_device
+            from engine.server.cpu_threads import apply_cpu_threads
             from engine.session_api import open_session
         except ImportError as exc:
             raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
         enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
+        apply_cpu_threads(config.model.cpu_threads, resolve_device(config.model.device))  # the host keeps a core
         session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
         if args.warmup:
             session.warmup()

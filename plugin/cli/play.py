@@ -22,6 +22,11 @@ inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt://
 outputs:  -o FILE.mp4|.mkv|.mov, -o udp://HOST:PORT or srt://HOST:PORT (MPEG-TS), -o rtmp://..., -o window,
           -o ndi://NAME, -o spout://NAME (Windows), -o syphon://NAME (macOS), -o virtualcam
           (repeat -o for several); default: loom_out.mp4
+sizes:    --size WxH is the picture's size: the generated clip's (default 256x256), or the size a file,
+          camera or stream is scaled to; the outputs are written at it. The model restyles at its own
+          resolution, whatever the picture's size: frames are scaled to it and back. Set it with
+          --resolution WxH, the same as --set resolution.width=W --set resolution.height=H (multiples
+          of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
@@ -35,11 +40,16 @@ exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engin
 """
 
 
-def _size(text: str) -> tuple[int, int]:
+def _wxh(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT, e.g. 256x256") from None
+    return w, h
+
+
+def _size(text: str) -> tuple[int, int]:
+    w, h = _wxh(text)
     if w < 16 or h < 16 or w % 2 or h % 2:
         raise argparse.ArgumentTypeError(f"{text!r}: width and height must be even and at least 16")
     return w, h
@@ -59,8 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_overwrite_option(p)
     p.add_argument("-n", "--frames", type=int, default=None, dest="max_frames", metavar="N",
                    help="stop after N frames (the generated clip has 49 by default)")
-    p.add_argument("--size", type=_size, default=(256, 256), metavar="WxH",
-                   help="generated clip size WxH (default 256x256)")
+    p.add_argument("--size", type=_size, default=None, metavar="WxH",
+                   help="picture size: the generated clip's (default 256x256), or the size an input is scaled to "
+                        "(outputs are written at it)")
+    p.add_argument("--resolution", type=_wxh, default=None, metavar="WxH",
+                   help="the model's resolution, frames are scaled to it and back (the same as --set "
+                        "resolution.width=W --set resolution.height=H; default: the config's)")
     p.add_argument("--fps", type=float, default=24.0, help="generated clip frame rate (default 24)")
     p.add_argument("--mode", choices=("auto", "lossless", "live"), default="auto",
                    help="lossless: every frame, in order (default for files); live: latest frame wins, "
@@ -121,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
 def run_options(args: argparse.Namespace, **run: object) -> int:
     """Check the config and engine, then run the player with `run` (input, outputs, ...) and the shared options."""
     args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference)]
+    if args.resolution is not None:  # checked with the config: multiples of 16, in range
+        args.overrides += [f"resolution.width={args.resolution[0]}", f"resolution.height={args.resolution[1]}"]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
     if (args.control or args.reference) and not cfg.vace:
         raise UserError(f"--control and --reference steer a VACE model; preset {cfg.model.preset!r} has no control "

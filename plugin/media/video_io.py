@@ -35,7 +35,9 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 UDP_TS_PACKET_SIZE = 1316
 # Cameras that report no rate (0) are assumed to run at this rate.
 FALLBACK_CAMERA_FPS = 30.0
-FILE_ENCODER_OPTIONS = {"preset": "fast", "crf": "18"}
+# A file is encoded beside the engine, on the same cores: veryfast, with a crf one lower to keep the
+# picture of `fast` (the measurement is in docs/performance.md, "The player path on a CPU").
+FILE_ENCODER_OPTIONS = {"preset": "veryfast", "crf": "17"}
 NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "23"}
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
 MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
@@ -192,22 +194,30 @@ class _GeneratedSource(FrameSource):
         self._colour = rng.uniform(30, 255, (n_shapes, 3))
         self._square = rng.random(n_shapes) < 0.5
         self._phase = rng.uniform(0, 2 * np.pi, 3)
-        self._y, self._x = np.mgrid[0:height, 0:width].astype(np.float32)
+        self._y = np.arange(height, dtype=np.float32)[:, None]  # pixel rows and columns, broadcast
+        self._x = np.arange(width, dtype=np.float32)[None, :]
         self._index = 0
 
     def frame(self, t: int) -> np.ndarray:
-        """Frame number ``t`` (any t >= 0, also beyond ``frame_count``)."""
+        """Frame number ``t`` (any t >= 0, also beyond ``frame_count``).
+
+        Each shape is drawn only inside its bounding box: a player run or a benchmark reads this
+        clip as its input, and drawing every shape over the whole frame cost more than the engine's
+        pass-through path."""
         w, h = self.width, self.height
         u, v = self._x / w, self._y / h
         img = np.empty((h, w, 3), np.float32)
         for c in range(3):
             wave = 2 * np.pi * (u * (c + 1) * 0.5 + v * 0.7 + 0.01 * t) + self._phase[c]
             img[..., c] = 90 + 60 * np.sin(wave)
+        img = img.astype(np.float64)  # the shapes' colours are float64
         shapes = zip(self._pos, self._vel, self._radius, self._colour, self._square)
         for pos, vel, r, colour, square in shapes:
             cx = _bounce(pos[0] + vel[0] * t, r, w - r)
             cy = _bounce(pos[1] + vel[1] * t, r, h - r)
-            dx, dy = self._x - cx, self._y - cy
+            rows = slice(max(0, int(np.floor(cy - r))), min(h, int(np.ceil(cy + r)) + 1))
+            cols = slice(max(0, int(np.floor(cx - r))), min(w, int(np.ceil(cx + r)) + 1))
+            dx, dy = self._x[:, cols] - cx, self._y[rows] - cy
             if square:
                 mask = (np.abs(dx) < r) & (np.abs(dy) < r)
                 checker = ((np.floor(dx / (r / 3)) + np.floor(dy / (r / 3))) % 2)[..., None]
@@ -215,7 +225,8 @@ class _GeneratedSource(FrameSource):
             else:
                 mask = dx * dx + dy * dy < r * r
                 fill = colour * (1.0 - 0.4 * np.sqrt(dx * dx + dy * dy)[..., None] / r)
-            img = np.where(mask[..., None], fill, img)
+            box = img[rows, cols]
+            box[...] = np.where(mask[..., None], fill, box)
         return np.clip(img, 0, 255).astype(np.uint8)
 
     def _read(self) -> np.ndarray | None:

@@ -15,10 +15,12 @@ manager or a closed terminal sends, so a file written so far plays.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,12 @@ import numpy as np
 
 from host_bridge import EngineState
 from host_bridge.wire.errors import UserError
-from host_bridge.wire.params import CHUNK_FRAMES, whole_chunks
 from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
 from plugin.player.controls import Controls, ControlState, KeyboardInput
 from plugin.player.live_feed import LiveFeed
 from plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
+    DEFAULT_GENERATED_SIZE,
     DEFAULT_OUTPUT,
     EXIT_BAD_INPUT,
     EXIT_ENGINE_FAILED,
@@ -44,20 +46,19 @@ from plugin.player.options import (
     output_kind,
 )
 from plugin.player.status import StatusPrinter, live_line
+from plugin.player.style_line import StyleReport
 
-# Frames per `process()` call in lossless mode, whole engine chunks so a batch's flush pads nothing:
-# five chunks, the first batch starting the stream with its longer first chunk.
-FIRST_BATCH = whole_chunks(5)
-LATER_BATCH = 5 * CHUNK_FRAMES
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
 RETRY_PAUSE_S = 1.0
-# Seconds a `process()` call may take per frame before the engine is declared stuck.
-PROCESS_TIMEOUT_PER_FRAME_S = 30.0
+# Seconds a lossless run waits for the engine's next frame (beyond the start-up timeout) before it is declared stuck.
+PROCESS_TIMEOUT_S = 120.0
 PAUSE_POLL_S = 0.05
 # A live input late by this much is stalled: the last picture is held (at the input's rate) until it is back.
 STALL_GRACE_S = 0.5
 READY_POLL_S = 0.1
+# A live run looks at the engine's last report (polled by the bridge every second) this often for a new style.
+STYLE_POLL_S = 0.25
 # Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
 # they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -85,6 +86,8 @@ class Player:
                                               motion_aware=options.motion_aware,
                                               lora_scales=dict(options.lora_scales)))
         self.keyboard = KeyboardInput(self.controls)
+        self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
+        self._style_polled = 0.0
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
         self._holding = False
@@ -96,6 +99,7 @@ class Player:
         self.frames_in = 0
         self.frames_out = 0
         self.size: tuple[int, int] = (0, 0)
+        self._scaled = False  # --size on an input: every frame is scaled to it
         self._last_out: np.ndarray | None = None
         self._started = time.monotonic()
         # A restart starts a new, empty log: keep the last tail and engine error that said something.
@@ -116,7 +120,7 @@ class Player:
                 self.source = self._web_camera()
             elif o.uses_generated_clip:
                 n = o.max_frames or DEFAULT_GENERATED_FRAMES
-                self.source = generate_clip(n, size=o.size, fps=o.fps, seed=o.seed)
+                self.source = generate_clip(n, size=o.size or DEFAULT_GENERATED_SIZE, fps=o.fps, seed=o.seed)
             else:
                 self.source = open_source(o.input)
         except MediaError as exc:
@@ -124,6 +128,10 @@ class Player:
         w, h = self.source.size
         # H.264 4:2:0 needs even sizes: drop a last odd column/row rather than refuse the input.
         self.size = (w - w % 2, h - h % 2)
+        if o.size is not None and o.size != (w, h):  # --size on an input: scaled, never ignored
+            if not self._scaled:  # said once (a looped or reconnected input opens again)
+                self.printer.say(f"loom play: input {w}x{h} scaled to {o.size[0]}x{o.size[1]} (--size)")
+            self.size, self._scaled = o.size, True
 
     def _web_camera(self) -> Any:
         """The page's camera, the same one again after the feed lost it (only the end of the run closes it)."""
@@ -158,9 +166,12 @@ class Player:
         from host_bridge import Bridge, BridgeConfig
 
         o = self.opts
+        overrides = list(o.overrides)
+        if o.prompts:  # the engine starts on the first prompt: no blend in from the config's, its style known at once
+            overrides.append(f"prompt.text={json.dumps(self.controls.state.prompt)}")  # a YAML string, quoted
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
-                           engine_overrides=list(o.overrides), endpoint=o.endpoint, secret_file=o.secret_file,
+                           engine_overrides=overrides, endpoint=o.endpoint, secret_file=o.secret_file,
                            fallback="passthrough", passthrough=o.passthrough)
         try:
             self.bridge = Bridge(cfg)
@@ -248,6 +259,7 @@ class Player:
                 self._run_live()
             else:
                 self._wait_ready()
+                self._report_style(refresh=True)
                 self._run_lossless()
             if self._input_error is not None:
                 raise self._input_error
@@ -294,17 +306,19 @@ class Player:
             yield frame
 
     def _fit(self, frame: np.ndarray) -> np.ndarray:
-        """The output size: a last odd row/column dropped; a frame of another size (the input changed
-        resolution mid-stream) scaled, so the picture stays whole rather than cropped to a corner."""
+        """The output size: a last odd row/column dropped; a frame scaled when `--size` asks for another
+        size, or when the input changed resolution mid-stream (the picture stays whole rather than
+        cropped to a corner)."""
         w, h = self.size
-        if frame.shape[:2] == (self.source.height, self.source.width):
+        as_opened = frame.shape[:2] == (self.source.height, self.source.width)
+        if as_opened and not self._scaled:
             return frame[:h, :w]
         import cv2
 
-        if frame.shape[:2] != self._last_input_shape:
+        if not as_opened and frame.shape[:2] != self._last_input_shape:
             self.printer.say(f"loom play: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
                              f"scaled to the output's {w}x{h}")
-        self._last_input_shape = frame.shape[:2]
+            self._last_input_shape = frame.shape[:2]
         return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
 
     def _read(self) -> np.ndarray | None:
@@ -327,39 +341,52 @@ class Player:
         return frame
 
     def _run_lossless(self) -> None:
+        """Every input frame through the engine as one stream, each output written as soon as it is back
+        (the engine restyles the next frames meanwhile). If the engine crashes, the frames it had not
+        answered go again, first, to the restarted one, so the output still has every frame."""
         known = [n for n in (self.opts.max_frames, self.source.frame_count) if n]
         total = min(known) if known and not self.opts.loop else None
-        batch: list[np.ndarray] = []
-        for frame in self._frames():
-            batch.append(frame)
-            if len(batch) == (FIRST_BATCH if self.frames_out == 0 else LATER_BATCH):
-                self._process(batch, total)
-                batch = []
-        if batch:
-            self._process(batch, total)
+        inputs = self._frames()
+        unanswered: deque[np.ndarray] = deque()  # handed to the engine, output not back yet
+        failures = 0
+        while True:
+            outputs = self.bridge.process_stream(self._sent(inputs, unanswered),
+                                                 stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s)
+            try:
+                for out in outputs:
+                    unanswered.popleft()
+                    failures = 0
+                    self._emit(out)
+                    self.printer.progress(self.frames_out, total)
+                    self._report_style()
+                break
+            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
+                failures += 1
+                self._retry_after(exc, failures, len(unanswered))
+            finally:
+                outputs.close()
         if not self.controls.state.quit and self._input_error is None:
             # The input ended: what was written is the whole (a container's frame count is only an estimate).
             self.printer.end_progress(final_total=self.frames_out)
 
-    def _process(self, batch: list[np.ndarray], total: int | None) -> None:
-        """One batch through the engine; if the engine crashes meanwhile, the batch goes again to the restarted one."""
-        timeout_s = PROCESS_TIMEOUT_PER_FRAME_S * len(batch) + self.opts.startup_timeout_s
-        for attempt in range(1, MAX_FAILED_STARTS + 1):
-            try:
-                outs = self.bridge.process(batch, timeout_s=timeout_s)
-                break
-            except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
-                _, status = self.bridge.latest()
-                self._remember_log(status)
-                if _is_failed(status) or attempt == MAX_FAILED_STARTS:
-                    raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
-                first = self.frames_out
-                self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}.."
-                                 f"{first + len(batch) - 1} go again once it has restarted")
-                time.sleep(RETRY_PAUSE_S * attempt)  # let the bridge finish its restart before asking again
-        for out in outs:
-            self._emit(out)
-            self.printer.progress(self.frames_out, total)
+    @staticmethod
+    def _sent(inputs: Iterator[np.ndarray | None], unanswered: deque[np.ndarray]) -> Iterator[np.ndarray]:
+        """The frames to send: those a crashed engine left unanswered first (they stay listed until their
+        outputs are back, so a second failure loses none either), then new ones, each listed as sent."""
+        yield from list(unanswered)
+        for frame in inputs:
+            unanswered.append(frame)
+            yield frame
+
+    def _retry_after(self, exc: Exception, failures: int, frames: int) -> None:
+        _, status = self.bridge.latest()
+        self._remember_log(status)
+        if _is_failed(status) or failures >= MAX_FAILED_STARTS:
+            raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
+        first = self.frames_out
+        self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}..{first + frames - 1} "
+                         "go again once it has restarted")
+        time.sleep(RETRY_PAUSE_S * failures)  # let the bridge finish its restart before asking again
 
     def _run_live(self) -> None:
         period = 1.0 / self.source.fps if self.source.fps else 0.0
@@ -387,7 +414,8 @@ class Player:
             if shown is not None:
                 self._emit(shown, status.seq)
             stalled = "  input stalled: the last picture is held" if self._holding else ""
-            self.printer.update(live_line(self.frames_out, status) + stalled)
+            self._report_style()
+            self.printer.update(live_line(self.frames_out, status, style=self.style.short) + stalled)
             if pace:
                 next_due += period
                 delay = next_due - time.monotonic()
@@ -435,7 +463,8 @@ class Player:
         lines: list[str] = []
         if s.overlay:
             _, status = self.bridge.latest()
-            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}",
+            lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}" + (f"  ({self.style.short})"
+                                                                                   if self.style.short else ""),
                      f"steps {s.steps}  noise {s.noise_scale:.2f}  motion {'on' if s.motion_aware else 'off'}"]
             if s.message:
                 lines.append(s.message)
@@ -444,6 +473,18 @@ class Player:
         self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
         if self.window.closed_by_user():
             self.controls.state.quit = True
+
+    def _report_style(self, refresh: bool = False) -> None:
+        """Say the style the engine's prompt landed on, once per prompt: at the start and after each change
+        (keys, OSC, the prompt list alike). `refresh`: ask the engine now (a file run, between batches)."""
+        now = time.monotonic()
+        if not refresh and now - self._style_polled < STYLE_POLL_S:
+            return
+        self._style_polled = now
+        line = self.style.update(self.bridge.engine_report(refresh), wanted=self.controls.state.prompt)
+        if line is not None:
+            self.printer.say(f"loom play: {line}")
+            self.printer.set_postfix(self.style.short)
 
     def _poll_controls(self) -> None:
         for line in self.controls.apply_pending(self.bridge):

@@ -50,7 +50,7 @@ class PlayerOptions:
     motion_aware: bool = LIVE["motion_aware"].default
     lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
     max_frames: int | None = None
-    size: tuple[int, int] = DEFAULT_GENERATED_SIZE
+    size: tuple[int, int] | None = None  # the generated clip's (default DEFAULT_GENERATED_SIZE), or an input scaled
     fps: float = DEFAULT_GENERATED_FPS
     seed: int = 0
     mode: str = "auto"

@@ -21,14 +21,17 @@ STAGE_HEARTBEAT_S = 5.0  # a stage still under way says so this often
 TTY_INTERVAL_S = 0.1
 
 
-def live_line(frames_out: int, status: Any, stats: dict[str, Any] | None = None) -> str:
-    """`live  312 frames  11.8 fps  latency 340 ms  dropped 3  engine running` from a BridgeStatus."""
+def live_line(frames_out: int, status: Any, style: str = "") -> str:
+    """`live  312 frames  11.8 fps  latency 340 ms  dropped 3  engine running` from a BridgeStatus, and the
+    style the prompt landed on (`style ink wash 0.81`) when the model has a style table."""
     state = getattr(status, "state", "?")
     fps = getattr(status, "fps", 0.0) or 0.0
     latency = getattr(status, "latency_ms", 0.0) or 0.0
     dropped = getattr(status, "dropped", 0) or 0
     line = (f"live {frames_out:>6} frames  {fps:5.1f} fps  latency {latency:5.0f} ms  dropped {dropped}  "
             f"engine {state}")
+    if style:
+        line = f"{line}  {style}"
     message = getattr(status, "message", "")
     return f"{line}  ({message})" if message and state != "running" else line
 
@@ -49,6 +52,8 @@ class StatusPrinter:
         self._bar_started = 0.0
         self._done = 0
         self._total: int | None = None
+        self._postfix = ""
+        self._logged: tuple[int, int | None] | None = None  # (done, total) of the last progress line logged
 
     def update(self, line: str, force: bool = False) -> None:
         if self.quiet:
@@ -90,7 +95,8 @@ class StatusPrinter:
             return
         if self._bar is None:
             self._bar = tqdm(total=total, unit="frame", file=self.stream, dynamic_ncols=True, leave=True,
-                             disable=not self.tty, mininterval=TTY_INTERVAL_S, desc="loom play")
+                             disable=not self.tty, mininterval=TTY_INTERVAL_S, desc="loom play",
+                             postfix=self._postfix or None)
             self._bar_started = self._last = time.monotonic()  # a log's first line comes with a real rate
         self._bar.update(done - self._done)
         self._done, self._total = done, total
@@ -102,11 +108,18 @@ class StatusPrinter:
 
     def _log_progress(self) -> None:
         line = tqdm.format_meter(self._done, self._total, time.monotonic() - self._bar_started, unit="frame",
-                                 prefix="loom play", ncols=100)
+                                 prefix="loom play", ncols=100, postfix=self._postfix or None)
         if line != self._shown:
             self.stream.write(line + "\n")
             self.stream.flush()
             self._shown = line
+        self._logged = (self._done, self._total)
+
+    def set_postfix(self, text: str) -> None:
+        """A short note shown after the progress bar's rate (the prompt's style), from now on."""
+        self._postfix = text
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
 
     def end_progress(self, final_total: int | None = None) -> None:
         """Close the bar where it stands; `final_total`: the run is complete, so the bar ends at N/N
@@ -116,7 +129,7 @@ class StatusPrinter:
         if final_total is not None:
             self._bar.total = self._total = final_total
             self._bar.refresh()
-        if not self.tty:
+        if not self.tty and self._logged != (self._done, self._total):  # not the same N/N twice
             self._log_progress()
         self._bar.close()
         self._bar = None
