@@ -72,9 +72,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=_size, default=None, metavar="WxH",
                    help="picture size: the generated clip's (default 256x256), or the size an input is scaled to "
                         "(outputs are written at it)")
-    p.add_argument("--resolution", type=_wxh, default=None, metavar="WxH",
-                   help="the model's resolution, frames are scaled to it and back (the same as --set "
-                        "resolution.width=W --set resolution.height=H; default: the config's)")
     p.add_argument("--fps", type=float, default=24.0, help="generated clip frame rate (default 24)")
     p.add_argument("--mode", choices=("auto", "lossless", "live"), default="auto",
                    help="lossless: every frame, in order (default for files); live: latest frame wins, "
@@ -95,6 +92,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
                    help="style prompt; repeat for a list to step through with n/b or OSC")
     p.add_argument("--prompts", dest="prompt_file", metavar="FILE", help="file with one prompt per line")
+    p.add_argument("--resolution", type=_wxh, default=None, metavar="WxH",
+                   help="the model's resolution, frames are scaled to it and back (the same as --set "
+                        "resolution.width=W --set resolution.height=H; default: the config's)")
     p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
                    help="VACE presets: the control video, made from the input or read from a video FILE")
     p.add_argument("--reference", metavar="IMAGE", help="VACE presets: a reference image that sets the look")
