@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,13 @@ def round_trips(bell: db.Doorbell, first_seq: int, count: int, period_s: float) 
     return samples
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment with the checkout first on the path: the echo child must find the
+    packages this Python finds (pyzmq carried in a PYTHONPATH folder, a virtual environment)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--notices", type=int, default=2000, help="back-to-back round trips")
@@ -71,7 +79,7 @@ def main() -> int:
     db.SPIN_S = args.spin_us / 1e6
     bell = db.Doorbell.create()
     echo = subprocess.Popen([sys.executable, "-c", ECHO, bell.name, str(db.SPIN_S)], cwd=ROOT,
-                            stdout=subprocess.PIPE, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+                            stdout=subprocess.PIPE, env=child_env())
     try:
         echo.stdout.readline()
         round_trips(bell, 1, 50, 0.0)  # warm-up
