@@ -17,8 +17,8 @@ import zmq
 
 from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
 from host_bridge.wire import pixels
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.protocol import make
+from host_bridge.wire.channel import Channel, SharedSecret, apply_curve_keys, read_secret_file
+from host_bridge.wire.protocol import encode, make
 from tests.fakes.engines import served_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +66,50 @@ def test_a_waiting_host_hears_only_that_it_waits_and_the_attached_host_loses_not
     finally:
         if waiting is not None:
             waiting.close()
+        ctx.term()
+
+
+def _intruder_on(lane_endpoint: str, secret_file: str, ctx: zmq.Context) -> zmq.Socket:
+    """A peer holding the secret that found the served engine's frame lane port: connected (its handshake
+    done, so a DEALER engine would deal it notices) before this returns."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    apply_curve_keys(sock, SharedSecret(read_secret_file(secret_file), server=False))
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(lane_endpoint)
+        assert monitor.poll(20_000), "the intruder's lane handshake did not succeed"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    return sock
+
+
+def test_a_second_holder_of_the_secret_on_the_frame_lane_takes_none_of_the_attached_hosts_frames(served):
+    """Point 1's last hole: the served engine's frame lane was a DEALER on a random port, so a peer holding
+    the secret that found the port took a round-robin share of the frame notices and releases meant for the
+    attached host (whose frames then never came back), and the engine took its notices as the host's."""
+    endpoint, secret = served
+    ctx = zmq.Context()
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=secret, transport="tcp", heartbeat_s=0.1)
+    intruder = None
+    try:
+        with Bridge(cfg) as attached:
+            attached.wait_running(30)
+            first = np.full((8, 8, 3), 1, np.uint8)
+            assert np.array_equal(attached.process([first], timeout_s=15)[0], first)  # its rings are made
+            intruder = _intruder_on(attached._link.lane.endpoint, secret, ctx)
+            notice = make("frame", dir="in", slot=0, seq=10**6, gen=attached._link.generation, nbytes=192)
+            intruder.send_multipart([encode(notice), bytes([255]) * 192])  # taken, it would go out as the host's
+            frames = [np.full((8, 8, 3), 10 + i * 20, np.uint8) for i in range(12)]
+            outputs = attached.process(frames, timeout_s=15)
+            assert len(outputs) == len(frames) and all(np.array_equal(a, b) for a, b in zip(frames, outputs))
+            assert wait_until(lambda: attached.stats()["engine"].get("refused", 0) >= 1, 10), attached.stats()
+            heard = intruder.poll(300) and intruder.recv_multipart(zmq.NOBLOCK)
+            assert not heard, heard
+    finally:
+        if intruder is not None:
+            intruder.close(linger=0)
         ctx.term()
 
 
