@@ -119,7 +119,9 @@ class Link:
                 return "handshake: the engine's hello names no frame lane (an engine of an older protocol?)"
             try:
                 endpoint = lane_endpoint_for(self.channel.endpoint, msg["lane"])
-                self.lane = FrameLane(self.channel.context, endpoint, bind=False, side="host", curve=self.curve)
+                identity = msg["lane_id"].encode() if "lane_id" in msg else None  # the only peer its lane serves
+                self.lane = FrameLane(self.channel.context, endpoint, bind=False, side="host", curve=self.curve,
+                                      identity=identity)
             except (EndpointError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
                 return f"handshake: cannot connect the frame lane: {exc}"
         self.phase = "loading"

@@ -13,7 +13,8 @@ from torch import nn
 from engine.config import LoomConfig
 from engine.edit.checkpoint import load_lllite, load_unet, load_vae
 from engine.edit.encoder import CONDITIONING_TOKENS, EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
-from engine.edit.lllite import LLLite, select_hooks
+from engine.edit.file_check import LATENT_SCALE, build_lllite, vae_weights
+from engine.edit.lllite import LLLite
 from engine.edit.schedule import ShiftLine
 from engine.edit.unet import UNET_PRESETS, EditUNet
 from engine.edit.vae import VAE_PRESETS, TinyVAE
@@ -21,7 +22,7 @@ from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_cha
 
 log = logging.getLogger(__name__)
 
-LATENT_SCALE = 8
+__all__ = ["LATENT_SCALE", "EditModels", "check_resolution", "load_edit_encoder", "load_edit_models"]
 
 
 @dataclass
@@ -46,23 +47,20 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         unet = _seeded_or_refused(lambda: EditUNet(UNET_PRESETS[e.unet]), e.unet == "tiny", cfg, device, dtype,
                                   "edit.checkpoint")
     check_resolution(cfg, unet.cfg.downscale)  # again: a checkpoint's own config may have more levels
-    vae_path = e.vae_checkpoint or (e.checkpoint if e.checkpoint and (Path(e.checkpoint) / "vae").is_dir() else None)
+    vae_path = vae_weights(e)
     if vae_path:
         vae = load_vae(vae_path, VAE_PRESETS[e.vae], device, dtype)
     else:
         vae = _seeded_or_refused(lambda: TinyVAE(VAE_PRESETS[e.vae]), e.vae == "tiny", cfg, device, dtype,
                                  "edit.vae_checkpoint")
-    lllite = None
-    points = select_hooks(unet.hook_points(), e.lllite_hooks)
-    if points:
-        latent_h = cfg.resolution.height // LATENT_SCALE
-        with torch.device(device):
-            lllite = LLLite(unet.hook_sizes(latent_h), points, (cfg.resolution.height, cfg.resolution.width),
-                            e.batch).to(dtype).eval()
+    lllite = build_lllite(unet, cfg, device)
+    if lllite is not None:
+        lllite = lllite.to(dtype).eval()
         if e.lllite:
             load_lllite(lllite, e.lllite, unet.hook_points(), device, dtype)
         lllite.set_strength(e.adapter_strength)
-        log.info("LLLite: %d of %d hook points (%s)", len(points), len(unet.hook_points()), e.lllite_hooks)
+        log.info("LLLite: %d of %d hook points (%s)", len(lllite.modules_dict), len(unet.hook_points()),
+                 e.lllite_hooks)
     elif e.lllite:
         log.warning("edit.lllite is given but edit.lllite_hooks=none: the adapter is not used")
     if device.type == "cuda":  # cuDNN's fast convolution kernels want channels-last activations

@@ -82,16 +82,31 @@ def _drop_blocks(dit: WanDiT, keep: range | None) -> None:
             dit.blocks[i].to("meta")
 
 
+def _dit_architecture(preset: str) -> tuple[type[WanDiT], Any]:
+    """The DiT class and config of a model preset (a VACE preset's or the plain DiT's)."""
+    return (WanVaceDiT, VACE_PRESETS[preset]) if preset in VACE_PRESETS else (WanDiT, DIT_PRESETS.get(preset))
+
+
 def check_weight_files(cfg: LoomConfig) -> None:
     """Read each weight file the run names for its format, keys and shapes only (on the meta device: no
     weights are read, the models take no memory), and raise CheckpointError naming the file and what is
     wrong; so a file that is not the weights a model needs is refused before any engine starts, instead
     of failing the engine's build after a host waited for it."""
     mc, vc = cfg.model, cfg.vae
+    if mc.family == "edit":
+        from engine.edit.file_check import check_edit_files
+
+        check_edit_files(cfg)
     if mc.family != "wan":
         return
     if mc.checkpoint:
         WanDiT.from_checkpoint(mc.checkpoint, DIT_PRESETS[mc.preset], device="meta")
+    if cfg.lora:  # each a LoRA in a layout read_lora knows, every update the shape of a layer of this DiT
+        dit_class, dit_cfg = _dit_architecture(mc.preset)
+        with torch.device("meta"):
+            dit = dit_class(dit_cfg)
+        for entry in cfg.lora:
+            read_lora(entry.path, dit, entry.key, meta=True)
     if vc.checkpoint and "wan" in (vc.encoder, vc.decoder):
         vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
                           denormalize_on_decode=vc.denormalize_on_decode)
@@ -112,8 +127,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     mc, vc = cfg.model, cfg.vae
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
-    dit_class, dit_cfg = (WanVaceDiT, VACE_PRESETS[mc.preset]) if mc.preset in VACE_PRESETS else \
-        (WanDiT, DIT_PRESETS.get(mc.preset))
+    dit_class, dit_cfg = _dit_architecture(mc.preset)
     embedded = mc.preset == "embedded" and not mc.checkpoint
     if embedded:  # the trained default: its DiT and VAE ship together in the package
         from engine.models.embedded import load_embedded

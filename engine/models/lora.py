@@ -105,14 +105,16 @@ def _fail(path: Path, what: str, items: list[str]) -> LoraError:
     return LoraError(f"{path}: {what}: {listed}")
 
 
-def read_lora(path: str | Path, model: nn.Module, name: str | None = None) -> LoraFile:
+def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, meta: bool = False) -> LoraFile:
     """Read a LoRA file for this model; raise LoraError naming unknown keys or shape mismatches.
 
     `model` may hold only some blocks (a pipeline rank, the others on the meta device): every
     update is checked against the full model's shapes; the merger skips the blocks not held.
+    `meta`: read only the file's keys and shapes (a check before an engine starts; `model` may be
+    meta-built); the updates it returns hold no values.
     """
     path = Path(path)
-    tensors = {k: t for k, t, _ in iter_tensors(checkpoint_files(path))}
+    tensors = {k: t for k, t, _ in iter_tensors(checkpoint_files(path), meta=meta)}
     if not tensors:
         raise LoraError(f"{path}: no tensors in the file")
     linears = _linear_names(model)
@@ -132,7 +134,7 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None) -> Lo
                 (up.shape[0], down.shape[1]) != tuple(weight.shape):
             mismatched.append(f"{module} down {tuple(down.shape)} up {tuple(up.shape)} vs weight {tuple(weight.shape)}")
             continue
-        alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles else 1.0
+        alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and not meta else 1.0
         lora.modules[module] = LowRank(down, up, alpha, roles.get("bias"))
     if unknown:
         raise _fail(path, "keys that are not LoRA weights of a Wan2.1 DiT", unknown)

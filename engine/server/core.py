@@ -16,7 +16,7 @@ of frame notices and releases, which it polls itself: the host's shared-memory d
 hello names one (shm and cuda-ipc, see `host_bridge.wire.doorbell`), else the frame lane socket (tcp, see
 `host_bridge.wire.frame_lane`); the control loop hands it commands through `FrameWorker.post`. The side
 that bound the control endpoint binds the lane and names it in its hello (launched: the host;
-serving: this engine, once per host).
+serving: this engine, once per host, as a ROUTER that talks only to the identity its hello gives the host).
 Malformed messages, and frame messages on the control channel, are refused and counted, never
 fatal. Rings are only attached here: the host owns and removes them, except when the host is gone,
 then the engine removes the shared memory it knew about before it exits.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -215,7 +216,7 @@ class EngineServer:
                 return "same"
             self._host_peer, self._host_spoke, self._refused_hello = peer, False, None
             if self._bind:
-                self._send_hello(None if isinstance(lane, Doorbell) else lane.endpoint)
+                self._send_hello(None if isinstance(lane, Doorbell) else lane)
             self._start_worker(lane)
             return msg["pid"]
         if self.worker is None:
@@ -264,10 +265,12 @@ class EngineServer:
             return f"host silent for {now - last_heard:.1f} s"
         return None
 
-    def _send_hello(self, lane: str | None = None) -> None:
+    def _send_hello(self, lane: FrameLane | None = None) -> None:
+        """Served on tcp, it names the lane bound for this host and the identity the host's lane connects as."""
         from host_bridge.wire.rings.cuda import all_uuids
 
-        msg = make("hello", role="engine", token=self._token, pid=os.getpid(), lane=lane,
+        msg = make("hello", role="engine", token=self._token, pid=os.getpid(),
+                   lane=lane.endpoint if lane else None, lane_id=lane.peer.decode() if lane and lane.peer else None,
                    transports=offered_transports(), gpu_uuids=all_uuids()[:64], software="loom engine")
         self.channel.send(msg, to=self._host_peer if self._bind else None)
 
@@ -283,7 +286,7 @@ class EngineServer:
                 return FrameLane(self._ctx, lane_endpoint_for(self._connect, hello["lane"]), bind=False,
                                  side="engine", curve=self._launch_guard())
             return FrameLane(self._ctx, lane_bind_address(self.channel.endpoint), bind=True, side="engine",
-                             curve=self._curve)
+                             curve=self._curve, peer=secrets.token_hex(16).encode())  # the attached host's alone
         except (EndpointError, DoorbellError, ValueError, OSError) as exc:  # zmq.ZMQError is an OSError
             self.channel.refuse(f"hello: no frame lane: {exc}")
             self.channel.send(make("error", code="handshake", message=f"frame lane: {exc}"[:4000]), to=peer)

@@ -22,6 +22,13 @@ Each side accepts only the lane messages meant for it (host: `frame` out and `re
 Endpoints: the side that binds the control endpoint binds the lane next to it (the same private
 directory for ipc, the same interface on a random port for tcp) and names it in its hello; the other
 side connects to it, through `lane_endpoint_for`, and with the control channel's CurveZMQ keys.
+
+Peers: a host that launched its engine binds a lane only that engine can reach (the launch token), so a
+DEALER serves. A served engine's lane port can be found by anyone who holds the session secret (a host
+waiting to get in, say), and a DEALER would deal the attached host's notices round-robin among every
+peer connected: it binds a ROUTER instead (`peer=`), sends only to the one routing id it named in its
+hello (the attached host's lane connects with that `identity`), and refuses whatever another peer sends.
+Until that peer has connected, its messages wait in the outbox like a DEALER's.
 """
 
 from __future__ import annotations
@@ -72,7 +79,8 @@ def lane_endpoint_for(control_endpoint: str, announced: str) -> str:
 
 class FrameLane:
     def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool, side: str,
-                 curve: Auth | None = None):
+                 curve: Auth | None = None, peer: bytes | None = None, identity: bytes | None = None):
+        """`peer`: a ROUTER that talks to that routing id only; `identity`: the routing id this side connects as."""
         if side not in ACCEPTS:
             raise ValueError(f"side: {side!r}; expected 'host' or 'engine'")
         self._accepts = ACCEPTS[side]
@@ -80,10 +88,15 @@ class FrameLane:
         self.lock = threading.RLock()
         self._closed = False
         self._ipc_file: str | None = None
-        self.sock = ctx.socket(zmq.DEALER)
+        self.peer = peer
+        self.sock = ctx.socket(zmq.ROUTER if peer else zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, LANE_HWM), (zmq.RCVHWM, LANE_HWM),
                            (zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 65536)):
             self.sock.setsockopt(opt, value)
+        if peer:  # a message for a peer not (yet) connected fails and waits, instead of vanishing
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if identity:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
         try:
             check_endpoint(endpoint, curve)
             apply_curve_keys(self.sock, curve)
@@ -116,7 +129,7 @@ class FrameLane:
         if self._closed or len(self._outbox) >= OUTBOX_LIMIT:
             self.dropped += 1
             return False
-        self._outbox.append([encode(msg), *payload])
+        self._outbox.append([self.peer, encode(msg), *payload] if self.peer else [encode(msg), *payload])
         self._queued += 1
         if self.lock.acquire(blocking=False):
             self.release()
@@ -171,6 +184,9 @@ class FrameLane:
                 except zmq.Again:  # CurveZMQ: readiness may come from handshake traffic, not a message
                     break
                 self.received += 1
+                if self.peer and parts.pop(0) != self.peer:
+                    self.refuse("frame lane message from a peer that is not the attached host")
+                    continue
                 try:
                     msg = decode(parts)
                 except ProtocolError as exc:
@@ -190,9 +206,13 @@ class FrameLane:
         while self._outbox and not self._closed:
             parts = self._outbox[0]
             try:
-                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts) == 1)
+                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts) == 1 + bool(self.peer))
             except zmq.Again:
                 return  # a bound lane whose peer has not connected yet: keep it for the next call
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # a ROUTER's peer not connected yet (or gone: the outbox is bounded)
+                    return
+                raise
             self._outbox.popleft()
             self.sent += 1
 

@@ -21,8 +21,9 @@ from typing import Any
 from host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
 
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
-# answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`)
-PROTOCOL_VERSION = 4
+# answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);
+# 5: its frame lane too (the host's lane connects as the `lane_id` the engine's hello names)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
@@ -40,6 +41,7 @@ CHANNEL_ORDERS = {1: ("R",), 3: ("RGB", "BGR"), 4: ("RGBA", "BGRA")}
 ENCODINGS = ("raw", "jpeg")
 DIRECTIONS = ("in", "out")  # "in" = host -> engine, "out" = engine -> host
 SEGMENT_NAME = re.compile(r"loom_\d{1,10}_[0-9a-f]{1,32}")  # shm ring and doorbell segments
+LANE_ID = re.compile(r"[0-9a-f]{32}")  # a served engine's frame lane: the identity its attached host connects as
 
 
 class ProtocolError(ValueError):
@@ -81,6 +83,11 @@ def _choice(*allowed: Any) -> Callable[[Any], str | None]:
 def _endpoint(v: Any) -> str | None:
     ok = isinstance(v, str) and len(v) <= MAX_ENDPOINT and v.startswith(("tcp://", "ipc://"))
     return None if ok else f"a tcp:// or ipc:// endpoint of at most {MAX_ENDPOINT} characters"
+
+
+def _lane_id(v: Any) -> str | None:
+    ok = isinstance(v, str) and LANE_ID.fullmatch(v) is not None
+    return None if ok else "a lane id of 32 hex digits"
 
 
 def _segment(v: Any) -> str | None:
@@ -139,10 +146,12 @@ SCHEMA: dict[str, Fields] = {
     # handshake: each side sends hello once (a host connecting to a served engine repeats it until answered:
     # the engine takes one host at a time); the engine sends ready when its session is built. The side
     # that bound the control endpoint also bound the frame lane and names it in `lane`; a host on shm or
-    # cuda-ipc names its doorbell segment instead (frame notices then travel through it, not a lane)
+    # cuda-ipc names its doorbell segment instead (frame notices then travel through it, not a lane). A
+    # served engine's hello also gives `lane_id`: the identity the host's lane connects as, the only peer
+    # its lane sends to or takes notices from
     "hello": {"role": (_choice("host", "engine"), True), "token": (_str(128), True), "pid": (_int(0, 2**31), True),
               "transports": (_str_list(8, 16), False), "gpu_uuids": (_str_list(64, 64), False),
-              "software": (_str(128), False), "lane": (_endpoint, False),
+              "software": (_str(128), False), "lane": (_endpoint, False), "lane_id": (_lane_id, False),
               "doorbell": (_segment, False)},
     "ready": {"info": (_json_object, False)},
     # a served engine's only answer to a host that says hello while another host is attached

@@ -17,8 +17,8 @@ import zmq
 
 from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
 from host_bridge.wire import pixels
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.protocol import make
+from host_bridge.wire.channel import Channel, SharedSecret, apply_curve_keys, read_secret_file
+from host_bridge.wire.protocol import encode, make
 from tests.fakes.engines import served_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +66,50 @@ def test_a_waiting_host_hears_only_that_it_waits_and_the_attached_host_loses_not
     finally:
         if waiting is not None:
             waiting.close()
+        ctx.term()
+
+
+def _intruder_on(lane_endpoint: str, secret_file: str, ctx: zmq.Context) -> zmq.Socket:
+    """A peer holding the secret that found the served engine's frame lane port: connected (its handshake
+    done, so a DEALER engine would deal it notices) before this returns."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    apply_curve_keys(sock, SharedSecret(read_secret_file(secret_file), server=False))
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(lane_endpoint)
+        assert monitor.poll(20_000), "the intruder's lane handshake did not succeed"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    return sock
+
+
+def test_a_second_holder_of_the_secret_on_the_frame_lane_takes_none_of_the_attached_hosts_frames(served):
+    """Point 1's last hole: the served engine's frame lane was a DEALER on a random port, so a peer holding
+    the secret that found the port took a round-robin share of the frame notices and releases meant for the
+    attached host (whose frames then never came back), and the engine took its notices as the host's."""
+    endpoint, secret = served
+    ctx = zmq.Context()
+    cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=secret, transport="tcp", heartbeat_s=0.1)
+    intruder = None
+    try:
+        with Bridge(cfg) as attached:
+            attached.wait_running(30)
+            first = np.full((8, 8, 3), 1, np.uint8)
+            assert np.array_equal(attached.process([first], timeout_s=15)[0], first)  # its rings are made
+            intruder = _intruder_on(attached._link.lane.endpoint, secret, ctx)
+            notice = make("frame", dir="in", slot=0, seq=10**6, gen=attached._link.generation, nbytes=192)
+            intruder.send_multipart([encode(notice), bytes([255]) * 192])  # taken, it would go out as the host's
+            frames = [np.full((8, 8, 3), 10 + i * 20, np.uint8) for i in range(12)]
+            outputs = attached.process(frames, timeout_s=15)
+            assert len(outputs) == len(frames) and all(np.array_equal(a, b) for a, b in zip(frames, outputs))
+            assert wait_until(lambda: attached.stats()["engine"].get("refused", 0) >= 1, 10), attached.stats()
+            heard = intruder.poll(300) and intruder.recv_multipart(zmq.NOBLOCK)
+            assert not heard, heard
+    finally:
+        if intruder is not None:
+            intruder.close(linger=0)
         ctx.term()
 
 
@@ -159,6 +203,24 @@ def test_what_each_weights_file_holds_is_checked_without_reading_its_weights(tmp
     assert expected in str(refused.value)
 
 
+def test_a_fitting_checkpoint_passes_the_check(tmp_path):
+    """The check read keys and shapes onto the meta device and then took every weight it left there (all
+    of them) for a missing one, so it refused every real checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.config import load_config
+    from engine.models.loading import check_weight_files
+    from engine.models.wan_dit import DIT_PRESETS, WanDiT
+
+    path = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in WanDiT(DIT_PRESETS["tiny"]).state_dict().items()}, str(path))
+    check_weight_files(load_config("tiny-random", [f"model.checkpoint={path}"]))
+    torch.save({"state_dict": {"patch_embedding.weight": torch.zeros(1)}}, tmp_path / "short.pt")
+    with pytest.raises(ValueError, match="missing keys"):
+        check_weight_files(load_config("tiny-random", [f"model.checkpoint={tmp_path / 'short.pt'}"]))
+
+
 def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_path):
     """Point 4: it crashed the engine (exit 1), the bridge restarted it for ever, and `loom play` ended with
     exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started (the other kinds of file:
@@ -187,6 +249,122 @@ def test_an_engine_whose_build_fails_on_its_inputs_refuses_its_run(tmp_path):
         with pytest.raises(EngineRefused, match="shapes that do not fit this model"):
             bridge.wait_running(60)
         assert bridge.status().restarts == 0
+
+
+def _lora(folder: Path, kind: str, name: str = "ink") -> Path:
+    """A LoRA file for the default (embedded) model: a good one, or one a run must refuse."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.models.wan_dit import DIT_PRESETS, WanDiT
+
+    with torch.device("meta"):
+        q = WanDiT(DIT_PRESETS["embedded"]).blocks[0].self_attn.q.weight
+    path = folder / (name if kind == "no suffix" else f"{name}.safetensors")
+    down, up = "lora_unet_blocks_0_self_attn_q.lora_down.weight", "lora_unet_blocks_0_self_attn_q.lora_up.weight"
+    if kind in ("text", "no suffix"):
+        path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    elif kind == "not a lora":  # a DiT weight, not a low-rank pair
+        save_file({"blocks.0.self_attn.q.weight": torch.zeros(tuple(q.shape))}, str(path))
+    elif kind == "wrong shapes":  # a LoRA for another model size
+        save_file({down: torch.zeros(4, q.shape[1] + 3), up: torch.zeros(q.shape[0] * 2, 4)}, str(path))
+    else:
+        save_file({down: torch.zeros(4, q.shape[1]), up: torch.zeros(q.shape[0], 4), "lora_unet_blocks_0_self_attn_q"
+                   ".alpha": torch.tensor(4.0)}, str(path))
+    return path
+
+
+LORA_REFUSALS = {"text": "unreadable safetensors file", "no suffix": "unknown checkpoint format",
+                 "not a lora": "keys that are not LoRA weights", "wrong shapes": "shapes that do not fit this model"}
+
+
+@pytest.mark.parametrize("kind", sorted(LORA_REFUSALS))
+def test_a_lora_file_is_checked_for_its_layout_and_shapes_before_an_engine_starts(tmp_path, kind):
+    """Point 4's last hole: a LoRA file was first read when the engine built its DiT."""
+    from engine.config import load_config, lora_override
+    from engine.models.loading import check_weight_files
+
+    good, path = _lora(tmp_path, "good", "paper"), _lora(tmp_path, kind)
+    check_weight_files(load_config("default", lora_override([f"{good}:0.5"])))  # a fitting one passes
+    with pytest.raises(ValueError) as refused:
+        check_weight_files(load_config("default", lora_override([str(good), f"{path}:0.8"])))
+    text = str(refused.value)
+    assert text.startswith(str(path)) and LORA_REFUSALS[kind] in text and "\n" not in text, text
+    assert "root:x" not in text
+
+
+def _edit_file(folder: Path, key: str) -> Path:
+    """A file (or directory) that is not what edit.KEY needs: text, foreign keys, or another model."""
+    import torch
+    from safetensors.torch import save_file
+
+    if key == "encoder_path":
+        (folder / "encoder").mkdir()
+        (folder / "encoder" / "config.json").write_text('{"model_type": "llama"}')
+        return folder / "encoder"
+    path = folder / f"{key}.safetensors"
+    if key == "checkpoint":
+        path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    else:  # a tensor file whose keys belong to no such model
+        save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4)}, str(path))
+    return path
+
+
+def _fitting_edit_files(folder: Path) -> list[str]:
+    """Weights of the edit-tiny models, saved as a run would be given them: overrides naming them."""
+    from safetensors.torch import save_file
+
+    from engine.edit.lllite import LLLite, select_hooks
+    from engine.edit.unet import UNET_PRESETS, EditUNet
+    from engine.edit.vae import VAE_PRESETS, TinyVAE
+
+    folder.mkdir()
+    unet = EditUNet(UNET_PRESETS["tiny"])
+    points = select_hooks(unet.hook_points(), "down")
+    lllite = LLLite(unet.hook_sizes(64 // 8), points, (64, 64), 4)
+    files = {"checkpoint": unet, "vae_checkpoint": TinyVAE(VAE_PRESETS["tiny"]), "lllite": lllite}
+    for key, module in files.items():
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(folder / f"{key}.safetensors"))
+    return [f"edit.{key}={folder / key}.safetensors" for key in files]
+
+
+EDIT_REFUSALS = {"checkpoint": "unreadable safetensors file", "vae_checkpoint": "model.layers.0.mlp.up_proj.weight",
+                 "lllite": "model.layers.0.mlp.up_proj.weight", "encoder_path": "is not a Qwen3-VL model"}
+
+
+@pytest.mark.parametrize("key", sorted(EDIT_REFUSALS))
+def test_each_edit_family_file_is_checked_before_an_engine_starts(tmp_path, key):
+    """Point 4's last hole: the edit family's files were first read when the engine built its models."""
+    from engine.config import load_config
+    from engine.models.loading import check_weight_files
+
+    check_weight_files(load_config("edit-tiny", _fitting_edit_files(tmp_path / "fitting")))  # these pass
+    path = _edit_file(tmp_path, key)
+    extra = ["edit.encoder=qwen3-vl"] if key == "encoder_path" else []
+    with pytest.raises(ValueError) as refused:
+        check_weight_files(load_config("edit-tiny", [f"edit.{key}={path}", *extra]))
+    text = str(refused.value)
+    assert str(path) in text and EDIT_REFUSALS[key] in text and "\n" not in text, text
+
+
+def _refused_at_once(tmp_path: Path, *argv: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "plugin.cli", *argv], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr)
+    return lines[0]
+
+
+def test_a_bad_lora_or_edit_file_is_refused_by_loom_play_and_loom_serve_with_exit_2_and_one_line(tmp_path):
+    """Point 4's last hole, through the commands: exit 2 and one line naming the file, no engine started."""
+    lora = _lora(tmp_path, "wrong shapes")
+    line = _refused_at_once(tmp_path, "play", "-n", "4", "--size", "32x32", "-o", str(tmp_path / "out.mp4"),
+                            "--lora", f"{lora}:0.7")
+    assert str(lora) in line and "shapes that do not fit this model" in line, line
+    lllite = _edit_file(tmp_path, "lllite")
+    line = _refused_at_once(tmp_path, "serve", "--bind", "tcp://127.0.0.1:0", "-c", "edit-tiny", "--set",
+                            f"edit.lllite={lllite}")
+    assert str(lllite) in line and "model.layers.0.mlp.up_proj.weight" in line, line
 
 
 CONFIG_FILES = {  # point 5: what each file holds, and what its one-line refusal must say
