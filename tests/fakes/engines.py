@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from engine.server.core import EngineServer
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.errors import SERVE_ERROR_PREFIX
+from loom_live.engine.server.core import EngineServer
+from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
 
 def wait_until(ready: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -123,7 +123,7 @@ def served_engine(folder: Path, *args: str, startup_s: float = 60.0) -> Iterator
         port = s.getsockname()[1]
     endpoint, secret = f"tcp://127.0.0.1:{port}", folder / "served.secret"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", endpoint, "--secret-file",
                              str(secret), *(args or ("--passthrough",))], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
     try:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import zmq
 
-from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
-from host_bridge.wire import pixels
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.protocol import make
+from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
+from loom_live.host_bridge.wire import pixels
+from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.protocol import make
 from tests.fakes.engines import served_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,9 +146,9 @@ def _not_a_checkpoint(folder: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("kind", ["text", "pickle", "foreign pickle", "wrong shapes"])
 def test_what_each_weights_file_holds_is_checked_without_reading_its_weights(tmp_path, kind):
-    from engine.config import load_config
-    from host_bridge.wire.errors import UserError
-    from plugin.cli.preflight import check_weights
+    from loom_live.engine.config import load_config
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
 
     path = _not_a_checkpoint(tmp_path, kind)
     with pytest.raises(UserError) as refused:
@@ -164,7 +164,7 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_
     exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started (the other kinds of file:
     the test above)."""
     path = _not_a_checkpoint(tmp_path, "text")
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
                           str(tmp_path / "out.mp4"), "--set", f"model.checkpoint={path}"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = out.stderr.strip().splitlines()
@@ -203,7 +203,7 @@ CONFIG_FILES = {  # point 5: what each file holds, and what its one-line refusal
 
 @pytest.mark.parametrize("case", sorted(CONFIG_FILES))
 def test_a_config_file_is_refused_in_one_line_that_names_it_and_echoes_none_of_it(tmp_path, case):
-    from engine.config import load_config
+    from loom_live.engine.config import load_config
 
     content, expected = CONFIG_FILES[case]
     path = tmp_path / ("run.yaml" if case != "shadow" else "shadow")
@@ -221,7 +221,7 @@ def test_a_config_file_is_refused_in_one_line_that_names_it_and_echoes_none_of_i
 def test_a_file_that_is_not_a_config_is_refused_by_the_command_without_a_line_of_it(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.write_bytes(CONFIG_FILES["shadow"][0])
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-c", str(shadow), "-o",
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", "-c", str(shadow), "-o",
                           str(tmp_path / "out.mp4")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -229,8 +229,8 @@ def test_a_file_that_is_not_a_config_is_refused_by_the_command_without_a_line_of
 
 
 def test_an_embeddings_file_that_is_not_one_is_refused_in_loom_words(tmp_path):
-    from engine.config import load_config
-    from engine.models.loading import check_weight_files
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import check_weight_files
 
     path = tmp_path / "prompts.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}   garbage")

@@ -72,7 +72,7 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_nextrun_node(n
     the bridge has given up on it, the next run waits for the restarted engine and returns every frame,
     instead of failing on a state that still says 'running' while the hung process is being stopped
     (terminate, wait, kill: seconds)."""
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     # the Engine node's bridge, with a shorter wait before a hung engine is killed (a faster test)
     bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable, stop_timeout_s=0.5))
