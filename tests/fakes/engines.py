@@ -176,7 +176,11 @@ sys.meta_path = [f for f in sys.meta_path
 sys.path = [p for p in sys.path[1:] if p in allowed or not os.path.isdir(os.path.join(p or ".", "host_bridge"))]
 assert sys.argv[1] == "-m", sys.argv
 module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
-if importlib.util.find_spec(module) is None:  # as `python -m` says it
+try:
+    found = importlib.util.find_spec(module)
+except ModuleNotFoundError as exc:  # its parent package is missing, as `python -m` says it
+    sys.exit(f"{str(path)}: Error while finding module specification for {{module!r}} (ModuleNotFoundError: {{exc}})")
+if found is None:
     sys.exit(f"{str(path)}: No module named {{module}}")
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """)

@@ -128,7 +128,8 @@ def test_an_engine_that_cannot_import_loom_is_reported_on_the_engine_node_at_onc
     took = time.monotonic() - started
     text = str(failed.value)
     assert text.startswith("Loom Engine: the engine is dead: the engine could not start: engine exited with "
-                           f"code 1: {python}: No module named engine"), text
+                           f"code 1: {python}: Error while finding module specification for 'loom_live.engine' "
+                           "(ModuleNotFoundError: No module named 'loom_live')"), text
     (handle,) = [h for h in nodes_pkg.nodes.ENGINES._engines.values() if h.settings["engine_python"] == str(python)]
     assert handle.bridge.status().restarts == 0
     print(f"reported after {took:.1f} s")  # the bound is 10 s; a loaded machine is no place to assert it

@@ -315,9 +315,10 @@ def test_an_engine_python_without_loom_is_named_at_once_with_the_engines_last_li
         ext.Start()
         cook_until(script, lambda: comp.par.State.eval() == "dead", "engine dead")
         assert ext.bridge.status().restarts == 0
-        assert comp.par.Message.eval() == (f"the engine could not start: engine exited with code 1: {python}: "
-                                           "No module named engine")
-        assert "No module named engine" in comp.par.Log.eval()
+        missing = ("Error while finding module specification for 'loom_live.engine' (ModuleNotFoundError: No module "
+                   "named 'loom_live')")
+        assert comp.par.Message.eval() == f"the engine could not start: engine exited with code 1: {python}: {missing}"
+        assert missing in comp.par.Log.eval()
     finally:
         ext.Stop()
 
