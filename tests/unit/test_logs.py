@@ -32,7 +32,8 @@ def test_records_of_loom_modules_reach_stderr_at_the_chosen_level(capsys):
     logs.configure("debug")  # configuring twice adds no second handler
     logging.getLogger("loom_live.host_bridge.launcher").debug("started")
     err = capsys.readouterr().err.splitlines()
-    assert err == ["WARNING engine.server.core: host silent for 5.1 s", "DEBUG host_bridge.launcher: started"]
+    assert err == ["WARNING loom_live.engine.server.core: host silent for 5.1 s",
+                   "DEBUG loom_live.host_bridge.launcher: started"]
 
 
 def test_a_bad_level_names_the_allowed_ones():
