@@ -342,8 +342,9 @@ def test_an_engine_that_dies_while_starting_ends_the_player_at_once_with_its_las
     out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python", str(python),
                 "--startup-timeout", "600", timeout=120)
     assert out.returncode == 3, out.stderr
-    assert f"loom play: error: the engine could not start: engine exited with code 1: {python}: No module " \
-           "named engine" in out.stderr, out.stderr
+    assert f"loom play: error: the engine could not start: engine exited with code 1: {python}: Error while " \
+           "finding module specification for 'loom_live.engine' (ModuleNotFoundError: No module named " \
+           "'loom_live')" in out.stderr, out.stderr
     assert "engine log (last lines):" in out.stderr and "Traceback" not in out.stderr
 
 
