@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.stream.stage_timer import median_cuda_ms  # noqa: E402
+from loom_live.engine.stream.stage_timer import median_cuda_ms  # noqa: E402
 
 # (label, channels in, channels out, frames out, height, width): steady chunk at 480x832
 SHAPES = (

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.graphs.dit_steps import GraphedStreamForward  # noqa: E402
-from engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
-from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from loom_live.engine.graphs.dit_steps import GraphedStreamForward  # noqa: E402
+from loom_live.engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_idle_cpu import process_cpu_s  # noqa: E402
-from engine.tools.bridge_probe import percentiles  # noqa: E402
-from host_bridge.wire import doorbell as db  # noqa: E402
-from host_bridge.wire.shared_wait import backend  # noqa: E402
+from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
+from loom_live.host_bridge.wire import doorbell as db  # noqa: E402
+from loom_live.host_bridge.wire.shared_wait import backend  # noqa: E402
 
 ECHO = textwrap.dedent("""
     import sys
-    from host_bridge.wire import doorbell as db
+    from loom_live.host_bridge.wire import doorbell as db
     db.SPIN_S = float(sys.argv[2])
     side = db.Doorbell.attach(sys.argv[1])
     print("ready", flush=True)

@@ -22,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -30,8 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
-from host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
+from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 
 SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
 SMOKE_SIZES = {"64x48": (64, 48), "128x96": (128, 96)}
@@ -74,7 +74,7 @@ class DeviceBuffers:
 def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
     """The bridge's five GPU copies in one process, no messages: caller -> staging -> input slot ->
     output slot -> newest-output buffer -> caller. The handoff minus this is messaging and threads."""
-    from host_bridge.wire.rings import create_ring
+    from loom_live.host_bridge.wire.rings import create_ring
 
     rings = [create_ring("cuda-ipc", d, slots=n, width=w, height=h, channels=4)
              for d, n in (("in", 1), ("in", 3), ("out", 3), ("out", 1))]
@@ -124,7 +124,7 @@ def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
 
 def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
     """The shm path's copies in one process, no messages: into the input slot, slot to slot, out."""
-    from host_bridge.wire.rings import attach_ring, create_ring
+    from loom_live.host_bridge.wire.rings import attach_ring, create_ring
 
     h, w, _ = src.shape
     src = np.ascontiguousarray(src[:, :, :3])  # the engine's RGB, as `submit` makes it

@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import load_config  # noqa: E402
-from engine.models.dit_convert import to_diffusers_key  # noqa: E402
-from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
-from engine.tools.bench import run_loom  # noqa: E402
-from plugin.cli.bench import clip_frames  # noqa: E402
+from loom_live.engine.config import load_config  # noqa: E402
+from loom_live.engine.models.dit_convert import to_diffusers_key  # noqa: E402
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from loom_live.engine.tools.bench import run_loom  # noqa: E402
+from loom_live.plugin.cli.bench import clip_frames  # noqa: E402
 
 
 def write_random_lora(preset: str, rank: int, seed: int, path: Path) -> None:

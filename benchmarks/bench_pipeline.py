@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import load_config  # noqa: E402
-from engine.tools.bench import clip_frames, run_loom  # noqa: E402
+from loom_live.engine.config import load_config  # noqa: E402
+from loom_live.engine.tools.bench import clip_frames, run_loom  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

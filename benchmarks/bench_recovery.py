@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from host_bridge import Bridge, BridgeConfig  # noqa: E402
-from plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
 
 RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
 

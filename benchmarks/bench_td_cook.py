@@ -61,7 +61,7 @@ class DeviceTOP(InputTOP):
     def __init__(self, w: int, h: int) -> None:
         from cuda.bindings import runtime as cudart
 
-        from host_bridge.wire.rings.cuda import check
+        from loom_live.host_bridge.wire.rings.cuda import check
 
         super().__init__(td_texture(h, w))
         self._ptrs = []

@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.graphs.vae_steps import GraphedStep  # noqa: E402
-from engine.models.loading import to_channels_last  # noqa: E402
-from engine.models.taehv import TinyVAE  # noqa: E402
-from engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
+from loom_live.engine.graphs.vae_steps import GraphedStep  # noqa: E402
+from loom_live.engine.models.loading import to_channels_last  # noqa: E402
+from loom_live.engine.models.taehv import TinyVAE  # noqa: E402
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
 
 SWITCHES = ("eager", "cudnn", "cl", "fuse", "compile", "compmax", "graph")
 DEFAULT_VARIANTS = (

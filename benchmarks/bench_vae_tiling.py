@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.graphs.vae_steps import GraphedStep  # noqa: E402
-from engine.models.loading import to_channels_last  # noqa: E402
-from engine.models.taehv import TinyVAE  # noqa: E402
-from engine.models.vae_tiling import LATENT_SCALE, TiledVAE  # noqa: E402
-from engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
+from loom_live.engine.graphs.vae_steps import GraphedStep  # noqa: E402
+from loom_live.engine.models.loading import to_channels_last  # noqa: E402
+from loom_live.engine.models.taehv import TinyVAE  # noqa: E402
+from loom_live.engine.models.vae_tiling import LATENT_SCALE, TiledVAE  # noqa: E402
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHUNK_FRAMES = 4

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
-from engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from loom_live.engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 
 PAIRS = (("bf16", "fp32"), ("fp8", "fp32"), ("fp8", "bf16"))
 

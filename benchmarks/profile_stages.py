@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from engine.models.loading import to_channels_last
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.models.wan_vae import VAE_PRESETS, WanVAE
-from engine.stream.stage_timer import median_cuda_ms
+from loom_live.engine.models.loading import to_channels_last
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.stream.stage_timer import median_cuda_ms
 
 
 def profile(fn, label: str, rows: int) -> None:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 
 SIZES = [(96, 128), (120, 160), (144, 192), (100, 100)]
 

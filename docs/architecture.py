@@ -62,7 +62,7 @@ def draw(out: Path) -> None:
 
     # the engine process, and the rank processes it spawns for several GPUs
     ax.add_patch(FancyBboxPatch((9.3, 2.2), 5.5, 5.7, boxstyle="round,pad=0.02", fc="white", ec="#7f7f7f", ls="--"))
-    ax.text(9.45, 8.05, "engine process  (python -m engine serve)", fontsize=10, weight="bold")
+    ax.text(9.45, 8.05, "engine process  (python -m loom_live.engine serve)", fontsize=10, weight="bold")
     _box(ax, 9.55, 5.75, 5.0, 1.95, ENGINE, "engine/server/", ("core.py  control loop, handshake",
                                                                "frame_worker.py  owns the session",
                                                                "device_frames.py  passthrough.py",

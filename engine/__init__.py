@@ -1,6 +1,7 @@
-"""Loom's engine: the models, the streaming sessions of each model family, and the server (`python -m engine serve`).
+"""Loom's engine: the models, the streaming sessions of each model family, and the server
+(`python -m loom_live.engine serve`).
 
-`engine.StreamSession` is the in-process API (scripts, notebooks, tests); it is imported on first
+`loom_live.engine.StreamSession` is the in-process API (scripts, notebooks, tests); it is imported on first
 use, so `loom` commands that do not need torch's models start quickly.
 """
 
@@ -11,7 +12,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "StreamSession":
-        from engine.stream.session import StreamSession
+        from loom_live.engine.stream.session import StreamSession
 
         return StreamSession
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

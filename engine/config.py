@@ -19,15 +19,15 @@ from typing import Any
 
 import yaml
 
-from host_bridge.wire import params as live
-from host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
+from loom_live.host_bridge.wire import params as live
+from loom_live.host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
 DEFAULT_PRESET = "default"
 CPU_PRESETS = ("tiny", "embedded", "tiny-vace")  # DiT presets small enough to stream on a CPU (default, tests)
 VACE_PRESETS = ("tiny-vace", "wan2.1-vace-1.3b", "wan2.1-vace-14b")  # DiTs with VACE control blocks
-PRESET_PACKAGE = "engine.presets"
+PRESET_PACKAGE = "loom_live.engine.presets"
 
 
 @dataclass
@@ -482,6 +482,6 @@ def load_config(name_or_path: str | Path | None = None, overrides: list[str] | t
         apply_override(data, keys, _read_yaml(raw, f"--set {text}") if raw.strip() else None)
     if overrides:
         source += " (with --set overrides)"
-    from engine.models.weights import fill_pulled_weights
+    from loom_live.engine.models.weights import fill_pulled_weights
 
     return fill_pulled_weights(build(LoomConfig, data, source=source))

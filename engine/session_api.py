@@ -58,13 +58,13 @@ def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
     """The session for the config's model family (`model.family`), loaded and warmed up; with
     `parallel.gpus > 1` the Wan DiT's pipeline over that many GPUs (this process is its rank 0)."""
     if cfg.parallel.gpus > 1:
-        from engine.parallel.session import PipelineSession
+        from loom_live.engine.parallel.session import PipelineSession
 
         return PipelineSession.from_config(cfg, warmup=warmup)
     if cfg.model.family == "edit":
-        from engine.edit.session import EditSession
+        from loom_live.engine.edit.session import EditSession
 
         return EditSession.from_config(cfg, warmup=warmup)
-    from engine.stream.session import StreamSession
+    from loom_live.engine.stream.session import StreamSession
 
     return StreamSession.from_config(cfg, warmup=warmup)

@@ -15,8 +15,8 @@ import argparse
 import sys
 import time
 
-from host_bridge import Bridge, BridgeConfig
-from plugin.media.video_io import generate_clip
+from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.plugin.media.video_io import generate_clip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from engine import StreamSession
-from engine.config import load_config
-from plugin.media.video_io import FrameSink, open_sink, open_source
+from loom_live.engine import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.plugin.media.video_io import FrameSink, open_sink, open_source
 
 PUSH_FRAMES = 4  # one latent frame's worth: the session's steady chunk
 

@@ -4,10 +4,10 @@ Imported inside host applications (TouchDesigner, ComfyUI, the Loom player). Dep
 pyzmq; cuda-python only for the cuda-ipc transport, imported when that transport is used.
 """
 
-from host_bridge.client import Bridge, BridgeStatus, EngineRefused
-from host_bridge.config import BridgeConfig
-from host_bridge.supervisor import EngineState
-from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, RingSpec
+from loom_live.host_bridge.client import Bridge, BridgeStatus, EngineRefused
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.supervisor import EngineState
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, RingSpec
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "EngineRefused", "EngineState", "PROTOCOL_VERSION",
            "ProtocolError", "RingSpec"]

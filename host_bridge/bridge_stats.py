@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from host_bridge.supervisor import EngineState
+from loom_live.host_bridge.supervisor import EngineState
 
 LATENCY_WINDOW = 256
 SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it

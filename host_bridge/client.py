@@ -34,16 +34,16 @@ from typing import Any
 import numpy as np
 import zmq
 
-from host_bridge.bridge_stats import BridgeStatus, FrameStats
-from host_bridge.config import BridgeConfig
-from host_bridge.frame_shrink import FrameShrinker
-from host_bridge.link import Link
-from host_bridge.newest_frames import NewestFrames, check_device_frame
-from host_bridge.supervisor import EngineState, Supervisor
-from host_bridge.wanted import PromptWish, Wanted
-from host_bridge.wire import pixels as formats
-from host_bridge.wire.params import LIVE, check_prompt_request
-from host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
+from loom_live.host_bridge.bridge_stats import BridgeStatus, FrameStats
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.frame_shrink import FrameShrinker
+from loom_live.host_bridge.link import Link
+from loom_live.host_bridge.newest_frames import NewestFrames, check_device_frame
+from loom_live.host_bridge.supervisor import EngineState, Supervisor
+from loom_live.host_bridge.wanted import PromptWish, Wanted
+from loom_live.host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
@@ -83,7 +83,7 @@ class Bridge:
         self._wanted = Wanted()
         self._cuda_problem: str | None = None
         if config.transport == "cuda-ipc":
-            from host_bridge.wire.rings.cuda import cuda_available
+            from loom_live.host_bridge.wire.rings.cuda import cuda_available
             ok, why = cuda_available()
             self._cuda_problem = None if ok else f"cuda-ipc transport unavailable: {why}"
 

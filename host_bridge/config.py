@@ -10,8 +10,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from host_bridge.wire.protocol import ENCODINGS, MAX_FRAME_SIDE, MAX_SLOTS, TRANSPORTS
-from host_bridge.wire.typed_config import ConfigError, build, spec
+from loom_live.host_bridge.wire.protocol import ENCODINGS, MAX_FRAME_SIDE, MAX_SLOTS, TRANSPORTS
+from loom_live.host_bridge.wire.typed_config import ConfigError, build, spec
 
 FALLBACKS = ("passthrough", "last")
 MAX_HANG_TIMEOUT_S = 2.0  # the promise: a dead or hung engine is noticed within 2 s
@@ -80,7 +80,7 @@ class BridgeConfig:
         if not self.launch and self.secret_file is None and self.curve_secret_file is None and _local(self.endpoint):
             # `loom serve` on this machine always holds a session secret: without it this host would only
             # ever be turned away by ZMQ's handshake, which says nothing
-            from host_bridge.reach import secret_needed
+            from loom_live.host_bridge.reach import secret_needed
             raise ValueError(secret_needed(self.endpoint))
         if (self.curve_secret_file is None) != (self.curve_server_public_file is None):
             raise ValueError("curve_secret_file and curve_server_public_file: give both or neither")
@@ -97,7 +97,7 @@ class BridgeConfig:
 
 
 def _local(endpoint: str) -> bool:
-    from host_bridge.wire.channel import EndpointError, is_loopback
+    from loom_live.host_bridge.wire.channel import EndpointError, is_loopback
 
     try:
         return is_loopback(endpoint)

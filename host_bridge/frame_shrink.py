@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire import pixels as formats
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ POSIX: terminate the group, wait, kill the group. Its output is kept as a short 
 host's status display, and an engine that refused its run (exit code 2) is told apart from a crash
 by its own one-line error, so the host can say why once instead of restarting it.
 
-The engine is `python -m engine`: in a host that found Loom in a source checkout rather than an
+The engine is `python -m loom_live.engine`: in a host that found Loom in a source checkout rather than an
 installed package (ComfyUI's node folder linked from a checkout, TouchDesigner's Python given the
 checkout's path), the engine's Python would not find it, so the checkout goes first on the engine's
 PYTHONPATH. An installed Loom is left to the engine's own environment: another Python's
@@ -30,8 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from host_bridge.wire import logs
-from host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
+from loom_live.host_bridge.wire import logs
+from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
 
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
@@ -158,4 +158,4 @@ def engine_env(base: dict[str, str] | None = None, checkout: Path | None = None)
 
 def engine_argv(python: str | None, *args: str) -> list[str]:
     """The engine's command line; it logs at this process's level (`args` may still set another)."""
-    return [python or sys.executable, "-m", "engine", "serve", *logs.engine_args(), *args]
+    return [python or sys.executable, "-m", "loom_live.engine", "serve", *logs.engine_args(), *args]

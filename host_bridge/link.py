@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.config import BridgeConfig
-from host_bridge.launcher import EngineProcess
-from host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint, SharedSecret
-from host_bridge.wire.doorbell import Doorbell
-from host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
-from host_bridge.wire.protocol import TRANSPORTS, make
-from host_bridge.wire.rings import Ring, SlotTracker, create_ring
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.launcher import EngineProcess
+from loom_live.host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint, SharedSecret
+from loom_live.host_bridge.wire.doorbell import Doorbell
+from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
+from loom_live.host_bridge.wire.protocol import TRANSPORTS, make
+from loom_live.host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
 # A served engine takes one host at a time and answers a hello that arrives while another host is
 # attached only with `wait`. Connecting, the host says hello again this often until the engine answers,

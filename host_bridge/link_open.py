@@ -18,13 +18,13 @@ from collections.abc import Iterator
 
 import zmq
 
-from host_bridge.config import BridgeConfig
-from host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv, engine_env
-from host_bridge.link import Link
-from host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint, SharedSecret, read_secret_file
-from host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
-from host_bridge.wire.doorbell import Doorbell
-from host_bridge.wire.frame_lane import FrameLane, lane_bind_address
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.launcher import TOKEN_ENV, EngineProcess, engine_argv, engine_env
+from loom_live.host_bridge.link import Link
+from loom_live.host_bridge.wire.channel import Channel, CurveClient, PrivateEndpoint, SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.doorbell import TRANSPORTS as DOORBELL_TRANSPORTS
+from loom_live.host_bridge.wire.doorbell import Doorbell
+from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address
 
 TOKEN_BYTES = 16
 

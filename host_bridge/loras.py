@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from host_bridge.wire.params import LORA_SCALES, NAME_LEN, lora_name
+from loom_live.host_bridge.wire.params import LORA_SCALES, NAME_LEN, lora_name
 
 WORDS_KEPT = 300  # characters of an engine's refusal a host shows
 

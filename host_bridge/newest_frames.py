@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire import pixels as formats
 
 
 class NewestFrames:
@@ -51,7 +51,7 @@ class NewestFrames:
 
     def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
                      device_ptr: int | None = None) -> Any:
-        from host_bridge.wire.rings.cuda import CudaRing, pointer_device
+        from loom_live.host_bridge.wire.rings.cuda import CudaRing, pointer_device
 
         order = (formats.touchdesigner_order(dtype, channels) if layout == "touchdesigner"
                  else {1: "R", 3: "RGB", 4: "RGBA"}.get(channels, "RGB"))
@@ -124,7 +124,7 @@ def _to_host(buffer: Any) -> np.ndarray:
 
 def _device_buffer_like(current: Any, ring: Any) -> Any:
     """A one-slot device buffer shaped like the output ring (`current` when it already is)."""
-    from host_bridge.wire.rings.cuda import CudaRing
+    from loom_live.host_bridge.wire.rings.cuda import CudaRing
 
     s = ring.spec
     if current is not None and (current.spec.width, current.spec.height, current.spec.channels,

@@ -15,8 +15,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
-from host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
+from loom_live.host_bridge.wire.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
 

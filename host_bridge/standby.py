@@ -22,9 +22,9 @@ from typing import Any
 
 import zmq
 
-from host_bridge.config import BridgeConfig
-from host_bridge.link import Link
-from host_bridge.link_open import LinkOpenError, open_link
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.link import Link
+from loom_live.host_bridge.link_open import LinkOpenError, open_link
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from host_bridge.config import BridgeConfig
-from host_bridge.link import Link
-from host_bridge.link_open import LinkOpenError, open_link
-from host_bridge.standby import Standby
-from host_bridge.wire.protocol import LANE_MESSAGES
+from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.link import Link
+from loom_live.host_bridge.link_open import LinkOpenError, open_link
+from loom_live.host_bridge.standby import Standby
+from loom_live.host_bridge.wire.protocol import LANE_MESSAGES
 
 STATS_INTERVAL_S = 1.0
 STABLE_AFTER_S = 10.0  # running this long resets the restart backoff

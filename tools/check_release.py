@@ -33,8 +33,8 @@ BUILD = "from setuptools import build_meta as b; import sys; print(getattr(b, sy
 # run in the new environment: where Loom comes from, and one round trip through a launched engine
 SMOKE = """
 import sys, numpy as np
-import engine, host_bridge, plugin
-from host_bridge import Bridge, BridgeConfig
+from loom_live import engine, host_bridge, plugin
+from loom_live.host_bridge import Bridge, BridgeConfig
 for module in (engine, host_bridge, plugin):
     assert module.__file__.startswith(sys.prefix), f"{module.__name__} from {module.__file__}, not {sys.prefix}"
 frames = [np.full((16, 24, 3), i * 40, np.uint8) for i in range(3)]

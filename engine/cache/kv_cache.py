@@ -34,8 +34,8 @@ from functools import partial
 
 import torch
 
-from engine.layers.attention import attention
-from engine.layers.rope import (
+from loom_live.engine.layers.attention import attention
+from loom_live.engine.layers.rope import (
     ROPE_POLICIES,
     ROPE_TABLE_SIZE,
     RopeTables,

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.edit.lllite import module_key
-from engine.edit.unet import EditUNet, EditUNetConfig
-from engine.edit.vae import TinyVAE, TinyVAEConfig
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
+from loom_live.engine.edit.lllite import module_key
+from loom_live.engine.edit.unet import EditUNet, EditUNetConfig
+from loom_live.engine.edit.vae import TinyVAE, TinyVAEConfig
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 __all__ = ["CheckpointError", "load_unet", "load_vae", "load_lllite"]
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from engine.edit.checkpoint import load_lllite, load_unet, load_vae
-from engine.edit.lllite import LLLite, select_hooks
-from engine.edit.unet import UNET_PRESETS, EditUNet
-from engine.edit.vae import VAE_PRESETS
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
+from loom_live.engine.edit.checkpoint import load_lllite, load_unet, load_vae
+from loom_live.engine.edit.lllite import LLLite, select_hooks
+from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
+from loom_live.engine.edit.vae import VAE_PRESETS
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
 
 LATENT_SCALE = 8  # pixels per latent cell of the edit autoencoder
 QWEN3_VL_TYPES = ("qwen3_vl",)  # config.json `model_type` of the encoder edit.encoder_path names

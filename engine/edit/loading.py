@@ -10,15 +10,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.config import LoomConfig
-from engine.edit.checkpoint import load_lllite, load_unet, load_vae
-from engine.edit.encoder import CONDITIONING_TOKENS, EditConditioner, HashEditEncoder, Qwen3VLEncoder, qwen3vl_2b_config
-from engine.edit.file_check import LATENT_SCALE, build_lllite, vae_weights
-from engine.edit.lllite import LLLite
-from engine.edit.schedule import ShiftLine
-from engine.edit.unet import UNET_PRESETS, EditUNet
-from engine.edit.vae import VAE_PRESETS, TinyVAE
-from engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.edit.checkpoint import load_lllite, load_unet, load_vae
+from loom_live.engine.edit.encoder import (
+    CONDITIONING_TOKENS,
+    EditConditioner,
+    HashEditEncoder,
+    Qwen3VLEncoder,
+    qwen3vl_2b_config,
+)
+from loom_live.engine.edit.file_check import LATENT_SCALE, build_lllite, vae_weights
+from loom_live.engine.edit.lllite import LLLite
+from loom_live.engine.edit.schedule import ShiftLine
+from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
+from loom_live.engine.edit.vae import VAE_PRESETS, TinyVAE
+from loom_live.engine.models.loading import _seeded, resolve_device, resolve_dtype, to_channels_last
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import LoomConfig
-from host_bridge.wire.params import EDIT_PARAMS, LATENCY_BUDGET_MS, TARGET_FPS
+from loom_live.engine.config import LoomConfig
+from loom_live.host_bridge.wire.params import EDIT_PARAMS, LATENCY_BUDGET_MS, TARGET_FPS
 
 SETTABLE = (*EDIT_PARAMS, TARGET_FPS, LATENCY_BUDGET_MS)
 

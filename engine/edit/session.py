@@ -35,16 +35,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import LoomConfig
-from engine.edit.flow import warp_batch
-from engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
-from engine.edit.params import apply_params
-from engine.edit.schedule import EulerFlowSchedule
-from engine.stream.frames import FrameMapper, validate_frames
-from engine.stream.metrics import StreamMetrics
-from engine.stream.output_queue import OutputQueue
-from engine.stream.prompts import check_prompt
-from engine.stream.stage_timer import StageTimer
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.edit.flow import warp_batch
+from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
+from loom_live.engine.edit.params import apply_params
+from loom_live.engine.edit.schedule import EulerFlowSchedule
+from loom_live.engine.stream.frames import FrameMapper, validate_frames
+from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.output_queue import OutputQueue
+from loom_live.engine.stream.prompts import check_prompt
+from loom_live.engine.stream.stage_timer import StageTimer
 
 log = logging.getLogger(__name__)
 

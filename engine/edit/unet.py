@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.edit.unet_config import UNET_PRESETS, EditUNetConfig
+from loom_live.engine.edit.unet_config import UNET_PRESETS, EditUNetConfig
 
 __all__ = ["Adapter", "EditUNet", "EditUNetConfig", "HOOK_PROJECTIONS", "UNET_PRESETS"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
+from loom_live.engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
 
 MAX_GRAPHS = 32  # distinct plans kept; more means something is not steady, so stop capturing
 

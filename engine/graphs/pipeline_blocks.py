@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.kv_cache import CrossKV, KVCache, StreamStep
-from engine.graphs.dit_steps import MAX_GRAPHS, StaticCross, _clone_step, _copy_step, _key
+from loom_live.engine.cache.kv_cache import CrossKV, KVCache, StreamStep
+from loom_live.engine.graphs.dit_steps import MAX_GRAPHS, StaticCross, _clone_step, _copy_step, _key
 
 log = logging.getLogger(__name__)
 

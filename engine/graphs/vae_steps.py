@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.cache.vae_cache import FRAMES_PER_LATENT, FrameCache, VAEStreamState
+from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT, FrameCache, VAEStreamState
 
 
 class GraphedStep:

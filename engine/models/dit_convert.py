@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 LAYOUTS = ("Wan2.1 original, diffusers WanTransformer3DModel, CausVid/StreamDiffusionV2 generator, "
            "Wan2.1-VACE, diffusers WanVACETransformer3DModel")

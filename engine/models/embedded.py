@@ -1,5 +1,5 @@
 """Loom's embedded default model: a tiny causal Wan DiT and a per-frame VAE, trained by
-Loom's own recipe (`python -m engine.train`, docs/embedded-model.md) and shipped in the package.
+Loom's own recipe (`python -m loom_live.engine.train`, docs/embedded-model.md) and shipped in the package.
 
 The architecture is fixed here; the weights file carries the trained values and the VAE's latent
 statistics (its metadata), and its SHA-256 is recorded below so a corrupted or swapped file is
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from engine.models.frame_vae import FrameVAE, FrameVAEConfig
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.models.frame_vae import FrameVAE, FrameVAEConfig
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 
 EMBEDDED_DIT = DIT_PRESETS["embedded"]
 STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/stream/style_text.py)
 STYLE_TEXT_LEN = EMBEDDED_DIT.text_len  # tokens per prompt: the style vector in the first, zeros after
 EMBEDDED_VAE = FrameVAEConfig()
-WEIGHTS_PACKAGE = "engine.models"
+WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
 WEIGHTS_SHA256 = "510314688fb4a52e63ae36eed657767c9697f8a8ea78f9bc6aba3bb082accac1"
@@ -83,7 +83,7 @@ def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tu
     path = Path(path) if path is not None else weights_path()
     if not path.is_file():
         raise EmbeddedWeightsError(f"{path}: the embedded model's weights are missing; reinstall Loom "
-                                   "or train them with `python -m engine.train`")
+                                   "or train them with `python -m loom_live.engine.train`")
     if check_hash and path == weights_path() and file_sha256(path) != WEIGHTS_SHA256:
         raise EmbeddedWeightsError(f"{path}: SHA-256 {file_sha256(path)} differs from the recorded "
                                    f"{WEIGHTS_SHA256}; the file is damaged or not the shipped one")

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.models.wan_dit import WanDiT
+    from loom_live.engine.models.wan_dit import WanDiT
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest finite e4m3fn value

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.vae_cache import VAEStreamState, check_signature
-from engine.models.wan_vae import (
+from loom_live.engine.cache.vae_cache import VAEStreamState, check_signature
+from loom_live.engine.models.wan_vae import (
     PIXEL_CHANNELS,
     SPACE_STRIDE,
     TIME_STRIDE,

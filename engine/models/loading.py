@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import LoomConfig
-from engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
-from engine.models.lora import LoraMerger, read_lora
-from engine.models.taehv import TinyVAE
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
-from engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
+from loom_live.engine.models.lora import LoraMerger, read_lora
+from loom_live.engine.models.taehv import TinyVAE
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
 EMBEDDED_PRESETS = ("tiny", "tiny-vace")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +94,7 @@ def check_weight_files(cfg: LoomConfig) -> None:
     of failing the engine's build after a host waited for it."""
     mc, vc = cfg.model, cfg.vae
     if mc.family == "edit":
-        from engine.edit.file_check import check_edit_files
+        from loom_live.engine.edit.file_check import check_edit_files
 
         check_edit_files(cfg)
     if mc.family != "wan":
@@ -114,7 +114,7 @@ def check_weight_files(cfg: LoomConfig) -> None:
     if vc.taehv_checkpoint and "taehv" in (vc.encoder, vc.decoder):
         TinyVAE.from_checkpoint(vc.taehv_checkpoint, device="meta")
     if cfg.prompt.encoder == "file" and cfg.prompt.path:  # small: read whole, as the session will
-        from engine.stream.prompts import FileTextEncoder
+        from loom_live.engine.stream.prompts import FileTextEncoder
 
         FileTextEncoder(cfg.prompt.path)
 
@@ -130,7 +130,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     dit_class, dit_cfg = _dit_architecture(mc.preset)
     embedded = mc.preset == "embedded" and not mc.checkpoint
     if embedded:  # the trained default: its DiT and VAE ship together in the package
-        from engine.models.embedded import load_embedded
+        from loom_live.engine.models.embedded import load_embedded
 
         if vc.encoder != "taehv" or vc.decoder != "taehv" or vc.taehv_checkpoint:
             raise ValueError("model.preset: 'embedded' comes with its own VAE; leave vae.encoder and vae.decoder "
@@ -186,7 +186,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     decoder = wan if vc.decoder == "wan" else tiny
     mem = cfg.memory
     if mem.low_vram:  # activations bounded by the tile area instead of the frame's
-        from engine.models.vae_tiling import TiledVAE
+        from loom_live.engine.models.vae_tiling import TiledVAE
 
         encoder = TiledVAE(encoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)
         decoder = TiledVAE(decoder, tile_latents=mem.vae_tile_latents, overlap_latents=mem.vae_tile_overlap)

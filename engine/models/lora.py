@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
-from engine.models.dit_convert import to_wan_key
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
+from loom_live.engine.models.dit_convert import to_wan_key
 
 log = logging.getLogger(__name__)
 

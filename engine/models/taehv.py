@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
-from engine.models.wan_vae import (
+from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
+from loom_live.engine.models.wan_vae import (
     TIME_STRIDE,
     WAN21_LATENTS_MEAN,
     WAN21_LATENTS_STD,
@@ -160,7 +160,7 @@ class TinyVAE(nn.Module):
     def from_checkpoint(cls, path: str | Path, cfg: TinyVAEConfig | None = None, *,
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TinyVAE:
         """Load `taew2_1.pth` / `taew2_1.safetensors` strictly (keys are the TAEHV names)."""
-        from engine.models import vae_convert
+        from loom_live.engine.models import vae_convert
 
         files = checkpoint_files(path)
         with torch.device("meta"):

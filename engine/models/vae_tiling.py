@@ -35,8 +35,8 @@ from typing import Protocol
 
 import torch
 
-from engine.cache.vae_cache import VAEStreamState, check_signature
-from engine.models.wan_vae import SPACE_STRIDE, decode_in_pieces, encode_in_pieces
+from loom_live.engine.cache.vae_cache import VAEStreamState, check_signature
+from loom_live.engine.models.wan_vae import SPACE_STRIDE, decode_in_pieces, encode_in_pieces
 
 LATENT_SCALE = SPACE_STRIDE  # pixels per latent cell along H and W (Wan2.1 VAE and TAEHV alike)
 DEFAULT_TILE_LATENTS = 32  # 256 px

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.kv_cache import (
+from loom_live.engine.cache.kv_cache import (
     DEFAULT_NUM_KV_CACHE,
     DEFAULT_REFRESH_AT,
     DEFAULT_SINK,
@@ -35,10 +35,10 @@ from engine.cache.kv_cache import (
     KVCache,
     StreamStep,
 )
-from engine.layers.attention import attention
-from engine.layers.rope import RopeTables, host_index, rotate
-from engine.models.wan_dit_ops import EAGER_OPS, BlockOps
-from host_bridge.wire.params import TRAIN_TIMESTEPS
+from loom_live.engine.layers.attention import attention
+from loom_live.engine.layers.rope import RopeTables, host_index, rotate
+from loom_live.engine.models.wan_dit_ops import EAGER_OPS, BlockOps
+from loom_live.host_bridge.wire.params import TRAIN_TIMESTEPS
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
@@ -294,7 +294,7 @@ class WanDiT(nn.Module):
         StreamDiffusionV2 layout) straight into `device`/`dtype`, strictly. With `blocks`, only
         those transformer blocks are loaded (the rest stay on the meta device: a pipeline rank);
         embeddings and head are always loaded, they are small."""
-        from engine.models.dit_convert import load_dit_weights
+        from loom_live.engine.models.dit_convert import load_dit_weights
 
         with torch.device("meta"):
             model = cls(cfg)

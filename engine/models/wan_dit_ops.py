@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.rope import rotate
+from loom_live.engine.layers.rope import rotate
 
 
 def layer_norm_f32(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,9 +24,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from engine.cache.kv_cache import CrossKV, KVCache, StreamStep
-from engine.models.wan_dit import Conditioning, FullSequenceAttention, SelfAttend, WanBlock, WanDiT, WanDiTConfig
-from host_bridge.wire.params import TRAIN_TIMESTEPS
+from loom_live.engine.cache.kv_cache import CrossKV, KVCache, StreamStep
+from loom_live.engine.models.wan_dit import (
+    Conditioning,
+    FullSequenceAttention,
+    SelfAttend,
+    WanBlock,
+    WanDiT,
+    WanDiTConfig,
+)
+from loom_live.host_bridge.wire.params import TRAIN_TIMESTEPS
 
 MASK_CHANNELS = 64  # the pixel mask folded 8x8 into channels at latent resolution
 VAE_CHANNELS = 16

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
-from engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
+from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
 WAN21_LATENTS_MEAN = (
@@ -341,7 +341,7 @@ class WanVAE(nn.Module):
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:
         """Build on the meta device and load strictly from `Wan2.1_VAE.pth` or a diffusers
         `AutoencoderKLWan` file/folder; any missing, unexpected or mis-shaped key is an error."""
-        from engine.models import vae_convert
+        from loom_live.engine.models import vae_convert
 
         files = checkpoint_files(path)
         with torch.device("meta"):

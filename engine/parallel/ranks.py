@@ -21,8 +21,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.config import LoomConfig
-from engine.parallel.stage import worker_main
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.parallel.stage import worker_main
 
 KILL_JOIN_S = 5.0
 ERROR_GRACE_S = 1.0  # a rank that exited may still be flushing its traceback into the queue

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.parallel.plan import balanced_split, min_blocks, rank_costs
+from loom_live.engine.parallel.plan import balanced_split, min_blocks, rank_costs
 
 
 class BlockScheduler:

@@ -77,25 +77,34 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cache.vae_cache import FRAMES_PER_LATENT
-from engine.config import LoomConfig
-from engine.graphs.vae_steps import VAEGraphs
-from engine.models.loading import load_models
-from engine.models.wan_dit import DIT_PRESETS
-from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from engine.parallel.plan import NoiseLedger, check_move, check_split, placement, stage_ranges, suggest_split
-from engine.parallel.ranks import PipelineError, RankProcesses
-from engine.parallel.scheduler import BlockScheduler
-from engine.parallel.slo import PipelineSLO
-from engine.parallel.stage import Payload, Stage, configure, init_group, move, rank_config, rank_device, send_payload
-from engine.stream.frames import FrameMapper, validate_frames
-from engine.stream.metrics import StreamMetrics
-from engine.stream.motion_noise import MotionNoiseController
-from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
-from engine.stream.schedule import FlowSchedule
-from engine.stream.session import LIVE_PARAMS
-from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
-from host_bridge.wire.params import FIRST_CHUNK_FRAMES
+from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.models.wan_dit import DIT_PRESETS
+from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
+from loom_live.engine.parallel.plan import NoiseLedger, check_move, check_split, placement, stage_ranges, suggest_split
+from loom_live.engine.parallel.ranks import PipelineError, RankProcesses
+from loom_live.engine.parallel.scheduler import BlockScheduler
+from loom_live.engine.parallel.slo import PipelineSLO
+from loom_live.engine.parallel.stage import (
+    Payload,
+    Stage,
+    configure,
+    init_group,
+    move,
+    rank_config,
+    rank_device,
+    send_payload,
+)
+from loom_live.engine.stream.frames import FrameMapper, validate_frames
+from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
+from loom_live.engine.stream.schedule import FlowSchedule
+from loom_live.engine.stream.session import LIVE_PARAMS
+from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
+from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 # Heartbeat allowance on GPUs before the warm-up ends: compiling a kernel can hold a rank's GIL

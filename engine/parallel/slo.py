@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.cache.vae_cache import FRAMES_PER_LATENT
-from engine.stream.slo_scheduler import Plan, SLOScheduler, StageModel
+from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
+from loom_live.engine.stream.slo_scheduler import Plan, SLOScheduler, StageModel
 
 # How each stage a rank reports scales: with the latent frames entering, those leaving, or the
 # rows x latent frames of the micro-batch (every other stage: the blocks, the head)

@@ -32,15 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.cache.kv_cache import CrossKV, KVCache, StreamStep
-from engine.config import LoomConfig
-from engine.graphs.pipeline_blocks import GraphedBlocks
-from engine.graphs.vae_steps import VAEGraphs
-from engine.models.loading import LoadedModels, load_models
-from engine.models.wan_dit import Conditioning
-from engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from engine.stream.schedule import FlowSchedule
-from engine.stream.stage_timer import StageTimer
+from loom_live.engine.cache.kv_cache import CrossKV, KVCache, StreamStep
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.graphs.pipeline_blocks import GraphedBlocks
+from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.loading import LoadedModels, load_models
+from loom_live.engine.models.wan_dit import Conditioning
+from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
+from loom_live.engine.stream.schedule import FlowSchedule
+from loom_live.engine.stream.stage_timer import StageTimer
 
 LATENT_STRIDE = 8  # VAE spatial compression: pixels per latent
 INIT_TIMEOUT_S = 300  # rendezvous of the ranks (model loading is done before it)

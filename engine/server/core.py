@@ -35,15 +35,21 @@ from typing import Any
 
 import zmq
 
-from engine.server.frame_worker import FrameWorker
-from engine.session_api import EngineSession
-from host_bridge.wire.channel import Channel, CurveServer, EndpointError, SharedSecret, remove_private_endpoint
-from host_bridge.wire.doorbell import Doorbell, DoorbellError
-from host_bridge.wire.errors import EXIT_USER_ERROR
-from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
-from host_bridge.wire.processes import pid_alive
-from host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
-from host_bridge.wire.rings import TransportUnavailable, attach_ring
+from loom_live.engine.server.frame_worker import FrameWorker
+from loom_live.engine.session_api import EngineSession
+from loom_live.host_bridge.wire.channel import (
+    Channel,
+    CurveServer,
+    EndpointError,
+    SharedSecret,
+    remove_private_endpoint,
+)
+from loom_live.host_bridge.wire.doorbell import Doorbell, DoorbellError
+from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR
+from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
+from loom_live.host_bridge.wire.processes import pid_alive
+from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
+from loom_live.host_bridge.wire.rings import TransportUnavailable, attach_ring
 
 TICK_S = 0.05
 EXIT_OK = 0
@@ -60,7 +66,7 @@ log = logging.getLogger(__name__)
 
 
 def offered_transports() -> list[str]:
-    from host_bridge.wire.rings.cuda import cuda_available
+    from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
     return [t for t in TRANSPORTS if t != "cuda-ipc" or cuda_available()[0]]
 
@@ -267,7 +273,7 @@ class EngineServer:
 
     def _send_hello(self, lane: FrameLane | None = None) -> None:
         """Served on tcp, it names the lane bound for this host and the identity the host's lane connects as."""
-        from host_bridge.wire.rings.cuda import all_uuids
+        from loom_live.host_bridge.wire.rings.cuda import all_uuids
 
         msg = make("hello", role="engine", token=self._token, pid=os.getpid(),
                    lane=lane.endpoint if lane else None, lane_id=lane.peer.decode() if lane and lane.peer else None,

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.session_api import EngineSession
-from host_bridge.wire import pixels as formats
-from host_bridge.wire.doorbell import Doorbell
-from host_bridge.wire.frame_lane import FrameLane
-from host_bridge.wire.protocol import MAX_SLOTS, make
-from host_bridge.wire.rings import Ring, SlotTracker
+from loom_live.engine.session_api import EngineSession
+from loom_live.host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire.doorbell import Doorbell
+from loom_live.host_bridge.wire.frame_lane import FrameLane
+from loom_live.host_bridge.wire.protocol import MAX_SLOTS, make
+from loom_live.host_bridge.wire.rings import Ring, SlotTracker
 
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
 INTERVAL_EMA = 0.2
@@ -341,7 +341,7 @@ class FrameWorker:
     def _gpu(self) -> Any:
         """GPU slot reader/writer (torch), created on first use: only cuda-ipc rings need it."""
         if self._device_slots is None:
-            from engine.server.device_frames import DeviceSlots
+            from loom_live.engine.server.device_frames import DeviceSlots
             self._device_slots = DeviceSlots()
         return self._device_slots
 

@@ -1,6 +1,6 @@
-"""`loom serve` / `python -m engine serve`: run an engine behind the bridge protocol.
+"""`loom serve` / `python -m loom_live.engine serve`: run an engine behind the bridge protocol.
 
-The launcher starts engines with `python -m engine serve`, which needs only this module: the
+The launcher starts engines with `python -m loom_live.engine serve`, which needs only this module: the
 engine process never imports the host adapters.
 """
 
@@ -10,9 +10,9 @@ import argparse
 import os
 import sys
 
-from host_bridge.launcher import TOKEN_ENV
-from host_bridge.wire import logs
-from host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX, UserError
+from loom_live.host_bridge.launcher import TOKEN_ENV
+from loom_live.host_bridge.wire import logs
+from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX, UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,37 +43,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--bind on a loopback or ipc endpoint without CurveZMQ: the session secret hosts must hold "
                         "(a file of mode 600, created with a random secret if missing; hosts name it as secret_file)")
     p.add_argument("--stall-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: stall after N frames
-    logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m engine`
+    logs.add_option(p, default=argparse.SUPPRESS)  # else the global option of `loom` / `python -m loom_live.engine`
     p.set_defaults(func=run)
 
 
 def _session_factory(args: argparse.Namespace):
-    from engine.config import load_config, lora_override
+    from loom_live.engine.config import load_config, lora_override
 
     overrides = [*args.overrides, *lora_override(args.loras)]
     if args.gpus is not None:
         overrides.append(f"parallel.gpus={args.gpus}")
     config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
     if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
-        from engine.models.weights import missing_weights, pull_name
+        from loom_live.engine.models.weights import missing_weights, pull_name
 
         missing = missing_weights(config)
         if missing:
             raise UserError(f"preset {pull_name(config)!r} needs weights that are not here: {'; '.join(missing)}. "
                             f"Run `loom pull {pull_name(config)}`, or give the paths with --set KEY=PATH")
-        from engine.models.loading import check_weight_files
+        from loom_live.engine.models.loading import check_weight_files
 
         check_weight_files(config)  # and files that are not the weights (a CheckpointError is a ValueError)
 
     def build():
         if args.passthrough:
-            from engine.server.passthrough import PassthroughSession
+            from loom_live.engine.server.passthrough import PassthroughSession
             return PassthroughSession()
         try:
-            from engine.graphs.compile_cache import enable_persistent_compile_cache
-            from engine.models.loading import resolve_device
-            from engine.server.cpu_threads import apply_cpu_threads
-            from engine.session_api import open_session
+            from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
+            from loom_live.engine.models.loading import resolve_device
+            from loom_live.engine.server.cpu_threads import apply_cpu_threads
+            from loom_live.engine.session_api import open_session
         except ImportError as exc:
             raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
         enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
@@ -89,7 +89,7 @@ def _session_factory(args: argparse.Namespace):
 def _session_secret(args: argparse.Namespace):
     """A served engine without Curve keys takes only hosts that hold its session secret: any local
     process could otherwise reach a loopback endpoint and drive it."""
-    from host_bridge.wire.channel import SharedSecret, is_loopback, read_secret_file
+    from loom_live.host_bridge.wire.channel import SharedSecret, is_loopback, read_secret_file
 
     if args.secret_file and not args.bind:
         raise UserError("--secret-file is for --bind (a launched engine gets its token from the host)")
@@ -102,8 +102,8 @@ def _session_secret(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.server.core import EngineServer
-    from host_bridge.wire.channel import CurveServer, EndpointError
+    from loom_live.engine.server.core import EngineServer
+    from loom_live.host_bridge.wire.channel import CurveServer, EndpointError
 
     if bool(args.curve_secret_file) != bool(args.curve_authorized):
         raise UserError("--curve-secret-file and --curve-authorized go together")
@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine serve ...`: the same parser and exit codes as `loom serve`."""
-    from host_bridge.wire.typed_config import ConfigError
+    """`python -m loom_live.engine serve ...`: the same parser and exit codes as `loom serve`."""
+    from loom_live.host_bridge.wire.typed_config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="python -m engine")
+    parser = argparse.ArgumentParser(prog="python -m loom_live.engine")
     logs.add_option(parser)
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

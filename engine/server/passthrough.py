@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.params import LIVE, check_prompt_request
+from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
 
 
 class PassthroughSession:

@@ -10,10 +10,10 @@ import cv2
 import numpy as np
 import torch
 
-from engine.config import ControlConfig, LoomConfig
-from engine.models.wan_vace import reference_entry
-from engine.stream.control_frames import ControlFrames
-from engine.stream.control_latents import ControlEncoder
+from loom_live.engine.config import ControlConfig, LoomConfig
+from loom_live.engine.models.wan_vace import reference_entry
+from loom_live.engine.stream.control_frames import ControlFrames
+from loom_live.engine.stream.control_latents import ControlEncoder
 
 
 class VaceControl:

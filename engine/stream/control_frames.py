@@ -25,7 +25,7 @@ import cv2
 import numpy as np
 import torch
 
-from host_bridge.wire.params import CONTROL_SOURCES
+from loom_live.host_bridge.wire.params import CONTROL_SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ControlFrames:
     def accept(self, given: np.ndarray | torch.Tensor, frames: np.ndarray | torch.Tensor) -> Any:
         """The host's control frames for the input `frames` (uint8 [N, H, W, 3]) as uint8 frames, or None
         when they do not fit: wrong dtype, size or count is refused with one logged line and counted."""
-        from engine.stream.frames import FrameError, validate_frames
+        from loom_live.engine.stream.frames import FrameError, validate_frames
 
         try:
             good, dropped = validate_frames(given)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.wan_vace import MASK_CHANNELS
+from loom_live.engine.models.wan_vace import MASK_CHANNELS
 
 
 class ControlEncoder:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.graphs.dit_steps import GraphedStreamForward
-from engine.stream.schedule import FlowSchedule
+from loom_live.engine.graphs.dit_steps import GraphedStreamForward
+from loom_live.engine.stream.schedule import FlowSchedule
 
 
 @dataclass

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from host_bridge.wire.params import MOTION_AWARE, NOISE_SCALE
+from loom_live.host_bridge.wire.params import MOTION_AWARE, NOISE_SCALE
 
 MOTION_NORM = 0.2  # RMS frame difference (in [-1, 1] units) that counts as full motion
 MOTION_SLOPE = 0.1  # how much full motion lowers the noise scale

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from host_bridge.wire.params import TRANSITION_CHUNKS
+from loom_live.host_bridge.wire.params import TRANSITION_CHUNKS
 
 TEXT_LEN = 512  # tokens per prompt, as the Wan DiT was trained
 CACHE_PROMPTS = 32  # embeddings kept in the per-prompt cache
@@ -144,7 +144,7 @@ def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str, t
     if kind == "hash":
         return HashTextEncoder(text_dim, text_len)
     if kind == "style":  # the embedded model's prompt -> style table (engine/stream/style_text.py)
-        from engine.stream.style_text import StyleTextEncoder
+        from loom_live.engine.stream.style_text import StyleTextEncoder
 
         return StyleTextEncoder(text_dim, text_len, path)
     if path is None:

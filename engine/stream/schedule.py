@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from host_bridge.wire.params import TRAIN_TIMESTEPS
+from loom_live.host_bridge.wire.params import TRAIN_TIMESTEPS
 
 
 @dataclass(frozen=True)

@@ -28,21 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cache.vae_cache import FRAMES_PER_LATENT
-from engine.config import LoomConfig
-from engine.graphs.vae_steps import VAEGraphs
-from engine.models.loading import LoadedModels, load_models
-from engine.stream.control import VaceControl
-from engine.stream.denoiser import StreamDenoiser
-from engine.stream.frames import FrameMapper, validate_frames
-from engine.stream.metrics import StreamMetrics
-from engine.stream.motion_noise import MotionNoiseController
-from engine.stream.output_queue import OutputQueue
-from engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
-from engine.stream.schedule import FlowSchedule
-from engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
-from engine.stream.stage_timer import StageTimer
-from host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
+from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.loading import LoadedModels, load_models
+from loom_live.engine.stream.control import VaceControl
+from loom_live.engine.stream.denoiser import StreamDenoiser
+from loom_live.engine.stream.frames import FrameMapper, validate_frames
+from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.output_queue import OutputQueue
+from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
+from loom_live.engine.stream.schedule import FlowSchedule
+from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
+from loom_live.engine.stream.stage_timer import StageTimer
+from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
 # The schema's sections this family takes (another family's parameters are refused by name); a VACE
 # model takes the `control` section too.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.cache.vae_cache import FRAMES_PER_LATENT
+from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 
 FORGET = 0.9  # weight of history in the per-stage fits
 HYSTERESIS = 0.15  # a new plan must be this much better...

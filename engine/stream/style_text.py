@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TABLE_PACKAGE = "engine.models"
+TABLE_PACKAGE = "loom_live.engine.models"
 TABLE_NAME = "weights/style_text.npz"
 TOKEN = re.compile(r"[a-z][a-z\-]*")
 

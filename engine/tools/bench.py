@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import LoomConfig
-from engine.session_api import open_session
-from engine.tools.progress import FrameProgress
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.session_api import open_session
+from loom_live.engine.tools.progress import FrameProgress
 
 FRAMES_PER_CHUNK = 4
 
@@ -32,7 +32,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     scale alternates between its configured value and half of it at that period (live changes)."""
     t_load = time.perf_counter()
     if cfg.parallel.gpus > 1:
-        from engine.parallel.session import PipelineSession
+        from loom_live.engine.parallel.session import PipelineSession
 
         session = PipelineSession(cfg)
         _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
@@ -112,8 +112,8 @@ def run_baseline(cfg: LoomConfig, frames: np.ndarray, chunks: int, window: int) 
     except ImportError as exc:
         raise RuntimeError("the baseline needs diffusers: pip install 'loom-live[bench]'") from exc
     diffusers_logging.set_verbosity_error()  # its notices about unused config keys are not the bench's output
-    from engine.models.loading import resolve_device, resolve_dtype
-    from engine.models.wan_dit import DIT_PRESETS
+    from loom_live.engine.models.loading import resolve_device, resolve_dtype
+    from loom_live.engine.models.wan_dit import DIT_PRESETS
 
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import LoomConfig
-from engine.tools.bench import _progress, run_loom
+from loom_live.engine.config import LoomConfig
+from loom_live.engine.tools.bench import _progress, run_loom
 
 ENCODER_BATCHES = (1, 8, 16)
 ENCODER_ITERS = 10
@@ -36,9 +36,9 @@ def run_edit(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
 
 def encoder_amortisation(cfg: LoomConfig, sizes: tuple[int, ...] = ENCODER_BATCHES) -> dict[int, dict[str, float]]:
     """Median time of one encoder call on B frames, and per frame, for each B."""
-    from engine.edit.loading import load_edit_encoder
-    from engine.models.loading import resolve_device, resolve_dtype
-    from engine.stream.stage_timer import median_cuda_ms
+    from loom_live.engine.edit.loading import load_edit_encoder
+    from loom_live.engine.models.loading import resolve_device, resolve_dtype
+    from loom_live.engine.stream.stage_timer import median_cuda_ms
 
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)

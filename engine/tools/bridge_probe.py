@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine/tools/ -> the checkout
 ANSWER_TIMEOUT_S = 10.0  # a pass-through engine answers in milliseconds; this only catches a dead one

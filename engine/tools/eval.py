@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import cv2
 import numpy as np
 
-from engine.tools.progress import FrameProgress
-from engine.tools.quality import DEFAULT_WINDOW, PLOT_METRICS, QualityMeter, QualityReport, plot_reports
+from loom_live.engine.tools.progress import FrameProgress
+from loom_live.engine.tools.quality import DEFAULT_WINDOW, PLOT_METRICS, QualityMeter, QualityReport, plot_reports
 
 DEFAULT_CHUNK = 4
 EVAL_REPORT_VERSION = 2

@@ -1,7 +1,7 @@
-"""`python -m engine.train ...` (also `loom train ...`): see engine/train/cli.py."""
+"""`python -m loom_live.engine.train ...` (also `loom train ...`): see engine/train/cli.py."""
 
 import sys
 
-from engine.train.cli import main
+from loom_live.engine.train.cli import main
 
 sys.exit(main())

@@ -1,10 +1,10 @@
 """Command line of the embedded model's recipe.
 
-    python -m engine.train prepare [--out build/loom_styles_256.npz] [--held-out]  # CPU: styled pairs, one file
-    python -m engine.train table [--out engine/models/weights/style_text.npz]  # CPU: text table
-    python -m engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
-    python -m engine.train eval [--weights ...] [--out docs/embedded-eval.json]   # CPU: model card metrics
-    python -m engine.train picture [--out docs/embedded-styles.png]
+    python -m loom_live.engine.train prepare [--out build/loom_styles_256.npz] [--held-out]  # CPU: styled pairs
+    python -m loom_live.engine.train table [--out engine/models/weights/style_text.npz]  # CPU: text table
+    python -m loom_live.engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
+    python -m loom_live.engine.train eval [--weights ...] [--out docs/embedded-eval.json]   # CPU: model card metrics
+    python -m loom_live.engine.train picture [--out docs/embedded-styles.png]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.train.recipe import RecipeConfig
+    from loom_live.engine.train.recipe import RecipeConfig
 
     p = argparse.ArgumentParser(prog="loom train", description="train Loom's embedded default model")
     sub = p.add_subparsers(dest="command", required=True)
@@ -42,25 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "prepare":
-        from engine.train.data import prepare
+        from loom_live.engine.train.data import prepare
 
         print(prepare(args.out, size=args.size, held_out=args.held_out))
     elif args.command == "table":
-        from engine.train.text_table import build
+        from loom_live.engine.train.text_table import build
 
         print(build(args.out))
     elif args.command == "fit":
-        from engine.train.recipe import RecipeConfig, run
+        from loom_live.engine.train.recipe import RecipeConfig, run
 
         names = {f.name for f in dataclasses.fields(RecipeConfig)}
         cfg = RecipeConfig(**{k: v for k, v in vars(args).items() if k in names})
         print(run(cfg))
     elif args.command == "eval":
-        from engine.train.evaluate import main as evaluate
+        from loom_live.engine.train.evaluate import main as evaluate
 
         evaluate(args.weights, args.out, args.frames)
     elif args.command == "picture":
-        from engine.train.evaluate import picture
+        from loom_live.engine.train.evaluate import picture
 
         print(picture(args.out))
     return 0

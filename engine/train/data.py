@@ -23,7 +23,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from engine.train.styles import STYLE_NAMES, apply_style
+from loom_live.engine.train.styles import STYLE_NAMES, apply_style
 
 HELD_OUT = ("davis512_parkour.mp4", "davis512_libby.mp4")
 TRAIN_CLIPS = ("davis512_blackswan.mp4", "davis512_kite-surf.mp4", "davis512_scenecut_kite_dance.mp4",

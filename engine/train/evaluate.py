@@ -19,8 +19,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from engine.train.data import HELD_OUT, MEDIA, read_clip
-from engine.train.styles import STYLES, apply_style
+from loom_live.engine.train.data import HELD_OUT, MEDIA, read_clip
+from loom_live.engine.train.styles import STYLES, apply_style
 
 SIZE = 256
 GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
@@ -76,7 +76,7 @@ def colour_error(out: np.ndarray, target: np.ndarray) -> tuple[float, float]:
 
 
 def warp_error(inputs: np.ndarray, outputs: np.ndarray) -> float:
-    from engine.tools.quality import evaluate_frames
+    from loom_live.engine.tools.quality import evaluate_frames
 
     return float(evaluate_frames(inputs, outputs).totals["warp_error"])
 
@@ -84,8 +84,8 @@ def warp_error(inputs: np.ndarray, outputs: np.ndarray) -> float:
 def stylise(frames: np.ndarray, prompt: str, overrides: list[str] = (), weights: str | None = None,
             chunk: int = 4) -> np.ndarray:
     """Stream frames through the default preset with one prompt; returns one output per frame."""
-    from engine.config import load_config
-    from engine.stream.session import StreamSession
+    from loom_live.engine.config import load_config
+    from loom_live.engine.stream.session import StreamSession
 
     sets = [f"prompt.text={prompt}", *overrides]
     if weights:

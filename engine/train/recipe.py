@@ -33,14 +33,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
-from engine.models.frame_vae import FrameVAE
-from engine.models.wan_dit import WanDiT
-from engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
-from engine.stream.prompts import blend
-from engine.stream.schedule import FlowSchedule
-from engine.train.data import SOURCE, Clip, load_pairs
-from engine.train.styles import STYLE_NAMES
+from loom_live.engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
+from loom_live.engine.models.frame_vae import FrameVAE
+from loom_live.engine.models.wan_dit import WanDiT
+from loom_live.engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
+from loom_live.engine.stream.prompts import blend
+from loom_live.engine.stream.schedule import FlowSchedule
+from loom_live.engine.train.data import SOURCE, Clip, load_pairs
+from loom_live.engine.train.styles import STYLE_NAMES
 
 STEP_LISTS = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}  # the hosts' lists
 STEP_WEIGHTS = (0.25, 0.4, 0.2, 0.15)  # 2 steps is the default preset
@@ -379,7 +379,7 @@ def normalised(vae: FrameVAE, mean: list[float], std: list[float]) -> FrameVAE:
 
 def load_parts(path: str, device: torch.device) -> tuple[WanDiT, FrameVAE]:
     """The DiT and the normalised VAE of an earlier run's weights file."""
-    from engine.models.embedded import load_embedded
+    from loom_live.engine.models.embedded import load_embedded
 
     dit, vae, _ = load_embedded(device, torch.float32, path)
     return dit, vae
@@ -422,7 +422,7 @@ def run(cfg: RecipeConfig) -> Path:
     if not cfg.vae_from:
         save(dit, {"phase": "vae"})  # a later run can start from this VAE (vae_from)
         if Path(cfg.eval_data).is_file():
-            from engine.train.evaluate import gate_summary, reconstruction
+            from loom_live.engine.train.evaluate import gate_summary, reconstruction
 
             rows = reconstruction(vae, load_pairs(cfg.eval_data)[1], device)
             log({"phase": "vae_gate", **gate_summary(rows), "rows": rows})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.train.styles import STYLES
+from loom_live.engine.train.styles import STYLES
 
 TABLE_DIM = 128
 WORD = re.compile(r"^[a-z][a-z\-]{1,24}$")

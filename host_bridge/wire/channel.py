@@ -42,9 +42,9 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from host_bridge.wire.handshake_watch import HandshakeRefusal, HandshakeWatch
-from host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
-from host_bridge.wire.wakeup import Wakeup
+from loom_live.host_bridge.wire.handshake_watch import HandshakeRefusal, HandshakeWatch
+from loom_live.host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from loom_live.host_bridge.wire.wakeup import Wakeup
 
 SOCKET_HWM = 1000  # messages queued in ZMQ per direction before sends fail (never block)
 OUTBOX_LIMIT = 4096  # messages waiting for the loop thread; beyond that new ones are dropped and counted
@@ -212,7 +212,7 @@ def remove_private_endpoint(endpoint: str) -> None:
 
 def _sweep_private_dirs() -> None:
     """Remove private endpoint directories whose owner pid is gone (both sides killed at once)."""
-    from host_bridge.wire.processes import pid_alive
+    from loom_live.host_bridge.wire.processes import pid_alive
 
     root = tempfile.gettempdir()
     for name in os.listdir(root):

@@ -56,15 +56,15 @@ import threading
 import time
 from typing import Any
 
-from host_bridge.wire.protocol import MAX_SLOTS, NOTICE_DIRS, PROTOCOL_VERSION
-from host_bridge.wire.rings.shm import (
+from loom_live.host_bridge.wire.protocol import MAX_SLOTS, NOTICE_DIRS, PROTOCOL_VERSION
+from loom_live.host_bridge.wire.rings.shm import (
     is_segment_name,
     new_segment_name,
     open_segment,
     sweep_stale_segments,
     unlink_segment,
 )
-from host_bridge.wire.shared_wait import SharedWait, shared_wait
+from loom_live.host_bridge.wire.shared_wait import SharedWait, shared_wait
 
 TRANSPORTS = ("shm", "cuda-ipc")  # both processes on one machine: these links use a doorbell
 MAGIC = 0x4C4F4F4D44424C31  # "LOOMDBL1"

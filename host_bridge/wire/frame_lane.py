@@ -43,9 +43,9 @@ from typing import Any
 
 import zmq
 
-from host_bridge.wire.channel import Auth, EndpointError, apply_curve_keys, check_endpoint
-from host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, NOTICE_DIRS, ProtocolError, decode, encode, make
-from host_bridge.wire.wakeup import Wakeup
+from loom_live.host_bridge.wire.channel import Auth, EndpointError, apply_curve_keys, check_endpoint
+from loom_live.host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, NOTICE_DIRS, ProtocolError, decode, encode, make
+from loom_live.host_bridge.wire.wakeup import Wakeup
 
 LANE_HWM = 1000  # far above what slots allow in flight; a send beyond it waits in the outbox
 OUTBOX_LIMIT = 256  # notices and releases are bounded by the ring slots; this only stops a runaway

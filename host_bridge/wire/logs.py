@@ -1,4 +1,4 @@
-"""Logging setup shared by both entry points: the `loom` command (hosts) and `python -m engine serve`.
+"""Logging setup shared by both entry points: the `loom` command (hosts) and `python -m loom_live.engine serve`.
 
 Torch-free, so a host's interpreter (TouchDesigner's, say) can use it. Records of Loom's own
 packages go to stderr, one line each: a launched engine's stderr is what the launcher keeps as
@@ -15,7 +15,7 @@ import sys
 
 LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LEVEL = "info"
-PACKAGES = ("engine", "host_bridge", "plugin")
+PACKAGES = ("loom_live",)
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 _configured: str | None = None

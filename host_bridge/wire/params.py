@@ -107,7 +107,7 @@ class LiveParam:
 
     def field(self) -> Any:
         """A typed-config dataclass field with this parameter's default and constraints (engine config)."""
-        from host_bridge.wire.typed_config import spec
+        from loom_live.host_bridge.wire.typed_config import spec
 
         meta = {k: v for k, v in (("min", self.min), ("max", self.max), ("min_len", self.min_len),
                                   ("max_len", self.max_len)) if v is not None}

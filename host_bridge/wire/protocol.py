@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
+from loom_live.host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
 
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
 # answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);

@@ -1,7 +1,7 @@
-"""`python -m plugin.cli ...` is the `loom` command."""
+"""`python -m loom_live.plugin.cli ...` is the `loom` command."""
 
 import sys
 
-from plugin.cli.main import main
+from loom_live.plugin.cli.main import main
 
 sys.exit(main())

@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 
-from engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
-from host_bridge.wire.errors import UserError
-from plugin.cli.common import add_config_options
-from plugin.media.video_io import generate_clip, open_source
+from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.cli.common import add_config_options
+from loom_live.plugin.media.video_io import generate_clip, open_source
 
 CUDA_FRAMES = 3000
 CUDA_WARMUP = 41
@@ -93,7 +93,7 @@ def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.tools.bench import run_baseline, run_loom, summary_table, write_json
+    from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, write_json
 
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
     # off the per-frame path (a prompt is encoded once, not per chunk).
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_cap_gib > 0:
         torch.cuda.set_per_process_memory_fraction(1.0)  # the baseline is not what is being capped
     if args.bridge != "none":
-        from engine.tools.bridge_probe import probe
+        from loom_live.engine.tools.bridge_probe import probe
 
         transport = args.bridge if args.bridge != "auto" else ("cuda-ipc" if torch.cuda.is_available() else "shm")
         print(f"loom bench: bridge round trip over {transport} (pass-through engine process)", file=sys.stderr,
@@ -158,8 +158,8 @@ def _run_edit(args: argparse.Namespace, cfg: LoomConfig, frames: np.ndarray) -> 
     """The edit family: a streaming run per batch size and the encoder's amortisation (no Wan baseline)."""
     import torch
 
-    from engine.tools.bench import write_json
-    from engine.tools.bench_edit import edit_summary_table, run_edit
+    from loom_live.engine.tools.bench import write_json
+    from loom_live.engine.tools.bench_edit import edit_summary_table, run_edit
 
     try:
         batches = tuple(int(b) for b in args.batches.split(","))

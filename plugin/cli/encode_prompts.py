@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine.stream.prompts import (
+from loom_live.engine.stream.prompts import (
     FILE_KEY_PREFIX,
     HashTextEncoder,
     TextEncoder,
@@ -48,7 +48,7 @@ def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from host_bridge.wire.errors import UserError
+    from loom_live.host_bridge.wire.errors import UserError
 
     prompts = list(args.prompts)
     if args.from_file:

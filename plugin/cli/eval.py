@@ -21,7 +21,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from engine.tools.eval import (
+from loom_live.engine.tools.eval import (
     DEFAULT_CHUNK,
     Clip,
     EvalError,
@@ -33,10 +33,10 @@ from engine.tools.eval import (
     format_table,
     ping_pong,
 )
-from engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
-from host_bridge.wire.errors import UserError
-from plugin.cli.common import add_config_options
-from plugin.media.video_io import MediaError, generate_clip, open_source
+from loom_live.engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.cli.common import add_config_options
+from loom_live.plugin.media.video_io import MediaError, generate_clip, open_source
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi", ".webm", ".m4v", ".ts")
 DEFAULT_OUT = "loom_eval"
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 def _runs_from_args(args: argparse.Namespace) -> list[EvalRun]:
     if not (args.restyle or args.compare):
         return [EvalRun(AS_IS, IdentityProcessor, {"restyled": False})]
-    from plugin.cli.preflight import check_weights
+    from loom_live.plugin.cli.preflight import check_weights
 
     runs = []
     for config in (args.config, args.compare):
@@ -150,8 +150,8 @@ def _runs_from_args(args: argparse.Namespace) -> list[EvalRun]:
 def _engine_run(config_path: str, overrides: list[str], check: Callable[[Any], None]) -> EvalRun:
     """A run of the real engine; the config (a YAML file or a preset name) and its weights are checked
     now, the model loaded once per clip."""
-    from engine.config import load_config
-    from engine.session_api import open_session
+    from loom_live.engine.config import load_config
+    from loom_live.engine.session_api import open_session
 
     config = load_config(config_path, overrides)
     check(config)
@@ -180,7 +180,7 @@ def _parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m plugin.cli.eval``: the same command without the ``loom`` front end."""
+    """``python -m loom_live.plugin.cli.eval``: the same command without the ``loom`` front end."""
     parser = argparse.ArgumentParser(prog="loom")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])

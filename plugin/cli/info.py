@@ -9,8 +9,8 @@ import platform
 import sys
 from typing import Any
 
-from engine.config import list_presets
-from plugin.cli.common import version
+from loom_live.engine.config import list_presets
+from loom_live.plugin.cli.common import version
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

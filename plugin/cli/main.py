@@ -1,6 +1,6 @@
 """The `loom` command: one entry point, one module per subcommand under plugin.cli.
 
-The engine's own entry point (`python -m engine serve`, what the launcher runs) is
+The engine's own entry point (`python -m loom_live.engine serve`, what the launcher runs) is
 `engine.server.main`; `loom serve` registers that same parser here, so `engine` never imports `plugin`.
 
 Each subcommand module exposes `add_parser(subparsers)`, which registers its parser and sets
@@ -14,10 +14,10 @@ import argparse
 import importlib
 import sys
 
-from host_bridge.wire import logs
-from host_bridge.wire.errors import UserError
-from host_bridge.wire.typed_config import ConfigError
-from plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
+from loom_live.host_bridge.wire import logs
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.typed_config import ConfigError
+from loom_live.plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
 
 SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "encode-prompts", "bench", "eval", "train")
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        module = "engine.server.main" if name == "serve" else f"plugin.cli.{name.replace('-', '_')}"
+        module = "loom_live.engine.server.main" if name == "serve" else f"loom_live.plugin.cli.{name.replace('-', '_')}"
         importlib.import_module(module).add_parser(sub)
     return parser
 

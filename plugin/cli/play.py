@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import control_override, load_config, lora_override
-from host_bridge.wire.errors import UserError
-from plugin.cli.common import add_config_options, add_overwrite_option
-from plugin.cli.preflight import check_engine_run
+from loom_live.engine.config import control_override, load_config, lora_override
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
+from loom_live.plugin.cli.preflight import check_engine_run
 
 EPILOG = """\
 inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
@@ -143,8 +143,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
                         "blocks: use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
-    from plugin.player import PlayerOptions, read_prompt_file, run_player
-    from plugin.player.options import PlayerError
+    from loom_live.plugin.player import PlayerOptions, read_prompt_file, run_player
+    from loom_live.plugin.player.options import PlayerError
 
     prompts = list(args.prompts)
     if args.prompt_file:
@@ -169,8 +169,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
 
 def _list_ndi() -> int:
     """Print the NDI sources seen within a few seconds, one a line; exit code 2 when NDI is missing."""
-    from plugin.media.ndi import list_sources
-    from plugin.media.video_io import MediaError
+    from loom_live.plugin.media.ndi import list_sources
+    from loom_live.plugin.media.video_io import MediaError
 
     try:
         names = list_sources()

@@ -7,21 +7,21 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from host_bridge.reach import CONNECT_TIMEOUT_S, check_reachable
-from host_bridge.wire.errors import UserError
+from loom_live.host_bridge.reach import CONNECT_TIMEOUT_S, check_reachable
+from loom_live.host_bridge.wire.errors import UserError
 
 
 def check_weights(cfg: Any) -> None:
     """Every weight the config needs is given or pulled (`loom pull`) and is the weights its key names, or
     the run is refused now."""
-    from engine.models.weights import missing_weights, pull_name
+    from loom_live.engine.models.weights import missing_weights, pull_name
 
     missing = missing_weights(cfg)
     if missing:
         raise UserError(f"preset {pull_name(cfg)!r} needs weights that are not here: {'; '.join(missing)}. "
                         f"Run `loom pull {pull_name(cfg)}`, or give the paths with --set KEY=PATH "
                         "(or use -c default, the embedded model)")
-    from engine.models.loading import check_weight_files
+    from loom_live.engine.models.loading import check_weight_files
 
     try:
         check_weight_files(cfg)  # each file is what its key needs: format, keys, shapes

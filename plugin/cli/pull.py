@@ -17,9 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import load_config
-from engine.models.weights import PULLABLE_PRESETS, WeightSource, cached_path, hub_cache_dir, weight_sources
-from host_bridge.wire.errors import UserError
+from loom_live.engine.config import load_config
+from loom_live.engine.models.weights import PULLABLE_PRESETS, WeightSource, cached_path, hub_cache_dir, weight_sources
+from loom_live.host_bridge.wire.errors import UserError
 
 log = logging.getLogger(__name__)
 HASH_CHUNK = 1 << 22

@@ -1,4 +1,4 @@
-"""`loom train ...`: the embedded model's recipe (engine/train/cli.py; also `python -m engine.train`)."""
+"""`loom train ...`: the embedded model's recipe (engine/train/cli.py; also `python -m loom_live.engine.train`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.train.cli import main
+    from loom_live.engine.train.cli import main
 
     return main(args.rest or ["--help"])

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from plugin.cli.common import add_config_options, add_overwrite_option
-from plugin.cli.play import _size, add_run_options, add_web_options, run_options
+from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
+from loom_live.plugin.cli.play import _size, add_run_options, add_web_options, run_options
 
 EPILOG = """\
 examples:
@@ -39,6 +39,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plugin.player.options import WEB_CAMERA_INPUT
+    from loom_live.plugin.player.options import WEB_CAMERA_INPUT
 
     return run_options(args, input=WEB_CAMERA_INPUT, outputs=list(args.outputs), mode="live", web=args.listen)

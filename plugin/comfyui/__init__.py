@@ -21,8 +21,8 @@ DISTRIBUTIONS = {"zmq": "pyzmq", "numpy": "numpy", "yaml": "pyyaml", "cv2": "ope
 def _find_loom() -> None:
     """Import Loom's host side, from the installed package or a checkout this folder is linked from."""
     try:
-        import host_bridge  # noqa: F401
-        import host_bridge.wire.params  # noqa: F401
+        import loom_live.host_bridge  # noqa: F401
+        import loom_live.host_bridge.wire.params  # noqa: F401
         return
     except ImportError:
         pass
@@ -32,8 +32,8 @@ def _find_loom() -> None:
     if checkout and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
-        import host_bridge  # noqa: F401
-        import host_bridge.wire.params  # noqa: F401
+        import loom_live.host_bridge  # noqa: F401
+        import loom_live.host_bridge.wire.params  # noqa: F401
     except ImportError as exc:
         raise ImportError(_missing(exc, root if checkout else None)) from None
 
@@ -41,7 +41,7 @@ def _find_loom() -> None:
 def _missing(exc: ImportError, checkout: Path | None) -> str:
     """What to install: Loom, or (found through the link) the dependency ComfyUI's Python lacks."""
     name = (getattr(exc, "name", None) or "").partition(".")[0]
-    if checkout is None or name in ("", "host_bridge"):
+    if checkout is None or name in ("", "loom_live"):
         return f"{INSTALL_HINT} ({exc})"
     dist = DISTRIBUTIONS.get(name, name)
     return (f"the Loom nodes found Loom's checkout at {checkout}, but ComfyUI's Python lacks {dist!r} ({exc}), "

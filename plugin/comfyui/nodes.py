@@ -85,7 +85,7 @@ class EngineRegistry:
             if node:
                 handle.users.add(node)
             if loras:
-                from host_bridge.loras import scales
+                from loom_live.host_bridge.loras import scales
 
                 handle.bridge.set_params(lora_scales=scales(loras))
                 handle.loras = loras
@@ -139,17 +139,17 @@ def engine_key(settings: dict[str, Any], loras: tuple[Any, ...]) -> str:
 
 def _choices(loras: Any) -> tuple[Any, ...]:
     """A `LOOM_LORAS` list as the LoRA choices an engine is started with."""
-    from host_bridge.loras import LoraChoice
+    from loom_live.host_bridge.loras import LoraChoice
 
     return tuple(LoraChoice(path, strength) for path, strength in loras or ())
 
 
 def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
     try:
-        from host_bridge import Bridge, BridgeConfig
-        from host_bridge.loras import engine_args
+        from loom_live.host_bridge import Bridge, BridgeConfig
+        from loom_live.host_bridge.loras import engine_args
     except ImportError as exc:
-        raise RuntimeError(f"Loom: cannot import host_bridge ({exc}); link this folder from a Loom checkout "
+        raise RuntimeError(f"Loom: cannot import loom_live.host_bridge ({exc}); link this folder from a Loom checkout "
                            "into custom_nodes, or pip install the Loom repository into ComfyUI's Python") from exc
     endpoint = settings["endpoint"].strip() or None
     overrides = [line.strip() for line in settings["overrides"].splitlines() if line.strip()]
@@ -158,8 +158,8 @@ def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
                          "has the LoRAs it was served with (loom serve --lora). Disconnect the loras input")
     secret_file = settings["secret_file"].strip() or None
     if endpoint is not None:
-        from host_bridge.reach import check_reachable
-        from host_bridge.wire.errors import UserError
+        from loom_live.host_bridge.reach import check_reachable
+        from loom_live.host_bridge.wire.errors import UserError
 
         try:  # a peer that will never let this node in is said now, not after a silent wait
             check_reachable(endpoint, secret_file, names=("endpoint", "secret_file"))
@@ -274,7 +274,7 @@ class LoomLora:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        from host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
+        from loom_live.host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
 
         files = [NO_LORA_FILE, *_lora_folder_files()]
         return {
@@ -292,7 +292,7 @@ class LoomLora:
 
     def add(self, lora_name: str, strength: float, path: str = "",
             loras: tuple[tuple[str, float], ...] | None = None) -> tuple[tuple[tuple[str, float], ...]]:
-        from host_bridge.loras import LoraChoice, check_together, lora_choice
+        from loom_live.host_bridge.loras import LoraChoice, check_together, lora_choice
 
         file = path.strip() or _lora_folder_path(lora_name)
         try:
@@ -339,7 +339,7 @@ class LoomPrompt:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        from host_bridge.wire.params import LIVE, PROMPT, STEP_LISTS
+        from loom_live.host_bridge.wire.params import LIVE, PROMPT, STEP_LISTS
 
         return {
             "required": {
@@ -355,7 +355,7 @@ class LoomPrompt:
 
     def apply(self, engine: EngineHandle, prompt: str, steps: int, noise_scale: float, motion_aware: bool,
               transition_chunks: int) -> tuple[EngineHandle]:
-        from host_bridge.wire.params import LIVE, check_prompt_request, steps_for
+        from loom_live.host_bridge.wire.params import LIVE, check_prompt_request, steps_for
 
         try:  # all checked before any is sent: a refused node changes nothing
             text, chunks = check_prompt_request(prompt, transition_chunks)
@@ -451,7 +451,7 @@ _INPUT_KINDS = {"int": "INT", "float": "FLOAT", "bool": "BOOLEAN"}
 def _live_input(name: str) -> tuple[str, dict[str, Any]]:
     """A ComfyUI input for one live parameter: type, default, range and step from the schema (a widget
     stops at the schema's `ui_max` where the allowed maximum is far beyond useful values)."""
-    from host_bridge.wire.params import LIVE
+    from loom_live.host_bridge.wire.params import LIVE
 
     p = LIVE[name]
     options: dict[str, Any] = {"default": p.default, "tooltip": p.doc}
@@ -487,7 +487,7 @@ def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], 
     """Wait for the engine (loading a model takes a while), answering Cancel meanwhile; a failure names
     `node`. An engine that failed naming one of its LoRA files (one for another model size) is stopped,
     and the run says which."""
-    from host_bridge import EngineState
+    from loom_live.host_bridge import EngineState
 
     bridge = engine.bridge
     deadline = time.monotonic() + limit_s
@@ -507,7 +507,7 @@ def _wait_running(engine: EngineHandle, limit_s: float, cancelled: Callable[[], 
 def _raise_if_lora_refused(engine: EngineHandle, node: str) -> None:
     if not engine.loras:
         return
-    from host_bridge.loras import refused_lora
+    from loom_live.host_bridge.loras import refused_lora
 
     stats = engine.bridge.stats()
     found = refused_lora(f"{stats.get('last_error') or ''}\n{stats.get('message') or ''}", engine.loras)

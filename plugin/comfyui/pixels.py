@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host_bridge.wire.pixels import from_uint8, to_uint8
+from loom_live.host_bridge.wire.pixels import from_uint8, to_uint8
 
 
 def from_comfy(images: np.ndarray) -> np.ndarray:

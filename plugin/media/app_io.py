@@ -8,7 +8,7 @@ disk, so there is nothing to finalise or roll back.
 
 from __future__ import annotations
 
-from plugin.media.base import AppSink, MediaError
+from loom_live.plugin.media.base import AppSink, MediaError
 
 VIRTUALCAM = "virtualcam"
 # Output URL schemes of this module; `virtualcam` alone (the system's default virtual camera) too.
@@ -32,14 +32,14 @@ def open_app_sink(spec: str, fps: float, size: tuple[int, int]) -> AppSink:
     """Open the application output ``spec`` (see ``is_app_output``) for frames of ``size`` at ``fps``."""
     scheme = VIRTUALCAM if spec == VIRTUALCAM else spec.split("://", 1)[0].lower()
     if scheme == "ndi":
-        from plugin.media.ndi import NdiSink
+        from loom_live.plugin.media.ndi import NdiSink
 
         return NdiSink(target_name(spec), fps, size)
     if scheme in ("spout", "syphon"):
-        from plugin.media.gpu_share import SpoutSink, SyphonSink
+        from loom_live.plugin.media.gpu_share import SpoutSink, SyphonSink
 
         return (SpoutSink if scheme == "spout" else SyphonSink)(target_name(spec), fps, size)
-    from plugin.media.virtualcam import VirtualCamSink
+    from loom_live.plugin.media.virtualcam import VirtualCamSink
 
     device = spec.split("://", 1)[1] if "://" in spec else None
     return VirtualCamSink(fps, size, device or None)

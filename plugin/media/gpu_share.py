@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plugin.media.base import AppSink, call, opaque_rgba, require
+from loom_live.plugin.media.base import AppSink, call, opaque_rgba, require
 
 # OpenGL's GL_RGBA enum, the pixel format SpoutGL's sendImage is given (no PyOpenGL needed for one constant).
 GL_RGBA = 0x1908

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from plugin.media.base import AppSink, FrameSource, MediaError, opaque_rgba, require
+from loom_live.plugin.media.base import AppSink, FrameSource, MediaError, opaque_rgba, require
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from plugin.media.base import FrameSource, MediaError
+from loom_live.plugin.media.base import FrameSource, MediaError
 
 NETWORK_SOURCE_SCHEMES = ("rtsp", "rtsps", "srt", "udp", "rtmp", "rtmps", "http", "https", "tcp")
 NETWORK_SINK_FORMATS = {"udp": "mpegts", "srt": "mpegts", "rtmp": "flv", "rtmps": "flv"}
@@ -272,7 +272,7 @@ def open_source(spec: str | int | Path, *, open_timeout: float = DEFAULT_OPEN_TI
         if scheme == "file":
             return _open_file(Path(spec.split("://", 1)[1]))
         if scheme == "ndi":
-            from plugin.media.ndi import NdiSource
+            from loom_live.plugin.media.ndi import NdiSource
 
             return NdiSource(spec.split("://", 1)[1], open_timeout, read_timeout)
         if scheme not in NETWORK_SOURCE_SCHEMES:
@@ -554,7 +554,7 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     the source has no audio. A file output is never the ``audio_from`` file, and with
     ``overwrite=False`` never an existing file (see ``check_output_file``).
     """
-    from plugin.media.app_io import is_app_output, open_app_sink
+    from loom_live.plugin.media.app_io import is_app_output, open_app_sink
 
     width, height = _check_size(size, f"output {spec}")
     if not (isinstance(fps, (int, float, Fraction)) and math.isfinite(fps) and fps > 0):

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from plugin.media.base import AppSink, MediaError, require
+from loom_live.plugin.media.base import AppSink, MediaError, require
 
 # What makes a virtual camera exist, per platform: pyvirtualcam only drives one that is installed.
 _BACKEND_HINTS = {

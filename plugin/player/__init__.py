@@ -4,7 +4,7 @@ A thin host on top of `host_bridge`: it reads frames with `plugin.media.video_io
 with an engine process through `host_bridge.Bridge`, and writes the results. No diffusion here.
 """
 
-from plugin.player.app import Player, run_player
-from plugin.player.options import PlayerError, PlayerOptions, read_prompt_file
+from loom_live.plugin.player.app import Player, run_player
+from loom_live.plugin.player.options import PlayerError, PlayerOptions, read_prompt_file
 
 __all__ = ["Player", "PlayerError", "PlayerOptions", "read_prompt_file", "run_player"]

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge import EngineState
-from host_bridge.wire.errors import UserError
-from plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
-from plugin.player.controls import Controls, ControlState, KeyboardInput
-from plugin.player.live_feed import LiveFeed
-from plugin.player.options import (
+from loom_live.host_bridge import EngineState
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
+from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
+from loom_live.plugin.player.live_feed import LiveFeed
+from loom_live.plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
     DEFAULT_GENERATED_SIZE,
     DEFAULT_OUTPUT,
@@ -45,8 +45,8 @@ from plugin.player.options import (
     PlayerOptions,
     output_kind,
 )
-from plugin.player.status import StatusPrinter, live_line
-from plugin.player.style_line import StyleReport
+from loom_live.plugin.player.status import StatusPrinter, live_line
+from loom_live.plugin.player.style_line import StyleReport
 
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
 MAX_FAILED_STARTS = 3
@@ -140,7 +140,7 @@ class Player:
         return self.web.camera
 
     def _open_outputs(self) -> None:
-        from plugin.player.window import PreviewWindow, WindowUnavailable
+        from loom_live.plugin.player.window import PreviewWindow, WindowUnavailable
 
         o = self.opts
         audio_from = None if (o.uses_generated_clip or self.source.is_live) else o.input
@@ -163,7 +163,7 @@ class Player:
                 raise PlayerError(f"output: {exc}") from None
 
     def _start_engine(self) -> None:
-        from host_bridge import Bridge, BridgeConfig
+        from loom_live.host_bridge import Bridge, BridgeConfig
 
         o = self.opts
         overrides = list(o.overrides)
@@ -182,7 +182,7 @@ class Player:
     def _start_osc(self) -> None:
         if self.opts.osc_port is None:
             return
-        from plugin.player.osc import OSCServer
+        from loom_live.plugin.player.osc import OSCServer
 
         try:
             self.osc = OSCServer(self.controls, self.opts.osc_host, self.opts.osc_port)
@@ -198,11 +198,11 @@ class Player:
         if o.web is None:
             return
         try:
-            from plugin.web.access import make_access
+            from loom_live.plugin.web.access import make_access
 
             access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
                                  proxy=o.web_proxy)
-            from plugin.web.host import WebHost
+            from loom_live.plugin.web.host import WebHost
 
             self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera)
             url = self.web.start()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from host_bridge.wire.params import (
+from loom_live.host_bridge.wire.params import (
     LIVE,
     LORA_SCALES,
     NOISE_SCALE,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from host_bridge.wire.params import LIVE, PROMPT, whole_chunks
-from plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
-from plugin.media.video_io import MediaError, check_output_file
+from loom_live.host_bridge.wire.params import LIVE, PROMPT, whole_chunks
+from loom_live.plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
+from loom_live.plugin.media.video_io import MediaError, check_output_file
 
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, STEP_LISTS
-from plugin.player.controls import (
+from loom_live.host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, STEP_LISTS
+from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     Controls,

@@ -1,6 +1,6 @@
 """Create the Loom component in a TouchDesigner network: run once from the Textport.
 
-    from plugin.touchdesigner.build_loom import build; build(op('/project1'))
+    from loom_live.plugin.touchdesigner.build_loom import build; build(op('/project1'))
 
 It makes a Base COMP `loom` with an In TOP, the Script TOP `loom_top` (callbacks in the DAT
 `loom_callbacks`, not the Script TOP's own docked `loom_top_callbacks`), a Switch TOP that shows
@@ -18,8 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
-from plugin.touchdesigner.parameters import setup_parameters
+from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
+from loom_live.plugin.touchdesigner.parameters import setup_parameters
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def build(parent_comp: Any, name: str = "loom", td_module: Any = None) -> Any:
     comp = parent_comp.create(td.baseCOMP, name)
 
     ext = comp.create(td.textDAT, EXT_DAT)
-    ext.text = "from plugin.touchdesigner.loom_ext import LoomExt  # noqa: F401\n"
+    ext.text = "from loom_live.plugin.touchdesigner.loom_ext import LoomExt  # noqa: F401\n"
     callbacks = comp.create(td.textDAT, CALLBACKS_DAT)
     callbacks.text = _source("script_top_callbacks.py")
 

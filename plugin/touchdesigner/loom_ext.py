@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.params import steps_for
-from plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PARAMETERS
+from loom_live.host_bridge.wire.params import steps_for
+from loom_live.plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PARAMETERS
 
 LOG_TAIL_LINES = 6
 SCRIPT_TOP = "loom_top"  # the component's Script TOP (build_loom.py names it)
@@ -90,9 +90,9 @@ class LoomExt:
         self.Stop()
         par = self.ownerComp.par
         try:
-            from host_bridge import Bridge, BridgeConfig
+            from loom_live.host_bridge import Bridge, BridgeConfig
         except ImportError as exc:
-            self._error(f"cannot import host_bridge ({exc}); add the Loom folder and a folder with pyzmq to "
+            self._error(f"cannot import loom_live.host_bridge ({exc}); add the Loom folder and a folder with pyzmq to "
                         "TouchDesigner's Python 64-bit Module Path (see plugin/touchdesigner/README.md)")
             return
         endpoint = str(par.Endpoint.eval() or "").strip() or None
@@ -102,8 +102,8 @@ class LoomExt:
             return
         secret_file = str(par.Secretfile.eval() or "").strip() or None
         if endpoint is not None:
-            from host_bridge.reach import check_reachable
-            from host_bridge.wire.errors import UserError
+            from loom_live.host_bridge.reach import check_reachable
+            from loom_live.host_bridge.wire.errors import UserError
 
             try:  # a peer that will never let this host in is said now, not after a silent wait
                 check_reachable(endpoint, secret_file, names=("Remote Endpoint", "Secret File"))
@@ -112,12 +112,12 @@ class LoomExt:
                 return
         transport, note = str(par.Transport.eval()), ""
         if transport == "cuda-ipc":
-            from host_bridge.wire.rings.cuda import cuda_available
+            from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
             ok, why = cuda_available()
             if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
                 transport, note = "shm", f"cuda-ipc unavailable ({why}); using shm"
-        from host_bridge import loras
+        from loom_live.host_bridge import loras
 
         self.loras = self._lora_choices(launch=endpoint is None)
         try:
@@ -135,7 +135,7 @@ class LoomExt:
         self.note = note
         self._downloading = False
         if transport != "cuda-ipc":  # on cuda-ipc a host frame is staged on the device: that stays in the cook
-            from plugin.touchdesigner.host_feeder import HostFeeder
+            from loom_live.plugin.touchdesigner.host_feeder import HostFeeder
 
             self.feeder = HostFeeder(self.bridge)
         self._hand_over(self.last_wanted)  # a page value refused below keeps the last good one
@@ -249,7 +249,7 @@ class LoomExt:
 
     def _lora_choices(self, launch: bool) -> dict[str, Any]:
         """The LoRA page's files to load, by slot; a slot that cannot be loaded gets a message and is left out."""
-        from host_bridge.loras import lora_choice
+        from loom_live.host_bridge.loras import lora_choice
 
         par, chosen = self.ownerComp.par, {}
         for slot, file in enumerate(LORA_FILE_PARS, 1):
@@ -294,7 +294,7 @@ class LoomExt:
     def _leave_out_refused_lora(self) -> None:
         """An engine that failed naming one of its LoRA files (for another model, unreadable) is started
         again without it: the stream goes on with the others, and the component says which was refused."""
-        from host_bridge.loras import refused_lora
+        from loom_live.host_bridge.loras import refused_lora
 
         stats = self.bridge.stats()
         found = refused_lora(f"{stats.get('last_error') or ''}\n{stats.get('message') or ''}", self.loras.values())
@@ -389,7 +389,7 @@ class LoomExt:
 
         Returns None, having taken nothing, for a texture format the bridge does not take on the device
         (16-bit float, 2 channels): that cook goes through host memory instead."""
-        from host_bridge.wire.pixels import DTYPE_NAMES
+        from loom_live.host_bridge.wire.pixels import DTYPE_NAMES
 
         if self.device_output is None:
             self.device_output = DeviceBuffer()
@@ -464,7 +464,7 @@ class DeviceBuffer:
     """
 
     def __init__(self) -> None:
-        from host_bridge.wire.rings.cuda import check, cudart
+        from loom_live.host_bridge.wire.rings.cuda import check, cudart
 
         if cudart is None:
             raise RuntimeError("the cuda-ipc transport needs cuda-python in TouchDesigner's Python")

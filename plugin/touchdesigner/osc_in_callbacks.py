@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugin.touchdesigner.parameters import lora_scale_par
+from loom_live.plugin.touchdesigner.parameters import lora_scale_par
 
 ADDRESS_TO_PAR = {
     "/loom/prompt": "Prompt",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from host_bridge.wire.params import LIVE, LORA_DEFAULT_SCALE, LORA_SCALES, PROMPT, STEP_LISTS, lora_name
+from loom_live.host_bridge.wire.params import LIVE, LORA_DEFAULT_SCALE, LORA_SCALES, PROMPT, STEP_LISTS, lora_name
 
 PAGE_CONTROL = "Loom"
 PAGE_ENGINE = "Engine"

@@ -16,7 +16,7 @@ def _ext(scriptOp: Any) -> Any:
 
 def onSetupParameters(scriptOp: Any) -> None:
     """'Setup Parameters' pulse: build the custom pages on the component."""
-    from plugin.touchdesigner.parameters import setup_parameters
+    from loom_live.plugin.touchdesigner.parameters import setup_parameters
 
     setup_parameters(scriptOp.parent())
 

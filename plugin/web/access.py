@@ -18,8 +18,8 @@ import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
-from host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.channel import EndpointError, is_loopback, read_secret_file
+from loom_live.host_bridge.wire.errors import UserError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080

@@ -13,8 +13,8 @@ from collections import deque
 
 import numpy as np
 
-from plugin.media.base import FrameSource
-from plugin.web import stamp
+from loom_live.plugin.media.base import FrameSource
+from loom_live.plugin.web import stamp
 
 NAME = "the browser's camera"
 RECENT = 64  # frames whose stamps are remembered: more than the player can hold between read and submit

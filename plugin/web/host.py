@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from plugin.player.controls import Controls
-from plugin.web import stamp
-from plugin.web.access import Access
-from plugin.web.camera import BrowserCamera
-from plugin.web.page_controls import command_for, control_state, schema
-from plugin.web.server import PageServer
-from plugin.web.tracks import FrameBoard
+from loom_live.plugin.player.controls import Controls
+from loom_live.plugin.web import stamp
+from loom_live.plugin.web.access import Access
+from loom_live.plugin.web.camera import BrowserCamera
+from loom_live.plugin.web.page_controls import command_for, control_state, schema
+from loom_live.plugin.web.server import PageServer
+from loom_live.plugin.web.tracks import FrameBoard
 
 PREVIEW_SIDE = 160  # the input preview's longer side in pixels
 PREVIEW_INTERVAL_S = 1 / 15

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, PROMPT, STEP_LISTS, TRANSITION_CHUNKS
-from plugin.player.controls import (
+from loom_live.host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, PROMPT, STEP_LISTS, TRANSITION_CHUNKS
+from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     ControlState,

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 from aiohttp import WSMsgType, web
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
-from plugin.player.controls import ControlError
-from plugin.web.access import COOKIE, Access
-from plugin.web.tracks import BoardTrack, FrameBoard, read_camera
+from loom_live.plugin.player.controls import ControlError
+from loom_live.plugin.web.access import COOKIE, Access
+from loom_live.plugin.web.tracks import BoardTrack, FrameBoard, read_camera
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).with_name("static")

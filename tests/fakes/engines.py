@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from engine.server.core import EngineServer
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.errors import SERVE_ERROR_PREFIX
+from loom_live.engine.server.core import EngineServer
+from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
 
 def wait_until(ready: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
@@ -123,7 +123,7 @@ def served_engine(folder: Path, *args: str, startup_s: float = 60.0) -> Iterator
         port = s.getsockname()[1]
     endpoint, secret = f"tcp://127.0.0.1:{port}", folder / "served.secret"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", endpoint, "--secret-file",
                              str(secret), *(args or ("--passthrough",))], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
     try:
@@ -176,7 +176,11 @@ sys.meta_path = [f for f in sys.meta_path
 sys.path = [p for p in sys.path[1:] if p in allowed or not os.path.isdir(os.path.join(p or ".", "host_bridge"))]
 assert sys.argv[1] == "-m", sys.argv
 module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
-if importlib.util.find_spec(module) is None:  # as `python -m` says it
+try:
+    found = importlib.util.find_spec(module)
+except ModuleNotFoundError as exc:  # its parent package is missing, as `python -m` says it
+    sys.exit(f"{str(path)}: Error while finding module specification for {{module!r}} (ModuleNotFoundError: {{exc}})")
+if found is None:
     sys.exit(f"{str(path)}: No module named {{module}}")
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """)

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from plugin.touchdesigner import script_top_callbacks
-from plugin.touchdesigner.loom_ext import LoomExt
+from loom_live.plugin.touchdesigner import script_top_callbacks
+from loom_live.plugin.touchdesigner.loom_ext import LoomExt
 
 TD_PAR_NAME = re.compile(r"^[A-Z][a-z0-9]*$")
 # A cook must never wait on the engine (its start or stop takes seconds); a cook that does not wait
@@ -243,13 +243,13 @@ class LoomComp:
     def parexec_change(self, par: Par, prev: Any) -> None:
         watched = self.parexec_pars == "*" or par.name in self.parexec_pars.split()
         if self.parexec_enabled and par.style not in ("Pulse", "Builtin") and watched:
-            from plugin.touchdesigner import parexec_callbacks
+            from loom_live.plugin.touchdesigner import parexec_callbacks
 
             self.parexec_fired.append(par.name)
             parexec_callbacks.onValueChange(par, prev)
 
     def parexec_pulse(self, par: Par) -> None:
-        from plugin.touchdesigner import parexec_callbacks
+        from loom_live.plugin.touchdesigner import parexec_callbacks
 
         parexec_callbacks.onPulse(par)
 
@@ -326,7 +326,7 @@ class Timeline:
 
 
 def make_component(source: InputTOP | None) -> tuple[LoomComp, ScriptTOP, LoomExt]:
-    from plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
+    from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
 
     comp = LoomComp()
     script = ScriptTOP(comp, source)
@@ -414,7 +414,7 @@ class DeviceCopyingBridge:
         return self._bridge.submit(frame.copy(), layout=layout)
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: Any = None) -> Any:
-        from host_bridge.wire.pixels import to_touchdesigner
+        from loom_live.host_bridge.wire.pixels import to_touchdesigner
 
         self.streams.append(("latest_cuda", stream))
         frame, status = self._bridge.latest()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.dit_convert import to_diffusers_key
-from engine.models.wan_dit import WanDiT, WanDiTConfig
+from loom_live.engine.models.dit_convert import to_diffusers_key
+from loom_live.engine.models.wan_dit import WanDiT, WanDiTConfig
 
 CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
 
@@ -47,7 +47,7 @@ def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None, cross_a
 
 def random_vace(cfg, seed: int = 0):
     """A WanVaceDiT of `cfg` with non-trivial random values everywhere."""
-    from engine.models.wan_vace import WanVaceDiT
+    from loom_live.engine.models.wan_vace import WanVaceDiT
 
     torch.manual_seed(seed)
     model = WanVaceDiT(cfg).eval()

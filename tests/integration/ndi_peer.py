@@ -19,7 +19,7 @@ STRIPE = SIZE[0] // BITS
 
 
 def send(name: str, mark: int) -> None:
-    from plugin.media.ndi import NdiSink
+    from loom_live.plugin.media.ndi import NdiSink
 
     w, h = SIZE
     sink = NdiSink(name, 30.0, SIZE)
@@ -40,8 +40,8 @@ def decode(frame: np.ndarray) -> tuple[int, bool]:
 
 
 def receive(name: str, n: int, read_timeout: float) -> None:
-    from plugin.media.ndi import NdiSource
-    from plugin.player.live_feed import LiveFeed
+    from loom_live.plugin.media.ndi import NdiSource
+    from loom_live.plugin.player.live_feed import LiveFeed
 
     def open_it() -> NdiSource:
         return NdiSource(name, open_timeout=15.0, read_timeout=read_timeout)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from host_bridge.wire.errors import UserError
-from plugin.cli.main import main
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.cli.main import main
 
 
 def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
@@ -37,8 +37,8 @@ def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
 def test_bench_says_why_it_will_not_run_what_cannot_finish_or_compare(capsys):
     assert main(["bench", "--baseline", "--bridge", "none"]) == 2
     assert "no such counterpart" in capsys.readouterr().err
-    from engine.config import load_config
-    from plugin.cli.bench import CPU_FRAMES, plan
+    from loom_live.engine.config import load_config
+    from loom_live.plugin.cli.bench import CPU_FRAMES, plan
 
     assert plan(load_config("default"), None, None, cuda=False) == (CPU_FRAMES, False)
     assert plan(load_config("wan2.1-1.3b", ["model.random_weights=true"]), None, None, cuda=True) == (3000, True)

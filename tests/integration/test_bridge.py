@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig, EngineRefused
+from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused
 from tests.fakes.engines import exiting_engine, indexed_frame, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,8 +144,8 @@ def test_frame_size_changes_through_the_tiny_model():
 @posix_only
 def test_a_prompt_missing_from_the_embeddings_file_is_refused_and_the_stream_goes_on(tmp_path):
     """An engine without umT5 reads prompts from a file written by `loom encode-prompts`."""
-    from engine.stream.prompts import HashTextEncoder
-    from plugin.cli.encode_prompts import write_embeddings
+    from loom_live.engine.stream.prompts import HashTextEncoder
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
 
     path = tmp_path / "prompts.safetensors"
     write_embeddings(HashTextEncoder(4096), ["neon city", "ink wash"], path)  # umT5-XXL width, as Wan
@@ -235,7 +235,7 @@ def _engine_session(bridge: Bridge, pid: int, ready, timeout_s: float = 10.0) ->
 def test_a_fresh_engine_is_told_the_hosts_prompt_and_params_exactly_once():
     """A host (the player's controls) sets a prompt before the engine runs; the first engine and a
     restarted one each receive it once: the bridge alone remembers and re-sends what the host wants."""
-    from plugin.player.controls import Controls, ControlState, prompt_command, steps_command
+    from loom_live.plugin.player.controls import Controls, ControlState, prompt_command, steps_command
 
     def told(session: dict) -> bool:
         return session.get("prompt") == "velvet" and session.get("params") == {"steps": [700, 500, 400]}
@@ -315,7 +315,7 @@ def test_stalled_engine_never_grows_host_memory():
 
 HOST_SCRIPT = textwrap.dedent("""
     import sys, time, numpy as np
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
     b = Bridge(BridgeConfig(passthrough=True, engine_cwd=sys.argv[1])).start()
     b.wait_running(30)
     b.submit(np.zeros((16, 16, 3), np.uint8))
@@ -347,8 +347,8 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
 
 @posix_only
 def test_segments_of_dead_owners_are_swept():
-    from host_bridge.wire.rings import create_ring
-    from host_bridge.wire.rings.shm import open_segment
+    from loom_live.host_bridge.wire.rings import create_ring
+    from loom_live.host_bridge.wire.rings.shm import open_segment
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -363,7 +363,7 @@ def test_segments_of_dead_owners_are_swept():
 
 
 def test_settings_fail_with_key_value_and_allowed():
-    from host_bridge.wire.typed_config import ConfigError
+    from loom_live.host_bridge.wire.typed_config import ConfigError
 
     with pytest.raises(ConfigError, match=r"transport: 'udp' is not allowed; expected one of 'shm'"):
         BridgeConfig(transport="udp")
@@ -400,7 +400,7 @@ def test_an_engine_that_dies_before_it_is_ready_is_reported_at_once_and_a_refusa
     module, a crash while loading) would die again, so the bridge says so at once, with its last lines.
     Exit code 2 is the engine refusing its run: said in its own words."""
     crash = "kill -9 $$" if code < 0 else f"exit {code}"
-    script = exiting_engine(tmp_path, 0, "ModuleNotFoundError: No module named 'engine'")
+    script = exiting_engine(tmp_path, 0, "ModuleNotFoundError: No module named 'loom_live'")
     script.write_text(script.read_text().replace("exit 0", crash))
     bridge = Bridge(_config(engine_python=str(script), passthrough=False)).start()
     try:
@@ -473,7 +473,7 @@ def test_a_loading_engine_may_be_silent_longer_than_a_running_one():
     silent is still given up on after hang_timeout_s."""
     import threading
 
-    from host_bridge.link import Link
+    from loom_live.host_bridge.link import Link
 
     cfg = _config(loading_hang_timeout_s=8.0)
     quiet = SimpleNamespace(handshake_refusal=None, endpoint=None)  # a channel that hears nothing

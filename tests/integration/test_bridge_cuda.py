@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 N_FRAMES = 1000
@@ -21,7 +21,7 @@ N_FRAMES = 1000
 
 @pytest.fixture(autouse=True)
 def _cuda_ipc_available():
-    from host_bridge.wire.rings.cuda import cuda_available
+    from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
     ok, why = cuda_available()
     if not ok:

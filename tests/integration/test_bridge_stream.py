@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 from tests.fakes.engines import indexed_frame
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import zmq
 
-from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
-from host_bridge.wire import pixels
-from host_bridge.wire.channel import Channel, SharedSecret, apply_curve_keys, read_secret_file
-from host_bridge.wire.protocol import encode, make
+from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
+from loom_live.host_bridge.wire import pixels
+from loom_live.host_bridge.wire.channel import Channel, SharedSecret, apply_curve_keys, read_secret_file
+from loom_live.host_bridge.wire.protocol import encode, make
 from tests.fakes.engines import served_engine, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,9 +190,9 @@ def _not_a_checkpoint(folder: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("kind", ["text", "pickle", "foreign pickle", "wrong shapes"])
 def test_what_each_weights_file_holds_is_checked_without_reading_its_weights(tmp_path, kind):
-    from engine.config import load_config
-    from host_bridge.wire.errors import UserError
-    from plugin.cli.preflight import check_weights
+    from loom_live.engine.config import load_config
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
 
     path = _not_a_checkpoint(tmp_path, kind)
     with pytest.raises(UserError) as refused:
@@ -209,9 +209,9 @@ def test_a_fitting_checkpoint_passes_the_check(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from engine.config import load_config
-    from engine.models.loading import check_weight_files
-    from engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import check_weight_files
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 
     path = tmp_path / "dit.safetensors"
     save_file({k: v.contiguous() for k, v in WanDiT(DIT_PRESETS["tiny"]).state_dict().items()}, str(path))
@@ -226,7 +226,7 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_before_an_engine_starts(tmp_
     exit 3 after 16 s. Now: exit 2, one line naming the file, no engine started (the other kinds of file:
     the test above)."""
     path = _not_a_checkpoint(tmp_path, "text")
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
                           str(tmp_path / "out.mp4"), "--set", f"model.checkpoint={path}"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = out.stderr.strip().splitlines()
@@ -256,7 +256,7 @@ def _lora(folder: Path, kind: str, name: str = "ink") -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 
     with torch.device("meta"):
         q = WanDiT(DIT_PRESETS["embedded"]).blocks[0].self_attn.q.weight
@@ -281,8 +281,8 @@ LORA_REFUSALS = {"text": "unreadable safetensors file", "no suffix": "unknown ch
 @pytest.mark.parametrize("kind", sorted(LORA_REFUSALS))
 def test_a_lora_file_is_checked_for_its_layout_and_shapes_before_an_engine_starts(tmp_path, kind):
     """Point 4's last hole: a LoRA file was first read when the engine built its DiT."""
-    from engine.config import load_config, lora_override
-    from engine.models.loading import check_weight_files
+    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.models.loading import check_weight_files
 
     good, path = _lora(tmp_path, "good", "paper"), _lora(tmp_path, kind)
     check_weight_files(load_config("default", lora_override([f"{good}:0.5"])))  # a fitting one passes
@@ -314,9 +314,9 @@ def _fitting_edit_files(folder: Path) -> list[str]:
     """Weights of the edit-tiny models, saved as a run would be given them: overrides naming them."""
     from safetensors.torch import save_file
 
-    from engine.edit.lllite import LLLite, select_hooks
-    from engine.edit.unet import UNET_PRESETS, EditUNet
-    from engine.edit.vae import VAE_PRESETS, TinyVAE
+    from loom_live.engine.edit.lllite import LLLite, select_hooks
+    from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
+    from loom_live.engine.edit.vae import VAE_PRESETS, TinyVAE
 
     folder.mkdir()
     unet = EditUNet(UNET_PRESETS["tiny"])
@@ -335,8 +335,8 @@ EDIT_REFUSALS = {"checkpoint": "unreadable safetensors file", "vae_checkpoint": 
 @pytest.mark.parametrize("key", sorted(EDIT_REFUSALS))
 def test_each_edit_family_file_is_checked_before_an_engine_starts(tmp_path, key):
     """Point 4's last hole: the edit family's files were first read when the engine built its models."""
-    from engine.config import load_config
-    from engine.models.loading import check_weight_files
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import check_weight_files
 
     check_weight_files(load_config("edit-tiny", _fitting_edit_files(tmp_path / "fitting")))  # these pass
     path = _edit_file(tmp_path, key)
@@ -348,8 +348,8 @@ def test_each_edit_family_file_is_checked_before_an_engine_starts(tmp_path, key)
 
 
 def _refused_at_once(tmp_path: Path, *argv: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", *argv], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", *argv], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr)
     return lines[0]
@@ -381,7 +381,7 @@ CONFIG_FILES = {  # point 5: what each file holds, and what its one-line refusal
 
 @pytest.mark.parametrize("case", sorted(CONFIG_FILES))
 def test_a_config_file_is_refused_in_one_line_that_names_it_and_echoes_none_of_it(tmp_path, case):
-    from engine.config import load_config
+    from loom_live.engine.config import load_config
 
     content, expected = CONFIG_FILES[case]
     path = tmp_path / ("run.yaml" if case != "shadow" else "shadow")
@@ -399,7 +399,7 @@ def test_a_config_file_is_refused_in_one_line_that_names_it_and_echoes_none_of_i
 def test_a_file_that_is_not_a_config_is_refused_by_the_command_without_a_line_of_it(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.write_bytes(CONFIG_FILES["shadow"][0])
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-c", str(shadow), "-o",
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", "-c", str(shadow), "-o",
                           str(tmp_path / "out.mp4")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -407,8 +407,8 @@ def test_a_file_that_is_not_a_config_is_refused_by_the_command_without_a_line_of
 
 
 def test_an_embeddings_file_that_is_not_one_is_refused_in_loom_words(tmp_path):
-    from engine.config import load_config
-    from engine.models.loading import check_weight_files
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import check_weight_files
 
     path = tmp_path / "prompts.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}   garbage")

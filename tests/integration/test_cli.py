@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from plugin.cli.main import main
+from loom_live.plugin.cli.main import main
 
 
 def test_info_json_reports_the_machine(capsys):
@@ -20,7 +20,8 @@ def test_info_json_reports_the_machine(capsys):
 
 
 def test_info_table_in_a_real_process():
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "info"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "info"], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "cuda_ipc" in out.stdout and "presets" in out.stdout
 
@@ -41,8 +42,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_the_one_gpu_session_refuses_several_gpus_clearly():
-    from engine.config import load_config
-    from engine.stream.session import StreamSession
+    from loom_live.engine.config import load_config
+    from loom_live.engine.stream.session import StreamSession
 
     with pytest.raises(ValueError, match="parallel.gpus"):
         StreamSession.from_config(load_config("tiny-random", ["parallel.gpus=2"]), warmup=False)

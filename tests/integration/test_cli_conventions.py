@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from host_bridge.wire.errors import UserError
-from plugin.cli import preflight
-from plugin.cli.main import build_parser, main
-from plugin.cli.preflight import check_transport
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.plugin.cli import preflight
+from loom_live.plugin.cli.main import build_parser, main
+from loom_live.plugin.cli.preflight import check_transport
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_COMMANDS = ("play", "serve", "bench", "eval")
@@ -86,7 +86,7 @@ def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(m
         asked.append(timeout)
         raise TimeoutError("timed out")
 
-    from host_bridge import reach
+    from loom_live.host_bridge import reach
 
     monkeypatch.setattr(reach.socket, "create_connection", blackhole)
     secret = tmp_path / "secret"
@@ -122,7 +122,7 @@ def test_serve_exits_130_on_ctrl_c_like_play(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", f"tcp://127.0.0.1:{port}",
                              "--passthrough", "--secret-file", str(tmp_path / "secret")],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:

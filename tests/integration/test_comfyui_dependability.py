@@ -72,7 +72,7 @@ def test_an_engine_that_hung_between_two_runs_is_restarted_by_the_nextrun_node(n
     the bridge has given up on it, the next run waits for the restarted engine and returns every frame,
     instead of failing on a state that still says 'running' while the hung process is being stopped
     (terminate, wait, kill: seconds)."""
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     # the Engine node's bridge, with a shorter wait before a hung engine is killed (a faster test)
     bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable, stop_timeout_s=0.5))
@@ -128,7 +128,8 @@ def test_an_engine_that_cannot_import_loom_is_reported_on_the_engine_node_at_onc
     took = time.monotonic() - started
     text = str(failed.value)
     assert text.startswith("Loom Engine: the engine is dead: the engine could not start: engine exited with "
-                           f"code 1: {python}: No module named engine"), text
+                           f"code 1: {python}: Error while finding module specification for 'loom_live.engine' "
+                           "(ModuleNotFoundError: No module named 'loom_live')"), text
     (handle,) = [h for h in nodes_pkg.nodes.ENGINES._engines.values() if h.settings["engine_python"] == str(python)]
     assert handle.bridge.status().restarts == 0
     print(f"reported after {took:.1f} s")  # the issue's bound is 10 s; a loaded machine is no place to assert it

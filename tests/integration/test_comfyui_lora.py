@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
+from loom_live.host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.engines import engine_report
 

@@ -38,7 +38,7 @@ LOAD = textwrap.dedent("""
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    import host_bridge
+    from loom_live import host_bridge
     print("LOADED", sorted(module.NODE_CLASS_MAPPINGS), host_bridge.__file__)
 """)
 # then: the example workflow's node calls in ComfyUI's order (tests/fakes/comfyui.py, loaded by its path),
@@ -142,12 +142,28 @@ def test_the_registry_archive_runs_its_example_workflow_with_loom_s_wheel_in_a_f
                                                                             "loom_lora_restyle.json"}
     sdist, wheel = check_release.build(tmp_path / "dist")
     assert "PASSED" in check_release.twine_check([sdist, wheel])
+    _assert_one_namespace(wheel)
     python = check_release.fresh_environment(tmp_path / "venv", system_site_packages=True)
     check_release.install(python, wheel, offline=True)
     out = _load(tmp_path, unpacked, python=str(python), engine_python="")
     assert out.returncode == 0, out.stderr
     assert "LOADED ['LoomEngine', 'LoomLora', 'LoomPrompt', 'LoomStream']" in out.stdout and RAN in out.stdout
     assert f"{tmp_path / 'venv'}" in out.stdout, "Loom must come from the installed wheel, not this checkout"
+
+
+def _assert_one_namespace(wheel: Path) -> None:
+    """A shared Python gets one import name from Loom (no top-level `engine` or `plugin` to clash with
+    another distribution's), holding every module of the checkout's folders."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"loom_live"}, sorted(tops)
+    assert len(tops) == 2, sorted(tops)
+    modules = {f"loom_live/{p.relative_to(ROOT).as_posix()}" for folder in ("engine", "host_bridge", "plugin")
+               for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts}
+    assert modules - set(names) == set(), "modules missing from the wheel (pyproject.toml's package list)"
+    assert "loom_live/engine/presets/default.yaml" in names and "loom_live/plugin/web/static/index.html" in names
+    assert any(n.startswith("loom_live/engine/models/weights/") for n in names)
 
 
 def test_a_folder_linked_from_the_checkout_runs_its_example_workflow_in_a_fresh_python(tmp_path):

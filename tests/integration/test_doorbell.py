@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import zmq
 
-from host_bridge.wire import doorbell as db
-from host_bridge.wire.doorbell import Doorbell, DoorbellError
-from host_bridge.wire.protocol import PROTOCOL_VERSION, decode, encode, make
-from host_bridge.wire.rings import create_ring
-from host_bridge.wire.rings.shm import open_segment
+from loom_live.host_bridge.wire import doorbell as db
+from loom_live.host_bridge.wire.doorbell import Doorbell, DoorbellError
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, decode, encode, make
+from loom_live.host_bridge.wire.rings import create_ring
+from loom_live.host_bridge.wire.rings.shm import open_segment
 from tests.fakes.engines import GuardedSockets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +213,7 @@ def test_the_segment_is_private_and_its_owner_removes_it():
 
 PEER = textwrap.dedent("""
     import sys
-    from host_bridge.wire.doorbell import Doorbell
+    from loom_live.host_bridge.wire.doorbell import Doorbell
     side = Doorbell.create() if sys.argv[1] == "create" else Doorbell.attach(sys.argv[2])
     print(side.name, flush=True)
     with side.lock:
@@ -284,7 +284,7 @@ def test_engine_server_refuses_bad_records_and_keeps_serving(tmp_path):
     host.bind(f"ipc://{tmp_path}/ctl")
     bell = Doorbell.create()
     env = {**os.environ, "LOOM_BRIDGE_TOKEN": "secret", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
                              "--passthrough", "--parent-pid", str(os.getpid())], cwd=ROOT, env=env)
     rings = [create_ring("shm", d, slots=3, width=8, height=8, generation=1) for d in ("in", "out")]
     raw = RawWriter(bell.name)
@@ -347,7 +347,7 @@ def test_engine_server_refuses_bad_records_and_keeps_serving(tmp_path):
 
 def test_bridge_refuses_bad_records_from_its_engine_and_never_blocks(tmp_path):
     """A Bridge on shm reading forged records from a fake engine's side of the doorbell."""
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     ctx = zmq.Context()
     guard = GuardedSockets(ctx, tmp_path)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from host_bridge.wire import doorbell as db
-from host_bridge.wire.doorbell import Doorbell
-from host_bridge.wire.shared_wait import backend, shared_wait
+from loom_live.host_bridge.wire import doorbell as db
+from loom_live.host_bridge.wire.doorbell import Doorbell
+from loom_live.host_bridge.wire.shared_wait import backend, shared_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG_S = 20.0  # a wait this long only ends early when woken: reaching it means a lost wake-up
@@ -31,7 +31,7 @@ kernel_wait = pytest.mark.skipif(backend() == "poll", reason="no kernel wait on 
 
 WRITER = textwrap.dedent("""
     import random, sys, time
-    from host_bridge.wire.doorbell import Doorbell
+    from loom_live.host_bridge.wire.doorbell import Doorbell
     side = Doorbell.attach(sys.argv[1])
     count, mode = int(sys.argv[2]), sys.argv[3]
     if mode == "late":

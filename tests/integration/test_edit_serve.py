@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import load_config
-from engine.session_api import open_session
-from host_bridge import Bridge, BridgeConfig
+from loom_live.engine.config import load_config
+from loom_live.engine.session_api import open_session
+from loom_live.host_bridge import Bridge, BridgeConfig
 from tests.fakes.engines import InProcessEngine
 
 

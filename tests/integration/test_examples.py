@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from plugin.media.video_io import generate_clip, open_sink, open_source
+from loom_live.plugin.media.video_io import generate_clip, open_sink, open_source
 
 ROOT = Path(__file__).resolve().parents[2]
 

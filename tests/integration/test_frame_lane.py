@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.server.passthrough import PassthroughSession
-from host_bridge import Bridge, BridgeConfig
-from host_bridge.client import SIZE_SETTLE_FRAMES
-from host_bridge.wire.channel import EndpointError
-from host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
-from host_bridge.wire.protocol import decode, encode, make
+from loom_live.engine.server.passthrough import PassthroughSession
+from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.client import SIZE_SETTLE_FRAMES
+from loom_live.host_bridge.wire.channel import EndpointError
+from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
+from loom_live.host_bridge.wire.protocol import decode, encode, make
 from tests.fakes.engines import InProcessEngine, indexed_frame, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.server.core import EngineServer
-from engine.server.passthrough import PassthroughSession
-from host_bridge import Bridge, BridgeConfig
-from host_bridge.wire.channel import SharedSecret, read_secret_file
-from host_bridge.wire.frame_lane import FrameLane
-from host_bridge.wire.protocol import PROTOCOL_VERSION, encode, make
+from loom_live.engine.server.core import EngineServer
+from loom_live.engine.server.passthrough import PassthroughSession
+from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.wire.channel import SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.frame_lane import FrameLane
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, encode, make
 from tests.fakes.engines import GuardedSockets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_hole1_engine_survives_over_long_numbers_before_the_handshake(tmp_path):
     host.setsockopt(zmq.LINGER, 0)
     host.bind(f"ipc://{tmp_path}/ctl")
     env = {**os.environ, "LOOM_BRIDGE_TOKEN": "t", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
                              "--passthrough", "--handshake-timeout", "30"], cwd=ROOT, env=env)
     try:
         assert host.poll(20_000)
@@ -209,7 +209,7 @@ def test_hole6_served_engine_takes_only_the_host_holding_its_secret(tmp_path):
 
 def test_hole6_serve_on_loopback_needs_a_secret_file_of_mode_600(tmp_path):
     def serve(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
+        return subprocess.run([sys.executable, "-m", "loom_live.engine", "serve", "--bind", "tcp://127.0.0.1:*",
                                "--passthrough", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
 

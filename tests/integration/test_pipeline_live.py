@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import load_config
-from engine.models.loading import load_models
-from engine.parallel.scheduler import BlockScheduler
-from engine.parallel.session import PipelineError, PipelineSession
-from engine.stream.session import StreamSession
-from engine.stream.slo_scheduler import Plan
+from loom_live.engine.config import load_config
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.parallel.scheduler import BlockScheduler
+from loom_live.engine.parallel.session import PipelineError, PipelineSession
+from loom_live.engine.stream.session import StreamSession
+from loom_live.engine.stream.slo_scheduler import Plan
 from tests.integration.test_pipeline_parallel import BASE, clip, no_children_left, stream
 
 STEPS = [*BASE, "stream.steps=[700]"]

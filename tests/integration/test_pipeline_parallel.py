@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ConfigError, load_config
-from engine.models.loading import load_models
-from engine.parallel.plan import NoiseLedger, balanced_split, even_split, stage_ranges
-from engine.parallel.session import PipelineError, PipelineSession
-from engine.stream.session import StreamSession
+from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.parallel.plan import NoiseLedger, balanced_split, even_split, stage_ranges
+from loom_live.engine.parallel.session import PipelineError, PipelineSession
+from loom_live.engine.stream.session import StreamSession
 from tests.fakes.media import panning_clip
 
 BASE = ["resolution.width=32", "resolution.height=32", "stream.mode=batch", "model.dtype=float32",
@@ -139,8 +139,8 @@ def test_block_splits():
 
 def test_noise_ledger_replays_the_denoiser_draw_order():
     """Draw for draw, the ledger hands out what StreamDenoiser's generator would have given."""
-    from engine.stream.denoiser import StreamDenoiser
-    from engine.stream.schedule import FlowSchedule
+    from loom_live.engine.stream.denoiser import StreamDenoiser
+    from loom_live.engine.stream.schedule import FlowSchedule
 
     shape = (1, 2, 1, 2, 2)
     seen: list[torch.Tensor] = []
@@ -180,7 +180,7 @@ def test_noise_ledger_replays_the_denoiser_draw_order():
 
 
 def test_loom_bench_gpus_reports_every_rank(tmp_path, capsys):
-    from plugin.cli.main import main
+    from loom_live.plugin.cli.main import main
 
     out = tmp_path / "bench.json"
     rc = main(["bench", "--config", "tiny-random", "--gpus", "2", "--frames", "16", "--warmup", "9", "--bridge", "none",
@@ -196,8 +196,8 @@ def test_loom_bench_gpus_reports_every_rank(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_graphed_stage_blocks_match_eager_on_a_gpu():
-    from engine.parallel.link import NEW_CONTEXT
-    from engine.parallel.stage import Stage
+    from loom_live.engine.parallel.link import NEW_CONTEXT
+    from loom_live.engine.parallel.stage import Stage
 
     stages = []
     for graphs in ("true", "false"):

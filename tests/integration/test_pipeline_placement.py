@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.parallel.plan import check_move
-from engine.parallel.scheduler import BlockScheduler
-from engine.parallel.session import PipelineSession
-from engine.stream.session import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.engine.parallel.plan import check_move
+from loom_live.engine.parallel.scheduler import BlockScheduler
+from loom_live.engine.parallel.session import PipelineSession
+from loom_live.engine.stream.session import StreamSession
 from tests.integration.test_pipeline_live import assert_same_frames, script, style_lora
 from tests.integration.test_pipeline_parallel import clip, no_children_left
 

@@ -1,4 +1,4 @@
-"""`loom play` end to end, as a user runs it: `python -m plugin.cli play ...` in a real process.
+"""`loom play` end to end, as a user runs it: `python -m loom_live.plugin.cli play ...` in a real process.
 
 Engine runs use few, small frames to stay inside the CPU test budget. `--passthrough` runs make the
 content exact (the engine returns its input), so the plumbing is checked pixel for pixel; the
@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from host_bridge.wire.params import steps_for
-from plugin.cli.main import main
-from plugin.media.video_io import partial_path
-from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
-from plugin.player.osc import OSC_ADDRESSES, command_for
+from loom_live.host_bridge.wire.params import steps_for
+from loom_live.plugin.cli.main import main
+from loom_live.plugin.media.video_io import partial_path
+from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
+from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
 from tests.fakes.engines import exiting_engine, python_without_loom, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
 
@@ -37,7 +37,7 @@ RUN_TIMEOUT_S = 120
 
 def _play(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "plugin.cli", "play", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or ROOT, env=env)
 
 
@@ -162,7 +162,7 @@ def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
 def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
     dst = tmp_path / "stopped.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "64x64",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "100000", "--size", "64x64",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -188,7 +188,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     dst = tmp_path / "survived.mp4"
     n = 1200
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", str(n), "--size", "32x32",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", str(n), "--size", "32x32",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -208,7 +208,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     assert proc.returncode == 0, err
     frames = _decode(dst)
     assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
-    from plugin.media.video_io import generate_clip
+    from loom_live.plugin.media.video_io import generate_clip
 
     source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
     aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])
@@ -312,8 +312,9 @@ def test_play_reaches_an_engine_served_on_this_machine_with_its_session_secret(t
 
     secret = tmp_path / "secret"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    serve = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
-                              str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", endpoint,
+                              "--secret-file", str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                             text=True)
     try:
         assert wait_until(listening, 60) and serve.poll() is None, serve.stderr
         dst = tmp_path / "out.mp4"
@@ -341,8 +342,9 @@ def test_an_engine_that_dies_while_starting_ends_the_player_at_once_with_its_las
     out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python", str(python),
                 "--startup-timeout", "600", timeout=120)
     assert out.returncode == 3, out.stderr
-    assert f"loom play: error: the engine could not start: engine exited with code 1: {python}: No module " \
-           "named engine" in out.stderr, out.stderr
+    assert f"loom play: error: the engine could not start: engine exited with code 1: {python}: Error while " \
+           "finding module specification for 'loom_live.engine' (ModuleNotFoundError: No module named " \
+           "'loom_live')" in out.stderr, out.stderr
     assert "engine log (last lines):" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -443,7 +445,7 @@ def test_osc_server_feeds_the_controls():
     pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
 
-    from plugin.player.osc import OSCServer
+    from loom_live.plugin.player.osc import OSCServer
 
     controls, bridge = _controls("ink"), RecordingBridge()
     controls.apply_pending(bridge)  # the engine runs: nothing to send yet
@@ -473,8 +475,8 @@ def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
     port = free_udp_port()
     dst = tmp_path / "osc.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
-                             "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "--mode", "live", "--loop", "-n",
+                             "100000", "--size", "64x64", "-o", str(dst), "--passthrough", "--osc-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         partial = partial_path(dst)  # the output is written beside the target until it is finalised
@@ -510,8 +512,8 @@ def test_window_keys_drive_a_live_run(tmp_path):
         while not Path(f"/tmp/.X11-unix/X{display[1:]}").exists():  # the server is up when its socket is
             assert time.monotonic() < deadline and xvfb.poll() is None, "Xvfb did not start"
             time.sleep(0.1)
-        proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-o", "window", "-o", str(dst), "--mode",
-                                 "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
+        proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-o", "window", "-o", str(dst),
+                                 "--mode", "live", "--loop", "-n", "100000", "--size", "96x96", "--passthrough",
                                  "-p", "ink", "-p", "oil"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=ROOT)
         found = subprocess.run(["xdotool", "search", "--sync", "--onlyvisible", "--name", "^Loom$"],
@@ -613,7 +615,7 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
     signum = signal.SIGTERM
     dst = tmp_path / "stopped.mp4"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-n", "100000", "--size", "32x32",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "100000", "--size", "32x32",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
@@ -703,7 +705,7 @@ def test_a_live_stream_that_stalls_holds_the_picture_and_reconnects(tmp_path):
     threading.Thread(target=serve, daemon=True).start()
     dst = tmp_path / "show.mkv"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-i", f"tcp://127.0.0.1:{server.getsockname()[1]}",
                              "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     seen, back_at = [], None

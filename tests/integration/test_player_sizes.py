@@ -14,14 +14,14 @@ import cv2
 import numpy as np
 import pytest
 
-from plugin.cli.main import main
+from loom_live.plugin.cli.main import main
 from tests.fakes.media import write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _play(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plugin.cli", "play", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

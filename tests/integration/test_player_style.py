@@ -1,6 +1,6 @@
 """`loom play` tells which of the embedded model's styles a free-text prompt landed on, as a user sees it.
 
-Real `python -m plugin.cli play` processes with their engines; the expected style comes from the
+Real `python -m loom_live.plugin.cli play` processes with their engines; the expected style comes from the
 shipped style table itself (engine/stream/style_text.py), so a table retrained with other styles
 keeps these tests true.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.stream.style_text import StyleTextEncoder, table_path
-from plugin.player.style_line import style_name
+from loom_live.engine.stream.style_text import StyleTextEncoder, table_path
+from loom_live.plugin.player.style_line import style_name
 from tests.fakes.engines import wait_until
 from tests.fakes.media import free_udp_port
 
@@ -35,7 +35,7 @@ def _expected(prompt: str) -> str:
 
 
 def _play(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plugin.cli", "play", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", *args], capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, cwd=cwd, env=ENV)
 
 
@@ -56,8 +56,8 @@ def test_a_live_run_says_the_style_at_start_and_after_each_prompt_change(tmp_pat
     from pythonosc.udp_client import SimpleUDPClient
 
     port = free_udp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
-                             "--size", "64x64", "-p", "ink wash", "-o", "live.mp4", "--osc-port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "--mode", "live", "--loop", "-n",
+                             "100000", "--size", "64x64", "-p", "ink wash", "-o", "live.mp4", "--osc-port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # list.extend: one line a time

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from host_bridge import Bridge, BridgeConfig
-from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
+from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
 from tests.fakes.engines import GuardedSockets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_engine_server_survives_fuzzing_and_counts_refusals(tmp_path):
     host = _lane_socket(ctx, f"ipc://{tmp_path}/ctl")
     lane = _lane_socket(ctx, f"ipc://{tmp_path}/lane")
     env = {**os.environ, "LOOM_BRIDGE_TOKEN": "secret", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.engine", "serve", "--connect", f"ipc://{tmp_path}/ctl",
                              "--passthrough", "--parent-pid", str(os.getpid())], cwd=ROOT, env=env)
     try:
         assert _recv(host, "hello")["role"] == "engine"

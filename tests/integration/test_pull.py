@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("huggingface_hub")
 
-from engine.config import load_config  # noqa: E402
-from plugin.cli.main import main  # noqa: E402
+from loom_live.engine.config import load_config  # noqa: E402
+from loom_live.plugin.cli.main import main  # noqa: E402
 
 COMMIT = "a" * 40
 BIG = b"loom-weights-" * 40_000  # ~520 kB: large enough to cut a download in the middle

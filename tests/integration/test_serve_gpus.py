@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "model.dtype=float32"]

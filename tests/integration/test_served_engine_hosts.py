@@ -19,12 +19,12 @@ import pytest
 import torch
 import zmq
 
-import host_bridge.supervisor
-from engine.server.core import EngineServer
-from engine.server.passthrough import PassthroughSession
-from host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
-from host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
-from host_bridge.wire.protocol import make
+import loom_live.host_bridge.supervisor
+from loom_live.engine.server.core import EngineServer
+from loom_live.engine.server.passthrough import PassthroughSession
+from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
+from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
+from loom_live.host_bridge.wire.protocol import make
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
 from tests.fakes.touchdesigner import InputTOP, configure, cook_until, cook_until_running, make_component, td_texture
 
@@ -46,8 +46,9 @@ def served(tmp_path_factory):
     endpoint = f"tcp://127.0.0.1:{port}"
     secret = tmp_path_factory.mktemp("served") / "secret"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    serve = subprocess.Popen([sys.executable, "-m", "plugin.cli", "serve", "--bind", endpoint, "--secret-file",
-                              str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", endpoint,
+                              "--secret-file", str(secret), "--passthrough"], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                             text=True)
     deadline = time.monotonic() + 60
     while serve.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -77,13 +78,13 @@ def refusal_of(endpoint: str) -> str:
 def test_a_bridge_with_another_secret_file_is_dead_at_once_and_never_tries_again(served, other_secret, monkeypatch):
     endpoint, _ = served
     opened = []
-    real_open = host_bridge.supervisor.open_link
+    real_open = loom_live.host_bridge.supervisor.open_link
 
     def counting_open(*args, **kwargs):
         opened.append(1)
         return real_open(*args, **kwargs)
 
-    monkeypatch.setattr(host_bridge.supervisor, "open_link", counting_open)
+    monkeypatch.setattr(loom_live.host_bridge.supervisor, "open_link", counting_open)
     cfg = BridgeConfig(launch=False, endpoint=endpoint, secret_file=other_secret, transport="tcp",
                        restart_backoff_s=0.05)
     bridge = Bridge(cfg).start()
@@ -107,7 +108,7 @@ def test_a_bridge_with_another_secret_file_is_dead_at_once_and_never_tries_again
 def test_play_with_another_secret_file_exits_2_with_one_line_saying_so(served, other_secret, tmp_path, mode):
     endpoint, _ = served
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
+    out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "4", "--size", "32x32", "-o",
                           str(tmp_path / "out.mp4"), "--mode", mode, "--endpoint", endpoint, "--secret-file",
                           other_secret, "--passthrough"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env=env)

@@ -8,14 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from plugin.cli.main import main
+from loom_live.plugin.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", "serve", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run([sys.executable, "-m", "loom_live.engine", "serve", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_bad_config_fails_before_serving_with_the_key(capsys):

@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 from tests.fakes.engines import InProcessEngine, wait_until
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals")

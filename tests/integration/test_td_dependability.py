@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from host_bridge.wanted import PromptWish
-from host_bridge.wire.params import steps_for
-from host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
-from plugin.touchdesigner import script_top_callbacks
-from plugin.touchdesigner.loom_ext import LoomExt
+from loom_live.host_bridge.wanted import PromptWish
+from loom_live.host_bridge.wire.params import steps_for
+from loom_live.host_bridge.wire.pixels import from_touchdesigner, to_engine, touchdesigner_order
+from loom_live.plugin.touchdesigner import script_top_callbacks
+from loom_live.plugin.touchdesigner.loom_ext import LoomExt
 from tests.fakes.engines import InProcessEngine, exiting_engine, python_without_loom, wait_until
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
@@ -132,7 +132,7 @@ def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_come
 def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raising():
     """TouchDesigner's 16-bit float textures (cudaMemory dataType float16) are not a device format the
     bridge takes: those cooks go through numpyArray(), with a note, and the stream goes on both ways."""
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     source = InputTOP(td_texture(24, 32, np.uint8, seed=3))
     comp, script, ext = make_component(source)
@@ -223,9 +223,9 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
     output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
     for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
     pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
-    from engine.server.passthrough import PassthroughSession
-    from host_bridge import Bridge, BridgeConfig
-    from host_bridge.wire.rings import cuda as tc
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge.wire.rings import cuda as tc
 
     rt = BoundedRuntime()
     monkeypatch.setattr(tc, "cudart", rt)
@@ -315,9 +315,10 @@ def test_an_engine_python_without_loom_is_named_at_once_with_the_engines_last_li
         ext.Start()
         cook_until(script, lambda: comp.par.State.eval() == "dead", "engine dead")
         assert ext.bridge.status().restarts == 0
-        assert comp.par.Message.eval() == (f"the engine could not start: engine exited with code 1: {python}: "
-                                           "No module named engine")
-        assert "No module named engine" in comp.par.Log.eval()
+        missing = ("Error while finding module specification for 'loom_live.engine' (ModuleNotFoundError: No module "
+                   "named 'loom_live')")
+        assert comp.par.Message.eval() == f"the engine could not start: engine exited with code 1: {python}: {missing}"
+        assert missing in comp.par.Log.eval()
     finally:
         ext.Stop()
 
@@ -325,7 +326,7 @@ def test_an_engine_python_without_loom_is_named_at_once_with_the_engines_last_li
 def test_toggling_active_and_pulsing_start_never_stall_the_main_thread_or_leave_engines_behind():
     """Stopping an engine waits for it to exit (seconds, more while it is still starting); TD runs parameter
     callbacks on its main thread, so that wait must happen elsewhere. Afterwards nothing is left."""
-    from host_bridge.wire.processes import pid_alive
+    from loom_live.host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
     comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
@@ -357,7 +358,7 @@ def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over
     """TD re-creates an extension when its DAT is edited or on Re-Init Extensions, calling the old object's
     onDestroyTD and the new one's onInitTD: the old engine must not keep running (a second engine on the
     GPU), and with Active on the show goes on with the new one."""
-    from host_bridge.wire.processes import pid_alive
+    from loom_live.host_bridge.wire.processes import pid_alive
 
     traces = EngineTraces()
     comp, script, old = make_component(InputTOP(td_texture(16, 24)))

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
-from plugin.touchdesigner import osc_in_callbacks
-from plugin.touchdesigner.loom_ext import PAREXEC_PARS
-from plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PAGE_LORA
+from loom_live.host_bridge.wire.params import LORA_DEFAULT_SCALE, LORA_SCALES
+from loom_live.plugin.touchdesigner import osc_in_callbacks
+from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS
+from loom_live.plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PAGE_LORA
 from tests.fakes.touchdesigner import InputTOP, configure, cook_until, make_component, running, td_texture
 
 TINY_DIM = 128  # the tiny-random preset's DiT width

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from host_bridge import launcher
-from plugin.touchdesigner import loom_ext
-from plugin.touchdesigner.build_loom import CALLBACKS_DAT, EXTENSION, build
-from plugin.touchdesigner.loom_ext import PAREXEC_PARS, STATUS_PARS, LoomExt
-from plugin.touchdesigner.parameters import PARAMETERS
+from loom_live.host_bridge import launcher
+from loom_live.plugin.touchdesigner import loom_ext
+from loom_live.plugin.touchdesigner.build_loom import CALLBACKS_DAT, EXTENSION, build
+from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, STATUS_PARS, LoomExt
+from loom_live.plugin.touchdesigner.parameters import PARAMETERS
 from tests.fakes.touchdesigner import (
     DeviceCopyingBridge,
     InputTOP,
@@ -41,7 +41,7 @@ HERE = Path(loom_ext.__file__).parent
 
 def _start_device_bridge(comp, ext):
     """The real bridge and pass-through engine, with device calls done on the stand-in's memory."""
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     comp.parexec_enabled = False
     comp.par.Transport = "cuda-ipc"
@@ -216,9 +216,9 @@ def test_an_inactive_component_touches_neither_the_input_nor_the_output():
 
 def test_cuda_ipc_output_copies_run_on_the_hosts_thread_not_the_bridges(monkeypatch):
     pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
-    from engine.server.passthrough import PassthroughSession
-    from host_bridge import Bridge, BridgeConfig
-    from host_bridge.wire.rings import cuda as tc
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge.wire.rings import cuda as tc
     from tests.fakes.cuda_runtime import FakeRuntime
     from tests.fakes.engines import InProcessEngine
 
@@ -326,7 +326,7 @@ def test_a_windows_stop_reaches_the_tree_without_ctrl_break():
 
 
 def test_the_cook_leaves_converting_the_host_frame_to_a_feeder_thread():
-    from plugin.touchdesigner.host_feeder import HostFeeder
+    from loom_live.plugin.touchdesigner.host_feeder import HostFeeder
 
     release, threads, taken = threading.Event(), [], []
 

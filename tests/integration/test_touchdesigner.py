@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from host_bridge.wire.params import steps_for
-from host_bridge.wire.pixels import from_touchdesigner, to_engine
-from plugin.touchdesigner import script_top_callbacks
-from plugin.touchdesigner.loom_ext import LoomExt
-from plugin.touchdesigner.parameters import PARAMETERS, setup_parameters
+from loom_live.host_bridge.wire.params import steps_for
+from loom_live.host_bridge.wire.pixels import from_touchdesigner, to_engine
+from loom_live.plugin.touchdesigner import script_top_callbacks
+from loom_live.plugin.touchdesigner.loom_ext import LoomExt
+from loom_live.plugin.touchdesigner.parameters import PARAMETERS, setup_parameters
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     DEVICE,
@@ -116,7 +116,7 @@ def test_stand_in_enforces_the_cudamemory_lifetime_rule():
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
 def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtype):
-    from host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge import Bridge, BridgeConfig
 
     texture = td_texture(32, 48, dtype, seed=5)
     source = InputTOP(texture)
@@ -148,7 +148,7 @@ def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtyp
 
 
 def test_cuda_ipc_without_a_gpu_falls_back_to_shared_memory():
-    from host_bridge.wire.rings.cuda import cuda_available
+    from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
     if cuda_available()[0]:
         pytest.skip("this machine has CUDA: the fallback is not taken")
@@ -212,7 +212,7 @@ def test_missing_engine_python_is_reported_on_the_component():
 
 
 def test_osc_in_dat_sets_parameters_that_reach_the_engine():
-    from plugin.touchdesigner import osc_in_callbacks
+    from loom_live.plugin.touchdesigner import osc_in_callbacks
 
     comp, script, ext = make_component(InputTOP(td_texture(8, 8)))
     sent: list[tuple[str, Any]] = []
@@ -244,7 +244,7 @@ class GpuInputTOP(InputTOP):
     def cudaMemory(self, stream: int | None = None) -> CUDAMemory:
         from cuda.bindings import runtime as cudart
 
-        from host_bridge.wire.rings.cuda import check
+        from loom_live.host_bridge.wire.rings.cuda import check
 
         data = np.ascontiguousarray(self.texture)
         ptr = int(check(cudart.cudaMalloc(data.nbytes), "cudaMalloc"))
@@ -261,7 +261,7 @@ class GpuScriptTOP(ScriptTOP):
     def copyCUDAMemory(self, address: int, size: int, shape: CUDAMemoryShape, stream: int | None = None) -> None:
         from cuda.bindings import runtime as cudart
 
-        from host_bridge.wire.rings.cuda import check
+        from loom_live.host_bridge.wire.rings.cuda import check
 
         if not self.cooking:
             raise RuntimeError("copyCUDAMemory outside the cook")

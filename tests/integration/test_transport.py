@@ -14,11 +14,18 @@ import pytest
 import zmq
 import zmq.auth
 
-from host_bridge import Bridge, BridgeConfig, EngineRefused
-from host_bridge.wire.channel import Channel, EndpointError, SharedSecret, check_endpoint, is_loopback, read_secret_file
-from host_bridge.wire.protocol import ProtocolError, make
-from host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
-from host_bridge.wire.rings.cuda import cuda_available
+from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused
+from loom_live.host_bridge.wire.channel import (
+    Channel,
+    EndpointError,
+    SharedSecret,
+    check_endpoint,
+    is_loopback,
+    read_secret_file,
+)
+from loom_live.host_bridge.wire.protocol import ProtocolError, make
+from loom_live.host_bridge.wire.rings import SlotTracker, TransportUnavailable, attach_ring, create_ring
+from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,8 +115,8 @@ def test_non_loopback_tcp_needs_curve():
             bridge.wait_running(5)
     finally:
         bridge.close()
-    out = subprocess.run([sys.executable, "-m", "engine", "serve", "--bind", "tcp://0.0.0.0:5599", "--passthrough"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "loom_live.engine", "serve", "--bind", "tcp://0.0.0.0:5599",
+                          "--passthrough"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "CurveZMQ keys are required" in out.stderr
 
 
@@ -155,7 +162,7 @@ def test_served_engine_over_tcp_with_curve_authentication(tmp_path):
     secret = tmp_path / "session.secret"
     read_secret_file(str(secret), create=True)
     os.replace(client_public, authorized / "client.key")
-    engine = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--bind", "tcp://127.0.0.1:*",
+    engine = subprocess.Popen([sys.executable, "-m", "loom_live.engine", "serve", "--bind", "tcp://127.0.0.1:*",
                                "--passthrough", "--curve-secret-file", server_secret, "--curve-authorized",
                                str(authorized)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stderr=subprocess.PIPE, text=True)
@@ -201,13 +208,14 @@ def test_host_bridge_needs_neither_torch_nor_engine_nor_cuda_python():
         "import sys\n"
         "sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None  # as if cuda-python were absent\n"
         "import numpy as np\n"
-        "from host_bridge import Bridge, BridgeConfig\n"
-        "from host_bridge.wire.rings import create_ring\n"
-        "from host_bridge.wire.rings.cuda import cuda_available\n"
+        "from loom_live.host_bridge import Bridge, BridgeConfig\n"
+        "from loom_live.host_bridge.wire.rings import create_ring\n"
+        "from loom_live.host_bridge.wire.rings.cuda import cuda_available\n"
         "ok, why = cuda_available(); assert not ok and 'cuda-python' in why, why\n"
         "r = create_ring('shm', 'in', slots=2, width=4, height=4)\n"
         "r.write(0, np.zeros((4, 4, 3), np.uint8)); r.close()\n"
-        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), 'imported'\n"
+        "assert not any(m == 'torch' or m.startswith(('torch.', 'loom_live.engine')) for m in sys.modules), "
+        "'imported'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

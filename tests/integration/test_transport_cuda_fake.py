@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
 
-from engine.server.passthrough import PassthroughSession  # noqa: E402
-from host_bridge import Bridge, BridgeConfig  # noqa: E402
-from host_bridge.wire.rings import cuda as tc  # noqa: E402
+from loom_live.engine.server.passthrough import PassthroughSession  # noqa: E402
+from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.host_bridge.wire.rings import cuda as tc  # noqa: E402
 from tests.fakes.cuda_runtime import FakeRuntime  # noqa: E402
 from tests.fakes.engines import InProcessEngine  # noqa: E402
 

@@ -28,7 +28,7 @@ pytest.importorskip("aiortc", reason="the web host needs aiortc: pip install -e 
 pytest.importorskip("aiohttp", reason="the web host needs aiohttp: pip install -e '.[web]'")
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromium with selenium")
 
-from plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def show(tmp_path_factory: pytest.TempPathFactory):
     token_file.chmod(0o600)
     log = open(tmp / "loom.log", "w+")  # noqa: SIM115 (read while the process writes)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "plugin.cli", "web", "127.0.0.1:0", "--web-token-file", str(token_file),
+        [sys.executable, "-m", "loom_live.plugin.cli", "web", "127.0.0.1:0", "--web-token-file", str(token_file),
          "--size", f"{SIZE}x{SIZE}", "--fps", str(FPS), "-p", "thermal camera",
          "--set", f"resolution.width={SIZE}", "--set", f"resolution.height={SIZE}", "--set", "stream.steps=[700]"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,

@@ -18,10 +18,10 @@ from types import ModuleType, SimpleNamespace
 import numpy as np
 import pytest
 
-from plugin.media.app_io import is_app_output, open_app_sink
-from plugin.media.ndi import matches
-from plugin.media.video_io import MediaError, open_sink
-from plugin.player.options import PlayerError, output_kind
+from loom_live.plugin.media.app_io import is_app_output, open_app_sink
+from loom_live.plugin.media.ndi import matches
+from loom_live.plugin.media.video_io import MediaError, open_sink
+from loom_live.plugin.player.options import PlayerError, output_kind
 
 SIZE = (32, 16)
 
@@ -72,7 +72,7 @@ def test_a_texture_share_on_another_platform_is_refused(monkeypatch, spec, platf
 
 
 def test_missing_ndi_input_says_what_to_install(monkeypatch):
-    from plugin.media.video_io import open_source
+    from loom_live.plugin.media.video_io import open_source
 
     monkeypatch.setitem(sys.modules, "cyndilib", None)
     with pytest.raises(MediaError, match=r"pip install 'loom-live\[ndi\]'"):
@@ -80,7 +80,7 @@ def test_missing_ndi_input_says_what_to_install(monkeypatch):
 
 
 def test_list_ndi_without_cyndilib_is_one_line_and_exit_code_2(monkeypatch, capsys):
-    from plugin.cli.play import _list_ndi
+    from loom_live.plugin.cli.play import _list_ndi
 
     monkeypatch.setitem(sys.modules, "cyndilib", None)
     assert _list_ndi() == 2

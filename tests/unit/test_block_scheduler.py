@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.parallel.plan import stage_ranges
-from engine.parallel.scheduler import BlockScheduler, first_move
+from loom_live.engine.parallel.plan import stage_ranges
+from loom_live.engine.parallel.scheduler import BlockScheduler, first_move
 
 
 def window(rank: int, ticks: int, dit: float, **fixed: float) -> dict:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_inductor_and_triton_caches_go_under_the_loom_cache_folder(tmp_path):
     code = ("import os\n"
-            "from engine.graphs.compile_cache import enable_persistent_compile_cache\n"
+            "from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache\n"
             "folder = enable_persistent_compile_cache()\n"
             "import torch._inductor.config as c\n"
             "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"

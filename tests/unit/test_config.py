@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, LoomConfig, list_presets, load_config
+from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config
 
 
 def test_every_shipped_preset_loads():

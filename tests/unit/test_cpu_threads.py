@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.server.cpu_threads import apply_cpu_threads, engine_threads
-from host_bridge.wire.typed_config import ConfigError
+from loom_live.engine.config import load_config
+from loom_live.engine.server.cpu_threads import apply_cpu_threads, engine_threads
+from loom_live.host_bridge.wire.typed_config import ConfigError
 
 
 @pytest.mark.parametrize(("setting", "cores", "expected"), [(0, 2, 1), (0, 1, 1), (0, 16, 15), (3, 2, 3), (1, 64, 1)])

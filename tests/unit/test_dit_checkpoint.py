@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.checkpoint_io import CheckpointError
-from engine.models.dit_convert import to_diffusers_key
-from engine.models.wan_dit import WanDiT, WanDiTConfig
+from loom_live.engine.models.checkpoint_io import CheckpointError
+from loom_live.engine.models.dit_convert import to_diffusers_key
+from loom_live.engine.models.wan_dit import WanDiT, WanDiTConfig
 
 CFG = WanDiTConfig(dim=24, ffn_dim=32, num_heads=2, num_layers=2, text_dim=8, text_len=4, freq_dim=8)
 
@@ -76,7 +76,7 @@ def test_dtype_and_block_range_for_a_pipeline_rank(tmp_path, reference):
     tokens = torch.randn(1, 4, CFG.dim, dtype=torch.bfloat16)
     cond = rank.condition(torch.tensor([100.0]), 1)
     cross = rank.cross_kv(torch.randn(1, 4, CFG.text_dim), blocks=[1])
-    from engine.models.wan_dit import FullSequenceAttention
+    from loom_live.engine.models.wan_dit import FullSequenceAttention
 
     attend = FullSequenceAttention(rank.rope(tokens.device), (1, 2, 2), None)
     assert rank.run_blocks(1, 2, tokens, cond, cross, attend).shape == tokens.shape

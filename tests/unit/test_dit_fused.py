@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.graphs.dit_steps import GraphedStreamForward
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.models.wan_dit_ops import BlockOps
+from loom_live.engine.graphs.dit_steps import GraphedStreamForward
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.models.wan_dit_ops import BlockOps
 
 
 def _stream(model: WanDiT, chunks: list[torch.Tensor], ctx: torch.Tensor, graphed: bool = False) -> torch.Tensor:

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.models.dit_convert import to_diffusers_key, to_wan_key
-from engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig, preset
+from loom_live.engine.models.dit_convert import to_diffusers_key, to_wan_key
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig, preset
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers oracle is in the test extra")
 from tests.fakes.wan_models import CFG, diffusers_twin, random_model  # noqa: E402
@@ -94,7 +94,7 @@ def test_wan_original_names():
 
 def test_pipeline_pieces_compose_to_forward(pair):
     model, _ = pair
-    from engine.models.wan_dit import FullSequenceAttention
+    from loom_live.engine.models.wan_dit import FullSequenceAttention
 
     torch.manual_seed(3)
     x, t, ctx = torch.randn(1, 16, 2, 4, 4), torch.tensor([400.0]), torch.randn(1, CFG.text_len, CFG.text_dim)

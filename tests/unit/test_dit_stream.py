@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.attention import attention
-from engine.layers.rope import rotate
-from engine.models.wan_dit import WanDiT, WanDiTConfig
+from loom_live.engine.layers.attention import attention
+from loom_live.engine.layers.rope import rotate
+from loom_live.engine.models.wan_dit import WanDiT, WanDiTConfig
 
 CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
 H, W = 4, 6  # latent frame -> 2x3 tokens

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.edit.checkpoint import load_unet
-from engine.edit.lllite import LLLite, module_key, select_hooks
-from engine.edit.unet import EditUNet
-from engine.edit.unet_config import DREAMLITE_MOBILE, TINY, UNET_PRESETS, EditUNetConfig
+from loom_live.engine.edit.checkpoint import load_unet
+from loom_live.engine.edit.lllite import LLLite, module_key, select_hooks
+from loom_live.engine.edit.unet import EditUNet
+from loom_live.engine.edit.unet_config import DREAMLITE_MOBILE, TINY, UNET_PRESETS, EditUNetConfig
 
 diffusers = pytest.importorskip("diffusers")
 if not hasattr(diffusers, "DreamLiteUNetModel"):

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config
-from engine.edit.checkpoint import CheckpointError, load_lllite, load_unet
-from engine.edit.lllite import LLLite, select_hooks
-from engine.edit.loading import load_edit_models
-from engine.edit.schedule import EulerFlowSchedule, dynamic_shift, shifted_sigmas
-from engine.edit.session import EditSession
-from engine.edit.unet import UNET_PRESETS, EditUNet
-from engine.session_api import EngineSession
+from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.edit.checkpoint import CheckpointError, load_lllite, load_unet
+from loom_live.engine.edit.lllite import LLLite, select_hooks
+from loom_live.engine.edit.loading import load_edit_models
+from loom_live.engine.edit.schedule import EulerFlowSchedule, dynamic_shift, shifted_sigmas
+from loom_live.engine.edit.session import EditSession
+from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
+from loom_live.engine.session_api import EngineSession
 
 B = 2
 

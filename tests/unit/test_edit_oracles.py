@@ -10,7 +10,7 @@ import torch
 
 def test_tiny_vae_matches_diffusers_autoencoder_tiny():
     diffusers = pytest.importorskip("diffusers")
-    from engine.edit.vae import VAE_PRESETS, TinyVAE
+    from loom_live.engine.edit.vae import VAE_PRESETS, TinyVAE
 
     ref = diffusers.AutoencoderTiny(encoder_block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4,
                                     num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1)).eval()
@@ -26,7 +26,7 @@ def test_tiny_vae_matches_diffusers_autoencoder_tiny():
 @pytest.fixture(scope="module")
 def tiny_qwen():
     pytest.importorskip("transformers.models.qwen3_vl")
-    from engine.edit.encoder import Qwen3VLEncoder, tiny_qwen3vl_config
+    from loom_live.engine.edit.encoder import Qwen3VLEncoder, tiny_qwen3vl_config
 
     return Qwen3VLEncoder.random(tiny_qwen3vl_config(), torch.device("cpu"), torch.float32)
 
@@ -57,7 +57,7 @@ def test_qwen3vl_conditioning_is_fixed_size_and_per_frame(tiny_qwen):
 
 
 def test_encoder_refuses_float16():
-    from engine.edit.encoder import HashEditEncoder
+    from loom_live.engine.edit.encoder import HashEditEncoder
 
     with pytest.raises(ValueError, match="float16.*overflow.*bfloat16"):
         HashEditEncoder(8, 8, torch.device("cpu"), torch.float16)
@@ -68,7 +68,7 @@ def _word_tokenizer(text: str):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from engine.edit.encoder import tiny_qwen3vl_config
+    from loom_live.engine.edit.encoder import tiny_qwen3vl_config
 
     c = tiny_qwen3vl_config()
     special = {"<|endoftext|>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "<|image_pad|>": c.image_token_id,
@@ -113,11 +113,11 @@ def test_an_edit_step_of_the_session_equals_dreamlite_mobile_pipeline(tmp_path, 
     from PIL import Image
     from transformers import Qwen3VLForConditionalGeneration
 
-    from engine.config import load_config
-    from engine.edit.encoder import EDIT_PREFIX, SYSTEM, tiny_qwen3vl_config
-    from engine.edit.loading import load_edit_models
-    from engine.edit.session import EditSession
-    from engine.edit.unet_config import TINY
+    from loom_live.engine.config import load_config
+    from loom_live.engine.edit.encoder import EDIT_PREFIX, SYSTEM, tiny_qwen3vl_config
+    from loom_live.engine.edit.loading import load_edit_models
+    from loom_live.engine.edit.session import EditSession
+    from loom_live.engine.edit.unet_config import TINY
 
     prompt = "make it a watercolor"
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import load_config
-from engine.models.embedded import (
+from loom_live.engine.config import load_config
+from loom_live.engine.models.embedded import (
     EMBEDDED_VAE,
     WEIGHTS_SHA256,
     file_sha256,
@@ -14,9 +14,9 @@ from engine.models.embedded import (
     read_embedded,
     weights_path,
 )
-from engine.stream.session import StreamSession
-from engine.train.data import read_clip
-from engine.train.styles import STYLES, apply_style
+from loom_live.engine.stream.session import StreamSession
+from loom_live.engine.train.data import read_clip
+from loom_live.engine.train.styles import STYLES, apply_style
 
 CLIP = "davis512_libby.mp4"  # held out of training (engine/train/data.py HELD_OUT)
 FRAMES = 13  # the first chunk (5 frames) and two more
@@ -105,7 +105,7 @@ def test_the_same_input_and_seed_give_the_same_output(clip):
                                            ("8 bit retro game", "pixel_art"), ("chinese brush painting", "ink_wash"),
                                            ("old movie", "sepia_film"), ("glowing neon", "neon_edges")])
 def test_prompts_in_other_words_land_on_their_style(prompt, style):
-    from engine.stream.style_text import StyleTextEncoder
+    from loom_live.engine.stream.style_text import StyleTextEncoder
 
     assert StyleTextEncoder(384, 4).describe(prompt).style == style
 
@@ -123,9 +123,9 @@ def test_saved_weights_are_int8_matrices_that_read_back_within_one_step_of_their
     import torch
     from safetensors import safe_open
 
-    from engine.models.embedded import EMBEDDED_DIT, SCALE_SUFFIX, save_embedded, vae_config
-    from engine.models.frame_vae import FrameVAE
-    from engine.models.wan_dit import WanDiT
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, SCALE_SUFFIX, save_embedded, vae_config
+    from loom_live.engine.models.frame_vae import FrameVAE
+    from loom_live.engine.models.wan_dit import WanDiT
 
     torch.manual_seed(0)
     dit = WanDiT(EMBEDDED_DIT)
@@ -154,8 +154,8 @@ def test_the_vae_round_trip_keeps_a_saturated_clips_colour():
     clip grey (saturation 146 -> 19, 15.6 dB)."""
     import torch
 
-    from engine.train.data import shapes_clip
-    from engine.train.evaluate import psnr, saturation
+    from loom_live.engine.train.data import shapes_clip
+    from loom_live.engine.train.evaluate import psnr, saturation
 
     frames = shapes_clip(seed=3, size=SIZE, n=9)
     hsv = np.stack([cv2_hsv(f) for f in frames])

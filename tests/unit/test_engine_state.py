@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from host_bridge import BridgeStatus, EngineState
+from loom_live.host_bridge import BridgeStatus, EngineState
 
 
 def test_states_read_as_their_status_text():

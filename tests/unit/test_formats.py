@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from host_bridge.wire import pixels as formats
-from plugin.comfyui import pixels as comfy_pixels
+from loom_live.host_bridge.wire import pixels as formats
+from loom_live.plugin.comfyui import pixels as comfy_pixels
 
 
 def _rgb(h: int = 5, w: int = 7) -> np.ndarray:
@@ -67,7 +67,7 @@ def test_bad_frames_say_what_is_allowed():
 def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up):
     import torch
 
-    from engine.server import device_frames as server_gpu
+    from loom_live.engine.server import device_frames as server_gpu
 
     rng = np.random.default_rng(1)
     c = len(order)

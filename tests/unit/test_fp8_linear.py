@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import load_config
-from engine.graphs.dit_steps import GraphedStreamForward
-from engine.models.fp8_linear import (
+from loom_live.engine.config import load_config
+from loom_live.engine.graphs.dit_steps import GraphedStreamForward
+from loom_live.engine.models.fp8_linear import (
     BLOCK_LINEARS,
     FP8_DTYPE,
     FP8Linear,
@@ -22,8 +22,8 @@ from engine.models.fp8_linear import (
     quantize_rows,
     scaled_mm_emulated,
 )
-from engine.models.loading import load_models
-from engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig
 
 E4M3_HALF_STEP = 2.0**-4  # round-to-nearest with 3 mantissa bits: relative error <= 2^-4 for normal values
 E4M3_MIN_NORMAL = 2.0**-6

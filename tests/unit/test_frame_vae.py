@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.models.frame_vae import FrameVAE, FrameVAEConfig
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.stream.schedule import FlowSchedule
+from loom_live.engine.models.frame_vae import FrameVAE, FrameVAEConfig
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.stream.schedule import FlowSchedule
 
 SMALL = FrameVAEConfig(frame_channels=8, encoder_width=16, decoder_width=16, upsample_width=8)
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from host_bridge.wire import pixels
-from host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, make
-from host_bridge.wire.typed_config import ConfigError
+from loom_live.host_bridge.wire import pixels
+from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, make
+from loom_live.host_bridge.wire.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 HUGE = "1" + "0" * 400  # a 401-digit integer: math.isfinite() overflows on it
@@ -64,7 +64,7 @@ def test_host_downscales_frames_over_the_size_limit():
 def test_hole7_yaml_alias_bomb_gives_a_short_error():
     bomb = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
         f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefg", "bcdefgh"))
-    from host_bridge.config import BridgeConfig
+    from loom_live.host_bridge.config import BridgeConfig
 
     value = yaml.safe_load(bomb)["h"]  # 9**8 strings once expanded
     with pytest.raises(ConfigError) as err:
@@ -77,8 +77,8 @@ def test_hole7_yaml_alias_bomb_gives_a_short_error():
 
 def test_hole9_host_shm_starts_no_resource_tracker():
     code = ("from multiprocessing import resource_tracker as rt\n"
-            "from host_bridge.wire.rings import create_ring\n"
-            "from host_bridge.wire.doorbell import Doorbell\n"
+            "from loom_live.host_bridge.wire.rings import create_ring\n"
+            "from loom_live.host_bridge.wire.doorbell import Doorbell\n"
             "r = create_ring('shm', 'in', slots=2, width=4, height=4); d = Doorbell.create()\n"
             "r.close(); d.close()\n"
             "assert rt._resource_tracker._pid is None, 'resource tracker started'\n")
@@ -88,7 +88,7 @@ def test_hole9_host_shm_starts_no_resource_tracker():
 
 
 def test_hole10_device_or_fifo_as_checkpoint_path_is_a_clear_error(tmp_path):
-    from engine.models.checkpoint_io import CheckpointError, checkpoint_files
+    from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files
 
     with pytest.raises(CheckpointError, match="not a regular file or directory"):
         checkpoint_files("/dev/zero")
@@ -106,7 +106,7 @@ def test_hole5_engine_shrinks_a_huge_frame_before_converting_it_to_float(monkeyp
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    from engine.stream import frames as engine_frames
+    from loom_live.engine.stream import frames as engine_frames
 
     rng = np.random.default_rng(0)
     big = np.repeat(np.repeat(rng.integers(0, 256, (1, 64, 128, 3), dtype=np.uint8), 16, axis=1), 16, axis=2)

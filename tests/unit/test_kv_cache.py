@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cache.kv_cache import KVCache
-from engine.layers.rope import rotate
+from loom_live.engine.cache.kv_cache import KVCache
+from loom_live.engine.layers.rope import rotate
 
 HEADS, HEAD_DIM = 1, 12
 GRID = (1, 2)  # 2 tokens per latent frame
@@ -254,8 +254,8 @@ def test_blocks_move_between_caches():
 
 
 def test_static_cross_keeps_its_buffers_for_a_prompt_of_the_same_shape():
-    from engine.cache.kv_cache import CrossKV
-    from engine.graphs.dit_steps import StaticCross
+    from loom_live.engine.cache.kv_cache import CrossKV
+    from loom_live.engine.graphs.dit_steps import StaticCross
 
     def cross(value: float, tokens: int = 8) -> CrossKV:
         return CrossKV({0: torch.full((1, tokens, 4), value)}, {0: torch.full((1, tokens, 4), -value)})

@@ -1,6 +1,7 @@
 """The layering of the packages, read from the source: host_bridge/wire <- host_bridge <- plugin, and
-host_bridge/wire <- engine. A host (TouchDesigner, ComfyUI, the player) imports host_bridge without
-paying for torch, and the engine process never depends on a host.
+host_bridge/wire <- engine (imported as loom_live.host_bridge, loom_live.engine, loom_live.plugin). A host
+(TouchDesigner, ComfyUI, the player) imports host_bridge without paying for torch, and the engine process never
+depends on a host.
 
 Every import statement counts, at module level or inside a function (a lazy import still ties the
 two modules together), except those under `if TYPE_CHECKING:`, which never run.
@@ -15,14 +16,15 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("host_bridge", "engine", "plugin")
+PACKAGES = ("host_bridge", "engine", "plugin")  # folders of the checkout, each a subpackage of NAMESPACE
+NAMESPACE = "loom_live"
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join([NAMESPACE, *parts])
 
 
 @cache
@@ -92,21 +94,28 @@ def _violations(where: str, forbidden) -> list[str]:
 def test_the_source_tree_is_found():
     mods = _modules()
     for expected in ("host_bridge.client", "host_bridge.wire.protocol", "engine.server.core", "plugin.cli.main"):
-        assert expected in mods
-    assert "host_bridge.wire.protocol" in _imports("host_bridge.client")
+        assert f"{NAMESPACE}.{expected}" in mods
+    assert "loom_live.host_bridge.wire.protocol" in _imports("loom_live.host_bridge.client")
+
+
+def test_loom_is_imported_only_through_its_namespace():
+    """The folders' own names are generic (other distributions install `engine` or `plugin`): an
+    import of one would pick up whatever else a shared Python holds."""
+    assert _violations(NAMESPACE, lambda n: _top(n) in PACKAGES) == []
 
 
 def test_host_bridge_imports_neither_torch_nor_engine_nor_plugin():
-    assert _violations("host_bridge", lambda n: _top(n) in ("torch", "engine", "plugin")) == []
+    forbidden = lambda n: _top(n) == "torch" or _inside(n, "loom_live.engine") or _inside(n, "loom_live.plugin")  # noqa: E731
+    assert _violations("loom_live.host_bridge", forbidden) == []
 
 
 def test_the_wire_layer_imports_nothing_of_host_bridge_outside_wire():
-    outside = lambda n: _inside(n, "host_bridge") and not _inside(n, "host_bridge.wire")  # noqa: E731
-    assert _violations("host_bridge.wire", outside) == []
+    outside = lambda n: _inside(n, "loom_live.host_bridge") and not _inside(n, "loom_live.host_bridge.wire")  # noqa: E731
+    assert _violations("loom_live.host_bridge.wire", outside) == []
 
 
 def test_engine_imports_no_plugin():
-    assert _violations("engine", lambda n: _top(n) == "plugin") == []
+    assert _violations("loom_live.engine", lambda n: _inside(n, "loom_live.plugin")) == []
 
 
 def _cycles() -> list[list[str]]:
@@ -155,7 +164,7 @@ def test_no_import_cycles_between_modules():
 
 
 def test_importing_the_host_client_leaves_torch_out():
-    code = "import sys, host_bridge, host_bridge.client; print('torch' in sys.modules)"
+    code = "import sys, loom_live.host_bridge, loom_live.host_bridge.client; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

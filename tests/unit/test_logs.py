@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from engine.server.main import add_parser as add_serve_parser
-from host_bridge.launcher import engine_argv
-from host_bridge.wire import logs
-from plugin.cli.main import build_parser
+from loom_live.engine.server.main import add_parser as add_serve_parser
+from loom_live.host_bridge.launcher import engine_argv
+from loom_live.host_bridge.wire import logs
+from loom_live.plugin.cli.main import build_parser
 
 
 @pytest.fixture(autouse=True)
@@ -26,13 +26,14 @@ def _restore_logging():
 
 def test_records_of_loom_modules_reach_stderr_at_the_chosen_level(capsys):
     logs.configure("warning")
-    logging.getLogger("engine.server.core").info("quiet")
-    logging.getLogger("engine.server.core").warning("host silent for 5.1 s")
+    logging.getLogger("loom_live.engine.server.core").info("quiet")
+    logging.getLogger("loom_live.engine.server.core").warning("host silent for 5.1 s")
     logs.configure("debug")
     logs.configure("debug")  # configuring twice adds no second handler
-    logging.getLogger("host_bridge.launcher").debug("started")
+    logging.getLogger("loom_live.host_bridge.launcher").debug("started")
     err = capsys.readouterr().err.splitlines()
-    assert err == ["WARNING engine.server.core: host silent for 5.1 s", "DEBUG host_bridge.launcher: started"]
+    assert err == ["WARNING loom_live.engine.server.core: host silent for 5.1 s",
+                   "DEBUG loom_live.host_bridge.launcher: started"]
 
 
 def test_a_bad_level_names_the_allowed_ones():
@@ -45,7 +46,7 @@ def test_the_launcher_passes_the_hosts_level_to_the_engine():
     assert "--log-level" not in engine_argv("python", "--connect", "ipc://x")  # nothing chosen: engine default
     logs.configure("DEBUG")
     argv = engine_argv("python", "--connect", "ipc://x", "--log-level", "error")
-    assert argv[:6] == ["python", "-m", "engine", "serve", "--log-level", "debug"]
+    assert argv[:6] == ["python", "-m", "loom_live.engine", "serve", "--log-level", "debug"]
     assert argv[-2:] == ["--log-level", "error"]  # a host's own engine_args come later and win
 
 
@@ -56,7 +57,7 @@ def test_log_level_is_a_global_loom_option_and_a_serve_option():
     assert parser.parse_args(["--log-level", "error", "serve", "--bind", "tcp://127.0.0.1:1"]).log_level == "error"
     assert parser.parse_args(["serve", "--bind", "tcp://127.0.0.1:1", "--log-level", "WARNING"]).log_level \
         == "warning"
-    engine = argparse.ArgumentParser(prog="python -m engine")
+    engine = argparse.ArgumentParser(prog="python -m loom_live.engine")
     logs.add_option(engine)
     add_serve_parser(engine.add_subparsers(dest="command", required=True))
     assert engine.parse_args(["serve", "--connect", "ipc://x", "--log-level", "debug"]).log_level == "debug"

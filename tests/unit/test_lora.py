@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.lora import LoraError, LoraMerger, read_lora
+from loom_live.engine.models.lora import LoraError, LoraMerger, read_lora
 from tests.fakes.wan_models import CFG, diffusers_twin, random_model
 
 pytest.importorskip("peft", reason="diffusers' LoRA loading (the oracle) needs peft, in the test extra")
@@ -146,7 +146,7 @@ def test_a_pipeline_rank_merges_only_the_blocks_it_holds(tmp_path):
 
 def _lora_for(model, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
     """A diffusers-layout LoRA on every attention and FFN linear of `model`'s blocks."""
-    from engine.models.dit_convert import to_diffusers_key
+    from loom_live.engine.models.dit_convert import to_diffusers_key
 
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -161,8 +161,8 @@ def _lora_for(model, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
 def _session_frames(overrides: list[str]):
     import numpy as np
 
-    from engine.config import load_config
-    from engine.stream.session import StreamSession
+    from loom_live.engine.config import load_config
+    from loom_live.engine.stream.session import StreamSession
 
     frames = np.random.default_rng(0).integers(0, 256, (9, 64, 64, 3), np.uint8)
     with StreamSession.from_config(load_config("default", overrides), warmup=False) as session:
@@ -170,8 +170,8 @@ def _session_frames(overrides: list[str]):
 
 
 def test_config_loras_are_merged_at_load_and_scale_zero_is_no_lora(tmp_path):
-    from engine.config import load_config
-    from engine.models.loading import load_models
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import load_models
 
     dit = load_models(load_config("default")).dit
     path = _save(tmp_path, "style", _lora_for(dit, seed=5))
@@ -183,8 +183,8 @@ def test_config_loras_are_merged_at_load_and_scale_zero_is_no_lora(tmp_path):
 
 
 def test_lora_config_errors_name_the_problem(tmp_path):
-    from engine.config import ConfigError, load_config
-    from engine.models.loading import load_models
+    from loom_live.engine.config import ConfigError, load_config
+    from loom_live.engine.models.loading import load_models
 
     with pytest.raises(ConfigError, match="share a name"):
         load_config("default", ["lora=[{path: a/x.safetensors}, {path: b/x.safetensors}]"])
@@ -197,9 +197,9 @@ def test_lora_config_errors_name_the_problem(tmp_path):
 def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chunk(tmp_path):
     import numpy as np
 
-    from engine.config import load_config
-    from engine.models.loading import load_models
-    from engine.stream.session import StreamSession
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import load_models
+    from loom_live.engine.stream.session import StreamSession
 
     path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=6))
     cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]"])

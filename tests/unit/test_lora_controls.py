@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, lora_scale_command
-from plugin.player.osc import command_for
+from loom_live.plugin.player.controls import (
+    Command,
+    ControlError,
+    Controls,
+    ControlState,
+    KeyboardInput,
+    lora_scale_command,
+)
+from loom_live.plugin.player.osc import command_for
 
 
 class RecordingBridge:
@@ -57,8 +64,8 @@ def test_without_loras_the_keys_say_how_to_load_one():
 def test_a_hosts_lora_arguments_are_what_the_engine_reads_and_its_refusal_names_the_file():
     import json
 
-    from engine.config import lora_override
-    from host_bridge.loras import LoraChoice, engine_args, refused_lora
+    from loom_live.engine.config import lora_override
+    from loom_live.host_bridge.loras import LoraChoice, engine_args, refused_lora
 
     choices = [LoraChoice(r"C:\loras\ink.safetensors", 0.1 + 0.2), LoraChoice("/loras/ink.safetensors.bak", 1.0)]
     args = engine_args(choices)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from engine.models.lora import LoraMerger, read_lora
+from loom_live.engine.models.lora import LoraMerger, read_lora
 from tests.fakes.wan_models import random_model
 
 

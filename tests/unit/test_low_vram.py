@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config
-from engine.models.vae_tiling import TiledVAE
-from engine.stream.session import StreamSession, _encoder_device
+from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.models.vae_tiling import TiledVAE
+from loom_live.engine.stream.session import StreamSession, _encoder_device
 
 
 def _run(overrides: list[str]) -> tuple[StreamSession, np.ndarray]:

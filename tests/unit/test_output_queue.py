@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.stream.output_queue import OutputQueue
-from engine.stream.session import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.engine.stream.output_queue import OutputQueue
+from loom_live.engine.stream.session import StreamSession
 
 
 def test_cpu_outputs_are_ready_at_once_and_in_order():

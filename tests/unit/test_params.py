@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import PromptConfig, load_config
-from engine.server.passthrough import PassthroughSession
-from host_bridge.wanted import PromptWish, Wanted
-from host_bridge.wire.params import (
+from loom_live.engine.config import PromptConfig, load_config
+from loom_live.engine.server.passthrough import PassthroughSession
+from loom_live.host_bridge.wanted import PromptWish, Wanted
+from loom_live.host_bridge.wire.params import (
     LIVE,
     PROMPT,
     STEP_LISTS,
@@ -17,9 +17,9 @@ from host_bridge.wire.params import (
     steps_for,
     whole_chunks,
 )
-from host_bridge.wire.protocol import ProtocolError, make
-from plugin.comfyui.nodes import LoomPrompt
-from plugin.touchdesigner.parameters import PAR_BY_NAME
+from loom_live.host_bridge.wire.protocol import ProtocolError, make
+from loom_live.plugin.comfyui.nodes import LoomPrompt
+from loom_live.plugin.touchdesigner.parameters import PAR_BY_NAME
 
 
 def test_config_defaults_are_the_schema_defaults():
@@ -122,9 +122,9 @@ def test_wanted_lora_scales_add_up_by_name():
 
 
 def test_a_loras_default_scale_and_name_are_one_fact_for_the_engine_and_the_hosts(tmp_path):
-    from engine.config import LoraEntry
-    from host_bridge.loras import lora_choice
-    from host_bridge.wire.params import LORA_DEFAULT_SCALE, lora_name
+    from loom_live.engine.config import LoraEntry
+    from loom_live.host_bridge.loras import lora_choice
+    from loom_live.host_bridge.wire.params import LORA_DEFAULT_SCALE, lora_name
 
     (tmp_path / "ink.v2.safetensors").write_bytes(b"")
     entry = load_config("default", [f"lora=[{{path: {tmp_path / 'ink.v2.safetensors'}}}]"]).lora[0]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.kv_cache import KVCache
-from engine.parallel.plan import (
+from loom_live.engine.cache.kv_cache import KVCache
+from loom_live.engine.parallel.plan import (
     balanced_split,
     check_move,
     check_split,

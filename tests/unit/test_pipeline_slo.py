@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.parallel.slo import PipelineSLO
-from engine.stream.slo_scheduler import PATIENCE, PRIOR_FIXED_FRACTION, Plan
+from loom_live.engine.parallel.slo import PipelineSLO
+from loom_live.engine.stream.slo_scheduler import PATIENCE, PRIOR_FIXED_FRACTION, Plan
 
 # 4 ticks of 2 rows (2 steps) of 1-latent chunks: 4 chunks in, 4 out, 4 messages of 2 rows
 WORK = {"in": (4, 4), "out": (4, 4), "rows": (8, 4)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import re
 
-from plugin.player import status
-from plugin.player.status import StatusPrinter
+from loom_live.plugin.player import status
+from loom_live.plugin.player.status import StatusPrinter
 
 
 def test_stage_lines_say_how_long_each_stage_took_and_a_long_stage_has_a_heartbeat(monkeypatch):

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from host_bridge.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ProtocolError, RingSpec, decode, encode, make
+from loom_live.host_bridge.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    RingSpec,
+    decode,
+    encode,
+    make,
+)
 
 RING = dict(transport="shm", dir="in", slots=3, width=64, height=32, channels=3, dtype="uint8", pitch=192,
             generation=1, handles=["loom_0123456789abcdef"])

@@ -9,8 +9,8 @@ import cv2
 import numpy as np
 import pytest
 
-from engine.tools import eval as ev
-from engine.tools.quality import (
+from loom_live.engine.tools import eval as ev
+from loom_live.engine.tools.quality import (
     FARNEBACK_PARAMS,
     REPORT_VERSION,
     WINDOW_METRICS,
@@ -19,8 +19,8 @@ from engine.tools.quality import (
     evaluate_frames,
     plot_reports,
 )
-from plugin.cli import eval as eval_cmd
-from plugin.media.video_io import generate_clip
+from loom_live.plugin.cli import eval as eval_cmd
+from loom_live.plugin.media.video_io import generate_clip
 
 SHIFT_PX = 3
 

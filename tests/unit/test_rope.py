@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.rope import RopeTables, axis_dims, refresh_shift, rotate, window_positions
+from loom_live.engine.layers.rope import RopeTables, axis_dims, refresh_shift, rotate, window_positions
 
 
 def wan_reference_rope(x: torch.Tensor, f: int, h: int, w: int, start: int = 0) -> torch.Tensor:

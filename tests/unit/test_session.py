@@ -8,8 +8,8 @@ import resource
 import numpy as np
 import pytest
 
-from engine.config import load_config
-from engine.stream.session import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.engine.stream.session import StreamSession
 from tests.fakes.media import panning_clip
 
 SMALL = ["resolution.width=64", "resolution.height=64"]

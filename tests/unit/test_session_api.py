@@ -8,11 +8,11 @@ import inspect
 import numpy as np
 import pytest
 
-from engine.config import load_config
-from engine.parallel.session import PipelineSession
-from engine.server.passthrough import PassthroughSession
-from engine.session_api import EngineSession
-from engine.stream.session import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.engine.parallel.session import PipelineSession
+from loom_live.engine.server.passthrough import PassthroughSession
+from loom_live.engine.session_api import EngineSession
+from loom_live.engine.stream.session import StreamSession
 
 SESSIONS = [PassthroughSession, StreamSession, PipelineSession]
 METHODS = [name for name, member in vars(EngineSession).items()
@@ -62,8 +62,8 @@ def test_stream_session_is_an_engine_session():
 
 
 def test_the_wan_session_refuses_another_familys_parameters_by_name():
-    from engine.config import load_config
-    from engine.stream.session import StreamSession
+    from loom_live.engine.config import load_config
+    from loom_live.engine.stream.session import StreamSession
 
     with StreamSession.from_config(load_config("default"), warmup=False) as session:
         with pytest.raises(ValueError, match="unknown parameter 'adapter_strength'; settable: steps"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine.stream.slo_scheduler import PATIENCE, Plan, SLOScheduler
+from loom_live.engine.stream.slo_scheduler import PATIENCE, Plan, SLOScheduler
 
 
 class FakeGPU:

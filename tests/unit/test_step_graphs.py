@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.graphs.dit_steps import GraphedStreamForward
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.stream.session import StreamSession
+from loom_live.engine.config import load_config
+from loom_live.engine.graphs.dit_steps import GraphedStreamForward
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.stream.session import StreamSession
 
 pytestmark = pytest.mark.gpu
 

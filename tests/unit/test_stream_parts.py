@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.stream.metrics import StreamMetrics
-from engine.stream.motion_noise import MotionNoiseController, OpticalFlowMotion, frame_difference_motion
-from engine.stream.prompts import FileTextEncoder, HashTextEncoder, PromptConditioner, PromptError, blend
-from engine.stream.schedule import FlowSchedule
+from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.motion_noise import MotionNoiseController, OpticalFlowMotion, frame_difference_motion
+from loom_live.engine.stream.prompts import FileTextEncoder, HashTextEncoder, PromptConditioner, PromptError, blend
+from loom_live.engine.stream.schedule import FlowSchedule
 
 
 def test_flow_schedule_shift_and_round_trip():
@@ -133,7 +133,7 @@ def test_a_prompt_that_cannot_be_encoded_never_breaks_the_stream(tmp_path):
     """Unknown to a prompt file: refused at the request, with what the file holds. Failing in the
     background encoder: the stream keeps its prompt and says why (before, the error came out of
     the next push, in the middle of a chunk)."""
-    from plugin.cli.encode_prompts import write_embeddings
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
 
     path = tmp_path / "p.safetensors"
     write_embeddings(HashTextEncoder(8), ["neon city", "ink wash"], path)
@@ -173,7 +173,7 @@ def test_slerp_keeps_norm_between_unit_vectors():
 
 
 def test_embeddings_file_round_trip_and_unknown_prompt(tmp_path):
-    from plugin.cli.encode_prompts import write_embeddings
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
 
     out = tmp_path / "p.safetensors"
     write_embeddings(HashTextEncoder(8), ["neon city", "ink wash"], out)

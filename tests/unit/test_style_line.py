@@ -6,9 +6,9 @@ import io
 
 import torch
 
-from engine.stream.prompts import HashTextEncoder, PromptConditioner
-from plugin.player.status import StatusPrinter, live_line
-from plugin.player.style_line import StyleReport, style_line
+from loom_live.engine.stream.prompts import HashTextEncoder, PromptConditioner
+from loom_live.plugin.player.status import StatusPrinter, live_line
+from loom_live.plugin.player.style_line import StyleReport, style_line
 
 
 def _report(prompt: str, style: str | None, similarity: float = 0.8, known: int = 3) -> dict:

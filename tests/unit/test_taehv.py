@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.taehv import MemBlock, TGrow, TinyVAE, TPool
+from loom_live.engine.models.taehv import MemBlock, TGrow, TinyVAE, TPool
 
 TOL = 1e-4
 

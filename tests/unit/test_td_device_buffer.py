@@ -14,8 +14,8 @@ pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc code needs cud
 
 
 def test_the_stream_outlives_allocation_and_resizes_and_dies_with_close(monkeypatch):
-    from host_bridge.wire.rings import cuda as tc
-    from plugin.touchdesigner.loom_ext import DeviceBuffer
+    from loom_live.host_bridge.wire.rings import cuda as tc
+    from loom_live.plugin.touchdesigner.loom_ext import DeviceBuffer
     from tests.fakes.cuda_runtime import FakeRuntime
 
     rt = FakeRuntime()
@@ -36,9 +36,9 @@ def test_a_ring_read_on_the_hosts_stream_after_the_buffer_is_sized(monkeypatch):
     """The order of a cuda-ipc cook: size the output buffer, then read the staging ring on the stream."""
     import numpy as np
 
-    from host_bridge.wire.rings import cuda as tc
-    from host_bridge.wire.rings.cuda import CudaRing
-    from plugin.touchdesigner.loom_ext import DeviceBuffer
+    from loom_live.host_bridge.wire.rings import cuda as tc
+    from loom_live.host_bridge.wire.rings.cuda import CudaRing
+    from loom_live.plugin.touchdesigner.loom_ext import DeviceBuffer
     from tests.fakes.cuda_runtime import FakeRuntime
 
     rt = FakeRuntime()

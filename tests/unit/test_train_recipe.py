@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.wan_dit import DIT_PRESETS, WanDiT
-from engine.stream.denoiser import StreamDenoiser
-from engine.stream.motion_noise import MotionNoiseController
-from engine.stream.schedule import FlowSchedule
-from engine.train import recipe
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.stream.denoiser import StreamDenoiser
+from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.schedule import FlowSchedule
+from loom_live.engine.train import recipe
 
 
 @pytest.mark.parametrize("steps", [[700], [700, 500, 400]])

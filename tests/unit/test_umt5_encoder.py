@@ -13,7 +13,7 @@ REASON = "the UMT5 oracle needs the t5 or test extra (transformers, sentencepiec
 transformers = pytest.importorskip("transformers", reason=REASON)
 sentencepiece = pytest.importorskip("sentencepiece", reason=REASON)
 
-from engine.stream.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
+from loom_live.engine.stream.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
 
 WORDS = "ink wash painting neon city charcoal sketch watercolour oil pastel van gogh brush strokes vivid"
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.checkpoint_io import CheckpointError
-from engine.models.dit_convert import to_diffusers_key, to_wan_key
-from engine.models.wan_dit import WanDiT
-from engine.models.wan_vace import VACE_PRESETS, ControlLatents, WanVaceConfig, WanVaceDiT, vace_preset
+from loom_live.engine.models.checkpoint_io import CheckpointError
+from loom_live.engine.models.dit_convert import to_diffusers_key, to_wan_key
+from loom_live.engine.models.wan_dit import WanDiT
+from loom_live.engine.models.wan_vace import VACE_PRESETS, ControlLatents, WanVaceConfig, WanVaceDiT, vace_preset
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers oracle is in the test extra")
 from tests.fakes.wan_models import diffusers_vace_twin, random_vace  # noqa: E402

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config
-from engine.models.loading import load_models
-from engine.stream.control_latents import ControlEncoder
-from engine.stream.session import StreamSession
+from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.stream.control_latents import ControlEncoder
+from loom_live.engine.stream.session import StreamSession
 
 SMALL = ["resolution.width=64", "resolution.height=64", "stream.steps=[700]", "stream.cuda_graphs=false"]
 
@@ -112,7 +112,7 @@ def test_control_latents_are_the_grey_and_control_videos_encoded_beside_a_mask_o
 
 
 def test_player_control_options_become_config_keys(tmp_path):
-    from engine.config import control_override
+    from loom_live.engine.config import control_override
 
     assert control_override("flow", None) == ["control.control_source=flow"]
     cfg = load_config("tiny-vace", control_override(str(tmp_path / "c.mp4"), str(tmp_path / "r.png")))

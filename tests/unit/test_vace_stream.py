@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.wan_vace import ControlLatents, WanVaceConfig, reference_entry
+from loom_live.engine.models.wan_vace import ControlLatents, WanVaceConfig, reference_entry
 from tests.fakes.wan_models import random_vace
 
 CFG = WanVaceConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=3, text_dim=32, text_len=16, freq_dim=32,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.checkpoint_io import CheckpointError
-from engine.models.taehv import TinyVAE
-from engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.models.checkpoint_io import CheckpointError
+from loom_live.engine.models.taehv import TinyVAE
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
 TOL = 1e-4
 TINY = VAE_PRESETS["tiny"]
@@ -201,7 +201,7 @@ def test_partial_checkpoint_names_missing_keys(tmp_path, tiny_vae):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_graphed_decode_step_matches_eager_on_gpu(tiny_vae):
-    from engine.graphs.vae_steps import GraphedStep
+    from loom_live.engine.graphs.vae_steps import GraphedStep
 
     vae = WanVAE(TINY).to("cuda").eval()
     vae.load_state_dict(tiny_vae.state_dict())
@@ -242,7 +242,7 @@ def test_batch_rows_are_independent(tiny_vae):
 def test_session_steps_run_one_latent_at_a_time_and_equal_whole_chunks(tiny_vae):
     """VAEGraphs cuts steady chunks into one-latent steps (one graph / compiled shape for every
     chunk size); the streaming caches make that exact."""
-    from engine.graphs.vae_steps import VAEGraphs
+    from loom_live.engine.graphs.vae_steps import VAEGraphs
 
     x = _video(13, 16, seed=3)
     steps, seen = VAEGraphs(enabled=False), []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import vae_convert
-from engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.models import vae_convert
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
 
 def _meta_state(cfg) -> dict[str, torch.Tensor]:

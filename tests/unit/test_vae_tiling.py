@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.graphs.vae_steps import VAEGraphs
-from engine.models.taehv import TinyVAE
-from engine.models.vae_tiling import LATENT_SCALE, TiledVAE, blend_weights, tile_spans
-from engine.models.wan_vae import VAE_PRESETS, AttentionBlock, WanVAE
+from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.taehv import TinyVAE
+from loom_live.engine.models.vae_tiling import LATENT_SCALE, TiledVAE, blend_weights, tile_spans
+from loom_live.engine.models.wan_vae import VAE_PRESETS, AttentionBlock, WanVAE
 
 ENCODE_CHUNKS = (5, 4, 8)  # pixel frames: 1 + 4k first, then 4k
 DECODE_CHUNKS = (1, 2, 1)  # latents: the first alone, then more
@@ -257,7 +257,7 @@ def test_bad_arguments_are_explained():
 @pytest.mark.gpu
 @torch.no_grad()
 def test_tiled_decode_step_captures_as_a_cuda_graph():
-    from engine.graphs.vae_steps import GraphedStep
+    from loom_live.engine.graphs.vae_steps import GraphedStep
 
     vae = _wan().to("cuda")
     tiled = TiledVAE(vae, tile_latents=4, overlap_latents=2)

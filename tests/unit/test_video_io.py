@@ -15,7 +15,7 @@ import av
 import numpy as np
 import pytest
 
-from plugin.media.video_io import (
+from loom_live.plugin.media.video_io import (
     MediaError,
     check_output_file,
     generate_clip,
@@ -268,7 +268,7 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
     out = tmp_path / "interrupted.mp4"
     script = textwrap.dedent(f"""
         import sys, numpy as np
-        from plugin.media.video_io import generate_clip, open_sink
+        from loom_live.plugin.media.video_io import generate_clip, open_sink
         clip = generate_clip(10, (96, 64), 24, seed=0)
         with open_sink({str(out)!r}, 24, (96, 64)) as sink:
             for i in range(10**6):
@@ -288,8 +288,8 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
-    code = ("import sys, plugin.media.video_io; "
-            "print(sorted(m for m in ('av', 'cv2', 'torch', 'engine') if m in sys.modules))")
+    code = ("import sys, loom_live.plugin.media.video_io; "
+            "print(sorted(m for m in ('av', 'cv2', 'torch', 'loom_live.engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]"

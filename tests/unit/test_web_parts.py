@@ -9,12 +9,12 @@ import cv2
 import numpy as np
 import pytest
 
-from host_bridge.wire.errors import UserError
-from host_bridge.wire.params import NOISE_SCALE, STEP_LISTS
-from plugin.player.controls import Command, ControlError, Controls, ControlState
-from plugin.web import stamp
-from plugin.web.access import make_access, parse_listen
-from plugin.web.page_controls import command_for, schema
+from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.params import NOISE_SCALE, STEP_LISTS
+from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState
+from loom_live.plugin.web import stamp
+from loom_live.plugin.web.access import make_access, parse_listen
+from loom_live.plugin.web.page_controls import command_for, schema
 
 
 @pytest.mark.parametrize("code", [1, 2, 1234, stamp.CODE_LIMIT - 1])

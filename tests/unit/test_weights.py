@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models.weights import PRESET_WEIGHTS
+from loom_live.engine.models.weights import PRESET_WEIGHTS
 
 
 @pytest.mark.parametrize(("preset", "size", "causal"), [("wan2.1-1.3b", "1.3B", "wan_causal_dmd_v2v"),
@@ -28,9 +28,9 @@ def test_each_wan_preset_pulls_the_checked_upstream_files(preset, size, causal):
 
 
 def test_the_dreamlite_edit_preset_pulls_the_released_files_and_says_they_are_non_commercial(capsys):
-    from engine.config import load_config
-    from engine.models.weights import weight_sources
-    from plugin.cli.main import main
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.weights import weight_sources
+    from loom_live.plugin.cli.main import main
 
     sources = {s.key: s for s in weight_sources(load_config("dreamlite-edit"))}
     unet, encoder, lllite = sources["edit.checkpoint"], sources["edit.encoder_path"], sources["edit.lllite"]
@@ -47,9 +47,9 @@ def test_the_dreamlite_edit_preset_pulls_the_released_files_and_says_they_are_no
 
 
 def test_an_unpulled_dreamlite_edit_run_is_refused_naming_its_pull(tmp_path, monkeypatch):
-    from engine.config import load_config
-    from host_bridge.wire.errors import UserError
-    from plugin.cli.preflight import check_weights
+    from loom_live.engine.config import load_config
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
     with pytest.raises(UserError, match=r"preset 'dreamlite-edit' needs .*edit\.checkpoint.*edit\.encoder_path.*"
@@ -67,7 +67,7 @@ def test_each_vace_preset_pulls_the_vace_release(preset, size):
 
 
 def test_sharded_vace_dit_is_found_in_the_cache_by_its_pattern(tmp_path):
-    from engine.models.weights import cached_path
+    from loom_live.engine.models.weights import cached_path
 
     (source,) = [s for s in PRESET_WEIGHTS["wan2.1-vace-14b"] if s.key == "model.checkpoint"]
     snapshot = tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "snapshots" / "abc"

@@ -4,7 +4,7 @@
 `factory` picks the transport by name. This package re-exports the names callers use.
 """
 
-from host_bridge.wire.rings.base import Ring, SlotTracker, TransportUnavailable, packed_pitch
-from host_bridge.wire.rings.factory import attach_ring, create_ring
+from loom_live.host_bridge.wire.rings.base import Ring, SlotTracker, TransportUnavailable, packed_pitch
+from loom_live.host_bridge.wire.rings.factory import attach_ring, create_ring
 
 __all__ = ["Ring", "SlotTracker", "TransportUnavailable", "attach_ring", "create_ring", "packed_pitch"]

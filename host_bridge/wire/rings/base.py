@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.protocol import DTYPE_SIZES, ProtocolError, RingSpec
+from loom_live.host_bridge.wire.protocol import DTYPE_SIZES, ProtocolError, RingSpec
 
 
 class TransportUnavailable(RuntimeError):

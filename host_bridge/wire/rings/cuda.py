@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.protocol import RingSpec
-from host_bridge.wire.rings.base import Ring, TransportUnavailable, packed_pitch
+from loom_live.host_bridge.wire.protocol import RingSpec
+from loom_live.host_bridge.wire.rings.base import Ring, TransportUnavailable, packed_pitch
 
 try:
     from cuda.bindings import runtime as cudart

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from host_bridge.wire.protocol import RingSpec
-from host_bridge.wire.rings.base import Ring, packed_pitch
-from host_bridge.wire.rings.cuda import CudaRing
-from host_bridge.wire.rings.shm import ShmRing
-from host_bridge.wire.rings.tcp import TcpRing
+from loom_live.host_bridge.wire.protocol import RingSpec
+from loom_live.host_bridge.wire.rings.base import Ring, packed_pitch
+from loom_live.host_bridge.wire.rings.cuda import CudaRing
+from loom_live.host_bridge.wire.rings.shm import ShmRing
+from loom_live.host_bridge.wire.rings.tcp import TcpRing
 
 
 def create_ring(transport: str, direction: str, *, slots: int, width: int, height: int, channels: int = 3,

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.processes import pid_alive
-from host_bridge.wire.protocol import SEGMENT_NAME, RingSpec
-from host_bridge.wire.rings.base import Ring, packed_pitch
+from loom_live.host_bridge.wire.processes import pid_alive
+from loom_live.host_bridge.wire.protocol import SEGMENT_NAME, RingSpec
+from loom_live.host_bridge.wire.rings.base import Ring, packed_pitch
 
 NAME_PREFIX = "loom_"
 SHM_DIR = "/dev/shm"

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from host_bridge.wire.protocol import ProtocolError, RingSpec
-from host_bridge.wire.rings.base import Ring
+from loom_live.host_bridge.wire.protocol import ProtocolError, RingSpec
+from loom_live.host_bridge.wire.rings.base import Ring
 
 
 class TcpRing(Ring):
