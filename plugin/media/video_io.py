@@ -35,9 +35,9 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 UDP_TS_PACKET_SIZE = 1316
 # Cameras that report no rate (0) are assumed to run at this rate.
 FALLBACK_CAMERA_FPS = 30.0
-# A file is encoded beside the engine, on the same cores: veryfast, with a crf one lower to keep the
-# picture of `fast` (the measurement is in docs/performance.md, "The player path on a CPU").
-FILE_ENCODER_OPTIONS = {"preset": "veryfast", "crf": "17"}
+# x264 `fast`: `veryfast` (crf 17) would cost a third less CPU beside the engine, but a file it was
+# writing when Ctrl-C came was left with no decodable frame in 4 of 7 tries (test_video_io's Ctrl-C test).
+FILE_ENCODER_OPTIONS = {"preset": "fast", "crf": "18"}
 NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "23"}
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
 MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
