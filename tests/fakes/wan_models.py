@@ -19,23 +19,20 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
     return model
 
 
+def _shape(cfg: WanDiTConfig, cross_attn_norm: bool) -> dict:
+    """The constructor arguments diffusers' Wan transformers share, from a Loom config."""
+    return dict(patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
+                in_channels=cfg.in_channels, out_channels=cfg.out_channels, text_dim=cfg.text_dim,
+                freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers,
+                cross_attn_norm=cross_attn_norm, qk_norm="rms_norm_across_heads", eps=cfg.eps)
+
+
 def diffusers_twin(cfg: WanDiTConfig = CFG, model: WanDiT | None = None, cross_attn_norm: bool = True):
     """diffusers' Wan transformer of the same shape; with `model`, loaded with its weights."""
     import diffusers
 
     twin = diffusers.WanTransformer3DModel(
-        patch_size=cfg.patch_size,
-        num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        text_dim=cfg.text_dim,
-        freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        cross_attn_norm=cross_attn_norm,
-        qk_norm="rms_norm_across_heads",
-        eps=cfg.eps,
+        **_shape(cfg, cross_attn_norm),
         image_dim=None,
         added_kv_proj_dim=None,
         rope_max_seq_len=1024,
@@ -62,18 +59,7 @@ def diffusers_vace_twin(cfg, model=None):
     import diffusers
 
     twin = diffusers.WanVACETransformer3DModel(
-        patch_size=cfg.patch_size,
-        num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        text_dim=cfg.text_dim,
-        freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        cross_attn_norm=cfg.cross_attn_norm,
-        qk_norm="rms_norm_across_heads",
-        eps=cfg.eps,
+        **_shape(cfg, cfg.cross_attn_norm),
         vace_layers=list(cfg.vace_layers),
         vace_in_channels=cfg.vace_in_channels,
     ).eval()
