@@ -67,6 +67,11 @@ class WanDiTConfig:
     # (out_channels * patch area > dim) cannot predict the noise in every direction of a flow, and the
     # noise it misses stays in x0 = x_t - sigma * v; predicting x0 leaves no noise behind.
     prediction: str = "flow"
+    # Width of the latent refiner (0: none, as in Wan2.1). A head whose tokens span a 2x2 patch of many
+    # latent channels gives mostly each patch's mean; the refiner is a small convolution stack on the
+    # latent grid that reads the head's clean estimate beside the noisy latents and adds the per-pixel
+    # detail back (x0 prediction only; it sees one latent frame at a time, so streaming stays causal).
+    refiner_width: int = 0
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -79,6 +84,8 @@ class WanDiTConfig:
             raise ValueError(f"patch_size={self.patch_size}: streaming needs a temporal patch of 1")
         if self.prediction not in ("flow", "x0"):
             raise ValueError(f"prediction={self.prediction!r}: allowed are 'flow' and 'x0'")
+        if self.refiner_width < 0 or (self.refiner_width and self.prediction != "x0"):
+            raise ValueError(f"refiner_width={self.refiner_width}: must be 0, or > 0 with prediction='x0'")
 
     @property
     def head_dim(self) -> int:
@@ -91,9 +98,9 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     # Loom's embedded default and test model: runs on a CPU at a few FPS at 256 tokens/frame.
     "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
     # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors; its
-    # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 48 values per 8x8 block).
-    "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=192, out_channels=192,
-                             text_dim=384, text_len=4, prediction="x0"),
+    # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 96 values per 8x8 block).
+    "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=384, out_channels=384,
+                             text_dim=384, text_len=4, prediction="x0", refiner_width=192),
 }
 
 
@@ -200,8 +207,32 @@ class WanBlock(nn.Module):
         return self.ops.affine_norm(x, self.norm3.weight, self.norm3.bias, self.norm3.eps)
 
 
+class LatentRefiner(nn.Module):
+    """Adds per-pixel detail to a clean-latent estimate from the noisy latents beside it (see
+    `WanDiTConfig.refiner_width`). Each latent frame is refined alone; the last layer starts at zero,
+    so a refiner added to a trained head starts as the identity."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(2 * channels + 1, width, 1)
+        self.mid1 = nn.Conv2d(width, width, 3, padding=1)
+        self.mid2 = nn.Conv2d(width, width, 3, padding=1)
+        self.out = nn.Conv2d(width, channels, 1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """x0, x_t [B, C, F, H, W]; sigma broadcastable to [B, 1, F, 1, 1]."""
+        b, c, f, h, w = x0.shape
+        s = sigma.to(x0.dtype).expand(b, 1, f, h, w)
+        x = torch.cat([x0, x_t.to(x0.dtype), s], dim=1).transpose(1, 2).flatten(0, 1)
+        x = self.out(F.silu(self.mid2(F.silu(self.mid1(F.silu(self.inp(x)))))))
+        return x0 + x.unflatten(0, (b, f)).transpose(1, 2)
+
+
 class Head(nn.Module):
-    """Output norm with 2-way modulation, projection to patches, and unpatchify."""
+    """Output norm with 2-way modulation, projection to patches, unpatchify, and (x0 models) the
+    optional latent refiner."""
 
     def __init__(self, cfg: WanDiTConfig) -> None:
         super().__init__()
@@ -211,6 +242,7 @@ class Head(nn.Module):
         self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        self.refiner = LatentRefiner(cfg.out_channels, cfg.refiner_width) if cfg.refiner_width else None
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int],
@@ -229,6 +261,8 @@ class Head(nn.Module):
         if x_t is None or sigma is None:
             raise ValueError("a model that predicts x0 needs the chunk's latents and sigma to give its flow")
         s = sigma.float().view(sigma.shape[0], 1, -1, 1, 1).clamp_min(1e-4)
+        if self.refiner is not None:
+            out = self.refiner(out, x_t, s)
         return ((x_t.float() - out.float()) / s).to(out.dtype)
 
 
