@@ -4,9 +4,11 @@ Why this shape: the embedded default must reconstruct colour and detail well eno
 through it is sharp, learn that in minutes, and run on a CPU. Temporal compression is what a tiny
 model learns slowest and loses most on fast motion, and a narrow ReLU layer at full resolution can
 drop whole colour directions for good. So each frame is coded on its own: every 8x8 pixel block
-becomes `frame_channels` values (48: a quarter of the block's 192), through a linear block codec
-plus a small convolutional residual that starts at zero. Training thus begins from a linear codec
-that already keeps colour, and the residual learns edges and texture.
+becomes `frame_channels` values (96: half of the block's 192), through a linear block codec plus a
+small convolutional residual that starts at zero. Training thus begins from a linear codec (the
+recipe sets it to the blocks' principal components) that already keeps colour, and the residual
+learns edges and texture. Thin lines and hard colour borders anywhere in a block are what a narrower
+code loses first, so the code is as wide as the line styles need.
 
 The Wan stream geometry stays, so the session, the KV cache and the DiT need no special case: a
 latent frame stands for four video frames, their codes side by side on the channel axis (earliest
@@ -40,7 +42,7 @@ LEAD = TIME_STRIDE - 1  # copies of frame 0 in front of a stream
 
 @dataclass(frozen=True)
 class FrameVAEConfig:
-    frame_channels: int = 48  # code values per 8x8 block of one frame
+    frame_channels: int = 96  # code values per 8x8 block of one frame
     encoder_width: int = 96
     decoder_width: int = 128
     upsample_width: int = 32  # the decoder's last stage, at a quarter of the frame's side

@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from loom_live.engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
-from loom_live.engine.models.frame_vae import FrameVAE
+from loom_live.engine.models.frame_vae import BLOCK_VALUES, FrameVAE
 from loom_live.engine.models.wan_dit import WanDiT
+from loom_live.engine.models.wan_vae import SPACE_STRIDE
 from loom_live.engine.stream.motion_noise import MotionNoiseController, frame_difference_motion
 from loom_live.engine.stream.prompts import blend
 from loom_live.engine.stream.schedule import FlowSchedule
@@ -124,8 +125,19 @@ def stream_decode(vae: FrameVAE, z: torch.Tensor, clamp: bool = True) -> torch.T
     return torch.cat([vae.decode_stream(z[:, :, i:i + 1], state, clamp) for i in range(z.shape[2])], dim=2)
 
 
+def past_the_clamp(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y with its overshoot forgiven: where the target is pure black (-1) or pure white (1) and y goes
+    further out, the decoder's clamp makes it exact, so it counts as x (no error, no gradient). The
+    decoder can then keep black and white exactly, where a reconstruction error of one level would
+    give a black pixel a loud hue (HSV saturation is unstable near black)."""
+    over = ((x <= -1.0) & (y < x)) | ((x >= 1.0) & (y > x))
+    return torch.where(over, x, y)
+
+
 def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """L1 on pixels and on their vertical and horizontal differences (keeps edges sharp)."""
+    """L1 on pixels and on their vertical and horizontal differences (keeps edges sharp); `y` is the
+    raw (unclamped) output, its overshoot past pure black or white forgiven (`past_the_clamp`)."""
+    y = past_the_clamp(y, x)
     def dy(t: torch.Tensor) -> torch.Tensor:
         return t[..., 1:, :] - t[..., :-1, :]
 
@@ -136,11 +148,34 @@ def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- phase 1
+@torch.no_grad()
+def principal_init(vae: FrameVAE, windows: Windows, frames: int = 256) -> None:
+    """Set the VAE's linear block codec to the principal components of 8x8 blocks of random training
+    frames (all variants): training starts from the best linear codec of this width, not a random one."""
+    rng = np.random.default_rng(0)
+    picks = []
+    for _ in range(frames):
+        clip = int(rng.integers(len(windows.data)))
+        variant, t = int(rng.integers(len(windows.variants))), int(rng.integers(windows.data[clip].shape[1]))
+        picks.append(windows.get(clip, variant, t, 1, False)[:, 0])
+    blocks = F.pixel_unshuffle(torch.stack(picks), SPACE_STRIDE).permute(0, 2, 3, 1).reshape(-1, BLOCK_VALUES)
+    blocks = blocks.double().cpu()
+    mean = blocks.mean(0)
+    _, vectors = torch.linalg.eigh(torch.cov((blocks - mean).T))
+    basis = vectors.flip(1)[:, :vae.cfg.frame_channels]  # [192, k], largest variance first
+    enc, dec = vae.encoder.linear, vae.decoder.linear
+    enc.weight.copy_(basis.T.reshape(enc.weight.shape).float())
+    enc.bias.copy_((-basis.T @ mean).float())
+    dec.weight.copy_(basis.reshape(dec.weight.shape).float())
+    dec.bias.copy_(mean.float())
+
+
 def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) -> FrameVAE:
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
     vae = FrameVAE(replace(EMBEDDED_VAE, normalize_on_encode=False, denormalize_on_decode=False)).to(device)
+    principal_init(vae, windows)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     frames = FIRST_CHUNK + CHUNK * (cfg.vae_chunks - 1)
     rng = windows.rng
@@ -158,7 +193,7 @@ def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) ->
             g["lr"] = cfg.vae_lr * _cosine(frac)
         z = stream_encode(vae, x, cfg.vae_chunks)
         y = stream_decode(vae, z, clamp=False)
-        loss = pixel_loss(y, x) + F.mse_loss(y, x)
+        loss = pixel_loss(y, x) + F.mse_loss(past_the_clamp(y, x), x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)

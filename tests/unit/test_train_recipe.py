@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
+from loom_live.engine.models.embedded import EMBEDDED_VAE
+from loom_live.engine.models.frame_vae import FrameVAE
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.train import recipe
+from loom_live.engine.train.data import SOURCE, Clip
+from loom_live.engine.train.styles import STYLE_NAMES
 
 
 @pytest.mark.parametrize("steps", [[700], [700, 500, 400]])
@@ -49,3 +55,35 @@ def test_motion_t0_follows_the_controller():
         want.append(float(ctl.first_step(ctl.update(chunk, prev))))
         prev = chunk[-1]
     assert got == pytest.approx(want, abs=1e-3)  # float64 arithmetic here, float32 tensors in a session
+
+
+def test_the_principal_init_makes_the_linear_codec_the_best_one_of_its_width():
+    """With as many codes as block values the linear codec is exact; with fewer, it keeps the
+    directions of largest variance (better than a random codec of the same width)."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (6, 16, 16, 3)).astype(np.float32)
+    clip = Clip("c", {v: np.clip(base * (0.5 + 0.05 * i), 0, 255).astype(np.uint8)
+                      for i, v in enumerate((SOURCE, *STYLE_NAMES))})
+    windows = recipe.Windows([clip], torch.device("cpu"), 0)
+    x = windows.get(0, 0, 0, 5, False)[None]
+
+    def round_trip(channels: int, init: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        vae = FrameVAE(replace(EMBEDDED_VAE, frame_channels=channels, encoder_width=8, decoder_width=8,
+                               upsample_width=4, normalize_on_encode=False, denormalize_on_decode=False))
+        if init:
+            recipe.principal_init(vae, windows, frames=16)
+        with torch.no_grad():
+            return vae.decode_stream(vae.encode_stream(x, vae.new_stream_state()), vae.new_stream_state(), clamp=False)
+
+    torch.testing.assert_close(round_trip(192, True), x, atol=1e-4, rtol=1e-4)
+    assert (round_trip(24, True) - x).square().mean() < 0.5 * (round_trip(24, False) - x).square().mean()
+
+
+def test_overshoot_past_pure_black_or_white_costs_nothing_and_anything_else_does():
+    x = torch.tensor([-1.0, -1.0, 1.0, 1.0, 0.2])
+    y = torch.tensor([-1.3, -0.9, 1.2, 0.8, 0.5], requires_grad=True)
+    loss = (recipe.past_the_clamp(y, x) - x).abs().sum()
+    loss.backward()
+    assert abs(loss.item() - 0.6) < 1e-6  # 0.1 above black, 0.2 below white, 0.3 off the grey
+    assert y.grad.tolist() == [0.0, 1.0, 0.0, -1.0, 1.0]
