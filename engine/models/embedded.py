@@ -30,7 +30,7 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "510314688fb4a52e63ae36eed657767c9697f8a8ea78f9bc6aba3bb082accac1"
+WEIGHTS_SHA256 = "e9e8b1eca14097d40e0288b7bd0798cbff1177b5e63ea0ac7e32e7c38f4e56ca"
 
 
 class EmbeddedWeightsError(RuntimeError):
