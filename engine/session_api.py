@@ -9,7 +9,10 @@ tensors on the session's device where `accepts_device_frames` is true.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -29,8 +32,9 @@ class EngineSession(Protocol):
         """Outputs still being computed, collected by `poll` (chunks or frames: the server only asks
         whether there are any, to decide how soon to poll)."""
 
-    def push(self, frames: Any) -> Any:
-        """Take N frames; return the finished outputs (possibly none), oldest first."""
+    def push(self, frames: Any, control: Any = None) -> Any:
+        """Take N frames; return the finished outputs (possibly none), oldest first. `control`: the host's
+        control frames, one per frame (VACE); a model without control blocks counts them and goes on."""
 
     def poll(self, wait: bool = False) -> Any:
         """Outputs finished since the last call; with `wait`, block until the oldest is done."""
@@ -44,6 +48,10 @@ class EngineSession(Protocol):
     def set_params(self, **params: Any) -> None:
         """Change live parameters (the shared schema's names); raises ValueError when refused."""
 
+    def set_reference(self, image: Any) -> None:
+        """A new reference image (uint8 RGB [H, W, 3], or None for none) from the next chunk on (VACE);
+        raises ValueError when the model takes none."""
+
     def reset(self) -> None:
         """Start a new stream: caches, motion state and queues back to their start."""
 
@@ -52,6 +60,27 @@ class EngineSession(Protocol):
 
     def close(self) -> None:
         """Release the session's device resources."""
+
+
+class NoStructureControl:
+    """A session's answer to VACE input when its model has no control blocks: host control frames are
+    counted and left out, once said in the log (the frames go on); a reference image is refused in one line."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.refused_frames = 0
+
+    def take(self, control: Any) -> None:
+        if control is None:
+            return
+        if not self.refused_frames:
+            log.warning("control frames left out: %s has no VACE control blocks (use a *vace* model preset)",
+                        self.model)
+        self.refused_frames += len(control)
+
+    def reference(self, image: Any) -> None:
+        raise ValueError(f"reference image: {self.model} has no VACE control blocks and takes none; use a *vace* "
+                         "model preset")
 
 
 def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
