@@ -9,10 +9,7 @@ tensors on the session's device where `accepts_device_frames` is true.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol, runtime_checkable
-
-log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -60,27 +57,6 @@ class EngineSession(Protocol):
 
     def close(self) -> None:
         """Release the session's device resources."""
-
-
-class NoStructureControl:
-    """A session's answer to VACE input when its model has no control blocks: host control frames are
-    counted and left out, once said in the log (the frames go on); a reference image is refused in one line."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.refused_frames = 0
-
-    def take(self, control: Any) -> None:
-        if control is None:
-            return
-        if not self.refused_frames:
-            log.warning("control frames left out: %s has no VACE control blocks (use a *vace* model preset)",
-                        self.model)
-        self.refused_frames += len(control)
-
-    def reference(self, image: Any) -> None:
-        raise ValueError(f"reference image: {self.model} has no VACE control blocks and takes none; use a *vace* "
-                         "model preset")
 
 
 def open_session(cfg: Any, warmup: bool = True) -> EngineSession:

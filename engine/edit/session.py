@@ -40,9 +40,9 @@ from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
-from loom_live.engine.session_api import NoStructureControl
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import check_prompt
 from loom_live.engine.stream.stage_timer import StageTimer

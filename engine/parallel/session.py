@@ -97,10 +97,10 @@ from loom_live.engine.parallel.stage import (
     rank_device,
     send_payload,
 )
-from loom_live.engine.session_api import NoStructureControl
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.session import LIVE_PARAMS

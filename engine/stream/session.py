@@ -32,12 +32,12 @@ from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.loading import LoadedModels, load_models
-from loom_live.engine.session_api import NoStructureControl
 from loom_live.engine.stream.control import VaceControl
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule

@@ -81,7 +81,7 @@ MASK64 = (1 << 64) - 1
 MAX_VALUE = 1 << 62  # seq and gen: the protocol's integer range
 KIND_FRAME, KIND_RELEASE = 1, 2
 FLAG_DROPPED = 1  # a release: the frame was not read
-FLAG_CONTROL = 1  # a frame: its slot holds a control frame too (a control ring)
+FLAG_CONTROL = 2  # a frame: its slot holds a control frame too (a control ring)
 RECORD_GRACE_S = 0.01  # an unverified record this old is torn or corrupt, not late (reordering: ns)
 SPIN_S = 0.0  # spin this long after the last record before sleeping (see docs/performance.md)
 WAKE_RETRY_S = 0.0001  # `wake()`: call the kernel's wake again after this until the sleeper is out
@@ -344,7 +344,7 @@ class Doorbell:
         frame_dir, release_dir = self._in_dirs
         if kind == KIND_FRAME and flags & ~FLAG_CONTROL == 0:
             msg = {"v": PROTOCOL_VERSION, "type": "frame", "dir": frame_dir, "slot": slot, "seq": seq, "gen": gen,
-                   "t": t_ns / 1e9, **({"control": True} if flags else {})}
+                   "t": t_ns / 1e9, **({"control": True} if flags & FLAG_CONTROL else {})}
         elif kind == KIND_RELEASE and flags & ~FLAG_DROPPED == 0 and seq == 0:
             msg = {"v": PROTOCOL_VERSION, "type": "release", "dir": release_dir, "slot": slot, "gen": gen,
                    "dropped": bool(flags)}
