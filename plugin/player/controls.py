@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loom_live.host_bridge.wire.params import (
@@ -43,7 +44,7 @@ class Command:
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
             "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "context_scale",
-            "context_step", "control_source", "control_next", "pause", "overlay", "fullscreen", "quit")
+            "context_step", "control_source", "control_next", "reference", "pause", "overlay", "fullscreen", "quit")
 
 
 class ControlError(ValueError):
@@ -65,6 +66,7 @@ class ControlState:
     control_sources: tuple[str, ...] = ()  # VACE: the sources this run can make (none: not a VACE model)
     control_source: str = CONTROL.default
     context_scale: float = CONTEXT_SCALE.default
+    reference: str | None = None  # the reference image file sent live (the config's until then)
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
@@ -121,6 +123,14 @@ def control_source_command(value: Any) -> Command:
     """The control video's source by name (VACE), one of the schema's choices."""
     return Command("control_source", (_checked(CONTROL.check, str(value).strip() if isinstance(value, str)
                                                 else value),))
+
+
+def reference_command(path: Any = None) -> Command:
+    """A new reference image file (VACE), read by the frame loop and sent at once; no path: none."""
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise ControlError(f"reference: {str(path)[:60]!r} is not allowed; expected an image file path (PNG, "
+                           "JPEG, ...) or nothing to stream without a reference")
+    return Command("reference", (path.strip() if path else None,))
 
 
 def transition_chunks_command(value: Any) -> Command:
@@ -197,6 +207,9 @@ class Controls:
         if "prompt" in changes:
             text, chunks = changes.pop("prompt")
             bridge.set_prompt(text, transition_chunks=chunks)
+        if "reference" in changes:
+            self._send_reference(bridge, changes.pop("reference"))
+            done[-1] = self.state.message
         if changes:
             bridge.set_params(**changes)
         return done
@@ -242,6 +255,26 @@ class Controls:
         changes["control_source"] = source
         return True
 
+    def _send_reference(self, bridge: Any, path: str | None) -> None:
+        """Read the reference image here (the engine may run elsewhere) and hand it to the bridge."""
+        s = self.state
+        image = None
+        if path is not None:
+            import cv2
+
+            bgr = cv2.imread(str(Path(path).expanduser()), cv2.IMREAD_COLOR)
+            if bgr is None:
+                self._refuse(f"reference: {path} cannot be read as an image (PNG, JPEG, ...); the reference stays")
+                return
+            image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        try:
+            bridge.set_reference(image)
+        except ValueError as exc:
+            self._refuse(f"reference: {exc}; the reference stays")
+            return
+        s.reference = path
+        s.message = f"reference: {path or 'none'}"
+
     def _refuse(self, why: str) -> bool:
         self.state.message = why
         self.state.refused += 1
@@ -286,6 +319,11 @@ class Controls:
         elif name in ("context_scale", "context_step", "control_source", "control_next"):
             if not self._apply_control(name, args, changes):
                 return
+        elif name == "reference":
+            if not s.control_sources:
+                self._refuse(f"reference: {NO_VACE}")
+                return
+            changes["reference"] = args[0]  # read and sent after the other changes of this frame
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -314,6 +352,8 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"control scale: {s.context_scale:.2f}"
     if command.name in ("control_source", "control_next"):
         return f"control source: {s.control_source}"
+    if command.name == "reference":
+        return f"reference: {s.reference or 'none'} (being read)"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name

@@ -21,6 +21,7 @@ from loom_live.plugin.player.controls import (
     lora_scale_command,
     noise_scale_command,
     prompt_command,
+    reference_command,
     steps_command,
 )
 
@@ -38,6 +39,8 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
                                   "(0: the control video does not steer)"),
     "/loom/control/source": ("name", f"VACE presets: control source, one of {', '.join(CONTROL.choices)}"),
     "/loom/control/next": ("", "VACE presets: the next control source this run can make"),
+    "/loom/reference": ("[path]", "VACE presets: a new reference image file, in effect at the next chunk "
+                                  "(no path: none)"),
     "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
     "/loom/quit": ("", "stop the player; outputs are finalised"),
 }
@@ -62,6 +65,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "/loom/control/scale": context_scale_command,
     "/loom/control/source": control_source_command,
     "/loom/control/next": lambda: Command("control_next"),
+    "/loom/reference": reference_command,
     "/loom/pause": lambda *a: Command("pause", a[:1]),
     "/loom/quit": lambda: Command("quit"),
 }

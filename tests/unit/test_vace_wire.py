@@ -33,9 +33,9 @@ def test_a_reference_message_carries_exactly_its_image_or_clears_it():
     head = encode(make("reference", width=2, height=3))
     assert decode([head, bytes(18)])["width"] == 2
     assert decode([encode(make("reference", clear=True))])["clear"] is True
+    too_wide = encode({"v": PROTOCOL_VERSION, "type": "reference", "width": 5000, "height": 2})
     for parts, words in [([head], "one payload part"), ([head, bytes(17)], "has 17 bytes; a 2x3 RGB image has 18"),
                          ([encode(make("reference", clear=True)), b"x"], "clear takes no image"),
-                         ([encode({"v": PROTOCOL_VERSION, "type": "reference", "width": 5000, "height": 2}), bytes(30000)],
-                          "reference.width")]:
+                         ([too_wide, bytes(30000)], "reference.width")]:
         with pytest.raises(ProtocolError, match=words):
             decode(parts)
