@@ -60,8 +60,11 @@ class StubBridge:
     def __init__(self):
         self.calls, self.closed, self.wanted = 0, False, None
 
-    def submit(self, frame, layout="rgb"):
+    def submit(self, frame, layout="rgb", control=None):
         return True
+
+    def engine_report(self, refresh=False):
+        return {}  # no engine has reported yet
 
     def latest(self):
         self.calls += 1
@@ -332,7 +335,7 @@ def test_the_cook_leaves_converting_the_host_frame_to_a_feeder_thread():
     release, threads, taken = threading.Event(), [], []
 
     class SlowBridge:
-        def submit(self, frame, layout="rgb"):
+        def submit(self, frame, layout="rgb", control=None):
             threads.append(threading.current_thread().name)
             release.wait(5)  # a conversion that outlasts a frame
             if frame is None:
