@@ -29,8 +29,9 @@ class EngineSession(Protocol):
         """Outputs still being computed, collected by `poll` (chunks or frames: the server only asks
         whether there are any, to decide how soon to poll)."""
 
-    def push(self, frames: Any) -> Any:
-        """Take N frames; return the finished outputs (possibly none), oldest first."""
+    def push(self, frames: Any, control: Any = None) -> Any:
+        """Take N frames; return the finished outputs (possibly none), oldest first. `control`: the host's
+        control frames, one per frame (VACE); a model without control blocks counts them and goes on."""
 
     def poll(self, wait: bool = False) -> Any:
         """Outputs finished since the last call; with `wait`, block until the oldest is done."""
@@ -43,6 +44,10 @@ class EngineSession(Protocol):
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters (the shared schema's names); raises ValueError when refused."""
+
+    def set_reference(self, image: Any) -> None:
+        """A new reference image (uint8 RGB [H, W, 3], or None for none) from the next chunk on (VACE);
+        raises ValueError when the model takes none."""
 
     def reset(self) -> None:
         """Start a new stream: caches, motion state and queues back to their start."""

@@ -43,7 +43,7 @@ from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
-from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, RingSpec, make
+from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
@@ -82,6 +82,7 @@ class Bridge:
         self._stats = FrameStats()
         self._wanted = Wanted()
         self._cuda_problem: str | None = None
+        self._gives_control = False  # this host gave a control frame: it gives one with every frame
         if config.transport == "cuda-ipc":
             from loom_live.host_bridge.wire.rings.cuda import cuda_available
             ok, why = cuda_available()
@@ -126,12 +127,16 @@ class Bridge:
     # ------------------------------------------------------------------------------------------------
     # frames in
 
-    def submit(self, frame: np.ndarray, *, layout: str = "rgb") -> bool:
+    def submit(self, frame: np.ndarray, *, layout: str = "rgb", control: np.ndarray | None = None) -> bool:
         """Hand a frame to the engine without waiting for it. Latest wins.
 
         layout "rgb": [H, W, C] top-down RGB(A); "touchdesigner": a TOP's `numpyArray()` (bottom-up,
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
+        `control` (VACE models with control_source 'video'): the frame's control frame, of its size and
+        layout; it travels beside the frame in the same slot (shm, tcp). One that does not fit (another
+        size, NaN, the cuda-ipc transport) is refused, said and counted (`stats()["refused_control"]`),
+        and the frame goes on without it; the engine counts frames that came without one.
         One the engine cannot take (NaN or inf, a wrong shape or dtype) raises ValueError and is counted
         (`stats()["refused_frames"]`). A frame with a side over `max_frame_side` is shrunk on a thread of
         the bridge (frame_shrink.py) and this returns False at once: such a frame must not be written
@@ -146,6 +151,13 @@ class Bridge:
         except (TypeError, ValueError):
             self._refused_frame()
             raise
+        if control is not None or self._gives_control:
+            self._gives_control = True  # from now on a frame without one is a missing control frame
+            if big and control is not None:
+                self._refuse_control(f"the frame is over max_frame_side ({self.config.max_frame_side} px) and "
+                                     "is shrunk on its own")
+            elif not big:
+                converted = self._with_control(frame, converted, control, layout)
         now = time.monotonic()
         with self._lock:
             seq = self._next_seq()
@@ -158,6 +170,31 @@ class Bridge:
                     self._stats.counts["dropped"] += 1
                 return False
             return self._hand_over(converted, layout, seq, now)
+
+    def _with_control(self, frame: np.ndarray, converted: np.ndarray, control: np.ndarray | None,
+                      layout: str) -> ControlledFrame:
+        """The converted frame with its control frame (converted alike, fitted to the frame's settled size),
+        or alone, marked as missing its control frame, when none came or it does not fit (refused, counted)."""
+        if control is None:
+            return ControlledFrame(converted, None)
+        try:
+            if self.config.transport == "cuda-ipc":
+                raise ValueError("control frames travel beside the frame on the shm and tcp transports; this "
+                                 "bridge uses cuda-ipc")
+            control = formats.check_frame(formats.check_shape(control, "control frame"), "control frame")
+            if control.shape[:2] != frame.shape[:2]:
+                raise ValueError(f"control frame {control.shape[1]}x{control.shape[0]}; the frame is "
+                                 f"{frame.shape[1]}x{frame.shape[0]} and its control frame must match it")
+            fitted = formats.resize(control, *converted.shape[:2])
+            return ControlledFrame(converted, self._convert(fitted, layout))
+        except (TypeError, ValueError) as exc:
+            self._refuse_control(str(exc))
+            return ControlledFrame(converted, None)
+
+    def _refuse_control(self, why: str) -> None:
+        with self._lock:
+            self._stats.counts["refused_control"] += 1
+        self._sup.note(f"control frame refused: {why}; the frame goes on without it", error=True)
 
     def _settle_size(self, frame: np.ndarray) -> np.ndarray:
         """`frame`, or the frame fitted to the size in use while its own size has held for fewer than
@@ -187,10 +224,10 @@ class Bridge:
     def _hand_over(self, converted: np.ndarray, layout: str, seq: int, t: float) -> bool:
         """Lock held: a converted frame becomes the pending one and goes into a slot if one is free."""
         if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
-            self._frames.stage_host(converted, layout)
+            self._frames.stage_host(converted.frame if isinstance(converted, ControlledFrame) else converted, layout)
             self._set_pending(seq, None, t)
         else:
-            self._frames.keep_input(converted)
+            self._frames.keep_input(converted.frame if isinstance(converted, ControlledFrame) else converted)
             self._set_pending(seq, converted, t)
         return self._pump()
 
@@ -370,11 +407,13 @@ class Bridge:
     # batch use (ComfyUI)
 
     def process(self, frames: Iterable[np.ndarray], timeout_s: float = 300.0, *,
-                layout: str = "rgb") -> list[np.ndarray]:
+                layout: str = "rgb", control: Iterable[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Every frame through the engine, lossless and in order; blocks; one output per input.
 
         Frames may change size: each run of one size is flushed as a stream of its own before the
-        next size goes."""
+        next size goes. `control`: one control frame per frame (VACE, as in `submit`); the frames
+        beyond its end, and the ones that do not fit, go without one (refused and counted)."""
+        controls = iter(control) if control is not None else None
         deadline = time.monotonic() + timeout_s
         self.wait_running(timeout_s)
         with self._process_lock:
@@ -391,7 +430,8 @@ class Bridge:
                         # would be dropped as stale: the frames of the old size finish first.
                         self._finish_lossless(seqs, link_id, deadline)
                     shape = np.shape(frame)
-                    seqs.append(self._submit_lossless(frame, layout, link_id, deadline))
+                    given = next(controls, None) if controls is not None else None
+                    seqs.append(self._submit_lossless(frame, layout, link_id, deadline, given, controls is not None))
                 self._finish_lossless(seqs, link_id, deadline)
                 with self._lock:
                     return [self._collect[s] for s in seqs]
@@ -402,7 +442,8 @@ class Bridge:
                     self._request("mode", time.monotonic() + self.config.request_timeout_s, lossless=False)
 
     def process_stream(self, frames: Iterable[np.ndarray], stall_timeout_s: float = 300.0, *,
-                       layout: str = "rgb") -> Iterator[np.ndarray]:
+                       layout: str = "rgb", control: Iterable[np.ndarray | None] | None = None
+                       ) -> Iterator[np.ndarray]:
         """Every frame through the engine, lossless and in order, as one stream; yields each output as
         soon as it and every one before it are back (a player writing a long file).
 
@@ -410,7 +451,9 @@ class Bridge:
         goes on from frame to frame: a flush, which ends a stream, comes only at the end and where
         the frame size changes. Input frames are taken from `frames` only as slots free up, so
         neither side holds more than the rings do. Raises like `process()` when the engine stops, or
-        when it returns nothing for `stall_timeout_s`; close the generator to stop early."""
+        when it returns nothing for `stall_timeout_s`; close the generator to stop early. `control`: as in
+        `process()`, taken one per frame alongside."""
+        controls = iter(control) if control is not None else None
         self.wait_running(stall_timeout_s)
         with self._process_lock:
             link_id = self._sup.link_id
@@ -424,8 +467,9 @@ class Bridge:
                     if waiting and np.shape(frame) != shape:  # see process(): the old size finishes first
                         self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
                     shape = np.shape(frame)
-                    waiting.append(self._submit_lossless(frame, layout, link_id,
-                                                         time.monotonic() + stall_timeout_s))
+                    given = next(controls, None) if controls is not None else None
+                    waiting.append(self._submit_lossless(frame, layout, link_id, time.monotonic() + stall_timeout_s,
+                                                         given, controls is not None))
                     yield from self._in_order(waiting)
                 if waiting:
                     self._finish_lossless(list(waiting), link_id, time.monotonic() + stall_timeout_s)
@@ -452,10 +496,16 @@ class Bridge:
             with self._lock:
                 self._check_alive(link_id, deadline, f"{len(self._collect)}/{len(seqs)} outputs")
 
-    def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float) -> int:
+    def _submit_lossless(self, frame: np.ndarray, layout: str, link_id: int, deadline: float,
+                         control: np.ndarray | None = None, gives_control: bool = False) -> int:
         cuda = self.config.transport == "cuda-ipc"
         data = (np.ascontiguousarray(frame) if cuda else
                 formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame))
+        with_control = None
+        if gives_control:  # stacked over its control frame, or alone (missing, refused)
+            paired = self._with_control(frame, data, control, layout) if control is not None \
+                else ControlledFrame(data, None)
+            data, with_control = paired.stacked(), paired.control is not None
         with self._lock:
             seq = self._next_seq()
         while True:
@@ -464,7 +514,8 @@ class Bridge:
                 link = self._link
                 if cuda:
                     self._frames.stage_host(data, layout)
-                if link.write_frame(seq, data if not cuda else None, self._frames.staging, time.monotonic()):
+                if link.write_frame(seq, data if not cuda else None, self._frames.staging, time.monotonic(),
+                                    with_control):
                     self._stats.counts["submitted"] += 1
                     self._stats.sent(seq, time.monotonic())
                     return seq
@@ -536,6 +587,17 @@ class Bridge:
         checked = LIVE.check(params)
         self._control("params", wait, lambda: self._wanted.want_params(checked), params=checked)
 
+    def set_reference(self, image: np.ndarray | None, *, layout: str = "rgb", wait: bool = False) -> None:
+        """VACE models: a new reference image (the look the stream keeps), in effect from the engine's next
+        chunk; None streams without one from then on. Any size up to 4096 px a side (the engine maps it to
+        its resolution), a frame's dtypes and layouts (`submit`). Remembered like the prompt: an engine that
+        starts later gets it. A bad image raises ValueError; a model without VACE refuses it (wait=True:
+        raised here; else said in the status)."""
+        wish = None if image is None else reference_image(image, layout)
+        fields: dict[str, Any] = {"clear": True} if wish is None else {"width": wish.shape[1], "height": wish.shape[0]}
+        payload = [] if wish is None else [wish.tobytes()]
+        self._control("reference", wait, lambda: self._wanted.want_reference(wish), payload=payload, **fields)
+
     @property
     def wanted(self) -> Wanted:
         """A copy of the prompt and parameters the host asked for (what a fresh engine is told)."""
@@ -546,14 +608,15 @@ class Bridge:
         self._control("reset", wait)
 
     def _control(self, kind: str, wait: bool, remember: Callable[[], Callable[[], None]] | None = None,
-                 **fields: Any) -> None:
+                 payload: list[bytes] | None = None, **fields: Any) -> None:
         """Remember (`remember()` returns its undo) and send to a ready engine in one hold of the engine
         lock, so that this send and a fresh engine's `on_engine_ready` never both deliver one value."""
         if wait:
             undo: list[Callable[[], None]] = []
             try:
                 self._request(kind, time.monotonic() + self.config.request_timeout_s,
-                              before_send=(lambda: undo.append(remember())) if remember else None, **fields)
+                              before_send=(lambda: undo.append(remember())) if remember else None,
+                              payload=payload, **fields)
             except ValueError:
                 with self._lock:
                     for u in undo:
@@ -566,11 +629,11 @@ class Bridge:
             link = self._link
             if link is None or not link.ready:
                 return  # sent when the engine is ready (prompt and parameters are remembered)
-            if not link.send(make(kind, **fields)):
+            if not link.send(make(kind, **fields), payload or ()):
                 self._sup.note(f"{kind} not sent: the engine is not reading")
 
     def _request(self, kind: str, deadline: float, *, before_send: Callable[[], None] | None = None,
-                 **fields: Any) -> dict[str, Any]:
+                 payload: list[bytes] | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for the engine's answer; `before_send` runs in the same lock hold."""
         sup = self._sup
         with self._cond:
@@ -579,7 +642,7 @@ class Bridge:
             rid = sup.new_request_id()
             msg = make(kind, id=rid, **fields)
             link = self._link
-            if link is None or sup.state != EngineState.RUNNING or not link.send(msg):
+            if link is None or sup.state != EngineState.RUNNING or not link.send(msg, payload or ()):
                 raise RuntimeError(f"{kind}: engine is {sup.state}: {sup.message}")
         # the engine may need released output slots to answer (a flush): keep draining the lane
         while not self._await(lambda: sup.has_reply(rid) or self._link is not link, LANE_WAIT_S):
@@ -657,8 +720,11 @@ class Bridge:
         if self._pending is None or link is None or not link.ready:
             return False
         seq, frame, t = self._pending
+        control = False if self._gives_control else None  # a frame of a host that gives control frames: missing
+        if isinstance(frame, ControlledFrame):
+            frame, control = frame.stacked(), frame.control is not None
         try:
-            if not link.write_frame(seq, frame, self._frames.staging, t):
+            if not link.write_frame(seq, frame, self._frames.staging, t, control):
                 return False
         except ValueError as exc:  # a frame no ring can hold: refused and counted, never retried
             self._pending = None
@@ -678,8 +744,8 @@ class Bridge:
     def on_engine_ready(self, link: Link) -> None:
         """A fresh engine (called with the engine lock held): it is told what the host wants, once, and
         gets the pending frame."""
-        for kind, fields in self._wanted.for_fresh_engine():
-            link.send(make(kind, **fields))
+        for kind, fields, payload in self._wanted.for_fresh_engine():
+            link.send(make(kind, **fields), payload)
         self._pump()
 
     def on_tick(self, link: Link) -> None:
@@ -691,6 +757,31 @@ class Bridge:
             self._drain(0.0, link)
         with self._lock:
             self._pump()
+
+
+class ControlledFrame:
+    """A converted host frame (engine RGB, top-down) of a host that gives control frames, and its control
+    frame (None: missing); `stacked()` is what a control ring's slot holds (the frame above the control)."""
+
+    __slots__ = ("frame", "control")
+
+    def __init__(self, frame: np.ndarray, control: np.ndarray | None) -> None:
+        self.frame, self.control = frame, control
+
+    def stacked(self) -> np.ndarray:
+        return self.frame if self.control is None else np.concatenate([self.frame, self.control])
+
+
+def reference_image(image: np.ndarray, layout: str = "rgb") -> np.ndarray:
+    """A reference image as the wire carries it: uint8 RGB top-down, contiguous; ValueError names a bad one."""
+    if layout not in formats.LAYOUTS:
+        raise ValueError(f"layout: {layout!r} is not allowed; expected one of {formats.LAYOUTS}")
+    image = formats.check_frame(formats.check_shape(np.asarray(image), "reference image"), "reference image")
+    if max(image.shape[:2]) > MAX_REFERENCE_SIDE:
+        raise ValueError(f"reference image: {image.shape[1]}x{image.shape[0]}; expected at most "
+                         f"{MAX_REFERENCE_SIDE} px a side")
+    rgb = formats.from_touchdesigner(image) if layout == "touchdesigner" else formats.to_engine(image)
+    return np.ascontiguousarray(rgb)
 
 
 def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:

@@ -140,10 +140,17 @@ class Link:
 
     # -- frames ---------------------------------------------------------------------------------------
 
-    def write_frame(self, seq: int, frame: np.ndarray | None, staging: Any, t: float) -> bool:
+    def write_frame(self, seq: int, frame: np.ndarray | None, staging: Any, t: float,
+                    control: bool | None = None) -> bool:
         """Copy a frame (host array, or the cuda staging buffer when frame is None) into a free slot
-        and publish it. False when no slot is free."""
-        self._ensure_rings(frame, staging)
+        and publish it. False when no slot is free.
+
+        `control` (VACE): True when the frame is stacked over its control frame (twice the rows, see
+        `RingSpec.control`), False when a host that gives control frames has none for this one (only
+        the upper half is written), None for a host that gives none. A control ring stays once made."""
+        rows = self._ensure_rings(frame, staging, control)
+        if control is False and self.ring_in.spec.control:
+            frame = None if frame is None else _over_blank(frame, self.ring_in.spec, rows)
         slot = self.in_tracker.acquire()
         if slot is None:
             return False
@@ -157,13 +164,15 @@ class Link:
             self.in_tracker.unacquire(slot)
             raise
         self.in_tracker.publish(slot)
-        self.lane.send_frame(slot, seq, self.generation, payload)
+        self.lane.send_frame(slot, seq, self.generation, payload, control=bool(control))
         return True
 
     def release_output(self, slot: int, gen: int) -> None:
         self.lane.send_release(slot, gen)
 
-    def _ensure_rings(self, frame: np.ndarray | None, staging: Any) -> None:
+    def _ensure_rings(self, frame: np.ndarray | None, staging: Any, control: bool | None = None) -> int:
+        """Rings for this frame's kind (new ones, a new generation, when it changed); returns the rows
+        of one frame. A frame given with its control frame has twice those rows."""
         if frame is None:
             s = staging.spec
             want = dict(width=s.width, height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
@@ -174,16 +183,21 @@ class Link:
             want = dict(width=w, height=h, channels=c, dtype=frame.dtype.name, order="RGB", orientation="top-down")
             extra = dict(encoding=self.cfg.encoding, jpeg_quality=self.cfg.jpeg_quality) \
                 if self.cfg.transport == "tcp" else {}
-        if self.ring_in is not None:
-            s = self.ring_in.spec
-            if all(getattr(s, k) == v for k, v in want.items()):
-                return
+        rows = want["height"] // 2 if control else want["height"]
+        current = self.ring_in.spec if self.ring_in is not None else None
+        if current is not None and control is False and current.control:  # a control ring stays: no frame lost
+            want["height"] = 2 * rows
+        if current is not None and all(getattr(current, k) == v for k, v in want.items()) \
+                and current.control == (want["height"] != rows):
+            return rows
         generation = self.generation + 1
         common = dict(slots=self.cfg.ring_slots, generation=generation, **want, **extra)
         rings: list[Ring] = []
         try:  # both ring messages are validated before the rings replace the old ones
             for direction in ("in", "out"):
-                rings.append(create_ring(self.cfg.transport, direction, **common))
+                control_ring = direction == "in" and want["height"] != rows
+                size = dict(height=rows) if direction == "out" else {}
+                rings.append(create_ring(self.cfg.transport, direction, **{**common, **size, "control": control_ring}))
             messages = {next(self._request_ids): make("ring", spec=r.spec.to_dict()) for r in rings}
         except Exception as exc:
             for ring in rings:
@@ -198,6 +212,7 @@ class Link:
         for rid, msg in messages.items():
             self.ring_requests[rid] = generation
             self.send({**msg, "id": rid})
+        return rows
 
     def retire_older(self, generation: int) -> None:
         """The engine attached generation `generation`: older rings can go."""
@@ -338,3 +353,10 @@ class Link:
             ring.close()
         if self.endpoint is not None:
             self.endpoint.remove()
+
+
+def _over_blank(frame: np.ndarray, spec: Any, rows: int) -> np.ndarray:
+    """A frame without its control frame, as a control ring's slot holds it: the frame where the engine
+    reads it (the upper half in the engine's orientation), zeros below (not read: the notice says so)."""
+    blank = np.zeros_like(frame)
+    return np.concatenate([blank, frame] if spec.orientation == "bottom-up" else [frame, blank])

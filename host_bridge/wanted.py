@@ -31,6 +31,10 @@ class Wanted:
 
     prompt: PromptWish | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    # VACE: the reference image (uint8 RGB top-down; None: none asked for), and whether one was ever
+    # set or cleared (a fresh engine is told only then: else the config's own reference stands)
+    reference: Any = None
+    reference_set: bool = False
 
     def want_prompt(self, wish: PromptWish) -> Callable[[], None]:
         """Remember a prompt (checked by the caller); returns what undoes it (the engine refused it)."""
@@ -51,16 +55,31 @@ class Wanted:
             self.params = before
         return undo
 
-    def for_fresh_engine(self) -> list[tuple[str, dict[str, Any]]]:
-        """The control messages (type, fields) that tell a fresh engine everything; the prompt without a
-        blend, so its first frames already have the host's style rather than the config's."""
-        out: list[tuple[str, dict[str, Any]]] = []
+    def want_reference(self, image: Any) -> Callable[[], None]:
+        """Remember a reference image (checked and converted by the caller) or None; returns its undo."""
+        before = (self.reference, self.reference_set)
+        self.reference, self.reference_set = image, True
+
+        def undo() -> None:
+            self.reference, self.reference_set = before
+        return undo
+
+    def for_fresh_engine(self) -> list[tuple[str, dict[str, Any], list[bytes]]]:
+        """The control messages (type, fields, payload) that tell a fresh engine everything; the prompt
+        without a blend, so its first frames already have the host's style rather than the config's."""
+        out: list[tuple[str, dict[str, Any], list[bytes]]] = []
         if self.prompt is not None:
-            out.append(("prompt", {"text": self.prompt.text, "transition_chunks": 0}))
+            out.append(("prompt", {"text": self.prompt.text, "transition_chunks": 0}, []))
         if self.params:
-            out.append(("params", {"params": dict(self.params)}))
+            out.append(("params", {"params": dict(self.params)}, []))
+        if self.reference_set and self.reference is None:
+            out.append(("reference", {"clear": True}, []))
+        elif self.reference_set:
+            h, w = self.reference.shape[:2]
+            out.append(("reference", {"width": w, "height": h}, [self.reference.tobytes()]))
         return out
 
     def snapshot(self) -> Wanted:
-        """A copy a host may keep and change without touching what the bridge remembers."""
-        return Wanted(self.prompt, copy.deepcopy(self.params))
+        """A copy a host may keep and change without touching what the bridge remembers (the reference
+        image is shared: it is never written to)."""
+        return Wanted(self.prompt, copy.deepcopy(self.params), self.reference, self.reference_set)

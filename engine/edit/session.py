@@ -42,6 +42,7 @@ from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import check_prompt
 from loom_live.engine.stream.stage_timer import StageTimer
@@ -58,6 +59,7 @@ class EditSession:
     raw_passthrough = False
 
     def __init__(self, cfg: LoomConfig, models: EditModels, compile_backend: Any = "inductor") -> None:
+        self.no_control = NoStructureControl("the edit model (model.family=edit)")
         e = cfg.edit
         self.cfg, self.models = cfg, models
         self.device, self.dtype = models.device, models.dtype
@@ -159,6 +161,9 @@ class EditSession:
         self._prompt_text = check_prompt(text)
         self._prompt_dirty = True
 
+    def set_reference(self, image: Any) -> None:
+        self.no_control.reference(image)
+
     def set_params(self, **params: Any) -> None:
         """Live parameters (engine/edit/params.py); unknown keys or bad values raise ValueError."""
         self.cfg = apply_params(self.cfg, params)
@@ -177,8 +182,9 @@ class EditSession:
         """Batches whose frames are computed or queued but not yet returned."""
         return len(self._outputs)
 
-    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    def push(self, frames: np.ndarray | torch.Tensor, control: Any = None) -> np.ndarray | torch.Tensor:
         """Take uint8 RGB frames [N, H, W, 3]; return the finished outputs, oldest first."""
+        self.no_control.take(control)
         now = time.perf_counter()
         good, dropped = validate_frames(frames)
         if dropped:

@@ -100,6 +100,7 @@ from loom_live.engine.parallel.stage import (
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.session import LIVE_PARAMS
@@ -159,6 +160,7 @@ class PipelineSession:
         return len(self._outputs)
 
     def __init__(self, cfg: LoomConfig) -> None:
+        self.no_control = NoStructureControl("the pipelined Wan DiT (parallel.gpus > 1)")
         self.cfg, self.P = cfg, cfg.parallel.gpus
         if self.P < 2:
             raise ValueError(f"parallel.gpus: {self.P}; the pipeline needs 2 or more (1 GPU: StreamSession)")
@@ -324,6 +326,9 @@ class PipelineSession:
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
         self.prompt.request(check_prompt(text), transition_chunks)
 
+    def set_reference(self, image: Any) -> None:
+        self.no_control.reference(image)
+
     def set_params(self, **params: Any) -> None:
         """Change live parameters, as on one GPU; unknown keys or bad values raise ValueError naming
         them. Steps, sink threshold and LoRA scales reach every rank between the same two
@@ -423,9 +428,10 @@ class PipelineSession:
         rec[0] += units
         rec[1] += 1
 
-    def push(self, frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    def push(self, frames: np.ndarray | torch.Tensor, control: Any = None) -> np.ndarray | torch.Tensor:
         """Feed uint8 RGB frames [N, H, W, 3]; returns the restyled frames that became ready.
         Bad frames raise ValueError and leave the stream as it was."""
+        self.no_control.take(control)
         if self._closed:
             raise PipelineError("the pipeline session is closed")
         now = time.perf_counter()

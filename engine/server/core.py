@@ -162,13 +162,13 @@ class EngineServer:
         if self._connect:
             self._send_hello()
         while not self._stop.is_set():
-            for peer, msg, _payload in ch.poll_from(TICK_S):
+            for peer, msg, payload in ch.poll_from(TICK_S):
                 if self.worker is not None and peer != self._host_peer:
                     self._from_other_peer(peer, msg)  # never keeps the attached host's session alive
                     continue
                 last_heard = time.monotonic()
                 try:
-                    outcome = self._on_message(peer, msg)
+                    outcome = self._on_message(peer, msg, payload)
                 except Exception as exc:  # an odd message is refused and counted, never fatal
                     ch.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
                     continue
@@ -202,7 +202,7 @@ class EngineServer:
         self._say_bye("engine stopping")
         return EXIT_OK
 
-    def _on_message(self, peer: bytes, msg: dict[str, Any]) -> int | str | None:
+    def _on_message(self, peer: bytes, msg: dict[str, Any], payload: list[bytes] = ()) -> int | str | None:
         """Act on one control message from the attached host, or from any peer while none is attached:
         returns EXIT_OK to exit, "same" when the host is unchanged, else the new host's pid (None: no host)."""
         ch, kind = self.channel, msg["type"]
@@ -234,7 +234,7 @@ class EngineServer:
                 return EXIT_OK
             self._end_session(remove=False)
             return None
-        self._dispatch(kind, msg)
+        self._dispatch(kind, msg, payload)
         return "same"
 
     def _token_ok(self, hello: dict[str, Any]) -> bool:
@@ -327,7 +327,7 @@ class EngineServer:
         else:
             lane.close()
 
-    def _dispatch(self, kind: str, msg: dict[str, Any]) -> None:
+    def _dispatch(self, kind: str, msg: dict[str, Any], payload: list[bytes] = ()) -> None:
         w, ch = self.worker, self.channel
         if kind == "heartbeat":
             return
@@ -337,6 +337,8 @@ class EngineServer:
             self._attach(msg)
         elif kind in ("mode", "prompt", "params", "reset", "flush"):
             w.post(kind, msg)  # answered by the worker, in order with the frames it has taken
+        elif kind == "reference":  # the image (checked against its size by `decode`) goes with the command
+            w.post(kind, {**msg, "image": payload[0] if payload else None})
         elif kind == "stats":
             self._to_host(make("stats", id=msg.get("id"), data=self.stats()))
         else:

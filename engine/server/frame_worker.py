@@ -62,7 +62,8 @@ class FrameWorker:
         self.ring_in: Ring | None = None
         self.ring_out: Ring | None = None
         self.out_tracker: SlotTracker | None = None
-        self.inputs: deque[tuple[int, int, int, list[bytes]]] = deque()  # (slot, seq, gen, payload)
+        # (slot, seq, gen, payload, control: the slot holds the frame's control frame too)
+        self.inputs: deque[tuple[int, int, int, list[bytes], bool]] = deque()
         self.lossless = False
         self.stop = False
         self.busy_since: float | None = None
@@ -133,11 +134,11 @@ class FrameWorker:
                 self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
                 return
             self._last_in_seq = max(self._last_in_seq, msg["seq"])
-            self._offer(msg["slot"], msg["seq"], msg["gen"], payload)
+            self._offer(msg["slot"], msg["seq"], msg["gen"], payload, msg.get("control", False))
         elif not self._on_release(msg["slot"], msg["gen"]):
             self.lane.refuse(f"release of output slot {msg['slot']} that was not published")
 
-    def _offer(self, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+    def _offer(self, slot: int, seq: int, gen: int, payload: list[bytes], control: bool = False) -> None:
         """A new input frame notice."""
         now = time.monotonic()
         if self._last_arrival is not None:
@@ -149,7 +150,7 @@ class FrameWorker:
                 old = self.inputs.popleft()
                 self._release_in(old[0], old[2], dropped=True)
                 self.counts["dropped"] += 1
-        self.inputs.append((slot, seq, gen, payload))
+        self.inputs.append((slot, seq, gen, payload, control))
 
     def _on_release(self, slot: int, gen: int) -> bool:
         if self.ring_out is None or gen != self.ring_out.spec.generation:
@@ -223,6 +224,8 @@ class FrameWorker:
                     self.session.set_prompt(msg["text"], msg.get("transition_chunks"))
                 elif kind == "params":
                     self.session.set_params(**msg["params"])
+                elif kind == "reference":
+                    self.session.set_reference(_reference(msg))
                 elif kind == "reset":
                     self.session.reset()
                     self._seqs.clear()
@@ -234,7 +237,7 @@ class FrameWorker:
                     continue
                 if rid is not None:  # nobody waits for an id-less request's answer
                     self._send(make("ack", id=rid))
-                if kind in ("prompt", "params", "reset"):
+                if kind in ("prompt", "params", "reset", "reference"):
                     self.session_stats = self.session.stats()
             except (ValueError, TypeError, KeyError) as exc:
                 self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
@@ -251,7 +254,7 @@ class FrameWorker:
         generation are released as stale on the way; one of a newer generation waits for its rings."""
         stalled = self._stall_after is not None and self.counts["frames_in"] >= self._stall_after
         while self.inputs and not stalled:
-            slot, seq, gen, payload = self.inputs[0]
+            slot, seq, gen, payload, control = self.inputs[0]
             ring, out = self.ring_in, self.ring_out
             if ring is None or out is None or gen > ring.spec.generation or gen > out.spec.generation:
                 return None  # its rings are still on their way over the control channel
@@ -260,13 +263,15 @@ class FrameWorker:
                 self.counts["stale"] += 1
                 self._release_in(slot, gen, dropped=True)
                 continue
-            if slot >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload):
+            if slot >= ring.spec.slots or (ring.spec.transport == "tcp") != bool(payload) \
+                    or control and not ring.spec.control:
                 self.inputs.popleft()
-                self.lane.refuse(f"frame notice for slot {slot} does not fit the ring")
+                self.lane.refuse(f"frame notice for slot {slot} does not fit the ring"
+                                 + (" (a control frame on a ring without control frames)" if control else ""))
                 continue
             if take:
                 self.inputs.popleft()
-            return ring, slot, seq, gen, payload
+            return ring, slot, seq, gen, payload, control
         return None
 
     def _wait_time(self) -> float:
@@ -275,7 +280,7 @@ class FrameWorker:
             return max(0.0, min(wait, self._next_emit - time.monotonic()))
         return wait
 
-    def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes]) -> None:
+    def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes], control: bool = False) -> None:
         self.busy_since = time.monotonic()
         try:
             if self.session.raw_passthrough and self._raw_copy(ring, slot, seq):
@@ -294,7 +299,11 @@ class FrameWorker:
                 batch = native[None]  # stays on the GPU
             else:
                 batch = native[None].cpu().numpy()
-            outputs = self.session.push(batch)
+            given = None
+            if spec.control:  # the frame above, its control frame below (engine orientation)
+                rows = spec.frame_height
+                batch, given = batch[:, :rows], (batch[:, rows:] if control else None)
+            outputs = self.session.push(batch, control=given) if spec.control else self.session.push(batch)
             self.counts["frames_in"] += 1
             self._seqs.append(seq)
             self._take_outputs(outputs)
@@ -460,6 +469,13 @@ class FrameWorker:
 
     def _release_in(self, slot: int, gen: int, dropped: bool = False) -> None:
         self.lane.send_release(slot, gen, dropped)
+
+
+def _reference(msg: dict[str, Any]) -> np.ndarray | None:
+    """A reference command's image as uint8 RGB [H, W, 3] (its size was checked against the bytes), or None."""
+    if msg.get("clear") or msg.get("image") is None:
+        return None
+    return np.frombuffer(msg["image"], np.uint8).reshape(msg["height"], msg["width"], 3).copy()
 
 
 def _layout(spec: Any) -> tuple:

@@ -29,10 +29,18 @@ class PassthroughSession:
         self.prompt = ""
         self.prompts_received = 0
         self.params: dict[str, Any] = {}
+        # VACE input is recorded (the wiring is what this session checks): control frames given and their
+        # pixel sum, frames that came without one once a host gave them, the reference image's size and sum
+        self.control = {"frames": 0, "missing": 0, "sum": 0, "reference": None, "reference_sum": 0}
 
-    def push(self, frames: np.ndarray) -> np.ndarray:
+    def push(self, frames: np.ndarray, control: np.ndarray | None = None) -> np.ndarray:
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise ValueError(f"frames: {frames.dtype} {frames.shape}; expected uint8 [N, H, W, 3]")
+        if control is not None:
+            self.control["frames"] += len(control)
+            self.control["sum"] += int(np.asarray(control, np.int64).sum())
+        elif self.control["frames"]:
+            self.control["missing"] += len(frames)
         self.frames_in += len(frames)
         self.frames_out += len(frames)
         return frames.copy()
@@ -50,13 +58,18 @@ class PassthroughSession:
     def set_params(self, **params: Any) -> None:
         self.params.update(LIVE.check(params))
 
+    def set_reference(self, image: np.ndarray | None) -> None:
+        self.control["reference"] = None if image is None else list(image.shape)
+        self.control["reference_sum"] = 0 if image is None else int(np.asarray(image, np.int64).sum())
+
     def reset(self) -> None:
         self.frames_in = 0
         self.frames_out = 0
 
     def stats(self) -> dict[str, Any]:
         return {"mode": "passthrough", "frames_in": self.frames_in, "frames_out": self.frames_out,
-                "prompt": self.prompt, "prompts_received": self.prompts_received, "params": dict(self.params)}
+                "prompt": self.prompt, "prompts_received": self.prompts_received, "params": dict(self.params),
+                "control": dict(self.control)}
 
     def close(self) -> None:
         """Nothing to release: no device memory, no threads."""

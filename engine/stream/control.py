@@ -26,6 +26,7 @@ class VaceControl:
         self.frames = ControlFrames(models.device, self.cfg.depth_model, self.cfg.video)
         self.encoder = ControlEncoder(models.encoder, layout)
         self.reference = read_image(self.cfg.reference) if self.cfg.reference else None
+        self.reference_from = self.cfg.reference  # what the stats show: the file, or a host's image
 
     def configure(self, cfg: ControlConfig) -> None:
         """New live settings (source, scale), already validated by the config's rules."""
@@ -37,8 +38,33 @@ class VaceControl:
         self.encoder.reset()
         denoiser.set_context_scale(self.cfg.context_scale)
         if self.reference is not None:
-            latent = self.encoder.reference(self.mapper.to_model(self.reference))
-            denoiser.add_reference(*reference_entry(latent))
+            denoiser.add_reference(*self._reference_entry())
+
+    def set_reference(self, image: np.ndarray | None) -> None:
+        """A host's new reference image (uint8 RGB [H, W, 3] or [1, H, W, 3]) or None; swapped in by
+        `swap_reference` at the next chunk. ValueError names an image it cannot take."""
+        if image is None:
+            self.reference, self.reference_from = None, None
+            return
+        from loom_live.engine.stream.frames import FrameError, validate_frames
+
+        image = np.asarray(image)
+        try:
+            good, dropped = validate_frames(image[None] if image.ndim == 3 else image)
+        except FrameError as exc:
+            raise ValueError(f"reference image: {exc}") from None
+        if dropped or len(good) != 1:
+            raise ValueError(f"reference image: {tuple(image.shape)}; expected one uint8 RGB image [H, W, 3]")
+        self.reference = np.ascontiguousarray(good)
+        self.reference_from = f"a host's image ({good.shape[2]}x{good.shape[1]})"
+
+    def swap_reference(self, denoiser: Any) -> None:
+        """Put the current reference (or none) in place of the stream's pinned first entry, mid-stream."""
+        denoiser.replace_reference(*(self._reference_entry() if self.reference is not None else (None, None)))
+
+    def _reference_entry(self) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = self.encoder.reference(self.mapper.to_model(self.reference))
+        return reference_entry(latent)
 
     def latents(self, x: torch.Tensor, given: np.ndarray | torch.Tensor | None) -> torch.Tensor:
         """Control latents [1, 96, f, h, w] for a chunk's model-size frames x (and the host's control frames)."""
@@ -47,7 +73,8 @@ class VaceControl:
 
     def stats(self) -> dict[str, Any]:
         return {"source": self.cfg.control_source, "context_scale": self.cfg.context_scale,
-                "refused_frames": self.frames.refused, "reference": self.cfg.reference}
+                "refused_frames": self.frames.refused, "missing_frames": self.frames.missing,
+                "reference": self.reference_from}
 
 
 def read_image(path: str) -> np.ndarray:

@@ -11,8 +11,9 @@ compute device) into control frames of the same shape, which the control latents
   Depth Anything V2 small), near bright; loaded at start and refused there with one line when absent;
 - video: frames the host gives with the input (`StreamSession.push(frames, control=...)`) or a
   video file (`control.video`), mapped to the model size like the input.
-A given control video of the wrong size or length is refused and counted; those frames fall back to
-the grey source, and the stream goes on.
+A given control video of the wrong size or length is refused and counted; those frames, and frames the
+video source gets no control frame for, fall back to the grey source (counted as missing), and the
+stream goes on.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ControlFrames:
         self._dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
         self._prev_grey: np.ndarray | None = None
         self.refused = 0  # host control frames refused (wrong size or count), for the stats
+        self.missing = 0  # frames of the video source that came without a control frame (nor a control file)
 
     def reset(self) -> None:
         self._prev_grey = None
@@ -89,6 +91,8 @@ class ControlFrames:
             if source == "video":
                 if given is None and self.video is not None:
                     given = self.video.next(len(x), x.shape[2:], x.device, x.dtype)
+                if given is None:
+                    self.missing += len(x)
                 return given if given is not None else grey(x)
             out = {"grey": grey, "edges": self._edges, "flow": self._flow,
                    "depth": lambda t: self.depth(t)}[source](x)

@@ -103,6 +103,35 @@ class StreamDenoiser:
                                   control=grow(control), context_scale=self._scale(rows, latent))
         self.cache.pin_sinks(1)
 
+    def replace_reference(self, latent: torch.Tensor | None, control: torch.Tensor | None) -> None:
+        """VACE, mid-stream: a new reference entry in place of the pinned first sink (or, None, no
+        reference: the slot is unpinned and the sinks refresh from the next frames). The entry is computed
+        as at a stream's start, alone in a fresh cache row, and its K/V copied into slot 0 of every row
+        that holds a frame; a row still empty commits it as its first frame. Chunks in flight keep going."""
+        cache = self.cache
+        if latent is None:
+            cache.pin_sinks(0)
+            cache.refresh_sinks()
+            return
+        empty = [b for b, n in enumerate(cache.frames) if n == 0]
+        filled = [b for b, n in enumerate(cache.frames) if n > 0]
+        if empty:
+            part = cache.rows(empty)
+            grow = lambda t: t.expand(len(empty), *t.shape[1:])  # noqa: E731
+            self.model.forward_stream(grow(latent), latent.new_zeros(len(empty)), part, self.cross, commit=True,
+                                      control=grow(control), context_scale=self._scale(len(empty), latent))
+            cache.set_rows(empty, part)
+        if filled:
+            fresh = cache.rows([filled[0]])
+            fresh.reset()
+            self.model.forward_stream(latent, latent.new_zeros(1), fresh, self.cross, commit=True,
+                                      control=control, context_scale=self._scale(1, latent))
+            rows = torch.tensor(filled, device=cache.device)
+            for i in cache.k:
+                cache.k[i][rows, 0] = fresh.k[i][0, 0]
+                cache.v[i][rows, 0] = fresh.v[i][0, 0]
+        cache.pin_sinks(1)
+
     def _scale(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         return torch.full((rows,), float(self.context_scale), device=like.device, dtype=like.dtype)
 

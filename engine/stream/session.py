@@ -37,6 +37,7 @@ from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
+from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
@@ -101,6 +102,8 @@ class StreamSession:
         self._lora_pending: dict[str, float] = {}
         self._live_params = VACE_LIVE_PARAMS if cfg.vace else LIVE_PARAMS
         self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
+        self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
+        self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
         self._build_parts()
         self.reset()
 
@@ -197,7 +200,8 @@ class StreamSession:
         self.motion.reset()
         self._outputs.clear()
         if self.control is not None:
-            self.control.start(self.denoiser)
+            self.control.start(self.denoiser)  # with the newest reference: nothing left to swap
+        self._reference_pending = False
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._given: list[np.ndarray | torch.Tensor | None] = []  # VACE: host control frames, one per buffered frame
         self._frame_shape: tuple[int, ...] | None = None  # of the frames accepted last
@@ -244,6 +248,22 @@ class StreamSession:
             self.denoiser.set_sink_threshold(new.stream.sink_threshold)
         if new.stream.steps != old.stream.steps:
             self._change_steps(list(new.stream.steps))
+
+    def set_reference(self, image: np.ndarray | None) -> None:
+        """VACE: a new reference image (uint8 RGB [H, W, 3] or [1, H, W, 3]; None: none), in effect from the
+        next chunk the denoiser runs: it replaces the pinned first entry of the KV cache in place, the
+        stream goes on. ValueError, one line, for a model without control blocks or an unreadable image."""
+        if self.control is None:
+            self.no_control.reference(image)
+        self.control.set_reference(image)
+        self._reference_pending = True
+
+    def _apply_reference(self) -> None:
+        """Swap the reference between two forwards on the denoise stream (every chunk in flight sees the
+        new one from its next step on, as with a prompt change)."""
+        if self._reference_pending:
+            self._reference_pending = False
+            self.control.swap_reference(self.denoiser)
 
     def _apply_lora(self) -> bool:
         """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
@@ -323,11 +343,11 @@ class StreamSession:
 
     def _given_control(self, control: Any, good: np.ndarray | torch.Tensor) -> list[Any]:
         """The host's control frames, one entry per accepted frame (None where none or refused)."""
+        if self.control is None:
+            self.no_control.take(control)
+            return [None] * len(good)
         if control is None or not len(good):
             return [None] * len(good)
-        if self.control is None:
-            raise ValueError("control frames were given, but this model has no VACE control blocks; "
-                             "use a *vace* model preset")
         accepted = self.control.frames.accept(control, good)
         return [None] * len(good) if accepted is None else list(accepted)
 
@@ -438,6 +458,7 @@ class StreamSession:
 
     def _denoise(self, c: _Chunk) -> None:
         self._advance_prompt(weights_changed=self._apply_lora())
+        self._apply_reference()
         k = c.latent.shape[2]
         d = self.denoiser
         plan = self.slo.plan

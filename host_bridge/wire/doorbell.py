@@ -80,7 +80,8 @@ WORD = 8
 MASK64 = (1 << 64) - 1
 MAX_VALUE = 1 << 62  # seq and gen: the protocol's integer range
 KIND_FRAME, KIND_RELEASE = 1, 2
-FLAG_DROPPED = 1
+FLAG_DROPPED = 1  # a release: the frame was not read
+FLAG_CONTROL = 2  # a frame: its slot holds a control frame too (a control ring)
 RECORD_GRACE_S = 0.01  # an unverified record this old is torn or corrupt, not late (reordering: ns)
 SPIN_S = 0.0  # spin this long after the last record before sleeping (see docs/performance.md)
 WAKE_RETRY_S = 0.0001  # `wake()`: call the kernel's wake again after this until the sleeper is out
@@ -189,11 +190,12 @@ class Doorbell:
 
     # -- producing (any thread) -------------------------------------------------------------------------
 
-    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = ()) -> bool:
-        """Publish a frame notice for `slot` of the ring this side writes. Never blocks."""
+    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = (), control: bool = False) -> bool:
+        """Publish a frame notice for `slot` of the ring this side writes (`control`: with its control
+        frame). Never blocks."""
         if payload:
             raise ValueError("the doorbell carries notices only; frame payloads need the tcp transport's lane")
-        return self._publish(KIND_FRAME, slot, seq, gen)
+        return self._publish(KIND_FRAME | (FLAG_CONTROL << 16 if control else 0), slot, seq, gen)
 
     def send_release(self, slot: int, gen: int, dropped: bool = False) -> bool:
         """Hand `slot` of the peer's ring back. Never blocks."""
@@ -340,9 +342,9 @@ class Doorbell:
         """A verified record as the lane message it stands for; None (refused) when a field is out of range."""
         kind, slot, flags = info & 0xFF, info >> 8 & 0xFF, info >> 16
         frame_dir, release_dir = self._in_dirs
-        if kind == KIND_FRAME and flags == 0:
+        if kind == KIND_FRAME and flags & ~FLAG_CONTROL == 0:
             msg = {"v": PROTOCOL_VERSION, "type": "frame", "dir": frame_dir, "slot": slot, "seq": seq, "gen": gen,
-                   "t": t_ns / 1e9}
+                   "t": t_ns / 1e9, **({"control": True} if flags & FLAG_CONTROL else {})}
         elif kind == KIND_RELEASE and flags & ~FLAG_DROPPED == 0 and seq == 0:
             msg = {"v": PROTOCOL_VERSION, "type": "release", "dir": release_dir, "slot": slot, "gen": gen,
                    "dropped": bool(flags)}

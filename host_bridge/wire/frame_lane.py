@@ -137,10 +137,11 @@ class FrameLane:
             self.wake()
         return True
 
-    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = ()) -> bool:
-        """A frame notice for `slot` of the ring this side writes (tcp: with the frame as `payload`)."""
+    def send_frame(self, slot: int, seq: int, gen: int, payload: list[Any] | tuple = (), control: bool = False) -> bool:
+        """A frame notice for `slot` of the ring this side writes (tcp: with the frame as `payload`;
+        `control`: the slot holds its control frame too)."""
         return self.send(make("frame", dir=self._frame_dir, slot=slot, seq=seq, gen=gen, t=time.time(),
-                              nbytes=len(payload[0]) if payload else None), payload)
+                              nbytes=len(payload[0]) if payload else None, control=control or None), payload)
 
     def send_release(self, slot: int, gen: int, dropped: bool = False) -> bool:
         """Hand `slot` of the peer's ring back."""

@@ -22,14 +22,16 @@ from loom_live.host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, L
 
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
 # answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);
-# 5: its frame lane too (the host's lane connects as the `lane_id` the engine's hello names)
-PROTOCOL_VERSION = 5
+# 5: its frame lane too (the host's lane connects as the `lane_id` the engine's hello names); 6: VACE control
+# frames beside the input (a `control` input ring, the frame notice's `control`) and a live `reference` image
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
 MAX_FRAME_SIDE = 16384  # the longest side a ring slot may have (hosts downscale larger frames first)
 MAX_TEXT = 4096
 MAX_ENDPOINT = 256
+MAX_REFERENCE_SIDE = 4096  # a reference image's longest side (the engine maps it to the model size)
 LANE_MESSAGES = ("frame", "release")  # the only types the frame lane carries, and the control channel refuses
 NOTICE_DIRS = {"host": ("in", "out"), "engine": ("out", "in")}  # side -> (dir of its frames, of its releases)
 
@@ -164,7 +166,9 @@ SCHEMA: dict[str, Fields] = {
     "ring": {**_ID, "spec": (_ring_spec, True)},
     "frame": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
               "seq": (_int(), True), "gen": (_int(), True), "t": (_num(0.0), False),
-              "nbytes": (_opt(_int(0, MAX_PAYLOAD_BYTES)), False)},
+              "nbytes": (_opt(_int(0, MAX_PAYLOAD_BYTES)), False),
+              # an input slot of a control ring holds the frame's control frame too (see RingSpec.control)
+              "control": (_bool, False)},
     "release": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
                 "gen": (_int(), True), "dropped": (_bool, False)},
     # session control (requests may carry an id; the engine answers ack or error with it); prompt and
@@ -172,6 +176,10 @@ SCHEMA: dict[str, Fields] = {
     "prompt": {**_ID, "text": (_live(PROMPT), True), "transition_chunks": (_opt(_live(TRANSITION_CHUNKS)), False)},
     "params": {**_ID, "params": (_live_params, True)},
     "mode": {**_ID, "lossless": (_bool, True)},
+    # VACE: a new reference image, from the next chunk on; uint8 RGB top-down rows in one payload part
+    # (width * height * 3 bytes), or `clear` without a payload to stream without one
+    "reference": {**_ID, "width": (_opt(_int(1, MAX_REFERENCE_SIDE)), False),
+                  "height": (_opt(_int(1, MAX_REFERENCE_SIDE)), False), "clear": (_bool, False)},
     # flush: `seq` = the last frame notice sent before it (on the lane); the engine waits for that notice
     "flush": {**_ID, "seq": (_opt(_int()), False)},
     "flushed": {**_ID, "count": (_int(), True)},
@@ -219,9 +227,11 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
         raise
     except Exception as exc:  # a checker that trips over an odd value still refuses, never crashes the receiver
         raise ProtocolError(f"unreadable message ({type(exc).__name__})") from None
-    allowed_parts = (1, 2) if msg["type"] == "frame" else (1,)
+    allowed_parts = (1, 2) if msg["type"] in ("frame", "reference") else (1,)
     if len(parts) not in allowed_parts:
         raise ProtocolError(f"{msg['type']}: {len(parts)} parts; expected {' or '.join(map(str, allowed_parts))}")
+    if msg["type"] == "reference":
+        check_reference(msg, parts[1:])
     if msg["type"] == "frame":
         payload = len(parts) == 2
         if payload != (msg.get("nbytes") is not None):
@@ -229,6 +239,20 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
         if payload and len(parts[1]) != msg["nbytes"]:
             raise ProtocolError(f"frame: payload has {len(parts[1])} bytes, nbytes says {msg['nbytes']}")
     return msg
+
+
+def check_reference(msg: dict[str, Any], payload: list[bytes]) -> None:
+    """A reference message is either `clear` alone or a size with exactly its RGB bytes as the payload."""
+    if msg.get("clear"):
+        if payload or "width" in msg or "height" in msg:
+            raise ProtocolError("reference: clear takes no image (no width, height or payload)")
+        return
+    if "width" not in msg or "height" not in msg or len(payload) != 1:
+        raise ProtocolError("reference: give width, height and the image as one payload part, or clear")
+    want = msg["width"] * msg["height"] * 3
+    if len(payload[0]) != want:
+        raise ProtocolError(f"reference: payload has {len(payload[0])} bytes; a {msg['width']}x{msg['height']} "
+                            f"RGB image has {want}")
 
 
 def validate(msg: Any) -> None:
@@ -267,6 +291,9 @@ class RingSpec:
 
     `handles` name the shared memory (shm segment names, or hex CUDA IPC memory handles); `events`
     are the hex CUDA IPC event handles, one per slot. `pitch` is the byte length of one row in a slot.
+    `control` (an input ring of a VACE host): each slot holds a frame and its control frame, so `height`
+    is twice the frame's; in the engine's orientation (after `orientation` is applied) the upper half is
+    the frame, the lower half the control frame, valid where the frame notice says `control`.
     """
 
     transport: str
@@ -285,10 +312,16 @@ class RingSpec:
     gpu_uuid: str | None = None
     encoding: str = "raw"
     jpeg_quality: int = 90
+    control: bool = False
 
     @property
     def row_bytes(self) -> int:
         return self.width * self.channels * DTYPE_SIZES[self.dtype]
+
+    @property
+    def frame_height(self) -> int:
+        """Rows of one frame: half the slot's on a control ring."""
+        return self.height // 2 if self.control else self.height
 
     @property
     def slot_bytes(self) -> int:
@@ -308,6 +341,7 @@ class RingSpec:
             "order": (_str(4, 1), False), "handles": (_str_list(MAX_SLOTS, 256), False),
             "events": (_str_list(MAX_SLOTS, 256), False), "gpu_uuid": (_opt(_str(64)), False),
             "encoding": (_choice(*ENCODINGS), False), "jpeg_quality": (_int(1, 100), False),
+            "control": (_bool, False),
         }
         for key, value in data.items():
             if key not in checks:
@@ -324,6 +358,9 @@ class RingSpec:
                                 f"{CHANNEL_ORDERS.get(spec.channels, ())}")
         if spec.pitch < spec.row_bytes:
             raise ProtocolError(f"ring.pitch: {spec.pitch} is smaller than a row ({spec.row_bytes} bytes)")
+        if spec.control and (spec.dir != "in" or spec.height % 2):
+            raise ProtocolError(f"ring.control: a {spec.dir} ring of height {spec.height}; control rings are input "
+                                "rings of an even height (a frame above its control frame)")
         if spec.encoding == "jpeg" and (spec.transport != "tcp" or spec.dtype != "uint8" or spec.channels != 3):
             raise ProtocolError("ring.encoding: jpeg needs the tcp transport and uint8 RGB frames")
         return spec

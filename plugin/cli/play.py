@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from loom_live.engine.config import control_override, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.params import CONTROL_SOURCES
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
 from loom_live.plugin.cli.preflight import check_engine_run
 
@@ -28,9 +30,11 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
           --resolution WxH, the same as --set resolution.width=W --set resolution.height=H (multiples
           of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
-          1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen
+          1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen;
+          VACE presets: - = control scale, c next control source
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
-          /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit
+          /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit;
+          VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH
 web page (--web [HOST:]PORT): the output, the input and these controls in a browser; loom web: the browser's
           camera as the input
 outputs are written beside the target under a hidden temporary name and moved into place when finished:
@@ -158,6 +162,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
+        control_sources=available_sources(cfg), control_source=cfg.control.control_source,
+        context_scale=cfg.control.context_scale,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
@@ -165,6 +171,16 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         web_token_file=args.web_token_file, web_cert=args.web_cert, web_key=args.web_key, web_proxy=args.web_proxy,
         **run)
     return run_player(options)
+
+
+def available_sources(cfg: Any) -> tuple[str, ...]:
+    """The control sources a run of `cfg` can switch between live: none without VACE; depth only with its
+    model, video only with a control video (`--control FILE`) or a host that gives control frames."""
+    if not cfg.vace:
+        return ()
+    c = cfg.control
+    return tuple(s for s in CONTROL_SOURCES if (s != "depth" or c.depth_model) and (s != "video" or c.video
+                                                                                   or c.control_source == "video"))
 
 
 def _list_ndi() -> int:

@@ -10,6 +10,10 @@ A queued run is a function of its inputs: the Stream node starts each run on a f
 the prompt as it is now (no blend carried over from the run before), unless the user asks for
 `blend_from_last_run`.
 
+VACE (*vace* model presets): the Loom Control node sets the control source and scale and a reference
+image (the first of an IMAGE batch); the Stream node's optional `control` input is the control video,
+one frame per input frame (control_source `video`).
+
 LoRAs: a chain of Loom LoRA nodes builds a `LOOM_LORAS` list of (file, strength) that the Engine
 node takes. The files are part of the engine's settings: other files replace the engine with one
 started with them (`--lora`); other strengths only go to the running engine as the live
@@ -368,6 +372,52 @@ class LoomPrompt:
         return (engine,)
 
 
+class LoomControl:
+    """VACE structure control of an engine: the control source and scale, and a reference image; passes it on."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (ENGINE_TYPE,)
+    RETURN_NAMES = ("engine",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Structure control for a VACE engine (a *vace* config): what the control video is made from "
+                   "(edges, grey, flow, depth, or the Stream node's control input: video), how strongly it "
+                   "steers, and a reference image (the first of the batch) that sets the look. Without a "
+                   "reference input a reference an earlier run set is cleared.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        from loom_live.host_bridge.wire.params import CONTROL
+
+        return {
+            "required": {
+                "engine": (ENGINE_TYPE,),
+                "control_source": (list(CONTROL.choices), {"default": CONTROL.default, "tooltip": CONTROL.doc}),
+                "context_scale": _live_input("context_scale"),
+            },
+            "optional": {
+                "reference": ("IMAGE", {"tooltip": "the look to keep: the first image of the batch"}),
+            },
+        }
+
+    def apply(self, engine: EngineHandle, control_source: str, context_scale: float,
+              reference: Any = None) -> tuple[EngineHandle]:
+        from loom_live.host_bridge.wire.params import LIVE
+
+        try:  # checked before anything is sent; the engine's own refusal (no VACE blocks) is raised here too
+            params = LIVE.check({"control_source": control_source, "context_scale": context_scale})
+            image = _images_to_frames(reference) if reference is not None else None
+            if image is not None and not len(image):
+                raise ValueError("reference: the image batch is empty; expected at least one image")
+            image = image[0] if image is not None else None
+            _wait_running(engine, STARTUP_TIMEOUT_S, _cancel_check(), "Loom Control")
+            engine.bridge.set_params(wait=True, **params)
+            if image is not None or engine.bridge.wanted.reference_set:
+                engine.bridge.set_reference(image, wait=True)
+        except ValueError as exc:
+            raise ValueError(f"Loom Control: {exc}") from None
+        return (engine,)
+
+
 class LoomStream:
     """Stream an IMAGE batch through the engine; every frame comes back restyled, in order."""
 
@@ -388,6 +438,9 @@ class LoomStream:
                 "images": ("IMAGE",),
             },
             "optional": {
+                "control": ("IMAGE", {"tooltip": (
+                    "VACE presets, control_source video: the control video, one frame per input frame and of "
+                    "its size; frames without one, or with one that does not fit, are counted and go on")}),
                 "timeout_s": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 36000.0,
                                         "tooltip": "0: a limit from the batch size"}),
                 "blend_from_last_run": ("BOOLEAN", {"default": False, "tooltip": (
@@ -402,18 +455,20 @@ class LoomStream:
         return float("nan")
 
     def stream(self, engine: list[EngineHandle], images: list[Any], timeout_s: list[float] = (0.0,),
-               blend_from_last_run: list[bool] = (False,)) -> tuple[Any, str]:
-        """Every input comes as a list (INPUT_IS_LIST); all but `images` hold one value."""
+               blend_from_last_run: list[bool] = (False,), control: list[Any] | None = None) -> tuple[Any, str]:
+        """Every input comes as a list (INPUT_IS_LIST); all but `images` and `control` hold one value."""
         engine, timeout, blend = engine[0], float(timeout_s[0]), bool(blend_from_last_run[0])
         frames, note = _stream_frames(images)
+        controls = _stream_frames(control, "control")[0] if control else None
         limit = timeout or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
         _wait_running(engine, limit, cancelled, "Loom Stream")
         if engine.interrupted or not blend:  # confirmed before this run's first frame goes
             engine.bridge.reset(wait=True)  # a fresh stream on the newest prompt, with no blend under way
             engine.interrupted = False
+        refused = engine.bridge.stats()["refused_control"]
         try:
-            outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit)
+            outs = engine.bridge.process(_until_cancelled(frames, cancelled), timeout_s=limit, control=controls)
         except BaseException:
             # Cancel (or a failure) mid-batch: process() has put the engine back in live mode; the frames
             # it still holds of this batch's stream go too, so the next run starts a stream of its own
@@ -422,16 +477,27 @@ class LoomStream:
             raise
         if len(outs) != len(frames):
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
+        if controls is not None:
+            note += _control_note(len(frames), len(controls), engine.bridge.stats()["refused_control"] - refused)
         return _frames_to_images(outs), engine.status_text() + note
 
 
-def _stream_frames(images: list[Any]) -> tuple[np.ndarray, str]:
+def _control_note(frames: int, controls: int, refused: int) -> str:
+    """What the status says of the control video when not every frame had a fitting control frame."""
+    missing = max(0, frames - controls)
+    if not refused and not missing:
+        return ""
+    return (f"  (control: {refused} frame(s) refused, not of the input's size; {missing} frame(s) without one; "
+            "those went on with the grey control)")
+
+
+def _stream_frames(images: list[Any], what: str = "images") -> tuple[np.ndarray, str]:
     """The frames of one stream: an IMAGE batch, or a list of them (a folder loader's images) of one size,
     joined in order. A note for the status says when a list was joined."""
     try:
         batches = [_images_to_frames(batch) for batch in images]
     except ValueError as exc:
-        raise ValueError(f"Loom Stream: {exc}") from None
+        raise ValueError(f"Loom Stream: {what}: {exc}" if what != "images" else f"Loom Stream: {exc}") from None
     sizes = sorted({f"{b.shape[2]}x{b.shape[1]}" for b in batches if len(b)})
     if len(sizes) > 1:
         raise ValueError(f"Loom Stream: the images come as a list of {len(batches)} in {len(sizes)} sizes "
@@ -520,6 +586,7 @@ def _raise_if_lora_refused(engine: EngineHandle, node: str) -> None:
 
 
 NODE_CLASS_MAPPINGS = {"LoomEngine": LoomEngine, "LoomLora": LoomLora, "LoomPrompt": LoomPrompt,
-                       "LoomStream": LoomStream}
+                       "LoomControl": LoomControl, "LoomStream": LoomStream}
 NODE_DISPLAY_NAME_MAPPINGS = {"LoomEngine": "Loom Engine", "LoomLora": "Loom LoRA",
-                              "LoomPrompt": "Loom Prompt & Params", "LoomStream": "Loom Stream Images"}
+                              "LoomPrompt": "Loom Prompt & Params", "LoomControl": "Loom Control (VACE)",
+                              "LoomStream": "Loom Stream Images"}

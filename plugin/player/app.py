@@ -84,7 +84,10 @@ class Player:
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
                                               motion_aware=options.motion_aware,
-                                              lora_scales=dict(options.lora_scales)))
+                                              lora_scales=dict(options.lora_scales),
+                                              control_sources=tuple(options.control_sources),
+                                              control_source=options.control_source,
+                                              context_scale=options.context_scale))
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0

@@ -13,9 +13,12 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loom_live.host_bridge.wire.params import (
+    CONTEXT_SCALE,
+    CONTROL,
     LIVE,
     LORA_SCALES,
     NOISE_SCALE,
@@ -27,6 +30,8 @@ from loom_live.host_bridge.wire.params import (
 
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 LORA_KEY_STEP = LORA_SCALES.ui_step
+CONTEXT_SCALE_KEY_STEP = CONTEXT_SCALE.ui_step
+NO_VACE = "the model has no VACE control blocks (use -c wan2.1-vace-1.3b, or tiny-vace on a CPU)"
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,8 @@ class Command:
 
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
-            "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "pause", "overlay",
-            "fullscreen", "quit")
+            "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "context_scale",
+            "context_step", "control_source", "control_next", "reference", "pause", "overlay", "fullscreen", "quit")
 
 
 class ControlError(ValueError):
@@ -58,11 +63,16 @@ class ControlState:
     transition_chunks: int | None = None
     lora_scales: dict[str, float] = field(default_factory=dict)  # the loaded LoRAs, by name
     lora_index: int = 0  # the LoRA the keys adjust
+    control_sources: tuple[str, ...] = ()  # VACE: the sources this run can make (none: not a VACE model)
+    control_source: str = CONTROL.default
+    context_scale: float = CONTEXT_SCALE.default
+    reference: str | None = None  # the reference image file sent live (the config's until then)
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
     quit: bool = False
     message: str = ""
+    refused: int = 0  # commands refused when applied (a source this run lacks, control without VACE)
 
     @property
     def prompt(self) -> str:
@@ -98,6 +108,29 @@ def lora_scale_command(name: Any, value: Any) -> Command:
         raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
     scales = _checked(LORA_SCALES.check, {str(name): x})
     return Command("lora_scale", next(iter(scales.items())))
+
+
+def context_scale_command(value: Any) -> Command:
+    """How strongly the control video steers the structure (VACE), in the schema's range."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"context_scale: {value!r} is not a number; expected {CONTEXT_SCALE.allowed()}") from None
+    return Command("context_scale", (_checked(CONTEXT_SCALE.check, x),))
+
+
+def control_source_command(value: Any) -> Command:
+    """The control video's source by name (VACE), one of the schema's choices."""
+    return Command("control_source", (_checked(CONTROL.check, str(value).strip() if isinstance(value, str)
+                                                else value),))
+
+
+def reference_command(path: Any = None) -> Command:
+    """A new reference image file (VACE), read by the frame loop and sent at once; no path: none."""
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise ControlError(f"reference: {str(path)[:60]!r} is not allowed; expected an image file path (PNG, "
+                           "JPEG, ...) or nothing to stream without a reference")
+    return Command("reference", (path.strip() if path else None,))
 
 
 def transition_chunks_command(value: Any) -> Command:
@@ -174,6 +207,9 @@ class Controls:
         if "prompt" in changes:
             text, chunks = changes.pop("prompt")
             bridge.set_prompt(text, transition_chunks=chunks)
+        if "reference" in changes:
+            self._send_reference(bridge, changes.pop("reference"))
+            done[-1] = self.state.message
         if changes:
             bridge.set_params(**changes)
         return done
@@ -194,6 +230,55 @@ class Controls:
         s.lora_scales[lora] = round(min(LORA_SCALES.max, max(LORA_SCALES.min, value)), 4)
         changes.setdefault("lora_scales", {})[lora] = s.lora_scales[lora]
         return True
+
+    def _apply_control(self, name: str, args: tuple[Any, ...], changes: dict[str, Any]) -> bool:
+        """VACE's scale and source; refused (counted, said) on a model without control blocks, or for a
+        source this run cannot make (depth without its model, video without a control video)."""
+        s = self.state
+        if not s.control_sources:
+            return self._refuse(f"{name}: {NO_VACE}")
+        if name in ("context_scale", "context_step"):
+            target = args[0] if name == "context_scale" else s.context_scale + args[0]
+            s.context_scale = round(min(CONTEXT_SCALE.max, max(CONTEXT_SCALE.min, target)), 4)
+            changes["context_scale"] = s.context_scale
+            return True
+        if name == "control_next":
+            i = s.control_sources.index(s.control_source) if s.control_source in s.control_sources else -1
+            source = s.control_sources[(i + 1) % len(s.control_sources)]
+        else:
+            source = args[0]
+        if source not in s.control_sources:
+            return self._refuse(f"control_source: {source!r} is not available in this run; available: "
+                                f"{', '.join(s.control_sources)} (depth needs control.depth_model, video a "
+                                "--control FILE or a host's control frames)")
+        s.control_source = source
+        changes["control_source"] = source
+        return True
+
+    def _send_reference(self, bridge: Any, path: str | None) -> None:
+        """Read the reference image here (the engine may run elsewhere) and hand it to the bridge."""
+        s = self.state
+        image = None
+        if path is not None:
+            import cv2
+
+            bgr = cv2.imread(str(Path(path).expanduser()), cv2.IMREAD_COLOR)
+            if bgr is None:
+                self._refuse(f"reference: {path} cannot be read as an image (PNG, JPEG, ...); the reference stays")
+                return
+            image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        try:
+            bridge.set_reference(image)
+        except ValueError as exc:
+            self._refuse(f"reference: {exc}; the reference stays")
+            return
+        s.reference = path
+        s.message = f"reference: {path or 'none'}"
+
+    def _refuse(self, why: str) -> bool:
+        self.state.message = why
+        self.state.refused += 1
+        return False
 
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
         s = self.state
@@ -231,6 +316,14 @@ class Controls:
         elif name == "transition_chunks":
             s.transition_chunks = args[0]
             changes["transition_chunks"] = args[0]
+        elif name in ("context_scale", "context_step", "control_source", "control_next"):
+            if not self._apply_control(name, args, changes):
+                return
+        elif name == "reference":
+            if not s.control_sources:
+                self._refuse(f"reference: {NO_VACE}")
+                return
+            changes["reference"] = args[0]  # read and sent after the other changes of this frame
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -255,6 +348,12 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"LoRA {s.lora}: scale {s.lora_scales[s.lora]:.2f}"
     if command.name == "transition_chunks":
         return f"transition chunks: {s.transition_chunks}"
+    if command.name in ("context_scale", "context_step"):
+        return f"control scale: {s.context_scale:.2f}"
+    if command.name in ("control_source", "control_next"):
+        return f"control source: {s.control_source}"
+    if command.name == "reference":
+        return f"reference: {s.reference or 'none'} (being read)"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name
@@ -272,6 +371,8 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     ("m", "motion-aware noise on / off"),
     ("l", "select the next LoRA (--lora)"),
     (", / .", f"the selected LoRA's scale down / up by {LORA_KEY_STEP}"),
+    ("- / =", f"VACE presets: control scale down / up by {CONTEXT_SCALE_KEY_STEP}"),
+    ("c", "VACE presets: the next control source (edges, grey, flow, and depth or video when given)"),
     ("h", "hide / show the status overlay"),
     ("f", "full screen on / off"),
 )
@@ -291,6 +392,9 @@ _SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
     "l": lambda: Command("lora_next"),
     ",": lambda: Command("lora_step", (-LORA_KEY_STEP,)),
     ".": lambda: Command("lora_step", (LORA_KEY_STEP,)),
+    "-": lambda: Command("context_step", (-CONTEXT_SCALE_KEY_STEP,)),
+    "=": lambda: Command("context_step", (CONTEXT_SCALE_KEY_STEP,)),
+    "c": lambda: Command("control_next"),
     "h": lambda: Command("overlay"),
     "f": lambda: Command("fullscreen"),
 }

@@ -49,6 +49,9 @@ class PlayerOptions:
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default
     lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
+    control_sources: tuple[str, ...] = ()  # VACE: the control sources this run can make; () = not a VACE model
+    control_source: str = LIVE["control_source"].default
+    context_scale: float = LIVE["context_scale"].default
     max_frames: int | None = None
     size: tuple[int, int] | None = None  # the generated clip's (default DEFAULT_GENERATED_SIZE), or an input scaled
     fps: float = DEFAULT_GENERATED_FPS

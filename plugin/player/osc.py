@@ -11,14 +11,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from loom_live.host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, STEP_LISTS
+from loom_live.host_bridge.wire.params import CONTEXT_SCALE, CONTROL, LORA_SCALES, NOISE_SCALE, STEP_LISTS
 from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     Controls,
+    context_scale_command,
+    control_source_command,
     lora_scale_command,
     noise_scale_command,
     prompt_command,
+    reference_command,
     steps_command,
 )
 
@@ -32,6 +35,12 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
     "/loom/noise_scale": ("f", f"noise strength for a static scene, {NOISE_SCALE.min}..{NOISE_SCALE.max}"),
     "/loom/motion_aware": ("[0|1]", "motion-aware noise off / on (no argument: toggle)"),
     "/loom/lora/scale": ("name f", f"scale of the LoRA of that name, {LORA_SCALES.min:g}..{LORA_SCALES.max:g}"),
+    "/loom/control/scale": ("f", f"VACE presets: control scale, {CONTEXT_SCALE.min:g}..{CONTEXT_SCALE.max:g} "
+                                  "(0: the control video does not steer)"),
+    "/loom/control/source": ("name", f"VACE presets: control source, one of {', '.join(CONTROL.choices)}"),
+    "/loom/control/next": ("", "VACE presets: the next control source this run can make"),
+    "/loom/reference": ("[path]", "VACE presets: a new reference image file, in effect at the next chunk "
+                                  "(no path: none)"),
     "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
     "/loom/quit": ("", "stop the player; outputs are finalised"),
 }
@@ -53,6 +62,10 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "/loom/noise_scale": noise_scale_command,
     "/loom/motion_aware": lambda *a: Command("motion_aware", a[:1]),
     "/loom/lora/scale": lora_scale_command,
+    "/loom/control/scale": context_scale_command,
+    "/loom/control/source": control_source_command,
+    "/loom/control/next": lambda: Command("control_next"),
+    "/loom/reference": reference_command,
     "/loom/pause": lambda *a: Command("pause", a[:1]),
     "/loom/quit": lambda: Command("quit"),
 }

@@ -2,13 +2,14 @@
 
     from loom_live.plugin.touchdesigner.build_loom import build; build(op('/project1'))
 
-It makes a Base COMP `loom` with an In TOP, the Script TOP `loom_top` (callbacks in the DAT
-`loom_callbacks`, not the Script TOP's own docked `loom_top_callbacks`), a Switch TOP that shows
-the input while the component is inactive, an Out TOP, the extension DAT `loom_ext`, a Parameter
-Execute DAT watching the control parameters, an Execute DAT that cooks the Script TOP in each
-frame nothing else does while the engine runs, and the Loom, Engine, LoRA and Status pages. The
-callback DATs hold the text of this folder's callback modules (TouchDesigner runs a DAT's text with
-`me` set); the extension DAT imports `LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
+It makes a Base COMP `loom` with an In TOP (and a second, `in2`, for a VACE control video), the
+Script TOP `loom_top` (callbacks in the DAT `loom_callbacks`, not the Script TOP's own docked
+`loom_top_callbacks`), a Switch TOP that shows the input while the component is inactive, an Out
+TOP, the extension DAT `loom_ext`, a Parameter Execute DAT watching the control parameters, an
+Execute DAT that cooks the Script TOP in each frame nothing else does while the engine runs, and the
+Loom, Engine, LoRA, Control and Status pages. The callback DATs hold the text of this folder's
+callback modules (TouchDesigner runs a DAT's text with `me` set); the extension DAT imports
+`LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
 An existing operator of the same name is never replaced: pick another name or delete it first.
 """
 
@@ -51,9 +52,11 @@ def build(parent_comp: Any, name: str = "loom", td_module: Any = None) -> Any:
     callbacks.text = _source("script_top_callbacks.py")
 
     source = comp.create(td.inTOP, "in1")
+    control = comp.create(td.inTOP, "in2")  # VACE: the control video (wire it, set Control Source to video)
     script = comp.create(td.scriptTOP, SCRIPT_TOP)
     script.par.callbacks = CALLBACKS_DAT
     script.inputConnectors[0].connect(source)
+    script.inputConnectors[1].connect(control)
     switch = comp.create(td.switchTOP, SWITCH_TOP)
     switch.inputConnectors[0].connect(source)
     switch.inputConnectors[1].connect(script)

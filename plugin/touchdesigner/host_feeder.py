@@ -23,18 +23,19 @@ class HostFeeder:
         self._bridge, self._layout = bridge, layout
         self._cond = threading.Condition()
         self._frame: Any = None
+        self._control: Any = None  # the frame's control frame (the component's second input), if wired
         self._closed = False
         self.replaced = 0  # frames replaced before the thread took them
         self.error = ""  # the last frame the bridge refused, and why (shown on the component)
         self._thread = threading.Thread(target=self._run, name="loom-td-feeder", daemon=True)
         self._thread.start()
 
-    def offer(self, frame: Any) -> None:
-        """Leave `frame` for the thread; returns at once."""
+    def offer(self, frame: Any, control: Any = None) -> None:
+        """Leave `frame` (and its control frame, VACE) for the thread; returns at once."""
         with self._cond:
             if self._frame is not None:
                 self.replaced += 1
-            self._frame = frame
+            self._frame, self._control = frame, control
             self._cond.notify()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -54,8 +55,9 @@ class HostFeeder:
                 if self._closed:
                     return
                 frame, self._frame = self._frame, None
+                control, self._control = self._control, None
             try:
-                self._bridge.submit(frame, layout=self._layout)
+                self._bridge.submit(frame, layout=self._layout, control=control)
                 self.error = ""
             except Exception as exc:  # a bad frame must not end the thread: the next one may be fine
                 self.error = f"input frame not taken: {exc}"

@@ -22,6 +22,12 @@ out: the newest engine frame (or the fallback) through `copyCUDAMemory` in the i
 blocks the cook on the engine: a slow or dead engine shows the fallback and a status on the
 read-only parameters.
 
+VACE (the Control page, for *vace* model presets): the Script TOP's second input is the control video,
+sent beside each input frame (through host memory: shm or tcp); Control Scale and Control Source are live
+parameters; the Reference TOP's picture is read when it is set, at Update Reference and when an engine
+starts, and sent as the reference image (in effect at the engine's next chunk). They go to an engine only
+once it reports control blocks (its first stats say so): a model without them would refuse them.
+
 LoRAs: the LoRA page's files go to a launched engine as `--lora PATH:SCALE`, its scales as the
 `lora_scales` live parameter. A file the host can see is wrong (missing, a name another slot has) is
 left out with a message; one the engine refuses (a LoRA for another model size) is named in the
@@ -37,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from loom_live.host_bridge.wire.params import steps_for
+from loom_live.host_bridge.wire.params import CONTROL_PARAMS, steps_for
 from loom_live.plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PARAMETERS
 
 LOG_TAIL_LINES = 6
@@ -47,6 +53,11 @@ STATUS_PARS = tuple(p.name for p in PARAMETERS if p.read_only)  # written by the
 PAREXEC_PARS = " ".join(p.name for p in PARAMETERS if not p.read_only)
 PROMPT_PARS = ("Prompt", "Transition")  # the Loom page parameters that make one prompt message
 PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params message
+CONTROL_PARS = ("Controlscale", "Controlsource")  # VACE: one params message, once the engine has control blocks
+CONTROL_NAMES = tuple(p.name for p in CONTROL_PARAMS)  # their live-parameter names, kept out of a hand-over
+REFERENCE_PAR = "Referencetop"
+NO_CUDA_CONTROL = ("the control input is not sent: control frames travel beside the input on Transport shm or tcp, "
+                   "not cuda-ipc")
 ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", "Fallback", "Passthrough")
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
@@ -77,6 +88,7 @@ class LoomExt:
         self._downloading = False  # a delayed numpyArray() download is under way (later Nones mean no image)
         self.loras: dict[str, Any] = {}  # the LoRAs the running engine was started with, by slot (file parameter)
         self.engine_refused: dict[str, str] = {}  # LoRA path -> the engine's words; left out until the next Start
+        self.vace: bool | None = None  # whether the running engine has VACE control blocks (None: not known yet)
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -133,6 +145,7 @@ class LoomExt:
             self._error(f"cannot start the engine: {exc}")
             return
         self.note = note
+        self.vace = None
         self._downloading = False
         if transport != "cuda-ipc":  # on cuda-ipc a host frame is staged on the device: that stays in the cook
             from loom_live.plugin.touchdesigner.host_feeder import HostFeeder
@@ -224,6 +237,10 @@ class LoomExt:
             self._record_controls(PROMPT_PARS if name in PROMPT_PARS else PARAM_PARS)
         elif name in LORA_SCALE_PARS:
             self._record_lora_scales()
+        elif name in CONTROL_PARS:
+            self._record_vace()
+        elif name == REFERENCE_PAR:
+            self._send_reference()
         elif name in LORA_FILE_PARS and self.ownerComp.par.Active.eval():
             self._start()  # the model is the same: a LoRA it refused stays out (Start tries it again)
         elif name in ENGINE_PARS and self.ownerComp.par.Active.eval():
@@ -234,6 +251,8 @@ class LoomExt:
             self.Start()
         elif par.name == "Stop":
             self.Stop()
+        elif par.name == "Updatereference" and self.bridge is not None:
+            self._send_reference()
 
     def _hand_over(self, wanted: Any) -> None:
         """Ask the new bridge for what the last one was asked for (values it already took). Not the LoRA
@@ -243,7 +262,7 @@ class LoomExt:
             return
         if wanted.prompt is not None:
             self.bridge.set_prompt(wanted.prompt.text, transition_chunks=wanted.prompt.transition_chunks)
-        params = {k: v for k, v in wanted.params.items() if k != "lora_scales"}
+        params = {k: v for k, v in wanted.params.items() if k != "lora_scales" and k not in CONTROL_NAMES}
         if params:
             self.bridge.set_params(**params)
 
@@ -323,6 +342,51 @@ class LoomExt:
             self.refused.pop(group[0], None)
         par.Message = self._message()
 
+    def _learn_vace(self) -> None:
+        """Once the engine's first report is in: a VACE engine is told the Control page (scale, source,
+        reference); for another, a wired control input or a Reference TOP is said to be unused."""
+        session = self.bridge.engine_report().get("session")
+        if not session:
+            return
+        self.vace = "control" in session
+        if self.vace:
+            self._record_vace()
+            self._send_reference(only_set=True)  # an empty Reference TOP leaves the config's own reference
+        else:
+            self.note = "; ".join(m for m in (self.note, "the model has no VACE control blocks: the control input "
+                                              "and the Control page are not used") if m)
+
+    def _record_vace(self) -> None:
+        """Control Scale and Control Source to a VACE engine (the schema's ranges and choices, as for the Loom page)."""
+        if not self.vace:
+            return
+        par = self.ownerComp.par
+        try:
+            self.bridge.set_params(context_scale=float(par.Controlscale.eval()),
+                                   control_source=str(par.Controlsource.eval()))
+        except ValueError as exc:
+            self.refused[CONTROL_PARS[0]] = f"Control Scale/Control Source refused ({exc}); keeping the last good value"
+        else:
+            self.refused.pop(CONTROL_PARS[0], None)
+        par.Message = self._message()
+
+    def _send_reference(self, only_set: bool = False) -> None:
+        """The Reference TOP's picture (read now: a one-off download) as the reference image; none when
+        emptied (`only_set`: nothing then)."""
+        top = getattr(self.ownerComp.par, REFERENCE_PAR).eval() if self.vace else None
+        if not self.vace or only_set and not top:
+            return
+        try:
+            image = top.numpyArray() if top else None
+            if top and image is None:
+                raise ValueError("the Reference TOP has no image")
+            self.bridge.set_reference(image, layout="touchdesigner")
+        except Exception as exc:  # a parameter callback must leave the component working
+            self.refused[REFERENCE_PAR] = f"Reference TOP not sent ({exc}); the reference stays"
+        else:
+            self.refused.pop(REFERENCE_PAR, None)
+        self.ownerComp.par.Message = self._message()
+
     def _message(self, status_message: str = "") -> str:
         return "; ".join(m for m in (self.note, self.input_note, *self.refused.values(), status_message) if m)
 
@@ -341,10 +405,15 @@ class LoomExt:
         if top is None:
             return
         self.input_note = ""
+        control = scriptOp.inputs[1] if len(scriptOp.inputs) > 1 else None  # VACE: the control video
+        if self.vace is None:
+            self._learn_vace()
         try:
             status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None
             if status is None:
-                status = self._cook_numpy(scriptOp, top)
+                status = self._cook_numpy(scriptOp, top, control)
+            elif control is not None:
+                self.input_note = NO_CUDA_CONTROL
         except Exception as exc:  # a raising cook freezes the output for the rest of the show
             self.input_note = f"input frame not taken: {exc}"
             status = self.bridge.status()
@@ -352,19 +421,22 @@ class LoomExt:
         if self.loras and self.bridge.status().state in ("restarting", "dead"):  # only a failed engine refuses one
             self._leave_out_refused_lora()
 
-    def _cook_numpy(self, scriptOp: Any, top: Any) -> Any:
-        """Through host memory: the last cook's download of the input in, the newest output out as
-        uint8 RGB bottom-up (3 channels: no alpha to build, no channel order to swap)."""
+    def _cook_numpy(self, scriptOp: Any, top: Any, control_top: Any = None) -> Any:
+        """Through host memory: the last cook's download of the input (and of the control input, the same
+        cook's) in, the newest output out as uint8 RGB bottom-up (3 channels: no alpha, no order to swap)."""
         frame = top.numpyArray(delayed=True)  # None on the first call: nothing downloaded yet
+        control = control_top.numpyArray(delayed=True) if control_top is not None else None
         if frame is None and self._downloading:
             self.input_note = "the input TOP has no image this cook"
         self._downloading = True
         if frame is not None:
             if self.feeder is not None:
-                self.feeder.offer(frame)  # converted and submitted on the feeder thread
+                self.feeder.offer(frame, control)  # converted and submitted on the feeder thread
                 self.input_note = self.input_note or self.feeder.error
             else:  # cuda-ipc (no float conversion: the frame is staged on the device as it is)
                 self.bridge.submit(frame, layout="touchdesigner")
+                if control_top is not None:
+                    self.input_note = NO_CUDA_CONTROL
             self.numpy_submits += 1
         out, status = self.bridge.latest()
         if out is not None:

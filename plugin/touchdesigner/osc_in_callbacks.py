@@ -19,6 +19,8 @@ ADDRESS_TO_PAR = {
     "/loom/steps": "Steps",
     "/loom/noise_scale": "Noisescale",
     "/loom/motion_aware": "Motionaware",
+    "/loom/control/scale": "Controlscale",
+    "/loom/control/source": "Controlsource",
     "/loom/active": "Active",
 }
 

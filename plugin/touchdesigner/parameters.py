@@ -15,11 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loom_live.host_bridge.wire.params import LIVE, LORA_DEFAULT_SCALE, LORA_SCALES, PROMPT, STEP_LISTS, lora_name
+from loom_live.host_bridge.wire.params import (
+    CONTROL,
+    LIVE,
+    LORA_DEFAULT_SCALE,
+    LORA_SCALES,
+    PROMPT,
+    STEP_LISTS,
+    lora_name,
+)
 
 PAGE_CONTROL = "Loom"
 PAGE_ENGINE = "Engine"
 PAGE_LORA = "LoRA"
+PAGE_VACE = "Control"
 PAGE_STATUS = "Status"
 LORA_SLOTS = LORA_SCALES.max_len or 0
 LORA_FILE_PARS = tuple(f"Lora{i}" for i in range(1, LORA_SLOTS + 1))
@@ -48,12 +57,12 @@ class ParSpec:
 _PAR_KINDS = {"int": "Int", "float": "Float", "bool": "Toggle"}
 
 
-def live_par(name: str, label: str, param: str, help: str = "") -> ParSpec:
+def live_par(name: str, label: str, param: str, help: str = "", page: str = PAGE_CONTROL) -> ParSpec:
     """A Loom page parameter for one live parameter: kind, default and range from the schema (a slider
     stops at the schema's `ui_max` where the allowed maximum is far beyond useful values)."""
     p = LIVE[param]
     top = p.ui_max if p.ui_max is not None else p.max
-    return ParSpec(name, label, _PAR_KINDS[p.kind], PAGE_CONTROL, p.default, p.min, top, help=help or p.doc)
+    return ParSpec(name, label, _PAR_KINDS[p.kind], page, p.default, p.min, top, help=help or p.doc)
 
 
 def lora_pars() -> tuple[ParSpec, ...]:
@@ -93,6 +102,17 @@ PARAMETERS: tuple[ParSpec, ...] = (
     ParSpec("Passthrough", "Passthrough Engine", "Toggle", PAGE_ENGINE, False,
             help="the engine returns its input unchanged: checks the wiring without a model"),
     *lora_pars(),
+    live_par("Controlscale", "Control Scale", "context_scale",
+             help="VACE presets: how strongly the control video steers the structure; 0 = not at all",
+             page=PAGE_VACE),
+    ParSpec("Controlsource", "Control Source", "Menu", PAGE_VACE, CONTROL.default, menu=CONTROL.choices,
+            help="VACE presets: the control video, made from the input (edges, grey, flow, depth) or the "
+                 "component's second input (video)"),
+    ParSpec("Referencetop", "Reference TOP", "TOP", PAGE_VACE, "",
+            help="VACE presets: a TOP whose picture sets the look; read when set, at Update Reference and when "
+                 "the engine starts; empty: none"),
+    ParSpec("Updatereference", "Update Reference", "Pulse", PAGE_VACE,
+            help="read the Reference TOP again and send it (it takes effect at the engine's next chunk)"),
     ParSpec("State", "State", "Str", PAGE_STATUS, "stopped", read_only=True),
     ParSpec("Fps", "FPS", "Float", PAGE_STATUS, 0.0, read_only=True),
     ParSpec("Latency", "Latency (ms)", "Float", PAGE_STATUS, 0.0, read_only=True),

@@ -12,11 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from loom_live.host_bridge.wire.params import LORA_SCALES, NOISE_SCALE, PROMPT, STEP_LISTS, TRANSITION_CHUNKS
+from loom_live.host_bridge.wire.params import (
+    CONTEXT_SCALE,
+    CONTROL,
+    LORA_SCALES,
+    NOISE_SCALE,
+    PROMPT,
+    STEP_LISTS,
+    TRANSITION_CHUNKS,
+)
 from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     ControlState,
+    context_scale_command,
+    control_source_command,
     lora_scale_command,
     noise_scale_command,
     prompt_command,
@@ -33,6 +43,7 @@ def schema() -> dict[str, Any]:
 
     return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
             "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
+            "context_scale": slider(CONTEXT_SCALE), "control_source": list(CONTROL.choices),
             "prompt_max_len": PROMPT.max_len}
 
 
@@ -56,6 +67,8 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
     "motion_aware": lambda m: Command("motion_aware", (_flag(m.get("value"), "motion_aware"),)),
     "lora_scale": lambda m: lora_scale_command(m.get("name"), m.get("value")),
     "transition_chunks": lambda m: transition_chunks_command(m.get("value")),
+    "context_scale": lambda m: context_scale_command(m.get("value")),
+    "control_source": lambda m: control_source_command(m.get("value")),
     "pause": lambda m: Command("pause", (_flag(m.get("value"), "pause"),)),
 }
 CONTROLS = tuple(_BUILDERS)
@@ -74,4 +87,6 @@ def control_state(s: ControlState) -> dict[str, Any]:
     """What the performer has set, for the page to show."""
     return {"prompts": list(s.prompts), "prompt_index": s.prompt_index, "steps": s.steps,
             "noise_scale": s.noise_scale, "motion_aware": s.motion_aware, "transition_chunks": s.transition_chunks,
-            "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message}
+            "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message,
+            "control_sources": list(s.control_sources), "control_source": s.control_source,
+            "context_scale": s.context_scale}

@@ -215,7 +215,7 @@ class Page:
     def __getattr__(self, attr: str):
         if attr.startswith("append"):
             style = attr[len("append"):]
-            if style in ("Str", "Int", "Float", "Toggle", "Pulse", "File", "Folder", "Menu"):
+            if style in ("Str", "Int", "Float", "Toggle", "Pulse", "File", "Folder", "Menu", "TOP"):
                 return lambda name, label="": self._append(style, name, label)
         raise AttributeError(attr)
 

@@ -26,7 +26,7 @@ def nodes_pkg():
 
 def test_mappings_and_input_types_are_what_comfyui_reads(nodes_pkg):
     classes, names = nodes_pkg.NODE_CLASS_MAPPINGS, nodes_pkg.NODE_DISPLAY_NAME_MAPPINGS
-    assert set(classes) == {"LoomEngine", "LoomLora", "LoomPrompt", "LoomStream"} == set(names)
+    assert set(classes) == {"LoomEngine", "LoomLora", "LoomPrompt", "LoomControl", "LoomStream"} == set(names)
     for cls in classes.values():
         assert isinstance(cls.CATEGORY, str) and callable(getattr(cls, cls.FUNCTION))
         assert isinstance(cls.RETURN_TYPES, tuple) and all(isinstance(t, str) for t in cls.RETURN_TYPES)

@@ -147,7 +147,8 @@ def test_the_registry_archive_runs_its_example_workflow_with_loom_s_wheel_in_a_f
     check_release.install(python, wheel, offline=True)
     out = _load(tmp_path, unpacked, python=str(python), engine_python="")
     assert out.returncode == 0, out.stderr
-    assert "LOADED ['LoomEngine', 'LoomLora', 'LoomPrompt', 'LoomStream']" in out.stdout and RAN in out.stdout
+    nodes = "LOADED ['LoomControl', 'LoomEngine', 'LoomLora', 'LoomPrompt', 'LoomStream']"
+    assert nodes in out.stdout and RAN in out.stdout
     assert f"{tmp_path / 'venv'}" in out.stdout, "Loom must come from the installed wheel, not this checkout"
 
 

@@ -60,8 +60,11 @@ class StubBridge:
     def __init__(self):
         self.calls, self.closed, self.wanted = 0, False, None
 
-    def submit(self, frame, layout="rgb"):
+    def submit(self, frame, layout="rgb", control=None):
         return True
+
+    def engine_report(self, refresh=False):
+        return {}  # no engine has reported yet
 
     def latest(self):
         self.calls += 1
@@ -280,11 +283,12 @@ def test_the_build_script_creates_a_working_component_in_a_network():
     project = NetworkCOMP()
     comp = build(project, td_module=td)
     kinds = {name: node.OPType for name, node in comp.children.items()}
-    assert kinds == {"loom_ext": "textDAT", "loom_callbacks": "textDAT", "in1": "inTOP", "loom_top": "scriptTOP",
+    assert kinds == {"loom_ext": "textDAT", "loom_callbacks": "textDAT", "in1": "inTOP", "in2": "inTOP",
+                     "loom_top": "scriptTOP",
                      "loom_top_callbacks": "textDAT", "loom_switch": "switchTOP", "out1": "outTOP",
                      "loom_parexec": "parameterexecuteDAT", "loom_frames": "executeDAT"}
     script = comp.op("loom_top")
-    assert script.par.callbacks.eval() == CALLBACKS_DAT and script.inputs == [comp.op("in1")]
+    assert script.par.callbacks.eval() == CALLBACKS_DAT and script.inputs == [comp.op("in1"), comp.op("in2")]
     assert callable(comp.op(CALLBACKS_DAT).module.onCook)
     parexec = comp.op("loom_parexec")
     assert parexec.par.pars.eval() == PAREXEC_PARS and parexec.par.op.eval() == ".."
@@ -299,7 +303,7 @@ def test_the_build_script_creates_a_working_component_in_a_network():
     comp.parexec_enabled = False
     comp.par.Active = True
     assert index() == 1
-    assert [p.name for p in comp.customPages] == ["Loom", "Engine", "LoRA", "Status"]
+    assert [p.name for p in comp.customPages] == ["Loom", "Engine", "LoRA", "Control", "Status"]
     assert comp.par.extension1.eval() == EXTENSION and comp.par.promoteextension1.eval() is True
     ext = eval(EXTENSION, {"op": comp.op, "me": comp})
     assert isinstance(ext, LoomExt) and ext.ownerComp is comp
@@ -331,7 +335,7 @@ def test_the_cook_leaves_converting_the_host_frame_to_a_feeder_thread():
     release, threads, taken = threading.Event(), [], []
 
     class SlowBridge:
-        def submit(self, frame, layout="rgb"):
+        def submit(self, frame, layout="rgb", control=None):
             threads.append(threading.current_thread().name)
             release.wait(5)  # a conversion that outlasts a frame
             if frame is None:

@@ -100,8 +100,8 @@ def test_wanted_tells_a_fresh_engine_everything_once_and_undoes_a_refusal():
     undo = wanted.want_prompt(PromptWish("oil", 2))
     wanted.want_params({"steps": [700]})
     wanted.want_params({"noise_scale": 0.5})
-    assert wanted.for_fresh_engine() == [("prompt", {"text": "oil", "transition_chunks": 0}),
-                                         ("params", {"params": {"steps": [700], "noise_scale": 0.5}})]
+    assert wanted.for_fresh_engine() == [("prompt", {"text": "oil", "transition_chunks": 0}, []),
+                                         ("params", {"params": {"steps": [700], "noise_scale": 0.5}}, [])]
     undo()
     assert wanted.snapshot().prompt == PromptWish("ink", 4)
 

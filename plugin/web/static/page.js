@@ -239,6 +239,8 @@ function buildControls(schema) {
   slider("noise_scale", schema.noise_scale, (v) => control("noise_scale", { value: v }));
   slider("transition_chunks", schema.transition_chunks, (v) => control("transition_chunks", { value: v }));
   $("motion_aware").onchange = (e) => control("motion_aware", { value: e.target.checked });
+  slider("context_scale", schema.context_scale, (v) => control("context_scale", { value: v }));
+  $("control_source").onchange = (e) => control("control_source", { value: e.target.value });
   $("pause").onclick = () => control("pause", { value: !(loom.state && loom.state.controls.paused) });
   $("prompt-form").onsubmit = (e) => {
     e.preventDefault();
@@ -256,6 +258,26 @@ function slider(id, spec, sendValue) {
   range.oninput = () => { box.value = range.value; };
   range.onchange = () => sendValue(Number(range.value));
   box.onchange = () => sendValue(box.value === "" ? null : Number(box.value));
+}
+
+// VACE presets only: the control scale and the sources this run can make (the host refuses the others).
+function showControl(c) {
+  const sources = c.control_sources || [];
+  $("vace").hidden = !sources.length;
+  if (!sources.length) return;
+  const select = $("control_source");
+  if (select.dataset.items !== JSON.stringify(sources)) {
+    select.dataset.items = JSON.stringify(sources);
+    select.textContent = "";
+    for (const name of sources) {
+      const o = document.createElement("option");
+      o.value = o.textContent = name;
+      select.appendChild(o);
+    }
+  }
+  setIfIdle(select, c.control_source);
+  setIfIdle($("context_scale"), c.context_scale);
+  setIfIdle($("context_scale-range"), c.context_scale);
 }
 
 function setIfIdle(el, value) {
@@ -293,6 +315,7 @@ function showState(m) {
   $("pause").textContent = c.paused ? "Resume" : "Pause";
   $("pause").classList.toggle("on", c.paused);
   showLoras(c.lora_scales);
+  showControl(c);
   if (c.message && c.message !== showState.lastMessage) say(c.message, "accepted");
   showState.lastMessage = c.message;
   const g2g = median(loom.g2g.slice(-30));
