@@ -24,7 +24,9 @@ from aiohttp import WSMsgType, web
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from loom_live.plugin.player.controls import ControlError
+from loom_live.plugin.web import frame_release
 from loom_live.plugin.web.access import COOKIE, Access
+from loom_live.plugin.web.path_times import PathTimes
 from loom_live.plugin.web.tracks import BoardTrack, FrameBoard, read_camera
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class Show(Protocol):
 
     output_board: FrameBoard
     preview_board: FrameBoard | None  # the input, small (None: the driving page's own camera is the input)
+    times: PathTimes  # the host's stages of the web path
 
     def hello(self) -> dict[str, Any]: ...
 
@@ -226,7 +229,8 @@ class PageServer:
 
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=str(message.get("sdp")), type="offer"))
-            pc.addTrack(BoardTrack(self.show.output_board))
+            frame_release.install(pc)
+            pc.addTrack(BoardTrack(self.show.output_board, self.show.times))
             if self.show.preview_board is not None:
                 pc.addTrack(BoardTrack(self.show.preview_board))
             await pc.setLocalDescription(await pc.createAnswer())
