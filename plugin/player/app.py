@@ -202,9 +202,12 @@ class Player:
 
             access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
                                  proxy=o.web_proxy)
+            from loom_live.plugin.web.ice import ice_servers
+
+            ice = ice_servers(o.ice_servers, username=o.ice_username, credential_file=o.ice_credential_file)
             from loom_live.plugin.web.host import WebHost
 
-            self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera)
+            self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera, ice=ice)
             url = self.web.start()
         except ImportError as exc:
             raise PlayerError(f"--web needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None

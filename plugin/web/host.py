@@ -45,7 +45,7 @@ class WebHost:
     """The page server plus what it serves; `camera` is set when the page's camera is the input."""
 
     def __init__(self, access: Access, controls: Controls, size: tuple[int, int], fps: float, *,
-                 camera: bool = False) -> None:
+                 camera: bool = False, ice: list[dict[str, Any]] | None = None) -> None:
         self.access = access
         self.controls = controls
         self.size = size
@@ -62,7 +62,7 @@ class WebHost:
         self._last_preview = 0.0
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
-        self.server = PageServer(access, self._boards)
+        self.server = PageServer(access, self._boards, ice=ice)
 
     def _boards(self, loop: asyncio.AbstractEventLoop) -> WebHost:
         self.output_board = FrameBoard(loop)

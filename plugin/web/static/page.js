@@ -68,7 +68,7 @@ function setRole(role) {
 async function startMedia() {
   const [w, h] = hello.size;
   $("output-frame").style.aspectRatio = `${w} / ${h}`;
-  pc = new RTCPeerConnection();
+  pc = new RTCPeerConnection({ iceServers: hello.ice_servers || [] }); // the host's --ice-server list
   pc.ontrack = (event) => {
     // Show each restyled frame as soon as it is decoded: no playout delay, no jitter buffer target.
     if ("playoutDelayHint" in event.receiver) event.receiver.playoutDelayHint = 0;
