@@ -4,7 +4,9 @@ Starts `loom web` (a real engine process: the pass-through engine or the configu
 headless Chromium page on this machine, its fake camera playing Loom's generated clip, and reads
 what the page measured: each camera frame is stamped with a counter (plugin/web/stamp.py) and timed
 from being drawn to its restyled frame's expected display time. Beside it, the pieces:
-- the engine's own latency (the bridge's submit to output, p50);
+- the engine's own latency (the bridge's submit to output, p50), and the web path's share per frame
+  (the page's glass to glass less the host's submitted-to-sent-back time for the same frame, as the
+  page shows it);
 - the host's part (the page's state, `host_path`): camera frame decoded to submitted, submitted to
   posted for sending (the engine plus the wait to pick its output up), posted to sent;
 - the browser's WebRTC statistics: its encode of the camera, its jitter buffer and decode of the
@@ -100,13 +102,16 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             js = driver.execute_script
             _wait("the first timed frame", lambda: js("return window.loom.g2g.length") > 0, 300, proc)
             start = js("return performance.now()")
-            latencies = []
+            latencies, shares = [], []
             until = time.monotonic() + args.seconds
             while time.monotonic() < until:
                 time.sleep(1.0)
                 state = js("return window.loom.state")
                 if state and state["engine"].get("latency_ms"):
                     latencies.append(state["engine"]["latency_ms"])
+                share = js("return window.loom.webAdds")
+                if share is not None:
+                    shares.append(share)
             pairs = js("return window.loom.pairs.filter((p) => p.at > arguments[0])"
                        ".map((p) => ({ms: p.ms, shown: p.shown_after_receive}))", start)
             rtc = driver.execute_async_script(STATS_JS)
@@ -133,7 +138,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {
         "passthrough": args.passthrough, "fps": args.fps, "size": side, "samples": len(g2g),
         "g2g_p50": _pct(g2g, 50), "g2g_p10": _pct(g2g, 10), "g2g_p90": _pct(g2g, 90),
-        "engine_latency_p50": engine, "web_adds": _pct(g2g, 50) - engine,
+        "engine_latency_p50": engine, "g2g_less_engine_p50": _pct(g2g, 50) - engine,
+        "web_adds_per_frame_p50": _pct(shares, 50),
         "engine_fps": state["engine"].get("fps"), "host_path": state.get("host_path"),
         "browser_encode_ms": per_frame(out, "totalEncodeTime", "framesEncoded"),
         "browser_send_delay_ms": per_frame(out, "totalPacketSendDelay", "packetsSent"),

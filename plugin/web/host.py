@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 FOLLOW_WAIT_S = 0.25  # the follower's longest wait for an output before it looks at its stop flag
 PREVIEW_SIDE = 160  # the input preview's longer side in pixels
 PREVIEW_INTERVAL_S = 1 / 15
+THROUGH_MEMORY = 64  # stamped frames whose time through the host and engine the pages are told
 SEQ_MEMORY = 512  # sequence numbers whose stamps are kept until their output comes back
 
 
@@ -55,6 +56,7 @@ class WebHost:
         self.preview_board: FrameBoard | None = None
         self.report: dict[str, Any] = {}
         self.times = PathTimes()
+        self._through: deque[tuple[int, float]] = deque(maxlen=THROUGH_MEMORY)  # (stamp, submitted to posted, ms)
         self._lock = threading.Lock()  # the player's thread and the follower both post outputs
         self._stamps: OrderedDict[int, tuple[int, float]] = OrderedDict()  # seq -> (stamp, submitted at)
         self._pending: tuple[int, float | None] = (0, None)  # the stamp of the frame read, when it came
@@ -142,7 +144,10 @@ class WebHost:
                     if done != seq:
                         code, submitted = 0, None
         if submitted is not None:
-            self.times.add("submit_to_post", time.monotonic() - submitted)
+            through = time.monotonic() - submitted
+            self.times.add("submit_to_post", through)
+            if code:
+                self._through.append((code, round(1000 * through, 1)))
         picture = _fit(frame, self.size)
         self.output_board.post(np.concatenate([picture, stamp.encode(code, picture.shape[1])], axis=0))
 
@@ -166,10 +171,11 @@ class WebHost:
                       "message": status.message, "restarts": status.restarts, "frames_out": status.frames_out}
             report = stats.get("engine", {}).get("session") or {}
             session = {k: report.get(k) for k in ("prompt", "prompt_style", "prompt_blend", "steps", "noise_scale",
-                                                  "lora_scales", "prompt_error")}
+                                                  "lora_scales", "prompt_error", "params")}
         received = self.camera.received if self.camera is not None else None
         return {"engine": engine, "session": session, "controls": control_state(self.controls.state),
-                "camera_frames": received, "page": self.report, "host_path": self.times.medians_ms()}
+                "camera_frames": received, "page": self.report, "host_path": self.times.medians_ms(),
+                "through": list(self._through)}
 
     def control(self, message: dict[str, Any]) -> str:
         command = command_for(message)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any
 
-from loom_live.host_bridge.wire.channel import EndpointError, read_secret_file
 from loom_live.host_bridge.wire.errors import UserError
 
 CREDENTIAL_ENV = "LOOM_ICE_CREDENTIAL"
@@ -58,11 +58,28 @@ def ice_servers(urls: list[str], *, username: str | None = None, credential_file
 
 def _credential(path: str | None, env: Mapping[str, str]) -> str | None:
     if path:
-        try:
-            return read_secret_file(path)
-        except EndpointError as exc:
-            raise UserError(f"--ice-credential-file: {exc}") from None
+        return _read_private(path)
     return env.get(CREDENTIAL_ENV) or None
+
+
+def _read_private(path: str) -> str:
+    """The first line of a file only its owner may read (a TURN password may be short, unlike a session secret)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"--ice-credential-file {path}: not a regular file")
+        if os.name != "nt" and st.st_mode & 0o077:
+            raise UserError(f"--ice-credential-file {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read it; "
+                            "expected 600 (chmod 600)")
+        with open(path, encoding="utf-8") as f:
+            line = f.readline(1024).strip()
+    except OSError as exc:
+        raise UserError(f"--ice-credential-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--ice-credential-file {path}: not UTF-8 text") from None
+    if not line:
+        raise UserError(f"--ice-credential-file {path}: empty; expected the credential on its first line")
+    return line
 
 
 def rtc_configuration(servers: list[dict[str, Any]]) -> Any:

@@ -264,7 +264,8 @@ function slider(id, spec, sendValue) {
   box.title = range.title = spec.allowed;
   range.oninput = () => { box.value = range.value; };
   range.onchange = () => sendValue(Number(range.value));
-  box.onchange = () => sendValue(box.value === "" ? null : Number(box.value));
+  box.onchange = () => { if (box.value !== "") sendValue(Number(box.value)); }; // emptied: nothing to send
+  box.onkeydown = (e) => { if (e.key === "Enter") box.blur(); }; // Enter commits the typed value
 }
 
 function setIfIdle(el, value) {
@@ -305,16 +306,30 @@ function showState(m) {
   if (c.message && c.message !== showState.lastMessage) say(c.message, "accepted");
   showState.lastMessage = c.message;
   const g2g = median(loom.g2g.slice(-30));
+  const share = webShare(m.through || []);
   $("fps").textContent = e.fps !== undefined ? e.fps.toFixed(1) : "-";
   $("dropped").textContent = e.dropped !== undefined ? e.dropped : "-";
   $("latency").textContent = e.latency_ms ? `${Math.round(e.latency_ms)} ms` : "-";
   $("g2g").textContent = g2g !== null ? `${Math.round(g2g)} ms` : (hello.mode === "camera" ? "-" : "n/a (no page camera)");
-  $("web-adds").textContent = g2g !== null && e.latency_ms ? `${Math.round(g2g - e.latency_ms)} ms` : "-";
+  const adds = share !== null ? share : (g2g !== null && e.latency_ms ? g2g - e.latency_ms : null);
+  loom.webAdds = adds;
+  $("web-adds").textContent = adds !== null ? `${Math.round(adds)} ms` : "-";
   $("pages").textContent = m.pages;
   const path = m.host_path || {};
   const ms = (key) => (path[key] !== undefined ? `${Math.round(path[key])}` : "-");
   $("host-path").textContent = `${ms("camera_to_submit")} / ${ms("submit_to_post")} / ${ms("post_to_send")} ms`;
   plot(e, g2g);
+}
+
+// The web path's share of each timed frame: its glass to glass less the time the host says the same
+// frame (by its stamp) spent from submitted to the engine to sent back; the median of the recent ones.
+function webShare(through) {
+  const host = new Map(through);
+  const shares = [];
+  for (const p of loom.pairs.slice(-60)) {
+    if (host.has(p.code)) shares.push(p.ms - host.get(p.code));
+  }
+  return median(shares.slice(-30));
 }
 
 function showLoras(scales) {
