@@ -127,6 +127,12 @@ def add_web_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--web-key", default=None, metavar="FILE", help="the certificate's private key")
     p.add_argument("--web-proxy", action="store_true",
                    help="your own HTTPS proxy fronts the page (off-loopback without --web-cert)")
+    p.add_argument("--ice-server", action="append", default=[], metavar="URL", dest="ice_servers",
+                   help="a STUN or TURN server for the page's video, for both ends (repeatable): stun:HOST[:PORT], "
+                        "turn:HOST[:PORT][?transport=udp|tcp], turns:HOST[:PORT]")
+    p.add_argument("--ice-username", default=None, metavar="NAME", help="the TURN server's username")
+    p.add_argument("--ice-credential-file", default=None, metavar="FILE",
+                   help="the TURN server's credential, in a file of mode 600 (or the LOOM_ICE_CREDENTIAL variable)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,6 +175,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
         startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite,
         web_token_file=args.web_token_file, web_cert=args.web_cert, web_key=args.web_key, web_proxy=args.web_proxy,
+        ice_servers=list(args.ice_servers), ice_username=args.ice_username,
+        ice_credential_file=args.ice_credential_file,
         **run)
     return run_player(options)
 

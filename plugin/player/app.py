@@ -195,8 +195,9 @@ class Player:
         self.printer.say(f"loom play: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
 
     def _start_web(self) -> None:
-        """The page, before the input opens (`loom web` reads the page's camera); a refused address or
-        unsafe setting ends the run here, before an engine starts."""
+        """The page: before the input opens for `loom web` (it reads the page's camera), after it beside a
+        run (the page's size is the output's); a refused address or unsafe setting ends the run here,
+        before an engine starts."""
         o = self.opts
         if o.web is None:
             return
@@ -205,9 +206,12 @@ class Player:
 
             access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
                                  proxy=o.web_proxy)
+            from loom_live.plugin.web.ice import ice_servers
+
+            ice = ice_servers(o.ice_servers, username=o.ice_username, credential_file=o.ice_credential_file)
             from loom_live.plugin.web.host import WebHost
 
-            self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera)
+            self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera, ice=ice)
             url = self.web.start()
         except ImportError as exc:
             raise PlayerError(f"--web needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None
@@ -216,7 +220,7 @@ class Player:
         self.printer.say(f"loom play: the page is at {url}")
 
     def _web_size(self) -> tuple[int, int]:
-        w, h = self.opts.size
+        w, h = self.opts.size if self.opts.uses_web_camera else self.size  # `loom web` always has --size
         return w - w % 2, h - h % 2
 
     def _wait_ready(self) -> None:
@@ -248,8 +252,11 @@ class Player:
         failed = True  # until the run ends normally or by the user: a failed run keeps no file
         previous_handlers = _raise_on_stop_signals()
         try:
-            self._start_web()
+            if self.opts.uses_web_camera:
+                self._start_web()  # the page's camera is the input: the page first
             self._open_source()
+            if not self.opts.uses_web_camera:
+                self._start_web()  # beside a run: at the input's size, known now
             self._open_outputs()
             self._start_engine()
             if self.web is not None:

@@ -70,6 +70,9 @@ class PlayerOptions:
     web_cert: str | None = None
     web_key: str | None = None
     web_proxy: bool = False  # the user's own HTTPS proxy fronts the page
+    ice_servers: list[str] = field(default_factory=list)  # STUN/TURN URLs for the page's video (plugin/web/ice.py)
+    ice_username: str | None = None
+    ice_credential_file: str | None = None
     startup_timeout_s: float = 300.0
     quiet: bool = False
     overwrite: bool = False
@@ -86,6 +89,9 @@ class PlayerOptions:
             raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
         if self.uses_web_camera and self.web is None:
             raise PlayerError(f"input {WEB_CAMERA_INPUT!r} is the web page's camera: it needs the page (--web)")
+        if (self.ice_servers or self.ice_username or self.ice_credential_file) and self.web is None:
+            raise PlayerError("--ice-server, --ice-username and --ice-credential-file are for the page's video: "
+                              "they need the page (--web)")
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
         inputs = [] if self.uses_generated_clip or self.uses_web_camera else [self.input]

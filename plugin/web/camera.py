@@ -3,12 +3,13 @@
 It is a live `FrameSource` like a webcam, so the player's live loop, its stall handling and its
 outputs work on it unchanged. The page sends its picture at the host's size with the stamp strip
 (stamp.py) under it; this source crops the strip off, so the engine sees only the picture, and
-remembers each recent frame's stamp for the web host to carry through the engine.
+remembers each recent frame's stamp (and when it came) for the web host to carry through the engine.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -27,13 +28,14 @@ class BrowserCamera(FrameSource):
         super().__init__(NAME, fps, size[0], size[1], None, is_live=True)
         self._cond = threading.Condition()
         self._frame: np.ndarray | None = None
-        self._recent: deque[tuple[np.ndarray, int]] = deque(maxlen=RECENT)
+        self._recent: deque[tuple[np.ndarray, int, float]] = deque(maxlen=RECENT)
         self.received = 0
 
     def put(self, picture: np.ndarray) -> None:
         """One frame as the page sent it: uint8 RGB, the picture with the stamp strip below it."""
         import cv2
 
+        arrived = time.monotonic()
         w, h = self.size
         rows = h + stamp.STAMP_ROWS
         if picture.shape[:2] != (rows, w):  # the browser scaled the video on the way: back to the agreed size
@@ -41,19 +43,20 @@ class BrowserCamera(FrameSource):
         code = stamp.decode(picture[h:])
         frame = np.ascontiguousarray(picture[:h])
         with self._cond:
-            self._recent.append((frame, code))
+            self._recent.append((frame, code, arrived))
             self._frame = frame
             self.received += 1
             self._cond.notify_all()
 
-    def stamp_of(self, frame: np.ndarray) -> int:
-        """The stamp of a frame this camera gave out (or a view of one from its first pixel); 0 if unknown."""
+    def origin_of(self, frame: np.ndarray) -> tuple[int, float | None]:
+        """The stamp of a frame this camera gave out (or a view of one from its first pixel) and when it
+        came (time.monotonic()); (0, None) if unknown."""
         address = frame.__array_interface__["data"][0]
         with self._cond:
-            for recent, code in reversed(self._recent):
+            for recent, code, arrived in reversed(self._recent):
                 if recent.__array_interface__["data"][0] == address:
-                    return code
-        return 0
+                    return code, arrived
+        return 0, None
 
     def _read(self) -> np.ndarray | None:
         """Waits for the next frame; None once the camera is closed (the run ends)."""

@@ -24,7 +24,10 @@ from aiohttp import WSMsgType, web
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from loom_live.plugin.player.controls import ControlError
+from loom_live.plugin.web import frame_release
 from loom_live.plugin.web.access import COOKIE, Access
+from loom_live.plugin.web.ice import rtc_configuration
+from loom_live.plugin.web.path_times import PathTimes
 from loom_live.plugin.web.tracks import BoardTrack, FrameBoard, read_camera
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class Show(Protocol):
 
     output_board: FrameBoard
     preview_board: FrameBoard | None  # the input, small (None: the driving page's own camera is the input)
+    times: PathTimes  # the host's stages of the web path
 
     def hello(self) -> dict[str, Any]: ...
 
@@ -72,8 +76,9 @@ class Page:
 class PageServer:
     """Serves the page for `show` as `access` allows, on a thread of its own; `start()` returns once it listens."""
 
-    def __init__(self, access: Access, make_show: Any) -> None:
+    def __init__(self, access: Access, make_show: Any, *, ice: list[dict[str, Any]] | None = None) -> None:
         self.access = access
+        self.ice = list(ice or [])  # STUN/TURN servers (ice.py): the page's and this side's peers use them
         self._make_show = make_show
         self.show: Show | None = None
         self.loop = asyncio.new_event_loop()
@@ -167,7 +172,8 @@ class PageServer:
         self._pages.append(page)
         log.info("web: page %d opened from %s (%s)", page.number, request.remote, self._role(page))
         try:
-            await ws.send_json({"type": "hello", **self.show.hello(), "role": self._role(page)})
+            await ws.send_json({"type": "hello", **self.show.hello(), "ice_servers": self.ice,
+                                "role": self._role(page)})
             async for msg in ws:
                 if msg.type != WSMsgType.TEXT:
                     continue
@@ -217,7 +223,7 @@ class PageServer:
     async def _answer(self, page: Page, message: dict[str, Any]) -> None:
         """The page's WebRTC offer: the restyled output (and the input preview) to it, its camera to the show."""
         await page.close_peer()
-        pc = page.pc = RTCPeerConnection()
+        pc = page.pc = RTCPeerConnection(configuration=rtc_configuration(self.ice))
 
         @pc.on("track")
         def _on_track(track: Any) -> None:
@@ -226,7 +232,8 @@ class PageServer:
 
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=str(message.get("sdp")), type="offer"))
-            pc.addTrack(BoardTrack(self.show.output_board))
+            frame_release.install(pc)
+            pc.addTrack(BoardTrack(self.show.output_board, self.show.times))
             if self.show.preview_board is not None:
                 pc.addTrack(BoardTrack(self.show.preview_board))
             await pc.setLocalDescription(await pc.createAnswer())

@@ -147,7 +147,7 @@ def _type(driver: Any, element_id: str, text: str) -> None:
     from selenium.webdriver.common.keys import Keys
 
     box = driver.find_element("id", element_id)
-    box.clear()
+    box.send_keys(Keys.CONTROL, "a")  # what is typed replaces what the page shows
     box.send_keys(text, Keys.ENTER)
 
 

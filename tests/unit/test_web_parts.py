@@ -115,3 +115,162 @@ def test_transition_chunks_reach_the_engine_and_later_prompts():
     controls.put(command_for({"control": "prompt", "text": "b"}))
     controls.apply_pending(Bridge())
     assert ("prompt", "b", 0) in sent and ("params", {"transition_chunks": 0}) in sent
+
+
+# --- the web path's latency parts: frames released at their last packet, latest wins -------------------------
+
+
+def _rtp(seq: int, timestamp: int, marker: int, data: bytes) -> object:
+    from aiortc.rtp import RtpPacket
+
+    packet = RtpPacket(payload_type=96, marker=marker, sequence_number=seq, timestamp=timestamp)
+    packet._data = data  # what aiortc's receiver sets after depayloading
+    return packet
+
+
+def test_a_camera_frame_is_released_at_its_marked_last_packet_not_a_frame_later():
+    pytest.importorskip("aiortc", reason="the web extra")
+    from aiortc.jitterbuffer import JitterBuffer
+
+    from loom_live.plugin.web.frame_release import MarkerJitterBuffer
+
+    ours, aiortcs = MarkerJitterBuffer(), JitterBuffer(capacity=512, is_video=True)
+    frame = [_rtp(100, 9000, 0, b"ab"), _rtp(101, 9000, 0, b"cd"), _rtp(102, 9000, 1, b"ef")]
+    assert [ours.add(p)[1] for p in frame[:2]] == [None, None]
+    released = ours.add(frame[2])[1]
+    assert released is not None and released.data == b"abcdef" and released.timestamp == 9000
+    assert all(aiortcs.add(p)[1] is None for p in frame)  # aiortc's own waits for the next frame's first packet
+    late = aiortcs.add(_rtp(103, 12000, 0, b"gh"))[1]
+    assert late is not None and late.data == b"abcdef"
+    # The next frame, its packets out of order: released once the gap is filled.
+    assert ours.add(_rtp(104, 12000, 1, b"kl"))[1] is None
+    released = ours.add(_rtp(103, 12000, 0, b"ij"))[1]
+    assert released is not None and released.data == b"ijkl"
+    # A frame whose marked packet was lost: aiortc's rule releases it when the next frame begins.
+    assert ours.add(_rtp(105, 15000, 0, b"mn"))[1] is None
+    released = ours.add(_rtp(107, 18000, 1, b"pq"))[1]
+    assert released is None  # 106 is missing: nothing is known whole yet
+    released = ours.add(_rtp(106, 18000, 0, b"o"))[1]
+    assert released is not None and released.data == b"mn"
+
+
+def test_the_buffer_goes_into_each_video_receiver_of_a_real_peer():
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+
+    from aiortc import RTCPeerConnection
+
+    from loom_live.plugin.web import frame_release
+
+    async def swap() -> tuple[int, list]:
+        pc = RTCPeerConnection()
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver("audio", direction="recvonly")
+        swapped = frame_release.install(pc)
+        kinds = [type(getattr(t.receiver, frame_release._ATTRIBUTE)).__name__ for t in pc.getTransceivers()]
+        await pc.close()
+        return swapped, kinds
+
+    assert asyncio.run(swap()) == (1, ["MarkerJitterBuffer", "JitterBuffer"])
+
+
+def test_the_host_reads_the_newest_camera_frame_and_skips_the_stale_ones():
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+
+    from aiortc.rtcrtpreceiver import RemoteStreamTrack
+    from av import VideoFrame
+
+    from loom_live.plugin.web.tracks import read_camera
+
+    async def read() -> tuple[list[int], int]:
+        track = RemoteStreamTrack(kind="video")
+        for value in (10, 20, 30):  # three decoded frames waiting: the host was busy
+            await track._queue.put(VideoFrame.from_ndarray(np.full((16, 16, 3), value, np.uint8), format="rgb24"))
+        await track._queue.put(None)  # and the track's end
+        got: list[int] = []
+        skipped = await read_camera(track, lambda a: got.append(int(a[0, 0, 0])))
+        return got, skipped
+
+    got, skipped = asyncio.run(read())
+    assert skipped == 2 and len(got) == 1 and abs(got[0] - 30) <= 2, got  # 10 and 20 stale: only 30 goes on
+
+
+def test_the_pages_get_each_restyled_frame_once_stamped_and_never_an_older_one():
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+
+    from loom_live.plugin.web.host import WebHost
+
+    host = WebHost(make_access("127.0.0.1:0"), Controls(ControlState(prompts=["a"])), (32, 24), 10.0)
+    loop = asyncio.new_event_loop()
+    try:
+        host._boards(loop)
+        board = host.output_board
+        frames = {seq: np.full((24, 32, 3), 10 * seq, np.uint8) for seq in range(1, 5)}
+        for seq in range(1, 5):
+            host.submitted(seq)
+        host._post(frames[3], 3)  # the follower got 3 first
+        assert board.version == 1 and host._last_seq == 3
+        host.output(frames[3], 3)  # the player shows 3 as well: not sent again
+        host.output(frames[2], 2)  # an older frame: never sent after a newer one
+        assert board.version == 1
+        host.output(np.zeros((48, 64, 4), np.uint8), -1)  # a fallback picture of another size: fitted, sent
+        assert board.version == 2 and board._frame.shape == (24 + stamp.STAMP_ROWS, 32, 3)
+        host._post(frames[4], 4)
+        assert board.version == 3 and int(board._frame[0, 0, 0]) == 40
+        assert set(host.times.medians_ms()) == {"submit_to_post"}
+        assert not host._stamps  # every stamp up to the newest sent is let go
+    finally:
+        loop.close()
+
+
+# --- STUN and TURN servers ------------------------------------------------------------------------------------
+
+
+def test_ice_servers_for_the_page_and_the_host(tmp_path):
+    from loom_live.plugin.web.ice import ice_servers, rtc_configuration
+
+    assert ice_servers([]) == [] and rtc_configuration([]) is None
+    assert ice_servers(["stun:stun.example.org", "stun:[::1]:3478"]) == [
+        {"urls": "stun:stun.example.org"}, {"urls": "stun:[::1]:3478"}]
+    secret = tmp_path / "turn"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    turn = ice_servers(["turn:relay.example.org:3478?transport=tcp"], username="vj", credential_file=str(secret))
+    assert turn == [{"urls": "turn:relay.example.org:3478?transport=tcp", "username": "vj", "credential": "s3cret"}]
+    from_env = ice_servers(["turns:relay.example.org"], username="vj", env={"LOOM_ICE_CREDENTIAL": "e"})
+    assert from_env[0]["credential"] == "e"
+    pytest.importorskip("aiortc", reason="the web extra")
+    from aiortc.rtcicetransport import connection_kwargs
+
+    kwargs = connection_kwargs(rtc_configuration(ice_servers(["stun:127.0.0.1:3478"]) + turn).iceServers)
+    assert kwargs["stun_server"] == ("127.0.0.1", 3478) and kwargs["turn_server"] == ("relay.example.org", 3478)
+    assert (kwargs["turn_username"], kwargs["turn_password"], kwargs["turn_transport"]) == ("vj", "s3cret", "tcp")
+
+
+@pytest.mark.parametrize("urls, extra, words", [
+    (["http://stun.example.org"], {}, "expected stun:HOST"),
+    (["stun:"], {}, "expected stun:HOST"),
+    (["stun:host:99999"], {}, "not a port"),
+    (["stun:host?transport=udp"], {}, "takes no ?transport="),
+    (["turn:relay.example.org"], {}, "needs --ice-username NAME and a credential"),
+    (["turn:relay.example.org"], {"username": "vj"}, "LOOM_ICE_CREDENTIAL"),
+    (["stun:host"], {"username": "vj"}, "they are for a TURN server"),
+])
+def test_a_bad_ice_server_is_refused_in_one_line(urls, extra, words):
+    from loom_live.plugin.web.ice import ice_servers
+
+    with pytest.raises(UserError) as refused:
+        ice_servers(urls, env={}, **extra)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_turn_credential_file_others_can_read_is_refused(tmp_path):
+    from loom_live.plugin.web.ice import ice_servers
+
+    loose = tmp_path / "turn"
+    loose.write_text("s3cret\n")
+    loose.chmod(0o644)
+    with pytest.raises(UserError, match="--ice-credential-file .*chmod 600"):
+        ice_servers(["turn:relay.example.org"], username="vj", credential_file=str(loose))

@@ -68,8 +68,11 @@ function setRole(role) {
 async function startMedia() {
   const [w, h] = hello.size;
   $("output-frame").style.aspectRatio = `${w} / ${h}`;
-  pc = new RTCPeerConnection();
+  pc = new RTCPeerConnection({ iceServers: hello.ice_servers || [] }); // the host's --ice-server list
   pc.ontrack = (event) => {
+    // Show each restyled frame as soon as it is decoded: no playout delay, no jitter buffer target.
+    if ("playoutDelayHint" in event.receiver) event.receiver.playoutDelayHint = 0;
+    if ("jitterBufferTarget" in event.receiver) event.receiver.jitterBufferTarget = 0;
     const first = pc.getTransceivers()[0];
     const video = event.transceiver === first ? $("output") : $("input");
     video.srcObject = new MediaStream([event.track]);
@@ -113,6 +116,8 @@ async function stampedCamera() {
   canvas.height = h + rows;
   const ctx = canvas.getContext("2d");
   const thumbs = new Map();
+  // Captured on request, right after each frame is drawn, rather than on the canvas's own schedule.
+  const track = canvas.captureStream(0).getVideoTracks()[0];
   let counter = 0;
   const limit = 1 << hello.stamp.code_bits;
   const draw = () => {
@@ -123,7 +128,9 @@ async function stampedCamera() {
       ctx.drawImage(camera, (vw - sw) / 2, (vh - sh) / 2, sw, sh, 0, 0, w, h);
       counter = counter % (limit - 1) + 1;
       drawStamp(ctx, counter, w, h, rows);
-      thumbs.set(counter, { t: performance.now(), thumb: thumbnail(canvas, 0, 0, w, h) });
+      const t = performance.now();
+      if (track.requestFrame) track.requestFrame();
+      thumbs.set(counter, { t, thumb: thumbnail(canvas, 0, 0, w, h) });
       if (thumbs.size > SENT_MEMORY) thumbs.delete(thumbs.keys().next().value);
       loom.sent += 1;
     }
@@ -135,7 +142,7 @@ async function stampedCamera() {
   };
   schedule();
   loom.stamped = thumbs;
-  return canvas.captureStream(fps).getVideoTracks()[0];
+  return track;
 }
 
 function blocks(code) {
@@ -203,7 +210,9 @@ function watchOutput(video) {
       if (loom.g2g.length > 120) loom.g2g.shift();
       const [w, h] = hello.size;
       const top = video.videoHeight * h / (h + hello.stamp.rows);
-      loom.pairs.push({ code, at: sent.t, ms, input: sent.thumb,
+      // receive to display: the browser's own share (jitter buffer, decode, render) of this frame's trip
+      const received = meta.receiveTime ? shownAt - meta.receiveTime : null;
+      loom.pairs.push({ code, at: sent.t, ms, shown_after_receive: received, input: sent.thumb,
                         output: thumbnail(video, 0, 0, video.videoWidth, top) });
       if (loom.pairs.length > 120) loom.pairs.shift();
     }
@@ -257,7 +266,8 @@ function slider(id, spec, sendValue) {
   box.title = range.title = spec.allowed;
   range.oninput = () => { box.value = range.value; };
   range.onchange = () => sendValue(Number(range.value));
-  box.onchange = () => sendValue(box.value === "" ? null : Number(box.value));
+  box.onchange = () => { if (box.value !== "") sendValue(Number(box.value)); }; // emptied: nothing to send
+  box.onkeydown = (e) => { if (e.key === "Enter") box.blur(); }; // Enter commits the typed value
 }
 
 // VACE presets only: the control scale and the sources this run can make (the host refuses the others).
@@ -319,13 +329,30 @@ function showState(m) {
   if (c.message && c.message !== showState.lastMessage) say(c.message, "accepted");
   showState.lastMessage = c.message;
   const g2g = median(loom.g2g.slice(-30));
+  const share = webShare(m.through || []);
   $("fps").textContent = e.fps !== undefined ? e.fps.toFixed(1) : "-";
   $("dropped").textContent = e.dropped !== undefined ? e.dropped : "-";
   $("latency").textContent = e.latency_ms ? `${Math.round(e.latency_ms)} ms` : "-";
   $("g2g").textContent = g2g !== null ? `${Math.round(g2g)} ms` : (hello.mode === "camera" ? "-" : "n/a (no page camera)");
-  $("web-adds").textContent = g2g !== null && e.latency_ms ? `${Math.round(g2g - e.latency_ms)} ms` : "-";
+  const adds = share !== null ? share : (g2g !== null && e.latency_ms ? g2g - e.latency_ms : null);
+  loom.webAdds = adds;
+  $("web-adds").textContent = adds !== null ? `${Math.round(adds)} ms` : "-";
   $("pages").textContent = m.pages;
+  const path = m.host_path || {};
+  const ms = (key) => (path[key] !== undefined ? `${Math.round(path[key])}` : "-");
+  $("host-path").textContent = `${ms("camera_to_submit")} / ${ms("submit_to_post")} / ${ms("post_to_send")} ms`;
   plot(e, g2g);
+}
+
+// The web path's share of each timed frame: its glass to glass less the time the host says the same
+// frame (by its stamp) spent from submitted to the engine to sent back; the median of the recent ones.
+function webShare(through) {
+  const host = new Map(through);
+  const shares = [];
+  for (const p of loom.pairs.slice(-60)) {
+    if (host.has(p.code)) shares.push(p.ms - host.get(p.code));
+  }
+  return median(shares.slice(-30));
 }
 
 function showLoras(scales) {
