@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,12 @@ def cache_root() -> Path:
 
 def enable_persistent_compile_cache(root: Path | None = None) -> Path:
     """Point Inductor and Triton at folders under `root` (default `cache_root()`) and switch the FX graph
-    and AOTAutograd caches on. Call before the first compilation; returns the Inductor folder."""
+    and AOTAutograd caches on. Call before the first compilation; returns the Inductor folder.
+
+    The switches go through the environment, which torch's compiler config modules read when the first
+    compilation imports them: importing them here would import torch._dynamo, seconds of every engine's
+    start-up, also for an engine that never compiles (a CPU engine). Where they are already imported,
+    they are set directly."""
     root = root or cache_root()
     inductor = root / "inductor"
     try:
@@ -41,10 +47,12 @@ def enable_persistent_compile_cache(root: Path | None = None) -> Path:
         return inductor
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = True
-    if hasattr(functorch_config, "enable_autograd_cache"):
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.fx_graph_cache = True
+    functorch_config = sys.modules.get("torch._functorch.config")
+    if functorch_config is not None and hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

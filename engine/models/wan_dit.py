@@ -179,7 +179,9 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(
             nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim)
         )
-        self.modulation = nn.Parameter(torch.randn(1, NUM_MODULATIONS, cfg.dim) / cfg.dim**0.5)
+        # In place: built on the meta device (the embedded and checkpoint loads), an out-of-place division
+        # runs torch's Python reference op, whose first use imports torch._dynamo (seconds of start-up).
+        self.modulation = nn.Parameter(torch.randn(1, NUM_MODULATIONS, cfg.dim).div_(cfg.dim**0.5))
         self.ops = EAGER_OPS
 
     def forward(
@@ -241,7 +243,7 @@ class Head(nn.Module):
         self.out_channels = cfg.out_channels
         self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: see WanBlock
         self.refiner = LatentRefiner(cfg.out_channels, cfg.refiner_width) if cfg.refiner_width else None
         self.ops = EAGER_OPS
 

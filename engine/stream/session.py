@@ -20,6 +20,7 @@ returns its own frames.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -400,7 +401,7 @@ class StreamSession:
     def _process(self, chunks: list[_Chunk], drain: bool = False) -> np.ndarray | torch.Tensor:
         if self._side is not None:  # the inputs were stacked or converted on the caller's stream
             self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.compiler.set_stance(self._compile_stance):
+        with torch.inference_mode(), _compile_stance(self._compile_stance):
             with _on(self._denoise_stream):
                 self._run_chunks(chunks, drain)
             return self._ready_outputs(wait=drain)  # on the caller's stream, where it will be used
@@ -551,6 +552,13 @@ def _stack_given(given: list[Any]) -> Any:
 def _on(stream: torch.cuda.Stream | None) -> Any:
     """Run the block on `stream` (CUDA), or in place (CPU: no streams)."""
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _compile_stance(stance: str) -> Any:
+    """`torch.compiler.set_stance(stance)`, where something can have been compiled: setting a stance imports
+    torch._dynamo, seconds of an engine's start-up on a CPU, and a process that never imported it
+    (`torch.compile` does) holds no compiled function for a stance to govern."""
+    return torch.compiler.set_stance(stance) if "torch._dynamo" in sys.modules else nullcontext()
 
 
 def _on_gpu(frames: np.ndarray | torch.Tensor) -> bool:

@@ -1,7 +1,9 @@
 """`loom encode-prompts`: precompute prompt embeddings on a machine that has the text encoder.
 
 The result is a safetensors file that `prompt.encoder: file` reads, so a show machine needs
-neither transformers nor the 11 GB umT5 weights, only the prompts it will use.
+neither transformers nor the 11 GB umT5 weights, only the prompts it will use. The encoders (and
+torch) are imported only when this subcommand runs: `loom` builds every subcommand's parser on
+each call, and `loom play` or `loom serve --passthrough` must not pay for torch in the player.
 """
 
 from __future__ import annotations
@@ -9,15 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loom_live.engine.stream.prompts import (
-    FILE_KEY_PREFIX,
-    HashTextEncoder,
-    TextEncoder,
-    UMT5TextEncoder,
-    check_prompt,
-    prompt_key,
-)
+if TYPE_CHECKING:
+    from loom_live.engine.stream.prompts import TextEncoder
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> None:
     from safetensors.torch import save_file
 
+    from loom_live.engine.stream.prompts import FILE_KEY_PREFIX, check_prompt, prompt_key
+
     texts = list(dict.fromkeys(check_prompt(p) for p in prompts))
     tensors, names = {}, {}
     for i, text in enumerate(texts, 1):
@@ -48,6 +47,7 @@ def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
+    from loom_live.engine.stream.prompts import HashTextEncoder, UMT5TextEncoder
     from loom_live.host_bridge.wire.errors import UserError
 
     prompts = list(args.prompts)

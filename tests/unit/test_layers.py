@@ -168,3 +168,13 @@ def test_importing_the_host_client_leaves_torch_out():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_the_loom_command_builds_its_parsers_without_torch():
+    """Every `loom` call builds all subcommands' parsers: a player or a pass-through engine that imported
+    torch there would pay seconds of start-up for nothing."""
+    code = ("import sys; from loom_live.plugin.cli.main import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
