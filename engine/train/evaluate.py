@@ -195,7 +195,7 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
 
 
 def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour.mp4",
-            styles: tuple[str, ...] = ("pencil sketch", "thermal camera", "pixel art", "watercolour painting"),
+            styles: tuple[str, ...] = ("pencil sketch", "thermal camera", "pop art poster", "sepia film"),
             at: tuple[int, ...] = (4, 12, 20)) -> Path:
     """Input frames (rows: three moments of a held-out clip) beside four styles made by the model."""
     frames = read_clip(MEDIA / clip, SIZE, limit=max(at) + 1)

@@ -67,9 +67,9 @@ def test_shipped_weights_load_and_match_their_recorded_hash():
     assert sum(p.numel() for p in dit.parameters()) == sum(t.numel() for t in dit_state.values())
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped model (about 14 GPU minutes of DiT training) confuses toon, "
-                   "pixel art and pop art on this clip: docs/embedded-model.md, Metrics and Limits. A better model "
-                   "makes this XPASS, which fails: then drop the mark")
+@pytest.mark.xfail(strict=True, reason="the shipped model (about 20 GPU minutes of DiT training) lands toon on sepia "
+                   "film and pop art on watercolour on this clip: docs/embedded-model.md, Metrics and Limits. A better "
+                   "model makes this XPASS, which fails: then drop the mark")
 def test_each_style_is_nearest_its_own_target_on_a_held_out_clip(clip):
     targets = {s.name: apply_style(s.name, clip) for s in STYLES}
     wrong = {}
@@ -180,3 +180,26 @@ def cv2_rgb(hsv: np.ndarray) -> np.ndarray:
     import cv2
 
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
+
+
+
+TOON_SATURATION = pytest.mark.xfail(strict=True, reason="toon's black outlines: a reconstruction error of one or "
+                                    "two levels gives a near-black pixel a loud HSV saturation (+13% on this clip "
+                                    "against the procedural target; the training gate compares with the stored "
+                                    "H.264 target, whose blacks already carry that error): docs/embedded-model.md")
+
+
+@pytest.mark.parametrize("variant", ["source", *[pytest.param(s.name, marks=TOON_SATURATION) if s.name == "toon"
+                                                 else s.name for s in STYLES]])
+def test_the_vae_passes_the_gate_on_a_held_out_clip_and_its_styled_targets(clip, variant):
+    """Issue 29's VAE gate on the 13 frames the other tests use, against the procedural targets
+    themselves: PSNR >= 30 dB and mean saturation within 10% of the input."""
+    import torch
+
+    from loom_live.engine.train.data import Clip
+    from loom_live.engine.train.evaluate import gate_summary, reconstruction
+
+    _, vae, _ = load_embedded(torch.device("cpu"), torch.float32)
+    frames = clip if variant == "source" else apply_style(variant, clip)
+    rows = reconstruction(vae, [Clip(CLIP, {variant: frames})], torch.device("cpu"))
+    assert gate_summary(rows)["misses"] == [], rows
