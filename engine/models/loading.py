@@ -170,6 +170,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
     for entry in cfg.lora:  # merged before the weights are compiled or captured
         lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
+    lora.capture()  # a live scale change replays one CUDA graph (CUDA only)
     if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     if device.type == "cuda":

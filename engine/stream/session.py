@@ -270,8 +270,7 @@ class StreamSession:
         if not self._lora_pending:
             return False
         with self.timer.span("lora", None):
-            for name, scale in self._lora_pending.items():
-                self.models.lora.set_scale(name, scale)
+            self.models.lora.set_scales(self._lora_pending)
         self._lora_pending.clear()
         return True
 
