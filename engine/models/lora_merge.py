@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loom_live.engine.graphs.capture_clock import CAPTURES
+
 
 @dataclass
 class MergeTarget:
@@ -133,7 +135,7 @@ class MergeProgram:
             return
         self.run()  # eager run: kernels chosen and workspaces allocated before the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with CAPTURES.timed(), torch.cuda.graph(graph):
             self.run()
         self._graph = graph
         self.captures += 1
