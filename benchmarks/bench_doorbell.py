@@ -6,7 +6,10 @@ it. Back to back, and paced like a host's frame loop (one notice every 1/FPS s, 
 asleep in between). Also reports the echo process's CPU time per second during the paced run, which
 is what a spin before sleeping costs.
 
-    python benchmarks/bench_doorbell.py --notices 2000 --fps 60 --paced 300 [--spin-us 200]
+    python benchmarks/bench_doorbell.py --notices 2000 --fps 60 --paced 300 [--spin-us 200] [--arrival-spin-us 300]
+
+`--arrival-spin-us W`: both sides spin only within W us of the peer's predicted next paced notice
+(`host_bridge/wire/arrival_spin.py`; the same as LOOM_DOORBELL_SPIN_US=W for a bridge and its engine).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_idle_cpu import process_cpu_s  # noqa: E402
 from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
 from loom_live.host_bridge.wire import doorbell as db  # noqa: E402
+from loom_live.host_bridge.wire.arrival_spin import ENV  # noqa: E402
 from loom_live.host_bridge.wire.shared_wait import backend  # noqa: E402
 
 ECHO = textwrap.dedent("""
@@ -72,11 +76,15 @@ def main() -> int:
     ap.add_argument("--fps", type=float, default=60.0)
     ap.add_argument("--paced", type=int, default=300, help="round trips at --fps")
     ap.add_argument("--spin-us", type=float, default=db.SPIN_S * 1e6, help="both sides spin this long first")
+    ap.add_argument("--arrival-spin-us", type=float, default=None,
+                    help=f"spin this close to a paced notice's predicted arrival (sets {ENV} for both sides)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.notices < 1 or args.paced < 1 or args.fps <= 0 or args.spin_us < 0:
         ap.error("--notices, --paced and --fps must be > 0, --spin-us >= 0")
     db.SPIN_S = args.spin_us / 1e6
+    if args.arrival_spin_us is not None:
+        os.environ[ENV] = f"{args.arrival_spin_us:g}"  # read by each doorbell as it opens, the child's too
     bell = db.Doorbell.create()
     echo = subprocess.Popen([sys.executable, "-c", ECHO, bell.name, str(db.SPIN_S)], cwd=ROOT,
                             stdout=subprocess.PIPE, env=child_env())
@@ -93,12 +101,14 @@ def main() -> int:
         if echo.poll() is None:
             echo.kill()
         bell.close()
-    result = {"backend": backend(), "spin_us": args.spin_us, "back_to_back": percentiles(b2b),
+    result = {"backend": backend(), "spin_us": args.spin_us, "arrival_spin_us": bell.pace.window_s * 1e6,
+              "host_spin_turns": bell.spin_turns, "back_to_back": percentiles(b2b),
               "paced": percentiles(paced), "fps": args.fps, "echo_cpu_pct_paced": echo_cpu}
     print(f"doorbell round trip ({result['backend']}, spin {args.spin_us:g} us), ms: back to back p50 "
           f"{result['back_to_back']['p50_ms']:.3f} p99 {result['back_to_back']['p99_ms']:.3f}; at {args.fps:g} fps "
           f"p50 {result['paced']['p50_ms']:.3f} p99 {result['paced']['p99_ms']:.3f}; echo process CPU while "
-          f"paced {echo_cpu:.1f} % of a core")
+          f"paced {echo_cpu:.1f} % of a core; arrival spin {result['arrival_spin_us']:g} us, "
+          f"{bell.spin_turns} turns on this side")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

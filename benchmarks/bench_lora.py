@@ -2,8 +2,11 @@
 changes live once a second. Random weights and random rank-R LoRAs on every attention and FFN
 linear of the preset's DiT (speed does not depend on weight values). Prints one table and writes
 JSON: FPS of both runs, their ratio, and the GPU time of a scale change (the session's `lora` stage).
+`--merge-only`: the merge alone, no stream: host and GPU time of a scale change, eager and replayed
+as the captured CUDA graph.
 
     python benchmarks/bench_lora.py --json out/bench_lora.json                 # 1.3B, 480x832, 1 step
+    python benchmarks/bench_lora.py --merge-only --json out/bench_lora_merge.json
     python benchmarks/bench_lora.py --config default --frames 40 --json /tmp/l.json   # CPU smoke run
 """
 
@@ -14,6 +17,7 @@ import json
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_live.engine.config import load_config  # noqa: E402
 from loom_live.engine.models.dit_convert import to_diffusers_key  # noqa: E402
+from loom_live.engine.models.lora import LoraMerger, read_lora  # noqa: E402
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 from loom_live.engine.tools.bench import run_loom  # noqa: E402
 from loom_live.plugin.cli.bench import clip_frames  # noqa: E402
@@ -42,6 +47,38 @@ def write_random_lora(preset: str, rank: int, seed: int, path: Path) -> None:
     save_file(sd, str(path))
 
 
+def merge_times(preset: str, paths: list[Path], changes: int) -> dict[str, dict[str, float]]:
+    """Median host and GPU ms of one live scale change of the first LoRA, eager and as the captured graph."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device(device):
+        model = WanDiT(DIT_PRESETS[preset]).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = {}
+    for label in ("eager", "graph"):
+        merger = LoraMerger(model)
+        for path in paths:
+            merger.add(read_lora(path, model, f"{path.stem}-{label}"), 0.8)
+        if label == "graph":
+            merger.capture()
+        name, host, gpu = f"{paths[0].stem}-{label}", [], []
+        for i in range(changes):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            merger.set_scale(name, 0.4 if i % 2 else 0.8)
+            host.append((time.perf_counter() - t0) * 1e3)
+            if device.type == "cuda":
+                end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end))
+        out[label] = {"host_ms_p50": sorted(host)[len(host) // 2], "gpu_ms_p50": sorted(gpu)[len(gpu) // 2] if gpu
+                      else float("nan"), "builds": merger.builds}
+        for n in list(merger.scales):  # back to the original weights before the next merger takes them
+            merger.set_scale(n, 0.0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", default="wan2.1-1.3b", help="preset or YAML (default wan2.1-1.3b)")
@@ -50,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=1500, help="frames measured per run")
     p.add_argument("--warmup", type=int, default=41, help="frames streamed before measuring")
     p.add_argument("--period", type=float, default=1.0, help="seconds between live scale changes")
+    p.add_argument("--merge-only", action="store_true", help="time the merge alone (no stream)")
+    p.add_argument("--changes", type=int, default=50, help="--merge-only: scale changes timed")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     base = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash",
@@ -60,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         paths = [Path(tmp) / f"style{i}.safetensors" for i in range(2)]
         for i, path in enumerate(paths):
             write_random_lora(preset, args.rank, i, path)
+        if args.merge_only:
+            times = merge_times(preset, paths, args.changes)
+            for label, t in times.items():
+                print(f"scale change, {label}: host {t['host_ms_p50']:.3f} ms, GPU {t['gpu_ms_p50']:.3f} ms (p50)")
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"preset": preset, "rank": args.rank, **times}, indent=2))
+            return 0
         loras = "lora=[" + ", ".join(f"{{path: {p}, scale: 0.8}}" for p in paths) + "]"
         for label, overrides, period in (("no LoRA", base, 0.0), ("2 LoRAs, live scale", [*base, loras], args.period)):
             cfg = load_config(args.config, overrides)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from loom_live.engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
+from loom_live.engine.graphs.capture_clock import CAPTURES
 
 MAX_GRAPHS = 32  # distinct plans kept; more means something is not steady, so stop capturing
 
@@ -90,7 +91,7 @@ class GraphedStreamForward:
         static_step = _clone_step(step)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(x.device)
-        with torch.cuda.graph(graph, pool=self._pool):
+        with CAPTURES.timed(), torch.cuda.graph(graph, pool=self._pool):
             out = self.model.stream_step(static_x, static_t, cache, cross, static_step, **static_inputs)
         if self._pool is None:
             self._pool = graph.pool()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loom_live.engine.cache.kv_cache import CrossKV, KVCache, StreamStep
+from loom_live.engine.graphs.capture_clock import CAPTURES
 from loom_live.engine.graphs.dit_steps import MAX_GRAPHS, StaticCross, _clone_step, _copy_step, _key
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class GraphedBlocks:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(tokens.device)
         # thread_local: the NCCL watchdog thread keeps querying its events while this thread captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with CAPTURES.timed(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.run(static_tokens, static_mod, cross, cache, static_step)
         if self._pool is None:
             self._pool = graph.pool()

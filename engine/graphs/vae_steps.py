@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT, FrameCache, VAEStreamState
+from loom_live.engine.graphs.capture_clock import CAPTURES
 
 
 class GraphedStep:
@@ -38,7 +39,7 @@ class GraphedStep:
                 step(self.static_in)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with CAPTURES.timed(), torch.cuda.graph(self.graph):
             self.static_out = step(self.static_in)
         if cache is not None:
             # Put the histories back; a history first created by the warm-up (a layer the stream's

@@ -8,7 +8,8 @@ forgotten path never silently produces noise on stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ class LoadedModels:
     device: torch.device
     dtype: torch.dtype
     lora: LoraMerger  # the DiT's merged style LoRAs (none loaded: a no-op owner)
+    load_s: dict[str, float] = field(default_factory=dict)  # seconds: dit, vae, lora, prepare (start-up log)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -128,6 +130,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
     dit_class, dit_cfg = _dit_architecture(mc.preset)
+    clock = _Laps()
     embedded = mc.preset == "embedded" and not mc.checkpoint
     if embedded:  # the trained default: its DiT and VAE ship together in the package
         from loom_live.engine.models.embedded import load_embedded
@@ -145,6 +148,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     else:
         raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "
                          "give model.checkpoint=PATH (or model.random_weights=true for a benchmark)")
+    clock.lap("dit")  # built, and its weights read or drawn
     vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
                       denormalize_on_decode=vc.denormalize_on_decode)
     wan = None
@@ -167,9 +171,12 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         else:
             raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
                              "(or vae.random_weights=true for a benchmark)")
+    clock.lap("vae")
     lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
     for entry in cfg.lora:  # merged before the weights are compiled or captured
         lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
+    lora.capture()  # a live scale change replays one CUDA graph (CUDA only)
+    clock.lap("lora")
     if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     if device.type == "cuda":
@@ -193,4 +200,18 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     for m in (dit, wan, tiny):
         if m is not None:
             m.requires_grad_(False)
-    return LoadedModels(dit, encoder, decoder, device, dtype, lora)
+    clock.lap("prepare")  # fp8, fused and compiled steps set up (they compile on first use), layouts
+    return LoadedModels(dit, encoder, decoder, device, dtype, lora, clock.laps)
+
+
+class _Laps:
+    """Seconds between successive `lap` calls, by name."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now

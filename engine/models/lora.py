@@ -3,8 +3,9 @@
 A LoRA adds `scale * (alpha / rank) * up @ down` to a linear layer's weight. Loom merges that
 sum straight into the parameters the forward (and its CUDA graphs) already reads, so the hot
 path is the same with or without LoRAs: no extra matmuls, no recapture. A live scale change
-recomputes only the weights that LoRA touches, from a kept copy of the original weight, so any
-mix of scales is exact to one rounding and all scales at 0 restore the original bit for bit.
+recomputes the adapted weights from kept copies of the originals (`lora_merge`: one device
+program with the scales in a device tensor), so any mix of scales is exact to one rounding and
+all scales at 0 restore the original values.
 
 Layouts read (every key is translated on its own, names checked against the model):
 - diffusers / PEFT: `transformer.blocks.N.attn1.to_q.lora_A.weight` / `lora_B` (diffusers names);
@@ -25,6 +26,7 @@ from torch import nn
 
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
 from loom_live.engine.models.dit_convert import to_wan_key
+from loom_live.engine.models.lora_merge import MergeProgram, MergeTarget
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +151,12 @@ class LoraMerger:
     """Owns the merged LoRAs of one model: their scales and the original weights they replace.
 
     The original of each adapted weight is kept (on `keep_device`: the CPU in low-VRAM mode) the
-    first time a LoRA touches it; every merge recomputes W = W0 + sum_i s_i * delta_i from it
-    and copies the result into the parameter in place, so tensors captured by CUDA graphs stay
-    valid. Call it between forwards on the stream that runs them. Blocks a pipeline rank does not
-    hold (meta tensors) are skipped, so each rank merges only its own.
+    first time a LoRA touches it; every merge computes W = W0 + sum_i s_i * delta_i from it
+    into the parameter in place, so tensors captured by CUDA graphs stay valid. With the originals
+    beside the weights the merge is one `MergeProgram` over every adapted weight, the scales in a
+    device tensor: a live scale change is a write of that tensor and a rerun (a graph replay once
+    `capture` was called), never a rebuild. Call it between forwards on the stream that runs them.
+    Blocks a pipeline rank does not hold (meta tensors) are skipped, so each rank merges only its own.
     """
 
     def __init__(self, model: nn.Module, keep_device: torch.device | str | None = None) -> None:
@@ -164,6 +168,8 @@ class LoraMerger:
         self._base_weight: dict[str, torch.Tensor] = {}
         self._base_bias: dict[str, torch.Tensor | None] = {}
         self._elsewhere: dict[str, dict[str, LowRank]] = {}  # LoRA -> its layers in blocks another rank holds
+        self.program: MergeProgram | None = None  # None: no LoRA, or originals kept off the device
+        self.builds = 0  # programs built: loading and block moves, never a scale change
 
     @property
     def scales(self) -> dict[str, float]:
@@ -181,6 +187,14 @@ class LoraMerger:
         self._merge(lora.modules)
         log.info("LoRA %s: %d layers, rank %s, scale %g", lora.name, len(lora.modules), lora.ranks, scale)
 
+    def capture(self) -> None:
+        """Replay the merge as a CUDA graph from now on (CUDA, originals on the device; else a no-op).
+        Call once the LoRAs are loaded, before the stream: a capture waits for the device and must not
+        overlap other threads' CUDA work, so a program rebuilt later (a pipeline block move) runs
+        eagerly: the same kernels, launched one by one."""
+        if self.program is not None:
+            self.program.capture()
+
     def _hold(self, lora: LoraFile, module: str, update: LowRank) -> None:
         """Keep the original of `module` and put the update where merges compute."""
         target = self._linears[module]
@@ -190,7 +204,7 @@ class LoraMerger:
             self._base_bias[module] = None if bias is None else bias.detach().to(self.keep_device, copy=True)
         if update.bias is not None and target.bias is None:
             raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
-        if self.keep_device is None:  # merged on the device by addmm: in the weight's own dtype, once
+        if self.keep_device is None:  # merged on the device: in the weight's own dtype, once
             update.down = update.down.to(target.weight.device, target.weight.dtype)
             update.up = update.up.to(target.weight.device, target.weight.dtype)
         else:
@@ -208,8 +222,12 @@ class LoraMerger:
                 target.bias.copy_(bias)
         for name, lora in self._loras.items():
             moved = {m: u for m, u in lora.modules.items() if m.startswith(prefix)}
+            for u in moved.values():  # views into the program's buffers: keep their own copies
+                u.down, u.up = u.down.clone(), u.up.clone()
             self._elsewhere[name].update(moved)
             lora.modules = {m: u for m, u in lora.modules.items() if m not in moved}
+        if self.keep_device is None:
+            self._rebuild()
 
     def adopt(self, prefix: str) -> None:
         """The layers under `prefix` arrived from another rank with their original weights: merge
@@ -225,16 +243,59 @@ class LoraMerger:
         self._merge(touched)
 
     def set_scale(self, name: str, scale: float) -> None:
-        """Change one LoRA's scale; only the weights it touches are recomputed."""
-        if name not in self._loras:
-            raise ValueError(f"lora: no LoRA named {name!r}; loaded: {', '.join(self._loras) or 'none'}")
-        if self._scales[name] == float(scale):
+        """Change one LoRA's scale (see `set_scales`)."""
+        self.set_scales({name: scale})
+
+    def set_scales(self, scales: dict[str, float]) -> None:
+        """Change LoRA scales by name, all in one merge. On the device: the scales are written into
+        the program's device tensor and the program runs again (no host synchronisation, no rebuild);
+        with the originals off the device only the weights the changed LoRAs touch are recomputed."""
+        for name in scales:
+            if name not in self._loras:
+                raise ValueError(f"lora: no LoRA named {name!r}; loaded: {', '.join(self._loras) or 'none'}")
+        changed = {n: float(s) for n, s in scales.items() if self._scales[n] != float(s)}
+        if not changed:
             return
-        self._scales[name] = float(scale)
-        self._merge(self._loras[name].modules)
+        self._scales.update(changed)
+        if self.program is not None:
+            names = list(self._loras)
+            for name, scale in changed.items():
+                self.program.set_scale(names.index(name), scale)
+            self.program.run()
+        elif self.keep_device is not None:
+            touched: dict[str, LowRank] = {}
+            for name in changed:
+                touched.update(self._loras[name].modules)
+            self._merge_host(touched)
+
+    def _merge(self, modules: dict[str, LowRank]) -> None:
+        if self.keep_device is None:
+            self._rebuild()
+        else:
+            self._merge_host(modules)
+
+    def _rebuild(self) -> None:
+        """A new program over every held adapted weight (the LoRAs or the layers held changed), run once."""
+        names, targets, updates = list(self._loras), [], []
+        for module, base in self._base_weight.items():
+            layer = self._linears[module]
+            held = [(i, lora.modules[module]) for i, lora in enumerate(self._loras.values()) if module in lora.modules]
+            targets.append(MergeTarget(layer.weight, base, [(i, u.down, u.up, u.alpha_scale, u.bias) for i, u in held],
+                                       layer.bias, self._base_bias[module]))
+            updates.append([u for _, u in held])
+        self.program = None
+        if not targets:
+            return
+        self.program = MergeProgram(targets, [self._scales[n] for n in names], targets[0].weight.device)
+        self.builds += 1
+        for held, views in zip(updates, self.program.factor_views()):
+            for u, (down, up) in zip(held, views):  # one copy of the factors: the program's
+                u.down, u.up = down, up
+        self.program.run()
 
     @torch.no_grad()
-    def _merge(self, modules: dict[str, LowRank]) -> None:
+    def _merge_host(self, modules: dict[str, LowRank]) -> None:
+        """Originals kept off the device (low-VRAM): each weight in float32 from its original, copied over."""
         for module in modules:
             target = self._linears[module]
             parts = [(self._scales[n], lora.modules[module]) for n, lora in self._loras.items()
@@ -245,23 +306,9 @@ class LoraMerger:
                 if target.bias is not None:
                     target.bias.copy_(self._base_bias[module])
                 continue
-            self._merge_weight(target.weight, base, parts)
+            merged = base.float() + sum(s * u.delta() for s, u in parts)
+            target.weight.copy_(merged.to(target.weight.dtype))
             biases = [(s, u.bias) for s, u in parts if u.bias is not None]
             if biases:
                 bias = self._base_bias[module].float() + sum(s * b.to(base.device).float() for s, b in biases)
                 target.bias.copy_(bias.to(target.bias.dtype))
-
-    @staticmethod
-    def _merge_weight(weight: torch.Tensor, base: torch.Tensor, parts: list[tuple[float, LowRank]]) -> None:
-        """W = W0 + sum_i (s_i a_i) B_i A_i: where W0 sits beside the weight, one addmm per LoRA written
-        straight into the parameter, the scale as the matmul's own float alpha (no temporaries, so a live
-        change costs a few kernel launches per layer); otherwise (W0 kept on the CPU in low-VRAM mode) in
-        float32 and copied over."""
-        if base.device == weight.device and base.dtype == weight.dtype:
-            (s, first), rest = parts[0], parts[1:]
-            torch.addmm(base, first.up, first.down, alpha=s * first.alpha_scale, out=weight)
-            for s, u in rest:
-                weight.addmm_(u.up, u.down, alpha=s * u.alpha_scale)
-            return
-        merged = base.float() + sum(s * u.delta() for s, u in parts)
-        weight.copy_(merged.to(weight.dtype))

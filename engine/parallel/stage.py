@@ -109,8 +109,7 @@ class Stage:
 
     def set_lora_scales(self, scales: dict[str, float]) -> None:
         """Each rank merges the scales into its own blocks (the merger skips blocks it does not hold)."""
-        for name, scale in scales.items():
-            self.lora.set_scale(name, scale)
+        self.lora.set_scales(scales)
         if self.context is not None:  # cross-attention K/V depend on the merged weights too
             self.cross = self.dit.cross_kv(self.context, blocks=self.blocks)
 

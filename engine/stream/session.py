@@ -20,6 +20,8 @@ returns its own frames.
 
 from __future__ import annotations
 
+import logging
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -44,10 +46,13 @@ from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, mak
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
 from loom_live.engine.stream.stage_timer import StageTimer
+from loom_live.engine.stream.startup import StartupTimes
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
 # The schema's sections this family takes (another family's parameters are refused by name); a VACE
 # model takes the `control` section too.
+log = logging.getLogger(__name__)
+
 LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
 LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
 VACE_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
@@ -105,6 +110,9 @@ class StreamSession:
         self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
+        self.startup = StartupTimes()  # filled by from_config and warmup: where the start-up went
+        self.warmed_plans: list[Plan] = []  # the plans the last warm-up streamed
+        self._held_plan = False  # warm-up: the plan is set by the warm-up, not by the scheduler
         self._build_parts()
         self.reset()
 
@@ -115,9 +123,17 @@ class StreamSession:
         On a GPU the session then warms up (kernel autotuning, compilation, graph capture) on
         synthetic frames, so the first real frame is served at steady-state speed.
         """
-        session = cls(cfg, load_models(cfg))
+        times = StartupTimes()
+        with times.phase("load"):
+            models = load_models(cfg)
+        times.detail["load"] = dict(models.load_s)
+        with times.phase("session"):
+            session = cls(cfg, models)
+        session.startup = times
         if warmup and session.device.type == "cuda":
             session.warmup()
+        else:
+            log.info("%s", times.line())
         return session
 
     def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
@@ -125,22 +141,62 @@ class StreamSession:
 
         The first stream runs past a RoPE refresh (or twice round the KV ring with the window
         policy), so the step patterns of a long stream are compiled and captured here rather
-        than in the middle of a show, where each would stall one chunk.
+        than in the middle of a show, where each would stall one chunk. Then every other plan
+        the SLO scheduler may pick mid-stream (`warmup_plans`: sequential, several latents per
+        chunk) streams once, long enough to compile its shapes and capture its steady graphs.
         """
         st = self.cfg.stream
         if chunks is None:
             chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + len(st.steps) + 2
-        h, w = self.cfg.resolution.height, self.cfg.resolution.width
-        for i in range(streams):
-            n = chunks if i == 0 else min(chunks, 8)
-            frames = np.random.default_rng(i).integers(0, 256, (1 + FRAMES_PER_LATENT * n, h, w, 3), np.uint8)
-            for start in range(0, len(frames), FRAMES_PER_LATENT * 8):  # pushes of a bounded size
-                self.push(frames[start:start + FRAMES_PER_LATENT * 8])
-            self.flush()
+        plans = self.warmup_plans()
+        with self.startup.phase("warmup"):
+            for i in range(streams):
+                self._warm_stream(plans[0], chunks if i == 0 else min(chunks, 8), seed=i)
+        with self.startup.phase("warmup_plans"):
+            for i, plan in enumerate(plans[1:]):
+                self._warm_stream(plan, self._plan_chunks(plan), seed=streams + i)
+        self.warmed_plans = plans
         self.reset()
         self._compile_stance = "eager_on_recompile"
+        log.info("%s", self.startup.line())
         if self.cfg.memory.low_vram and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what autotuning and the warm-up left cached
+
+    def warmup_plans(self) -> list[Plan]:
+        """The plans this config can stream: the one a stream starts with, then, with `stream.mode`
+        auto (the only setting under which the scheduler moves), every other plan it may pick. With
+        one step both modes run the same forwards: one plan per chunk size then."""
+        first = Plan(self.slo.modes[0], 1)
+        if self.cfg.stream.mode != "auto":
+            return [first]
+        plans = [first, *(p for p in self.slo.candidates if p != first)]
+        if len(self.cfg.stream.steps) == 1:
+            plans = [p for i, p in enumerate(plans) if p.chunk_latents not in {q.chunk_latents for q in plans[:i]}]
+        return plans
+
+    def _plan_chunks(self, plan: Plan) -> int:
+        """Chunks a warm-up stream of `plan` needs: the first, those that fill the KV window, the
+        pipeline's fill, then each ring-slot pattern of the plan twice (seen once, captured the next)."""
+        st = self.cfg.stream
+        k, ring = plan.chunk_latents, st.num_kv_cache - st.sink
+        patterns = ring // math.gcd(ring, k)
+        return 1 + -(-st.num_kv_cache // k) + len(st.steps) - 1 + 2 * patterns + 1
+
+    def _warm_stream(self, plan: Plan, chunks: int, seed: int) -> None:
+        """One synthetic stream of `chunks` chunks on `plan`, flushed (its drain shapes run too)."""
+        self._held_plan = True
+        try:
+            self.reset()
+            self.slo.hold(plan)
+            h, w = self.cfg.resolution.height, self.cfg.resolution.width
+            n = 1 + FRAMES_PER_LATENT * plan.chunk_latents * (chunks - 1) + FRAMES_PER_LATENT
+            frames = np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), np.uint8)
+            step = FRAMES_PER_LATENT * 8
+            for start in range(0, len(frames), step):  # pushes of a bounded size
+                self.push(frames[start:start + step])
+            self.flush()
+        finally:
+            self._held_plan = False
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
@@ -271,8 +327,7 @@ class StreamSession:
         if not self._lora_pending:
             return False
         with self.timer.span("lora", None):
-            for name, scale in self._lora_pending.items():
-                self.models.lora.set_scale(name, scale)
+            self.models.lora.set_scales(self._lora_pending)
         self._lora_pending.clear()
         return True
 
@@ -476,7 +531,7 @@ class StreamSession:
             with self.timer.span("dit", None if c.first else (k, d.n)):
                 out.append((d.run_sequential(c.latent, c.t0, c.control), c))
         self._emit(out)
-        if self.cfg.stream.mode == "auto":
+        if self.cfg.stream.mode == "auto" and not self._held_plan:
             self.slo.decide()
 
     def _emit(self, leaving: list[tuple[torch.Tensor, Any]]) -> None:
@@ -534,6 +589,7 @@ class StreamSession:
             "prompt_blend": self.prompt.weight,
             "prompt_style": self.prompt.match,
             "lora_scales": self.models.lora.scales,
+            "startup": self.startup.as_dict(),
             "kv_positions": cache.next_positions,
             **({"control": self.control.stats()} if self.control is not None else {}),
             "kv_cache_bytes": cache.memory_bytes(),

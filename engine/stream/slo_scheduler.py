@@ -93,6 +93,12 @@ class SLOScheduler:
         self.allow_modes(self.modes)
         self.stages = {"encode": StageModel(), "dit": StageModel(), "decode": StageModel()}
 
+    def hold(self, plan: Plan) -> None:
+        """Use `plan` from the next chunk (a warm-up streaming each plan); ValueError for one not allowed."""
+        if plan not in self.candidates:
+            raise ValueError(f"plan {plan}: not one of the allowed plans {self.candidates}")
+        self.plan, self._challenger, self._streak = plan, None, 0
+
     def set_steps(self, steps: int) -> None:
         """A new number of denoising steps (rows per DiT forward) from the next decision on."""
         self.steps = steps

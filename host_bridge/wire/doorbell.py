@@ -40,7 +40,9 @@ Polling remains where no kernel wait exists, and while a record has not verified
 next look must come soon): a backoff from SLEEP_MIN_S doubling to SLEEP_MAX_S, or SLEEP_IDLE_S once
 nothing has come for IDLE_AFTER_S. Within SPIN_S of this side's last record the consumer spins,
 yielding the CPU and the GIL between looks, before it sleeps (0 turns the spin off; docs/performance.md
-has what it buys). Every wait keeps its timeout, and `wake()` ends one early.
+has what it buys). On a paced stream the consumer may also spin in a window around the predicted
+arrival of the peer's next frame notice and sleep only until that window opens (`arrival_spin`, off
+unless configured). Every wait keeps its timeout, and `wake()` ends one early.
 
 Threads: one consumer at a time (it holds `lock`, reentrant, as on the lane); sends from any
 thread, serialised by a short lock of their own that is never held while waiting.
@@ -56,6 +58,7 @@ import threading
 import time
 from typing import Any
 
+from loom_live.host_bridge.wire.arrival_spin import ArrivalSpin
 from loom_live.host_bridge.wire.protocol import MAX_SLOTS, NOTICE_DIRS, PROTOCOL_VERSION
 from loom_live.host_bridge.wire.rings.shm import (
     is_segment_name,
@@ -150,6 +153,9 @@ class Doorbell:
         self._out_wait = self._waiter(mine, owner)  # wakes the peer sleeping on the ring this side writes
         self.sent = self.received = self.refused = self.dropped = 0
         self.wakes = self.sleeps = 0  # kernel wake calls made for the peer; kernel sleeps of this consumer
+        self.pace = ArrivalSpin.from_env()  # spin around the peer's next paced frame notice (off by default)
+        self.spin_turns = 0  # looks made spinning in such a window
+        self.spun_s = 0.0  # time spent yielding in them
         self.last_refusal = ""
         self.refused_at = 0.0
 
@@ -275,17 +281,28 @@ class Doorbell:
             if self._woken or self._closed:
                 self._woken = False
                 return self._poll()
-            if now - self._active_at < SPIN_S:
+            pace = self.pace.plan(time.time()) if self.pace.enabled else None
+            until = deadline - now if pace is None else min(deadline - now, pace)  # the window opens then
+            if pace == 0.0:
+                self._spin_turn()
+            elif now - self._active_at < SPIN_S:
                 _yield()
             elif self._in_wait is not None and self._unverified_since is None:
-                self._sleep(deadline - now)
+                self._sleep(until)
             else:
-                time.sleep(min(delay, max(deadline - now, 0.0)))
+                time.sleep(min(delay, max(until, 0.0)))
                 delay = min(delay * 2, SLEEP_MAX_S if now - self._active_at < IDLE_AFTER_S else SLEEP_IDLE_S)
             out = self._poll()
             now = time.perf_counter()
             if out or now >= deadline:
                 return out
+
+    def _spin_turn(self) -> None:
+        """One look's pause inside the arrival window: give the CPU and the GIL away, come straight back."""
+        t0 = time.perf_counter()
+        _yield()
+        self.spun_s += time.perf_counter() - t0
+        self.spin_turns += 1
 
     def _sleep(self, timeout_s: float) -> None:
         """Sleep in the kernel until the peer publishes, `wake()` or the timeout; may return early."""
@@ -343,6 +360,7 @@ class Doorbell:
         kind, slot, flags = info & 0xFF, info >> 8 & 0xFF, info >> 16
         frame_dir, release_dir = self._in_dirs
         if kind == KIND_FRAME and flags & ~FLAG_CONTROL == 0:
+            self.pace.arrived(t_ns / 1e9)
             msg = {"v": PROTOCOL_VERSION, "type": "frame", "dir": frame_dir, "slot": slot, "seq": seq, "gen": gen,
                    "t": t_ns / 1e9, **({"control": True} if flags & FLAG_CONTROL else {})}
         elif kind == KIND_RELEASE and flags & ~FLAG_DROPPED == 0 and seq == 0:

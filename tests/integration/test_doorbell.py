@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from loom_live.host_bridge.wire import doorbell as db
+from loom_live.host_bridge.wire.arrival_spin import ArrivalSpin
 from loom_live.host_bridge.wire.doorbell import Doorbell, DoorbellError
 from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, decode, encode, make
 from loom_live.host_bridge.wire.rings import create_ring
@@ -399,3 +400,37 @@ def test_bridge_refuses_bad_records_from_its_engine_and_never_blocks(tmp_path):
         bridge.close()
         guard.close()
         ctx.term()
+
+
+def test_a_reader_spinning_around_paced_arrivals_loses_nothing_and_rests_when_idle(pair):
+    host, engine = pair
+    engine.pace = ArrivalSpin(0.002)  # the widest window allowed, so the spin engages on a loaded box
+    frames, period = 40, 0.01
+
+    def produce():
+        t0 = time.monotonic()
+        for seq in range(1, frames + 1):
+            time.sleep(max(t0 + seq * period - time.monotonic(), 0.0))
+            host.send_frame(seq % 4, seq, 1)
+
+    got, cpu = [], {}
+
+    def consume():
+        c0 = time.thread_time()
+        end = time.monotonic() + 60
+        while len(got) < frames and time.monotonic() < end:
+            got.extend(m["seq"] for m in _take(engine, 0.5))
+        cpu["paced"], c0 = time.thread_time() - c0, time.thread_time()
+        for _ in range(3):  # no more frames: the reader must block, not spin
+            got.extend(m["seq"] for m in _take(engine, 0.3))
+        cpu["idle"] = time.thread_time() - c0
+
+    threads = [threading.Thread(target=consume), threading.Thread(target=produce)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert got == list(range(1, frames + 1))  # none lost, none twice, in order
+    assert engine.spin_turns > 0  # the spin did engage
+    assert cpu["paced"] < frames * 2 * 0.002 + 0.2  # at most one window of spinning per frame
+    assert cpu["idle"] < 0.05  # one window after the last frame, then asleep

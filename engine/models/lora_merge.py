@@ -1,0 +1,145 @@
+"""The LoRA merge as one fixed device program, with the scales in a device tensor.
+
+Why: a live scale change must not stall the stream. Recomputing each adapted weight from Python,
+with the scale as a host number in every kernel call, costs a loop over hundreds of weights per
+change. Here every adapted weight's factors sit concatenated once, W = W0 + [B_1 .. B_n] @
+[s_1 a_1 A_1; ...; s_n a_n A_n], and the scales s_i are read from a small device tensor. A change
+writes the new scales into that tensor and runs the same kernels on the same tensors again; on
+CUDA those kernels are captured once as a CUDA graph and replayed, so a change is a few tiny
+writes and one graph launch. Nothing a captured DiT graph or a compiled region reads changes
+address or shape: no recapture, no recompile.
+
+The down factors of all weights with the same input width are stacked in one buffer, so scaling
+them is one kernel per width; each weight then takes one `addmm` from its kept original straight
+into the parameter (in place: the tensors captured graphs read stay valid). Scaled factors are
+rounded to the weight's dtype once, the sum over LoRAs accumulates in the matmul's float32; with
+every scale at 0 each weight is its original again (W0 + 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loom_live.engine.graphs.capture_clock import CAPTURES
+
+
+@dataclass
+class MergeTarget:
+    """One adapted layer: its parameters, their originals, and (lora index, down, up, alpha, bias delta) per LoRA."""
+
+    weight: torch.Tensor
+    base: torch.Tensor
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor | None]]
+    bias: torch.Tensor | None = None
+    base_bias: torch.Tensor | None = None
+
+
+@dataclass
+class _Group:
+    """The down factors of every weight of one input width, stacked, with each row's LoRA and alpha."""
+
+    down: torch.Tensor  # [R, in], the weights' dtype
+    lora: torch.Tensor  # [R] long: which scale each row takes
+    alpha: torch.Tensor  # [R] float32
+    scaled: torch.Tensor  # [R, in]: down * s * alpha, written by each run
+
+
+@dataclass
+class _Layer:
+    weight: torch.Tensor
+    base: torch.Tensor
+    up: torch.Tensor  # [out, K]: the LoRAs' up factors side by side
+    width: int  # the group holding its down rows
+    rows: slice
+    bias: torch.Tensor | None
+    base_bias: torch.Tensor | None
+    bias_deltas: torch.Tensor | None  # [m, out] float32
+    bias_lora: torch.Tensor | None  # [m] long
+    ranks: list[int]  # of its parts, in order
+
+
+class MergeProgram:
+    """Merges every target at the scales in `scales` (a float32 device tensor, one entry per LoRA).
+
+    `set_scale` writes one entry (no host synchronisation); `run` merges; `capture` (CUDA) records
+    `run` as a CUDA graph that later runs replay. Rebuild the program when the set of LoRAs or
+    layers changes (loading, a pipeline block move); never for a scale change.
+    """
+
+    def __init__(self, targets: Sequence[MergeTarget], scales: Sequence[float], device: torch.device) -> None:
+        self.scales = torch.tensor(list(scales), dtype=torch.float32, device=device)
+        self.captures = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._groups: dict[int, _Group] = {}
+        self._layers: list[_Layer] = []
+        self._build(targets)
+
+    def _build(self, targets: Sequence[MergeTarget]) -> None:
+        rows: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
+        for t in targets:
+            width = t.weight.shape[1]
+            group = rows.setdefault(width, [])
+            start = sum(d.shape[0] for _, d, _ in group)
+            group += [(i, down, alpha) for i, down, _, alpha, _ in t.parts]
+            stop = start + sum(down.shape[0] for _, down, _, _, _ in t.parts)
+            up = torch.cat([u for _, _, u, _, _ in t.parts], dim=1)
+            biased = [(i, b) for i, _, _, _, b in t.parts if b is not None]
+            deltas = torch.stack([b.float() for _, b in biased]).to(t.weight.device) if biased else None
+            which = torch.tensor([i for i, _ in biased], device=t.weight.device) if biased else None
+            self._layers.append(_Layer(t.weight, t.base, up, width, slice(start, stop), t.bias, t.base_bias,
+                                       deltas, which, [d.shape[0] for _, d, _, _, _ in t.parts]))
+        for width, group in rows.items():
+            down = torch.cat([d for _, d, _ in group])
+            lora = torch.tensor([i for i, d, _ in group for _ in range(d.shape[0])], device=down.device)
+            alpha = torch.tensor([a for _, d, a in group for _ in range(d.shape[0])], dtype=torch.float32,
+                                 device=down.device)
+            self._groups[width] = _Group(down, lora, alpha, torch.empty_like(down))
+
+    def factor_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per target (in build order), per part: (down, up) as views into the program's buffers, so
+        the caller can let go of its own copies."""
+        views = []
+        for layer in self._layers:
+            down, start, parts = self._groups[layer.width].down, layer.rows.start, []
+            for rank in layer.ranks:
+                k = start - layer.rows.start
+                parts.append((down[start:start + rank], layer.up[:, k:k + rank]))
+                start += rank
+            views.append(parts)
+        return views
+
+    def set_scale(self, index: int, value: float) -> None:
+        """One LoRA's scale, written on the device in stream order (no host synchronisation)."""
+        self.scales[index].fill_(float(value))
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Merge every target at the current scales (replays the captured graph where there is one)."""
+        if self._graph is not None:
+            self._graph.replay()
+            return
+        for g in self._groups.values():
+            g.scaled.copy_(g.down * (self.scales[g.lora] * g.alpha)[:, None])
+        for layer in self._layers:
+            torch.addmm(layer.base, layer.up, self._groups[layer.width].scaled[layer.rows], out=layer.weight)
+            if layer.bias_deltas is not None:
+                delta = (self.scales[layer.bias_lora][:, None] * layer.bias_deltas).sum(0)
+                layer.bias.copy_(layer.base_bias.float() + delta)
+
+    def capture(self) -> None:
+        """Record `run` as a CUDA graph (CUDA only; a no-op elsewhere). Runs it once first."""
+        if self.scales.device.type != "cuda" or self._graph is not None:
+            return
+        self.run()  # eager run: kernels chosen and workspaces allocated before the capture
+        graph = torch.cuda.CUDAGraph()
+        with CAPTURES.timed(), torch.cuda.graph(graph):
+            self.run()
+        self._graph = graph
+        self.captures += 1
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None

@@ -1,0 +1,87 @@
+"""Where an engine's start-up goes: model build and weights, compilation, graph capture, warm-up.
+
+Why: a restarted engine keeps a show in fallback until its first restyled frame, and the time
+is spent in several places that need different remedies (weights built on the device, compiled
+artefacts loaded from the persistent cache, fewer captured shapes). The session records each
+phase here, logs one line when it is ready and reports the same figures in its stats.
+Compilation and capture happen inside the warm-up (on first use), so they are read from their
+own process-wide counters (`CAPTURES`, torch's compile metrics) and reported beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from loom_live.engine.graphs.capture_clock import CAPTURES
+
+
+def compile_totals() -> dict[str, float]:
+    """Seconds torch.compile spent so far in this process (tracing, Inductor, cache loads included),
+    frames compiled, and the Inductor FX graph cache's hits and misses (0 where torch has no such counter)."""
+    from torch._dynamo import utils
+
+    metrics = getattr(utils, "compilation_time_metrics", {})
+    counters = getattr(utils, "counters", {})
+    inductor = counters.get("inductor", {})
+    return {"compile_s": float(sum(metrics.get("_compile.compile_inner", ()))),
+            "compiled_frames": float(counters.get("frames", {}).get("ok", 0)),
+            "fx_cache_hits": float(inductor.get("fxgraph_cache_hit", 0)),
+            "fx_cache_misses": float(inductor.get("fxgraph_cache_miss", 0))}
+
+
+def _work() -> dict[str, float]:
+    return {**compile_totals(), "capture_s": CAPTURES.seconds, "captures": float(CAPTURES.count)}
+
+
+class StartupTimes:
+    """Phases in the order they ran, each in seconds, with the compile and capture work done inside each."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.inside: dict[str, dict[str, float]] = {}
+        self.detail: dict[str, dict[str, float]] = {}  # a phase's own parts (the load's: dit, vae, lora, prepare)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0, before = time.perf_counter(), _work()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+            after = _work()
+            done = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+            if done:
+                self.inside[name] = done
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total_s": round(sum(self.phases.values()), 3),
+                "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
+                "inside": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.inside.items()},
+                "detail_s": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.detail.items()}}
+
+    def line(self) -> str:
+        """One log line: the total, each phase, and the compile and capture time inside the phases."""
+        parts = [f"{name} {seconds:.1f} s{_parts(self.detail.get(name, {}))}{_inside(self.inside.get(name, {}))}"
+                 for name, seconds in self.phases.items()]
+        return f"start-up {sum(self.phases.values()):.1f} s: " + "; ".join(parts)
+
+
+def _parts(detail: dict[str, float]) -> str:
+    return f" [{', '.join(f'{k} {v:.1f} s' for k, v in detail.items())}]" if detail else ""
+
+
+def _inside(work: dict[str, float]) -> str:
+    extra = []
+    if work.get("compile_s"):
+        extra.append(f"compile {work['compile_s']:.1f} s")
+    if work.get("fx_cache_hits") or work.get("fx_cache_misses"):
+        extra.append(f"fx cache {int(work.get('fx_cache_hits', 0))} hit / {int(work.get('fx_cache_misses', 0))} miss")
+    if work.get("captures"):
+        extra.append(f"{int(work['captures'])} captures {work['capture_s']:.1f} s")
+    return f" ({', '.join(extra)})" if extra else ""

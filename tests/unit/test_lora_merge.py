@@ -1,0 +1,158 @@
+"""The LoRA merge program: the weights it writes equal the definition (and the per-LoRA addmm merge it
+replaced) to one rounding; a live scale change rebuilds nothing, moves no tensor and recompiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loom_live.engine.models.lora import LoraMerger, read_lora
+from tests.fakes.wan_models import random_model
+
+
+def _lora_file(model: torch.nn.Module, path, seed: int, rank: int, alpha: float, bias: bool = False) -> str:
+    """A LoRA in the original Wan layout on every linear of the blocks (with `.alpha`; `bias`: `.diff_b` too)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("blocks."):
+            sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.2
+            sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.2
+            sd[f"diffusion_model.{name}.alpha"] = torch.tensor(alpha)
+            if bias:
+                sd[f"diffusion_model.{name}.diff_b"] = torch.randn(m.out_features, generator=g) * 0.1
+    save_file(sd, str(path))
+    return str(path)
+
+
+def _two_loras(tmp_path, model: torch.nn.Module) -> tuple[LoraMerger, list]:
+    paths = [_lora_file(model, tmp_path / "a.safetensors", 1, rank=4, alpha=2.0, bias=True),
+             _lora_file(model, tmp_path / "b.safetensors", 2, rank=3, alpha=6.0)]
+    files = [read_lora(p, model) for p in paths]
+    raw = [read_lora(p, model) for p in paths]  # float32 factors, for the reference
+    merger = LoraMerger(model)
+    merger.add(files[0], scale=0.8)
+    merger.add(files[1], scale=-0.4)
+    return merger, raw
+
+
+def _reference(original: dict, raw: list, scales: dict[str, float], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """W0 + sum_i s_i a_i B_i A_i in float64 from the factors in the weight's dtype (as merged), and
+    sum_i |s_i a_i| |B_i| |A_i|: the size of what is added, which bounds the error of rounding it."""
+    module, dtype = name.removesuffix(".weight"), original[name].dtype
+    w, size = original[name].double(), torch.zeros_like(original[name], dtype=torch.float64)
+    for lora in raw:
+        u = lora.modules[module]
+        up, down = u.up.to(dtype).double(), u.down.to(dtype).double()
+        w = w + scales[lora.name] * u.alpha_scale * (up @ down)
+        size = size + abs(scales[lora.name] * u.alpha_scale) * (up.abs() @ down.abs())
+    return w, size
+
+
+def _addmm_chain(original: dict, raw: list, scales: dict[str, float], name: str, dtype) -> torch.Tensor:
+    """The merge this program replaced: one addmm per LoRA in the weight's dtype, the scale as alpha."""
+    module = name.removesuffix(".weight")
+    w = original[name].clone()
+    for lora in raw:
+        u = lora.modules[module]
+        w = torch.addmm(w, u.up.to(dtype), u.down.to(dtype), alpha=scales[lora.name] * u.alpha_scale)
+    return w
+
+
+def test_bf16_merge_equals_the_definition_and_the_addmm_merge_to_one_rounding(tmp_path):
+    model = random_model().to(torch.bfloat16)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    merger, raw = _two_loras(tmp_path, model)
+    merger.set_scales({"a": 1.3, "b": 0.25})
+    weights = [k for k in original if k.startswith("blocks.") and k.endswith(".weight") and original[k].ndim == 2]
+    assert weights
+    for name in weights:
+        got = model.state_dict()[name].double()
+        ref, size = _reference(original, raw, merger.scales, name)
+        ulp = (ref.abs() + size) * 2.0**-8  # bf16 keeps 8 significant bits: one rounding is within 2^-9
+        assert ((got - ref).abs() <= ulp).all(), name
+        chain = _addmm_chain(original, raw, merger.scales, name, torch.bfloat16).double()
+        assert ((got - chain).abs() <= 2 * ulp).all(), name
+    bias = model.blocks[0].ffn[0].bias
+    delta = raw[0].modules["blocks.0.ffn.0"].bias.float()
+    expect = (original["blocks.0.ffn.0.bias"].float() + 1.3 * delta).to(torch.bfloat16)
+    assert torch.equal(bias, expect)
+
+
+def test_float32_merge_equals_the_definition(tmp_path):
+    model = random_model()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    merger, raw = _two_loras(tmp_path, model)
+    for name in ("blocks.0.self_attn.q.weight", "blocks.1.ffn.2.weight", "blocks.1.cross_attn.o.weight"):
+        ref, _ = _reference(original, raw, merger.scales, name)
+        assert (model.state_dict()[name].double() - ref).abs().max() < 1e-5
+
+
+def test_a_scale_change_rebuilds_nothing_moves_no_tensor_and_recompiles_nothing(tmp_path):
+    model = random_model()
+    merger, _ = _two_loras(tmp_path, model)
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+
+    layer = model.blocks[0].ffn[0]
+    compiled = torch.compile(layer, backend=counting_backend, fullgraph=True)
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        before = compiled(x)
+    addresses = [p.data_ptr() for p in model.parameters()]
+    builds, scales_at = merger.builds, merger.program.scales.data_ptr()
+    for a, b in ((0.1, 0.9), (1.7, -1.0), (0.0, 0.0)):
+        merger.set_scales({"a": a, "b": b})
+        with torch.no_grad():
+            after = compiled(x)
+            assert torch.equal(after, layer(x))  # the compiled code reads the merged weights
+    assert len(compiles) == 1
+    assert merger.builds == builds and merger.program.scales.data_ptr() == scales_at
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert not torch.equal(before, after)
+
+
+def test_scales_of_unknown_loras_are_refused_and_nothing_changes(tmp_path):
+    model = random_model()
+    merger, _ = _two_loras(tmp_path, model)
+    weight = model.blocks[1].self_attn.k.weight.clone()
+    with pytest.raises(ValueError, match="no LoRA named 'c'; loaded: a, b"):
+        merger.set_scales({"a": 0.1, "c": 1.0})
+    assert merger.scales == {"a": 0.8, "b": -0.4}
+    assert torch.equal(model.blocks[1].self_attn.k.weight, weight)
+
+
+def test_low_vram_merges_from_originals_on_the_cpu_as_on_the_device(tmp_path):
+    on_device, off_device = random_model(), random_model()
+    path = _lora_file(on_device, tmp_path / "a.safetensors", 1, rank=4, alpha=2.0)
+    a, b = LoraMerger(on_device), LoraMerger(off_device, keep_device="cpu")
+    a.add(read_lora(path, on_device), 0.6)
+    b.add(read_lora(path, off_device), 0.6)
+    a.set_scale("a", -0.3)
+    b.set_scale("a", -0.3)
+    assert b.program is None
+    for (k, v), w in zip(on_device.state_dict().items(), off_device.state_dict().values()):
+        assert (v - w).abs().max() < 1e-5, k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_merge_replays_scale_changes_without_recapture(tmp_path):
+    model = random_model().to("cuda", torch.bfloat16)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    merger, raw = _two_loras(tmp_path, model)
+    merger.capture()
+    assert merger.program.captured and merger.program.captures == 1
+    for a, b in ((0.3, 1.1), (-0.7, 0.0), (0.0, 0.0)):
+        merger.set_scales({"a": a, "b": b})
+        torch.cuda.synchronize()
+        name = "blocks.1.ffn.2.weight"
+        ref, size = _reference({k: v.cpu() for k, v in original.items()}, raw, merger.scales, name)
+        got = model.state_dict()[name].double().cpu()
+        assert ((got - ref).abs() <= (ref.abs() + size) * 2.0**-8).all()
+    assert merger.program.captures == 1
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())

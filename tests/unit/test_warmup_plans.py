@@ -1,0 +1,93 @@
+"""The warm-up streams every chunk shape the SLO scheduler can pick mid-stream (and only the plans the
+config lets it pick), and the session reports where its start-up went."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loom_live.engine.config import load_config
+from loom_live.engine.graphs.capture_clock import CAPTURES
+from loom_live.engine.models.loading import load_models
+from loom_live.engine.stream.session import StreamSession
+from loom_live.engine.stream.slo_scheduler import Plan
+from loom_live.engine.stream.startup import StartupTimes
+
+SMALL = ["resolution.width=64", "resolution.height=64", "stream.rope_refresh_at=8"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two CPU threads contend on a shared box and make these small forwards 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _recording_session(overrides: list[str]) -> tuple[StreamSession, list[tuple]]:
+    """A session whose DiT records the shape of every streaming forward (rows, latents, grid)."""
+    cfg = load_config("default", [*SMALL, *overrides])
+    models = load_models(cfg)
+    seen: list[tuple] = []
+    forward = models.dit.forward_stream
+
+    def recording(x, t, cache, cross, commit=True, **inputs):
+        seen.append(tuple(x.shape))
+        return forward(x, t, cache, cross, commit, **inputs)
+
+    models.dit.forward_stream = recording
+    return StreamSession(cfg, models), seen
+
+
+def test_the_warm_up_runs_every_shape_the_scheduler_can_pick_mid_stream():
+    session, seen = _recording_session([])
+    session.warmup(streams=1)
+    assert set(session.warmed_plans) == set(session.slo.candidates)  # stream.mode auto: all of them
+    assert len(session.slo.candidates) == 6  # batch and sequential, 1 to 3 latents (a 3-frame ring)
+    warmed = set(seen)
+    seen.clear()
+    # a live stream that the scheduler moves through every plan, in an order the warm-up did not use
+    session.slo.decide = lambda: session.slo.plan
+    frames = np.random.default_rng(5).integers(0, 256, (5, 64, 64, 3), np.uint8)
+    session.push(frames)
+    for plan in reversed(session.slo.candidates):
+        session.slo.hold(plan)
+        for _ in range(3):
+            session.push(frames[:4 * plan.chunk_latents])
+    session.flush()
+    assert seen and set(seen) <= warmed
+    assert {s[2] for s in seen} == {1, 2, 3}  # the live stream did use every chunk size
+
+
+def test_a_pinned_mode_warms_only_the_plan_it_can_use():
+    session, seen = _recording_session(["stream.mode=batch"])
+    session.warmup(streams=1)
+    assert session.warmed_plans == [Plan("batch", 1)]
+    auto, auto_seen = _recording_session([])
+    auto.warmup(streams=1)
+    assert set(seen) < set(auto_seen)
+
+
+def test_start_up_is_broken_down_in_the_stats_and_the_log(caplog):
+    caplog.set_level("INFO", logger="loom_live.engine.stream.session")
+    session = StreamSession.from_config(load_config("default", SMALL), warmup=False)
+    startup = session.stats()["startup"]
+    assert list(startup["phases_s"]) == ["load", "session"]
+    assert list(startup["detail_s"]["load"]) == ["dit", "vae", "lora", "prepare"]
+    assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()), abs=0.01)
+    assert "start-up" in caplog.text and "load" in caplog.text
+    session.warmup(streams=1, chunks=3)
+    assert {"warmup", "warmup_plans"} <= set(session.stats()["startup"]["phases_s"])
+
+
+def test_captures_inside_a_phase_are_counted_there():
+    times = StartupTimes()
+    with times.phase("warmup"):
+        with CAPTURES.timed():
+            pass
+    with times.phase("other"):
+        pass
+    assert times.inside["warmup"]["captures"] == 1 and "other" not in times.inside
+    assert "1 captures" in times.line()
