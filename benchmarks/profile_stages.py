@@ -2,7 +2,7 @@
 
 Prints the top CUDA kernels and CPU ops, so speed work starts from where the time goes. The
 models run as the session runs them on CUDA (DiT: compiled elementwise ops; Wan VAE: cudnn
-benchmark, channels-last, fused norms), eagerly so the profiler sees each kernel.
+benchmark, channels-last, fused norms, `--upsample` as loading sets it), eagerly so the profiler sees each kernel.
 
     python benchmarks/profile_stages.py --json out/profile.json
 """
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from loom_live.engine.models.loading import to_channels_last
+from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 from loom_live.engine.stream.stage_timer import median_cuda_ms
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=18)
     ap.add_argument("--json")
+    ap.add_argument("--upsample", choices=UPSAMPLE_KINDS, default="phase", help="the Wan decoder's upsampling form")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.backends.cudnn.benchmark = True
@@ -67,7 +68,8 @@ def main() -> None:
 
         with torch.device(dev):
             vae = WanVAE(VAE_PRESETS["wan2.1"]).to(dt).eval()
-        to_channels_last(vae)
+        vae.use_upsample(args.upsample)
+        vae.use_channels_last()
         vae.fuse_norms()
         cl = torch.channels_last_3d
         st = vae.new_stream_state()

@@ -75,6 +75,11 @@ class VAEConfig:
     fuse_norms: bool = spec(True, doc="compile the Wan VAE's norm+SiLU steps on CUDA (needs triton)")
     compile_step: bool = spec(True, doc="compile the whole Wan VAE encoder and decoder on CUDA (needs triton; "
                                         "a longer warm-up for faster VAE chunks)")
+    upsample: str = spec("phase", choices=("nearest", "phase", "transposed"),
+                         doc="the Wan decoder's x2 upsampling + 3x3 conv: as written (nearest), or as four 2x2 "
+                             "phase convs on the small input (phase: one conv + interleave; transposed: one "
+                             "stride-2 transposed conv); the same result up to float rounding")
+    channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
     normalize_on_encode: bool = spec(False, doc="scale encoder output by the per-channel latent mean/std")
     denormalize_on_decode: bool = spec(True, doc="undo the per-channel latent normalisation before decoding")
 

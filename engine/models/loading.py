@@ -160,6 +160,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         else:
             raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
                              "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
+        wan.use_upsample(vc.upsample)  # on every device: the same result with fewer multiply-adds
     tiny = None
     if "taehv" in (vc.encoder, vc.decoder):
         if embedded:
@@ -184,7 +185,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         if mc.fuse_elementwise:
             dit.fuse_elementwise()
         if wan is not None:
-            to_channels_last(wan)
+            wan.use_channels_last(vc.channels_last)
             if vc.compile_step:
                 wan.compile_step()  # includes what fuse_norms does
             elif vc.fuse_norms:

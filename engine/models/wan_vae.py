@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
+from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
@@ -110,6 +111,11 @@ def _triple(v: int | tuple) -> tuple[int, int, int]:
     return (v, v, v) if isinstance(v, int) else tuple(v)
 
 
+def _layout_of(x: torch.Tensor) -> torch.memory_format:
+    channels_last = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    return torch.channels_last_3d if channels_last else torch.contiguous_format
+
+
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool) -> torch.Tensor:
     """`F.normalize(x, dim=1) * scale * gamma`, then SiLU if asked.
 
@@ -189,6 +195,8 @@ class Resample(nn.Module):
     Temporal downsampling: a stride-2 conv over (previous frame, two new frames); the stream's
     first frame passes through alone. Temporal upsampling: a causal conv doubles channels, which
     are split into two frames; again the stream's first frame is passed through as one frame.
+    The spatial upsampling (nearest x2, then a 3x3 conv) can run as phase convolutions on the
+    low-resolution frames (`use_upsample`; the checkpoint keeps the 3x3 conv).
     """
 
     MODES = ("upsample2d", "upsample3d", "downsample2d", "downsample3d")
@@ -199,6 +207,7 @@ class Resample(nn.Module):
             raise ValueError(f"Resample mode {mode!r}; allowed: {self.MODES}")
         self.mode = mode
         self.cache_key = ""
+        self.phase: PhaseUpsampleConv | None = None
         if mode.startswith("upsample"):
             up = nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact")
             self.resample = nn.Sequential(up, nn.Conv2d(dim, dim // 2, 3, padding=1))
@@ -213,11 +222,21 @@ class Resample(nn.Module):
         if self.mode == "upsample3d":
             x = self._double_frames(x, cache)
         b, c, t, h, w = x.shape
-        y = self.resample(x.transpose(1, 2).reshape(b * t, c, h, w))
+        frames = x.transpose(1, 2).reshape(b * t, c, h, w)
+        y = self.resample(frames) if self.phase is None else self.phase(frames)
         x = y.view(b, t, *y.shape[1:]).transpose(1, 2)
         if self.mode == "downsample3d":
             x = self._halve_frames(x, cache)
         return x
+
+    def use_upsample(self, kind: str) -> None:
+        """How the spatial upsampling runs: `nearest` (upsample, then the 3x3 conv), or one of the
+        phase forms of `engine.layers.phase_upsample`, derived from the current weights."""
+        if kind not in UPSAMPLE_KINDS:
+            raise ValueError(f"Resample upsample kind {kind!r}; allowed: {UPSAMPLE_KINDS}")
+        if not self.mode.startswith("upsample"):
+            raise ValueError(f"Resample.use_upsample: this resampler is a {self.mode}")
+        self.phase = None if kind == "nearest" else PhaseUpsampleConv(self.resample[1], kind)
 
     def _double_frames(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         head = None
@@ -227,8 +246,12 @@ class Resample(nn.Module):
                 return head
         y = self.time_conv(x, cache)
         b, c2, t, h, w = y.shape
-        y = y.view(b, 2, c2 // 2, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c2 // 2, 2 * t, h, w)
-        return y if head is None else torch.cat([head, y], dim=2)
+        c = c2 // 2
+        # Channel half k of frame i becomes frame 2i+k, written once in y's memory layout (a
+        # channels-last y would otherwise come out contiguous and be converted again by the next conv).
+        out = torch.empty((b, c, 2 * t, h, w), dtype=y.dtype, device=y.device, memory_format=_layout_of(y))
+        out.view(b, c, t, 2, h, w).copy_(y.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5))
+        return out if head is None else torch.cat([head, out], dim=2)
 
     def _halve_frames(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if cache.started:
@@ -327,6 +350,7 @@ class WanVAE(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (CausalConv3d, Resample)):
                 module.cache_key = name
+        self.memory_format = torch.preserve_format  # of the chunks going in (`use_channels_last`)
         self._set_latent_stats(None)
 
     def _set_latent_stats(self, device: torch.device | str | None) -> None:
@@ -362,6 +386,27 @@ class WanVAE(nn.Module):
     def new_stream_state(self) -> VAEStreamState:
         return VAEStreamState()
 
+    def use_upsample(self, kind: str) -> None:
+        """How the decoder's spatial upsamplers run (`UPSAMPLE_KINDS`; `phase` and `transposed` do
+        16 instead of 36 multiply-adds per low-resolution pixel and equal `nearest` up to float
+        rounding). Their weights are derived from the current 3x3 weights: call after loading."""
+        for module in self.decoder.modules():
+            if isinstance(module, Resample):
+                module.use_upsample(kind)
+
+    def use_channels_last(self, enabled: bool = True) -> None:
+        """Channels-last weights and chunks (`channels_last_3d` for the 3D convs), or back to the
+        default layout. The same arithmetic in another memory order: cuDNN's 3D convolutions are
+        faster on channels-last tensors, and every layer keeps the layout it is given."""
+        fmt3, fmt2 = (torch.channels_last_3d, torch.channels_last) if enabled else (torch.contiguous_format,) * 2
+        for p in self.parameters():
+            if p.dim() in (4, 5):
+                p.data = p.data.contiguous(memory_format=fmt3 if p.dim() == 5 else fmt2)
+        for module in self.decoder.modules():
+            if isinstance(module, Resample) and module.phase is not None:
+                module.use_upsample(module.phase.kind)  # re-derived in the new layout
+        self.memory_format = fmt3
+
     def fuse_norms(self) -> None:
         """Run every norm(+SiLU) as one compiled elementwise kernel instead of ~5 eager passes.
 
@@ -394,7 +439,7 @@ class WanVAE(nn.Module):
         cache = state.encoder
         check_pixels(x, first=not cache.started, what="WanVAE.encode_stream")
         check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "WanVAE.encode_stream")
-        h = self.encoder(x.to(self.dtype), cache)
+        h = self.encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
         if self.cfg.normalize_on_encode:
@@ -406,7 +451,7 @@ class WanVAE(nn.Module):
         cache = state.decoder
         check_latents(z, self.cfg.z_dim, "WanVAE.decode_stream")
         check_signature(cache, (z.shape[0], *z.shape[3:], z.device), "WanVAE.decode_stream")
-        z = z.to(self.dtype)
+        z = z.to(dtype=self.dtype, memory_format=self.memory_format)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
         x = self.decoder(self.post_quant_conv(z, cache), cache)

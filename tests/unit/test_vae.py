@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from loom_live.engine.config import VAEConfig
 from loom_live.engine.models.checkpoint_io import CheckpointError
 from loom_live.engine.models.taehv import TinyVAE
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
@@ -44,7 +45,9 @@ def test_default_architecture_matches_diffusers(tmp_path):
 
     32x32 rather than 64x64 keeps this under ~10 s on a 2-core CPU (64x64 takes ~25 s); the
     size does not change which code paths run (first frame alone, then a 4-frame chunk with
-    carried caches, both temporal resamplers, the mid-block attention).
+    carried caches, both temporal resamplers, the mid-block attention). The decoder upsamples as
+    loading sets it up by default (phase convolutions; the other forms are checked against it
+    in test_phase_upsample.py).
     """
     from diffusers import AutoencoderKLWan
 
@@ -62,6 +65,7 @@ def test_default_architecture_matches_diffusers(tmp_path):
     assert (z - z_ref).abs().max() < TOL
 
     x_ref = ref.decode(z_ref).sample
+    vae.use_upsample(VAEConfig().upsample)
     x_out = vae.decode(z_ref)
     assert x_out.shape == (1, 3, 9, 32, 32)
     assert (x_ref.abs() < 0.99).float().mean() > 0.25, "a saturated decoder would make the check weak"
