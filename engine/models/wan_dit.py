@@ -72,6 +72,10 @@ class WanDiTConfig:
     # latent grid that reads the head's clean estimate beside the noisy latents and adds the per-pixel
     # detail back (x0 prediction only; it sees one latent frame at a time, so streaming stays causal).
     refiner_width: int = 0
+    # Frames whose codes a latent packs side by side on the channel axis (the embedded VAE packs 4).
+    # With more than 1 the refiner works per frame slot, one set of weights for every slot: each
+    # frame's own noisy code in (its motion), the whole clean estimate beside it as context.
+    refiner_slots: int = 1
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -86,6 +90,9 @@ class WanDiTConfig:
             raise ValueError(f"prediction={self.prediction!r}: allowed are 'flow' and 'x0'")
         if self.refiner_width < 0 or (self.refiner_width and self.prediction != "x0"):
             raise ValueError(f"refiner_width={self.refiner_width}: must be 0, or > 0 with prediction='x0'")
+        if self.refiner_slots < 1 or self.out_channels % self.refiner_slots:
+            raise ValueError(f"refiner_slots={self.refiner_slots}: must be >= 1 and divide "
+                             f"out_channels={self.out_channels}")
 
     @property
     def head_dim(self) -> int:
@@ -211,15 +218,18 @@ class WanBlock(nn.Module):
 
 class LatentRefiner(nn.Module):
     """Adds per-pixel detail to a clean-latent estimate from the noisy latents beside it (see
-    `WanDiTConfig.refiner_width`). Each latent frame is refined alone; the last layer starts at zero,
-    so a refiner added to a trained head starts as the identity."""
+    `WanDiTConfig.refiner_width` and `refiner_slots`). Each latent frame is refined alone; the last
+    layer starts at zero, so a refiner added to a trained head starts as the identity."""
 
-    def __init__(self, channels: int, width: int) -> None:
+    def __init__(self, channels: int, width: int, slots: int = 1) -> None:
         super().__init__()
-        self.inp = nn.Conv2d(2 * channels + 1, width, 1)
+        self.slots = slots
+        per_slot = channels // slots
+        context = channels if slots > 1 else 0  # the whole estimate beside each slot
+        self.inp = nn.Conv2d(2 * per_slot + context + 1, width, 1)
         self.mid1 = nn.Conv2d(width, width, 3, padding=1)
         self.mid2 = nn.Conv2d(width, width, 3, padding=1)
-        self.out = nn.Conv2d(width, channels, 1)
+        self.out = nn.Conv2d(width, per_slot, 1)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -227,9 +237,18 @@ class LatentRefiner(nn.Module):
         """x0, x_t [B, C, F, H, W]; sigma broadcastable to [B, 1, F, 1, 1]."""
         b, c, f, h, w = x0.shape
         s = sigma.to(x0.dtype).expand(b, 1, f, h, w)
-        x = torch.cat([x0, x_t.to(x0.dtype), s], dim=1).transpose(1, 2).flatten(0, 1)
-        x = self.out(F.silu(self.mid2(F.silu(self.mid1(F.silu(self.inp(x)))))))
-        return x0 + x.unflatten(0, (b, f)).transpose(1, 2)
+        x_t = x_t.to(x0.dtype)
+        if self.slots == 1:
+            x = torch.cat([x0, x_t, s], dim=1).transpose(1, 2).flatten(0, 1)  # [B*F, 2C+1, H, W]
+        else:
+            k = self.slots
+            parts = [x0.unflatten(1, (k, c // k)), x_t.unflatten(1, (k, c // k)),
+                     x0[:, None].expand(b, k, c, f, h, w), s[:, None].expand(b, k, 1, f, h, w)]
+            x = torch.cat(parts, dim=2).permute(0, 3, 1, 2, 4, 5).flatten(0, 2)  # [B*F*k, cin, H, W]
+        y = self.out(F.silu(self.mid2(F.silu(self.mid1(F.silu(self.inp(x)))))))
+        if self.slots == 1:
+            return x0 + y.unflatten(0, (b, f)).transpose(1, 2)
+        return x0 + y.unflatten(0, (b, f, self.slots)).permute(0, 2, 3, 1, 4, 5).flatten(1, 2)
 
 
 class Head(nn.Module):
@@ -244,7 +263,8 @@ class Head(nn.Module):
         self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: see WanBlock
-        self.refiner = LatentRefiner(cfg.out_channels, cfg.refiner_width) if cfg.refiner_width else None
+        self.refiner = (LatentRefiner(cfg.out_channels, cfg.refiner_width, cfg.refiner_slots)
+                        if cfg.refiner_width else None)
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int],

@@ -6,9 +6,12 @@ Sources (all at the model's resolution, centre-cropped square):
 - generated clips: Loom's own moving-shapes clip (two seeds), and slow synthetic camera moves
   (pan and zoom) over frames of the training clips, for motion the short clips lack.
 
-Every clip is stored once as its source and once per style, each as an H.264 4:4:4 stream
-(crf 16, about 35 dB PSNR): 2-3x smaller than JPEG at the same quality, so the whole set is one
-file of some 25 MB that travels to the GPU machine. `load_pairs` decodes it back to uint8 arrays.
+Every clip's source is stored as an H.264 4:4:4 stream (crf 16, about 35 dB PSNR; 2-3x smaller
+than JPEG at the same quality), so the whole set is one small file that travels to the GPU machine.
+The styles are not stored: `load_pairs` decodes the sources and draws every style from the decoded
+frames, on all cores. A stored styled stream would carry the codec's own error, and on dark styles
+that error is large where it matters (a near-black pixel moved by a level or two takes a loud hue):
+drawn at load, each target is exactly the style of the frames the model sees.
 """
 
 from __future__ import annotations
@@ -163,8 +166,8 @@ def decode_video(data: bytes) -> np.ndarray:
 
 def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: bool = True,
             held_out: bool = False) -> Path:
-    """Style every training clip (or, with `held_out`, the first 49 frames of each held-out clip:
-    evaluation only) and write the set to one .npz (H.264 streams + metadata)."""
+    """Gather every training clip (or, with `held_out`, the first 49 frames of each held-out clip:
+    evaluation only) and write their sources to one .npz (H.264 streams + metadata)."""
     from tqdm import tqdm
 
     if held_out:
@@ -172,12 +175,9 @@ def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: boo
     else:
         clips = source_clips(media, size)
     arrays: dict[str, np.ndarray] = {}
-    variants = (SOURCE, *STYLE_NAMES)
-    todo = [(c, v) for c in clips for v in variants]
-    for clip, variant in tqdm(todo, desc="styling clips", disable=not progress):
-        frames = clips[clip] if variant == SOURCE else apply_style(variant, clips[clip])
-        arrays[f"{clip}/{variant}"] = np.frombuffer(encode_video(frames), np.uint8)
-    meta = {"size": size, "clips": list(clips), "variants": list(variants), "held_out": list(HELD_OUT),
+    for clip in tqdm(clips, desc="encoding clips", disable=not progress):
+        arrays[f"{clip}/{SOURCE}"] = np.frombuffer(encode_video(clips[clip]), np.uint8)
+    meta = {"size": size, "clips": list(clips), "variants": [SOURCE], "held_out": list(HELD_OUT),
             "frames": {c: len(f) for c, f in clips.items()}, "crf": CRF}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     out = Path(out)
@@ -186,13 +186,24 @@ def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: boo
     return out
 
 
-def load_pairs(path: str | Path) -> tuple[dict, list[Clip]]:
-    """Decode the data file: (metadata, clips with their source and styled frames)."""
+def styled(frames: np.ndarray) -> list[np.ndarray]:
+    """Every style of one clip, in `STYLE_NAMES` order."""
+    return [apply_style(name, frames) for name in STYLE_NAMES]
+
+
+def load_pairs(path: str | Path, workers: int | None = None) -> tuple[dict, list[Clip]]:
+    """Decode the data file's sources and draw every style from them, one clip per process on
+    `workers` processes (default: all cores): (metadata, clips with their source and styled frames).
+    The processes are spawned, not forked: the caller may already hold a GPU context."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     with np.load(path) as data:
         meta = json.loads(bytes(data["meta"]).decode())
-        clips = []
-        for name in meta["clips"]:
-            frames = {v: decode_video(bytes(data[f"{name}/{v}"])) for v in meta["variants"]}
-            n = min(len(f) for f in frames.values())
-            clips.append(Clip(name, {v: f[:n] for v, f in frames.items()}))
+        sources = [decode_video(bytes(data[f"{name}/{SOURCE}"])) for name in meta["clips"]]
+    n = min(len(sources), workers or os.cpu_count() or 1)
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        styles = list(pool.map(styled, sources))
+    clips = [Clip(name, {SOURCE: src, **dict(zip(STYLE_NAMES, out))})
+             for name, src, out in zip(meta["clips"], sources, styles)]
     return meta, clips

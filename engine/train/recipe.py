@@ -420,6 +420,27 @@ def load_parts(path: str, device: torch.device) -> tuple[WanDiT, FrameVAE]:
     return dit, vae
 
 
+def continue_dit(dit: WanDiT, path: str) -> list[str]:
+    """Load an earlier run's DiT into `dit`. The latent refiner may have changed shape (a new width or
+    slot layout): its weights then start afresh (its last layer at zero, so the DiT starts as the
+    earlier one); any other difference is an error. Returns the names that started afresh."""
+    from loom_live.engine.models.embedded import read_embedded
+
+    state, _, _ = read_embedded(path, check_hash=False)
+    own = dit.state_dict()
+    refiner = "head.refiner."
+    changed = {k for k in set(state) | set(own) if k.startswith(refiner)
+               and (k not in state or k not in own or state[k].shape != own[k].shape)}
+    if changed:
+        state = {k: v for k, v in state.items() if not k.startswith(refiner)}
+    missing, unexpected = dit.load_state_dict(state, strict=False)
+    fresh = sorted(k for k in own if k.startswith(refiner)) if changed else []
+    if any(not k.startswith(refiner) for k in missing) or unexpected or (missing and not changed):
+        raise ValueError(f"{path}: its DiT does not fit the embedded preset: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return fresh
+
+
 def run(cfg: RecipeConfig) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -441,7 +462,8 @@ def run(cfg: RecipeConfig) -> Path:
     torch.manual_seed(cfg.seed + 1)
     dit = WanDiT(EMBEDDED_DIT).to(device)
     if cfg.dit_from:
-        dit.load_state_dict(load_parts(cfg.dit_from, device)[0].state_dict())
+        fresh = continue_dit(dit, cfg.dit_from)
+        log({"phase": "dit_from", "path": cfg.dit_from, "fresh": fresh})
     if cfg.vae_from:
         vae = load_parts(cfg.vae_from, device)[1]
     else:

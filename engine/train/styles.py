@@ -83,8 +83,13 @@ def watercolour(frame: Frame) -> Frame:
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
+TOON_INK = np.array([40, 36, 50], np.float32)  # outline colour: dark grey-violet ink
+
+
 def toon(frame: Frame) -> Frame:
-    """Cartoon: flat colour bands (smoothed, quantised) with dark outlines."""
+    """Cartoon: flat colour bands (smoothed, quantised) with dark ink outlines. The ink is a dark grey
+    rather than black: a colour faded to black passes through dark pixels of loud hue, which any
+    codec (H.264 as much as Loom's VAE) turns into hue noise; faded to grey ink it stays calm."""
     smooth = cv2.bilateralFilter(frame, 9, 80, 9)
     levels = 5
     q = (np.floor(smooth.astype(np.float32) / 256.0 * levels) + 0.5) * (256.0 / levels)
@@ -92,7 +97,7 @@ def toon(frame: Frame) -> Frame:
     hsv[..., 1] = np.clip(hsv[..., 1] * 1.4, 0, 255)
     flat = cv2.cvtColor(hsv.astype(np.uint8), cv2.COLOR_HSV2RGB).astype(np.float32)
     edge = np.clip(_edges(_grey(frame), 5) * 8.0 - 0.8, 0, 1)[..., None]
-    return np.clip(flat * (1.0 - edge), 0, 255).astype(np.uint8)
+    return np.clip(flat * (1.0 - edge) + TOON_INK * edge, 0, 255).astype(np.uint8)
 
 
 def ink_wash(frame: Frame) -> Frame:

@@ -88,8 +88,9 @@ def test_an_x0_head_gives_the_flow_whose_x0_is_the_head_output(stream):
                                atol=1e-5, rtol=1e-5)
 
 
-def refined_model() -> WanDiT:
-    cfg = replace(DIT_PRESETS["embedded"], num_layers=1, in_channels=8, out_channels=8, refiner_width=12)
+def refined_model(slots: int = 1) -> WanDiT:
+    cfg = replace(DIT_PRESETS["embedded"], num_layers=1, in_channels=8, out_channels=8, refiner_width=12,
+                  refiner_slots=slots)
     torch.manual_seed(0)
     model = WanDiT(cfg).eval()
     with torch.no_grad():  # the refiner's last layer starts at zero: give it values so it takes part
@@ -98,9 +99,10 @@ def refined_model() -> WanDiT:
     return model
 
 
-def test_a_refined_x0_stream_equals_the_block_causal_forward():
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_refined_x0_stream_equals_the_block_causal_forward(slots):
     """The refiner sees one latent frame at a time: streaming stays what the full causal pass gives."""
-    model = refined_model()
+    model = refined_model(slots)
     torch.manual_seed(1)
     x = torch.randn(2, 8, 4, 4, 4)
     ctx = torch.randn(2, model.cfg.text_len, model.cfg.text_dim)
@@ -126,3 +128,27 @@ def test_the_refiner_changes_the_clean_estimate_per_latent_pixel_and_starts_as_t
     assert (refined - plain).abs().amax() > 1e-2
     with pytest.raises(ValueError, match="refiner_width"):
         replace(DIT_PRESETS["embedded"], prediction="flow")
+
+
+def test_a_slot_refiner_reads_each_frames_own_noisy_code_for_that_frame_only():
+    """Per frame slot: a change in one frame's noisy code moves that frame's refined code only (the
+    clean estimate is the shared context), and every slot is refined by the same weights."""
+    from loom_live.engine.models.wan_dit import LatentRefiner
+
+    torch.manual_seed(0)
+    refiner = LatentRefiner(channels=12, width=8, slots=4).eval()
+    with torch.no_grad():
+        for p in refiner.out.parameters():
+            p.normal_(0.0, 0.3)
+        x0, x_t, sigma = torch.randn(2, 12, 2, 4, 4), torch.randn(2, 12, 2, 4, 4), torch.full((2, 1, 1, 1, 1), 0.4)
+        base = refiner(x0, x_t, sigma)
+        moved = x_t.clone()
+        moved[:, 6:9] += 1.0  # slot 2 of 4 (3 codes each)
+        diff = (refiner(x0, moved, sigma) - base).abs().sum(dim=(0, 2, 3, 4))
+        assert diff[6:9].min() > 0 and diff[:6].sum() == 0 and diff[9:].sum() == 0
+        # the same weights for every slot: four copies of one frame get four equal corrections
+        one_x0, one_xt = torch.randn(2, 3, 2, 4, 4), torch.randn(2, 3, 2, 4, 4)
+        same = refiner(one_x0.repeat(1, 4, 1, 1, 1), one_xt.repeat(1, 4, 1, 1, 1), sigma).unflatten(1, (4, 3))
+        for j in range(1, 4):
+            torch.testing.assert_close(same[:, j], same[:, 0])
+        assert (same[:, 0] - one_x0).abs().amax() > 1e-2

@@ -87,3 +87,49 @@ def test_overshoot_past_pure_black_or_white_costs_nothing_and_anything_else_does
     loss.backward()
     assert abs(loss.item() - 0.6) < 1e-6  # 0.1 above black, 0.2 below white, 0.3 off the grey
     assert y.grad.tolist() == [0.0, 1.0, 0.0, -1.0, 1.0]
+
+
+def test_the_data_file_holds_sources_and_every_style_is_drawn_from_the_decoded_source(tmp_path):
+    """Targets are exact: each style is computed from the frames the model sees, never stored through
+    a lossy codec (which on dark styles moves hue and saturation as much as the VAE's own error)."""
+    import json
+
+    from loom_live.engine.train.data import decode_video, encode_video, load_pairs
+    from loom_live.engine.train.styles import apply_style
+
+    rng = np.random.default_rng(1)
+    frames = np.clip(rng.normal(120, 60, (5, 32, 32, 3)), 0, 255).astype(np.uint8)
+    meta = {"size": 32, "clips": ["a"], "variants": [SOURCE]}
+    path = tmp_path / "pairs.npz"
+    np.savez(path, **{"a/source": np.frombuffer(encode_video(frames), np.uint8),
+                      "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)})
+    _, clips = load_pairs(path, workers=1)
+    source = decode_video(bytes(np.load(path)["a/source"]))
+    assert set(clips[0].frames) == {SOURCE, *STYLE_NAMES}
+    assert np.array_equal(clips[0].frames[SOURCE], source)
+    for style in STYLE_NAMES:
+        assert np.array_equal(clips[0].frames[style], apply_style(style, source)), style
+
+
+def test_going_on_from_a_dit_whose_refiner_changed_shape_keeps_the_blocks_and_starts_the_refiner_afresh(tmp_path):
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, load_embedded, save_embedded
+
+    torch.manual_seed(0)
+    old = WanDiT(EMBEDDED_DIT).eval()
+    with torch.no_grad():
+        for p in old.head.refiner.out.parameters():
+            p.normal_(0.0, 0.1)
+    path = tmp_path / "old.safetensors"
+    save_embedded(path, old, FrameVAE(EMBEDDED_VAE), {})
+    stored, _, _ = load_embedded(torch.device("cpu"), torch.float32, path)
+    new = WanDiT(replace(EMBEDDED_DIT, refiner_slots=4, refiner_width=16)).eval()
+    fresh = recipe.continue_dit(new, str(path))
+    assert fresh and all(k.startswith("head.refiner.") for k in fresh)
+    x, t = torch.randn(1, EMBEDDED_DIT.in_channels, 1, 4, 4), torch.tensor([600.0])
+    ctx = torch.randn(1, EMBEDDED_DIT.text_len, EMBEDDED_DIT.text_dim)
+    with torch.no_grad():
+        stored.head.refiner = None  # the earlier DiT without its refiner is what the new one starts as
+        torch.testing.assert_close(new(x, t, ctx), stored(x, t, ctx), atol=1e-4, rtol=1e-4)
+    assert recipe.continue_dit(WanDiT(EMBEDDED_DIT), str(path)) == []  # same shape: everything kept
+    with pytest.raises(ValueError, match="does not fit"):
+        recipe.continue_dit(WanDiT(replace(EMBEDDED_DIT, num_layers=3)), str(path))
