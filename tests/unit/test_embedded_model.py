@@ -183,10 +183,10 @@ def cv2_rgb(hsv: np.ndarray) -> np.ndarray:
 
 
 
-TOON_SATURATION = pytest.mark.xfail(strict=True, reason="toon's black outlines: a reconstruction error of one or "
-                                    "two levels gives a near-black pixel a loud HSV saturation (+13% on this clip "
-                                    "against the procedural target; the training gate compares with the stored "
-                                    "H.264 target, whose blacks already carry that error): docs/embedded-model.md")
+TOON_SATURATION = pytest.mark.xfail(strict=True, reason="toon's dark pixels (its darkest colour level, its "
+                                    "outlines): one or two levels of reconstruction error give them a loud HSV "
+                                    "saturation (+12% on this clip); the shipped VAE learnt from H.264-stored "
+                                    "targets, whose dark pixels carry that error: docs/embedded-model.md")
 
 
 @pytest.mark.parametrize("variant", ["source", *[pytest.param(s.name, marks=TOON_SATURATION) if s.name == "toon"
