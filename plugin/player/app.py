@@ -88,7 +88,8 @@ class Player:
                                               lora_scales=dict(options.lora_scales),
                                               control_sources=tuple(options.control_sources),
                                               control_source=options.control_source,
-                                              context_scale=options.context_scale))
+                                              context_scale=options.context_scale,
+                                              reference=options.reference))
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
