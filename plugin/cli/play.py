@@ -31,7 +31,7 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
           of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen;
-          VACE presets: - = control scale, c next control source
+          VACE presets: - = control scale, c next control source, r read the --reference file again
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
           /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit;
           VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH
