@@ -38,7 +38,7 @@ from loom_live.host_bridge.bridge_stats import BridgeStatus, FrameStats
 from loom_live.host_bridge.config import BridgeConfig
 from loom_live.host_bridge.frame_shrink import FrameShrinker
 from loom_live.host_bridge.link import Link
-from loom_live.host_bridge.newest_frames import NewestFrames, check_device_frame
+from loom_live.host_bridge.newest_frames import DeviceFrame, NewestFrames, check_device_frame
 from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
@@ -134,8 +134,9 @@ class Bridge:
         BGRA for uint8 4-channel). uint8, uint16 or float32 (0..1). Returns True when the frame went
         into a slot now, False when it waits as the pending frame (engine busy or not running).
         `control` (VACE models with control_source 'video'): the frame's control frame, of its size and
-        layout; it travels beside the frame in the same slot (shm, tcp). One that does not fit (another
-        size, NaN, the cuda-ipc transport) is refused, said and counted (`stats()["refused_control"]`),
+        layout; it travels beside the frame in the same slot (on cuda-ipc staged on the device beside it,
+        of the frame's channels and dtype too). One that does not fit (another size, NaN) is refused,
+        said and counted (`stats()["refused_control"]`),
         and the frame goes on without it; the engine counts frames that came without one.
         One the engine cannot take (NaN or inf, a wrong shape or dtype) raises ValueError and is counted
         (`stats()["refused_frames"]`). A frame with a side over `max_frame_side` is shrunk on a thread of
@@ -178,15 +179,15 @@ class Bridge:
         if control is None:
             return ControlledFrame(converted, None)
         try:
-            if self.config.transport == "cuda-ipc":
-                raise ValueError("control frames travel beside the frame on the shm and tcp transports; this "
-                                 "bridge uses cuda-ipc")
             control = formats.check_frame(formats.check_shape(control, "control frame"), "control frame")
             if control.shape[:2] != frame.shape[:2]:
                 raise ValueError(f"control frame {control.shape[1]}x{control.shape[0]}; the frame is "
                                  f"{frame.shape[1]}x{frame.shape[0]} and its control frame must match it")
-            fitted = formats.resize(control, *converted.shape[:2])
-            return ControlledFrame(converted, self._convert(fitted, layout))
+            fitted = self._convert(formats.resize(control, *converted.shape[:2]), layout)
+            if (fitted.shape[2], fitted.dtype) != (converted.shape[2], converted.dtype):  # cuda-ipc: own layouts
+                raise ValueError(f"control frame {fitted.shape[2]}-channel {fitted.dtype}; on cuda-ipc it shares "
+                                 f"the frame's slot and must be {converted.shape[2]}-channel {converted.dtype} too")
+            return ControlledFrame(converted, fitted)
         except (TypeError, ValueError) as exc:
             self._refuse_control(str(exc))
             return ControlledFrame(converted, None)
@@ -224,7 +225,10 @@ class Bridge:
     def _hand_over(self, converted: np.ndarray, layout: str, seq: int, t: float) -> bool:
         """Lock held: a converted frame becomes the pending one and goes into a slot if one is free."""
         if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
-            self._frames.stage_host(converted.frame if isinstance(converted, ControlledFrame) else converted, layout)
+            if isinstance(converted, ControlledFrame):
+                self._frames.stage_host(converted.frame, layout, converted.control)
+            else:
+                self._frames.stage_host(converted, layout)
             self._set_pending(seq, None, t)
         else:
             self._frames.keep_input(converted.frame if isinstance(converted, ControlledFrame) else converted)
@@ -249,12 +253,15 @@ class Bridge:
         self._sup.note(f"frame refused: {why}", error=True)
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
-                    *, layout: str = "rgb", stream: int | None = None) -> bool:
+                    *, layout: str = "rgb", stream: int | None = None, control: DeviceFrame | None = None) -> bool:
         """Hand over a frame in device memory (TouchDesigner `cudaMemory().ptr`, torch `data_ptr()`).
 
         The frame is copied on the GPU before this returns (the caller may reuse its buffer), in
         its own layout: the engine converts on the GPU. `stream`: the CUDA stream the frame was
-        produced on, if not the legacy default stream. cuda-ipc transport only.
+        produced on, if not the legacy default stream. cuda-ipc transport only. `control` (VACE): the
+        frame's control frame in device memory, in its layout, of its size, channels and dtype, copied
+        on the same stream into the other half of the frame's slot; one that does not match is refused,
+        said and counted as in `submit`, and the frame goes on without it.
         """
         if self.config.transport != "cuda-ipc":
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
@@ -276,9 +283,28 @@ class Bridge:
             if self._cuda_problem is not None:
                 self._stats.counts["dropped"] += 1
                 return False
-            self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream)
+            if control is not None or self._gives_control:
+                self._gives_control = True
+                control = self._device_control(control, (width, height, channels, dtype))
+            self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream,
+                                      None if control is None else (control.ptr, control.pitch))
             self._set_pending(seq, None, now)
             return self._pump()
+
+    def _device_control(self, control: DeviceFrame | None, kind: tuple[int, int, int, str]) -> DeviceFrame | None:
+        """A device control frame that matches its frame's (width, height, channels, dtype), or None (refused)."""
+        if control is None:
+            return None
+        try:
+            given = (control.width, control.height, control.channels, np.dtype(control.dtype).name)
+            check_device_frame(control.pitch, *given)
+            if given != kind:
+                raise ValueError("control frame {}x{} {}-channel {}; ".format(*given) + "the frame is {}x{} "
+                                 "{}-channel {} and its control frame must match it".format(*kind))
+        except (TypeError, ValueError) as exc:
+            self._refuse_control(str(exc))
+            return None
+        return control
 
     def _refused_frame(self) -> None:
         with self._lock:
@@ -501,11 +527,12 @@ class Bridge:
         cuda = self.config.transport == "cuda-ipc"
         data = (np.ascontiguousarray(frame) if cuda else
                 formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame))
-        with_control = None
-        if gives_control:  # stacked over its control frame, or alone (missing, refused)
+        with_control, staged_control = None, None
+        if gives_control:  # stacked over its control frame (cuda-ipc: staged beside it), or alone (missing, refused)
             paired = self._with_control(frame, data, control, layout) if control is not None \
                 else ControlledFrame(data, None)
-            data, with_control = paired.stacked(), paired.control is not None
+            with_control = paired.control is not None
+            data, staged_control = (data, paired.control) if cuda else (paired.stacked(), None)
         with self._lock:
             seq = self._next_seq()
         while True:
@@ -513,9 +540,9 @@ class Bridge:
                 self._check_alive(link_id, deadline, "waiting for a free input slot")
                 link = self._link
                 if cuda:
-                    self._frames.stage_host(data, layout)
+                    self._frames.stage_host(data, layout, staged_control)
                 if link.write_frame(seq, data if not cuda else None, self._frames.staging, time.monotonic(),
-                                    with_control):
+                                    with_control, self._frames.control_staging):
                     self._stats.counts["submitted"] += 1
                     self._stats.sent(seq, time.monotonic())
                     return seq
@@ -723,8 +750,10 @@ class Bridge:
         control = False if self._gives_control else None  # a frame of a host that gives control frames: missing
         if isinstance(frame, ControlledFrame):
             frame, control = frame.stacked(), frame.control is not None
+        elif frame is None and self._gives_control:  # cuda-ipc: staged, its control frame staged or not
+            control = self._frames.control_staged
         try:
-            if not link.write_frame(seq, frame, self._frames.staging, t, control):
+            if not link.write_frame(seq, frame, self._frames.staging, t, control, self._frames.control_staging):
                 return False
         except ValueError as exc:  # a frame no ring can hold: refused and counted, never retried
             self._pending = None
@@ -789,4 +818,4 @@ def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
     return spec.width, spec.height, spec.channels, spec.dtype
 
 
-__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "EngineRefused", "RingSpec"]
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "DeviceFrame", "EngineRefused", "RingSpec"]

@@ -141,13 +141,14 @@ class Link:
     # -- frames ---------------------------------------------------------------------------------------
 
     def write_frame(self, seq: int, frame: np.ndarray | None, staging: Any, t: float,
-                    control: bool | None = None) -> bool:
+                    control: bool | None = None, control_staging: Any = None) -> bool:
         """Copy a frame (host array, or the cuda staging buffer when frame is None) into a free slot
         and publish it. False when no slot is free.
 
         `control` (VACE): True when the frame is stacked over its control frame (twice the rows, see
-        `RingSpec.control`), False when a host that gives control frames has none for this one (only
-        the upper half is written), None for a host that gives none. A control ring stays once made."""
+        `RingSpec.control`; on cuda-ipc the control frame is in `control_staging`), False when a host
+        that gives control frames has none for this one (only the frame's half is written), None for a
+        host that gives none. A control ring stays once made."""
         rows = self._ensure_rings(frame, staging, control)
         if control is False and self.ring_in.spec.control:
             frame = None if frame is None else _over_blank(frame, self.ring_in.spec, rows)
@@ -156,7 +157,7 @@ class Link:
             return False
         try:
             if frame is None:
-                staging.copy_to(0, self.ring_in, slot)
+                self._copy_staged(slot, staging, control_staging if control else None)
                 payload: list[Any] = []
             else:
                 payload = self.ring_in.write(slot, frame)
@@ -166,6 +167,18 @@ class Link:
         self.in_tracker.publish(slot)
         self.lane.send_frame(slot, seq, self.generation, payload, control=bool(control))
         return True
+
+    def _copy_staged(self, slot: int, staging: Any, control_staging: Any) -> None:
+        """cuda-ipc: the staged frame into `slot`, into its half of a control ring's slot (`RingSpec.half_rows`),
+        and the staged control frame into the other half when there is one."""
+        ring = self.ring_in
+        if not ring.spec.control:
+            staging.copy_to(0, ring, slot)
+            return
+        frame_row, control_row = ring.spec.half_rows
+        staging.copy_to(0, ring, slot, frame_row)
+        if control_staging is not None:
+            control_staging.copy_to(0, ring, slot, control_row)
 
     def release_output(self, slot: int, gen: int) -> None:
         self.lane.send_release(slot, gen)
@@ -178,6 +191,8 @@ class Link:
             want = dict(width=s.width, height=s.height, channels=s.channels, dtype=s.dtype, order=s.order,
                         orientation=s.orientation)
             extra = dict(device=staging.device)
+            if control:  # the staged frame, its control frame staged beside it: a slot holds both
+                want["height"] *= 2
         else:
             h, w, c = frame.shape
             want = dict(width=w, height=h, channels=c, dtype=frame.dtype.name, order="RGB", orientation="top-down")
@@ -357,6 +372,8 @@ class Link:
 
 def _over_blank(frame: np.ndarray, spec: Any, rows: int) -> np.ndarray:
     """A frame without its control frame, as a control ring's slot holds it: the frame where the engine
-    reads it (the upper half in the engine's orientation), zeros below (not read: the notice says so)."""
-    blank = np.zeros_like(frame)
-    return np.concatenate([blank, frame] if spec.orientation == "bottom-up" else [frame, blank])
+    reads it (`RingSpec.half_rows`), zeros in the control half (not read: the notice says so)."""
+    slot = np.zeros((2 * rows, *frame.shape[1:]), frame.dtype)
+    first = spec.half_rows[0]
+    slot[first:first + rows] = frame
+    return slot

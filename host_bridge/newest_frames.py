@@ -11,7 +11,7 @@ when a device buffer is made. The bridge calls into this object with its own loc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,6 +23,10 @@ class NewestFrames:
         self.cuda_device = cuda_device  # where host frames are staged on cuda-ipc
         self.last_input: np.ndarray | None = None  # host transports: the last submitted frame
         self.staging: Any = None  # cuda-ipc: device copy of the last submitted frame
+        # cuda-ipc, VACE: device copy of that frame's control frame (the staging's layout), and whether it
+        # holds the control frame of the frame staged now (False: that frame came without one)
+        self.control_staging: Any = None
+        self.control_staged = False
         self.output: np.ndarray | None = None  # host transports: the newest output
         self.output_device: Any = None  # cuda-ipc: device copy of the newest output
         self.seq = -1  # input sequence number the newest output came from
@@ -38,34 +42,46 @@ class NewestFrames:
         frame.setflags(write=False)  # shared with latest() callers as the fallback
         self.last_input = frame
 
-    def stage_host(self, frame: np.ndarray, layout: str) -> None:
-        """Copy a host frame, in its own layout, into the device staging buffer."""
+    def stage_host(self, frame: np.ndarray, layout: str, control: np.ndarray | None = None) -> None:
+        """Copy a host frame, in its own layout, into the device staging buffer, and its control frame
+        (of the frame's shape and dtype; None: it has none) into the control staging buffer."""
         h, w, c = frame.shape
         self._staging_for(w, h, c, frame.dtype.name, layout).write(0, frame)
+        if control is not None:
+            self._staging_for(w, h, c, frame.dtype.name, layout, control=True).write(0, control)
+        self.control_staged = control is not None
 
     def stage_device(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str,
-                     layout: str, stream: int | None) -> None:
-        """Copy a frame in device memory into the staging buffer (on the device that holds `ptr`)."""
+                     layout: str, stream: int | None, control: tuple[int, int] | None = None) -> None:
+        """Copy a frame in device memory into the staging buffer (on the device that holds `ptr`), and its
+        control frame (`control`: pointer and pitch of a frame of the same size, channels and dtype)."""
         staging = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr)
         staging.write_device(0, ptr, pitch, stream=stream)
+        if control is not None:
+            buffer = self._staging_for(width, height, channels, dtype, layout, device_ptr=ptr, control=True)
+            buffer.write_device(0, control[0], control[1], stream=stream)
+        self.control_staged = control is not None
 
     def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
-                     device_ptr: int | None = None) -> Any:
+                     device_ptr: int | None = None, control: bool = False) -> Any:
         from loom_live.host_bridge.wire.rings.cuda import CudaRing, pointer_device
 
         order = (formats.touchdesigner_order(dtype, channels) if layout == "touchdesigner"
                  else {1: "R", 3: "RGB", 4: "RGBA"}.get(channels, "RGB"))
         orientation = "bottom-up" if layout == "touchdesigner" else "top-down"
-        s = self.staging
+        s = self.control_staging if control else self.staging
         key = (width, height, channels, dtype, order, orientation)
         if s is None or (s.spec.width, s.spec.height, s.spec.channels, s.spec.dtype, s.spec.order,
                          s.spec.orientation) != key:
             device = pointer_device(device_ptr) if device_ptr is not None else self.cuda_device
             if s is not None:
                 s.close()
-            self.staging = s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0,
-                                               width=width, height=height, channels=channels, dtype=dtype,
-                                               order=order, orientation=orientation)
+            s = CudaRing.create(device=device, transport="cuda-ipc", dir="in", slots=1, generation=0, width=width,
+                                height=height, channels=channels, dtype=dtype, order=order, orientation=orientation)
+            if control:
+                self.control_staging = s
+            else:
+                self.staging = s
         return s
 
     # -- outputs --------------------------------------------------------------------------------------
@@ -98,10 +114,21 @@ class NewestFrames:
         return self.last_input
 
     def close(self) -> None:
-        for dev in (self.staging, self.output_device):
+        for dev in (self.staging, self.control_staging, self.output_device):
             if dev is not None:
                 dev.close()
-        self.staging = self.output_device = None
+        self.staging = self.control_staging = self.output_device = None
+
+
+class DeviceFrame(NamedTuple):
+    """A frame in device memory a host hands over beside another (a VACE control frame)."""
+
+    ptr: int
+    pitch: int
+    width: int
+    height: int
+    channels: int
+    dtype: str
 
 
 def check_device_frame(pitch: int, width: int, height: int, channels: int, dtype: str) -> None:

@@ -324,6 +324,15 @@ class RingSpec:
         return self.height // 2 if self.control else self.height
 
     @property
+    def half_rows(self) -> tuple[int, int]:
+        """A control ring slot's first memory row of the frame and of its control frame: the frame is the
+        upper half in the engine's orientation, so in a bottom-up slot it is the lower half in memory."""
+        if not self.control:
+            raise ValueError(f"ring generation {self.generation} holds no control frames")
+        rows = self.frame_height
+        return (rows, 0) if self.orientation == "bottom-up" else (0, rows)
+
+    @property
     def slot_bytes(self) -> int:
         return self.pitch * self.height
 

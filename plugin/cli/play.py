@@ -31,7 +31,7 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
           of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen;
-          VACE presets: - = control scale, c next control source
+          VACE presets: - = control scale, c next control source, r read the --reference file again
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
           /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit;
           VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH
@@ -101,6 +101,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "resolution.width=W --set resolution.height=H; default: the config's)")
     p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
                    help="VACE presets: the control video, made from the input or read from a video FILE")
+    p.add_argument("--control-input", metavar="SOURCE",
+                   help="VACE presets: a second input as the control video, frame-locked with the input (a camera "
+                        "index, a file, a stream URL or 'generated'); scaled to the output size")
     p.add_argument("--reference", metavar="IMAGE", help="VACE presets: a reference image that sets the look")
     p.add_argument("--transport", choices=("shm", "tcp", "cuda-ipc"), default="shm",
                    help="frame transport to the engine (default shm)")
@@ -144,13 +147,20 @@ def run(args: argparse.Namespace) -> int:
 
 def run_options(args: argparse.Namespace, **run: object) -> int:
     """Check the config and engine, then run the player with `run` (input, outputs, ...) and the shared options."""
-    args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference)]
+    if args.control and args.control_input:
+        raise UserError("--control and --control-input both name the control video: give one (--control-input "
+                        "is a second live input; --control edges|grey|flow|depth makes it from the input, "
+                        "--control FILE has the engine read a file)")
+    sent = ["control.control_source=video"] if args.control_input else []  # the frames the player sends
+    args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference),
+                      *sent]
     if args.resolution is not None:  # checked with the config: multiples of 16, in range
         args.overrides += [f"resolution.width={args.resolution[0]}", f"resolution.height={args.resolution[1]}"]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
-    if (args.control or args.reference) and not cfg.vace:
-        raise UserError(f"--control and --reference steer a VACE model; preset {cfg.model.preset!r} has no control "
-                        "blocks: use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
+    if (args.control or args.control_input or args.reference) and not cfg.vace:
+        raise UserError(f"--control, --control-input and --reference steer a VACE model; preset "
+                        f"{cfg.model.preset!r} has no control blocks: use -c wan2.1-vace-1.3b (or tiny-vace to try "
+                        "it on a CPU)")
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
     from loom_live.plugin.player import PlayerOptions, read_prompt_file, run_player
@@ -169,7 +179,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
         control_sources=available_sources(cfg), control_source=cfg.control.control_source,
-        context_scale=cfg.control.context_scale,
+        context_scale=cfg.control.context_scale, control_input=args.control_input,
+        reference=args.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,

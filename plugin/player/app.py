@@ -30,6 +30,7 @@ import numpy as np
 from loom_live.host_bridge import EngineState
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
+from loom_live.plugin.player.control_input import ControlInput, open_control_input
 from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
 from loom_live.plugin.player.live_feed import LiveFeed
 from loom_live.plugin.player.options import (
@@ -87,12 +88,16 @@ class Player:
                                               lora_scales=dict(options.lora_scales),
                                               control_sources=tuple(options.control_sources),
                                               control_source=options.control_source,
-                                              context_scale=options.context_scale))
+                                              context_scale=options.context_scale,
+                                              reference=options.reference))
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
+        self.control_input: ControlInput | None = None  # VACE: --control-input, read beside the input
+        self._control: np.ndarray | None = None  # the control frame of the last frame read (None: grey)
+        self._sent_control: np.ndarray | None = None  # ... of the last frame handed to a lossless stream
         self._holding = False
         self.bridge: Any = None
         self.sinks: list[Any] = []
@@ -135,6 +140,15 @@ class Player:
             if not self._scaled:  # said once (a looped or reconnected input opens again)
                 self.printer.say(f"loom play: input {w}x{h} scaled to {o.size[0]}x{o.size[1]} (--size)")
             self.size, self._scaled = o.size, True
+
+    def _open_control_input(self) -> None:
+        o = self.opts
+        if o.control_input is None:
+            return
+        self.control_input = open_control_input(o.control_input, self.size,
+                                                frames=o.max_frames or DEFAULT_GENERATED_FRAMES, fps=self.source.fps,
+                                                seed=o.seed, say=lambda line: self.printer.say(f"loom play: {line}"))
+        self.printer.say(f"loom play: control video from {self.control_input.name} (--control-input)")
 
     def _web_camera(self) -> Any:
         """The page's camera, the same one again after the feed lost it (only the end of the run closes it)."""
@@ -257,6 +271,7 @@ class Player:
             self._open_source()
             if not self.opts.uses_web_camera:
                 self._start_web()  # beside a run: at the input's size, known now
+            self._open_control_input()
             self._open_outputs()
             self._start_engine()
             if self.web is not None:
@@ -311,6 +326,8 @@ class Player:
                 return
             self.frames_in += 1
             frame = self._fit(frame)
+            if self.control_input is not None:
+                self._control = self.control_input.next()
             if self.web is not None:
                 self.web.input_frame(frame)
             yield frame
@@ -361,7 +378,8 @@ class Player:
         failures = 0
         while True:
             outputs = self.bridge.process_stream(self._sent(inputs, unanswered),
-                                                 stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s)
+                                                 stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s,
+                                                 control=self._sent_controls() if self.control_input else None)
             try:
                 for out in outputs:
                     unanswered.popleft()
@@ -379,14 +397,22 @@ class Player:
             # The input ended: what was written is the whole (a container's frame count is only an estimate).
             self.printer.end_progress(final_total=self.frames_out)
 
-    @staticmethod
-    def _sent(inputs: Iterator[np.ndarray | None], unanswered: deque[np.ndarray]) -> Iterator[np.ndarray]:
-        """The frames to send: those a crashed engine left unanswered first (they stay listed until their
-        outputs are back, so a second failure loses none either), then new ones, each listed as sent."""
-        yield from list(unanswered)
-        for frame in inputs:
-            unanswered.append(frame)
+    def _sent(self, inputs: Iterator[np.ndarray | None],
+              unanswered: deque[tuple[np.ndarray, np.ndarray | None]]) -> Iterator[np.ndarray]:
+        """The frames to send: those a crashed engine left unanswered first (they stay listed, with their
+        control frames, until their outputs are back, so a second failure loses none either), then new
+        ones, each listed as sent."""
+        for frame, self._sent_control in list(unanswered):
             yield frame
+        for frame in inputs:
+            unanswered.append((frame, self._control))
+            self._sent_control = self._control
+            yield frame
+
+    def _sent_controls(self) -> Iterator[np.ndarray | None]:
+        """The control frame of each frame `_sent` hands over (the bridge takes one right after its frame)."""
+        while True:
+            yield self._sent_control
 
     def _retry_after(self, exc: Exception, failures: int, frames: int) -> None:
         _, status = self.bridge.latest()
@@ -408,7 +434,10 @@ class Player:
             self.feed = LiveFeed(self.source, reopen)
         for frame in self._frames():
             if frame is not None:
-                self.bridge.submit(frame)
+                if self.control_input is not None:
+                    self.bridge.submit(frame, control=self._control)
+                else:
+                    self.bridge.submit(frame)
                 if self.web is not None:
                     self.web.submitted(self.bridge.last_seq)
             out, status = self.bridge.latest()
@@ -539,7 +568,7 @@ class Player:
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
                 self.printer.say(f"loom play: error: output: {exc}")
-        for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source):
+        for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source, self.control_input):
             if thing is not None:
                 with contextlib.suppress(Exception):
                     thing.close()
@@ -554,8 +583,10 @@ class Player:
         how = f"stopped by {stopped_by}; " if stopped_by else ""
         w, h = self.size
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
+        c = self.control_input
+        control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
         self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
-                            f"to {written} in {elapsed:.1f} s{damaged}")
+                            f"to {written} in {elapsed:.1f} s{damaged}{control}")
 
 
 def _raise_on_stop_signals() -> dict[int, Any]:

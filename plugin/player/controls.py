@@ -44,11 +44,20 @@ class Command:
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
             "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "context_scale",
-            "context_step", "control_source", "control_next", "reference", "pause", "overlay", "fullscreen", "quit")
+            "context_step", "control_source", "control_next", "reference", "reference_image", "reference_reload",
+            "pause", "overlay", "fullscreen", "quit")
 
 
 class ControlError(ValueError):
     """A command with a bad argument; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class UploadedReference:
+    """A reference image given as pixels (the web page's upload, uint8 RGB), not as a file to read."""
+
+    name: str
+    image: Any
 
 
 @dataclass
@@ -66,7 +75,7 @@ class ControlState:
     control_sources: tuple[str, ...] = ()  # VACE: the sources this run can make (none: not a VACE model)
     control_source: str = CONTROL.default
     context_scale: float = CONTEXT_SCALE.default
-    reference: str | None = None  # the reference image file sent live (the config's until then)
+    reference: str | None = None  # the reference image file: --reference, then the last one sent live
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
@@ -255,9 +264,18 @@ class Controls:
         changes["control_source"] = source
         return True
 
-    def _send_reference(self, bridge: Any, path: str | None) -> None:
-        """Read the reference image here (the engine may run elsewhere) and hand it to the bridge."""
+    def _send_reference(self, bridge: Any, path: str | UploadedReference | None) -> None:
+        """Read the reference image here (the engine may run elsewhere) and hand it to the bridge; an
+        uploaded one is handed over as it is (the file in `state.reference` stays the one `r` reloads)."""
         s = self.state
+        if isinstance(path, UploadedReference):
+            try:
+                bridge.set_reference(path.image)
+            except ValueError as exc:
+                self._refuse(f"reference {path.name}: {exc}; the reference stays")
+                return
+            s.message = f"reference: {path.name} (uploaded)"
+            return
         image = None
         if path is not None:
             import cv2
@@ -324,6 +342,15 @@ class Controls:
                 self._refuse(f"reference: {NO_VACE}")
                 return
             changes["reference"] = args[0]  # read and sent after the other changes of this frame
+        elif name in ("reference_image", "reference_reload"):
+            if not s.control_sources:
+                self._refuse(f"reference: {NO_VACE}")
+                return
+            if name == "reference_reload" and s.reference is None:
+                self._refuse("reference: no reference file to read again (give --reference IMAGE, or send one "
+                             "with OSC /loom/reference PATH)")
+                return
+            changes["reference"] = args[0] if name == "reference_image" else s.reference
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":
@@ -354,6 +381,10 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"control source: {s.control_source}"
     if command.name == "reference":
         return f"reference: {s.reference or 'none'} (being read)"
+    if command.name == "reference_reload":
+        return f"reference: {s.reference} (being read again)"
+    if command.name == "reference_image":
+        return f"reference: {command.args[0].name} (uploaded, being sent)"
     if command.name == "pause":
         return "paused" if s.paused else "playing"
     return command.name
@@ -373,6 +404,7 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     (", / .", f"the selected LoRA's scale down / up by {LORA_KEY_STEP}"),
     ("- / =", f"VACE presets: control scale down / up by {CONTEXT_SCALE_KEY_STEP}"),
     ("c", "VACE presets: the next control source (edges, grey, flow, and depth or video when given)"),
+    ("r", "VACE presets: read the reference image file again (--reference; overwrite it, then press r)"),
     ("h", "hide / show the status overlay"),
     ("f", "full screen on / off"),
 )
@@ -395,6 +427,7 @@ _SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
     "-": lambda: Command("context_step", (-CONTEXT_SCALE_KEY_STEP,)),
     "=": lambda: Command("context_step", (CONTEXT_SCALE_KEY_STEP,)),
     "c": lambda: Command("control_next"),
+    "r": lambda: Command("reference_reload"),
     "h": lambda: Command("overlay"),
     "f": lambda: Command("fullscreen"),
 }

@@ -52,6 +52,8 @@ class PlayerOptions:
     control_sources: tuple[str, ...] = ()  # VACE: the control sources this run can make; () = not a VACE model
     control_source: str = LIVE["control_source"].default
     context_scale: float = LIVE["context_scale"].default
+    reference: str | None = None  # VACE: the reference image file (--reference), read again with the r key
+    control_input: str | None = None  # VACE: a second input (camera, file, stream, generated) as the control video
     max_frames: int | None = None
     size: tuple[int, int] | None = None  # the generated clip's (default DEFAULT_GENERATED_SIZE), or an input scaled
     fps: float = DEFAULT_GENERATED_FPS

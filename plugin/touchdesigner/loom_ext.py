@@ -23,10 +23,11 @@ blocks the cook on the engine: a slow or dead engine shows the fallback and a st
 read-only parameters.
 
 VACE (the Control page, for *vace* model presets): the Script TOP's second input is the control video,
-sent beside each input frame (through host memory: shm or tcp); Control Scale and Control Source are live
-parameters; the Reference TOP's picture is read when it is set, at Update Reference and when an engine
-starts, and sent as the reference image (in effect at the engine's next chunk). They go to an engine only
-once it reports control blocks (its first stats say so): a model without them would refuse them.
+sent beside each input frame in the same slot (on cuda-ipc device to device too); Control Scale and
+Control Source are live parameters; the Reference TOP's picture is read when it is set, at Update
+Reference and when an engine starts, and sent as the reference image (in effect at the engine's next
+chunk). They go to an engine only once it reports control blocks (its first stats say so): a model
+without them would refuse them.
 
 LoRAs: the LoRA page's files go to a launched engine as `--lora PATH:SCALE`, its scales as the
 `lora_scales` live parameter. A file the host can see is wrong (missing, a name another slot has) is
@@ -56,8 +57,6 @@ PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params messag
 CONTROL_PARS = ("Controlscale", "Controlsource")  # VACE: one params message, once the engine has control blocks
 CONTROL_NAMES = tuple(p.name for p in CONTROL_PARAMS)  # their live-parameter names, kept out of a hand-over
 REFERENCE_PAR = "Referencetop"
-NO_CUDA_CONTROL = ("the control input is not sent: control frames travel beside the input on Transport shm or tcp, "
-                   "not cuda-ipc")
 ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", "Fallback", "Passthrough")
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
@@ -409,11 +408,9 @@ class LoomExt:
         if self.vace is None:
             self._learn_vace()
         try:
-            status = self._cook_cuda(scriptOp, top) if self._use_cuda() else None
+            status = self._cook_cuda(scriptOp, top, control) if self._use_cuda() else None
             if status is None:
                 status = self._cook_numpy(scriptOp, top, control)
-            elif control is not None:
-                self.input_note = NO_CUDA_CONTROL
         except Exception as exc:  # a raising cook freezes the output for the rest of the show
             self.input_note = f"input frame not taken: {exc}"
             status = self.bridge.status()
@@ -434,9 +431,7 @@ class LoomExt:
                 self.feeder.offer(frame, control)  # converted and submitted on the feeder thread
                 self.input_note = self.input_note or self.feeder.error
             else:  # cuda-ipc (no float conversion: the frame is staged on the device as it is)
-                self.bridge.submit(frame, layout="touchdesigner")
-                if control_top is not None:
-                    self.input_note = NO_CUDA_CONTROL
+                self.bridge.submit(frame, layout="touchdesigner", control=control)
             self.numpy_submits += 1
         out, status = self.bridge.latest()
         if out is not None:
@@ -456,11 +451,13 @@ class LoomExt:
         self._host_output_of = rgb  # the bridge hands out each frame as one read-only array
         return buf
 
-    def _cook_cuda(self, scriptOp: Any, top: Any) -> Any:
-        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP.
+    def _cook_cuda(self, scriptOp: Any, top: Any, control_top: Any = None) -> Any:
+        """Device to device both ways: TOP -> bridge staging slot, newest output -> our buffer -> TOP; the
+        control input's texture (VACE) into the staging beside the input's, on the same stream.
 
         Returns None, having taken nothing, for a texture format the bridge does not take on the device
         (16-bit float, 2 channels): that cook goes through host memory instead."""
+        from loom_live.host_bridge.newest_frames import DeviceFrame
         from loom_live.host_bridge.wire.pixels import DTYPE_NAMES
 
         if self.device_output is None:
@@ -480,16 +477,36 @@ class LoomExt:
                                f"device takes {', '.join(DTYPE_NAMES)} with 1, 3 or 4 channels")
             return None
         pitch = shape.width * shape.numComps * dtype.itemsize
+        control_memory = self._control_memory(control_top, stream)
+        control = None
+        if control_memory is not None:
+            c = control_memory.shape
+            c_dtype = np.dtype(c.dataType)
+            control = DeviceFrame(control_memory.ptr, c.width * c.numComps * c_dtype.itemsize, c.width, c.height,
+                                  c.numComps, c_dtype.name)  # one that does not match is refused by the bridge
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
-                                layout="touchdesigner", stream=stream)
+                                layout="touchdesigner", stream=stream, control=control)
         self.cuda_submits += 1
-        del memory  # only now: submit_cuda has finished its device copy when it returns
+        del memory, control_memory  # only now: submit_cuda has finished its device copies when it returns
         nbytes = pitch * shape.height
         ptr = self.device_output.ensure(nbytes)
         # output comes back in the input's layout and size, copied here, on TD's main thread
         status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
         _on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
         return status
+
+    def _control_memory(self, control_top: Any, stream: int) -> Any:
+        """The control input's CUDAMemory, or None (not wired, no image, a format cudaMemory refuses: said)."""
+        if control_top is None:
+            return None
+        try:
+            memory = _on_stream(control_top.cudaMemory, stream)
+        except Exception as exc:
+            self.input_note = f"the control input's cudaMemory() refused ({exc}); this frame goes without it"
+            return None
+        if memory is None:
+            self.input_note = "the control input TOP has no image this cook; this frame goes without it"
+        return memory
 
     def _use_cuda(self) -> bool:
         return self.bridge.config.transport == "cuda-ipc"

@@ -25,6 +25,7 @@ from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     ControlState,
+    UploadedReference,
     context_scale_command,
     control_source_command,
     lora_scale_command,
@@ -33,6 +34,7 @@ from loom_live.plugin.player.controls import (
     steps_command,
     transition_chunks_command,
 )
+from loom_live.plugin.web.reference_upload import MAX_UPLOAD_BYTES, decode_upload
 
 
 def schema() -> dict[str, Any]:
@@ -44,7 +46,7 @@ def schema() -> dict[str, Any]:
     return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
             "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
             "context_scale": slider(CONTEXT_SCALE), "control_source": list(CONTROL.choices),
-            "prompt_max_len": PROMPT.max_len}
+            "prompt_max_len": PROMPT.max_len, "reference_max_bytes": MAX_UPLOAD_BYTES}
 
 
 def _flag(value: Any, what: str) -> bool:
@@ -59,6 +61,11 @@ def _index(value: Any) -> Command:
     return Command("prompt_index", (value,))
 
 
+def _reference(message: Mapping[str, Any]) -> Command:
+    """An uploaded reference image, checked and decoded here (off the frame loop)."""
+    return Command("reference_image", (UploadedReference(*decode_upload(message.get("name"), message.get("data"))),))
+
+
 _BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
     "prompt": lambda m: prompt_command(m.get("text"), m.get("transition_chunks")),
     "prompt_index": lambda m: _index(m.get("value")),
@@ -69,6 +76,7 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
     "transition_chunks": lambda m: transition_chunks_command(m.get("value")),
     "context_scale": lambda m: context_scale_command(m.get("value")),
     "control_source": lambda m: control_source_command(m.get("value")),
+    "reference": _reference,
     "pause": lambda m: Command("pause", (_flag(m.get("value"), "pause"),)),
 }
 CONTROLS = tuple(_BUILDERS)

@@ -28,12 +28,14 @@ from loom_live.plugin.web import frame_release
 from loom_live.plugin.web.access import COOKIE, Access
 from loom_live.plugin.web.ice import rtc_configuration
 from loom_live.plugin.web.path_times import PathTimes
+from loom_live.plugin.web.reference_upload import MAX_UPLOAD_BYTES
 from loom_live.plugin.web.tracks import BoardTrack, FrameBoard, read_camera
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).with_name("static")
 STATE_INTERVAL_S = 0.25
 MAX_PAGES = 8  # open pages at once: each costs a video encode on this machine
+MAX_MESSAGE_BYTES = (MAX_UPLOAD_BYTES + 2) // 3 * 4 + 4096  # the largest: a reference upload, base64 in JSON
 REFUSAL_LOG_S = 60.0
 START_TIMEOUT_S = 10.0
 
@@ -163,7 +165,7 @@ class PageServer:
         return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
     async def _socket(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=1 << 20)
+        ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=MAX_MESSAGE_BYTES)
         if len(self._pages) >= MAX_PAGES:
             return self._refuse(request, f"{MAX_PAGES} pages are open already")
         await ws.prepare(request)
@@ -214,7 +216,10 @@ class PageServer:
                                                                    "you may watch"})
             return
         try:
-            done = self.show.control(message)
+            if message.get("control") == "reference":  # decoding an image must not hold up the pages' video
+                done = await asyncio.get_running_loop().run_in_executor(None, self.show.control, message)
+            else:
+                done = self.show.control(message)
         except ControlError as exc:
             await page.ws.send_json({"type": "refused", "message": str(exc)})
             return

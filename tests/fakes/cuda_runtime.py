@@ -129,3 +129,27 @@ class FakeRuntime:
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
         return (OK,)
+
+
+class HostDeviceSlots:
+    """The engine's cuda-ipc slot reader and writer (engine/server/device_frames.py) over the stand-in's
+    host memory: the slot is copied out with the ring's own `read`, then the engine's torch conversions
+    run on a CPU tensor, so the layout rules a GPU applies are the ones checked here."""
+
+    def read(self, ring, slot: int):
+        import torch
+
+        from loom_live.engine.server.device_frames import to_engine
+
+        s = ring.spec
+        return to_engine(torch.from_numpy(ring.read(slot, [])), s.order, s.orientation == "bottom-up")
+
+    def write(self, ring, slot: int, frame) -> None:
+        import torch
+
+        from loom_live.engine.server.device_frames import from_engine, resize
+
+        s = ring.spec
+        data = from_engine(resize(torch.as_tensor(frame), s.height, s.width), s.channels, s.dtype, s.order,
+                           s.orientation == "bottom-up")
+        ring.write(slot, data.numpy())

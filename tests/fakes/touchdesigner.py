@@ -403,15 +403,17 @@ class DeviceCopyingBridge:
         self._layout: tuple[np.dtype, int] | None = None
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str,
-                    *, layout: str = "rgb", stream: Any = None) -> bool:
-        raw = DEVICE.read(ptr, pitch * height)
-        frame = raw.view(np.dtype(dtype)).reshape(height, pitch // np.dtype(dtype).itemsize)
-        frame = frame[:, : width * channels].reshape(height, width, channels)
+                    *, layout: str = "rgb", stream: Any = None, control: Any = None) -> bool:
+        frame = _device_frame(ptr, pitch, width, height, channels, dtype)
         self.cuda_calls.append({"pitch": pitch, "width": width, "height": height, "channels": channels,
                                 "dtype": dtype, "layout": layout})
         self.streams.append(("submit_cuda", stream))
         self._layout = (np.dtype(dtype), channels)
-        return self._bridge.submit(frame.copy(), layout=layout)
+        if control is not None:  # a VACE control frame (host_bridge.newest_frames.DeviceFrame)
+            self.streams.append(("submit_cuda control", stream))
+            control = _device_frame(control.ptr, control.pitch, control.width, control.height, control.channels,
+                                    control.dtype)
+        return self._bridge.submit(frame, layout=layout, control=control)
 
     def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: Any = None) -> Any:
         from loom_live.host_bridge.wire.pixels import to_touchdesigner
@@ -427,6 +429,13 @@ class DeviceCopyingBridge:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bridge, name)
+
+
+def _device_frame(ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str) -> np.ndarray:
+    """A copy of a frame in the stand-in's device memory (fails for a pointer TD has freed)."""
+    raw = DEVICE.read(ptr, pitch * height)
+    frame = raw.view(np.dtype(dtype)).reshape(height, pitch // np.dtype(dtype).itemsize)
+    return frame[:, : width * channels].reshape(height, width, channels).copy()
 
 
 class StandInDeviceBuffer:

@@ -75,6 +75,39 @@ def test_cuda_ipc_numpy_frames_and_batch_process():
 
 
 @pytest.mark.gpu
+def test_control_frames_travel_beside_device_frames_over_cuda_ipc():
+    """VACE on the GPU path: each device frame with its control frame (TouchDesigner layout), staged on the
+    device and copied into the two halves of one slot; the pass-through engine records what it got."""
+    import torch
+
+    from loom_live.host_bridge import DeviceFrame
+
+    n, h, w, c = 8, 270, 480, 4
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    frames = torch.randint(0, 256, (n, h, w, c), device="cuda", generator=gen, dtype=torch.int32).to(torch.uint8)
+    frames[..., 3] = 255  # opaque: the engine's output comes back with an opaque alpha
+    controls = 255 - frames
+    dst = torch.empty_like(frames[0])
+    pitch = w * c
+    cfg = BridgeConfig(transport="cuda-ipc", passthrough=True, engine_cwd=str(ROOT))
+    with Bridge(cfg) as bridge:
+        bridge.wait_running(60)
+        torch.cuda.synchronize()
+        for i in range(n):
+            bridge.submit_cuda(frames[i].data_ptr(), pitch, w, h, c, "uint8", layout="touchdesigner",
+                               control=DeviceFrame(controls[i].data_ptr(), pitch, w, h, c, "uint8"))
+            assert bridge.wait_for_output(bridge.last_seq, 10), f"frame {i}: no output ({bridge.status()})"
+            assert not bridge.latest_cuda(dst.data_ptr(), pitch).fallback
+            assert torch.equal(dst, frames[i]), f"frame {i} differs"
+        bridge.set_params(noise_scale=0.5, wait=True)  # answered after the frames before it
+        report = bridge.engine_report(refresh=True)["session"]["control"]
+        stats = bridge.stats()
+    assert report["frames"] == n and report["missing"] == 0
+    assert report["sum"] == int(controls[..., :3].to(torch.int64).sum())  # the RGB of each control frame
+    assert stats["refused_control"] == 0 and stats["refused"] == 0
+
+
+@pytest.mark.gpu
 def test_real_session_behind_the_bridge_streams_restyled_frames_over_cuda_ipc():
     """The whole product path: a host hands 480x832 device frames to a launched 1.3B-shaped engine.
 

@@ -106,6 +106,14 @@ def test_notices_arrive_once_in_order_through_wrap_around(pair):
     assert host.sent == sent and _take(engine, 0) == []
 
 
+def test_a_frame_notice_says_when_its_slot_holds_a_control_frame(pair):
+    host, engine = pair
+    assert host.send_frame(1, 5, 7, control=True) and host.send_frame(2, 6, 7)
+    first, second = _take(engine, 0)
+    assert first["control"] is True and first["slot"] == 1 and "control" not in second
+    assert engine.send_release(1, 7) and "control" not in _take(host)[0]
+
+
 def test_a_full_ring_refuses_sends_until_the_reader_catches_up(pair):
     host, engine = pair
     assert all(host.send_release(i % 16, 1) for i in range(db.CAPACITY))

@@ -4,11 +4,23 @@ scale and source reach it as live parameters, and the Reference TOP's picture as
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
+from loom_live.host_bridge import Bridge, BridgeConfig
 from loom_live.host_bridge.wire.pixels import from_touchdesigner
 from loom_live.plugin.touchdesigner import osc_in_callbacks
-from tests.fakes.touchdesigner import COOK_BUDGET_S, InputTOP, configure, cook_until, make_component, td_texture
+from tests.fakes.touchdesigner import (
+    COOK_BUDGET_S,
+    DeviceCopyingBridge,
+    InputTOP,
+    StandInDeviceBuffer,
+    configure,
+    cook_until,
+    make_component,
+    td_texture,
+)
 
 
 def session(ext) -> dict:
@@ -47,6 +59,29 @@ def test_the_second_input_the_control_page_and_the_reference_top_reach_the_engin
     finally:
         comp.par.Active = False
         ext.WaitClosed()
+
+
+def test_on_cuda_ipc_the_control_input_goes_device_to_device_beside_the_input():
+    """The GPU path: the control TOP's cudaMemory is handed over with the input's, on the component's stream."""
+    source, control = InputTOP(td_texture(12, 16, seed=1)), InputTOP(td_texture(12, 16, seed=2))
+    comp, script, ext = make_component(source)
+    script.inputs.append(control)
+    comp.parexec_enabled = False
+    comp.par.Transport = "cuda-ipc"
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
+    bridge.start()
+    ext.bridge = DeviceCopyingBridge(bridge)
+    ext.device_output = StandInDeviceBuffer()
+    try:
+        per_frame = int(from_touchdesigner(control.texture).astype(np.int64).sum())
+        cook_until(script, lambda: session(ext).get("control", {}).get("frames", 0) >= 3, "control frames", 60)
+        report = session(ext)["control"]
+        assert report["sum"] == per_frame * report["frames"] and report["missing"] == 0
+        assert ext.numpy_submits == 0 and ext.input_note == ""
+        assert ("submit_cuda control", StandInDeviceBuffer.STREAM) in ext.bridge.streams
+        assert control.cuda_streams[-1] == StandInDeviceBuffer.STREAM
+    finally:
+        ext.Stop()
 
 
 class _Dat:

@@ -14,11 +14,14 @@ import pytest
 
 pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
 
+from loom_live.engine.server.frame_worker import FrameWorker  # noqa: E402
 from loom_live.engine.server.passthrough import PassthroughSession  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.host_bridge.newest_frames import DeviceFrame  # noqa: E402
+from loom_live.host_bridge.wire.pixels import to_touchdesigner  # noqa: E402
 from loom_live.host_bridge.wire.rings import cuda as tc  # noqa: E402
-from tests.fakes.cuda_runtime import FakeRuntime  # noqa: E402
-from tests.fakes.engines import InProcessEngine  # noqa: E402
+from tests.fakes.cuda_runtime import FakeRuntime, HostDeviceSlots  # noqa: E402
+from tests.fakes.engines import InProcessEngine, indexed_frame  # noqa: E402
 
 
 @pytest.fixture
@@ -74,3 +77,70 @@ def test_bridge_round_trip_through_an_engine_on_cuda_ipc(fake):
             outs = bridge.process(frames, timeout_s=10)
             assert [int(o[0, 0, 0]) for o in outs] == list(range(5))
             assert bridge.stats()["refused"] == 0
+
+
+def test_staged_frames_fill_one_half_of_a_control_slot_each(fake):
+    """The frame goes where the engine reads its upper half (the lower half in memory when bottom-up)."""
+    for orientation, frame_row in [("top-down", 0), ("bottom-up", 3)]:
+        kind = dict(transport="cuda-ipc", dir="in", width=5, channels=4, dtype="uint8", order="BGRA",
+                    orientation=orientation)
+        ring = tc.CudaRing.create(slots=2, height=6, generation=1, control=True, **kind)
+        assert ring.spec.half_rows == (frame_row, 3 - frame_row)
+        frame, control = (np.full((3, 5, 4), v, np.uint8) for v in (7, 9))
+        staged = []
+        for data in (frame, control):
+            staged.append(tc.CudaRing.create(slots=1, height=3, generation=0, **kind))
+            staged[-1].write(0, data)
+        staged[0].copy_to(0, ring, 1, ring.spec.half_rows[0])
+        staged[1].copy_to(0, ring, 1, ring.spec.half_rows[1])
+        slot = ring.read(1, [])
+        assert (slot[frame_row:frame_row + 3] == 7).all() and (slot[3 - frame_row:6 - frame_row] == 9).all()
+        with pytest.raises(ValueError, match="outside the slot"):
+            staged[0].copy_to(0, ring, 1, 4)
+        for r in (*staged, ring):
+            r.close()
+
+
+def test_control_frames_travel_in_their_frames_slot_on_cuda_ipc(fake, monkeypatch):
+    """Host arrays and device frames with their control frames, through a real engine server whose
+    pass-through session records the control frames it gets; misfits are refused and counted, the
+    frames go on."""
+    monkeypatch.setattr(FrameWorker, "_gpu", lambda self: HostDeviceSlots())
+    rgbs = [indexed_frame(i, 6, 10) for i in range(5)]
+    controls = [255 - f for f in rgbs]
+    td = [to_touchdesigner(f) for f in rgbs]  # TouchDesigner's device layout: BGRA, bottom-up
+    td_controls = [to_touchdesigner(c) for c in controls]
+    with InProcessEngine(PassthroughSession) as engine:
+        with Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1)) as bridge:
+            bridge.wait_running(20)
+            outs = bridge.process(td[:2], timeout_s=30, layout="touchdesigner", control=td_controls[:2])
+            assert all(np.array_equal(o, f) for o, f in zip(outs, rgbs))
+            outs = bridge.process(rgbs[2:3], timeout_s=30, control=controls[2:3])  # top-down RGB
+            assert np.array_equal(outs[0], rgbs[2])
+            frame, control = td[3], td_controls[3]
+            bridge.submit_cuda(frame.ctypes.data, frame.strides[0], 10, 6, 4, "uint8", layout="touchdesigner",
+                               control=DeviceFrame(control.ctypes.data, control.strides[0], 10, 6, 4, "uint8"))
+            assert bridge.wait_for_output(bridge.last_seq, 10), bridge.status()
+            report = _session_control(bridge)
+            assert report["frames"] == 4 and report["missing"] == 0
+            assert report["sum"] == sum(int(c.astype(np.int64).sum()) for c in controls[:4])
+            small = td_controls[4][:4]
+            bridge.submit_cuda(td[4].ctypes.data, td[4].strides[0], 10, 6, 4, "uint8", layout="touchdesigner",
+                               control=DeviceFrame(small.ctypes.data, small.strides[0], 10, 4, 4, "uint8"))
+            assert bridge.wait_for_output(bridge.last_seq, 10)
+            assert "control frame 10x4 4-channel uint8; the frame is 10x6" in bridge.stats()["last_error"]
+            bridge.submit(td[4], layout="touchdesigner", control=np.zeros((6, 10, 4), np.float32))
+            assert bridge.wait_for_output(bridge.last_seq, 10)
+            stats = bridge.stats()
+            assert stats["refused_control"] == 2 and "must be 4-channel uint8 too" in stats["last_error"]
+            out, status = bridge.latest()
+            assert np.array_equal(out, rgbs[4]) and not status.fallback
+            report = _session_control(bridge)
+            assert report["frames"] == 4 and report["missing"] == 2
+            assert stats["engine"]["errors"] == 0 and stats["refused"] == 0
+
+
+def _session_control(bridge: Bridge) -> dict:
+    """What the pass-through session recorded, in order with the frames before (a request it answers)."""
+    bridge.set_params(noise_scale=0.5, wait=True)
+    return bridge.engine_report(refresh=True)["session"]["control"]

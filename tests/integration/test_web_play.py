@@ -166,3 +166,22 @@ def test_the_lora_slider_acts_and_a_bad_value_is_refused_on_the_page(show):
     assert "lora" in message.lower() and "[-4, 4]" in message, message
     assert _controls(driver)["lora_scales"] == {"ink": 0.3}
     _more_frames(show)
+
+
+def test_a_reference_upload_reaches_the_host_and_a_wrong_file_is_refused_on_the_page(show):
+    """The page's reference picker (VACE): a PNG goes to the host, which decodes it and hands it on (this run's
+    model has no VACE blocks, so the player refuses it in words); a text file never leaves the page."""
+    import base64
+
+    import cv2
+    import numpy as np
+
+    driver = show["driver"]
+    png = base64.b64encode(cv2.imencode(".png", np.full((8, 8, 3), 90, np.uint8))[1].tobytes()).decode()
+    driver.execute_script("const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));"
+                          "uploadReference(new File([bytes], 'look.png', {type: 'image/png'}), 1 << 23);"
+                          "uploadReference(new File(['hi'], 'notes.txt', {type: 'text/plain'}), 1 << 23);", png)
+    wait("the upload taken by the host", lambda: "reference_image sent" in js(driver, "window.loom.accepted"))
+    assert any("notes.txt: not a PNG or JPEG image" in r for r in js(driver, "window.loom.refusals"))
+    wait("the player's answer", lambda: "no VACE control blocks" in (_controls(driver).get("message") or ""))
+    _more_frames(show)

@@ -114,3 +114,62 @@ def test_the_sources_a_run_offers_follow_its_config(tmp_path):
     assert available_sources(load_config("tiny-vace")) == ("edges", "grey", "flow")
     video = load_config("tiny-vace", ["control.control_source=video", f"control.video={tmp_path / 'c.mp4'}"])
     assert available_sources(video) == ("edges", "grey", "flow", "video")
+
+
+def _png(image_rgb: np.ndarray) -> str:
+    import base64
+
+    ok, raw = cv2.imencode(".png", image_rgb[:, :, ::-1])
+    assert ok
+    return base64.b64encode(raw.tobytes()).decode()
+
+
+def test_the_r_key_reads_the_reference_file_again_after_it_was_overwritten(tmp_path):
+    path = tmp_path / "look.png"
+    cv2.imwrite(str(path), np.full((6, 4, 3), 10, np.uint8))
+    controls, bridge = Controls(ControlState(prompts=["ink"], control_sources=("edges",), reference=str(path))), \
+        RecordingBridge()
+    keys = KeyboardInput(controls)
+    keys.press(ord("r"))
+    controls.apply_pending(bridge)
+    cv2.imwrite(str(path), np.full((8, 8, 3), 200, np.uint8))  # the VJ overwrites the file, then presses r
+    keys.press(ord("r"))
+    lines = controls.apply_pending(bridge)
+    assert [r.shape for r in bridge.references] == [(6, 4, 3), (8, 8, 3)] and (bridge.references[-1] == 200).all()
+    assert lines == [f"reference: {path}"] and controls.state.refused == 0
+    path.write_bytes(b"half a file")  # caught mid-write: refused, the reference in use stays
+    keys.press(ord("r"))
+    assert "cannot be read as an image" in controls.apply_pending(bridge)[-1] and len(bridge.references) == 2
+    for state, words in [(ControlState(prompts=["ink"], control_sources=("edges",)), "no reference file"),
+                         (ControlState(prompts=["ink"], reference=str(path)), "no VACE control blocks")]:
+        plain = Controls(state)
+        KeyboardInput(plain).press(ord("r"))
+        assert words in plain.apply_pending(bridge)[-1] and plain.state.refused == 1
+
+
+def test_a_page_upload_becomes_the_reference_and_bad_ones_are_refused_in_words():
+    image = np.random.default_rng(0).integers(0, 256, (9, 7, 3), np.uint8)
+    command = page_controls.command_for({"control": "reference", "name": "look.png", "data": _png(image)})
+    assert command.name == "reference_image" and np.array_equal(command.args[0].image, image)
+    controls, bridge = vace_controls(), RecordingBridge()
+    controls.put(command)
+    assert controls.apply_pending(bridge) == ["reference: look.png (uploaded)"]
+    assert np.array_equal(bridge.references[-1], image) and controls.state.reference is None
+    ok, jpeg = cv2.imencode(".jpg", np.zeros((5000, 16, 3), np.uint8))  # too tall: its header says so, not decoded
+    import base64
+
+    big = "A" * ((page_controls.MAX_UPLOAD_BYTES + 2) // 3 * 4 + 4)
+    png_head = base64.b64encode(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR" + (9000).to_bytes(4, "big") * 2).decode()
+    for fields, words in [({"data": base64.b64encode(b"GIF89a....").decode()}, "not a PNG or JPEG image"),
+                          ({"data": "%%%"}, "not base64"),
+                          ({}, "no image data"),
+                          ({"data": big}, "over 8 MB"),
+                          ({"data": base64.b64encode(jpeg.tobytes()).decode()}, "16x5000; expected 1 to 4096 px"),
+                          ({"data": png_head}, "9000x9000"),
+                          ({"data": _png(image)[:60]}, "damaged image")]:
+        with pytest.raises(ControlError) as refused:
+            page_controls.command_for({"control": "reference", "name": "x.png", **fields})
+        assert words in str(refused.value) and str(refused.value).count("\n") == 0
+    plain = Controls(ControlState(prompts=["ink"]))  # a model without VACE: refused when applied, counted
+    plain.put(command)
+    assert "no VACE control blocks" in plain.apply_pending(bridge)[-1] and plain.state.refused == 1

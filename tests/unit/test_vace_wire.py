@@ -17,6 +17,9 @@ def ring(**over) -> dict:
 def test_a_control_ring_is_an_input_ring_of_even_height():
     spec = RingSpec.from_dict(ring())
     assert spec.control and spec.frame_height == 3 and RingSpec.from_dict(ring(control=False)).frame_height == 6
+    assert spec.half_rows == (0, 3) and RingSpec.from_dict(ring(orientation="bottom-up")).half_rows == (3, 0)
+    with pytest.raises(ValueError, match="holds no control frames"):
+        assert RingSpec.from_dict(ring(control=False)).half_rows
     for bad in (ring(dir="out"), ring(height=5)):
         with pytest.raises(ProtocolError, match="control rings are input rings of an even height"):
             RingSpec.from_dict(bad)

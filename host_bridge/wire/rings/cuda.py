@@ -171,22 +171,26 @@ class CudaRing(Ring):
     # -- device pointers (the zero-copy path) -------------------------------------------------------
 
     def write_device(self, slot: int, src: int, src_pitch: int | None = None, *, wait_event: Any = None,
-                     sync: bool = True, stream: Any = None) -> None:
+                     sync: bool = True, stream: Any = None, first_row: int = 0, rows: int | None = None) -> None:
         """Copy a frame from device memory into `slot`, then record the slot's event.
 
         `stream`: the caller's stream the source was produced on (TouchDesigner's cudaMemory
         stream); the copy is queued behind that work. `sync` waits for the copy before returning:
         TouchDesigner frees or reuses its buffer after the cook, so it must have been read by then.
+        `first_row`, `rows`: write only those rows of the slot (one half of a control ring's slot).
         """
         self.check_slot(slot)
+        rows = self.spec.height - first_row if rows is None else rows
+        if first_row < 0 or rows < 1 or first_row + rows > self.spec.height:
+            raise ValueError(f"rows {first_row}..{first_row + rows - 1} are outside the slot's {self.spec.height}")
         row = self.spec.row_bytes
         s = self.stream if stream is None else _stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
         if wait_event is not None:
             check(cudart.cudaStreamWaitEvent(s, wait_event, 0), "cudaStreamWaitEvent")
-        check(cudart.cudaMemcpy2DAsync(self.ptrs[slot], self.spec.pitch, src, src_pitch or row, row,
-                                       self.spec.height, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s),
-              "cudaMemcpy2DAsync")
+        check(cudart.cudaMemcpy2DAsync(self.ptrs[slot] + first_row * self.spec.pitch, self.spec.pitch, src,
+                                       src_pitch or row, row, rows, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                       s), "cudaMemcpy2DAsync")
         check(cudart.cudaEventRecord(self.events[slot], s), "cudaEventRecord")
         if sync:
             check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
@@ -203,9 +207,13 @@ class CudaRing(Ring):
                                        cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s), "cudaMemcpy2DAsync")
         check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
-    def copy_to(self, slot: int, other: CudaRing, other_slot: int) -> None:
-        """Slot to slot on the GPU (the pass-through engine): waits on this slot's event, records other's."""
-        other.write_device(other_slot, self.ptrs[slot], self.spec.pitch, wait_event=self.events[slot])
+    def copy_to(self, slot: int, other: CudaRing, other_slot: int, first_row: int = 0) -> None:
+        """Slot to slot on the GPU (the pass-through engine; a staged frame into an input slot, or into one
+        half of a control ring's slot from `first_row` on): waits on this slot's event, records other's."""
+        if other.spec.row_bytes != self.spec.row_bytes:
+            raise ValueError(f"slot rows of {self.spec.row_bytes} bytes do not fit rows of {other.spec.row_bytes}")
+        other.write_device(other_slot, self.ptrs[slot], self.spec.pitch, wait_event=self.events[slot],
+                           first_row=first_row, rows=self.spec.height)
 
     # -- host arrays (for hosts without device memory of their own, and tests) --------------------------
 

@@ -250,6 +250,11 @@ function buildControls(schema) {
   $("motion_aware").onchange = (e) => control("motion_aware", { value: e.target.checked });
   slider("context_scale", schema.context_scale, (v) => control("context_scale", { value: v }));
   $("control_source").onchange = (e) => control("control_source", { value: e.target.value });
+  $("reference").onchange = (e) => {
+    const file = e.target.files[0];
+    if (file) uploadReference(file, schema.reference_max_bytes);
+    e.target.value = ""; // the same file again (overwritten meanwhile) is a new pick
+  };
   $("pause").onclick = () => control("pause", { value: !(loom.state && loom.state.controls.paused) });
   $("prompt-form").onsubmit = (e) => {
     e.preventDefault();
@@ -416,6 +421,25 @@ function badge(id, text, kind) {
   const el = $(id);
   el.textContent = text;
   el.className = `badge ${kind || ""}`;
+}
+
+// A reference image (VACE) from a file: its bytes go to the host, which checks and decodes them. A file
+// that is not a PNG or JPEG, or too large to send, is refused here in the host's words and never sent.
+function uploadReference(file, maxBytes) {
+  let why = "";
+  if (!["image/png", "image/jpeg"].includes(file.type)) {
+    why = `reference ${file.name}: not a PNG or JPEG image; expected a PNG or JPEG file`;
+  } else if (file.size > maxBytes) {
+    why = `reference ${file.name}: over ${Math.floor(maxBytes / 1048576)} MB; expected a smaller PNG or JPEG file`;
+  }
+  if (why) {
+    loom.refusals.push(why);
+    say(why, "refused");
+    return;
+  }
+  const reader = new FileReader();
+  reader.onload = () => control("reference", { name: file.name, data: reader.result.split(",", 2)[1] });
+  reader.readAsDataURL(file);
 }
 
 function say(text, kind) {
