@@ -11,11 +11,8 @@ set (how docs/web-page.png is made).
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,34 +23,18 @@ import pytest
 
 pytest.importorskip("aiortc", reason="the web host needs aiortc: pip install -e '.[web]'")
 pytest.importorskip("aiohttp", reason="the web host needs aiohttp: pip install -e '.[web]'")
-webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromium with selenium")
+pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromium with selenium")
 
 from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
+from tests.integration.web_page import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium, js, page_url, stop, wait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 SIZE = 128  # small frames: the embedded model on a loaded 2-core box still makes a few per second
 FPS = 10
-WAIT_S = 120.0  # generous: a loaded CI box starts the engine slowly; conditions end the waits early
 PAIRS = 4  # timed frame pairs looked at per phase
 
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
-                                       "chromium-driver; .ci/run installs them)")
-
-
-def _wait(what: str, check: Any, timeout_s: float = WAIT_S, proc: subprocess.Popen | None = None) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"loom web exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=NO_CHROMIUM)
 
 
 @pytest.fixture(scope="module")
@@ -72,51 +53,25 @@ def show(tmp_path_factory: pytest.TempPathFactory):
         env={**os.environ, "OMP_NUM_THREADS": "1"})  # one torch thread: two fight the browser on a 2-core box
     driver = None
     try:
-        url = _wait("the page's address", lambda: _page_url(tmp / "loom.log"), 60.0, proc)
-        options = webdriver.ChromeOptions()
-        options.binary_location = CHROMIUM
-        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    "--disable-background-timer-throttling", "--disable-renderer-backgrounding",
-                    "--disable-backgrounding-occluded-windows", "--autoplay-policy=no-user-gesture-required",
-                    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                    f"--use-file-for-fake-video-capture={camera}", "--window-size=1100,760",
-                    f"--user-data-dir={tmp / 'chromium'}"):
-            options.add_argument(arg)
-        from selenium.webdriver.chrome.service import Service
-
-        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
+        driver = chromium(tmp / "chromium", camera)
         driver.get(url)
         yield {"driver": driver, "url": url, "proc": proc, "log": tmp / "loom.log", "tmp": tmp}
     finally:
         if driver is not None:
             driver.quit()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
-
-
-def _page_url(log: Path) -> str | None:
-    found = re.search(r"the page is at (\S+)", log.read_text())
-    return found.group(1) if found else None
-
-
-def _loom(driver: Any, expression: str) -> Any:
-    return driver.execute_script(f"return {expression};")
 
 
 def _pairs_after(show: dict, t: float, skip: int = 2) -> list[dict]:
     """PAIRS timed (camera frame, restyled frame) pairs whose camera frame was drawn after page time `t`,
     past the first `skip` (a chunk the engine had begun before the change)."""
     def ready() -> list[dict] | None:
-        pairs = [p for p in _loom(show["driver"], "window.loom.pairs") if p["at"] > t]
+        pairs = [p for p in js(show["driver"], "window.loom.pairs") if p["at"] > t]
         return pairs[skip:skip + PAIRS] if len(pairs) >= skip + PAIRS else None
 
-    return _wait(f"{PAIRS} restyled frames after page time {t:.0f} ms", ready, proc=show["proc"])
+    return wait(f"{PAIRS} restyled frames after page time {t:.0f} ms", ready, proc=show["proc"])
 
 
 def _grey(thumb: list[int]) -> np.ndarray:
@@ -133,7 +88,7 @@ def _brightness(pairs: list[dict]) -> float:
 
 
 def _now(driver: Any) -> float:
-    return float(_loom(driver, "performance.now()"))
+    return float(js(driver, "performance.now()"))
 
 
 def _set_slider(driver: Any, control: str, value: float) -> None:
@@ -153,7 +108,7 @@ def _type(driver: Any, element_id: str, text: str) -> None:
 
 def test_restyled_frames_arrive_and_follow_the_camera(show):
     driver = show["driver"]
-    _wait("the page to drive", lambda: _loom(driver, "window.loom.state && window.loom.state.role") == "driver")
+    wait("the page to drive", lambda: js(driver, "window.loom.state && window.loom.state.role") == "driver")
     pairs = _pairs_after(show, 0.0, skip=0)
     # Restyled: the embedded model's thermal style is far from the camera's colours.
     assert _difference(pairs) > 12, pairs[0]
@@ -162,26 +117,26 @@ def test_restyled_frames_arrive_and_follow_the_camera(show):
     matched = [np.corrcoef(_grey(p["output"]), _grey(p["input"]))[0, 1] for p in pairs]
 
     def others() -> list[float]:  # empty until the camera has drawn frames a second away from the pairs'
-        sent = _loom(driver, "Array.from(window.loom.stamped.values()).filter((v, i) => i % 3 === 0)")
+        sent = js(driver, "Array.from(window.loom.stamped.values()).filter((v, i) => i % 3 === 0)")
         return [np.corrcoef(_grey(p["output"]), _grey(q["thumb"]))[0, 1]
                 for p in pairs for q in sent if abs(q["t"] - p["at"]) > 1000]
 
-    other = _wait("camera frames drawn a second away from the compared ones", others, proc=show["proc"])
+    other = wait("camera frames drawn a second away from the compared ones", others, proc=show["proc"])
     assert np.mean(matched) > np.mean(other) + 0.1, (np.mean(matched), np.mean(other))
     # Timed glass to glass (camera frame drawn -> restyled frame shown) and shown beside the engine's own.
     assert all(p["ms"] > 0 for p in pairs)
-    _wait("the glass-to-glass figure on the page", lambda: driver.find_element("id", "g2g").text.endswith(" ms"))
+    wait("the glass-to-glass figure on the page", lambda: driver.find_element("id", "g2g").text.endswith(" ms"))
 
 
 def test_a_prompt_and_a_slider_from_the_page_change_the_stream(show):
     driver = show["driver"]
     _type(driver, "transition_chunks", "0")  # a prompt change lands at once
-    _wait("transition chunks 0", lambda: _loom(driver, "window.loom.state.controls.transition_chunks") == 0)
+    wait("transition chunks 0", lambda: js(driver, "window.loom.state.controls.transition_chunks") == 0)
     thermal = _pairs_after(show, _now(driver))
 
     _type(driver, "prompt", "pencil sketch")
     t = _now(driver)
-    _wait("the page to show the resolved style", lambda: "pencil_sketch" in driver.find_element("id", "style").text)
+    wait("the page to show the resolved style", lambda: "pencil_sketch" in driver.find_element("id", "style").text)
     sketched = _pairs_after(show, t)
     # The embedded model's pencil sketch is a pale picture; its thermal style is not.
     assert _brightness(sketched) > _brightness(thermal) + 30, (_brightness(sketched), _brightness(thermal))
@@ -189,21 +144,21 @@ def test_a_prompt_and_a_slider_from_the_page_change_the_stream(show):
 
     _set_slider(driver, "noise_scale", 0.1)
     t = _now(driver)
-    _wait("noise scale 0.1", lambda: abs(_loom(driver, "window.loom.state.controls.noise_scale") - 0.1) < 1e-6)
+    wait("noise scale 0.1", lambda: abs(js(driver, "window.loom.state.controls.noise_scale") - 0.1) < 1e-6)
     # The slider reaches the engine live: the session's noise (at most the static-scene value the slider
     # sets; motion lowers it) drops from the preset's 0.8 to 0.1 or less.
-    _wait("the engine's noise scale", lambda: (_loom(driver, "window.loom.state.session.noise_scale") or 1.0) <= 0.1001)
+    wait("the engine's noise scale", lambda: (js(driver, "window.loom.state.session.noise_scale") or 1.0) <= 0.1001)
     assert _pairs_after(show, t), "the stream goes on after the slider"
 
 
 def test_a_bad_value_is_refused_on_the_page_and_the_stream_goes_on(show):
     driver = show["driver"]
-    shown = _loom(driver, "window.loom.shown")
+    shown = js(driver, "window.loom.shown")
     _type(driver, "noise_scale", "5")
-    message = _wait("the refusal on the page", lambda: driver.find_element("id", "message").text
+    message = wait("the refusal on the page", lambda: driver.find_element("id", "message").text
                     if "refused" in driver.find_element("id", "message").get_attribute("class") else None)
     assert "noise_scale" in message and "[0.1, 1]" in message
-    _wait("more restyled frames", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
+    wait("more restyled frames", lambda: js(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
 
 
 def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
@@ -218,21 +173,21 @@ def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
         driver.get(url.replace("?token=", "?token=wrong"))
         assert "refused" in driver.find_element("tag name", "body").text
         driver.get(url)  # the right token: a second page, which watches
-        _wait("the second page's role", lambda: _loom(driver, "window.loom.state && window.loom.state.role"))
-        assert _loom(driver, "window.loom.state.role") == "viewer"
+        wait("the second page's role", lambda: js(driver, "window.loom.state && window.loom.state.role"))
+        assert js(driver, "window.loom.state.role") == "viewer"
         driver.execute_script("send({type: 'control', control: 'steps', value: 2})")
-        _wait("the read-only refusal", lambda: any("read-only" in r for r in _loom(driver, "window.loom.refusals")))
+        wait("the read-only refusal", lambda: any("read-only" in r for r in js(driver, "window.loom.refusals")))
     finally:
         driver.close()
         driver.switch_to.window(first)
-    shown = _loom(driver, "window.loom.shown")
-    _wait("the show going on", lambda: _loom(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
+    shown = js(driver, "window.loom.shown")
+    wait("the show going on", lambda: js(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
     assert "refused" in show["log"].read_text()
 
 
 def test_screenshot(show):
     driver = show["driver"]
-    _wait("a timed frame", lambda: _loom(driver, "window.loom.g2g.length") > 0)
+    wait("a timed frame", lambda: js(driver, "window.loom.g2g.length") > 0)
     target = Path(os.environ.get("LOOM_WEB_SCREENSHOT") or show["tmp"] / "web-page.png")
     assert driver.save_screenshot(str(target))
     assert target.stat().st_size > 10_000
