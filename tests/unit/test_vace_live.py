@@ -11,24 +11,12 @@ import torch
 from loom_live.engine.config import load_config
 from loom_live.engine.models.loading import load_models
 from loom_live.engine.stream.session import StreamSession
-
-SMALL = ["resolution.width=64", "resolution.height=64", "stream.steps=[700]", "stream.cuda_graphs=false"]
+from tests.fakes.tiny_vace import SMALL, clip, session, tiny_vace_models
 
 
 @pytest.fixture(scope="module")
 def models():
-    return load_models(load_config("tiny-vace", SMALL))
-
-
-def session(models, *overrides: str) -> StreamSession:
-    return StreamSession(load_config("tiny-vace", [*SMALL, *overrides]), models)
-
-
-def clip(n: int) -> np.ndarray:
-    frames = np.full((n, 64, 64, 3), 30, np.uint8)
-    for i in range(n):
-        frames[i, 10 + i:30 + i, 12 + 2 * i:36 + 2 * i] = (220, 180, 90)
-    return frames
+    return tiny_vace_models()
 
 
 def gradient(vertical: bool) -> np.ndarray:
