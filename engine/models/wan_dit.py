@@ -76,6 +76,11 @@ class WanDiTConfig:
     # With more than 1 the refiner works per frame slot, one set of weights for every slot: each
     # frame's own noisy code in (its motion), the whole clean estimate beside it as context.
     refiner_slots: int = 1
+    # Channels of the clean source latents given beside the noisy chunk (0: none, as in Wan2.1 T2V). A
+    # model that restyles its input (the embedded default) then reads the input's own detail and motion
+    # at every noise level, not only what survives the noise: the patch embedding takes them as further
+    # input channels (as Wan's image-to-video model takes its condition latents) and so does the refiner.
+    source_channels: int = 0
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -93,6 +98,9 @@ class WanDiTConfig:
         if self.refiner_slots < 1 or self.out_channels % self.refiner_slots:
             raise ValueError(f"refiner_slots={self.refiner_slots}: must be >= 1 and divide "
                              f"out_channels={self.out_channels}")
+        if self.source_channels < 0 or self.source_channels % self.refiner_slots:
+            raise ValueError(f"source_channels={self.source_channels}: must be >= 0 and divisible by "
+                             f"refiner_slots={self.refiner_slots}")
 
     @property
     def head_dim(self) -> int:
@@ -221,28 +229,30 @@ class LatentRefiner(nn.Module):
     `WanDiTConfig.refiner_width` and `refiner_slots`). Each latent frame is refined alone; the last
     layer starts at zero, so a refiner added to a trained head starts as the identity."""
 
-    def __init__(self, channels: int, width: int, slots: int = 1) -> None:
+    def __init__(self, channels: int, width: int, slots: int = 1, source_channels: int = 0) -> None:
         super().__init__()
         self.slots = slots
         per_slot = channels // slots
         context = channels if slots > 1 else 0  # the whole estimate beside each slot
-        self.inp = nn.Conv2d(2 * per_slot + context + 1, width, 1)
+        self.inp = nn.Conv2d(2 * per_slot + source_channels // slots + context + 1, width, 1)
         self.mid1 = nn.Conv2d(width, width, 3, padding=1)
         self.mid2 = nn.Conv2d(width, width, 3, padding=1)
         self.out = nn.Conv2d(width, per_slot, 1)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def forward(self, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        """x0, x_t [B, C, F, H, W]; sigma broadcastable to [B, 1, F, 1, 1]."""
+    def forward(self, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
+                source: torch.Tensor | None = None) -> torch.Tensor:
+        """x0, x_t [B, C, F, H, W]; sigma broadcastable to [B, 1, F, 1, 1]; source [B, S, F, H, W] for a
+        refiner built with source channels (its slots beside the estimate's)."""
         b, c, f, h, w = x0.shape
         s = sigma.to(x0.dtype).expand(b, 1, f, h, w)
-        x_t = x_t.to(x0.dtype)
+        own = [x_t.to(x0.dtype)] + ([] if source is None else [source.to(x0.dtype)])
         if self.slots == 1:
-            x = torch.cat([x0, x_t, s], dim=1).transpose(1, 2).flatten(0, 1)  # [B*F, 2C+1, H, W]
+            x = torch.cat([x0, *own, s], dim=1).transpose(1, 2).flatten(0, 1)  # [B*F, cin, H, W]
         else:
             k = self.slots
-            parts = [x0.unflatten(1, (k, c // k)), x_t.unflatten(1, (k, c // k)),
+            parts = [x0.unflatten(1, (k, c // k)), *(t.unflatten(1, (k, t.shape[1] // k)) for t in own),
                      x0[:, None].expand(b, k, c, f, h, w), s[:, None].expand(b, k, 1, f, h, w)]
             x = torch.cat(parts, dim=2).permute(0, 3, 1, 2, 4, 5).flatten(0, 2)  # [B*F*k, cin, H, W]
         y = self.out(F.silu(self.mid2(F.silu(self.mid1(F.silu(self.inp(x)))))))
@@ -263,14 +273,15 @@ class Head(nn.Module):
         self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: see WanBlock
-        self.refiner = (LatentRefiner(cfg.out_channels, cfg.refiner_width, cfg.refiner_slots)
+        self.refiner = (LatentRefiner(cfg.out_channels, cfg.refiner_width, cfg.refiner_slots, cfg.source_channels)
                         if cfg.refiner_width else None)
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int],
-                x_t: torch.Tensor | None = None, sigma: torch.Tensor | None = None) -> torch.Tensor:
+                x_t: torch.Tensor | None = None, sigma: torch.Tensor | None = None,
+                source: torch.Tensor | None = None) -> torch.Tensor:
         """The flow for the chunk's latents `x_t` at noise `sigma` ([B] or [B, F]; both are needed
-        only when the model predicts x0)."""
+        only when the model predicts x0) and, for a model with source channels, their clean `source`."""
         shift, scale = (self.modulation.float()[:, None] + cond.temb.float()[:, :, None]).unbind(2)
         x = self.head(self.ops.norm_modulate(x, shift, scale, self.eps))
         (f, h, w), (pt, ph, pw) = grid, self.patch_size
@@ -284,7 +295,7 @@ class Head(nn.Module):
             raise ValueError("a model that predicts x0 needs the chunk's latents and sigma to give its flow")
         s = sigma.float().view(sigma.shape[0], 1, -1, 1, 1).clamp_min(1e-4)
         if self.refiner is not None:
-            out = self.refiner(out, x_t, s)
+            out = self.refiner(out, x_t, s, source)
         return ((x_t.float() - out.float()) / s).to(out.dtype)
 
 
@@ -324,7 +335,7 @@ class WanDiT(nn.Module):
         self.cfg = cfg
         d = cfg.dim
         self.patch_embedding = nn.Conv3d(
-            cfg.in_channels, d, kernel_size=cfg.patch_size, stride=cfg.patch_size
+            cfg.in_channels + cfg.source_channels, d, kernel_size=cfg.patch_size, stride=cfg.patch_size
         )
         self.text_embedding = nn.Sequential(
             nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d)
@@ -403,17 +414,31 @@ class WanDiT(nn.Module):
         return x.shape[2], x.shape[3] // ph, x.shape[4] // pw
 
     def embed(
-        self, x: torch.Tensor, timestep: torch.Tensor
+        self, x: torch.Tensor, timestep: torch.Tensor, source: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Conditioning, tuple[int, int, int]]:
-        """Patchify latents [B, C, F, H, W] into tokens [B, F*h*w, dim]; returns (tokens,
-        conditioning, token grid (F, h, w))."""
+        """Patchify latents [B, C, F, H, W] (beside their clean `source` latents, for a model with
+        source channels) into tokens [B, F*h*w, dim]; returns (tokens, conditioning, token grid (F, h, w))."""
         self.token_grid(x, self.cfg.in_channels, "latents")
         if timestep.shape[0] != x.shape[0]:
             raise ValueError(f"timestep has {timestep.shape[0]} rows for a batch of {x.shape[0]}")
         param = self.patch_embedding.weight
+        if self.cfg.source_channels:
+            x = torch.cat([x.to(param.dtype), self.check_source(x, source).to(param.dtype)], dim=1)
         tokens = self.patch_embedding(x.to(param.dtype))
         grid = tuple(tokens.shape[2:])
         return tokens.flatten(2).transpose(1, 2).contiguous(), self.condition(timestep, grid[0]), grid
+
+    def check_source(self, x: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+        """The clean source latents of chunk `x`, which a model with source channels needs."""
+        cfg = self.cfg
+        if source is None:
+            raise ValueError(f"this model restyles its input: it needs the chunk's clean source latents "
+                             f"[B, {cfg.source_channels}, F, H, W] beside the noisy ones (source=...)")
+        if source.ndim != 5 or source.shape[1] != cfg.source_channels or source.shape[0] != x.shape[0] \
+                or source.shape[2:] != x.shape[2:]:
+            raise ValueError(f"source latents must be [{x.shape[0]}, {cfg.source_channels}, "
+                             f"{', '.join(map(str, x.shape[2:]))}] for this chunk, got {tuple(source.shape)}")
+        return source
 
     def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:
         """Cross-attention K/V of a prompt embedding [B or 1, L <= text_len, text_dim] (zero-padded
@@ -461,14 +486,16 @@ class WanDiT(nn.Module):
         x: torch.Tensor,
         timestep: torch.Tensor,
         context: torch.Tensor,
-        block_causal_frames: int | None = None,
+        block_causal_frames: int | Sequence[int] | None = None,
+        source: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Flow prediction for a whole clip x [B, 16, F, H, W]; `block_causal_frames=k` makes
-        attention block-causal over latent frames in blocks of k frames."""
-        tokens, cond, grid = self.embed(x, timestep)
+        """Flow prediction for a whole clip x [B, 16, F, H, W] (with its clean `source` latents, for a
+        model with source channels); `block_causal_frames=k` makes attention block-causal over latent
+        frames in blocks of k frames."""
+        tokens, cond, grid = self.embed(x, timestep, source)
         attend = FullSequenceAttention(self.rope(tokens.device), grid, block_causal_frames)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, self.cross_kv(context), attend)
-        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
+        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS, source)
 
     def new_cache(
         self,
@@ -530,11 +557,11 @@ class WanDiT(nn.Module):
         return out
 
     def stream_step(self, x: torch.Tensor, timestep: torch.Tensor, cache: KVCache, cross: CrossKV,
-                    step: StreamStep) -> torch.Tensor:
+                    step: StreamStep, source: torch.Tensor | None = None) -> torch.Tensor:
         """The device work of one chunk already planned on the host: what a CUDA graph captures."""
-        tokens, cond, grid = self.embed(x, timestep)
+        tokens, cond, grid = self.embed(x, timestep, source)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
-        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)
+        return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS, source)
 
 
 def preset(name: str, **overrides: object) -> WanDiTConfig:

@@ -164,6 +164,9 @@ class PipelineSession:
         self.cfg, self.P = cfg, cfg.parallel.gpus
         if self.P < 2:
             raise ValueError(f"parallel.gpus: {self.P}; the pipeline needs 2 or more (1 GPU: StreamSession)")
+        if DIT_PRESETS[cfg.model.preset].source_channels:
+            raise ValueError(f"parallel.gpus: model preset {cfg.model.preset!r} reads its input's latents, which "
+                             "the pipeline does not carry between ranks; set parallel.gpus=1")
         num_layers = DIT_PRESETS[cfg.model.preset].num_layers
         self.split = check_split(cfg.parallel.split, num_layers, self.P)
         self.ranges = stage_ranges(self.split)

@@ -29,6 +29,7 @@ class InFlight:
     latent: torch.Tensor  # noisy latent [1, C, f, h, w] at the step of the row it sits in
     tag: Any  # whatever the session needs back when the chunk leaves (its input frames, timing)
     control: torch.Tensor | None = None  # VACE control latents of the chunk, beside it at every step
+    source: torch.Tensor | None = None  # the chunk's clean latents, for a model that reads its input (source_channels)
 
 
 class StreamDenoiser:
@@ -47,6 +48,7 @@ class StreamDenoiser:
         self.rows: list[InFlight | None] = [None] * len(steps)
         self._row0_sigma: torch.Tensor | float = self._sigmas[0]
         self.context_scale = 1.0  # VACE: how strongly the control latents steer (a live parameter)
+        self.reads_source = bool(getattr(getattr(model, "cfg", None), "source_channels", 0))
 
     def replace_cache(self, cache) -> None:
         """Use another KV cache (a new step list); captured graphs of the old one are dropped."""
@@ -156,11 +158,13 @@ class StreamDenoiser:
         return self.schedule.sigma(t0)
 
     def _forward(self, x: torch.Tensor, sigmas: torch.Tensor, first: int, last: int,
-                 control: torch.Tensor | None = None) -> torch.Tensor:
+                 control: torch.Tensor | None = None, source: torch.Tensor | None = None) -> torch.Tensor:
         """One DiT forward over cache rows [first, last); returns x0 for each row."""
         t = sigmas * self.schedule.train_timesteps
         full = first == 0 and last == self.n
         extra = {} if control is None else {"control": control, "context_scale": self._scale(x.shape[0], x)}
+        if source is not None:
+            extra["source"] = source
         if full:
             flow = self.full_forward(x, t.to(x.dtype), self.cache, self.cross, **extra)
         else:
@@ -177,10 +181,10 @@ class StreamDenoiser:
             raise RuntimeError("drain the stream-batch pipeline before a sequential chunk")
         sigma0 = self._first_sigma(t0)
         x = self.schedule.add_noise(z, self._noise(z), sigma0)
-        x0 = z
+        x0, source = z, z if self.reads_source else None
         for i in range(self.n):
             sig = _row_sigma(sigma0 if i == 0 else self._sigmas[i], x)
-            x0 = self._forward(x, sig, i, i + 1, control)
+            x0 = self._forward(x, sig, i, i + 1, control, source)
             if i + 1 < self.n:
                 x = self.schedule.add_noise(x0, self._noise(x0), self._sigmas[i + 1])
         return x0
@@ -196,7 +200,8 @@ class StreamDenoiser:
             if busy and busy[0] != z.shape:
                 raise RuntimeError("drain the pipeline before changing the chunk shape")
             sigma0 = self._first_sigma(t0)
-            self.rows[0] = InFlight(self.schedule.add_noise(z, self._noise(z), sigma0), tag, control)
+            self.rows[0] = InFlight(self.schedule.add_noise(z, self._noise(z), sigma0), tag, control,
+                                    z if self.reads_source else None)
             self._row0_sigma = sigma0
         active = [i for i, r in enumerate(self.rows) if r is not None]
         if not active:
@@ -208,7 +213,8 @@ class StreamDenoiser:
         sig = torch.stack([_scalar(self._row0_sigma if i == 0 else self._sigmas[i], x) for i in range(first, last)])
         controls = [self.rows[i].control for i in range(first, last)]
         control = None if controls[0] is None else torch.cat(controls)
-        x0 = self._forward(x, sig, first, last, control)
+        source = torch.cat([self.rows[i].source for i in range(first, last)]) if self.reads_source else None
+        x0 = self._forward(x, sig, first, last, control, source)
         out: list[tuple[torch.Tensor, Any]] = []
         moved: list[InFlight | None] = [None] * self.n
         for j, i in enumerate(range(first, last)):
@@ -217,7 +223,7 @@ class StreamDenoiser:
                 out.append((x0[j:j + 1], row.tag))
             else:
                 nxt = self.schedule.add_noise(x0[j:j + 1], self._noise(x0[j:j + 1]), self._sigmas[i + 1])
-                moved[i + 1] = InFlight(nxt, row.tag, row.control)
+                moved[i + 1] = InFlight(nxt, row.tag, row.control, row.source)
         self.rows = moved
         return out
 
