@@ -15,10 +15,10 @@ the `FlowSchedule` and denoised through the step list of 1 to 4 steps that the h
 each step its own `KVCache` (sinks, ring, RoPE refresh and adaptive sinks as configured), in
 sequential mode: what `StreamDenoiser.run_sequential` computes, for a batch of streams at once
 (test_train_recipe checks the two agree). Every step's clean estimate is pulled towards the
-styled clip's latent; the final one is also decoded and compared in pixels. Gradients flow
-through the cache across the whole unroll, so the model learns from its own cached keys. The
-condition is the style's text vector (sometimes a blend of two styles with a blended target,
-so prompt transitions are gradual).
+styled clip's latent; the final one is also decoded and compared in pixels, and so are its
+frame-to-frame changes. Gradients flow through the cache across the whole unroll, so the model
+learns from its own cached keys. The condition is the style's text vector (sometimes a blend of
+two styles with a blended target, so prompt transitions are gradual).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class RecipeConfig:
     dit_seconds: float = 330.0
     vae_batch: int = 32
     vae_chunks: int = 2  # 5 + 4 frames
-    dit_batch: int = 96
+    dit_batch: int = 48
     pixel_batch: int = 16  # of which this many also get the decoded-pixel loss
     dit_chunks: int = 7  # the first chunk (5 frames, 2 latents) + 6 more: past one ring wrap
     vae_lr: float = 1e-3
@@ -78,6 +78,7 @@ class RecipeConfig:
     sink_threshold: float = 0.2
     rope_refresh_at: int = 50
     pixel_loss: float = 1.0
+    temporal_loss: float = 2.0  # weight of the frame-to-frame change loss on the decoded pixels
     seed: int = 0
     max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
 
@@ -145,6 +146,14 @@ def pixel_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return t[..., :, 1:] - t[..., :, :-1]
 
     return F.l1_loss(y, x) + F.l1_loss(dy(y), dy(x)) + F.l1_loss(dx(y), dx(x))
+
+
+def temporal_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 between the output's and the target's frame-to-frame changes ([B, 3, T, H, W]). Each chunk's
+    latent is predicted on its own, so nothing else ties a chunk's first frame to the last one before
+    it: without this the output jumps at chunk boundaries although every frame is near its target."""
+    y = past_the_clamp(y, x)
+    return F.l1_loss(y[:, :, 1:] - y[:, :, :-1], x[:, :, 1:] - x[:, :, :-1])
 
 
 # --------------------------------------------------------------------------------------- phase 1
@@ -262,12 +271,13 @@ def unroll(dit: WanDiT, schedule: FlowSchedule, z: torch.Tensor, t0: list[torch.
     sigmas = [schedule.sigma(s) for s in steps]
     out = []
     for c, zc in enumerate(z.split([2] + [1] * (f - 2), dim=2)):
+        source = {"source": zc} if dit.cfg.source_channels else {}
         sigma0 = first_sigma(schedule, t0[c], steps)
         x = schedule.add_noise(zc, noise_like(zc, gen), sigma0)
         for i, cache in enumerate(caches):
             sig = sigma0 if i == 0 else torch.full((b,), sigmas[i], device=z.device)
             flow = dit.forward_stream(x, sig * schedule.train_timesteps, cache,
-                                      cross[c] if isinstance(cross, list) else cross)
+                                      cross[c] if isinstance(cross, list) else cross, **source)
             x0 = schedule.to_x0(x, flow.float(), sig)
             if on_step is not None:
                 on_step(c, i, x0)
@@ -368,7 +378,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         if cfg.pixel_loss:
             k = cfg.pixel_batch
             y = stream_decode(vae, torch.cat(out, dim=2)[:k], clamp=False)
-            loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k])
+            loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k]) + cfg.temporal_loss * temporal_loss(y, tgt[:k])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
@@ -412,22 +422,27 @@ def normalised(vae: FrameVAE, mean: list[float], std: list[float]) -> FrameVAE:
     return out.to(next(vae.parameters()).device).eval().requires_grad_(False)
 
 
-def load_parts(path: str, device: torch.device) -> tuple[WanDiT, FrameVAE]:
-    """The DiT and the normalised VAE of an earlier run's weights file."""
-    from loom_live.engine.models.embedded import load_embedded
+def load_vae(path: str, device: torch.device) -> FrameVAE:
+    """The normalised VAE of an earlier run's weights file (its DiT may be of an earlier layout)."""
+    from loom_live.engine.models.embedded import read_embedded, vae_config
 
-    dit, vae, _ = load_embedded(device, torch.float32, path)
-    return dit, vae
+    _, state, meta = read_embedded(path, check_hash=False)
+    vae = FrameVAE(vae_config(meta))
+    vae.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return vae.to(device).eval().requires_grad_(False)
 
 
 def continue_dit(dit: WanDiT, path: str) -> list[str]:
     """Load an earlier run's DiT into `dit`. The latent refiner may have changed shape (a new width or
     slot layout): its weights then start afresh (its last layer at zero, so the DiT starts as the
-    earlier one); any other difference is an error. Returns the names that started afresh."""
+    earlier one). The patch embedding may have gained input channels (source latents): the earlier
+    weights fill the first ones and the new ones start at zero, so they change nothing until trained.
+    Any other difference is an error. Returns the names that started afresh or grew."""
     from loom_live.engine.models.embedded import read_embedded
 
     state, _, _ = read_embedded(path, check_hash=False)
     own = dit.state_dict()
+    grown = _grow_inputs(state, own, "patch_embedding.weight")
     refiner = "head.refiner."
     changed = {k for k in set(state) | set(own) if k.startswith(refiner)
                and (k not in state or k not in own or state[k].shape != own[k].shape)}
@@ -438,7 +453,20 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     if any(not k.startswith(refiner) for k in missing) or unexpected or (missing and not changed):
         raise ValueError(f"{path}: its DiT does not fit the embedded preset: missing {missing}, "
                          f"unexpected {unexpected}")
-    return fresh
+    return grown + fresh
+
+
+def _grow_inputs(state: dict, own: dict, key: str) -> list[str]:
+    """Widen `state[key]` (in place) to `own[key]`'s input channels, new channels at zero."""
+    old, new = state.get(key), own[key]
+    if old is None or old.shape == new.shape:
+        return []
+    if old.shape[0] != new.shape[0] or old.shape[2:] != new.shape[2:] or old.shape[1] > new.shape[1]:
+        raise ValueError(f"{key}: {tuple(old.shape)} cannot grow into {tuple(new.shape)}")
+    wide = torch.zeros(new.shape, dtype=old.dtype)
+    wide[:, :old.shape[1]] = old
+    state[key] = wide
+    return [key]
 
 
 def run(cfg: RecipeConfig) -> Path:
@@ -465,7 +493,7 @@ def run(cfg: RecipeConfig) -> Path:
         fresh = continue_dit(dit, cfg.dit_from)
         log({"phase": "dit_from", "path": cfg.dit_from, "fresh": fresh})
     if cfg.vae_from:
-        vae = load_parts(cfg.vae_from, device)[1]
+        vae = load_vae(cfg.vae_from, device)
     else:
         vae = train_vae(cfg, windows, device, log)
         vae = normalised(vae, *latent_stats(vae, windows))
