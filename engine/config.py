@@ -39,9 +39,11 @@ class ModelConfig:
     preset: str = spec("tiny", choices=("tiny", "embedded", "wan2.1-1.3b", "wan2.1-14b") + VACE_PRESETS,
                         doc="DiT architecture; embedded = the trained default (with its own VAE and style text); "
                             "*vace*: with VACE structure control (the `control` section)")
-    checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory); none = random/embedded")
+    checkpoint: str | None = spec(None, doc="DiT weights (file, sharded index or directory; for the embedded preset "
+                                      "a `loom train fit` weights file); none = random/embedded")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
-                      doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU")
+                      doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU (the embedded preset: "
+                          "bfloat16 where the CPU has AMX or AVX512-BF16)")
     device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
     cpu_threads: int = spec(0, min=0, max=1024, doc="torch threads of an engine on a CPU; 0 = one less than "
                                                     "its cores (the host gets one), at least 1")

@@ -30,7 +30,7 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "e9e8b1eca14097d40e0288b7bd0798cbff1177b5e63ea0ac7e32e7c38f4e56ca"
+WEIGHTS_SHA256 = "fd179226b5c6f65efae4a39015b79352dff825d1933345c53f81443553657262"
 
 
 class EmbeddedWeightsError(RuntimeError):
@@ -108,8 +108,12 @@ def load_embedded(device: torch.device, dtype: torch.dtype, path: str | Path | N
     dit_state, vae_state, meta = read_embedded(path)
     with torch.device("meta"):
         dit, vae = WanDiT(EMBEDDED_DIT), FrameVAE(vae_config(meta))
-    dit.load_state_dict(dit_state, strict=True, assign=True)
-    vae.load_state_dict(vae_state, strict=True, assign=True)
+    try:
+        dit.load_state_dict(dit_state, strict=True, assign=True)
+        vae.load_state_dict(vae_state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise EmbeddedWeightsError(f"{path or weights_path()}: not weights of the embedded model's layout "
+                                   f"(train them with this version of Loom): {str(e).splitlines()[1].strip()}") from e
     vae._set_latent_stats(device)
     dit = dit.to(device=device, dtype=dtype).eval().requires_grad_(False)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -47,10 +47,21 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
-def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(setting: str, device: torch.device, cpu_bfloat16: bool = False) -> torch.dtype:
+    """The compute dtype; `auto` is bfloat16 on CUDA and float32 on a CPU, except that a model checked
+    to restyle the same in bfloat16 (`cpu_bfloat16`) gets it on a CPU that multiplies it in hardware."""
     if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (cpu_bfloat16 and native_cpu_bfloat16()):
+            return torch.bfloat16
+        return torch.float32
     return DTYPES[setting]
+
+
+def native_cpu_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (AMX or AVX512-BF16). There bfloat16 runs the
+    embedded model well faster than float32; elsewhere it is emulated and slower."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def _seeded(build, seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -125,20 +136,21 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
     read from the checkpoint alone, or, for seeded and embedded weights, built whole and the rest dropped."""
     device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    # The embedded model's held-out metrics are the same in bfloat16 (docs/embedded-model.md).
+    dtype = resolve_dtype(cfg.model.dtype, device, cpu_bfloat16=cfg.model.preset == "embedded")
     mc, vc = cfg.model, cfg.vae
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
     dit_class, dit_cfg = _dit_architecture(mc.preset)
     clock = _Laps()
-    embedded = mc.preset == "embedded" and not mc.checkpoint
-    if embedded:  # the trained default: its DiT and VAE ship together in the package
+    embedded = mc.preset == "embedded"
+    if embedded:  # the trained default: its DiT and VAE ship together, in the package or a training run's file
         from loom_live.engine.models.embedded import load_embedded
 
         if vc.encoder != "taehv" or vc.decoder != "taehv" or vc.taehv_checkpoint:
             raise ValueError("model.preset: 'embedded' comes with its own VAE; leave vae.encoder and vae.decoder "
                              "at taehv and vae.taehv_checkpoint empty")
-        dit, embedded_vae, _ = load_embedded(device, dtype)
+        dit, embedded_vae, _ = load_embedded(device, dtype, mc.checkpoint or None)
         _drop_blocks(dit, dit_blocks)
     elif mc.checkpoint:
         dit = dit_class.from_checkpoint(mc.checkpoint, dit_cfg, device=device, dtype=dtype, blocks=dit_blocks).eval()

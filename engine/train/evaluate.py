@@ -100,13 +100,14 @@ def held_out(frames: int) -> dict[str, np.ndarray]:
     return {Path(n).stem: read_clip(MEDIA / n, SIZE, limit=frames) for n in HELD_OUT}
 
 
-def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES) -> list[dict]:
+def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, weights: str | None = None
+            ) -> list[dict]:
     rows = []
     for clip, frames in clips.items():
         targets = {s.name: apply_style(s.name, frames) for s in STYLES}
         for style in styles:
             t = time.perf_counter()
-            out = stylise(frames, style.prompt, overrides)
+            out = stylise(frames, style.prompt, overrides, weights)
             mae = {n: float(np.abs(out.astype(np.float32) - tg).mean()) for n, tg in targets.items()}
             own = targets[style.name]
             rows.append({
@@ -183,7 +184,7 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
     ablated = STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
     for name, overrides in ABLATIONS.items():
         styles = STYLES if name == "default" else ablated
-        rows = measure(clips, overrides, styles)
+        rows = measure(clips, overrides, styles, weights)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "rows": rows,
                                 "summary": summary(rows)}
         if name == "default":  # the ablation compares like with like: the same styles
