@@ -113,9 +113,11 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     # Loom's embedded default and test model: runs on a CPU at a few FPS at 256 tokens/frame.
     "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
     # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors; its
-    # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 96 values per 8x8 block).
+    # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 96 values per 8x8 block). It reads
+    # the input's clean latents beside the noisy ones, and refines each of a latent's 4 frames alone.
     "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=384, out_channels=384,
-                             text_dim=384, text_len=4, prediction="x0", refiner_width=192),
+                             text_dim=384, text_len=4, prediction="x0", refiner_width=96, refiner_slots=4,
+                             source_channels=384),
 }
 
 

@@ -111,25 +111,42 @@ def test_the_data_file_holds_sources_and_every_style_is_drawn_from_the_decoded_s
         assert np.array_equal(clips[0].frames[style], apply_style(style, source)), style
 
 
-def test_going_on_from_a_dit_whose_refiner_changed_shape_keeps_the_blocks_and_starts_the_refiner_afresh(tmp_path):
-    from loom_live.engine.models.embedded import EMBEDDED_DIT, load_embedded, save_embedded
+def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_starts_the_refiner_afresh(tmp_path):
+    """An earlier run's DiT without source channels and with another refiner: the new one starts as
+    the earlier one did without its refiner (new input channels and the refiner's last layer at zero)."""
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
 
+    earlier = replace(EMBEDDED_DIT, source_channels=0, refiner_slots=1, refiner_width=16)
     torch.manual_seed(0)
-    old = WanDiT(EMBEDDED_DIT).eval()
+    old = WanDiT(earlier).eval()
     with torch.no_grad():
         for p in old.head.refiner.out.parameters():
             p.normal_(0.0, 0.1)
     path = tmp_path / "old.safetensors"
     save_embedded(path, old, FrameVAE(EMBEDDED_VAE), {})
-    stored, _, _ = load_embedded(torch.device("cpu"), torch.float32, path)
-    new = WanDiT(replace(EMBEDDED_DIT, refiner_slots=4, refiner_width=16)).eval()
-    fresh = recipe.continue_dit(new, str(path))
-    assert fresh and all(k.startswith("head.refiner.") for k in fresh)
+    stored = WanDiT(earlier).eval()  # as saved: int8 matrices
+    stored.load_state_dict({k: v.float() for k, v in read_embedded(path, check_hash=False)[0].items()})
+    new = WanDiT(EMBEDDED_DIT).eval()
+    grown = recipe.continue_dit(new, str(path))
+    assert grown[0] == "patch_embedding.weight" and all(k.startswith("head.refiner.") for k in grown[1:])
     x, t = torch.randn(1, EMBEDDED_DIT.in_channels, 1, 4, 4), torch.tensor([600.0])
     ctx = torch.randn(1, EMBEDDED_DIT.text_len, EMBEDDED_DIT.text_dim)
     with torch.no_grad():
         stored.head.refiner = None  # the earlier DiT without its refiner is what the new one starts as
-        torch.testing.assert_close(new(x, t, ctx), stored(x, t, ctx), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(new(x, t, ctx, source=torch.randn_like(x)), stored(x, t, ctx),
+                                   atol=1e-4, rtol=1e-4)
+    save_embedded(path, new, FrameVAE(EMBEDDED_VAE), {})
     assert recipe.continue_dit(WanDiT(EMBEDDED_DIT), str(path)) == []  # same shape: everything kept
     with pytest.raises(ValueError, match="does not fit"):
         recipe.continue_dit(WanDiT(replace(EMBEDDED_DIT, num_layers=3)), str(path))
+
+
+def test_the_temporal_loss_sees_a_jump_between_chunks_that_per_frame_errors_hide():
+    """Two outputs with the same per-frame error against a still target: one steady, one whose error
+    flips sign at every chunk boundary. Only the second changes between frames, and only it costs."""
+    target = torch.zeros(1, 3, 9, 4, 4)
+    steady = target + 0.1
+    jumping = target + torch.tensor([0.1] * 5 + [-0.1] * 4).view(1, 1, 9, 1, 1)
+    assert recipe.pixel_loss(steady, target) == pytest.approx(recipe.pixel_loss(jumping, target).item())
+    assert recipe.temporal_loss(steady, target) == 0
+    assert recipe.temporal_loss(jumping, target) > 0
