@@ -130,6 +130,7 @@ class _Row:
 class _Chunk:
     frames: np.ndarray | torch.Tensor  # the accepted input frames (for the crop policy's border)
     first: bool
+    source: torch.Tensor | None = None  # its clean latents, for a model that reads its input (every step)
 
 
 class PipelineSession:
@@ -164,9 +165,6 @@ class PipelineSession:
         self.cfg, self.P = cfg, cfg.parallel.gpus
         if self.P < 2:
             raise ValueError(f"parallel.gpus: {self.P}; the pipeline needs 2 or more (1 GPU: StreamSession)")
-        if DIT_PRESETS[cfg.model.preset].source_channels:
-            raise ValueError(f"parallel.gpus: model preset {cfg.model.preset!r} reads its input's latents, which "
-                             "the pipeline does not carry between ranks; set parallel.gpus=1")
         num_layers = DIT_PRESETS[cfg.model.preset].num_layers
         self.split = check_split(cfg.parallel.split, num_layers, self.P)
         self.ranges = stage_ranges(self.split)
@@ -524,6 +522,8 @@ class PipelineSession:
             pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
             z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
         self._count("in", z.shape[2])
+        if self.models.dit.cfg.source_channels:
+            self._chunks[chunk_id].source = z
         # The noise draws in the one-GPU denoiser's order: it drains its stream-batch rows before a
         # sequential chunk or a chunk of another size
         plan, shape = self.slo.plan, tuple(z.shape)
@@ -591,12 +591,14 @@ class PipelineSession:
         if rows[-1].step == self.n - 1:
             self._count("out", header.frames)
         self.stage.apply(header.flags, context)
+        source = (torch.cat([self._chunks[r.chunk].source for r in rows])
+                  if self.models.dit.cfg.source_channels else None)
         with self.stage.timer.span("embed"):  # fixed work of rank 0, apart from its blocks' ("dit")
-            tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas))
+            tokens, cond, _ = self.models.dit.embed(latents, self.stage.timesteps(sigmas), source)
         with self.stage.timer.span("dit"):
             tokens = self.stage.run(tokens, cond, header.first_step, header.frames)
         self.link.send_header(self.ranks.outbox, header)
-        send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context))
+        send_payload(self.link, 1, Payload(tokens, sigmas, latents, noise, context, source))
         return header
 
     def _receive(self, sent: list[Header], keep: bool = True) -> list[_Row]:

@@ -56,6 +56,7 @@ class Payload:
     latents: torch.Tensor
     noise: torch.Tensor
     context: torch.Tensor | None = None
+    source: torch.Tensor | None = None  # the rows' clean latents, for a model that reads its input
 
 
 def rank_device(cfg: LoomConfig, rank: int) -> torch.device:
@@ -234,6 +235,8 @@ def latent_shape(stage: Stage, header: Header) -> tuple[int, ...]:
 def send_payload(link: Link, dst: int, p: Payload) -> None:
     for t in (p.tokens, p.sigmas, p.latents, p.noise):
         link.send(t, dst)
+    if p.source is not None:
+        link.send(p.source, dst)
     if p.context is not None:
         link.send(p.context, dst)
 
@@ -243,6 +246,9 @@ def recv_payload(link: Link, src: int, stage: Stage, header: Header) -> Payload:
     p = Payload(link.recv(token_shape(stage, header), stage.dtype, src),
                 link.recv((header.rows,), torch.float32, src),
                 link.recv(lat, stage.dtype, src), link.recv(lat, stage.dtype, src))
+    cfg = stage.dit.cfg
+    if cfg.source_channels:  # the head on the last rank reads them
+        p.source = link.recv((lat[0], cfg.source_channels, *lat[2:]), stage.dtype, src)
     if header.flags & NEW_CONTEXT:
         p.context = link.recv((1, header.context_len, stage.dit.cfg.text_dim), stage.dtype, src)
     return p
@@ -267,7 +273,7 @@ class LastRank:
         with s.timer.span("head"):
             h, w = s.latent_hw
             _, ph, pw = s.dit.cfg.patch_size
-            flow = s.dit.head(tokens, cond, (header.frames, h // ph, w // pw), p.latents, p.sigmas)
+            flow = s.dit.head(tokens, cond, (header.frames, h // ph, w // pw), p.latents, p.sigmas, p.source)
             x0 = self.schedule.to_x0(p.latents.float(), flow.float(), p.sigmas.float()).to(p.latents.dtype)
             nxt = x0.clone()
             for j in range(header.rows):

@@ -120,7 +120,7 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
     """The trained embedded model (the `default` preset, its own VAE and style text encoder): each
     rank holds only its blocks, so a block that moves after a LoRA scale change arrives with the
     original weights and is merged at the current scale on its new rank."""
-    styled = style_lora(tmp_path, "default")
+    styled = [*style_lora(tmp_path, "default"), "model.dtype=float32"]  # not bfloat16, which AMX CPUs would pick
 
     def between(session, i: int) -> None:
         if i == 0:
@@ -135,6 +135,17 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
         assert held == [0, 1]
         out = live(pipe, clip(25), lambda i: between(pipe, i))
         assert pipe.split == [1, 3]
+    assert_same_frames(out, reference)
+    assert no_children_left()
+
+
+def test_the_input_latents_travel_through_a_middle_rank_to_the_head():
+    """The default preset reads each chunk's clean latents in rank 0's embedding and the last rank's
+    head; on three ranks they pass through the middle one, and the frames stay the one-process ones."""
+    cfg = [*STEPS, "model.dtype=float32"]
+    reference = live(StreamSession.from_config(load_config("default", cfg)), clip(25), lambda i: None)
+    with PipelineSession(load_config("default", [*cfg, "parallel.gpus=3", "parallel.rebalance=false"])) as pipe:
+        out = live(pipe, clip(25), lambda i: None)
     assert_same_frames(out, reference)
     assert no_children_left()
 
