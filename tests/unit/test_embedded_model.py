@@ -201,7 +201,7 @@ def cv2_rgb(hsv: np.ndarray) -> np.ndarray:
 
 TOON_SATURATION = pytest.mark.xfail(strict=True, reason="toon's dark pixels (its darkest colour level, its "
                                     "outlines): one or two levels of reconstruction error give them a loud HSV "
-                                    "saturation (+12% on this clip); the shipped VAE learnt from H.264-stored "
+                                    "saturation (about +13% on this clip); the shipped VAE learnt from H.264-stored "
                                     "targets, whose dark pixels carry that error: docs/embedded-model.md")
 
 
