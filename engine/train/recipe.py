@@ -2,10 +2,11 @@
 
 Phase 1, the VAE (engine/models/frame_vae.py) as a streaming autoencoder: random windows of
 source and styled clips go through `encode_stream` / `decode_stream` chunk by chunk (5 frames,
-then 4), exactly the session's path, with an L1 + gradient-L1 + squared-error loss on the raw
-(unclamped) output. Its latents are then normalised per channel (the statistics ship in the
-weights' metadata), and its reconstruction is measured on the held-out clips when their data file
-is given (`eval_data`): the gate the DiT phase relies on.
+then 4), exactly the session's path, with an L1 + gradient-L1 + squared-error + brightness-relative
+chroma loss on the raw (unclamped) output. Its latents are then normalised per channel (the
+statistics ship in the weights' metadata). Optionally the decoder alone then trains on (`decoder_steps`),
+which keeps the latent space and so a DiT trained on it. The reconstruction is measured on the
+held-out clips when their data file is given (`eval_data`): the gate the DiT phase relies on.
 
 Phase 2, the DiT (engine/models/wan_dit.py) for the inference Loom runs, unrolled over a stream:
 a window of a source clip is cut into the session's chunks (5 frames, then 4: one latent each)
@@ -63,6 +64,8 @@ class RecipeConfig:
     dit_seconds: float = 330.0
     vae_batch: int = 32
     vae_chunks: int = 2  # 5 + 4 frames
+    decoder_steps: int = 0  # > 0: then tune the VAE's decoder alone this many steps (the latent space stays)
+    chroma_loss: float = 1.0  # weight of the brightness-relative chroma loss in both VAE phases
     dit_batch: int = 48
     pixel_batch: int = 16  # of which this many also get the decoded-pixel loss
     dit_chunks: int = 7  # the first chunk (5 frames, 2 latents) + 6 more: past one ring wrap
@@ -156,6 +159,31 @@ def temporal_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.l1_loss(y[:, :, 1:] - y[:, :, :-1], x[:, :, 1:] - x[:, :, :-1])
 
 
+def chroma_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each pixel's chroma error (its channels' deviations from their mean) over the target's
+    brightness ([B, 3, ...] in [-1, 1]). The gate's HSV saturation is (max - min) / max: on a dark
+    pixel one or two levels of error in one channel make a loud colour, which an L1 or squared loss,
+    blind to brightness, hardly sees."""
+    y = past_the_clamp(y, x).clamp(-1.0, 1.0).add(1.0).mul(0.5)
+    x = x.add(1.0).mul(0.5)
+    cy, cx = y - y.mean(1, keepdim=True), x - x.mean(1, keepdim=True)
+    return ((cy - cx).abs() / (x.amax(1, keepdim=True) + 0.03)).mean()
+
+
+def vae_loss(y: torch.Tensor, x: torch.Tensor, cfg: RecipeConfig) -> torch.Tensor:
+    return pixel_loss(y, x) + F.mse_loss(past_the_clamp(y, x), x) + cfg.chroma_loss * chroma_loss(y, x)
+
+
+def vae_batch(cfg: RecipeConfig, windows: Windows, frames: int, source_p: float = 0.3) -> torch.Tensor:
+    """Random windows: a source with probability `source_p`, else one of the styles."""
+    rng, batch = windows.rng, []
+    for _ in range(cfg.vae_batch):
+        clip, s, flip = windows.sample(frames)
+        variant = 0 if rng.random() < source_p else int(rng.integers(1, len(windows.variants)))
+        batch.append(windows.get(clip, variant, s, frames, flip))
+    return torch.stack(batch)
+
+
 # --------------------------------------------------------------------------------------- phase 1
 @torch.no_grad()
 def principal_init(vae: FrameVAE, windows: Windows, frames: int = 256) -> None:
@@ -187,22 +215,16 @@ def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) ->
     principal_init(vae, windows)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     frames = FIRST_CHUNK + CHUNK * (cfg.vae_chunks - 1)
-    rng = windows.rng
     start, step = time.perf_counter(), 0
     bar = tqdm(desc="vae", unit="step")
     while time.perf_counter() - start < cfg.vae_seconds and not (cfg.max_steps and step >= cfg.max_steps):
-        batch = []
-        for _ in range(cfg.vae_batch):
-            clip, s, flip = windows.sample(frames)
-            variant = 0 if rng.random() < 0.3 else int(rng.integers(1, len(windows.variants)))
-            batch.append(windows.get(clip, variant, s, frames, flip))
-        x = torch.stack(batch)
+        x = vae_batch(cfg, windows, frames)
         frac = (time.perf_counter() - start) / cfg.vae_seconds
         for g in opt.param_groups:
             g["lr"] = cfg.vae_lr * _cosine(frac)
         z = stream_encode(vae, x, cfg.vae_chunks)
         y = stream_decode(vae, z, clamp=False)
-        loss = pixel_loss(y, x) + F.mse_loss(past_the_clamp(y, x), x)
+        loss = vae_loss(y, x, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -214,6 +236,29 @@ def train_vae(cfg: RecipeConfig, windows: Windows, device: torch.device, log) ->
             log({"phase": "vae", "step": step, "loss": loss.item(), "t": time.perf_counter() - start})
     bar.close()
     return vae.eval().requires_grad_(False)
+
+
+def tune_decoder(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, log) -> FrameVAE:
+    """Train the (normalised) VAE's decoder alone for `cfg.decoder_steps`, at a tenth of the VAE's
+    learning rate: the encoder and so the latent space stay as they are, so a DiT trained on them
+    still fits, while the decoder learns what the VAE phase's loss missed (dark colours: `chroma_loss`)."""
+    from tqdm import tqdm
+
+    vae.decoder.train().requires_grad_(True)
+    opt = torch.optim.AdamW(vae.decoder.parameters(), lr=cfg.vae_lr / 10, weight_decay=0.0)
+    frames = FIRST_CHUNK + CHUNK * (cfg.vae_chunks - 1)
+    for step in tqdm(range(1, cfg.decoder_steps + 1), desc="decoder", unit="step"):
+        x = vae_batch(cfg, windows, frames, source_p=0.1)
+        with torch.no_grad():
+            z = stream_encode(vae, x, cfg.vae_chunks)
+        loss = vae_loss(stream_decode(vae, z, clamp=False), x, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 50 == 0:
+            log({"phase": "decoder", "step": step, "loss": loss.item()})
+    vae.decoder.eval().requires_grad_(False)
+    return vae
 
 
 @torch.no_grad()
@@ -504,7 +549,9 @@ def run(cfg: RecipeConfig) -> Path:
         return save_embedded(out / "embedded.safetensors", dit, vae,
                              {**meta, "seconds": round(time.perf_counter() - t_start, 1), **extra})
 
-    if not cfg.vae_from:
+    if cfg.decoder_steps:
+        vae = tune_decoder(cfg, windows, vae, log)
+    if not cfg.vae_from or cfg.decoder_steps:
         save(dit, {"phase": "vae"})  # a later run can start from this VAE (vae_from)
         if Path(cfg.eval_data).is_file():
             from loom_live.engine.train.evaluate import gate_summary, reconstruction

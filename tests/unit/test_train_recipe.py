@@ -89,6 +89,38 @@ def test_overshoot_past_pure_black_or_white_costs_nothing_and_anything_else_does
     assert y.grad.tolist() == [0.0, 1.0, 0.0, -1.0, 1.0]
 
 
+def test_the_chroma_loss_weighs_a_dark_pixels_colour_error_above_a_bright_ones():
+    """One level of error in one channel: on a near-black pixel it is a loud HSV saturation, on a
+    bright one nothing to see; the L1 loss cannot tell them apart, the chroma loss can."""
+    level = 2.0 / 255.0
+    dark, bright = torch.full((1, 3, 1, 1), -0.95), torch.full((1, 3, 1, 1), 0.8)
+    nudge = torch.tensor([level, 0.0, 0.0]).view(1, 3, 1, 1)
+    assert recipe.chroma_loss(dark, dark) == 0 and recipe.chroma_loss(bright + 0.1, bright) < 1e-7  # grey stays grey
+    assert recipe.chroma_loss(dark + nudge, dark) > 5 * recipe.chroma_loss(bright + nudge, bright)
+
+
+def test_tuning_the_decoder_keeps_the_latent_space():
+    """The decoder-only phase changes the decoder and nothing of the encoder or the latent statistics,
+    so a DiT trained on the VAE's latents still fits."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (6, 16, 16, 3)).astype(np.uint8)
+    clip = Clip("c", {v: base for v in (SOURCE, *STYLE_NAMES)})
+    windows = recipe.Windows([clip], torch.device("cpu"), 0)
+    torch.manual_seed(0)
+    vae = recipe.normalised(FrameVAE(EMBEDDED_VAE), [0.1] * EMBEDDED_VAE.latent_channels,
+                            [2.0] * EMBEDDED_VAE.latent_channels)
+    before = {k: v.clone() for k, v in vae.state_dict().items()}
+    x = windows.get(0, 0, 0, 5, False)[None]
+    z = vae.encode_stream(x, vae.new_stream_state())
+    cfg = recipe.RecipeConfig(decoder_steps=2, vae_batch=2, vae_chunks=1)
+    tuned = recipe.tune_decoder(cfg, windows, vae, log=lambda rec: None)
+    after = tuned.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("encoder."))
+    assert any(not torch.equal(after[k], v) for k, v in before.items() if k.startswith("decoder."))
+    torch.testing.assert_close(tuned.encode_stream(x, tuned.new_stream_state()), z)
+    assert not any(p.requires_grad for p in tuned.parameters())
+
+
 def test_the_data_file_holds_sources_and_every_style_is_drawn_from_the_decoded_source(tmp_path):
     """Targets are exact: each style is computed from the frames the model sees, never stored through
     a lossy codec (which on dark styles moves hue and saturation as much as the VAE's own error)."""
