@@ -112,8 +112,9 @@ def load_embedded(device: torch.device, dtype: torch.dtype, path: str | Path | N
         dit.load_state_dict(dit_state, strict=True, assign=True)
         vae.load_state_dict(vae_state, strict=True, assign=True)
     except RuntimeError as e:
+        detail = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
         raise EmbeddedWeightsError(f"{path or weights_path()}: not weights of the embedded model's layout "
-                                   f"(train them with this version of Loom): {str(e).splitlines()[1].strip()}") from e
+                                   f"(train them with this version of Loom): {detail}") from e
     vae._set_latent_stats(device)
     dit = dit.to(device=device, dtype=dtype).eval().requires_grad_(False)
     vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)

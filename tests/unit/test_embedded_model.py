@@ -67,6 +67,32 @@ def test_shipped_weights_load_and_match_their_recorded_hash():
     assert sum(p.numel() for p in dit.parameters()) == sum(t.numel() for t in dit_state.values())
 
 
+def test_a_training_runs_weights_file_is_loaded_and_one_of_another_layout_is_refused(tmp_path):
+    """`model.checkpoint` with the default preset reads a `loom train fit` weights file (no hash: it is
+    not the shipped one); a file of another layout gets one line naming it, not a state-dict dump."""
+    from dataclasses import replace
+
+    import torch
+
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, EmbeddedWeightsError, save_embedded
+    from loom_live.engine.models.frame_vae import FrameVAE
+    from loom_live.engine.models.loading import load_models
+    from loom_live.engine.models.wan_dit import WanDiT
+
+    torch.manual_seed(3)
+    run = tmp_path / "run.safetensors"
+    save_embedded(run, WanDiT(EMBEDDED_DIT), FrameVAE(EMBEDDED_VAE), {"styles": [s.name for s in STYLES]})
+    dit = load_models(load_config("default", [f"model.checkpoint={run}", "model.dtype=float32"])).dit
+    shipped, _, _ = load_embedded(torch.device("cpu"), torch.float32)
+    assert not torch.equal(dit.patch_embedding.weight, shipped.patch_embedding.weight)
+    old = tmp_path / "old.safetensors"
+    save_embedded(old, WanDiT(replace(EMBEDDED_DIT, source_channels=0)), FrameVAE(EMBEDDED_VAE), {})
+    with pytest.raises(EmbeddedWeightsError, match=r"old.safetensors: not weights of the embedded model's layout"
+                                                   r".*size mismatch") as err:
+        load_models(load_config("default", [f"model.checkpoint={old}"]))
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.xfail(strict=True, reason="the shipped model lands toon on sepia film on this clip (mean error 22.6 to "
                    "toon's target, 22.2 to sepia's): docs/embedded-model.md, Metrics and Limits. A better model makes "
                    "this XPASS, which fails: then drop the mark")
