@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from loom_live.engine.models.dit_convert import to_diffusers_key
-from loom_live.engine.models.wan_dit import WanDiT, WanDiTConfig
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig
 
 CFG = WanDiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=16, freq_dim=32)
 
@@ -16,6 +18,19 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
     with torch.no_grad():  # non-trivial values everywhere, norms and modulations included
         for p in model.parameters():
             p.normal_(0, 0.2)
+    return model
+
+
+def refined_model(slots: int = 1, source_channels: int = 0, layers: int = 1) -> WanDiT:
+    """The embedded preset's x0 head and latent refiner on 8 latent channels, the refiner's last layer
+    given values (it starts at zero) so that it takes part."""
+    cfg = replace(DIT_PRESETS["embedded"], num_layers=layers, in_channels=8, out_channels=8, refiner_width=12,
+                  refiner_slots=slots, source_channels=source_channels)
+    torch.manual_seed(0)
+    model = WanDiT(cfg).eval()
+    with torch.no_grad():
+        for p in model.head.refiner.out.parameters():
+            p.normal_(0.0, 0.2)
     return model
 
 

@@ -11,6 +11,7 @@ import torch
 from loom_live.engine.models.frame_vae import FrameVAE, FrameVAEConfig
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.stream.schedule import FlowSchedule
+from tests.fakes.wan_models import refined_model
 
 SMALL = FrameVAEConfig(frame_channels=8, encoder_width=16, decoder_width=16, upsample_width=8)
 
@@ -86,17 +87,6 @@ def test_an_x0_head_gives_the_flow_whose_x0_is_the_head_output(stream):
         raw = run()
     torch.testing.assert_close(FlowSchedule.to_x0(x, flow, (t / 1000).view(2, 1, 1, 1, 1)), raw,
                                atol=1e-5, rtol=1e-5)
-
-
-def refined_model(slots: int = 1) -> WanDiT:
-    cfg = replace(DIT_PRESETS["embedded"], source_channels=0, num_layers=1, in_channels=8, out_channels=8,
-                  refiner_width=12, refiner_slots=slots)
-    torch.manual_seed(0)
-    model = WanDiT(cfg).eval()
-    with torch.no_grad():  # the refiner's last layer starts at zero: give it values so it takes part
-        for p in model.head.refiner.out.parameters():
-            p.normal_(0.0, 0.2)
-    return model
 
 
 @pytest.mark.parametrize("slots", [1, 4])

@@ -12,17 +12,11 @@ import torch
 from loom_live.engine.models.wan_dit import DIT_PRESETS, LatentRefiner, WanDiT
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.schedule import FlowSchedule
+from tests.fakes.wan_models import refined_model
 
 
 def source_model(slots: int = 1) -> WanDiT:
-    cfg = replace(DIT_PRESETS["embedded"], num_layers=2, in_channels=8, out_channels=8, refiner_width=12,
-                  refiner_slots=slots, source_channels=8)
-    torch.manual_seed(0)
-    model = WanDiT(cfg).eval()
-    with torch.no_grad():  # the refiner's last layer starts at zero: give it values so it takes part
-        for p in model.head.refiner.out.parameters():
-            p.normal_(0.0, 0.2)
-    return model
+    return refined_model(slots, source_channels=8, layers=2)
 
 
 def context(model: WanDiT, batch: int) -> torch.Tensor:
