@@ -6,7 +6,9 @@ statistics (its metadata), and its SHA-256 is recorded below so a corrupted or s
 refused at load instead of restyling with the wrong weights. Matrices and convolution kernels are
 stored as int8 with one float16 scale per output channel (half the size of float16, so the package
 stays small; the restyled frames move by well under one grey level on average), everything else
-as float16.
+as float16, and so are the DiT's two input layers that read the source (`FLOAT16_KEYS`): their
+columns meet inputs of different scales, and one int8 scale per output channel, set by the largest
+weight, would round the weights of the rarely large inputs (the edges) to a few levels.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "fd179226b5c6f65efae4a39015b79352dff825d1933345c53f81443553657262"
+WEIGHTS_SHA256 = "13df92e809ff3179052a89d23d8aadaf866ebbfb93a81fe2b020aa79a1871ffe"
+FLOAT16_KEYS = ("dit.patch_embedding.weight", "dit.head.refiner.inp.weight")
 
 
 class EmbeddedWeightsError(RuntimeError):
@@ -60,8 +63,8 @@ def save_embedded(path: str | Path, dit: WanDiT, vae: FrameVAE, meta: dict) -> s
 
 def _pack(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     """A tensor as stored: int8 plus a per-output-channel scale (`key + SCALE_SUFFIX`) for matrices and
-    kernels, float16 for vectors."""
-    if value.ndim < 2:
+    kernels, float16 for vectors and `FLOAT16_KEYS`."""
+    if value.ndim < 2 or key in FLOAT16_KEYS:
         return {key: value.to(torch.float16).contiguous()}
     scale = (value.abs().flatten(1).amax(1).clamp_min(1e-12) / 127.0).to(torch.float16)
     shape = (-1,) + (1,) * (value.ndim - 1)

@@ -42,6 +42,7 @@ from loom_live.host_bridge.wire.params import TRAIN_TIMESTEPS
 
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
+SOURCE_EDGE_VALUES = 64  # a source's edge strength per frame slot: one 8x8 pixel block (`source_edges`)
 
 SelfAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,6 +82,9 @@ class WanDiTConfig:
     # at every noise level, not only what survives the noise: the patch embedding takes them as further
     # input channels (as Wan's image-to-video model takes its condition latents) and so does the refiner.
     source_channels: int = 0
+    # The source also holds the input's edge strength (engine/models/dit_source.py): each frame slot's
+    # 8x8 blocks of it (SOURCE_EDGE_VALUES) beside that slot's clean codes.
+    source_edges: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -101,6 +105,10 @@ class WanDiTConfig:
         if self.source_channels < 0 or self.source_channels % self.refiner_slots:
             raise ValueError(f"source_channels={self.source_channels}: must be >= 0 and divisible by "
                              f"refiner_slots={self.refiner_slots}")
+        edged = self.in_channels + self.refiner_slots * SOURCE_EDGE_VALUES
+        if self.source_edges and self.source_channels != edged:
+            raise ValueError(f"source_edges: source_channels must be in_channels + refiner_slots x "
+                             f"{SOURCE_EDGE_VALUES} = {edged}, got {self.source_channels}")
 
     @property
     def head_dim(self) -> int:
@@ -114,10 +122,11 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     "tiny": WanDiTConfig(dim=128, ffn_dim=512, num_heads=2, num_layers=4),
     # The trained embedded default (engine/models/embedded.py): conditioned on 384-d style vectors; its
     # latents are the frame VAE's (engine/models/frame_vae.py: 4 frames x 96 values per 8x8 block). It reads
-    # the input's clean latents beside the noisy ones, and refines each of a latent's 4 frames alone.
+    # the input's clean latents and edge strength beside the noisy ones, and refines each of a latent's 4
+    # frames alone.
     "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=384, out_channels=384,
                              text_dim=384, text_len=4, prediction="x0", refiner_width=96, refiner_slots=4,
-                             source_channels=384),
+                             source_channels=384 + 4 * SOURCE_EDGE_VALUES, source_edges=True),
 }
 
 

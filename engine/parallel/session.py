@@ -80,6 +80,7 @@ import torch
 from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import load_models
 from loom_live.engine.models.wan_dit import DIT_PRESETS
 from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
@@ -522,8 +523,7 @@ class PipelineSession:
             pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
             z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
         self._count("in", z.shape[2])
-        if self.models.dit.cfg.source_channels:
-            self._chunks[chunk_id].source = z
+        self._chunks[chunk_id].source = dit_source(self.models.dit.cfg, z, pixels)
         # The noise draws in the one-GPU denoiser's order: it drains its stream-batch rows before a
         # sequential chunk or a chunk of another size
         plan, shape = self.slo.plan, tuple(z.shape)

@@ -29,7 +29,7 @@ class InFlight:
     latent: torch.Tensor  # noisy latent [1, C, f, h, w] at the step of the row it sits in
     tag: Any  # whatever the session needs back when the chunk leaves (its input frames, timing)
     control: torch.Tensor | None = None  # VACE control latents of the chunk, beside it at every step
-    source: torch.Tensor | None = None  # the chunk's clean latents, for a model that reads its input (source_channels)
+    source: torch.Tensor | None = None  # what a model that reads its input gets beside the chunk (source_channels)
 
 
 class StreamDenoiser:
@@ -157,6 +157,11 @@ class StreamDenoiser:
             t0 = min(max(t0, lo), self.schedule.train_timesteps - 1)
         return self.schedule.sigma(t0)
 
+    def _source(self, z: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.reads_source:
+            return None
+        return z if given is None else given
+
     def _forward(self, x: torch.Tensor, sigmas: torch.Tensor, first: int, last: int,
                  control: torch.Tensor | None = None, source: torch.Tensor | None = None) -> torch.Tensor:
         """One DiT forward over cache rows [first, last); returns x0 for each row."""
@@ -174,14 +179,15 @@ class StreamDenoiser:
         return self.schedule.to_x0(x.float(), flow.float(), sigmas.float()).to(x.dtype)
 
     def run_sequential(self, z: torch.Tensor, t0: torch.Tensor | float,
-                       control: torch.Tensor | None = None) -> torch.Tensor:
+                       control: torch.Tensor | None = None, source: torch.Tensor | None = None) -> torch.Tensor:
         """Denoise one chunk (with its VACE control latents, if any) through all n rows now; returns its
-        clean latent."""
+        clean latent. `source`: what a model that reads its input gets beside it (engine/models/dit_source.py;
+        default the clean latents z)."""
         if self.in_flight:
             raise RuntimeError("drain the stream-batch pipeline before a sequential chunk")
         sigma0 = self._first_sigma(t0)
         x = self.schedule.add_noise(z, self._noise(z), sigma0)
-        x0, source = z, z if self.reads_source else None
+        x0, source = z, self._source(z, source)
         for i in range(self.n):
             sig = _row_sigma(sigma0 if i == 0 else self._sigmas[i], x)
             x0 = self._forward(x, sig, i, i + 1, control, source)
@@ -190,9 +196,10 @@ class StreamDenoiser:
         return x0
 
     def push_batch(self, z: torch.Tensor | None, t0: torch.Tensor | float, tag: Any,
-                   control: torch.Tensor | None = None) -> list[tuple[torch.Tensor, Any]]:
-        """One stream-batch forward: z (with its VACE control latents, if any) enters row 0 (None to
-        drain); returns chunks that left."""
+                   control: torch.Tensor | None = None, source: torch.Tensor | None = None
+                   ) -> list[tuple[torch.Tensor, Any]]:
+        """One stream-batch forward: z (with its VACE control latents and its source, if any, as in
+        `run_sequential`) enters row 0 (None to drain); returns chunks that left."""
         if z is not None:
             if self.rows[0] is not None:
                 raise RuntimeError("row 0 is occupied")
@@ -201,7 +208,7 @@ class StreamDenoiser:
                 raise RuntimeError("drain the pipeline before changing the chunk shape")
             sigma0 = self._first_sigma(t0)
             self.rows[0] = InFlight(self.schedule.add_noise(z, self._noise(z), sigma0), tag, control,
-                                    z if self.reads_source else None)
+                                    self._source(z, source))
             self._row0_sigma = sigma0
         active = [i for i, r in enumerate(self.rows) if r is not None]
         if not active:

@@ -34,6 +34,7 @@ import torch
 from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
+from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import LoadedModels, load_models
 from loom_live.engine.stream.control import VaceControl
 from loom_live.engine.stream.denoiser import StreamDenoiser
@@ -70,6 +71,7 @@ class _Chunk:
     keep: int | None = None  # a padded chunk: only its first `keep` frames are real inputs
     given: np.ndarray | torch.Tensor | None = None  # VACE: the host's control frames (uint8), if it gave them
     control: torch.Tensor | None = None  # VACE: the chunk's control latents
+    source: torch.Tensor | None = None  # a model that reads its input: what it gets beside the chunk
 
 
 class StreamSession:
@@ -502,13 +504,14 @@ class StreamSession:
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
                 pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
                 c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
+                c.source = dit_source(self.models.dit.cfg, c.latent, pixels)
             if self.control is not None:
                 with self.timer.span("control", len(c.frames)):
                     c.control = self.control.latents(x, c.given)
             if stream is not None:
                 c.ready = torch.cuda.Event()
                 c.ready.record(stream)
-                for t in (c.latent, c.t0, c.control):
+                for t in (c.latent, c.t0, c.control, c.source):
                     if isinstance(t, torch.Tensor):
                         t.record_stream(consumer)
 
@@ -526,10 +529,10 @@ class StreamSession:
         if batch:
             full = d.in_flight + 1 == d.n  # fill forwards run eagerly on fewer rows: not steady state
             with self.timer.span("dit", d.n * k if full else None):
-                out += d.push_batch(c.latent, c.t0, c, c.control)
+                out += d.push_batch(c.latent, c.t0, c, c.control, c.source)
         else:
             with self.timer.span("dit", None if c.first else (k, d.n)):
-                out.append((d.run_sequential(c.latent, c.t0, c.control), c))
+                out.append((d.run_sequential(c.latent, c.t0, c.control, c.source), c))
         self._emit(out)
         if self.cfg.stream.mode == "auto" and not self._held_plan:
             self.slo.decide()

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
 from loom_live.engine.models.frame_vae import BLOCK_VALUES, FrameVAE
 from loom_live.engine.models.wan_dit import WanDiT
@@ -304,25 +305,29 @@ def first_sigma(schedule: FlowSchedule, t0: torch.Tensor, steps: list[int]) -> t
 
 
 def unroll(dit: WanDiT, schedule: FlowSchedule, z: torch.Tensor, t0: list[torch.Tensor], cross, steps: list[int],
-           cfg: RecipeConfig, gen: torch.Generator, on_step=None) -> list[torch.Tensor]:
+           cfg: RecipeConfig, gen: torch.Generator, on_step=None, source: torch.Tensor | None = None
+           ) -> list[torch.Tensor]:
     """Stream the source latents z [B, C, F, h, w] chunk by chunk (2 latents, then 1) through the
     step list, one KV cache per step (sequential mode); returns each chunk's clean latent.
     `cross` is one prompt's CrossKV, or a list of one per chunk (a prompt change mid-stream).
-    `on_step(chunk, step, x0)` sees every step's clean estimate (the training losses)."""
+    `on_step(chunk, step, x0)` sees every step's clean estimate (the training losses). `source`: what
+    a DiT that reads its input gets beside each chunk (`dit_source` of the whole clip; default z)."""
     b, _, f, h, w = z.shape
+    sizes = [2] + [1] * (f - 2)
+    sources = (z if source is None else source).split(sizes, dim=2)
     caches = [dit.new_cache(b, (h, w), num_kv_cache=cfg.num_kv_cache, sink=cfg.sink, rope_policy="refresh",
                             refresh_at=cfg.rope_refresh_at, sink_threshold=cfg.sink_threshold)
               for _ in steps]
     sigmas = [schedule.sigma(s) for s in steps]
     out = []
-    for c, zc in enumerate(z.split([2] + [1] * (f - 2), dim=2)):
-        source = {"source": zc} if dit.cfg.source_channels else {}
+    for c, zc in enumerate(z.split(sizes, dim=2)):
+        given = {"source": sources[c]} if dit.cfg.source_channels else {}
         sigma0 = first_sigma(schedule, t0[c], steps)
         x = schedule.add_noise(zc, noise_like(zc, gen), sigma0)
         for i, cache in enumerate(caches):
             sig = sigma0 if i == 0 else torch.full((b,), sigmas[i], device=z.device)
             flow = dit.forward_stream(x, sig * schedule.train_timesteps, cache,
-                                      cross[c] if isinstance(cross, list) else cross, **source)
+                                      cross[c] if isinstance(cross, list) else cross, **given)
             x0 = schedule.to_x0(x, flow.float(), sig)
             if on_step is not None:
                 on_step(c, i, x0)
@@ -404,6 +409,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         with torch.no_grad():
             z_src = stream_encode(vae, src, cfg.dit_chunks)
             z_tgt = stream_encode(vae, tgt, cfg.dit_chunks)
+            source = dit_source(dit.cfg, z_src, src)
         if switch:
             per_chunk = torch.stack(ctx)  # [B, chunks, L, dim]
             cross = [dit.cross_kv(per_chunk[:, c]) for c in range(cfg.dit_chunks)]
@@ -418,7 +424,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         def on_step(c, i, x0, targets=targets, losses=losses, n=n):
             losses.append((0.5 if i + 1 < n else 1.0) * F.mse_loss(x0, targets[c]))
 
-        out = unroll(dit, schedule, z_src, t0, cross, steps, cfg, gen, on_step)
+        out = unroll(dit, schedule, z_src, t0, cross, steps, cfg, gen, on_step, source)
         loss = torch.stack(losses).sum() / cfg.dit_chunks
         if cfg.pixel_loss:
             k = cfg.pixel_batch
@@ -478,21 +484,35 @@ def load_vae(path: str, device: torch.device) -> FrameVAE:
 
 
 def continue_dit(dit: WanDiT, path: str) -> list[str]:
-    """Load an earlier run's DiT into `dit`. The latent refiner may have changed shape (a new width or
-    slot layout): its weights then start afresh (its last layer at zero, so the DiT starts as the
-    earlier one). The patch embedding may have gained input channels (source latents): the earlier
-    weights fill the first ones and the new ones start at zero, so they change nothing until trained.
-    Any other difference is an error. Returns the names that started afresh or grew."""
+    """Load an earlier run's DiT into `dit`. Its source may have grown (source latents where there were
+    none, or edges beside each frame slot's codes, engine/models/dit_source.py): the patch embedding
+    and the refiner's first layer keep every earlier weight at its input's new place and the new inputs
+    start at zero, so the DiT starts as the earlier one. A refiner of another width or slot layout starts
+    afresh (its last layer at zero: the same). Any other difference is an error. Returns the names that
+    started afresh or grew."""
     from loom_live.engine.models.embedded import read_embedded
 
     state, _, _ = read_embedded(path, check_hash=False)
     own = dit.state_dict()
-    grown = _grow_inputs(state, own, "patch_embedding.weight")
+    cfg = dit.cfg
+    embed, inp = "patch_embedding.weight", "head.refiner.inp.weight"
+    old_source = state[embed].shape[1] - cfg.in_channels if embed in state else cfg.source_channels
+    if not 0 <= old_source <= cfg.source_channels or old_source % cfg.refiner_slots:
+        raise ValueError(f"{path}: its DiT's source of {old_source} channels cannot grow into "
+                         f"{cfg.source_channels}")
+    slots = cfg.refiner_slots
+    old_slot, new_slot = old_source // slots, cfg.source_channels // slots
+    grown = _widen(state, own, embed, _grown_columns(cfg.in_channels, old_slot, new_slot, slots,
+                                                     state[embed].shape[1] if embed in state else 0))
     refiner = "head.refiner."
+    if inp in state and inp in own and old_slot:
+        per = cfg.out_channels // slots
+        grown += _widen(state, own, inp, _grown_columns(2 * per, old_slot, new_slot, 1, state[inp].shape[1]))
     changed = {k for k in set(state) | set(own) if k.startswith(refiner)
                and (k not in state or k not in own or state[k].shape != own[k].shape)}
     if changed:
         state = {k: v for k, v in state.items() if not k.startswith(refiner)}
+        grown = [k for k in grown if not k.startswith(refiner)]
     missing, unexpected = dit.load_state_dict(state, strict=False)
     fresh = sorted(k for k in own if k.startswith(refiner)) if changed else []
     if any(not k.startswith(refiner) for k in missing) or unexpected or (missing and not changed):
@@ -501,15 +521,27 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     return grown + fresh
 
 
-def _grow_inputs(state: dict, own: dict, key: str) -> list[str]:
-    """Widen `state[key]` (in place) to `own[key]`'s input channels, new channels at zero."""
+def _grown_columns(lead: int, old_slot: int, new_slot: int, slots: int, old_width: int) -> torch.Tensor:
+    """Where each of a layer's `old_width` inputs goes when its source part grows: the first `lead`
+    stay, slot s's k-th source input moves to slot s's k-th place in the wider layout, and whatever
+    follows the source moves along by the growth."""
+    cols = torch.arange(old_width)
+    src = (cols >= lead) & (cols < lead + slots * old_slot)
+    k = cols - lead
+    moved = torch.where(src, lead + (k // max(old_slot, 1)) * new_slot + k % max(old_slot, 1),
+                        cols + slots * (new_slot - old_slot))
+    return torch.where(cols < lead, cols, moved)
+
+
+def _widen(state: dict, own: dict, key: str, columns: torch.Tensor) -> list[str]:
+    """Put `state[key]`'s input channels (in place) at `columns` of a zero tensor of `own[key]`'s shape."""
     old, new = state.get(key), own[key]
     if old is None or old.shape == new.shape:
         return []
-    if old.shape[0] != new.shape[0] or old.shape[2:] != new.shape[2:] or old.shape[1] > new.shape[1]:
-        raise ValueError(f"{key}: {tuple(old.shape)} cannot grow into {tuple(new.shape)}")
+    if old.shape[0] != new.shape[0] or old.shape[2:] != new.shape[2:] or int(columns.max()) >= new.shape[1]:
+        return []  # another layout altogether: the caller's shape checks name it
     wide = torch.zeros(new.shape, dtype=old.dtype)
-    wide[:, :old.shape[1]] = old
+    wide[:, columns] = old
     state[key] = wide
     return [key]
 

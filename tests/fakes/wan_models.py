@@ -21,11 +21,11 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
     return model
 
 
-def refined_model(slots: int = 1, source_channels: int = 0, layers: int = 1) -> WanDiT:
+def refined_model(slots: int = 1, source_channels: int = 0, layers: int = 1, edges: bool = False) -> WanDiT:
     """The embedded preset's x0 head and latent refiner on 8 latent channels, the refiner's last layer
     given values (it starts at zero) so that it takes part."""
     cfg = replace(DIT_PRESETS["embedded"], num_layers=layers, in_channels=8, out_channels=8, refiner_width=12,
-                  refiner_slots=slots, source_channels=source_channels)
+                  refiner_slots=slots, source_channels=source_channels, source_edges=edges)
     torch.manual_seed(0)
     model = WanDiT(cfg).eval()
     with torch.no_grad():

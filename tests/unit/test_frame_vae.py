@@ -70,7 +70,8 @@ def test_bad_latent_stats_are_refused_with_the_count_needed():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_x0_head_gives_the_flow_whose_x0_is_the_head_output(stream):
-    cfg = replace(DIT_PRESETS["embedded"], source_channels=0, num_layers=1, in_channels=8, out_channels=8)
+    cfg = replace(DIT_PRESETS["embedded"], source_channels=0, source_edges=False, num_layers=1, in_channels=8,
+                  out_channels=8)
     torch.manual_seed(0)
     model = WanDiT(cfg).eval()
     x = torch.randn(2, 8, 2, 4, 4)
@@ -117,7 +118,7 @@ def test_the_refiner_changes_the_clean_estimate_per_latent_pixel_and_starts_as_t
         torch.testing.assert_close(model(x, t, ctx), plain)
     assert (refined - plain).abs().amax() > 1e-2
     with pytest.raises(ValueError, match="refiner_width"):
-        replace(DIT_PRESETS["embedded"], source_channels=0, prediction="flow")
+        replace(DIT_PRESETS["embedded"], source_channels=0, source_edges=False, prediction="flow")
 
 
 def test_a_slot_refiner_reads_each_frames_own_noisy_code_for_that_frame_only():

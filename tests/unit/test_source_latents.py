@@ -1,15 +1,20 @@
-"""A DiT that reads its input's clean latents beside the noisy ones (`WanDiTConfig.source_channels`):
-streaming equals the block-causal pass, the denoiser gives every chunk its own source in both modes,
+"""A DiT that reads its input's clean latents (and edges) beside the noisy ones
+(`WanDiTConfig.source_channels`, `source_edges`): streaming equals the block-causal pass, the denoiser
+gives every chunk its own source in both modes, each frame slot holds that frame's codes and edges,
 and a missing or misshapen source is refused with what was expected."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import cv2
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from loom_live.engine.models.wan_dit import DIT_PRESETS, LatentRefiner, WanDiT
+from loom_live.engine.models.dit_source import EDGE_GAIN, dit_source, edge_strength
+from loom_live.engine.models.wan_dit import DIT_PRESETS, SOURCE_EDGE_VALUES, LatentRefiner, WanDiT
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.schedule import FlowSchedule
 from tests.fakes.wan_models import refined_model
@@ -68,16 +73,19 @@ def test_a_slot_refiner_reads_each_frames_own_source_code_for_that_frame_only():
     assert diff[3:6].min() > 0 and diff[:3].sum() == 0 and diff[6:].sum() == 0
 
 
-def test_stream_batch_gives_each_chunk_its_own_source_as_sequential_mode_does():
+@pytest.mark.parametrize("edges", [False, True])
+def test_stream_batch_gives_each_chunk_its_own_source_as_sequential_mode_does(edges):
     """In stream-batch mode a forward holds two chunks at different steps; each must be denoised
-    beside its own clean latents. With two steps both modes draw the same noise in the same order,
-    so they agree."""
+    beside its own clean latents (and edges). With two steps both modes draw the same noise in the
+    same order, so they agree."""
     steps = [700, 500]
-    model = source_model(4)
+    model = refined_model(4, 8 + 4 * SOURCE_EDGE_VALUES, layers=2, edges=True) if edges else source_model(4)
     schedule = FlowSchedule(shift=0.25)
     cross = model.cross_kv(context(model, 1))
     torch.manual_seed(2)
-    chunks = [torch.randn(1, 8, 2, 4, 4)] + [torch.randn(1, 8, 1, 4, 4) for _ in range(5)]
+    latents = [torch.randn(1, 8, 2, 4, 4)] + [torch.randn(1, 8, 1, 4, 4) for _ in range(5)]
+    pixels = [torch.rand(1, 3, 5, 32, 32) * 2 - 1] + [torch.rand(1, 3, 4, 32, 32) * 2 - 1 for _ in range(5)]
+    chunks = [(z, dit_source(model.cfg, z, p) if edges else None) for z, p in zip(latents, pixels)]
 
     def denoiser() -> StreamDenoiser:
         cache = model.new_cache(len(steps), (4, 4), num_kv_cache=3, sink=1)
@@ -85,14 +93,47 @@ def test_stream_batch_gives_each_chunk_its_own_source_as_sequential_mode_does():
 
     with torch.no_grad():
         seq = denoiser()
-        want = [seq.run_sequential(z, 650.0) for z in chunks]
+        want = [seq.run_sequential(z, 650.0, source=src) for z, src in chunks]
         bat = denoiser()
-        want_first = bat.run_sequential(chunks[0], 650.0)  # the 2-latent first chunk goes alone
+        want_first = bat.run_sequential(*chunks[0][:1], 650.0, source=chunks[0][1])  # the 2-latent first chunk alone
         got = []
-        for z in chunks[1:]:
-            got += [x0 for x0, _ in bat.push_batch(z, 650.0, None)]
+        for z, src in chunks[1:]:
+            got += [x0 for x0, _ in bat.push_batch(z, 650.0, None, source=src)]
         got += [x0 for x0, _ in bat.drain()]
     torch.testing.assert_close(want_first, want[0])
     assert len(got) == len(chunks) - 1
     for g, w in zip(got, want[1:]):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_the_edges_are_the_line_styles_own_measure():
+    """The edge strength a DiT reads is what the line styles are drawn from (OpenCV on uint8 frames
+    there, float on the device here: within a level's rounding)."""
+    from loom_live.engine.train.styles import _edges, _grey
+
+    frame = np.full((64, 64, 3), 30, np.uint8)
+    cv2.circle(frame, (30, 28), 17, (250, 120, 40), -1)
+    cv2.line(frame, (2, 60), (60, 40), (20, 230, 200), 2)
+    frame = cv2.GaussianBlur(frame, (3, 3), 0)
+    want = _edges(_grey(frame), 5)
+    got = edge_strength(torch.from_numpy(frame).permute(2, 0, 1)[None].float() / 127.5 - 1.0)[0, 0].numpy()
+    assert want.max() > 0.2
+    assert np.abs(got - want).max() < 0.02 and np.abs(got - want).mean() < 0.002
+
+
+def test_each_frame_slot_holds_that_frames_codes_and_edges_and_a_first_chunk_repeats_frame_0():
+    cfg = refined_model(4, 8 + 4 * SOURCE_EDGE_VALUES, edges=True).cfg
+    torch.manual_seed(3)
+    for frames, lead in ((9, 3), (8, 0)):  # a stream's first chunk (1 + 4k frames), then a later one
+        pixels = torch.rand(2, 3, frames, 16, 24) * 2 - 1
+        z = torch.randn(2, 8, (frames + lead) // 4, 2, 3)
+        slots = dit_source(cfg, z, pixels).unflatten(1, (4, 2 + SOURCE_EDGE_VALUES))
+        edges = edge_strength(pixels.transpose(1, 2).flatten(0, 1)).unflatten(0, (2, frames))
+        for f in range(z.shape[2]):
+            for s in range(4):
+                t = max(4 * f + s - lead, 0)
+                torch.testing.assert_close(slots[:, s, :2, f], z[:, 2 * s:2 * s + 2, f])
+                torch.testing.assert_close(slots[:, s, 2:, f], F.pixel_unshuffle(edges[:, t], 8) * EDGE_GAIN)
+    with pytest.raises(ValueError, match=r"source pixels \(1, 3, 6, 16, 24\) do not match latents"):
+        dit_source(cfg, torch.randn(1, 8, 2, 2, 3), torch.rand(1, 3, 6, 16, 24))
+    assert dit_source(replace(cfg, source_channels=0, source_edges=False), z, pixels) is None

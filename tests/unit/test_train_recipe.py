@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.embedded import EMBEDDED_VAE
 from loom_live.engine.models.frame_vae import FrameVAE
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
@@ -27,17 +28,23 @@ def test_unroll_equals_the_sequential_denoiser(steps):
     dit = WanDiT(DIT_PRESETS["embedded"]).eval()
     schedule = FlowSchedule(shift=0.25)
     cfg = recipe.RecipeConfig()
+    with torch.no_grad():
+        for p in dit.parameters():  # the edge and refiner inputs start at zero: make them count
+            p.add_(torch.randn_like(p) * 0.02)
     z = torch.randn(1, DIT_PRESETS["embedded"].in_channels, 5, 4, 4)
+    pixels = torch.rand(1, 3, 17, 32, 32) * 2 - 1  # what z stands for: 5 + 3 x 4 frames
     t0 = [torch.tensor([650.0]), torch.tensor([620.0]), torch.tensor([600.0]), torch.tensor([640.0])]
     ctx = torch.zeros(1, 4, 384)
     ctx[0, 0] = torch.randn(384)
     with torch.no_grad():
         cross = dit.cross_kv(ctx)
-        got = recipe.unroll(dit, schedule, z, t0, cross, steps, cfg, torch.Generator().manual_seed(3))
+        got = recipe.unroll(dit, schedule, z, t0, cross, steps, cfg, torch.Generator().manual_seed(3),
+                            source=dit_source(dit.cfg, z, pixels))
         cache = dit.new_cache(len(steps), (4, 4), num_kv_cache=cfg.num_kv_cache, sink=cfg.sink,
                               refresh_at=cfg.rope_refresh_at, sink_threshold=cfg.sink_threshold)
         den = StreamDenoiser(dit, cache, cross, steps, schedule, torch.Generator().manual_seed(3))
-        want = [den.run_sequential(zc, float(t[0])) for zc, t in zip(z.split([2, 1, 1, 1], dim=2), t0)]
+        chunks = zip(z.split([2, 1, 1, 1], dim=2), pixels.split([5, 4, 4, 4], dim=2), t0)
+        want = [den.run_sequential(zc, float(t[0]), source=dit_source(dit.cfg, zc, pc)) for zc, pc, t in chunks]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
 
@@ -148,7 +155,7 @@ def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_star
     the earlier one did without its refiner (new input channels and the refiner's last layer at zero)."""
     from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
 
-    earlier = replace(EMBEDDED_DIT, source_channels=0, refiner_slots=1, refiner_width=16)
+    earlier = replace(EMBEDDED_DIT, source_channels=0, source_edges=False, refiner_slots=1, refiner_width=16)
     torch.manual_seed(0)
     old = WanDiT(earlier).eval()
     with torch.no_grad():
@@ -165,12 +172,44 @@ def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_star
     ctx = torch.randn(1, EMBEDDED_DIT.text_len, EMBEDDED_DIT.text_dim)
     with torch.no_grad():
         stored.head.refiner = None  # the earlier DiT without its refiner is what the new one starts as
-        torch.testing.assert_close(new(x, t, ctx, source=torch.randn_like(x)), stored(x, t, ctx),
-                                   atol=1e-4, rtol=1e-4)
+        source = torch.randn(1, EMBEDDED_DIT.source_channels, 1, 4, 4)
+        torch.testing.assert_close(new(x, t, ctx, source=source), stored(x, t, ctx), atol=1e-4, rtol=1e-4)
     save_embedded(path, new, FrameVAE(EMBEDDED_VAE), {})
     assert recipe.continue_dit(WanDiT(EMBEDDED_DIT), str(path)) == []  # same shape: everything kept
     with pytest.raises(ValueError, match="does not fit"):
         recipe.continue_dit(WanDiT(replace(EMBEDDED_DIT, num_layers=3)), str(path))
+
+
+def test_a_dit_that_read_latents_alone_goes_on_with_edges_beside_them_and_starts_as_it_was(tmp_path):
+    """The last layout (each frame slot's codes as its source) grown into codes and edges per slot:
+    every earlier weight, the refiner's included, keeps its input, so whatever the edges are the new
+    DiT gives the earlier one's output; and it learns from them (their weights get a gradient)."""
+    from loom_live.engine.models.dit_source import dit_source
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
+
+    earlier = replace(EMBEDDED_DIT, source_channels=EMBEDDED_DIT.in_channels, source_edges=False)
+    torch.manual_seed(0)
+    old = WanDiT(earlier).eval()
+    with torch.no_grad():
+        for p in old.head.refiner.out.parameters():
+            p.normal_(0.0, 0.1)
+    path = tmp_path / "old.safetensors"
+    save_embedded(path, old, FrameVAE(EMBEDDED_VAE), {})
+    stored = WanDiT(earlier).eval()
+    stored.load_state_dict({k: v.float() for k, v in read_embedded(path, check_hash=False)[0].items()})
+    new = WanDiT(EMBEDDED_DIT).eval()
+    assert recipe.continue_dit(new, str(path)) == ["patch_embedding.weight", "head.refiner.inp.weight"]
+    pixels = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    z = FrameVAE(EMBEDDED_VAE).eval().encode_stream(pixels, FrameVAE(EMBEDDED_VAE).new_stream_state())
+    x, t = torch.randn_like(z), torch.tensor([600.0])
+    ctx = torch.randn(1, EMBEDDED_DIT.text_len, EMBEDDED_DIT.text_dim)
+    with torch.no_grad():
+        want = stored(x, t, ctx, source=z)
+        torch.testing.assert_close(new(x, t, ctx, source=dit_source(new.cfg, z, pixels)), want, atol=1e-4, rtol=1e-4)
+    new.train()
+    new(x, t, ctx, source=dit_source(new.cfg, z, pixels.flip(-1))).square().mean().backward()
+    edge_cols = new.patch_embedding.weight.grad[:, EMBEDDED_DIT.in_channels + 96:EMBEDDED_DIT.in_channels + 160]
+    assert edge_cols.abs().sum() > 0
 
 
 def test_the_temporal_loss_sees_a_jump_between_chunks_that_per_frame_errors_hide():
