@@ -227,6 +227,7 @@ class FrameWorker:
                 elif kind == "reference":
                     self.session.set_reference(_reference(msg))
                 elif kind == "reset":
+                    self._drop_waiting_inputs()
                     self.session.reset()
                     self._seqs.clear()
                     self._paced.clear()
@@ -248,6 +249,16 @@ class FrameWorker:
                 self._new_stream(text)
                 if self.stop:
                     return
+
+    def _drop_waiting_inputs(self) -> None:
+        """Frames the host sent before a reset belong to the stream it ends (a cancelled batch, say): a
+        busy worker may not have taken them yet, and pushed after the reset they would open the new
+        stream. Their notices, those still on the lane included, are released as dropped."""
+        self._read_lane(0.0)
+        while self.inputs:
+            slot, _, gen, _, _ = self.inputs.popleft()
+            self._release_in(slot, gen, dropped=True)
+            self.counts["dropped"] += 1
 
     def _next_input(self, take: bool = True) -> tuple | None:
         """The oldest input that can be processed now (peek with take=False). Notices of an older

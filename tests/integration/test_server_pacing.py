@@ -5,6 +5,7 @@ The server runs in a thread of this process, serving on loopback tcp; the Bridge
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -251,4 +252,46 @@ def test_an_engine_whose_frame_worker_dies_exits_rather_than_idle_on():
         assert s.exit_code == [1]
         assert "frame worker failed: RuntimeError: CUDA error" in s.bridge.stats()["last_error"]
     finally:
+        s.close()
+
+
+class GatedSession(ChunkSession):
+    """Blocks in push while `gate` is clear (a busy worker); records (resets so far, frame value) per push."""
+
+    gate = threading.Event()
+    pushes: list[tuple[int, int]] = []
+    resets = 0
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        GatedSession.pushes.append((GatedSession.resets, int(frames[0, 0, 0, 0])))
+        GatedSession.gate.wait(10)
+        return super().push(frames)
+
+    def reset(self):
+        GatedSession.resets += 1
+        super().reset()
+
+
+def test_frames_sent_before_a_reset_do_not_open_the_new_stream():
+    """A cancelled batch's frames still waiting in a busy engine belong to the stream the reset ends:
+    dropped, not pushed after it (where they would change the next run's first chunk)."""
+    GatedSession.gate.clear()
+    GatedSession.pushes, GatedSession.resets = [], 0
+    s = _Served(GatedSession)
+    try:
+        bridge = s.bridge
+        bridge.submit(np.full((16, 24, 3), 1, np.uint8))
+        assert wait_until(lambda: GatedSession.pushes, 10, 0.01)  # the worker is busy with frame 1
+        for i in (2, 3):
+            bridge.submit(np.full((16, 24, 3), i, np.uint8))
+        bridge.reset()
+        assert wait_until(lambda: not s.server.worker.commands.empty(), 10, 0.01)
+        GatedSession.gate.set()
+        assert wait_until(lambda: GatedSession.resets == 1, 10, 0.01)
+        bridge.submit(np.full((16, 24, 3), 4, np.uint8))
+        assert wait_until(lambda: any(v == 4 for _, v in GatedSession.pushes), 10, 0.01)
+        assert [v for r, v in GatedSession.pushes if r >= 1] == [4]
+        assert wait_until(lambda: bridge.stats()["engine"].get("dropped", 0) >= 1, 5, 0.02)
+    finally:
+        GatedSession.gate.set()
         s.close()
