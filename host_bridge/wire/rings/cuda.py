@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.host_bridge.wire.handoff_marks import MARKS, TimedCalls
 from loom_live.host_bridge.wire.protocol import RingSpec
 from loom_live.host_bridge.wire.rings.base import Ring, TransportUnavailable, packed_pitch
 
@@ -32,6 +33,16 @@ except ImportError:  # pragma: no cover - depends on the install
 
 IPC_HANDLE_BYTES = 64
 PITCH_ALIGN = 256  # row alignment of slots: coalesced copies
+
+
+def time_calls() -> None:
+    """With handoff marks on (a breakdown run), every CUDA runtime call below is timed under its step."""
+    global cudart
+    if cudart is not None and MARKS.enabled and not isinstance(cudart, TimedCalls):
+        cudart = TimedCalls(cudart, MARKS)
+
+
+time_calls()
 
 
 def cuda_available() -> tuple[bool, str]:
