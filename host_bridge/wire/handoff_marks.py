@@ -118,7 +118,7 @@ class TimedCalls:
 def _stats_us(values: list[int] | np.ndarray) -> dict[str, float]:
     us = np.asarray(values, np.float64) / 1000.0
     return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
-            "mean_us": float(us.mean()), "n": int(len(us))}
+            "mean_us": float(us.mean()), "min_us": float(us.min()), "n": int(len(us))}
 
 
 def step_table(frames: list[dict[str, int]], path: list[str]) -> list[dict[str, Any]]:
