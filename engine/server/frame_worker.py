@@ -370,11 +370,14 @@ class FrameWorker:
             if ring is not self.ring_in or out is not self.ring_out:
                 return True
             MARKS.mark(seq, "engine.copy")
-            ring.copy_to(slot, out, out_slot)
+            ring.copy_to(slot, out, out_slot, wait=False)  # the host's read waits for it on the GPU
         self.counts["frames_in"] += 1
         MARKS.mark(seq, "engine.publish")
         self._publish(out_slot, seq, out, [])  # first: the host is waiting for this one
         MARKS.mark(seq, "engine.release")
+        with self.lock:  # the input slot is handed back only once read (a closed ring waited as it closed)
+            if out is self.ring_out:
+                out.wait_writes()
         self._release_in(slot, ring.spec.generation)
         MARKS.mark(seq, "engine.done")
         return True
