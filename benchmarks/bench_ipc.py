@@ -15,6 +15,10 @@ Any machine (shm transport, numpy RGBA host frames, which the bridge hands over 
     python benchmarks/bench_ipc.py --transport shm --size 1920x1080 --frames 300 --fps 60
 CPU smoke run (shm transport, tiny frames):
     python benchmarks/bench_ipc.py --smoke --json /tmp/bench_ipc.json
+
+`--breakdown` also says where each handoff's time goes: both processes stamp each frame's steps
+(`host_bridge.wire.handoff_marks`) and time every CUDA runtime call of the rings, and the tables give
+each step's and each call's median and p99 (the stamping itself adds a few microseconds per frame).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from loom_live.engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
+from loom_live.host_bridge.wire import handoff_marks  # noqa: E402
 
 SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
 SMOKE_SIZES = {"64x48": (64, 48), "128x96": (128, 96)}
@@ -95,12 +101,15 @@ def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
 
 def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
     buf = DeviceBuffers(w, h)
-    handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup)
+    seqs = {}
+    with _seqs(bridge, warmup, seqs, "handoff"):
+        handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup)
     assert buf.equal(), "round trip changed the frame"
-    out = {"handoff": handoff}
+    out = {"handoff": handoff, "seqs": seqs}
     if paced[0]:
-        out["handoff_paced"] = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8",
-                                              paced[0], warmup, period_s=paced[1])
+        with _seqs(bridge, warmup, seqs, "handoff_paced"):
+            out["handoff_paced"] = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8",
+                                                  paced[0], warmup, period_s=paced[1])
     baseline = [buf.copy_once() for _ in range(frames)]
     return {**out, "device_copy": percentiles(baseline),
             "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
@@ -108,11 +117,14 @@ def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
 
 def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
     src = np.random.default_rng(0).integers(0, 256, (h, w, 4), dtype=np.uint8)  # RGBA, as hosts hand it
-    handoff, out = handoff_host(bridge, src, frames, warmup)
+    seqs = {}
+    with _seqs(bridge, warmup, seqs, "handoff"):
+        handoff, out = handoff_host(bridge, src, frames, warmup)
     assert np.array_equal(out, src[:, :, :3]), "round trip changed the frame"
-    result = {"handoff": handoff}
+    result = {"handoff": handoff, "seqs": seqs}
     if paced[0]:
-        result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1])[0]
+        with _seqs(bridge, warmup, seqs, "handoff_paced"):
+            result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1])[0]
     baseline = []
     for _ in range(frames):
         c0 = time.perf_counter()
@@ -142,6 +154,60 @@ def copies_floor_shm(src: np.ndarray, frames: int) -> dict:
     return percentiles(samples)
 
 
+class _seqs:
+    """Notes the sequence numbers of a run's measured frames (after its warm-up) under `key`."""
+
+    def __init__(self, bridge: Bridge, warmup: int, into: dict, key: str):
+        self.bridge, self.warmup, self.into, self.key = bridge, warmup, into, key
+
+    def __enter__(self) -> None:
+        self.first = self.bridge.last_seq + 1 + self.warmup
+
+    def __exit__(self, *exc: object) -> None:
+        self.into[self.key] = [self.first, self.bridge.last_seq]
+
+
+def breakdown(results: dict, marks_dir: Path) -> dict:
+    """Per size and run: each step's time (both processes' stamps merged per frame) and each CUDA call's."""
+    host = handoff_marks.MARKS.as_dict()
+    engines = handoff_marks.load_dumps(marks_dir, "engine")
+    engine = engines[-1] if engines else {"frames": {}, "calls": {}}
+    frames = handoff_marks.merge_frames(host["frames"], engine["frames"])
+    out: dict = {"engine_stamps": bool(engines)}
+    for name, r in results["sizes"].items():
+        for run, (first, last) in r["seqs"].items():
+            seqs = range(first, last + 1)
+            picked = [frames[str(q)] for q in seqs if str(q) in frames]
+            out[f"{name} {run}"] = {
+                "steps": handoff_marks.step_table(picked, list(handoff_marks.HANDOFF_PATH)),
+                "aside": [row for a, b in handoff_marks.ASIDE for row in handoff_marks.step_table(picked, [a, b])],
+                "host_calls": handoff_marks.call_table(host["calls"], seqs),
+                "engine_calls": handoff_marks.call_table(engine["calls"], seqs),
+            }
+    return out
+
+
+def print_breakdown(parts: dict) -> None:
+    if not parts["engine_stamps"]:
+        print("\n(no engine stamps came back: the engine did not exit cleanly; host steps only)")
+    for run, tables in parts.items():
+        if run == "engine_stamps":
+            continue
+        print(f"\nwhere the handoff goes, {run} (us; a step runs from its point to the next)")
+        print(f"{'step':>44} {'p50':>9} {'p99':>9} {'n':>6}")
+        for row in tables["steps"]:
+            print(f"{row['step']:>44} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['n']:6d}")
+        total = sum(row["p50_us"] for row in tables["steps"])
+        print(f"{'sum of the medians':>44} {total:9.1f}")
+        for row in tables["aside"]:
+            print(f"{'(beside it) ' + row['step']:>44} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['n']:6d}")
+        for side in ("host_calls", "engine_calls"):
+            if tables[side]:
+                print(f"{side.replace('_', ' ') + ' (step, CUDA call)':>44}")
+            for row in tables[side]:
+                print(f"{row['call']:>44} {row['p50_us']:9.1f} {row['p99_us']:9.1f} {row['n']:6d}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU run over shm with tiny frames")
@@ -155,6 +221,8 @@ def main() -> int:
     ap.add_argument("--fps", type=float, default=0.0, help="also measure a frame every 1/FPS s (a host frame loop)")
     ap.add_argument("--paced-frames", type=int, default=300, help="measured frames per size at --fps")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each step and CUDA call of a handoff in both processes (median, p99)")
     args = ap.parse_args()
     if args.fps < 0 or args.paced_frames < 1:
         ap.error("--fps must be >= 0 and --paced-frames >= 1")
@@ -168,6 +236,12 @@ def main() -> int:
     transport = args.transport or ("shm" if args.smoke else "cuda-ipc")
     if args.smoke and transport != "shm":
         ap.error("--smoke runs over shm; leave out --transport or give --transport shm")
+    marks_dir = None
+    if args.breakdown:  # before the engine starts: it inherits the setting
+        marks_dir = Path(tempfile.mkdtemp(prefix="loom-handoff-"))
+        handoff_marks.enable(marks_dir)
+        from loom_live.host_bridge.wire.rings import cuda as cuda_rings
+        cuda_rings.time_calls()
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
     results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
                      "sizes": {}}
@@ -177,6 +251,8 @@ def main() -> int:
             run = bench_cpu if transport == "shm" else bench_gpu
             results["sizes"][name] = run(bridge, w, h, frames, args.warmup, paced)
         results["bridge_stats"] = bridge.stats()
+    if marks_dir is not None:  # the engine wrote its stamps as it exited
+        results["breakdown"] = breakdown(results, marks_dir)
     base_key = "host_copy" if transport == "shm" else "device_copy"
     print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
     paced_head = f" {f'@{args.fps:g}fps p50':>12} {'p99':>9}" if paced[0] else ""
@@ -190,6 +266,8 @@ def main() -> int:
     print("handoff: submit -> output back in the caller's buffer through a pass-through engine process, back to "
           f"back{f' and one frame every {1000 / args.fps:.1f} ms' if paced[0] else ''}; "
           f"{base_key}: one copy of the same bytes; copies: the bridge's own copies without messaging")
+    if marks_dir is not None:
+        print_breakdown(results["breakdown"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

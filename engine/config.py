@@ -114,6 +114,9 @@ class StreamConfig:
                                       doc="chunks a push may leave running on the GPU; 1 lets the next chunk's "
                                           "encode overlap this one's denoise and decode, 0 = each push "
                                           "returns its own frames")
+    decode_priority: bool = spec(True, doc="run the decode (the output a viewer waits for) on the highest-priority "
+                                           "CUDA stream; off: every stream at the default priority, to compare, or "
+                                           "where the denoise bounds the frame rate and must not yield SMs to it")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

@@ -42,6 +42,7 @@ from loom_live.host_bridge.newest_frames import DeviceFrame, NewestFrames, check
 from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
 from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make
 
@@ -170,6 +171,7 @@ class Bridge:
                 if self._shrinker.offer(frame, layout, seq, now):
                     self._stats.counts["dropped"] += 1
                 return False
+            MARKS.mark(seq, "host.stage")
             return self._hand_over(converted, layout, seq, now)
 
     def _with_control(self, frame: np.ndarray, converted: np.ndarray, control: np.ndarray | None,
@@ -286,6 +288,7 @@ class Bridge:
             if control is not None or self._gives_control:
                 self._gives_control = True
                 control = self._device_control(control, (width, height, channels, dtype))
+            MARKS.mark(seq, "host.stage")
             self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream,
                                       None if control is None else (control.ptr, control.pitch))
             self._set_pending(seq, None, now)
@@ -729,12 +732,15 @@ class Bridge:
         if ring is None or msg["gen"] != ring.spec.generation:
             self._stats.counts["stale"] += 1
             return
+        MARKS.mark(msg["seq"], "host.output_notice")
         try:
             frame = self._frames.read_output(ring, msg["slot"], payload, self.config.transport == "cuda-ipc")
         except (ValueError, RuntimeError) as exc:
             link.lane.refuse(f"output frame: {exc}")
             return
+        MARKS.mark(msg["seq"], "host.output_release")
         link.release_output(msg["slot"], msg["gen"])
+        MARKS.mark(msg["seq"], "host.notify")
         self._stats.received(msg["seq"], time.monotonic())
         self._frames.set_newest(frame, msg["seq"], link.id)
         if self._collect is not None:

@@ -23,6 +23,7 @@ from loom_live.host_bridge.launcher import EngineProcess
 from loom_live.host_bridge.wire.channel import Channel, CurveClient, EndpointError, PrivateEndpoint, SharedSecret
 from loom_live.host_bridge.wire.doorbell import Doorbell
 from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_endpoint_for
+from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.protocol import TRANSPORTS, make
 from loom_live.host_bridge.wire.rings import Ring, SlotTracker, create_ring
 
@@ -155,6 +156,7 @@ class Link:
         slot = self.in_tracker.acquire()
         if slot is None:
             return False
+        MARKS.mark(seq, "host.slot_copy")
         try:
             if frame is None:
                 self._copy_staged(slot, staging, control_staging if control else None)
@@ -165,6 +167,7 @@ class Link:
             self.in_tracker.unacquire(slot)
             raise
         self.in_tracker.publish(slot)
+        MARKS.mark(seq, "host.notice")
         self.lane.send_frame(slot, seq, self.generation, payload, control=bool(control))
         return True
 

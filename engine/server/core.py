@@ -47,6 +47,8 @@ from loom_live.host_bridge.wire.channel import (
 from loom_live.host_bridge.wire.doorbell import Doorbell, DoorbellError
 from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR
 from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address, lane_endpoint_for
+from loom_live.host_bridge.wire.handoff_marks import ENV as MARKS_ENV
+from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.processes import pid_alive
 from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
 from loom_live.host_bridge.wire.rings import TransportUnavailable, attach_ring
@@ -122,6 +124,7 @@ class EngineServer:
 
     def run(self) -> int:
         self._install_signals()
+        MARKS.role = "engine"
         try:
             if self._connect:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
@@ -133,10 +136,18 @@ class EngineServer:
             return 128 + self.stop_signal if self.stop_signal and code == 0 else code
         finally:
             self._end_session(remove=False, join_s=EXIT_JOIN_S)
+            if MARKS.enabled:  # a handoff breakdown run: the benchmark reads this side's stamps
+                self._dump_marks()
             if self.channel is not None:
                 self.channel.poll(0)  # what is still queued (the worker's last error, a bye) goes out...
                 self.channel.close(linger_s=LAST_WORDS_S)  # ...and gets a moment to reach the host
             self._ctx.term()
+
+    def _dump_marks(self) -> None:
+        try:
+            log.info("handoff marks written to %s", MARKS.dump(os.environ[MARKS_ENV]))
+        except (OSError, RuntimeError) as exc:  # a worker still stamping (it outlived the join), a full disk
+            log.warning("handoff marks not written: %s: %s", type(exc).__name__, exc)
 
     def _launch_guard(self) -> SharedSecret | None:
         """Launched on tcp: the host checks our launch token before it connects us (any local process can

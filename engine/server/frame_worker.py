@@ -33,6 +33,7 @@ from loom_live.engine.session_api import EngineSession
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.doorbell import Doorbell
 from loom_live.host_bridge.wire.frame_lane import FrameLane
+from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.protocol import MAX_SLOTS, make
 from loom_live.host_bridge.wire.rings import Ring, SlotTracker
 
@@ -130,6 +131,7 @@ class FrameWorker:
 
     def _take_notice(self, msg: dict[str, Any], payload: list[bytes]) -> None:
         if msg["type"] == "frame":
+            MARKS.mark(msg["seq"], "engine.notice")
             if len(self.inputs) >= MAX_SLOTS:
                 self.lane.refuse(f"frame notice for slot {msg['slot']}: more notices waiting than a ring has slots")
                 return
@@ -378,10 +380,17 @@ class FrameWorker:
         with self.lock:
             if ring is not self.ring_in or out is not self.ring_out:
                 return True
-            ring.copy_to(slot, out, out_slot)
+            MARKS.mark(seq, "engine.copy")
+            ring.copy_to(slot, out, out_slot, wait=False)  # the host's read waits for it on the GPU
         self.counts["frames_in"] += 1
+        MARKS.mark(seq, "engine.publish")
         self._publish(out_slot, seq, out, [])  # first: the host is waiting for this one
+        MARKS.mark(seq, "engine.release")
+        with self.lock:  # the input slot is handed back only once read (a closed ring waited as it closed)
+            if out is self.ring_out:
+                out.wait_writes()
         self._release_in(slot, ring.spec.generation)
+        MARKS.mark(seq, "engine.done")
         return True
 
     def _queue_output(self, seq: int, frame: np.ndarray) -> None:

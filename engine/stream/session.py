@@ -37,6 +37,7 @@ from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import LoadedModels, load_models
 from loom_live.engine.stream.control import VaceControl
+from loom_live.engine.stream.cuda_streams import session_streams
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
@@ -93,12 +94,12 @@ class StreamSession:
         # it, an unseen shape (new size, rare plan) runs eagerly: a compile would stall the stream.
         self._compile_stance = "default"
         cuda = self.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.device) if cuda else None
-        self._denoise_stream = torch.cuda.Stream(self.device) if cuda else None
         # low_vram runs the stages one after another: decode on the denoise stream (one memory pool for
         # both: streams do not share cached memory) and no chunk left running, so their memory never coexists
+        streams = session_streams(self.device, separate_decode=not cfg.memory.low_vram,
+                                  decode_priority=cfg.stream.decode_priority)
+        self._side, self._denoise_stream, self._decode_stream = streams.side, streams.denoise, streams.decode
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
-        self._decode_stream = torch.cuda.Stream(self.device) if cuda and not cfg.memory.low_vram else None
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),

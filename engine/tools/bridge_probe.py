@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.wire.handoff_marks import MARKS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine/tools/ -> the checkout
 ANSWER_TIMEOUT_S = 10.0  # a pass-through engine answers in milliseconds; this only catches a dead one
@@ -38,6 +39,14 @@ def _wait(bridge: Bridge, i: int) -> None:
         raise RuntimeError(f"bridge probe: no output for frame {i}: {bridge.status()}")
 
 
+def _submitted(bridge: Bridge, t0_ns: int) -> int:
+    """The frame just submitted; with handoff marks on, stamped as submitted at `t0_ns` and now waited for."""
+    seq = bridge.last_seq
+    MARKS.mark(seq, "host.submit", t0_ns)
+    MARKS.mark(seq, "host.wait")
+    return seq
+
+
 def _pace(t0: float, period_s: float) -> None:
     """A host frame loop: the next frame comes `period_s` after this one began (0: at once)."""
     rest = period_s - (time.perf_counter() - t0)
@@ -51,13 +60,16 @@ def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int,
     returns the timings and the last output."""
     samples, out = [], None
     for i in range(frames + warmup):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         bridge.submit(frame)
+        seq = _submitted(bridge, t0)
         _wait(bridge, i)
+        MARKS.mark(seq, "host.latest")
         out, _ = bridge.latest()
+        MARKS.mark(seq, "host.done")
         if i >= warmup:
-            samples.append(time.perf_counter() - t0)
-        _pace(t0, period_s)
+            samples.append((time.perf_counter_ns() - t0) / 1e9)
+        _pace(t0 / 1e9, period_s)
     return percentiles(samples), out
 
 
@@ -67,13 +79,16 @@ def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width
     every `period_s` (0: back to back)."""
     samples = []
     for i in range(frames + warmup):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype)
+        seq = _submitted(bridge, t0)
         _wait(bridge, i)
+        MARKS.mark(seq, "host.latest")
         bridge.latest_cuda(dst_ptr, pitch)
+        MARKS.mark(seq, "host.done")
         if i >= warmup:
-            samples.append(time.perf_counter() - t0)
-        _pace(t0, period_s)
+            samples.append((time.perf_counter_ns() - t0) / 1e9)
+        _pace(t0 / 1e9, period_s)
     return percentiles(samples)
 
 

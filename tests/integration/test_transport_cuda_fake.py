@@ -144,3 +144,39 @@ def _session_control(bridge: Bridge) -> dict:
     """What the pass-through session recorded, in order with the frames before (a request it answers)."""
     bridge.set_params(noise_scale=0.5, wait=True)
     return bridge.engine_report(refresh=True)["session"]["control"]
+
+
+class _OrderLane:
+    """A lane that notes what the worker sends, and the CUDA calls made between the sends."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def send_frame(self, slot, seq, gen, payload=(), control=False):
+        self.log.append(("frame", slot))
+
+    def send_release(self, slot, gen, dropped=False):
+        self.log.append(("release", slot))
+
+
+def test_passthrough_publishes_before_it_waits_and_releases_after(fake, monkeypatch):
+    """The engine's slot-to-slot copy: the output notice goes as soon as the copy is queued (the host's read
+    waits on the slot's event), the input slot goes back only after the copy's stream is synchronised."""
+    log: list = []
+    real_sync = fake.cudaStreamSynchronize
+    monkeypatch.setattr(fake, "cudaStreamSynchronize", lambda s: (log.append(("sync", int(s))), real_sync(s))[1])
+    kw = dict(transport="cuda-ipc", slots=2, width=4, height=3, channels=4, dtype="uint8", generation=0)
+    ring_in, ring_out = tc.CudaRing.create(dir="in", **kw), tc.CudaRing.create(dir="out", **kw)
+    frame = np.arange(48, dtype=np.uint8).reshape(3, 4, 4)
+    ring_in.write(1, frame)
+    worker = FrameWorker(PassthroughSession, lambda *a: True, _OrderLane(log))
+    worker.session = PassthroughSession()
+    worker._install(ring_in)
+    worker._install(ring_out)
+    log.clear()
+    assert worker._raw_copy(ring_in, 1, seq=9)
+    out_slot = log[0][1]
+    assert log == [("frame", out_slot), ("sync", int(ring_out.stream)), ("release", 1)]
+    assert np.array_equal(ring_out.read(out_slot, []), frame)
+    for r in (ring_in, ring_out):
+        r.close()

@@ -58,9 +58,14 @@ class Ring(ABC):
     def close(self) -> None:
         """Detach; the owner also removes the shared memory. Safe to call twice."""
 
-    def copy_to(self, slot: int, other: Ring, other_slot: int) -> None:
-        """Copy `slot` into `other_slot` of `other` (same kind and layout) without a frame array."""
+    def copy_to(self, slot: int, other: Ring, other_slot: int, *, wait: bool = True) -> None:
+        """Copy `slot` into `other_slot` of `other` (same kind and layout) without a frame array; `wait`
+        false: return once the copy is queued (`other.wait_writes()` then says when `slot` was read)."""
         raise NotImplementedError(f"{type(self).__name__} cannot copy slots; check `copies_slots` first")
+
+    def wait_writes(self) -> None:
+        """Return when every copy into this ring queued without waiting is done (host memory: at once)."""
+        return None  # host-memory copies are done when `copy_to` returns
 
     def remove(self) -> None:
         """Remove shared resources even when not the owner (the owner died); by default, just close."""

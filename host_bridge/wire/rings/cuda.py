@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.host_bridge.wire.handoff_marks import MARKS, TimedCalls
 from loom_live.host_bridge.wire.protocol import RingSpec
 from loom_live.host_bridge.wire.rings.base import Ring, TransportUnavailable, packed_pitch
 
@@ -32,6 +33,16 @@ except ImportError:  # pragma: no cover - depends on the install
 
 IPC_HANDLE_BYTES = 64
 PITCH_ALIGN = 256  # row alignment of slots: coalesced copies
+
+
+def time_calls() -> None:
+    """With handoff marks on (a breakdown run), every CUDA runtime call below is timed under its step."""
+    global cudart
+    if cudart is not None and MARKS.enabled and not isinstance(cudart, TimedCalls):
+        cudart = TimedCalls(cudart, MARKS)
+
+
+time_calls()
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -207,13 +218,20 @@ class CudaRing(Ring):
                                        cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s), "cudaMemcpy2DAsync")
         check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
-    def copy_to(self, slot: int, other: CudaRing, other_slot: int, first_row: int = 0) -> None:
+    def copy_to(self, slot: int, other: CudaRing, other_slot: int, first_row: int = 0, *, wait: bool = True) -> None:
         """Slot to slot on the GPU (the pass-through engine; a staged frame into an input slot, or into one
-        half of a control ring's slot from `first_row` on): waits on this slot's event, records other's."""
+        half of a control ring's slot from `first_row` on): waits on this slot's event, records other's.
+        `wait` false: returns once queued; a reader of `other` orders itself by the recorded event, and
+        `other.wait_writes()` says when this slot has been read (before it is handed back)."""
         if other.spec.row_bytes != self.spec.row_bytes:
             raise ValueError(f"slot rows of {self.spec.row_bytes} bytes do not fit rows of {other.spec.row_bytes}")
         other.write_device(other_slot, self.ptrs[slot], self.spec.pitch, wait_event=self.events[slot],
-                           first_row=first_row, rows=self.spec.height)
+                           first_row=first_row, rows=self.spec.height, sync=wait)
+
+    def wait_writes(self) -> None:
+        """Return when the copies queued on this ring's own stream are done."""
+        check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
     # -- host arrays (for hosts without device memory of their own, and tests) --------------------------
 

@@ -149,7 +149,7 @@ class ShmRing(Ring):
         self.check_slot(slot)
         return self._views[slot].copy()
 
-    def copy_to(self, slot: int, other: ShmRing, other_slot: int) -> None:
+    def copy_to(self, slot: int, other: ShmRing, other_slot: int, *, wait: bool = True) -> None:
         """Slot to slot (the pass-through engine between two rings of the same layout), no frame array."""
         self.check_slot(slot)
         other.check_slot(other_slot)

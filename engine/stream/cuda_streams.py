@@ -1,0 +1,57 @@
+"""The stream session's CUDA streams, and the priority of the one a viewer waits on.
+
+A session overlaps three kinds of work: the encode of the next chunk (side stream), the denoise
+of this one and the decode of the one before. Only the decode's output is what someone is
+waiting to see; the encode and the denoise feed chunks that leave later. So the decode stream
+is created at the highest priority torch offers: when SMs free up, the block scheduler hands
+them to the decode's waiting blocks before the other streams' (a hint: running blocks are not
+preempted and the total work does not change). CUDA graphs replayed on the decode stream take
+its priority (graphs are not instantiated with per-node priorities here).
+
+On a CPU there are no streams; with `memory.low_vram` the decode runs on the denoise stream
+(one memory pool), so there is no decode stream to raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_PRIORITY = 0  # CUDA's and torch's default: lower numbers are higher priorities
+
+
+@dataclass(frozen=True)
+class SessionStreams:
+    """The session's streams; None where the work runs on the caller's (or the denoise) stream."""
+
+    side: torch.cuda.Stream | None
+    denoise: torch.cuda.Stream | None
+    decode: torch.cuda.Stream | None
+
+
+def highest_priority() -> int:
+    """The highest stream priority torch's stream pools serve on this device (a negative number).
+
+    `torch.cuda.Stream.priority_range()` gives (least, greatest) as torch serves them, already
+    limited to its pools' levels; a value beyond it would be clamped anyway.
+    """
+    _least, greatest = torch.cuda.Stream.priority_range()
+    return int(greatest)
+
+
+def session_streams(device: torch.device, *, separate_decode: bool, decode_priority: bool) -> SessionStreams:
+    """The streams a session on `device` runs on.
+
+    `separate_decode`: the decode gets a stream of its own (false with low_vram);
+    `decode_priority`: that stream runs at `highest_priority()`, else at the default.
+    """
+    if device.type != "cuda":
+        return SessionStreams(None, None, None)
+    side = torch.cuda.Stream(device)
+    denoise = torch.cuda.Stream(device)
+    decode = None
+    if separate_decode:
+        priority = highest_priority() if decode_priority else DEFAULT_PRIORITY
+        decode = torch.cuda.Stream(device, priority=priority)
+    return SessionStreams(side, denoise, decode)
