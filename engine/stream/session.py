@@ -605,8 +605,9 @@ class StreamSession:
 
 
 def edge_control(cfg: LoomConfig) -> dict[str, Any]:
-    """What `stats()` says of a model's edge control, beside what a VACE session says under "control"."""
-    return {"source": "edges", "context_scale": cfg.control.context_scale, "reference": None}
+    """What `stats()` says of a model's edge control, as a VACE session says its control (`edges_only`: a
+    host knows the control scale is all it takes: no control frames, no reference)."""
+    return {"source": "edges", "context_scale": cfg.control.context_scale, "reference": None, "edges_only": True}
 
 
 def _stack_given(given: list[Any]) -> Any:

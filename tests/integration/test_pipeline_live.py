@@ -138,7 +138,8 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
         assert held == [0, 1]
         out = live(pipe, clip(25), lambda i: between(pipe, i))
         assert pipe.split == [1, 3]
-        assert pipe.stats()["control"] == {"source": "edges", "context_scale": 0.3, "reference": None}
+        assert pipe.stats()["control"] == {"source": "edges", "context_scale": 0.3, "reference": None,
+                                           "edges_only": True}
     assert_same_frames(out, reference)
     assert no_children_left()
 

@@ -38,7 +38,7 @@ def test_a_live_edge_scale_change_leaves_earlier_chunks_and_changes_later_ones(m
     (scale 0: the model is given no structure); the stats say the control."""
     frames = panning_clip(13, 64, 64, 0, shift=3)
     steady, switched = session(models), session(models)
-    assert steady.stats()["control"] == {"source": "edges", "context_scale": 1.0, "reference": None}
+    assert steady.stats()["control"] == {"source": "edges", "context_scale": 1.0, "reference": None, "edges_only": True}
     a = [steady.push(frames[:5]), steady.push(frames[5:9]), steady.push(frames[9:]), steady.flush()]
     b = [switched.push(frames[:5]), switched.push(frames[5:9])]
     switched.set_params(context_scale=0.0)
