@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
 LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
-VACE_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
+CONTROL_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
 
 
 @dataclass
@@ -108,7 +108,7 @@ class StreamSession:
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
         self._lora_pending: dict[str, float] = {}
-        self._live_params = VACE_LIVE_PARAMS if cfg.structure_control else LIVE_PARAMS
+        self._live_params = CONTROL_LIVE_PARAMS if cfg.structure_control else LIVE_PARAMS
         self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
