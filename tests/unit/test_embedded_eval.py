@@ -47,4 +47,4 @@ def test_the_tables_give_the_edge_correlation_per_run_and_a_report_without_it_st
     assert "| control off | ink, toon | 2 |" in text and "| 0.25 (0.90) |" in text
     old = [row("ink", None)]
     text = tables({"runs": {"default": {"rows": old, "summary": summary(old)}}})
-    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - |")
+    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - | - |")
