@@ -27,6 +27,9 @@ __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_
 DEFAULT_PRESET = "default"
 CPU_PRESETS = ("tiny", "embedded", "tiny-vace")  # DiT presets small enough to stream on a CPU (default, tests)
 VACE_PRESETS = ("tiny-vace", "wan2.1-vace-1.3b", "wan2.1-vace-14b")  # DiTs with VACE control blocks
+# DiTs that read their input's edge strength (DIT_PRESETS' `source_edges`; named here, the config loads without
+# torch): the edges are their structure control, scaled by control.context_scale
+EDGE_PRESETS = ("embedded",)
 PRESET_PACKAGE = "loom_live.engine.presets"
 
 
@@ -224,7 +227,9 @@ class LoraEntry:
 
 @dataclass
 class ControlConfig:
-    """VACE structure control (a *vace* model preset): the control video, its strength, a reference image."""
+    """Structure control: for a *vace* model preset the control video, its strength, a reference image; for
+    a model that reads its input's edges (the embedded one) their strength (context_scale, control_source
+    edges)."""
 
     control_source: str = live.CONTROL.field()
     context_scale: float = live.CONTEXT_SCALE.field()
@@ -325,8 +330,27 @@ class LoomConfig:
         """Whether the DiT has VACE control blocks (the `control` section applies)."""
         return self.model.family == "wan" and self.model.preset in VACE_PRESETS
 
+    @property
+    def source_edges(self) -> bool:
+        """Whether the DiT reads its input's edges, scaled by control.context_scale (the embedded model)."""
+        return self.model.family == "wan" and self.model.preset in EDGE_PRESETS
+
+    @property
+    def structure_control(self) -> bool:
+        """Whether the model takes the `control` section: VACE control blocks, or edges it reads."""
+        return self.vace or self.source_edges
+
     def _check_control(self) -> None:
         c = self.control
+        if self.source_edges:
+            given = [f"{k}={getattr(c, k)}" for k in ("video", "depth_model", "reference") if getattr(c, k)]
+            if c.control_source != "edges":
+                given.insert(0, f"control_source={c.control_source}")
+            if given:
+                raise ValueError(f"control.{given[0]}: model preset {self.model.preset!r} takes only its input's "
+                                 f"edges (control_source=edges, strength control.context_scale); other sources "
+                                 f"and a reference need a *vace* preset ({', '.join(VACE_PRESETS)})")
+            return
         if not self.vace:
             given = [k for k in ("video", "depth_model", "reference") if getattr(c, k)]
             if given:

@@ -59,12 +59,14 @@ def edge_strength(x: torch.Tensor) -> torch.Tensor:
     return (grad.square().sum(1, keepdim=True).sqrt() / FULL_STEP).clamp(0.0, 1.0)
 
 
-def dit_source(cfg: WanDiTConfig, z: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor | None:
+def dit_source(cfg: WanDiTConfig, z: torch.Tensor, pixels: torch.Tensor,
+               scale: float | torch.Tensor = 1.0) -> torch.Tensor | None:
     """The source a DiT of config `cfg` reads beside the noisy latents of a chunk: None for a model that
     reads none, the clean latents `z` [B, C, F, h, w] for one without edges, else each frame slot's
-    codes and edges (times `EDGE_GAIN`) side by side. `pixels` [B, 3, T, H, W] in [-1, 1] are the
-    frames z was encoded from (the stream's first chunk has T = 4F - 3: its first latent repeats
-    frame 0)."""
+    codes and edges (times `EDGE_GAIN` times `scale`) side by side. `pixels` [B, 3, T, H, W] in [-1, 1]
+    are the frames z was encoded from (the stream's first chunk has T = 4F - 3: its first latent repeats
+    frame 0). `scale` is the edge control's strength (`control.context_scale`: 0 = the input's structure
+    is not given, 1 = as trained), one number or one per sample [B] (training's edge dropout)."""
     if not cfg.source_channels:
         return None
     if not cfg.source_edges:
@@ -86,4 +88,14 @@ def dit_source(cfg: WanDiTConfig, z: torch.Tensor, pixels: torch.Tensor) -> torc
     slots = cfg.refiner_slots
     edges = edges.unflatten(1, (f, slots)).permute(0, 2, 3, 1, 4, 5)  # [B, slot, 64, F, h, w]
     codes = z.unflatten(1, (slots, c // slots))  # [B, slot, c/slot, F, h, w]
-    return torch.cat([codes, (edges * EDGE_GAIN).to(z.dtype)], dim=2).flatten(1, 2)
+    gain = EDGE_GAIN * _per_sample(scale, b, edges)
+    return torch.cat([codes, (edges * gain).to(z.dtype)], dim=2).flatten(1, 2)
+
+
+def _per_sample(scale: float | torch.Tensor, batch: int, like: torch.Tensor) -> float | torch.Tensor:
+    """`scale` as a factor on edges [B, ...]: a number as it is, a tensor [B] shaped to broadcast."""
+    if not isinstance(scale, torch.Tensor):
+        return float(scale)
+    if scale.shape != (batch,):
+        raise ValueError(f"edge scale: one per sample [{batch}] expected, got {tuple(scale.shape)}")
+    return scale.to(like.device, like.dtype).view(batch, *[1] * (like.dim() - 1))

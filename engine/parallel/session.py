@@ -104,7 +104,7 @@ from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
-from loom_live.engine.stream.session import LIVE_PARAMS
+from loom_live.engine.stream.session import CONTROL_LIVE_PARAMS, LIVE_PARAMS, edge_control
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
@@ -336,7 +336,7 @@ class PipelineSession:
         them. Steps, sink threshold and LoRA scales reach every rank between the same two
         micro-batches; `mode` and the SLO targets go to the SLO scheduler, whose plan the next
         chunk follows (a switch to sequential drains the ring first, as one GPU drains its denoiser)."""
-        new = self.cfg.with_live(params, LIVE_PARAMS)
+        new = self.cfg.with_live(params, CONTROL_LIVE_PARAMS if self.cfg.source_edges else LIVE_PARAMS)
         old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)
@@ -523,7 +523,7 @@ class PipelineSession:
             pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
             z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
         self._count("in", z.shape[2])
-        self._chunks[chunk_id].source = dit_source(self.models.dit.cfg, z, pixels)
+        self._chunks[chunk_id].source = dit_source(self.models.dit.cfg, z, pixels, self.cfg.control.context_scale)
         # The noise draws in the one-GPU denoiser's order: it drains its stream-batch rows before a
         # sequential chunk or a chunk of another size
         plan, shape = self.slo.plan, tuple(z.shape)
@@ -656,7 +656,8 @@ class PipelineSession:
                      "plan": {"mode": self.slo.plan.mode, "chunk_latents": self.slo.plan.chunk_latents},
                      "noise_scale": self.motion.telemetry()[0], "motion": self.motion.telemetry()[1],
                      "prompt": self.prompt.text, "prompt_error": self.prompt.error,
-                     "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales})
+                     "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales,
+                     **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {})})
         if reset:
             self.metrics.reset()
             self.stage.totals.clear()

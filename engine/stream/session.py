@@ -51,13 +51,13 @@ from loom_live.engine.stream.stage_timer import StageTimer
 from loom_live.engine.stream.startup import StartupTimes
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
 
-# The schema's sections this family takes (another family's parameters are refused by name); a VACE
-# model takes the `control` section too.
+# The schema's sections this family takes (another family's parameters are refused by name); a model
+# with structure control (VACE blocks, or edges it reads) takes the `control` section too.
 log = logging.getLogger(__name__)
 
 LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
 LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
-VACE_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
+CONTROL_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
 
 
 @dataclass
@@ -109,7 +109,7 @@ class StreamSession:
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
         self._lora_pending: dict[str, float] = {}
-        self._live_params = VACE_LIVE_PARAMS if cfg.vace else LIVE_PARAMS
+        self._live_params = CONTROL_LIVE_PARAMS if cfg.structure_control else LIVE_PARAMS
         self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
@@ -505,7 +505,7 @@ class StreamSession:
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
                 pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
                 c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
-                c.source = dit_source(self.models.dit.cfg, c.latent, pixels)
+                c.source = dit_source(self.models.dit.cfg, c.latent, pixels, self.cfg.control.context_scale)
             if self.control is not None:
                 with self.timer.span("control", len(c.frames)):
                     c.control = self.control.latents(x, c.given)
@@ -596,12 +596,19 @@ class StreamSession:
             "startup": self.startup.as_dict(),
             "kv_positions": cache.next_positions,
             **({"control": self.control.stats()} if self.control is not None else {}),
+            **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {}),
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),
             "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)
                                       if self.device.type == "cuda" else None),
         })
         return snap
+
+
+def edge_control(cfg: LoomConfig) -> dict[str, Any]:
+    """What `stats()` says of a model's edge control, as a VACE session says its control (`edges_only`: a
+    host knows the control scale is all it takes: no control frames, no reference)."""
+    return {"source": "edges", "context_scale": cfg.control.context_scale, "reference": None, "edges_only": True}
 
 
 def _stack_given(given: list[Any]) -> Any:

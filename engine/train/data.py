@@ -31,7 +31,8 @@ from loom_live.engine.train.styles import STYLE_NAMES, apply_style
 HELD_OUT = ("davis512_parkour.mp4", "davis512_libby.mp4")
 TRAIN_CLIPS = ("davis512_blackswan.mp4", "davis512_kite-surf.mp4", "davis512_scenecut_kite_dance.mp4",
                "sdv2_original_832x480.mp4")
-MEDIA = Path(__file__).resolve().parents[2].parent / "shared" / "media"
+# The project's shared clips beside the checkout, or $LOOM_MEDIA (a checkout elsewhere, as the tests take it)
+MEDIA = Path(os.environ.get("LOOM_MEDIA") or Path(__file__).resolve().parents[2].parent / "shared" / "media")
 SOURCE = "source"
 CRF = 16
 GENERATED_FRAMES = 49

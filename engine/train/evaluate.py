@@ -6,8 +6,11 @@ style's procedural target of the same frames:
 - style accuracy: the output is nearest (mean absolute error) to its own style's target;
 - SSIM against its own target (mean over frames, 11x11 Gaussian window, on each RGB channel);
 - temporal: Farneback warp error (engine/quality.py, flow on the input frames) of the output and
-  of the target, and Sobel sharpness (mean gradient magnitude) of both; the card gives ratios.
-The ablation runs the same with sinks off (stream.sink=0) and motion-aware noise off.
+  of the target, and Sobel sharpness (mean gradient magnitude) of both; the card gives ratios;
+- structure: the edge correlation of the output with the input (and of the target with it).
+The ablation runs the same with sinks off (stream.sink=0), motion-aware noise off, and the edge control
+off (control.context_scale=0: the model is not given the input's edges), so the card says how much of
+the input's structure the edges keep.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from loom_live.engine.train.styles import STYLES, apply_style
 SIZE = 256
 GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
 GATE_SATURATION = 0.10  # mean saturation within this fraction of the input's
-ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"]}
+ABLATION_FRAMES = 49  # both held-out clips have at least this many
+ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"],
+             "control off": ["control.context_scale=0"]}
 
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
@@ -49,6 +54,24 @@ def sharpness(frames: np.ndarray) -> float:
         g = cv2.cvtColor(f, cv2.COLOR_RGB2GRAY).astype(np.float32)
         vals.append(np.sqrt(cv2.Sobel(g, cv2.CV_32F, 1, 0) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1) ** 2).mean())
     return float(np.mean(vals))
+
+
+def edge_map(frame: np.ndarray) -> np.ndarray:
+    """Edge strength of a uint8 RGB frame: the grey frame blurred 5x5, its Sobel magnitude (the measure the
+    embedded model reads as its structure control, engine/models/dit_source.py, up to a constant)."""
+    g = cv2.GaussianBlur(cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY).astype(np.float32), (5, 5), 0)
+    return np.sqrt(cv2.Sobel(g, cv2.CV_32F, 1, 0) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1) ** 2)
+
+
+def edge_correlation(frames: np.ndarray, inputs: np.ndarray) -> float:
+    """Pearson correlation of the edge maps of `frames` and `inputs` (uint8 RGB [T, H, W, 3]) over every
+    pixel of every frame: 1 where the edges are where the input's are (at any strength), ~0 where they
+    are unrelated. Either side without any variation (a flat clip) has no structure to share: 0."""
+    a = np.stack([edge_map(f) for f in frames]).ravel().astype(np.float64)
+    b = np.stack([edge_map(f) for f in inputs]).ravel().astype(np.float64)
+    a, b = a - a.mean(), b - b.mean()
+    norm = np.sqrt((a * a).sum() * (b * b).sum())
+    return float((a * b).sum() / norm) if norm > 0 else 0.0
 
 
 def change_ratios(frames: np.ndarray, first_chunk: int = 5, chunk: int = 4) -> tuple[float, float]:
@@ -115,6 +138,8 @@ def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, w
                 "ssim": float(np.mean([ssim(o, g) for o, g in zip(out, own)])),
                 "warp_error": warp_error(frames, out), "target_warp_error": warp_error(frames, own),
                 "sharpness": sharpness(out), "target_sharpness": sharpness(own),
+                "edge_correlation": edge_correlation(out, frames),
+                "target_edge_correlation": edge_correlation(own, frames),
                 **dict(zip(("chroma_error", "hue_error"), colour_error(out, own))),
                 **dict(zip(("boundary_change", "max_change"), change_ratios(out))),
                 "seconds": round(time.perf_counter() - t, 1)})
@@ -172,24 +197,29 @@ def summary(rows: list[dict]) -> dict:
             "warp_ratio": mean("warp_error") / mean("target_warp_error"),
             "sharpness": mean("sharpness"), "target_sharpness": mean("target_sharpness"),
             "sharpness_ratio": mean("sharpness") / mean("target_sharpness"),
-            "boundary_change": mean("boundary_change"), "max_change": float(max(r["max_change"] for r in rows))}
+            "boundary_change": mean("boundary_change"), "max_change": float(max(r["max_change"] for r in rows)),
+            **({k: mean(k) for k in ("edge_correlation", "target_edge_correlation")}
+               if all("edge_correlation" in r for r in rows) else {})}
 
 
-def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int = 2) -> dict:
+def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int = 2,
+         ablation_frames: int = ABLATION_FRAMES) -> dict:
+    """Every style on the held-out clips' first `frames`, then the ablations on a few styles over
+    `ablation_frames`: sinks only matter once the KV window has evicted, so the ablations run longer
+    than the window (13 latent frames against 6), and beside a default run of the same frames."""
     import torch
 
     torch.set_num_threads(2)
-    clips = held_out(frames)
-    report = {"frames": frames, "size": SIZE, "clips": list(clips), "runs": {}}
+    clips, long_clips = held_out(frames), held_out(max(frames, ablation_frames))
+    report = {"frames": frames, "ablation_frames": max(frames, ablation_frames), "size": SIZE,
+              "clips": list(clips), "runs": {}}
     ablated = STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
-    for name, overrides in ABLATIONS.items():
-        styles = STYLES if name == "default" else ablated
-        rows = measure(clips, overrides, styles, weights)
+    runs = [("default", [], STYLES, clips), ("default (ablation styles)", [], ablated, long_clips)]
+    runs += [(name, overrides, ablated, long_clips) for name, overrides in ABLATIONS.items() if overrides]
+    for name, overrides, styles, on in runs:
+        rows = measure(on, overrides, styles, weights)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "rows": rows,
                                 "summary": summary(rows)}
-        if name == "default":  # the ablation compares like with like: the same styles
-            sub = [r for r in rows if r["style"] in {s.name for s in ablated}]
-            report["runs"]["default (ablation styles)"] = {"summary": summary(sub)}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
     return report
@@ -218,19 +248,28 @@ def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour
 
 def tables(report: dict) -> str:
     """The model card's metric tables (markdown) from an eval report."""
-    lines = ["| clip | style | nearest target | SSIM | warp error (target) | sharpness (target) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| clip | style | nearest target | SSIM | warp error (target) | sharpness (target) | "
+             "edge corr. with input (target) |", "|---|---|---|---|---|---|---|"]
     for r in report["runs"]["default"]["rows"]:
         ok = "yes" if r["nearest"] == r["style"] else f"no ({r['nearest']})"
         lines.append(f"| {r['clip'].replace('davis512_', '')} | {r['style']} | {ok} | {r['ssim']:.2f} | "
                      f"{r['warp_error']:.2f} ({r['target_warp_error']:.2f}) | {r['sharpness']:.1f} "
-                     f"({r['target_sharpness']:.1f}) |")
-    lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's |",
-              "|---|---|---|---|---|---|---|"]
+                     f"({r['target_sharpness']:.1f}) | {_edges_cell(r)} |")
+    lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's | "
+              "edge corr. with input (target's) | frames |", "|---|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
         s = run["summary"]
         styles = "all" if name == "default" else ", ".join(report["runs"]["sinks off"]["styles"])
+        frames = report.get("frames" if name == "default" else "ablation_frames", report.get("frames", "-"))
         lines.append(f"| {name} | {styles} | {s['pairs']} | {s['nearest_own']:.0%} | {s['ssim']:.2f} | "
                      f"{s['warp_error']:.2f} / {s['target_warp_error']:.2f} = {s['warp_ratio']:.2f} | "
-                     f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} |")
+                     f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} | "
+                     f"{_edges_cell(s)} | {frames} |")
     return "\n".join(lines)
+
+
+def _edges_cell(r: dict) -> str:
+    """A row's or summary's edge correlation (its target's); a report from before the measure: not measured."""
+    if "edge_correlation" not in r:
+        return "-"
+    return f"{r['edge_correlation']:.2f} ({r['target_edge_correlation']:.2f})"

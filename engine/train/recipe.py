@@ -77,6 +77,7 @@ class RecipeConfig:
     motion_aware_p: float = 0.8
     blend_p: float = 0.15
     switch_p: float = 0.25  # batches whose prompt changes mid-stream, blended over 0-4 chunks as the session does
+    edge_drop_p: float = 0.2  # windows whose edges get a random scale (`edge_scales`): the live edge control
     num_kv_cache: int = 6
     sink: int = 3
     sink_threshold: float = 0.2
@@ -352,6 +353,20 @@ def motion_t0(pair_d: np.ndarray, start: int, n_chunks: int, noise_scale: float,
     return out
 
 
+def edge_scales(rng: np.random.Generator, batch: int, p: float, device: torch.device) -> torch.Tensor:
+    """Per window, the scale of the edges the DiT reads (`control.context_scale` of a session): share `p`
+    get a random one, the rest 1 (as streamed by default, so most of the batch still learns the model's
+    default). Of the random ones half are 0: the control's off position, where the model must restyle from
+    the codes alone (it cannot learn that from a scale that is never 0); half are uniform in [0, 1.5], so
+    the scales between off and on, and a little beyond, are each a point it was trained at and a live
+    slider moves smoothly (the schema's 1.5-2 is left to extrapolation: the line styles' lines get no
+    more edge to draw from)."""
+    drop = rng.random(batch) < p
+    off = rng.random(batch) < 0.5
+    scales = np.where(drop, np.where(off, 0.0, rng.uniform(0.0, 1.5, batch)), 1.0)
+    return torch.tensor(scales, dtype=torch.float32, device=device)
+
+
 def switch_weights(at: int, span: int, n_chunks: int) -> list[float]:
     """Per chunk, the new prompt's blend weight when it arrives at chunk `at` with
     transition_chunks=`span` (what `PromptConditioner.advance` gives)."""
@@ -375,6 +390,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
     gen = torch.Generator(device).manual_seed(cfg.seed)
     frames = FIRST_CHUNK + CHUNK * (cfg.dit_chunks - 1)
     rng = windows.rng
+    edge_rng = np.random.default_rng([cfg.seed, 1])  # its own draws: the windows, styles and noise stay the seed's
     n_styles = len(STYLE_NAMES)
     start, step = time.perf_counter(), 0
     bar = tqdm(desc="dit", unit="step")
@@ -409,7 +425,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         with torch.no_grad():
             z_src = stream_encode(vae, src, cfg.dit_chunks)
             z_tgt = stream_encode(vae, tgt, cfg.dit_chunks)
-            source = dit_source(dit.cfg, z_src, src)
+            source = dit_source(dit.cfg, z_src, src, edge_scales(edge_rng, len(src), cfg.edge_drop_p, device))
         if switch:
             per_chunk = torch.stack(ctx)  # [B, chunks, L, dim]
             cross = [dit.cross_kv(per_chunk[:, c]) for c in range(cfg.dit_chunks)]

@@ -31,10 +31,12 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
           of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
 keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
           1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen;
-          VACE presets: - = control scale, c next control source, r read the --reference file again
+          VACE presets: - = control scale, c next control source, r read the --reference file again;
+          the default preset: - = its edge scale (0: the input's structure not given)
 OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
           /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit;
-          VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH
+          VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH;
+          the default preset: /loom/control/scale f (its edge scale)
 web page (--web [HOST:]PORT): the output, the input and these controls in a browser; loom web: the browser's
           camera as the input
 outputs are written beside the target under a hidden temporary name and moved into place when finished:
@@ -100,7 +102,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="the model's resolution, frames are scaled to it and back (the same as --set "
                         "resolution.width=W --set resolution.height=H; default: the config's)")
     p.add_argument("--control", metavar="edges|grey|flow|depth|FILE",
-                   help="VACE presets: the control video, made from the input or read from a video FILE")
+                   help="VACE presets: the control video, made from the input or read from a video FILE (the "
+                        "default preset takes edges only: its input's edges, scaled by control.context_scale)")
     p.add_argument("--control-input", metavar="SOURCE",
                    help="VACE presets: a second input as the control video, frame-locked with the input (a camera "
                         "index, a file, a stream URL or 'generated'); scaled to the output size")
@@ -157,10 +160,10 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
     if args.resolution is not None:  # checked with the config: multiples of 16, in range
         args.overrides += [f"resolution.width={args.resolution[0]}", f"resolution.height={args.resolution[1]}"]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
-    if (args.control or args.control_input or args.reference) and not cfg.vace:
-        raise UserError(f"--control, --control-input and --reference steer a VACE model; preset "
-                        f"{cfg.model.preset!r} has no control blocks: use -c wan2.1-vace-1.3b (or tiny-vace to try "
-                        "it on a CPU)")
+    if (args.control or args.control_input or args.reference) and not cfg.structure_control:
+        raise UserError(f"--control, --control-input and --reference steer a VACE model (--control edges the "
+                        f"default one too); preset {cfg.model.preset!r} has no control blocks and reads no edges: "
+                        "use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
     from loom_live.plugin.player import PlayerOptions, read_prompt_file, run_player
@@ -178,7 +181,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
-        control_sources=available_sources(cfg), control_source=cfg.control.control_source,
+        control_sources=available_sources(cfg), takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, control_input=args.control_input,
         reference=args.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
@@ -193,10 +196,13 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
 
 
 def available_sources(cfg: Any) -> tuple[str, ...]:
-    """The control sources a run of `cfg` can switch between live: none without VACE; depth only with its
-    model, video only with a control video (`--control FILE`) or a host that gives control frames."""
-    if not cfg.vace:
+    """The control sources a run of `cfg` can switch between live: none without structure control; edges
+    alone for a model that reads its input's edges; for VACE depth only with its model, video only with a
+    control video (`--control FILE`) or a host that gives control frames."""
+    if not cfg.structure_control:
         return ()
+    if not cfg.vace:
+        return ("edges",)
     c = cfg.control
     return tuple(s for s in CONTROL_SOURCES if (s != "depth" or c.depth_model) and (s != "video" or c.video
                                                                                    or c.control_source == "video"))

@@ -382,7 +382,9 @@ class LoomControl:
     DESCRIPTION = ("Structure control for a VACE engine (a *vace* config): what the control video is made from "
                    "(edges, grey, flow, depth, or the Stream node's control input: video), how strongly it "
                    "steers, and a reference image (the first of the batch) that sets the look. Without a "
-                   "reference input a reference an earlier run set is cleared.")
+                   "reference input a reference an earlier run set is cleared. On the default (embedded) "
+                   "engine context_scale scales the input's edges it reads (0: its structure not given); "
+                   "control_source must be edges there, and it takes no reference.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:

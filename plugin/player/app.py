@@ -87,6 +87,7 @@ class Player:
                                               motion_aware=options.motion_aware,
                                               lora_scales=dict(options.lora_scales),
                                               control_sources=tuple(options.control_sources),
+                                              takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
                                               reference=options.reference))

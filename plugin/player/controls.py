@@ -31,7 +31,10 @@ from loom_live.host_bridge.wire.params import (
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 LORA_KEY_STEP = LORA_SCALES.ui_step
 CONTEXT_SCALE_KEY_STEP = CONTEXT_SCALE.ui_step
-NO_VACE = "the model has no VACE control blocks (use -c wan2.1-vace-1.3b, or tiny-vace on a CPU)"
+NO_VACE = ("the model has no VACE control blocks and reads no edges (use the default preset for its edge "
+           "scale, -c wan2.1-vace-1.3b, or tiny-vace on a CPU)")
+EDGES_ONLY = ("the model reads its input's edges only, scaled by the control scale; other sources and a "
+              "reference need a *vace* preset (-c wan2.1-vace-1.3b, or tiny-vace on a CPU)")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class ControlState:
     transition_chunks: int | None = None
     lora_scales: dict[str, float] = field(default_factory=dict)  # the loaded LoRAs, by name
     lora_index: int = 0  # the LoRA the keys adjust
-    control_sources: tuple[str, ...] = ()  # VACE: the sources this run can make (none: not a VACE model)
+    control_sources: tuple[str, ...] = ()  # the sources this run can make (none: no structure control)
+    takes_reference: bool = True  # with control sources: a VACE model (not the edges-only embedded one)
     control_source: str = CONTROL.default
     context_scale: float = CONTEXT_SCALE.default
     reference: str | None = None  # the reference image file: --reference, then the last one sent live
@@ -241,8 +245,9 @@ class Controls:
         return True
 
     def _apply_control(self, name: str, args: tuple[Any, ...], changes: dict[str, Any]) -> bool:
-        """VACE's scale and source; refused (counted, said) on a model without control blocks, or for a
-        source this run cannot make (depth without its model, video without a control video)."""
+        """The structure control's scale and source (VACE, or the embedded model's edges); refused (counted,
+        said) on a model without it, or for a source this run cannot make (depth without its model, video
+        without a control video, anything but edges on the embedded model)."""
         s = self.state
         if not s.control_sources:
             return self._refuse(f"{name}: {NO_VACE}")
@@ -256,6 +261,8 @@ class Controls:
             source = s.control_sources[(i + 1) % len(s.control_sources)]
         else:
             source = args[0]
+        if source not in s.control_sources and not s.takes_reference:
+            return self._refuse(f"control_source: {source!r}: {EDGES_ONLY}")
         if source not in s.control_sources:
             return self._refuse(f"control_source: {source!r} is not available in this run; available: "
                                 f"{', '.join(s.control_sources)} (depth needs control.depth_model, video a "
@@ -338,13 +345,13 @@ class Controls:
             if not self._apply_control(name, args, changes):
                 return
         elif name == "reference":
-            if not s.control_sources:
-                self._refuse(f"reference: {NO_VACE}")
+            if not s.control_sources or not s.takes_reference:
+                self._refuse(f"reference: {NO_VACE if not s.control_sources else EDGES_ONLY}")
                 return
             changes["reference"] = args[0]  # read and sent after the other changes of this frame
         elif name in ("reference_image", "reference_reload"):
-            if not s.control_sources:
-                self._refuse(f"reference: {NO_VACE}")
+            if not s.control_sources or not s.takes_reference:
+                self._refuse(f"reference: {NO_VACE if not s.control_sources else EDGES_ONLY}")
                 return
             if name == "reference_reload" and s.reference is None:
                 self._refuse("reference: no reference file to read again (give --reference IMAGE, or send one "
@@ -402,7 +409,7 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     ("m", "motion-aware noise on / off"),
     ("l", "select the next LoRA (--lora)"),
     (", / .", f"the selected LoRA's scale down / up by {LORA_KEY_STEP}"),
-    ("- / =", f"VACE presets: control scale down / up by {CONTEXT_SCALE_KEY_STEP}"),
+    ("- / =", f"VACE presets and the default one (its edges): control scale down / up by {CONTEXT_SCALE_KEY_STEP}"),
     ("c", "VACE presets: the next control source (edges, grey, flow, and depth or video when given)"),
     ("r", "VACE presets: read the reference image file again (--reference; overwrite it, then press r)"),
     ("h", "hide / show the status overlay"),

@@ -49,7 +49,8 @@ class PlayerOptions:
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default
     lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
-    control_sources: tuple[str, ...] = ()  # VACE: the control sources this run can make; () = not a VACE model
+    control_sources: tuple[str, ...] = ()  # the control sources this run can make; () = no structure control
+    takes_reference: bool = True  # with control sources: a VACE model, not the edges-only embedded one
     control_source: str = LIVE["control_source"].default
     context_scale: float = LIVE["context_scale"].default
     reference: str | None = None  # VACE: the reference image file (--reference), read again with the r key

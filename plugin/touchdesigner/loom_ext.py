@@ -27,7 +27,9 @@ sent beside each input frame in the same slot (on cuda-ipc device to device too)
 Control Source are live parameters; the Reference TOP's picture is read when it is set, at Update
 Reference and when an engine starts, and sent as the reference image (in effect at the engine's next
 chunk). They go to an engine only once it reports control blocks (its first stats say so): a model
-without them would refuse them.
+without them would refuse them. The default (embedded) model reads its input's edges: Control Scale is
+their scale (0: the input's structure not given), Control Source must stay edges, and the second input
+and the Reference TOP are not used (its stats say `edges_only`).
 
 LoRAs: the LoRA page's files go to a launched engine as `--lora PATH:SCALE`, its scales as the
 `lora_scales` live parameter. A file the host can see is wrong (missing, a name another slot has) is
@@ -348,7 +350,11 @@ class LoomExt:
         if not session:
             return
         self.vace = "control" in session
-        if self.vace:
+        if self.vace and session["control"].get("edges_only"):
+            self.note = "; ".join(m for m in (self.note, "the model reads its input's edges: Control Scale is their "
+                                              "scale; the control input and the Reference TOP are not used") if m)
+            self._record_vace()
+        elif self.vace:
             self._record_vace()
             self._send_reference(only_set=True)  # an empty Reference TOP leaves the config's own reference
         else:

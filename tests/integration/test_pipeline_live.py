@@ -119,7 +119,8 @@ def test_two_ranks_move_blocks_both_ways_across_a_step_change(styled, reference)
 def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
     """The trained embedded model (the `default` preset, its own VAE and style text encoder): each
     rank holds only its blocks, so a block that moves after a LoRA scale change arrives with the
-    original weights and is merged at the current scale on its new rank."""
+    original weights and is merged at the current scale on its new rank; its edge control's scale,
+    changed live, reaches the source the first rank builds from the next chunk on."""
     styled = [*style_lora(tmp_path, "default"), "model.dtype=float32"]  # not bfloat16, which AMX CPUs would pick
 
     def between(session, i: int) -> None:
@@ -127,6 +128,8 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
             session.set_params(lora_scales={"style": 0.5})
             if isinstance(session, PipelineSession):
                 session.move_block(1, 1)
+        if i == 1:
+            session.set_params(context_scale=0.3)
 
     one = StreamSession.from_config(load_config("default", styled))
     reference = live(one, clip(25), lambda i: between(one, i))
@@ -135,6 +138,8 @@ def test_the_default_preset_on_two_ranks_gives_the_one_process_frames(tmp_path):
         assert held == [0, 1]
         out = live(pipe, clip(25), lambda i: between(pipe, i))
         assert pipe.split == [1, 3]
+        assert pipe.stats()["control"] == {"source": "edges", "context_scale": 0.3, "reference": None,
+                                           "edges_only": True}
     assert_same_frames(out, reference)
     assert no_children_left()
 

@@ -138,7 +138,12 @@ def test_a_live_control_input_gives_its_newest_frame_to_every_main_frame():
 @pytest.mark.parametrize("args, expected", [
     (["--control", "edges", "--control-input", "generated", "-c", "tiny-vace"],
      "--control and --control-input both name the control video"),
-    (["--control-input", "generated"], "--control, --control-input and --reference steer a VACE model"),
+    (["--control-input", "generated", "-c", "tiny-random"],
+     "--control, --control-input and --reference steer a VACE model"),
+    (["--control-input", "generated"], "control.control_source=video: model preset 'embedded' takes only its input's "
+                                       "edges"),
+    (["--control", "grey"], "control.control_source=grey: model preset 'embedded' takes only its input's edges"),
+    (["--reference", "look.png"], "model preset 'embedded' takes only its input's edges"),
     (["--control-input", "/no/such/control.mp4", "-c", "tiny-vace", "--passthrough"], "--control-input: "),
 ])
 def test_bad_control_inputs_end_with_one_line(tmp_path, capsys, monkeypatch, args, expected):

@@ -137,3 +137,25 @@ def test_each_frame_slot_holds_that_frames_codes_and_edges_and_a_first_chunk_rep
     with pytest.raises(ValueError, match=r"source pixels \(1, 3, 6, 16, 24\) do not match latents"):
         dit_source(cfg, torch.randn(1, 8, 2, 2, 3), torch.rand(1, 3, 6, 16, 24))
     assert dit_source(replace(cfg, source_channels=0, source_edges=False), z, pixels) is None
+
+
+def test_the_edge_scale_multiplies_the_edges_alone_one_number_or_one_per_sample():
+    """The edge control (`control.context_scale`, training's edge dropout): the codes stay, the edges are
+    scaled, per sample when given a tensor; a scale of the wrong shape is refused with what was expected."""
+    cfg = refined_model(4, 8 + 4 * SOURCE_EDGE_VALUES, edges=True).cfg
+    torch.manual_seed(4)
+    pixels, z = torch.rand(3, 3, 8, 16, 24) * 2 - 1, torch.randn(3, 8, 2, 2, 3)
+
+    def split(source):
+        slots = source.unflatten(1, (4, 2 + SOURCE_EDGE_VALUES))
+        return slots[:, :, :2], slots[:, :, 2:]
+
+    codes, edges = split(dit_source(cfg, z, pixels))
+    assert edges.abs().max() > 0
+    each = torch.tensor([0.0, 1.0, 1.5])
+    for scale, want in ((0.0, edges * 0), (0.5, edges * 0.5), (each, edges * each.view(3, 1, 1, 1, 1, 1))):
+        got_codes, got_edges = split(dit_source(cfg, z, pixels, scale))
+        torch.testing.assert_close(got_codes, codes)
+        torch.testing.assert_close(got_edges, want)
+    with pytest.raises(ValueError, match=r"edge scale: one per sample \[3\] expected, got \(2,\)"):
+        dit_source(cfg, z, pixels, torch.ones(2))

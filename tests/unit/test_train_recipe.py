@@ -221,3 +221,31 @@ def test_the_temporal_loss_sees_a_jump_between_chunks_that_per_frame_errors_hide
     assert recipe.pixel_loss(steady, target) == pytest.approx(recipe.pixel_loss(jumping, target).item())
     assert recipe.temporal_loss(steady, target) == 0
     assert recipe.temporal_loss(jumping, target) > 0
+
+
+def test_edge_dropout_gives_a_share_of_the_windows_a_random_edge_scale_that_reaches_the_source(monkeypatch):
+    """`edge_drop_p` of the windows: half at 0 (control off), half uniform in [0, 1.5]; the rest at 1; and
+    a training step hands the DiT's source one scale per window."""
+    scales = recipe.edge_scales(np.random.default_rng(0), 20000, 0.2, torch.device("cpu")).numpy()
+    assert abs((scales != 1.0).mean() - 0.2) < 0.02 and abs((scales == 0.0).mean() - 0.1) < 0.01
+    dropped = scales[(scales != 0.0) & (scales != 1.0)]
+    assert dropped.min() >= 0.0 and dropped.max() <= 1.5 and abs(dropped.mean() - 0.75) < 0.05
+    assert (recipe.edge_scales(np.random.default_rng(0), 50, 0.0, torch.device("cpu")) == 1.0).all()
+
+    seen = []
+
+    def recording(cfg, z, pixels, scale=1.0):
+        seen.append(scale)
+        return dit_source(cfg, z, pixels, scale)
+
+    monkeypatch.setattr(recipe, "dit_source", recording)
+    rng = np.random.default_rng(1)
+    frames = recipe.FIRST_CHUNK + recipe.CHUNK
+    clip = Clip("c", {v: rng.integers(0, 255, (frames, 16, 16, 3), dtype=np.uint8) for v in (SOURCE, *STYLE_NAMES)})
+    cfg = replace(recipe.RecipeConfig(), dit_batch=8, pixel_loss=0.0, dit_chunks=2, max_steps=1, dit_seconds=1e6,
+                  edge_drop_p=1.0)
+    torch.manual_seed(0)
+    recipe.train_dit(cfg, recipe.Windows([clip], torch.device("cpu"), 0), FrameVAE(EMBEDDED_VAE).eval(),
+                     WanDiT(DIT_PRESETS["embedded"]), torch.device("cpu"), log=lambda _: None)
+    (scale,) = seen
+    assert scale.shape == (8,) and (scale != 1.0).all()

@@ -82,6 +82,24 @@ def test_a_source_the_run_cannot_make_or_a_model_without_vace_is_refused_and_cou
     assert "no VACE control blocks" in plain.state.message
 
 
+def test_the_embedded_models_edge_scale_goes_through_and_other_sources_and_a_reference_are_refused():
+    """A model that reads its input's edges takes the control scale (its edge scale) and the edges source;
+    another source or a reference is refused in words that name what it can take."""
+    controls, bridge = Controls(ControlState(prompts=["ink"], control_sources=("edges",), takes_reference=False)), \
+        RecordingBridge()
+    keys = KeyboardInput(controls)
+    for key in "--":
+        keys.press(ord(key))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"context_scale": 0.9}]
+    for command in (Command("control_source", ("grey",)), Command("reference", ("x.png",)),
+                    Command("reference_reload")):
+        controls.put(command)
+        controls.apply_pending(bridge)
+        assert "reads its input's edges only" in controls.state.message and "*vace* preset" in controls.state.message
+    assert bridge.params == [{"context_scale": 0.9}] and bridge.references == [] and controls.state.refused == 3
+
+
 def test_the_page_reads_scale_and_sources_off_the_schema_and_sends_the_same_commands():
     schema = page_controls.schema()
     assert (schema["context_scale"]["min"], schema["context_scale"]["max"]) == (CONTEXT_SCALE.min, CONTEXT_SCALE.max)
@@ -111,6 +129,7 @@ def test_a_reference_file_is_read_and_sent_and_an_unreadable_one_keeps_the_old(t
 
 def test_the_sources_a_run_offers_follow_its_config(tmp_path):
     assert available_sources(load_config("tiny-random")) == ()
+    assert available_sources(load_config("default")) == ("edges",)  # the embedded model reads its input's edges
     assert available_sources(load_config("tiny-vace")) == ("edges", "grey", "flow")
     video = load_config("tiny-vace", ["control.control_source=video", f"control.video={tmp_path / 'c.mp4'}"])
     assert available_sources(video) == ("edges", "grey", "flow", "video")
