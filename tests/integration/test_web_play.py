@@ -170,7 +170,8 @@ def test_the_lora_slider_acts_and_a_bad_value_is_refused_on_the_page(show):
 
 def test_a_reference_upload_reaches_the_host_and_a_wrong_file_is_refused_on_the_page(show):
     """The page's reference picker (VACE): a PNG goes to the host, which decodes it and hands it on (this run's
-    model has no VACE blocks, so the player refuses it in words); a text file never leaves the page."""
+    model, the embedded one, takes its input's edges as its only control, so the player refuses it in words);
+    a text file never leaves the page."""
     import base64
 
     import cv2
@@ -183,5 +184,6 @@ def test_a_reference_upload_reaches_the_host_and_a_wrong_file_is_refused_on_the_
                           "uploadReference(new File(['hi'], 'notes.txt', {type: 'text/plain'}), 1 << 23);", png)
     wait("the upload taken by the host", lambda: "reference_image sent" in js(driver, "window.loom.accepted"))
     assert any("notes.txt: not a PNG or JPEG image" in r for r in js(driver, "window.loom.refusals"))
-    wait("the player's answer", lambda: "no VACE control blocks" in (_controls(driver).get("message") or ""))
+    wait("the player's answer", lambda: "reference: the model reads its input's edges only" in
+         (_controls(driver).get("message") or ""))
     _more_frames(show)
