@@ -40,6 +40,7 @@ from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
+from loom_live.engine.stream.cuda_streams import edit_streams
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.no_vace import NoStructureControl
@@ -69,10 +70,8 @@ class EditSession:
         self.mapper = FrameMapper(cfg.resolution.width, cfg.resolution.height, cfg.resolution.resize,
                                   self.device, self.dtype)
         self.timer = StageTimer(self.device)
-        cuda = self.device.type == "cuda"
-        self._main = torch.cuda.Stream(self.device) if cuda else None
-        self._side = (torch.cuda.Stream(self.device) if e.two_streams else self._main) if cuda else None
-        self._encoder_stream = torch.cuda.Stream(self.device) if cuda else None
+        streams = edit_streams(self.device, two_streams=e.two_streams, main_priority=e.main_priority)
+        self._main, self._side, self._encoder_stream = streams.main, streams.side, streams.encoder
         self._encoder_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-encoder")
         self._flow_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-flow")
         self._flow_pool = ThreadPoolExecutor(min(self.batch, FLOW_THREADS), thread_name_prefix="edit-warp")

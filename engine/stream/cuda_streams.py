@@ -10,6 +10,11 @@ its priority (graphs are not instantiated with per-node priorities here).
 
 On a CPU there are no streams; with `memory.low_vram` the decode runs on the denoise stream
 (one memory pool), so there is no decode stream to raise.
+
+The edit family has the same shape of work with other names: its main stream (UNet and decode) makes
+the batch a viewer waits for, while the side stream encodes the next batch and the prompt encoder's
+stream refreshes the conditioning now and then, a long call that would otherwise take SMs from the
+batch in flight. So its main stream is the one raised.
 """
 
 from __future__ import annotations
@@ -55,3 +60,22 @@ def session_streams(device: torch.device, *, separate_decode: bool, decode_prior
         priority = highest_priority() if decode_priority else DEFAULT_PRIORITY
         decode = torch.cuda.Stream(device, priority=priority)
     return SessionStreams(side, denoise, decode)
+
+
+@dataclass(frozen=True)
+class EditStreams:
+    """The edit session's streams; None on a CPU. `side` is `main` itself without two streams."""
+
+    main: torch.cuda.Stream | None
+    side: torch.cuda.Stream | None
+    encoder: torch.cuda.Stream | None
+
+
+def edit_streams(device: torch.device, *, two_streams: bool, main_priority: bool) -> EditStreams:
+    """The streams an edit session on `device` runs on: `main_priority` puts the main stream at
+    `highest_priority()`, the side and the prompt encoder's at the default."""
+    if device.type != "cuda":
+        return EditStreams(None, None, None)
+    main = torch.cuda.Stream(device, priority=highest_priority() if main_priority else DEFAULT_PRIORITY)
+    side = torch.cuda.Stream(device) if two_streams else main
+    return EditStreams(main, side, torch.cuda.Stream(device))

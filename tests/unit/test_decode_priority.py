@@ -1,5 +1,6 @@
-"""The decode stream's priority: chosen per device and config without a GPU (torch.cuda.Stream replaced by
-a recorder), and on a GPU the real stream's priority (gpu marker)."""
+"""The priority of the stream a viewer waits on (the Wan session's decode, the edit session's main stream):
+chosen per device and config without a GPU (torch.cuda.Stream replaced by a recorder), and on a GPU the
+real stream's priority (gpu marker)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from loom_live.engine.config import load_config
 from loom_live.engine.stream import cuda_streams
-from loom_live.engine.stream.cuda_streams import DEFAULT_PRIORITY, highest_priority, session_streams
+from loom_live.engine.stream.cuda_streams import DEFAULT_PRIORITY, edit_streams, highest_priority, session_streams
 
 CUDA = torch.device("cuda", 0)
 
@@ -65,6 +66,17 @@ def test_cpu_makes_no_stream(monkeypatch):
 def test_config_default_on_and_switchable():
     assert load_config("tiny-random").stream.decode_priority is True
     assert load_config("tiny-random", ["stream.decode_priority=false"]).stream.decode_priority is False
+
+
+def test_the_edit_main_stream_gets_the_highest_priority_the_encoders_the_default(recorded):
+    s = edit_streams(CUDA, two_streams=True, main_priority=True)
+    assert s.main.priority == highest_priority() and s.side.priority == s.encoder.priority == DEFAULT_PRIORITY
+    assert len({id(s.main), id(s.side), id(s.encoder)}) == 3
+    one = edit_streams(CUDA, two_streams=False, main_priority=False)
+    assert one.side is one.main and one.main.priority == DEFAULT_PRIORITY
+    assert load_config("edit-tiny").edit.main_priority is True
+    cpu = edit_streams(torch.device("cpu"), two_streams=True, main_priority=True)
+    assert (cpu.main, cpu.side, cpu.encoder) == (None, None, None)
 
 
 @pytest.mark.gpu
