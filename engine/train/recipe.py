@@ -512,14 +512,14 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     own = dit.state_dict()
     cfg = dit.cfg
     embed, inp = "patch_embedding.weight", "head.refiner.inp.weight"
-    old_source = state[embed].shape[1] - cfg.in_channels if embed in state else cfg.source_channels
+    old_width = state[embed].shape[1] if embed in state else own[embed].shape[1]  # absent: the load names it
+    old_source = old_width - cfg.in_channels
     if not 0 <= old_source <= cfg.source_channels or old_source % cfg.refiner_slots:
         raise ValueError(f"{path}: its DiT's source of {old_source} channels cannot grow into "
                          f"{cfg.source_channels}")
     slots = cfg.refiner_slots
     old_slot, new_slot = old_source // slots, cfg.source_channels // slots
-    grown = _widen(state, own, embed, _grown_columns(cfg.in_channels, old_slot, new_slot, slots,
-                                                     state[embed].shape[1] if embed in state else 0))
+    grown = _widen(state, own, embed, _grown_columns(cfg.in_channels, old_slot, new_slot, slots, old_width))
     refiner = "head.refiner."
     if inp in state and inp in own and old_slot:
         per = cfg.out_channels // slots

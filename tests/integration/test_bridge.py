@@ -208,9 +208,12 @@ def test_sigkill_mid_stream_falls_back_without_blocking_then_restarts_clean():
         second_pid = bridge.stats()["engine_pid"]
         second_segments = set(bridge.stats()["segments"])
         assert second_pid != first_pid and second_segments
-        deadline = time.monotonic() + 5  # the prompt reaches the worker thread, then a stats poll reports it
-        while (bridge.stats()["engine"].get("pid") != second_pid or "prompt" not in
-               bridge.stats()["engine"].get("session", {})) and time.monotonic() < deadline:
+        # the remembered prompt reaches the new worker thread, then a stats poll reports it (the stats
+        # taken at ready come first and hold the config's prompt: wait for the one set, not for a prompt)
+        deadline = time.monotonic() + 15
+        while (bridge.stats()["engine"].get("pid") != second_pid or
+               bridge.stats()["engine"].get("session", {}).get("prompt") != "ink wash, loose brush") \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         session = bridge.stats()["engine"]["session"]
         assert session["prompt"] == "ink wash, loose brush" and session["params"] == {"noise_scale": 0.5}

@@ -150,12 +150,11 @@ def test_the_data_file_holds_sources_and_every_style_is_drawn_from_the_decoded_s
         assert np.array_equal(clips[0].frames[style], apply_style(style, source)), style
 
 
-def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_starts_the_refiner_afresh(tmp_path):
-    """An earlier run's DiT without source channels and with another refiner: the new one starts as
-    the earlier one did without its refiner (new input channels and the refiner's last layer at zero)."""
-    from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
+def _saved_earlier(tmp_path, earlier) -> tuple:
+    """An earlier run's weights file of DiT config `earlier` (its refiner's last layer given values, so it
+    takes part), and that DiT as the file holds it (int8 matrices): (path, DiT)."""
+    from loom_live.engine.models.embedded import read_embedded, save_embedded
 
-    earlier = replace(EMBEDDED_DIT, source_channels=0, source_edges=False, refiner_slots=1, refiner_width=16)
     torch.manual_seed(0)
     old = WanDiT(earlier).eval()
     with torch.no_grad():
@@ -163,8 +162,18 @@ def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_star
             p.normal_(0.0, 0.1)
     path = tmp_path / "old.safetensors"
     save_embedded(path, old, FrameVAE(EMBEDDED_VAE), {})
-    stored = WanDiT(earlier).eval()  # as saved: int8 matrices
+    stored = WanDiT(earlier).eval()
     stored.load_state_dict({k: v.float() for k, v in read_embedded(path, check_hash=False)[0].items()})
+    return path, stored
+
+
+def test_going_on_from_an_earlier_dit_keeps_its_blocks_grows_its_inputs_and_starts_the_refiner_afresh(tmp_path):
+    """An earlier run's DiT without source channels and with another refiner: the new one starts as
+    the earlier one did without its refiner (new input channels and the refiner's last layer at zero)."""
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, save_embedded
+
+    earlier = replace(EMBEDDED_DIT, source_channels=0, source_edges=False, refiner_slots=1, refiner_width=16)
+    path, stored = _saved_earlier(tmp_path, earlier)
     new = WanDiT(EMBEDDED_DIT).eval()
     grown = recipe.continue_dit(new, str(path))
     assert grown[0] == "patch_embedding.weight" and all(k.startswith("head.refiner.") for k in grown[1:])
@@ -185,18 +194,10 @@ def test_a_dit_that_read_latents_alone_goes_on_with_edges_beside_them_and_starts
     every earlier weight, the refiner's included, keeps its input, so whatever the edges are the new
     DiT gives the earlier one's output; and it learns from them (their weights get a gradient)."""
     from loom_live.engine.models.dit_source import dit_source
-    from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
+    from loom_live.engine.models.embedded import EMBEDDED_DIT
 
     earlier = replace(EMBEDDED_DIT, source_channels=EMBEDDED_DIT.in_channels, source_edges=False)
-    torch.manual_seed(0)
-    old = WanDiT(earlier).eval()
-    with torch.no_grad():
-        for p in old.head.refiner.out.parameters():
-            p.normal_(0.0, 0.1)
-    path = tmp_path / "old.safetensors"
-    save_embedded(path, old, FrameVAE(EMBEDDED_VAE), {})
-    stored = WanDiT(earlier).eval()
-    stored.load_state_dict({k: v.float() for k, v in read_embedded(path, check_hash=False)[0].items()})
+    path, stored = _saved_earlier(tmp_path, earlier)
     new = WanDiT(EMBEDDED_DIT).eval()
     assert recipe.continue_dit(new, str(path)) == ["patch_embedding.weight", "head.refiner.inp.weight"]
     pixels = torch.rand(1, 3, 5, 32, 32) * 2 - 1
