@@ -180,10 +180,13 @@ def test_a_failing_frame_is_reported_and_the_stream_goes_on(served):
 
 
 def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
-    """No frame comes after the second chunk: its outputs arrive because the server polls."""
+    """No frame comes after the second chunk: its outputs arrive because the server polls.
+
+    Each frame goes in once the session has taken the one before: latest wins, so a frame sent while a
+    loaded machine still handles the last one would replace it, and the second chunk never fills."""
     for i in range(9):  # the first chunk (5 frames) and one more (4)
         served.submit(np.full((16, 24, 3), i, np.uint8))
-        time.sleep(0.02)
+        assert wait_until(lambda n=i + 1: served.engine_report(refresh=True).get("frames_in") == n, 10)
     deadline = time.monotonic() + 10
     while served.status().frames_out < 9 and time.monotonic() < deadline:
         served.latest()
