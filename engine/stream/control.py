@@ -74,7 +74,7 @@ class VaceControl:
     def stats(self) -> dict[str, Any]:
         return {"source": self.cfg.control_source, "context_scale": self.cfg.context_scale,
                 "refused_frames": self.frames.refused, "missing_frames": self.frames.missing,
-                "reference": self.reference_from}
+                "reference": self.reference_from, "grey_latents": self.encoder.inactive.stats()}
 
 
 def read_image(path: str) -> np.ndarray:

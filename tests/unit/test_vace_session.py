@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from loom_live.engine.config import ConfigError, load_config
-from loom_live.engine.stream.control_latents import ControlEncoder
+from loom_live.engine.stream import control_latents
+from loom_live.engine.stream.control_latents import ControlEncoder, ZeroLatents
 from tests.fakes.tiny_vace import SMALL, clip, session, tiny_vace_models
 
 
@@ -91,9 +92,51 @@ def test_control_latents_are_the_grey_and_control_videos_encoded_beside_a_mask_o
         for x in [torch.rand(5, 3, 64, 64) * 2 - 1, torch.rand(4, 3, 64, 64) * 2 - 1]:
             got = enc.latents(x)
             pixels = x.permute(1, 0, 2, 3)[None]
-            assert torch.equal(got[:, :16], models.encoder.encode_stream(torch.zeros_like(pixels), grey_state))
+            grey = models.encoder.encode_stream(torch.zeros_like(pixels), grey_state)
+            torch.testing.assert_close(got[:, :16], grey, rtol=1e-5, atol=1e-5)  # one latent at a time
             assert torch.equal(got[:, 16:32], models.encoder.encode_stream(pixels, control_state))
             assert got.shape[1] == 96 and bool((got[:, 32:] == 1).all())
+
+
+def _grey_stream(encoder, chunks: list[int], size: int = 16) -> list[torch.Tensor]:
+    """A zero video encoded live, chunk by chunk (frames per chunk), on a stream state of its own."""
+    state = encoder.new_stream_state()
+    return [encoder.encode_stream(torch.zeros(1, 3, n, size, size), state) for n in chunks]
+
+
+@pytest.mark.parametrize("limit", [64, 3])
+def test_the_grey_latents_are_encoded_once_and_equal_a_live_encode_in_every_stream(models, monkeypatch, limit):
+    """Two streams of 30 latents in chunks of one to three latents: each chunk's grey latents equal a
+    live encode of zeros; the tiny VAE's history reaches its fixed point (latent 20) and nothing is
+    encoded after it, not even in the second stream. With a limit of 3 kept latents (no fixed point
+    before it) the latents past it are encoded live, from the history kept at the limit."""
+    monkeypatch.setattr(control_latents, "MEMO_LIMIT", limit)
+    chunks = [1, 4, 8, 4, 12] + [4] * 10 + [8] * 6  # 30 latents
+    grey = ZeroLatents(models.encoder)
+    with torch.no_grad():
+        want = torch.cat(_grey_stream(models.encoder, chunks), dim=2)
+        for stream in range(2):
+            grey.reset()
+            got = torch.cat([grey.next(torch.empty(1, 3, n, 16, 16)) for n in chunks], dim=2)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if stream == 0:
+                first = grey.encodes
+    if limit == 64:
+        assert grey.steady_from is not None and grey.steady_from < 30
+        assert grey.encodes == first == grey.steady_from + 1  # none after the fixed point, none in stream 2
+    else:
+        assert grey.steady_from is None and len(grey.kept) == 3
+        assert grey.encodes == first + (30 - 3)  # past the limit each stream encodes its own
+
+
+def test_a_new_size_gets_its_own_grey_latents(models):
+    grey = ZeroLatents(models.encoder)
+    with torch.no_grad():
+        grey.next(torch.empty(1, 3, 5, 16, 16))
+        grey.reset()
+        got = grey.next(torch.empty(1, 3, 5, 24, 24))
+        want = _grey_stream(models.encoder, [5], size=24)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_player_control_options_become_config_keys(tmp_path):
