@@ -3,7 +3,8 @@
 One mechanism for every host: a control source turns the stream's model-size frames ([-1, 1] on the
 compute device) into control frames of the same shape, which the control latents are encoded from
 (engine/stream/control_latents.py). Sources, chosen live by `control_source`:
-- edges: Canny edges (OpenCV, on the CPU at the model size), white on black;
+- edges: Canny edges at the model size, white on black: on a GPU in tensor operations (canny.py:
+  nothing waits for the device), on a CPU with OpenCV; the same edges;
 - grey: the luma, on the device;
 - flow: dense optical flow from the previous frame (OpenCV DIS) as a colour wheel: hue the
   direction, brightness the speed;
@@ -26,6 +27,7 @@ import cv2
 import numpy as np
 import torch
 
+from loom_live.engine.stream.canny import DEVICE_STEPS, canny
 from loom_live.host_bridge.wire.params import CONTROL_SOURCES
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,10 @@ class ControlFrames:
             return out
 
     def _edges(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            g = ((grey(x)[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255)
+            edges = canny(g, CANNY_LOW, CANNY_HIGH, steps=DEVICE_STEPS)
+            return (edges.to(x.dtype) * 2.0 - 1.0)[:, None].expand(-1, 3, -1, -1).contiguous()
         edges = [cv2.Canny(g, CANNY_LOW, CANNY_HIGH) for g in _grey_u8(x)]
         return _to_model(np.stack(edges)[..., None].repeat(3, -1), x)
 
