@@ -4,11 +4,17 @@ It owns the path of frame notices for as long as it runs (the host's shared-memo
 tcp the frame lane socket; both are `lane` here): it polls it itself for input frame notices and
 output slot releases, and sends output notices and input releases on it, so a frame costs one
 record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached
-input ring (live: only the newest, older notices are released unread and counted as dropped; lossless:
-every one, in order), pushes them through the session, and writes outputs into free output slots.
+input ring (live: the newest LIVE_WAITING, older notices are released unread and counted as dropped;
+lossless: every one, in order), pushes them through the session, and writes outputs into free output
+slots. Live keeps a few rather than only the newest because a session restyles in chunks of frames:
+while the frame that completes a chunk is being restyled the next ones arrive, and with only the
+newest kept, all but one of them would be lost although the session keeps up on average.
 A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
 paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
-the last frame of each chunk.
+the last frame of each chunk. Each output gets its time when it is queued, one interval after the
+one before (at once when that time has passed), and keeps it: an emit that comes late because the loop was
+busy with the next chunk does not push the later ones back, so the outputs leave at the rate the
+frames come in and no backlog (lag, then dropped outputs) builds up behind a busy session.
 
 Everything else arrives through the server's control loop as commands (rings, mode, prompt,
 parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
@@ -39,6 +45,9 @@ from loom_live.host_bridge.wire.rings import Ring, SlotTracker
 
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
 INTERVAL_EMA = 0.2
+LIVE_WAITING = 3  # live: unread frames kept, oldest first (a chunk's worth with the one in hand)
+PACE = 0.95  # outputs leave at this fraction of the input interval: a little ahead, never behind
+MAX_PACE_S = 0.1  # ...of an interval of at most this: a slow or paused host is not paced at its gaps
 WAIT_S = 0.02
 ERROR_REPEAT_S = 1.0  # the same frame error is reported again at most this often
 STATS_REFRESH_S = 0.25  # session stats (percentiles over a window) are recomputed at most this often
@@ -73,8 +82,8 @@ class FrameWorker:
         self._stall_after = stall_after
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()
-        self._paced: deque[tuple[int, Any]] = deque()  # numpy arrays, or tensors from a GPU session
-        self._next_emit = 0.0
+        self._paced: deque[tuple[int, Any, float]] = deque()  # (seq, frame, when due); numpy, or GPU tensors
+        self._last_due = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
         self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0, new_streams=0)
@@ -148,7 +157,7 @@ class FrameWorker:
             self._interval = dt if self._interval == 0 else (1 - INTERVAL_EMA) * self._interval + INTERVAL_EMA * dt
         self._last_arrival = now
         if not self.lossless:
-            while self.inputs:  # latest wins: hand the superseded slots straight back
+            while len(self.inputs) >= LIVE_WAITING:  # the newest few win: hand the older slots straight back
                 old = self.inputs.popleft()
                 self._release_in(old[0], old[2], dropped=True)
                 self.counts["dropped"] += 1
@@ -290,7 +299,7 @@ class FrameWorker:
     def _wait_time(self) -> float:
         wait = OUTPUT_POLL_S if self.session.unfinished else WAIT_S
         if self._paced:
-            return max(0.0, min(wait, self._next_emit - time.monotonic()))
+            return max(0.0, min(wait, self._paced[0][2] - time.monotonic()))
         return wait
 
     def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes], control: bool = False) -> None:
@@ -400,16 +409,14 @@ class FrameWorker:
         if len(self._paced) >= PACED_QUEUE_LIMIT:
             self._paced.popleft()
             self.counts["dropped_out"] += 1
-        self._paced.append((seq, frame))
+        now, step = time.monotonic(), min(self._interval, MAX_PACE_S) * PACE
+        self._last_due = max(now, min(self._last_due + step, now + len(self._paced) * step))
+        self._paced.append((seq, frame, self._last_due))
 
     def _emit_due(self) -> None:
-        while self._paced:
-            now = time.monotonic()
-            if now < self._next_emit and not self.lossless:
-                return
-            seq, frame = self._paced.popleft()
+        while self._paced and (self._paced[0][2] <= time.monotonic() or self.lossless):
+            seq, frame, _ = self._paced.popleft()
             self._emit(seq, frame)
-            self._next_emit = max(now, self._next_emit) + self._interval * 0.95 if self._paced else now
 
     def _defer_flush(self, rid: int | None, until_seq: int | None) -> bool:
         """A flush that names a frame notice not yet here waits for it without holding up the frames: the
@@ -437,7 +444,7 @@ class FrameWorker:
         while not self.stop and (job := self._next_input()) is not None:
             self._process(*job)
         while self._paced:
-            self._emit(*self._paced.popleft())
+            self._emit(*self._paced.popleft()[:2])
         if self.session is None:  # it failed beyond repair on the way: the server is exiting
             return 0
         outputs = self.session.flush()

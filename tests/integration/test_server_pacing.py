@@ -118,6 +118,18 @@ class BrokenSession(FailingSession):
     reset_fails = True
 
 
+class BusySession(ChunkSession):
+    """Restyling a chunk takes longer than one input frame interval, as the CPU model's does."""
+
+    BUSY_S = 0.07
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        out = super().push(frames)
+        if len(out):
+            time.sleep(self.BUSY_S)
+        return out
+
+
 class _Served(InProcessEngine):
     """A server thread on loopback tcp with a Bridge connected to it."""
 
@@ -297,4 +309,23 @@ def test_frames_sent_before_a_reset_do_not_open_the_new_stream():
         assert wait_until(lambda: bridge.stats()["engine"].get("dropped", 0) >= 1, 5, 0.02)
     finally:
         GatedSession.gate.set()
+        s.close()
+
+
+def test_a_session_busy_longer_than_a_frame_interval_loses_no_frame_and_builds_no_lag():
+    """Frames every 50 ms, each chunk restyled in 70 ms: the frames that arrive meanwhile wait (a
+    few, not only the newest), and outputs paced while the worker is busy keep their times, so
+    every frame comes back at the input's rate and no backlog of outputs grows (or overflows)."""
+    s = _Served(BusySession)
+    try:
+        bridge, t0 = s.bridge, time.monotonic()
+        for i in range(60):
+            bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            while time.monotonic() < t0 + 0.05 * (i + 1):
+                bridge.latest()
+                time.sleep(0.003)
+        report = bridge.engine_report(refresh=True)
+        assert report["dropped"] == 0 and report["dropped_out"] == 0, report
+        assert report["frames_in"] == 60 and report["frames_out"] >= 60 - 4 - 3, report  # one chunk, its tail
+    finally:
         s.close()
