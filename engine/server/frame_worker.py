@@ -4,11 +4,13 @@ It owns the path of frame notices for as long as it runs (the host's shared-memo
 tcp the frame lane socket; both are `lane` here): it polls it itself for input frame notices and
 output slot releases, and sends output notices and input releases on it, so a frame costs one
 record (or one ZMQ hop) each way and no thread hand-off. It takes input frames from the attached
-input ring (live: the newest LIVE_WAITING, older notices are released unread and counted as dropped;
-lossless: every one, in order), pushes them through the session, and writes outputs into free output
-slots. Live keeps a few rather than only the newest because a session restyles in chunks of frames:
-while the frame that completes a chunk is being restyled the next ones arrive, and with only the
-newest kept, all but one of them would be lost although the session keeps up on average.
+input ring (live: up to LIVE_WAITING wait, in order; one more means the session is behind, and then
+only the newest is kept, the others released unread and counted as dropped; lossless: every one, in
+order), pushes them through the session, and writes outputs into free output slots. Live lets a few
+wait because a session restyles in chunks of frames: while the frame that completes a chunk is being
+restyled the next ones arrive, and with only the newest kept, all but one of them would be lost
+although the session keeps up on average; a session that does not keep up gets the newest frame, as
+before, rather than a queue of old ones.
 A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
 paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
 the last frame of each chunk. Each output gets its time when it is queued, one interval after the
@@ -45,7 +47,7 @@ from loom_live.host_bridge.wire.rings import Ring, SlotTracker
 
 PACED_QUEUE_LIMIT = 16  # outputs waiting for their turn in live mode; beyond it the oldest go
 INTERVAL_EMA = 0.2
-LIVE_WAITING = 3  # live: unread frames kept, oldest first (a chunk's worth with the one in hand)
+LIVE_WAITING = 3  # live: unread frames that wait, oldest first; one more finds the session behind
 PACE = 0.95  # outputs leave at this fraction of the input interval: a little ahead, never behind
 MAX_PACE_S = 0.1  # ...of an interval of at most this: a slow or paused host is not paced at its gaps
 WAIT_S = 0.02
@@ -156,8 +158,8 @@ class FrameWorker:
             dt = now - self._last_arrival
             self._interval = dt if self._interval == 0 else (1 - INTERVAL_EMA) * self._interval + INTERVAL_EMA * dt
         self._last_arrival = now
-        if not self.lossless:
-            while len(self.inputs) >= LIVE_WAITING:  # the newest few win: hand the older slots straight back
+        if not self.lossless and len(self.inputs) >= LIVE_WAITING:  # behind: the newest wins, the rest go back
+            while self.inputs:
                 old = self.inputs.popleft()
                 self._release_in(old[0], old[2], dropped=True)
                 self.counts["dropped"] += 1

@@ -23,6 +23,7 @@ from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 FORGET = 0.9  # weight of history in the per-stage fits
 HYSTERESIS = 0.15  # a new plan must be this much better...
 PATIENCE = 3  # ...for this many consecutive decisions
+KEEP_UP = 1.5  # a plan keeps up with its input at this many times the input's frame rate
 MAX_CHUNK_LATENTS = 4
 INPUT_WINDOW = 64  # arrivals the input rate is measured over
 PRIOR_FIXED_FRACTION = 0.3  # until two work sizes are measured, assume this share of a stage is fixed cost
@@ -154,23 +155,25 @@ class SLOScheduler:
         return fps, fill + through
 
     def _score(self, plan: Plan) -> tuple[int, float]:
-        """Higher is better. Tier 2 meets the rate and the latency budget (then the lowest latency
-        wins with a target rate, the highest FPS without); tier 1 meets the budget only (highest
-        FPS wins); tier 0 misses the budget (lowest latency wins: never trade more lag for speed)."""
+        """Higher is better. Tier 3 meets the rate and the latency budget (then the lowest latency
+        wins with a target rate, the highest FPS without); tier 2 meets the budget only (highest
+        FPS wins); a plan that misses the budget is tier 1 if it keeps up with the input with room
+        to spare, else tier 0, the lowest latency winning in both (never trade more lag for speed).
+        A live plan slower than its input has no steady latency: frames queue, then drop."""
         fps, latency = self.predict(plan)
         meets_rate = self.target_fps <= 0 or fps >= self.target_fps
         if latency > self.budget:
-            return 0, -latency
+            return (1 if fps >= KEEP_UP * self.input_fps else 0), -latency
         if meets_rate:
-            return 2, (-latency if self.target_fps > 0 else fps)
-        return 1, fps
+            return 3, (-latency if self.target_fps > 0 else fps)
+        return 2, fps
 
     def decide(self) -> Plan:
         """Called once per chunk; returns the plan to use next (switches only with hysteresis)."""
         if not all(s.seen for s in self.stages.values()):
             return self.plan
         cur_tier, cur_val = self._score(self.plan)
-        if cur_tier == 2:  # the current plan keeps the SLO: do not churn (a switch drains the pipeline)
+        if cur_tier == 3:  # the current plan keeps the SLO: do not churn (a switch drains the pipeline)
             self._challenger, self._streak = None, 0
             return self.plan
         best = max(self.candidates, key=self._score)

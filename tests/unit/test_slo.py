@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from loom_live.engine.stream.slo_scheduler import PATIENCE, Plan, SLOScheduler
+from loom_live.engine.stream.slo_scheduler import KEEP_UP, PATIENCE, Plan, SLOScheduler
 
 
 class FakeGPU:
@@ -90,6 +90,21 @@ def test_an_unreachable_budget_gets_the_lowest_latency_plan_not_the_fastest():
     drive(sched, gpu, 40)
     lowest = min(sched.candidates, key=lambda p: sched.predict(p)[1])
     assert sched.plan == lowest
+
+
+def test_an_unreachable_budget_keeps_a_plan_that_keeps_up_with_the_input():
+    """A live input the lowest-latency plan cannot keep up with: it would queue frames, then drop them.
+    Among the plans that miss the budget, one that keeps up with room to spare wins, then the lowest latency."""
+    gpu = FakeGPU(fixed=0.030, per_unit=0.004, enc=0.010, dec=0.010)
+    sched = SLOScheduler(steps=2, target_fps=0, latency_budget_s=0.01, initial=Plan("batch", 1))
+    sched.observe_input_rate(40)
+    drive(sched, gpu, 40)
+    fps, _ = sched.predict(sched.plan)
+    assert fps >= KEEP_UP * 40
+    lowest = min(sched.candidates, key=lambda p: sched.predict(p)[1])
+    assert sched.predict(lowest)[0] < KEEP_UP * 40 and sched.plan != lowest  # the fastest-to-answer falls behind
+    keeping_up = [p for p in sched.candidates if sched.predict(p)[0] >= KEEP_UP * 40]
+    assert sched.plan == min(keeping_up, key=lambda p: sched.predict(p)[1])
 
 
 def test_a_plan_that_keeps_the_slo_is_not_churned_for_more_fps():
