@@ -159,11 +159,14 @@ class SLOScheduler:
         wins with a target rate, the highest FPS without); tier 2 meets the budget only (highest
         FPS wins); a plan that misses the budget is tier 1 if it keeps up with the input with room
         to spare, else tier 0, the lowest latency winning in both (never trade more lag for speed).
-        A live plan slower than its input has no steady latency: frames queue, then drop."""
+        A live plan slower than its input has no steady latency: frames queue, then drop. Keeping up
+        counts only while the current plan does: a stream pushed as fast as the engine takes it has
+        an input rate that is the engine's own, which every faster plan would seem to beat."""
         fps, latency = self.predict(plan)
         meets_rate = self.target_fps <= 0 or fps >= self.target_fps
         if latency > self.budget:
-            return (1 if fps >= KEEP_UP * self.input_fps else 0), -latency
+            paced = self.input_fps > 0 and self.predict(self.plan)[0] >= KEEP_UP * self.input_fps
+            return (1 if not paced or fps >= KEEP_UP * self.input_fps else 0), -latency
         if meets_rate:
             return 3, (-latency if self.target_fps > 0 else fps)
         return 2, fps

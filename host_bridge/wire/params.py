@@ -219,7 +219,7 @@ TRANSITION_CHUNKS = LiveParam("transition_chunks", "int", 4, "prompt", "chunks o
                               min=0, max=1000, ui_max=64)
 TARGET_FPS = LiveParam("target_fps", "float", 0.0, "slo", "output FPS to sustain; 0 = as fast as possible",
                        min=0.0, max=1000.0)
-LATENCY_BUDGET_MS = LiveParam("latency_budget_ms", "float", 1000.0, "slo", "per-frame push-to-output budget",
+LATENCY_BUDGET_MS = LiveParam("latency_budget_ms", "float", 500.0, "slo", "per-frame push-to-output budget",
                               min=1.0, max=60000.0)
 
 # The prompt travels in its own message (`prompt`), not among the parameters.
