@@ -14,9 +14,9 @@ before, rather than a queue of old ones.
 A session emits outputs in bursts (a chunk of 4 frames at a time), so in live mode outputs are
 paced out at the measured input frame interval; otherwise a latest-wins host would only ever see
 the last frame of each chunk. Each output gets its time when it is queued, one interval after the
-one before (at once when that time has passed), and keeps it: an emit that comes late because the loop was
-busy with the next chunk does not push the later ones back, so the outputs leave at the rate the
-frames come in and no backlog (lag, then dropped outputs) builds up behind a busy session.
+one before (at once when that time has passed), and keeps it: an emit that comes late because the
+loop was busy with the next chunk does not push the later ones back, so the outputs leave at the
+rate the frames come in and no backlog (lag, then dropped outputs) builds up behind a busy session.
 
 Everything else arrives through the server's control loop as commands (rings, mode, prompt,
 parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,

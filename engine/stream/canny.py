@@ -17,6 +17,8 @@ device path: chains longer than that from their nearest strong pixel stop there)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,10 +51,16 @@ def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None)
 
 def _sobel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """OpenCV's 3x3 Sobel dx, dy with the border replicated; exact integers in float32."""
-    kx = torch.tensor(_SOBEL_X, device=x.device)
-    weight = torch.stack((kx, kx.t()))[:, None]
-    d = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), weight)
+    d = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), _sobel_weight(x.device))
     return d[:, :1], d[:, 1:]
+
+
+@functools.cache
+def _sobel_weight(device: torch.device) -> torch.Tensor:
+    """The dx and dy kernels on the device, made once: a copy from the host per chunk would wait for
+    the GPU's queue."""
+    kx = torch.tensor(_SOBEL_X, device=device)
+    return torch.stack((kx, kx.t()))[:, None]
 
 
 def _local_max(mag: torch.Tensor, dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ stream goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,7 @@ class ControlFrames:
 
     def _edges(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
-            g = ((grey(x)[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255)
-            edges = canny(g, CANNY_LOW, CANNY_HIGH, steps=DEVICE_STEPS)
+            edges = canny(_grey_levels(x), CANNY_LOW, CANNY_HIGH, steps=DEVICE_STEPS)
             return (edges.to(x.dtype) * 2.0 - 1.0)[:, None].expand(-1, 3, -1, -1).contiguous()
         edges = [cv2.Canny(g, CANNY_LOW, CANNY_HIGH) for g in _grey_u8(x)]
         return _to_model(np.stack(edges)[..., None].repeat(3, -1), x)
@@ -121,8 +121,14 @@ class ControlFrames:
 
 def grey(x: torch.Tensor) -> torch.Tensor:
     """The luma of frames [N, 3, H, W] in [-1, 1], as three equal channels."""
-    w = torch.tensor(LUMA, device=x.device, dtype=x.dtype)[None, :, None, None]
-    return (x * w).sum(1, keepdim=True).expand_as(x).contiguous()
+    return (x * _luma(x.device, x.dtype)).sum(1, keepdim=True).expand_as(x).contiguous()
+
+
+@functools.cache
+def _luma(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The luma weights on the frames' device, made once: a copy from the host per chunk would wait
+    for the GPU's queue."""
+    return torch.tensor(LUMA, device=device, dtype=dtype)[None, :, None, None]
 
 
 def flow_colours(flow: np.ndarray) -> np.ndarray:
@@ -136,8 +142,13 @@ def flow_colours(flow: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
 
 
+def _grey_levels(x: torch.Tensor) -> torch.Tensor:
+    """The luma of frames [N, 3, H, W] in [-1, 1] as whole grey levels 0..255 (float32 [N, H, W])."""
+    return ((grey(x)[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255)
+
+
 def _grey_u8(x: torch.Tensor) -> list[np.ndarray]:
-    g = ((grey(x)[:, 0].float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    g = _grey_levels(x).to(torch.uint8)
     return list(g.cpu().numpy())
 
 

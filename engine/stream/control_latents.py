@@ -56,9 +56,9 @@ class ZeroLatents:
     A causal VAE's output for a chunk depends on the chunk and on the history its layers keep; with
     zeros in, both depend only on the place in the stream. So the latents are encoded one at a time
     on a stream state of this object's own (`encodes` counts them), kept, and read back by every
-    later stream (`reset`). Once a step leaves that history exactly as it found it, the history is a fixed
-    point and every later latent equals that step's: from then on nothing is encoded at all and the
-    history's memory is given back. A VAE without such a point within MEMO_LIMIT latents still costs
+    later stream (`reset`). Once a step leaves that history exactly as it found it, the history is a
+    fixed point and every later latent equals that step's: from then on nothing is encoded at all
+    and the history's memory is given back. A VAE without such a point within MEMO_LIMIT latents still costs
     nothing extra: past the limit the stream's latents are encoded live from the kept history.
     Chunks of several latents get the same latents as one at a time, up to float rounding.
     """
@@ -75,7 +75,6 @@ class ZeroLatents:
         self.kept: list[torch.Tensor] = []
         self.steady_from: int | None = None  # first latent of the fixed point
         self._state = self.encoder.new_stream_state()
-        self._at = 0  # the latent the own state encodes next
         self._limit_state = None  # the history at MEMO_LIMIT, when no fixed point came before it
 
     def reset(self) -> None:
@@ -113,13 +112,12 @@ class ZeroLatents:
         return {"kept": len(self.kept), "steady_from": self.steady_from, "encodes": self.encodes}
 
     def _step(self, like: torch.Tensor, check: bool) -> torch.Tensor:
-        frames = 1 if self._at == 0 else TIME_STRIDE
-        zeros = like.new_zeros((like.shape[0], like.shape[1], frames, *like.shape[3:]))
         cache = self._state.encoder
+        frames = TIME_STRIDE if cache.started else 1
+        zeros = like.new_zeros((like.shape[0], like.shape[1], frames, *like.shape[3:]))
         before = {k: v.clone() for k, v in cache.buffers.items()} if check else None
         z = self.encoder.encode_stream(zeros.contiguous(memory_format=self.layout), self._state)
         self.encodes += 1
-        self._at += 1
         if before is not None and before.keys() == cache.buffers.keys() and all(
                 torch.equal(v, before[k]) for k, v in cache.buffers.items()):
             self.steady_from = len(self.kept)

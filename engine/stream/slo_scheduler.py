@@ -154,18 +154,18 @@ class SLOScheduler:
         fill = frames / self.input_fps if self.input_fps > 0 else 0.0
         return fps, fill + through
 
-    def _score(self, plan: Plan) -> tuple[int, float]:
+    def _score(self, plan: Plan, paced: bool) -> tuple[int, float]:
         """Higher is better. Tier 3 meets the rate and the latency budget (then the lowest latency
         wins with a target rate, the highest FPS without); tier 2 meets the budget only (highest
         FPS wins); a plan that misses the budget is tier 1 if it keeps up with the input with room
         to spare, else tier 0, the lowest latency winning in both (never trade more lag for speed).
         A live plan slower than its input has no steady latency: frames queue, then drop. Keeping up
         counts only while the current plan does: a stream pushed as fast as the engine takes it has
-        an input rate that is the engine's own, which every faster plan would seem to beat."""
+        an input rate that is the engine's own, which every faster plan would seem to beat (`paced`:
+        the current plan keeps up)."""
         fps, latency = self.predict(plan)
         meets_rate = self.target_fps <= 0 or fps >= self.target_fps
         if latency > self.budget:
-            paced = self.input_fps > 0 and self.predict(self.plan)[0] >= KEEP_UP * self.input_fps
             return (1 if not paced or fps >= KEEP_UP * self.input_fps else 0), -latency
         if meets_rate:
             return 3, (-latency if self.target_fps > 0 else fps)
@@ -175,12 +175,14 @@ class SLOScheduler:
         """Called once per chunk; returns the plan to use next (switches only with hysteresis)."""
         if not all(s.seen for s in self.stages.values()):
             return self.plan
-        cur_tier, cur_val = self._score(self.plan)
+        paced = self.input_fps > 0 and self.predict(self.plan)[0] >= KEEP_UP * self.input_fps
+        cur_tier, cur_val = self._score(self.plan, paced)
         if cur_tier == 3:  # the current plan keeps the SLO: do not churn (a switch drains the pipeline)
             self._challenger, self._streak = None, 0
             return self.plan
-        best = max(self.candidates, key=self._score)
-        best_tier, best_val = self._score(best)
+        scores = {p: self._score(p, paced) for p in self.candidates}
+        best = max(self.candidates, key=scores.__getitem__)
+        best_tier, best_val = scores[best]
         better = best != self.plan and (
             best_tier > cur_tier or (best_tier == cur_tier and _improves(best_val, cur_val))
         )
