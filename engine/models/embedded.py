@@ -32,7 +32,7 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "13df92e809ff3179052a89d23d8aadaf866ebbfb93a81fe2b020aa79a1871ffe"
+WEIGHTS_SHA256 = "3f67bd33e3a2aea0333ec3d44c2980e7ee0efd91f8203c8de68bf2138d18f483"
 FLOAT16_KEYS = ("dit.patch_embedding.weight", "dit.head.refiner.inp.weight")
 
 
