@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Run the GPU rows still open on a lent GPU machine, from the repository root:
+#
+#   bash tools/device_rows.sh GROUP [GROUP...]
+#
+# Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
+# takes about 60 s, the VACE layout's about 160 s): tests, vace, decode-paced, upsample, edit,
+# lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
+# $OUT); the script prints each bench's summary table, so the call's output says how it went.
+# The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
+set -uo pipefail
+groups="tests vace decode-paced upsample edit lora ipc recovery"
+[ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
+for group in "$@"; do
+    [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
+done
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+out="${OUT:-out}/rows"
+mkdir -p "$out"
+start=$(date +%s)
+
+# One bounded command: its output to $out/NAME.txt, its summary table (or its tail) printed.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    echo "   exit $?"
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|startup|start-up)|passed|failed|error" "$out/$name.txt" | tail -20
+}
+bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
+wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
+
+for group in "$@"; do
+    case $group in
+    tests)
+        step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
+            tests/unit/test_decode_priority.py tests/integration/test_bridge_cuda.py ;;
+    vace)
+        bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500
+        wan plain 150 --frames 1500 ;;
+    decode-paced)
+        for p in false true; do wan "decode_paced_$p" 150 --frames 1500 --input-fps 40 --set stream.decode_priority=$p; done ;;
+    upsample)
+        for u in nearest phase transposed; do wan "upsample_$u" 150 --frames 3000 --set vae.upsample=$u; done ;;
+    edit)
+        bench edit_b8 300 -c dreamlite-edit --batches 8 --frames 2000
+        for p in false true; do bench "edit_b16_prio_$p" 200 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p; done ;;
+    lora)
+        step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json" ;;
+    ipc)
+        for s in 0 300; do
+            LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
+                --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
+        done ;;
+    recovery)
+        step recovery 590 python3 benchmarks/bench_recovery.py --modes restart --kills 2 --json "$out/recovery.json" ;;
+    esac
+done
+echo "== done at $(( $(date +%s) - start )) s"
