@@ -17,9 +17,10 @@ each step its own `KVCache` (sinks, ring, RoPE refresh and adaptive sinks as con
 sequential mode: what `StreamDenoiser.run_sequential` computes, for a batch of streams at once
 (test_train_recipe checks the two agree). Every step's clean estimate is pulled towards the
 styled clip's latent; the final one is also decoded and compared in pixels, and so are its
-frame-to-frame changes. Gradients flow through the cache across the whole unroll, so the model
-learns from its own cached keys. The condition is the style's text vector (sometimes a blend of
-two styles with a blended target, so prompt transitions are gradual).
+frame-to-frame changes (optionally those across chunk boundaries again, on their own). Gradients
+flow through the cache across the whole unroll, so the model learns from its own cached keys. The
+condition is the style's text vector (sometimes a blend of two styles with a blended target, so
+prompt transitions are gradual; `style_weights` can show some styles more often than others).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class RecipeConfig:
     rope_refresh_at: int = 50
     pixel_loss: float = 1.0
     temporal_loss: float = 2.0  # weight of the frame-to-frame change loss on the decoded pixels
+    boundary_loss: float = 0.0  # weight of the same loss on the frame pairs across chunk boundaries alone
+    style_weights: str = ""  # "name=w,...": each style's share of the DiT's windows (unnamed: 1); "" uniform
     seed: int = 0
     max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
 
@@ -159,6 +162,40 @@ def temporal_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     it: without this the output jumps at chunk boundaries although every frame is near its target."""
     y = past_the_clamp(y, x)
     return F.l1_loss(y[:, :, 1:] - y[:, :, :-1], x[:, :, 1:] - x[:, :, :-1])
+
+
+def boundary_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`temporal_loss` on the frame pairs that cross a chunk boundary alone. The temporal loss averages
+    them with the three pairs inside each chunk, so a jump at every boundary weighs a quarter of it;
+    the held-out boundary figure is exactly that jump over the mean change."""
+    first = torch.arange(FIRST_CHUNK, y.shape[2], CHUNK, device=y.device)  # each later chunk's first frame
+    y = past_the_clamp(y, x)
+    return F.l1_loss(y[:, :, first] - y[:, :, first - 1], x[:, :, first] - x[:, :, first - 1])
+
+
+def style_shares(spec: str) -> np.ndarray | None:
+    """Each style's probability from `RecipeConfig.style_weights` ("neon_edges=3,blueprint=2"; a style
+    not named weighs 1), or None for uniform. The styles drawn along the input's edges learn slowest,
+    and showing them more often is the cheapest way to give them more of a call's steps."""
+    if not spec.strip():
+        return None
+    weights = dict.fromkeys(STYLE_NAMES, 1.0)
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if name not in weights or not sep:
+            raise ValueError(f"style_weights: {item.strip()!r} is not name=weight with a style of "
+                             f"{', '.join(STYLE_NAMES)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"style_weights: {name}'s weight {value.strip()!r} is not a number") from None
+        if not weights[name] >= 0.0:
+            raise ValueError(f"style_weights: {name}'s weight must be 0 or more, not {value.strip()}")
+    total = sum(weights.values())
+    if total <= 0.0:
+        raise ValueError("style_weights: at least one style needs a weight above 0")
+    return np.array([weights[n] / total for n in STYLE_NAMES])
 
 
 def chroma_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -392,6 +429,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
     rng = windows.rng
     edge_rng = np.random.default_rng([cfg.seed, 1])  # its own draws: the windows, styles and noise stay the seed's
     n_styles = len(STYLE_NAMES)
+    shares = style_shares(cfg.style_weights)
     start, step = time.perf_counter(), 0
     bar = tqdm(desc="dit", unit="step")
     def train_step(batch: int) -> tuple[torch.Tensor, int]:
@@ -401,7 +439,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         src, tgt, ctx, t0s = [], [], [], []
         for _ in range(batch):
             clip, s, flip = windows.sample(frames)
-            a = int(rng.integers(n_styles))
+            a = int(rng.integers(n_styles)) if shares is None else int(rng.choice(n_styles, p=shares))
             x = windows.get(clip, 0, s, frames, flip)
             y = windows.get(clip, 1 + a, s, frames, flip)
             if switch:  # the prompt changes at chunk `at`, blended in over `span` chunks
@@ -446,6 +484,8 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
             k = cfg.pixel_batch
             y = stream_decode(vae, torch.cat(out, dim=2)[:k], clamp=False)
             loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k]) + cfg.temporal_loss * temporal_loss(y, tgt[:k])
+            if cfg.boundary_loss:
+                loss = loss + cfg.boundary_loss * boundary_loss(y, tgt[:k])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
@@ -563,6 +603,7 @@ def _widen(state: dict, own: dict, key: str, columns: torch.Tensor) -> list[str]
 
 
 def run(cfg: RecipeConfig) -> Path:
+    style_shares(cfg.style_weights)  # a bad spec fails here, before the data load and any training
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -250,3 +250,82 @@ def test_edge_dropout_gives_a_share_of_the_windows_a_random_edge_scale_that_reac
                      WanDiT(DIT_PRESETS["embedded"]), torch.device("cpu"), log=lambda _: None)
     (scale,) = seen
     assert scale.shape == (8,) and (scale != 1.0).all()
+
+
+def test_the_boundary_loss_costs_a_jump_at_a_chunk_boundary_and_not_one_inside_a_chunk():
+    """Frames 0-4 are the first chunk, 5-8 the second: a step between frames 4 and 5 crosses the
+    boundary, one between 2 and 3 does not; the temporal loss costs both the same."""
+    target = torch.zeros(1, 3, 9, 4, 4)
+    across = target + (torch.arange(9) >= 5).float().view(1, 1, 9, 1, 1) * 0.2
+    inside = target + (torch.arange(9) >= 3).float().view(1, 1, 9, 1, 1) * 0.2
+    assert recipe.temporal_loss(across, target) == pytest.approx(recipe.temporal_loss(inside, target).item())
+    assert recipe.boundary_loss(across, target) > 0
+    assert recipe.boundary_loss(inside, target) == 0
+    assert recipe.boundary_loss(target + 0.3, target) == 0  # a steady error is the per-frame losses' job
+
+
+def test_style_weights_parse_into_shares_and_a_bad_spec_is_refused_naming_what_is_allowed():
+    assert recipe.style_shares("") is None and recipe.style_shares("  ") is None
+    shares = recipe.style_shares("neon_edges=3, blueprint=2")
+    n = len(STYLE_NAMES)
+    assert shares.sum() == pytest.approx(1.0)
+    assert shares[STYLE_NAMES.index("neon_edges")] == pytest.approx(3 / (n + 3))
+    assert shares[STYLE_NAMES.index("toon")] == pytest.approx(1 / (n + 3))
+    with pytest.raises(ValueError, match=r"'neon=3' is not name=weight with a style of pencil_sketch, "):
+        recipe.style_shares("neon=3")
+    with pytest.raises(ValueError, match="'toon' is not name=weight"):
+        recipe.style_shares("toon")
+    with pytest.raises(ValueError, match="toon's weight 'x' is not a number"):
+        recipe.style_shares("toon=x")
+    with pytest.raises(ValueError, match="toon's weight must be 0 or more, not -1"):
+        recipe.style_shares("toon=-1")
+    with pytest.raises(ValueError, match="at least one style"):
+        recipe.style_shares(",".join(f"{s}=0" for s in STYLE_NAMES))
+    with pytest.raises(ValueError, match="style_weights"):
+        recipe.run(replace(recipe.RecipeConfig(), style_weights="neon=3", data="/nonexistent.npz"))
+
+
+def test_style_weights_steer_which_styles_the_dit_trains_on(monkeypatch):
+    """A style at weight 0 is never a window's target; the one weighted up is drawn most."""
+    drawn = []
+    rng = np.random.default_rng(2)
+    frames = recipe.FIRST_CHUNK + recipe.CHUNK
+    clip = Clip("c", {v: rng.integers(0, 255, (frames, 16, 16, 3), dtype=np.uint8) for v in (SOURCE, *STYLE_NAMES)})
+    windows = recipe.Windows([clip], torch.device("cpu"), 0)
+    get = windows.get
+
+    def recording(clip, variant, *args):
+        drawn.append(variant)
+        return get(clip, variant, *args)
+
+    monkeypatch.setattr(windows, "get", recording)
+    zero = ",".join(f"{s}=0" for s in STYLE_NAMES if s not in ("neon_edges", "blueprint"))
+    cfg = replace(recipe.RecipeConfig(), dit_batch=40, pixel_loss=0.0, dit_chunks=2, max_steps=1, dit_seconds=1e6,
+                  blend_p=0.0, switch_p=0.0, style_weights=f"{zero},neon_edges=4")
+    torch.manual_seed(0)
+    recipe.train_dit(cfg, windows, FrameVAE(EMBEDDED_VAE).eval(), WanDiT(DIT_PRESETS["embedded"]),
+                     torch.device("cpu"), log=lambda _: None)
+    styles = [STYLE_NAMES[v - 1] for v in drawn if v != 0]
+    assert len(styles) == 40 and set(styles) <= {"neon_edges", "blueprint"}
+    assert styles.count("neon_edges") > 2 * styles.count("blueprint") > 0
+
+
+@pytest.mark.parametrize("weight", [0.0, 2.0])
+def test_a_training_step_adds_the_boundary_loss_only_when_it_has_a_weight(monkeypatch, weight):
+    calls = []
+    loss = recipe.boundary_loss
+
+    def recording(y, x):
+        calls.append(y.shape)
+        return loss(y, x)
+
+    monkeypatch.setattr(recipe, "boundary_loss", recording)
+    rng = np.random.default_rng(3)
+    frames = recipe.FIRST_CHUNK + recipe.CHUNK
+    clip = Clip("c", {v: rng.integers(0, 255, (frames, 16, 16, 3), dtype=np.uint8) for v in (SOURCE, *STYLE_NAMES)})
+    cfg = replace(recipe.RecipeConfig(), dit_batch=4, pixel_batch=2, dit_chunks=2, max_steps=1, dit_seconds=1e6,
+                  boundary_loss=weight)
+    torch.manual_seed(0)
+    recipe.train_dit(cfg, recipe.Windows([clip], torch.device("cpu"), 0), FrameVAE(EMBEDDED_VAE).eval(),
+                     WanDiT(DIT_PRESETS["embedded"]), torch.device("cpu"), log=lambda _: None)
+    assert calls == ([] if weight == 0 else [torch.Size([2, 3, frames, 16, 16])])
