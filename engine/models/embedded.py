@@ -8,7 +8,8 @@ stored as int8 with one float16 scale per output channel (half the size of float
 stays small; the restyled frames move by well under one grey level on average), everything else
 as float16, and so are the DiT's two input layers that read the source (`FLOAT16_KEYS`): their
 columns meet inputs of different scales, and one int8 scale per output channel, set by the largest
-weight, would round the weights of the rarely large inputs (the edges) to a few levels.
+weight, would round the weights of the rarely large inputs (the edges) to a few levels; and so is
+the refiner's style layer, which starts at zero (no int8 scale to take).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "3f67bd33e3a2aea0333ec3d44c2980e7ee0efd91f8203c8de68bf2138d18f483"
-FLOAT16_KEYS = ("dit.patch_embedding.weight", "dit.head.refiner.inp.weight")
+WEIGHTS_SHA256 = "4c6fc25d10a31281061746f6e76f6b4fa1df34ba56c5e60affcc1d747f3ae550"
+FLOAT16_KEYS = ("dit.patch_embedding.weight", "dit.head.refiner.inp.weight", "dit.head.refiner.style.weight")
 
 
 class EmbeddedWeightsError(RuntimeError):

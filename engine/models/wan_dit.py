@@ -77,6 +77,10 @@ class WanDiTConfig:
     # With more than 1 the refiner works per frame slot, one set of weights for every slot: each
     # frame's own noisy code in (its motion), the whole clean estimate beside it as context.
     refiner_slots: int = 1
+    # The refiner also reads the head's tokens (`LatentRefiner.style`): the only place the prompt reaches
+    # it. Without them it must guess the style from the coarse estimate, and the same edge is a bright
+    # line in one style and a dark one in another, a switch a few small convolutions learn slowly.
+    refiner_style: bool = False
     # Channels of the clean source latents given beside the noisy chunk (0: none, as in Wan2.1 T2V). A
     # model that restyles its input (the embedded default) then reads the input's own detail and motion
     # at every noise level, not only what survives the noise: the patch embedding takes them as further
@@ -99,6 +103,8 @@ class WanDiTConfig:
             raise ValueError(f"prediction={self.prediction!r}: allowed are 'flow' and 'x0'")
         if self.refiner_width < 0 or (self.refiner_width and self.prediction != "x0"):
             raise ValueError(f"refiner_width={self.refiner_width}: must be 0, or > 0 with prediction='x0'")
+        if self.refiner_style and not self.refiner_width:
+            raise ValueError("refiner_style needs a refiner (refiner_width > 0)")
         if self.refiner_slots < 1 or self.out_channels % self.refiner_slots:
             raise ValueError(f"refiner_slots={self.refiner_slots}: must be >= 1 and divide "
                              f"out_channels={self.out_channels}")
@@ -126,7 +132,7 @@ DIT_PRESETS: dict[str, WanDiTConfig] = {
     # frames alone.
     "embedded": WanDiTConfig(dim=256, ffn_dim=1024, num_heads=4, num_layers=4, in_channels=384, out_channels=384,
                              text_dim=384, text_len=4, prediction="x0", refiner_width=96, refiner_slots=4,
-                             source_channels=384 + 4 * SOURCE_EDGE_VALUES, source_edges=True),
+                             refiner_style=True, source_channels=384 + 4 * SOURCE_EDGE_VALUES, source_edges=True),
 }
 
 
@@ -238,9 +244,14 @@ class WanBlock(nn.Module):
 class LatentRefiner(nn.Module):
     """Adds per-pixel detail to a clean-latent estimate from the noisy latents beside it (see
     `WanDiTConfig.refiner_width` and `refiner_slots`). Each latent frame is refined alone; the last
-    layer starts at zero, so a refiner added to a trained head starts as the identity."""
+    layer starts at zero, so a refiner added to a trained head starts as the identity.
 
-    def __init__(self, channels: int, width: int, slots: int = 1, source_channels: int = 0) -> None:
+    With `style_dim`, each token of the head (its normalised features, which carry the prompt through
+    cross-attention) scales and shifts the first hidden layer over the latent pixels it covers (FiLM).
+    That layer starts at zero (a scale of 1, no shift), so a trained refiner gains it unchanged."""
+
+    def __init__(self, channels: int, width: int, slots: int = 1, source_channels: int = 0,
+                 style_dim: int = 0) -> None:
         super().__init__()
         self.slots = slots
         per_slot = channels // slots
@@ -249,13 +260,17 @@ class LatentRefiner(nn.Module):
         self.mid1 = nn.Conv2d(width, width, 3, padding=1)
         self.mid2 = nn.Conv2d(width, width, 3, padding=1)
         self.out = nn.Conv2d(width, per_slot, 1)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
+        self.style = nn.Linear(style_dim, 2 * width) if style_dim else None
+        for layer in (self.out, self.style):
+            if layer is not None:
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
 
     def forward(self, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
-                source: torch.Tensor | None = None) -> torch.Tensor:
+                source: torch.Tensor | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """x0, x_t [B, C, F, H, W]; sigma broadcastable to [B, 1, F, 1, 1]; source [B, S, F, H, W] for a
-        refiner built with source channels (its slots beside the estimate's)."""
+        refiner built with source channels (its slots beside the estimate's); tokens [B, F, h, w, dim]
+        (each covering an (H/h) x (W/w) patch) for one built with `style_dim`."""
         b, c, f, h, w = x0.shape
         s = sigma.to(x0.dtype).expand(b, 1, f, h, w)
         own = [x_t.to(x0.dtype)] + ([] if source is None else [source.to(x0.dtype)])
@@ -266,10 +281,22 @@ class LatentRefiner(nn.Module):
             parts = [x0.unflatten(1, (k, c // k)), *(t.unflatten(1, (k, t.shape[1] // k)) for t in own),
                      x0[:, None].expand(b, k, c, f, h, w), s[:, None].expand(b, k, 1, f, h, w)]
             x = torch.cat(parts, dim=2).permute(0, 3, 1, 2, 4, 5).flatten(0, 2)  # [B*F*k, cin, H, W]
-        y = self.out(F.silu(self.mid2(F.silu(self.mid1(F.silu(self.inp(x)))))))
+        hidden = F.silu(self.inp(x))
+        if self.style is not None:
+            hidden = self._modulate(hidden, tokens, h, w)
+        y = self.out(F.silu(self.mid2(F.silu(self.mid1(hidden)))))
         if self.slots == 1:
             return x0 + y.unflatten(0, (b, f)).transpose(1, 2)
         return x0 + y.unflatten(0, (b, f, self.slots)).permute(0, 2, 3, 1, 4, 5).flatten(1, 2)
+
+    def _modulate(self, hidden: torch.Tensor, tokens: torch.Tensor | None, h: int, w: int) -> torch.Tensor:
+        """hidden [B*F*slots, width, H, W] scaled and shifted by the style of the token over each pixel."""
+        if tokens is None:
+            raise ValueError("this refiner reads the head's tokens (refiner_style): tokens=[B, F, h, w, dim]")
+        gb = self.style(tokens.to(hidden.dtype)).permute(0, 1, 4, 2, 3).flatten(0, 1)  # [B*F, 2*width, h, w]
+        gb = gb.repeat_interleave(h // gb.shape[2], dim=2).repeat_interleave(w // gb.shape[3], dim=3)
+        gamma, beta = gb.repeat_interleave(self.slots, dim=0).chunk(2, dim=1)
+        return hidden * (1.0 + gamma) + beta
 
 
 class Head(nn.Module):
@@ -284,8 +311,8 @@ class Head(nn.Module):
         self.prediction = cfg.prediction
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: see WanBlock
-        self.refiner = (LatentRefiner(cfg.out_channels, cfg.refiner_width, cfg.refiner_slots, cfg.source_channels)
-                        if cfg.refiner_width else None)
+        self.refiner = (LatentRefiner(cfg.out_channels, cfg.refiner_width, cfg.refiner_slots, cfg.source_channels,
+                                      cfg.dim if cfg.refiner_style else 0) if cfg.refiner_width else None)
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor, cond: Conditioning, grid: tuple[int, int, int],
@@ -294,7 +321,8 @@ class Head(nn.Module):
         """The flow for the chunk's latents `x_t` at noise `sigma` ([B] or [B, F]; both are needed
         only when the model predicts x0) and, for a model with source channels, their clean `source`."""
         shift, scale = (self.modulation.float()[:, None] + cond.temb.float()[:, :, None]).unbind(2)
-        x = self.head(self.ops.norm_modulate(x, shift, scale, self.eps))
+        tokens = self.ops.norm_modulate(x, shift, scale, self.eps)
+        x = self.head(tokens)
         (f, h, w), (pt, ph, pw) = grid, self.patch_size
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, self.out_channels)
         out = x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(
@@ -306,7 +334,7 @@ class Head(nn.Module):
             raise ValueError("a model that predicts x0 needs the chunk's latents and sigma to give its flow")
         s = sigma.float().view(sigma.shape[0], 1, -1, 1, 1).clamp_min(1e-4)
         if self.refiner is not None:
-            out = self.refiner(out, x_t, s, source)
+            out = self.refiner(out, x_t, s, source, tokens.unflatten(1, (f, h, w)))
         return ((x_t.float() - out.float()) / s).to(out.dtype)
 
 

@@ -543,8 +543,9 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     """Load an earlier run's DiT into `dit`. Its source may have grown (source latents where there were
     none, or edges beside each frame slot's codes, engine/models/dit_source.py): the patch embedding
     and the refiner's first layer keep every earlier weight at its input's new place and the new inputs
-    start at zero, so the DiT starts as the earlier one. A refiner of another width or slot layout starts
-    afresh (its last layer at zero: the same). Any other difference is an error. Returns the names that
+    start at zero, so the DiT starts as the earlier one. A refiner that gains the style layer keeps its
+    weights and starts that layer at zero (the same); one of another width or slot layout starts afresh
+    (its last layer at zero: the same). Any other difference is an error. Returns the names that
     started afresh or grew."""
     from loom_live.engine.models.embedded import read_embedded
 
@@ -564,13 +565,15 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     if inp in state and inp in own and old_slot:
         per = cfg.out_channels // slots
         grown += _widen(state, own, inp, _grown_columns(2 * per, old_slot, new_slot, 1, state[inp].shape[1]))
-    changed = {k for k in set(state) | set(own) if k.startswith(refiner)
+    style = {k for k in own if k.startswith(refiner + "style.") and k not in state}  # gained: starts at zero
+    changed = {k for k in set(state) | set(own) if k.startswith(refiner) and k not in style
                and (k not in state or k not in own or state[k].shape != own[k].shape)}
     if changed:
         state = {k: v for k, v in state.items() if not k.startswith(refiner)}
         grown = [k for k in grown if not k.startswith(refiner)]
     missing, unexpected = dit.load_state_dict(state, strict=False)
-    fresh = sorted(k for k in own if k.startswith(refiner)) if changed else []
+    fresh = sorted(k for k in own if k.startswith(refiner)) if changed else sorted(style)
+    missing = [k for k in missing if k not in style]
     if any(not k.startswith(refiner) for k in missing) or unexpected or (missing and not changed):
         raise ValueError(f"{path}: its DiT does not fit the embedded preset: missing {missing}, "
                          f"unexpected {unexpected}")

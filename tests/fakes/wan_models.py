@@ -23,13 +23,13 @@ def random_model(cfg: WanDiTConfig = CFG, seed: int = 0) -> WanDiT:
 
 def refined_model(slots: int = 1, source_channels: int = 0, layers: int = 1, edges: bool = False) -> WanDiT:
     """The embedded preset's x0 head and latent refiner on 8 latent channels, the refiner's last layer
-    given values (it starts at zero) so that it takes part."""
+    and its style layer given values (both start at zero) so that they take part."""
     cfg = replace(DIT_PRESETS["embedded"], num_layers=layers, in_channels=8, out_channels=8, refiner_width=12,
                   refiner_slots=slots, source_channels=source_channels, source_edges=edges)
     torch.manual_seed(0)
     model = WanDiT(cfg).eval()
     with torch.no_grad():
-        for p in model.head.refiner.out.parameters():
+        for p in [*model.head.refiner.out.parameters(), *model.head.refiner.style.parameters()]:
             p.normal_(0.0, 0.2)
     return model
 

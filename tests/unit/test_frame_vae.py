@@ -121,6 +121,39 @@ def test_the_refiner_changes_the_clean_estimate_per_latent_pixel_and_starts_as_t
         replace(DIT_PRESETS["embedded"], source_channels=0, source_edges=False, prediction="flow")
 
 
+def test_the_refiner_style_layer_starts_as_none_and_each_token_then_steers_its_own_pixels():
+    """At zero the style layer changes nothing (a trained refiner gains it unchanged); given values,
+    a change in one token's features moves the refinement of the 2x2 latent pixels it covers in every
+    frame slot and, through the two 3x3 layers after it, the pixels up to two away: no other frame,
+    sample or pixel."""
+    from loom_live.engine.models.wan_dit import LatentRefiner
+
+    torch.manual_seed(0)
+    plain = LatentRefiner(channels=12, width=8, slots=4).eval()
+    styled = LatentRefiner(channels=12, width=8, slots=4, style_dim=16).eval()
+    styled.load_state_dict(plain.state_dict(), strict=False)
+    x0, x_t, sigma = torch.randn(2, 12, 2, 8, 8), torch.randn(2, 12, 2, 8, 8), torch.full((2, 1, 1, 1, 1), 0.4)
+    tokens = torch.randn(2, 2, 4, 4, 16)  # [B, F, h, w, dim]: each token over 2x2 latent pixels
+    with torch.no_grad():
+        for p in plain.out.parameters():
+            p.normal_(0.0, 0.3)
+        styled.out.load_state_dict(plain.out.state_dict())
+        torch.testing.assert_close(styled(x0, x_t, sigma, tokens=tokens), plain(x0, x_t, sigma))
+        for p in styled.style.parameters():
+            p.normal_(0.0, 0.3)
+        base = styled(x0, x_t, sigma, tokens=tokens)
+        moved = tokens.clone()
+        moved[1, 0, 0, 3] += 1.0  # sample 1, frame 0, token row 0, column 3: latent rows 0-1, columns 6-7
+        diff = (styled(x0, x_t, sigma, tokens=moved) - base).abs()
+        assert diff[1, :, 0, 0:2, 6:8].amin() > 0  # every slot's codes of the covered pixels
+        diff[1, :, 0, 0:4, 4:8] = 0  # those and their neighbours up to two away
+        assert diff.sum() == 0
+        with pytest.raises(ValueError, match="reads the head's tokens"):
+            styled(x0, x_t, sigma)
+    with pytest.raises(ValueError, match="refiner_style needs a refiner"):
+        replace(DIT_PRESETS["embedded"], refiner_width=0)
+
+
 def test_a_slot_refiner_reads_each_frames_own_noisy_code_for_that_frame_only():
     """Per frame slot: a change in one frame's noisy code moves that frame's refined code only (the
     clean estimate is the shared context), and every slot is refined by the same weights."""
