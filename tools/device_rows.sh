@@ -5,11 +5,11 @@
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, vace, decode-paced, upsample, edit,
-# lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
+# startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
 # $OUT); the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests vace decode-paced upsample edit lora ipc recovery"
+groups="tests vace decode-paced upsample edit startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -31,7 +31,7 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|startup|start-up)|passed|failed|error" "$out/$name.txt" | tail -20
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -20
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
 wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
@@ -51,6 +51,13 @@ for group in "$@"; do
     edit)
         bench edit_b8 300 -c dreamlite-edit --batches 8 --frames 2000
         for p in false true; do bench "edit_b16_prio_$p" 200 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p; done ;;
+    startup)
+        # cold, then warm; then Dynamo's own cache (experimental in torch: guards and bytecode saved,
+        # so a warm start need not trace again), filled by the first of its two runs
+        wan startup_cold 200 --frames 600
+        wan startup_warm 150 --frames 600
+        TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_fill 200 --frames 600
+        TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_warm 150 --frames 600 ;;
     lora)
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json" ;;
     ipc)
