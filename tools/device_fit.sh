@@ -15,12 +15,7 @@ shift
 for f in build/loom_styles_256.npz build/loom_heldout_256.npz; do
     [ -f "$f" ] || { echo "device_fit: $f is missing: run loom train prepare (see the header)" >&2; exit 2; }
 done
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD"
-else
-    export PYTHONPATH="$PWD"
-fi
+source "$(dirname "$0")/device_env.sh"
 out="${OUT:-out}/$name"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 python3 -m loom_live.engine.train fit --out "$out" "$@"

@@ -14,12 +14,7 @@ groups="tests vace decode-paced upsample edit startup lora ipc recovery"
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
 done
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD"
-else
-    export PYTHONPATH="$PWD"
-fi
+source "$(dirname "$0")/device_env.sh"
 out="${OUT:-out}/rows"
 mkdir -p "$out"
 start=$(date +%s)
