@@ -4,12 +4,12 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, vace, decode-paced, upsample, edit,
-# startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, decode-paced, upsample,
+# edit, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
 # $OUT); the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests vace decode-paced upsample edit startup lora ipc recovery"
+groups="tests embedded vace decode-paced upsample edit startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -36,6 +36,8 @@ for group in "$@"; do
     tests)
         step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/integration/test_bridge_cuda.py ;;
+    embedded)
+        bench embedded 200 -c default --frames 3000 ;;
     vace)
         bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500
         wan plain 150 --frames 1500 ;;

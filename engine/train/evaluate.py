@@ -10,7 +10,9 @@ style's procedural target of the same frames:
 - structure: the edge correlation of the output with the input (and of the target with it).
 The ablation runs the same with sinks off (stream.sink=0), motion-aware noise off, and the edge control
 off (control.context_scale=0: the model is not given the input's edges), so the card says how much of
-the input's structure the edges keep.
+the input's structure the edges keep. A last run streams each clip played forward and back past the
+first RoPE refresh (the held-out clips are shorter than one), where the cached frames' positions move
+back: the change at the chunk boundaries around it says whether the stream pulses there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SIZE = 256
 GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
 GATE_SATURATION = 0.10  # mean saturation within this fraction of the input's
 ABLATION_FRAMES = 49  # both held-out clips have at least this many
+LOOPED_RUN = "looped past a RoPE refresh"
 ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"],
              "control off": ["control.context_scale=0"]}
 
@@ -84,6 +87,30 @@ def change_ratios(frames: np.ndarray, first_chunk: int = 5, chunk: int = 4) -> t
     return boundary / mean, float(d.max()) / mean
 
 
+def refresh_change(frames: np.ndarray, refresh_at: int, around: int = 2, first_chunk: int = 5,
+                   chunk: int = 4) -> float:
+    """The largest change at a chunk boundary within `around` latents of the first RoPE refresh, over
+    the mean consecutive-frame change. The refresh moves back the first chunk that would pass latent
+    `refresh_at`; which one that is depends on the chunk sizes the scheduler chose, hence the window."""
+    d = np.abs(np.diff(frames.astype(np.float32), axis=0)).mean(axis=(1, 2, 3))
+    latents = range(max(1, refresh_at - around), refresh_at + around + 1)
+    starts = [first_chunk + chunk * (k - 2) for k in latents if 0 < first_chunk + chunk * (k - 2) < len(frames)]
+    if not starts:
+        raise ValueError(f"{len(frames)} frames do not reach the refresh at latent {refresh_at}")
+    return float(max(d[t - 1] for t in starts)) / max(float(d.mean()), 1e-6)
+
+
+def refresh_frames(refresh_at: int, after: int = 3) -> int:
+    """Frames of a stream that reaches `after` latents past latent `refresh_at` (5 frames, then 4 a latent)."""
+    return 5 + 4 * (refresh_at + after - 1)
+
+
+def looped(frames: np.ndarray, n: int) -> np.ndarray:
+    """`frames` played forward, then back, then forward... to `n` frames (no jump at the turns)."""
+    cycle = np.concatenate([frames, frames[-2:0:-1]])
+    return np.concatenate([cycle] * -(-n // len(cycle)))[:n]
+
+
 def colour_error(out: np.ndarray, target: np.ndarray) -> tuple[float, float]:
     """(mean chroma error, mean hue error in degrees) in CIELAB, hue over the target's coloured pixels."""
     def lab(f: np.ndarray) -> np.ndarray:
@@ -123,8 +150,8 @@ def held_out(frames: int) -> dict[str, np.ndarray]:
     return {Path(n).stem: read_clip(MEDIA / n, SIZE, limit=frames) for n in HELD_OUT}
 
 
-def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, weights: str | None = None
-            ) -> list[dict]:
+def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, weights: str | None = None,
+            refresh_at: int | None = None) -> list[dict]:
     rows = []
     for clip, frames in clips.items():
         targets = {s.name: apply_style(s.name, frames) for s in STYLES}
@@ -142,6 +169,7 @@ def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, w
                 "target_edge_correlation": edge_correlation(own, frames),
                 **dict(zip(("chroma_error", "hue_error"), colour_error(out, own))),
                 **dict(zip(("boundary_change", "max_change"), change_ratios(out))),
+                **({"refresh_change": refresh_change(out, refresh_at)} if refresh_at else {}),
                 "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -199,27 +227,39 @@ def summary(rows: list[dict]) -> dict:
             "sharpness_ratio": mean("sharpness") / mean("target_sharpness"),
             "boundary_change": mean("boundary_change"), "max_change": float(max(r["max_change"] for r in rows)),
             **({k: mean(k) for k in ("edge_correlation", "target_edge_correlation")}
-               if all("edge_correlation" in r for r in rows) else {})}
+               if all("edge_correlation" in r for r in rows) else {}),
+            **({"refresh_change": mean("refresh_change"),
+                "refresh_change_max": float(max(r["refresh_change"] for r in rows))}
+               if all("refresh_change" in r for r in rows) else {})}
 
 
 def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int = 2,
          ablation_frames: int = ABLATION_FRAMES) -> dict:
     """Every style on the held-out clips' first `frames`, then the ablations on a few styles over
     `ablation_frames`: sinks only matter once the KV window has evicted, so the ablations run longer
-    than the window (13 latent frames against 6), and beside a default run of the same frames."""
+    than the window (13 latent frames against 6), and beside a default run of the same frames; then
+    every style over the clips looped past the first RoPE refresh (`refresh_frames`)."""
     import torch
+
+    from loom_live.engine.config import load_config
 
     torch.set_num_threads(2)
     clips, long_clips = held_out(frames), held_out(max(frames, ablation_frames))
+    refresh_at = load_config("default").stream.rope_refresh_at
+    n_refresh = refresh_frames(refresh_at)
+    looped_clips = {name: looped(c, n_refresh) for name, c in long_clips.items()}
     report = {"frames": frames, "ablation_frames": max(frames, ablation_frames), "size": SIZE,
               "clips": list(clips), "runs": {}}
     ablated = STYLES[:: max(1, len(STYLES) // ablation_styles)][:ablation_styles]
-    runs = [("default", [], STYLES, clips), ("default (ablation styles)", [], ablated, long_clips)]
-    runs += [(name, overrides, ablated, long_clips) for name, overrides in ABLATIONS.items() if overrides]
-    for name, overrides, styles, on in runs:
-        rows = measure(on, overrides, styles, weights)
-        report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "rows": rows,
-                                "summary": summary(rows)}
+    runs = [("default", [], STYLES, clips, frames), ("default (ablation styles)", [], ablated, long_clips,
+                                                     max(frames, ablation_frames))]
+    runs += [(name, overrides, ablated, long_clips, max(frames, ablation_frames))
+             for name, overrides in ABLATIONS.items() if overrides]
+    runs.append((LOOPED_RUN, [], STYLES, looped_clips, n_refresh))
+    for name, overrides, styles, on, n in runs:
+        rows = measure(on, overrides, styles, weights, refresh_at if name == LOOPED_RUN else None)
+        report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "frames": n,
+                                "rows": rows, "summary": summary(rows)}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
     return report
@@ -256,16 +296,27 @@ def tables(report: dict) -> str:
                      f"{r['warp_error']:.2f} ({r['target_warp_error']:.2f}) | {r['sharpness']:.1f} "
                      f"({r['target_sharpness']:.1f}) | {_edges_cell(r)} |")
     lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's | "
-              "edge corr. with input (target's) | frames |", "|---|---|---|---|---|---|---|---|---|"]
+              "edge corr. with input (target's) | chunk-boundary change (near the RoPE refresh: mean, max) | "
+              "frames |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
         s = run["summary"]
-        styles = "all" if name == "default" else ", ".join(report["runs"]["sinks off"]["styles"])
-        frames = report.get("frames" if name == "default" else "ablation_frames", report.get("frames", "-"))
+        styles = run.get("styles", [])
+        styles = "all" if name == "default" or len(styles) == len(STYLES) else ", ".join(styles)
+        frames = run.get("frames", report.get("frames" if name == "default" else "ablation_frames",
+                                              report.get("frames", "-")))
         lines.append(f"| {name} | {styles} | {s['pairs']} | {s['nearest_own']:.0%} | {s['ssim']:.2f} | "
                      f"{s['warp_error']:.2f} / {s['target_warp_error']:.2f} = {s['warp_ratio']:.2f} | "
                      f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} | "
-                     f"{_edges_cell(s)} | {frames} |")
+                     f"{_edges_cell(s)} | {_boundary_cell(s)} | {frames} |")
     return "\n".join(lines)
+
+
+def _boundary_cell(s: dict) -> str:
+    """A summary's chunk-boundary change and, for a run past a refresh, the change near it."""
+    cell = f"{s['boundary_change']:.2f}x"
+    if "refresh_change" in s:
+        cell += f" ({s['refresh_change']:.2f}x, {s['refresh_change_max']:.2f}x)"
+    return cell
 
 
 def _edges_cell(r: dict) -> str:

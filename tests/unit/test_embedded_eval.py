@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import cv2
 import numpy as np
+import pytest
 
-from loom_live.engine.train.evaluate import edge_correlation, summary, tables
+from loom_live.engine.train.evaluate import (
+    edge_correlation,
+    looped,
+    refresh_change,
+    refresh_frames,
+    summary,
+    tables,
+)
 
 
 def shapes(n: int, seed: int = 0) -> np.ndarray:
@@ -47,4 +55,36 @@ def test_the_tables_give_the_edge_correlation_per_run_and_a_report_without_it_st
     assert "| control off | ink, toon | 2 |" in text and "| 0.25 (0.90) |" in text
     old = [row("ink", None)]
     text = tables({"runs": {"default": {"rows": old, "summary": summary(old)}}})
-    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - | - |")
+    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - | 1.00x | - |")
+
+
+def test_the_refresh_measure_sees_a_jump_at_the_refresh_and_not_one_elsewhere():
+    """Frames that change by 1 grey level per frame, with one jump of 20: at the first frame of
+    latent 50 (frame 197) it is the refresh's; at latent 30's it is outside the window."""
+    n = refresh_frames(50)
+    assert n == 213  # latents 0-52: 5 frames, then 4 a latent
+
+    def ramp(jump_at: int) -> np.ndarray:
+        level = np.arange(n, dtype=np.float32) + 20.0 * (np.arange(n) >= jump_at)
+        return np.broadcast_to(level[:, None, None, None], (n, 4, 4, 3)).astype(np.uint8)
+
+    at_refresh, elsewhere = refresh_change(ramp(197), 50), refresh_change(ramp(4 * 30 - 3), 50)
+    assert at_refresh > 10 and elsewhere == pytest.approx(1.0, abs=0.1)
+    with pytest.raises(ValueError, match="do not reach the refresh"):
+        refresh_change(ramp(197)[:150], 50)
+
+
+def test_a_looped_clip_turns_without_a_jump():
+    clip = shapes(7)
+    out = looped(clip, 20)
+    assert len(out) == 20 and np.array_equal(out[:7], clip) and np.array_equal(out[7:12], clip[5:0:-1])
+    assert np.array_equal(out[12:19], clip) and np.array_equal(out[19], clip[5])
+
+
+def test_the_looped_run_shows_its_refresh_figures_in_the_runs_table():
+    rows = [{**row("ink", 0.6), "refresh_change": 1.2}, {**row("toon", 0.6), "refresh_change": 1.8}]
+    report = {"frames": 25, "runs": {
+        "default": {"styles": ["ink", "toon"], "rows": rows[:1], "summary": summary(rows[:1])},
+        "looped past a RoPE refresh": {"styles": ["ink", "toon"], "frames": 213, "rows": rows,
+                                       "summary": summary(rows)}}}
+    assert "| 1.00x (1.50x, 1.80x) | 213 |" in tables(report)
