@@ -21,10 +21,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from loom_live.engine.layers.image_kernels import luma, sobel
 from loom_live.engine.models.wan_dit import SOURCE_EDGE_VALUES, WanDiTConfig
 from loom_live.engine.models.wan_vae import SPACE_STRIDE, TIME_STRIDE
 
-LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601, as OpenCV's RGB-to-grey
 BLUR_SIGMA = 1.1  # OpenCV's sigma for a 5x5 Gaussian kernel given sigma 0
 FULL_STEP = 4.0 * 255.0  # a 3x3 Sobel across a full black-to-white step, in grey levels
 # The edge strength is mostly 0-0.2 (a standard deviation near 0.04 on natural footage) where the codes
@@ -35,27 +35,21 @@ EDGE_GAIN = 16.0
 
 
 @functools.cache
-def _kernels(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(luma weights, 5x5 blur, Sobel d/dx and d/dy) on `device`, made once: a tensor built from Python
-    numbers on a GPU is a blocking copy, which per chunk would stall the session's overlapped streams."""
+def _blur(device: torch.device) -> torch.Tensor:
+    """OpenCV's 5x5 Gaussian kernel on `device`, made once (as the kernels of engine/layers/image_kernels.py)."""
     r = torch.arange(-2, 3, dtype=torch.float32)
     g = torch.exp(-r * r / (2 * BLUR_SIGMA ** 2))
     g = g / g.sum()
-    blur = (g[:, None] * g[None, :])[None, None]
-    d, s = torch.tensor([-1.0, 0.0, 1.0]), torch.tensor([1.0, 2.0, 1.0])
-    sobel = torch.stack([s[:, None] * d[None, :], d[:, None] * s[None, :]])[:, None]
-    luma = torch.tensor(LUMA).view(1, 3, 1, 1)
-    return luma.to(device), blur.to(device), sobel.to(device)
+    return (g[:, None] * g[None, :])[None, None].to(device)
 
 
 def edge_strength(x: torch.Tensor) -> torch.Tensor:
     """Frames [N, 3, H, W] in [-1, 1] -> edge strength [N, 1, H, W] in [0, 1] (1: a full black-white
     step): the grey image blurred 5x5, its 3x3 Sobel magnitude over a full step's, as
     `engine/train/styles.py` draws its line styles from (mirrored borders as OpenCV's default)."""
-    luma, blur, sobel = _kernels(x.device)
-    grey = ((x.float() + 1.0) * 127.5 * luma).sum(1, keepdim=True)
-    g = F.conv2d(F.pad(grey, (2, 2, 2, 2), mode="reflect"), blur)
-    grad = F.conv2d(F.pad(g, (1, 1, 1, 1), mode="reflect"), sobel)
+    grey = ((x.float() + 1.0) * 127.5 * luma(x.device)).sum(1, keepdim=True)
+    g = F.conv2d(F.pad(grey, (2, 2, 2, 2), mode="reflect"), _blur(x.device))
+    grad = F.conv2d(F.pad(g, (1, 1, 1, 1), mode="reflect"), sobel(x.device))
     return (grad.square().sum(1, keepdim=True).sqrt() / FULL_STEP).clamp(0.0, 1.0)
 
 

@@ -17,16 +17,14 @@ device path: chains longer than that from their nearest strong pixel stop there)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from loom_live.engine.layers.image_kernels import sobel
 
 SHIFT = 15  # OpenCV's fixed-point scale for the direction test
 TAN_22_5 = int(0.4142135623730950488016887242097 * (1 << SHIFT) + 0.5)
 DEVICE_STEPS = 64  # hysteresis steps on the device (no read-back to test for the end)
-
-_SOBEL_X = ((-1.0, 0.0, 1.0), (-2.0, 0.0, 2.0), (-1.0, 0.0, 1.0))
 
 
 def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None) -> torch.Tensor:
@@ -51,16 +49,8 @@ def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None)
 
 def _sobel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """OpenCV's 3x3 Sobel dx, dy with the border replicated; exact integers in float32."""
-    d = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), _sobel_weight(x.device))
+    d = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), sobel(x.device))
     return d[:, :1], d[:, 1:]
-
-
-@functools.cache
-def _sobel_weight(device: torch.device) -> torch.Tensor:
-    """The dx and dy kernels on the device, made once: a copy from the host per chunk would wait for
-    the GPU's queue."""
-    kx = torch.tensor(_SOBEL_X, device=device)
-    return torch.stack((kx, kx.t()))[:, None]
 
 
 def _local_max(mag: torch.Tensor, dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ stream goes on.
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,13 @@ import cv2
 import numpy as np
 import torch
 
+from loom_live.engine.layers.image_kernels import luma
 from loom_live.engine.stream.canny import DEVICE_STEPS, canny
 from loom_live.host_bridge.wire.params import CONTROL_SOURCES
 
 log = logging.getLogger(__name__)
 
 CANNY_LOW, CANNY_HIGH = 100, 200
-LUMA = (0.299, 0.587, 0.114)
 FLOW_FULL_SPEED = 0.05  # flow magnitude, as a fraction of the frame diagonal, shown at full brightness
 
 
@@ -121,14 +120,7 @@ class ControlFrames:
 
 def grey(x: torch.Tensor) -> torch.Tensor:
     """The luma of frames [N, 3, H, W] in [-1, 1], as three equal channels."""
-    return (x * _luma(x.device, x.dtype)).sum(1, keepdim=True).expand_as(x).contiguous()
-
-
-@functools.cache
-def _luma(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The luma weights on the frames' device, made once: a copy from the host per chunk would wait
-    for the GPU's queue."""
-    return torch.tensor(LUMA, device=device, dtype=dtype)[None, :, None, None]
+    return (x * luma(x.device, x.dtype)).sum(1, keepdim=True).expand_as(x).contiguous()
 
 
 def flow_colours(flow: np.ndarray) -> np.ndarray:
