@@ -195,15 +195,19 @@ def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
     """No frame comes after the second chunk: its outputs arrive because the server polls.
 
     Each frame goes in once the session has taken the one before: latest wins, so a frame sent while a
-    loaded machine still handles the last one would replace it, and the second chunk never fills."""
+    loaded machine still handles the last one would replace it, and the second chunk never fills.
+    Every output is delivered or counted as dropped; the host receives each one the engine sent."""
     for i in range(9):  # the first chunk (5 frames) and one more (4)
         served.submit(np.full((16, 24, 3), i, np.uint8))
         assert wait_until(lambda n=i + 1: served.engine_report(refresh=True).get("frames_in") == n, 10)
-    deadline = time.monotonic() + 10
-    while served.status().frames_out < 9 and time.monotonic() < deadline:
-        served.latest()
-        time.sleep(0.005)
-    assert served.status().frames_out == 9
+    def accounted() -> bool:  # live mode may drop an output a lagging host has no free slot for: counted
+        report = served.engine_report(refresh=True)
+        return report.get("frames_out", 0) + report.get("dropped_out", 0) == 9
+
+    assert wait_until(accounted, 10), served.engine_report(refresh=True)
+    report = served.engine_report(refresh=True)
+    assert report["frames_out"] >= 6  # the second chunk was emitted: at least one of its outputs had a slot
+    assert wait_until(lambda: served.status().frames_out == report["frames_out"], 10)
 
 
 def test_a_failure_inside_the_session_starts_a_new_stream():
