@@ -261,6 +261,11 @@ class EditConfig:
     steps: int = spec(1, min=1, max=4, doc="Euler flow-matching steps")
     prompt_refresh_every: int = live.PROMPT_REFRESH_EVERY.field()
     prompt_one_frame: bool = spec(True, doc="encode one frame per refresh and broadcast it to the batch")
+    encoder_split: int = spec(1, choices=(1, 2, 3),
+                              doc="batches one refresh is spread over, so that no UNet batch meets the whole "
+                                  "encoder burst: 1 = all at once; 2 = vision tower, then language model; 3 = "
+                                  "vision tower, then each half of the language model. Each extra batch delays "
+                                  "the new conditioning by one batch")
     lllite: str | None = spec(None, doc="temporal LLLite weights (safetensors); none = zero-initialised adapter")
     lllite_hooks: str = spec("down", choices=("all", "down", "none"),
                              doc="hooked attention projections: all, the down blocks only, or none")

@@ -5,11 +5,11 @@
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, decode-paced, upsample,
-# edit, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
+# edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
 # $OUT); the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded vace decode-paced upsample edit startup lora ipc recovery"
+groups="tests embedded vace decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -48,6 +48,9 @@ for group in "$@"; do
     edit)
         bench edit_b8 300 -c dreamlite-edit --batches 8 --frames 2000
         for p in false true; do bench "edit_b16_prio_$p" 200 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p; done ;;
+    edit-split)
+        # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
+        for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;
     startup)
         # cold, then warm; then Dynamo's own cache (experimental in torch: guards and bytecode saved,
         # so a warm start need not trace again), filled by the first of its two runs

@@ -18,12 +18,19 @@ prompt never changes a shape the compiled UNet was specialised on.
 model is built from the Qwen3-VL-2B architecture without a checkpoint or tokenizer (the token ids
 then come from a hash of the text, with the same layout), for benchmarks at the real shapes.
 `HashEditEncoder` is a small deterministic stand-in of the same interface for tests and demos.
+
+`encode_parts` cuts one encode into calls made in order, each of which may run in a later batch's
+slot (`edit.encoder_split`): no single UNet batch then meets the whole encoder burst. Running all
+the parts gives exactly what `encode` gives; Qwen3-VL's natural cut is its vision tower (with the
+merge of image tokens into the text embeddings) first, then its language model's layers in ranges.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +50,9 @@ SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (col
           "original input where appropriate.<|im_end|>\n<|im_start|>user\n")
 
 
+EncodePart = Callable[[], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
 class EditConditioner(Protocol):
     """Instruction + source frames -> (tokens [B, L, dim], mask [B, L] bool, True = real token)."""
 
@@ -50,6 +60,16 @@ class EditConditioner(Protocol):
     dim: int
 
     def encode(self, text: str, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def encode_parts(self, text: str, images: torch.Tensor, parts: int) -> list[EncodePart]:
+        """The same encode as `parts` calls to make in order, on one thread; the last returns what
+        `encode` returns, bit for bit, and the others None. ValueError for a count it cannot cut."""
+        ...
+
+
+def check_parts(parts: int, most: int, what: str) -> None:
+    if not 1 <= parts <= most:
+        raise ValueError(f"encoder parts: {parts} is not allowed for {what}; expected 1 to {most}")
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -78,11 +98,38 @@ class HashEditEncoder:
         return self._text[text]
 
     def encode(self, text: str, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = images.shape[0]
+        return self._assemble(self._text_tokens(text), self._image_tokens(images))
+
+    def encode_parts(self, text: str, images: torch.Tensor, parts: int) -> list[EncodePart]:
+        """Image tokens, text tokens, then the padded sequence: up to three parts."""
+        if parts == 1:
+            return [partial(self.encode, text, images)]
+        check_parts(parts, 3, "the hash encoder (image, text, assembly)")
+        run: dict[str, torch.Tensor] = {}
+
+        def image() -> None:
+            run["image"] = self._image_tokens(images)
+
+        def words() -> None:
+            run["text"] = self._text_tokens(text)
+
+        def assemble() -> tuple[torch.Tensor, torch.Tensor]:
+            return self._assemble(run["text"], run["image"])
+
+        def words_and_assemble() -> tuple[torch.Tensor, torch.Tensor]:
+            words()
+            return assemble()
+
+        return [image, words, assemble] if parts == 3 else [image, words_and_assemble]
+
+    def _image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         side = int(self.image_tokens ** 0.5)
         pooled = F.adaptive_avg_pool2d(images.to(self.dtype), (side, side)).flatten(2).transpose(1, 2)
-        img = pooled @ self._pixel_proj  # [B, side*side, dim]
-        txt = self._text_tokens(text)[None].expand(b, -1, -1)
+        return pooled @ self._pixel_proj  # [B, side*side, dim]
+
+    def _assemble(self, text: torch.Tensor, img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = img.shape[0]
+        txt = text[None].expand(b, -1, -1)
         pad = self.tokens - txt.shape[1] - img.shape[1]
         out = torch.cat([txt, img, img.new_zeros(b, pad, self.dim)], dim=1)
         mask = torch.ones(b, self.tokens, dtype=torch.bool, device=out.device)
@@ -215,3 +262,63 @@ class Qwen3VLEncoder:
                          image_grid_thw=grid)
         hidden = out.last_hidden_state[:, DROP_TOKENS:]
         return hidden, mask[:, DROP_TOKENS:].expand(b, -1).bool()
+
+    def encode_parts(self, text: str, images: torch.Tensor, parts: int) -> list[EncodePart]:
+        """The vision tower and the merge first, then the language model's layers in `parts - 1`
+        ranges of (nearly) equal length; up to one part per layer."""
+        if parts == 1:
+            return [partial(self.encode, text, images)]
+        layers = len(self.model.language_model.layers)
+        check_parts(parts, 1 + layers, f"Qwen3-VL (the vision tower, then {layers} language-model layers)")
+        run = _Qwen3VLRun(self, text, images)
+        cuts = [round(i * layers / (parts - 1)) for i in range(parts)]
+        return [run.vision, *(partial(run.layers, lo, hi) for lo, hi in zip(cuts, cuts[1:]))]
+
+
+class _Qwen3VLRun:
+    """One Qwen3-VL encode that can stop between its vision tower and its language model's layers.
+
+    The steps are those of transformers' `Qwen3VLModel.forward` (images only, positions given) and
+    `Qwen3VLTextModel.forward` (no cache), written out so that the layer loop can pause between
+    batches; tests hold them equal to `Qwen3VLEncoder.encode` (which calls transformers' forward),
+    so a transformers release that changes those steps fails there rather than drifting here.
+    """
+
+    def __init__(self, encoder: Qwen3VLEncoder, text: str, images: torch.Tensor) -> None:
+        self.encoder, self.text, self.images = encoder, text, images
+
+    @torch.inference_mode()
+    def vision(self) -> None:
+        """Vision tower, image tokens into the text embeddings, causal mask and rotary tables."""
+        from transformers.masking_utils import create_causal_mask
+
+        enc, model = self.encoder, self.encoder.model
+        b = self.images.shape[0]
+        ids, mask, pos = enc._token_ids(self.text)
+        ids, self.mask = ids.expand(b, -1), mask.expand(b, -1)
+        grid = torch.tensor([[1, enc.grid, enc.grid]] * b, device=enc.device)
+        seen = model.get_image_features(enc.pixel_patches(self.images.to(enc.device)), grid, return_dict=True)
+        embeds = model.get_input_embeddings()(ids)
+        image_mask = (ids == enc.config.image_token_id)[..., None]  # the layout is checked in _token_ids
+        image = torch.cat(seen.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+        self.hidden = embeds.masked_scatter(image_mask, image)
+        self.visual_mask = image_mask[..., 0]
+        self.deepstack = [torch.cat(feature, dim=0) for feature in seen.deepstack_features]
+        lm = model.language_model
+        self.causal = create_causal_mask(config=lm.config, inputs_embeds=self.hidden, attention_mask=self.mask,
+                                         cache=None, position_ids=None)
+        self.rotary = lm.rotary_emb(self.hidden, pos.expand(-1, b, -1))
+
+    @torch.inference_mode()
+    def layers(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Language-model layers lo..hi-1; after the last one, the final norm and the conditioning."""
+        lm = self.encoder.model.language_model
+        for i in range(lo, hi):
+            self.hidden = lm.layers[i](self.hidden, attention_mask=self.causal, position_ids=None,
+                                       position_embeddings=self.rotary)
+            if i < len(self.deepstack):  # DeepStack: visual features added to the first layers' outputs
+                self.hidden = lm._deepstack_process(self.hidden, self.visual_mask, self.deepstack[i])
+        if hi < len(lm.layers):
+            return None
+        hidden = lm.norm(self.hidden)[:, DROP_TOKENS:]
+        return hidden, self.mask[:, DROP_TOKENS:].bool()

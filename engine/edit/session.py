@@ -6,7 +6,10 @@ Per batch of B frames, top to bottom:
 2. encoder thread (its own stream): every `prompt_refresh_every` batches, Qwen3-VL reads the
    instruction with one representative frame (broadcast to the batch) or all B; the result is
    used from the next batch on. Between refreshes the cached conditioning is reused: with a fixed
-   instruction it drifts slowly, and the encoder is the most expensive stage;
+   instruction it drifts slowly, and the encoder is the most expensive stage. With
+   `encoder_split` = n > 1 a refresh runs as n parts, one started per batch (the vision tower in
+   one batch's slot, the language model in the next), so no single batch meets the whole burst;
+   its result is used from n batches after the one that started it;
 3. flow threads: every `cond_refresh_every` batches, the previous output is warped onto each new
    frame (Farneback) on the CPU, and the adapter's condition buffers are rewritten in place before
    the next batch's UNet call;
@@ -16,8 +19,9 @@ Per batch of B frames, top to bottom:
 The host never waits for the GPU on this path: streams are ordered with events, results go back
 through pinned memory, and a push returns the batches already finished. The GPU work of batch
 n+1's side stream runs while batch n's UNet and decode occupy the main stream. Thread jobs hand
-their results over at the next batch, which keeps the output a function of the input alone
-(the same frames with one stream or two, fast machine or slow).
+their results over at fixed batch indices (the next batch, or the batch after a refresh's last
+part), never "when ready", which keeps the output a function of the input alone (the same frames
+with one stream or two, fast machine or slow).
 
 A partial batch waits for more frames; `flush` pads it with its last frame and returns only the
 real ones, so every pushed frame comes back exactly once, whatever the push sizes.
@@ -30,12 +34,14 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from loom_live.engine.config import LoomConfig
+from loom_live.engine.edit.encoder import EncodePart
 from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
@@ -90,8 +96,9 @@ class EditSession:
                  0 if models.lllite is None else len(models.lllite.modules_dict),
                  "compiled" if e.compile else "eager", "two streams" if e.two_streams else "one stream")
         self.prompt_encodes = 0
+        self.prompt_parts = 0
         self.cond_refreshes = 0
-        self._prompt_job: Future | None = None
+        self._prompt_jobs: list[Future] = []
         self._cond_job: Future | None = None
         self.reset()
 
@@ -110,7 +117,7 @@ class EditSession:
         self.push(frames)
         self.flush()
         self.reset()
-        self.prompt_encodes = self.cond_refreshes = 0
+        self.prompt_encodes = self.prompt_parts = self.cond_refreshes = 0
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
@@ -119,15 +126,16 @@ class EditSession:
 
         A conditioning job still running is waited for first, so no work of the old stream runs
         on into the new one."""
-        for job in (self._prompt_job, self._cond_job):
+        for job in (*self._prompt_jobs, self._cond_job):
             if job is not None:
                 job.result()
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None
         self._index = 0
         self._ctx: tuple[torch.Tensor, torch.Tensor, Any] | None = None
-        self._prompt_job = None
-        self._prompt_dirty = False
+        self._prompt_jobs = []  # the running refresh's parts started so far
+        self._prompt_parts: deque[EncodePart] = deque()  # and those still to start, one per batch
+        self._refresh_due = False
         self._cond_job = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # previous batch's last (input, output)
         self._outputs = OutputQueue(self.device, max_unfinished=1)
@@ -158,7 +166,7 @@ class EditSession:
         shared interface): the conditioning is a VLM reading, not a text embedding to slerp.
         """
         self._prompt_text = check_prompt(text)
-        self._prompt_dirty = True
+        self._refresh_due = True
 
     def set_reference(self, image: Any) -> None:
         self.no_control.reference(image)
@@ -275,19 +283,20 @@ class EditSession:
 
     # ----------------------------------------------------------------------------- conditioning
     def _conditioning(self, index: int, x: torch.Tensor, ready: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached VLM conditioning for this batch; kicks the refresh this batch is due for."""
-        if self._prompt_job is not None:  # kicked one batch ago: it had a whole batch to finish
-            self._ctx, self._prompt_job = self._prompt_job.result(), None
+        """The cached VLM conditioning for this batch; advances the running refresh by one part, or
+        hands it over, and starts the refresh this batch is due for.
+
+        A refresh due while another runs (a new prompt, or `prompt_refresh_every` under the split)
+        starts at the batch that hands the running one over: one refresh at a time, at indices that
+        depend on the input alone."""
         e = self.cfg.edit
-        if self._ctx is None or self._prompt_dirty or index % e.prompt_refresh_every == 0:
-            self._prompt_dirty = False
-            source = x[:1] if e.prompt_one_frame else x
-            if self._encoder_stream is not None:
-                source.record_stream(self._encoder_stream)
-            self._prompt_job = self._encoder_thread.submit(self._encode_job, self._prompt_text, source, ready)
-            self.prompt_encodes += 1
-            if self._ctx is None:  # the stream's first batch has nothing cached to use meanwhile
-                self._ctx, self._prompt_job = self._prompt_job.result(), None
+        self._refresh_due |= self._ctx is None or index % e.prompt_refresh_every == 0
+        if self._prompt_parts:  # a split refresh runs: its next part in this batch's slot
+            self._start_part(ready)
+        elif self._prompt_jobs:  # its last part started one batch ago: it had a whole batch to finish
+            self._ctx = self._take_refresh()
+        if not self._prompt_jobs and self._refresh_due:
+            self._start_refresh(x, ready)
         ctx, mask, done = self._ctx
         if done is not None:
             self._main.wait_event(done)
@@ -295,19 +304,50 @@ class EditSession:
             mask.record_stream(self._main)
         return ctx, mask
 
-    def _encode_job(self, text: str, source: torch.Tensor, ready: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """On the encoder thread and stream: instruction + frame(s) -> [B, L, D] conditioning."""
+    def _start_refresh(self, x: torch.Tensor, ready: Any) -> None:
+        """Cut a refresh into its parts and start the first; a stream's first batch runs them all now."""
+        e, encoder = self.cfg.edit, self.models.encoder
+        self._refresh_due = False
+        source = x[:1] if e.prompt_one_frame else x
+        if self._encoder_stream is not None:
+            source.record_stream(self._encoder_stream)
+        parts = ([partial(encoder.encode, self._prompt_text, source)] if e.encoder_split == 1
+                 else encoder.encode_parts(self._prompt_text, source, e.encoder_split))
+        self._prompt_parts.extend(parts)
+        self.prompt_encodes += 1
+        self._start_part(ready)
+        if self._ctx is None:  # the stream's first batch has nothing cached to use meanwhile
+            while self._prompt_parts:
+                self._start_part(ready)
+            self._ctx = self._take_refresh()
+
+    def _start_part(self, ready: Any) -> None:
+        part = self._prompt_parts.popleft()
+        self._prompt_jobs.append(self._encoder_thread.submit(self._encode_job, part, ready, not self._prompt_parts))
+        self.prompt_parts += 1
+
+    def _take_refresh(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The finished refresh's conditioning; a part that failed raises here, the first one first."""
+        jobs, self._prompt_jobs = self._prompt_jobs, []
+        return [job.result() for job in jobs][-1]
+
+    def _encode_job(self, part: EncodePart, ready: Any, last: bool) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+        """On the encoder thread and stream, after this batch's side stream: one part of a refresh;
+        the last returns the [B, L, D] conditioning."""
         stream = self._encoder_stream
         with torch.inference_mode(), _on(stream):
             if stream is not None:
                 stream.wait_event(ready)
             start, t0 = _record(stream, timing=True), time.perf_counter()
-            ctx, mask = self.models.encoder.encode(text, source)
-            if ctx.shape[0] != self.batch:
-                ctx, mask = ctx.expand(self.batch, -1, -1).contiguous(), mask.expand(self.batch, -1).contiguous()
+            out = part()
+            if last:
+                ctx, mask = out
+                if ctx.shape[0] != self.batch:
+                    ctx, mask = ctx.expand(self.batch, -1, -1).contiguous(), mask.expand(self.batch, -1).contiguous()
+                out = ctx.to(self.dtype), mask
             end = _record(stream, timing=True)
             self._encoder_spans.append((start, end, time.perf_counter() - t0))
-            return ctx.to(self.dtype), mask, _record(stream)
+            return (*out, _record(stream)) if last else None
 
     def _condition_adapter(self, index: int, x: torch.Tensor) -> None:
         """On the main stream: hand over a finished warp, and start the one this batch is due for."""
@@ -365,6 +405,8 @@ class EditSession:
             "batches": self._index,
             "prompt": self._prompt_text,
             "prompt_encodes": self.prompt_encodes,
+            "encoder_split": self.cfg.edit.encoder_split,
+            "prompt_parts": self.prompt_parts,
             "cond_refreshes": self.cond_refreshes,
             "lllite_hooks": 0 if lllite is None else len(lllite.modules_dict),
             "device": str(self.device),

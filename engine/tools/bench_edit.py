@@ -3,7 +3,8 @@
 The session numbers come from the same streaming loop as the Wan family's (`run_loom`): FPS,
 latency percentiles, and per-stream stage times (side: preprocess, VAE encode, prompt encode;
 main: UNet, VAE decode, postprocess). The encoder is then timed apart, at batch sizes 1, 8 and
-16, to show how its cost per frame falls with the batch (the reason frames are batched).
+16, to show how its cost per frame falls with the batch (the reason frames are batched), and part
+by part as `edit.encoder_split` cuts a refresh: the longest part is the burst one UNet batch meets.
 """
 
 from __future__ import annotations
@@ -31,18 +32,24 @@ def run_edit(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     for b in batches:
         _progress(f"edit family, B={b}")
         runs[b] = run_loom(cfg.replace(edit=dataclasses.replace(cfg.edit, batch=b)), frames, warmup, input_fps)
-    return {"runs": runs, "encoder_ms_per_frame": encoder_amortisation(cfg)}
+    encoder, device = _encoder(cfg)
+    return {"runs": runs, "encoder_ms_per_frame": encoder_amortisation(cfg, encoder, device),
+            "encoder_parts_ms": encoder_parts(cfg, encoder, device)}
 
 
-def encoder_amortisation(cfg: LoomConfig, sizes: tuple[int, ...] = ENCODER_BATCHES) -> dict[int, dict[str, float]]:
-    """Median time of one encoder call on B frames, and per frame, for each B."""
+def _encoder(cfg: LoomConfig) -> tuple[Any, torch.device]:
     from loom_live.engine.edit.loading import load_edit_encoder
     from loom_live.engine.models.loading import resolve_device, resolve_dtype
-    from loom_live.engine.stream.stage_timer import median_cuda_ms
 
     device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    encoder = load_edit_encoder(cfg, device, dtype)
+    return load_edit_encoder(cfg, device, resolve_dtype(cfg.model.dtype, device)), device
+
+
+def encoder_amortisation(cfg: LoomConfig, encoder: Any, device: torch.device,
+                         sizes: tuple[int, ...] = ENCODER_BATCHES) -> dict[int, dict[str, float]]:
+    """Median time of one encoder call on B frames, and per frame, for each B."""
+    from loom_live.engine.stream.stage_timer import median_cuda_ms
+
     out = {}
     for b in sizes:
         images = torch.rand(b, 3, cfg.resolution.height, cfg.resolution.width, device=device) * 2 - 1
@@ -54,6 +61,34 @@ def encoder_amortisation(cfg: LoomConfig, sizes: tuple[int, ...] = ENCODER_BATCH
             ms = median_cuda_ms(call, ENCODER_ITERS) if device.type == "cuda" else _median_wall_ms(call)
         out[b] = {"batch_ms": ms, "per_frame_ms": ms / b}
     return out
+
+
+def encoder_parts(cfg: LoomConfig, encoder: Any, device: torch.device, iters: int = ENCODER_ITERS) -> list[float]:
+    """Median ms of each part of one refresh as the session cuts it (`edit.encoder_split`), on the
+    frames a refresh reads (one, or the batch)."""
+    b = 1 if cfg.edit.prompt_one_frame else cfg.edit.batch
+    images = torch.rand(b, 3, cfg.resolution.height, cfg.resolution.width, device=device) * 2 - 1
+    times: list[list[float]] = [[] for _ in range(cfg.edit.encoder_split)]
+    with torch.inference_mode():
+        for i in range(iters + 1):  # the first pays for lazy initialisation
+            for part, spent in zip(encoder.encode_parts(cfg.prompt.text, images, cfg.edit.encoder_split), times):
+                ms = _timed_ms(part, device)
+                if i:
+                    spent.append(ms)
+    return [float(np.median(t)) for t in times]
+
+
+def _timed_ms(fn: Any, device: torch.device) -> float:
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1000.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _median_wall_ms(fn: Any, iters: int = 3) -> float:
@@ -68,8 +103,9 @@ def _median_wall_ms(fn: Any, iters: int = 3) -> float:
 
 def edit_summary_table(result: dict[str, Any]) -> str:
     edit = result["edit"]
+    e = result["config"]["edit"]
     rows = [("preset", result["preset"]), ("resolution", result["resolution"]),
-            ("steps / hooks", f"{result['config']['edit']['steps']} / {result['config']['edit']['lllite_hooks']}")]
+            ("steps / hooks / encoder split", f"{e['steps']} / {e['lllite_hooks']} / {e['encoder_split']}")]
     for b, run in edit["runs"].items():
         lat = run["latency_ms"]
         rows.append((f"B={b} FPS", f"{run['fps']:.2f}"))
@@ -78,6 +114,7 @@ def edit_summary_table(result: dict[str, Any]) -> str:
             rows.append((f"B={b} stage {stage}", f"{v['mean']:.2f} ms/call"))
     for b, v in edit["encoder_ms_per_frame"].items():
         rows.append((f"encoder at B={b}", f"{v['batch_ms']:.1f} ms/call, {v['per_frame_ms']:.2f} ms/frame"))
+    rows.append(("encoder refresh by part", " + ".join(f"{ms:.1f}" for ms in edit["encoder_parts_ms"]) + " ms"))
     rows.append(("published (other GPUs)", PUBLISHED))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
