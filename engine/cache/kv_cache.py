@@ -184,6 +184,25 @@ class KVCache:
         for b in range(self.batch) if rows is None else rows:
             self._rows[b] = _Row()
 
+    def refresh_after(self, frames: int) -> None:
+        """Synthetic warm-up streams only: move the `refresh` policy's first RoPE refresh forward, to the
+        chunk holding the frame `frames` frames from now (instead of the frame at position `refresh_at`).
+
+        The refresh is the one thing of a long stream the cache meets late: chunk plans, slot patterns
+        and so graph keys depend on frame counts, which cycle with the ring, not on positions. Starting
+        the ring's positions late (a wider gap between sinks and ring) lets a warm-up meet the refresh
+        within a few chunks. Only while no ring frame is in (sinks take their positions by slot, ring
+        frames from `next_pos`), and only for a frame past the first full window, where a live refresh
+        happens. `reset()` undoes it."""
+        if self.rope_policy != "refresh":
+            return  # the window policy has no refresh
+        held = max(r.frames for r in self._rows)
+        if held > self.sink or min(r.frames for r in self._rows) + frames < self.num_slots:
+            raise ValueError(f"refresh_after({frames}): a row holds {held} frames; only before the ring's "
+                             f"first frame ({self.sink} sinks), for a frame past the {self.num_slots}-frame window")
+        for r in self._rows:
+            r.next_pos = max(r.next_pos, self.refresh_at - frames)
+
     def set_sink_threshold(self, threshold: float) -> None:
         """A new adaptive-sink threshold (negative: sinks are never overwritten by similarity)."""
         self.sink_threshold = threshold

@@ -142,22 +142,22 @@ class StreamSession:
     def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
         """Run synthetic streams through every stage, then start afresh (metrics included).
 
-        The first stream runs past a RoPE refresh (or twice round the KV ring with the window
-        policy), so the step patterns of a long stream are compiled and captured here rather
-        than in the middle of a show, where each would stall one chunk. Then every other plan
-        the SLO scheduler may pick mid-stream (`warmup_plans`: sequential, several latents per
-        chunk) streams once, long enough to compile its shapes and capture its steady graphs.
+        Every plan the SLO scheduler may pick mid-stream (`warmup_plans`: the first, then sequential,
+        several latents per chunk) streams once, long enough to meet each chunk shape, ring-slot pattern
+        and step graph a long stream of that plan meets, with the RoPE refresh of a long stream brought
+        forward into it (`_warm_stream`): they are compiled and captured here rather than in the middle
+        of a show, where each would stall one chunk. The first plan streams `streams` times (the later
+        ones short: a stream after a reset); `chunks` sets the length of those streams instead.
         """
-        st = self.cfg.stream
-        if chunks is None:
-            chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + len(st.steps) + 2
         plans = self.warmup_plans()
+        first = self._warm_schedule(plans[0]) if chunks is None else [plans[0]] * chunks
         with self.startup.phase("warmup"):
             for i in range(streams):
-                self._warm_stream(plans[0], chunks if i == 0 else min(chunks, 8), seed=i)
+                self._warm_stream(first if i == 0 else first[:8], seed=i)
         with self.startup.phase("warmup_plans"):
             for i, plan in enumerate(plans[1:]):
-                self._warm_stream(plan, self._plan_chunks(plan), seed=streams + i)
+                self._warm_stream(self._warm_schedule(plan), seed=streams + i)
+            self._warm_grey_part()
         self.warmed_plans = plans
         self.reset()
         self._compile_stance = "eager_on_recompile"
@@ -177,29 +177,59 @@ class StreamSession:
             plans = [p for i, p in enumerate(plans) if p.chunk_latents not in {q.chunk_latents for q in plans[:i]}]
         return plans
 
-    def _plan_chunks(self, plan: Plan) -> int:
-        """Chunks a warm-up stream of `plan` needs: the first, those that fill the KV window, the
-        pipeline's fill, then each ring-slot pattern of the plan twice (seen once, captured the next)."""
+    def _warm_schedule(self, plan: Plan) -> list[Plan]:
+        """The plan of each chunk of a warm-up stream of `plan`: the first chunk and those that fill the
+        KV window, then, for each ring phase a live stream can enter the plan at (the plans before leave
+        the ring at any slot), the pipeline's fill and each ring-slot pattern twice (seen, then captured),
+        a one-latent chunk stepping to the next phase in between; one more chunk at the end. A plan whose
+        forwards replay no graph (sequential with several steps: one cache row a forward) needs each shape
+        once."""
         st = self.cfg.stream
-        k, ring = plan.chunk_latents, st.num_kv_cache - st.sink
-        patterns = ring // math.gcd(ring, k)
-        return 1 + -(-st.num_kv_cache // k) + len(st.steps) - 1 + 2 * patterns + 1
+        k, n, ring = plan.chunk_latents, len(st.steps), st.num_kv_cache - st.sink
+        phases, segment = 1, [plan]
+        if plan.mode == "batch" or n == 1:  # full forwards: CUDA graphs keyed on the ring slots written
+            phases = math.gcd(ring, k)
+            segment = [plan] * ((n - 1 if plan.mode == "batch" else 0) + 2 * ring // phases)
+        start = [plan] * (1 + -(-st.num_kv_cache // k))
+        return start + (segment + [Plan(plan.mode, 1)]) * (phases - 1) + segment + [plan]
 
-    def _warm_stream(self, plan: Plan, chunks: int, seed: int) -> None:
-        """One synthetic stream of `chunks` chunks on `plan`, flushed (its drain shapes run too)."""
+    def _warm_stream(self, plans: list[Plan], seed: int) -> None:
+        """One synthetic stream, chunk i on `plans[i]`, flushed (its drain shapes run too). Its RoPE
+        refresh comes with the chunk `n` chunks before the end, the last whose forwards are steady for
+        every cache row, as a long stream's are (`KVCache.refresh_after`)."""
         self._held_plan = True
         try:
             self.reset()
-            self.slo.hold(plan)
+            first = 1 + (FIRST_CHUNK_FRAMES - 1) // FRAMES_PER_LATENT  # a causal VAE: the first frame alone
+            sizes = [first] + [p.chunk_latents for p in plans[1:]]
+            before = sum(sizes[:max(len(sizes) - len(self.cfg.stream.steps), 0)])
+            if before >= self.cfg.stream.num_kv_cache:
+                self.denoiser.cache.refresh_after(before)
             h, w = self.cfg.resolution.height, self.cfg.resolution.width
-            n = 1 + FRAMES_PER_LATENT * plan.chunk_latents * (chunks - 1) + FRAMES_PER_LATENT
-            frames = np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), np.uint8)
-            step = FRAMES_PER_LATENT * 8
-            for start in range(0, len(frames), step):  # pushes of a bounded size
-                self.push(frames[start:start + step])
+            rng = np.random.default_rng(seed)
+            for i, plan in enumerate(plans):
+                self.slo.hold(plan)
+                count = FIRST_CHUNK_FRAMES if i == 0 else FRAMES_PER_LATENT * plan.chunk_latents
+                self.push(rng.integers(0, 256, (count, h, w, 3), np.uint8))
             self.flush()
         finally:
             self._held_plan = False
+
+    @torch.inference_mode()
+    def _warm_grey_part(self) -> None:
+        """VACE: encode the control video's grey part up to its fixed point (kept for every stream,
+        engine/stream/control_latents.py), which short warm-up streams do not reach: no show encodes it."""
+        from loom_live.engine.stream.control_latents import MEMO_LIMIT
+
+        if self.control is None:
+            return
+        grey = self.control.encoder.inactive
+        grey.reset()
+        with _on(self._side):  # where a stream's control latents are made (and their memory is)
+            like = torch.zeros((1, 3, FRAMES_PER_LATENT, self.cfg.resolution.height, self.cfg.resolution.width),
+                               device=self.device, dtype=self.dtype)
+            while grey.steady_from is None and len(grey.kept) < MEMO_LIMIT:
+                grey.next(like)
 
     # ----------------------------------------------------------------------------- lifecycle
     @torch.inference_mode()
