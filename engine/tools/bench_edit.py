@@ -65,30 +65,20 @@ def encoder_amortisation(cfg: LoomConfig, encoder: Any, device: torch.device,
 
 def encoder_parts(cfg: LoomConfig, encoder: Any, device: torch.device, iters: int = ENCODER_ITERS) -> list[float]:
     """Median ms of each part of one refresh as the session cuts it (`edit.encoder_split`), on the
-    frames a refresh reads (one, or the batch)."""
+    frames a refresh reads (one, or the batch). A part reads what the one before left, so each is
+    timed once per refresh, in order."""
+    from loom_live.engine.stream.stage_timer import timed_ms
+
     b = 1 if cfg.edit.prompt_one_frame else cfg.edit.batch
     images = torch.rand(b, 3, cfg.resolution.height, cfg.resolution.width, device=device) * 2 - 1
     times: list[list[float]] = [[] for _ in range(cfg.edit.encoder_split)]
     with torch.inference_mode():
         for i in range(iters + 1):  # the first pays for lazy initialisation
             for part, spent in zip(encoder.encode_parts(cfg.prompt.text, images, cfg.edit.encoder_split), times):
-                ms = _timed_ms(part, device)
+                ms = timed_ms(part, device)
                 if i:
                     spent.append(ms)
     return [float(np.median(t)) for t in times]
-
-
-def _timed_ms(fn: Any, device: torch.device) -> float:
-    if device.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1000.0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def _median_wall_ms(fn: Any, iters: int = 3) -> float:

@@ -14,17 +14,9 @@ from loom_live.engine.config import ConfigError, load_config
 from loom_live.engine.edit.encoder import HashEditEncoder
 from loom_live.engine.edit.loading import load_edit_models
 from loom_live.engine.edit.session import EditSession
+from tests.fakes.edit_tiny import B, random_frames, tiny_edit_cfg
 
-B = 2
 TEXT = "make it a watercolor"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +27,11 @@ def tiny_qwen():
     return Qwen3VLEncoder.random(tiny_qwen3vl_config(), torch.device("cpu"), torch.float32)
 
 
-def _cfg(*overrides: str):
-    return load_config("edit-tiny", ["resolution.width=32", "resolution.height=32", f"edit.batch={B}",
-                                     "edit.lllite_hooks=all", *overrides])
-
 
 def _session(*overrides: str) -> EditSession:
-    cfg = _cfg(*overrides)
+    cfg = tiny_edit_cfg(*overrides)
     return EditSession(cfg, load_edit_models(cfg))
 
-
-def _frames(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, 32, 32, 3), np.uint8)
 
 
 def _push(session: EditSession, frames: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
@@ -125,7 +110,7 @@ def test_qwen3vl_parts_split_the_work_vision_tower_first_then_language_model_hal
 def test_split_refresh_is_the_unsplit_one_handed_over_split_minus_one_batches_later(split):
     """What a user relies on: the same refreshes (same frames, same prompt) as without the split, each
     used from a fixed batch `split - 1` batches later, a new prompt included; nothing else changes."""
-    frames = _frames(14 * B, seed=1)
+    frames = random_frames(14 * B, seed=1)
     used = {}
     for n in (1, split):
         session = _session("edit.prompt_refresh_every=6", f"edit.encoder_split={n}")
@@ -147,7 +132,7 @@ def test_a_refresh_due_while_one_runs_starts_when_it_is_handed_over():
     """Refreshing every batch under a three-part split: one refresh at a time, at fixed batches."""
     session = _session("edit.prompt_refresh_every=1", "edit.encoder_split=3")
     used = _record_conditioning(session)
-    frames = _frames(10 * B, seed=2)
+    frames = random_frames(10 * B, seed=2)
     _push(session, frames, [5, 1, 6, 8])
     stats = session.stats()
     assert (stats["encoder_split"], stats["prompt_encodes"], stats["prompt_parts"]) == (3, 4, 12)
@@ -183,11 +168,11 @@ class _SlowParts:
 
 
 def test_reset_waits_for_the_parts_already_started():
-    cfg = _cfg("edit.prompt_refresh_every=2", "edit.encoder_split=2")
+    cfg = tiny_edit_cfg("edit.prompt_refresh_every=2", "edit.encoder_split=2")
     models = load_edit_models(cfg)
     models.encoder = slow = _SlowParts(models.encoder)
     session = EditSession(cfg, models)
-    session.push(_frames(3 * B, seed=3))  # batch 2 starts a refresh's first part; its second is not started
+    session.push(random_frames(3 * B, seed=3))  # batch 2 starts a refresh's first part; its second is not started
     assert session.prompt_parts == 3
     session.reset()
     assert slow.finished == 3  # nothing of the old stream runs on into the new one
@@ -196,7 +181,7 @@ def test_reset_waits_for_the_parts_already_started():
 
 @pytest.mark.parametrize("split", [2, 3])
 def test_every_frame_comes_back_once_in_order_with_odd_push_sizes(split):
-    frames = _frames(17, seed=4)
+    frames = random_frames(17, seed=4)
     session = _session("edit.prompt_refresh_every=2", f"edit.encoder_split={split}")
     whole = _stream(session, frames, [17])
     for sizes in ([1, 0, 4, 3, 5, 4], [2] * 8 + [1], [0, 7, 9, 1]):

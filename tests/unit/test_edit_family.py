@@ -14,25 +14,7 @@ from loom_live.engine.edit.schedule import EulerFlowSchedule, dynamic_shift, shi
 from loom_live.engine.edit.session import EditSession
 from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
 from loom_live.engine.session_api import EngineSession
-
-B = 2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _cfg(*overrides: str):
-    return load_config("edit-tiny", ["resolution.width=32", "resolution.height=32", f"edit.batch={B}",
-                                     "edit.lllite_hooks=all", *overrides])
-
-
-def _frames(n: int, seed: int = 0, hw: tuple[int, int] = (32, 32)) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, *hw, 3), np.uint8)
+from tests.fakes.edit_tiny import B, random_frames, tiny_edit_cfg
 
 
 def _stream(session: EditSession, frames: np.ndarray, sizes: list[int]) -> np.ndarray:
@@ -99,9 +81,10 @@ def test_compiled_equals_eager_and_never_recompiles_across_50_batches_of_changin
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
-    cfg = _cfg("edit.prompt_refresh_every=1", "edit.cond_refresh_every=2")
+    cfg = tiny_edit_cfg("edit.prompt_refresh_every=1", "edit.cond_refresh_every=2")
     eager = EditSession(cfg, load_edit_models(cfg))
-    compiled = EditSession(_cfg("edit.compile=true", "edit.prompt_refresh_every=1", "edit.cond_refresh_every=2"),
+    compiled = EditSession(tiny_edit_cfg("edit.compile=true", "edit.prompt_refresh_every=1",
+                                         "edit.cond_refresh_every=2"),
                            load_edit_models(cfg), compile_backend=counting_backend)
     for i in range(50):
         outs = []
@@ -110,7 +93,7 @@ def test_compiled_equals_eager_and_never_recompiles_across_50_batches_of_changin
                 session.set_prompt(f"style number {i}, with {'many ' * (i % 7)}words")
             if i % 7 == 0:
                 session.set_params(adapter_strength=0.5 + i / 100)
-            outs.append(session.push(_frames(B, seed=100 + i)))
+            outs.append(session.push(random_frames(B, seed=100 + i)))
         assert outs[0].shape == outs[1].shape == (B, 32, 32, 3)
         assert np.abs(outs[0].astype(int) - outs[1].astype(int)).max() <= 1
     assert compiled.stats()["batches"] == 50 and compiled.stats()["prompt_encodes"] == 50
@@ -119,19 +102,19 @@ def test_compiled_equals_eager_and_never_recompiles_across_50_batches_of_changin
 
 def test_two_streams_give_the_same_frames_as_sequential():
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    frames = _frames(5 * B, seed=2)
+    frames = random_frames(5 * B, seed=2)
     for device in devices:
         results = []
         for two in ("true", "false"):
-            cfg = _cfg(f"model.device={device}", f"edit.two_streams={two}", "edit.cond_refresh_every=2",
+            cfg = tiny_edit_cfg(f"model.device={device}", f"edit.two_streams={two}", "edit.cond_refresh_every=2",
                        "edit.prompt_refresh_every=2", "model.dtype=float32")
             results.append(_stream(EditSession(cfg, load_edit_models(cfg)), frames, [3, 4, 3]))
         assert np.array_equal(results[0], results[1]), device
 
 
 def test_frames_in_equal_frames_out_for_any_push_sizes():
-    frames = _frames(13, seed=3)
-    session = EditSession(_cfg(), load_edit_models(_cfg()))
+    frames = random_frames(13, seed=3)
+    session = EditSession(tiny_edit_cfg(), load_edit_models(tiny_edit_cfg()))
     assert isinstance(session, EngineSession)
     whole = _stream(session, frames, [13])
     for sizes in ([1, 0, 4, 3, 5], [13], [2] * 6 + [1], [0, 7, 6]):
@@ -140,7 +123,7 @@ def test_frames_in_equal_frames_out_for_any_push_sizes():
         assert out.shape == frames.shape
         assert np.array_equal(out, whole)  # batches are cut by frame count, not by push
     session.reset()  # a size change mid-batch: the old frames leave first, nothing is lost
-    small, large = _frames(3, seed=4, hw=(24, 40)), _frames(4, seed=5, hw=(40, 40))
+    small, large = random_frames(3, seed=4, hw=(24, 40)), random_frames(4, seed=5, hw=(40, 40))
     first = session.push(small)
     second = session.push(large)
     rest = session.flush()
@@ -160,14 +143,14 @@ class _CountingEncoder:
 
 @pytest.mark.parametrize("one_frame", [True, False])
 def test_encoder_runs_once_per_n_batches_under_static_caching(one_frame):
-    cfg = _cfg("edit.prompt_refresh_every=3", f"edit.prompt_one_frame={str(one_frame).lower()}")
+    cfg = tiny_edit_cfg("edit.prompt_refresh_every=3", f"edit.prompt_one_frame={str(one_frame).lower()}")
     models = load_edit_models(cfg)
     models.encoder = counter = _CountingEncoder(models.encoder)
     session = EditSession(cfg, models)
     for i in range(10):
-        session.push(_frames(B, seed=i))
+        session.push(random_frames(B, seed=i))
     session.set_prompt("a charcoal sketch")  # a new instruction is encoded with the next batch
-    session.push(_frames(B, seed=20))
+    session.push(random_frames(B, seed=20))
     session.flush()  # waits for the refresh still running
     assert counter.frames_per_call == [1 if one_frame else B] * 5  # batches 0, 3, 6, 9, and 10 (new prompt)
 
@@ -216,7 +199,7 @@ def test_config_refuses_float16_and_live_params_are_validated():
     with pytest.raises(ConfigError, match="edit.lllite_hooks"):
         load_config("edit-tiny", ["edit.lllite_hooks=up"])
     assert load_config("dreamlite-edit").edit.lllite_hooks == "down"
-    session = EditSession(_cfg(), load_edit_models(_cfg()))
+    session = EditSession(tiny_edit_cfg(), load_edit_models(tiny_edit_cfg()))
     with pytest.raises(ValueError, match="unknown parameter 'steps'"):
         session.set_params(steps=[700])
     with pytest.raises(ValueError, match="adapter_strength"):
