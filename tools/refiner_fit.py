@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loom_live.engine.models.dit_source import dit_source
-from loom_live.engine.models.embedded import EMBEDDED_DIT, save_embedded
+from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_embedded
 from loom_live.engine.models.wan_dit import WanDiT
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.train.data import load_pairs
@@ -137,8 +137,10 @@ def main() -> None:
             torch.save(captured, a.capture)
     t_fit = time.perf_counter()
     losses = fit(dit.head.refiner, vae, captured, a.steps, a.batch, a.lr, a.sharpness_loss, a.boundary_loss, a.seed)
-    meta = {"refiner_fit": {**vars(a), "capture_s": round(t_fit - t, 1),
-                            "fit_s": round(time.perf_counter() - t_fit, 1), "last_loss": losses[-1]}}
+    earlier = {k: v for k, v in read_embedded(a.weights, check_hash=False)[2].items() if not k.startswith("latents_")}
+    fitted = {**vars(a), "capture_s": round(t_fit - t, 1), "fit_s": round(time.perf_counter() - t_fit, 1),
+              "last_loss": losses[-1]}
+    meta = {**earlier, "refiner_fits": [*earlier.get("refiner_fits", []), fitted]}  # the file's history kept
     save_embedded(a.out, dit, vae, meta)
     print(json.dumps(meta))
     if a.frames:

@@ -7,7 +7,9 @@ style's procedural target of the same frames:
 - SSIM against its own target (mean over frames, 11x11 Gaussian window, on each RGB channel);
 - temporal: Farneback warp error (engine/quality.py, flow on the input frames) of the output and
   of the target, and Sobel sharpness (mean gradient magnitude) of both; the card gives ratios;
-- structure: the edge correlation of the output with the input (and of the target with it).
+- structure: the edge correlation of the output with the input (and of the target with it);
+- texture: `block_grid`, the change across the decoder's 8x8 pixel blocks over the change within them
+  (of the output and of the target), which Sobel sharpness cannot tell from real detail.
 The ablation runs the same with sinks off (stream.sink=0), motion-aware noise off, and the edge control
 off (control.context_scale=0: the model is not given the input's edges), so the card says how much of
 the input's structure the edges keep. A last run streams each clip played forward and back past the
@@ -31,6 +33,7 @@ SIZE = 256
 GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
 GATE_SATURATION = 0.10  # mean saturation within this fraction of the input's
 ABLATION_FRAMES = 49  # both held-out clips have at least this many
+GRID_STYLE = 1.5  # a target's block_grid above this: its style is drawn in blocks (pixel art)
 LOOPED_RUN = "looped past a RoPE refresh"
 ABLATIONS = {"default": [], "sinks off": ["stream.sink=0"], "motion-aware off": ["noise.motion_aware=false"],
              "control off": ["control.context_scale=0"]}
@@ -57,6 +60,20 @@ def sharpness(frames: np.ndarray) -> float:
         g = cv2.cvtColor(f, cv2.COLOR_RGB2GRAY).astype(np.float32)
         vals.append(np.sqrt(cv2.Sobel(g, cv2.CV_32F, 1, 0) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1) ** 2).mean())
     return float(np.mean(vals))
+
+
+def block_grid(frames: np.ndarray, block: int = 8) -> float:
+    """How much more the grey image changes across the borders of the decoder's `block` x `block` pixel
+    blocks (one latent pixel each) than elsewhere: the mean absolute difference of neighbouring pixels
+    on either side of a border over that of the pixels within a block, both directions. About 1 for a
+    picture the grid does not shape; a model that buys sharpness with a block texture (each latent
+    pixel its own blob) shows it here, where the Sobel sharpness rewards it."""
+    g = np.stack([cv2.cvtColor(f, cv2.COLOR_RGB2GRAY) for f in frames]).astype(np.float32)
+    ratios = []
+    for d in (np.abs(np.diff(g, axis=2)), np.abs(np.diff(g, axis=1)).transpose(0, 2, 1)):
+        border = (np.arange(d.shape[2]) + 1) % block == 0  # between pixel block*k - 1 and block*k
+        ratios.append(d[..., border].mean() / max(float(d[..., ~border].mean()), 0.5))  # flat blocks: per level
+    return float(np.mean(ratios))
 
 
 def edge_map(frame: np.ndarray) -> np.ndarray:
@@ -165,6 +182,7 @@ def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, w
                 "ssim": float(np.mean([ssim(o, g) for o, g in zip(out, own)])),
                 "warp_error": warp_error(frames, out), "target_warp_error": warp_error(frames, own),
                 "sharpness": sharpness(out), "target_sharpness": sharpness(own),
+                "block_grid": block_grid(out), "target_block_grid": block_grid(own),
                 "edge_correlation": edge_correlation(out, frames),
                 "target_edge_correlation": edge_correlation(own, frames),
                 **dict(zip(("chroma_error", "hue_error"), colour_error(out, own))),
@@ -173,6 +191,15 @@ def measure(clips: dict[str, np.ndarray], overrides: list[str], styles=STYLES, w
                 "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _grid_summary(rows: list[dict]) -> dict:
+    """The mean `block_grid` of output and target over the pairs whose target has no blocks of its own
+    (pixel art's cells sit on the same 8-pixel grid: there the blocks are the style)."""
+    rows = [r for r in rows if "block_grid" in r and r["target_block_grid"] < GRID_STYLE]
+    if not rows:
+        return {}
+    return {k: float(np.mean([r[k] for r in rows])) for k in ("block_grid", "target_block_grid")}
 
 
 def saturation(frames: np.ndarray) -> float:
@@ -226,6 +253,7 @@ def summary(rows: list[dict]) -> dict:
             "sharpness": mean("sharpness"), "target_sharpness": mean("target_sharpness"),
             "sharpness_ratio": mean("sharpness") / mean("target_sharpness"),
             "boundary_change": mean("boundary_change"), "max_change": float(max(r["max_change"] for r in rows)),
+            **_grid_summary(rows),
             **({k: mean(k) for k in ("edge_correlation", "target_edge_correlation")}
                if all("edge_correlation" in r for r in rows) else {}),
             **({"refresh_change": mean("refresh_change"),
@@ -297,7 +325,7 @@ def tables(report: dict) -> str:
                      f"({r['target_sharpness']:.1f}) | {_edges_cell(r)} |")
     lines += ["", "| run | styles | pairs | nearest own | SSIM | warp error / target's | sharpness / target's | "
               "edge corr. with input (target's) | chunk-boundary change (near the RoPE refresh: mean, max) | "
-              "frames |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "block grid (target's) | frames |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
         s = run["summary"]
         styles = run.get("styles", [])
@@ -307,8 +335,12 @@ def tables(report: dict) -> str:
         lines.append(f"| {name} | {styles} | {s['pairs']} | {s['nearest_own']:.0%} | {s['ssim']:.2f} | "
                      f"{s['warp_error']:.2f} / {s['target_warp_error']:.2f} = {s['warp_ratio']:.2f} | "
                      f"{s['sharpness']:.1f} / {s['target_sharpness']:.1f} = {s['sharpness_ratio']:.2f} | "
-                     f"{_edges_cell(s)} | {_boundary_cell(s)} | {frames} |")
+                     f"{_edges_cell(s)} | {_boundary_cell(s)} | {_grid_cell(s)} | {frames} |")
     return "\n".join(lines)
+
+
+def _grid_cell(s: dict) -> str:
+    return f"{s['block_grid']:.2f} ({s['target_block_grid']:.2f})" if "block_grid" in s else "-"
 
 
 def _boundary_cell(s: dict) -> str:

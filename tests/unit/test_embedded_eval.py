@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from loom_live.engine.train.evaluate import (
+    block_grid,
     edge_correlation,
     looped,
     refresh_change,
@@ -55,7 +56,7 @@ def test_the_tables_give_the_edge_correlation_per_run_and_a_report_without_it_st
     assert "| control off | ink, toon | 2 |" in text and "| 0.25 (0.90) |" in text
     old = [row("ink", None)]
     text = tables({"runs": {"default": {"rows": old, "summary": summary(old)}}})
-    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - | 1.00x | - |")
+    assert "edge corr. with input" in text and text.splitlines()[-1].endswith("| - | 1.00x | - | - |")
 
 
 def test_the_refresh_measure_sees_a_jump_at_the_refresh_and_not_one_elsewhere():
@@ -87,4 +88,22 @@ def test_the_looped_run_shows_its_refresh_figures_in_the_runs_table():
         "default": {"styles": ["ink", "toon"], "rows": rows[:1], "summary": summary(rows[:1])},
         "looped past a RoPE refresh": {"styles": ["ink", "toon"], "frames": 213, "rows": rows,
                                        "summary": summary(rows)}}}
-    assert "| 1.00x (1.50x, 1.80x) | 213 |" in tables(report)
+    assert "| 1.00x (1.50x, 1.80x) | - | 213 |" in tables(report)
+
+
+def test_the_block_grid_tells_a_latent_block_texture_from_real_detail_and_skips_styles_drawn_in_blocks():
+    """Detail at any place scores about 1; blobs on the decoder's 8x8 pixel blocks (what a model may buy
+    Sobel sharpness with) score far above, though their sharpness is no higher than the detail's."""
+    rng = np.random.default_rng(0)
+    detail = np.stack([cv2.GaussianBlur(rng.integers(0, 256, (64, 64, 3)).astype(np.uint8), (3, 3), 0)
+                       for _ in range(3)])
+    blobs = np.repeat(np.repeat(rng.integers(60, 200, (3, 8, 8, 3)).astype(np.uint8), 8, 1), 8, 2)
+    shifted = np.roll(blobs, 4, axis=(1, 2))  # the same blobs off the grid
+    assert block_grid(detail) == pytest.approx(1.0, abs=0.1)
+    assert block_grid(blobs) > 10 and block_grid(shifted) < 0.5
+    rows = [{**row("ink", 0.6), "block_grid": 2.0, "target_block_grid": 1.0},
+            {**row("pixel_art", 0.6), "block_grid": 9.0, "target_block_grid": 30.0}]
+    s = summary(rows)
+    assert (s["block_grid"], s["target_block_grid"]) == (2.0, 1.0)  # pixel art's blocks are its style
+    report = {"runs": {"default": {"styles": ["ink", "pixel_art"], "rows": rows, "summary": s}}}
+    assert "| 2.00 (1.00) |" in tables(report)
