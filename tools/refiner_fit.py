@@ -105,6 +105,20 @@ def fit(refiner: torch.nn.Module, vae, windows: list[dict], steps: int, batch: i
     return losses
 
 
+def keep_stored(source: str, out: str, prefix: str = "dit.head.refiner.") -> None:
+    """`out` with every tensor but the refiner's as `source` stores it: the trunk did not train, and
+    storing it again would re-round its int8 scales (read back as float16) by a level here and there."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(source, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(out, framework="pt") as f:
+        metadata = f.metadata()
+        tensors.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+    save_file(tensors, out, metadata=metadata)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", default="engine/models/weights/embedded.safetensors")
@@ -142,6 +156,7 @@ def main() -> None:
               "last_loss": losses[-1]}
     meta = {**earlier, "refiner_fits": [*earlier.get("refiner_fits", []), fitted]}  # the file's history kept
     save_embedded(a.out, dit, vae, meta)
+    keep_stored(a.weights, a.out)
     print(json.dumps(meta))
     if a.frames:
         from loom_live.engine.train.evaluate import STYLES, held_out, measure, summary

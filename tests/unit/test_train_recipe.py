@@ -280,6 +280,17 @@ def test_the_sharpness_loss_prefers_a_line_one_pixel_off_to_a_blur_where_the_pix
     assert losses[1] < losses[2] < losses[3]
 
 
+def test_the_block_grid_loss_costs_a_blob_per_latent_pixel_and_nothing_a_target_has_itself():
+    """The cheapest edge energy is one blob per decoded 8x8 block; the sharpness loss must not pay for it."""
+    torch.manual_seed(0)
+    blobs = (torch.rand(1, 3, 2, 4, 4) * 2 - 1).repeat_interleave(8, -1).repeat_interleave(8, -2)
+    flat, detail = torch.zeros_like(blobs), torch.rand(1, 3, 2, 32, 32) * 2 - 1
+    assert recipe.block_grid_loss(blobs, flat) > 0.5
+    assert recipe.block_grid_loss(detail, flat) < 0.05  # detail at any place is not a grid
+    assert recipe.block_grid_loss(blobs, blobs) == 0 and recipe.block_grid_loss(flat, blobs) == 0
+    assert recipe.sharpness_loss(blobs, flat) > recipe.sharpness_loss(blobs.roll(4, -1).roll(4, -2), flat)
+
+
 def test_style_weights_parse_into_shares_and_a_bad_spec_is_refused_naming_what_is_allowed():
     assert recipe.style_shares("") is None and recipe.style_shares("  ") is None
     shares = recipe.style_shares("neon_edges=3, blueprint=2")
