@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -278,6 +279,22 @@ def test_the_sharpness_loss_prefers_a_line_one_pixel_off_to_a_blur_where_the_pix
     losses = [recipe.sharpness_loss(y, target).item() for y in (target, shifted, smeared, none)]
     assert losses[0] == pytest.approx(0.0, abs=1e-3)
     assert losses[1] < losses[2] < losses[3]
+
+
+def test_the_sharpness_loss_trains_after_the_stream_made_its_kernels_in_inference_mode(monkeypatch):
+    """The edge kernels are cached per device; a session (inference mode) may make them first."""
+    from loom_live.engine.layers import image_kernels
+
+    monkeypatch.setattr(image_kernels, "sobel", functools.cache(image_kernels.sobel.__wrapped__))
+    monkeypatch.setattr(image_kernels, "luma", functools.cache(image_kernels.luma.__wrapped__))
+    monkeypatch.setattr(recipe, "sobel", image_kernels.sobel)
+    monkeypatch.setattr(recipe, "luma", image_kernels.luma)
+    with torch.inference_mode():
+        image_kernels.sobel(torch.device("cpu")), image_kernels.luma(torch.device("cpu"))
+    torch.manual_seed(0)
+    y = (torch.rand(1, 3, 1, 16, 16) * 0.2).requires_grad_()
+    recipe.sharpness_loss(y, torch.rand(1, 3, 1, 16, 16) * 2 - 1).backward()
+    assert y.grad is not None and y.grad.abs().sum() > 0
 
 
 def test_the_block_grid_loss_costs_a_blob_per_latent_pixel_and_nothing_a_target_has_itself():
