@@ -17,7 +17,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loom_live.engine.graphs.dit_steps import GraphedStreamForward  # noqa: E402
 from loom_live.engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from loom_live.engine.stream.stage_timer import timed_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -59,25 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Timer:
-    """CUDA events on a GPU (no host sync inside the timed region), perf_counter on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000.0
-
-
 def bench_batch(model: WanDiT, args: argparse.Namespace, batch: int, h: int, w: int) -> dict:
     cfg, dev, dtype = model.cfg, args.device, DTYPES[args.dtype]
     cache = model.new_cache(batch, (h, w), num_kv_cache=args.kv, sink=args.sink, rope_policy=args.policy,
@@ -90,14 +71,13 @@ def bench_batch(model: WanDiT, args: argparse.Namespace, batch: int, h: int, w: 
     forward(first, t, cache, cross)  # 2-frame first chunk, as a stream starts
     while min(cache.fill) < args.kv:
         forward(chunk, t, cache, cross)
-    timer = Timer(dev)
     step = lambda: forward(chunk, t, cache, cross)  # noqa: E731
     # with graphs: each ring slot's plan runs eagerly once, then is captured
     for _ in range(max(args.warmup, 2 * args.kv) if args.graphs else args.warmup):
-        timer.time(step)
+        timed_ms(step, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    times = sorted(timer.time(step) for _ in range(args.iters))
+    times = sorted(timed_ms(step, dev) for _ in range(args.iters))
     return {
         "batch": batch,
         "cuda_graphs": bool(args.graphs and dev.type == "cuda"),
