@@ -28,6 +28,7 @@ from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_e
 from loom_live.engine.models.wan_dit import WanDiT
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.train.data import load_pairs
+from loom_live.engine.train.losses import boundary_loss, pixel_loss, sharpness_loss, temporal_loss
 from loom_live.engine.train.recipe import (
     CHUNK,
     FIRST_CHUNK,
@@ -35,15 +36,11 @@ from loom_live.engine.train.recipe import (
     RecipeConfig,
     StyleConditions,
     Windows,
-    boundary_loss,
     continue_dit,
     load_vae,
     motion_t0,
-    pixel_loss,
-    sharpness_loss,
     stream_decode,
     stream_encode,
-    temporal_loss,
     unroll,
 )
 from loom_live.engine.train.styles import STYLE_NAMES

@@ -16,7 +16,7 @@ from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.stream.denoiser import StreamDenoiser
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.schedule import FlowSchedule
-from loom_live.engine.train import recipe
+from loom_live.engine.train import losses, recipe
 from loom_live.engine.train.data import SOURCE, Clip
 from loom_live.engine.train.styles import STYLE_NAMES
 
@@ -91,7 +91,7 @@ def test_the_principal_init_makes_the_linear_codec_the_best_one_of_its_width():
 def test_overshoot_past_pure_black_or_white_costs_nothing_and_anything_else_does():
     x = torch.tensor([-1.0, -1.0, 1.0, 1.0, 0.2])
     y = torch.tensor([-1.3, -0.9, 1.2, 0.8, 0.5], requires_grad=True)
-    loss = (recipe.past_the_clamp(y, x) - x).abs().sum()
+    loss = (losses.past_the_clamp(y, x) - x).abs().sum()
     loss.backward()
     assert abs(loss.item() - 0.6) < 1e-6  # 0.1 above black, 0.2 below white, 0.3 off the grey
     assert y.grad.tolist() == [0.0, 1.0, 0.0, -1.0, 1.0]
@@ -103,8 +103,8 @@ def test_the_chroma_loss_weighs_a_dark_pixels_colour_error_above_a_bright_ones()
     level = 2.0 / 255.0
     dark, bright = torch.full((1, 3, 1, 1), -0.95), torch.full((1, 3, 1, 1), 0.8)
     nudge = torch.tensor([level, 0.0, 0.0]).view(1, 3, 1, 1)
-    assert recipe.chroma_loss(dark, dark) == 0 and recipe.chroma_loss(bright + 0.1, bright) < 1e-7  # grey stays grey
-    assert recipe.chroma_loss(dark + nudge, dark) > 5 * recipe.chroma_loss(bright + nudge, bright)
+    assert losses.chroma_loss(dark, dark) == 0 and losses.chroma_loss(bright + 0.1, bright) < 1e-7  # grey stays grey
+    assert losses.chroma_loss(dark + nudge, dark) > 5 * losses.chroma_loss(bright + nudge, bright)
 
 
 def test_tuning_the_decoder_keeps_the_latent_space():
@@ -220,9 +220,9 @@ def test_the_temporal_loss_sees_a_jump_between_chunks_that_per_frame_errors_hide
     target = torch.zeros(1, 3, 9, 4, 4)
     steady = target + 0.1
     jumping = target + torch.tensor([0.1] * 5 + [-0.1] * 4).view(1, 1, 9, 1, 1)
-    assert recipe.pixel_loss(steady, target) == pytest.approx(recipe.pixel_loss(jumping, target).item())
-    assert recipe.temporal_loss(steady, target) == 0
-    assert recipe.temporal_loss(jumping, target) > 0
+    assert losses.pixel_loss(steady, target) == pytest.approx(losses.pixel_loss(jumping, target).item())
+    assert losses.temporal_loss(steady, target) == 0
+    assert losses.temporal_loss(jumping, target) > 0
 
 
 def test_edge_dropout_gives_a_share_of_the_windows_a_random_edge_scale_that_reaches_the_source(monkeypatch):
@@ -259,10 +259,10 @@ def test_the_boundary_loss_costs_a_jump_at_a_chunk_boundary_and_not_one_inside_a
     target = torch.zeros(1, 3, 9, 4, 4)
     across = target + (torch.arange(9) >= 5).float().view(1, 1, 9, 1, 1) * 0.2
     inside = target + (torch.arange(9) >= 3).float().view(1, 1, 9, 1, 1) * 0.2
-    assert recipe.temporal_loss(across, target) == pytest.approx(recipe.temporal_loss(inside, target).item())
-    assert recipe.boundary_loss(across, target) > 0
-    assert recipe.boundary_loss(inside, target) == 0
-    assert recipe.boundary_loss(target + 0.3, target) == 0  # a steady error is the per-frame losses' job
+    assert losses.temporal_loss(across, target) == pytest.approx(losses.temporal_loss(inside, target).item())
+    assert losses.boundary_loss(across, target) > 0
+    assert losses.boundary_loss(inside, target) == 0
+    assert losses.boundary_loss(target + 0.3, target) == 0  # a steady error is the per-frame losses' job
 
 
 def test_the_sharpness_loss_prefers_a_line_one_pixel_off_to_a_blur_where_the_pixel_loss_does_not():
@@ -275,10 +275,10 @@ def test_the_sharpness_loss_prefers_a_line_one_pixel_off_to_a_blur_where_the_pix
     smeared = torch.ones_like(target)
     smeared[..., 14:17] = 1.0 - 2.0 / 3.0
     none = torch.ones_like(target)
-    assert recipe.pixel_loss(smeared, target) < recipe.pixel_loss(shifted, target)
-    losses = [recipe.sharpness_loss(y, target).item() for y in (target, shifted, smeared, none)]
-    assert losses[0] == pytest.approx(0.0, abs=1e-3)
-    assert losses[1] < losses[2] < losses[3]
+    assert losses.pixel_loss(smeared, target) < losses.pixel_loss(shifted, target)
+    costs = [losses.sharpness_loss(y, target).item() for y in (target, shifted, smeared, none)]
+    assert costs[0] == pytest.approx(0.0, abs=1e-3)
+    assert costs[1] < costs[2] < costs[3]
 
 
 def test_the_sharpness_loss_trains_after_the_stream_made_its_kernels_in_inference_mode(monkeypatch):
@@ -287,13 +287,13 @@ def test_the_sharpness_loss_trains_after_the_stream_made_its_kernels_in_inferenc
 
     monkeypatch.setattr(image_kernels, "sobel", functools.cache(image_kernels.sobel.__wrapped__))
     monkeypatch.setattr(image_kernels, "luma", functools.cache(image_kernels.luma.__wrapped__))
-    monkeypatch.setattr(recipe, "sobel", image_kernels.sobel)
-    monkeypatch.setattr(recipe, "luma", image_kernels.luma)
+    monkeypatch.setattr(losses, "sobel", image_kernels.sobel)
+    monkeypatch.setattr(losses, "luma", image_kernels.luma)
     with torch.inference_mode():
         image_kernels.sobel(torch.device("cpu")), image_kernels.luma(torch.device("cpu"))
     torch.manual_seed(0)
     y = (torch.rand(1, 3, 1, 16, 16) * 0.2).requires_grad_()
-    recipe.sharpness_loss(y, torch.rand(1, 3, 1, 16, 16) * 2 - 1).backward()
+    losses.sharpness_loss(y, torch.rand(1, 3, 1, 16, 16) * 2 - 1).backward()
     assert y.grad is not None and y.grad.abs().sum() > 0
 
 
@@ -302,10 +302,10 @@ def test_the_block_grid_loss_costs_a_blob_per_latent_pixel_and_nothing_a_target_
     torch.manual_seed(0)
     blobs = (torch.rand(1, 3, 2, 4, 4) * 2 - 1).repeat_interleave(8, -1).repeat_interleave(8, -2)
     flat, detail = torch.zeros_like(blobs), torch.rand(1, 3, 2, 32, 32) * 2 - 1
-    assert recipe.block_grid_loss(blobs, flat) > 0.5
-    assert recipe.block_grid_loss(detail, flat) < 0.05  # detail at any place is not a grid
-    assert recipe.block_grid_loss(blobs, blobs) == 0 and recipe.block_grid_loss(flat, blobs) == 0
-    assert recipe.sharpness_loss(blobs, flat) > recipe.sharpness_loss(blobs.roll(4, -1).roll(4, -2), flat)
+    assert losses.block_grid_loss(blobs, flat) > 0.5
+    assert losses.block_grid_loss(detail, flat) < 0.05  # detail at any place is not a grid
+    assert losses.block_grid_loss(blobs, blobs) == 0 and losses.block_grid_loss(flat, blobs) == 0
+    assert losses.sharpness_loss(blobs, flat) > losses.sharpness_loss(blobs.roll(4, -1).roll(4, -2), flat)
 
 
 def test_style_weights_parse_into_shares_and_a_bad_spec_is_refused_naming_what_is_allowed():
