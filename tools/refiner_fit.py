@@ -2,8 +2,8 @@
 
 The trunk is frozen: training windows stream once through the shipped model (the recipe's `unroll`,
 two steps, the default preset's list) and the refiner's inputs at the last step are kept; then only
-the refiner learns, with the recipe's latent, pixel and temporal losses on the decoded frames and,
-with `--sharpness-loss W` and `--boundary-loss W`, the recipe's losses of those names. The fitted
+the refiner learns, with the recipe's DiT-phase losses (`decoded_loss`, the latent loss of the last
+step) and `--sharpness-loss W` and `--boundary-loss W` as the recipe's options of those names. The fitted
 model is written as a weights file that `loom train eval --weights` reads, and its held-out figures
 (the eval's default run) are printed. A probe for a loss's direction in minutes of CPU, not a
 substitute for a training call: a refiner fitted this way sees a few hundred latents of one trunk.
@@ -28,7 +28,6 @@ from loom_live.engine.models.embedded import EMBEDDED_DIT, read_embedded, save_e
 from loom_live.engine.models.wan_dit import WanDiT
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.train.data import load_pairs
-from loom_live.engine.train.losses import boundary_loss, pixel_loss, sharpness_loss, temporal_loss
 from loom_live.engine.train.recipe import (
     CHUNK,
     FIRST_CHUNK,
@@ -37,6 +36,7 @@ from loom_live.engine.train.recipe import (
     StyleConditions,
     Windows,
     continue_dit,
+    decoded_loss,
     load_vae,
     motion_t0,
     stream_decode,
@@ -76,12 +76,12 @@ def capture(dit: WanDiT, vae, windows: Windows, cfg: RecipeConfig, n_windows: in
     return out
 
 
-def fit(refiner: torch.nn.Module, vae, windows: list[dict], steps: int, batch: int, lr: float,
-        sharpness: float, boundary: float, seed: int) -> list[float]:
-    """Adam on the refiner alone; the losses of the recipe's DiT phase (latent, pixel, temporal, and
-    the optional boundary and sharpness losses at the weights given)."""
+def fit(refiner: torch.nn.Module, vae, windows: list[dict], cfg: RecipeConfig, steps: int, batch: int,
+        seed: int) -> list[float]:
+    """Adam on the refiner alone (`cfg.dit_lr`), with the recipe's DiT-phase losses at `cfg`'s weights:
+    the latent loss of the last step and `decoded_loss`."""
     refiner.train().requires_grad_(True)
-    opt = torch.optim.AdamW(refiner.parameters(), lr=lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(refiner.parameters(), lr=cfg.dit_lr, weight_decay=0.01)
     rng, losses = np.random.default_rng(seed), []
     for step in range(steps):
         loss = torch.zeros(())
@@ -89,9 +89,7 @@ def fit(refiner: torch.nn.Module, vae, windows: list[dict], steps: int, batch: i
             w = windows[j]
             z = torch.cat([refiner(*args) for args in w["inputs"]], dim=2)
             y = stream_decode(vae, z, clamp=False)
-            loss = loss + (F.mse_loss(z, w["z"]) + pixel_loss(y, w["x"]) + 2.0 * temporal_loss(y, w["x"])
-                           + (sharpness * sharpness_loss(y, w["x"]) if sharpness else 0.0)
-                           + (boundary * boundary_loss(y, w["x"]) if boundary else 0.0)) / batch
+            loss = loss + (F.mse_loss(z, w["z"]) + decoded_loss(y, w["x"], cfg)) / batch
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -133,7 +131,7 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(a.seed)
     torch.set_num_threads(2)
-    cfg = RecipeConfig(data=a.data)
+    cfg = RecipeConfig(data=a.data, dit_lr=a.lr, sharpness_loss=a.sharpness_loss, boundary_loss=a.boundary_loss)
     dit = WanDiT(EMBEDDED_DIT)
     continue_dit(dit, a.weights)
     dit.eval().requires_grad_(False)
@@ -147,7 +145,7 @@ def main() -> None:
         if a.capture:
             torch.save(captured, a.capture)
     t_fit = time.perf_counter()
-    losses = fit(dit.head.refiner, vae, captured, a.steps, a.batch, a.lr, a.sharpness_loss, a.boundary_loss, a.seed)
+    losses = fit(dit.head.refiner, vae, captured, cfg, a.steps, a.batch, a.seed)
     earlier = {k: v for k, v in read_embedded(a.weights, check_hash=False)[2].items() if not k.startswith("latents_")}
     fitted = {**vars(a), "capture_s": round(t_fit - t, 1), "fit_s": round(time.perf_counter() - t_fit, 1),
               "last_loss": losses[-1]}

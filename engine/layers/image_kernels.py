@@ -4,7 +4,7 @@ The DiT's edge source (engine/models/dit_source.py), the VACE grey and edges sou
 (engine/stream/control_frames.py) and the device Canny (engine/stream/canny.py) all read them. Each
 is made once per device: a tensor built from Python numbers on a GPU is a blocking host-to-device
 copy, which per chunk would wait for the GPU's queue and stall the session's overlapped streams.
-They are made outside inference mode whoever asks first, so the training losses (engine/train/recipe.py)
+They are made outside inference mode whoever asks first, so the training losses (engine/train/losses.py)
 can read the same cached tensors under autograd.
 """
 

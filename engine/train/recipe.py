@@ -54,11 +54,11 @@ from loom_live.engine.train.losses import (
     temporal_loss,
 )
 from loom_live.engine.train.styles import STYLE_NAMES
+from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 
 STEP_LISTS = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}  # the hosts' lists
 STEP_WEIGHTS = (0.25, 0.4, 0.2, 0.15)  # 2 steps is the default preset
-FIRST_CHUNK = 5
-CHUNK = 4
+FIRST_CHUNK, CHUNK = FIRST_CHUNK_FRAMES, CHUNK_FRAMES  # the session's chunks, in frames
 
 
 @dataclass
@@ -95,7 +95,7 @@ class RecipeConfig:
     pixel_loss: float = 1.0
     temporal_loss: float = 2.0  # weight of the frame-to-frame change loss on the decoded pixels
     boundary_loss: float = 0.0  # weight of the same loss on the frame pairs across chunk boundaries alone
-    sharpness_loss: float = 0.0  # weight of the patch edge-energy loss on the decoded pixels (`sharpness_loss`)
+    sharpness_loss: float = 0.0  # weight of the edge-energy and block-grid loss on the decoded pixels
     style_weights: str = ""  # "name=w,...": each style's share of the DiT's windows (unnamed: 1); "" uniform
     seed: int = 0
     max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
@@ -167,6 +167,17 @@ def style_shares(spec: str) -> np.ndarray | None:
     if total <= 0.0:
         raise ValueError("style_weights: at least one style needs a weight above 0")
     return np.array([weights[n] / total for n in STYLE_NAMES])
+
+
+def decoded_loss(y: torch.Tensor, x: torch.Tensor, cfg: RecipeConfig) -> torch.Tensor:
+    """The DiT phase's losses on its decoded output y against the styled frames x, at `cfg`'s weights
+    (a loss at weight 0 is not computed)."""
+    loss = cfg.pixel_loss * pixel_loss(y, x) + cfg.temporal_loss * temporal_loss(y, x)
+    if cfg.boundary_loss:
+        loss = loss + cfg.boundary_loss * boundary_loss(y, x)
+    if cfg.sharpness_loss:
+        loss = loss + cfg.sharpness_loss * sharpness_loss(y, x)
+    return loss
 
 
 def vae_loss(y: torch.Tensor, x: torch.Tensor, cfg: RecipeConfig) -> torch.Tensor:
@@ -442,12 +453,7 @@ def train_dit(cfg: RecipeConfig, windows: Windows, vae: FrameVAE, dit: WanDiT, d
         loss = torch.stack(losses).sum() / cfg.dit_chunks
         if cfg.pixel_loss:
             k = cfg.pixel_batch
-            y = stream_decode(vae, torch.cat(out, dim=2)[:k], clamp=False)
-            loss = loss + cfg.pixel_loss * pixel_loss(y, tgt[:k]) + cfg.temporal_loss * temporal_loss(y, tgt[:k])
-            if cfg.boundary_loss:
-                loss = loss + cfg.boundary_loss * boundary_loss(y, tgt[:k])
-            if cfg.sharpness_loss:
-                loss = loss + cfg.sharpness_loss * sharpness_loss(y, tgt[:k])
+            loss = loss + decoded_loss(stream_decode(vae, torch.cat(out, dim=2)[:k], clamp=False), tgt[:k], cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
