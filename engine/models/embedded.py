@@ -33,7 +33,7 @@ EMBEDDED_VAE = FrameVAEConfig()
 WEIGHTS_PACKAGE = "loom_live.engine.models"
 WEIGHTS_NAME = "weights/embedded.safetensors"
 SCALE_SUFFIX = "#scale"  # never part of a state-dict name
-WEIGHTS_SHA256 = "343f87c9d7b494860e0f41bb02b4eb725b79124f716ecdfa9d3b6e1a740976f9"
+WEIGHTS_SHA256 = "c734da0c9ba35af230d3a399afdee6aa25ec03c9418ab6720105695d7fa466e7"
 FLOAT16_KEYS = ("dit.patch_embedding.weight", "dit.head.refiner.inp.weight", "dit.head.refiner.style.weight")
 
 
