@@ -27,6 +27,7 @@ step() {
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
     grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -20
+    grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
 wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
@@ -39,8 +40,8 @@ for group in "$@"; do
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     vace)
-        bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500
-        wan plain 150 --frames 1500 ;;
+        bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --profile-chunks 8
+        wan plain 150 --frames 1500 --profile-chunks 8 ;;
     decode-paced)
         for p in false true; do wan "decode_paced_$p" 150 --frames 1500 --input-fps 40 --set stream.decode_priority=$p; done ;;
     upsample)

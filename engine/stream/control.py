@@ -13,18 +13,19 @@ import torch
 from loom_live.engine.config import ControlConfig, LoomConfig
 from loom_live.engine.models.wan_vace import reference_entry
 from loom_live.engine.stream.control_frames import ControlFrames
-from loom_live.engine.stream.control_latents import ControlEncoder
+from loom_live.engine.stream.control_latents import ControlEncoder, EncodeRunner
 
 
 class VaceControl:
     """Control frames (engine/stream/control_frames.py) -> control latents (control_latents.py), with the
     live source and scale of the config's `control` section, and the reference image as a pinned entry."""
 
-    def __init__(self, cfg: LoomConfig, models: Any, mapper: Any, layout: torch.memory_format) -> None:
+    def __init__(self, cfg: LoomConfig, models: Any, mapper: Any, layout: torch.memory_format,
+                 run: EncodeRunner) -> None:
         self.cfg = cfg.control
         self.mapper = mapper
         self.frames = ControlFrames(models.device, self.cfg.depth_model, self.cfg.video)
-        self.encoder = ControlEncoder(models.encoder, layout)
+        self.encoder = ControlEncoder(models.encoder, layout, run)
         self.reference = read_image(self.cfg.reference) if self.cfg.reference else None
         self.reference_from = self.cfg.reference  # what the stats show: the file, or a host's image
 

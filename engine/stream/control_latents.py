@@ -12,6 +12,7 @@ encodes them once and every stream reads them back (an encode per chunk saved on
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,12 +24,25 @@ log = logging.getLogger(__name__)
 MEMO_LIMIT = 64  # zero-part latents kept while no fixed point has come (the Wan VAE's comes within 30)
 
 
-class ControlEncoder:
-    """Control frames [N, 3, H, W] in [-1, 1] to control latents [1, 96, f, h, w], chunk by chunk."""
+EncodeRunner = Callable[[Callable, torch.Tensor, object], torch.Tensor]
 
-    def __init__(self, encoder, layout: torch.memory_format = torch.contiguous_format) -> None:
+
+def _direct(fn: Callable, x: torch.Tensor, state: object) -> torch.Tensor:
+    return fn(x, state)
+
+
+class ControlEncoder:
+    """Control frames [N, 3, H, W] in [-1, 1] to control latents [1, 96, f, h, w], chunk by chunk.
+
+    `run(encode_stream, pixels, state)` runs the reactive encode; a session passes its `VAEGraphs`, so
+    the control video's steady chunks replay the same one-latent CUDA graph whatever chunk size the
+    scheduler picks (no new shape, and so no capture or cuDNN tuning, mid-show)."""
+
+    def __init__(self, encoder, layout: torch.memory_format = torch.contiguous_format,
+                 run: EncodeRunner = _direct) -> None:
         self.encoder = encoder
         self.layout = layout
+        self.run = run
         self.reactive = encoder.new_stream_state()
         self.inactive = ZeroLatents(encoder, layout)
 
@@ -38,7 +52,7 @@ class ControlEncoder:
 
     def latents(self, control: torch.Tensor) -> torch.Tensor:
         pixels = control.permute(1, 0, 2, 3)[None].contiguous(memory_format=self.layout)
-        reactive = self.encoder.encode_stream(pixels, self.reactive)
+        reactive = self.run(self.encoder.encode_stream, pixels, self.reactive)
         inactive = self.inactive.next(pixels)
         mask = reactive.new_ones(1, MASK_CHANNELS, *reactive.shape[2:])
         return torch.cat((inactive.to(reactive.dtype), reactive, mask), dim=1)

@@ -110,7 +110,7 @@ class StreamSession:
                                             cfg.noise.estimator)
         self._lora_pending: dict[str, float] = {}
         self._live_params = CONTROL_LIVE_PARAMS if cfg.structure_control else LIVE_PARAMS
-        self.control = VaceControl(cfg, models, self.mapper, self._vae_layout) if cfg.vace else None
+        self.control = VaceControl(cfg, models, self.mapper, self._vae_layout, self._run_encode) if cfg.vace else None
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
         self.startup = StartupTimes()  # filled by from_config and warmup: where the start-up went
@@ -512,6 +512,10 @@ class StreamSession:
         result = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else np.concatenate(outputs)
         self.metrics.on_output(len(result))
         return result
+
+    def _run_encode(self, fn: Any, pixels: torch.Tensor, state: Any) -> torch.Tensor:
+        """An encode through the session's VAE graphs (the VACE control video's; see `VAEGraphs`)."""
+        return self._vae_graphs.run("encode", fn, pixels, state)
 
     def _encode(self, c: _Chunk) -> None:
         stream = self._side

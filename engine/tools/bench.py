@@ -26,10 +26,12 @@ FRAMES_PER_CHUNK = 4
 
 
 def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
-             lora_period_s: float = 0.0) -> dict[str, Any]:
+             lora_period_s: float = 0.0, profile_chunks: int = 0) -> dict[str, Any]:
     """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
     that many GPUs); metrics over the frames after warm-up. With `lora_period_s`, the first LoRA's
-    scale alternates between its configured value and half of it at that period (live changes)."""
+    scale alternates between its configured value and half of it at that period (live changes).
+    With `profile_chunks`, that many more chunks stream under the kernel profiler after the measured
+    frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
     t_load = time.perf_counter()
     if cfg.parallel.gpus > 1:
         from loom_live.engine.parallel.session import PipelineSession
@@ -90,6 +92,14 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
     if device.type == "cuda":  # what the card must hold, from load to the last frame
         stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))
+    if profile_chunks:
+        from loom_live.engine.tools.chunk_profile import profile_chunks as profile
+
+        _progress(f"profiling {profile_chunks} more chunks")
+        starts = range(done, len(frames) - FRAMES_PER_CHUNK + 1, FRAMES_PER_CHUNK)
+        stats["profile"] = profile(
+            lambda i: session.push(frames[starts[i % len(starts)]:][:FRAMES_PER_CHUNK]), profile_chunks,
+            lambda: (session.poll(wait=True), _sync(device)))
     session.close()
     return stats
 

@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sets parallel.gpus; on a CPU device: processes)")
     p.add_argument("--batches", default="8,16",
                    help="edit family (model.family=edit): the batch sizes B to stream at, e.g. 8,16")
+    p.add_argument("--profile-chunks", type=int, default=0, metavar="N",
+                   help="after the measured frames, profile N more chunks kernel by kernel (GPU time per chunk by "
+                        "CUDA stream, kernel family and kernel; a GPU, one GPU only); 0: off")
     p.add_argument("--json", help="write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -108,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     cuda = torch.cuda.is_available()
     count, baseline = plan(cfg, args.frames, args.baseline, cuda)
+    if args.profile_chunks < 0 or (args.profile_chunks and (not cuda or cfg.parallel.gpus > 1
+                                                            or cfg.model.family == "edit")):
+        raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
+                        "Wan or embedded preset; give 0 (off) or a positive count there")
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
     frames = clip_frames(cfg, args.clip, warmup + count)
     if cfg.model.family == "edit":
@@ -132,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
         result["memory_cap_gib"] = args.memory_cap_gib
-    result["loom"] = run_loom(cfg, frames, warmup, args.input_fps)
+    result["loom"] = run_loom(cfg, frames, warmup, args.input_fps, profile_chunks=args.profile_chunks)
     if args.memory_cap_gib > 0:
         torch.cuda.set_per_process_memory_fraction(1.0)  # the baseline is not what is being capped
     if args.bridge != "none":
@@ -149,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
         print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", file=sys.stderr, flush=True)
         result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
     print(summary_table(result))
+    if "profile" in result["loom"]:
+        from loom_live.engine.tools.chunk_profile import profile_table
+
+        print(profile_table(result["loom"]["profile"]))
     if args.json:
         write_json(result, args.json)
     return 0
