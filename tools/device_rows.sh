@@ -48,7 +48,7 @@ for group in "$@"; do
         for u in nearest phase transposed; do wan "upsample_$u" 150 --frames 3000 --set vae.upsample=$u; done ;;
     edit)
         bench edit_b8 300 -c dreamlite-edit --batches 8 --frames 2000
-        for p in false true; do bench "edit_b16_prio_$p" 200 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p; done ;;
+        for p in true false; do bench "edit_b16_prio_$p" 200 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p; done ;;
     edit-split)
         # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
         for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;

@@ -37,14 +37,17 @@ def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None)
     dx, dy = _sobel(grey.float()[:, None])
     mag = dx.abs() + dy.abs()
     candidate = _local_max(mag, dx, dy) & (mag > float(int(low)))
-    edges = candidate & (mag > float(int(high)))
+    # 0/1 masks as numbers (half on a GPU), so each hysteresis step is a pooling and a product
+    kind = torch.float16 if grey.is_cuda else torch.float32
+    allowed = candidate.to(kind)
+    edges = allowed * (mag > float(int(high)))
     done = 0
     while steps is None or done < steps:
-        grown = candidate & (F.max_pool2d(edges.float(), 3, 1, 1) > 0)
+        grown = allowed * F.max_pool2d(edges, 3, 1, 1)
         if steps is None and torch.equal(grown, edges):
             break
         edges, done = grown, done + 1
-    return edges[:, 0]
+    return edges[:, 0] > 0
 
 
 def _sobel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
