@@ -161,7 +161,7 @@ def run_variant(model: str, switches: set[str], args, device: torch.device) -> d
     if switches & {"compile", "compmax"}:
         apply_compile(vae, "max-autotune-no-cudagraphs" if "compmax" in switches else None)
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (1, 3, 1 + CHUNK_FRAMES, args.height, args.width)
+    shape = (args.batch, 3, 1 + CHUNK_FRAMES, args.height, args.width)
     first = (torch.rand(shape, generator=gen, device=device) * 2 - 1).to(dtype).contiguous(memory_format=fmt)
     chunk = first[:, :, 1:].contiguous(memory_format=fmt)
     clock = Clock(device)
@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="streams encoded and decoded together in one call (e.g. 2: a VACE stream's video and "
+                             "control encodes batched); times are per call")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write all results to this JSON file")
@@ -271,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "height": args.height, "width": args.width, "dtype": args.dtype,
-        "chunk_frames": CHUNK_FRAMES, "iters": args.iters, "warmup": args.warmup, "smoke": args.smoke,
+        "chunk_frames": CHUNK_FRAMES, "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
+        "smoke": args.smoke,
     }
 
     rows = []
@@ -301,8 +305,9 @@ def write_json(path: Path | None, meta: dict, rows: list[dict]) -> None:
 
 
 def print_table(meta: dict, rows: list[dict]) -> None:
-    print(f"\nStream-VAE, steady {meta['chunk_frames']}-frame chunk at {meta['height']}x{meta['width']}, "
-          f"{meta['dtype']}, {meta['device']}, torch {meta['torch']} (median of {meta['iters']})")
+    print(f"\nStream-VAE, steady {meta['chunk_frames']}-frame chunk x {meta['batch']} at "
+          f"{meta['height']}x{meta['width']}, {meta['dtype']}, {meta['device']}, torch {meta['torch']} "
+          f"(median of {meta['iters']})")
     header = (f"{'model':<10} {'variant':<24} {'enc ms':>8} {'dec ms':>8} {'total':>8} {'enc p90':>8} "
               f"{'dec p90':>8} {'FPS':>7} {'first ms':>9} {'peak GiB':>9} {'state MiB':>9} {'max|d|':>8}")
     print(header)
