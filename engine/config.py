@@ -239,6 +239,8 @@ class ControlConfig:
                                              "(transformers, e.g. Depth Anything V2 small); loaded at start")
     reference: str | None = spec(None, doc="reference image file: a fixed first entry of the stream that sets "
                                            "the look")
+    batched_encode: bool = spec(False, doc="encode the control video in the input's VAE call (one call on a batch "
+                                           "of two streams) instead of a call of its own")
 
 
 @dataclass

@@ -44,7 +44,8 @@ for group in "$@"; do
         wan plain 150 --frames 1500 --profile-chunks 8
         # the video and control encodes batched: worth it if a call on 2 streams costs well under 2 calls on 1
         for b in 1 2; do step "vae_batch$b" 120 python3 benchmarks/bench_vae.py --models wan2.1 \
-            --variants cudnn+cl+graph --batch $b --json "$out/vae_batch$b.json"; done ;;
+            --variants cudnn+cl+graph --batch $b --json "$out/vae_batch$b.json"; done
+        bench vace_batched 200 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --set control.batched_encode=true ;;
     decode-paced)
         for p in false true; do wan "decode_paced_$p" 150 --frames 1500 --input-fps 40 --set stream.decode_priority=$p; done ;;
     upsample)

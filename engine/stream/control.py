@@ -69,8 +69,19 @@ class VaceControl:
 
     def latents(self, x: torch.Tensor, given: np.ndarray | torch.Tensor | None) -> torch.Tensor:
         """Control latents [1, 96, f, h, w] for a chunk's model-size frames x (and the host's control frames)."""
+        return self.encoder.latents(self._frames(x, given))
+
+    def pixels(self, x: torch.Tensor, given: np.ndarray | torch.Tensor | None) -> torch.Tensor:
+        """The chunk's control video as VAE input [1, 3, N, H, W], for a caller that encodes it batched
+        with the input video and hands the reactive latents to `assemble`."""
+        return self.encoder.pixels(self._frames(x, given))
+
+    def assemble(self, reactive: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        return self.encoder.assemble(reactive, pixels)
+
+    def _frames(self, x: torch.Tensor, given: np.ndarray | torch.Tensor | None) -> torch.Tensor:
         given_x = self.mapper.to_model(given) if given is not None else None
-        return self.encoder.latents(self.frames.make(self.cfg.control_source, x, given_x))
+        return self.frames.make(self.cfg.control_source, x, given_x)
 
     def stats(self) -> dict[str, Any]:
         return {"source": self.cfg.control_source, "context_scale": self.cfg.context_scale,

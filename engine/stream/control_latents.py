@@ -50,9 +50,17 @@ class ControlEncoder:
         self.reactive.reset()
         self.inactive.reset()
 
+    def pixels(self, control: torch.Tensor) -> torch.Tensor:
+        """Control frames [N, 3, H, W] as the VAE's input [1, 3, N, H, W]."""
+        return control.permute(1, 0, 2, 3)[None].contiguous(memory_format=self.layout)
+
     def latents(self, control: torch.Tensor) -> torch.Tensor:
-        pixels = control.permute(1, 0, 2, 3)[None].contiguous(memory_format=self.layout)
-        reactive = self.run(self.encoder.encode_stream, pixels, self.reactive)
+        pixels = self.pixels(control)
+        return self.assemble(self.run(self.encoder.encode_stream, pixels, self.reactive), pixels)
+
+    def assemble(self, reactive: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        """The 96 channels from the reactive part's latents (encoded here or, batched with the input's
+        encode, by the session) and the grey part's at this place in the stream."""
         inactive = self.inactive.next(pixels)
         mask = reactive.new_ones(1, MASK_CHANNELS, *reactive.shape[2:])
         return torch.cat((inactive.to(reactive.dtype), reactive, mask), dim=1)

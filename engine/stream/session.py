@@ -536,11 +536,19 @@ class StreamSession:
             scale = self.motion.update(x, self._prev_last, c.frames, prev_u8)
             c.t0 = self.motion.first_step(scale)
             self._prev_last, self._prev_last_u8 = x[-1], c.frames[-1]
+            batched = self.control is not None and self.cfg.control.batched_encode
+            if batched:  # the control video encoded in the input's VAE call, as a second stream of the batch
+                with self.timer.span("control", len(c.frames)):
+                    control_pixels = self.control.pixels(x, c.given)
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
                 pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
-                c.latent = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
+                both = torch.cat((pixels, control_pixels)) if batched else pixels
+                latents = self._vae_graphs.run("encode", self.models.encoder.encode_stream, both, self.enc_state)
+                c.latent = latents[:1]
                 c.source = dit_source(self.models.dit.cfg, c.latent, pixels, self.cfg.control.context_scale)
-            if self.control is not None:
+            if batched:
+                c.control = self.control.assemble(latents[1:], control_pixels)
+            elif self.control is not None:
                 with self.timer.span("control", len(c.frames)):
                     c.control = self.control.latents(x, c.given)
             if stream is not None:

@@ -146,3 +146,33 @@ def test_player_control_options_become_config_keys(tmp_path):
     cfg = load_config("tiny-vace", control_override(str(tmp_path / "c.mp4"), str(tmp_path / "r.png")))
     assert (cfg.control.control_source, cfg.control.video, cfg.control.reference) == (
         "video", str(tmp_path / "c.mp4"), str(tmp_path / "r.png"))
+
+
+@pytest.mark.parametrize("source", ["edges", "video"])
+def test_the_control_video_encoded_in_the_inputs_vae_call_gives_the_same_stream(models, monkeypatch, source):
+    """control.batched_encode: the control video as the second stream of the input's VAE call. Both
+    encodes keep their own causal history in the batch, so each chunk's output and control latents are
+    those of two separate calls (up to float rounding), over the first chunk and the steady ones."""
+    frames = clip(17)
+    given = {"control": 255 - frames} if source == "video" else {}
+    encode_stream = models.encoder.encode_stream
+    runs = {}
+    for batched in (False, True):
+        s = session(models, f"control.control_source={source}", f"control.batched_encode={batched}")
+        latents, batches = [], []
+        assemble = s.control.encoder.assemble
+        monkeypatch.setattr(s.control.encoder, "assemble",
+                            lambda reactive, pixels, f=assemble: latents.append(f(reactive, pixels)) or latents[-1])
+        monkeypatch.setattr(models.encoder, "encode_stream",
+                            lambda x, state: batches.append(x.shape[0]) or encode_stream(x, state))
+        out = [s.push(frames[i:i + n], **{k: v[i:i + n] for k, v in given.items()})
+               for i, n in ((0, 5), (5, 4), (9, 8))]
+        runs[batched] = np.concatenate(out), latents, batches.count(2)
+        monkeypatch.undo()
+    (plain, plain_latents, plain_pairs), (joint, joint_latents, joint_pairs) = runs[False], runs[True]
+    # one call per VAE step carries both videos: the first chunk, then one per latent (the 8-frame chunk: two)
+    assert plain_pairs == 0 and joint_pairs == 4
+    assert len(joint_latents) == len(plain_latents) == 4  # chunks of one latent: 5, 4, then 4 + 4 frames
+    for a, b in zip(plain_latents, joint_latents):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert np.abs(joint.astype(int) - plain.astype(int)).max() <= 1
