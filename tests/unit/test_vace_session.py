@@ -162,9 +162,10 @@ def test_the_control_video_encoded_in_the_inputs_vae_call_gives_the_same_stream(
         latents, batches = [], []
         assemble = s.control.encoder.assemble
         monkeypatch.setattr(s.control.encoder, "assemble",
-                            lambda reactive, pixels, f=assemble: latents.append(f(reactive, pixels)) or latents[-1])
+                            lambda reactive, pixels, f=assemble, seen=latents:
+                            seen.append(f(reactive, pixels)) or seen[-1])
         monkeypatch.setattr(models.encoder, "encode_stream",
-                            lambda x, state: batches.append(x.shape[0]) or encode_stream(x, state))
+                            lambda x, state, seen=batches: seen.append(x.shape[0]) or encode_stream(x, state))
         out = [s.push(frames[i:i + n], **{k: v[i:i + n] for k, v in given.items()})
                for i, n in ((0, 5), (5, 4), (9, 8))]
         runs[batched] = np.concatenate(out), latents, batches.count(2)
