@@ -52,8 +52,8 @@ class ModelConfig:
                                                     "its cores (the host gets one), at least 1")
     seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
     random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
-    fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps on CUDA "
-                                            "(needs triton)")
+    fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps and the "
+                                            "VACE edges' hysteresis on CUDA (needs triton)")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
 

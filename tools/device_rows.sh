@@ -4,12 +4,12 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, decode-paced, upsample,
-# edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, vace-batched, kernels,
+# decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
 # $OUT); the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded vace decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -26,7 +26,7 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -20
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -20
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
@@ -36,16 +36,19 @@ for group in "$@"; do
     case $group in
     tests)
         step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
-            tests/unit/test_decode_priority.py tests/integration/test_bridge_cuda.py ;;
+            tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/integration/test_bridge_cuda.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     vace)
         bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --profile-chunks 8
-        wan plain 150 --frames 1500 --profile-chunks 8
+        wan plain 150 --frames 1500 --profile-chunks 8 ;;
+    vace-batched)
         # the video and control encodes batched: worth it if a call on 2 streams costs well under 2 calls on 1
         for b in 1 2; do step "vae_batch$b" 120 python3 benchmarks/bench_vae.py --models wan2.1 \
             --variants cudnn+cl+graph --batch $b --json "$out/vae_batch$b.json"; done
         bench vace_batched 200 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --set control.batched_encode=true ;;
+    kernels)
+        step ffn_gelu 120 python3 benchmarks/bench_ffn_gelu.py --json "$out/ffn_gelu.json" ;;
     decode-paced)
         for p in false true; do wan "decode_paced_$p" 150 --frames 1500 --input-fps 40 --set stream.decode_priority=$p; done ;;
     upsample)

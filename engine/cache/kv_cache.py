@@ -485,8 +485,7 @@ class KVCache:
         )
         sim = (sim_k + sim_v) / 2
         if plan.pinned is not None:  # a pinned slot is never the one replaced
-            slots = torch.arange(s, device=self.device)
-            sim = sim.masked_fill(slots[None] < plan.pinned[:, None], float("inf"))
+            sim = sim.masked_fill(torch.arange(s, device=self.device)[None] < plan.pinned[:, None], float("inf"))
         lowest, idx = sim.min(dim=-1)
         replace = (
             lowest < self.sink_threshold if self.sink_threshold >= 0 else torch.zeros_like(lowest).bool()
@@ -501,10 +500,14 @@ class KVCache:
             dt = cos.shape[-1]
             k_new = k_new.clone()
             k_new[..., :dt] = rotate(k_new[..., :dt], cos[:, None, None], sin[:, None, None])
-        rows = torch.arange(self.batch, device=self.device)
-        keep = replace[:, None, None, None]
-        kc[rows, idx] = torch.where(keep, k_new, kc[rows, idx])
-        vc[rows, idx] = torch.where(keep, v_new, vc[rows, idx])
+        # one masked write over the sink slots: a gather, a where and a scatter of the chosen slot cost
+        # several times more (indexing kernels are slow), and this runs in every block of every chunk
+        hit = (replace[:, None] & (torch.arange(s, device=self.device)[None] == idx[:, None]))[..., None, None, None]
+        for cache, new in ((kc, k_new), (vc, v_new)):
+            if torch.is_grad_enabled():  # training: autograd records an assignment, not an out= write
+                cache[:, :s] = torch.where(hit, new[:, None], cache[:, :s])
+            else:
+                torch.where(hit, new[:, None], cache[:, :s], out=cache[:, :s])
 
     def finish(self, step: StreamStep) -> None:
         """Advance the bookkeeping of the committing rows after every block has attended."""

@@ -24,7 +24,8 @@ class VaceControl:
                  run: EncodeRunner) -> None:
         self.cfg = cfg.control
         self.mapper = mapper
-        self.frames = ControlFrames(models.device, self.cfg.depth_model, self.cfg.video)
+        self.frames = ControlFrames(models.device, self.cfg.depth_model, self.cfg.video,
+                                    fused=cfg.model.fuse_elementwise)
         self.encoder = ControlEncoder(models.encoder, layout, run)
         self.reference = read_image(self.cfg.reference) if self.cfg.reference else None
         self.reference_from = self.cfg.reference  # what the stats show: the file, or a host's image

@@ -41,8 +41,10 @@ class ControlFrames:
     """Makes control frames for a chunk; keeps what a source needs between chunks (the previous frame
     for flow, the open control video). One per stream; `reset()` starts a new stream."""
 
-    def __init__(self, device: torch.device, depth_model: str | None = None, video: str | None = None) -> None:
+    def __init__(self, device: torch.device, depth_model: str | None = None, video: str | None = None,
+                 fused: bool = False) -> None:
         self.device = device
+        self.fused = fused  # the device Canny's hysteresis compiled (CUDA, needs triton)
         self.depth = DepthEstimator(depth_model, device) if depth_model else None
         self.video = ControlVideoFile(video) if video else None
         self._dis = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
@@ -104,7 +106,7 @@ class ControlFrames:
 
     def _edges(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
-            edges = canny(_grey_levels(x), CANNY_LOW, CANNY_HIGH, steps=DEVICE_STEPS)
+            edges = canny(_grey_levels(x), CANNY_LOW, CANNY_HIGH, steps=DEVICE_STEPS, fused=self.fused)
             return (edges.to(x.dtype) * 2.0 - 1.0)[:, None].expand(-1, 3, -1, -1).contiguous()
         edges = [cv2.Canny(g, CANNY_LOW, CANNY_HIGH) for g in _grey_u8(x)]
         return _to_model(np.stack(edges)[..., None].repeat(3, -1), x)

@@ -160,6 +160,18 @@ def test_adaptive_sink_replaced_only_below_threshold(sims, replaced):
         assert torch.allclose(sinks[i], expect, atol=1e-6), (i, sinks[i])
 
 
+def test_a_sink_replaced_while_training_passes_its_gradient():
+    cache = make_cache(sink=2, policy="window", threshold=0.2)
+    push(cache, frame_of(unit(1)))
+    push(cache, frame_of(unit(0, 1)))
+    new = frame_of(unit(0, 0, 1)).requires_grad_()  # orthogonal to both sinks: replaces sink 0
+    with torch.enable_grad():
+        push(cache, new)
+        (grad,) = torch.autograd.grad(cache.k[0][0, 0].sum(), new)
+    assert torch.allclose(cache.k[0][0, 0, 0, 0], unit(0, 0, 1))
+    assert grad.abs().sum() > 0
+
+
 def test_adaptive_sinks_off_when_threshold_negative():
     cache = make_cache(sink=2, policy="window", threshold=-1)
     push(cache, frame_of(unit(1)))

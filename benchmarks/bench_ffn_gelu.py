@@ -1,0 +1,89 @@
+"""The DiT feed-forward's first half, GELU(tanh)(x @ W + b): separate kernels against one matmul with
+cuBLASLt's GELU epilogue (`torch._addmm_activation`), at a Wan block's shapes.
+
+Unfused, the GELU is its own pass over the [tokens, ffn_dim] activation (read and write in bf16) after
+the matmul wrote it; the epilogue applies it before the matmul's only write. Whether that pays depends
+on the matmul kernel cuBLASLt picks with the epilogue, so this measures both, with the largest
+difference between their outputs (the epilogue rounds once, the unfused path twice).
+
+GPU:  python benchmarks/bench_ffn_gelu.py --json ffn_gelu.json
+CPU:  python benchmarks/bench_ffn_gelu.py --smoke     (tiny shapes; checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"wan2.1-1.3b": (1536, 8960), "wan2.1-14b": (5120, 13824)}
+
+
+def unfused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def epilogue(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
+
+def time_ms(fn: Callable[[], torch.Tensor], iters: int, warmup: int) -> float:
+    """Median ms per call: CUDA events on a GPU, the wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=6240, help="rows: one 4-frame chunk at 480x832 is 6240 tokens")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32, on the CPU")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = {"smoke": (64, 256)} if args.smoke else SHAPES
+    tokens = 96 if args.smoke else args.tokens
+    rows = []
+    for name, (dim, ffn) in shapes.items():
+        x = torch.randn(tokens, dim, device=dev, dtype=dtype)
+        w = torch.randn(ffn, dim, device=dev, dtype=dtype) / dim**0.5
+        b = torch.randn(ffn, device=dev, dtype=dtype) * 0.1
+        ref, got = unfused(x, w, b).float(), epilogue(x, w, b).float()
+        rows.append({
+            "model": name, "tokens": tokens, "dim": dim, "ffn_dim": ffn,
+            "unfused_ms": time_ms(partial(unfused, x, w, b), args.iters, 20),
+            "epilogue_ms": time_ms(partial(epilogue, x, w, b), args.iters, 20),
+            "max_abs_diff": (got - ref).abs().max().item(), "ref_max_abs": ref.abs().max().item(),
+        })
+    print(f"FFN first half, GELU(tanh)(x W^T + b), {dtype}, {dev}")
+    print(f"{'model':<14}{'tokens':>8}{'unfused ms':>12}{'epilogue ms':>13}{'max|d|':>10}")
+    for r in rows:
+        print(f"{r['model']:<14}{r['tokens']:>8}{r['unfused_ms']:>12.3f}{r['epilogue_ms']:>13.3f}{r['max_abs_diff']:>10.1e}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
