@@ -46,6 +46,7 @@ from loom_live.engine.layers.rope import (
 )
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SimilarityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_NUM_KV_CACHE = 6
 DEFAULT_SINK = 3
@@ -432,14 +433,16 @@ class KVCache:
             ring.copy_(rotate(ring, cos, sin))
 
     def attention(
-        self, step: StreamStep, rotate_qk: RotateFn = rotate
+        self, step: StreamStep, rotate_qk: RotateFn = rotate, similarity: SimilarityFn | None = None
     ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """The self-attention function for `WanDiT.run_blocks` for this planned chunk;
-        `rotate_qk` applies RoPE to the chunk's q and k (`rope.rotate` or a compiled copy)."""
-        return partial(self.attend, step, rotate_qk)
+        `rotate_qk` applies RoPE to the chunk's q and k (`rope.rotate` or a compiled copy),
+        `similarity` scores the sinks against the chunk's last frame (`sink_similarity` or a compiled copy)."""
+        return partial(self.attend, step, rotate_qk, similarity=similarity)
 
     def attend(
-        self, step: StreamStep, rotate_qk: RotateFn, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, step: StreamStep, rotate_qk: RotateFn, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        *, similarity: SimilarityFn | None = None,
     ) -> torch.Tensor:
         """Self-attention of one block for the planned chunk. q/k/v: [B, f*tokens, H, D], not yet
         rotated. Writes the chunk's K/V into its slots, attends over the row's window, restores
@@ -468,22 +471,17 @@ class KVCache:
             kc[b, slot : slot + n] = ks
             vc[b, slot : slot + n] = vs
         if step.sinks is not None:
-            self._update_sinks(step.sinks, kc, vc, k[:, -1], v[:, -1])
+            self._update_sinks(step.sinks, kc, vc, k[:, -1], v[:, -1], similarity or sink_similarity)
         return out
 
     def _update_sinks(
-        self, plan: SinkPlan, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+        self, plan: SinkPlan, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+        similarity: SimilarityFn,
     ) -> None:
         """Overwrite, per row, the least similar sink with the chunk's last frame when the mean-K /
         mean-V cosine similarity is below the threshold (or when a sink refresh is pending)."""
-        s, f32 = self.sink, torch.float32
-        sim_k = torch.cosine_similarity(
-            kc[:, :s].mean(2, dtype=f32).flatten(2), k_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
-        )
-        sim_v = torch.cosine_similarity(
-            vc[:, :s].mean(2, dtype=f32).flatten(2), v_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
-        )
-        sim = (sim_k + sim_v) / 2
+        s = self.sink
+        sim = similarity(kc[:, :s], vc[:, :s], k_new, v_new)
         if plan.pinned is not None:  # a pinned slot is never the one replaced
             sim = sim.masked_fill(torch.arange(s, device=self.device)[None] < plan.pinned[:, None], float("inf"))
         lowest, idx = sim.min(dim=-1)
@@ -518,6 +516,22 @@ class KVCache:
             r.next_pos += step.frames
             if step.forced_sink[b] >= 0:
                 r.sink_pending -= 1
+
+
+def sink_similarity(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                    ) -> torch.Tensor:
+    """How alike each sink is to a new frame: the mean of the cosine similarities of their mean keys
+    and of their mean values (means over the tokens, in float32). Sinks [B, s, tokens, H, D], the
+    frame [B, tokens, H, D]; returns [B, s]. Pure, so the DiT's compiled ops can fuse it (its
+    reductions and small products are a dozen kernels per block eagerly)."""
+    f32 = torch.float32
+    sim_k = torch.cosine_similarity(
+        k_sinks.mean(2, dtype=f32).flatten(2), k_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
+    )
+    sim_v = torch.cosine_similarity(
+        v_sinks.mean(2, dtype=f32).flatten(2), v_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
+    )
+    return (sim_k + sim_v) / 2
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

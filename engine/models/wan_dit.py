@@ -599,7 +599,8 @@ class WanDiT(nn.Module):
                     step: StreamStep, source: torch.Tensor | None = None) -> torch.Tensor:
         """The device work of one chunk already planned on the host: what a CUDA graph captures."""
         tokens, cond, grid = self.embed(x, timestep, source)
-        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, cache.attention(step, self.ops.rotate))
+        attend = cache.attention(step, self.ops.rotate, self.ops.sink_similarity)
+        tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, attend)
         return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS, source)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loom_live.engine.cache.kv_cache import sink_similarity
 from loom_live.engine.layers.rope import rotate
 
 
@@ -66,11 +67,12 @@ class BlockOps:
     gated_residual: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     rotate: Callable[..., torch.Tensor]
+    sink_similarity: Callable[..., torch.Tensor]
     fused: bool
 
     @classmethod
     def eager(cls) -> BlockOps:
-        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, rotate, fused=False)
+        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, rotate, sink_similarity, fused=False)
 
     @classmethod
     def compiled(cls) -> BlockOps:
@@ -85,7 +87,7 @@ class BlockOps:
             return torch.compile(fn, fullgraph=True)
 
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), fuse(rotate),
-                   fused=True)
+                   fuse(sink_similarity), fused=True)
 
 
 EAGER_OPS = BlockOps.eager()

@@ -13,7 +13,9 @@ from loom_live.engine.models.wan_dit_ops import BlockOps
 def _stream(model: WanDiT, chunks: list[torch.Tensor], ctx: torch.Tensor, graphed: bool = False) -> torch.Tensor:
     dev = chunks[0].device
     batch = chunks[0].shape[0]
-    cache = model.new_cache(batch, tuple(chunks[0].shape[3:]), num_kv_cache=3, sink=1, refresh_at=5, device=dev)
+    # adaptive sinks on: the sink scores run through the ops too
+    cache = model.new_cache(batch, tuple(chunks[0].shape[3:]), num_kv_cache=3, sink=1, refresh_at=5,
+                            sink_threshold=0.2, device=dev)
     cross = model.cross_kv(ctx)
     forward = GraphedStreamForward(model) if graphed else model.forward_stream
     t = torch.linspace(700.0, 300.0, batch, device=dev)
