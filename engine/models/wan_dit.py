@@ -232,8 +232,14 @@ class WanBlock(nn.Module):
 
         x = x + self.cross_attn(self._cross_norm(x), cross_k, cross_v)
 
-        y = self.ffn(ops.norm_modulate(x, shift2, scale2, self.eps))
+        y = self._ffn(ops.norm_modulate(x, shift2, scale2, self.eps))
         return ops.gated_residual(x, y, gate2)
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        first, act, second = self.ffn
+        if type(first) is not nn.Linear:  # an FP8 or other replacement of the first linear
+            return second(act(first(h)))
+        return second(self.ops.linear_gelu(h, first.weight, first.bias))
 
     def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm3 is None:  # cross_attn_norm=False: the identity, as in Wan2.1 and diffusers

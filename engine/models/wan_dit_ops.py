@@ -58,6 +58,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The FFN's first half: GELU(tanh) of x W^T + b."""
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def linear_gelu_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`linear_gelu` as one cuBLASLt matmul whose epilogue applies the GELU(tanh) before the only write
+    (unfused, the [tokens, ffn_dim] activation is written, read and written again). CUDA only; elsewhere
+    the plain pair."""
+    if not x.is_cuda:
+        return linear_gelu(x, weight, bias)
+    out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 @dataclass(frozen=True)
 class BlockOps:
     """The set of elementwise functions a DiT uses; eager or compiled, same signatures."""
@@ -68,11 +83,13 @@ class BlockOps:
     rms_norm: Callable[..., torch.Tensor]
     rotate: Callable[..., torch.Tensor]
     sink_similarity: Callable[..., torch.Tensor]
+    linear_gelu: Callable[..., torch.Tensor]
     fused: bool
 
     @classmethod
     def eager(cls) -> BlockOps:
-        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, rotate, sink_similarity, fused=False)
+        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, rotate, sink_similarity, linear_gelu,
+                   fused=False)
 
     @classmethod
     def compiled(cls) -> BlockOps:
@@ -87,7 +104,7 @@ class BlockOps:
             return torch.compile(fn, fullgraph=True)
 
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), fuse(rotate),
-                   fuse(sink_similarity), fused=True)
+                   fuse(sink_similarity), linear_gelu_epilogue, fused=True)
 
 
 EAGER_OPS = BlockOps.eager()
