@@ -47,6 +47,7 @@ from loom_live.engine.layers.rope import (
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SimilarityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 DEFAULT_NUM_KV_CACHE = 6
 DEFAULT_SINK = 3
@@ -433,24 +434,22 @@ class KVCache:
             ring.copy_(rotate(ring, cos, sin))
 
     def attention(
-        self, step: StreamStep, rotate_qk: RotateFn = rotate, similarity: SimilarityFn | None = None
+        self, step: StreamStep, ops: CacheOps | None = None
     ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The self-attention function for `WanDiT.run_blocks` for this planned chunk;
-        `rotate_qk` applies RoPE to the chunk's q and k (`rope.rotate` or a compiled copy),
-        `similarity` scores the sinks against the chunk's last frame (`sink_similarity` or a compiled copy)."""
-        return partial(self.attend, step, rotate_qk, similarity=similarity)
+        """The self-attention function for `WanDiT.run_blocks` for this planned chunk, with the tensor
+        functions of `ops` (default: eager; the DiT passes its compiled ones)."""
+        return partial(self.attend, step, ops or EAGER_CACHE_OPS)
 
     def attend(
-        self, step: StreamStep, rotate_qk: RotateFn, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        *, similarity: SimilarityFn | None = None,
+        self, step: StreamStep, ops: CacheOps, block: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Self-attention of one block for the planned chunk. q/k/v: [B, f*tokens, H, D], not yet
         rotated. Writes the chunk's K/V into its slots, attends over the row's window, restores
         uncommitted rows, then updates sinks. Returns [B, f*tokens, H, D]."""
         kc, vc = self.k[block], self.v[block]
-        q = rotate_qk(q, *step.q_rope)
+        q = ops.rotate(q, *step.q_rope)
         if self.rope_policy == "refresh":
-            k = rotate_qk(k, *step.q_rope)
+            k = ops.rotate(k, *step.q_rope)
         k = k.unflatten(1, (step.frames, self.frame_tokens)).to(kc.dtype)
         v = v.unflatten(1, (step.frames, self.frame_tokens)).to(vc.dtype)
         saved = []
@@ -471,17 +470,17 @@ class KVCache:
             kc[b, slot : slot + n] = ks
             vc[b, slot : slot + n] = vs
         if step.sinks is not None:
-            self._update_sinks(step.sinks, kc, vc, k[:, -1], v[:, -1], similarity or sink_similarity)
+            self._update_sinks(step.sinks, kc, vc, k[:, -1], v[:, -1], ops)
         return out
 
     def _update_sinks(
         self, plan: SinkPlan, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-        similarity: SimilarityFn,
+        ops: CacheOps,
     ) -> None:
         """Overwrite, per row, the least similar sink with the chunk's last frame when the mean-K /
         mean-V cosine similarity is below the threshold (or when a sink refresh is pending)."""
         s = self.sink
-        sim = similarity(kc[:, :s], vc[:, :s], k_new, v_new)
+        sim = ops.sink_similarity(kc[:, :s], vc[:, :s], k_new, v_new)
         if plan.pinned is not None:  # a pinned slot is never the one replaced
             sim = sim.masked_fill(torch.arange(s, device=self.device)[None] < plan.pinned[:, None], float("inf"))
         lowest, idx = sim.min(dim=-1)
@@ -498,14 +497,11 @@ class KVCache:
             dt = cos.shape[-1]
             k_new = k_new.clone()
             k_new[..., :dt] = rotate(k_new[..., :dt], cos[:, None, None], sin[:, None, None])
-        # one masked write over the sink slots: a gather, a where and a scatter of the chosen slot cost
-        # several times more (indexing kernels are slow), and this runs in every block of every chunk
-        hit = (replace[:, None] & (torch.arange(s, device=self.device)[None] == idx[:, None]))[..., None, None, None]
-        for cache, new in ((kc, k_new), (vc, v_new)):
-            if torch.is_grad_enabled():  # training: autograd records an assignment, not an out= write
-                cache[:, :s] = torch.where(hit, new[:, None], cache[:, :s])
-            else:
-                torch.where(hit, new[:, None], cache[:, :s], out=cache[:, :s])
+        # every sink slot rewritten, the chosen one with the frame: indexing the chosen slot (a gather and
+        # a scatter) and eager broadcasting writes are slow kernels, and this runs in every block
+        hit = replace[:, None] & (torch.arange(s, device=self.device)[None] == idx[:, None])
+        kc[:, :s] = ops.merge_sinks(kc[:, :s], k_new, hit)
+        vc[:, :s] = ops.merge_sinks(vc[:, :s], v_new, hit)
 
     def finish(self, step: StreamStep) -> None:
         """Advance the bookkeeping of the committing rows after every block has attended."""
@@ -532,6 +528,24 @@ def sink_similarity(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.T
         v_sinks.mean(2, dtype=f32).flatten(2), v_new.mean(1, dtype=f32).flatten(1)[:, None], dim=-1
     )
     return (sim_k + sim_v) / 2
+
+
+def merge_sinks(sinks: torch.Tensor, new: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """The sink slots [B, s, tokens, H, D] with the frame [B, tokens, H, D] in the slots where hit
+    [B, s] is set."""
+    return torch.where(hit[..., None, None, None], new[:, None], sinks)
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    """The cache's tensor functions: eager here, compiled by the DiT's ops (engine/models/wan_dit_ops.py)."""
+
+    rotate: RotateFn = rotate
+    sink_similarity: SimilarityFn = sink_similarity
+    merge_sinks: MergeFn = merge_sinks
+
+
+EAGER_CACHE_OPS = CacheOps()
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

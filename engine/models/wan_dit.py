@@ -605,7 +605,7 @@ class WanDiT(nn.Module):
                     step: StreamStep, source: torch.Tensor | None = None) -> torch.Tensor:
         """The device work of one chunk already planned on the host: what a CUDA graph captures."""
         tokens, cond, grid = self.embed(x, timestep, source)
-        attend = cache.attention(step, self.ops.rotate, self.ops.sink_similarity)
+        attend = cache.attention(step, self.ops.cache)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, attend)
         return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS, source)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loom_live.engine.cache.kv_cache import sink_similarity
+from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, CacheOps, merge_sinks, sink_similarity
 from loom_live.engine.layers.rope import rotate
 
 
@@ -81,14 +81,13 @@ class BlockOps:
     affine_norm: Callable[..., torch.Tensor]
     gated_residual: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
-    rotate: Callable[..., torch.Tensor]
-    sink_similarity: Callable[..., torch.Tensor]
+    cache: CacheOps  # RoPE on q and k, the sink scores and writes (engine/cache/kv_cache.py)
     linear_gelu: Callable[..., torch.Tensor]
     fused: bool
 
     @classmethod
     def eager(cls) -> BlockOps:
-        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, rotate, sink_similarity, linear_gelu,
+        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, EAGER_CACHE_OPS, linear_gelu,
                    fused=False)
 
     @classmethod
@@ -103,8 +102,9 @@ class BlockOps:
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True)
 
-        return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), fuse(rotate),
-                   fuse(sink_similarity), linear_gelu_epilogue, fused=True)
+        cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks))
+        return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
+                   linear_gelu_epilogue, fused=True)
 
 
 EAGER_OPS = BlockOps.eager()

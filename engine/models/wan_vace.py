@@ -191,7 +191,7 @@ class WanVaceDiT(WanDiT):
         if control is None:
             raise ValueError("a VACE model needs the chunk's control latents (control=...)")
         tokens, cond, grid = self.embed(x, timestep)
-        attend = cache.attention(step, self.ops.rotate, self.ops.sink_similarity)
+        attend = cache.attention(step, self.ops.cache)
         hints = self.hints(tokens, ControlLatents(control, context_scale), grid, cond, cross, attend)
         tokens = self.run_blocks(0, self.cfg.num_layers, tokens, cond, cross, attend, hints)
         return self.head(tokens, cond, grid, x, timestep / TRAIN_TIMESTEPS)

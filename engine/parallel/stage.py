@@ -196,7 +196,7 @@ class Stage:
     def _blocks(self, tokens: torch.Tensor, mod: torch.Tensor, cross: CrossKV, cache: KVCache,
                 step: StreamStep) -> torch.Tensor:
         return self.dit.run_blocks(self.blocks.start, self.blocks.stop, tokens, Conditioning(temb=None, mod=mod),
-                                   cross, cache.attention(step, self.dit.ops.rotate, self.dit.ops.sink_similarity))
+                                   cross, cache.attention(step, self.dit.ops.cache))
 
     def collect(self) -> None:
         for name, _, seconds in self.timer.collect():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom_live.engine.cache.kv_cache import KVCache
+from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, KVCache
 from loom_live.engine.layers.rope import rotate
 
 HEADS, HEAD_DIM = 1, 12
@@ -35,7 +35,7 @@ def push(cache, k, v=None, commit=True, q=None):
     f = k.shape[1]
     step = cache.plan(f, commit)
     flat = lambda t: t.flatten(1, 2)  # noqa: E731
-    out = cache.attend(step, rotate, 0, flat(k if q is None else q), flat(k), flat(v))
+    out = cache.attend(step, EAGER_CACHE_OPS, 0, flat(k if q is None else q), flat(k), flat(v))
     cache.finish(step)
     return out
 
@@ -202,7 +202,7 @@ def test_rows_copy_reset_and_to():
         step = cache.plan(1, [True, True, False])
         for b in (0, 1):
             k = rand_chunk(3).flatten(1, 2)
-            cache.attend(step, rotate, b, k, k, k)
+            cache.attend(step, EAGER_CACHE_OPS, b, k, k, k)
         cache.finish(step)
     assert cache.frames == [4, 4, 0]
     view = cache.rows(slice(0, 2))
@@ -216,7 +216,8 @@ def test_rows_copy_reset_and_to():
     assert cache.frames == [4, 4, 4] and torch.equal(cache.k[1][2], cache.k[1][0])
     row1 = cache.rows(slice(1, 2))  # a view: its step writes land in place, bookkeeping comes back
     step = row1.plan(1)
-    row1.attend(step, rotate, 0, rand_chunk(1).flatten(1, 2), rand_chunk(1).flatten(1, 2), rand_chunk(1).flatten(1, 2))
+    chunk = rand_chunk(1).flatten(1, 2)
+    row1.attend(step, EAGER_CACHE_OPS, 0, chunk, chunk, chunk)
     row1.finish(step)
     before = cache.k[0].clone()
     cache.set_rows([1], row1)

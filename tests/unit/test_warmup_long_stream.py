@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from loom_live.engine.cache.kv_cache import KVCache
+from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, KVCache
 from loom_live.engine.config import load_config
 from loom_live.engine.graphs.dit_steps import MAX_GRAPHS, _key
-from loom_live.engine.layers.rope import rotate
 from loom_live.engine.models.loading import load_models
 from loom_live.engine.stream.session import StreamSession
 from loom_live.engine.stream.slo_scheduler import Plan
@@ -215,7 +214,7 @@ def _cache(policy: str = "refresh") -> KVCache:
 def _push(cache: KVCache, frames: int) -> None:
     step = cache.plan(frames)
     k = torch.randn(1, frames * 2, 1, 12)
-    cache.attend(step, rotate, 0, k, k, k)
+    cache.attend(step, EAGER_CACHE_OPS, 0, k, k, k)
     cache.finish(step)
 
 
