@@ -30,6 +30,7 @@ from loom_live.engine.layers.image_kernels import sobel
 SHIFT = 15  # OpenCV's fixed-point scale for the direction test
 TAN_22_5 = int(0.4142135623730950488016887242097 * (1 << SHIFT) + 0.5)
 DEVICE_STEPS = 64  # hysteresis steps on the device (no read-back to test for the end)
+FUSED_STEPS = 8  # steps per compiled call: Inductor's compile time grows with the unrolled steps
 
 
 def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None, fused: bool = False) -> torch.Tensor:
@@ -48,8 +49,11 @@ def canny(grey: torch.Tensor, low: float, high: float, steps: int | None = None,
     allowed = candidate.to(kind)
     edges = allowed * (mag > float(int(high)))
     if steps is not None:
-        grow = _grow_compiled() if fused and grey.is_cuda else _grow
-        return grow(edges, allowed, steps)[:, 0] > 0
+        if fused and grey.is_cuda:
+            for _ in range(steps // FUSED_STEPS):
+                edges = _grow_compiled()(edges, allowed, FUSED_STEPS)
+            steps %= FUSED_STEPS
+        return _grow(edges, allowed, steps)[:, 0] > 0
     while not torch.equal(grown := allowed * F.max_pool2d(edges, 3, 1, 1), edges):
         edges = grown
     return edges[:, 0] > 0
