@@ -204,9 +204,11 @@ def test_a_chunk_that_finishes_after_its_push_still_reaches_the_host(served):
         report = served.engine_report(refresh=True)
         return report.get("frames_out", 0) + report.get("dropped_out", 0) == 9
 
+    # all 9 accounted for: the second chunk was emitted with no frame after it (without the server's
+    # polling it never is: 5). Which outputs had a slot is the machine's load: live mode may drop any.
     assert wait_until(accounted, 10), served.engine_report(refresh=True)
     report = served.engine_report(refresh=True)
-    assert report["frames_out"] >= 6  # the second chunk was emitted: at least one of its outputs had a slot
+    assert report["frames_out"] >= 1
     assert wait_until(lambda: served.status().frames_out == report["frames_out"], 10)
 
 
