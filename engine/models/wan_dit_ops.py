@@ -8,8 +8,9 @@ time (see docs/performance.md).
 
 `BlockOps.eager()` is the plain-PyTorch reference. `BlockOps.compiled()` passes the same functions
 through `torch.compile`, so each chain becomes one or two fused kernels. The matrix products and
-attention stay with cuBLAS and the attention kernels. The DiT switches between the two with
-`WanDiT.fuse_elementwise()`.
+attention stay with cuBLAS and the attention kernels; the FFN's GELU goes into its first matmul's
+cuBLASLt epilogue instead. The KV cache's own tensor functions (RoPE, sink scores and writes) ride
+along as `CacheOps`. The DiT switches between the two with `WanDiT.fuse_elementwise()`.
 """
 
 from __future__ import annotations
