@@ -1,5 +1,6 @@
 """The DiT feed-forward's first half, GELU(tanh)(x @ W + b): separate kernels against one matmul with
-cuBLASLt's GELU epilogue (`torch._addmm_activation`), at a Wan block's shapes.
+cuBLASLt's GELU epilogue, at a Wan block's shapes: the DiT's own two ops (engine/models/wan_dit_ops.py,
+`linear_gelu` eager, `linear_gelu_epilogue` compiled; on a CPU both are the plain pair).
 
 Unfused, the GELU is its own pass over the [tokens, ffn_dim] activation (read and write in bf16) after
 the matmul wrote it; the epilogue applies it before the matmul's only write. Whether that pays depends
@@ -15,22 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loom_live.engine.models.wan_dit_ops import linear_gelu as unfused  # noqa: E402
+from loom_live.engine.models.wan_dit_ops import linear_gelu_epilogue as epilogue  # noqa: E402
 
 SHAPES = {"wan2.1-1.3b": (1536, 8960), "wan2.1-14b": (5120, 13824)}
-
-
-def unfused(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return F.gelu(F.linear(x, w, b), approximate="tanh")
-
-
-def epilogue(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch._addmm_activation(b, x, w.t(), use_gelu=True)
 
 
 def time_ms(fn: Callable[[], torch.Tensor], iters: int, warmup: int) -> float:

@@ -5,8 +5,9 @@
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, vace-batched, kernels,
-# decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's output) go to $OUT/rows (out/rows without
-# $OUT); the script prints each bench's summary table, so the call's output says how it went.
+# decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
+# output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
+# call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
 groups="tests embedded vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
