@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -275,6 +275,11 @@ class Qwen3VLEncoder:
         return [run.vision, *(partial(run.layers, lo, hi) for lo, hi in zip(cuts, cuts[1:]))]
 
 
+def _joined(features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """One tensor of every image's tokens: transformers releases return them per image or already joined."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(tuple(features), dim=0)
+
+
 class _Qwen3VLRun:
     """One Qwen3-VL encode that can stop between its vision tower and its language model's layers.
 
@@ -300,10 +305,10 @@ class _Qwen3VLRun:
         seen = model.get_image_features(enc.pixel_patches(self.images.to(enc.device)), grid, return_dict=True)
         embeds = model.get_input_embeddings()(ids)
         image_mask = (ids == enc.config.image_token_id)[..., None]  # the layout is checked in _token_ids
-        image = torch.cat(seen.pooler_output, dim=0).to(embeds.device, embeds.dtype)
+        image = _joined(seen.pooler_output).to(embeds.device, embeds.dtype)
         self.hidden = embeds.masked_scatter(image_mask, image)
         self.visual_mask = image_mask[..., 0]
-        self.deepstack = [torch.cat(feature, dim=0) for feature in seen.deepstack_features]
+        self.deepstack = [_joined(feature) for feature in seen.deepstack_features]
         lm = model.language_model
         self.causal = create_causal_mask(config=lm.config, inputs_embeds=self.hidden, attention_mask=self.mask,
                                          cache=None, position_ids=None)

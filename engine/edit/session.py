@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -294,7 +295,8 @@ class EditSession:
         if self._prompt_parts:  # a split refresh runs: its next part in this batch's slot
             self._start_part(ready)
         elif self._prompt_jobs:  # its last part started one batch ago: it had a whole batch to finish
-            self._ctx = self._take_refresh()
+            with self._host_wait("host.wait_prompt"):
+                self._ctx = self._take_refresh()
         if not self._prompt_jobs and self._refresh_due:
             self._start_refresh(x, ready)
         ctx, mask, done = self._ctx
@@ -355,7 +357,9 @@ class EditSession:
         if lllite is None:
             return
         if self._cond_job is not None:
-            warped = _to_device(torch.from_numpy(self._cond_job.result()), self.device)
+            with self._host_wait("host.wait_flow"):
+                warped = self._cond_job.result()
+            warped = _to_device(torch.from_numpy(warped), self.device)
             lllite.set_condition(warped.permute(0, 3, 1, 2).to(self.dtype) / 127.5 - 1.0)
             self._cond_job = None
         if index % self.cfg.edit.cond_refresh_every:
@@ -370,6 +374,13 @@ class EditSession:
             done = _record(self._main)
             self._cond_job = self._flow_thread.submit(self._flow_job, host, done)
 
+    @contextmanager
+    def _host_wait(self, stage: str) -> Iterator[None]:
+        """Wall time the caller's thread blocks on a worker: what a handover adds to every frame in flight."""
+        t0 = time.perf_counter()
+        yield
+        self.metrics.stage(stage, time.perf_counter() - t0)
+
     def _flow_job(self, host: list[torch.Tensor], done: Any) -> np.ndarray:
         if done is not None:
             done.synchronize()  # this worker waits for the copies, the stream does not
@@ -378,7 +389,8 @@ class EditSession:
 
     # ----------------------------------------------------------------------------- outputs
     def _ready(self, wait: bool) -> np.ndarray | torch.Tensor:
-        outputs = self._outputs.take(wait_all=wait)
+        with self._host_wait("host.wait_gpu"):
+            outputs = self._outputs.take(wait_all=wait)
         self._collect_timings()
         if not outputs:
             return np.zeros((0, 0, 0, 3), np.uint8)

@@ -63,11 +63,12 @@ class StreamMetrics:
         self._deliveries.append((t, count))
 
     def stage(self, name: str, seconds: float) -> None:
-        """Record one stage's time (count, total, last)."""
-        rec = self._stages.setdefault(name, [0, 0.0, 0.0])
+        """Record one stage's time (count, total, last, max)."""
+        rec = self._stages.setdefault(name, [0, 0.0, 0.0, 0.0])
         rec[0] += 1
         rec[1] += seconds
         rec[2] = seconds
+        rec[3] = max(rec[3], seconds)
 
     def fps(self) -> float:
         if len(self._deliveries) < 2:
@@ -96,6 +97,7 @@ class StreamMetrics:
             "interval_jitter_ms": float(intervals.std()) if intervals.size > 1 else None,
             "slo_budget_ms": self.budget * 1000.0,
             "slo_miss_rate": self.misses / self.frames_out if self.frames_out else 0.0,
-            "stages_ms": {k: {"mean": 1000.0 * v[1] / v[0], "last": 1000.0 * v[2], "count": v[0]}
+            "stages_ms": {k: {"mean": 1000.0 * v[1] / v[0], "last": 1000.0 * v[2], "max": 1000.0 * v[3],
+                              "count": v[0]}
                           for k, v in self._stages.items()},
         }

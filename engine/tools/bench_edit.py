@@ -101,7 +101,7 @@ def edit_summary_table(result: dict[str, Any]) -> str:
         rows.append((f"B={b} FPS", f"{run['fps']:.2f}"))
         rows.append((f"B={b} latency p50/p99", f"{_f(lat.get('p50'))} / {_f(lat.get('p99'))} ms"))
         for stage, v in run["stages_ms"].items():
-            rows.append((f"B={b} stage {stage}", f"{v['mean']:.2f} ms/call"))
+            rows.append((f"B={b} stage {stage}", f"{v['mean']:.2f} ms/call, max {v['max']:.1f}, {v['count']} calls"))
     for b, v in edit["encoder_ms_per_frame"].items():
         rows.append((f"encoder at B={b}", f"{v['batch_ms']:.1f} ms/call, {v['per_frame_ms']:.2f} ms/frame"))
     rows.append(("encoder refresh by part", " + ".join(f"{ms:.1f}" for ms in edit["encoder_parts_ms"]) + " ms"))
