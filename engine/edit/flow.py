@@ -3,7 +3,11 @@
 Dense Farneback flow is measured between the inputs (the previous batch's last input and each
 new frame), not the outputs, so the restyling does not disturb the motion estimate; the
 previous output is then pulled along that flow. It runs on the CPU (OpenCV), on worker threads,
-while the GPU works on the next batch.
+while the GPU works on the next batch, and it must finish within one batch: the batch after its
+start waits for it. So the flow is measured at half the frame's resolution and scaled up: a
+quarter of the work, and a frame up to a whole batch away from the previous input moves further
+than full-resolution Farneback's pyramid follows well (docs/performance.md has the warp errors on
+the DAVIS clips).
 """
 
 from __future__ import annotations
@@ -17,14 +21,24 @@ import numpy as np
 FARNEBACK = dict(pyr_scale=0.5, levels=3, winsize=15, iterations=3, poly_n=5, poly_sigma=1.2, flags=0)
 
 
+FLOW_SCALE = 2  # the flow is measured on frames this many times smaller in each dimension
+
+
 def gray(rgb: np.ndarray) -> np.ndarray:
-    return cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    """The grey image the flow is measured on: FLOW_SCALE times smaller than `rgb`."""
+    h, w = rgb.shape[:2]
+    small = cv2.resize(rgb, (max(1, w // FLOW_SCALE), max(1, h // FLOW_SCALE)), interpolation=cv2.INTER_AREA)
+    return cv2.cvtColor(small, cv2.COLOR_RGB2GRAY)
 
 
 def warp_previous(prev_out: np.ndarray, prev_in_gray: np.ndarray, frame: np.ndarray) -> np.ndarray:
-    """prev_out uint8 [H, W, 3] moved by the flow from the previous input to `frame` (uint8 RGB)."""
-    flow = cv2.calcOpticalFlowFarneback(prev_in_gray, gray(frame), None, **FARNEBACK)
-    h, w = flow.shape[:2]
+    """prev_out uint8 [H, W, 3] moved by the flow from the previous input (`gray` of it) to `frame`
+    (uint8 RGB [H, W, 3])."""
+    h, w = prev_out.shape[:2]
+    small = cv2.calcOpticalFlowFarneback(prev_in_gray, gray(frame), None, **FARNEBACK)
+    flow = cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR)
+    flow[..., 0] *= w / small.shape[1]
+    flow[..., 1] *= h / small.shape[0]
     xs, ys = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
     return cv2.remap(prev_out, xs - flow[..., 0], ys - flow[..., 1], cv2.INTER_LINEAR,
                      borderMode=cv2.BORDER_REPLICATE)
