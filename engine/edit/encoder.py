@@ -310,8 +310,8 @@ class _Qwen3VLRun:
         self.visual_mask = image_mask[..., 0]
         self.deepstack = [_joined(feature) for feature in seen.deepstack_features]
         lm = model.language_model
-        self.causal = create_causal_mask(config=lm.config, inputs_embeds=self.hidden, attention_mask=self.mask,
-                                         cache=None, position_ids=None)
+        # no cache: its argument is the fourth, named `cache` or `past_key_values` by the release
+        self.causal = create_causal_mask(lm.config, self.hidden, self.mask, None, position_ids=None)
         self.rotary = lm.rotary_emb(self.hidden, pos.expand(-1, b, -1))
 
     @torch.inference_mode()
