@@ -30,6 +30,7 @@ real ones, so every pushed frame comes back exactly once, whatever the push size
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -57,8 +58,14 @@ from loom_live.engine.stream.stage_timer import StageTimer
 
 log = logging.getLogger(__name__)
 
-FLOW_THREADS = 4
 WARMUP_BATCHES = 3
+
+
+def flow_threads(batch: int, cores: int) -> int:
+    """Threads for the condition's flow: half the cores (the rest run the caller, the encoder's
+    thread and the host), at least two, at most one per frame. The batch after a flow's start waits
+    for it, so its time is latency every frame in flight pays."""
+    return max(1, min(batch, max(2, cores // 2)))
 
 
 class EditSession:
@@ -81,7 +88,8 @@ class EditSession:
         self._main, self._side, self._encoder_stream = streams.main, streams.side, streams.encoder
         self._encoder_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-encoder")
         self._flow_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-flow")
-        self._flow_pool = ThreadPoolExecutor(min(self.batch, FLOW_THREADS), thread_name_prefix="edit-warp")
+        self._flow_pool = ThreadPoolExecutor(flow_threads(self.batch, os.cpu_count() or 2),
+                                             thread_name_prefix="edit-warp")
         self._time_ids = torch.tensor([[cfg.resolution.width, cfg.resolution.height]] * self.batch,
                                       device=self.device, dtype=self.dtype)
         self._timesteps = [torch.full((self.batch,), self.schedule.timestep(i), device=self.device, dtype=self.dtype)

@@ -90,3 +90,10 @@ def test_on_real_footage_the_warp_beats_a_still_and_full_resolution_flow(media_d
     full = [_err(_full_resolution_warp(prev, f), f, margin=0) for f in frames]
     assert np.mean(ours) < 0.92 * np.mean(still)
     assert np.mean(ours) <= np.mean(full) * 1.03  # as close within 3%: OpenCV releases differ slightly
+
+
+@pytest.mark.parametrize(("batch", "cores", "threads"), [(16, 16, 8), (16, 2, 2), (16, 64, 16), (1, 16, 1), (8, 1, 2)])
+def test_the_flow_runs_on_half_the_cores_one_thread_per_frame_at_most(batch: int, cores: int, threads: int) -> None:
+    from loom_live.engine.edit.session import flow_threads
+
+    assert flow_threads(batch, cores) == threads
