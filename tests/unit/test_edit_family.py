@@ -206,3 +206,18 @@ def test_config_refuses_float16_and_live_params_are_validated():
         session.set_params(adapter_strength=5.0)
     session.set_params(adapter_strength=0.25, cond_refresh_every=4)
     assert float(session.models.lllite.strength) == 0.25 and session.cfg.edit.cond_refresh_every == 4
+
+
+def test_the_session_says_where_its_callers_thread_waited():
+    """Every hand-over a batch waits for is a stage: the adapter's flow and the prompt refresh (each
+    started every 2 batches, handed over one batch later; the first batch's are its own) and the GPU."""
+    cfg = tiny_edit_cfg("edit.cond_refresh_every=2", "edit.prompt_refresh_every=2")
+    session = EditSession(cfg, load_edit_models(cfg))
+    for i in range(10):
+        session.push(random_frames(B, seed=i))
+    stages = session.stats()["stages_ms"]
+    assert stages["host.wait_flow"]["count"] == 4  # started at batches 2, 4, 6, 8; taken at 3, 5, 7, 9
+    assert stages["host.wait_prompt"]["count"] == 4
+    assert stages["host.wait_gpu"]["count"] == 10
+    for name in ("host.wait_flow", "host.wait_prompt", "host.wait_gpu"):
+        assert stages[name]["max"] >= stages[name]["mean"] >= 0.0
