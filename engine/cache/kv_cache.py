@@ -47,7 +47,7 @@ from loom_live.engine.layers.rope import (
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SimilarityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 DEFAULT_NUM_KV_CACHE = 6
 DEFAULT_SINK = 3
@@ -500,8 +500,7 @@ class KVCache:
         # every sink slot rewritten, the chosen one with the frame: indexing the chosen slot (a gather and
         # a scatter) and eager broadcasting writes are slow kernels, and this runs in every block
         hit = replace[:, None] & (torch.arange(s, device=self.device)[None] == idx[:, None])
-        kc[:, :s] = ops.merge_sinks(kc[:, :s], k_new, hit)
-        vc[:, :s] = ops.merge_sinks(vc[:, :s], v_new, hit)
+        ops.merge_sinks(kc[:, :s], vc[:, :s], k_new, v_new, hit)
 
     def finish(self, step: StreamStep) -> None:
         """Advance the bookkeeping of the committing rows after every block has attended."""
@@ -530,10 +529,14 @@ def sink_similarity(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.T
     return (sim_k + sim_v) / 2
 
 
-def merge_sinks(sinks: torch.Tensor, new: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
-    """The sink slots [B, s, tokens, H, D] with the frame [B, tokens, H, D] in the slots where hit
-    [B, s] is set."""
-    return torch.where(hit[..., None, None, None], new[:, None], sinks)
+def merge_sinks(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                hit: torch.Tensor) -> None:
+    """Write the frame's keys and values [B, tokens, H, D] into the sink slots [B, s, tokens, H, D]
+    where hit [B, s] is set, in place. In place so that the compiled ops make it one kernel that
+    stores into the cache (a returned merge costs a second pass to copy it back)."""
+    hit = hit[..., None, None, None]
+    k_sinks.copy_(torch.where(hit, k_new[:, None], k_sinks))
+    v_sinks.copy_(torch.where(hit, v_new[:, None], v_sinks))
 
 
 @dataclass(frozen=True)

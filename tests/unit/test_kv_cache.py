@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, KVCache
 from loom_live.engine.layers.rope import rotate
+from loom_live.engine.models.wan_dit_ops import BlockOps
 
 HEADS, HEAD_DIM = 1, 12
 GRID = (1, 2)  # 2 tokens per latent frame
@@ -29,13 +30,13 @@ def make_cache(batch=1, slots=6, sink=3, policy="refresh", refresh_at=50, thresh
     )
 
 
-def push(cache, k, v=None, commit=True, q=None):
+def push(cache, k, v=None, commit=True, q=None, ops=EAGER_CACHE_OPS):
     """One chunk through block 0 of the cache; k/v [B, f, tokens, H, D]."""
     v = k if v is None else v
     f = k.shape[1]
     step = cache.plan(f, commit)
     flat = lambda t: t.flatten(1, 2)  # noqa: E731
-    out = cache.attend(step, EAGER_CACHE_OPS, 0, flat(k if q is None else q), flat(k), flat(v))
+    out = cache.attend(step, ops, 0, flat(k if q is None else q), flat(k), flat(v))
     cache.finish(step)
     return out
 
@@ -147,13 +148,17 @@ def frame_of(vec, batch=1):
     "sims, replaced",
     [((0.5, 0.6, 0.62), None), ((0.25, 0.9, 0.3), None), ((0.9, 0.15, 0.3), 1), ((0.19, 0.5, 0.5), 0)],
 )
-def test_adaptive_sink_replaced_only_below_threshold(sims, replaced):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_adaptive_sink_replaced_only_below_threshold(sims, replaced, compiled):
+    """Also through the DiT's compiled cache ops, whose sink merge writes into the cache in place."""
+    ops = BlockOps.compiled().cache if compiled else EAGER_CACHE_OPS
     cache = make_cache(sink=3, policy="window", threshold=0.2)
     for axis in range(3):  # sinks along axes 0, 1, 2
-        push(cache, frame_of(unit(*([0] * axis + [1]))))
+        push(cache, frame_of(unit(*([0] * axis + [1]))), ops=ops)
     rest = (1 - sum(s * s for s in sims)) ** 0.5
     new = unit(*sims, rest)  # cosine to sink i is sims[i]
-    push(cache, frame_of(new))
+    push(cache, frame_of(new), ops=ops)
+    assert torch.equal(cache.v[0][0, :3], cache.k[0][0, :3])  # window policy: keys unrotated, v = k
     sinks = cache.k[0][0, :3, 0, 0]
     for i in range(3):
         expect = new if i == replaced else unit(*([0] * i + [1]))
