@@ -1,14 +1,19 @@
-"""Issue 30's Wan VAE switches one at a time: the decoder's upsampling form, and channels-last.
+"""Issue 30's Wan VAE switches one at a time: the decoder's upsampling form, channels-last, the
+pixel-side convs' GEMM form.
 
-Random weights, bf16, cudnn benchmark mode, 480x832, one steady streaming chunk. Two tables:
+Random weights, bf16, cudnn benchmark mode, 480x832, one steady streaming chunk. Three tables:
   layers  the decoder's three spatial upsamplers alone, at a steady chunk's shapes, channels-last:
           `nearest` (nearest x2, then the 3x3 conv, as written), `phase` (four 2x2 phase convs as
           one conv, then interleaved), `transposed` (the same taps as one stride-2 transposed conv);
           GPU ms, multiply-adds, TFLOP/s and the largest difference from `nearest`.
+  thin    the encoder's first conv (3 -> 96 channels) and the decoder's last (96 -> 3) alone, at a
+          steady chunk's shapes, channels-last: cuDNN's conv, then `engine.layers.thin_conv`'s
+          rewrite eager and compiled (as the compiled step runs it); GPU ms, largest difference.
   chunk   the full VAE: encode 4 frames -> 1 latent, decode 1 latent -> 4 frames (after a first
           chunk that starts the stream), per variant, a `+`-joined set of switches:
             nearest | phase | transposed   `vae.upsample` (one of them)
             cl        `vae.channels_last` (WanVAE.use_channels_last)
+            stack | taps   `vae.thin_convs` (WanVAE.use_thin_convs): either or both
             compile   `vae.compile_step` (WanVAE.compile_step; tens of seconds per variant)
             graph     a CUDA graph per step, as the session replays them
           median and p90 GPU ms per step, and the largest difference from a plain eager copy
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_live.engine.graphs.vae_steps import GraphedStep  # noqa: E402
 from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv  # noqa: E402
+from loom_live.engine.layers.thin_conv import THIN_KINDS, ThinConv3d  # noqa: E402
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE  # noqa: E402
 
 # (label, frames, channels in, channels out, low-res height, width): a steady chunk at 480x832
@@ -50,9 +56,12 @@ LAYERS = (
 )
 SMOKE_LAYERS = (("smoke 16->8 6x10", 4, 16, 8, 6, 10),)
 DEFAULT_VARIANTS = ("nearest+cl+graph", "phase+cl+graph", "transposed+cl+graph", "nearest+graph", "phase+graph")
-COMPILED = ("nearest+cl+compile+graph", "phase+cl+compile+graph", "transposed+cl+compile+graph")
-SMOKE_VARIANTS = ("nearest+cl", "phase+cl", "transposed")  # no graphs on a CPU
-SWITCHES = (*UPSAMPLE_KINDS, "cl", "compile", "graph")
+COMPILED = ("nearest+cl+compile+graph", "phase+cl+compile+graph", "transposed+cl+compile+graph",
+            "phase+cl+taps+compile+graph", "phase+cl+stack+taps+compile+graph")
+SMOKE_VARIANTS = ("nearest+cl", "phase+cl", "transposed", "phase+cl+stack+taps")  # no graphs on a CPU
+SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "compile", "graph")
+# (label, channels in, channels out): the pixel-side convs, T + 2 = 6 frames in at full size
+THIN_LAYERS = (("encoder.conv_in 3->96", 3, 96), ("decoder.conv_out 96->3", 96, 3))
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> list[float]:
@@ -98,12 +107,33 @@ def layer_rows(shapes, args, device: torch.device, dtype: torch.dtype) -> list[d
     return rows
 
 
+def thin_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    rows, cuda = [], device.type == "cuda"
+    for label, cin, cout in THIN_LAYERS:
+        torch.manual_seed(0)
+        conv = nn.Conv3d(cin, cout, 3, padding=(0, 1, 1)).to(device, dtype)
+        conv = conv.to(memory_format=torch.channels_last_3d)
+        x = torch.randn(1, cin, 6, args.height, args.width, device=device, dtype=dtype)
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+        thin = ThinConv3d(conv)
+        forms = {"cudnn": conv, f"{thin.kind} eager": thin,
+                 f"{thin.kind} compiled": torch.compile(thin, dynamic=False)}
+        with torch.inference_mode():
+            ref = conv(x).float()
+            for form, fn in forms.items():
+                ms = statistics.median(time_ms(lambda fn=fn, x=x: fn(x), args.iters, args.warmup, cuda))
+                out = fn(x).float()
+                rows.append({"table": "thin", "layer": label, "form": form, "ms": ms,
+                             "rel_diff": ((out - ref).abs().max() / ref.abs().max()).item()})
+    return rows
+
+
 def parse_variant(text: str) -> tuple[str, set[str]]:
     parts = set(text.split("+"))
     unknown = parts - set(SWITCHES)
     kinds = parts & set(UPSAMPLE_KINDS)
     if unknown or len(kinds) != 1:
-        raise SystemExit(f"variant {text!r}: one of {UPSAMPLE_KINDS} plus any of cl, compile, graph")
+        raise SystemExit(f"variant {text!r}: one of {UPSAMPLE_KINDS} plus any of {SWITCHES[3:]}")
     return kinds.pop(), parts - kinds
 
 
@@ -122,6 +152,7 @@ def chunk_row(variant: str, args, device: torch.device, dtype: torch.dtype) -> d
     preset = "tiny" if args.smoke else "wan2.1"
     vae, reference = build(preset, device, dtype), build(preset, device, dtype)
     vae.use_upsample(kind)
+    vae.use_thin_convs(tuple(k for k in THIN_KINDS if k in switches))
     if "cl" in switches:
         vae.use_channels_last()
     if "compile" in switches:
@@ -178,6 +209,11 @@ def print_tables(meta: dict, rows: list[dict]) -> None:
         for r in layers:
             print(f"{r['layer']:<30} {r['form']:<11} {r['ms']:>8.3f} {r['gmac']:>7.1f} {r['tflops']:>8.0f} "
                   f"{r['rel_diff']:>9.1e}")
+    thin = [r for r in rows if r["table"] == "thin"]
+    if thin:
+        print(f"\n{'pixel-side conv (steady chunk)':<30} {'form':<17} {'ms':>8} {'rel diff':>9}")
+        for r in thin:
+            print(f"{r['layer']:<30} {r['form']:<17} {r['ms']:>8.3f} {r['rel_diff']:>9.1e}")
     chunks = [r for r in rows if r["table"] == "chunk"]
     if chunks:
         print(f"\n{'variant':<30} {'enc ms':>8} {'dec ms':>8} {'total':>8} {'enc p90':>8} {'dec p90':>8} "
@@ -193,7 +229,7 @@ def print_tables(meta: dict, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", default="layers,chunk", help="comma list of layers, chunk")
+    parser.add_argument("--tables", default="layers,thin,chunk", help="comma list of layers, thin, chunk")
     parser.add_argument("--variants", default=None,
                         help=f"chunk table: comma list of +-joined switches from {SWITCHES}, or COMPILED")
     parser.add_argument("--height", type=int, default=480)
@@ -220,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if "layers" in tables:
         rows += layer_rows(SMOKE_LAYERS if args.smoke else LAYERS, args, device, dtype)
+        write_json(args.json, meta, rows)
+    if "thin" in tables:
+        rows += thin_rows(args, device, dtype)
         write_json(args.json, meta, rows)
     for variant in variants if "chunk" in tables else ():
         print(f"[bench_vae_switches] {variant} ...", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
 EMBEDDED_PRESETS = ("tiny", "tiny-vace")
+THIN_CHOICES = {"none": (), "taps": ("taps",), "stack": ("stack",), "both": ("stack", "taps")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -197,6 +198,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         if mc.fuse_elementwise:
             dit.fuse_elementwise()
         if wan is not None:
+            wan.use_thin_convs(THIN_CHOICES[vc.thin_convs])
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:
                 wan.compile_step()  # includes what fuse_norms does

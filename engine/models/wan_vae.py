@@ -28,6 +28,7 @@ from torch import nn
 
 from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
 from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv
+from loom_live.engine.layers.thin_conv import THIN_KINDS, ThinConv3d, thin_kind
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
@@ -100,11 +101,12 @@ class CausalConv3d(nn.Conv3d):
         super().__init__(cin, cout, kernel, stride=stride, padding=(0, padding[1], padding[2]))
         self.history = 2 * padding[0]
         self.cache_key = ""
+        self.thin: ThinConv3d | None = None
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if self.history:
             x = cache.extend(self.cache_key, x, self.history)
-        return super().forward(x)
+        return super().forward(x) if self.thin is None else self.thin(x)
 
 
 def _triple(v: int | tuple) -> tuple[int, int, int]:
@@ -394,6 +396,17 @@ class WanVAE(nn.Module):
             if isinstance(module, Resample):
                 module.use_upsample(kind)
 
+    def use_thin_convs(self, kinds: tuple[str, ...] = THIN_KINDS) -> None:
+        """Run the convs with a few channels on one side (the encoder's first: `stack`, the decoder's
+        last: `taps`) in the forms of `engine.layers.thin_conv` named in `kinds` (empty: as
+        written), derived from the current weights: call after loading. The same result up to
+        float rounding."""
+        unknown = set(kinds) - set(THIN_KINDS)
+        if unknown:
+            raise ValueError(f"WanVAE.use_thin_convs: unknown kinds {sorted(unknown)}; allowed: {THIN_KINDS}")
+        for module in [m for m in self.modules() if isinstance(m, CausalConv3d)]:
+            module.thin = ThinConv3d(module) if thin_kind(module) in kinds else None
+
     def use_channels_last(self, enabled: bool = True) -> None:
         """Channels-last weights and chunks (`channels_last_3d` for the 3D convs), or back to the
         default layout. The same arithmetic in another memory order: cuDNN's 3D convolutions are
@@ -402,9 +415,11 @@ class WanVAE(nn.Module):
         for p in self.parameters():
             if p.dim() in (4, 5):
                 p.data = p.data.contiguous(memory_format=fmt3 if p.dim() == 5 else fmt2)
-        for module in self.decoder.modules():
+        for module in list(self.modules()):  # derived weights re-derived in the new layout
             if isinstance(module, Resample) and module.phase is not None:
-                module.use_upsample(module.phase.kind)  # re-derived in the new layout
+                module.use_upsample(module.phase.kind)
+            if isinstance(module, CausalConv3d) and module.thin is not None:
+                module.thin = ThinConv3d(module)
         self.memory_format = fmt3
 
     def fuse_norms(self) -> None:

@@ -71,6 +71,10 @@ def test_default_architecture_matches_diffusers(tmp_path):
     assert (x_ref.abs() < 0.99).float().mean() > 0.25, "a saturated decoder would make the check weak"
     assert (x_out - x_ref).abs().max() < TOL
 
+    vae.use_thin_convs()  # the GPU's form of the pixel-side convs (test_thin_conv.py)
+    assert (vae.encode(x) - z_ref).abs().max() < TOL
+    assert (vae.decode(z_ref) - x_ref).abs().max() < TOL
+
 
 @torch.no_grad()
 @pytest.mark.parametrize("chunks", [[1, 4, 4, 4], [5, 8], [9, 4], [13]])
