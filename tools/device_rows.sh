@@ -4,13 +4,13 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, vace, vace-batched, kernels,
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, thin, vace, vace-batched, kernels,
 # decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded speed thin vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -40,6 +40,19 @@ for group in "$@"; do
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/integration/test_bridge_cuda.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
+    speed)
+        # issue 30's FPS rows over 3000 frames: 1 step (profiled), TAEHV both ways, 2 steps
+        wan plain_3000 250 --frames 3000 --profile-chunks 8
+        wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
+        bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
+    thin)
+        # the pixel-side convs alone and in the chunk, then the stream with the forms that won alone
+        step vae_thin 150 python3 benchmarks/bench_vae_switches.py --tables thin,chunk --variants \
+            phase+cl+compile+graph,phase+cl+taps+compile+graph,phase+cl+stack+taps+compile+graph --json "$out/vae_thin.json"
+        tail -12 "$out/vae_thin.txt"
+        kinds=$(python3 -c "import json, sys; r = {(x['layer'][:7], x['form'].split()[-1]): x['ms'] for x in json.load(open(sys.argv[1]))['results'] if x['table'] == 'thin'}; print('both' if r[('encoder', 'compiled')] < r[('encoder', 'cudnn')] else 'taps')" "$out/vae_thin.json" || echo taps)
+        echo "   vae.thin_convs=$kinds"
+        wan plain_thin 240 --frames 3000 --set vae.thin_convs="$kinds" --profile-chunks 8 ;;
     vace)
         bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --profile-chunks 8
         wan plain 150 --frames 1500 --profile-chunks 8 ;;
