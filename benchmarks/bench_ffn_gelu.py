@@ -54,7 +54,9 @@ def time_ms(fn: Callable[[], torch.Tensor], iters: int, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=6240, help="rows: one 4-frame chunk at 480x832 is 6240 tokens")
+    ap.add_argument("--tokens", default="1560,6240",
+                    help="comma list of row counts: one latent frame at 480x832 is 1560 tokens (a 1-latent chunk, "
+                         "the 1-step stream's), four are 6240")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32, on the CPU")
     ap.add_argument("--json", help="write the rows here")
@@ -62,9 +64,9 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     shapes = {"smoke": (64, 256)} if args.smoke else SHAPES
-    tokens = 96 if args.smoke else args.tokens
+    counts = [96] if args.smoke else [int(t) for t in args.tokens.split(",")]
     rows = []
-    for name, (dim, ffn) in shapes.items():
+    for (name, (dim, ffn)), tokens in ((s, t) for s in shapes.items() for t in counts):
         x = torch.randn(tokens, dim, device=dev, dtype=dtype)
         w = torch.randn(ffn, dim, device=dev, dtype=dtype) / dim**0.5
         b = torch.randn(ffn, device=dev, dtype=dtype) * 0.1

@@ -61,7 +61,10 @@ COMPILED = ("nearest+cl+compile+graph", "phase+cl+compile+graph", "transposed+cl
 SMOKE_VARIANTS = ("nearest+cl", "phase+cl", "transposed", "phase+cl+stack+taps")  # no graphs on a CPU
 SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "compile", "graph")
 # (label, channels in, channels out): the pixel-side convs, T + 2 = 6 frames in at full size
-THIN_LAYERS = (("encoder.conv_in 3->96", 3, 96), ("decoder.conv_out 96->3", 96, 3))
+# the full-resolution 96-channel convs (10 a chunk), forced into `stack`: whether a 2D conv over stacked
+# frames beats cuDNN's 3D one there (the stacking here is a pass of its own; in the step it could fuse)
+THIN_LAYERS = (("encoder.conv_in 3->96", 3, 96, None), ("decoder.conv_out 96->3", 96, 3, None),
+               ("full-res 96->96", 96, 96, "stack"))
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> list[float]:
@@ -109,13 +112,13 @@ def layer_rows(shapes, args, device: torch.device, dtype: torch.dtype) -> list[d
 
 def thin_rows(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     rows, cuda = [], device.type == "cuda"
-    for label, cin, cout in THIN_LAYERS:
+    for label, cin, cout, kind in THIN_LAYERS:
         torch.manual_seed(0)
         conv = nn.Conv3d(cin, cout, 3, padding=(0, 1, 1)).to(device, dtype)
         conv = conv.to(memory_format=torch.channels_last_3d)
         x = torch.randn(1, cin, 6, args.height, args.width, device=device, dtype=dtype)
         x = x.contiguous(memory_format=torch.channels_last_3d)
-        thin = ThinConv3d(conv)
+        thin = ThinConv3d(conv, kind)
         forms = {"cudnn": conv, f"{thin.kind} eager": thin,
                  f"{thin.kind} compiled": torch.compile(thin, dynamic=False)}
         with torch.inference_mode():

@@ -46,7 +46,10 @@ for group in "$@"; do
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
     thin)
-        # the pixel-side convs alone and in the chunk, then the stream with the forms that won alone
+        # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and in the chunk,
+        # then the stream with the forms that won alone
+        step ffn_gelu 90 python3 benchmarks/bench_ffn_gelu.py --json "$out/ffn_gelu.json"
+        tail -6 "$out/ffn_gelu.txt"
         step vae_thin 150 python3 benchmarks/bench_vae_switches.py --tables thin,chunk --variants \
             phase+cl+compile+graph,phase+cl+taps+compile+graph,phase+cl+stack+taps+compile+graph --json "$out/vae_thin.json"
         tail -12 "$out/vae_thin.txt"

@@ -29,12 +29,16 @@ THIN_CHANNELS = 4  # at most this many input (stack) or output (taps) channels: 
 _ALIGN = 8  # GEMM widths padded to a multiple of 8 elements (16 bytes of bf16): tensor-core friendly
 
 
+def _fits(conv: nn.Conv3d) -> bool:
+    """A full 3x3x3 conv, stride 1, space padded by 1, one group: what both rewrites compute."""
+    return (conv.kernel_size == (3, 3, 3) and conv.stride == (1, 1, 1) and conv.groups == 1
+            and conv.padding == (0, 1, 1) and conv.dilation == (1, 1, 1))
+
+
 def thin_kind(conv: nn.Conv3d) -> str | None:
-    """The rewrite that suits `conv`, or None (a full 3x3x3 conv, stride 1, space padded by 1,
-    one group, with at most THIN_CHANNELS channels on one side)."""
-    if conv.kernel_size != (3, 3, 3) or conv.stride != (1, 1, 1) or conv.groups != 1:
-        return None
-    if conv.padding != (0, 1, 1) or conv.dilation != (1, 1, 1):
+    """The rewrite that suits `conv`, or None: `stack` for at most THIN_CHANNELS input channels,
+    `taps` for at most THIN_CHANNELS output channels."""
+    if not _fits(conv):
         return None
     if conv.in_channels <= THIN_CHANNELS:
         return "stack"
@@ -54,14 +58,16 @@ class ThinConv3d(nn.Module):
     they are non-persistent buffers, so checkpoints keep the conv's own weights and names.
     """
 
-    def __init__(self, conv: nn.Conv3d) -> None:
+    def __init__(self, conv: nn.Conv3d, kind: str | None = None) -> None:
+        """`kind` forces a form (any fitting conv, for benchmarks); by default `thin_kind`'s."""
         super().__init__()
-        kind = thin_kind(conv)
-        if kind is None:
+        kind = kind or thin_kind(conv)
+        if kind not in THIN_KINDS or not _fits(conv):
             raise ValueError(
-                "ThinConv3d needs a 3x3x3 conv with stride 1, space padding 1, one group and at most "
-                f"{THIN_CHANNELS} input or output channels; got kernel {conv.kernel_size}, stride {conv.stride}, "
-                f"padding {conv.padding}, {conv.in_channels} -> {conv.out_channels} channels"
+                "ThinConv3d needs a 3x3x3 conv with stride 1, space padding 1 and one group, with at most "
+                f"{THIN_CHANNELS} input or output channels unless a kind {THIN_KINDS} is given; got kernel "
+                f"{conv.kernel_size}, stride {conv.stride}, padding {conv.padding}, "
+                f"{conv.in_channels} -> {conv.out_channels} channels, kind {kind!r}"
             )
         self.kind = kind
         self.out_channels = conv.out_channels

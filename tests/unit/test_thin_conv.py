@@ -45,8 +45,19 @@ def test_thin_conv_refuses_other_convs():
     assert thin_kind(nn.Conv3d(16, 16, 3, padding=(0, 1, 1))) is None
     assert thin_kind(nn.Conv3d(3, 16, (3, 1, 1))) is None
     assert thin_kind(nn.Conv3d(3, 16, 3, stride=2, padding=(0, 1, 1))) is None
-    with pytest.raises(ValueError, match=r"at most 4 input or output channels; got kernel \(3, 3, 3\).* 16 -> 16"):
+    with pytest.raises(ValueError, match=r"at most 4 input or output channels .*got kernel \(3, 3, 3\).* 16 -> 16"):
         ThinConv3d(nn.Conv3d(16, 16, 3, padding=(0, 1, 1)))
+    with pytest.raises(ValueError, match=r"got kernel \(3, 1, 1\).* kind 'stack'"):
+        ThinConv3d(nn.Conv3d(3, 16, (3, 1, 1)), "stack")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["stack", "taps"])
+def test_either_form_computes_any_fitting_conv(kind):
+    """Forced forms (the benchmark times `stack` on the 96-channel convs) compute the same conv."""
+    conv = nn.Conv3d(12, 10, 3, padding=(0, 1, 1)).double()
+    x = torch.randn(2, 12, 5, 6, 7, dtype=torch.float64)
+    assert (ThinConv3d(conv, kind)(x) - conv(x)).abs().max() < 1e-12
 
 
 def _tiny(seed: int = 0) -> WanVAE:
