@@ -85,7 +85,7 @@ class VAEConfig:
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "
                              "stride-2 transposed conv); the same result up to float rounding")
     channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
-    thin_convs: str = spec("none", choices=("none", "taps", "stack", "both"),
+    thin_convs: str = spec("taps", choices=("none", "taps", "stack", "both"),
                            doc="on CUDA, the Wan VAE's full-resolution convs with 3 channels on one side as other "
                                "convs of a better shape: the decoder's last (taps), the encoder's first (stack), "
                                "both or none; the same result up to float rounding")
