@@ -54,6 +54,8 @@ class ModelConfig:
     random_weights: bool = spec(False, doc="run a real-size preset on random weights (benchmarks only)")
     fuse_elementwise: bool = spec(True, doc="compile the DiT blocks' norm/modulation/gate/RoPE steps and the "
                                             "VACE edges' hysteresis on CUDA (needs triton)")
+    gelu_epilogue: bool = spec(True, doc="with fuse_elementwise on CUDA: the FFN's GELU as its first matmul's "
+                                         "cuBLASLt epilogue (off: a GELU pass of its own)")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
 

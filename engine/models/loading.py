@@ -20,6 +20,7 @@ from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_
 from loom_live.engine.models.lora import LoraMerger, read_lora
 from loom_live.engine.models.taehv import TinyVAE
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.engine.models.wan_dit_ops import BlockOps
 from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
@@ -196,7 +197,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         if mc.fuse_elementwise:
-            dit.fuse_elementwise()
+            dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue))
         if wan is not None:
             wan.use_thin_convs(THIN_CHOICES[vc.thin_convs])
             wan.use_channels_last(vc.channels_last)

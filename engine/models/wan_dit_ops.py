@@ -92,8 +92,10 @@ class BlockOps:
                    fused=False)
 
     @classmethod
-    def compiled(cls) -> BlockOps:
-        """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU).
+    def compiled(cls, gelu_epilogue: bool = True) -> BlockOps:
+        """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
+        FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
+        cuBLASLt picks with it, and so whether it pays, depends on the token count).
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
         dynamic sizes instead of piling up specialisations. Compilation happens on first use, so
@@ -105,7 +107,7 @@ class BlockOps:
 
         cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
-                   linear_gelu_epilogue, fused=True)
+                   linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)
 
 
 EAGER_OPS = BlockOps.eager()

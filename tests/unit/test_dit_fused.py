@@ -43,9 +43,10 @@ def test_compiled_ops_match_eager_in_streaming_and_full_sequence():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 2])
-def test_compiled_ops_inside_cuda_graphs_match_eager_bf16(batch):
-    """A 2-frame first chunk, then steady 1-frame chunks replayed as graphs; B=2 shares RoPE rows."""
+@pytest.mark.parametrize("batch, gelu_epilogue", [(1, True), (2, True), (1, False)])
+def test_compiled_ops_inside_cuda_graphs_match_eager_bf16(batch, gelu_epilogue):
+    """A 2-frame first chunk, then steady 1-frame chunks replayed as graphs; B=2 shares RoPE rows;
+    the FFN's GELU in its matmul's epilogue or as a pass of its own (`model.gelu_epilogue`)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     with torch.device(dev):
@@ -54,6 +55,6 @@ def test_compiled_ops_inside_cuda_graphs_match_eager_bf16(batch):
     ctx = torch.randn(1, 16, 4096, device=dev)
     with torch.inference_mode():
         ref = _stream(model, chunks, ctx).float()
-        model.fuse_elementwise()
+        model.fuse_elementwise(BlockOps.compiled(gelu_epilogue=gelu_epilogue))
         got = _stream(model, chunks, ctx, graphed=True).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
