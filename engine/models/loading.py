@@ -137,6 +137,7 @@ def check_weight_files(cfg: LoomConfig) -> None:
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
     """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
     read from the checkpoint alone, or, for seeded and embedded weights, built whole and the rest dropped."""
+    clock = _Laps()
     device = resolve_device(cfg.model.device)
     # The embedded model's held-out metrics are the same in bfloat16 (docs/embedded-model.md).
     dtype = resolve_dtype(cfg.model.dtype, device, cpu_bfloat16=cfg.model.preset == "embedded")
@@ -144,7 +145,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if mc.fp8_linear:  # before any weight is read
         check_fp8_device(device)
     dit_class, dit_cfg = _dit_architecture(mc.preset)
-    clock = _Laps()
+    clock.lap("setup")  # the device and dtype resolved
     embedded = mc.preset == "embedded"
     if embedded:  # the trained default: its DiT and VAE ship together, in the package or a training run's file
         from loom_live.engine.models.embedded import load_embedded

@@ -10,6 +10,7 @@ own process-wide counters (`CAPTURES`, torch's compile metrics) and reported bes
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,9 +21,13 @@ from loom_live.engine.graphs.capture_clock import CAPTURES
 
 def compile_totals() -> dict[str, float]:
     """Seconds torch.compile spent so far in this process (tracing, Inductor, cache loads included),
-    frames compiled, and the Inductor FX graph cache's hits and misses (0 where torch has no such counter)."""
-    from torch._dynamo import utils
+    frames compiled, and the Inductor FX graph cache's hits and misses (0 where torch has no such counter).
 
+    Reads the counters without importing torch's compiler (seconds of imports): a process that has
+    not loaded it has compiled nothing, and the phase that first needs it is charged for its import."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {"compile_s": 0.0, "compiled_frames": 0.0, "fx_cache_hits": 0.0, "fx_cache_misses": 0.0}
     metrics = getattr(utils, "compilation_time_metrics", {})
     counters = getattr(utils, "counters", {})
     inductor = counters.get("inductor", {})

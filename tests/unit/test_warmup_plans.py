@@ -3,6 +3,9 @@ config lets it pick), and the session reports where its start-up went."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -75,7 +78,8 @@ def test_start_up_is_broken_down_in_the_stats_and_the_log(caplog):
     session = StreamSession.from_config(load_config("default", SMALL), warmup=False)
     startup = session.stats()["startup"]
     assert list(startup["phases_s"]) == ["load", "session"]
-    assert list(startup["detail_s"]["load"]) == ["dit", "vae", "lora", "prepare"]
+    assert list(startup["detail_s"]["load"]) == ["setup", "dit", "vae", "lora", "prepare"]
+    assert sum(startup["detail_s"]["load"].values()) == pytest.approx(startup["phases_s"]["load"], abs=0.05)
     assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()), abs=0.01)
     assert "start-up" in caplog.text and "load" in caplog.text
     session.warmup(streams=1, chunks=3)
@@ -91,3 +95,17 @@ def test_captures_inside_a_phase_are_counted_there():
         pass
     assert times.inside["warmup"]["captures"] == 1 and "other" not in times.inside
     assert "1 captures" in times.line()
+
+
+def test_start_up_phases_do_not_import_the_compiler():
+    """Reading the compile counters must not import torch._dynamo (seconds): a CPU engine never needs it,
+    and on a GPU the phase that first compiles is the one charged for the import."""
+    code = ("import sys\n"
+            "from loom_live.engine.stream.startup import StartupTimes, compile_totals\n"
+            "times = StartupTimes()\n"
+            "with times.phase('load'):\n"
+            "    pass\n"
+            "assert compile_totals()['compile_s'] == 0.0\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
