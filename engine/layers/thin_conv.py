@@ -1,9 +1,9 @@
-"""A 3x3x3 conv with very few input or output channels, as a GEMM whose shape fills the GPU.
+"""A 3x3x3 conv with very few input or output channels, as convs of a shape the GPU fills better.
 
 cuDNN runs a 3D conv as an implicit GEMM: pixels x output channels, reduced over input channels x
 27 taps, in tiles 32-256 wide. The Wan VAE's first conv (3 colour channels in) and last conv
 (3 out) work at full resolution on every chunk, and there a tile is mostly padding: the library's
-best kernel for either runs at a few percent of the card's rate. Two rewrites give the GEMM a
+best kernel for either runs at a few percent of the card's rate. Two rewrites give the work a
 better shape and compute the same sums (exact up to float rounding and summation order):
 
 - `stack` (few inputs): the three frames each output frame reads are stacked along the channels
@@ -52,7 +52,8 @@ def _round_up(n: int) -> int:
 
 
 class ThinConv3d(nn.Module):
-    """`conv(x)` for a conv `thin_kind` accepts, rewritten as described above.
+    """`conv(x)` for a conv `thin_kind` accepts (or any fitting conv, in a form asked for),
+    rewritten as described above.
 
     The rewritten weights are derived from `conv` once, here (build after the weights are final);
     they are non-persistent buffers, so checkpoints keep the conv's own weights and names.
