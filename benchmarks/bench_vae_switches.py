@@ -15,6 +15,7 @@ Random weights, bf16, cudnn benchmark mode, 480x832, one steady streaming chunk.
             cl        `vae.channels_last` (WanVAE.use_channels_last)
             stack | taps   `vae.thin_convs` (WanVAE.use_thin_convs): either or both
             compile   `vae.compile_step` (WanVAE.compile_step; tens of seconds per variant)
+            tune      with compile: `vae.tune_kernels` (coordinate-descent block sizes; a longer compile)
             graph     a CUDA graph per step, as the session replays them
           median and p90 GPU ms per step, and the largest difference from a plain eager copy
           (nearest, default layout) driven from the same stream state.
@@ -59,7 +60,7 @@ DEFAULT_VARIANTS = ("nearest+cl+graph", "phase+cl+graph", "transposed+cl+graph",
 COMPILED = ("nearest+cl+compile+graph", "phase+cl+compile+graph", "transposed+cl+compile+graph",
             "phase+cl+taps+compile+graph", "phase+cl+stack+taps+compile+graph")
 SMOKE_VARIANTS = ("nearest+cl", "phase+cl", "transposed", "phase+cl+stack+taps")  # no graphs on a CPU
-SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "compile", "graph")
+SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "compile", "tune", "graph")
 # (label, channels in, channels out): the pixel-side convs, T + 2 = 6 frames in at full size
 # the full-resolution 96-channel convs (10 a chunk), forced into `stack`: whether a 2D conv over stacked
 # frames beats cuDNN's 3D one there (the stacking here is a pass of its own; in the step it could fuse)
@@ -135,6 +136,8 @@ def parse_variant(text: str) -> tuple[str, set[str]]:
     parts = set(text.split("+"))
     unknown = parts - set(SWITCHES)
     kinds = parts & set(UPSAMPLE_KINDS)
+    if "tune" in parts and "compile" not in parts:
+        raise SystemExit(f"variant {text!r}: tune needs compile")
     if unknown or len(kinds) != 1:
         raise SystemExit(f"variant {text!r}: one of {UPSAMPLE_KINDS} plus any of {SWITCHES[3:]}")
     return kinds.pop(), parts - kinds
@@ -159,7 +162,7 @@ def chunk_row(variant: str, args, device: torch.device, dtype: torch.dtype) -> d
     if "cl" in switches:
         vae.use_channels_last()
     if "compile" in switches:
-        vae.compile_step()
+        vae.compile_step(tune="tune" in switches)
     gen = torch.Generator(device=device).manual_seed(0)
     first = (torch.rand(1, 3, 5, args.height, args.width, generator=gen, device=device) * 2 - 1).to(dtype)
     chunk = first[:, :, 1:].clone()

@@ -82,6 +82,8 @@ class VAEConfig:
     fuse_norms: bool = spec(True, doc="compile the Wan VAE's norm+SiLU steps on CUDA (needs triton)")
     compile_step: bool = spec(True, doc="compile the whole Wan VAE encoder and decoder on CUDA (needs triton; "
                                         "a longer warm-up for faster VAE chunks)")
+    tune_kernels: bool = spec(False, doc="with compile_step: Inductor times block sizes for each fused VAE kernel "
+                                         "(coordinate descent; a longer cold compile, kept by the compile cache)")
     upsample: str = spec("phase", choices=("nearest", "phase", "transposed"),
                          doc="the Wan decoder's x2 upsampling + 3x3 conv: as written (nearest), or as four 2x2 "
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "

@@ -203,7 +203,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             wan.use_thin_convs(THIN_CHOICES[vc.thin_convs])
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:
-                wan.compile_step()  # includes what fuse_norms does
+                wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does
             elif vc.fuse_norms:
                 wan.fuse_norms()
     encoder = wan if vc.encoder == "wan" else tiny

@@ -433,17 +433,21 @@ class WanVAE(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernel = fused
 
-    def compile_step(self) -> None:
+    def compile_step(self, tune: bool = False) -> None:
         """Compile the encoder and decoder whole (Inductor, static shapes).
 
         Beyond `fuse_norms`, this fuses each conv's bias add, the residual adds and the history
         concatenations into the neighbouring norm kernels, fewer passes over the activations
         (encode and decode timings in docs/performance.md). Each distinct chunk shape compiles
         once (tens of seconds), so callers keep the shapes few: the session runs steady steps one
-        latent at a time (`VAEGraphs`) and compiles them in its warm-up.
+        latent at a time (`VAEGraphs`) and compiles them in its warm-up. `tune` has Inductor time
+        block sizes around its heuristic's for each fused kernel (coordinate descent): the norms
+        are memory-bound passes over hundreds of MB, where the block shape sets the bandwidth
+        reached; it lengthens a cold compile, and the compile cache keeps the choices.
         """
-        self.encoder.compile(dynamic=False)
-        self.decoder.compile(dynamic=False)
+        options = {"coordinate_descent_tuning": True} if tune else None
+        self.encoder.compile(dynamic=False, options=options)
+        self.decoder.compile(dynamic=False, options=options)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -271,3 +271,14 @@ def test_session_steps_run_one_latent_at_a_time_and_equal_whole_chunks(tiny_vae)
                             steps.run("decode", tiny_vae.decode_stream, z_whole[:, :, 1:], pieces)], 2)
     assert out_pieces.shape == out_whole.shape == (1, 3, 13, 16, 16)
     assert (out_pieces - out_whole).abs().max() < TOL
+
+
+@pytest.mark.parametrize("tune", [False, True])
+def test_compile_step_passes_the_tuning_switch_to_inductor(monkeypatch, tune):
+    """`vae.tune_kernels` reaches Inductor as its coordinate-descent option, for both halves."""
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
+    WanVAE(VAE_PRESETS["tiny"]).compile_step(tune=tune)
+    options = {"coordinate_descent_tuning": True} if tune else None
+    assert calls == [("Encoder", {"dynamic": False, "options": options}),
+                     ("Decoder", {"dynamic": False, "options": options})]
