@@ -14,6 +14,7 @@ Random weights, bf16, cudnn benchmark mode, 480x832, one steady streaming chunk.
             nearest | phase | transposed   `vae.upsample` (one of them)
             cl        `vae.channels_last` (WanVAE.use_channels_last)
             stack | taps   `vae.thin_convs` (WanVAE.use_thin_convs): either or both
+            wide      with stack: the 96-channel (full-resolution) convs stacked too (`vae.thin_convs=wide`)
             compile   `vae.compile_step` (WanVAE.compile_step; tens of seconds per variant)
             tune      with compile: `vae.tune_kernels` (coordinate-descent block sizes; a longer compile)
             graph     a CUDA graph per step, as the session replays them
@@ -60,7 +61,7 @@ DEFAULT_VARIANTS = ("nearest+cl+graph", "phase+cl+graph", "transposed+cl+graph",
 COMPILED = ("nearest+cl+compile+graph", "phase+cl+compile+graph", "transposed+cl+compile+graph",
             "phase+cl+taps+compile+graph", "phase+cl+stack+taps+compile+graph")
 SMOKE_VARIANTS = ("nearest+cl", "phase+cl", "transposed", "phase+cl+stack+taps")  # no graphs on a CPU
-SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "compile", "tune", "graph")
+SWITCHES = (*UPSAMPLE_KINDS, "cl", *THIN_KINDS, "wide", "compile", "tune", "graph")
 # (label, channels in, channels out): the pixel-side convs, T + 2 = 6 frames in at full size
 # the full-resolution 96-channel convs (10 a chunk), forced into `stack`: whether a 2D conv over stacked
 # frames beats cuDNN's 3D one there (the stacking here is a pass of its own; in the step it could fuse)
@@ -138,6 +139,8 @@ def parse_variant(text: str) -> tuple[str, set[str]]:
     kinds = parts & set(UPSAMPLE_KINDS)
     if "tune" in parts and "compile" not in parts:
         raise SystemExit(f"variant {text!r}: tune needs compile")
+    if "wide" in parts and "stack" not in parts:
+        raise SystemExit(f"variant {text!r}: wide needs stack")
     if unknown or len(kinds) != 1:
         raise SystemExit(f"variant {text!r}: one of {UPSAMPLE_KINDS} plus any of {SWITCHES[3:]}")
     return kinds.pop(), parts - kinds
@@ -158,7 +161,7 @@ def chunk_row(variant: str, args, device: torch.device, dtype: torch.dtype) -> d
     preset = "tiny" if args.smoke else "wan2.1"
     vae, reference = build(preset, device, dtype), build(preset, device, dtype)
     vae.use_upsample(kind)
-    vae.use_thin_convs(tuple(k for k in THIN_KINDS if k in switches))
+    vae.use_thin_convs(tuple(k for k in THIN_KINDS if k in switches), stack_upto=96 if "wide" in switches else 0)
     if "cl" in switches:
         vae.use_channels_last()
     if "compile" in switches:

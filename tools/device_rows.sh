@@ -46,14 +46,22 @@ for group in "$@"; do
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
     thin)
-        # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and in the chunk,
-        # then the stream with the forms that won alone
+        # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
+        # chunk; then the stream with the form whose chunk was shortest
         step ffn_gelu 90 python3 benchmarks/bench_ffn_gelu.py --json "$out/ffn_gelu.json"
         tail -6 "$out/ffn_gelu.txt"
-        step vae_thin 150 python3 benchmarks/bench_vae_switches.py --tables thin,chunk --variants \
-            phase+cl+compile+graph,phase+cl+taps+compile+graph,phase+cl+stack+taps+compile+graph --json "$out/vae_thin.json"
-        tail -12 "$out/vae_thin.txt"
-        kinds=$(python3 -c "import json, sys; r = {(x['layer'][:7], x['form'].split()[-1]): x['ms'] for x in json.load(open(sys.argv[1]))['results'] if x['table'] == 'thin'}; print('both' if r[('encoder', 'compiled')] < r[('encoder', 'cudnn')] else 'taps')" "$out/vae_thin.json" || echo taps)
+        step vae_thin 200 python3 benchmarks/bench_vae_switches.py --tables thin,chunk --variants \
+            phase+cl+compile+graph,phase+cl+taps+compile+graph,phase+cl+stack+taps+compile+graph,phase+cl+stack+taps+wide+compile+graph \
+            --json "$out/vae_thin.json"
+        tail -16 "$out/vae_thin.txt"
+        kinds=$(python3 - "$out/vae_thin.json" <<'PY' || echo taps
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["results"] if r["table"] == "chunk" and "total_ms" in r]
+name = {"phase+cl+compile+graph": "none", "phase+cl+taps+compile+graph": "taps",
+        "phase+cl+stack+taps+compile+graph": "both", "phase+cl+stack+taps+wide+compile+graph": "wide"}
+print(name[min(rows, key=lambda r: r["total_ms"])["variant"]])
+PY
+)
         echo "   vae.thin_convs=$kinds"
         wan plain_thin 240 --frames 3000 --set vae.thin_convs="$kinds" --profile-chunks 8 ;;
     gelu)

@@ -35,15 +35,16 @@ def _fits(conv: nn.Conv3d) -> bool:
             and conv.padding == (0, 1, 1) and conv.dilation == (1, 1, 1))
 
 
-def thin_kind(conv: nn.Conv3d) -> str | None:
-    """The rewrite that suits `conv`, or None: `stack` for at most THIN_CHANNELS input channels,
-    `taps` for at most THIN_CHANNELS output channels."""
+def thin_kind(conv: nn.Conv3d, stack_upto: int = THIN_CHANNELS) -> str | None:
+    """The rewrite that suits `conv`, or None: `taps` for at most THIN_CHANNELS output channels,
+    `stack` for at most `stack_upto` input channels (by default THIN_CHANNELS; wider convs can be
+    asked to stack too, where cuDNN's 2D kernels beat its 3D ones at their shape)."""
     if not _fits(conv):
         return None
-    if conv.in_channels <= THIN_CHANNELS:
-        return "stack"
-    if conv.out_channels <= THIN_CHANNELS:
+    if conv.out_channels <= THIN_CHANNELS < conv.in_channels:
         return "taps"
+    if conv.in_channels <= max(stack_upto, THIN_CHANNELS):
+        return "stack"
     return None
 
 

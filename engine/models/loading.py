@@ -25,7 +25,9 @@ from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 
 EMBEDDED_PRESETS = ("tiny", "tiny-vace")
-THIN_CHOICES = {"none": (), "taps": ("taps",), "stack": ("stack",), "both": ("stack", "taps")}
+# vae.thin_convs -> (WanVAE.use_thin_convs's kinds, stack_upto): `wide` also stacks the full-resolution convs
+THIN_CHOICES = {"none": ((), 0), "taps": (("taps",), 0), "stack": (("stack",), 0), "both": (("stack", "taps"), 0),
+                "wide": (("stack", "taps"), 96)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -200,7 +202,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         if mc.fuse_elementwise:
             dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue))
         if wan is not None:
-            wan.use_thin_convs(THIN_CHOICES[vc.thin_convs])
+            wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:
                 wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does

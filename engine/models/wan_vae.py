@@ -28,7 +28,7 @@ from torch import nn
 
 from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
 from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv
-from loom_live.engine.layers.thin_conv import THIN_KINDS, ThinConv3d, thin_kind
+from loom_live.engine.layers.thin_conv import THIN_CHANNELS, THIN_KINDS, ThinConv3d, thin_kind
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 # Per-channel statistics of Wan2.1 latents (Wan2.1 `WanVAE`, diffusers `latents_mean/std`).
@@ -396,16 +396,17 @@ class WanVAE(nn.Module):
             if isinstance(module, Resample):
                 module.use_upsample(kind)
 
-    def use_thin_convs(self, kinds: tuple[str, ...] = THIN_KINDS) -> None:
+    def use_thin_convs(self, kinds: tuple[str, ...] = THIN_KINDS, stack_upto: int = THIN_CHANNELS) -> None:
         """Run the convs with a few channels on one side (the encoder's first: `stack`, the decoder's
         last: `taps`) in the forms of `engine.layers.thin_conv` named in `kinds` (empty: as
-        written), derived from the current weights: call after loading. The same result up to
-        float rounding."""
+        written), derived from the current weights: call after loading. `stack_upto` widens `stack`
+        to every fitting conv with at most that many input channels (96: the full-resolution ones).
+        The same result up to float rounding."""
         unknown = set(kinds) - set(THIN_KINDS)
         if unknown:
             raise ValueError(f"WanVAE.use_thin_convs: unknown kinds {sorted(unknown)}; allowed: {THIN_KINDS}")
         for module in [m for m in self.modules() if isinstance(m, CausalConv3d)]:
-            module.thin = ThinConv3d(module) if thin_kind(module) in kinds else None
+            module.thin = ThinConv3d(module, kind) if (kind := thin_kind(module, stack_upto)) in kinds else None
 
     def use_channels_last(self, enabled: bool = True) -> None:
         """Channels-last weights and chunks (`channels_last_3d` for the 3D convs), or back to the
@@ -419,7 +420,7 @@ class WanVAE(nn.Module):
             if isinstance(module, Resample) and module.phase is not None:
                 module.use_upsample(module.phase.kind)
             if isinstance(module, CausalConv3d) and module.thin is not None:
-                module.thin = ThinConv3d(module)
+                module.thin = ThinConv3d(module, module.thin.kind)
         self.memory_format = fmt3
 
     def fuse_norms(self) -> None:

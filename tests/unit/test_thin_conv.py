@@ -99,3 +99,22 @@ def test_thin_weights_follow_the_model():
     vae.to(torch.float64)
     assert vae.encoder.conv_in.thin.kernel.dtype == torch.float64
     assert vae.decoder.conv_out.thin.bias.dtype == torch.float64
+
+
+@torch.no_grad()
+def test_wide_stacking_takes_the_full_resolution_convs_and_keeps_the_stream():
+    """`stack_upto` (`vae.thin_convs=wide` asks for 96, the real model's full-resolution width; the tiny
+    preset's is 8) stacks every fitting conv up to that width; the stream's output does not change."""
+    plain, wide = _tiny(), _tiny()
+    wide.use_thin_convs(stack_upto=8)
+    kinds = {name: m.thin.kind for name, m in wide.named_modules() if isinstance(m, CausalConv3d) and m.thin}
+    assert kinds["encoder.conv_in"] == "stack" and kinds["decoder.conv_out"] == "taps"
+    full_res = [n for n in kinds if n not in ("encoder.conv_in", "decoder.conv_out")]
+    assert full_res and all(kinds[n] == "stack" for n in full_res)
+    assert all(wide.get_submodule(n).in_channels <= 8 for n in full_res)
+    x = torch.rand(1, 3, 9, 16, 24, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    plain_state, wide_state = plain.new_stream_state(), wide.new_stream_state()
+    for frames in (x[:, :, :5], x[:, :, 5:]):
+        z = plain.encode_stream(frames, plain_state)
+        assert (wide.encode_stream(frames, wide_state) - z).abs().max() < 1e-5
+        assert (wide.decode_stream(z, wide_state) - plain.decode_stream(z, plain_state)).abs().max() < 1e-5
