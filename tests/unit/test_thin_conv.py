@@ -65,6 +65,17 @@ def _tiny(seed: int = 0) -> WanVAE:
     return WanVAE(VAE_PRESETS["tiny"]).eval().requires_grad_(False)
 
 
+def _assert_same_stream(plain: WanVAE, other: WanVAE, seed: int) -> None:
+    """Two chunks through both VAEs' stream caches (the first with zero history, then real history):
+    the same latents and frames, float rounding apart."""
+    x = torch.rand(1, 3, 9, 16, 24, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    plain_state, other_state = plain.new_stream_state(), other.new_stream_state()
+    for frames in (x[:, :, :5], x[:, :, 5:]):
+        z = plain.encode_stream(frames, plain_state)
+        assert (other.encode_stream(frames, other_state) - z).abs().max() < 1e-5
+        assert (other.decode_stream(z, other_state) - plain.decode_stream(z, plain_state)).abs().max() < 1e-5
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_streaming_vae_with_thin_convs_equals_without(channels_last):
@@ -77,12 +88,7 @@ def test_streaming_vae_with_thin_convs_equals_without(channels_last):
     rewritten = [m for m in thin.modules() if isinstance(m, CausalConv3d) and m.thin is not None]
     assert [m.thin.kind for m in rewritten] == ["stack", "taps"]
     assert thin.encoder.conv_in.thin is not None and thin.decoder.conv_out.thin is not None
-    x = torch.rand(1, 3, 9, 16, 24, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    plain_state, thin_state = plain.new_stream_state(), thin.new_stream_state()
-    for frames in (x[:, :, :5], x[:, :, 5:]):
-        z = plain.encode_stream(frames, plain_state)
-        assert (thin.encode_stream(frames, thin_state) - z).abs().max() < 1e-5
-        assert (thin.decode_stream(z, thin_state) - plain.decode_stream(z, plain_state)).abs().max() < 1e-5
+    _assert_same_stream(plain, thin, seed=1)
     assert thin.state_dict().keys() == plain.state_dict().keys(), "checkpoints keep the conv weights only"
     thin.use_thin_convs(("taps",))
     assert thin.encoder.conv_in.thin is None and thin.decoder.conv_out.thin.kind == "taps"
@@ -112,9 +118,4 @@ def test_wide_stacking_takes_the_full_resolution_convs_and_keeps_the_stream():
     full_res = [n for n in kinds if n not in ("encoder.conv_in", "decoder.conv_out")]
     assert full_res and all(kinds[n] == "stack" for n in full_res)
     assert all(wide.get_submodule(n).in_channels <= 8 for n in full_res)
-    x = torch.rand(1, 3, 9, 16, 24, generator=torch.Generator().manual_seed(2)) * 2 - 1
-    plain_state, wide_state = plain.new_stream_state(), wide.new_stream_state()
-    for frames in (x[:, :, :5], x[:, :, 5:]):
-        z = plain.encode_stream(frames, plain_state)
-        assert (wide.encode_stream(frames, wide_state) - z).abs().max() < 1e-5
-        assert (wide.decode_stream(z, wide_state) - plain.decode_stream(z, plain_state)).abs().max() < 1e-5
+    _assert_same_stream(plain, wide, seed=2)
