@@ -4,13 +4,13 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, thin, gelu, tune, vace, vace-batched, kernels,
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, thin, gelu, tune, 14b, vace, vace-batched, kernels,
 # decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed thin gelu tune vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded speed thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -74,6 +74,9 @@ PY
             phase+cl+taps+compile+graph,phase+cl+taps+compile+tune+graph --json "$out/vae_tune.json"
         tail -4 "$out/vae_tune.txt"
         wan plain_tuned 300 --frames 3000 --set vae.tune_kernels=true --profile-chunks 8 ;;
+    14b)
+        # issue 30's 14B row (target 30 FPS, jitter < 5 ms), 3000 frames, profiled
+        bench b14 420 -c wan2.1-14b --steps 700 --frames 3000 --profile-chunks 8 ;;
     vace)
         bench vace 300 -c wan2.1-vace-1.3b --steps 700 --frames 1500 --profile-chunks 8
         wan plain 150 --frames 1500 --profile-chunks 8 ;;
