@@ -13,6 +13,7 @@ the DAVIS clips).
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from functools import lru_cache
 
 import cv2
 import numpy as np
@@ -39,9 +40,18 @@ def warp_previous(prev_out: np.ndarray, prev_in_gray: np.ndarray, frame: np.ndar
     flow = cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR)
     flow[..., 0] *= w / small.shape[1]
     flow[..., 1] *= h / small.shape[0]
-    xs, ys = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
+    xs, ys = _pixel_grid(h, w)
     return cv2.remap(prev_out, xs - flow[..., 0], ys - flow[..., 1], cv2.INTER_LINEAR,
                      borderMode=cv2.BORDER_REPLICATE)
+
+
+@lru_cache(maxsize=4)
+def _pixel_grid(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each pixel's x and y, built once per frame size (every frame of a stream has the same); read-only,
+    since the flow's worker threads share them."""
+    xs, ys = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
+    xs.flags.writeable = ys.flags.writeable = False
+    return xs, ys
 
 
 def warp_batch(prev_out: np.ndarray, prev_in: np.ndarray, frames: np.ndarray, pool: Executor) -> np.ndarray:

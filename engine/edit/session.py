@@ -30,7 +30,6 @@ real ones, so every pushed frame comes back exactly once, whatever the push size
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -48,6 +47,7 @@ from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
+from loom_live.engine.stream.cpu_threads import usable_cores
 from loom_live.engine.stream.cuda_streams import edit_streams
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
@@ -88,7 +88,7 @@ class EditSession:
         self._main, self._side, self._encoder_stream = streams.main, streams.side, streams.encoder
         self._encoder_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-encoder")
         self._flow_thread = ThreadPoolExecutor(1, thread_name_prefix="edit-flow")
-        self._flow_pool = ThreadPoolExecutor(flow_threads(self.batch, os.cpu_count() or 2),
+        self._flow_pool = ThreadPoolExecutor(flow_threads(self.batch, usable_cores()),
                                              thread_name_prefix="edit-warp")
         self._time_ids = torch.tensor([[cfg.resolution.width, cfg.resolution.height]] * self.batch,
                                       device=self.device, dtype=self.dtype)

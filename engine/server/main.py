@@ -72,8 +72,8 @@ def _session_factory(args: argparse.Namespace):
         try:
             from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
             from loom_live.engine.models.loading import resolve_device
-            from loom_live.engine.server.cpu_threads import apply_cpu_threads
             from loom_live.engine.session_api import open_session
+            from loom_live.engine.stream.cpu_threads import apply_cpu_threads
         except ImportError as exc:
             raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
         enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled

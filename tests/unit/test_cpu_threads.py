@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loom_live.engine.config import load_config
-from loom_live.engine.server.cpu_threads import apply_cpu_threads, engine_threads
+from loom_live.engine.stream.cpu_threads import apply_cpu_threads, engine_threads
 from loom_live.host_bridge.wire.typed_config import ConfigError
 
 

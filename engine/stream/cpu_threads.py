@@ -6,7 +6,8 @@ leaves the host no core of its own; every parallel region of the model then wait
 that the host (or any other work on the machine) has pre-empted, and on a loaded small CPU the
 model runs several times slower than with fewer threads (docs/performance.md, "The player path on
 a CPU"). So a CPU engine computes, by default, on one core less than it may use, and at least one.
-`model.cpu_threads` (or OMP_NUM_THREADS) sets the number instead.
+`model.cpu_threads` (or OMP_NUM_THREADS) sets the number instead. The cores counted are those the
+process may run on (its CPU affinity), which also sizes the edit family's flow workers.
 """
 
 from __future__ import annotations
