@@ -89,7 +89,7 @@ class VAEConfig:
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "
                              "stride-2 transposed conv); the same result up to float rounding")
     channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
-    thin_convs: str = spec("taps", choices=("none", "taps", "stack", "both", "wide"),
+    thin_convs: str = spec("both", choices=("none", "taps", "stack", "both", "wide"),
                            doc="on CUDA, the Wan VAE's full-resolution convs with 3 channels on one side as other "
                                "convs of a better shape: the decoder's last (taps), the encoder's first (stack), "
                                "both or none; wide: both, and the 96-channel convs as 2D convs over stacked "

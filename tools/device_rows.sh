@@ -71,7 +71,7 @@ PY
     tune)
         # Inductor's coordinate-descent block sizes for the VAE's fused kernels: the chunk alone, then the stream
         step vae_tune 240 python3 benchmarks/bench_vae_switches.py --tables chunk --variants \
-            phase+cl+taps+compile+graph,phase+cl+taps+compile+tune+graph --json "$out/vae_tune.json"
+            phase+cl+stack+taps+compile+graph,phase+cl+stack+taps+compile+tune+graph --json "$out/vae_tune.json"
         tail -4 "$out/vae_tune.txt"
         wan plain_tuned 300 --frames 3000 --set vae.tune_kernels=true --profile-chunks 8 ;;
     14b)
