@@ -56,12 +56,20 @@ class ModelConfig:
                                             "VACE edges' hysteresis on CUDA (needs triton)")
     gelu_epilogue: bool = spec(True, doc="with fuse_elementwise on CUDA: the FFN's GELU as its first matmul's "
                                          "cuBLASLt epilogue (off: a GELU pass of its own)")
+    attention_splits: int = spec(1, min=1, max=16,
+                                 doc="on CUDA: the self-attention over the KV window as this many parts of the "
+                                     "window in one batched call, merged exactly (fills a large GPU when a chunk "
+                                     "has few queries and the model few heads); must divide stream.num_kv_cache")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device: {self.device!r} is not allowed; expected auto, cpu, cuda or cuda:N")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _is_cuda_index(text: str) -> bool:
@@ -315,6 +323,10 @@ class LoomConfig:
             raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
         if self.lora and self.model.fp8_linear:
             raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
+        if self.stream.num_kv_cache % self.model.attention_splits:
+            raise ValueError(f"model.attention_splits: {self.model.attention_splits} does not divide "
+                             f"stream.num_kv_cache ({self.stream.num_kv_cache}); allowed: "
+                             f"{_divisors(self.stream.num_kv_cache)}")
         if self.model.family == "edit" and self.parallel.gpus > 1:
             raise ValueError("parallel.gpus: the edit family runs on one GPU; set parallel.gpus=1")
         if self.model.family == "edit" and self.model.dtype == "float16":

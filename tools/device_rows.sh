@@ -4,13 +4,13 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, thin, gelu, tune, 14b, vace, vace-batched, kernels,
-# decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, thin, gelu, tune, 14b,
+# vace, vace-batched, kernels, decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded speed attn wide fp8 thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -45,6 +45,29 @@ for group in "$@"; do
         wan plain_3000 250 --frames 3000 --profile-chunks 8
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
+    attn)
+        # the DiT's self-attention over the window in parts: the GPU test, the kernel alone at the stream's
+        # shapes, then the 1-step stream with the split that was fastest for the 1.3B at one latent
+        step attn_test 120 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_split_attention.py
+        step attn_bench 150 python3 benchmarks/bench_attention_splits.py --json "$out/attn_bench.json"
+        tail -18 "$out/attn_bench.txt"
+        splits=$(python3 - "$out/attn_bench.json" <<'PY' || echo 1
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["results"] if r["heads"] == 12 and r["queries"] == 1560]
+print(min(rows, key=lambda r: r["ms"])["splits"])
+PY
+)
+        echo "   model.attention_splits=$splits"
+        wan plain_attn 240 --frames 3000 --set model.attention_splits="$splits" --profile-chunks 8 ;;
+    wide)
+        # the full-resolution 96-channel convs as 2D convs over stacked frames, in the chunk and in the stream
+        step vae_wide 300 python3 benchmarks/bench_vae_switches.py --tables chunk --variants \
+            phase+cl+stack+taps+compile+graph,phase+cl+stack+taps+wide+compile+graph --json "$out/vae_wide.json"
+        tail -4 "$out/vae_wide.txt"
+        wan plain_wide 240 --frames 3000 --set vae.thin_convs=wide --profile-chunks 8 ;;
+    fp8)
+        # the 14B's block linears in FP8 (its GEMMs are 3.3x wider than the 1.3B's, where FP8 lost)
+        bench b14_fp8 420 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest

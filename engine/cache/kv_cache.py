@@ -48,6 +48,7 @@ from loom_live.engine.layers.rope import (
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SimilarityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 DEFAULT_NUM_KV_CACHE = 6
 DEFAULT_SINK = 3
@@ -465,7 +466,7 @@ class KVCache:
             keys, values = keys.clone(), values.clone()  # reads them, so autograd keeps its own copy
         if step.k_rope is not None:
             keys = rotate(keys, *step.k_rope)
-        out = attention(q, keys.to(q.dtype), values.to(q.dtype), step.mask)
+        out = ops.attend(q, keys.to(q.dtype), values.to(q.dtype), step.mask)
         for b, slot, n, ks, vs in saved:
             kc[b, slot : slot + n] = ks
             vc[b, slot : slot + n] = vs
@@ -541,11 +542,13 @@ def merge_sinks(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tenso
 
 @dataclass(frozen=True)
 class CacheOps:
-    """The cache's tensor functions: eager here, compiled by the DiT's ops (engine/models/wan_dit_ops.py)."""
+    """The cache's tensor functions: eager here, compiled by the DiT's ops (engine/models/wan_dit_ops.py),
+    and the attention over the window (`attention`, or `split_attention` with its keys in parts)."""
 
     rotate: RotateFn = rotate
     sink_similarity: SimilarityFn = sink_similarity
     merge_sinks: MergeFn = merge_sinks
+    attend: AttendFn = attention
 
 
 EAGER_CACHE_OPS = CacheOps()

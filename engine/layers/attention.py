@@ -8,9 +8,18 @@ bfloat16 on a CPU is the exception: torch's fused CPU kernel is no faster there 
 while two bfloat16 matrix products (oneDNN's) around a softmax that accumulates in float32 are
 several times faster at the embedded model's shapes. The scores are rounded to bfloat16 once, so
 the error is a few times the fused kernel's, still bfloat16 noise in the frames (docs/performance.md).
+
+Split keys: a streaming chunk has few queries (one latent frame's tokens) against a window several
+frames long. With few heads (the 1.3B's 12), the attention kernel's grid of query tiles times heads
+leaves much of a large GPU idle in its last wave, while each tile walks the whole window.
+`split_attention` attends over S equal parts of the keys as S batch entries of one call (the parts
+are views of the cache, the queries are repeated), and merges the partial results exactly with
+their log-sum-exps: the result is the same softmax, rounded differently.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +53,49 @@ def attention(
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         return (scores.softmax(-1) @ v).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and the log-sum-exp of each query's scaled scores (natural log): q/k/v [B, H, L, D];
+    returns out [B, H, Lq, D] and lse [B, H, Lq] in float32. CUDA: cuDNN's kernel in half precision
+    (the one torch picks for these calls without a mask), the memory-efficient one otherwise."""
+    lq = q.shape[2]
+    if not q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    elif q.dtype in HALF_DTYPES:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+    else:  # its log-sum-exps are padded along the queries
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+    return out, lse.flatten(2)[..., :lq].float()
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention over a whole key set from attention over its parts: out [B, S, H, Lq, D] and lse
+    [B, S, H, Lq] of the S parts; returns [B, H, Lq, D]. Each part's result is weighted by the share
+    of the softmax mass its keys hold, exp(lse_s) / sum exp(lse), computed in float32."""
+    weight = torch.softmax(lse.float(), dim=1)
+    return (out.float() * weight[..., None]).sum(1).to(out.dtype)
+
+
+Merge = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *, splits: int,
+    merge: Merge = merge_partials,
+) -> torch.Tensor:
+    """`attention` with the keys split into `splits` equal parts attended in one batched call and merged
+    (`merge`: `merge_partials`, or a compiled copy of it). Same arguments and result as `attention`.
+
+    The plain call instead where a split cannot help or is not defined here: one part, keys that do not
+    split evenly, a mask (a window still filling), or autograd (training: the merge needs no gradient
+    through the log-sum-exps, which the kernels do not give)."""
+    b, lk = k.shape[:2]
+    if splits == 1 or lk % splits or mask is not None or torch.is_grad_enabled():
+        return attention(q, k, v, mask)
+    parts = (b * splits, lk // splits, *k.shape[2:])
+    ks, vs = k.reshape(parts), v.reshape(parts)  # views of a contiguous cache
+    qs = q[:, None].expand(b, splits, *q.shape[1:]).flatten(0, 1)
+    out, lse = attention_lse(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2))
+    merged = merge(out.unflatten(0, (b, splits)), lse.unflatten(0, (b, splits)))
+    return merged.transpose(1, 2)

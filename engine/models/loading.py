@@ -200,7 +200,10 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         if mc.fuse_elementwise:
-            dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue))
+            dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue,
+                                                   attention_splits=mc.attention_splits))
+        elif mc.attention_splits > 1:
+            dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         if wan is not None:
             wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
             wan.use_channels_last(vc.channels_last)

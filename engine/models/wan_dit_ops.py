@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, CacheOps, merge_sinks, sink_similarity
+from loom_live.engine.layers.attention import Merge, attention, merge_partials, split_attention
 from loom_live.engine.layers.rope import rotate
 
 
@@ -82,20 +84,24 @@ class BlockOps:
     affine_norm: Callable[..., torch.Tensor]
     gated_residual: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
-    cache: CacheOps  # RoPE on q and k, the sink scores and writes (engine/cache/kv_cache.py)
+    cache: CacheOps  # RoPE on q and k, the sink scores and writes, the window's attention (engine/cache/kv_cache.py)
     linear_gelu: Callable[..., torch.Tensor]
     fused: bool
 
     @classmethod
-    def eager(cls) -> BlockOps:
-        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, EAGER_CACHE_OPS, linear_gelu,
-                   fused=False)
+    def eager(cls, attention_splits: int = 1) -> BlockOps:
+        """The plain functions; `attention_splits` > 1 attends over the window's keys in that many parts
+        (`split_attention`)."""
+        cache = EAGER_CACHE_OPS if attention_splits == 1 else CacheOps(
+            attend=_window_attention(attention_splits, merge_partials))
+        return cls(norm_modulate, affine_norm, gated_residual, rms_norm, cache, linear_gelu, fused=False)
 
     @classmethod
-    def compiled(cls, gelu_epilogue: bool = True) -> BlockOps:
+    def compiled(cls, gelu_epilogue: bool = True, attention_splits: int = 1) -> BlockOps:
         """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
         FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
-        cuBLASLt picks with it, and so whether it pays, depends on the token count).
+        cuBLASLt picks with it, and so whether it pays, depends on the token count); with
+        `attention_splits` > 1 the window's attention in parts, their merge compiled.
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
         dynamic sizes instead of piling up specialisations. Compilation happens on first use, so
@@ -105,9 +111,16 @@ class BlockOps:
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True)
 
-        cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks))
+        cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks),
+                         _window_attention(attention_splits, fuse(merge_partials)))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
                    linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)
+
+
+def _window_attention(splits: int, merge: Merge) -> Callable[..., torch.Tensor]:
+    if splits < 1:
+        raise ValueError(f"attention_splits: {splits} is not allowed; expected 1 (one call) or more parts")
+    return attention if splits == 1 else partial(split_attention, splits=splits, merge=merge)
 
 
 EAGER_OPS = BlockOps.eager()
