@@ -97,6 +97,10 @@ class VAEConfig:
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "
                              "stride-2 transposed conv); the same result up to float rounding")
     channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
+    attention: str = spec("kernel", choices=("kernel", "matmul"),
+                          doc="the Wan VAE's mid-block attention (one head of 384 channels): torch's attention "
+                              "kernel, or two matrix products with float32 scores around a softmax (matmul); the "
+                              "same result up to float rounding")
     thin_convs: str = spec("both", choices=("none", "taps", "stack", "both", "wide"),
                            doc="on CUDA, the Wan VAE's full-resolution convs with 3 channels on one side as other "
                                "convs of a better shape: the decoder's last (taps), the encoder's first (stack), "

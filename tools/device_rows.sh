@@ -46,19 +46,23 @@ for group in "$@"; do
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
     attn)
-        # the DiT's self-attention over the window in parts: the GPU test, the kernel alone at the stream's
-        # shapes, then the 1-step stream with the split that was fastest for the 1.3B at one latent
-        step attn_test 120 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_split_attention.py
-        step attn_bench 150 python3 benchmarks/bench_attention_splits.py --json "$out/attn_bench.json"
-        tail -18 "$out/attn_bench.txt"
-        splits=$(python3 - "$out/attn_bench.json" <<'PY' || echo 1
+        # the DiT's self-attention over the window in parts and the VAE's wide head as matrix products: the
+        # GPU tests, the kernels alone at the stream's shapes, then the 1-step stream with the forms that won
+        step attn_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_attention_forms.py
+        step attn_bench 150 python3 benchmarks/bench_attention.py --json "$out/attn_bench.json"
+        tail -20 "$out/attn_bench.txt"
+        forms=$(python3 - "$out/attn_bench.json" <<'PY' || echo "1 kernel"
 import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["results"] if r["heads"] == 12 and r["queries"] == 1560]
-print(min(rows, key=lambda r: r["ms"])["splits"])
+rows = json.load(open(sys.argv[1]))["results"]
+window = [r for r in rows if r["table"] == "window" and r["heads"] == 12 and r["queries"] == 1560]
+vae = [r for r in rows if r["table"] == "vae" and r["frames"] == 1]
+print(min(window, key=lambda r: r["ms"])["splits"], min(vae, key=lambda r: r["ms"])["form"])
 PY
 )
-        echo "   model.attention_splits=$splits"
-        wan plain_attn 240 --frames 3000 --set model.attention_splits="$splits" --profile-chunks 8 ;;
+        read -r splits vae_attention <<<"$forms"
+        echo "   model.attention_splits=$splits vae.attention=$vae_attention"
+        wan plain_attn 240 --frames 3000 --set model.attention_splits="$splits" --set vae.attention="$vae_attention" \
+            --profile-chunks 8 ;;
     wide)
         # the full-resolution 96-channel convs as 2D convs over stacked frames, in the chunk and in the stream
         step vae_wide 300 python3 benchmarks/bench_vae_switches.py --tables chunk --variants \

@@ -15,6 +15,11 @@ leaves much of a large GPU idle in its last wave, while each tile walks the whol
 `split_attention` attends over S equal parts of the keys as S batch entries of one call (the parts
 are views of the cache, the queries are repeated), and merges the partial results exactly with
 their log-sum-exps: the result is the same softmax, rounded differently.
+
+Wide heads: the Wan VAE's mid-block attention has one head of 384 channels, wider than the flash and
+cuDNN kernels take (256), so torch falls back to its memory-efficient kernel, which runs these shapes
+far below the tensor cores' rate. `matmul_attention` is the same attention as two matrix products
+(scores accumulated and kept in float32) around a float32 softmax.
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ def attention(
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         return (scores.softmax(-1) @ v).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v as two matrix products: q/k/v [N, L, D]; returns [N, Lq, D]. The scores
+    are float32 (bf16/fp16 products accumulated and written in float32 on CUDA), the probabilities are
+    rounded to v's dtype for the second product, as the fused kernels do."""
+    scale = q.shape[-1] ** -0.5
+    if q.is_cuda and q.dtype in HALF_DTYPES:
+        scores = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2))
+    return torch.bmm(torch.softmax(scores * scale, dim=-1).to(v.dtype), v)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,6 +206,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         if wan is not None:
             wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
+            wan.use_attention(vc.attention)
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:
                 wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
+from loom_live.engine.layers.attention import matmul_attention
 from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv
 from loom_live.engine.layers.thin_conv import THIN_CHANNELS, THIN_KINDS, ThinConv3d, thin_kind
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
@@ -44,6 +45,7 @@ TIME_STRIDE = 4  # pixel frames per latent frame (after the first)
 SPACE_STRIDE = 8  # pixels per latent cell along H and W
 PIXEL_CHANNELS = 3
 NORM_EPS = 1e-12  # F.normalize's floor on the channel norm
+ATTENTION_FORMS = ("kernel", "matmul")  # AttentionBlock.form
 ONE_SHOT_CHUNK_LATENTS = 4  # one-shot encode/decode run as a stream of this many latents per step
 
 
@@ -161,20 +163,27 @@ class ResidualBlock(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-    """Single-head self-attention over the H*W positions of each frame separately."""
+    """Single-head self-attention over the H*W positions of each frame separately; `form`: torch's
+    attention kernel (`kernel`) or two matrix products around a softmax (`matmul`, see
+    `engine.layers.attention.matmul_attention`)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm = RMSNorm(dim, 2)
         self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
         self.proj = nn.Conv2d(dim, dim, 1)
+        self.form = "kernel"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, t, h, w = x.shape
         frames = x.transpose(1, 2).reshape(b * t, c, h, w)
         qkv = self.to_qkv(self.norm(frames)).reshape(b * t, 1, 3 * c, h * w).transpose(2, 3)
         q, k, v = qkv.chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v).squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
+        if self.form == "matmul":
+            y = matmul_attention(q.squeeze(1), k.squeeze(1), v.squeeze(1))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v).squeeze(1)
+        y = y.transpose(1, 2).reshape(b * t, c, h, w)
         y = self.proj(y).view(b, t, c, h, w).transpose(1, 2)
         return y.add_(x)
 
@@ -395,6 +404,15 @@ class WanVAE(nn.Module):
         for module in self.decoder.modules():
             if isinstance(module, Resample):
                 module.use_upsample(kind)
+
+    def use_attention(self, form: str) -> None:
+        """How the mid blocks' single-head attention runs (`ATTENTION_FORMS`): torch's kernel, or as
+        two matrix products with float32 scores; the same result up to float rounding."""
+        if form not in ATTENTION_FORMS:
+            raise ValueError(f"WanVAE.use_attention: form {form!r}; allowed: {', '.join(ATTENTION_FORMS)}")
+        for module in self.modules():
+            if isinstance(module, AttentionBlock):
+                module.form = form
 
     def use_thin_convs(self, kinds: tuple[str, ...] = THIN_KINDS, stack_upto: int = THIN_CHANNELS) -> None:
         """Run the convs with a few channels on one side (the encoder's first: `stack`, the decoder's

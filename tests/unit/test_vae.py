@@ -75,6 +75,12 @@ def test_default_architecture_matches_diffusers(tmp_path):
     assert (vae.encode(x) - z_ref).abs().max() < TOL
     assert (vae.decode(z_ref) - x_ref).abs().max() < TOL
 
+    vae.use_attention("matmul")  # the mid blocks' attention as two matrix products (`vae.attention`)
+    assert (vae.encode(x) - z_ref).abs().max() < TOL
+    assert (vae.decode(z_ref) - x_ref).abs().max() < TOL
+    with pytest.raises(ValueError, match="allowed: kernel, matmul"):
+        vae.use_attention("flash")
+
 
 @torch.no_grad()
 @pytest.mark.parametrize("chunks", [[1, 4, 4, 4], [5, 8], [9, 4], [13]])

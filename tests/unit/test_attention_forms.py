@@ -1,4 +1,5 @@
-"""Attention over the KV window in parts (`model.attention_splits`) computes the plain attention."""
+"""The attention forms: the DiT's window in parts (`model.attention_splits`) and the VAE's wide head as matrix
+products (`vae.attention`) compute the plain attention."""
 
 from __future__ import annotations
 
@@ -139,4 +140,31 @@ def test_split_attention_on_cuda_equals_the_plain_call_bf16(heads, splits):
     with torch.inference_mode():
         ref = attention(q, k, v).float()
         got = split_attention(q, k, v, splits=splits).float()
+    assert (got - ref).abs().max() < 2e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_attention_equals_the_kernel(dtype):
+    """The VAE's wide single head (`vae.attention=matmul`): float32 scores, so in bf16 the only extra
+    rounding is the probabilities', as in the fused kernels."""
+    from loom_live.engine.layers.attention import matmul_attention
+
+    q, k, v = (t.squeeze(2) for t in _qkv(batch=2, lq=40, lk=40, heads=1, dim=48, dtype=dtype))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    got = matmul_attention(q, k, v)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_matmul_attention_on_cuda_at_the_vae_shape():
+    """One frame of the mid block at 480x832: 6240 positions, one head of 384 channels, bf16."""
+    from loom_live.engine.layers.attention import matmul_attention
+
+    q, k, v = (t.squeeze(2) for t in _qkv(batch=1, lq=6240, lk=6240, heads=1, dim=384, dtype=torch.bfloat16,
+                                          device="cuda"))
+    with torch.inference_mode():
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).float()
+        got = matmul_attention(q, k, v).float()
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()
