@@ -61,8 +61,10 @@ PY
 )
         read -r splits vae_attention <<<"$forms"
         echo "   model.attention_splits=$splits vae.attention=$vae_attention"
-        wan plain_attn 240 --frames 3000 --set model.attention_splits="$splits" --set vae.attention="$vae_attention" \
-            --profile-chunks 8 ;;
+        forms=(--set model.attention_splits="$splits" --set vae.attention="$vae_attention")
+        wan plain_attn 240 --frames 3000 "${forms[@]}" --profile-chunks 8
+        wan taehv_attn 120 --frames 3000 --encoder taehv --decoder taehv "${forms[@]}"
+        bench steps2_attn 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 "${forms[@]}" ;;
     wide)
         # the full-resolution 96-channel convs as 2D convs over stacked frames, in the chunk and in the stream
         step vae_wide 300 python3 benchmarks/bench_vae_switches.py --tables chunk --variants \
