@@ -5,7 +5,8 @@ engine behind the bridge, in two modes: `restart` (the supervisor starts a new e
 crash; its compiled kernels come from the persistent Inductor cache) and `standby` (a second engine
 is kept loaded and warmed, and takes over at once). For each mode: seconds from `start()` to the
 first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
-fresh output of its successor, and the longest host call meanwhile. Prints one table; `--json`
+fresh output of its successor, and the longest host call meanwhile; in `standby` mode also the seconds
+from `start()` until the standby first said ready (both engines ready). Prints one table; `--json`
 writes the same. Needs a GPU for the default preset; Linux (SIGKILL).
 
     python benchmarks/bench_recovery.py --json out/recovery.json        # wan2.1-1.3b, cuda-ipc, both modes
@@ -79,6 +80,7 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
                 if ready is None:
                     row["error"] = f"standby not ready within {args.timeout:.0f} s"
                     return row
+                row.setdefault("start_to_standby_ready_s", round(time.monotonic() - t0, 2))
             loop.until(lambda s: False, args.steady_s)
             pid = bridge.stats()["engine_pid"]
             loop.longest_call_s = 0.0
@@ -112,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     clip = list(generate_clip(n_frames=48, size=(width, height), fps=args.fps))
     rows = [run_mode(mode.strip(), args, clip) for mode in args.modes.split(",") if mode.strip()]
     print(f"\nrecovery: {args.config} over {args.transport}, {args.size}, {args.kills} kills per mode")
-    print(f"{'mode':8s} {'start->frame s':>15s} {'kill->frame s (each)':>28s} {'longest host call ms':>22s}")
+    print(f"{'mode':8s} {'start->frame s':>15s} {'start->standby s':>17s} {'kill->frame s (each)':>28s} "
+          f"{'longest host call ms':>22s}")
     for r in rows:
         kills = ", ".join("-" if k["kill_to_frame_s"] is None else f"{k['kill_to_frame_s']:.2f}" for k in r["kills"])
         longest = max((k["longest_host_call_ms"] for k in r["kills"]), default=0.0)
-        start = r.get("start_to_first_frame_s")
-        print(f"{r['mode']:8s} {'-' if start is None else f'{start:.2f}':>15s} {kills:>28s} {longest:>22.2f}"
+        start, both = (r.get(k) for k in ("start_to_first_frame_s", "start_to_standby_ready_s"))
+        start, both = ("-" if v is None else f"{v:.2f}" for v in (start, both))
+        print(f"{r['mode']:8s} {start:>15s} {both:>17s} {kills:>28s} {longest:>22.2f}"
               + (f"  ({r['error']})" if "error" in r else ""))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

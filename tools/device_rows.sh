@@ -143,7 +143,8 @@ PY
                 --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
         done ;;
     recovery)
-        step recovery 590 python3 benchmarks/bench_recovery.py --modes restart --kills 2 --json "$out/recovery.json" ;;
+        # restart, then the hot standby (its start: both engines ready), two kills each
+        step recovery 590 python3 benchmarks/bench_recovery.py --modes restart,standby --kills 2 --json "$out/recovery.json" ;;
     esac
 done
 echo "== done at $(( $(date +%s) - start )) s"
