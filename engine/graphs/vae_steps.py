@@ -59,8 +59,9 @@ class GraphedStep:
 class VAEGraphs:
     """Steady-state encode/decode chunk steps of a session, one latent at a time, captured once and replayed.
 
-    The first chunk of a stream has its own shape and runs whole, eagerly. Later chunks are cut
-    into one-latent pieces (4 frames to encode, 1 latent to decode; the stream caches make that
+    The first step of a stream is its first frame (encode) or first latent (decode) alone, run
+    uncompiled and without a graph (it has its own shape and an empty history). Everything after is
+    cut into one-latent pieces (4 frames to encode, 1 latent to decode; the stream caches make that
     exact), so a single step shape serves every chunk size the scheduler picks: one CUDA graph
     and one compiled graph per direction, never a capture or compile in the middle of a show.
     Each graph is tied to the session's stream state, which is reset in place, never replaced,
@@ -75,7 +76,10 @@ class VAEGraphs:
             x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
         cache = state.encoder if direction == "encode" else state.decoder
         if not cache.started:
-            return fn(x, state)
+            first = fn(x[:, :, :1], state)
+            if x.shape[2] == 1:
+                return first
+            return torch.cat([first, self.run(direction, fn, x[:, :, 1:], state)], dim=2)
         piece = FRAMES_PER_LATENT if direction == "encode" else 1
         if x.shape[2] > piece and x.shape[2] % piece == 0:
             return torch.cat([self._step(direction, fn, p, state, cache) for p in x.split(piece, dim=2)], dim=2)

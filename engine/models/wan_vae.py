@@ -473,11 +473,17 @@ class WanVAE(nn.Module):
         return self.quant_conv.weight.dtype
 
     def encode_stream(self, x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
-        """Encode the next chunk of a stream: 1 + 4k frames on the first call, 4k later -> k(+1) latents."""
+        """Encode the next chunk of a stream: 1 + 4k frames on the first call, 4k later -> k(+1) latents.
+
+        A stream's first call runs the encoder's plain forward even after `compile_step`: it has its
+        own shapes and an empty history, and compiling it would cost a graph of its own (tens of
+        seconds cold, seconds warm) for a call made once per stream. A session sends the first frame
+        alone (`VAEGraphs`), so that call is small; the decoder does the same with the first latent."""
         cache = state.encoder
         check_pixels(x, first=not cache.started, what="WanVAE.encode_stream")
         check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "WanVAE.encode_stream")
-        h = self.encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
+        encoder = self.encoder if cache.started else self.encoder.forward  # first call: plain (encode_stream)
+        h = encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
         if self.cfg.normalize_on_encode:
@@ -492,7 +498,8 @@ class WanVAE(nn.Module):
         z = z.to(dtype=self.dtype, memory_format=self.memory_format)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
-        x = self.decoder(self.post_quant_conv(z, cache), cache)
+        decoder = self.decoder if cache.started else self.decoder.forward  # first call: plain (encode_stream)
+        x = decoder(self.post_quant_conv(z, cache), cache)
         cache.started = True
         return x.clamp_(-1.0, 1.0)
 

@@ -254,8 +254,8 @@ def test_batch_rows_are_independent(tiny_vae):
 
 @torch.no_grad()
 def test_session_steps_run_one_latent_at_a_time_and_equal_whole_chunks(tiny_vae):
-    """VAEGraphs cuts steady chunks into one-latent steps (one graph / compiled shape for every
-    chunk size); the streaming caches make that exact."""
+    """VAEGraphs starts a stream with its first frame alone and cuts everything after into one-latent
+    steps (one graph / compiled shape for every chunk size); the streaming caches make that exact."""
     from loom_live.engine.graphs.vae_steps import VAEGraphs
 
     x = _video(13, 16, seed=3)
@@ -269,7 +269,7 @@ def test_session_steps_run_one_latent_at_a_time_and_equal_whole_chunks(tiny_vae)
     z_whole = torch.cat([tiny_vae.encode_stream(x[:, :, :5], whole), tiny_vae.encode_stream(x[:, :, 5:], whole)], 2)
     z_pieces = torch.cat([steps.run("encode", encode, x[:, :, :5], pieces),
                           steps.run("encode", encode, x[:, :, 5:], pieces)], 2)
-    assert seen == [5, 4, 4]
+    assert seen == [1, 4, 4, 4]
     assert (z_pieces - z_whole).abs().max() < TOL
     out_whole = torch.cat([tiny_vae.decode_stream(z_whole[:, :, :1], whole),
                            tiny_vae.decode_stream(z_whole[:, :, 1:], whole)], 2)
@@ -288,3 +288,30 @@ def test_compile_step_passes_the_tuning_switch_to_inductor(monkeypatch, tune):
     options = {"coordinate_descent_tuning": True} if tune else None
     assert calls == [("Encoder", {"dynamic": False, "options": options}),
                      ("Decoder", {"dynamic": False, "options": options})]
+
+
+@torch.no_grad()
+def test_a_compiled_vae_runs_a_streams_first_call_uncompiled():
+    """`compile_step` compiles the steady step only: a stream's first call (its own shapes, an empty
+    history) runs the plain forward, so it costs no graph of its own; the stream's output is unchanged."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    vae = WanVAE(TINY).eval()
+    _randomize(vae, 1)
+    x = _video(9, 32, seed=5)
+    ref_state = vae.new_stream_state()
+    ref = [vae.encode_stream(x[:, :, :1], ref_state), vae.encode_stream(x[:, :, 1:5], ref_state)]
+    torch._dynamo.reset()
+    vae.encoder.compile(backend="eager", dynamic=False)  # the mechanism compile_step uses, without Inductor
+    try:
+        torch._dynamo.utils.counters.clear()
+        state = vae.new_stream_state()
+        got = [vae.encode_stream(x[:, :, :1], state)]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+        got.append(vae.encode_stream(x[:, :, 1:5], state))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max() < TOL

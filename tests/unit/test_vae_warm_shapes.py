@@ -46,3 +46,16 @@ def test_a_stream_after_the_warm_up_brings_no_new_vae_shape():
         session.push(rng.integers(0, 256, (4 * size, 32, 32, 3), np.uint8))
     session.flush()
     assert later and later <= warm, f"shapes first seen mid-show: {sorted(later - warm)}"
+
+
+def test_a_stream_starts_with_its_first_frame_alone():
+    """The first chunk's first frame (encode) and first latent (decode) go alone, before the steady
+    pieces: the only calls on a fresh stream history, which the compiled VAE runs uncompiled."""
+    session = StreamSession.from_config(load_config("tiny-random", SMALL), warmup=False)
+    calls: set = set()
+    _record(session, {"into": calls})
+    session.push(np.random.default_rng(3).integers(0, 256, (9, 32, 32, 3), np.uint8))
+    session.flush()
+    first = {(name, shape[2]) for name, started, shape, _ in calls if not started}
+    assert first == {("encode_stream", 1), ("decode_stream", 1)}
+    assert {shape[2] for name, started, shape, _ in calls if started and name == "encode_stream"} == {4}
