@@ -91,10 +91,12 @@ def _counting_lse(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("splits", [2, 3])
-def test_streaming_dit_with_the_window_in_parts_equals_without(splits, monkeypatch):
+@pytest.mark.parametrize("compiled, splits", [(False, 2), (False, 3), (True, 3)],
+                         ids=["eager-2", "eager-3", "compiled-3"])
+def test_streaming_dit_with_the_window_in_parts_equals_without(compiled, splits, monkeypatch):
     """A stream past its window fill (masked chunks first, then unmasked ones that split) and past a RoPE
-    refresh, with adaptive sinks: eager ops with the attention in parts against the plain ones."""
+    refresh, with adaptive sinks: the ops with the attention in parts (the compiled ones merge with a
+    compiled function) against the plain eager ones."""
     calls = _counting_lse(monkeypatch)
     torch.manual_seed(0)
     model = WanDiT(DIT_PRESETS["tiny"]).eval()
@@ -102,24 +104,10 @@ def test_streaming_dit_with_the_window_in_parts_equals_without(splits, monkeypat
     ctx = torch.randn(1, 5, 4096)
     with torch.no_grad():
         ref = _stream(model, chunks, ctx)
-        model.fuse_elementwise(BlockOps.eager(attention_splits=splits))
+        model.fuse_elementwise((BlockOps.compiled if compiled else BlockOps.eager)(attention_splits=splits))
         got = _stream(model, chunks, ctx)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert len(calls) >= 5 * len(model.blocks)  # the chunks after the window filled ran in parts
-
-
-def test_compiled_ops_carry_the_split_with_a_compiled_merge(monkeypatch):
-    calls = _counting_lse(monkeypatch)
-    torch.manual_seed(1)
-    model = WanDiT(DIT_PRESETS["tiny"]).eval()
-    chunks = [torch.randn(1, 16, f, 4, 6) for f in [2] + [1] * 7]
-    ctx = torch.randn(1, 5, 4096)
-    with torch.no_grad():
-        ref = _stream(model, chunks, ctx)
-        model.fuse_elementwise(BlockOps.compiled(attention_splits=3))
-        got = _stream(model, chunks, ctx)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert calls
 
 
 def test_splits_that_do_not_divide_the_window_fail_at_load():
