@@ -171,8 +171,9 @@ def test_the_control_video_encoded_in_the_inputs_vae_call_gives_the_same_stream(
         runs[batched] = np.concatenate(out), latents, batches.count(2)
         monkeypatch.undo()
     (plain, plain_latents, plain_pairs), (joint, joint_latents, joint_pairs) = runs[False], runs[True]
-    # one call per VAE step carries both videos: the first chunk, then one per latent (the 8-frame chunk: two)
-    assert plain_pairs == 0 and joint_pairs == 4
+    # one call per VAE step carries both videos: the first chunk's first frame and its steady step, then one
+    # per latent (the 8-frame chunk: two)
+    assert plain_pairs == 0 and joint_pairs == 5
     assert len(joint_latents) == len(plain_latents) == 4  # chunks of one latent: 5, 4, then 4 + 4 frames
     for a, b in zip(plain_latents, joint_latents):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
