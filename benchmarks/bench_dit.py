@@ -8,6 +8,8 @@ timed forwards are the steady state: eviction, in-place ring writes, unmasked at
     python benchmarks/bench_dit.py --json out/bench_dit.json          # on a CUDA machine
     python benchmarks/bench_dit.py --smoke                            # tiny shapes, CPU
     python benchmarks/bench_dit.py --graphs --fuse --fp8              # FP8 block linears (Hopper/Ada)
+    python benchmarks/bench_dit.py --graphs --fuse --splits 3 --fuse-qkv   # the window's attention in
+                                                  # parts (model.attention_splits), one q/k/v product (model.fuse_qkv)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loom_live.engine.graphs.dit_steps import GraphedStreamForward  # noqa: E402
 from loom_live.engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
+from loom_live.engine.models.wan_dit_ops import BlockOps  # noqa: E402
 from loom_live.engine.stream.stage_timer import timed_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="FP8 e4m3 block linears (model.fp8_linear; Hopper/Ada). With --smoke on a CPU: the "
                         "emulation, which checks the script, not the speed")
+    p.add_argument("--splits", type=int, default=1,
+                   help="the self-attention over the window in this many parts (model.attention_splits)")
+    p.add_argument("--fuse-qkv", action="store_true", help="q/k/v as one matrix product (model.fuse_qkv)")
     args = p.parse_args(argv)
     if args.smoke:
         args.preset, args.latent, args.batches, args.dtype = "tiny", "8x8", "1,2", "fp32"
@@ -100,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(args.device):
         model = WanDiT(cfg)  # random weights, built where it runs
     model = model.to(DTYPES[args.dtype]).eval().requires_grad_(False)
+    if args.fuse_qkv:  # after the dtype cast, which would give each third storage of its own
+        model.fuse_projections()
     if args.fp8:  # after the dtype cast; refuses a CPU unless --smoke
         convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse)
-    if args.fuse:
-        model.fuse_elementwise()
+    if args.fuse or args.splits > 1:
+        model.fuse_elementwise(BlockOps.compiled(attention_splits=args.splits) if args.fuse
+                               else BlockOps.eager(attention_splits=args.splits))
     results = []
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
@@ -120,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
         "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
         "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs, "fp8_linear": args.fp8,
+        "attention_splits": args.splits, "fuse_qkv": args.fuse_qkv,
         "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
     }
     print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "
           f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}, "
-          f"graphs={args.graphs}, fused={args.fuse}, fp8={args.fp8}")
+          f"graphs={args.graphs}, fused={args.fuse}, fp8={args.fp8}, splits={args.splits}, qkv={args.fuse_qkv}")
     header = (("B", 3), ("median ms", 10), ("p10 ms", 8), ("p90 ms", 8), ("frames/s", 9),
               ("KV MiB", 8), ("peak GiB", 9))
     print(" ".join(f"{name:>{width}}" for name, width in header))

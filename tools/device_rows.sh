@@ -46,9 +46,11 @@ for group in "$@"; do
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
     attn)
-        # the DiT's self-attention over the window in parts and the VAE's wide head as matrix products: the
-        # GPU tests, the kernels alone at the stream's shapes, then the 1-step stream with the forms that won
-        step attn_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_attention_forms.py
+        # the DiT's self-attention over the window in parts, one q/k/v product, and the VAE's wide head as matrix
+        # products: the GPU tests, the kernels and the DiT alone, then the 1-step, TAEHV and 2-step streams with
+        # the forms that won
+        step attn_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_attention_forms.py \
+            tests/unit/test_fused_projections.py
         step attn_bench 150 python3 benchmarks/bench_attention.py --json "$out/attn_bench.json"
         tail -20 "$out/attn_bench.txt"
         forms=$(python3 - "$out/attn_bench.json" <<'PY' || echo "1 kernel"
@@ -60,8 +62,20 @@ print(min(window, key=lambda r: r["ms"])["splits"], min(vae, key=lambda r: r["ms
 PY
 )
         read -r splits vae_attention <<<"$forms"
-        echo "   model.attention_splits=$splits vae.attention=$vae_attention"
-        forms=(--set model.attention_splits="$splits" --set vae.attention="$vae_attention")
+        # the DiT alone (graphs, fused ops, B=1): as it is, with the split, with the split and one q/k/v product
+        dit=(python3 benchmarks/bench_dit.py --graphs --fuse --batches 1)
+        step dit_base 150 "${dit[@]}" --json "$out/dit_base.json"
+        step dit_split 150 "${dit[@]}" --splits "$splits" --json "$out/dit_split.json"
+        step dit_qkv 150 "${dit[@]}" --splits "$splits" --fuse-qkv --json "$out/dit_qkv.json"
+        grep -h -A2 "median ms" "$out"/dit_{base,split,qkv}.txt
+        qkv=$(python3 - "$out" <<'PY' || echo false
+import json, sys
+ms = {n: json.load(open(f"{sys.argv[1]}/dit_{n}.json"))["results"][0]["ms_median"] for n in ("split", "qkv")}
+print(str(ms["qkv"] < ms["split"]).lower())
+PY
+)
+        echo "   model.attention_splits=$splits vae.attention=$vae_attention model.fuse_qkv=$qkv"
+        forms=(--set model.attention_splits="$splits" --set vae.attention="$vae_attention" --set model.fuse_qkv="$qkv")
         wan plain_attn 240 --frames 3000 "${forms[@]}" --profile-chunks 8
         wan taehv_attn 120 --frames 3000 --encoder taehv --decoder taehv "${forms[@]}"
         bench steps2_attn 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 "${forms[@]}" ;;

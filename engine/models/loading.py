@@ -190,6 +190,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             raise ValueError("vae.taehv_checkpoint: the taehv encoder/decoder needs taew2_1.pth "
                              "(or vae.random_weights=true for a benchmark)")
     clock.lap("vae")
+    if mc.fuse_qkv and device.type == "cuda":  # before the LoRA merger takes the weights
+        dit.fuse_projections()
     lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
     for entry in cfg.lora:  # merged before the weights are compiled or captured
         lora.add(read_lora(entry.path, dit, entry.key), entry.scale)

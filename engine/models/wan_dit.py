@@ -168,14 +168,37 @@ class SelfAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Keep q, k and v's weights and biases as the thirds of one [3 dim, dim] matrix (their parameters
+        become views of it), so that a chunk's three projections are one matrix product: at one latent
+        frame's tokens each alone is a grid that leaves much of a large GPU idle. The checkpoint names
+        stay; a LoRA merge writes into the views. Anything that gives a parameter storage of its own
+        (`Module.to`) ends the fusion: `project` then runs the three products again."""
+        linears = (self.q, self.k, self.v)
+        if not all(type(m) is nn.Linear and m.bias is not None for m in linears):
+            raise ValueError("fuse_projections: q, k and v must be plain nn.Linear layers with biases "
+                             "(fuse before an FP8 conversion, not after)")
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() for m in linears])
+        for m, w, b in zip(linears, weight.chunk(3), bias.chunk(3)):
+            m.weight.data, m.bias.data = w, b
+        self.qkv = (weight, bias)
+
+    def _fused(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.qkv is None or self.qkv[0].data_ptr() != self.q.weight.data_ptr():
+            return None
+        return self.qkv
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads = (self.num_heads, -1)
-        return (
-            self.norm_q(self.q(x)).unflatten(2, heads),
-            self.norm_k(self.k(x)).unflatten(2, heads),
-            self.v(x).unflatten(2, heads),
-        )
+        fused = self._fused()
+        if fused is not None:
+            q, k, v = F.linear(x, *fused).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.norm_q(q).unflatten(2, heads), self.norm_k(k).unflatten(2, heads), v.unflatten(2, heads)
 
 
 class CrossAttention(nn.Module):
@@ -424,6 +447,14 @@ class WanDiT(nn.Module):
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
+
+    def fuse_projections(self) -> None:
+        """Every loaded block's q/k/v projections as one matrix product (`SelfAttention.fuse_projections`);
+        blocks left on the meta device (another pipeline rank's) are skipped. Call after the weights are
+        loaded and cast, and before a LoRA merger or an FP8 conversion takes the layers."""
+        for module in self.modules():
+            if isinstance(module, SelfAttention) and not module.norm_q.weight.is_meta:
+                module.fuse_projections()
 
     # ----- pieces -----------------------------------------------------------------------
     def rope(self, device: torch.device) -> RopeTables:
