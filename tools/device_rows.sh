@@ -37,7 +37,8 @@ for group in "$@"; do
     case $group in
     tests)
         step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
-            tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/integration/test_bridge_cuda.py ;;
+            tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
+            tests/integration/test_bridge_cuda.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     speed)
@@ -50,7 +51,7 @@ for group in "$@"; do
         # products: the GPU tests, the kernels and the DiT alone, then the 1-step, TAEHV and 2-step streams with
         # the forms that won
         step attn_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_attention_forms.py \
-            tests/unit/test_fused_projections.py
+            tests/unit/test_fused_projections.py tests/unit/test_vae.py
         step attn_bench 150 python3 benchmarks/bench_attention.py --json "$out/attn_bench.json"
         tail -20 "$out/attn_bench.txt"
         forms=$(python3 - "$out/attn_bench.json" <<'PY' || echo "1 kernel"
