@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -40,6 +39,7 @@ from loom_live.engine.layers.attention import (  # noqa: E402
     merge_partials,
     split_attention,
 )
+from loom_live.engine.stream.stage_timer import timed_ms  # noqa: E402
 
 HEADS = {"wan2.1-1.3b": 12, "wan2.1-14b": 40}
 FRAME_TOKENS = 1560  # one latent frame at 480x832
@@ -49,26 +49,12 @@ VAE_FORMS = {"kernel": lambda q, k, v: F.scaled_dot_product_attention(q[:, None]
              "matmul": matmul_attention}
 
 
-def time_ms(fn: Callable[[], torch.Tensor], runs: int, per_run: int) -> float:
+def time_ms(fn: Callable[[], torch.Tensor], runs: int, per_run: int, device: torch.device) -> float:
     """Median over `runs` of the mean ms per call in a run of `per_run` back-to-back calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(runs):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(per_run):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / per_run)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(per_run):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / per_run)
-    return sorted(times)[len(times) // 2]
+    times = sorted(timed_ms(lambda: [fn() for _ in range(per_run)], device) / per_run for _ in range(runs))
+    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -96,7 +82,7 @@ def main() -> None:
             ref = attention(q, k, v).float()
             for splits in map(int, args.splits.split(",")):
                 fn = partial(split_attention, q, k, v, splits=splits, merge=merge)
-                ms = time_ms(fn, args.runs, 2 if args.smoke else 20)
+                ms = time_ms(fn, args.runs, 2 if args.smoke else 20, torch.device(dev))
                 rows.append({"table": "window", "model": name, "heads": h, "queries": lq, "keys": lk,
                              "splits": splits, "ms": ms,
                              "tflops": 4 * lq * lk * h * dim / ms / 1e9,
@@ -107,7 +93,7 @@ def main() -> None:
             q, k, v = (torch.randn(frames, positions, width, device=dev, dtype=dtype) for _ in range(3))
             ref = VAE_FORMS["kernel"](q, k, v).float()
             for form, fn in VAE_FORMS.items():
-                ms = time_ms(partial(fn, q, k, v), args.runs, 2 if args.smoke else 20)
+                ms = time_ms(partial(fn, q, k, v), args.runs, 2 if args.smoke else 20, torch.device(dev))
                 rows.append({"table": "vae", "frames": frames, "positions": positions, "dim": width, "form": form,
                              "ms": ms, "tflops": 4 * frames * positions**2 * width / ms / 1e9,
                              "max_abs_diff": (fn(q, k, v).float() - ref).abs().max().item(),

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -28,28 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_live.engine.models.wan_dit_ops import linear_gelu as unfused  # noqa: E402
 from loom_live.engine.models.wan_dit_ops import linear_gelu_epilogue as epilogue  # noqa: E402
+from loom_live.engine.stream.stage_timer import timed_ms  # noqa: E402
 
 SHAPES = {"wan2.1-1.3b": (1536, 8960), "wan2.1-14b": (5120, 13824)}
 
 
-def time_ms(fn: Callable[[], torch.Tensor], iters: int, warmup: int) -> float:
+def time_ms(fn: Callable[[], torch.Tensor], iters: int, warmup: int, device: torch.device) -> float:
     """Median ms per call: CUDA events on a GPU, the wall clock on a CPU."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed_ms(fn, device) for _ in range(iters))
 
 
 def main() -> None:
@@ -73,8 +60,8 @@ def main() -> None:
         ref, got = unfused(x, w, b).float(), epilogue(x, w, b).float()
         rows.append({
             "model": name, "tokens": tokens, "dim": dim, "ffn_dim": ffn,
-            "unfused_ms": time_ms(partial(unfused, x, w, b), args.iters, 20),
-            "epilogue_ms": time_ms(partial(epilogue, x, w, b), args.iters, 20),
+            "unfused_ms": time_ms(partial(unfused, x, w, b), args.iters, 20, torch.device(dev)),
+            "epilogue_ms": time_ms(partial(epilogue, x, w, b), args.iters, 20, torch.device(dev)),
             "max_abs_diff": (got - ref).abs().max().item(), "ref_max_abs": ref.abs().max().item(),
         })
     print(f"FFN first half, GELU(tanh)(x W^T + b), {dtype}, {dev}")

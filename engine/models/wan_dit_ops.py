@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, CacheOps, merge_sinks, sink_similarity
-from loom_live.engine.layers.attention import Merge, attention, merge_partials, split_attention
+from loom_live.engine.layers.attention import attention, merge_partials, split_attention
 from loom_live.engine.layers.rope import rotate
 
 
@@ -92,8 +92,7 @@ class BlockOps:
     def eager(cls, attention_splits: int = 1) -> BlockOps:
         """The plain functions; `attention_splits` > 1 attends over the window's keys in that many parts
         (`split_attention`)."""
-        cache = EAGER_CACHE_OPS if attention_splits == 1 else CacheOps(
-            attend=_window_attention(attention_splits, merge_partials))
+        cache = EAGER_CACHE_OPS if attention_splits == 1 else CacheOps(attend=_window_attention(attention_splits))
         return cls(norm_modulate, affine_norm, gated_residual, rms_norm, cache, linear_gelu, fused=False)
 
     @classmethod
@@ -112,15 +111,18 @@ class BlockOps:
             return torch.compile(fn, fullgraph=True)
 
         cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks),
-                         _window_attention(attention_splits, fuse(merge_partials)))
+                         _window_attention(attention_splits, fuse))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
                    linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)
 
 
-def _window_attention(splits: int, merge: Merge) -> Callable[..., torch.Tensor]:
+def _window_attention(splits: int, fuse: Callable[[Callable], Callable] | None = None) -> Callable[..., torch.Tensor]:
+    """The window's attention: one call, or `splits` parts merged by `merge_partials` (through `fuse`)."""
     if splits < 1:
         raise ValueError(f"attention_splits: {splits} is not allowed; expected 1 (one call) or more parts")
-    return attention if splits == 1 else partial(split_attention, splits=splits, merge=merge)
+    if splits == 1:
+        return attention
+    return partial(split_attention, splits=splits, merge=merge_partials if fuse is None else fuse(merge_partials))
 
 
 EAGER_OPS = BlockOps.eager()
