@@ -58,7 +58,7 @@ class ModelConfig:
                                          "cuBLASLt epilogue (off: a GELU pass of its own)")
     fuse_qkv: bool = spec(False, doc="on CUDA: each block's q/k/v projections as one matrix product over a "
                                      "fused weight (one kernel whose grid fills a large GPU at one latent frame's "
-                                     "tokens); not with fp8_linear")
+                                     "tokens); fp8_linear always runs them as one FP8 product")
     attention_splits: int = spec(1, min=1, max=16,
                                  doc="on CUDA: the self-attention over the KV window as this many parts of the "
                                      "window in one batched call, merged exactly (fills a large GPU when a chunk "
@@ -330,9 +330,6 @@ class LoomConfig:
             raise ValueError(f"lora: two LoRAs share a name ({', '.join(names)}); give each a distinct name")
         if self.lora and self.model.fp8_linear:
             raise ValueError("lora: LoRAs merge into bf16/float32 weights; turn model.fp8_linear off to use them")
-        if self.model.fuse_qkv and self.model.fp8_linear:
-            raise ValueError("model.fuse_qkv: the fused q/k/v product is a bf16/float32 one; it cannot be used with "
-                             "model.fp8_linear (turn one of them off)")
         if self.stream.num_kv_cache % self.model.attention_splits:
             raise ValueError(f"model.attention_splits: {self.model.attention_splits} does not divide "
                              f"stream.num_kv_cache ({self.stream.num_kv_cache}); allowed: "

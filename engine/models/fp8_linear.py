@@ -10,7 +10,11 @@ measures it).
 Scheme (W8A8, dynamic activations):
 - weights: quantised once at conversion, one float32 scale per output channel (row of the
   [out, in] weight), stored as float8_e4m3fn (half the bf16 weight memory);
-- activations: quantised per token (row) on every call, scale = row amax / 448;
+- activations: quantised per token (row) on every call, scale = row amax / 448. That pass reads the
+  whole activation once more, so the conversion runs as few as it can: q, k and v, which read the same
+  input, become one product over their stacked weights (one quantisation instead of three), and the
+  FFN's GELU moves into its second linear's quantisation (one pass instead of a GELU pass and a
+  quantisation pass);
 - product: `torch._scaled_mm` with row-wise scales, bias fused in the output dtype.
 Both operands go through the same `quantize_rows`, and the CPU emulation
 (`scaled_mm_emulated`, used by tests and smoke runs) computes what the GPU kernel computes:
@@ -43,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -76,6 +81,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def quantize_gelu_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of GELU(tanh) of x, the GELU taken in float32: the FFN's activation and its second
+    linear's quantisation as one pass over the [tokens, ffn_dim] activation when compiled."""
+    return quantize_rows(F.gelu(x.float(), approximate="tanh"))
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -116,7 +127,7 @@ class FP8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_fp8.shape
-        self.register_buffer("weight_fp8", weight_fp8)  # [out, in], row-major
+        self.register_buffer("weight", weight_fp8)  # [out, in] float8_e4m3fn, row-major
         self.register_buffer("weight_scale", weight_scale)  # [1, out] float32
         self.register_buffer("bias", bias)  # [out] in the model dtype, or None
         self.emulate = emulate
@@ -124,18 +135,30 @@ class FP8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, emulate: bool = False, quantize: Quantize = quantize_rows) -> FP8Linear:
-        out_f, in_f = linear.weight.shape
+        return cls.from_weight(linear.weight, linear.bias, emulate=emulate, quantize=quantize)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, emulate: bool = False,
+                    quantize: Quantize = quantize_rows) -> FP8Linear:
+        """The layer for a full-precision weight [out, in] and bias [out] (copied, not kept)."""
+        out_f, in_f = weight.shape
         if in_f % ALIGNMENT or out_f % ALIGNMENT:
             raise ValueError(f"FP8 linear: weight [{out_f}, {in_f}] has a side that is not a multiple of "
                              f"{ALIGNMENT}, which torch._scaled_mm requires")
-        q, scale = quantize_rows(linear.weight.detach())
-        bias = None if linear.bias is None else linear.bias.detach().clone()
+        q, scale = quantize_rows(weight.detach())
+        bias = None if bias is None else bias.detach().clone()
         return cls(q, scale.reshape(1, out_f).contiguous(), bias, emulate=emulate, quantize=quantize)
+
+    def rows(self, start: int, stop: int) -> FP8Linear:
+        """The layer of output channels start..stop, sharing this one's storage (row scales make each
+        output channel's numbers independent of the others)."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        return FP8Linear(self.weight[start:stop], self.weight_scale[:, start:stop], bias, self.emulate, self.quantize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         a, scale_a = self.quantize(x.reshape(-1, self.in_features))
-        b = self.weight_fp8.t()  # [in, out] column-major view, as _scaled_mm wants
+        b = self.weight.t()  # [in, out] column-major view, as _scaled_mm wants
         if self.emulate:
             y = scaled_mm_emulated(a, b, scale_a, self.weight_scale, self.bias, x.dtype)
         else:
@@ -174,9 +197,11 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
     """Replace the hot-path linears of every loaded WanBlock (`BLOCK_LINEARS`) by `FP8Linear`s,
     in place, after the weights are loaded; returns the converted module names.
 
-    Embeddings, head and the per-prompt cross-attention K/V projections stay as they are.
-    Blocks left on the meta device (another pipeline rank's) are skipped. `compiled` runs the
-    activation quantisation through torch.compile (one or two fused kernels instead of five eager passes).
+    q, k and v become row slices of one layer whose product the block runs (one quantisation of
+    their shared input); the FFN's GELU moves into its second linear's quantisation (`ffn.1` becomes
+    the identity). Embeddings, head and the per-prompt cross-attention K/V projections stay as they
+    are. Blocks left on the meta device (another pipeline rank's) are skipped. `compiled` runs the
+    activation quantisation through torch.compile (one kernel instead of several eager passes).
     """
     param = model.patch_embedding.weight
     if not emulate:
@@ -185,18 +210,36 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
             raise ValueError(f"fp8_linear: the model is {param.dtype}; the CUDA FP8 path needs bfloat16 or float16 "
                              "(torch._scaled_mm fuses the bias only into those outputs)")
         _probe(param.device, param.dtype)
-    quantize = torch.compile(quantize_rows, fullgraph=True) if compiled else quantize_rows
+
+    def fuse(fn: Quantize) -> Quantize:
+        return torch.compile(fn, fullgraph=True) if compiled else fn
+
+    quantize, quantize_gelu = fuse(quantize_rows), fuse(quantize_gelu_rows)
     names = []
     for i, block in enumerate(model.blocks):
         if block.modulation.is_meta:
             continue
-        for path in BLOCK_LINEARS:
-            parent_path, _, attr = path.rpartition(".")
-            parent = block.get_submodule(parent_path)
-            linear = getattr(parent, attr)
-            if not isinstance(linear, nn.Linear):
+        linears = {path: block.get_submodule(path) for path in BLOCK_LINEARS}
+        for path, linear in linears.items():
+            if type(linear) is not nn.Linear:
                 raise ValueError(f"fp8_linear: blocks.{i}.{path} is a {type(linear).__name__}, not an nn.Linear "
                                  "(converted twice?)")
-            setattr(parent, attr, FP8Linear.from_linear(linear, emulate=emulate, quantize=quantize))
-            names.append(f"blocks.{i}.{path}")
+        if not (isinstance(block.ffn[1], nn.GELU) and block.ffn[1].approximate == "tanh"):
+            raise ValueError(f"fp8_linear: blocks.{i}.ffn.1 is {block.ffn[1]}, not the GELU(tanh) the FP8 FFN "
+                             "folds into its second linear")
+        attn = block.self_attn
+        dim = attn.q.out_features
+        qkv = FP8Linear.from_weight(torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]),
+                                    torch.cat([attn.q.bias, attn.k.bias, attn.v.bias]), emulate, quantize)
+        attn.q, attn.k, attn.v = (qkv.rows(j * dim, (j + 1) * dim) for j in range(3))
+        attn.use_qkv_product(qkv, qkv.weight)
+        attn.o = FP8Linear.from_linear(attn.o, emulate, quantize)
+        cross = block.cross_attn
+        cross.q, cross.o = (FP8Linear.from_linear(m, emulate, quantize) for m in (cross.q, cross.o))
+        first, _, second = block.ffn
+        block.ffn[0] = FP8Linear.from_linear(first, emulate, quantize)
+        block.ffn[1] = nn.Identity()
+        block.ffn[2] = FP8Linear.from_linear(second, emulate, quantize_gelu)
+        names += [f"blocks.{i}.{path}" for path in BLOCK_LINEARS]
     return names
+

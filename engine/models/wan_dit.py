@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -168,7 +169,8 @@ class SelfAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
-        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse_projections
+        # q, k and v as one product (`use_qkv_product`): the product and the [3 dim, dim] weight it reads
+        self.qkv: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def fuse_projections(self) -> None:
         """Keep q, k and v's weights and biases as the thirds of one [3 dim, dim] matrix (their parameters
@@ -184,18 +186,23 @@ class SelfAttention(nn.Module):
         bias = torch.cat([m.bias.detach() for m in linears])
         for m, w, b in zip(linears, weight.chunk(3), bias.chunk(3)):
             m.weight.data, m.bias.data = w, b
-        self.qkv = (weight, bias)
+        self.use_qkv_product(partial(F.linear, weight=weight, bias=bias), weight)
 
-    def _fused(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.qkv is None or self.qkv[0].data_ptr() != self.q.weight.data_ptr():
+    def use_qkv_product(self, product: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> None:
+        """Project with `product` (x -> [..., 3 dim], q then k then v) while q's weight is the first third
+        of `weight` (the layers are views of it: `fuse_projections`, or the FP8 conversion's one product)."""
+        self.qkv = (product, weight)
+
+    def _fused(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if self.qkv is None or self.qkv[1].data_ptr() != self.q.weight.data_ptr():
             return None
-        return self.qkv
+        return self.qkv[0]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads = (self.num_heads, -1)
         fused = self._fused()
         if fused is not None:
-            q, k, v = F.linear(x, *fused).chunk(3, dim=-1)
+            q, k, v = fused(x).chunk(3, dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
         return self.norm_q(q).unflatten(2, heads), self.norm_k(k).unflatten(2, heads), v.unflatten(2, heads)

@@ -106,7 +106,12 @@ def test_conversion_touches_exactly_the_block_hot_path_linears():
     after = dict(model.named_parameters())
     assert all(after[n] is p for n, p in kept_params.items())  # embeddings, head, cross k/v untouched
     block = model.blocks[0].self_attn.q
-    assert block.weight_fp8.dtype == FP8_DTYPE and block.weight_scale.shape == (1, 128)
+    assert block.weight.dtype == FP8_DTYPE and block.weight_scale.shape == (1, 128)
+    for b in model.blocks:  # q, k and v run as one product over a weight they are slices of
+        attn = b.self_attn
+        assert attn._fused() is attn.qkv[0] and attn.qkv[0].weight.shape == (3 * 128, 128)
+        assert attn.v.weight.data_ptr() == attn.qkv[0].weight[2 * 128:].data_ptr()
+        assert isinstance(b.ffn[1], nn.Identity)  # the GELU is in ffn.2's quantisation
     with pytest.raises(ValueError, match=r"blocks\.0\.self_attn\.q is a FP8Linear.*converted twice"):
         convert_dit_to_fp8(model, emulate=True)
 
@@ -208,4 +213,4 @@ def test_load_models_converts_the_dit_on_a_capable_gpu():
         pytest.skip("needs compute capability >= 8.9")
     models = load_models(load_config("tiny-random", ["model.device=cuda", "model.fp8_linear=true"]))
     assert _linear_names(models.dit, FP8Linear) == {f"blocks.{i}.{p}" for i in range(4) for p in BLOCK_LINEARS}
-    assert models.dit.blocks[0].ffn[0].weight_fp8.is_cuda
+    assert models.dit.blocks[0].ffn[0].weight.is_cuda

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.config import load_config
 from loom_live.engine.models.fp8_linear import convert_dit_to_fp8
 from loom_live.engine.models.lora import LoraMerger, read_lora
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
@@ -39,7 +39,7 @@ def test_fused_projections_equal_the_three_products():
     assert _fused_products(model) == len(model.blocks)
     assert dict(model.named_parameters()).keys() == names.keys()  # the checkpoint names stay
     attn = model.blocks[0].self_attn
-    assert attn.k.weight.data_ptr() == attn.qkv[0][attn.k.out_features:].data_ptr()  # views of the fused matrix
+    assert attn.k.weight.data_ptr() == attn.qkv[1][attn.k.out_features:].data_ptr()  # views of the fused matrix
     torch.testing.assert_close(_stream(model), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -67,13 +67,21 @@ def test_weights_given_storage_of_their_own_end_the_fusion():
     torch.testing.assert_close(_stream(model.float()), _stream(reference.float()), rtol=1e-5, atol=1e-5)
 
 
-def test_fusion_refuses_fp8_layers_and_the_config_refuses_both():
+def test_fusion_refuses_fp8_layers_and_fp8_fuses_a_fused_model_again():
     model = WanDiT(DIT_PRESETS["tiny"]).eval()
     convert_dit_to_fp8(model, emulate=True)
     with pytest.raises(ValueError, match="fuse before an FP8 conversion"):
         model.fuse_projections()
-    with pytest.raises((ConfigError, ValueError), match="fuse_qkv.*fp8_linear"):
-        load_config("tiny-random", ["model.fuse_qkv=true", "model.fp8_linear=true"])
+    torch.manual_seed(2)
+    plain = WanDiT(DIT_PRESETS["tiny"]).eval()
+    fused = WanDiT(DIT_PRESETS["tiny"]).eval()
+    fused.load_state_dict(plain.state_dict())
+    fused.fuse_projections()  # model.fuse_qkv and model.fp8_linear together: the FP8 product replaces it
+    for m in (plain, fused):
+        convert_dit_to_fp8(m, emulate=True)
+    assert _fused_products(fused) == len(fused.blocks)
+    torch.testing.assert_close(_stream(fused), _stream(plain), rtol=0, atol=0)
+    assert load_config("tiny-random", ["model.fuse_qkv=true", "model.fp8_linear=true"]).model.fuse_qkv
 
 
 @pytest.mark.gpu
