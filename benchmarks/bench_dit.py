@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(DTYPES[args.dtype]).eval().requires_grad_(False)
     if args.fuse_qkv:  # after the dtype cast, which would give each third storage of its own
         model.fuse_projections()
-    if args.fp8:  # after the dtype cast; refuses a CPU unless --smoke
-        convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse)
     if args.fuse or args.splits > 1:
         model.fuse_elementwise(BlockOps.compiled(attention_splits=args.splits) if args.fuse
                                else BlockOps.eager(attention_splits=args.splits))
+    if args.fp8:  # after the dtype cast and the block ops; refuses a CPU unless --smoke
+        convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse)
     results = []
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):

@@ -14,7 +14,9 @@ Scheme (W8A8, dynamic activations):
   whole activation once more, so the conversion runs as few as it can: q, k and v, which read the same
   input, become one product over their stacked weights (one quantisation instead of three), and the
   FFN's GELU moves into its second linear's quantisation (one pass instead of a GELU pass and a
-  quantisation pass);
+  quantisation pass), and the block's norms before q/k/v, the cross-attention's q and the FFN hand
+  their layers rows already quantised (`QuantizedRows`: the norm and the quantisation as one pass, and
+  no full-precision copy of the normalised activation written and read back);
 - product: `torch._scaled_mm` with row-wise scales, bias fused in the output dtype.
 Both operands go through the same `quantize_rows`, and the CPU emulation
 (`scaled_mm_emulated`, used by tests and smoke runs) computes what the GPU kernel computes:
@@ -44,11 +46,14 @@ float8 buffers as if they were plain numbers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom_live.engine.models.wan_dit_ops import BlockOps, affine_norm, norm_modulate
 
 if TYPE_CHECKING:
     from loom_live.engine.models.wan_dit import WanDiT
@@ -69,6 +74,16 @@ BLOCK_LINEARS = (
 )
 
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class QuantizedRows(NamedTuple):
+    """An activation already quantised by `quantize_rows` (data [M, K] e4m3, scale [M, 1] float32), with
+    the shape and dtype of the activation it stands for: what an `FP8Linear` takes instead of it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,18 +170,41 @@ class FP8Linear(nn.Module):
         bias = None if self.bias is None else self.bias[start:stop]
         return FP8Linear(self.weight[start:stop], self.weight_scale[:, start:stop], bias, self.emulate, self.quantize)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        a, scale_a = self.quantize(x.reshape(-1, self.in_features))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            a, scale_a, shape, dtype = x
+        else:
+            (a, scale_a), shape, dtype = self.quantize(x.reshape(-1, self.in_features)), x.shape, x.dtype
         b = self.weight.t()  # [in, out] column-major view, as _scaled_mm wants
         if self.emulate:
-            y = scaled_mm_emulated(a, b, scale_a, self.weight_scale, self.bias, x.dtype)
+            y = scaled_mm_emulated(a, b, scale_a, self.weight_scale, self.bias, dtype)
         else:
-            y = torch._scaled_mm(a, b, scale_a, self.weight_scale, bias=self.bias, out_dtype=x.dtype)
-        return y.reshape(*lead, self.out_features)
+            y = torch._scaled_mm(a, b, scale_a, self.weight_scale, bias=self.bias, out_dtype=dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, emulate={self.emulate}"
+
+
+def quantizing_norms(ops: BlockOps, compiled: bool) -> BlockOps:
+    """`ops` whose norm_modulate and affine_norm return `QuantizedRows` for the FP8 layers they feed: the
+    norm and the quantisation as one function (compiled together when `compiled`), so the normalised
+    activation is never written in full precision."""
+
+    def quantizing(norm: Callable[..., torch.Tensor]) -> Callable[..., QuantizedRows]:
+        def norm_rows(x: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+            h = norm(x, *args)
+            return quantize_rows(h.reshape(-1, h.shape[-1]))
+
+        fused = torch.compile(norm_rows, fullgraph=True) if compiled else norm_rows
+
+        def run(x: torch.Tensor, *args: object) -> QuantizedRows:
+            return QuantizedRows(*fused(x, *args), x.shape, x.dtype)
+
+        return run
+
+    return replace(ops, norm_modulate=quantizing(norm_modulate), affine_norm=quantizing(affine_norm),
+                   quantized_norms=True)
 
 
 def check_fp8_device(device: torch.device | str) -> None:
@@ -199,9 +237,11 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
 
     q, k and v become row slices of one layer whose product the block runs (one quantisation of
     their shared input); the FFN's GELU moves into its second linear's quantisation (`ffn.1` becomes
-    the identity). Embeddings, head and the per-prompt cross-attention K/V projections stay as they
-    are. Blocks left on the meta device (another pipeline rank's) are skipped. `compiled` runs the
-    activation quantisation through torch.compile (one kernel instead of several eager passes).
+    the identity); the block's norms quantise for the layers after them (`quantizing_norms`, built
+    from the ops the block has, so set those first: `WanDiT.fuse_elementwise` refuses to run after).
+    Embeddings, head and the per-prompt cross-attention K/V projections stay as they are. Blocks left
+    on the meta device (another pipeline rank's) are skipped. `compiled` runs the activation
+    quantisation through torch.compile (one kernel instead of several eager passes).
     """
     param = model.patch_embedding.weight
     if not emulate:
@@ -215,6 +255,7 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
         return torch.compile(fn, fullgraph=True) if compiled else fn
 
     quantize, quantize_gelu = fuse(quantize_rows), fuse(quantize_gelu_rows)
+    block_ops: dict[int, BlockOps] = {}  # one quantising set per set of ops (the blocks share one)
     names = []
     for i, block in enumerate(model.blocks):
         if block.modulation.is_meta:
@@ -240,6 +281,9 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
         block.ffn[0] = FP8Linear.from_linear(first, emulate, quantize)
         block.ffn[1] = nn.Identity()
         block.ffn[2] = FP8Linear.from_linear(second, emulate, quantize_gelu)
+        if id(block.ops) not in block_ops:
+            block_ops[id(block.ops)] = quantizing_norms(block.ops, compiled)
+        block.ops = block_ops[id(block.ops)]
         names += [f"blocks.{i}.{path}" for path in BLOCK_LINEARS]
     return names
 

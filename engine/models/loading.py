@@ -197,8 +197,6 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
     lora.capture()  # a live scale change replays one CUDA graph (CUDA only)
     clock.lap("lora")
-    if mc.fp8_linear:  # after loading: the checkpoint holds the full-precision weights
-        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         if mc.fuse_elementwise:
@@ -214,6 +212,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
                 wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does
             elif vc.fuse_norms:
                 wan.fuse_norms()
+    if mc.fp8_linear:  # after loading (the checkpoint holds the full-precision weights) and the block ops
+        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny
     mem = cfg.memory

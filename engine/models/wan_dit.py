@@ -451,6 +451,9 @@ class WanDiT(nn.Module):
         (Triton on CUDA); `BlockOps.eager()` switches back.
         """
         ops = BlockOps.compiled() if ops is None else ops
+        if any(getattr(m, "ops", ops).quantized_norms for m in self.modules()):
+            raise ValueError("fuse_elementwise: the blocks' norms quantise for their FP8 layers; choose the ops "
+                             "before convert_dit_to_fp8, which builds on them")
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops

@@ -87,6 +87,7 @@ class BlockOps:
     cache: CacheOps  # RoPE on q and k, the sink scores and writes, the window's attention (engine/cache/kv_cache.py)
     linear_gelu: Callable[..., torch.Tensor]
     fused: bool
+    quantized_norms: bool = False  # norm_modulate and affine_norm return FP8 rows (engine/models/fp8_linear.py)
 
     @classmethod
     def eager(cls, attention_splits: int = 1) -> BlockOps:

@@ -24,6 +24,7 @@ from loom_live.engine.models.fp8_linear import (
 )
 from loom_live.engine.models.loading import load_models
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT, WanDiTConfig
+from loom_live.engine.models.wan_dit_ops import EAGER_OPS, BlockOps
 
 E4M3_HALF_STEP = 2.0**-4  # round-to-nearest with 3 mantissa bits: relative error <= 2^-4 for normal values
 E4M3_MIN_NORMAL = 2.0**-6
@@ -167,6 +168,31 @@ def test_streaming_forward_with_emulated_fp8_stays_close_to_float32():
     assert 0 < rel < 0.03
 
 
+def test_norms_that_quantise_for_their_layers_give_what_the_layers_quantising_give():
+    """The blocks' norms hand their FP8 layers rows already quantised (one pass instead of two): the
+    same numbers as the layers quantising the norms' output themselves."""
+    torch.manual_seed(9)
+    fused = WanDiT(DIT_PRESETS["tiny"]).eval()
+    plain = copy.deepcopy(fused)
+    for model in (fused, plain):
+        convert_dit_to_fp8(model, emulate=True)
+    assert all(b.ops.quantized_norms for b in fused.blocks)
+    assert not fused.head.ops.quantized_norms  # the head's norm feeds a full-precision layer
+    for b in plain.blocks:
+        b.ops = EAGER_OPS
+    ctx = torch.randn(1, 8, 4096)
+    outs = []
+    with torch.no_grad():
+        for model in (fused, plain):
+            cache, cross = model.new_cache(1, (8, 8), num_kv_cache=3, sink=1, refresh_at=5), model.cross_kv(ctx)
+            torch.manual_seed(10)
+            chunks = [torch.randn(1, 16, f, 8, 8) for f in (2, 1, 1, 1)]
+            outs.append(torch.cat([model.forward_stream(c, torch.tensor([600.0]), cache, cross) for c in chunks], 2))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="choose the ops before convert_dit_to_fp8"):
+        fused.fuse_elementwise(BlockOps.eager())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1536, 1536), (1536, 8960), (8960, 1536)])
 def test_cuda_scaled_mm_matches_the_emulation(k, n):
@@ -192,7 +218,8 @@ def test_cuda_fp8_dit_streams_under_graphs_like_the_emulation():
     with torch.device(dev):
         model = WanDiT(DIT_PRESETS["tiny"]).to(torch.bfloat16).eval()
     emulated = copy.deepcopy(model)
-    assert len(convert_dit_to_fp8(model)) == 32
+    model.fuse_elementwise()  # the session's path: compiled block ops, then the conversion on them
+    assert len(convert_dit_to_fp8(model, compiled=True)) == 32
     convert_dit_to_fp8(emulated, emulate=True)
     ctx = torch.randn(1, 8, 4096, device=dev)
     chunks = [torch.randn(1, 16, f, 8, 8, device=dev) for f in [2] + [1] * 10]
