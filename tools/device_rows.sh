@@ -95,7 +95,11 @@ PY
         step fp8_conv 200 python3 benchmarks/bench_fp8_conv.py --json "$out/fp8_conv.json"
         tail -12 "$out/fp8_conv.txt"
         step fp8_test 120 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py
-        bench b14_fp8_fused 420 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
+        # the 1.3B DiT alone (graphs, fused ops, the window in 3 parts): bf16 against FP8
+        step dit13_bf16 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --json "$out/dit13_bf16.json"
+        step dit13_fp8 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --fp8 --json "$out/dit13_fp8.json"
+        grep -h -A3 "median ms" "$out"/dit13_{bf16,fp8}.txt
+        bench b14_fp8_fused 300 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest
