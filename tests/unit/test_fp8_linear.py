@@ -151,19 +151,22 @@ def test_checkpoint_loads_before_conversion(tmp_path):
     assert convert_dit_to_fp8(rank, emulate=True) == [f"blocks.1.{p}" for p in BLOCK_LINEARS]
 
 
+def _tiny_stream(model: WanDiT, seed: int) -> torch.Tensor:
+    """Four chunks of a tiny-model stream (the first two latents), their outputs concatenated."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(1, 8, 4096, generator=g)
+    chunks = [torch.randn(1, 16, f, 8, 8, generator=g) for f in (2, 1, 1, 1)]
+    with torch.no_grad():
+        cache, cross = model.new_cache(1, (8, 8), num_kv_cache=3, sink=1, refresh_at=5), model.cross_kv(ctx)
+        return torch.cat([model.forward_stream(c, torch.tensor([600.0]), cache, cross) for c in chunks], 2)
+
+
 def test_streaming_forward_with_emulated_fp8_stays_close_to_float32():
     torch.manual_seed(5)
     ref = WanDiT(DIT_PRESETS["tiny"]).eval()
     fp8 = copy.deepcopy(ref)
     convert_dit_to_fp8(fp8, emulate=True)
-    ctx = torch.randn(1, 8, 4096)
-    outs = []
-    with torch.no_grad():
-        for model in (ref, fp8):
-            cache, cross = model.new_cache(1, (8, 8), num_kv_cache=3, sink=1, refresh_at=5), model.cross_kv(ctx)
-            torch.manual_seed(6)
-            chunks = [torch.randn(1, 16, f, 8, 8) for f in (2, 1, 1, 1)]
-            outs.append(torch.cat([model.forward_stream(c, torch.tensor([600.0]), cache, cross) for c in chunks], 2))
+    outs = [_tiny_stream(model, seed=6) for model in (ref, fp8)]
     rel = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
     assert 0 < rel < 0.03
 
@@ -180,15 +183,7 @@ def test_norms_that_quantise_for_their_layers_give_what_the_layers_quantising_gi
     assert not fused.head.ops.quantized_norms  # the head's norm feeds a full-precision layer
     for b in plain.blocks:
         b.ops = EAGER_OPS
-    ctx = torch.randn(1, 8, 4096)
-    outs = []
-    with torch.no_grad():
-        for model in (fused, plain):
-            cache, cross = model.new_cache(1, (8, 8), num_kv_cache=3, sink=1, refresh_at=5), model.cross_kv(ctx)
-            torch.manual_seed(10)
-            chunks = [torch.randn(1, 16, f, 8, 8) for f in (2, 1, 1, 1)]
-            outs.append(torch.cat([model.forward_stream(c, torch.tensor([600.0]), cache, cross) for c in chunks], 2))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(_tiny_stream(fused, seed=10), _tiny_stream(plain, seed=10), rtol=0, atol=0)
     with pytest.raises(ValueError, match="choose the ops before convert_dit_to_fp8"):
         fused.fuse_elementwise(BlockOps.eager())
 
