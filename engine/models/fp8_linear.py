@@ -12,11 +12,11 @@ Scheme (W8A8, dynamic activations):
   [out, in] weight), stored as float8_e4m3fn (half the bf16 weight memory);
 - activations: quantised per token (row) on every call, scale = row amax / 448. That pass reads the
   whole activation once more, so the conversion runs as few as it can: q, k and v, which read the same
-  input, become one product over their stacked weights (one quantisation instead of three), and the
-  FFN's GELU moves into its second linear's quantisation (one pass instead of a GELU pass and a
-  quantisation pass), and the block's norms before q/k/v, the cross-attention's q and the FFN hand
-  their layers rows already quantised (`QuantizedRows`: the norm and the quantisation as one pass, and
-  no full-precision copy of the normalised activation written and read back);
+  input, become one product over their stacked weights (one quantisation instead of three); the FFN's
+  GELU moves into its second linear's quantisation (one pass instead of a GELU pass and a
+  quantisation pass); and the block's norms before q/k/v, the cross-attention's q and the FFN hand
+  their layers rows already quantised (`QuantizedRows`: the norm and the quantisation as one pass,
+  with no full-precision copy of the normalised activation written and read back);
 - product: `torch._scaled_mm` with row-wise scales, bias fused in the output dtype.
 Both operands go through the same `quantize_rows`, and the CPU emulation
 (`scaled_mm_emulated`, used by tests and smoke runs) computes what the GPU kernel computes:
