@@ -482,7 +482,7 @@ class WanVAE(nn.Module):
         cache = state.encoder
         check_pixels(x, first=not cache.started, what="WanVAE.encode_stream")
         check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "WanVAE.encode_stream")
-        encoder = self.encoder if cache.started else self.encoder.forward  # first call: plain (encode_stream)
+        encoder = self.encoder if cache.started else self.encoder.forward  # first call: plain (see this docstring)
         h = encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
@@ -498,7 +498,7 @@ class WanVAE(nn.Module):
         z = z.to(dtype=self.dtype, memory_format=self.memory_format)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
-        decoder = self.decoder if cache.started else self.decoder.forward  # first call: plain (encode_stream)
+        decoder = self.decoder if cache.started else self.decoder.forward  # first call: plain (see encode_stream)
         x = decoder(self.post_quant_conv(z, cache), cache)
         cache.started = True
         return x.clamp_(-1.0, 1.0)
