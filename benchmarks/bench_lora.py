@@ -1,7 +1,8 @@
 """Style LoRAs at full speed: the same stream with no LoRA, and with two merged LoRAs whose scale
 changes live once a second. Random weights and random rank-R LoRAs on every attention and FFN
 linear of the preset's DiT (speed does not depend on weight values). Prints one table and writes
-JSON: FPS of both runs, their ratio, and the GPU time of a scale change (the session's `lora` stage).
+JSON: FPS of both runs, their ratio, the GPU time of a scale change (the session's `lora` stage) and
+what a change adds to the stream as the host sees it (the longest push after it, less the median push).
 `--merge-only`: the merge alone, no stream: host and GPU time of a scale change, eager and replayed
 as the captured CUDA graph.
 
@@ -114,14 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = run_loom(cfg, frames, args.warmup, input_fps=0.0, lora_period_s=period)
     plain, lora = results["no LoRA"], results["2 LoRAs, live scale"]
     change_ms = lora["stages_ms"].get("lora", {})
+    excess = lora.get("lora_change_excess_ms", {})
     print(f"\n{'run':<22} {'FPS':>8} {'p99 ms':>8} {'scale changes':>14}")
     for label, r in results.items():
         print(f"{label:<22} {r['fps']:>8.2f} {r['latency_ms'].get('p99', float('nan')):>8.1f} {r['lora_changes']:>14}")
     print(f"LoRA / no LoRA: {lora['fps'] / plain['fps']:.3f}; scale change GPU time: {change_ms}")
+    print(f"a change adds to the push that carries it (or the next): {excess}")
     if args.json:
         out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
                "config": args.config, "steps": args.steps, "rank": args.rank, "runs": results,
-               "fps_ratio": lora["fps"] / plain["fps"], "scale_change_ms": change_ms}
+               "fps_ratio": lora["fps"] / plain["fps"], "scale_change_ms": change_ms,
+               "change_excess_ms": excess}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     return 0

@@ -144,6 +144,9 @@ class StreamConfig:
     decode_priority: bool = spec(True, doc="run the decode (the output a viewer waits for) on the highest-priority "
                                            "CUDA stream; off: every stream at the default priority, to compare, or "
                                            "where the denoise bounds the frame rate and must not yield SMs to it")
+    lora_priority: bool = spec(True, doc="merge a live LoRA scale change on a CUDA stream of its own at the "
+                                         "highest priority, so the next forward waits less for it; off: on "
+                                         "the denoise stream, to compare")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

@@ -8,8 +8,14 @@ them to the decode's waiting blocks before the other streams' (a hint: running b
 preempted and the total work does not change). CUDA graphs replayed on the decode stream take
 its priority (graphs are not instantiated with per-node priorities here).
 
-On a CPU there are no streams; with `memory.low_vram` the decode runs on the denoise stream
-(one memory pool), so there is no decode stream to raise.
+A live LoRA scale change merges the adapted weights between two forwards, and the next forward
+waits for it. Beside the VAE's convolutions the merge's short, memory-bound kernels queue for SMs
+and the forward behind them waits the longer; so the merge gets a stream of its own at the highest
+priority, joined to the denoise stream before and after.
+
+On a CPU there are no streams; with `memory.low_vram` the decode and the merge run on the denoise
+stream (one memory pool; the merge's low_vram path allocates on the host side), so there is no
+decode or merge stream to raise.
 
 The edit family has the same shape of work with other names: its main stream (UNet and decode) makes
 the batch a viewer waits for, while the side stream encodes the next batch and the prompt encoder's
@@ -33,6 +39,7 @@ class SessionStreams:
     side: torch.cuda.Stream | None
     denoise: torch.cuda.Stream | None
     decode: torch.cuda.Stream | None
+    merge: torch.cuda.Stream | None = None
 
 
 def highest_priority() -> int:
@@ -45,21 +52,24 @@ def highest_priority() -> int:
     return int(greatest)
 
 
-def session_streams(device: torch.device, *, separate_decode: bool, decode_priority: bool) -> SessionStreams:
+def session_streams(device: torch.device, *, separate_decode: bool, decode_priority: bool,
+                    merge_stream: bool = True) -> SessionStreams:
     """The streams a session on `device` runs on.
 
     `separate_decode`: the decode gets a stream of its own (false with low_vram);
-    `decode_priority`: that stream runs at `highest_priority()`, else at the default.
+    `decode_priority`: that stream runs at `highest_priority()`, else at the default;
+    `merge_stream`: with a separate decode, the LoRA merge gets a stream at `highest_priority()`
+    (else it runs on the denoise stream).
     """
     if device.type != "cuda":
         return SessionStreams(None, None, None)
     side = torch.cuda.Stream(device)
     denoise = torch.cuda.Stream(device)
-    decode = None
-    if separate_decode:
-        priority = highest_priority() if decode_priority else DEFAULT_PRIORITY
-        decode = torch.cuda.Stream(device, priority=priority)
-    return SessionStreams(side, denoise, decode)
+    if not separate_decode:
+        return SessionStreams(side, denoise, None)
+    decode = torch.cuda.Stream(device, priority=highest_priority() if decode_priority else DEFAULT_PRIORITY)
+    merge = torch.cuda.Stream(device, priority=highest_priority()) if merge_stream else None
+    return SessionStreams(side, denoise, decode, merge)
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,10 @@ class StreamSession:
         # low_vram runs the stages one after another: decode on the denoise stream (one memory pool for
         # both: streams do not share cached memory) and no chunk left running, so their memory never coexists
         streams = session_streams(self.device, separate_decode=not cfg.memory.low_vram,
-                                  decode_priority=cfg.stream.decode_priority)
+                                  decode_priority=cfg.stream.decode_priority,
+                                  merge_stream=cfg.stream.lora_priority and bool(cfg.lora))
         self._side, self._denoise_stream, self._decode_stream = streams.side, streams.denoise, streams.decode
+        self._merge_stream = streams.merge
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
@@ -356,11 +358,17 @@ class StreamSession:
             self.control.swap_reference(self.denoiser)
 
     def _apply_lora(self) -> bool:
-        """Merge requested LoRA scale changes, between two forwards on the denoise stream."""
+        """Merge requested LoRA scale changes between two forwards: after the denoise stream's work so
+        far, before its next forward (on the merge stream where there is one, cuda_streams.py)."""
         if not self._lora_pending:
             return False
-        with self.timer.span("lora", None):
+        stream = self._merge_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with _on(stream), self.timer.span("lora", None):
             self.models.lora.set_scales(self._lora_pending)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         self._lora_pending.clear()
         return True
 

@@ -69,9 +69,11 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     period = 1.0 / input_fps if input_fps > 0 else 0.0
     bar = FrameProgress(len(frames) - done, "loom bench")
     changes, next_change = 0, t0 + lora_period_s
+    push_s, changed_at = [], []  # each push's wall time; the pushes that carried a LoRA scale change
     for i in range(done, len(frames), FRAMES_PER_CHUNK):
         if lora_period_s and cfg.lora and time.perf_counter() >= next_change:
             changes += 1
+            changed_at.append(len(push_s))
             entry = cfg.lora[0]
             session.set_params(lora_scales={entry.key: entry.scale * (0.5 if changes % 2 else 1.0)})
             next_change += lora_period_s
@@ -79,7 +81,9 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
             due = t0 + (i - done + FRAMES_PER_CHUNK) * period
             while time.perf_counter() < due:
                 time.sleep(min(0.0005, due - time.perf_counter()))
+        t_push = time.perf_counter()
         session.push(frames[i:i + FRAMES_PER_CHUNK])
+        push_s.append(time.perf_counter() - t_push)
         bar.update(len(frames[i:i + FRAMES_PER_CHUNK]))
     bar.close()
     session.poll(wait=True)
@@ -88,6 +92,8 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
     stats = session.stats()
     stats["ttff_s"] = ttff
     stats["lora_changes"] = changes
+    if changed_at:
+        stats["lora_change_excess_ms"] = change_excess_ms(push_s, changed_at)
     stats["measured_frames"] = stats["frames_out"]
     stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
     if device.type == "cuda":  # what the card must hold, from load to the last frame
@@ -102,6 +108,17 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
             lambda: (session.poll(wait=True), _sync(device)))
     session.close()
     return stats
+
+
+def change_excess_ms(push_s: list[float], changed_at: list[int], after: int = 2) -> dict[str, float]:
+    """What a live change adds to the stream, as the host sees it: for each change, the longest of the
+    `after` pushes from the one that carried it, less the median push (ms; mean and max over changes).
+    A push blocks while the chunks before it finish, so a merge the next forward waits on lengthens one
+    of them."""
+    median = float(np.median(push_s))
+    excess = [max(push_s[j:j + after]) - median for j in changed_at if j < len(push_s)]
+    return {"mean": 1e3 * float(np.mean(excess)), "max": 1e3 * max(excess), "median_push": 1e3 * median,
+            "count": len(excess)}
 
 
 def _progress(text: str) -> None:

@@ -62,3 +62,32 @@ def test_bench_edit_family_reports_each_batch_size_and_the_encoder(tmp_path, cap
         assert row in table
     data = json.loads(out.read_text())
     assert set(data["edit"]["runs"]) == {"2", "4"} and data["edit"]["runs"]["4"]["frames_out"] > 0
+
+
+def test_bench_lora_reports_what_a_live_change_adds_to_the_stream(tmp_path):
+    """`benchmarks/bench_lora.py` on the tiny model: both runs, the changes made, the merge's span and
+    the push excess after each change (the figure the scale-change row is judged by)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "lora.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lora.py"
+    proc = subprocess.run([sys.executable, str(script), "--config", "tiny-random", "--frames", "24", "--warmup", "9",
+                           "--period", "0.02", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    changes = result["runs"]["2 LoRAs, live scale"]["lora_changes"]
+    assert changes >= 1 and result["runs"]["no LoRA"]["lora_changes"] == 0
+    assert result["change_excess_ms"]["count"] == changes and 1 <= result["scale_change_ms"]["count"] <= changes
+    assert result["change_excess_ms"]["median_push"] > 0 and result["change_excess_ms"]["max"] >= \
+        result["change_excess_ms"]["mean"]
+
+
+def test_change_excess_is_the_longest_push_after_a_change_less_the_median():
+    from loom_live.engine.tools.bench import change_excess_ms
+
+    pushes = [0.1, 0.1, 0.1, 0.13, 0.1, 0.1, 0.1, 0.1, 0.105, 0.1]
+    got = change_excess_ms(pushes, [2, 7])  # the first change's merge shows in the push after it
+    assert got["count"] == 2 and got["median_push"] == 100.0
+    assert abs(got["max"] - 30.0) < 1e-9 and abs(got["mean"] - 17.5) < 1e-9
