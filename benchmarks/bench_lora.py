@@ -90,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--period", type=float, default=1.0, help="seconds between live scale changes")
     p.add_argument("--merge-only", action="store_true", help="time the merge alone (no stream)")
     p.add_argument("--changes", type=int, default=50, help="--merge-only: scale changes timed")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for both runs (repeatable), e.g. stream.lora_priority=false")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     base = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash",
-            f"stream.steps=[{args.steps}]"]
+            f"stream.steps=[{args.steps}]", *args.set]
     preset = load_config(args.config, base).model.preset
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -24
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change)|start-up [0-9]|passed|failed|error" "$out/$name.txt" | tail -24
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
@@ -162,7 +162,10 @@ PY
         TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_fill 200 --frames 600
         TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_warm 150 --frames 600 ;;
     lora)
-        step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json" ;;
+        # the merge on its own highest-priority stream (default), then on the denoise stream as before
+        step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
+        step lora_denoise_stream 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_priority=false \
+            --json "$out/lora_denoise_stream.json" ;;
     ipc)
         for s in 0 300; do
             LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
