@@ -6,7 +6,8 @@ crash; its compiled kernels come from the persistent Inductor cache) and `standb
 is kept loaded and warmed, and takes over at once). For each mode: seconds from `start()` to the
 first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
 fresh output of its successor, and the longest host call meanwhile; in `standby` mode also the seconds
-from `start()` until the standby first said ready (both engines ready). Prints one table; `--json`
+from `start()` until the standby first said ready (both engines ready). Prints one table, then each
+serving engine's start-up line (where its start-up went, and how long its process ran before); `--json`
 writes the same. Needs a GPU for the default preset; Linux (SIGKILL).
 
     python benchmarks/bench_recovery.py --json out/recovery.json        # wan2.1-1.3b, cuda-ipc, both modes
@@ -29,6 +30,8 @@ import numpy as np  # noqa: E402
 
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+
+STARTUP_MARK = "start-up "  # the engine's one line on where its start-up went (engine/stream/startup.py)
 
 RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
 
@@ -57,13 +60,19 @@ class HostLoop:
         return None
 
 
+def startup_line(bridge: Bridge) -> str | None:
+    """The serving engine's start-up line, from the last lines it printed (None if not among them)."""
+    return next((line[line.index(STARTUP_MARK):] for line in reversed(bridge.status().log_tail)
+                 if STARTUP_MARK in line), None)
+
+
 def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dict:
     overrides = ([] if args.trained_weights else RANDOM_WEIGHTS) + args.overrides
     cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
                        passthrough=args.passthrough,
                        standby=mode == "standby", engine_warmup=args.warmup, restart_backoff_s=0.0,
                        handshake_timeout_s=120.0, load_timeout_s=args.timeout)
-    row: dict = {"mode": mode, "kills": []}
+    row: dict = {"mode": mode, "kills": [], "startup_lines": []}
     bridge = Bridge(cfg)
     loop = HostLoop(bridge, clip, args.fps)
     t0 = time.monotonic()
@@ -74,6 +83,7 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
             row["error"] = f"no restyled frame within {args.timeout:.0f} s: {bridge.status().message}"
             return row
         row["start_to_first_frame_s"] = round(time.monotonic() - t0, 2)
+        row["startup_lines"].append(startup_line(bridge))
         for _ in range(args.kills):
             if mode == "standby":  # a kill before the standby is ready measures a restart, not the standby
                 ready = loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
@@ -88,6 +98,7 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
             took = loop.until(lambda s, old=pid: not s.fallback and bridge.stats()["engine_pid"] != old, args.timeout)
             row["kills"].append({"kill_to_frame_s": None if took is None else round(took, 2),
                                  "longest_host_call_ms": round(loop.longest_call_s * 1000, 2)})
+            row["startup_lines"].append(startup_line(bridge))
     finally:
         bridge.close()
     return row
@@ -123,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         start, both = ("-" if v is None else f"{v:.2f}" for v in (start, both))
         print(f"{r['mode']:8s} {start:>15s} {both:>17s} {kills:>28s} {longest:>22.2f}"
               + (f"  ({r['error']})" if "error" in r else ""))
+    for r in rows:  # the serving engine's own account, at its first frame and after each kill
+        for i, line in enumerate(r["startup_lines"]):
+            print(f"{r['mode']} engine {i}: {line or 'no start-up line in its last output'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

@@ -39,7 +39,7 @@ class LoadedModels:
     device: torch.device
     dtype: torch.dtype
     lora: LoraMerger  # the DiT's merged style LoRAs (none loaded: a no-op owner)
-    load_s: dict[str, float] = field(default_factory=dict)  # seconds: dit, vae, lora, prepare (start-up log)
+    load_s: dict[str, float] = field(default_factory=dict)  # seconds per part of the load (start-up log)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -139,8 +139,8 @@ def check_weight_files(cfg: LoomConfig) -> None:
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:
     """The models of a run; with `dit_blocks` only those DiT blocks get weights (a pipeline rank):
     read from the checkpoint alone, or, for seeded and embedded weights, built whole and the rest dropped."""
-    clock = _Laps()
     device = resolve_device(cfg.model.device)
+    clock = _Laps(device)
     # The embedded model's held-out metrics are the same in bfloat16 (docs/embedded-model.md).
     dtype = resolve_dtype(cfg.model.dtype, device, cpu_bfloat16=cfg.model.preset == "embedded")
     mc, vc = cfg.model, cfg.vae
@@ -204,6 +204,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
                                                    attention_splits=mc.attention_splits))
         elif mc.attention_splits > 1:
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
+        clock.lap("block_ops")  # the first compiled function imports torch's compiler
         if wan is not None:
             wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
             wan.use_attention(vc.attention)
@@ -212,8 +213,10 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
                 wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does
             elif vc.fuse_norms:
                 wan.fuse_norms()
+        clock.lap("vae_ops")
     if mc.fp8_linear:  # after loading (the checkpoint holds the full-precision weights) and the block ops
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
+        clock.lap("fp8")
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny
     mem = cfg.memory
@@ -225,18 +228,23 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     for m in (dit, wan, tiny):
         if m is not None:
             m.requires_grad_(False)
-    clock.lap("prepare")  # fp8, fused and compiled steps set up (they compile on first use), layouts
+    clock.lap("prepare")  # the rest: VAE wrappers, gradients off
     return LoadedModels(dit, encoder, decoder, device, dtype, lora, clock.laps)
 
 
 class _Laps:
-    """Seconds between successive `lap` calls, by name."""
+    """Seconds between successive `lap` calls, by name. On a GPU each lap first waits for the device, so
+    work queued asynchronously (weights drawn on the device, layout copies) counts where it was queued."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.laps: dict[str, float] = {}
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self._device = device
         self._t = time.perf_counter()
 
     def lap(self, name: str) -> None:
+        if self._sync is not None:
+            self._sync(self._device)
         now = time.perf_counter()
-        self.laps[name] = now - self._t
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._t
         self._t = now

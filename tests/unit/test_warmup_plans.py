@@ -82,6 +82,8 @@ def test_start_up_is_broken_down_in_the_stats_and_the_log(caplog):
     assert sum(startup["detail_s"]["load"].values()) == pytest.approx(startup["phases_s"]["load"], abs=0.05)
     assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()), abs=0.01)
     assert "start-up" in caplog.text and "load" in caplog.text
+    if sys.platform == "linux":  # what the process did before the load: the interpreter, imports, a handshake
+        assert startup["before_s"] > 0 and "the process ran" in caplog.text
     session.warmup(streams=1, chunks=3)
     assert {"warmup", "warmup_plans"} <= set(session.stats()["startup"]["phases_s"])
 
@@ -95,6 +97,16 @@ def test_captures_inside_a_phase_are_counted_there():
         pass
     assert times.inside["warmup"]["captures"] == 1 and "other" not in times.inside
     assert "1 captures" in times.line()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the process's start time is read from /proc")
+def test_the_process_age_counts_from_the_process_start():
+    code = ("import time\n"
+            "time.sleep(0.4)\n"
+            "from loom_live.engine.stream.startup import process_age_s\n"
+            "print(process_age_s())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert 0.4 <= float(out.stdout) < 60
 
 
 def test_start_up_phases_do_not_import_the_compiler():
