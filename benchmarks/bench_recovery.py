@@ -1,11 +1,12 @@
 """Recovery of a show: start to the first restyled frame, and SIGKILL of the engine to the next one.
 
 A host loop submits frames at `--fps` and reads `latest()` as a show would, against a launched
-engine behind the bridge, in two modes: `restart` (the supervisor starts a new engine after a
-crash; its compiled kernels come from the persistent Inductor cache) and `standby` (a second engine
-is kept loaded and warmed, and takes over at once). For each mode: seconds from `start()` to the
-first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
-fresh output of its successor, and the longest host call meanwhile; in `standby` mode also the seconds
+engine behind the bridge, in three modes: `restart` (the supervisor starts a new engine after a
+crash; its compiled kernels come from the persistent Inductor cache), `standby` (a second engine
+is kept loaded and warmed, and takes over at once; launched once the first serves) and
+`standby-together` (the same, the standby launched beside the first engine). For each mode: seconds
+from `start()` to the first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
+fresh output of its successor, and the longest host call meanwhile; in the standby modes also the seconds
 from `start()` until the standby first said ready (both engines ready). Prints one table, then each
 serving engine's start-up line (where its start-up went, and how long its process ran before); `--json`
 writes the same. Needs a GPU for the default preset; Linux (SIGKILL).
@@ -70,7 +71,8 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
     overrides = ([] if args.trained_weights else RANDOM_WEIGHTS) + args.overrides
     cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
                        passthrough=args.passthrough,
-                       standby=mode == "standby", engine_warmup=args.warmup, restart_backoff_s=0.0,
+                       standby=mode.startswith("standby"), standby_with_engine=mode == "standby-together",
+                       engine_warmup=args.warmup, restart_backoff_s=0.0,
                        handshake_timeout_s=120.0, load_timeout_s=args.timeout)
     row: dict = {"mode": mode, "kills": [], "startup_lines": []}
     bridge = Bridge(cfg)
@@ -85,7 +87,7 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
         row["start_to_first_frame_s"] = round(time.monotonic() - t0, 2)
         row["startup_lines"].append(startup_line(bridge))
         for _ in range(args.kills):
-            if mode == "standby":  # a kill before the standby is ready measures a restart, not the standby
+            if mode.startswith("standby"):  # a kill before the standby is ready measures a restart, not the standby
                 ready = loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
                 if ready is None:
                     row["error"] = f"standby not ready within {args.timeout:.0f} s"
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--passthrough", action="store_true", help="engines return their input (a smoke run)")
     ap.add_argument("--trained-weights", action="store_true", help="load the checkpoints instead of random weights")
-    ap.add_argument("--modes", default="restart,standby", help="comma-separated: restart, standby")
+    ap.add_argument("--modes", default="restart,standby",
+                    help="comma-separated: restart, standby, standby-together (the standby launched with the engine)")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--fps", type=float, default=30.0)
     ap.add_argument("--steady-s", type=float, default=5.0, help="frames before each kill")
@@ -125,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     clip = list(generate_clip(n_frames=48, size=(width, height), fps=args.fps))
     rows = [run_mode(mode.strip(), args, clip) for mode in args.modes.split(",") if mode.strip()]
     print(f"\nrecovery: {args.config} over {args.transport}, {args.size}, {args.kills} kills per mode")
-    print(f"{'mode':8s} {'start->frame s':>15s} {'start->standby s':>17s} {'kill->frame s (each)':>28s} "
+    print(f"{'mode':16s} {'start->frame s':>15s} {'start->standby s':>17s} {'kill->frame s (each)':>28s} "
           f"{'longest host call ms':>22s}")
     for r in rows:
         kills = ", ".join("-" if k["kill_to_frame_s"] is None else f"{k['kill_to_frame_s']:.2f}" for k in r["kills"])
         longest = max((k["longest_host_call_ms"] for k in r["kills"]), default=0.0)
         start, both = (r.get(k) for k in ("start_to_first_frame_s", "start_to_standby_ready_s"))
         start, both = ("-" if v is None else f"{v:.2f}" for v in (start, both))
-        print(f"{r['mode']:8s} {start:>15s} {both:>17s} {kills:>28s} {longest:>22.2f}"
+        print(f"{r['mode']:16s} {start:>15s} {both:>17s} {kills:>28s} {longest:>22.2f}"
               + (f"  ({r['error']})" if "error" in r else ""))
     for r in rows:  # the serving engine's own account, at its first frame and after each kill
         for i, line in enumerate(r["startup_lines"]):

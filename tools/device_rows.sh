@@ -5,12 +5,13 @@
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv, thin, gelu, tune, 14b,
-# vace, vace-batched, kernels, decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
+# vace, vace-batched, kernels, decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery,
+# standby-together. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -174,6 +175,10 @@ PY
     recovery)
         # restart, then the hot standby (its start: both engines ready), two kills each
         step recovery 590 python3 benchmarks/bench_recovery.py --modes restart,standby --kills 2 --json "$out/recovery.json" ;;
+    standby-together)
+        # the standby launched beside the first engine: both ready sooner, the first frame later
+        step standby_together 400 python3 benchmarks/bench_recovery.py --modes standby-together --kills 1 \
+            --json "$out/standby_together.json" ;;
     esac
 done
 echo "== done at $(( $(date +%s) - start )) s"

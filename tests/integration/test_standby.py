@@ -54,3 +54,24 @@ def test_killed_engine_is_replaced_by_the_standby_at_once(engine):
         # and a new standby is on its way
         assert _wait(lambda: bridge.stats()["standby"]["pid"] not in (None, active, standby), 30)
         assert bridge.stats()["standby"]["launched"] == 2
+
+
+def test_a_standby_launched_with_the_engine_loads_beside_it_and_still_takes_over():
+    cfg = BridgeConfig(passthrough=True, engine_config="default", engine_cwd=str(ROOT), standby=True,
+                       standby_with_engine=True, heartbeat_s=0.1, hang_timeout_s=1.0, stop_timeout_s=1.0,
+                       restart_backoff_s=30.0)
+    frame = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with Bridge(cfg) as bridge:
+        seen_early = _wait(lambda: bridge.stats()["standby"]["pid"] is not None, 60)
+        assert seen_early and bridge.status().state != "running", "the standby waited for the engine to serve"
+        assert _fresh_frame(bridge, frame, 240)
+        assert _wait(lambda: bridge.stats()["standby"]["state"] == "ready", 240), bridge.stats()["standby"]
+        active, standby = bridge.stats()["engine_pid"], bridge.stats()["standby"]["pid"]
+        os.kill(active, signal.SIGKILL)
+        assert _wait(lambda: bridge.stats()["engine_pid"] == standby, 10)
+        assert _fresh_frame(bridge, frame, 60)
+
+
+def test_standby_with_engine_needs_a_standby():
+    with pytest.raises(ValueError, match="standby_with_engine: needs standby=true"):
+        BridgeConfig(standby_with_engine=True)
