@@ -4,14 +4,14 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv, thin, gelu, tune, 14b,
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv, fp8dit, thin, gelu, tune, 14b,
 # vace, vace-batched, kernels, decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery,
 # standby-together. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -91,12 +91,14 @@ PY
         # the 14B's block linears in FP8 (its GEMMs are 3.3x wider than the 1.3B's, where FP8 lost)
         bench b14_fp8 420 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
     fp8conv)
-        # cuDNN's e4m3 convolutions against bf16 at the VAE's conv shapes (needs the nvidia-cudnn-frontend
-        # wheel in .whl/); then the 14B FP8 stream with q/k/v as one product and the GELU in the quantisation
-        step fp8_conv 200 python3 benchmarks/bench_fp8_conv.py --json "$out/fp8_conv.json"
-        tail -12 "$out/fp8_conv.txt"
+        # cuDNN's e4m3 convolutions against bf16 at the VAE's conv shapes, each case in a child process of
+        # its own (needs the nvidia-cudnn-frontend wheel in .whl/)
+        step fp8_conv 400 python3 benchmarks/bench_fp8_conv.py --json "$out/fp8_conv.json"
+        tail -16 "$out/fp8_conv.txt" ;;
+    fp8dit)
+        # the FP8 GPU tests; the 1.3B DiT alone (graphs, fused ops, the window in 3 parts), bf16 against FP8;
+        # the 14B FP8 stream with q/k/v as one product and the GELU in the quantisation
         step fp8_test 120 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py
-        # the 1.3B DiT alone (graphs, fused ops, the window in 3 parts): bf16 against FP8
         step dit13_bf16 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --json "$out/dit13_bf16.json"
         step dit13_fp8 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --fp8 --json "$out/dit13_fp8.json"
         grep -h -A3 "median ms" "$out"/dit13_{bf16,fp8}.txt
