@@ -102,6 +102,10 @@ PY
         step dit13_bf16 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --json "$out/dit13_bf16.json"
         step dit13_fp8 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --fp8 --json "$out/dit13_fp8.json"
         grep -h -A3 "median ms" "$out"/dit13_{bf16,fp8}.txt
+        # the 14B DiT alone, bf16 against FP8: the floor under the 14B stream's period (the VAE runs beside it)
+        step dit14_bf16 180 python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --json "$out/dit14_bf16.json"
+        step dit14_fp8 180 python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --fp8 --json "$out/dit14_fp8.json"
+        grep -h -A2 "median ms" "$out"/dit14_{bf16,fp8}.txt
         bench b14_fp8_fused 300 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
