@@ -246,5 +246,5 @@ class _Laps:
         if self._sync is not None:
             self._sync(self._device)
         now = time.perf_counter()
-        self.laps[name] = self.laps.get(name, 0.0) + now - self._t
+        self.laps[name] = now - self._t
         self._t = now

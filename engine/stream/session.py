@@ -129,7 +129,7 @@ class StreamSession:
         synthetic frames, so the first real frame is served at steady-state speed.
         """
         times = StartupTimes()
-        times.mark_process_start()
+        times.note_process_age()
         with times.phase("load"):
             models = load_models(cfg)
         times.detail["load"] = dict(models.load_s)

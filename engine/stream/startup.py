@@ -80,8 +80,8 @@ class StartupTimes:
             if done:
                 self.inside[name] = done
 
-    def mark_process_start(self) -> None:
-        """Record how long the process has run (call before the first phase)."""
+    def note_process_age(self) -> None:
+        """Record how long the process has run so far (called as the first phase begins)."""
         self.before_s = process_age_s()
 
     def as_dict(self) -> dict[str, Any]:
