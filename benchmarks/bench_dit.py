@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="FP8 e4m3 block linears (model.fp8_linear; Hopper/Ada). With --smoke on a CPU: the "
                         "emulation, which checks the script, not the speed")
+    p.add_argument("--fp8-quantize", default="compiled", choices=("compiled", "triton"),
+                   help="with --fp8: the activations' row quantisation (model.fp8_quantize)")
     p.add_argument("--splits", type=int, default=1,
                    help="the self-attention over the window in this many parts (model.attention_splits)")
     p.add_argument("--fuse-qkv", action="store_true", help="q/k/v as one matrix product (model.fuse_qkv)")
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         model.fuse_elementwise(BlockOps.compiled(attention_splits=args.splits) if args.fuse
                                else BlockOps.eager(attention_splits=args.splits))
     if args.fp8:  # after the dtype cast and the block ops; refuses a CPU unless --smoke
-        convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse)
+        convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse,
+                           kernels=args.fp8_quantize)
     results = []
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
@@ -129,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
         "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
         "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs, "fp8_linear": args.fp8,
-        "attention_splits": args.splits, "fuse_qkv": args.fuse_qkv,
+        "fp8_quantize": args.fp8_quantize, "attention_splits": args.splits, "fuse_qkv": args.fuse_qkv,
         "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
     }
     print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "
           f"KV window {args.kv} ({args.sink} sinks), {args.dtype}, {env['device']}, "
-          f"graphs={args.graphs}, fused={args.fuse}, fp8={args.fp8}, splits={args.splits}, qkv={args.fuse_qkv}")
+          f"graphs={args.graphs}, fused={args.fuse}, fp8={args.fp8 and args.fp8_quantize}, splits={args.splits}, "
+          f"qkv={args.fuse_qkv}")
     header = (("B", 3), ("median ms", 10), ("p10 ms", 8), ("p90 ms", 8), ("frames/s", 9),
               ("KV MiB", 8), ("peak GiB", 9))
     print(" ".join(f"{name:>{width}}" for name, width in header))

@@ -65,6 +65,10 @@ class ModelConfig:
                                      "has few queries and the model few heads); must divide stream.num_kv_cache")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
+    fp8_quantize: str = spec("compiled", choices=("compiled", "triton"),
+                             doc="with fp8_linear: how activations are quantised per row: compiled torch "
+                                 "functions, or one-pass Triton kernels (one read of the row where Inductor's "
+                                 "loop reads it twice)")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

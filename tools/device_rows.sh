@@ -4,14 +4,14 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv, fp8dit, thin, gelu, tune, 14b,
-# vace, vace-batched, kernels, decode-paced, upsample, edit, edit-split, startup, lora, ipc, recovery,
-# standby-together. Results (JSON and each run's
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
+# fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
+# edit-split, startup, lora, ipc, recovery, standby-together. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -96,17 +96,18 @@ PY
         step fp8_conv 400 python3 benchmarks/bench_fp8_conv.py --json "$out/fp8_conv.json"
         tail -16 "$out/fp8_conv.txt" ;;
     fp8dit)
-        # the FP8 GPU tests; the 1.3B DiT alone (graphs, fused ops, the window in 3 parts), bf16 against FP8;
-        # the 14B FP8 stream with q/k/v as one product and the GELU in the quantisation
-        step fp8_test 120 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py
-        step dit13_bf16 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --json "$out/dit13_bf16.json"
-        step dit13_fp8 90 python3 benchmarks/bench_dit.py --graphs --fuse --batches 1,2 --splits 3 --fp8 --json "$out/dit13_fp8.json"
-        grep -h -A3 "median ms" "$out"/dit13_{bf16,fp8}.txt
-        # the 14B DiT alone, bf16 against FP8: the floor under the 14B stream's period (the VAE runs beside it)
-        step dit14_bf16 180 python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --json "$out/dit14_bf16.json"
-        step dit14_fp8 180 python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --fp8 --json "$out/dit14_fp8.json"
-        grep -h -A2 "median ms" "$out"/dit14_{bf16,fp8}.txt
-        bench b14_fp8_fused 300 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --profile-chunks 8 ;;
+        # the FP8 GPU tests (the one-pass row quantisation kernels among them); the 14B DiT alone in FP8 with
+        # the compiled quantisation and with the kernels: the floor under the 14B row's period
+        step fp8_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py \
+            tests/unit/test_row_quant_kernels.py
+        dit14=(python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --fp8)
+        step dit14_fp8 150 "${dit14[@]}" --json "$out/dit14_fp8.json"
+        step dit14_fp8_triton 150 "${dit14[@]}" --fp8-quantize triton --json "$out/dit14_fp8_triton.json"
+        grep -h -A2 "median ms" "$out"/dit14_fp8{,_triton}.txt ;;
+    fp8-14b)
+        # the 14B FP8 stream with the one-pass row quantisation (session 21's compiled row: 28.93 FPS)
+        bench b14_fp8_triton 300 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true \
+            --set model.fp8_quantize=triton --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,9 @@ BLOCK_LINEARS = (
     "ffn.0", "ffn.2",
 )
 
-Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (e4m3 rows [M, K], float32 scales [M, 1])
+Quantize = Callable[[torch.Tensor], Quantized]
+QUANTIZE_KERNELS = ("compiled", "triton")  # how activations are quantised: model.fp8_quantize
 
 
 class QuantizedRows(NamedTuple):
@@ -186,25 +188,54 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, emulate={self.emulate}"
 
 
-def quantizing_norms(ops: BlockOps, compiled: bool) -> BlockOps:
+def quantizing_norms(ops: BlockOps, compiled: bool, kernels: str = "compiled") -> BlockOps:
     """`ops` whose norm_modulate and affine_norm return `QuantizedRows` for the FP8 layers they feed: the
-    norm and the quantisation as one function (compiled together when `compiled`), so the normalised
-    activation is never written in full precision."""
+    norm and the quantisation as one function (compiled together when `compiled`; with `kernels`
+    "triton", one pass of `row_quant_kernels` where a row fits it), so the normalised activation is never
+    written in full precision."""
+    rows = _row_kernels(kernels)
 
-    def quantizing(norm: Callable[..., torch.Tensor]) -> Callable[..., QuantizedRows]:
-        def norm_rows(x: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantizing(norm: Callable[..., torch.Tensor], kernel: Callable[..., Quantized] | None
+                   ) -> Callable[..., QuantizedRows]:
+        def norm_rows(x: torch.Tensor, *args: object) -> Quantized:
             h = norm(x, *args)
             return quantize_rows(h.reshape(-1, h.shape[-1]))
 
         fused = torch.compile(norm_rows, fullgraph=True) if compiled else norm_rows
+        one_pass = _where_rows_fit(kernel, fused, rows.fits) if kernel is not None else fused
 
         def run(x: torch.Tensor, *args: object) -> QuantizedRows:
-            return QuantizedRows(*fused(x, *args), x.shape, x.dtype)
+            return QuantizedRows(*one_pass(x, *args), x.shape, x.dtype)
 
         return run
 
-    return replace(ops, norm_modulate=quantizing(norm_modulate), affine_norm=quantizing(affine_norm),
-                   quantized_norms=True)
+    return replace(ops, norm_modulate=quantizing(norm_modulate, rows and rows.norm_modulate_rows),
+                   affine_norm=quantizing(affine_norm, rows and rows.affine_norm_rows), quantized_norms=True)
+
+
+def _row_kernels(kernels: str) -> Any:
+    """The one-pass Triton kernels module for `kernels` "triton" (imported only then: it needs triton),
+    None for "compiled"."""
+    if kernels not in QUANTIZE_KERNELS:
+        raise ValueError(f"fp8_quantize: {kernels!r} is not allowed; expected one of {', '.join(QUANTIZE_KERNELS)}")
+    if kernels == "compiled":
+        return None
+    try:
+        from loom_live.engine.layers import row_quant_kernels
+    except ImportError as exc:
+        raise ValueError(f"fp8_quantize: 'triton' needs the triton package ({exc}; torch's CUDA builds bring "
+                         "it); or use 'compiled'") from exc
+    return row_quant_kernels
+
+
+def _where_rows_fit(kernel: Callable[..., Quantized], fallback: Callable[..., Quantized],
+                    fits: Callable[[int], bool]) -> Callable[..., Quantized]:
+    """`kernel` for activations whose rows `fits` (one Triton program holds them), `fallback` for others."""
+
+    def run(x: torch.Tensor, *args: object) -> Quantized:
+        return (kernel if fits(x.shape[-1]) else fallback)(x, *args)
+
+    return run
 
 
 def check_fp8_device(device: torch.device | str) -> None:
@@ -231,7 +262,8 @@ def _probe(device: torch.device, dtype: torch.dtype) -> None:
                          f"row-wise FP8 torch._scaled_mm ({exc}); turn fp8_linear off") from exc
 
 
-def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = False) -> list[str]:
+def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = False,
+                       kernels: str = "compiled") -> list[str]:
     """Replace the hot-path linears of every loaded WanBlock (`BLOCK_LINEARS`) by `FP8Linear`s,
     in place, after the weights are loaded; returns the converted module names.
 
@@ -241,8 +273,12 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
     from the ops the block has, so set those first: `WanDiT.fuse_elementwise` refuses to run after).
     Embeddings, head and the per-prompt cross-attention K/V projections stay as they are. Blocks left
     on the meta device (another pipeline rank's) are skipped. `compiled` runs the activation
-    quantisation through torch.compile (one kernel instead of several eager passes).
+    quantisation through torch.compile (one kernel instead of several eager passes); `kernels` "triton"
+    runs it as `row_quant_kernels`' one-pass kernels instead wherever a row fits one (CUDA only).
     """
+    if kernels == "triton" and emulate:
+        raise ValueError("fp8_quantize: 'triton' runs on a CUDA GPU; the CPU emulation quantises with torch")
+    rows = _row_kernels(kernels)
     param = model.patch_embedding.weight
     if not emulate:
         check_fp8_device(param.device)
@@ -255,6 +291,9 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
         return torch.compile(fn, fullgraph=True) if compiled else fn
 
     quantize, quantize_gelu = fuse(quantize_rows), fuse(quantize_gelu_rows)
+    if rows is not None:
+        quantize = _where_rows_fit(rows.quantize_rows, quantize, rows.fits)
+        quantize_gelu = _where_rows_fit(rows.quantize_gelu_rows, quantize_gelu, rows.fits)
     block_ops: dict[int, BlockOps] = {}  # one quantising set per set of ops (the blocks share one)
     names = []
     for i, block in enumerate(model.blocks):
@@ -282,7 +321,7 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
         block.ffn[1] = nn.Identity()
         block.ffn[2] = FP8Linear.from_linear(second, emulate, quantize_gelu)
         if id(block.ops) not in block_ops:
-            block_ops[id(block.ops)] = quantizing_norms(block.ops, compiled)
+            block_ops[id(block.ops)] = quantizing_norms(block.ops, compiled, kernels)
         block.ops = block_ops[id(block.ops)]
         names += [f"blocks.{i}.{path}" for path in BLOCK_LINEARS]
     return names

@@ -215,7 +215,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
                 wan.fuse_norms()
         clock.lap("vae_ops")
     if mc.fp8_linear:  # after loading (the checkpoint holds the full-precision weights) and the block ops
-        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise)
+        convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise, kernels=mc.fp8_quantize)
         clock.lap("fp8")
     encoder = wan if vc.encoder == "wan" else tiny
     decoder = wan if vc.decoder == "wan" else tiny
