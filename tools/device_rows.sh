@@ -39,6 +39,7 @@ for group in "$@"; do
     tests)
         step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
+            tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
             tests/integration/test_bridge_cuda.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
@@ -96,17 +97,20 @@ PY
         step fp8_conv 400 python3 benchmarks/bench_fp8_conv.py --json "$out/fp8_conv.json"
         tail -16 "$out/fp8_conv.txt" ;;
     fp8dit)
-        # the FP8 GPU tests (the one-pass row quantisation kernels among them); the 14B DiT alone in FP8 with
+        # the FP8 GPU tests (the one-pass row quantisation and the masked sink write among them, and the
+        # compiled DiT against the eager one); the 14B DiT alone in FP8 with
         # the compiled quantisation and with the kernels: the floor under the 14B row's period
         step fp8_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py \
-            tests/unit/test_row_quant_kernels.py
+            tests/unit/test_row_quant_kernels.py tests/unit/test_sink_write_kernel.py tests/unit/test_dit_fused.py
         dit14=(python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --fp8)
         step dit14_fp8 150 "${dit14[@]}" --json "$out/dit14_fp8.json"
         step dit14_fp8_triton 150 "${dit14[@]}" --fp8-quantize triton --json "$out/dit14_fp8_triton.json"
         grep -h -A2 "median ms" "$out"/dit14_fp8{,_triton}.txt ;;
     fp8-14b)
-        # the 14B FP8 stream with the one-pass row quantisation (session 21's compiled row: 28.93 FPS)
-        bench b14_fp8_triton 300 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true \
+        # the 14B FP8 stream with the sink merge as a masked write (session 21's row before it: 28.93 FPS),
+        # then with the one-pass row quantisation too
+        bench b14_fp8_masked 280 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true
+        bench b14_fp8_triton 280 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true \
             --set model.fp8_quantize=triton --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, CacheOps, merge_sinks, sink_similarity
+from loom_live.engine.cache.sink_write_kernel import masked_merge
 from loom_live.engine.layers.attention import attention, merge_partials, split_attention
 from loom_live.engine.layers.rope import rotate
 
@@ -101,7 +102,8 @@ class BlockOps:
         """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
         FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
         cuBLASLt picks with it, and so whether it pays, depends on the token count); with
-        `attention_splits` > 1 the window's attention in parts, their merge compiled.
+        `attention_splits` > 1 the window's attention in parts, their merge compiled; on CUDA the sink
+        merge writes only the slots it replaces (engine/cache/sink_write_kernel.py).
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
         dynamic sizes instead of piling up specialisations. Compilation happens on first use, so
@@ -111,7 +113,7 @@ class BlockOps:
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True)
 
-        cache = CacheOps(fuse(rotate), fuse(sink_similarity), fuse(merge_sinks),
+        cache = CacheOps(fuse(rotate), fuse(sink_similarity), masked_merge(fuse(merge_sinks)),
                          _window_attention(attention_splits, fuse))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
                    linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)

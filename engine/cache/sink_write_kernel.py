@@ -1,0 +1,76 @@
+"""The sink merge as a masked write (Triton): only the chosen sink slot's bytes are read and written.
+
+Why: every block of every forward offers the chunk's last frame to the sinks (`kv_cache.merge_sinks`),
+and mostly none takes it. Written as `copy_(where(hit, new, sinks))`, the compiled merge reads every
+sink slot and the frame and writes every slot back, hit or not: for the 14B, three 16 MB slots of keys
+and of values per block, about 200 MB a block, per forward. Here each program first reads its slot's
+flag and loads and stores only under it, so a forward whose sinks keep their frames moves the flags
+alone, and a hit moves one slot's keys and values. The result is the same bytes as `merge_sinks`.
+
+`masked_merge(fallback)` returns a merge with `merge_sinks`' signature that runs the kernel on CUDA
+tensors whose channels (heads x head dim) are contiguous in each token, and `fallback` otherwise (a
+CPU, another layout). Without triton it is `fallback` itself. (`devices` lets the tests run the kernel
+on a CPU in Triton's interpreter.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only torch: the compiled or eager merge runs instead
+    triton = None
+
+BLOCK_C = 1024  # channels of one token a program copies
+
+Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+if triton is not None:
+
+    @triton.jit
+    def _masked_write(k_sinks, v_sinks, k_new, v_new, hit, sinks, tokens, channels,
+                      sb, ss, st, nb, nt, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)  # one (row, slot, token)
+        t = r % tokens
+        slot = (r // tokens) % sinks
+        b = r // (tokens * sinks)
+        taken = tl.load(hit + b * sinks + slot).to(tl.int32)  # 0 or 1: this slot takes the frame
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < channels * taken
+        src = b * nb + t * nt + cols
+        dst = b * sb + slot * ss + t * st + cols
+        tl.store(k_sinks + dst, tl.load(k_new + src, mask=mask), mask=mask)
+        tl.store(v_sinks + dst, tl.load(v_new + src, mask=mask), mask=mask)
+
+
+def _channels_contiguous(x: torch.Tensor) -> bool:
+    """Heads x head dim (the last two dims) are one contiguous run in each token."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge:
+    """A sink merge (`kv_cache.merge_sinks`' signature and result) that writes only the hit slots of
+    tensors on `devices`."""
+    if triton is None:
+        return fallback
+
+    def merge(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              hit: torch.Tensor) -> None:
+        same = k_sinks.stride() == v_sinks.stride() and k_new.stride() == v_new.stride()
+        if not (k_sinks.device.type in devices and same and all(map(_channels_contiguous, (k_sinks, k_new)))
+                and k_sinks.dtype == k_new.dtype):
+            fallback(k_sinks, v_sinks, k_new, v_new, hit)
+            return
+        rows, sinks, tokens = k_sinks.shape[:3]
+        channels = k_sinks.shape[-2] * k_sinks.shape[-1]
+        flags = hit.contiguous().view(torch.uint8)
+        grid = (rows * sinks * tokens, triton.cdiv(channels, BLOCK_C))
+        _masked_write[grid](k_sinks, v_sinks, k_new, v_new, flags, sinks, tokens, channels,
+                            k_sinks.stride(0), k_sinks.stride(1), k_sinks.stride(2), k_new.stride(0),
+                            k_new.stride(1), BLOCK=BLOCK_C)
+
+    return merge
