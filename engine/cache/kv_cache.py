@@ -47,7 +47,8 @@ from loom_live.engine.layers.rope import (
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SimilarityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Shift = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [B, dt]: a RoPE time shift of the keys' first dt channels
+MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Shift | None], None]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 DEFAULT_NUM_KV_CACHE = 6
@@ -493,15 +494,12 @@ class KVCache:
         if plan.forced is not None:
             idx = torch.where(plan.forced >= 0, plan.forced, idx)
             replace |= plan.forced >= 0
-        if self.rope_policy == "refresh":  # move the frame's key to the sink's position
-            cos, sin = self.rope.time_shift(idx - plan.last_pos)
-            dt = cos.shape[-1]
-            k_new = k_new.clone()
-            k_new[..., :dt] = rotate(k_new[..., :dt], cos[:, None, None], sin[:, None, None])
-        # every sink slot rewritten, the chosen one with the frame: indexing the chosen slot (a gather and
-        # a scatter) and eager broadcasting writes are slow kernels, and this runs in every block
+        # the merge moves the frame's key to the sink's position as it writes it (refresh)
+        shift = self.rope.time_shift(idx - plan.last_pos) if self.rope_policy == "refresh" else None
+        # the chosen slot as a mask over every sink slot: indexing it (a gather and a scatter) and eager
+        # broadcasting writes are slow kernels, and this runs in every block
         hit = replace[:, None] & (torch.arange(s, device=self.device)[None] == idx[:, None])
-        ops.merge_sinks(kc[:, :s], vc[:, :s], k_new, v_new, hit)
+        ops.merge_sinks(kc[:, :s], vc[:, :s], k_new, v_new, hit, shift)
 
     def finish(self, step: StreamStep) -> None:
         """Advance the bookkeeping of the committing rows after every block has attended."""
@@ -531,10 +529,17 @@ def sink_similarity(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.T
 
 
 def merge_sinks(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                hit: torch.Tensor) -> None:
+                hit: torch.Tensor, shift: Shift | None = None) -> None:
     """Write the frame's keys and values [B, tokens, H, D] into the sink slots [B, s, tokens, H, D]
-    where hit [B, s] is set, in place. In place so that the compiled ops make it one kernel that
-    stores into the cache (a returned merge costs a second pass to copy it back)."""
+    where hit [B, s] is set, in place; with `shift` (cos, sin [B, dt]) the keys' first dt channels of
+    each head are first rotated by it (the RoPE time shift to the sink's position). In place so that the
+    compiled ops make it one kernel that stores into the cache (a returned merge costs a second pass to
+    copy it back), the rotation inside it (no rotated copy of the frame written and read back)."""
+    if shift is not None:
+        cos, sin = shift
+        dt = cos.shape[-1]
+        turned = rotate(k_new[..., :dt], cos[:, None, None], sin[:, None, None])
+        k_new = torch.cat((turned, k_new[..., dt:]), dim=-1)
     hit = hit[..., None, None, None]
     k_sinks.copy_(torch.where(hit, k_new[:, None], k_sinks))
     v_sinks.copy_(torch.where(hit, v_new[:, None], v_sinks))

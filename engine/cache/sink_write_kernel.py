@@ -5,7 +5,9 @@ and mostly none takes it. Written as `copy_(where(hit, new, sinks))`, the compil
 sink slot and the frame and writes every slot back, hit or not: for the 14B, three 16 MB slots of keys
 and of values per block, about 200 MB a block, per forward. Here each program first reads its slot's
 flag and loads and stores only under it, so a forward whose sinks keep their frames moves the flags
-alone, and a hit moves one slot's keys and values. The result is the same bytes as `merge_sinks`.
+alone, and a hit moves one slot's keys and values. The RoPE time shift that moves a key to its sink's
+position (the `refresh` policy) is applied on the way, to the stored channels only. The result is what
+`merge_sinks` writes (the rotated channels up to float32 contraction in the rotation).
 
 `masked_merge(fallback)` returns a merge with `merge_sinks`' signature that runs the kernel on CUDA
 tensors whose channels (heads x head dim) are contiguous in each token, and `fallback` otherwise (a
@@ -32,8 +34,8 @@ Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 if triton is not None:
 
     @triton.jit
-    def _masked_write(k_sinks, v_sinks, k_new, v_new, hit, sinks, tokens, channels,
-                      sb, ss, st, nb, nt, BLOCK: tl.constexpr):
+    def _masked_write(k_sinks, v_sinks, k_new, v_new, hit, cos, sin, sinks, tokens, channels, head_dim, dt,
+                      sb, ss, st, nb, nt, ROTATE: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)  # one (row, slot, token)
         t = r % tokens
         slot = (r // tokens) % sinks
@@ -43,7 +45,17 @@ if triton is not None:
         mask = cols < channels * taken
         src = b * nb + t * nt + cols
         dst = b * sb + slot * ss + t * st + cols
-        tl.store(k_sinks + dst, tl.load(k_new + src, mask=mask), mask=mask)
+        key = tl.load(k_new + src, mask=mask)
+        if ROTATE:  # interleaved pairs of each head's first dt channels: (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
+            d = cols % head_dim
+            turn = mask & (d < dt)
+            even = (d % 2) == 0
+            partner = tl.load(k_new + src + tl.where(even, 1, -1), mask=turn, other=0.0).to(tl.float32)
+            c = tl.load(cos + b * dt + d, mask=turn, other=1.0)
+            s = tl.load(sin + b * dt + d, mask=turn, other=0.0)
+            turned = key.to(tl.float32) * c + tl.where(even, -partner, partner) * s
+            key = tl.where(turn, turned.to(key.dtype), key)
+        tl.store(k_sinks + dst, key, mask=mask)
         tl.store(v_sinks + dst, tl.load(v_new + src, mask=mask), mask=mask)
 
 
@@ -59,18 +71,19 @@ def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge
         return fallback
 
     def merge(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              hit: torch.Tensor) -> None:
+              hit: torch.Tensor, shift: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         same = k_sinks.stride() == v_sinks.stride() and k_new.stride() == v_new.stride()
         if not (k_sinks.device.type in devices and same and all(map(_channels_contiguous, (k_sinks, k_new)))
                 and k_sinks.dtype == k_new.dtype):
-            fallback(k_sinks, v_sinks, k_new, v_new, hit)
+            fallback(k_sinks, v_sinks, k_new, v_new, hit, shift)
             return
-        rows, sinks, tokens = k_sinks.shape[:3]
-        channels = k_sinks.shape[-2] * k_sinks.shape[-1]
-        flags = hit.contiguous().view(torch.uint8)
+        rows, sinks, tokens, _, head_dim = k_sinks.shape
+        channels = k_sinks.shape[-2] * head_dim
+        cos, sin = (t.float().contiguous() for t in shift) if shift is not None else (hit, hit)
+        dt = cos.shape[-1] if shift is not None else 0
         grid = (rows * sinks * tokens, triton.cdiv(channels, BLOCK_C))
-        _masked_write[grid](k_sinks, v_sinks, k_new, v_new, flags, sinks, tokens, channels,
-                            k_sinks.stride(0), k_sinks.stride(1), k_sinks.stride(2), k_new.stride(0),
-                            k_new.stride(1), BLOCK=BLOCK_C)
+        _masked_write[grid](k_sinks, v_sinks, k_new, v_new, hit.contiguous().view(torch.uint8), cos, sin, sinks,
+                            tokens, channels, head_dim, dt, k_sinks.stride(0), k_sinks.stride(1), k_sinks.stride(2),
+                            k_new.stride(0), k_new.stride(1), ROTATE=shift is not None, BLOCK=BLOCK_C)
 
     return merge

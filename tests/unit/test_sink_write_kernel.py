@@ -1,6 +1,8 @@
-"""The sink merge as a masked write: the same bytes as `kv_cache.merge_sinks` for hits in any slot, none
-and several rows, with the frame as a strided view of one q/k/v product; in Triton's interpreter on a CPU
-(where triton is installed), on a GPU (gpu marker), and the fallback where the kernel does not apply."""
+"""The sink merge as a masked write: what `kv_cache.merge_sinks` writes for hits in any slot, none and
+several rows, with the frame as a strided view of one q/k/v product, with and without the RoPE time
+shift of the keys; in Triton's interpreter on a CPU (where triton is installed; its bf16 casts truncate,
+so the rotated channels are checked to one bf16 step there), on a GPU (gpu marker), and the fallback
+where the kernel does not apply."""
 
 from __future__ import annotations
 
@@ -20,12 +22,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _case(device: str, seed: int, rows: int = 2, window: int = 6, sinks: int = 3, tokens: int = 10,
-          heads: int = 4, dim: int = 8):
+          heads: int = 4, dim: int = 8, dt: int = 4):
+    """Caches, the frame (strided views of one q/k/v product, as the DiT has it) and a time shift: cos and
+    sin [rows, dt] of one angle per channel pair, as the RoPE tables have them."""
     g = torch.Generator(device=device).manual_seed(seed)
     kc, vc = (torch.randn(rows, window, tokens, heads, dim, generator=g, device=device).to(torch.bfloat16)
               for _ in range(2))
     qkv = torch.randn(rows, tokens, 3, heads, dim, generator=g, device=device).to(torch.bfloat16)
-    return kc, vc, qkv[:, :, 1], qkv[:, :, 2]  # the frame as strided views of one product, as the DiT has it
+    angle = (torch.rand(rows, dt // 2, generator=g, device=device) * 6.3).repeat_interleave(2, dim=-1)
+    return kc, vc, qkv[:, :, 1], qkv[:, :, 2], (angle.cos(), angle.sin())
+
+
+def _compare(got: torch.Tensor, ref: torch.Tensor, dt: int, step: float) -> bool:
+    """The channels past dt equal; the rotated ones within `step` of their size (0: equal)."""
+    same = torch.equal(got[..., dt:], ref[..., dt:])
+    d = (got[..., :dt].float() - ref[..., :dt].float()).abs()
+    return same and bool((d <= step * ref[..., :dt].float().abs() + 1e-30).all())
 
 
 HITS = [[[False, True, False], [False, False, False]], [[False] * 3, [False] * 3],
@@ -35,16 +47,18 @@ INTERPRETED = textwrap.dedent("""
     import torch
     from loom_live.engine.cache.kv_cache import merge_sinks
     from loom_live.engine.cache.sink_write_kernel import masked_merge
-    from tests.unit.test_sink_write_kernel import HITS, _case
+    from tests.unit.test_sink_write_kernel import HITS, _case, _compare
 
     fell_back = []
     merge = masked_merge(lambda *a: fell_back.append(a), devices=("cpu",))
     for seed, hit in enumerate(HITS):
-        kc, vc, k_new, v_new = _case("cpu", seed)
-        ref_k, ref_v = kc.clone(), vc.clone()
-        merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit))
-        merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit))
-        print(seed, torch.equal(kc, ref_k) and torch.equal(vc, ref_v))
+        for turn in (False, True):
+            kc, vc, k_new, v_new, shift = _case("cpu", seed)
+            shift = shift if turn else None
+            ref_k, ref_v = kc.clone(), vc.clone()
+            merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit), shift)
+            merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit), shift)
+            print(seed, turn, torch.equal(vc, ref_v) and _compare(kc, ref_k, 4, 2.0**-7 if turn else 0.0))
     print("fallback", len(fell_back))
 """)
 
@@ -55,23 +69,30 @@ def test_the_masked_write_gives_the_merges_bytes_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["0", "True", "1", "True", "2", "True", "fallback", "0"]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "fallback 0" and len(lines) == 2 * len(HITS) + 1
+    assert all(line.endswith("True") for line in lines[:-1]), lines
 
 
 def test_tensors_the_kernel_does_not_take_go_to_the_fallback():
     seen = []
     merge = masked_merge(lambda *a: seen.append(a))  # the kernel's devices: CUDA only
-    kc, vc, k_new, v_new = _case("cpu", 0)
-    merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(HITS[0]))
-    assert len(seen) == 1 and seen[0][2] is k_new
+    kc, vc, k_new, v_new, shift = _case("cpu", 0)
+    merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(HITS[0]), shift)
+    assert len(seen) == 1 and seen[0][2] is k_new and seen[0][5] is shift
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("turn", [False, True])
 @pytest.mark.parametrize("seed,hit", list(enumerate(HITS)))
-def test_cuda_masked_write_gives_the_merges_bytes(seed, hit):
-    kc, vc, k_new, v_new = _case("cuda", seed, tokens=1560, heads=40, dim=128)  # the 14B's frame
+def test_cuda_masked_write_gives_the_merges_bytes(seed, hit, turn):
+    """At the 14B's frame (1560 tokens, 40 heads of 128, 44 time channels); the rotation may differ from
+    the eager one by float32 contraction, now and then one bf16 step."""
+    kc, vc, k_new, v_new, shift = _case("cuda", seed, tokens=1560, heads=40, dim=128, dt=44)
+    shift = shift if turn else None
     ref_k, ref_v = kc.clone(), vc.clone()
-    merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit, device="cuda"))
+    merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit, device="cuda"), shift)
     fell_back = []
-    masked_merge(lambda *a: fell_back.append(a))(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit, device="cuda"))
-    assert not fell_back and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    masked_merge(lambda *a: fell_back.append(a))(kc[:, :3], vc[:, :3], k_new, v_new,
+                                                  torch.tensor(hit, device="cuda"), shift)
+    assert not fell_back and torch.equal(vc, ref_v) and _compare(kc, ref_k, 44, 2.0**-7 if turn else 0.0)
