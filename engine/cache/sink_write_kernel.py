@@ -17,6 +17,7 @@ on a CPU in Triton's interpreter.)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,8 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only torch: the compiled or eager merge runs instead
     triton = None
+
+log = logging.getLogger(__name__)
 
 BLOCK_C = 1024  # channels of one token a program copies
 
@@ -66,15 +69,17 @@ def _channels_contiguous(x: torch.Tensor) -> bool:
 
 def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge:
     """A sink merge (`kv_cache.merge_sinks`' signature and result) that writes only the hit slots of
-    tensors on `devices`."""
+    tensors on `devices`. If the kernel cannot be built (its first launch raises: a Triton that does not
+    compile it), that is logged once and `fallback` does the merges from then on, so a stream goes on."""
     if triton is None:
         return fallback
+    failed: list[str] = []  # the kernel's error once it failed to build
 
     def merge(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               hit: torch.Tensor, shift: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         same = k_sinks.stride() == v_sinks.stride() and k_new.stride() == v_new.stride()
-        if not (k_sinks.device.type in devices and same and all(map(_channels_contiguous, (k_sinks, k_new)))
-                and k_sinks.dtype == k_new.dtype):
+        if failed or not (k_sinks.device.type in devices and same
+                          and all(map(_channels_contiguous, (k_sinks, k_new))) and k_sinks.dtype == k_new.dtype):
             fallback(k_sinks, v_sinks, k_new, v_new, hit, shift)
             return
         rows, sinks, tokens, _, head_dim = k_sinks.shape
@@ -82,8 +87,15 @@ def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge
         cos, sin = (t.float().contiguous() for t in shift) if shift is not None else (hit, hit)
         dt = cos.shape[-1] if shift is not None else 0
         grid = (rows * sinks * tokens, triton.cdiv(channels, BLOCK_C))
-        _masked_write[grid](k_sinks, v_sinks, k_new, v_new, hit.contiguous().view(torch.uint8), cos, sin, sinks,
-                            tokens, channels, head_dim, dt, k_sinks.stride(0), k_sinks.stride(1), k_sinks.stride(2),
-                            k_new.stride(0), k_new.stride(1), ROTATE=shift is not None, BLOCK=BLOCK_C)
+        try:
+            _masked_write[grid](k_sinks, v_sinks, k_new, v_new, hit.contiguous().view(torch.uint8), cos, sin,
+                                sinks, tokens, channels, head_dim, dt, k_sinks.stride(0), k_sinks.stride(1),
+                                k_sinks.stride(2), k_new.stride(0), k_new.stride(1), ROTATE=shift is not None,
+                                BLOCK=BLOCK_C)
+        except Exception as exc:  # built on first use: a Triton that cannot build it leaves the compiled merge
+            failed.append(f"{type(exc).__name__}: {exc}")
+            log.warning("sink merge: the masked Triton write could not run (%s); the compiled merge takes over",
+                        failed[0][:300])
+            fallback(k_sinks, v_sinks, k_new, v_new, hit, shift)
 
     return merge

@@ -96,3 +96,33 @@ def test_cuda_masked_write_gives_the_merges_bytes(seed, hit, turn):
     masked_merge(lambda *a: fell_back.append(a))(kc[:, :3], vc[:, :3], k_new, v_new,
                                                   torch.tensor(hit, device="cuda"), shift)
     assert not fell_back and torch.equal(vc, ref_v) and _compare(kc, ref_k, 44, 2.0**-7 if turn else 0.0)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_fallback_for_good(monkeypatch, caplog):
+    """Its first launch raising (a Triton that cannot compile it) costs no merge and no stream: the
+    fallback does that merge and every later one, and the reason is logged once."""
+    from types import SimpleNamespace
+
+    from loom_live.engine.cache import sink_write_kernel
+
+    class Unbuildable:
+        launches = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Unbuildable.launches += 1
+                raise RuntimeError("PTX not supported by this toolkit")
+            return launch
+
+    monkeypatch.setattr(sink_write_kernel, "triton", SimpleNamespace(cdiv=lambda a, b: -(-a // b)))
+    monkeypatch.setattr(sink_write_kernel, "_masked_write", Unbuildable(), raising=False)
+    done = []
+    merge = masked_merge(lambda *a: (done.append(a), merge_sinks(*a)), devices=("cpu",))
+    kc, vc, k_new, v_new, shift = _case("cpu", 0)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    for _ in range(3):
+        merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(HITS[0]), shift)
+    merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(HITS[0]), shift)
+    assert Unbuildable.launches == 1 and len(done) == 3
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert caplog.text.count("could not run") == 1 and "PTX not supported" in caplog.text
