@@ -38,7 +38,7 @@ if triton is not None:
 
     @triton.jit
     def _masked_write(k_sinks, v_sinks, k_new, v_new, hit, cos, sin, sinks, tokens, channels, head_dim, dt,
-                      sb, ss, st, nb, nt, ROTATE: tl.constexpr, BLOCK: tl.constexpr):
+                      sb, ss, st, kb, kt, vb, vt, ROTATE: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)  # one (row, slot, token)
         t = r % tokens
         slot = (r // tokens) % sinks
@@ -46,7 +46,7 @@ if triton is not None:
         taken = tl.load(hit + b * sinks + slot).to(tl.int32)  # 0 or 1: this slot takes the frame
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < channels * taken
-        src = b * nb + t * nt + cols
+        src = b * kb + t * kt + cols  # the frame's key and value may lie apart (rotated keys, a product's values)
         dst = b * sb + slot * ss + t * st + cols
         key = tl.load(k_new + src, mask=mask)
         if ROTATE:  # interleaved pairs of each head's first dt channels: (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
@@ -59,7 +59,7 @@ if triton is not None:
             turned = key.to(tl.float32) * c + tl.where(even, -partner, partner) * s
             key = tl.where(turn, turned.to(key.dtype), key)
         tl.store(k_sinks + dst, key, mask=mask)
-        tl.store(v_sinks + dst, tl.load(v_new + src, mask=mask), mask=mask)
+        tl.store(v_sinks + dst, tl.load(v_new + b * vb + t * vt + cols, mask=mask), mask=mask)
 
 
 def _channels_contiguous(x: torch.Tensor) -> bool:
@@ -77,9 +77,9 @@ def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge
 
     def merge(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
               hit: torch.Tensor, shift: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        same = k_sinks.stride() == v_sinks.stride() and k_new.stride() == v_new.stride()
-        if failed or not (k_sinks.device.type in devices and same
-                          and all(map(_channels_contiguous, (k_sinks, k_new))) and k_sinks.dtype == k_new.dtype):
+        tensors = (k_sinks, v_sinks, k_new, v_new)
+        if failed or not (k_sinks.device.type in devices and k_sinks.stride() == v_sinks.stride()
+                          and all(map(_channels_contiguous, tensors)) and len({t.dtype for t in tensors}) == 1):
             fallback(k_sinks, v_sinks, k_new, v_new, hit, shift)
             return
         rows, sinks, tokens, _, head_dim = k_sinks.shape
@@ -89,9 +89,8 @@ def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge
         grid = (rows * sinks * tokens, triton.cdiv(channels, BLOCK_C))
         try:
             _masked_write[grid](k_sinks, v_sinks, k_new, v_new, hit.contiguous().view(torch.uint8), cos, sin,
-                                sinks, tokens, channels, head_dim, dt, k_sinks.stride(0), k_sinks.stride(1),
-                                k_sinks.stride(2), k_new.stride(0), k_new.stride(1), ROTATE=shift is not None,
-                                BLOCK=BLOCK_C)
+                                sinks, tokens, channels, head_dim, dt, *k_sinks.stride()[:3], *k_new.stride()[:2],
+                                *v_new.stride()[:2], ROTATE=shift is not None, BLOCK=BLOCK_C)
         except Exception as exc:  # built on first use: a Triton that cannot build it leaves the compiled merge
             failed.append(f"{type(exc).__name__}: {exc}")
             log.warning("sink merge: the masked Triton write could not run (%s); the compiled merge takes over",

@@ -33,6 +33,12 @@ def _case(device: str, seed: int, rows: int = 2, window: int = 6, sinks: int = 3
     return kc, vc, qkv[:, :, 1], qkv[:, :, 2], (angle.cos(), angle.sin())
 
 
+def _refresh(k_new: torch.Tensor) -> torch.Tensor:
+    """The keys as the `refresh` policy hands them over: rotated, so a tensor of their own (the values
+    stay a view of the product)."""
+    return k_new.contiguous()
+
+
 def _compare(got: torch.Tensor, ref: torch.Tensor, dt: int, step: float) -> bool:
     """The channels past dt equal; the rotated ones within `step` of their size (0: equal)."""
     same = torch.equal(got[..., dt:], ref[..., dt:])
@@ -47,14 +53,14 @@ INTERPRETED = textwrap.dedent("""
     import torch
     from loom_live.engine.cache.kv_cache import merge_sinks
     from loom_live.engine.cache.sink_write_kernel import masked_merge
-    from tests.unit.test_sink_write_kernel import HITS, _case, _compare
+    from tests.unit.test_sink_write_kernel import HITS, _case, _compare, _refresh
 
     fell_back = []
     merge = masked_merge(lambda *a: fell_back.append(a), devices=("cpu",))
     for seed, hit in enumerate(HITS):
         for turn in (False, True):
             kc, vc, k_new, v_new, shift = _case("cpu", seed)
-            shift = shift if turn else None
+            k_new, shift = (_refresh(k_new), shift) if turn else (k_new, None)
             ref_k, ref_v = kc.clone(), vc.clone()
             merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit), shift)
             merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit), shift)
@@ -89,7 +95,7 @@ def test_cuda_masked_write_gives_the_merges_bytes(seed, hit, turn):
     """At the 14B's frame (1560 tokens, 40 heads of 128, 44 time channels); the rotation may differ from
     the eager one by float32 contraction, now and then one bf16 step."""
     kc, vc, k_new, v_new, shift = _case("cuda", seed, tokens=1560, heads=40, dim=128, dt=44)
-    shift = shift if turn else None
+    k_new, shift = (_refresh(k_new), shift) if turn else (k_new, None)
     ref_k, ref_v = kc.clone(), vc.clone()
     merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit, device="cuda"), shift)
     fell_back = []
@@ -126,3 +132,51 @@ def test_a_kernel_that_cannot_be_built_leaves_the_fallback_for_good(monkeypatch,
     assert Unbuildable.launches == 1 and len(done) == 3
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     assert caplog.text.count("could not run") == 1 and "PTX not supported" in caplog.text
+
+
+STREAMED = textwrap.dedent("""
+    import dataclasses, torch
+    from loom_live.engine.cache.kv_cache import CacheOps, merge_sinks
+    from loom_live.engine.cache.sink_write_kernel import masked_merge
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.models.wan_dit_ops import BlockOps
+
+    torch.manual_seed(0)
+    model = WanDiT(DIT_PRESETS["tiny"]).eval()
+    calls = {"kernel": 0, "fallback": 0, "hits": 0}
+
+    def fallback(*a):
+        calls["fallback"] += 1
+        merge_sinks(*a)
+
+    kernel = masked_merge(fallback, devices=("cpu",))
+
+    def counted(*a):
+        calls["kernel"] += 1
+        calls["hits"] += int(a[4].any() and a[5] is not None)  # a sink took a frame, its keys shifted
+        kernel(*a)
+
+    ctx = torch.randn(1, 8, 4096)
+    chunks = [torch.randn(2, 16, f, 8, 8) for f in [2] + [1] * 7]
+    outs = []
+    for merge in (None, counted):
+        ops = BlockOps.eager() if merge is None else dataclasses.replace(
+            BlockOps.eager(), cache=CacheOps(merge_sinks=merge))
+        model.fuse_elementwise(ops)
+        cache, cross = model.new_cache(2, (8, 8), num_kv_cache=4, sink=2, refresh_at=5), model.cross_kv(ctx)
+        t = torch.tensor([600.0, 600.0])
+        with torch.inference_mode():
+            outs.append(torch.cat([model.forward_stream(c, t, cache, cross) for c in chunks], 2))
+    print(calls["hits"] > 0, calls["fallback"], torch.equal(outs[0], outs[1]))
+""")
+
+
+def test_a_stream_through_the_masked_write_equals_the_eager_stream_in_the_interpreter():
+    """The real call path (the cache's sink update with the refresh policy's shift, two stream rows,
+    keys and values as the blocks hand them over) in float32, where the interpreter rounds nothing."""
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-c", STREAMED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "0", "True"]
