@@ -18,9 +18,10 @@ on a CPU in Triton's interpreter.)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
+
+from loom_live.engine.cache.kv_cache import MergeFn, Shift
 
 try:
     import triton
@@ -31,8 +32,6 @@ except ImportError:  # a CPU-only torch: the compiled or eager merge runs instea
 log = logging.getLogger(__name__)
 
 BLOCK_C = 1024  # channels of one token a program copies
-
-Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 if triton is not None:
 
@@ -67,7 +66,7 @@ def _channels_contiguous(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
-def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge:
+def masked_merge(fallback: MergeFn, devices: tuple[str, ...] = ("cuda",)) -> MergeFn:
     """A sink merge (`kv_cache.merge_sinks`' signature and result) that writes only the hit slots of
     tensors on `devices`. If the kernel cannot be built (its first launch raises: a Triton that does not
     compile it), that is logged once and `fallback` does the merges from then on, so a stream goes on."""
@@ -76,7 +75,7 @@ def masked_merge(fallback: Merge, devices: tuple[str, ...] = ("cuda",)) -> Merge
     failed: list[str] = []  # the kernel's error once it failed to build
 
     def merge(k_sinks: torch.Tensor, v_sinks: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              hit: torch.Tensor, shift: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              hit: torch.Tensor, shift: Shift | None = None) -> None:
         tensors = (k_sinks, v_sinks, k_new, v_new)
         if failed or not (k_sinks.device.type in devices and k_sinks.stride() == v_sinks.stride()
                           and all(map(_channels_contiguous, tensors)) and len({t.dtype for t in tensors}) == 1):
