@@ -125,8 +125,9 @@ def test_cuda_fp8_dit_with_the_kernels_streams_like_the_compiled_quantisation():
     torch.manual_seed(9)
     with torch.device(dev):
         model = WanDiT(DIT_PRESETS["tiny"]).to(torch.bfloat16).eval()
-    model.fuse_elementwise()
     other = copy.deepcopy(model)
+    for m in (model, other):  # the session's order: compiled block ops, then the conversion on them
+        m.fuse_elementwise()
     convert_dit_to_fp8(model, compiled=True, kernels="triton")
     convert_dit_to_fp8(other, compiled=True)
     ctx = torch.randn(1, 8, 4096, device=dev)
