@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-MIN_AMAX = 1e-12  # as fp8_linear: an all-zero row gets a tiny scale instead of 0/0
+# the kernel's constants (Triton reads module globals only as constexprs)
+FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
+MIN_AMAX = tl.constexpr(1e-12)  # as fp8_linear: an all-zero row gets a tiny scale instead of 0/0
+GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi), GELU's tanh form
 MAX_ROW = 16384  # numbers a program holds in registers (16 warps: 32 a thread)
-GELU_C = 0.7978845608028654  # sqrt(2 / pi), GELU's tanh form
 
 PLAIN, GELU, NORM_MODULATE, NORM_AFFINE = 0, 1, 2, 3
 
