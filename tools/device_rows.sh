@@ -167,12 +167,9 @@ PY
         # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
         for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;
     startup)
-        # cold, then warm; then Dynamo's own cache (experimental in torch: guards and bytecode saved,
-        # so a warm start need not trace again), filled by the first of its two runs
+        # cold (first on a fresh machine), then warm; Dynamo's precompile was slower (session 21): not run
         wan startup_cold 200 --frames 600
-        wan startup_warm 150 --frames 600
-        TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_fill 200 --frames 600
-        TORCH_CACHING_PRECOMPILE=1 wan startup_precompile_warm 150 --frames 600 ;;
+        wan startup_warm 150 --frames 600 ;;
     lora)
         # the merge on its own highest-priority stream (default), then on the denoise stream as before
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
