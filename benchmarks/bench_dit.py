@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="FP8 e4m3 block linears (model.fp8_linear; Hopper/Ada). With --smoke on a CPU: the "
                         "emulation, which checks the script, not the speed")
+    p.add_argument("--masked-sink-merge", action="store_true",
+                   help="with --fuse: the sink merge as a masked Triton write (model.masked_sink_merge)")
     p.add_argument("--fp8-quantize", default="compiled", choices=("compiled", "triton"),
                    help="with --fp8: the activations' row quantisation (model.fp8_quantize)")
     p.add_argument("--splits", type=int, default=1,
@@ -111,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuse_qkv:  # after the dtype cast, which would give each third storage of its own
         model.fuse_projections()
     if args.fuse or args.splits > 1:
-        model.fuse_elementwise(BlockOps.compiled(attention_splits=args.splits) if args.fuse
-                               else BlockOps.eager(attention_splits=args.splits))
+        ops = BlockOps.compiled(attention_splits=args.splits, masked_sink_merge=args.masked_sink_merge) \
+            if args.fuse else BlockOps.eager(attention_splits=args.splits)
+        model.fuse_elementwise(ops)
     if args.fp8:  # after the dtype cast and the block ops; refuses a CPU unless --smoke
         convert_dit_to_fp8(model, emulate=args.smoke and args.device.type == "cpu", compiled=args.fuse,
                            kernels=args.fp8_quantize)
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "flash_attn": flash,
         "preset": args.preset, "latent": [h, w], "dtype": args.dtype, "kv_window": args.kv, "sink": args.sink,
         "rope_policy": args.policy, "fuse_elementwise": args.fuse, "cuda_graphs": args.graphs, "fp8_linear": args.fp8,
-        "fp8_quantize": args.fp8_quantize, "attention_splits": args.splits, "fuse_qkv": args.fuse_qkv,
+        "fp8_quantize": args.fp8_quantize, "masked_sink_merge": args.masked_sink_merge,
+        "attention_splits": args.splits, "fuse_qkv": args.fuse_qkv,
         "warmup": args.warmup, "iters": args.iters, "smoke": args.smoke,
     }
     print(f"\nWanDiT streaming forward: {args.preset}, latent {h}x{w}, 1 latent frame/chunk, "

@@ -98,20 +98,21 @@ PY
         tail -16 "$out/fp8_conv.txt" ;;
     fp8dit)
         # the FP8 GPU tests (the one-pass row quantisation and the masked sink write among them, and the
-        # compiled DiT against the eager one); the 14B DiT alone in FP8 with
-        # the compiled quantisation and with the kernels: the floor under the 14B row's period
+        # compiled DiT against the eager one); the 14B DiT alone in FP8 as it is and with both kernels
+        # (the masked sink merge, the one-pass quantisation): the floor under the 14B row's period
         step fp8_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_fp8_linear.py \
             tests/unit/test_row_quant_kernels.py tests/unit/test_sink_write_kernel.py tests/unit/test_dit_fused.py
         dit14=(python3 benchmarks/bench_dit.py --preset wan2.1-14b --graphs --fuse --batches 1 --fp8)
         step dit14_fp8 150 "${dit14[@]}" --json "$out/dit14_fp8.json"
-        step dit14_fp8_triton 150 "${dit14[@]}" --fp8-quantize triton --json "$out/dit14_fp8_triton.json"
+        step dit14_fp8_triton 150 "${dit14[@]}" --masked-sink-merge --fp8-quantize triton \
+            --json "$out/dit14_fp8_triton.json"
         grep -h -A2 "median ms" "$out"/dit14_fp8{,_triton}.txt ;;
     fp8-14b)
         # the 14B FP8 stream with the sink merge as a masked write (session 21's row before it: 28.93 FPS),
         # then with the one-pass row quantisation too
-        bench b14_fp8_masked 280 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true
-        bench b14_fp8_triton 280 -c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true \
-            --set model.fp8_quantize=triton --profile-chunks 8 ;;
+        b14=(-c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --set model.masked_sink_merge=true)
+        bench b14_fp8_masked 280 "${b14[@]}"
+        bench b14_fp8_triton 280 "${b14[@]}" --set model.fp8_quantize=triton --profile-chunks 8 ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest

@@ -201,7 +201,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         if mc.fuse_elementwise:
             dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue,
-                                                   attention_splits=mc.attention_splits))
+                                                   attention_splits=mc.attention_splits,
+                                                   masked_sink_merge=mc.masked_sink_merge))
         elif mc.attention_splits > 1:
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         clock.lap("block_ops")  # the first compiled function imports torch's compiler

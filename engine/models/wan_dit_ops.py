@@ -98,12 +98,14 @@ class BlockOps:
         return cls(norm_modulate, affine_norm, gated_residual, rms_norm, cache, linear_gelu, fused=False)
 
     @classmethod
-    def compiled(cls, gelu_epilogue: bool = True, attention_splits: int = 1) -> BlockOps:
+    def compiled(cls, gelu_epilogue: bool = True, attention_splits: int = 1,
+                 masked_sink_merge: bool = False) -> BlockOps:
         """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
         FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
         cuBLASLt picks with it, and so whether it pays, depends on the token count); with
-        `attention_splits` > 1 the window's attention in parts, their merge compiled; on CUDA the sink
-        merge writes only the slots it replaces (engine/cache/sink_write_kernel.py).
+        `attention_splits` > 1 the window's attention in parts, their merge compiled; with
+        `masked_sink_merge`, on CUDA the sink merge writes only the slots it replaces
+        (engine/cache/sink_write_kernel.py).
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
         dynamic sizes instead of piling up specialisations. Compilation happens on first use, so
@@ -113,8 +115,8 @@ class BlockOps:
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             return torch.compile(fn, fullgraph=True)
 
-        cache = CacheOps(fuse(rotate), fuse(sink_similarity), masked_merge(fuse(merge_sinks)),
-                         _window_attention(attention_splits, fuse))
+        merge = masked_merge(fuse(merge_sinks)) if masked_sink_merge else fuse(merge_sinks)
+        cache = CacheOps(fuse(rotate), fuse(sink_similarity), merge, _window_attention(attention_splits, fuse))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
                    linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)
 

@@ -180,3 +180,32 @@ def test_a_stream_through_the_masked_write_equals_the_eager_stream_in_the_interp
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "0", "True"]
+
+
+def test_the_masked_merge_is_a_setting_off_by_default():
+    from loom_live.engine.config import load_config
+
+    assert load_config("tiny-random").model.masked_sink_merge is False
+    assert load_config("tiny-random", ["model.masked_sink_merge=true"]).model.masked_sink_merge is True
+
+
+@pytest.mark.gpu
+def test_cuda_stream_with_the_masked_merge_follows_the_compiled_merge():
+    """A two-row bf16 stream with the refresh policy's shifts and sinks replaced on the way: the compiled
+    block ops with the masked write give the compiled merge's frames (up to the rotation's contraction)."""
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.models.wan_dit_ops import BlockOps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = WanDiT(DIT_PRESETS["tiny"]).to(torch.bfloat16).eval()
+    chunks = [torch.randn(2, 16, f, 8, 8, device=dev) for f in [2] + [1] * 12]
+    ctx, t = torch.randn(1, 8, 4096, device=dev), torch.tensor([600.0, 600.0], device=dev)
+    outs = []
+    with torch.inference_mode():
+        for masked in (False, True):
+            model.fuse_elementwise(BlockOps.compiled(masked_sink_merge=masked))
+            cache, cross = model.new_cache(2, (8, 8), num_kv_cache=4, sink=2, refresh_at=5), model.cross_kv(ctx)
+            outs.append(torch.cat([model.forward_stream(c, t, cache, cross) for c in chunks], 2).float())
+    assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-2
