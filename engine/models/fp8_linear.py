@@ -188,29 +188,27 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, emulate={self.emulate}"
 
 
-def quantizing_norms(ops: BlockOps, compiled: bool, kernels: str = "compiled") -> BlockOps:
+def quantizing_norms(ops: BlockOps, compiled: bool, rows: Any = None) -> BlockOps:
     """`ops` whose norm_modulate and affine_norm return `QuantizedRows` for the FP8 layers they feed: the
-    norm and the quantisation as one function (compiled together when `compiled`; with `kernels`
-    "triton", one pass of `row_quant_kernels` where a row fits it), so the normalised activation is never
-    written in full precision."""
-    rows = _row_kernels(kernels)
+    norm and the quantisation as one function (compiled together when `compiled`; with `rows`, the
+    `row_quant_kernels` module, its one-pass kernels where a row fits one), so the normalised activation
+    is never written in full precision."""
 
-    def quantizing(norm: Callable[..., torch.Tensor], kernel: Callable[..., Quantized] | None
-                   ) -> Callable[..., QuantizedRows]:
+    def quantizing(norm: Callable[..., torch.Tensor], kernel: str) -> Callable[..., QuantizedRows]:
         def norm_rows(x: torch.Tensor, *args: object) -> Quantized:
             h = norm(x, *args)
             return quantize_rows(h.reshape(-1, h.shape[-1]))
 
         fused = torch.compile(norm_rows, fullgraph=True) if compiled else norm_rows
-        one_pass = _where_rows_fit(kernel, fused, rows.fits) if kernel is not None else fused
+        one_pass = fused if rows is None else _where_rows_fit(getattr(rows, kernel), fused, rows.fits)
 
         def run(x: torch.Tensor, *args: object) -> QuantizedRows:
             return QuantizedRows(*one_pass(x, *args), x.shape, x.dtype)
 
         return run
 
-    return replace(ops, norm_modulate=quantizing(norm_modulate, rows and rows.norm_modulate_rows),
-                   affine_norm=quantizing(affine_norm, rows and rows.affine_norm_rows), quantized_norms=True)
+    return replace(ops, norm_modulate=quantizing(norm_modulate, "norm_modulate_rows"),
+                   affine_norm=quantizing(affine_norm, "affine_norm_rows"), quantized_norms=True)
 
 
 def _row_kernels(kernels: str) -> Any:
@@ -321,7 +319,7 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
         block.ffn[1] = nn.Identity()
         block.ffn[2] = FP8Linear.from_linear(second, emulate, quantize_gelu)
         if id(block.ops) not in block_ops:
-            block_ops[id(block.ops)] = quantizing_norms(block.ops, compiled, kernels)
+            block_ops[id(block.ops)] = quantizing_norms(block.ops, compiled, rows)
         block.ops = block_ops[id(block.ops)]
         names += [f"blocks.{i}.{path}" for path in BLOCK_LINEARS]
     return names

@@ -6,11 +6,7 @@ a GPU as the session runs it (gpu marker); and the choice between the kernels an
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +16,7 @@ from loom_live.engine.models import fp8_linear
 from loom_live.engine.models.fp8_linear import convert_dit_to_fp8, quantize_gelu_rows, quantize_rows
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.models.wan_dit_ops import affine_norm, norm_modulate
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.triton_child import run_triton
 
 # The four forms in the interpreter, each against the reference's scaled values before the e4m3 cast;
 # prints one line per form: name, the largest difference in e4m3 units, the largest relative scale error.
@@ -55,13 +50,8 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_the_kernels_compute_what_the_compiled_functions_compute_in_the_interpreter():
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    found = {name: (float(d), float(s)) for name, d, s in (line.split() for line in proc.stdout.splitlines())}
+    lines = run_triton(INTERPRETED, interpret=True, timeout=240)
+    found = {name: (float(d), float(s)) for name, d, s in (line.split() for line in lines)}
     assert found["plain"] == (0.0, 0.0), "the plain rows are the same numbers"
     assert found["gelu"][0] < 1e-3 and found["gelu"][1] < 1e-6, "float32 GELU: rounding only"
     for norm in ("norm_modulate", "affine_norm"):  # one bf16 step (the interpreter truncates) of 448

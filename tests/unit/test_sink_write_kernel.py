@@ -6,19 +6,14 @@ where the kernel does not apply."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from loom_live.engine.cache.kv_cache import merge_sinks
 from loom_live.engine.cache.sink_write_kernel import masked_merge
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.triton_child import run_triton
 
 
 def _case(device: str, seed: int, rows: int = 2, window: int = 6, sinks: int = 3, tokens: int = 10,
@@ -70,12 +65,7 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_the_masked_write_gives_the_merges_bytes_in_the_interpreter():
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    lines = run_triton(INTERPRETED, interpret=True, timeout=240)
     assert lines[-1] == "fallback 0" and len(lines) == 2 * len(HITS) + 1
     assert all(line.endswith("True") for line in lines[:-1]), lines
 
@@ -174,12 +164,8 @@ STREAMED = textwrap.dedent("""
 def test_a_stream_through_the_masked_write_equals_the_eager_stream_in_the_interpreter():
     """The real call path (the cache's sink update with the refresh policy's shift, two stream rows,
     keys and values as the blocks hand them over) in float32, where the interpreter rounds nothing."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-c", STREAMED], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "0", "True"]
+    lines = run_triton(STREAMED, interpret=True)
+    assert lines[-1].split() == ["True", "0", "True"]
 
 
 def test_the_masked_merge_is_a_setting_off_by_default():

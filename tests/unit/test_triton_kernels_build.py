@@ -5,15 +5,9 @@ accepts what the compiler refuses (a plain module global, for one); this is the 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.triton_child import run_triton
 
 BUILD = textwrap.dedent("""
     import triton
@@ -43,12 +37,5 @@ BUILD = textwrap.dedent("""
 
 
 def test_the_kernels_compile_to_ptx_for_their_gpus(tmp_path):
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=path, TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache: every kernel compiled here
-    proc = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = run_triton(BUILD, interpret=False, cache_dir=tmp_path)  # a fresh cache: every kernel compiled here
     assert len(lines) == 4 * 2 + 2 * 2 and all(line.endswith(" ptx") for line in lines), lines
