@@ -42,3 +42,16 @@ def _one_torch_thread():
     except ImportError:
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(request):
+    """Each GPU test compiles its own models; Dynamo counts recompiles per function across the process,
+    so a long GPU run would hit its limit (8) on the shared ops (say `sink_similarity` at another
+    batch) where one engine process never does. Forget the compiled frames after each GPU test."""
+    yield
+    if "gpu" in request.keywords:
+        import sys
+
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()

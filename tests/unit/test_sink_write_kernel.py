@@ -35,10 +35,12 @@ def _refresh(k_new: torch.Tensor) -> torch.Tensor:
 
 
 def _compare(got: torch.Tensor, ref: torch.Tensor, dt: int, step: float) -> bool:
-    """The channels past dt equal; the rotated ones within `step` of their size (0: equal)."""
+    """The channels past dt equal; the rotated ones within `step` of their size (0: equal), plus, where
+    the rotation's two terms nearly cancel, the float32 rounding of those terms (a fused multiply-add
+    and two rounded products differ there by ~1e-8 on keys of size ~1)."""
     same = torch.equal(got[..., dt:], ref[..., dt:])
     d = (got[..., :dt].float() - ref[..., :dt].float()).abs()
-    return same and bool((d <= step * ref[..., :dt].float().abs() + 1e-30).all())
+    return same and bool((d <= step * ref[..., :dt].float().abs() + (2.0**-20 if step else 0.0)).all())
 
 
 HITS = [[[False, True, False], [False, False, False]], [[False] * 3, [False] * 3],
@@ -168,11 +170,11 @@ def test_a_stream_through_the_masked_write_equals_the_eager_stream_in_the_interp
     assert lines[-1].split() == ["True", "0", "True"]
 
 
-def test_the_masked_merge_is_a_setting_off_by_default():
+def test_the_masked_merge_is_a_setting_on_by_default():
     from loom_live.engine.config import load_config
 
-    assert load_config("tiny-random").model.masked_sink_merge is False
-    assert load_config("tiny-random", ["model.masked_sink_merge=true"]).model.masked_sink_merge is True
+    assert load_config("tiny-random").model.masked_sink_merge is True
+    assert load_config("tiny-random", ["model.masked_sink_merge=false"]).model.masked_sink_merge is False
 
 
 @pytest.mark.gpu
