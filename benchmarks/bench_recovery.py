@@ -3,15 +3,15 @@
 A host loop submits frames at `--fps` and reads `latest()` as a show would, against a launched
 engine behind the bridge, in three modes: `restart` (the supervisor starts a new engine after a
 crash; its compiled kernels come from the persistent Inductor cache), `standby` (a second engine
-is kept loaded and warmed, and takes over at once; launched once the first serves) and
-`standby-together` (the same, the standby launched beside the first engine). For each mode: seconds
+is kept loaded and warmed, and takes over at once; launched beside the first, the default) and
+`standby-after` (the same, the standby launched once the first serves). For each mode: seconds
 from `start()` to the first fresh output, then `--kills` times: seconds from SIGKILL of the engine in use to the first
 fresh output of its successor, and the longest host call meanwhile; in the standby modes also the seconds
 from `start()` until the standby first said ready (both engines ready). Prints one table, then each
 serving engine's start-up line (where its start-up went, and how long its process ran before); `--json`
 writes the same. Needs a GPU for the default preset; Linux (SIGKILL).
 
-    python benchmarks/bench_recovery.py --json out/recovery.json        # wan2.1-1.3b, cuda-ipc, both modes
+    python benchmarks/bench_recovery.py --json out/recovery.json        # wan2.1-1.3b, cuda-ipc, restart and standby
     python benchmarks/bench_recovery.py --config default --transport shm --passthrough --kills 1   # smoke run
 """
 
@@ -61,6 +61,9 @@ class HostLoop:
         return None
 
 
+MODES = ("restart", "standby", "standby-after")
+
+
 def startup_line(bridge: Bridge) -> str | None:
     """The serving engine's start-up line, from the last lines it printed (None if not among them)."""
     return next((line[line.index(STARTUP_MARK):] for line in reversed(bridge.status().log_tail)
@@ -70,8 +73,8 @@ def startup_line(bridge: Bridge) -> str | None:
 def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dict:
     overrides = ([] if args.trained_weights else RANDOM_WEIGHTS) + args.overrides
     cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
-                       passthrough=args.passthrough,
-                       standby=mode.startswith("standby"), standby_with_engine=mode == "standby-together",
+                       passthrough=args.passthrough, standby=mode.startswith("standby"),
+                       standby_start="after" if mode == "standby-after" else "together",
                        engine_warmup=args.warmup, restart_backoff_s=0.0,
                        handshake_timeout_s=120.0, load_timeout_s=args.timeout)
     row: dict = {"mode": mode, "kills": [], "startup_lines": []}
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passthrough", action="store_true", help="engines return their input (a smoke run)")
     ap.add_argument("--trained-weights", action="store_true", help="load the checkpoints instead of random weights")
     ap.add_argument("--modes", default="restart,standby",
-                    help="comma-separated: restart, standby, standby-together (the standby launched with the engine)")
+                    help="comma-separated: restart, standby (launched with the engine), standby-after (once it serves)")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--fps", type=float, default=30.0)
     ap.add_argument("--steady-s", type=float, default=5.0, help="frames before each kill")
@@ -124,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: {args.modes!r}; expected a comma-separated list of {', '.join(MODES)}")
     width, height = (int(v) for v in args.size.split("x"))
     clip = list(generate_clip(n_frames=48, size=(width, height), fps=args.fps))
-    rows = [run_mode(mode.strip(), args, clip) for mode in args.modes.split(",") if mode.strip()]
+    rows = [run_mode(mode, args, clip) for mode in modes]
     print(f"\nrecovery: {args.config} over {args.transport}, {args.size}, {args.kills} kills per mode")
     print(f"{'mode':16s} {'start->frame s':>15s} {'start->standby s':>17s} {'kill->frame s (each)':>28s} "
           f"{'longest host call ms':>22s}")

@@ -63,15 +63,15 @@ class ModelConfig:
                                  doc="on CUDA: the self-attention over the KV window as this many parts of the "
                                      "window in one batched call, merged exactly (fills a large GPU when a chunk "
                                      "has few queries and the model few heads); must divide stream.num_kv_cache")
-    masked_sink_merge: bool = spec(False, doc="with fuse_elementwise on CUDA: the sink merge as a Triton write of "
+    masked_sink_merge: bool = spec(True, doc="with fuse_elementwise on CUDA: the sink merge as a Triton write of "
                                               "only the slot that takes the frame (the compiled merge rewrites "
                                               "every sink slot in every block of every forward)")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
-    fp8_quantize: str = spec("compiled", choices=("compiled", "triton"),
-                             doc="with fp8_linear: how activations are quantised per row: compiled torch "
-                                 "functions, or one-pass Triton kernels (one read of the row where Inductor's "
-                                 "loop reads it twice)")
+    fp8_quantize: str = spec("triton", choices=("compiled", "triton"),
+                             doc="with fp8_linear: how activations are quantised per row: one-pass Triton "
+                                 "kernels (one read of the row where Inductor's loop reads it twice), or compiled "
+                                 "torch functions")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

@@ -47,9 +47,10 @@ class BridgeConfig:
     restart: bool = spec(True, doc="restart (or reconnect) after a crash or hang")
     standby: bool = spec(False, doc="keep a second launched engine loaded (and warmed) to take over at once when "
                                     "the one in use dies or hangs; costs a second engine's memory (launch only)")
-    standby_with_engine: bool = spec(False, doc="launch the standby together with the engine in use rather than once "
-                                                "that one serves: both are ready sooner, the first frame comes later "
-                                                "(the two load side by side)")
+    standby_start: str = spec("together", choices=("together", "after"),
+                              doc="with standby: launch the first standby together with the engine in use (both "
+                                  "ready sooner, the first frame a few seconds later: the two load side by side) "
+                                  "or after that one serves")
     engine_warmup: bool = spec(False, doc="launched engines warm up (compile, capture graphs) before they say "
                                           "ready, so the first frames do not stall")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
@@ -77,8 +78,6 @@ class BridgeConfig:
             raise ValueError(f"encoding: 'jpeg' needs transport 'tcp', not {self.transport!r}")
         if self.standby and not self.launch:
             raise ValueError("standby: needs launch=true (the bridge starts the standby engine itself)")
-        if self.standby_with_engine and not self.standby:
-            raise ValueError("standby_with_engine: needs standby=true (there is no standby to launch)")
         if self.secret_file is not None and (self.launch or self.curve_secret_file is not None):
             raise ValueError("secret_file: only for launch=false without CurveZMQ keys (a launched engine gets a "
                              "fresh token; Curve keys authenticate on their own)")

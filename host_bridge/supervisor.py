@@ -182,7 +182,7 @@ class Supervisor:
         """One turn of the loop thread: (re)connect, receive, act, check liveness."""
         link = self.link
         if self.standby is not None:  # a new standby once an engine runs (or launched with it: side by side)
-            self.standby.step(open_new=link is not None and (link.ready or self.config.standby_with_engine))
+            self.standby.step(open_new=link is not None and (link.ready or self.config.standby_start == "together"))
             if link is None and self.state != EngineState.DEAD:
                 with self.cond:
                     if self._adopt_standby("engine restarted from the standby"):

@@ -6,12 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
-# edit-split, startup, lora, ipc, recovery, standby-together. Results (JSON and each run's
+# edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery standby-together"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -108,11 +108,11 @@ PY
             --json "$out/dit14_fp8_triton.json"
         grep -h -A2 "median ms" "$out"/dit14_fp8{,_triton}.txt ;;
     fp8-14b)
-        # the 14B FP8 stream with the sink merge as a masked write (session 21's row before it: 28.93 FPS),
-        # then with the one-pass row quantisation too
-        b14=(-c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true --set model.masked_sink_merge=true)
-        bench b14_fp8_masked 280 "${b14[@]}"
-        bench b14_fp8_triton 280 "${b14[@]}" --set model.fp8_quantize=triton --profile-chunks 8 ;;
+        # the 14B FP8 stream as configured by default (masked sink merge, one-pass row quantisation: 30.91 FPS
+        # in session 22), then with the compiled quantisation
+        b14=(-c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true)
+        bench b14_fp8_triton 280 "${b14[@]}" --profile-chunks 8
+        bench b14_fp8_compiled 280 "${b14[@]}" --set model.fp8_quantize=compiled ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest
@@ -182,12 +182,9 @@ PY
                 --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
         done ;;
     recovery)
-        # restart, then the hot standby (its start: both engines ready), two kills each
+        # restart, then the hot standby launched beside the first engine (its start: both engines ready),
+        # two kills each
         step recovery 590 python3 benchmarks/bench_recovery.py --modes restart,standby --kills 2 --json "$out/recovery.json" ;;
-    standby-together)
-        # the standby launched beside the first engine: both ready sooner, the first frame later
-        step standby_together 400 python3 benchmarks/bench_recovery.py --modes standby-together --kills 1 \
-            --json "$out/standby_together.json" ;;
     esac
 done
 echo "== done at $(( $(date +%s) - start )) s"

@@ -37,8 +37,8 @@ def _fresh_frame(bridge: Bridge, frame: np.ndarray, timeout_s: float) -> bool:
 @pytest.mark.parametrize("engine", ["passthrough", pytest.param("embedded", marks=pytest.mark.slow)])
 def test_killed_engine_is_replaced_by_the_standby_at_once(engine):
     cfg = BridgeConfig(passthrough=engine == "passthrough", engine_config="default", engine_cwd=str(ROOT),
-                       standby=True, heartbeat_s=0.1, hang_timeout_s=1.0, stop_timeout_s=1.0,
-                       restart_backoff_s=30.0)  # a restart without the standby would wait 30 s
+                       standby=True, standby_start="after", heartbeat_s=0.1, hang_timeout_s=1.0,
+                       stop_timeout_s=1.0, restart_backoff_s=30.0)  # a restart without the standby would wait 30 s
     frame = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     with Bridge(cfg) as bridge:
         bridge.wait_running(240)
@@ -58,7 +58,7 @@ def test_killed_engine_is_replaced_by_the_standby_at_once(engine):
 
 def test_a_standby_launched_with_the_engine_loads_beside_it_and_still_takes_over():
     cfg = BridgeConfig(passthrough=True, engine_config="default", engine_cwd=str(ROOT), standby=True,
-                       standby_with_engine=True, heartbeat_s=0.1, hang_timeout_s=1.0, stop_timeout_s=1.0,
+                       standby_start="together", heartbeat_s=0.1, hang_timeout_s=1.0, stop_timeout_s=1.0,
                        restart_backoff_s=30.0)
     frame = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     with Bridge(cfg) as bridge:
@@ -72,6 +72,6 @@ def test_a_standby_launched_with_the_engine_loads_beside_it_and_still_takes_over
         assert _fresh_frame(bridge, frame, 60)
 
 
-def test_standby_with_engine_needs_a_standby():
-    with pytest.raises(ValueError, match="standby_with_engine: needs standby=true"):
-        BridgeConfig(standby_with_engine=True)
+def test_the_standby_start_is_checked():
+    with pytest.raises(ValueError, match="standby_start"):
+        BridgeConfig(standby=True, standby_start="later")

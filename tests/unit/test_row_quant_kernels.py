@@ -69,7 +69,7 @@ def test_rows_that_fit_take_the_kernel_longer_ones_the_fallback():
 
 
 def test_the_setting_is_checked_and_the_emulation_refuses_the_kernels():
-    assert load_config("tiny-random").model.fp8_quantize == "compiled"
+    assert load_config("tiny-random").model.fp8_quantize == "triton"
     with pytest.raises(ValueError, match="fp8_quantize"):
         load_config("tiny-random", ["model.fp8_quantize=cuda"])
     model = WanDiT(DIT_PRESETS["tiny"]).eval()
