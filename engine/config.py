@@ -154,6 +154,10 @@ class StreamConfig:
     lora_priority: bool = spec(True, doc="merge a live LoRA scale change on a CUDA stream of its own at the "
                                          "highest priority, so the next forward waits less for it; off: on "
                                          "the denoise stream, to compare")
+    lora_merge_parts: int = spec(4, min=1, max=32,
+                                 doc="a live LoRA scale change merges in this many parts of the layers, one "
+                                     "part a chunk, so no chunk carries the whole merge (the change reaches "
+                                     "every block within that many chunks); 1: all at the chunk it arrives")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

@@ -172,10 +172,10 @@ PY
         wan startup_cold 200 --frames 600
         wan startup_warm 150 --frames 600 ;;
     lora)
-        # the merge on its own highest-priority stream (default), then on the denoise stream as before
+        # a change spread over the merge's four parts, one a chunk (default), then all of it at one chunk
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
-        step lora_denoise_stream 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_priority=false \
-            --json "$out/lora_denoise_stream.json" ;;
+        step lora_one_part 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_merge_parts=1 \
+            --json "$out/lora_one_part.json" ;;
     ipc)
         for s in 0 300; do
             LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \

@@ -192,7 +192,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("vae")
     if mc.fuse_qkv and device.type == "cuda":  # before the LoRA merger takes the weights
         dit.fuse_projections()
-    lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None)
+    lora = LoraMerger(dit, keep_device="cpu" if cfg.memory.low_vram else None, parts=cfg.stream.lora_merge_parts)
     for entry in cfg.lora:  # merged before the weights are compiled or captured
         lora.add(read_lora(entry.path, dit, entry.key), entry.scale)
     lora.capture()  # a live scale change replays one CUDA graph (CUDA only)

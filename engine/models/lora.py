@@ -157,11 +157,21 @@ class LoraMerger:
     device tensor: a live scale change is a write of that tensor and a rerun (a graph replay once
     `capture` was called), never a rebuild. Call it between forwards on the stream that runs them.
     Blocks a pipeline rank does not hold (meta tensors) are skipped, so each rank merges only its own.
+
+    With `parts` > 1 a change can be spread (`set_scales(..., spread=True)`): the program merges its
+    first part at once and one more at each `step()` until every part has merged since the change,
+    so no single step carries the whole merge; meanwhile some layers hold the new scales, the others
+    the ones before.
     """
 
-    def __init__(self, model: nn.Module, keep_device: torch.device | str | None = None) -> None:
+    def __init__(self, model: nn.Module, keep_device: torch.device | str | None = None, parts: int = 1) -> None:
+        if parts < 1:
+            raise ValueError(f"parts: {parts} is not allowed; expected 1 or more")
         self.model = model
         self.keep_device = keep_device
+        self.parts = parts
+        self._due = 0  # parts still to merge since the last spread change
+        self._next = 0  # the part the next step merges
         self._linears = _linear_names(model)
         self._loras: dict[str, LoraFile] = {}
         self._scales: dict[str, float] = {}
@@ -246,10 +256,16 @@ class LoraMerger:
         """Change one LoRA's scale (see `set_scales`)."""
         self.set_scales({name: scale})
 
-    def set_scales(self, scales: dict[str, float]) -> None:
-        """Change LoRA scales by name, all in one merge. On the device: the scales are written into
-        the program's device tensor and the program runs again (no host synchronisation, no rebuild);
-        with the originals off the device only the weights the changed LoRAs touch are recomputed."""
+    @property
+    def settled(self) -> bool:
+        """Every layer holds the current scales (no spread change still merging)."""
+        return self._due == 0
+
+    def set_scales(self, scales: dict[str, float], spread: bool = False) -> None:
+        """Change LoRA scales by name, all in one merge (`spread`: the program's first part now, the
+        rest by `step`). On the device: the scales are written into the program's device tensor and
+        the program runs again (no host synchronisation, no rebuild); with the originals off the
+        device only the weights the changed LoRAs touch are recomputed, all at once."""
         for name in scales:
             if name not in self._loras:
                 raise ValueError(f"lora: no LoRA named {name!r}; loaded: {', '.join(self._loras) or 'none'}")
@@ -261,12 +277,26 @@ class LoraMerger:
             names = list(self._loras)
             for name, scale in changed.items():
                 self.program.set_scale(names.index(name), scale)
-            self.program.run()
+            if spread and self.program.parts > 1:
+                self._due = self.program.parts
+                self.step()
+            else:
+                self.program.run()
+                self._due = 0
         elif self.keep_device is not None:
             touched: dict[str, LowRank] = {}
             for name in changed:
                 touched.update(self._loras[name].modules)
             self._merge_host(touched)
+
+    def step(self) -> bool:
+        """Merge the next part of a spread change, if one is still due; whether it merged one."""
+        if self._due == 0 or self.program is None:
+            return False
+        self.program.run(self._next)
+        self._next = (self._next + 1) % self.program.parts
+        self._due -= 1
+        return True
 
     def _merge(self, modules: dict[str, LowRank]) -> None:
         if self.keep_device is None:
@@ -283,10 +313,11 @@ class LoraMerger:
             targets.append(MergeTarget(layer.weight, base, [(i, u.down, u.up, u.alpha_scale, u.bias) for i, u in held],
                                        layer.bias, self._base_bias[module]))
             updates.append([u for _, u in held])
-        self.program = None
+        self.program, self._due, self._next = None, 0, 0
         if not targets:
             return
-        self.program = MergeProgram(targets, [self._scales[n] for n in names], targets[0].weight.device)
+        self.program = MergeProgram(targets, [self._scales[n] for n in names], targets[0].weight.device,
+                                    self.parts)
         self.builds += 1
         for held, views in zip(updates, self.program.factor_views()):
             for u, (down, up) in zip(held, views):  # one copy of the factors: the program's

@@ -14,6 +14,10 @@ them is one kernel per width; each weight then takes one `addmm` from its kept o
 into the parameter (in place: the tensors captured graphs read stay valid). Scaled factors are
 rounded to the weight's dtype once, the sum over LoRAs accumulates in the matmul's float32; with
 every scale at 0 each weight is its original again (W0 + 0).
+
+The layers can be split into `parts` runs of about equal size, each its own graph, so a caller can
+spread one change over several steps of a stream (`run(part)`): a part scales only its own rows of
+the stacked factors, so running every part once is the whole merge.
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ class _Group:
 
 
 @dataclass
+class _Part:
+    """A run of consecutive layers and, per input width, the rows of the stacked factors they use."""
+
+    layers: list[_Layer]
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # (down, lora, alpha, scaled) views
+
+
+@dataclass
 class _Layer:
     weight: torch.Tensor
     base: torch.Tensor
@@ -64,18 +76,27 @@ class _Layer:
 class MergeProgram:
     """Merges every target at the scales in `scales` (a float32 device tensor, one entry per LoRA).
 
-    `set_scale` writes one entry (no host synchronisation); `run` merges; `capture` (CUDA) records
-    `run` as a CUDA graph that later runs replay. Rebuild the program when the set of LoRAs or
-    layers changes (loading, a pipeline block move); never for a scale change.
+    `set_scale` writes one entry (no host synchronisation); `run` merges, all of it or one of its
+    `parts`; `capture` (CUDA) records each part as a CUDA graph that later runs replay. Rebuild the
+    program when the set of LoRAs or layers changes (loading, a pipeline block move); never for a
+    scale change.
     """
 
-    def __init__(self, targets: Sequence[MergeTarget], scales: Sequence[float], device: torch.device) -> None:
+    def __init__(self, targets: Sequence[MergeTarget], scales: Sequence[float], device: torch.device,
+                 parts: int = 1) -> None:
+        if parts < 1:
+            raise ValueError(f"parts: {parts} is not allowed; expected 1 or more")
         self.scales = torch.tensor(list(scales), dtype=torch.float32, device=device)
         self.captures = 0
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: list[torch.cuda.CUDAGraph] = []
         self._groups: dict[int, _Group] = {}
         self._layers: list[_Layer] = []
         self._build(targets)
+        self._parts = self._split(min(parts, len(self._layers)))
+
+    @property
+    def parts(self) -> int:
+        return len(self._parts)
 
     def _build(self, targets: Sequence[MergeTarget]) -> None:
         rows: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
@@ -98,6 +119,27 @@ class MergeProgram:
                                  device=down.device)
             self._groups[width] = _Group(down, lora, alpha, torch.empty_like(down))
 
+    def _split(self, parts: int) -> list[_Part]:
+        """`parts` runs of consecutive layers, cut where the weights' running size passes each equal
+        share; with each run, per width, the contiguous rows its layers hold in that width's group."""
+        sizes = [layer.weight.numel() for layer in self._layers]
+        total, runs, start, acc = sum(sizes), [], 0, 0
+        for i, size in enumerate(sizes):
+            acc += size
+            if acc * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
+                runs.append(self._layers[start:i + 1])
+                start = i + 1
+        runs.append(self._layers[start:])
+        out = []
+        for layers in (r for r in runs if r):
+            rows = []
+            for width in dict.fromkeys(layer.width for layer in layers):
+                mine = [layer.rows for layer in layers if layer.width == width]
+                g, span = self._groups[width], slice(mine[0].start, mine[-1].stop)
+                rows.append((g.down[span], g.lora[span], g.alpha[span], g.scaled[span]))
+            out.append(_Part(layers, rows))
+        return out
+
     def factor_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per target (in build order), per part: (down, up) as views into the program's buffers, so
         the caller can let go of its own copies."""
@@ -116,30 +158,38 @@ class MergeProgram:
         self.scales[index].fill_(float(value))
 
     @torch.no_grad()
-    def run(self) -> None:
-        """Merge every target at the current scales (replays the captured graph where there is one)."""
-        if self._graph is not None:
-            self._graph.replay()
-            return
-        for g in self._groups.values():
-            g.scaled.copy_(g.down * (self.scales[g.lora] * g.alpha)[:, None])
-        for layer in self._layers:
+    def run(self, part: int | None = None) -> None:
+        """Merge the layers of one part (None: every part) at the current scales, replaying the
+        captured graphs where there are some."""
+        for i in range(self.parts) if part is None else (part,):
+            if self._graphs:
+                self._graphs[i].replay()
+            else:
+                self._run_part(self._parts[i])
+
+    def _run_part(self, part: _Part) -> None:
+        for down, lora, alpha, scaled in part.rows:
+            scaled.copy_(down * (self.scales[lora] * alpha)[:, None])
+        for layer in part.layers:
             torch.addmm(layer.base, layer.up, self._groups[layer.width].scaled[layer.rows], out=layer.weight)
             if layer.bias_deltas is not None:
                 delta = (self.scales[layer.bias_lora][:, None] * layer.bias_deltas).sum(0)
                 layer.bias.copy_(layer.base_bias.float() + delta)
 
     def capture(self) -> None:
-        """Record `run` as a CUDA graph (CUDA only; a no-op elsewhere). Runs it once first."""
-        if self.scales.device.type != "cuda" or self._graph is not None:
+        """Record each part as a CUDA graph (CUDA only; a no-op elsewhere). Runs them once first."""
+        if self.scales.device.type != "cuda" or self._graphs:
             return
         self.run()  # eager run: kernels chosen and workspaces allocated before the capture
-        graph = torch.cuda.CUDAGraph()
-        with CAPTURES.timed(), torch.cuda.graph(graph):
-            self.run()
-        self._graph = graph
+        graphs = []
+        for part in self._parts:
+            graph = torch.cuda.CUDAGraph()
+            with CAPTURES.timed(), torch.cuda.graph(graph):
+                self._run_part(part)
+            graphs.append(graph)
+        self._graphs = graphs
         self.captures += 1
 
     @property
     def captured(self) -> bool:
-        return self._graph is not None
+        return bool(self._graphs)

@@ -360,14 +360,19 @@ class StreamSession:
 
     def _apply_lora(self) -> bool:
         """Merge requested LoRA scale changes between two forwards: after the denoise stream's work so
-        far, before its next forward (on the merge stream where there is one, cuda_streams.py)."""
-        if not self._lora_pending:
+        far, before its next forward (on the merge stream where there is one, cuda_streams.py). A
+        change is spread over the merge's parts, one a chunk (`stream.lora_merge_parts`)."""
+        lora = self.models.lora
+        if not self._lora_pending and lora.settled:
             return False
         stream = self._merge_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with _on(stream), self.timer.span("lora", None):
-            self.models.lora.set_scales(self._lora_pending)
+            if self._lora_pending:
+                lora.set_scales(self._lora_pending, spread=True)
+            else:
+                lora.step()
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self._lora_pending.clear()

@@ -195,6 +195,8 @@ def test_lora_config_errors_name_the_problem(tmp_path):
 
 
 def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chunk(tmp_path):
+    """In one part, exactly the stream switched at that chunk; spread over three parts (a part a chunk),
+    the same weights once the three chunks after the change have run."""
     import numpy as np
 
     from loom_live.engine.config import load_config
@@ -202,11 +204,12 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
     from loom_live.engine.stream.session import StreamSession
 
     path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=6))
-    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]"])
-    frames = np.random.default_rng(1).integers(0, 256, (1 + 4 * 4, 32, 32, 3), np.uint8)
+    frames = np.random.default_rng(1).integers(0, 256, (1 + 4 * 5, 32, 32, 3), np.uint8)
     pieces = [frames[:5]] + [frames[i:i + 4] for i in range(5, len(frames), 4)]
+    weights = []  # each run's merged weights at its end
 
-    def run(switch) -> list:
+    def run(switch, parts: int = 1) -> list:
+        cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", f"stream.lora_merge_parts={parts}"])
         outs = []
         with StreamSession.from_config(cfg, warmup=False) as s:
             for i, piece in enumerate(pieces):
@@ -214,6 +217,8 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
                     switch(s)
                 outs.append(s.push(piece))
             outs.append(s.flush())
+            weights.append({k: v.clone() for k, v in s.models.dit.state_dict().items()})
+            assert s.models.lora.settled
         return outs
 
     def live(s):
@@ -227,5 +232,10 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
     assert all((x == y).all() for x, y in zip(a, b))
     assert all((x == y).all() for x, y in zip(a[:2], c[:2]))  # nothing changes before the switch
     assert any((x != y).any() for x, y in zip(a[2:], c[2:]))
+    spread = run(live, parts=3)
+    assert all((x == y).all() for x, y in zip(spread[:2], c[:2]))
+    assert any((x != y).any() for x, y in zip(spread[2:], c[2:]))
+    assert all(torch.equal(v, weights[0][k]) for k, v in weights[3].items())  # the live run in one part
     with pytest.raises(ValueError, match="no LoRA named 'nope'"):
+        cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]"])
         StreamSession.from_config(cfg, warmup=False).set_params(lora_scales={"nope": 1.0})

@@ -26,12 +26,12 @@ def _lora_file(model: torch.nn.Module, path, seed: int, rank: int, alpha: float,
     return str(path)
 
 
-def _two_loras(tmp_path, model: torch.nn.Module) -> tuple[LoraMerger, list]:
+def _two_loras(tmp_path, model: torch.nn.Module, parts: int = 1) -> tuple[LoraMerger, list]:
     paths = [_lora_file(model, tmp_path / "a.safetensors", 1, rank=4, alpha=2.0, bias=True),
              _lora_file(model, tmp_path / "b.safetensors", 2, rank=3, alpha=6.0)]
     files = [read_lora(p, model) for p in paths]
     raw = [read_lora(p, model) for p in paths]  # float32 factors, for the reference
-    merger = LoraMerger(model)
+    merger = LoraMerger(model, parts=parts)
     merger.add(files[0], scale=0.8)
     merger.add(files[1], scale=-0.4)
     return merger, raw
@@ -141,14 +141,17 @@ def test_low_vram_merges_from_originals_on_the_cpu_as_on_the_device(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_captured_merge_replays_scale_changes_without_recapture(tmp_path):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_captured_merge_replays_scale_changes_without_recapture(tmp_path, parts):
     model = random_model().to("cuda", torch.bfloat16)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    merger, raw = _two_loras(tmp_path, model)
+    merger, raw = _two_loras(tmp_path, model, parts)
     merger.capture()
-    assert merger.program.captured and merger.program.captures == 1
+    assert merger.program.captured and merger.program.captures == 1 and merger.program.parts == parts
     for a, b in ((0.3, 1.1), (-0.7, 0.0), (0.0, 0.0)):
-        merger.set_scales({"a": a, "b": b})
+        merger.set_scales({"a": a, "b": b}, spread=True)  # the parts' graphs, one a step
+        while merger.step():
+            pass
         torch.cuda.synchronize()
         name = "blocks.1.ffn.2.weight"
         ref, size = _reference({k: v.cpu() for k, v in original.items()}, raw, merger.scales, name)
@@ -156,3 +159,57 @@ def test_a_captured_merge_replays_scale_changes_without_recapture(tmp_path):
         assert ((got - ref).abs() <= (ref.abs() + size) * 2.0**-8).all()
     assert merger.program.captures == 1
     assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _whole_and_split(tmp_path, parts: int) -> tuple[LoraMerger, LoraMerger, torch.nn.Module]:
+    """The same two LoRAs merged into two copies of one model: in one part, and in `parts`."""
+    whole, split = random_model(), random_model()
+    split.load_state_dict(whole.state_dict())
+    a, _ = _two_loras(tmp_path, whole)
+    b = LoraMerger(split, parts=parts)
+    for name, scale in a.scales.items():
+        b.add(read_lora(tmp_path / f"{name}.safetensors", split), scale)
+    return a, b, split
+
+
+def _same(a: LoraMerger, b: LoraMerger) -> bool:
+    return all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+
+
+def test_the_parts_together_are_the_whole_merge_and_each_holds_its_own_layers(tmp_path):
+    a, b, split = _whole_and_split(tmp_path, 3)
+    assert b.program.parts == 3 and a.program.parts == 1 and _same(a, b)
+    b.program.set_scale(0, 1.3)
+    before, touched = _weights(split), []
+    for part in range(3):
+        b.program.run(part)
+        now = _weights(split)
+        touched.append({k for k in now if not torch.equal(now[k], before[k])})
+        before = now
+    assert all(touched) and not any(x & y for i, x in enumerate(touched) for y in touched[i + 1:])
+    a.set_scales({"a": 1.3})
+    assert _same(a, b)
+
+
+def test_a_spread_change_reaches_every_layer_after_its_parts_and_a_new_one_starts_over(tmp_path):
+    a, b, split = _whole_and_split(tmp_path, 4)
+    assert b.settled and not b.step()
+    original = _weights(split)
+    b.set_scales({"a": 0.1}, spread=True)
+    assert not b.settled
+    assert any(not torch.equal(v, original[k]) for k, v in _weights(split).items())  # the first part, now
+    assert b.step()
+    b.set_scales({"b": 1.5}, spread=True)  # mid-way: every part is due again, at both new scales
+    steps = 0
+    while b.step():
+        steps += 1
+    assert steps == 3 and b.settled
+    a.set_scales({"a": 0.1, "b": 1.5})
+    assert _same(a, b)
+    with pytest.raises(ValueError, match="parts: 0 is not allowed"):
+        LoraMerger(split, parts=0)
