@@ -157,7 +157,8 @@ class StreamConfig:
     lora_merge_parts: int = spec(4, min=1, max=32,
                                  doc="a live LoRA scale change merges in this many parts of the layers, one "
                                      "part a chunk, so no chunk carries the whole merge (the change reaches "
-                                     "every block within that many chunks); 1: all at the chunk it arrives")
+                                     "every block within that many chunks); 1: all at the chunk it arrives. "
+                                     "Pipeline ranks merge a change at once, each only its own blocks")
 
     def __post_init__(self) -> None:
         if self.sink >= self.num_kv_cache:

@@ -29,7 +29,9 @@ STEPS = [*BASE, "stream.steps=[700]"]
 
 
 def style_lora(folder: Path, preset: str = "tiny-random") -> list[str]:
-    """The config with a style LoRA on every block's linears: a moved block must take it along."""
+    """The config with a style LoRA on every block's linears: a moved block must take it along. A live
+    change merges at once on the one-process reference too (pipeline ranks merge only their own blocks,
+    each change at once; one process spreads it over `stream.lora_merge_parts` chunks by default)."""
     dit = load_models(load_config(preset, STEPS)).dit
     g = torch.Generator().manual_seed(7)
     sd = {}
@@ -39,7 +41,7 @@ def style_lora(folder: Path, preset: str = "tiny-random") -> list[str]:
             sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.3
     path = folder / "style.safetensors"
     save_file(sd, str(path))
-    return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]"]
+    return [*STEPS, f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=1"]
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,32 @@ def test_channels_last_stream_equals_default_layout(tiny_vae, upsample):
     assert all(p.is_contiguous() for p in fast.parameters())
 
 
+def _convs_keep_channels_last() -> bool:
+    conv = nn.Conv3d(2, 2, 3, padding=1).to(torch.bfloat16).to(memory_format=torch.channels_last_3d)
+    x = torch.randn(1, 2, 2, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    return conv(x).is_contiguous(memory_format=torch.channels_last_3d)
+
+
+@pytest.fixture
+def layout_keeping_convs(monkeypatch):
+    """Where this CPU's convolutions hand back channels-last input in the plain layout (oneDNN keeps it
+    only on some CPUs, with AVX-512), make them answer as cuDNN does (channels-last out where the input
+    or the weight is channels-last), so that what is checked is whether Loom's own layers keep it."""
+    if _convs_keep_channels_last():
+        return
+    for name, layout in (("conv3d", torch.channels_last_3d), ("conv2d", torch.channels_last),
+                         ("conv_transpose2d", torch.channels_last)):
+        def keeping(x, weight, *args, _conv=getattr(F, name), _layout=layout, **kwargs):
+            y = _conv(x, weight, *args, **kwargs)
+            last = x.is_contiguous(memory_format=_layout) or weight.is_contiguous(memory_format=_layout)
+            return y.contiguous(memory_format=_layout) if last else y
+
+        monkeypatch.setattr(F, name, keeping)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("upsample", UPSAMPLE_KINDS)
+@pytest.mark.usefixtures("layout_keeping_convs")
 def test_channels_last_is_kept_through_the_stream(tiny_vae, upsample):
     """Every history the causal layers keep stays channels-last (a layer that dropped the layout
     would make the next conv convert it back). bf16: CPU convs keep channels-last only there."""
