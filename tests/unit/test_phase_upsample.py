@@ -133,14 +133,17 @@ def layout_keeping_convs(monkeypatch):
     or the weight is channels-last), so that what is checked is whether Loom's own layers keep it."""
     if _convs_keep_channels_last():
         return
+    def keeping(conv, layout):
+        def run(x, weight, *args, **kwargs):
+            y = conv(x, weight, *args, **kwargs)
+            last = x.is_contiguous(memory_format=layout) or weight.is_contiguous(memory_format=layout)
+            return y.contiguous(memory_format=layout) if last else y
+
+        return run
+
     for name, layout in (("conv3d", torch.channels_last_3d), ("conv2d", torch.channels_last),
                          ("conv_transpose2d", torch.channels_last)):
-        def keeping(x, weight, *args, _conv=getattr(F, name), _layout=layout, **kwargs):
-            y = _conv(x, weight, *args, **kwargs)
-            last = x.is_contiguous(memory_format=_layout) or weight.is_contiguous(memory_format=_layout)
-            return y.contiguous(memory_format=_layout) if last else y
-
-        monkeypatch.setattr(F, name, keeping)
+        monkeypatch.setattr(F, name, keeping(getattr(F, name), layout))
 
 
 @torch.no_grad()
