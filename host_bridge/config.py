@@ -49,8 +49,9 @@ class BridgeConfig:
                                     "the one in use dies or hangs; costs a second engine's memory (launch only)")
     standby_start: str = spec("together", choices=("together", "after"),
                               doc="with standby: launch the first standby together with the engine in use (both "
-                                  "ready sooner, the first frame a few seconds later: the two load side by side) "
-                                  "or after that one serves")
+                                  "ready sooner, the first frame a few seconds later: the two load side by side, "
+                                  "so the GPU must hold both loads at once) or after that one serves (a standby "
+                                  "that finds no room then fails alone and is retried)")
     engine_warmup: bool = spec(False, doc="launched engines warm up (compile, capture graphs) before they say "
                                           "ready, so the first frames do not stall")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
