@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_live.engine.graphs.dit_steps import GraphedStreamForward  # noqa: E402
-from loom_live.engine.models.fp8_linear import convert_dit_to_fp8  # noqa: E402
+from loom_live.engine.models.fp8_linear import QUANTIZE_KERNELS, convert_dit_to_fp8  # noqa: E402
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT  # noqa: E402
 from loom_live.engine.models.wan_dit_ops import BlockOps  # noqa: E402
 from loom_live.engine.stream.stage_timer import timed_ms  # noqa: E402
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "emulation, which checks the script, not the speed")
     p.add_argument("--masked-sink-merge", action="store_true",
                    help="with --fuse: the sink merge as a masked Triton write (model.masked_sink_merge)")
-    p.add_argument("--fp8-quantize", default="compiled", choices=("compiled", "triton"),
+    p.add_argument("--fp8-quantize", default="compiled", choices=QUANTIZE_KERNELS,
                    help="with --fp8: the activations' row quantisation (model.fp8_quantize)")
     p.add_argument("--splits", type=int, default=1,
                    help="the self-attention over the window in this many parts (model.attention_splits)")

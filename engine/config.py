@@ -68,10 +68,10 @@ class ModelConfig:
                                               "every sink slot in every block of every forward)")
     fp8_linear: bool = spec(False, doc="Hopper/Ada: FP8 e4m3 matmuls in the DiT blocks; see docs/performance.md "
                                        "for the quality impact")
-    fp8_quantize: str = spec("triton", choices=("compiled", "triton"),
+    fp8_quantize: str = spec("auto", choices=("auto", "compiled", "triton"),
                              doc="with fp8_linear: how activations are quantised per row: one-pass Triton "
-                                 "kernels (one read of the row where Inductor's loop reads it twice), or compiled "
-                                 "torch functions")
+                                 "kernels (one read of the row where Inductor's loop reads it twice), compiled "
+                                 "torch functions, or auto: the kernels where triton is installed")
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

@@ -45,6 +45,7 @@ float8 buffers as if they were plain numbers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -75,7 +76,8 @@ BLOCK_LINEARS = (
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (e4m3 rows [M, K], float32 scales [M, 1])
 Quantize = Callable[[torch.Tensor], Quantized]
-QUANTIZE_KERNELS = ("compiled", "triton")  # how activations are quantised: model.fp8_quantize
+log = logging.getLogger(__name__)
+QUANTIZE_KERNELS = ("auto", "compiled", "triton")  # how activations are quantised: model.fp8_quantize
 
 
 class QuantizedRows(NamedTuple):
@@ -211,16 +213,21 @@ def quantizing_norms(ops: BlockOps, compiled: bool, rows: Any = None) -> BlockOp
                    affine_norm=quantizing(affine_norm, "affine_norm_rows"), quantized_norms=True)
 
 
-def _row_kernels(kernels: str) -> Any:
+def _row_kernels(kernels: str, emulate: bool) -> Any:
     """The one-pass Triton kernels module for `kernels` "triton" (imported only then: it needs triton),
-    None for "compiled"."""
+    None for "compiled"; "auto" is "triton" on a GPU where triton imports, else "compiled"."""
     if kernels not in QUANTIZE_KERNELS:
         raise ValueError(f"fp8_quantize: {kernels!r} is not allowed; expected one of {', '.join(QUANTIZE_KERNELS)}")
-    if kernels == "compiled":
+    if kernels == "triton" and emulate:
+        raise ValueError("fp8_quantize: 'triton' runs on a CUDA GPU; the CPU emulation quantises with torch")
+    if kernels == "compiled" or (kernels == "auto" and emulate):
         return None
     try:
         from loom_live.engine.layers import row_quant_kernels
     except ImportError as exc:
+        if kernels == "auto":
+            log.info("fp8_quantize auto: no triton here (%s); the compiled quantisation runs", exc)
+            return None
         raise ValueError(f"fp8_quantize: 'triton' needs the triton package ({exc}; torch's CUDA builds bring "
                          "it); or use 'compiled'") from exc
     return row_quant_kernels
@@ -261,7 +268,7 @@ def _probe(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = False,
-                       kernels: str = "compiled") -> list[str]:
+                       kernels: str = "auto") -> list[str]:
     """Replace the hot-path linears of every loaded WanBlock (`BLOCK_LINEARS`) by `FP8Linear`s,
     in place, after the weights are loaded; returns the converted module names.
 
@@ -272,11 +279,10 @@ def convert_dit_to_fp8(model: WanDiT, emulate: bool = False, compiled: bool = Fa
     Embeddings, head and the per-prompt cross-attention K/V projections stay as they are. Blocks left
     on the meta device (another pipeline rank's) are skipped. `compiled` runs the activation
     quantisation through torch.compile (one kernel instead of several eager passes); `kernels` "triton"
-    runs it as `row_quant_kernels`' one-pass kernels instead wherever a row fits one (CUDA only).
+    runs it as `row_quant_kernels`' one-pass kernels instead wherever a row fits one (CUDA only), "auto"
+    where triton is there, "compiled" the compiled (or eager) functions.
     """
-    if kernels == "triton" and emulate:
-        raise ValueError("fp8_quantize: 'triton' runs on a CUDA GPU; the CPU emulation quantises with torch")
-    rows = _row_kernels(kernels)
+    rows = _row_kernels(kernels, emulate)
     param = model.patch_embedding.weight
     if not emulate:
         check_fp8_device(param.device)

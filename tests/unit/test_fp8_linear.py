@@ -207,14 +207,15 @@ def test_cuda_scaled_mm_matches_the_emulation(k, n):
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_dit_streams_under_graphs_like_the_emulation():
+@pytest.mark.parametrize("kernels", ["auto", "compiled"])
+def test_cuda_fp8_dit_streams_under_graphs_like_the_emulation(kernels):
     dev = torch.device("cuda")
     torch.manual_seed(8)
     with torch.device(dev):
         model = WanDiT(DIT_PRESETS["tiny"]).to(torch.bfloat16).eval()
     emulated = copy.deepcopy(model)
     model.fuse_elementwise()  # the session's path: compiled block ops, then the conversion on them
-    assert len(convert_dit_to_fp8(model, compiled=True)) == 32
+    assert len(convert_dit_to_fp8(model, compiled=True, kernels=kernels)) == 32
     convert_dit_to_fp8(emulated, emulate=True)
     ctx = torch.randn(1, 8, 4096, device=dev)
     chunks = [torch.randn(1, 16, f, 8, 8, device=dev) for f in [2] + [1] * 10]

@@ -6,6 +6,7 @@ a GPU as the session runs it (gpu marker); and the choice between the kernels an
 from __future__ import annotations
 
 import copy
+import sys
 import textwrap
 
 import pytest
@@ -69,14 +70,22 @@ def test_rows_that_fit_take_the_kernel_longer_ones_the_fallback():
 
 
 def test_the_setting_is_checked_and_the_emulation_refuses_the_kernels():
-    assert load_config("tiny-random").model.fp8_quantize == "triton"
+    assert load_config("tiny-random").model.fp8_quantize == "auto"
     with pytest.raises(ValueError, match="fp8_quantize"):
         load_config("tiny-random", ["model.fp8_quantize=cuda"])
     model = WanDiT(DIT_PRESETS["tiny"]).eval()
     with pytest.raises(ValueError, match="fp8_quantize: 'triton' runs on a CUDA GPU"):
         convert_dit_to_fp8(model, emulate=True, kernels="triton")
-    with pytest.raises(ValueError, match="expected one of compiled, triton"):
+    with pytest.raises(ValueError, match="expected one of auto, compiled, triton"):
         convert_dit_to_fp8(model, emulate=True, kernels="fast")
+    assert convert_dit_to_fp8(model, emulate=True)  # auto: the emulation quantises with torch
+
+
+def test_auto_takes_the_compiled_quantisation_where_triton_is_missing_and_triton_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "loom_live.engine.layers.row_quant_kernels", None)  # its import fails
+    assert fp8_linear._row_kernels("auto", emulate=False) is None
+    with pytest.raises(ValueError, match="'triton' needs the triton package"):
+        fp8_linear._row_kernels("triton", emulate=False)
 
 
 @pytest.mark.gpu
