@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'run':<22} {'FPS':>8} {'p99 ms':>8} {'scale changes':>14}")
     for label, r in results.items():
         print(f"{label:<22} {r['fps']:>8.2f} {r['latency_ms'].get('p99', float('nan')):>8.1f} {r['lora_changes']:>14}")
-    print(f"LoRA / no LoRA: {lora['fps'] / plain['fps']:.3f}; scale change GPU time: {change_ms}")
-    print(f"a change adds to the push that carries it (or the next): {excess}")
+    print(f"LoRA / no LoRA: {lora['fps'] / plain['fps']:.3f}; merge span at a chunk (the whole merge, or one of "
+          f"stream.lora_merge_parts parts): {change_ms}")
+    print(f"a change adds to the pushes that carry it (its parts, or the one after): {excess}")
     if args.json:
         out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
                "config": args.config, "steps": args.steps, "rank": args.rank, "runs": results,
