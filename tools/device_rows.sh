@@ -168,9 +168,11 @@ PY
         # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
         for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;
     startup)
-        # cold (first on a fresh machine), then warm; Dynamo's precompile was slower (session 21): not run
+        # cold (first on a fresh machine), then warm; then warm without Inductor's compile workers started
+        # ahead (they are only needed on a cache miss); Dynamo's precompile was slower (session 21): not run
         wan startup_cold 200 --frames 600
-        wan startup_warm 150 --frames 600 ;;
+        wan startup_warm 150 --frames 600
+        TORCH_WARM_POOL=0 wan startup_warm_no_pool 150 --frames 600 ;;
     lora)
         # a change spread over the merge's four parts, one a chunk (default), then all of it at one chunk
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
