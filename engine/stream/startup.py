@@ -38,6 +38,16 @@ def compile_totals() -> dict[str, float]:
             "fx_cache_misses": float(inductor.get("fxgraph_cache_miss", 0))}
 
 
+def compile_phases(top: int = 8) -> list[tuple[str, float, int]]:
+    """torch.compile's own timed phases so far in this process, longest first: (name, seconds, calls).
+    Nested (the outermost holds the rest), so they say where compile time went: tracing, the caches'
+    lookups and loads, code generation. Empty where torch's compiler was never imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(utils, "compilation_time_metrics", {}) if utils is not None else {}
+    rows = [(name, float(sum(times)), len(times)) for name, times in metrics.items() if len(times)]
+    return sorted(rows, key=lambda row: -row[1])[:top]
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started, as the OS counts them (Linux's /proc), or None where it cannot
     say. Before an engine loads anything it has started an interpreter, imported torch, initialised CUDA
@@ -89,7 +99,8 @@ class StartupTimes:
                 "before_s": None if self.before_s is None else round(self.before_s, 3),
                 "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
                 "inside": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.inside.items()},
-                "detail_s": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.detail.items()}}
+                "detail_s": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.detail.items()},
+                "compile_phases_s": {n: round(s, 3) for n, s, _ in compile_phases()}}
 
     def line(self) -> str:
         """One log line: the total, each phase, and the compile and capture time inside the phases."""
@@ -97,6 +108,14 @@ class StartupTimes:
                  for name, seconds in self.phases.items()]
         before = "" if self.before_s is None else f" (the process ran {self.before_s:.1f} s before)"
         return f"start-up {sum(self.phases.values()):.1f} s{before}: " + "; ".join(parts)
+
+    @staticmethod
+    def compile_line() -> str | None:
+        """One log line: torch.compile's longest phases in this process, nested (None: nothing compiled)."""
+        phases = compile_phases()
+        if not phases:
+            return None
+        return "start-up compile phases, nested: " + ", ".join(f"{n} {s:.1f} s ({c})" for n, s, c in phases)
 
 
 def _parts(detail: dict[str, float]) -> str:

@@ -109,6 +109,21 @@ def test_the_process_age_counts_from_the_process_start():
     assert 0.4 <= float(out.stdout) < 60
 
 
+def test_the_compile_line_names_the_longest_phases_first(monkeypatch):
+    import types
+
+    from loom_live.engine.stream.startup import compile_phases
+
+    fake = types.SimpleNamespace(compilation_time_metrics={"_compile.compile_inner": [1.0, 2.5],
+                                                           "FxGraphCache.load": [0.25], "unused": []})
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", fake)
+    assert compile_phases() == [("_compile.compile_inner", 3.5, 2), ("FxGraphCache.load", 0.25, 1)]
+    assert StartupTimes.compile_line() == ("start-up compile phases, nested: _compile.compile_inner 3.5 s (2), "
+                                           "FxGraphCache.load 0.2 s (1)")
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", None)
+    assert StartupTimes.compile_line() is None
+
+
 def test_start_up_phases_do_not_import_the_compiler():
     """Reading the compile counters must not import torch._dynamo (seconds): a CPU engine never needs it,
     and on a GPU the phase that first compiles is the one charged for the import."""
@@ -117,7 +132,7 @@ def test_start_up_phases_do_not_import_the_compiler():
             "times = StartupTimes()\n"
             "with times.phase('load'):\n"
             "    pass\n"
-            "assert compile_totals()['compile_s'] == 0.0\n"
+            "assert compile_totals()['compile_s'] == 0.0 and times.compile_line() is None\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
