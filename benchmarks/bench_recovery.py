@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -32,7 +33,7 @@ import numpy as np  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
 
-STARTUP_MARK = "start-up "  # the engine's one line on where its start-up went (engine/stream/startup.py)
+STARTUP_LINE = re.compile(r"start-up \d.*")  # the engine's line on where its start-up went (engine/stream/startup.py)
 
 RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
 
@@ -66,8 +67,8 @@ MODES = ("restart", "standby", "standby-after")
 
 def startup_line(bridge: Bridge) -> str | None:
     """The serving engine's start-up line, from the last lines it printed (None if not among them)."""
-    return next((line[line.index(STARTUP_MARK):] for line in reversed(bridge.status().log_tail)
-                 if STARTUP_MARK in line), None)
+    found = (STARTUP_LINE.search(line) for line in reversed(bridge.status().log_tail))
+    return next((m.group(0) for m in found if m), None)
 
 
 def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dict:

@@ -28,7 +28,7 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change)|start-up ([0-9]|compile)|passed|failed|error" "$out/$name.txt" | tail -24
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change)|start-up [0-9]|compile phases|passed|failed|error" "$out/$name.txt" | tail -24
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }

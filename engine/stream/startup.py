@@ -115,7 +115,7 @@ class StartupTimes:
         phases = compile_phases()
         if not phases:
             return None
-        return "start-up compile phases, nested: " + ", ".join(f"{n} {s:.1f} s ({c})" for n, s, c in phases)
+        return "compile phases so far, nested: " + ", ".join(f"{n} {s:.1f} s ({c})" for n, s, c in phases)
 
 
 def _parts(detail: dict[str, float]) -> str:

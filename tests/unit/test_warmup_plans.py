@@ -118,7 +118,7 @@ def test_the_compile_line_names_the_longest_phases_first(monkeypatch):
                                                            "FxGraphCache.load": [0.25], "unused": []})
     monkeypatch.setitem(sys.modules, "torch._dynamo.utils", fake)
     assert compile_phases() == [("_compile.compile_inner", 3.5, 2), ("FxGraphCache.load", 0.25, 1)]
-    assert StartupTimes.compile_line() == ("start-up compile phases, nested: _compile.compile_inner 3.5 s (2), "
+    assert StartupTimes.compile_line() == ("compile phases so far, nested: _compile.compile_inner 3.5 s (2), "
                                            "FxGraphCache.load 0.2 s (1)")
     monkeypatch.setitem(sys.modules, "torch._dynamo.utils", None)
     assert StartupTimes.compile_line() is None
