@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,5 @@ def _fresh_dynamo(request):
     so a long GPU run would hit its limit (8) on the shared ops (say `sink_similarity` at another
     batch) where one engine process never does. Forget the compiled frames after each GPU test."""
     yield
-    if "gpu" in request.keywords:
-        import sys
-
-        if "torch._dynamo" in sys.modules:
-            sys.modules["torch._dynamo"].reset()
+    if "gpu" in request.keywords and "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()

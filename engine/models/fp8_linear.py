@@ -59,6 +59,8 @@ from loom_live.engine.models.wan_dit_ops import BlockOps, affine_norm, norm_modu
 if TYPE_CHECKING:
     from loom_live.engine.models.wan_dit import WanDiT
 
+log = logging.getLogger(__name__)
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of 0/0
@@ -76,7 +78,6 @@ BLOCK_LINEARS = (
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (e4m3 rows [M, K], float32 scales [M, 1])
 Quantize = Callable[[torch.Tensor], Quantized]
-log = logging.getLogger(__name__)
 QUANTIZE_KERNELS = ("auto", "compiled", "triton")  # how activations are quantised: model.fp8_quantize
 
 

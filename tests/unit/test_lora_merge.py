@@ -161,7 +161,6 @@ def test_a_captured_merge_replays_scale_changes_without_recapture(tmp_path, part
     assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
 
 
-
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 

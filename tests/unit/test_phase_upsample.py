@@ -133,6 +133,7 @@ def layout_keeping_convs(monkeypatch):
     or the weight is channels-last), so that what is checked is whether Loom's own layers keep it."""
     if _convs_keep_channels_last():
         return
+
     def keeping(conv, layout):
         def run(x, weight, *args, **kwargs):
             y = conv(x, weight, *args, **kwargs)
