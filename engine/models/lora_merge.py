@@ -176,6 +176,7 @@ class MergeProgram:
                 delta = (self.scales[layer.bias_lora][:, None] * layer.bias_deltas).sum(0)
                 layer.bias.copy_(layer.base_bias.float() + delta)
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Record each part as a CUDA graph (CUDA only; a no-op elsewhere). Runs them once first."""
         if self.scales.device.type != "cuda" or self._graphs:
