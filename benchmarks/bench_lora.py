@@ -2,7 +2,8 @@
 changes live once a second. Random weights and random rank-R LoRAs on every attention and FFN
 linear of the preset's DiT (speed does not depend on weight values). Prints one table and writes
 JSON: FPS of both runs, their ratio, the GPU time of a scale change (the session's `lora` stage) and
-what a change adds to the stream as the host sees it (the longest push after it, less the median push).
+what a change adds to the stream as the host sees it (the longest push after it, less the median push,
+beside the same over as many pushes that carry no change).
 `--merge-only`: the merge alone, no stream: host and GPU time of a scale change, eager and replayed
 as the captured CUDA graph.
 
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<22} {r['fps']:>8.2f} {r['latency_ms'].get('p99', float('nan')):>8.1f} {r['lora_changes']:>14}")
     print(f"LoRA / no LoRA: {lora['fps'] / plain['fps']:.3f}; merge span at a chunk (the whole merge, or one of "
           f"stream.lora_merge_parts parts): {change_ms}")
-    print(f"a change adds to the pushes that carry it (its parts, or the one after): {excess}")
+    print(f"a change adds to the pushes that carry it (its parts, or the one after; quiet_*: as many pushes "
+          f"with no change): {excess}")
     if args.json:
         out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
                "config": args.config, "steps": args.steps, "rank": args.rank, "runs": results,

@@ -116,11 +116,20 @@ def change_excess_ms(push_s: list[float], changed_at: list[int], after: int = 2)
     """What a live change adds to the stream, as the host sees it: for each change, the longest of the
     `after` pushes from the one that carried it, less the median push (ms; mean and max over changes).
     A push blocks while the chunks before it finish, so a merge the next forward waits on lengthens one
-    of them."""
+    of them. The longest of several pushes exceeds the median even with no change, by the stream's own
+    jitter, so the same figure over windows that carry none (`quiet_*`: as long, midway between two
+    changes, where the gap leaves room) says how much of it the change made."""
     median = float(np.median(push_s))
     excess = [max(push_s[j:j + after]) - median for j in changed_at if j < len(push_s)]
-    return {"mean": 1e3 * float(np.mean(excess)), "max": 1e3 * max(excess), "median_push": 1e3 * median,
-            "count": len(excess)}
+    bounds = [*changed_at, len(push_s)]
+    quiet = [max(push_s[m:m + after]) - median
+             for j, nxt in zip(bounds, bounds[1:])
+             if nxt - j >= 2 * after and (m := j + after + (nxt - j - 2 * after) // 2) + after <= nxt]
+    out = {"mean": 1e3 * float(np.mean(excess)), "max": 1e3 * max(excess), "median_push": 1e3 * median,
+           "count": len(excess)}
+    if quiet:
+        out.update(quiet_mean=1e3 * float(np.mean(quiet)), quiet_max=1e3 * max(quiet), quiet_count=len(quiet))
+    return out
 
 
 def _progress(text: str) -> None:

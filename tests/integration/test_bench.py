@@ -94,3 +94,15 @@ def test_change_excess_is_the_longest_push_after_a_change_less_the_median():
     got = change_excess_ms(pushes, [2, 7])  # the first change's merge shows in the push after it
     assert got["count"] == 2 and got["median_push"] == 100.0
     assert abs(got["max"] - 30.0) < 1e-9 and abs(got["mean"] - 17.5) < 1e-9
+    assert got["quiet_count"] == 1 and got["quiet_max"] == 0.0  # pushes 4..5; after 7 no room is left
+
+
+def test_change_excess_sets_windows_without_a_change_beside_it():
+    from loom_live.engine.tools.bench import change_excess_ms
+
+    pushes = [0.1] * 24
+    pushes[1], pushes[6], pushes[13], pushes[18] = 0.12, 0.104, 0.11, 0.107  # changes at 0 and 12
+    got = change_excess_ms(pushes, [0, 12], after=3)
+    assert got["count"] == 2 and abs(got["mean"] - 15.0) < 1e-9 and abs(got["max"] - 20.0) < 1e-9
+    # the quiet windows start midway between a change's pushes and the next change: 6..8 and 18..20
+    assert got["quiet_count"] == 2 and abs(got["quiet_mean"] - 5.5) < 1e-9 and abs(got["quiet_max"] - 7.0) < 1e-9
