@@ -102,6 +102,10 @@ class VAEConfig:
                                         "a longer warm-up for faster VAE chunks)")
     tune_kernels: bool = spec(False, doc="with compile_step: Inductor times block sizes for each fused VAE kernel "
                                          "(coordinate descent; a longer cold compile, kept by the compile cache)")
+    saved_steps: bool = spec(False, doc="with compile_step: keep each compiled VAE step whole (Dynamo's output "
+                                        "included) in the compile cache folder and load it on the next start "
+                                        "instead of tracing it again (torch's experimental aot_compile; any "
+                                        "failure falls back to torch.compile)")
     upsample: str = spec("phase", choices=("nearest", "phase", "transposed"),
                          doc="the Wan decoder's x2 upsampling + 3x3 conv: as written (nearest), or as four 2x2 "
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "

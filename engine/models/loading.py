@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from loom_live.engine.config import LoomConfig
+from loom_live.engine.graphs.compile_cache import cache_root
+from loom_live.engine.graphs.saved_compiles import compiled_folder
 from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
 from loom_live.engine.models.lora import LoraMerger, read_lora
 from loom_live.engine.models.taehv import TinyVAE
@@ -210,8 +212,9 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
             wan.use_attention(vc.attention)
             wan.use_channels_last(vc.channels_last)
-            if vc.compile_step:
-                wan.compile_step(tune=vc.tune_kernels)  # includes what fuse_norms does
+            if vc.compile_step:  # includes what fuse_norms does
+                wan.compile_step(tune=vc.tune_kernels,
+                                 saved=compiled_folder(cache_root(), device) if vc.saved_steps else None)
             elif vc.fuse_norms:
                 wan.fuse_norms()
         clock.lap("vae_ops")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_live.engine.cache.vae_cache import FrameCache, VAEStreamState, check_signature
+from loom_live.engine.graphs.saved_compiles import SavedCompile
 from loom_live.engine.layers.attention import matmul_attention
 from loom_live.engine.layers.phase_upsample import UPSAMPLE_KINDS, PhaseUpsampleConv
 from loom_live.engine.layers.thin_conv import THIN_CHANNELS, THIN_KINDS, ThinConv3d, thin_kind
@@ -362,6 +363,7 @@ class WanVAE(nn.Module):
             if isinstance(module, (CausalConv3d, Resample)):
                 module.cache_key = name
         self.memory_format = torch.preserve_format  # of the chunks going in (`use_channels_last`)
+        self._saved_steps: tuple[SavedCompile, SavedCompile] | None = None  # (encoder, decoder): `compile_step`
         self._set_latent_stats(None)
 
     def _set_latent_stats(self, device: torch.device | str | None) -> None:
@@ -452,7 +454,7 @@ class WanVAE(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernel = fused
 
-    def compile_step(self, tune: bool = False) -> None:
+    def compile_step(self, tune: bool = False, saved: Path | None = None) -> None:
         """Compile the encoder and decoder whole (Inductor, static shapes).
 
         Beyond `fuse_norms`, this fuses each conv's bias add, the residual adds and the history
@@ -462,11 +464,18 @@ class WanVAE(nn.Module):
         latent at a time (`VAEGraphs`) and compiles them in its warm-up. `tune` has Inductor time
         block sizes around its heuristic's for each fused kernel (coordinate descent): the norms
         are memory-bound passes over hundreds of MB, where the block shape sets the bandwidth
-        reached; it lengthens a cold compile, and the compile cache keeps the choices.
+        reached; it lengthens a cold compile, and the compile cache keeps the choices. With a
+        `saved` folder each compiled step is kept there whole and a later process loads it instead
+        of tracing it again (`SavedCompile`); call it after the layout choices (`use_*`).
         """
         options = {"coordinate_descent_tuning": True} if tune else None
-        self.encoder.compile(dynamic=False, options=options)
-        self.decoder.compile(dynamic=False, options=options)
+        if saved is None:
+            self.encoder.compile(dynamic=False, options=options)
+            self.decoder.compile(dynamic=False, options=options)
+            return
+        self._saved_steps = (
+            SavedCompile(type(self.encoder).forward, saved, "wan_vae.encoder", owner=self.encoder, options=options),
+            SavedCompile(type(self.decoder).forward, saved, "wan_vae.decoder", owner=self.decoder, options=options))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -482,7 +491,9 @@ class WanVAE(nn.Module):
         cache = state.encoder
         check_pixels(x, first=not cache.started, what="WanVAE.encode_stream")
         check_signature(cache, (x.shape[0], *x.shape[3:], x.device), "WanVAE.encode_stream")
-        encoder = self.encoder if cache.started else self.encoder.forward  # first call: plain (see this docstring)
+        encoder = self.encoder.forward  # first call: plain (see this docstring)
+        if cache.started:
+            encoder = self.encoder if self._saved_steps is None else self._saved_steps[0]
         h = encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
@@ -498,7 +509,9 @@ class WanVAE(nn.Module):
         z = z.to(dtype=self.dtype, memory_format=self.memory_format)
         if self.cfg.denormalize_on_decode:
             z = (z * self.latents_std + self.latents_mean).to(z.dtype)
-        decoder = self.decoder if cache.started else self.decoder.forward  # first call: plain (see encode_stream)
+        decoder = self.decoder.forward  # first call: plain (see encode_stream)
+        if cache.started:
+            decoder = self.decoder if self._saved_steps is None else self._saved_steps[1]
         x = decoder(self.post_quant_conv(z, cache), cache)
         cache.started = True
         return x.clamp_(-1.0, 1.0)

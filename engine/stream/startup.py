@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from loom_live.engine.graphs.capture_clock import CAPTURES
+from loom_live.engine.graphs.saved_compiles import SAVED
 
 
 def compile_totals() -> dict[str, float]:
@@ -63,7 +64,9 @@ def process_age_s() -> float | None:
 
 
 def _work() -> dict[str, float]:
-    return {**compile_totals(), "capture_s": CAPTURES.seconds, "captures": float(CAPTURES.count)}
+    return {**compile_totals(), "capture_s": CAPTURES.seconds, "captures": float(CAPTURES.count),
+            "saved_loaded": float(SAVED.loaded), "saved_load_s": SAVED.load_s, "saved_built": float(SAVED.built),
+            "saved_fallbacks": float(SAVED.fallbacks)}
 
 
 class StartupTimes:
@@ -128,6 +131,9 @@ def _inside(work: dict[str, float]) -> str:
         extra.append(f"compile {work['compile_s']:.1f} s")
     if work.get("fx_cache_hits") or work.get("fx_cache_misses"):
         extra.append(f"fx cache {int(work.get('fx_cache_hits', 0))} hit / {int(work.get('fx_cache_misses', 0))} miss")
+    if work.get("saved_loaded") or work.get("saved_built") or work.get("saved_fallbacks"):
+        extra.append(f"saved steps {int(work.get('saved_loaded', 0))} loaded {work.get('saved_load_s', 0.0):.1f} s / "
+                     f"{int(work.get('saved_built', 0))} built / {int(work.get('saved_fallbacks', 0))} fell back")
     if work.get("captures"):
         extra.append(f"{int(work['captures'])} captures {work['capture_s']:.1f} s")
     return f" ({', '.join(extra)})" if extra else ""

@@ -1,0 +1,188 @@
+"""Saved compiled steps: a new process loads what the last one compiled, for any weights of the same
+layout, with the same results and histories as the eager step; a damaged file is built again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom_live.engine.cache.vae_cache import FrameCache
+from loom_live.engine.graphs import saved_compiles
+from loom_live.engine.graphs.saved_compiles import SAVED, SavedCompile, compiled_folder, signature
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A step shaped like the VAE's: a module whose forward reads and rewrites a history cache it is given.
+SCRIPT = '''
+import json, sys
+import torch
+from torch import nn
+from loom_live.engine.cache.vae_cache import FrameCache
+from loom_live.engine.graphs.saved_compiles import SAVED, SavedCompile
+
+class Step(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        full = cache.extend("proj", x, 2, dim=1)
+        return torch.tanh(self.proj(full)).mean(1, keepdim=True) + x
+
+def run(step, module, seed):
+    torch.manual_seed(seed)
+    cache = FrameCache()
+    module(torch.randn(1, 2, 8), cache)  # primes the history, as a stream's plain first call does
+    xs = [torch.randn(1, 3, 8) for _ in range(3)]
+    with torch.no_grad():
+        outs = [step(x, cache) for x in xs]
+    return torch.cat(outs, 1), cache.last("proj")
+
+folder, weights_seed = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(weights_seed)
+module = Step().requires_grad_(False)
+step = SavedCompile(type(module).forward, __import__("pathlib").Path(folder), "step", owner=module)
+out, history = run(step, module, 7)
+ref_out, ref_history = run(module, module, 7)
+torch.compiler.set_stance("eager_on_recompile")
+with torch.no_grad():  # a new shape after the first: eager, as a recompile under this stance would be
+    step(torch.randn(1, 5, 8), FrameCache())
+print(json.dumps({"loaded": SAVED.loaded, "built": SAVED.built, "fallbacks": SAVED.fallbacks,
+                  "out": (out - ref_out).abs().max().item(), "history": (history - ref_history).abs().max().item(),
+                  "files": sorted(p.name for p in __import__("pathlib").Path(folder).iterdir())}))
+'''
+
+
+def _run(tmp_path: Path, folder: Path, seed: int) -> dict:
+    script = tmp_path / "step_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    out = subprocess.run([sys.executable, str(script), str(folder), str(seed)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stderr}
+
+
+@pytest.mark.slow
+def test_a_new_process_loads_the_saved_step_for_other_weights_and_rebuilds_a_damaged_file(tmp_path):
+    folder = tmp_path / "compiled"
+    first = _run(tmp_path, folder, seed=0)
+    assert (first["loaded"], first["built"], first["fallbacks"]) == (0, 1, 0)
+    assert first["out"] < 1e-5 and first["history"] == 0.0
+    assert len(first["files"]) == 1  # one signature; the eager call under the stance saved nothing
+
+    second = _run(tmp_path, folder, seed=1)  # other weights, same layout: the same file serves
+    assert (second["loaded"], second["built"], second["fallbacks"]) == (1, 0, 0)
+    assert second["out"] < 1e-5 and second["history"] == 0.0 and second["files"] == first["files"]
+
+    (folder / first["files"][0]).write_bytes(b"not a saved function")
+    third = _run(tmp_path, folder, seed=2)
+    assert (third["loaded"], third["built"]) == (0, 1) and "did not load" in third["log"]
+    assert third["out"] < 1e-5 and third["history"] == 0.0 and third["files"] == first["files"]
+    assert (folder / first["files"][0]).stat().st_size > 1000  # written again, whole
+
+
+def test_signatures_key_on_layout_not_on_values_and_refuse_what_they_cannot_key():
+    a, b = FrameCache(), FrameCache()
+    a.buffers["conv"], b.buffers["conv"] = torch.zeros(1, 4, 2), torch.ones(1, 4, 2)
+    assert signature((torch.zeros(2, 3), a)) == signature((torch.ones(2, 3), b))
+    b.started = True
+    assert signature(a) != signature(b)
+    assert signature(torch.zeros(2, 3)) != signature(torch.zeros(3, 2).t())  # strides count
+    assert signature(torch.zeros(2, 3)) != signature(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="cannot key a step on a Linear"):
+        signature(torch.nn.Linear(2, 2))
+
+
+def test_an_argument_it_cannot_key_falls_back_to_torch_compile_with_a_warning(tmp_path, caplog):
+    step = SavedCompile(lambda x, op: op(x) + 1, tmp_path / "compiled", "odd")
+    before = SAVED.fallbacks
+    with torch.compiler.set_stance("force_eager"), caplog.at_level(logging.WARNING):  # no compile needed here
+        out = step(torch.ones(2), torch.neg)
+        step(torch.ones(2), torch.neg)
+    assert torch.equal(out, torch.zeros(2)) and SAVED.fallbacks == before + 1
+    assert sum("cannot key a step on a builtin_function_or_method" in r.message for r in caplog.records) == 1
+    assert not (tmp_path / "compiled").exists()
+
+
+def test_the_folder_changes_with_the_engine_sources_and_the_device(tmp_path, monkeypatch):
+    cpu = compiled_folder(tmp_path, torch.device("cpu"))
+    assert cpu.parent == tmp_path / "compiled" and cpu == compiled_folder(tmp_path, torch.device("cpu"))
+    monkeypatch.setattr(saved_compiles, "_engine_digest", lambda: "another engine")
+    other_engine = compiled_folder(tmp_path, torch.device("cpu"))
+    monkeypatch.setattr(saved_compiles, "_device_kind", lambda device: "another GPU")
+    assert len({cpu, other_engine, compiled_folder(tmp_path, torch.device("cpu"))}) == 3
+
+
+VAE_SCRIPT = '''
+import json, sys
+from pathlib import Path
+import torch
+from loom_live.engine.graphs.saved_compiles import SAVED
+from loom_live.engine.models.wan_vae import WanVAE, WanVAEConfig
+
+torch.manual_seed(int(sys.argv[2]))
+cfg = WanVAEConfig(base_dim=16)
+vae, ref = WanVAE(cfg).cuda().eval(), WanVAE(cfg).cuda().eval()
+ref.load_state_dict(vae.state_dict())
+vae.use_channels_last(True)
+vae.compile_step(saved=Path(sys.argv[1]))
+frames = torch.rand(1, 3, 1 + 4 * 3, 64, 96, device="cuda") * 2 - 1
+pieces = [frames[:, :, :1]] + list(frames[:, :, 1:].split(4, dim=2))
+
+def stream(model):
+    state = model.new_stream_state()
+    z = [model.encode_stream(p, state) for p in pieces]
+    return torch.cat(z, 2), torch.cat([model.decode_stream(l, state) for l in z], 2)
+
+with torch.inference_mode():
+    (z, x), (z_ref, x_ref) = stream(vae), stream(ref)
+print(json.dumps({"loaded": SAVED.loaded, "built": SAVED.built, "fallbacks": SAVED.fallbacks,
+                  "z": (z - z_ref).abs().max().item(), "x": (x - x_ref).abs().max().item()}))
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the VAE's compiled steps run on CUDA (triton)")
+def test_the_vae_steps_saved_by_one_process_stream_in_the_next_as_the_eager_vae(tmp_path):
+    script = tmp_path / "vae_script.py"
+    script.write_text(VAE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = []
+    for seed in (0, 1):  # the second process loads both steps, for other weights
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "compiled"), str(seed)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    built = runs[0]["built"]  # a step per cache layout: the histories' second steady call can add one
+    assert built >= 2 and [(r["loaded"], r["built"], r["fallbacks"]) for r in runs] == [(0, built, 0), (built, 0, 0)]
+    for r in runs:  # float32: the fused kernels' rounding only
+        assert r["z"] < 1e-3 and r["x"] < 1e-3, r
+
+
+def test_the_vae_streams_its_steady_chunks_through_its_saved_steps(tmp_path, monkeypatch):
+    from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
+
+    resolved = []
+    monkeypatch.setattr(SavedCompile, "_resolve", lambda self, key, full: resolved.append(self.name) or self.fn)
+    torch.manual_seed(0)
+    vae, ref = WanVAE(VAE_PRESETS["tiny"]).eval(), WanVAE(VAE_PRESETS["tiny"]).eval()
+    ref.load_state_dict(vae.state_dict())
+    vae.compile_step(saved=tmp_path)
+    frames = torch.rand(1, 3, 9, 16, 16) * 2 - 1
+    with torch.no_grad():
+        got, want = vae.new_stream_state(), ref.new_stream_state()
+        for piece in (frames[:, :, :1], frames[:, :, 1:5], frames[:, :, 5:]):
+            z = vae.encode_stream(piece, got)
+            assert torch.equal(z, ref.encode_stream(piece, want))
+            assert torch.equal(vae.decode_stream(z, got), ref.decode_stream(z, want))
+    # the first chunk of each direction runs plain; the steady ones through a step per cache layout
+    assert set(resolved) == {"wan_vae.encoder", "wan_vae.decoder"}
