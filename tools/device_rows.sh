@@ -6,12 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
-# edit-split, startup, lora, ipc, recovery. Results (JSON and each run's
+# edit-split, startup, saved, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup saved lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -40,6 +40,7 @@ for group in "$@"; do
         step gpu_tests 420 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
+            tests/unit/test_saved_compiles.py \
             tests/integration/test_bridge_cuda.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
@@ -168,11 +169,15 @@ PY
         # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
         for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;
     startup)
-        # cold (first on a fresh machine), then warm; then warm without Inductor's compile workers started
-        # ahead (they are only needed on a cache miss); Dynamo's precompile was slower (session 21): not run
+        # cold (first on a fresh machine), then warm (Dynamo's automatic precompile, session 21, and
+        # TORCH_WARM_POOL=0, session 23, were slower: not run)
         wan startup_cold 200 --frames 600
-        wan startup_warm 150 --frames 600
-        TORCH_WARM_POOL=0 wan startup_warm_no_pool 150 --frames 600 ;;
+        wan startup_warm 150 --frames 600 ;;
+    saved)
+        # the VAE's compiled steps saved whole (after `startup`: every other graph a cache hit): the first
+        # run compiles and saves them, the second loads them instead of tracing
+        wan startup_saved_build 200 --frames 600 --set vae.saved_steps=true
+        wan startup_saved_load 150 --frames 600 --set vae.saved_steps=true ;;
     lora)
         # a change spread over the merge's four parts, one a chunk (default), then all of it at one chunk
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
