@@ -56,6 +56,10 @@ class ModelConfig:
                                             "VACE edges' hysteresis on CUDA (needs triton)")
     gelu_epilogue: bool = spec(True, doc="with fuse_elementwise on CUDA: the FFN's GELU as its first matmul's "
                                          "cuBLASLt epilogue (off: a GELU pass of its own)")
+    saved_block_ops: bool = spec(False, doc="with fuse_elementwise: each compiled block function compiled whole per "
+                                            "argument signature, kept in the compile cache folder and loaded on the "
+                                            "next start instead of traced again (torch's experimental aot_compile; "
+                                            "any failure falls back to torch.compile)")
     fuse_qkv: bool = spec(False, doc="on CUDA: each block's q/k/v projections as one matrix product over a "
                                      "fused weight (one kernel whose grid fills a large GPU at one latent frame's "
                                      "tokens); fp8_linear always runs them as one FP8 product")

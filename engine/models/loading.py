@@ -201,10 +201,12 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("lora")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        saved = compiled_folder(cache_root(), device)  # where saved compiled steps are kept, if any are
         if mc.fuse_elementwise:
             dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue,
                                                    attention_splits=mc.attention_splits,
-                                                   masked_sink_merge=mc.masked_sink_merge))
+                                                   masked_sink_merge=mc.masked_sink_merge,
+                                                   saved=saved if mc.saved_block_ops else None))
         elif mc.attention_splits > 1:
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         clock.lap("block_ops")  # the first compiled function imports torch's compiler
@@ -213,8 +215,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             wan.use_attention(vc.attention)
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:  # includes what fuse_norms does
-                wan.compile_step(tune=vc.tune_kernels,
-                                 saved=compiled_folder(cache_root(), device) if vc.saved_steps else None)
+                wan.compile_step(tune=vc.tune_kernels, saved=saved if vc.saved_steps else None)
             elif vc.fuse_norms:
                 wan.fuse_norms()
         clock.lap("vae_ops")

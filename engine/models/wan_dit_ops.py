@@ -18,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from loom_live.engine.cache.kv_cache import EAGER_CACHE_OPS, CacheOps, merge_sinks, sink_similarity
 from loom_live.engine.cache.sink_write_kernel import masked_merge
+from loom_live.engine.graphs.saved_compiles import SavedCompile
 from loom_live.engine.layers.attention import attention, merge_partials, split_attention
 from loom_live.engine.layers.rope import rotate
 
@@ -99,7 +101,7 @@ class BlockOps:
 
     @classmethod
     def compiled(cls, gelu_epilogue: bool = True, attention_splits: int = 1,
-                 masked_sink_merge: bool = False) -> BlockOps:
+                 masked_sink_merge: bool = False, saved: Path | None = None) -> BlockOps:
         """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
         FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
         cuBLASLt picks with it, and so whether it pays, depends on the token count); with
@@ -108,11 +110,15 @@ class BlockOps:
         (engine/cache/sink_write_kernel.py).
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
-        dynamic sizes instead of piling up specialisations. Compilation happens on first use, so
-        a CUDA-graph capture must follow an eager warm-up of the same shapes (the DiT graphs do).
+        dynamic sizes instead of piling up specialisations. With a `saved` folder each function is
+        instead compiled whole per argument signature (static shapes) and kept there, and a later
+        process loads it instead of tracing it again (`SavedCompile`). Compilation happens on first
+        use, so a CUDA-graph capture must follow an eager warm-up of the same shapes (the DiT graphs do).
         """
 
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            if saved is not None:
+                return SavedCompile(fn, saved, f"dit.{fn.__name__}")
             return torch.compile(fn, fullgraph=True)
 
         merge = masked_merge(fuse(merge_sinks)) if masked_sink_merge else fuse(merge_sinks)

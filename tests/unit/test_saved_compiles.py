@@ -186,3 +186,51 @@ def test_the_vae_streams_its_steady_chunks_through_its_saved_steps(tmp_path, mon
             assert torch.equal(vae.decode_stream(z, got), ref.decode_stream(z, want))
     # the first chunk of each direction runs plain; the steady ones through a step per cache layout
     assert set(resolved) == {"wan_vae.encoder", "wan_vae.decoder"}
+
+
+def _dit_stream(model, device: str) -> torch.Tensor:
+    """A tiny DiT streaming four chunks with adaptive sinks, so every block function takes part."""
+    torch.manual_seed(1)
+    chunks = [torch.randn(1, 16, f, 4, 6, device=device) for f in (2, 1, 1, 1)]
+    cache = model.new_cache(1, (4, 6), num_kv_cache=3, sink=1, refresh_at=5, sink_threshold=0.2, device=device)
+    cross = model.cross_kv(torch.randn(1, 5, 4096, device=device))
+    t = torch.tensor([700.0], device=device)
+    return torch.cat([model.forward_stream(x, t, cache, cross) for x in chunks], dim=2)
+
+
+def test_the_dit_runs_its_block_functions_through_saved_compiles(tmp_path, monkeypatch):
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.models.wan_dit_ops import BlockOps
+
+    resolved = []
+    monkeypatch.setattr(SavedCompile, "_resolve", lambda self, key, full: resolved.append(self.name) or self.fn)
+    torch.manual_seed(0)
+    model = WanDiT(DIT_PRESETS["tiny"]).eval()
+    with torch.no_grad():
+        want = _dit_stream(model, "cpu")
+        model.fuse_elementwise(BlockOps.compiled(saved=tmp_path))
+        got = _dit_stream(model, "cpu")
+    assert torch.equal(got, want)
+    assert {"dit.norm_modulate", "dit.affine_norm", "dit.gated_residual", "dit.rms_norm", "dit.rotate",
+            "dit.sink_similarity", "dit.merge_sinks"} <= set(resolved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled block functions run on CUDA (triton)")
+def test_the_dit_block_functions_saved_then_loaded_stream_as_the_eager_ones(tmp_path):
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.engine.models.wan_dit_ops import BlockOps
+
+    torch.manual_seed(0)
+    model = WanDiT(DIT_PRESETS["tiny"]).cuda().eval()
+    before = (SAVED.loaded, SAVED.built, SAVED.fallbacks)
+    with torch.no_grad():
+        want = _dit_stream(model, "cuda")
+        model.fuse_elementwise(BlockOps.compiled(saved=tmp_path))
+        built = _dit_stream(model, "cuda")
+        model.fuse_elementwise(BlockOps.compiled(saved=tmp_path))  # fresh functions: they load the files
+        loaded = _dit_stream(model, "cuda")
+    new = SAVED.built - before[1]
+    assert new >= 7 and SAVED.loaded - before[0] == new and SAVED.fallbacks == before[2]
+    torch.testing.assert_close(built, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loaded, built, rtol=0, atol=0)
