@@ -174,10 +174,12 @@ PY
         wan startup_cold 200 --frames 600
         wan startup_warm 150 --frames 600 ;;
     saved)
-        # the VAE's compiled steps saved whole (after `startup`: every other graph a cache hit): the first
-        # run compiles and saves them, the second loads them instead of tracing
+        # compiled steps saved whole (after `startup`: every other graph a cache hit): the VAE's steps built
+        # and saved, then loaded; then the DiT's block functions too, built, then loaded
         wan startup_saved_build 200 --frames 600 --set vae.saved_steps=true
-        wan startup_saved_load 150 --frames 600 --set vae.saved_steps=true ;;
+        wan startup_saved_load 150 --frames 600 --set vae.saved_steps=true
+        wan startup_saved_dit_build 200 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true
+        wan startup_saved_dit_load 150 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true ;;
     lora)
         # a change spread over the merge's four parts, one a chunk (default), then all of it at one chunk
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
