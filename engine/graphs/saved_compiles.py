@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class SavedCounts:
 
 
 SAVED = SavedCounts()
+KEEP_FOLDERS = 4  # compiled/<key> folders kept: each engine update, torch update or other GPU adds one
 
 
 def compiled_folder(root: Path, device: torch.device) -> Path:
@@ -134,6 +137,7 @@ class SavedCompile:
                     step = torch.compiler.load_compiled_function(f, f_globals=self.fn.__globals__)
                 SAVED.loaded += 1
                 SAVED.load_s += time.perf_counter() - t0
+                os.utime(self.folder)  # in use: the last folder `make_folder` would remove
                 return step
             except Exception as exc:  # noqa: BLE001 (another torch's file, a torn one: build it again)
                 logger.warning("saved compile %s: %s did not load (%s); compiling it again", self.name, path.name, exc)
@@ -145,7 +149,7 @@ class SavedCompile:
             return self._fall_back()
         SAVED.built += 1
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_folder(self.folder)
             step.save_compiled_function(str(path))  # written beside, then renamed: never a torn file
         except Exception as exc:  # noqa: BLE001 (a read-only folder, an unsaveable step: the next start compiles)
             logger.warning("saved compile %s: not saved (%s); the next start compiles it again", self.name, exc)
@@ -156,6 +160,19 @@ class SavedCompile:
             SAVED.fallbacks += 1
             self._fallback = torch.compile(self.fn, dynamic=False, options=self.options)
         return self._fallback
+
+
+def make_folder(folder: Path) -> None:
+    """Create `folder` and, when it is new, remove its oldest siblings beyond `KEEP_FOLDERS` (steps built
+    for engines, torches or GPUs no longer in use); a step loading from a removed folder is built again."""
+    if folder.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    siblings = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in siblings[KEEP_FOLDERS - 1:]:
+        logger.info("saved compiles: removing %s (built for another engine, torch or GPU)", old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _eager_on_recompile() -> bool:

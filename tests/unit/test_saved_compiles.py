@@ -15,7 +15,7 @@ import torch
 
 from loom_live.engine.cache.vae_cache import FrameCache
 from loom_live.engine.graphs import saved_compiles
-from loom_live.engine.graphs.saved_compiles import SAVED, SavedCompile, compiled_folder, signature
+from loom_live.engine.graphs.saved_compiles import SAVED, SavedCompile, compiled_folder, make_folder, signature
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,6 +111,18 @@ def test_an_argument_it_cannot_key_falls_back_to_torch_compile_with_a_warning(tm
     assert torch.equal(out, torch.zeros(2)) and SAVED.fallbacks == before + 1
     assert sum("cannot key a step on a builtin_function_or_method" in r.message for r in caplog.records) == 1
     assert not (tmp_path / "compiled").exists()
+
+
+def test_a_new_folder_removes_its_oldest_siblings_and_keeps_the_recent_ones(tmp_path):
+    root = tmp_path / "compiled"
+    for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" oldest
+        (root / name).mkdir(parents=True)
+        (root / name / "step.bin").write_bytes(b"x")
+        os.utime(root / name, (1e9 - age * 1e5, 1e9 - age * 1e5))
+    make_folder(root / "new")
+    assert sorted(p.name for p in root.iterdir()) == ["c", "d", "e", "new"]  # KEEP_FOLDERS in all
+    make_folder(root / "new")  # an existing folder removes nothing
+    assert len(list(root.iterdir())) == saved_compiles.KEEP_FOLDERS
 
 
 def test_the_folder_changes_with_the_engine_sources_and_the_device(tmp_path, monkeypatch):
