@@ -92,7 +92,8 @@ class SavedCompile:
     With an `owner` module, `fn` is that module's unbound method and the module is passed as its first
     argument: its weights are the compiled code's inputs, not constants, so a saved step serves any
     weights of the same layout. After the first signature, a new one under torch's
-    `eager_on_recompile` stance (a session after its warm-up) runs `fn` eagerly, as a recompile would."""
+    `eager_on_recompile` stance (a session after its warm-up) is loaded if it was saved, and otherwise
+    runs `fn` eagerly, as a recompile would."""
 
     def __init__(self, fn: Callable[..., Any], folder: Path, name: str, *, owner: nn.Module | None = None,
                  options: dict[str, Any] | None = None) -> None:
@@ -111,8 +112,8 @@ class SavedCompile:
             return self._fall_back()(*full)
         step = self._steps.get(key)
         if step is None:
-            if self._steps and _eager_on_recompile():
-                return self.fn(*full)
+            if self._steps and _eager_on_recompile() and not self.path(key).is_file():
+                return self.fn(*full)  # a build now would stall a stream; a load takes milliseconds
             step = self._steps[key] = self._resolve(key, full)
         try:
             return step(*full)

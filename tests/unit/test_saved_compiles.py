@@ -45,49 +45,56 @@ def run(step, module, seed):
         outs = [step(x, cache) for x in xs]
     return torch.cat(outs, 1), cache.last("proj")
 
-folder, weights_seed = sys.argv[1], int(sys.argv[2])
+folder, weights_seed, prebuild = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "prebuild"
 torch.manual_seed(weights_seed)
 module = Step().requires_grad_(False)
 step = SavedCompile(type(module).forward, __import__("pathlib").Path(folder), "step", owner=module)
 out, history = run(step, module, 7)
 ref_out, ref_history = run(module, module, 7)
-torch.compiler.set_stance("eager_on_recompile")
-with torch.no_grad():  # a new shape after the first: eager, as a recompile under this stance would be
-    step(torch.randn(1, 5, 8), FrameCache())
+other = FrameCache()
+with torch.no_grad():
+    module(torch.randn(1, 2, 8), other)
+    if prebuild:  # a second signature, built and saved before the stance
+        step(torch.randn(1, 4, 8), other)
+    torch.compiler.set_stance("eager_on_recompile")  # as a session after its warm-up
+    step(torch.randn(1, 4, 8), other)  # saved: loaded; otherwise it would run eagerly
+    step(torch.randn(1, 5, 8), other)  # never saved: eager, nothing built
 print(json.dumps({"loaded": SAVED.loaded, "built": SAVED.built, "fallbacks": SAVED.fallbacks,
                   "out": (out - ref_out).abs().max().item(), "history": (history - ref_history).abs().max().item(),
                   "files": sorted(p.name for p in __import__("pathlib").Path(folder).iterdir())}))
 '''
 
 
-def _run(tmp_path: Path, folder: Path, seed: int) -> dict:
+def _run(tmp_path: Path, folder: Path, seed: int, prebuild: bool = False) -> dict:
     script = tmp_path / "step_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    out = subprocess.run([sys.executable, str(script), str(folder), str(seed)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=240, env=env)
+    out = subprocess.run([sys.executable, str(script), str(folder), str(seed), "prebuild" if prebuild else "-"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stderr}
 
 
 @pytest.mark.slow
-def test_a_new_process_loads_the_saved_step_for_other_weights_and_rebuilds_a_damaged_file(tmp_path):
+def test_a_new_process_loads_the_saved_steps_for_other_weights_and_rebuilds_a_damaged_file(tmp_path):
     folder = tmp_path / "compiled"
-    first = _run(tmp_path, folder, seed=0)
-    assert (first["loaded"], first["built"], first["fallbacks"]) == (0, 1, 0)
+    first = _run(tmp_path, folder, seed=0, prebuild=True)
+    assert (first["loaded"], first["built"], first["fallbacks"]) == (0, 2, 0)
     assert first["out"] < 1e-5 and first["history"] == 0.0
-    assert len(first["files"]) == 1  # one signature; the eager call under the stance saved nothing
+    assert len(first["files"]) == 2  # two signatures; the eager call under the stance saved nothing
 
-    second = _run(tmp_path, folder, seed=1)  # other weights, same layout: the same file serves
-    assert (second["loaded"], second["built"], second["fallbacks"]) == (1, 0, 0)
+    # other weights, same layout: the same files serve, the second one loaded under the stance
+    second = _run(tmp_path, folder, seed=1)
+    assert (second["loaded"], second["built"], second["fallbacks"]) == (2, 0, 0)
     assert second["out"] < 1e-5 and second["history"] == 0.0 and second["files"] == first["files"]
 
-    (folder / first["files"][0]).write_bytes(b"not a saved function")
+    for name in first["files"]:
+        (folder / name).write_bytes(b"not a saved function")
     third = _run(tmp_path, folder, seed=2)
-    assert (third["loaded"], third["built"]) == (0, 1) and "did not load" in third["log"]
+    assert (third["loaded"], third["built"]) == (0, 2) and "did not load" in third["log"]
     assert third["out"] < 1e-5 and third["history"] == 0.0 and third["files"] == first["files"]
-    assert (folder / first["files"][0]).stat().st_size > 1000  # written again, whole
+    assert all((folder / name).stat().st_size > 1000 for name in first["files"])  # written again, whole
 
 
 def test_signatures_key_on_layout_not_on_values_and_refuse_what_they_cannot_key():
