@@ -130,6 +130,8 @@ class SavedCompile:
         return self.folder / f"{self.name}-{digest}.bin"
 
     def _resolve(self, key: Hashable, full: tuple[Any, ...]) -> Callable[..., Any]:
+        if not torch_saves_compiles():
+            return self._fall_back()
         path = self.path(key)
         if path.is_file():
             t0 = time.perf_counter()
@@ -161,6 +163,16 @@ class SavedCompile:
             SAVED.fallbacks += 1
             self._fallback = torch.compile(self.fn, dynamic=False, options=self.options)
         return self._fallback
+
+
+@functools.cache
+def torch_saves_compiles() -> bool:
+    """Whether this torch can save and load a compiled function whole; says once when it cannot."""
+    if hasattr(torch.compiler, "load_compiled_function"):
+        return True
+    logger.warning("saved compiles: torch %s cannot save compiled functions (no torch.compiler."
+                   "load_compiled_function); compiling with torch.compile as usual", torch.__version__)
+    return False
 
 
 def make_folder(folder: Path) -> None:

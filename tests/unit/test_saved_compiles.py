@@ -120,6 +120,19 @@ def test_an_argument_it_cannot_key_falls_back_to_torch_compile_with_a_warning(tm
     assert not (tmp_path / "compiled").exists()
 
 
+def test_a_torch_that_cannot_save_compiles_falls_back_saying_so_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    saved_compiles.torch_saves_compiles.cache_clear()
+    steps = [SavedCompile(lambda x: x * 2, tmp_path, name) for name in ("a", "b")]
+    try:
+        with torch.compiler.set_stance("force_eager"), caplog.at_level(logging.WARNING):
+            assert [torch.equal(step(torch.ones(2)), torch.full((2,), 2.0)) for step in steps] == [True, True]
+    finally:
+        saved_compiles.torch_saves_compiles.cache_clear()
+    assert sum("cannot save compiled functions" in r.message for r in caplog.records) == 1
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_new_folder_removes_its_oldest_siblings_and_keeps_the_recent_ones(tmp_path):
     root = tmp_path / "compiled"
     for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" oldest
