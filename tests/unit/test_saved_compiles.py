@@ -89,12 +89,12 @@ def test_a_new_process_loads_the_saved_steps_for_other_weights_and_rebuilds_a_da
     assert (second["loaded"], second["built"], second["fallbacks"]) == (2, 0, 0)
     assert second["out"] < 1e-5 and second["history"] == 0.0 and second["files"] == first["files"]
 
-    for name in first["files"]:
-        (folder / name).write_bytes(b"not a saved function")
+    damaged = folder / first["files"][0]
+    damaged.write_bytes(b"not a saved function")
     third = _run(tmp_path, folder, seed=2)
-    assert (third["loaded"], third["built"]) == (0, 2) and "did not load" in third["log"]
+    assert (third["loaded"], third["built"]) == (1, 1) and "did not load" in third["log"]
     assert third["out"] < 1e-5 and third["history"] == 0.0 and third["files"] == first["files"]
-    assert all((folder / name).stat().st_size > 1000 for name in first["files"])  # written again, whole
+    assert damaged.stat().st_size > 1000  # written again, whole
 
 
 def test_signatures_key_on_layout_not_on_values_and_refuse_what_they_cannot_key():
