@@ -201,7 +201,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("lora")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
-        saved = compiled_folder(cache_root(), device)  # where saved compiled steps are kept, if any are
+        # where saved compiled steps are kept (naming it hashes the engine's sources: only when asked)
+        saved = compiled_folder(cache_root(), device) if mc.saved_block_ops or vc.saved_steps else None
         if mc.fuse_elementwise:
             dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue,
                                                    attention_splits=mc.attention_splits,
