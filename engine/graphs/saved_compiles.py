@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ class SavedCompile:
         SAVED.built += 1
         try:
             make_folder(self.folder)
-            step.save_compiled_function(str(path))  # written beside, then renamed: never a torn file
+            _save_whole(step, path)
         except Exception as exc:  # noqa: BLE001 (a read-only folder, an unsaveable step: the next start compiles)
             logger.warning("saved compile %s: not saved (%s); the next start compiles it again", self.name, exc)
         return step
@@ -173,6 +174,19 @@ def torch_saves_compiles() -> bool:
     logger.warning("saved compiles: torch %s cannot save compiled functions (no torch.compiler."
                    "load_compiled_function); compiling with torch.compile as usual", torch.__version__)
     return False
+
+
+def _save_whole(step: Any, path: Path) -> None:
+    """Write `step` beside `path`, then rename it there: a second engine starting beside this one (a hot
+    standby) never loads a half-written file, whatever torch's own writer does (some versions write in place)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        step.save_compiled_function(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def make_folder(folder: Path) -> None:

@@ -133,6 +133,43 @@ def test_a_torch_that_cannot_save_compiles_falls_back_saying_so_once(tmp_path, m
     assert not any(tmp_path.iterdir())
 
 
+class _Step:
+    """What `aot_compile` returns, writing its file in place as torch 2.11 does; `fail` stops halfway."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def __call__(self, x):
+        return x * 2
+
+    def save_compiled_function(self, path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+            if self.fail:
+                raise OSError("disk full")
+            f.write(b" and the rest")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_step_is_saved_whole_or_not_at_all(tmp_path, monkeypatch, caplog, fail):
+    class Compiled:
+        def __init__(self, fn, **kwargs):
+            pass
+
+        def aot_compile(self, example):
+            return _Step(fail)
+
+    monkeypatch.setattr(torch, "compile", Compiled)
+    step = SavedCompile(lambda x: x * 2, tmp_path, "half")
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))  # the step runs either way
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    if fail:  # nothing a later start would load, no temporary file left behind
+        assert files == {} and "not saved (disk full)" in caplog.text
+    else:
+        assert files == {step.path(signature((torch.ones(2),))).name: b"half a file and the rest"}
+
+
 def test_a_new_folder_removes_its_oldest_siblings_and_keeps_the_recent_ones(tmp_path):
     root = tmp_path / "compiled"
     for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" oldest
