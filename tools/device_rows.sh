@@ -172,7 +172,10 @@ PY
         # cold (first on a fresh machine), then warm (Dynamo's automatic precompile, session 21, and
         # TORCH_WARM_POOL=0, session 23, were slower: not run)
         wan startup_cold 200 --frames 600
-        wan startup_warm 150 --frames 600 ;;
+        wan startup_warm 150 --frames 600
+        # what a process pays before its first phase ("the process ran N s before"), step by step
+        step process_start 150 python3 benchmarks/bench_process_start.py --runs 4 --json "$out/process_start.json"
+        tail -12 "$out/process_start.txt" ;;
     saved)
         # compiled steps saved whole (after `startup`: every other graph a cache hit): the VAE's steps built
         # and saved, then loaded; then the DiT's block functions too, built, then loaded
@@ -181,10 +184,10 @@ PY
         wan startup_saved_dit_build 200 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true
         wan startup_saved_dit_load 150 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true ;;
     lora)
-        # a change spread over the merge's four parts, one a chunk (default), then all of it at one chunk
+        # a change spread over the merge's four parts, one a chunk (default), then over six (in one part: session 23)
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
-        step lora_one_part 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_merge_parts=1 \
-            --json "$out/lora_one_part.json" ;;
+        step lora_six_parts 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_merge_parts=6 \
+            --json "$out/lora_six_parts.json" ;;
     ipc)
         for s in 0 300; do
             LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \

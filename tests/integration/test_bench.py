@@ -106,3 +106,26 @@ def test_change_excess_sets_windows_without_a_change_beside_it():
     assert got["count"] == 2 and abs(got["mean"] - 15.0) < 1e-9 and abs(got["max"] - 20.0) < 1e-9
     # the quiet windows start midway between a change's pushes and the next change: 6..8 and 18..20
     assert got["quiet_count"] == 2 and abs(got["quiet_mean"] - 5.5) < 1e-9 and abs(got["quiet_max"] - 7.0) < 1e-9
+
+
+def test_bench_process_start_times_each_step_in_a_fresh_process_and_skips_what_this_machine_lacks(tmp_path):
+    """`benchmarks/bench_process_start.py`: the steps up to the one asked for, each with a time or the reason
+    it was not timed (no CUDA device here), in the JSON and the printed table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    out = tmp_path / "start.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_process_start.py"
+    proc = subprocess.run([sys.executable, str(script), "--runs", "1", "--upto", "cudnn", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["step"]: row for row in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["interpreter", "torch", "loom", "cuda", "cublas", "cudnn"]
+    assert rows["torch"]["first_s"] > rows["interpreter"]["first_s"] > 0
+    assert "import torch" in proc.stdout and "in all" in proc.stdout
+    if not torch.cuda.is_available():
+        for key in ("cuda", "cublas", "cudnn"):
+            assert rows[key]["first_s"] is None and rows[key]["note"] == "no CUDA device"
