@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import sys
 
@@ -116,10 +117,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
                         "Wan or embedded preset; give 0 (off) or a positive count there")
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
-    frames = clip_frames(cfg, args.clip, warmup + count)
+    # a generated clip is made once the session is up (run_loom), outside the engine's start-up; a clip file is
+    # read now, so a file that cannot be read fails before any engine starts
+    frames = functools.cache(functools.partial(clip_frames, cfg, args.clip, warmup + count))
+    if args.clip:
+        frames()
     if cfg.model.family == "edit":
         args.frames, args.warmup = count, warmup
-        return _run_edit(args, cfg, frames)
+        return _run_edit(args, cfg, frames())
     print(f"loom bench: {cfg.model.preset} {cfg.resolution.width}x{cfg.resolution.height} steps {cfg.stream.steps}"
           f" -- streaming {count} frames after {warmup} warm-up", file=sys.stderr, flush=True)
     result = {
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             result["bridge"] = {"transport": transport, "error": f"{type(exc).__name__}: {exc}"}
     if baseline:
         print("loom bench: baseline (diffusers, eager, full-sequence window per chunk)", file=sys.stderr, flush=True)
-        result["baseline"] = run_baseline(cfg, frames, args.baseline_chunks, cfg.stream.num_kv_cache)
+        result["baseline"] = run_baseline(cfg, frames(), args.baseline_chunks, cfg.stream.num_kv_cache)
     print(summary_table(result))
     if "profile" in result["loom"]:
         from loom_live.engine.tools.chunk_profile import profile_table

@@ -34,6 +34,26 @@ def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
     assert result["preset"] == "tiny", "bench defaults to the same preset as every other command"
 
 
+def test_a_generated_clip_is_made_once_the_session_is_up_outside_the_engine_start_up(monkeypatch):
+    """The start-up line's time before the first phase is what an engine process pays: `loom bench` makes its
+    generated clip after the session is ready, not before."""
+    from loom_live.engine.config import load_config
+    from loom_live.engine.tools import bench
+    from loom_live.plugin.cli.bench import clip_frames
+
+    cfg = load_config("tiny-random", ["resolution.width=32", "resolution.height=32"])
+    events = []
+    opened = bench.open_session
+    monkeypatch.setattr(bench, "open_session", lambda c: (events.append("session"), opened(c))[1])
+
+    def make():
+        events.append("frames")
+        return clip_frames(cfg, None, 13)
+
+    result = bench.run_loom(cfg, make, warmup=5, input_fps=0.0)
+    assert events == ["session", "frames"] and result["fps"] > 0
+
+
 def test_bench_says_why_it_will_not_run_what_cannot_finish_or_compare(capsys):
     assert main(["bench", "--baseline", "--bridge", "none"]) == 2
     assert "no such counterpart" in capsys.readouterr().err
