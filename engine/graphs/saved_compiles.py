@@ -15,6 +15,7 @@ warning: a slower start, never a wrong frame.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -146,7 +147,8 @@ class SavedCompile:
             except Exception as exc:  # noqa: BLE001 (another torch's file, a torn one: build it again)
                 logger.warning("saved compile %s: %s did not load (%s); compiling it again", self.name, path.name, exc)
         try:
-            compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options)
+            with _aot_compile_on():
+                compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options)
             step = compiled.aot_compile((full, {}))
         except Exception as exc:  # noqa: BLE001 (the experimental API refused this function)
             logger.warning("saved compile %s: cannot compile it whole (%s); torch.compile as usual", self.name, exc)
@@ -174,6 +176,14 @@ def torch_saves_compiles() -> bool:
     logger.warning("saved compiles: torch %s cannot save compiled functions (no torch.compiler."
                    "load_compiled_function); compiling with torch.compile as usual", torch.__version__)
     return False
+
+
+def _aot_compile_on() -> contextlib.AbstractContextManager[Any]:
+    """Where torch gates `aot_compile` behind a Dynamo setting (off by default in 2.11, on in 2.13), turn it on
+    while the compiled wrapper is made: the method is attached then or never."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
 
 
 def _save_whole(step: Any, path: Path) -> None:

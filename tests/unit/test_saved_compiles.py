@@ -133,6 +133,19 @@ def test_a_torch_that_cannot_save_compiles_falls_back_saying_so_once(tmp_path, m
     assert not any(tmp_path.iterdir())
 
 
+def test_a_torch_that_gates_aot_compile_behind_its_setting_still_builds_whole(tmp_path, monkeypatch):
+    """torch 2.11 attaches `aot_compile` to a compiled function only under `enable_aot_compile` (off there)."""
+    import torch._dynamo.config
+
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    step = SavedCompile(lambda x: torch.tanh(x) * 2, tmp_path, "gated")
+    before = (SAVED.built, SAVED.fallbacks)
+    out = step(torch.linspace(-1, 1, 8))
+    assert torch.allclose(out, torch.tanh(torch.linspace(-1, 1, 8)) * 2)
+    assert (SAVED.built - before[0], SAVED.fallbacks - before[1]) == (1, 0) and len(list(tmp_path.iterdir())) == 1
+    assert torch._dynamo.config.enable_aot_compile is False  # turned on only while the step was made
+
+
 class _Step:
     """What `aot_compile` returns, writing its file in place as torch 2.11 does; `fail` stops halfway."""
 
