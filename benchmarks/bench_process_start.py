@@ -7,6 +7,11 @@ the CUDA context, the first cuBLAS and cuDNN calls (their libraries load on firs
 compiler, and a first small compiled function (its cache warm after the first run). The first run is
 reported apart from the others: a fresh machine reads every library from disk once.
 
+Each child first sets up Python's bytecode cache as the engine's entry point does
+(`enable_bytecode_cache`: where torch was installed without compiled bytecode, it is kept under Loom's
+cache folder, so the first run compiles torch's modules and the later ones read them);
+`--no-bytecode-cache` leaves Python's settings as installed, to compare.
+
 `--overlap` adds runs that import torch's compiler in a thread started right after `import torch`, beside
 the steps up to cuDNN in the main thread: whether the compiler's import can hide behind CUDA's
 start-up (their GIL-free parts) or only queues behind it. It reports that span against the same steps
@@ -29,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loom_live.engine.graphs.compile_cache import CACHE_ENV_OFF  # noqa: E402
 
 # (key, what the table calls it); the child times them in this order
 STEPS = [("interpreter", "interpreter and site (to the child's first line)"),
@@ -45,8 +53,11 @@ CHILD = textwrap.dedent("""
     import time
     t_first = time.time()
     import json, sys
+    from loom_live.engine.graphs.compile_cache import enable_bytecode_cache
     upto = sys.argv[1]
     times = {"interpreter": t_first - float(sys.argv[2])}
+    folder = enable_bytecode_cache()  # as the engine's entry point does
+    times["bytecode"] = f"kept in {folder}" if folder else "as installed (or LOOM_BYTECODE_CACHE=0)"
 
     def timed(key, fn):
         t0 = time.perf_counter()
@@ -141,6 +152,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4, help="child processes, one after another (at least 1)")
     parser.add_argument("--upto", choices=[key for key, _ in STEPS], default=STEPS[-1][0],
                         help="the last step timed")
+    parser.add_argument("--no-bytecode-cache", action="store_true",
+                        help="children leave Python's bytecode settings as installed (LOOM_BYTECODE_CACHE=0)")
     parser.add_argument("--overlap", action="store_true",
                         help="also time the compiler's import in a thread beside the steps up to cuDNN")
     parser.add_argument("--json", type=Path, help="write the runs and the summary here")
@@ -152,8 +165,11 @@ def main() -> None:
         parser.error(f"--overlap compares with the steps up to the compiler's import; --upto {args.upto} "
                      "stops before it")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if args.no_bytecode_cache:
+        env[CACHE_ENV_OFF] = "0"
     runs = [run_child(args.upto, env) for _ in range(args.runs)]
     rows = summarise(runs)
+    print(f"bytecode: {runs[-1]['bytecode']}")
     print(f"{'step':<48}{'first s':>10}{'later s':>10}")
     for row in rows:
         cells = [f"{row[k]:10.3f}" if row[k] is not None else f"{'-':>10}" for k in ("first_s", "median_later_s")]

@@ -173,9 +173,13 @@ PY
         # TORCH_WARM_POOL=0, session 23, were slower: not run)
         wan startup_cold 200 --frames 600
         wan startup_warm 150 --frames 600
-        # what a process pays before its first phase ("the process ran N s before"), step by step
+        # what a process pays before its first phase ("the process ran N s before"), step by step: with
+        # Python's bytecode kept as the engine keeps it (enable_bytecode_cache), then as installed
         step process_start 200 python3 benchmarks/bench_process_start.py --runs 4 --overlap --json "$out/process_start.json"
-        tail -14 "$out/process_start.txt" ;;
+        tail -15 "$out/process_start.txt"
+        step process_start_installed 120 python3 benchmarks/bench_process_start.py --runs 3 --upto compiler \
+            --no-bytecode-cache --json "$out/process_start_installed.json"
+        tail -12 "$out/process_start_installed.txt" ;;
     saved)
         # compiled steps saved whole (after `startup`: every other graph a cache hit): the VAE's steps built
         # and saved, then loaded; then the DiT's block functions too, built, then loaded

@@ -7,10 +7,17 @@ graph, the shapes and the software versions, so reusing them across processes is
 need a folder that persists: Inductor's default lives in the temporary directory, which a reboot or
 a fresh container empties. This puts Inductor's and Triton's caches under one Loom folder (one
 place to inspect or clear) unless the user chose their own through the usual variables.
+
+Python's own compiled bytecode is the same kind of artefact: an installation that carries none for
+torch (a container image built with PYTHONDONTWRITEBYTECODE, a read-only site-packages) compiles
+torch's and its compiler's thousands of modules from source in every process, which makes their
+imports several times slower on each engine start. `enable_bytecode_cache` keeps that bytecode under
+the same Loom folder, never beside the installed sources.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -27,6 +34,34 @@ def cache_root() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "loom"
+
+
+CACHE_ENV_OFF = "LOOM_BYTECODE_CACHE"  # "0": leave Python's bytecode settings as they are
+
+
+def enable_bytecode_cache(root: Path | None = None) -> Path | None:
+    """Where the installed torch carries no compiled bytecode, have this process (and the processes it
+    starts) keep Python's bytecode under `root`/pycache (default `cache_root()`) and read it back next
+    time. Returns that folder, or None where nothing changed: torch's bytecode is installed, the user
+    chose a bytecode folder (PYTHONPYCACHEPREFIX), torch is not installed, or LOOM_BYTECODE_CACHE=0.
+
+    Call first in a process entry point: modules imported before it are not cached. Python checks each
+    cached file against its source's size and time, so an upgraded torch is compiled again, once."""
+    if os.environ.get(CACHE_ENV_OFF) == "0" or sys.pycache_prefix is not None:
+        return None
+    spec = importlib.util.find_spec("torch")  # finds it without importing it
+    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    folder = (root or cache_root()) / "pycache"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning("bytecode cache folder %s unusable (%s); torch's imports stay slow", folder, exc)
+        return None
+    sys.pycache_prefix, sys.dont_write_bytecode = str(folder), False
+    os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the engine's own workers (Inductor's compile pool)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return folder
 
 
 def enable_persistent_compile_cache(root: Path | None = None) -> Path:

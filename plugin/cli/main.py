@@ -14,6 +14,7 @@ import argparse
 import importlib
 import sys
 
+from loom_live.engine.graphs.compile_cache import enable_bytecode_cache
 from loom_live.host_bridge.wire import logs
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.typed_config import ConfigError
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_bytecode_cache()  # before a command imports torch; the engines it launches inherit the setting
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's own usage, not the top-level one

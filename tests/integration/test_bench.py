@@ -145,7 +145,7 @@ def test_bench_process_start_times_each_step_in_a_fresh_process_and_skips_what_t
     rows = {row["step"]: row for row in json.loads(out.read_text())["results"]}
     assert list(rows) == ["interpreter", "torch", "loom", "cuda", "cublas", "cudnn"]
     assert rows["torch"]["first_s"] > rows["interpreter"]["first_s"] > 0
-    assert "import torch" in proc.stdout and "in all" in proc.stdout
+    assert "import torch" in proc.stdout and "in all" in proc.stdout and "bytecode: " in proc.stdout
     if not torch.cuda.is_available():
         for key in ("cuda", "cublas", "cudnn"):
             assert rows[key]["first_s"] is None and rows[key]["note"] == "no CUDA device"

@@ -24,3 +24,56 @@ def test_inductor_and_triton_caches_go_under_the_loom_cache_folder(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(tmp_path / "loom" / "inductor"), str(tmp_path / "loom" / "triton")]
     assert (tmp_path / "loom" / "inductor").is_dir()
+
+
+BYTECODE_SCRIPT = (
+    "import json, sys\n"
+    "from loom_live.engine.graphs.compile_cache import enable_bytecode_cache\n"
+    "folder = enable_bytecode_cache()\n"
+    "import torch.heavy\n"
+    "print(json.dumps({'folder': folder and str(folder), 'prefix': sys.pycache_prefix,\n"
+    "                  'writes': not sys.dont_write_bytecode, 'value': torch.heavy.VALUE}))\n")
+
+
+def _fake_torch(root: Path) -> Path:
+    """A `torch` package shadowing the real one, as installed without bytecode (and `loom_live` beside it)."""
+    package = root / "site" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "heavy.py").write_text("VALUE = sum(range(10))\n")
+    return root / "site"
+
+
+def _bytecode_run(site: Path, cache: Path, **env: str) -> dict:
+    import json
+
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "LOOM_BYTECODE_CACHE")}
+    env = {**base, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "LOOM_CACHE_DIR": str(cache),
+           "PYTHONDONTWRITEBYTECODE": "1", **env}
+    out = subprocess.run([sys.executable, "-c", BYTECODE_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_torch_installed_without_bytecode_gets_it_kept_under_the_loom_cache_and_read_back(tmp_path):
+    site, cache = _fake_torch(tmp_path), tmp_path / "loom"
+    first = _bytecode_run(site, cache)
+    folder = cache / "pycache"
+    assert first == {"folder": str(folder), "prefix": str(folder), "writes": True, "value": 45}
+    cached = list(folder.rglob("heavy*.pyc"))
+    assert len(cached) == 1 and not (site / "torch" / "__pycache__").exists()  # never beside the sources
+    written = cached[0].stat().st_mtime_ns
+    assert _bytecode_run(site, cache)["value"] == 45 and cached[0].stat().st_mtime_ns == written  # read back
+
+
+def test_bytecode_settings_are_left_alone_where_torch_has_its_own_or_the_user_chose(tmp_path):
+    import compileall
+
+    site, cache = _fake_torch(tmp_path), tmp_path / "loom"
+    untouched = {"folder": None, "prefix": None, "writes": False, "value": 45}
+    assert _bytecode_run(site, cache, LOOM_BYTECODE_CACHE="0") == untouched
+    chosen = _bytecode_run(site, cache, PYTHONPYCACHEPREFIX=str(tmp_path / "mine"))
+    assert chosen["folder"] is None and chosen["prefix"] == str(tmp_path / "mine")
+    assert compileall.compile_dir(site / "torch", quiet=1)  # bytecode installed with the package
+    assert _bytecode_run(site, cache) == untouched and not (cache / "pycache").exists()
