@@ -50,7 +50,7 @@ def enable_bytecode_cache(root: Path | None = None) -> Path | None:
     if os.environ.get(CACHE_ENV_OFF) == "0" or sys.pycache_prefix is not None:
         return None
     spec = importlib.util.find_spec("torch")  # finds it without importing it
-    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+    if spec is None or not spec.origin or _bytecode_current(spec.origin):
         return None
     folder = (root or cache_root()) / "pycache"
     try:
@@ -62,6 +62,23 @@ def enable_bytecode_cache(root: Path | None = None) -> Path | None:
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the engine's own workers (Inductor's compile pool)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     return folder
+
+
+def _bytecode_current(source: str) -> bool:
+    """Whether `source` has bytecode beside it that Python would use: its header names this Python and, for
+    timestamp-checked files, the source's time and size (files copied without their times are stale)."""
+    try:
+        with open(importlib.util.cache_from_source(source), "rb") as f:
+            head = f.read(16)
+        stat = os.stat(source)
+    except OSError:
+        return False
+    if len(head) < 16 or head[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    if int.from_bytes(head[4:8], "little"):  # hash-based bytecode: checked against the source's hash instead
+        return True
+    return (int.from_bytes(head[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+            and int.from_bytes(head[12:16], "little") == stat.st_size & 0xFFFFFFFF)
 
 
 def enable_persistent_compile_cache(root: Path | None = None) -> Path:

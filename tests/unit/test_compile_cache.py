@@ -77,3 +77,14 @@ def test_bytecode_settings_are_left_alone_where_torch_has_its_own_or_the_user_ch
     assert chosen["folder"] is None and chosen["prefix"] == str(tmp_path / "mine")
     assert compileall.compile_dir(site / "torch", quiet=1)  # bytecode installed with the package
     assert _bytecode_run(site, cache) == untouched and not (cache / "pycache").exists()
+
+
+def test_bytecode_that_no_longer_matches_its_source_counts_as_none(tmp_path):
+    """A package copied without its files' times carries bytecode Python recompiles in every process."""
+    import compileall
+
+    site, cache = _fake_torch(tmp_path), tmp_path / "loom"
+    assert compileall.compile_dir(site / "torch", quiet=1)
+    init = site / "torch" / "__init__.py"
+    os.utime(init, (init.stat().st_atime, init.stat().st_mtime + 100))
+    assert _bytecode_run(site, cache)["folder"] == str(cache / "pycache")
