@@ -71,6 +71,11 @@ class CrossKV:
             {i: t.to(device) for i, t in self.k.items()}, {i: t.to(device) for i, t in self.v.items()}
         )
 
+    def updated(self, blocks: CrossKV) -> CrossKV:
+        """These K/V with `blocks`' entries in place of their own (a weight change that reached a few blocks);
+        the other blocks keep their tensors."""
+        return CrossKV({**self.k, **blocks.k}, {**self.v, **blocks.v})
+
     def lerp(self, other: CrossKV, weight: float) -> CrossKV:
         """Blend towards another prompt's K/V (for gradual prompt changes)."""
         return CrossKV(

@@ -112,10 +112,12 @@ class StaticCross:
         if reshaped:
             self.buffers = CrossKV({i: t.clone() for i, t in cross.k.items()},
                                    {i: t.clone() for i, t in cross.v.items()})
-        elif cross is not self._source:
+        elif cross is not self._source:  # the blocks whose K/V changed (all, for a new prompt)
             for i in cross.k:
-                self.buffers.k[i].copy_(cross.k[i])
-                self.buffers.v[i].copy_(cross.v[i])
+                if self._source is None or cross.k[i] is not self._source.k[i]:
+                    self.buffers.k[i].copy_(cross.k[i])
+                if self._source is None or cross.v[i] is not self._source.v[i]:
+                    self.buffers.v[i].copy_(cross.v[i])
         self._source = cross
         return self.buffers, reshaped
 

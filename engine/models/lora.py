@@ -252,26 +252,28 @@ class LoraMerger:
             touched.update(arrived)
         self._merge(touched)
 
-    def set_scale(self, name: str, scale: float) -> None:
+    def set_scale(self, name: str, scale: float) -> set[str]:
         """Change one LoRA's scale (see `set_scales`)."""
-        self.set_scales({name: scale})
+        return self.set_scales({name: scale})
 
     @property
     def settled(self) -> bool:
         """Every layer holds the current scales (no spread change still merging)."""
         return self._due == 0
 
-    def set_scales(self, scales: dict[str, float], spread: bool = False) -> None:
+    def set_scales(self, scales: dict[str, float], spread: bool = False) -> set[str]:
         """Change LoRA scales by name, all in one merge (`spread`: the program's first part now, the
         rest by `step`). On the device: the scales are written into the program's device tensor and
         the program runs again (no host synchronisation, no rebuild); with the originals off the
-        device only the weights the changed LoRAs touch are recomputed, all at once."""
+        device only the weights the changed LoRAs touch are recomputed, all at once. Returns the layers
+        (module names) whose weights it rewrote, so what was computed from them (cross-attention K/V) is
+        made again for those alone."""
         for name in scales:
             if name not in self._loras:
                 raise ValueError(f"lora: no LoRA named {name!r}; loaded: {', '.join(self._loras) or 'none'}")
         changed = {n: float(s) for n, s in scales.items() if self._scales[n] != float(s)}
         if not changed:
-            return
+            return set()
         self._scales.update(changed)
         if self.program is not None:
             names = list(self._loras)
@@ -279,24 +281,30 @@ class LoraMerger:
                 self.program.set_scale(names.index(name), scale)
             if spread and self.program.parts > 1:
                 self._due = self.program.parts
-                self.step()
-            else:
-                self.program.run()
-                self._due = 0
-        elif self.keep_device is not None:
-            touched: dict[str, LowRank] = {}
+                return self.step()
+            self.program.run()
+            self._due = 0
+            return self._rewritten(None)
+        touched: dict[str, LowRank] = {}
+        if self.keep_device is not None:
             for name in changed:
                 touched.update(self._loras[name].modules)
             self._merge_host(touched)
+        return set(touched)
 
-    def step(self) -> bool:
-        """Merge the next part of a spread change, if one is still due; whether it merged one."""
+    def step(self) -> set[str]:
+        """Merge the next part of a spread change, if one is still due; the layers it rewrote."""
         if self._due == 0 or self.program is None:
-            return False
-        self.program.run(self._next)
+            return set()
+        part = self._next
+        self.program.run(part)
         self._next = (self._next + 1) % self.program.parts
         self._due -= 1
-        return True
+        return self._rewritten(part)
+
+    def _rewritten(self, part: int | None) -> set[str]:
+        targets = list(self._base_weight)  # the program's targets, in the order `_rebuild` gave them
+        return {targets[i] for i in self.program.part_targets(part)}
 
     def _merge(self, modules: dict[str, LowRank]) -> None:
         if self.keep_device is None:

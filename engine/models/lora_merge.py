@@ -55,6 +55,7 @@ class _Group:
 class _Part:
     """A run of consecutive layers and, per input width, the rows of the stacked factors they use."""
 
+    targets: range  # the layers' indices among the targets, in build order
     layers: list[_Layer]
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # (down, lora, alpha, scaled) views
 
@@ -130,15 +131,20 @@ class MergeProgram:
                 runs.append(self._layers[start:i + 1])
                 start = i + 1
         runs.append(self._layers[start:])
-        out = []
+        out, first = [], 0
         for layers in (r for r in runs if r):
+            targets, first = range(first, first + len(layers)), first + len(layers)
             rows = []
             for width in dict.fromkeys(layer.width for layer in layers):
                 mine = [layer.rows for layer in layers if layer.width == width]
                 g, span = self._groups[width], slice(mine[0].start, mine[-1].stop)
                 rows.append((g.down[span], g.lora[span], g.alpha[span], g.scaled[span]))
-            out.append(_Part(layers, rows))
+            out.append(_Part(targets, layers, rows))
         return out
+
+    def part_targets(self, part: int | None = None) -> range:
+        """The targets (their indices, in the order given) that `run(part)` rewrites; None: every one."""
+        return range(len(self._layers)) if part is None else self._parts[part].targets
 
     def factor_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per target (in build order), per part: (down, up) as views into the program's buffers, so

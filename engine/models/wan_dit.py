@@ -18,7 +18,7 @@ Per-prompt cross-attention K/V come from `cross_kv` and are reused until the pro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -543,6 +543,15 @@ class WanDiT(nn.Module):
         for i in ids:
             k[i], v[i] = self.blocks[i].cross_attn.kv(emb)
         return CrossKV(k, v)
+
+    def cross_kv_blocks(self, changed: Collection[str]) -> list[int] | None:
+        """The blocks whose cross-attention K/V a change of these layers' weights (module names, as
+        LoRAs name them) alters: those whose cross-attention k or v changed; None for every block (the
+        text embedding, which all of them read, changed)."""
+        if any(name.startswith("text_embedding.") for name in changed):
+            return None
+        return sorted({int(name.split(".")[1]) for name in changed
+                       if name.startswith("blocks.") and name.endswith((".cross_attn.k", ".cross_attn.v"))})
 
     def run_blocks(
         self,

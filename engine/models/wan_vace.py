@@ -18,7 +18,7 @@ pinned as the first sink (`ControlLatents.reference`): conditioning every later 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -133,15 +133,28 @@ class WanVaceDiT(WanDiT):
         param = self.vace_patch_embedding.weight
         return self.vace_patch_embedding(control.to(param.dtype)).flatten(2).transpose(1, 2).contiguous()
 
+    def cross_kv_blocks(self, changed: Collection[str]) -> list[int] | None:
+        """As `WanDiT.cross_kv_blocks`, with the control blocks' ids (`control_block_ids`) for theirs."""
+        blocks = super().cross_kv_blocks(changed)
+        if blocks is None:
+            return None
+        control = {i for j, i in enumerate(self.control_block_ids())
+                   if {f"vace_blocks.{j}.cross_attn.k", f"vace_blocks.{j}.cross_attn.v"} & set(changed)}
+        return sorted({*blocks, *control})
+
     def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:
-        """Cross K/V of the main blocks (default all) and of every control block."""
-        main = super().cross_kv(context, blocks)
+        """Cross K/V of the given blocks, main and control (`control_block_ids`); default every one."""
+        n = self.cfg.num_layers
+        main = super().cross_kv(context, None if blocks is None else [i for i in blocks if i < n])
+        control = self.control_block_ids() if blocks is None else [i for i in blocks if i >= n]
+        if not control:
+            return main
         param = self.text_embedding[0].weight
         if context.shape[1] < self.cfg.text_len:
             context = nn.functional.pad(context, (0, 0, 0, self.cfg.text_len - context.shape[1]))
         emb = self.text_embedding(context.to(param.dtype))
-        for j, i in enumerate(self.control_block_ids()):
-            main.k[i], main.v[i] = self.vace_blocks[j].cross_attn.kv(emb)
+        for i in control:
+            main.k[i], main.v[i] = self.vace_blocks[i - n].cross_attn.kv(emb)
         return main
 
     def hints(

@@ -361,25 +361,26 @@ class StreamSession:
             self._reference_pending = False
             self.control.swap_reference(self.denoiser)
 
-    def _apply_lora(self) -> bool:
+    def _apply_lora(self) -> set[str]:
         """Merge requested LoRA scale changes between two forwards: after the denoise stream's work so
         far, before its next forward (on the merge stream where there is one, cuda_streams.py). A
-        change is spread over the merge's parts, one a chunk (`stream.lora_merge_parts`)."""
+        change is spread over the merge's parts, one a chunk (`stream.lora_merge_parts`). Returns the
+        layers whose weights changed."""
         lora = self.models.lora
         if not self._lora_pending and lora.settled:
-            return False
+            return set()
         stream = self._merge_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with _on(stream), self.timer.span("lora", None):
             if self._lora_pending:
-                lora.set_scales(self._lora_pending, spread=True)
+                rewritten = lora.set_scales(self._lora_pending, spread=True)
             else:
-                lora.step()
+                rewritten = lora.step()
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self._lora_pending.clear()
-        return True
+        return rewritten
 
     @torch.inference_mode()
     def _change_steps(self, steps: list[int]) -> None:
@@ -576,7 +577,7 @@ class StreamSession:
                         t.record_stream(consumer)
 
     def _denoise(self, c: _Chunk) -> None:
-        self._advance_prompt(weights_changed=self._apply_lora())
+        self._advance_prompt(rewritten=self._apply_lora())
         self._apply_reference()
         k = c.latent.shape[2]
         d = self.denoiser
@@ -614,10 +615,16 @@ class StreamSession:
                     frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
                 self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
 
-    def _advance_prompt(self, weights_changed: bool = False) -> None:
+    def _advance_prompt(self, rewritten: set[str] | frozenset[str] = frozenset()) -> None:
+        """The prompt's next context; cross-attention K/V made again where it or the weights they are
+        computed with (`rewritten`: layers a LoRA merge just changed) changed, for those blocks alone."""
         context, changed = self.prompt.advance()
-        if changed or weights_changed:  # cross-attention K/V depend on the LoRA-merged weights too
-            self.denoiser.set_context(self.models.dit.cross_kv(context[None]))
+        dit = self.models.dit
+        blocks = None if changed or not rewritten else dit.cross_kv_blocks(rewritten)
+        if blocks is None and (changed or rewritten):
+            self.denoiser.set_context(dit.cross_kv(context[None]))
+        elif blocks:
+            self.denoiser.set_context(self.denoiser.cross.updated(dit.cross_kv(context[None], blocks)))
         if self.prompt.transition_done:
             self.denoiser.cache.refresh_sinks()
 

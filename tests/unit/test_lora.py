@@ -239,3 +239,68 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
     with pytest.raises(ValueError, match="no LoRA named 'nope'"):
         cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]"])
         StreamSession.from_config(cfg, warmup=False).set_params(lora_scales={"nope": 1.0})
+
+
+def test_a_spread_change_remakes_the_cross_attention_kv_of_each_parts_blocks_once_and_alone(tmp_path):
+    """Each chunk of a change spread over three parts leaves cross-attention K/V equal to K/V made afresh
+    from the weights as merged so far, having remade only the blocks whose k or v that part merged: every
+    block over the three chunks, a block twice only where two parts split its k and v."""
+    import numpy as np
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import load_models
+    from loom_live.engine.stream.session import StreamSession
+
+    path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=7))
+    frames = np.random.default_rng(2).integers(0, 256, (1 + 4 * 5, 32, 32, 3), np.uint8)
+    pieces = [frames[:5]] + [frames[i:i + 4] for i in range(5, len(frames), 4)]
+    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=3"])
+    remade = []
+    with StreamSession.from_config(cfg, warmup=False) as s:
+        for piece in pieces[:2]:
+            s.push(piece)
+        s.set_params(lora_scales={"style": 0.25})
+        for piece in pieces[2:5]:
+            before = s.denoiser.cross
+            s.push(piece)
+            after, fresh = s.denoiser.cross, s.models.dit.cross_kv(s.prompt.current()[None])
+            assert all(torch.equal(after.k[i], fresh.k[i]) and torch.equal(after.v[i], fresh.v[i]) for i in fresh.k)
+            remade.append({i for i in after.k if after.k[i] is not before.k[i]})
+        assert s.models.lora.settled
+    blocks = set(fresh.k)
+    assert len(blocks) > 1 and set().union(*remade) == blocks and sum(map(len, remade)) <= len(blocks) + 2
+    assert all(len(r) < len(blocks) for r in remade)
+
+
+def test_the_blocks_whose_cross_attention_kv_a_weight_change_reaches():
+    from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
+
+    model = random_model()
+    assert model.cross_kv_blocks({"blocks.1.cross_attn.k", "blocks.0.self_attn.q", "blocks.0.ffn.0"}) == [1]
+    assert model.cross_kv_blocks({"blocks.0.cross_attn.v", "blocks.1.cross_attn.q", "blocks.1.cross_attn.o"}) == [0]
+    assert model.cross_kv_blocks({"text_embedding.0", "blocks.0.ffn.2"}) is None  # every block reads it
+    vace = WanVaceDiT(VACE_PRESETS["tiny-vace"])
+    control = vace.control_block_ids()
+    assert vace.cross_kv_blocks({"vace_blocks.0.cross_attn.k", "blocks.1.cross_attn.v"}) == [1, control[0]]
+    context = torch.randn(1, 8, vace.cfg.text_dim)
+    part, whole = vace.cross_kv(context, [1, control[0]]), vace.cross_kv(context)
+    assert set(part.k) == {1, control[0]} and all(torch.equal(part.k[i], whole.k[i]) for i in part.k)
+
+
+def test_the_graphs_fixed_kv_buffers_take_the_blocks_a_change_remade_and_a_new_prompt_whole():
+    from loom_live.engine.cache.kv_cache import CrossKV
+    from loom_live.engine.graphs.dit_steps import StaticCross
+
+    def kv(seed, blocks=(0, 1, 2)):
+        g = torch.Generator().manual_seed(seed)
+        return CrossKV({i: torch.randn(1, 4, 2, 8, generator=g) for i in blocks},
+                       {i: torch.randn(1, 4, 2, 8, generator=g) for i in blocks})
+
+    static = StaticCross()
+    first = kv(0)
+    buffers, made = static.update(first)
+    assert made and all(torch.equal(buffers.k[i], first.k[i]) for i in first.k)
+    for cross in (first.updated(kv(1, blocks=(1,))), kv(2)):  # a merge part reached block 1; a new prompt
+        same, made = static.update(cross)
+        assert same is buffers and not made
+        assert all(torch.equal(buffers.k[i], cross.k[i]) and torch.equal(buffers.v[i], cross.v[i]) for i in cross.k)
