@@ -175,8 +175,8 @@ PY
         wan startup_warm 150 --frames 600
         # what a process pays before its first phase ("the process ran N s before"), step by step: with
         # Python's bytecode kept as the engine keeps it (enable_bytecode_cache), then as installed
-        step process_start 200 python3 benchmarks/bench_process_start.py --runs 4 --overlap --json "$out/process_start.json"
-        tail -15 "$out/process_start.txt"
+        step process_start 150 python3 benchmarks/bench_process_start.py --runs 3 --json "$out/process_start.json"
+        tail -12 "$out/process_start.txt"
         step process_start_installed 120 python3 benchmarks/bench_process_start.py --runs 3 --upto compiler \
             --no-bytecode-cache --json "$out/process_start_installed.json"
         tail -12 "$out/process_start_installed.txt" ;;
