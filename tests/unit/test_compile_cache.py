@@ -44,6 +44,13 @@ def _fake_torch(root: Path) -> Path:
     return root / "site"
 
 
+def _compile_beside(package: Path) -> None:
+    """Bytecode beside the sources, as an installer writes it (in a clean process: this one may keep its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, timeout=60, env=env)
+    assert (package / "__pycache__").is_dir()
+
+
 def _bytecode_run(site: Path, cache: Path, **env: str) -> dict:
     import json
 
@@ -68,23 +75,19 @@ def test_a_torch_installed_without_bytecode_gets_it_kept_under_the_loom_cache_an
 
 
 def test_bytecode_settings_are_left_alone_where_torch_has_its_own_or_the_user_chose(tmp_path):
-    import compileall
-
     site, cache = _fake_torch(tmp_path), tmp_path / "loom"
     untouched = {"folder": None, "prefix": None, "writes": False, "value": 45}
     assert _bytecode_run(site, cache, LOOM_BYTECODE_CACHE="0") == untouched
     chosen = _bytecode_run(site, cache, PYTHONPYCACHEPREFIX=str(tmp_path / "mine"))
     assert chosen["folder"] is None and chosen["prefix"] == str(tmp_path / "mine")
-    assert compileall.compile_dir(site / "torch", quiet=1)  # bytecode installed with the package
+    _compile_beside(site / "torch")  # bytecode installed with the package
     assert _bytecode_run(site, cache) == untouched and not (cache / "pycache").exists()
 
 
 def test_bytecode_that_no_longer_matches_its_source_counts_as_none(tmp_path):
     """A package copied without its files' times carries bytecode Python recompiles in every process."""
-    import compileall
-
     site, cache = _fake_torch(tmp_path), tmp_path / "loom"
-    assert compileall.compile_dir(site / "torch", quiet=1)
+    _compile_beside(site / "torch")
     init = site / "torch" / "__init__.py"
     os.utime(init, (init.stat().st_atime, init.stat().st_mtime + 100))
     assert _bytecode_run(site, cache)["folder"] == str(cache / "pycache")
