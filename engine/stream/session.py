@@ -156,11 +156,16 @@ class StreamSession:
         first = self._warm_schedule(plans[0]) if chunks is None else [plans[0]] * chunks
         with self.startup.phase("warmup"):
             for i in range(streams):
-                self._warm_stream(first if i == 0 else first[:8], seed=i)
+                chunks = first if i == 0 else first[:8]
+                with self.startup.part("warmup", f"stream {i + 1} ({len(chunks)} chunks)"):
+                    self._warm_stream(chunks, seed=i)
         with self.startup.phase("warmup_plans"):
             for i, plan in enumerate(plans[1:]):
-                self._warm_stream(self._warm_schedule(plan), seed=streams + i)
-            self._warm_grey_part()
+                with self.startup.part("warmup_plans", f"{plan.mode} x{plan.chunk_latents}"):
+                    self._warm_stream(self._warm_schedule(plan), seed=streams + i)
+            if self.control is not None:
+                with self.startup.part("warmup_plans", "grey control"):
+                    self._warm_grey_part()
         self.warmed_plans = plans
         self.reset()
         self._compile_stance = "eager_on_recompile"

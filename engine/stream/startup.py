@@ -93,6 +93,17 @@ class StartupTimes:
             if done:
                 self.inside[name] = done
 
+    @contextmanager
+    def part(self, phase: str, name: str) -> Iterator[None]:
+        """Time one part of `phase` (inside it): the line shows the parts in brackets after the phase, so
+        a phase's own work (a warm-up's chunks, cuDNN's autotuning) stands beside its compile time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            parts = self.detail.setdefault(phase, {})
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+
     def note_process_age(self) -> None:
         """Record how long the process has run so far (called as the first phase begins)."""
         self.before_s = process_age_s()

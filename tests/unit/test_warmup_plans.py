@@ -85,7 +85,14 @@ def test_start_up_is_broken_down_in_the_stats_and_the_log(caplog):
     if sys.platform == "linux":  # what the process did before the load: the interpreter, imports, a handshake
         assert startup["before_s"] > 0 and "the process ran" in caplog.text
     session.warmup(streams=1, chunks=3)
-    assert {"warmup", "warmup_plans"} <= set(session.stats()["startup"]["phases_s"])
+    startup = session.stats()["startup"]
+    assert {"warmup", "warmup_plans"} <= set(startup["phases_s"])
+    warm = startup["detail_s"]["warmup"]  # each warm-up stream's own seconds, beside the phase's compile time
+    assert list(warm) == ["stream 1 (3 chunks)"]
+    assert warm["stream 1 (3 chunks)"] == pytest.approx(startup["phases_s"]["warmup"], abs=0.05)
+    plans = [f"{p.mode} x{p.chunk_latents}" for p in session.warmed_plans[1:]]
+    assert plans and list(startup["detail_s"]["warmup_plans"]) == plans
+    assert "[stream 1 (3 chunks)" in caplog.text
 
 
 def test_captures_inside_a_phase_are_counted_there():
