@@ -553,6 +553,20 @@ class WanDiT(nn.Module):
         return sorted({int(name.split(".")[1]) for name in changed
                        if name.startswith("blocks.") and name.endswith((".cross_attn.k", ".cross_attn.v"))})
 
+    def cross_kv_refreshed(self, cross: CrossKV, context: torch.Tensor, rewritten: Collection[str],
+                           blocks: Sequence[int] | None = None) -> CrossKV:
+        """`cross` (K/V of `context`) after the `rewritten` layers' weights changed: the K/V of the blocks
+        that change reaches (`cross_kv_blocks`; of `blocks` alone where given) made again, the others kept as
+        they are; `cross` itself where it reaches none."""
+        reached = self.cross_kv_blocks(rewritten)
+        if reached is None:
+            reached = blocks
+        elif blocks is not None:
+            reached = [b for b in reached if b in blocks]
+        if reached is not None and not reached:
+            return cross
+        return cross.updated(self.cross_kv(context, reached))
+
     def run_blocks(
         self,
         start: int,

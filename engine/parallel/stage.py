@@ -111,11 +111,8 @@ class Stage:
     def set_lora_scales(self, scales: dict[str, float]) -> None:
         """Each rank merges the scales into its own blocks (the merger skips blocks it does not hold)."""
         rewritten = self.lora.set_scales(scales)
-        if self.context is not None and rewritten:  # cross-attention K/V depend on the merged weights too
-            changed = self.dit.cross_kv_blocks(rewritten)
-            blocks = self.blocks if changed is None else [b for b in self.blocks if b in changed]
-            if blocks:
-                self.cross = self.cross.updated(self.dit.cross_kv(self.context, blocks=blocks))
+        if self.context is not None:  # cross-attention K/V depend on the merged weights too
+            self.cross = self.dit.cross_kv_refreshed(self.cross, self.context, rewritten, blocks=self.blocks)
 
     # ----- moving a block to a neighbouring rank ------------------------------------------------
     def block_tensors(self, block: int) -> list[torch.Tensor]:

@@ -624,12 +624,10 @@ class StreamSession:
         """The prompt's next context; cross-attention K/V made again where it or the weights they are
         computed with (`rewritten`: layers a LoRA merge just changed) changed, for those blocks alone."""
         context, changed = self.prompt.advance()
-        dit = self.models.dit
-        blocks = None if changed or not rewritten else dit.cross_kv_blocks(rewritten)
-        if blocks is None and (changed or rewritten):
-            self.denoiser.set_context(dit.cross_kv(context[None]))
-        elif blocks:
-            self.denoiser.set_context(self.denoiser.cross.updated(dit.cross_kv(context[None], blocks)))
+        if changed:
+            self.denoiser.set_context(self.models.dit.cross_kv(context[None]))
+        elif rewritten:
+            self.denoiser.set_context(self.models.dit.cross_kv_refreshed(self.denoiser.cross, context[None], rewritten))
         if self.prompt.transition_done:
             self.denoiser.cache.refresh_sinks()
 

@@ -30,9 +30,9 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
              lora_period_s: float = 0.0, profile_chunks: int = 0) -> dict[str, Any]:
     """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
     that many GPUs); metrics over the frames after warm-up. `frames` may be a function that makes them,
-    called once the session is ready: a generated clip then does not count in the start-up line's time
-    before the first phase, which is meant to show what an engine process pays. With `lora_period_s`, the first LoRA's
-    scale alternates between its configured value and half of it at that period (live changes).
+    called once the session is ready, so making a clip does not count in the start-up line's time before
+    its first phase (what an engine process pays). With `lora_period_s`, the first LoRA's scale
+    alternates between its configured value and half of it at that period (live changes).
     With `profile_chunks`, that many more chunks stream under the kernel profiler after the measured
     frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
     t_load = time.perf_counter()
