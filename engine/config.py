@@ -33,6 +33,10 @@ EDGE_PRESETS = ("embedded",)
 PRESET_PACKAGE = "loom_live.engine.presets"
 
 
+# compiled steps saved whole (engine/graphs/saved_compiles.py): "none" is spelt out, since YAML reads off as false
+SAVED_CHOICES = ("load", "build", "none")
+
+
 @dataclass
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
@@ -56,10 +60,13 @@ class ModelConfig:
                                             "VACE edges' hysteresis on CUDA (needs triton)")
     gelu_epilogue: bool = spec(True, doc="with fuse_elementwise on CUDA: the FFN's GELU as its first matmul's "
                                          "cuBLASLt epilogue (off: a GELU pass of its own)")
-    saved_block_ops: bool = spec(False, doc="with fuse_elementwise: each compiled block function compiled whole per "
-                                            "argument signature, kept in the compile cache folder and loaded on the "
-                                            "next start instead of traced again (torch's experimental aot_compile; "
-                                            "any failure falls back to torch.compile)")
+    saved_block_ops: str = spec("load", choices=SAVED_CHOICES,
+                                doc="with fuse_elementwise on CUDA: each compiled block function kept whole per "
+                                    "argument signature in the compile cache folder; load: a start loads those "
+                                    "there instead of tracing them (the others compile as usual); build: also "
+                                    "builds and keeps the missing ones (a longer start once: `loom prepare`); "
+                                    "none: the folder unused (torch's experimental aot_compile; any failure falls "
+                                    "back to torch.compile)")
     fuse_qkv: bool = spec(False, doc="on CUDA: each block's q/k/v projections as one matrix product over a "
                                      "fused weight (one kernel whose grid fills a large GPU at one latent frame's "
                                      "tokens); fp8_linear always runs them as one FP8 product")
@@ -106,10 +113,9 @@ class VAEConfig:
                                         "a longer warm-up for faster VAE chunks)")
     tune_kernels: bool = spec(False, doc="with compile_step: Inductor times block sizes for each fused VAE kernel "
                                          "(coordinate descent; a longer cold compile, kept by the compile cache)")
-    saved_steps: bool = spec(False, doc="with compile_step: keep each compiled VAE step whole (Dynamo's output "
-                                        "included) in the compile cache folder and load it on the next start "
-                                        "instead of tracing it again (torch's experimental aot_compile; any "
-                                        "failure falls back to torch.compile)")
+    saved_steps: str = spec("load", choices=SAVED_CHOICES,
+                            doc="with compile_step: each compiled VAE step kept whole (Dynamo's output included) "
+                                "in the compile cache folder; load, build, none as model.saved_block_ops")
     upsample: str = spec("phase", choices=("nearest", "phase", "transposed"),
                          doc="the Wan decoder's x2 upsampling + 3x3 conv: as written (nearest), or as four 2x2 "
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "

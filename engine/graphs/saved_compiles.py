@@ -8,6 +8,10 @@ and saves the result; a later process loads that file instead. The files sit in 
 everything compiled code depends on (torch, triton, Python, the device, Loom's engine sources), so a
 changed engine or another GPU never loads code built for the old one.
 
+Building a step costs more than compiling it as usual (torch's whole-function compile does not read
+Inductor's graph cache), so a start only loads by default: a step with no file compiles as usual, and
+`build` (what `loom prepare` asks for) builds and saves the missing ones.
+
 The torch API is experimental: a file that fails to load or to save, a function it cannot compile
 whole, or a call the loaded guards refuse falls back to `torch.compile` for that function, with a
 warning: a slower start, never a wrong frame.
@@ -41,6 +45,7 @@ class SavedCounts:
 
     loaded: int = 0
     built: int = 0
+    unsaved: int = 0  # steps with no file, compiled as usual (the folder is only loaded from)
     fallbacks: int = 0
     load_s: float = 0.0
 
@@ -95,21 +100,27 @@ class SavedCompile:
     argument: its weights are the compiled code's inputs, not constants, so a saved step serves any
     weights of the same layout. After the first signature, a new one under torch's
     `eager_on_recompile` stance (a session after its warm-up) is loaded if it was saved, and otherwise
-    runs `fn` eagerly, as a recompile would."""
+    runs `fn` eagerly, as a recompile would.
 
-    def __init__(self, fn: Callable[..., Any], folder: Path, name: str, *, owner: nn.Module | None = None,
+    Without `build`, a signature with no file runs `plain`, the function as the caller compiles it
+    without saving (default: `fn` through torch.compile with static shapes), so a start that only
+    loads costs no more than one that does not use the folder; a failure falls back to `plain` too."""
+
+    def __init__(self, fn: Callable[..., Any], folder: Path, name: str, *, build: bool = True,
+                 plain: Callable[..., Any] | None = None, owner: nn.Module | None = None,
                  options: dict[str, Any] | None = None) -> None:
-        self.fn, self.folder, self.name, self.owner, self.options = fn, folder, name, owner, options
+        self.fn, self.folder, self.name, self.build, self.owner, self.options = fn, folder, name, build, owner, options
         self._owner_key = module_signature(owner) if owner is not None else ""
         self._steps: dict[Hashable, Callable[..., Any]] = {}
-        self._fallback: Callable[..., Any] | None = None
+        self._plain = plain
+        self._fell_back = False
 
     def __call__(self, *args: Any) -> Any:
         full = args if self.owner is None else (self.owner, *args)
         try:
             key = signature(args)
         except TypeError as exc:
-            if self._fallback is None:
+            if not self._fell_back:
                 logger.warning("saved compile %s: %s; torch.compile as usual", self.name, exc)
             return self._fall_back()(*full)
         step = self._steps.get(key)
@@ -146,6 +157,9 @@ class SavedCompile:
                 return step
             except Exception as exc:  # noqa: BLE001 (another torch's file, a torn one: build it again)
                 logger.warning("saved compile %s: %s did not load (%s); compiling it again", self.name, path.name, exc)
+        if not self.build:
+            SAVED.unsaved += 1
+            return self._compiled()
         try:
             with _aot_compile_on():
                 compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options)
@@ -162,10 +176,15 @@ class SavedCompile:
         return step
 
     def _fall_back(self) -> Callable[..., Any]:
-        if self._fallback is None:
+        if not self._fell_back:
+            self._fell_back = True
             SAVED.fallbacks += 1
-            self._fallback = torch.compile(self.fn, dynamic=False, options=self.options)
-        return self._fallback
+        return self._compiled()
+
+    def _compiled(self) -> Callable[..., Any]:
+        if self._plain is None:
+            self._plain = torch.compile(self.fn, dynamic=False, options=self.options)
+        return self._plain
 
 
 @functools.cache

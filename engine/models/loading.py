@@ -202,12 +202,14 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
         # where saved compiled steps are kept (naming it hashes the engine's sources: only when asked)
-        saved = compiled_folder(cache_root(), device) if mc.saved_block_ops or vc.saved_steps else None
+        saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"
+        saved = compiled_folder(cache_root(), device) if saving else None
         if mc.fuse_elementwise:
             dit.fuse_elementwise(BlockOps.compiled(gelu_epilogue=mc.gelu_epilogue,
                                                    attention_splits=mc.attention_splits,
                                                    masked_sink_merge=mc.masked_sink_merge,
-                                                   saved=saved if mc.saved_block_ops else None))
+                                                   saved=saved if mc.saved_block_ops != "none" else None,
+                                                   build_saved=mc.saved_block_ops == "build"))
         elif mc.attention_splits > 1:
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         clock.lap("block_ops")  # the first compiled function imports torch's compiler
@@ -216,7 +218,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             wan.use_attention(vc.attention)
             wan.use_channels_last(vc.channels_last)
             if vc.compile_step:  # includes what fuse_norms does
-                wan.compile_step(tune=vc.tune_kernels, saved=saved if vc.saved_steps else None)
+                wan.compile_step(tune=vc.tune_kernels, saved=saved if vc.saved_steps != "none" else None,
+                                 build_saved=vc.saved_steps == "build")
             elif vc.fuse_norms:
                 wan.fuse_norms()
         clock.lap("vae_ops")

@@ -101,7 +101,7 @@ class BlockOps:
 
     @classmethod
     def compiled(cls, gelu_epilogue: bool = True, attention_splits: int = 1,
-                 masked_sink_merge: bool = False, saved: Path | None = None) -> BlockOps:
+                 masked_sink_merge: bool = False, saved: Path | None = None, build_saved: bool = True) -> BlockOps:
         """The same functions through torch.compile (Inductor; Triton on CUDA, C++ on a CPU), and the
         FFN's first matmul with its GELU as the matmul's epilogue (`gelu_epilogue`; which kernel
         cuBLASLt picks with it, and so whether it pays, depends on the token count); with
@@ -111,15 +111,17 @@ class BlockOps:
 
         Shapes start static; a second shape (another batch or chunk length) recompiles once with
         dynamic sizes instead of piling up specialisations. With a `saved` folder each function is
-        instead compiled whole per argument signature (static shapes) and kept there, and a later
-        process loads it instead of tracing it again (`SavedCompile`). Compilation happens on first
+        loaded from there whole per argument signature (static shapes) instead of traced again, and with
+        `build_saved` a signature not there yet is compiled whole and kept there (`SavedCompile`; without,
+        it compiles as with no folder). Compilation happens on first
         use, so a CUDA-graph capture must follow an eager warm-up of the same shapes (the DiT graphs do).
         """
 
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            plain = torch.compile(fn, fullgraph=True)
             if saved is not None:
-                return SavedCompile(fn, saved, f"dit.{fn.__name__}")
-            return torch.compile(fn, fullgraph=True)
+                return SavedCompile(fn, saved, f"dit.{fn.__name__}", build=build_saved, plain=plain)
+            return plain
 
         merge = masked_merge(fuse(merge_sinks)) if masked_sink_merge else fuse(merge_sinks)
         cache = CacheOps(fuse(rotate), fuse(sink_similarity), merge, _window_attention(attention_splits, fuse))

@@ -19,6 +19,7 @@ Parameter names follow diffusers' `AutoencoderKLWan`; `vae_convert` maps the ori
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,7 +455,7 @@ class WanVAE(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernel = fused
 
-    def compile_step(self, tune: bool = False, saved: Path | None = None) -> None:
+    def compile_step(self, tune: bool = False, saved: Path | None = None, build_saved: bool = True) -> None:
         """Compile the encoder and decoder whole (Inductor, static shapes).
 
         Beyond `fuse_norms`, this fuses each conv's bias add, the residual adds and the history
@@ -465,17 +466,19 @@ class WanVAE(nn.Module):
         block sizes around its heuristic's for each fused kernel (coordinate descent): the norms
         are memory-bound passes over hundreds of MB, where the block shape sets the bandwidth
         reached; it lengthens a cold compile, and the compile cache keeps the choices. With a
-        `saved` folder each compiled step is kept there whole and a later process loads it instead
-        of tracing it again (`SavedCompile`); call it after the layout choices (`use_*`).
+        `saved` folder each compiled step is loaded from there whole instead of traced again
+        (`SavedCompile`), and with `build_saved` a step not there yet is built and kept there (without,
+        it compiles as it would with no folder); call it after the layout choices (`use_*`).
         """
         options = {"coordinate_descent_tuning": True} if tune else None
         if saved is None:
             self.encoder.compile(dynamic=False, options=options)
             self.decoder.compile(dynamic=False, options=options)
             return
-        self._saved_steps = (
-            SavedCompile(type(self.encoder).forward, saved, "wan_vae.encoder", owner=self.encoder, options=options),
-            SavedCompile(type(self.decoder).forward, saved, "wan_vae.decoder", owner=self.decoder, options=options))
+        self._saved_steps = tuple(
+            SavedCompile(type(part).forward, saved, f"wan_vae.{name}", build=build_saved, owner=part,
+                         plain=_compiled_call(part, options), options=options)
+            for name, part in (("encoder", self.encoder), ("decoder", self.decoder)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -525,6 +528,13 @@ class WanVAE(nn.Module):
         """One-shot decode of a whole latent clip -> 1 + 4(T'-1) frames, clamped to [-1, 1]."""
         check_latents(z, self.cfg.z_dim, "WanVAE.decode")
         return decode_in_pieces(self.decode_stream, z, self.new_stream_state())
+
+
+def _compiled_call(module: nn.Module, options: dict | None) -> Callable[..., torch.Tensor]:
+    """`module` compiled as `compile_step` compiles it with no saved folder, called the way a
+    `SavedCompile` with that owner calls its step: (owner, *args)."""
+    compiled = torch.compile(module, dynamic=False, options=options)
+    return lambda owner, *args: compiled(*args)
 
 
 def encode_in_pieces(encode_stream, x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:

@@ -66,7 +66,7 @@ def process_age_s() -> float | None:
 def _work() -> dict[str, float]:
     return {**compile_totals(), "capture_s": CAPTURES.seconds, "captures": float(CAPTURES.count),
             "saved_loaded": float(SAVED.loaded), "saved_load_s": SAVED.load_s, "saved_built": float(SAVED.built),
-            "saved_fallbacks": float(SAVED.fallbacks)}
+            "saved_unsaved": float(SAVED.unsaved), "saved_fallbacks": float(SAVED.fallbacks)}
 
 
 class StartupTimes:
@@ -142,9 +142,10 @@ def _inside(work: dict[str, float]) -> str:
         extra.append(f"compile {work['compile_s']:.1f} s")
     if work.get("fx_cache_hits") or work.get("fx_cache_misses"):
         extra.append(f"fx cache {int(work.get('fx_cache_hits', 0))} hit / {int(work.get('fx_cache_misses', 0))} miss")
-    if work.get("saved_loaded") or work.get("saved_built") or work.get("saved_fallbacks"):
-        extra.append(f"saved steps {int(work.get('saved_loaded', 0))} loaded {work.get('saved_load_s', 0.0):.1f} s / "
-                     f"{int(work.get('saved_built', 0))} built / {int(work.get('saved_fallbacks', 0))} fell back")
+    counts = [int(work.get(f"saved_{k}", 0)) for k in ("loaded", "built", "unsaved", "fallbacks")]
+    if any(counts):
+        extra.append(f"saved steps {counts[0]} loaded {work.get('saved_load_s', 0.0):.1f} s / {counts[1]} built / "
+                     f"{counts[2]} not saved / {counts[3]} fell back")
     if work.get("captures"):
         extra.append(f"{int(work['captures'])} captures {work['capture_s']:.1f} s")
     return f" ({', '.join(extra)})" if extra else ""

@@ -107,8 +107,9 @@ def _scalar(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
             _fail(source, path, value, "a number" + _range_text(meta))
         value = float(value)
     elif tp is str:
-        if not isinstance(value, str):
-            _fail(source, path, value, "a string")
+        if not isinstance(value, str):  # a choice field names its choices (YAML reads yes/off as booleans)
+            _fail(source, path, value, "one of " + ", ".join(repr(c) for c in meta["choices"]) if "choices" in meta
+                  else "a string")
     elif tp is Any:
         return value
     else:

@@ -106,6 +106,16 @@ def test_captures_inside_a_phase_are_counted_there():
     assert "1 captures" in times.line()
 
 
+def test_a_phase_names_its_saved_steps_loaded_built_not_saved_and_fallen_back(monkeypatch):
+    from loom_live.engine.graphs.saved_compiles import SAVED
+
+    times = StartupTimes()
+    with times.phase("warmup"):
+        for field, n in (("loaded", 3), ("built", 0), ("unsaved", 18), ("fallbacks", 1)):
+            monkeypatch.setattr(SAVED, field, getattr(SAVED, field) + n)
+    assert "saved steps 3 loaded 0.0 s / 0 built / 18 not saved / 1 fell back" in times.line()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the process's start time is read from /proc")
 def test_the_process_age_counts_from_the_process_start():
     code = ("import time\n"
