@@ -20,7 +20,7 @@ from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.typed_config import ConfigError
 from loom_live.plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
 
-SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "encode-prompts", "bench", "eval", "train")
+SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "prepare", "encode-prompts", "bench", "eval", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,3 +47,12 @@ def test_the_one_gpu_session_refuses_several_gpus_clearly():
 
     with pytest.raises(ValueError, match="parallel.gpus"):
         StreamSession.from_config(load_config("tiny-random", ["parallel.gpus=2"]), warmup=False)
+
+
+def test_prepare_on_a_cpu_says_there_is_nothing_to_prepare_and_a_bad_config_fails_at_once(capsys):
+    assert main(["prepare", "--set", "model.device=cpu"]) == 0
+    assert "nothing to prepare on cpu" in capsys.readouterr().err
+    assert main(["prepare", "-c", "no-such-preset"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+    assert main(["bench", "--set", "vae.saved_steps=off"]) == 2  # a YAML false: the key's choices named
+    assert "vae.saved_steps: False is not allowed; expected one of 'load', 'build', 'none'" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from loom_live.plugin.cli.main import build_parser, main
 from loom_live.plugin.cli.preflight import check_transport
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_COMMANDS = ("play", "serve", "bench", "eval")
+MODEL_COMMANDS = ("play", "serve", "bench", "eval", "prepare")
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
