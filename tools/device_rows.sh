@@ -6,12 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
-# edit-split, startup, saved, lora, ipc, recovery. Results (JSON and each run's
+# edit-priority, edit-split, startup, saved, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-split startup saved lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup saved lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -28,11 +28,13 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change)|start-up [0-9]|compile phases|passed|failed|error" "$out/$name.txt" | tail -24
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change|loom prepare)|start-up [0-9]|compile phases|passed|failed|error" "$out/$name.txt" | tail -24
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
 wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
+# what `loom bench` and bench_recovery.py set: `loom prepare` keeps steps for the same layout
+RANDOM_WEIGHTS=(--set model.random_weights=true --set vae.random_weights=true --set prompt.encoder=hash)
 
 for group in "$@"; do
     case $group in
@@ -167,6 +169,11 @@ PY
         bench edit_b16_prio_true 300 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=true
         bench edit_b8 180 -c dreamlite-edit --batches 8 --frames 2000
         bench edit_b16_prio_false 150 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=false ;;
+    edit-priority)
+        # after `edit` (compile cache warm): the main stream's priority off and on, alternating, twice
+        for run in 1 2; do for p in false true; do
+            bench "edit_b16_prio_${p}_$run" 150 -c dreamlite-edit --batches 16 --frames 2000 --set edit.main_priority=$p
+        done; done ;;
     edit-split)
         # split 1 is edit_b16_prio_true above: the same config; the first run here compiles cold
         for s in 2 3; do bench "edit_b16_split_$s" 280 -c dreamlite-edit --batches 16 --frames 2000 --set edit.encoder_split=$s; done ;;
@@ -183,12 +190,14 @@ PY
             --no-bytecode-cache --json "$out/process_start_installed.json"
         tail -12 "$out/process_start_installed.txt" ;;
     saved)
-        # compiled steps saved whole (after `startup`: every other graph a cache hit): the VAE's steps built
-        # and saved, then loaded; then the DiT's block functions too, built, then loaded
-        wan startup_saved_build 200 --frames 600 --set vae.saved_steps=true
-        wan startup_saved_load 150 --frames 600 --set vae.saved_steps=true
-        wan startup_saved_dit_build 200 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true
-        wan startup_saved_dit_load 150 --frames 600 --set vae.saved_steps=true --set model.saved_block_ops=true ;;
+        # compiled steps kept whole (after `startup`: every other graph a cache hit): a start with the folder
+        # unused, a default start (load only) with nothing kept yet, `loom prepare` keeping them for bench's
+        # config, then a default start that loads them
+        wan startup_saved_none 150 --frames 600 --set vae.saved_steps=none --set model.saved_block_ops=none
+        wan startup_saved_nothing_kept 150 --frames 600
+        step prepare 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}" \
+            --set "stream.steps=[700]"
+        wan startup_saved_loaded 150 --frames 600 ;;
     lora)
         # a change spread over the merge's four parts, one a chunk (default), then over six (in one part: session 23)
         step lora 300 python3 benchmarks/bench_lora.py --frames 1200 --json "$out/lora.json"
@@ -201,7 +210,8 @@ PY
         done ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),
-        # two kills each
+        # two kills each; its engines load the steps `loom prepare` keeps for their config
+        step prepare_recovery 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}"
         step recovery 590 python3 benchmarks/bench_recovery.py --modes restart,standby --kills 2 --json "$out/recovery.json" ;;
     esac
 done
