@@ -170,9 +170,9 @@ class StreamSession:
         self.reset()
         self._compile_stance = "eager_on_recompile"
         log.info("%s", self.startup.line())
-        compile_line = self.startup.compile_line()
-        if compile_line is not None:
-            log.info("%s", compile_line)
+        for line in (self.startup.compile_line(), self.startup.unsaved_line()):
+            if line is not None:
+                log.info("%s", line)
         if self.cfg.memory.low_vram and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what autotuning and the warm-up left cached
 

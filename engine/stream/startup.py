@@ -123,6 +123,14 @@ class StartupTimes:
         before = "" if self.before_s is None else f" (the process ran {self.before_s:.1f} s before)"
         return f"start-up {sum(self.phases.values()):.1f} s{before}: " + "; ".join(parts)
 
+    def unsaved_line(self) -> str | None:
+        """A hint when the start compiled steps it could have loaded whole (none kept for this config yet)."""
+        unsaved = sum(int(work.get("saved_unsaved", 0)) for work in self.inside.values())
+        if not unsaved:
+            return None
+        return (f"{unsaved} compiled steps were traced, not loaded: none kept yet for this config, engine, torch "
+                "and GPU; `loom prepare` with this config keeps them, so later starts load them")
+
     @staticmethod
     def compile_line() -> str | None:
         """One log line: torch.compile's longest phases in this process, nested (None: nothing compiled)."""

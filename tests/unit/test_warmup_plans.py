@@ -106,7 +106,7 @@ def test_captures_inside_a_phase_are_counted_there():
     assert "1 captures" in times.line()
 
 
-def test_a_phase_names_its_saved_steps_loaded_built_not_saved_and_fallen_back(monkeypatch):
+def test_a_phase_names_its_saved_steps_and_a_start_that_kept_none_names_loom_prepare(monkeypatch):
     from loom_live.engine.graphs.saved_compiles import SAVED
 
     times = StartupTimes()
@@ -114,6 +114,9 @@ def test_a_phase_names_its_saved_steps_loaded_built_not_saved_and_fallen_back(mo
         for field, n in (("loaded", 3), ("built", 0), ("unsaved", 18), ("fallbacks", 1)):
             monkeypatch.setattr(SAVED, field, getattr(SAVED, field) + n)
     assert "saved steps 3 loaded 0.0 s / 0 built / 18 not saved / 1 fell back" in times.line()
+    hint = times.unsaved_line()
+    assert "18 compiled steps were traced, not loaded" in hint and "loom prepare" in hint
+    assert StartupTimes().unsaved_line() is None
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the process's start time is read from /proc")
