@@ -40,12 +40,12 @@ for group in "$@"; do
     case $group in
     tests)
         # the tests' many fresh processes share one bytecode cache (this machine's torch may carry none)
-        step gpu_tests 420 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache_tests \
+        step gpu_tests 540 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache_tests \
             python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
             tests/unit/test_saved_compiles.py \
-            tests/integration/test_bridge_cuda.py ;;
+            tests/integration/test_bridge_cuda.py tests/integration/test_cli.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     speed)

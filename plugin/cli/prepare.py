@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     session.close()
     folder = compiled_folder(cache_root(), device)
-    print(f"loom prepare: ready in {seconds:.1f} s; compiled steps: {SAVED.built} built and kept, {SAVED.loaded} "
-          f"already kept, in {folder}", file=sys.stderr)
+    ranks = f" (rank 0's; the other {cfg.parallel.gpus - 1} ranks keep theirs too)" if cfg.parallel.gpus > 1 else ""
+    print(f"loom prepare: ready in {seconds:.1f} s; compiled steps{ranks}: {SAVED.built} built and kept, "
+          f"{SAVED.loaded} already kept, in {folder}", file=sys.stderr)
     if SAVED.fallbacks or not torch_saves_compiles():
         print(f"loom prepare: {SAVED.fallbacks or 'all'} compiled steps could not be kept whole (torch refused "
               "them: see the warnings above); a start compiles those as usual", file=sys.stderr)

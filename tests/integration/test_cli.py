@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from loom_live.plugin.cli.main import main
 
@@ -56,3 +59,18 @@ def test_prepare_on_a_cpu_says_there_is_nothing_to_prepare_and_a_bad_config_fail
     assert "no-such-preset" in capsys.readouterr().err
     assert main(["bench", "--set", "vae.saved_steps=off"]) == 2  # a YAML false: the key's choices named
     assert "vae.saved_steps: False is not allowed; expected one of 'load', 'build', 'none'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an engine compiles ahead only on CUDA")
+def test_prepare_keeps_a_configs_steps_and_the_next_start_loads_every_one(tmp_path):
+    env = {**os.environ, "LOOM_CACHE_DIR": str(tmp_path / "cache")}
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "prepare", "-c", "tiny-random"],
+                             capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        found = re.search(r"(\d+) built and kept, (\d+) already kept", out.stderr)
+        assert found, out.stderr[-3000:]
+        counts.append((int(found[1]), int(found[2])))
+    assert counts[0][0] > 0 and counts == [(counts[0][0], 0), (0, counts[0][0])]
