@@ -55,6 +55,21 @@ def _cuda_ipc() -> tuple[bool, str]:
     return True, f"{count} device(s)"
 
 
+def _kept_steps() -> str | None:
+    """How many compiled steps are kept whole for this engine, torch and GPU 0 (`loom prepare` keeps them,
+    and an engine start loads them); None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from loom_live.engine.graphs.compile_cache import cache_root
+    from loom_live.engine.graphs.saved_compiles import compiled_folder
+
+    folder = compiled_folder(cache_root(), torch.device("cuda", 0))
+    kept = len(list(folder.glob("*.bin"))) if folder.is_dir() else 0
+    return f"{kept} in {folder}" + ("" if kept else " (`loom prepare -c PRESET` keeps a config's)")
+
+
 def collect() -> dict[str, Any]:
     import torch
 
@@ -70,6 +85,7 @@ def collect() -> dict[str, Any]:
         "cuda_python": _version("cuda.bindings") or _version("cuda"),
         "cuda_ipc": ipc_ok,
         "cuda_ipc_detail": ipc_why,
+        "compiled_steps_kept": _kept_steps(),
         "pyzmq": _version("zmq"),
         "av": _version("av"),
         "opencv": _version("cv2"),

@@ -17,7 +17,8 @@ from loom_live.plugin.cli.main import main
 def test_info_json_reports_the_machine(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    for key in ("python", "torch", "cuda_available", "gpus", "cuda_ipc", "pyzmq", "av", "opencv"):
+    for key in ("python", "torch", "cuda_available", "gpus", "cuda_ipc", "compiled_steps_kept", "pyzmq", "av",
+                "opencv"):
         assert key in info
     assert "default" in info["presets"]
 
@@ -74,3 +75,6 @@ def test_prepare_keeps_a_configs_steps_and_the_next_start_loads_every_one(tmp_pa
         assert found, out.stderr[-3000:]
         counts.append((int(found[1]), int(found[2])))
     assert counts[0][0] > 0 and counts == [(counts[0][0], 0), (0, counts[0][0])]
+    info = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "info", "--json"], capture_output=True,
+                          text=True, timeout=120, env=env, check=True)
+    assert json.loads(info.stdout)["compiled_steps_kept"].startswith(f"{counts[0][0]} in ")
