@@ -201,7 +201,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("lora")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
-        # where saved compiled steps are kept (naming it hashes the engine's sources: only when asked)
+        # where compiled steps are kept whole (its name hashes the engine's sources)
         saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"
         saved = compiled_folder(cache_root(), device) if saving else None
         if mc.fuse_elementwise:
