@@ -126,8 +126,10 @@ class SavedCompile:
         step = self._steps.get(key)
         if step is None:
             if self._steps and _eager_on_recompile() and not self.path(key).is_file():
-                return self.fn(*full)  # a build now would stall a stream; a load takes milliseconds
-            step = self._steps[key] = self._resolve(key, full)
+                step = self.fn  # a build now would stall a stream (a load takes milliseconds): eager from now on
+            else:
+                step = self._resolve(key, full)
+            self._steps[key] = step
         try:
             return step(*full)
         except RuntimeError as exc:  # the loaded guards refuse before anything runs

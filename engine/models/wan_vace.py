@@ -138,8 +138,9 @@ class WanVaceDiT(WanDiT):
         blocks = super().cross_kv_blocks(changed)
         if blocks is None:
             return None
+        changed = set(changed)
         control = {i for j, i in enumerate(self.control_block_ids())
-                   if {f"vace_blocks.{j}.cross_attn.k", f"vace_blocks.{j}.cross_attn.v"} & set(changed)}
+                   if {f"vace_blocks.{j}.cross_attn.k", f"vace_blocks.{j}.cross_attn.v"} & changed}
         return sorted({*blocks, *control})
 
     def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:

@@ -19,7 +19,6 @@ Parameter names follow diffusers' `AutoencoderKLWan`; `vae_convert` maps the ori
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -471,14 +470,13 @@ class WanVAE(nn.Module):
         it compiles as it would with no folder); call it after the layout choices (`use_*`).
         """
         options = {"coordinate_descent_tuning": True} if tune else None
-        if saved is None:
-            self.encoder.compile(dynamic=False, options=options)
-            self.decoder.compile(dynamic=False, options=options)
-            return
-        self._saved_steps = tuple(
-            SavedCompile(type(part).forward, saved, f"wan_vae.{name}", build=build_saved, owner=part,
-                         plain=_compiled_call(part, options), options=options)
-            for name, part in (("encoder", self.encoder), ("decoder", self.decoder)))
+        self.encoder.compile(dynamic=False, options=options)
+        self.decoder.compile(dynamic=False, options=options)
+        if saved is not None:  # a step with no file runs the module's own compiled call above
+            self._saved_steps = tuple(
+                SavedCompile(type(part).forward, saved, f"wan_vae.{name}", build=build_saved, owner=part,
+                             plain=_call_owner, options=options)
+                for name, part in (("encoder", self.encoder), ("decoder", self.decoder)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -530,11 +528,9 @@ class WanVAE(nn.Module):
         return decode_in_pieces(self.decode_stream, z, self.new_stream_state())
 
 
-def _compiled_call(module: nn.Module, options: dict | None) -> Callable[..., torch.Tensor]:
-    """`module` compiled as `compile_step` compiles it with no saved folder, called the way a
-    `SavedCompile` with that owner calls its step: (owner, *args)."""
-    compiled = torch.compile(module, dynamic=False, options=options)
-    return lambda owner, *args: compiled(*args)
+def _call_owner(owner: nn.Module, *args: object) -> torch.Tensor:
+    """A `SavedCompile`'s step with no file: its owner's own (compiled) call."""
+    return owner(*args)
 
 
 def encode_in_pieces(encode_stream, x: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
