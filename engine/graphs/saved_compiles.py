@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,12 @@ class SavedCounts:
     unsaved: int = 0  # steps with no file, compiled as usual (the folder is only loaded from)
     fallbacks: int = 0
     load_s: float = 0.0
+    first_calls: dict[str, list[float]] = field(default_factory=dict)  # per step, each signature's first call
+
+    def note_first_call(self, name: str, seconds: float) -> None:
+        """A signature's first call: its load, build or compile, Triton's autotuning and one run, which on
+        a cold start says which step the wait is for."""
+        self.first_calls.setdefault(name, []).append(seconds)
 
 
 SAVED = SavedCounts()
@@ -124,12 +130,19 @@ class SavedCompile:
                 logger.warning("saved compile %s: %s; torch.compile as usual", self.name, exc)
             return self._fall_back()(*full)
         step = self._steps.get(key)
-        if step is None:
-            if self._steps and _eager_on_recompile() and not self.path(key).is_file():
-                step = self.fn  # a build now would stall a stream (a load takes milliseconds): eager from now on
-            else:
-                step = self._resolve(key, full)
-            self._steps[key] = step
+        if step is not None:
+            return self._run(step, key, full)
+        t0 = time.perf_counter()
+        if self._steps and _eager_on_recompile() and not self.path(key).is_file():
+            step = self.fn  # a build now would stall a stream (a load takes milliseconds): eager from now on
+        else:
+            step = self._resolve(key, full)
+        self._steps[key] = step
+        out = self._run(step, key, full)
+        SAVED.note_first_call(self.name, time.perf_counter() - t0)
+        return out
+
+    def _run(self, step: Callable[..., Any], key: Hashable, full: tuple[Any, ...]) -> Any:
         try:
             return step(*full)
         except RuntimeError as exc:  # the loaded guards refuse before anything runs

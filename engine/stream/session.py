@@ -170,7 +170,7 @@ class StreamSession:
         self.reset()
         self._compile_stance = "eager_on_recompile"
         log.info("%s", self.startup.line())
-        for line in (self.startup.compile_line(), self.startup.unsaved_line()):
+        for line in (self.startup.compile_line(), self.startup.first_calls_line(), self.startup.unsaved_line()):
             if line is not None:
                 log.info("%s", line)
         if self.cfg.memory.low_vram and self.device.type == "cuda":

@@ -20,6 +20,10 @@ from typing import Any
 from loom_live.engine.graphs.capture_clock import CAPTURES
 from loom_live.engine.graphs.saved_compiles import SAVED
 
+# Triton's timing of a fresh kernel's candidate block sizes, at its first launch: after its compile, so outside
+# `compile_s`, and skipped once the compile cache holds the choice (a cold start pays it, a warm one not)
+AUTOTUNE_PHASES = ("CachingAutotuner.benchmark_all_configs", "CachingAutotuner.coordinate_descent_tuning")
+
 
 def compile_totals() -> dict[str, float]:
     """Seconds torch.compile spent so far in this process (tracing, Inductor, cache loads included),
@@ -29,14 +33,17 @@ def compile_totals() -> dict[str, float]:
     not loaded it has compiled nothing, and the phase that first needs it is charged for its import."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
-        return {"compile_s": 0.0, "compiled_frames": 0.0, "fx_cache_hits": 0.0, "fx_cache_misses": 0.0}
+        return {"compile_s": 0.0, "compiled_frames": 0.0, "fx_cache_hits": 0.0, "fx_cache_misses": 0.0,
+                "autotune_s": 0.0, "kernel_wait_s": 0.0}
     metrics = getattr(utils, "compilation_time_metrics", {})
     counters = getattr(utils, "counters", {})
     inductor = counters.get("inductor", {})
     return {"compile_s": float(sum(metrics.get("_compile.compile_inner", ()))),
             "compiled_frames": float(counters.get("frames", {}).get("ok", 0)),
             "fx_cache_hits": float(inductor.get("fxgraph_cache_hit", 0)),
-            "fx_cache_misses": float(inductor.get("fxgraph_cache_miss", 0))}
+            "fx_cache_misses": float(inductor.get("fxgraph_cache_miss", 0)),
+            "autotune_s": float(sum(sum(metrics.get(name, ())) for name in AUTOTUNE_PHASES)),
+            "kernel_wait_s": float(sum(metrics.get("async_compile.wait", ())))}
 
 
 def compile_phases(top: int = 8) -> list[tuple[str, float, int]]:
@@ -47,6 +54,12 @@ def compile_phases(top: int = 8) -> list[tuple[str, float, int]]:
     metrics = getattr(utils, "compilation_time_metrics", {}) if utils is not None else {}
     rows = [(name, float(sum(times)), len(times)) for name, times in metrics.items() if len(times)]
     return sorted(rows, key=lambda row: -row[1])[:top]
+
+
+def first_calls() -> list[tuple[str, float, int]]:
+    """Each saved-compile step's first calls so far in this process, longest first: (name, seconds, signatures)."""
+    rows = [(name, sum(times), len(times)) for name, times in SAVED.first_calls.items()]
+    return sorted(rows, key=lambda row: -row[1])
 
 
 def process_age_s() -> float | None:
@@ -114,7 +127,8 @@ class StartupTimes:
                 "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
                 "inside": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.inside.items()},
                 "detail_s": {k: {n: round(x, 3) for n, x in v.items()} for k, v in self.detail.items()},
-                "compile_phases_s": {n: round(s, 3) for n, s, _ in compile_phases()}}
+                "compile_phases_s": {n: round(s, 3) for n, s, _ in compile_phases()},
+                "first_calls_s": {n: round(s, 3) for n, s, _ in first_calls()}}
 
     def line(self) -> str:
         """One log line: the total, each phase, and the compile and capture time inside the phases."""
@@ -132,6 +146,16 @@ class StartupTimes:
                 "and GPU; `loom prepare` with this config keeps them, so later starts load them")
 
     @staticmethod
+    def first_calls_line(top: int = 6) -> str | None:
+        """One log line: the compiled steps whose first calls took longest (load or compile, autotuning and
+        one run, over all their signatures), so a cold start says which step it waited for."""
+        slowest = first_calls()[:top]
+        if not slowest:
+            return None
+        return "compiled steps' first calls, longest: " + ", ".join(
+            f"{name} {seconds:.1f} s ({calls})" for name, seconds, calls in slowest)
+
+    @staticmethod
     def compile_line() -> str | None:
         """One log line: torch.compile's longest phases in this process, nested (None: nothing compiled)."""
         phases = compile_phases()
@@ -147,9 +171,13 @@ def _parts(detail: dict[str, float]) -> str:
 def _inside(work: dict[str, float]) -> str:
     extra = []
     if work.get("compile_s"):
-        extra.append(f"compile {work['compile_s']:.1f} s")
+        wait = work.get("kernel_wait_s")
+        waited = f", {wait:.1f} s of it awaiting Triton's compiles" if wait else ""
+        extra.append(f"compile {work['compile_s']:.1f} s{waited}")
     if work.get("fx_cache_hits") or work.get("fx_cache_misses"):
         extra.append(f"fx cache {int(work.get('fx_cache_hits', 0))} hit / {int(work.get('fx_cache_misses', 0))} miss")
+    if work.get("autotune_s"):
+        extra.append(f"Triton autotuning {work['autotune_s']:.1f} s")
     counts = [int(work.get(f"saved_{k}", 0)) for k in ("loaded", "built", "unsaved", "fallbacks")]
     if any(counts):
         extra.append(f"saved steps {counts[0]} loaded {work.get('saved_load_s', 0.0):.1f} s / {counts[1]} built / "

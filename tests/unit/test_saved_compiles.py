@@ -206,6 +206,15 @@ def test_a_start_that_only_loads_compiles_a_missing_step_as_usual_and_loads_a_ke
     assert (SAVED.loaded, SAVED.built, SAVED.unsaved) == (before[0] + 1, before[1] + 1, before[2] + 1)
 
 
+def test_each_signatures_first_call_is_timed_once_under_the_steps_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(SAVED, "first_calls", {})
+    step = SavedCompile(lambda x: x * 2, tmp_path, "timed", build=False, plain=lambda x: x * 3)
+    for n in (2, 2, 3, 2, 3):
+        step(torch.ones(n))
+    assert list(SAVED.first_calls) == ["timed"] and len(SAVED.first_calls["timed"]) == 2
+    assert all(0.0 <= s < 30.0 for s in SAVED.first_calls["timed"])
+
+
 def test_a_vae_that_only_loads_streams_its_missing_steps_compiled_as_usual(tmp_path):
     from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
 

@@ -156,3 +156,29 @@ def test_start_up_phases_do_not_import_the_compiler():
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_phase_names_triton_s_autotuning_and_compile_waits_and_the_slowest_steps(monkeypatch):
+    import types
+
+    from loom_live.engine.graphs.saved_compiles import SAVED
+
+    metrics: dict[str, list[float]] = {"_compile.compile_inner": [], "async_compile.wait": [],
+                                       "CachingAutotuner.benchmark_all_configs": []}
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", types.SimpleNamespace(
+        compilation_time_metrics=metrics, counters={}))
+    monkeypatch.setattr(SAVED, "first_calls", {})
+    times = StartupTimes()
+    with times.phase("warmup"):
+        metrics["_compile.compile_inner"].append(40.0)
+        metrics["async_compile.wait"].append(12.5)
+        metrics["CachingAutotuner.benchmark_all_configs"] += [3.0, 1.5]
+        for name, seconds in (("dit.rotate", 1.0), ("wan_vae.decoder", 20.0), ("dit.rotate", 0.5)):
+            SAVED.note_first_call(name, seconds)
+    line = times.line()
+    assert "compile 40.0 s, 12.5 s of it awaiting Triton's compiles" in line and "Triton autotuning 4.5 s" in line
+    assert times.first_calls_line() == ("compiled steps' first calls, longest: "
+                                        "wan_vae.decoder 20.0 s (1), dit.rotate 1.5 s (2)")
+    assert times.as_dict()["first_calls_s"] == {"wan_vae.decoder": 20.0, "dit.rotate": 1.5}
+    monkeypatch.setattr(SAVED, "first_calls", {})
+    assert StartupTimes().first_calls_line() is None
