@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
+
 
 @runtime_checkable
 class EngineSession(Protocol):
@@ -61,7 +63,11 @@ class EngineSession(Protocol):
 
 def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
     """The session for the config's model family (`model.family`), loaded and warmed up; with
-    `parallel.gpus > 1` the Wan DiT's pipeline over that many GPUs (this process is its rank 0)."""
+    `parallel.gpus > 1` the Wan DiT's pipeline over that many GPUs (this process is its rank 0).
+
+    Whoever opens it (a served engine, `loom bench`, `loom prepare`), its compiled code goes to the same
+    persistent compile cache, so what one of them compiled the next start of that config reads."""
+    enable_persistent_compile_cache()
     if cfg.parallel.gpus > 1:
         from loom_live.engine.parallel.session import PipelineSession
 

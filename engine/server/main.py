@@ -70,13 +70,11 @@ def _session_factory(args: argparse.Namespace):
             from loom_live.engine.server.passthrough import PassthroughSession
             return PassthroughSession()
         try:
-            from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
             from loom_live.engine.models.loading import resolve_device
             from loom_live.engine.session_api import open_session
             from loom_live.engine.stream.cpu_threads import apply_cpu_threads
         except ImportError as exc:
             raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
-        enable_persistent_compile_cache()  # a restarted engine reuses what the last one compiled
         apply_cpu_threads(config.model.cpu_threads, resolve_device(config.model.device))  # the host keeps a core
         session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
         if args.warmup:

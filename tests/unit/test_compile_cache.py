@@ -26,6 +26,21 @@ def test_inductor_and_triton_caches_go_under_the_loom_cache_folder(tmp_path):
     assert (tmp_path / "loom" / "inductor").is_dir()
 
 
+def test_a_session_opened_in_process_compiles_into_the_same_folder_as_a_served_engine(tmp_path):
+    """`loom bench` and `loom prepare` open their session in their own process: what they compile must land
+    where the player's and the plugins' engine processes read (`loom prepare` is run to warm those)."""
+    code = ("import os\n"
+            "from loom_live.engine.config import load_config\n"
+            "from loom_live.engine.session_api import open_session\n"
+            "open_session(load_config('tiny-random'), warmup=False).close()\n"
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**env, "PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(tmp_path / "loom")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == str(tmp_path / "loom" / "inductor")
+
+
 BYTECODE_SCRIPT = (
     "import json, sys\n"
     "from loom_live.engine.graphs.compile_cache import enable_bytecode_cache\n"
