@@ -6,12 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
-# edit-priority, edit-split, startup, saved, lora, ipc, recovery. Results (JSON and each run's
+# edit-priority, edit-split, startup, cold, saved, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup saved lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -28,7 +28,7 @@ step() {
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "   exit $?"
-    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change|loom prepare)|start-up [0-9]|compile phases|passed|failed|error" "$out/$name.txt" | tail -24
+    grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change|loom prepare)|start-up [0-9]|compile phases|first calls|passed|failed|error" "$out/$name.txt" | tail -24
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
@@ -189,6 +189,13 @@ PY
         step process_start_installed 120 python3 benchmarks/bench_process_start.py --runs 3 --upto compiler \
             --no-bytecode-cache --json "$out/process_start_installed.json"
         tail -12 "$out/process_start_installed.txt" ;;
+    cold)
+        # a cold start repeated on a warm machine (each variant a fresh process with empty compile caches; Python's
+        # bytecode kept): where it goes (compile, Triton's compile waits and autotuning, the slowest steps), and
+        # Triton asked for one block size per elementwise kernel, per reduction, and both
+        step cold_start 590 python3 benchmarks/bench_cold_start.py --timeout 140 \
+            --variants default,pointwise-one,reductions-one,one-config --json "$out/cold_start.json"
+        tail -6 "$out/cold_start.txt" ;;
     saved)
         # compiled steps kept whole (after `startup`: every other graph a cache hit): a start with the folder
         # unused, a default start (load only) with nothing kept yet, `loom prepare` keeping them for bench's
