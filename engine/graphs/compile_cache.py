@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,9 @@ def enable_bytecode_cache(root: Path | None = None) -> Path | None:
     chose a bytecode folder (PYTHONPYCACHEPREFIX), torch is not installed, or LOOM_BYTECODE_CACHE=0.
 
     Call first in a process entry point: modules imported before it are not cached. Python checks each
-    cached file against its source's size and time, so an upgraded torch is compiled again, once."""
+    cached file against its source's size and time, so an upgraded torch is compiled again, once. On the
+    first start with an empty folder, the packages an engine imports are compiled on the other cores
+    meanwhile (`compile_ahead`), where there are enough of them."""
     if os.environ.get(CACHE_ENV_OFF) == "0" or sys.pycache_prefix is not None:
         return None
     spec = importlib.util.find_spec("torch")  # finds it without importing it
@@ -61,7 +65,43 @@ def enable_bytecode_cache(root: Path | None = None) -> Path | None:
     sys.pycache_prefix, sys.dont_write_bytecode = str(folder), False
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the engine's own workers (Inductor's compile pool)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    workers, probe = (os.cpu_count() or 1) - 1, Path(spec.origin).parent / "_inductor" / "compile_fx.py"
+    if workers >= AHEAD_MIN_WORKERS and probe.is_file() and not _cached(probe):  # the first start with this folder
+        compile_ahead(_package_dirs(AHEAD_PACKAGES), workers)
     return folder
+
+
+# What an engine imports, torch's compiler and what it pulls in (sympy and networkx are most of its modules)
+AHEAD_PACKAGES = ("torch", "sympy", "networkx", "mpmath", "triton", "numpy", "jinja2")
+AHEAD_MIN_WORKERS = 3  # with fewer spare cores the background compile competes with the imports it would spare
+AHEAD_SKIP = r"[/\\](tests?|testing)[/\\]"  # test suites inside the packages: never imported by an engine
+
+
+def compile_ahead(folders: list[Path], workers: int) -> threading.Thread:
+    """Compile the bytecode of `folders` in a background process on `workers` cores, into the bytecode cache
+    this process uses, while it goes on importing: on a first start its imports (torch's compiler seconds
+    later among them) then mostly read bytecode instead of compiling each module in turn. Python writes each
+    file atomically, so the two processes never read a torn one. Returns the thread that waits for it."""
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", str(workers), "-x", AHEAD_SKIP, *map(str, folders)]
+    thread = threading.Thread(target=subprocess.run, args=(cmd,), name="loom-bytecode-ahead", daemon=True,
+                              kwargs={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": False})
+    thread.start()
+    return thread
+
+
+def _package_dirs(names: tuple[str, ...]) -> list[Path]:
+    """The installed folders of the top-level packages `names` that are installed (found without importing them)."""
+    folders = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders.extend(Path(p) for p in spec.submodule_search_locations)
+    return folders
+
+
+def _cached(source: Path) -> bool:
+    """Whether the bytecode cache in use already holds `source`'s bytecode (an earlier start wrote it)."""
+    return Path(importlib.util.cache_from_source(str(source))).is_file()
 
 
 def _bytecode_current(source: str) -> bool:

@@ -106,3 +106,54 @@ def test_bytecode_that_no_longer_matches_its_source_counts_as_none(tmp_path):
     init = site / "torch" / "__init__.py"
     os.utime(init, (init.stat().st_atime, init.stat().st_mtime + 100))
     assert _bytecode_run(site, cache)["folder"] == str(cache / "pycache")
+
+
+def test_compiling_ahead_fills_the_bytecode_cache_in_use_and_skips_test_suites(tmp_path):
+    """The background compile of a first start writes where this process's imports then read: the bytecode
+    cache folder, never beside the sources; a package's test suite (never imported by an engine) is left out."""
+    site = _fake_torch(tmp_path)
+    (site / "torch" / "testing").mkdir()
+    (site / "torch" / "testing" / "slow.py").write_text("X = 1\n")
+    folder = tmp_path / "pycache"
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from loom_live.engine.graphs.compile_cache import compile_ahead\n"
+            f"compile_ahead([Path({str(site / 'torch')!r})], workers=1).join(120)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=150,
+                         env={**env, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(folder)})
+    assert out.returncode == 0, out.stderr
+    mirror = folder / str(site / "torch").lstrip(os.sep)  # the prefix mirrors the sources' absolute paths
+    names = sorted(p.name.split(".")[0] for p in mirror.rglob("*.pyc"))
+    assert names == ["__init__", "heavy"], names
+    assert not (site / "torch" / "__pycache__").exists()
+
+
+def test_a_first_start_compiles_ahead_on_the_spare_cores_and_a_later_one_does_not(tmp_path):
+    import json
+
+    site, cache = _fake_torch(tmp_path), tmp_path / "loom"
+    (site / "torch" / "_inductor").mkdir()
+    (site / "torch" / "_inductor" / "compile_fx.py").write_text("")  # what the check looks for
+    code = ("import json, os\n"
+            "os.cpu_count = lambda: 8\n"
+            "from loom_live.engine.graphs import compile_cache as c\n"
+            "started = []\n"
+            "c.compile_ahead = lambda folders, workers: started.append((list(map(str, folders)), workers))\n"
+            "c.enable_bytecode_cache()\n"
+            "print(json.dumps(started))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "LOOM_BYTECODE_CACHE")}
+    env = {**base, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "LOOM_CACHE_DIR": str(cache),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def started() -> list:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    ((folders, workers),) = started()
+    assert folders[0] == str(site / "torch") and workers == 7
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(site / "torch")], check=True, timeout=60,
+                   env={**env, "PYTHONPYCACHEPREFIX": str(cache / "pycache")})  # what that compile wrote
+    assert started() == []
