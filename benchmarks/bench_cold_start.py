@@ -9,7 +9,8 @@ spent awaiting Triton's kernel compiles, Triton's autotuning at each new kernel'
 whose first calls took longest, and the stream's FPS with the kernels that variant chose.
 
 A variant sets Inductor options in the child before the engine starts (`--option VARIANT:KEY=VALUE`
-adds one); the named ones ask Triton for fewer candidate block sizes:
+adds one); the named ones ask Triton for fewer candidate block sizes, or (`ahead`) have the engine compile
+the VAE's steps in helper processes beside its own work (`vae.compile_ahead`):
 
     python benchmarks/bench_cold_start.py --json out/cold_start.json
     python benchmarks/bench_cold_start.py --variants default,one-config -- -c wan2.1-1.3b --frames 300
@@ -37,7 +38,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pointwise-one": {"triton.autotune_pointwise": False},  # one block size per elementwise kernel
     "reductions-one": {"test_configs.force_filter_reduction_configs": True},  # Inductor's pick among its own
     "one-config": {"triton.autotune_pointwise": False, "test_configs.force_filter_reduction_configs": True},
+    "ahead": {},  # the VAE's steps compiled in helper processes (which do not see a variant's Inductor options)
 }
+SETTINGS: dict[str, list[str]] = {"ahead": ["--set", "vae.compile_ahead=true"]}  # loom bench options by variant
 BENCH_ARGS = ["-c", "wan2.1-1.3b", "--steps", "700", "--frames", "600"]
 
 # The child: Inductor's options first (they key its graph cache, so they must be set before any compile),
@@ -132,14 +135,15 @@ def main() -> int:
         except json.JSONDecodeError:
             parser.error(f"--option {spec!r}: the value must be JSON (true, false, a number, a quoted string)")
     for name, options in variants.items():
-        if not options and name not in VARIANTS:
+        if not options and name not in VARIANTS:  # a name of the user's own needs its --option
             parser.error(f"variant {name!r} names no options: expected one of {list(VARIANTS)} or --option {name}:...")
         check_options(options)
     enable_bytecode_cache()  # the children keep reading this machine's bytecode while their compile caches start empty
     rows = []
     for name, options in variants.items():
         print(f"bench_cold_start: {name} {options or ''}", file=sys.stderr, flush=True)
-        rows.append(run_variant(name, options, args.bench_args or BENCH_ARGS, args.timeout))
+        rows.append(run_variant(name, options, [*(args.bench_args or BENCH_ARGS), *SETTINGS.get(name, [])],
+                                args.timeout))
     head = ["variant", "start-up s", "warm-up s", "compile s", "awaiting Triton s", "autotune s", "FPS",
             "longest first calls s"]
     table = [head, *map(summary, rows)]

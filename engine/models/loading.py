@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from loom_live.engine.config import LoomConfig
+from loom_live.engine.config import LoomConfig, VAEConfig
 from loom_live.engine.graphs.compile_cache import cache_root
 from loom_live.engine.graphs.saved_compiles import compiled_folder
 from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
@@ -24,7 +25,7 @@ from loom_live.engine.models.taehv import TinyVAE
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from loom_live.engine.models.wan_dit_ops import BlockOps
 from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
-from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE, WanVAEConfig
 
 EMBEDDED_PRESETS = ("tiny", "tiny-vace")
 # vae.thin_convs -> (WanVAE.use_thin_convs's kinds, stack_upto): `wide` also stacks the full-resolution convs
@@ -168,14 +169,12 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         raise ValueError(f"model.checkpoint: preset {mc.preset!r} needs weights; run `loom pull {mc.preset}` or "
                          "give model.checkpoint=PATH (or model.random_weights=true for a benchmark)")
     clock.lap("dit")  # built, and its weights read or drawn
-    vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
-                      denormalize_on_decode=vc.denormalize_on_decode)
     wan = None
     if "wan" in (vc.encoder, vc.decoder):
         if vc.checkpoint:
-            wan = WanVAE.from_checkpoint(vc.checkpoint, vae_cfg, device=device, dtype=dtype).eval()
+            wan = WanVAE.from_checkpoint(vc.checkpoint, _wan_vae_config(vc), device=device, dtype=dtype).eval()
         elif vc.preset in EMBEDDED_PRESETS or vc.random_weights:
-            wan = _seeded(lambda: WanVAE(vae_cfg), mc.seed + 1, device, dtype)
+            wan = seeded_wan_vae(cfg, device, dtype)
         else:
             raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
                              "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
@@ -214,14 +213,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         clock.lap("block_ops")  # the first compiled function imports torch's compiler
         if wan is not None:
-            wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
-            wan.use_attention(vc.attention)
-            wan.use_channels_last(vc.channels_last)
-            if vc.compile_step:  # includes what fuse_norms does
-                wan.compile_step(tune=vc.tune_kernels, saved=saved if vc.saved_steps != "none" else None,
-                                 build_saved=vc.saved_steps == "build")
-            elif vc.fuse_norms:
-                wan.fuse_norms()
+            lay_out_wan_vae(wan, vc, saved)
         clock.lap("vae_ops")
     if mc.fp8_linear:  # after loading (the checkpoint holds the full-precision weights) and the block ops
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise, kernels=mc.fp8_quantize)
@@ -239,6 +231,30 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             m.requires_grad_(False)
     clock.lap("prepare")  # the rest: VAE wrappers, gradients off
     return LoadedModels(dit, encoder, decoder, device, dtype, lora, clock.laps)
+
+
+def _wan_vae_config(vc: VAEConfig) -> WanVAEConfig:
+    return replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
+                   denormalize_on_decode=vc.denormalize_on_decode)
+
+
+def seeded_wan_vae(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) -> WanVAE:
+    """The config's Wan VAE with its fixed seeded weights (the tiny presets', a benchmark's random ones)."""
+    return _seeded(lambda: WanVAE(_wan_vae_config(cfg.vae)), cfg.model.seed + 1, device, dtype)
+
+
+def lay_out_wan_vae(wan: WanVAE, vc: VAEConfig, saved: Path | None) -> None:
+    """The Wan VAE's GPU forms, in the order they must come (its compiled steps last, with their `saved` folder
+    where they are kept): one place for the engine and its compile-ahead helpers
+    (engine/stream/compile_ahead.py), so both compile the same graphs."""
+    wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
+    wan.use_attention(vc.attention)
+    wan.use_channels_last(vc.channels_last)
+    if vc.compile_step:  # includes what fuse_norms does
+        wan.compile_step(tune=vc.tune_kernels, saved=saved if vc.saved_steps != "none" else None,
+                         build_saved=vc.saved_steps == "build")
+    elif vc.fuse_norms:
+        wan.fuse_norms()
 
 
 class _Laps:

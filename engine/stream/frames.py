@@ -149,6 +149,11 @@ def _to_uint8(y: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return ((y.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
+def vae_layout(device: torch.device) -> torch.memory_format:
+    """The layout of the pixels a session hands its VAE: channels-last on a GPU (cuDNN's faster 3D convs)."""
+    return torch.channels_last_3d if device.type == "cuda" else torch.contiguous_format
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor onto the device without a host sync (through pinned memory on CUDA)."""
     if device.type != "cuda":

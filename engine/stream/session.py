@@ -36,10 +36,11 @@ from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import LoadedModels, load_models
+from loom_live.engine.stream.compile_ahead import CompileAhead
 from loom_live.engine.stream.control import VaceControl
 from loom_live.engine.stream.cuda_streams import session_streams
 from loom_live.engine.stream.denoiser import StreamDenoiser
-from loom_live.engine.stream.frames import FrameMapper, validate_frames
+from loom_live.engine.stream.frames import FrameMapper, vae_layout, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
@@ -102,7 +103,7 @@ class StreamSession:
         self._side, self._denoise_stream, self._decode_stream = streams.side, streams.denoise, streams.decode
         self._merge_stream = streams.merge
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
-        self._vae_layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
+        self._vae_layout = vae_layout(self.device)
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
                                          models.dit.cfg.text_len)
@@ -116,6 +117,7 @@ class StreamSession:
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
         self.startup = StartupTimes()  # filled by from_config and warmup: where the start-up went
+        self._ahead: CompileAhead | None = None  # from_config's helpers, until the warm-up ends
         self.warmed_plans: list[Plan] = []  # the plans the last warm-up streamed
         self._held_plan = False  # warm-up: the plan is set by the warm-up, not by the scheduler
         self._build_parts()
@@ -130,12 +132,20 @@ class StreamSession:
         """
         times = StartupTimes()
         times.note_process_age()
-        with times.phase("load"):
-            models = load_models(cfg)
-        times.detail["load"] = dict(models.load_s)
-        with times.phase("session"):
-            session = cls(cfg, models)
-        session.startup = times
+        ahead = CompileAhead.start(cfg)  # before the load, which it runs beside
+        try:
+            with times.phase("load"):
+                models = load_models(cfg)
+            times.detail["load"] = dict(models.load_s)
+            if ahead is not None:
+                ahead.attach(models)
+            with times.phase("session"):
+                session = cls(cfg, models)
+        except BaseException:
+            if ahead is not None:
+                ahead.finish(warmed=False)
+            raise
+        session.startup, session._ahead = times, ahead
         if warmup and session.device.type == "cuda":
             session.warmup()
         else:
@@ -167,6 +177,9 @@ class StreamSession:
                 with self.startup.part("warmup_plans", "grey control"):
                     self._warm_grey_part()
         self.warmed_plans = plans
+        if self._ahead is not None:
+            self._ahead.finish(warmed=True)
+            self._ahead = None
         self.reset()
         self._compile_stance = "eager_on_recompile"
         log.info("%s", self.startup.line())
@@ -315,6 +328,9 @@ class StreamSession:
     def close(self) -> None:
         self.prompt.close()
         self.motion.close()
+        if self._ahead is not None:  # closed before its warm-up
+            self._ahead.finish(warmed=False)
+            self._ahead = None
 
     def __enter__(self) -> StreamSession:
         return self
