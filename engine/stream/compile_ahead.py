@@ -134,8 +134,9 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
     sizes = range(1, 1 + (min(MAX_CHUNK_LATENTS, st.num_kv_cache - st.sink) if st.mode == "auto" else 1))
     with torch.inference_mode():
         first = wan.encode_stream(pixels(FIRST_CHUNK_FRAMES), wan.new_stream_state())  # the latents' sizes
+        state = wan.new_stream_state()  # one, reset in place between streams, as the session keeps its own
         for k in sizes:
-            state = wan.new_stream_state()
+            state.reset()
             if direction == "encode":
                 for count in [FIRST_CHUNK_FRAMES] + [FRAMES_PER_LATENT * k] * STEADY_CHUNKS:
                     graphs.run("encode", wan.encode_stream, pixels(count), state)
