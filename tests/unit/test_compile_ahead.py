@@ -26,15 +26,6 @@ from loom_live.engine.stream.session import StreamSession
 SMALL = ["resolution.width=64", "resolution.height=64", "model.device=cpu"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two CPU threads contend on a shared box and make these small forwards 20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_helper_meets_the_vae_steps_the_session_s_warm_up_meets(monkeypatch):
     """Every steady encoder and decoder call (the compiled steps on a GPU), keyed as a compile is keyed:
     the input's and the histories' shapes, strides and dtypes. On a CPU both run the VAE as a CPU session

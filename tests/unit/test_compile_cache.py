@@ -18,11 +18,8 @@ def test_inductor_and_triton_caches_go_under_the_loom_cache_folder(tmp_path):
             "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
             "assert c.fx_graph_cache and cache_dir() == str(folder), (cache_dir(), folder)\n"
             "print(folder, os.environ['TRITON_CACHE_DIR'])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**env, "PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(tmp_path / "loom")})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(tmp_path / "loom" / "inductor"), str(tmp_path / "loom" / "triton")]
+    out = _in_fresh_cache(code, tmp_path / "loom")
+    assert out.split() == [str(tmp_path / "loom" / "inductor"), str(tmp_path / "loom" / "triton")]
     assert (tmp_path / "loom" / "inductor").is_dir()
 
 
@@ -34,11 +31,16 @@ def test_a_session_opened_in_process_compiles_into_the_same_folder_as_a_served_e
             "from loom_live.engine.session_api import open_session\n"
             "open_session(load_config('tiny-random'), warmup=False).close()\n"
             "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
+    assert _in_fresh_cache(code, tmp_path / "loom").split()[-1] == str(tmp_path / "loom" / "inductor")
+
+
+def _in_fresh_cache(code: str, cache: Path) -> str:
+    """`code`'s output, run in a process whose Loom cache folder is `cache` (no compile cache chosen)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**env, "PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(tmp_path / "loom")})
+                         env={**env, "PYTHONPATH": str(ROOT), "LOOM_CACHE_DIR": str(cache)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == str(tmp_path / "loom" / "inductor")
+    return out.stdout
 
 
 BYTECODE_SCRIPT = (
