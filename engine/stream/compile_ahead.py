@@ -66,8 +66,13 @@ class CompileAhead:
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state copied from this one
         helpers = {d: spawn.Process(target=compile_direction, args=(cfg, d), name=f"loom-compile-ahead-{d}")
                    for d in directions}
-        for helper in helpers.values():
-            helper.start()
+        try:
+            for helper in helpers.values():
+                helper.start()
+        except OSError as exc:  # no process to spare: the engine compiles everything itself, as without helpers
+            log.warning("compile ahead: cannot start its helpers (%s); compiling the VAE's steps here", exc)
+            cls(helpers, marker).finish(warmed=False)
+            return None
         log.info("compiling the VAE's steps ahead in %d helper processes (%s): this config has not warmed up "
                  "here yet", len(helpers), ", ".join(helpers))
         return cls(helpers, marker)
@@ -95,6 +100,8 @@ class CompileAhead:
     def finish(self, warmed: bool) -> None:
         """Stop any helper still running; after a warm-up (`warmed`), mark this config as compiled here."""
         for helper in self.helpers.values():
+            if helper.pid is None:  # never started
+                continue
             if helper.is_alive():
                 helper.terminate()
             helper.join(10.0)
