@@ -109,7 +109,8 @@ def summary(row: dict[str, Any]) -> list[str]:
     autotune = sum(p.get("autotune_s", 0.0) for p in work)
     waited = sum(p.get("kernel_wait_s", 0.0) for p in work)
     first = sorted(start.get("first_calls_s", {}).items(), key=lambda kv: -kv[1])[:2]
-    return [row["variant"], f"{start['total_s']:.1f}", f"{start['phases_s'].get('warmup', 0.0):.1f}",
+    before = "-" if start.get("before_s") is None else f"{start['before_s']:.1f}"
+    return [row["variant"], before, f"{start['total_s']:.1f}", f"{start['phases_s'].get('warmup', 0.0):.1f}",
             f"{warm.get('compile_s', 0.0):.1f}", f"{waited:.1f}", f"{autotune:.1f}", f"{row['fps']:.2f}",
             ", ".join(f"{n} {s:.1f}" for n, s in first) or "-"]
 
@@ -144,8 +145,8 @@ def main() -> int:
         print(f"bench_cold_start: {name} {options or ''}", file=sys.stderr, flush=True)
         rows.append(run_variant(name, options, [*(args.bench_args or BENCH_ARGS), *SETTINGS.get(name, [])],
                                 args.timeout))
-    head = ["variant", "start-up s", "warm-up s", "compile s", "awaiting Triton s", "autotune s", "FPS",
-            "longest first calls s"]
+    head = ["variant", "process before s", "start-up s", "warm-up s", "compile s", "awaiting Triton s",
+            "autotune s", "FPS", "longest first calls s"]
     table = [head, *map(summary, rows)]
     widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(head))]
     for r in table:
