@@ -62,13 +62,13 @@ def _helper(target, *args) -> multiprocessing.process.BaseProcess:
     return helper
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="spawned helpers, timed")
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned helper processes")
 def test_the_first_compile_of_a_step_waits_for_its_helper_and_a_warm_up_marks_the_config(tmp_path, caplog):
     torch.manual_seed(0)
     vae = WanVAE(VAE_PRESETS["tiny"]).eval().requires_grad_(False)
     vae.compile_step(saved=tmp_path / "saved", build_saved=False)
     marker = tmp_path / "ahead" / "config.done"
-    ahead = CompileAhead({"encode": _helper(time.sleep, 1.0), "decode": _helper(sys.exit, 3)}, marker)
+    ahead = CompileAhead({"encode": _helper(time.sleep, 3.0), "decode": _helper(sys.exit, 3)}, marker)
     ahead.attach(SimpleNamespace(encoder=vae, decoder=vae))
     frames = torch.rand(1, 3, 5, 16, 16) * 2 - 1
     state = vae.new_stream_state()
@@ -76,9 +76,8 @@ def test_the_first_compile_of_a_step_waits_for_its_helper_and_a_warm_up_marks_th
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # the waits, not Inductor's C++ compile
         z = vae.encode_stream(frames[:, :, :1], state)  # a stream's first call: plain, no compile, no wait
         assert ahead.helpers["encode"].is_alive()
-        t0 = time.perf_counter()
-        vae.encode_stream(frames[:, :, 1:], state)  # the first compiled step: waits for the helper
-        assert time.perf_counter() - t0 >= 0.5 and not ahead.helpers["encode"].is_alive()
+        vae.encode_stream(frames[:, :, 1:], state)  # the first compiled step: waits for the helper to end
+        assert not ahead.helpers["encode"].is_alive()
         vae.decode_stream(z, state)
         vae.decode_stream(z, state)  # the decoder's helper failed: said, and the step compiled here
     assert "the encode step's helper done" in caplog.text and "helper failed (exit code 3)" in caplog.text
