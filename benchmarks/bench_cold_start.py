@@ -8,9 +8,10 @@ other in the same call, and the table says where each start went: the warm-up's 
 spent awaiting Triton's kernel compiles, Triton's autotuning at each new kernel's first launch, the step
 whose first calls took longest, and the stream's FPS with the kernels that variant chose.
 
-A variant sets Inductor options in the child before the engine starts (`--option VARIANT:KEY=VALUE`
-adds one); the named ones ask Triton for fewer candidate block sizes, or (`ahead`) have the engine compile
-the VAE's steps in helper processes beside its own work (`vae.compile_ahead`):
+A variant sets compiler options in the child before the engine starts (`--option VARIANT:KEY=VALUE` adds
+one: an Inductor option, or `dynamo.NAME` for Dynamo's); the named ones ask Triton for fewer candidate block
+sizes, make every size dynamic from a function's first compile (`dynamic-first`), or (`ahead`) have the
+engine compile the VAE's steps in helper processes beside its own work (`vae.compile_ahead`):
 
     python benchmarks/bench_cold_start.py --json out/cold_start.json
     python benchmarks/bench_cold_start.py --variants default,one-config -- -c wan2.1-1.3b --frames 300
@@ -38,42 +39,55 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pointwise-one": {"triton.autotune_pointwise": False},  # one block size per elementwise kernel
     "reductions-one": {"test_configs.force_filter_reduction_configs": True},  # Inductor's pick among its own
     "one-config": {"triton.autotune_pointwise": False, "test_configs.force_filter_reduction_configs": True},
-    "ahead": {},  # the VAE's steps compiled in helper processes (which do not see a variant's Inductor options)
+    "ahead": {},  # the VAE's steps compiled in helper processes (which do not see a variant's options)
+    # every size dynamic from a function's first compile (the DiT's functions; the VAE's compile static
+    # regardless): one graph where the first chunk's static one and a dynamic one follow each other now
+    "dynamic-first": {"dynamo.assume_static_by_default": False},
 }
 SETTINGS: dict[str, list[str]] = {"ahead": ["--set", "vae.compile_ahead=true"]}  # loom bench options by variant
 BENCH_ARGS = ["-c", "wan2.1-1.3b", "--steps", "700", "--frames", "600"]
 
-# The child: Inductor's options first (they key its graph cache, so they must be set before any compile),
-# then `loom bench` as the command line would run it.
-CHILD = """
+# The child: the variant's options first (they key the compile caches, so they must be set before any
+# compile), then `loom bench` as the command line would run it.
+CHILD = f"""
 import json, sys
-import torch._inductor.config as config
-for key, value in json.loads(sys.argv[1]).items():
-    *path, leaf = key.split(".")
-    target = config
-    for part in path:
-        target = getattr(target, part)
-    setattr(target, leaf, value)
-print("inductor options:", json.dumps({key: config.get_config_copy()[key] for key in json.loads(sys.argv[1])}),
-      file=sys.stderr, flush=True)
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from bench_cold_start import apply_options
+print("options:", json.dumps(apply_options(json.loads(sys.argv[1]))), file=sys.stderr, flush=True)
 from loom_live.plugin.cli.main import main
 sys.exit(main(["bench", *sys.argv[2:]]))
 """
 
 
+def _config(key: str) -> tuple[Any, str]:
+    """The config module an option key names and the name in it: `dynamo.NAME` is torch._dynamo.config's
+    NAME, any other dotted name torch._inductor.config's (such as triton.autotune_pointwise)."""
+    if key.startswith("dynamo."):
+        import torch._dynamo.config as dynamo
+
+        return dynamo, key.removeprefix("dynamo.")
+    import torch._inductor.config as inductor
+
+    return inductor, key
+
+
+def apply_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Set each option; returns what the config holds afterwards, read back."""
+    for key, value in options.items():
+        setattr(*_config(key), value)
+    return {key: getattr(*_config(key)) for key in options}
+
+
 def check_options(options: dict[str, Any]) -> None:
-    """Refuse an option Inductor does not have before any variant runs (each costs minutes)."""
+    """Refuse an option torch's compiler does not have before any variant runs (each costs minutes)."""
     import torch
-    import torch._inductor.config as config
 
     for key in options:
-        *path, leaf = key.split(".")
-        target: Any = config
-        for part in path:
-            target = getattr(target, part, None)
-        if target is None or not hasattr(target, leaf):
-            raise SystemExit(f"bench_cold_start: Inductor (torch {torch.__version__}) has no option {key!r} "
-                             "(a dotted name under torch._inductor.config, such as triton.autotune_pointwise)")
+        module, name = _config(key)
+        if name not in module.get_config_copy():
+            raise SystemExit(f"bench_cold_start: torch {torch.__version__} has no compiler option {key!r} (a "
+                             "dotted name under torch._inductor.config such as triton.autotune_pointwise, or "
+                             "dynamo.NAME for torch._dynamo.config's)")
 
 
 def run_variant(name: str, options: dict[str, Any], bench_args: list[str], timeout: float) -> dict[str, Any]:
@@ -91,9 +105,9 @@ def run_variant(name: str, options: dict[str, Any], bench_args: list[str], timeo
         except subprocess.TimeoutExpired:
             code, said, tail = None, "", f"stopped after {timeout:.0f} s"
         row: dict[str, Any] = {"variant": name, "options": options, "exit": code, "wall_s": time.perf_counter() - t0}
-        applied = [line for line in said.splitlines() if line.startswith("inductor options: ")]
-        if applied:  # what the child's Inductor holds, read back after setting
-            row["applied"] = json.loads(applied[0].removeprefix("inductor options: "))
+        applied = [line for line in said.splitlines() if line.startswith("options: ")]
+        if applied:  # what the child's compiler config holds, read back after setting
+            row["applied"] = json.loads(applied[0].removeprefix("options: "))
         if code != 0 or not out.is_file():
             return {**row, "error": tail}
         loom = json.loads(out.read_text())["loom"]
@@ -120,7 +134,8 @@ def main() -> int:
     parser.add_argument("--variants", default="default,one-config",
                         help=f"comma-separated, in order (named: {', '.join(VARIANTS)}; others via --option)")
     parser.add_argument("--option", action="append", default=[], metavar="VARIANT:KEY=VALUE",
-                        help="an Inductor option for a variant (JSON value: true, 8, \"x\"); repeatable")
+                        help="a compiler option for a variant (Inductor's, or dynamo.NAME; JSON value: true, 8, "
+                             "\"x\"); repeatable")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one variant may take")
     parser.add_argument("--json", type=Path, help="write every variant's figures here")
     parser.add_argument("bench_args", nargs="*", help=f"after --: loom bench's arguments (default: {BENCH_ARGS})")

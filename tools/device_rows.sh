@@ -192,10 +192,10 @@ PY
     cold)
         # a cold start repeated on a warm machine (each variant a fresh process with empty compile caches; Python's
         # bytecode kept): where it goes (compile, Triton's compile waits and autotuning, the slowest steps), the
-        # VAE's steps compiled in helper processes (vae.compile_ahead), and Triton asked for one block size per
-        # reduction, then also per elementwise kernel
+        # VAE's steps compiled in helper processes (vae.compile_ahead), Triton asked for one block size per
+        # kernel, and the DiT's functions dynamic from their first compile
         step cold_start 590 python3 benchmarks/bench_cold_start.py --timeout 140 \
-            --variants default,ahead,reductions-one,one-config --json "$out/cold_start.json"
+            --variants default,ahead,one-config,dynamic-first --json "$out/cold_start.json"
         tail -6 "$out/cold_start.txt" ;;
     saved)
         # compiled steps kept whole (after `startup`: every other graph a cache hit): a start with the folder

@@ -151,10 +151,10 @@ def test_bench_process_start_times_each_step_in_a_fresh_process_and_skips_what_t
             assert rows[key]["first_s"] is None and rows[key]["note"] == "no CUDA device"
 
 
-def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_inductor_options(tmp_path):
-    """`benchmarks/bench_cold_start.py`: each variant's start-up and FPS in the JSON and the table, its Inductor
-    options read back from the child that ran it, its compile caches under a folder of its own (the user's
-    stays untouched); an option Inductor lacks is refused by name before anything runs."""
+def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_compiler_options(tmp_path):
+    """`benchmarks/bench_cold_start.py`: each variant's start-up and FPS in the JSON and the table, its compiler
+    options (Inductor's, Dynamo's) read back from the child that ran it, its compile caches under a folder of
+    its own (the user's stays untouched); an option torch lacks is refused by name before anything runs."""
     import os
     import subprocess
     import sys
@@ -163,14 +163,16 @@ def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_inductor_o
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cold_start.py"
     out, users = tmp_path / "cold.json", tmp_path / "users_cache"
     env = {**os.environ, "LOOM_CACHE_DIR": str(users)}
-    proc = subprocess.run([sys.executable, str(script), "--variants", "pointwise-one", "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, str(script), "--variants", "pointwise-one", "--option",
+                           "pointwise-one:dynamo.assume_static_by_default=false", "--json", str(out), "--",
                            "-c", "tiny-random", "--frames", "8"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["variants"]
-    assert row["applied"] == {"triton.autotune_pointwise": False} and row["fps"] > 0
+    assert row["applied"] == {"triton.autotune_pointwise": False, "dynamo.assume_static_by_default": False}
+    assert row["fps"] > 0
     assert set(row["startup"]["phases_s"]) >= {"load", "session"}
     assert "pointwise-one" in proc.stdout and "start-up s" in proc.stdout
     assert not (users / "inductor").exists(), "a variant's caches live in its own fresh folder"
     bad = subprocess.run([sys.executable, str(script), "--variants", "default", "--option", "default:triton.nope=1"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "no option 'triton.nope'" in bad.stderr
+    assert bad.returncode != 0 and "no compiler option 'triton.nope'" in bad.stderr
