@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from loom_live.engine.session_api import EngineSession
+from loom_live.engine.session_api import STARTUP_PROGRESS, EngineSession
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.doorbell import Doorbell
 from loom_live.host_bridge.wire.frame_lane import FrameLane
@@ -187,7 +187,8 @@ class FrameWorker:
     def _run(self) -> None:
         self._send(make("status", state="loading", message="building the session (loading weights)"))
         try:
-            self.session = self._factory()
+            with STARTUP_PROGRESS.to(lambda text: self._send(make("status", state="loading", message=text))):
+                self.session = self._factory()
         except Exception as exc:  # any failure to build is reported, then the server exits
             self.error = f"session could not be built: {type(exc).__name__}: {exc}"
             if isinstance(exc, ValueError | FileNotFoundError):  # its inputs (a config, a weights file): a refusal

@@ -19,6 +19,11 @@ from typing import Any
 
 from loom_live.engine.graphs.capture_clock import CAPTURES
 from loom_live.engine.graphs.saved_compiles import SAVED
+from loom_live.engine.session_api import STARTUP_PROGRESS
+
+# What a host waiting on the start is told at each phase (a phase's parts follow its words)
+PHASE_WORDS = {"load": "loading the model", "session": "setting up the stream", "warmup": "compiling and warming up",
+               "warmup_plans": "warming up the other chunk sizes the scheduler may pick"}
 
 # Triton's timing of a fresh kernel's candidate block sizes, at its first launch: after its compile, so outside
 # `compile_s`, and skipped once the compile cache holds the choice (a cold start pays it, a warm one not)
@@ -96,6 +101,7 @@ class StartupTimes:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        STARTUP_PROGRESS.say(PHASE_WORDS.get(name, name))
         t0, before = time.perf_counter(), _work()
         try:
             yield
@@ -110,6 +116,7 @@ class StartupTimes:
     def part(self, phase: str, name: str) -> Iterator[None]:
         """Time one part of `phase` (inside it): the line shows the parts in brackets after the phase, so
         a phase's own work (a warm-up's chunks, cuDNN's autotuning) stands beside its compile time."""
+        STARTUP_PROGRESS.say(f"{PHASE_WORDS.get(phase, phase)}: {name}")
         t0 = time.perf_counter()
         try:
             yield

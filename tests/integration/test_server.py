@@ -34,3 +34,30 @@ def test_an_engine_nobody_talks_to_gives_up(tmp_path):
 def test_curve_flags_go_together():
     out = _serve("--bind", "tcp://127.0.0.1:5598", "--curve-secret-file", "x.key_secret")
     assert out.returncode == 2 and "go together" in out.stderr
+
+
+def test_a_host_waiting_on_a_long_start_sees_each_phase_the_session_says():
+    """A first start compiles for a minute or more: the host's status follows the session's phases (what `loom
+    play` prints while it waits), not one line the whole time; then the engine runs as usual."""
+    import threading
+
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.engine.session_api import STARTUP_PROGRESS
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from tests.fakes.engines import InProcessEngine, wait_until
+
+    seen, go_on = threading.Event(), threading.Event()
+
+    def slow_start() -> PassthroughSession:
+        STARTUP_PROGRESS.say("compiling and warming up: stream 1 (14 chunks)")
+        go_on.wait(20)  # until the host has shown it
+        return PassthroughSession()
+
+    with InProcessEngine(slow_start) as engine:
+        with Bridge(BridgeConfig(**engine.host)) as bridge:
+            if wait_until(lambda: bridge.status().message == "compiling and warming up: stream 1 (14 chunks)", 20):
+                seen.set()
+            go_on.set()
+            assert seen.is_set(), bridge.status()
+            bridge.wait_running(20)
+    STARTUP_PROGRESS.say("nobody listens: said to no one")  # outside a start: a no-op

@@ -182,3 +182,17 @@ def test_a_phase_names_triton_s_autotuning_and_compile_waits_and_the_slowest_ste
     assert times.as_dict()["first_calls_s"] == {"wan_vae.decoder": 20.0, "dit.rotate": 1.5}
     monkeypatch.setattr(SAVED, "first_calls", {})
     assert StartupTimes().first_calls_line() is None
+
+
+def test_a_start_says_each_phase_and_each_warm_up_stream_as_it_begins():
+    """What a host waiting on the start is shown (engine/session_api.py, StartupProgress), in order."""
+    from loom_live.engine.session_api import STARTUP_PROGRESS
+
+    said: list[str] = []
+    with STARTUP_PROGRESS.to(said.append):
+        session = StreamSession.from_config(load_config("default", SMALL), warmup=False)
+        session.warmup(streams=1)
+    assert said[:3] == ["loading the model", "setting up the stream", "compiling and warming up"]
+    assert said[3].startswith("compiling and warming up: stream 1 (") and said[3].endswith(" chunks)")
+    assert said[4] == "warming up the other chunk sizes the scheduler may pick"
+    assert all(s.startswith("warming up the other chunk sizes the scheduler may pick: ") for s in said[5:])
