@@ -47,6 +47,7 @@ from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
+from loom_live.engine.session_api import STARTUP_PROGRESS
 from loom_live.engine.stream.cpu_threads import usable_cores
 from loom_live.engine.stream.cuda_streams import edit_streams
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
@@ -114,6 +115,7 @@ class EditSession:
     @classmethod
     def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> EditSession:
         """Load the models the config names and start a stream (warmed up on a GPU)."""
+        STARTUP_PROGRESS.say("loading the model")
         session = cls(cfg, load_edit_models(cfg))
         if warmup and session.device.type == "cuda":
             session.warmup()
@@ -121,6 +123,7 @@ class EditSession:
 
     def warmup(self, batches: int = WARMUP_BATCHES) -> None:
         """Compile and autotune on synthetic frames, then start afresh."""
+        STARTUP_PROGRESS.say(f"compiling and warming up on {batches * self.batch} frames")
         h, w = self.cfg.resolution.height, self.cfg.resolution.width
         frames = np.random.default_rng(0).integers(0, 256, (batches * self.batch, h, w, 3), np.uint8)
         self.push(frames)

@@ -221,3 +221,13 @@ def test_the_session_says_where_its_callers_thread_waited():
     assert stages["host.wait_gpu"]["count"] == 10
     for name in ("host.wait_flow", "host.wait_prompt", "host.wait_gpu"):
         assert stages[name]["max"] >= stages[name]["mean"] >= 0.0
+
+
+def test_an_edit_start_says_its_phases_to_a_waiting_host():
+    from loom_live.engine.session_api import STARTUP_PROGRESS
+
+    said: list[str] = []
+    with STARTUP_PROGRESS.to(said.append):
+        session = EditSession.from_config(tiny_edit_cfg(), warmup=False)
+        session.warmup(batches=1)
+    assert said == ["loading the model", f"compiling and warming up on {session.batch} frames"]
