@@ -98,6 +98,7 @@ from loom_live.engine.parallel.stage import (
     rank_device,
     send_payload,
 )
+from loom_live.engine.session_api import STARTUP_PROGRESS
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
@@ -151,6 +152,7 @@ class PipelineSession:
     @classmethod
     def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> PipelineSession:
         """Build and, on GPUs, warm up (compilation and graph capture happen before the first frame)."""
+        STARTUP_PROGRESS.say(f"loading the model on {cfg.parallel.gpus} GPUs")
         session = cls(cfg)
         if warmup and session.device.type == "cuda":
             session.warmup()
@@ -289,6 +291,7 @@ class PipelineSession:
         st = self.cfg.stream
         if chunks is None:
             chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + self.n * self.P + 2
+        STARTUP_PROGRESS.say(f"compiling and warming up on every GPU ({chunks} chunks)")
         h, w = self.cfg.resolution.height, self.cfg.resolution.width
         frames = np.random.default_rng(0).integers(0, 256, (1 + FRAMES_PER_LATENT * chunks, h, w, 3), np.uint8)
         for start in range(0, len(frames), FRAMES_PER_LATENT * 8):

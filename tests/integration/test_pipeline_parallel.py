@@ -228,3 +228,14 @@ def test_two_gpus_give_the_one_gpu_frames():
     diff = np.abs(out.astype(int) - reference.astype(int))
     assert out.shape == frames.shape and diff.max() <= 2 and (diff > 0).mean() < 1e-2
     assert no_children_left()
+
+
+def test_a_pipelined_start_says_its_phases_to_a_waiting_host():
+    from loom_live.engine.session_api import STARTUP_PROGRESS
+
+    said: list[str] = []
+    with STARTUP_PROGRESS.to(said.append):
+        with PipelineSession.from_config(load_config("tiny-random", [*BASE, "parallel.gpus=2"]), warmup=False) as pipe:
+            pipe.warmup(chunks=2)
+    assert said == ["loading the model on 2 GPUs", "compiling and warming up on every GPU (2 chunks)"]
+    assert no_children_left()
