@@ -9,14 +9,9 @@ tensors on the session's device where `accepts_device_frames` is true.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
-
-log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -84,33 +79,3 @@ def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
     from loom_live.engine.stream.session import StreamSession
 
     return StreamSession.from_config(cfg, warmup=warmup)
-
-
-class StartupProgress:
-    """Where a session being built says how its start-up goes: a first start compiles for a minute or more,
-    and a host waiting on it should see it move, not one line the whole time. The server points it at the
-    host (`to`) while it builds the session; a session's start-up record (engine/stream/startup.py) `say`s
-    each phase. Outside `to`, saying is a no-op."""
-
-    def __init__(self) -> None:
-        self._report: Callable[[str], None] | None = None
-
-    @contextmanager
-    def to(self, report: Callable[[str], None]) -> Iterator[None]:
-        """Send what sessions built inside this block say to `report`."""
-        self._report = report
-        try:
-            yield
-        finally:
-            self._report = None
-
-    def say(self, text: str) -> None:
-        if self._report is None:
-            return
-        try:
-            self._report(text)
-        except Exception as exc:  # noqa: BLE001 (telemetry: never a reason for a start to fail)
-            log.warning("start-up progress not sent: %s: %s", type(exc).__name__, exc)
-
-
-STARTUP_PROGRESS = StartupProgress()

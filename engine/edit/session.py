@@ -47,7 +47,7 @@ from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
 from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
-from loom_live.engine.session_api import STARTUP_PROGRESS
+from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.stream.cpu_threads import usable_cores
 from loom_live.engine.stream.cuda_streams import edit_streams
 from loom_live.engine.stream.frames import FrameMapper, validate_frames

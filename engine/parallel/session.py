@@ -98,7 +98,7 @@ from loom_live.engine.parallel.stage import (
     rank_device,
     send_payload,
 )
-from loom_live.engine.session_api import STARTUP_PROGRESS
+from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.stream.frames import FrameMapper, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from loom_live.engine.session_api import STARTUP_PROGRESS, EngineSession
+from loom_live.engine.session_api import EngineSession
+from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.doorbell import Doorbell
 from loom_live.host_bridge.wire.frame_lane import FrameLane

@@ -19,7 +19,7 @@ from typing import Any
 
 from loom_live.engine.graphs.capture_clock import CAPTURES
 from loom_live.engine.graphs.saved_compiles import SAVED
-from loom_live.engine.session_api import STARTUP_PROGRESS
+from loom_live.engine.startup_progress import STARTUP_PROGRESS
 
 # What a host waiting on the start is told at each phase (a phase's parts follow its words)
 PHASE_WORDS = {"load": "loading the model", "session": "setting up the stream", "warmup": "compiling and warming up",

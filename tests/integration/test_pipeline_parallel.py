@@ -231,7 +231,7 @@ def test_two_gpus_give_the_one_gpu_frames():
 
 
 def test_a_pipelined_start_says_its_phases_to_a_waiting_host():
-    from loom_live.engine.session_api import STARTUP_PROGRESS
+    from loom_live.engine.startup_progress import STARTUP_PROGRESS
 
     said: list[str] = []
     with STARTUP_PROGRESS.to(said.append):

@@ -42,7 +42,7 @@ def test_a_host_waiting_on_a_long_start_sees_each_phase_the_session_says():
     import threading
 
     from loom_live.engine.server.passthrough import PassthroughSession
-    from loom_live.engine.session_api import STARTUP_PROGRESS
+    from loom_live.engine.startup_progress import STARTUP_PROGRESS
     from loom_live.host_bridge import Bridge, BridgeConfig
     from tests.fakes.engines import InProcessEngine, wait_until
 

@@ -224,7 +224,7 @@ def test_the_session_says_where_its_callers_thread_waited():
 
 
 def test_an_edit_start_says_its_phases_to_a_waiting_host():
-    from loom_live.engine.session_api import STARTUP_PROGRESS
+    from loom_live.engine.startup_progress import STARTUP_PROGRESS
 
     said: list[str] = []
     with STARTUP_PROGRESS.to(said.append):

@@ -185,8 +185,8 @@ def test_a_phase_names_triton_s_autotuning_and_compile_waits_and_the_slowest_ste
 
 
 def test_a_start_says_each_phase_and_each_warm_up_stream_as_it_begins():
-    """What a host waiting on the start is shown (engine/session_api.py, StartupProgress), in order."""
-    from loom_live.engine.session_api import STARTUP_PROGRESS
+    """What a host waiting on the start is shown (engine/startup_progress.py), in order."""
+    from loom_live.engine.startup_progress import STARTUP_PROGRESS
 
     said: list[str] = []
     with STARTUP_PROGRESS.to(said.append):
