@@ -21,6 +21,7 @@ import torch
 
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.session_api import open_session
+from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.tools.progress import FrameProgress
 
 FRAMES_PER_CHUNK = 4
@@ -36,15 +37,16 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
     With `profile_chunks`, that many more chunks stream under the kernel profiler after the measured
     frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
     t_load = time.perf_counter()
-    if cfg.parallel.gpus > 1:
-        from loom_live.engine.parallel.session import PipelineSession
+    with STARTUP_PROGRESS.to(_progress):  # each start-up phase as it begins (minutes on a first GPU start)
+        if cfg.parallel.gpus > 1:
+            from loom_live.engine.parallel.session import PipelineSession
 
-        session = PipelineSession(cfg)
-        _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
-        if session.device.type == "cuda":
-            session.warmup()
-    else:
-        session = open_session(cfg)
+            session = PipelineSession(cfg)
+            _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
+            if session.device.type == "cuda":
+                session.warmup()
+        else:
+            session = open_session(cfg)
     _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     if callable(frames):
         frames = frames()

@@ -44,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from loom_live.engine.graphs.compile_cache import cache_root
     from loom_live.engine.graphs.saved_compiles import SAVED, compiled_folder, torch_saves_compiles
     from loom_live.engine.session_api import open_session
+    from loom_live.engine.startup_progress import STARTUP_PROGRESS
 
     print(f"loom prepare: starting {cfg.model.preset} at {cfg.resolution.width}x{cfg.resolution.height} once "
           "(compile and warm-up: a cold start takes minutes)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    session = open_session(cfg)
+    with STARTUP_PROGRESS.to(lambda text: print(f"loom prepare: {text}", file=sys.stderr, flush=True)):
+        session = open_session(cfg)
     seconds = time.perf_counter() - t0
     session.close()
     folder = compiled_folder(cache_root(), device)

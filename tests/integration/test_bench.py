@@ -22,6 +22,7 @@ def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
         assert row in table
     assert "baseline" not in table, "the embedded model has no diffusers counterpart to compare with"
     assert "24/24" in captured.err, "progress ends at N/N"
+    assert "loom bench: loading the model\nloom bench: setting up the stream\n" in captured.err  # the start's phases
     result = json.loads(out.read_text())
     loom = result["loom"]
     # outputs counted in the timed window: the 24 pushed frames, shifted by the chunks in flight

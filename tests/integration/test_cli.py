@@ -73,6 +73,7 @@ def test_prepare_keeps_a_configs_steps_and_the_next_start_loads_every_one(tmp_pa
         assert out.returncode == 0, out.stderr[-3000:]
         found = re.search(r"(\d+) built and kept, (\d+) already kept", out.stderr)
         assert found, out.stderr[-3000:]
+        assert "loom prepare: compiling and warming up: stream 1 (" in out.stderr  # its minutes, phase by phase
         counts.append((int(found[1]), int(found[2])))
     assert counts[0][0] > 0 and counts == [(counts[0][0], 0), (0, counts[0][0])]
     info = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "info", "--json"], capture_output=True,
