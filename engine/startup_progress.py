@@ -1,6 +1,6 @@
 """How a session being built says how its start-up goes, to whoever waits on it.
 
-Why: a first start on a GPU compiles for a minute or more, and a host waiting on it should see it move,
+Why: a first start on a GPU compiles every step before its first frame, and a host waiting on it should see it move,
 not one line the whole time. The server points `STARTUP_PROGRESS` at the host (`to`) while it builds the
 session; a session's start-up record (engine/stream/startup.py) and the other families `say` each phase.
 Outside `to`, saying is a no-op. A module of its own, importing nothing of the engine, so the server and

@@ -37,7 +37,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
     With `profile_chunks`, that many more chunks stream under the kernel profiler after the measured
     frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
     t_load = time.perf_counter()
-    with STARTUP_PROGRESS.to(_progress):  # each start-up phase as it begins (minutes on a first GPU start)
+    with STARTUP_PROGRESS.to(_progress):  # each start-up phase as it begins (a first GPU start compiles at length)
         if cfg.parallel.gpus > 1:
             from loom_live.engine.parallel.session import PipelineSession
 
