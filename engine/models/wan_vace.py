@@ -138,9 +138,8 @@ class WanVaceDiT(WanDiT):
         blocks = super().cross_kv_blocks(changed)
         if blocks is None:
             return None
-        changed = set(changed)
-        control = {i for j, i in enumerate(self.control_block_ids())
-                   if {f"vace_blocks.{j}.cross_attn.k", f"vace_blocks.{j}.cross_attn.v"} & changed}
+        control = {self.cfg.num_layers + int(name.split(".")[1]) for name in changed
+                   if name.startswith("vace_blocks.") and name.endswith((".cross_attn.k", ".cross_attn.v"))}
         return sorted({*blocks, *control})
 
     def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:

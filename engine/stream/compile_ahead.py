@@ -147,10 +147,10 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
             if direction == "encode":
                 for count in [FIRST_CHUNK_FRAMES] + [FRAMES_PER_LATENT * k] * STEADY_CHUNKS:
                     graphs.run("encode", wan.encode_stream, pixels(count), state)
-                continue
-            for latents in [first.shape[2]] + [k] * STEADY_CHUNKS:  # as the DiT hands them on: contiguous
-                z = torch.randn((*first.shape[:2], latents, *first.shape[3:]), device=device, dtype=dtype)
-                graphs.run("decode", wan.decode_stream, z, state)
+            else:
+                for latents in [first.shape[2]] + [k] * STEADY_CHUNKS:  # as the DiT hands them on: contiguous
+                    z = torch.randn((*first.shape[:2], latents, *first.shape[3:]), device=device, dtype=dtype)
+                    graphs.run("decode", wan.decode_stream, z, state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -38,15 +38,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
     frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
     t_load = time.perf_counter()
     with STARTUP_PROGRESS.to(_progress):  # each start-up phase as it begins (a first GPU start compiles at length)
-        if cfg.parallel.gpus > 1:
-            from loom_live.engine.parallel.session import PipelineSession
-
-            session = PipelineSession(cfg)
-            _progress(f"{cfg.parallel.gpus} pipeline ranks loaded in {time.perf_counter() - t_load:.1f} s")
-            if session.device.type == "cuda":
-                session.warmup()
-        else:
-            session = open_session(cfg)
+        session = open_session(cfg)
     _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     if callable(frames):
         frames = frames()
