@@ -141,15 +141,15 @@ class StreamSession:
                 ahead.attach(models)
             with times.phase("session"):
                 session = cls(cfg, models)
-        except BaseException:
+            session.startup, session._ahead = times, ahead
+            if warmup and session.device.type == "cuda":
+                session.warmup()
+            else:
+                log.info("%s", times.line())
+        except BaseException:  # helpers left running would hold this process's exit until they end
             if ahead is not None:
                 ahead.finish(warmed=False)
             raise
-        session.startup, session._ahead = times, ahead
-        if warmup and session.device.type == "cuda":
-            session.warmup()
-        else:
-            log.info("%s", times.line())
         return session
 
     def warmup(self, streams: int = 2, chunks: int | None = None) -> None:

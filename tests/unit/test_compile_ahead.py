@@ -87,6 +87,31 @@ def test_the_first_compile_of_a_step_waits_for_its_helper_and_a_warm_up_marks_th
     assert marker.is_file()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="spawned helper processes")
+def test_a_start_whose_warm_up_fails_stops_its_helpers(tmp_path, monkeypatch):
+    """Helpers left running would hold the failed engine's exit (Python joins its child processes) for as
+    long as their compile takes, where its host waits to hear that the start failed."""
+    helper = _helper(time.sleep, 60.0)
+    monkeypatch.setattr(CompileAhead, "start", classmethod(
+        lambda cls, cfg: cls({"encode": helper}, tmp_path / "ahead" / "config.done")))
+    build = StreamSession.__init__
+
+    def on_a_gpu(self, *args, **kwargs):  # the warm-up runs on CUDA only
+        build(self, *args, **kwargs)
+        self.device = SimpleNamespace(type="cuda")
+
+    def out_of_memory(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(StreamSession, "__init__", on_a_gpu)
+    monkeypatch.setattr(StreamSession, "warmup", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        StreamSession.from_config(load_config("tiny-random", SMALL))
+    helper.join(10.0)
+    assert not helper.is_alive()
+    assert not (tmp_path / "ahead" / "config.done").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="helpers compile ahead only on CUDA")
 def test_on_a_gpu_the_engine_reads_what_its_helpers_compiled_and_a_warm_start_starts_none(tmp_path):
