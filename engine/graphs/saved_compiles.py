@@ -70,9 +70,8 @@ def signature(value: Any) -> Hashable:
     """What a compiled step's code depends on in one argument: tensors' shapes, strides, dtypes and
     devices, plain values as they are, containers and plain objects (a VAE's history cache) by their
     contents. Raises TypeError for anything else, so a step is never keyed on an object's identity."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), str(value.device),
-                value.requires_grad)
+    if isinstance(value, torch.Tensor):  # torch's own hashable values: a call is keyed on every step's call
+        return ("tensor", value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (torch.device, torch.dtype, torch.memory_format)):
