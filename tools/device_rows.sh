@@ -6,12 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced, upsample, edit,
-# edit-priority, edit-split, startup, cold, saved, lora, ipc, recovery. Results (JSON and each run's
+# edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, recovery. Results (JSON and each run's
 # output) go to $OUT/rows (out/rows without $OUT); the script prints each bench's summary table, so the
 # call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -44,7 +44,7 @@ for group in "$@"; do
             python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
-            tests/unit/test_saved_compiles.py tests/unit/test_compile_ahead.py \
+            tests/unit/test_saved_compiles.py tests/unit/test_compile_ahead.py tests/unit/test_step_graphs.py \
             tests/integration/test_bridge_cuda.py tests/integration/test_cli.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
@@ -197,6 +197,11 @@ PY
         step cold_start 590 python3 benchmarks/bench_cold_start.py --timeout 140 \
             --variants default,ahead,one-config,dynamic-first --json "$out/cold_start.json"
         tail -6 "$out/cold_start.txt" ;;
+    sequential)
+        # two steps a chunk as one sequential pass (each cache row's forward a CUDA graph now) against the
+        # stream-batch pipeline, in one call
+        bench steps2_sequential 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=sequential
+        bench steps2_batch 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=batch ;;
     saved)
         # compiled steps kept whole (after `startup`: every other graph a cache hit): a start with the folder
         # unused, a default start (load only) with nothing kept yet, `loom prepare` keeping them for bench's

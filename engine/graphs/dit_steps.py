@@ -24,7 +24,7 @@ import torch
 from loom_live.engine.cache.kv_cache import CrossKV, KVCache, SinkPlan, StreamStep
 from loom_live.engine.graphs.capture_clock import CAPTURES
 
-MAX_GRAPHS = 32  # distinct plans kept; more means something is not steady, so stop capturing
+MAX_GRAPHS = 64  # distinct plans kept (a sequential chunk's rows each their own); more: not steady, stop capturing
 
 
 @dataclass

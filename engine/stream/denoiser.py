@@ -38,8 +38,9 @@ class StreamDenoiser:
     def __init__(self, model, cache, cross, steps: list[int], schedule: FlowSchedule,
                  generator: torch.Generator, cuda_graphs: bool = False) -> None:
         self.model = model
-        # Full-batch steady-state forwards replay CUDA graphs; partial ones (fill, drain) run eagerly.
-        self.full_forward = GraphedStreamForward(model) if cuda_graphs else model.forward_stream
+        # Steady forwards replay CUDA graphs: the full batch's, and a sequential chunk's one row at a time
+        # (its rows are views of the cache, so each row's graph writes in place); fill and drain run eagerly.
+        self.graphed_forward = GraphedStreamForward(model) if cuda_graphs else model.forward_stream
         self.cache = cache
         self.cross = cross
         self.schedule = schedule
@@ -53,14 +54,14 @@ class StreamDenoiser:
     def replace_cache(self, cache) -> None:
         """Use another KV cache (a new step list); captured graphs of the old one are dropped."""
         self.cache = cache
-        if isinstance(self.full_forward, GraphedStreamForward):
-            self.full_forward.reset()
+        if isinstance(self.graphed_forward, GraphedStreamForward):
+            self.graphed_forward.reset()
 
     def set_sink_threshold(self, threshold: float) -> None:
         """A new adaptive-sink threshold (a constant inside captured graphs: they are re-captured)."""
         self.cache.set_sink_threshold(threshold)
-        if isinstance(self.full_forward, GraphedStreamForward):
-            self.full_forward.reset()
+        if isinstance(self.graphed_forward, GraphedStreamForward):
+            self.graphed_forward.reset()
 
     def set_steps(self, steps: list[int]) -> None:
         self.steps = list(steps)
@@ -163,18 +164,21 @@ class StreamDenoiser:
         return z if given is None else given
 
     def _forward(self, x: torch.Tensor, sigmas: torch.Tensor, first: int, last: int,
-                 control: torch.Tensor | None = None, source: torch.Tensor | None = None) -> torch.Tensor:
-        """One DiT forward over cache rows [first, last); returns x0 for each row."""
+                 control: torch.Tensor | None = None, source: torch.Tensor | None = None,
+                 graphed: bool = False) -> torch.Tensor:
+        """One DiT forward over cache rows [first, last); returns x0 for each row. The full batch's forward,
+        and a part's where `graphed` (a sequential chunk's rows: steady, unlike the pipeline's fill and drain),
+        replay CUDA graphs."""
         t = sigmas * self.schedule.train_timesteps
-        full = first == 0 and last == self.n
         extra = {} if control is None else {"control": control, "context_scale": self._scale(x.shape[0], x)}
         if source is not None:
             extra["source"] = source
-        if full:
-            flow = self.full_forward(x, t.to(x.dtype), self.cache, self.cross, **extra)
+        if first == 0 and last == self.n:
+            flow = self.graphed_forward(x, t.to(x.dtype), self.cache, self.cross, **extra)
         else:
             cache = self.cache.rows(slice(first, last))
-            flow = self.model.forward_stream(x, t.to(x.dtype), cache, self.cross, commit=True, **extra)
+            forward = self.graphed_forward if graphed else self.model.forward_stream
+            flow = forward(x, t.to(x.dtype), cache, self.cross, commit=True, **extra)
             self.cache.set_rows(list(range(first, last)), cache)
         return self.schedule.to_x0(x.float(), flow.float(), sigmas.float()).to(x.dtype)
 
@@ -190,7 +194,7 @@ class StreamDenoiser:
         x0, source = z, self._source(z, source)
         for i in range(self.n):
             sig = _row_sigma(sigma0 if i == 0 else self._sigmas[i], x)
-            x0 = self._forward(x, sig, i, i + 1, control, source)
+            x0 = self._forward(x, sig, i, i + 1, control, source, graphed=True)
             if i + 1 < self.n:
                 x = self.schedule.add_noise(x0, self._noise(x0), self._sigmas[i + 1])
         return x0

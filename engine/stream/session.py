@@ -205,15 +205,13 @@ class StreamSession:
         """The plan of each chunk of a warm-up stream of `plan`: the first chunk and those that fill the
         KV window, then, for each ring phase a live stream can enter the plan at (the plans before leave
         the ring at any slot), the pipeline's fill and each ring-slot pattern twice (seen, then captured),
-        a one-latent chunk stepping to the next phase in between; one more chunk at the end. A plan whose
-        forwards replay no graph (sequential with several steps: one cache row a forward) needs each shape
-        once."""
+        a one-latent chunk stepping to the next phase in between; one more chunk at the end. Every forward
+        of a steady chunk replays a graph keyed on the ring slots it writes (the full batch's, or each cache
+        row's in turn in a sequential chunk)."""
         st = self.cfg.stream
         k, n, ring = plan.chunk_latents, len(st.steps), st.num_kv_cache - st.sink
-        phases, segment = 1, [plan]
-        if plan.mode == "batch" or n == 1:  # full forwards: CUDA graphs keyed on the ring slots written
-            phases = math.gcd(ring, k)
-            segment = [plan] * ((n - 1 if plan.mode == "batch" else 0) + 2 * ring // phases)
+        phases = math.gcd(ring, k)
+        segment = [plan] * ((n - 1 if plan.mode == "batch" else 0) + 2 * ring // phases)
         start = [plan] * (1 + -(-st.num_kv_cache // k))
         return start + (segment + [Plan(plan.mode, 1)]) * (phases - 1) + segment + [plan]
 

@@ -39,14 +39,19 @@ def test_graphed_dit_step_matches_eager_over_refreshes_and_sink_changes():
         torch.testing.assert_close(graph_cache.k[blk], eager_cache.k[blk], rtol=1e-4, atol=1e-4)
 
 
-def test_session_with_graphs_matches_session_without():
+@pytest.mark.parametrize("mode", ["batch", "sequential"])
+def test_session_with_graphs_matches_session_without(mode):
+    """Two steps: in batch mode the full batch's forward is graphed, in sequential mode each cache row's."""
     frames = np.random.default_rng(0).integers(0, 255, (45, 64, 64, 3), dtype=np.uint8)
     outs = []
     for graphs in ("true", "false"):
         cfg = load_config("tiny-random", ["resolution.width=64", "resolution.height=64", "model.dtype=float32",
-                                 "stream.mode=batch", f"stream.cuda_graphs={graphs}"])
+                                 f"stream.mode={mode}", f"stream.cuda_graphs={graphs}"])
         s = StreamSession.from_config(cfg)
+        replayed = s.denoiser.graphed_forward.replays if graphs == "true" else 0
         got = [s.push(frames[i:i + 4]) for i in range(0, 45, 4)] + [s.flush()]
         outs.append(np.concatenate([g for g in got if len(g)]).astype(np.int16))
+        if graphs == "true":  # every steady forward replayed (of 11 chunks, 6 steady: one forward or two rows)
+            assert s.denoiser.graphed_forward.replays - replayed == (6 if mode == "batch" else 14)
     assert outs[0].shape == (45, 64, 64, 3)
     assert np.abs(outs[0] - outs[1]).max() <= 2

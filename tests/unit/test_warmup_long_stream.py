@@ -30,7 +30,7 @@ SMALL = ["resolution.width=32", "resolution.height=32"]  # tiny-random keeps its
 
 class Evidence:
     """What a session's streams meet, by phase ("warm", then "live"): per forward its shape and whether
-    attention was masked, the graph key of each full forward and its route, the forwards a RoPE refresh
+    attention was masked, the graph key of each graphed forward and its route, the forwards a RoPE refresh
     happened in, and every VAE step (direction, stream started, shape)."""
 
     def __init__(self, session: StreamSession, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,7 +55,7 @@ class Evidence:
         monkeypatch.setattr(KVCache, "plan", planning)
         monkeypatch.setattr(KVCache, "_shift_ring", shifting)
         dit = session.models.dit
-        rows = dit.forward_stream  # partial forwards (pipeline fill and drain, sequential rows): eager
+        rows = dit.forward_stream  # partial forwards (pipeline fill and drain): eager
 
         def eager(x, t, cache, cross, commit=True, **inputs):
             out = rows(x, t, cache, cross, commit, **inputs)
@@ -63,7 +63,7 @@ class Evidence:
             return out
 
         monkeypatch.setattr(dit, "forward_stream", eager)
-        session.denoiser.full_forward = self._graphed(dit)
+        session.denoiser.graphed_forward = self._graphed(dit)
         for part, name, state in ((session.models.encoder, "encode_stream", "encoder"),
                                   (session.models.decoder, "decode_stream", "decoder")):
             monkeypatch.setattr(part, name, self._vae(getattr(part, name), name, state))
@@ -101,8 +101,8 @@ class Evidence:
         met.add(("shape", tuple(x.shape), self._step.mask is None))
         if key is not None:
             met.add(("graph", key))
-        if self._shifts:
-            met.add(("refresh", tuple(x.shape), "graph" if key is not None else "eager"))
+        if self._shifts:  # the refresh's own code is the same in every route; a graph's own key is noted above
+            met.add(("refresh", tuple(x.shape)))
             self.refreshes[self.phase] += self._shifts
             self._shifts = 0
         self.routes[self.phase][route] += 1
@@ -110,19 +110,16 @@ class Evidence:
 
 def warm_up_chunks(session: StreamSession, streams: int = 2) -> int:
     """The chunks `warmup()` streams, from the config: per plan of k latents, the first chunk and
-    ceil(num_kv_cache / k) filling the window, then, where full forwards replay graphs (batch mode, or one
-    step), for each of the g = gcd(ring, k) ring phases the pipeline fill (n - 1 in batch mode) and the
-    ring / g slot patterns twice, g - 1 one-latent chunks between phases, and a last chunk; a sequential
-    plan with n > 1 steps (no graphs) needs 2 chunks after the fill. The first plan streams again, at
-    most 8 chunks. Nothing depends on rope_refresh_at: the refresh is brought forward."""
+    ceil(num_kv_cache / k) filling the window, then, for each of the g = gcd(ring, k) ring phases the
+    pipeline fill (n - 1 in batch mode) and the ring / g slot patterns twice, g - 1 one-latent chunks
+    between phases, and a last chunk. The first plan streams again, at most 8 chunks. Nothing depends on
+    rope_refresh_at: the refresh is brought forward."""
     st = session.cfg.stream
     n, ring = len(st.steps), st.num_kv_cache - st.sink
 
     def one(plan: Plan) -> int:
         k = plan.chunk_latents
         fill = -(-st.num_kv_cache // k)
-        if plan.mode == "sequential" and n > 1:
-            return 1 + fill + 2
         g = math.gcd(ring, k)
         return 1 + fill + g * ((n - 1 if plan.mode == "batch" else 0) + 2 * ring // g) + (g - 1) + 1
 
