@@ -44,7 +44,7 @@ for group in "$@"; do
             python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
-            tests/unit/test_saved_compiles.py tests/unit/test_compile_ahead.py tests/unit/test_step_graphs.py \
+            tests/unit/test_saved_compiles.py tests/unit/test_compile_ahead.py \
             tests/integration/test_bridge_cuda.py tests/integration/test_cli.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
@@ -198,8 +198,9 @@ PY
             --variants default,ahead,one-config,dynamic-first --json "$out/cold_start.json"
         tail -6 "$out/cold_start.txt" ;;
     sequential)
-        # two steps a chunk as one sequential pass (each cache row's forward a CUDA graph now) against the
-        # stream-batch pipeline, in one call
+        # two steps a chunk as one sequential pass (each cache row's forward a CUDA graph now): the graphed
+        # sessions against ungraphed ones in both modes, then the stream against the stream-batch pipeline
+        step graphs_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_step_graphs.py
         bench steps2_sequential 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=sequential
         bench steps2_batch 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=batch ;;
     saved)
