@@ -37,6 +37,7 @@ from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 log = logging.getLogger(__name__)
 
 WAIT_S = 600.0  # the longest an engine waits for a helper before compiling the step itself
+MIN_FREE_GIB = 40.0  # free GPU memory at start for the engine's whole start-up beside two helpers' VAEs
 STEADY_CHUNKS = 3  # steady chunks after the first: the decoder's histories reach their steady layout by then
 
 
@@ -52,13 +53,19 @@ class CompileAhead:
         """Start a helper per direction the Wan VAE runs, or None where `vae.compile_ahead` is off, the
         session would not compile its VAE steps whole (a CPU, `vae.compile_step` off, steps kept under
         `saved_steps=none`), the stream is not one plain Wan stream (several GPUs, a control video, low
-        VRAM's tiles), or this config has warmed up here before."""
+        VRAM's tiles), the GPU has no room for helpers beside the engine, or this config has warmed up here
+        before."""
         vc = cfg.vae
         directions = [d for d, which in (("encode", vc.encoder), ("decode", vc.decoder)) if which == "wan"]
         if not (vc.compile_ahead and directions and vc.compile_step and vc.saved_steps != "none"):
             return None
         device = resolve_device(cfg.model.device)
         if device.type != "cuda" or cfg.parallel.gpus > 1 or cfg.vace or cfg.memory.low_vram:
+            return None
+        free = torch.cuda.mem_get_info(device)[0] / 2**30
+        if free < MIN_FREE_GIB:  # helpers beside the engine could run it out of memory: it compiles alone
+            log.info("compile ahead: not on this GPU (%.1f GiB free, %.0f wanted beside the engine's helpers)",
+                     free, MIN_FREE_GIB)
             return None
         marker = _marker(cfg, device)
         if marker.is_file():

@@ -20,6 +20,7 @@ from loom_live.engine.config import load_config
 from loom_live.engine.graphs.saved_compiles import signature
 from loom_live.engine.models import wan_vae
 from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
+from loom_live.engine.stream import compile_ahead
 from loom_live.engine.stream.compile_ahead import CompileAhead, compile_direction
 from loom_live.engine.stream.session import StreamSession
 
@@ -47,6 +48,15 @@ def test_a_helper_meets_the_vae_steps_the_session_s_warm_up_meets(monkeypatch):
         compile_direction(cfg, direction)
     assert {name for name, _ in seen["session"]} == {"Encoder", "Decoder"}
     assert seen["helper"] == seen["session"]
+
+
+def test_a_gpu_without_room_for_helpers_beside_the_engine_compiles_alone(monkeypatch, caplog):
+    """A 24 GB card: two helpers' VAEs beside an engine starting up could run it out of memory."""
+    monkeypatch.setattr(compile_ahead, "resolve_device", lambda setting: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (22 * 2**30, 24 * 2**30))
+    caplog.set_level(logging.INFO, logger="loom_live.engine.stream.compile_ahead")
+    assert CompileAhead.start(load_config("tiny-random", ["vae.compile_ahead=true"])) is None
+    assert "not on this GPU (22.0 GiB free" in caplog.text
 
 
 def test_nothing_is_compiled_ahead_where_the_engine_would_not_compile_the_vae_whole():
