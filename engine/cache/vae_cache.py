@@ -45,6 +45,12 @@ class FrameCache:
         """Store the last `frames` frames of `x` (which must have at least that many)."""
         self._buffer(key, x, frames, dim).copy_(x.narrow(dim, x.shape[dim] - frames, frames))
 
+    def start_zero(self, key: str, like: torch.Tensor, frames: int, dim: int = 2) -> None:
+        """Hold a zero history for a layer that skips the stream's first call (the history it starts from
+        anyway), shaped and laid out as `extend` would make it from `like`: the stream's next call then
+        meets the same buffers as every later one, so a compiled step sees one signature, not two."""
+        self._buffer(key, like, frames, dim)
+
     def last(self, key: str) -> torch.Tensor:
         return self.buffers[key]
 

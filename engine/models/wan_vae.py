@@ -255,7 +255,8 @@ class Resample(nn.Module):
         head = None
         if not cache.started:
             head, x = x[:, :, :1], x[:, :, 1:]
-            if x.shape[2] == 0:
+            if x.shape[2] == 0:  # the first latent alone: the time conv starts from zeros at the next
+                cache.start_zero(self.time_conv.cache_key, head, self.time_conv.history)
                 return head
         y = self.time_conv(x, cache)
         b, c2, t, h, w = y.shape

@@ -235,6 +235,25 @@ def test_a_vae_that_only_loads_streams_its_missing_steps_compiled_as_usual(tmp_p
     assert not any(tmp_path.iterdir())
 
 
+def test_the_decoder_s_steady_step_meets_one_signature_from_a_stream_s_first_latent_on(tmp_path):
+    """The first latent decodes alone and plain (its temporal upsampling passes it through); every later
+    latent, the stream's second included, goes through the same compiled step: one graph to compile, not a
+    second one for the call that follows the first latent."""
+    from loom_live.engine.models.wan_vae import VAE_PRESETS, WanVAE
+
+    torch.manual_seed(0)
+    vae = WanVAE(VAE_PRESETS["tiny"]).eval()
+    vae.compile_step(saved=tmp_path, build_saved=False)
+    z = torch.randn(1, VAE_PRESETS["tiny"].z_dim, 5, 2, 2)
+    state = vae.new_stream_state()
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        for _ in range(2):  # a fresh state, then one reset in place
+            for i in range(5):
+                vae.decode_stream(z[:, :, i:i + 1], state)
+            state.reset()
+    assert len(vae._saved_steps[1]._steps) == 1
+
+
 def test_a_new_folder_removes_its_oldest_siblings_and_keeps_the_recent_ones(tmp_path):
     root = tmp_path / "compiled"
     for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" oldest
