@@ -70,7 +70,7 @@ def signature(value: Any) -> Hashable:
     """What a compiled step's code depends on in one argument: tensors' shapes, strides, dtypes and
     devices, plain values as they are, containers and plain objects (a VAE's history cache) by their
     contents. Raises TypeError for anything else, so a step is never keyed on an object's identity."""
-    if isinstance(value, torch.Tensor):  # torch's own hashable values: a call is keyed on every step's call
+    if isinstance(value, torch.Tensor):  # torch's own values, not their strings: every call of a step is keyed
         return ("tensor", value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
