@@ -120,13 +120,32 @@ class BlockOps:
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             plain = torch.compile(fn, fullgraph=True)
             if saved is not None:
-                return SavedCompile(fn, saved, f"dit.{fn.__name__}", build=build_saved, plain=plain)
-            return plain
+                plain = SavedCompile(fn, saved, f"dit.{fn.__name__}", build=build_saved, plain=plain)
+            return partial(_with_unit_strides, plain)
 
         merge = masked_merge(fuse(merge_sinks)) if masked_sink_merge else fuse(merge_sinks)
         cache = CacheOps(fuse(rotate), fuse(sink_similarity), merge, _window_attention(attention_splits, fuse))
         return cls(fuse(norm_modulate), fuse(affine_norm), fuse(gated_residual), fuse(rms_norm), cache,
                    linear_gelu_epilogue if gelu_epilogue else linear_gelu, fused=True)
+
+
+def _with_unit_strides(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """`fn` on its arguments with each size-1 dimension's stride set as if contiguous with the next: such a
+    stride addresses no other memory, but the compiled code is keyed on every stride, and a batch of one
+    gives it a different one at each call site (a chunk's length, the head against the blocks)."""
+    return fn(*(unit_strides(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a view whose size-1 dimensions have the stride of a contiguous layout over the dimensions after
+    them (the same memory; `t` itself where they have it already)."""
+    sizes, strides = t.shape, list(t.stride())
+    after = 1
+    for i in range(t.dim() - 1, -1, -1):
+        if sizes[i] == 1:
+            strides[i] = after
+        after = strides[i] * sizes[i]
+    return t if strides == list(t.stride()) else t.as_strided(sizes, strides)
 
 
 def _window_attention(splits: int, fuse: Callable[[Callable], Callable] | None = None) -> Callable[..., torch.Tensor]:

@@ -42,6 +42,36 @@ def test_compiled_ops_match_eager_in_streaming_and_full_sequence():
     assert not model.head.ops.fused
 
 
+def test_a_batch_of_one_reaches_the_compiled_ops_with_one_stride_per_shape():
+    """The head's modulation against a block's, and a chunk's last frame of keys at two chunk lengths: the
+    same shapes, strides apart only in their size-1 batch dimension. The compiled functions see one
+    signature (one graph each, not one per call site), and a write through the view lands in the tensor."""
+    from loom_live.engine.models.wan_dit_ops import _with_unit_strides, unit_strides
+
+    block_mod, head_mod = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 2, 8)
+    one, two = torch.randn(1, 1, 4, 2, 8), torch.randn(1, 2, 4, 2, 8)
+    pairs = [(block_mod[:, :, 1], head_mod[:, :, 1]), (one[:, -1], two[:, -1])]
+    for a, b in pairs:
+        assert a.shape == b.shape and a.stride() != b.stride()
+        assert unit_strides(a).stride() == unit_strides(b).stride()
+        assert torch.equal(unit_strides(a), a) and unit_strides(a).data_ptr() == a.data_ptr()
+    frames = []
+
+    def counting(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    double = torch.compile(lambda x: x * 2, backend=counting, fullgraph=True)
+    for a, b in pairs:
+        torch._dynamo.reset()
+        frames.clear()
+        assert torch.equal(_with_unit_strides(double, a), a * 2) and torch.equal(_with_unit_strides(double, b), b * 2)
+        assert len(frames) == 1
+    view = unit_strides(two[:, -1])
+    view.fill_(3.0)
+    assert bool((two[:, -1] == 3.0).all()) and not bool((two[:, 0] == 3.0).any())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, gelu_epilogue", [(1, True), (2, True), (1, False)])
 def test_compiled_ops_inside_cuda_graphs_match_eager_bf16(batch, gelu_epilogue):
