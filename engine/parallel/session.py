@@ -99,7 +99,7 @@ from loom_live.engine.parallel.stage import (
     send_payload,
 )
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
-from loom_live.engine.stream.frames import FrameMapper, validate_frames
+from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
@@ -522,8 +522,7 @@ class PipelineSession:
         t0 = self.motion.first_step(self.motion.update(x, self._prev_last, frames, self._prev_last_u8))
         self._prev_last, self._prev_last_u8 = x[-1], frames[-1]
         with timer.span("encode"):
-            layout = torch.channels_last_3d if self.device.type == "cuda" else torch.contiguous_format
-            pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
+            pixels = vae_pixels(x, vae_layout(self.device))
             z = self._vae_graphs.run("encode", self.models.encoder.encode_stream, pixels, self.enc_state)
         self._count("in", z.shape[2])
         self._chunks[chunk_id].source = dit_source(self.models.dit.cfg, z, pixels, self.cfg.control.context_scale)

@@ -30,7 +30,7 @@ from loom_live.engine.graphs.saved_compiles import compiled_folder, make_folder
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.loading import LoadedModels, lay_out_wan_vae, resolve_device, resolve_dtype, seeded_wan_vae
 from loom_live.engine.models.wan_vae import WanVAE
-from loom_live.engine.stream.frames import FrameMapper, vae_layout
+from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
@@ -141,8 +141,7 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
     rng = np.random.default_rng(0)
 
     def pixels(count: int) -> torch.Tensor:  # as StreamSession._encode makes them
-        x = mapper.to_model(rng.integers(0, 256, (count, h, w, 3), np.uint8))
-        return x.permute(1, 0, 2, 3)[None].contiguous(memory_format=vae_layout(device))
+        return vae_pixels(mapper.to_model(rng.integers(0, 256, (count, h, w, 3), np.uint8)), vae_layout(device))
 
     st = cfg.stream  # a stream per chunk size the scheduler may pick (a size's pieces are views of its chunk)
     sizes = range(1, 1 + (min(MAX_CHUNK_LATENTS, st.num_kv_cache - st.sink) if st.mode == "auto" else 1))

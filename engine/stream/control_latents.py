@@ -18,6 +18,7 @@ import torch
 
 from loom_live.engine.models.wan_vace import MASK_CHANNELS
 from loom_live.engine.models.wan_vae import TIME_STRIDE
+from loom_live.engine.stream.frames import vae_pixels
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class ControlEncoder:
 
     def pixels(self, control: torch.Tensor) -> torch.Tensor:
         """Control frames [N, 3, H, W] as the VAE's input [1, 3, N, H, W]."""
-        return control.permute(1, 0, 2, 3)[None].contiguous(memory_format=self.layout)
+        return vae_pixels(control, self.layout)
 
     def latents(self, control: torch.Tensor) -> torch.Tensor:
         pixels = self.pixels(control)
@@ -68,8 +69,7 @@ class ControlEncoder:
     def reference(self, image: torch.Tensor) -> torch.Tensor:
         """One model-size image [1, 3, H, W] in [-1, 1] to its latent [1, 16, 1, h, w] (encoded alone)."""
         state = self.encoder.new_stream_state()
-        return self.encoder.encode_stream(image.permute(1, 0, 2, 3)[None].contiguous(memory_format=self.layout),
-                                          state)
+        return self.encoder.encode_stream(vae_pixels(image, self.layout), state)
 
 
 class ZeroLatents:

@@ -154,6 +154,11 @@ def vae_layout(device: torch.device) -> torch.memory_format:
     return torch.channels_last_3d if device.type == "cuda" else torch.contiguous_format
 
 
+def vae_pixels(frames: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+    """Model-size frames [N, 3, H, W] as the VAE's input [1, 3, N, H, W] in `layout` (`vae_layout`)."""
+    return frames.permute(1, 0, 2, 3)[None].contiguous(memory_format=layout)
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor onto the device without a host sync (through pinned memory on CUDA)."""
     if device.type != "cuda":

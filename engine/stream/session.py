@@ -40,7 +40,7 @@ from loom_live.engine.stream.compile_ahead import CompileAhead
 from loom_live.engine.stream.control import VaceControl
 from loom_live.engine.stream.cuda_streams import session_streams
 from loom_live.engine.stream.denoiser import StreamDenoiser
-from loom_live.engine.stream.frames import FrameMapper, vae_layout, validate_frames
+from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels, validate_frames
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
@@ -578,7 +578,7 @@ class StreamSession:
                 with self.timer.span("control", len(c.frames)):
                     control_pixels = self.control.pixels(x, c.given)
             with self.timer.span("encode", None if c.first else len(c.frames) // FRAMES_PER_LATENT):
-                pixels = x.permute(1, 0, 2, 3)[None].contiguous(memory_format=self._vae_layout)
+                pixels = vae_pixels(x, self._vae_layout)
                 both = torch.cat((pixels, control_pixels)) if batched else pixels
                 latents = self._vae_graphs.run("encode", self.models.encoder.encode_stream, both, self.enc_state)
                 c.latent = latents[:1]
