@@ -9,12 +9,13 @@ spent awaiting Triton's kernel compiles, Triton's autotuning at each new kernel'
 whose first calls took longest, and the stream's FPS with the kernels that variant chose.
 
 A variant sets compiler options in the child before the engine starts (`--option VARIANT:KEY=VALUE` adds
-one: an Inductor option, or `dynamo.NAME` for Dynamo's); the named ones ask Triton for fewer candidate block
-sizes, make every size dynamic from a function's first compile (`dynamic-first`), or (`ahead`) have the
-engine compile the VAE's steps in helper processes beside its own work (`vae.compile_ahead`):
+one: an Inductor option, or `dynamo.NAME` for Dynamo's) or config keys of `loom bench`; the named ones have
+Triton time several block sizes per kernel (`autotune`: `model.autotune_kernels`), make every size dynamic
+from a function's first compile (`dynamic-first`), or (`ahead`) have the engine compile the VAE's steps in
+helper processes beside its own work (`vae.compile_ahead`):
 
     python benchmarks/bench_cold_start.py --json out/cold_start.json
-    python benchmarks/bench_cold_start.py --variants default,one-config -- -c wan2.1-1.3b --frames 300
+    python benchmarks/bench_cold_start.py --variants default,autotune -- -c wan2.1-1.3b --frames 300
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ from loom_live.engine.graphs.compile_cache import CACHE_ENV, enable_bytecode_cac
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "pointwise-one": {"triton.autotune_pointwise": False},  # one block size per elementwise kernel
-    "reductions-one": {"test_configs.force_filter_reduction_configs": True},  # Inductor's pick among its own
-    "one-config": {"triton.autotune_pointwise": False, "test_configs.force_filter_reduction_configs": True},
+    "autotune": {},  # Triton times block sizes per elementwise and reduction kernel (the engine sets it)
     "ahead": {},  # the VAE's steps compiled in helper processes (which do not see a variant's options)
     # every size dynamic from a function's first compile (the DiT's functions; the VAE's compile static
     # regardless): one graph where the first chunk's static one and a dynamic one follow each other now
     "dynamic-first": {"dynamo.assume_static_by_default": False},
 }
-SETTINGS: dict[str, list[str]] = {"ahead": ["--set", "vae.compile_ahead=true"]}  # loom bench options by variant
+SETTINGS: dict[str, list[str]] = {  # loom bench options by variant
+    "ahead": ["--set", "vae.compile_ahead=true"],
+    "autotune": ["--set", "model.autotune_kernels=true"],
+}
 BENCH_ARGS = ["-c", "wan2.1-1.3b", "--steps", "700", "--frames", "600"]
 
 # The child: the variant's options first (they key the compile caches, so they must be set before any
@@ -131,7 +133,7 @@ def summary(row: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="default,one-config",
+    parser.add_argument("--variants", default="default,autotune",
                         help=f"comma-separated, in order (named: {', '.join(VARIANTS)}; others via --option)")
     parser.add_argument("--option", action="append", default=[], metavar="VARIANT:KEY=VALUE",
                         help="a compiler option for a variant (Inductor's, or dynamo.NAME; JSON value: true, 8, "

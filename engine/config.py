@@ -67,6 +67,10 @@ class ModelConfig:
                                     "builds and keeps the missing ones (a longer start once: `loom prepare`); "
                                     "none: the folder unused (torch's experimental aot_compile; any failure falls "
                                     "back to torch.compile)")
+    autotune_kernels: bool = spec(False, doc="on CUDA, the Wan engine's compiled kernels (DiT and VAE): Triton times "
+                                             "several block sizes for each elementwise and reduction kernel at its "
+                                             "first launch (a longer cold start, kept by the compile cache); off: "
+                                             "Inductor's heuristic pick, one each")
     fuse_qkv: bool = spec(False, doc="on CUDA: each block's q/k/v projections as one matrix product over a "
                                      "fused weight (one kernel whose grid fills a large GPU at one latent frame's "
                                      "tokens); fp8_linear always runs them as one FP8 product")

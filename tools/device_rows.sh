@@ -192,10 +192,10 @@ PY
     cold)
         # a cold start repeated on a warm machine (each variant a fresh process with empty compile caches; Python's
         # bytecode kept): where it goes (compile, Triton's compile waits and autotuning, the slowest steps), the
-        # VAE's steps compiled in helper processes (vae.compile_ahead), Triton asked for one block size per
-        # kernel, and the DiT's functions dynamic from their first compile
+        # VAE's steps compiled in helper processes (vae.compile_ahead), and Triton timing several block sizes
+        # per kernel (model.autotune_kernels, off by default since session 28)
         step cold_start 590 python3 benchmarks/bench_cold_start.py --timeout 140 \
-            --variants default,ahead,one-config,dynamic-first --json "$out/cold_start.json"
+            --variants default,ahead,autotune --json "$out/cold_start.json"
         tail -6 "$out/cold_start.txt" ;;
     sequential)
         # two steps a chunk as one sequential pass (each cache row's forward a CUDA graph now): the graphed

@@ -148,3 +148,20 @@ def enable_persistent_compile_cache(root: Path | None = None) -> Path:
     if functorch_config is not None and hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def set_kernel_autotuning(autotune: bool) -> None:
+    """Whether Triton times several block sizes for each compiled elementwise and reduction kernel at its
+    first launch (`autotune`), or every such kernel takes Inductor's heuristic pick among its own.
+
+    Why: on a cold compile cache that timing runs at every new kernel's first launch, seconds of a start,
+    for kernels (memory-bound norms and elementwise chains) whose heuristic pick streams as fast
+    (docs/performance.md). The choice is part of the compile caches' keys, so every process that compiles
+    for one engine (its pipeline ranks, its compile-ahead helpers) makes the same one before its first
+    compile. Imports Inductor's config: call it only where the process will compile for a GPU."""
+    import torch._inductor.config as inductor
+
+    inductor.triton.autotune_pointwise = autotune
+    tests = getattr(inductor, "test_configs", None)  # Inductor's switch to keep only its own reduction pick
+    if tests is not None and hasattr(tests, "force_filter_reduction_configs"):
+        tests.force_filter_reduction_configs = not autotune

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from loom_live.engine.config import LoomConfig, VAEConfig
-from loom_live.engine.graphs.compile_cache import cache_root
+from loom_live.engine.graphs.compile_cache import cache_root, set_kernel_autotuning
 from loom_live.engine.graphs.saved_compiles import compiled_folder
 from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
 from loom_live.engine.models.lora import LoraMerger, read_lora
@@ -200,6 +200,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("lora")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        set_kernel_autotuning(mc.autotune_kernels)  # before the first compile: it keys the compile caches
         # where compiled steps are kept whole (its name hashes the engine's sources)
         saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"
         saved = compiled_folder(cache_root(), device) if saving else None

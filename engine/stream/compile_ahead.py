@@ -25,7 +25,7 @@ import torch
 
 from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
-from loom_live.engine.graphs.compile_cache import cache_root
+from loom_live.engine.graphs.compile_cache import cache_root, set_kernel_autotuning
 from loom_live.engine.graphs.saved_compiles import compiled_folder, make_folder
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.loading import LoadedModels, lay_out_wan_vae, resolve_device, resolve_dtype, seeded_wan_vae
@@ -131,8 +131,10 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
     wan = seeded_wan_vae(cfg, device, dtype)
     wan.use_upsample(cfg.vae.upsample)
     if device.type == "cuda":  # as load_models does there (a CPU run: the tests' mirror of a CPU session)
-        torch.cuda.set_device(device)
+        if device.index is not None:  # "cuda" alone: this fresh process's current GPU, the engine's own
+            torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
+        set_kernel_autotuning(cfg.model.autotune_kernels)
         lay_out_wan_vae(wan, cfg.vae, compiled_folder(cache_root(), device))
     wan.requires_grad_(False)
     graphs = VAEGraphs(cfg.stream.cuda_graphs)

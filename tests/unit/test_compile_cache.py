@@ -159,3 +159,21 @@ def test_a_first_start_compiles_ahead_on_the_spare_cores_and_a_later_one_does_no
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(site / "torch")], check=True, timeout=60,
                    env={**env, "PYTHONPYCACHEPREFIX": str(cache / "pycache")})  # what that compile wrote
     assert started() == []
+
+
+def test_the_kernel_autotuning_choice_reaches_inductor_both_ways(monkeypatch):
+    """`model.autotune_kernels` (off by default) keys the compile caches: whatever sets it must set both of
+    Inductor's switches, the elementwise kernels' timing and the reductions' own pick."""
+    import torch._inductor.config as inductor
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.graphs.compile_cache import set_kernel_autotuning
+
+    monkeypatch.setattr(inductor.triton, "autotune_pointwise", inductor.triton.autotune_pointwise)
+    monkeypatch.setattr(inductor.test_configs, "force_filter_reduction_configs",
+                        inductor.test_configs.force_filter_reduction_configs)
+    assert load_config("wan2.1-1.3b", []).model.autotune_kernels is False
+    set_kernel_autotuning(False)
+    assert (inductor.triton.autotune_pointwise, inductor.test_configs.force_filter_reduction_configs) == (False, True)
+    set_kernel_autotuning(True)
+    assert (inductor.triton.autotune_pointwise, inductor.test_configs.force_filter_reduction_configs) == (True, False)
