@@ -12,7 +12,8 @@ A variant sets compiler options in the child before the engine starts (`--option
 one: an Inductor option, or `dynamo.NAME` for Dynamo's) or config keys of `loom bench`; the named ones have
 Triton time several block sizes per kernel (`autotune`: `model.autotune_kernels`), make every size dynamic
 from a function's first compile (`dynamic-first`), or (`ahead`) have the engine compile the VAE's steps in
-helper processes beside its own work (`vae.compile_ahead`):
+helper processes beside its own work (`vae.compile_ahead`). A GPU engine sets Inductor's autotuning switches
+itself from `model.autotune_kernels` when it loads, over any `--option` for them:
 
     python benchmarks/bench_cold_start.py --json out/cold_start.json
     python benchmarks/bench_cold_start.py --variants default,autotune -- -c wan2.1-1.3b --frames 300

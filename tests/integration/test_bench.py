@@ -164,15 +164,16 @@ def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_compiler_o
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cold_start.py"
     out, users = tmp_path / "cold.json", tmp_path / "users_cache"
     env = {**os.environ, "LOOM_CACHE_DIR": str(users)}
-    proc = subprocess.run([sys.executable, str(script), "--variants", "pointwise-one", "--option",
-                           "pointwise-one:dynamo.assume_static_by_default=false", "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, str(script), "--variants", "mine", "--option",
+                           "mine:triton.autotune_pointwise=false", "--option",
+                           "mine:dynamo.assume_static_by_default=false", "--json", str(out), "--",
                            "-c", "tiny-random", "--frames", "8"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["variants"]
     assert row["applied"] == {"triton.autotune_pointwise": False, "dynamo.assume_static_by_default": False}
     assert row["fps"] > 0
     assert set(row["startup"]["phases_s"]) >= {"load", "session"}
-    assert "pointwise-one" in proc.stdout and "start-up s" in proc.stdout
+    assert "mine" in proc.stdout and "start-up s" in proc.stdout
     assert not (users / "inductor").exists(), "a variant's caches live in its own fresh folder"
     bad = subprocess.run([sys.executable, str(script), "--variants", "default", "--option", "default:triton.nope=1"],
                          capture_output=True, text=True, timeout=120)
