@@ -164,7 +164,7 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
 
 
 def _marker(cfg: LoomConfig, device: torch.device) -> Path:
-    """One file per VAE layout, frame size, dtype and graph setting, in the saved steps' folder (named after
-    the engine's sources, torch and the GPU, so a changed engine compiles ahead again)."""
-    key = repr((cfg.vae, cfg.resolution, cfg.model.dtype, cfg.stream.cuda_graphs))
+    """One file per VAE layout, frame size, dtype, graph and kernel-tuning setting, in the saved steps' folder
+    (named after the engine's sources, torch and the GPU, so a changed engine compiles ahead again)."""
+    key = repr((cfg.vae, cfg.resolution, cfg.model.dtype, cfg.stream.cuda_graphs, cfg.model.autotune_kernels))
     return compiled_folder(cache_root(), device) / "ahead" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.done"
