@@ -117,7 +117,9 @@ PY
         # in session 22), then with the compiled quantisation
         b14=(-c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true)
         bench b14_fp8_triton 280 "${b14[@]}" --profile-chunks 8
-        bench b14_fp8_compiled 280 "${b14[@]}" --set model.fp8_quantize=compiled ;;
+        bench b14_fp8_compiled 280 "${b14[@]}" --set model.fp8_quantize=compiled
+        # Inductor's heuristic kernels, the 1.3B's default since session 28 (the 14B preset still autotunes)
+        bench b14_fp8_heuristic 280 "${b14[@]}" --set model.autotune_kernels=false ;;
     thin)
         # the FFN's GELU epilogue at the 1-latent shape; the pixel-side convs alone and every form in the
         # chunk; then the stream with the form whose chunk was shortest
