@@ -1,6 +1,6 @@
 """A cold engine start, repeatable on a machine that has already compiled: each variant starts `loom bench`
-in a fresh process whose compile caches (Inductor's graphs, Triton's kernels, the saved steps) are an empty
-folder, while Python's bytecode stays as this machine keeps it.
+in a fresh process whose compile caches (Inductor's graphs, Triton's kernels, the saved steps, the CUDA
+driver's JIT cache) are an empty folder, while Python's bytecode stays as this machine keeps it.
 
 Why: a fresh GPU machine is cold only for its first command, so a start-up change could be weighed against
 the default once a session at most. Here every variant compiles everything from nothing, one after the
@@ -99,6 +99,7 @@ def run_variant(name: str, options: dict[str, Any], bench_args: list[str], timeo
         env = {**os.environ, CACHE_ENV: cache}
         for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # under the fresh folder, not the user's
             env.pop(var, None)
+        env["CUDA_CACHE_PATH"] = str(Path(cache) / "nv")  # the driver's JIT cache too, empty as on a fresh machine
         cmd = [sys.executable, "-c", CHILD, json.dumps(options), "--bridge", "none", "--no-baseline",
                "--json", str(out), *bench_args]
         t0 = time.perf_counter()
@@ -109,6 +110,9 @@ def run_variant(name: str, options: dict[str, Any], bench_args: list[str], timeo
             code, said, tail = None, "", f"stopped after {timeout:.0f} s"
         row: dict[str, Any] = {"variant": name, "options": options, "exit": code, "wall_s": time.perf_counter() - t0}
         applied = [line for line in said.splitlines() if line.startswith("options: ")]
+        warned = [line for line in said.splitlines() if "WARNING" in line or "Error" in line]
+        if warned:  # what went wrong inside a start that still ran (a helper that failed, a fallback)
+            row["warnings"] = warned[:20]
         if applied:  # what the child's compiler config holds, read back after setting
             row["applied"] = json.loads(applied[0].removeprefix("options: "))
         if code != 0 or not out.is_file():
@@ -169,6 +173,9 @@ def main() -> int:
     widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(head))]
     for r in table:
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)))
+    for row in rows:
+        if row.get("warnings"):
+            print(f"{row['variant']}: {len(row['warnings'])} warning lines, the first: {row['warnings'][0][:300]}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "variants": rows}, indent=1))
