@@ -661,7 +661,7 @@ class PipelineSession:
                      "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales,
                      **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {})})
         if reset:
-            self.metrics.reset()
+            self.metrics.restart()  # the stream goes on: the chunks in the ring keep their push times
             self.stage.totals.clear()
             self._wait_s, self._chunks_done = 0.0, 0
         return snap

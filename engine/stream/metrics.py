@@ -29,13 +29,21 @@ class StreamMetrics:
         self.budget = latency_budget_s
 
     def reset(self) -> None:
-        self.frames_in = self.frames_out = self.dropped = self.misses = 0
-        self.dropped_reasons: dict[str, int] = {}
+        """A new stream: nothing in flight (the session dropped it), every figure afresh."""
         self._pushed: deque[float] = deque()
-        self._latency: deque[float] = deque(maxlen=WINDOW)
-        self._deliveries: deque[tuple[float, int]] = deque(maxlen=WINDOW)
         self._first_push: float | None = None
         self.ttff_s: float | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Every figure afresh in the middle of a stream (after a warm-up, say). Frames pushed and not yet
+        out keep their push times: a stream-batch pipeline or a ring of GPUs still holds them, and their
+        outputs must pair with them, not with the frames pushed after (that would read a chunk period or
+        more of latency as none, for the rest of the stream)."""
+        self.frames_in = self.frames_out = self.dropped = self.misses = 0
+        self.dropped_reasons: dict[str, int] = {}
+        self._latency: deque[float] = deque(maxlen=WINDOW)
+        self._deliveries: deque[tuple[float, int]] = deque(maxlen=WINDOW)
         self._stages: dict[str, list[float]] = {}
 
     def on_input(self, count: int, t: float | None = None) -> None:

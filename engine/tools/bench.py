@@ -58,7 +58,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
         ttff = session.metrics.ttff_s  # a pipeline's first frame leaves after n*P chunks, not on the first push
         session.stats(reset=True)  # every rank's stage times too
     else:
-        session.metrics.reset()
+        session.metrics.restart()  # the chunks a stream-batch pipeline still holds keep their push times
     load_peak = 0
     if device.type == "cuda":
         load_peak = torch.cuda.max_memory_reserved(device)  # load, compile and warm-up included

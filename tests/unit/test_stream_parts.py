@@ -183,6 +183,24 @@ def test_embeddings_file_round_trip_and_unknown_prompt(tmp_path):
         enc.encode(["watercolour"])
 
 
+def test_metrics_restarted_mid_stream_pair_each_output_with_its_own_frames():
+    """A stream-batch pipeline holds a chunk when a bench restarts the figures after its warm-up: that chunk's
+    output must pair with its own push time, not with the chunk pushed after the restart."""
+    m = StreamMetrics(latency_budget_s=10.0)
+    m.on_input(4, t=0.0)  # in the pipeline's second row at the restart
+    m.on_input(4, t=1.0)
+    m.on_output(4, t=1.5)  # the chunk before leaves (its frames pushed at 0)
+    m.restart()
+    assert m.snapshot()["frames_out"] == 0 and m.snapshot()["latency_ms"]["mean"] is None
+    m.on_input(4, t=2.0)
+    m.on_output(4, t=2.5)  # the chunk pushed at 1.0 leaves
+    assert m.snapshot()["latency_ms"]["p50"] == pytest.approx(1500.0)
+    m.reset()  # a new stream: what was in flight was dropped with it
+    m.on_input(4, t=3.0)
+    m.on_output(4, t=3.25)
+    assert m.snapshot()["latency_ms"]["p50"] == pytest.approx(250.0)
+
+
 def test_metrics_latency_percentiles_and_misses():
     clock = iter(range(1000)).__next__
     m = StreamMetrics(latency_budget_s=2.5, clock=lambda: float(clock()))
