@@ -31,8 +31,6 @@ class StreamMetrics:
     def reset(self) -> None:
         """A new stream: nothing in flight (the session dropped it), every figure afresh."""
         self._pushed: deque[float] = deque()
-        self._first_push: float | None = None
-        self.ttff_s: float | None = None
         self.restart()
 
     def restart(self) -> None:
@@ -44,6 +42,8 @@ class StreamMetrics:
         self.dropped_reasons: dict[str, int] = {}
         self._latency: deque[float] = deque(maxlen=WINDOW)
         self._deliveries: deque[tuple[float, int]] = deque(maxlen=WINDOW)
+        self._first_push: float | None = None
+        self.ttff_s: float | None = None
         self._stages: dict[str, list[float]] = {}
 
     def on_input(self, count: int, t: float | None = None) -> None:

@@ -190,8 +190,9 @@ def test_metrics_restarted_mid_stream_pair_each_output_with_its_own_frames():
     m.on_input(4, t=0.0)  # in the pipeline's second row at the restart
     m.on_input(4, t=1.0)
     m.on_output(4, t=1.5)  # the chunk before leaves (its frames pushed at 0)
-    m.restart()
+    m.restart()  # the figures afresh, the first frame's time too (a pipeline's warm-up restarts them)
     assert m.snapshot()["frames_out"] == 0 and m.snapshot()["latency_ms"]["mean"] is None
+    assert m.snapshot()["ttff_s"] is None
     m.on_input(4, t=2.0)
     m.on_output(4, t=2.5)  # the chunk pushed at 1.0 leaves
     assert m.snapshot()["latency_ms"]["p50"] == pytest.approx(1500.0)
