@@ -205,8 +205,8 @@ PY
         step graphs_test 150 python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_step_graphs.py
         bench steps2_sequential 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=sequential
         bench steps2_batch 170 -c wan2.1-1.3b --steps 700,500 --frames 1500 --set stream.mode=batch
-        # paced below both rates: an unpaced bench's latency is how far the host runs ahead of the GPU, the same
-        # in both modes; paced, the batch pipeline's extra chunk shows
+        # paced below both rates: a frame's latency is then the pipeline's own depth (the batch pipeline's second
+        # step comes at the next push), not the queue an unpaced bench keeps
         bench steps2_sequential_paced 170 -c wan2.1-1.3b --steps 700,500 --frames 1200 --input-fps 40 \
             --set stream.mode=sequential
         bench steps2_batch_paced 170 -c wan2.1-1.3b --steps 700,500 --frames 1200 --input-fps 40 \
