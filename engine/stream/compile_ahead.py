@@ -6,7 +6,7 @@ them. A helper process per direction builds the same VAE with random weights of 
 weights are the compiled code's inputs, not its constants), streams synthetic frames of the config's
 size through the same steps the session's warm-up streams them through, and exits; Inductor's and
 Triton's caches (one folder: engine/graphs/compile_cache.py) then hold those graphs. The engine's own
-first compile of each step waits for its helper and reads them from there, while everything before it
+first compile of a step waits for the helpers and reads them from there, while everything before it
 (loading, the DiT's graphs) ran beside the helpers. A config that has warmed up here before (a marker
 beside the saved steps) starts no helper, so a warm start pays nothing.
 """
@@ -42,11 +42,12 @@ STEADY_CHUNKS = 3  # steady chunks after the first: the decoder's histories reac
 
 
 class CompileAhead:
-    """The helpers of one engine start: `attach` has each direction's first compile wait for its helper;
+    """The helpers of one engine start: `attach` has each direction's first compile wait for them;
     `finish` reaps them and, after a warm-up, marks the config as compiled here."""
 
     def __init__(self, helpers: dict[str, BaseProcess], marker: Path) -> None:
         self.helpers, self.marker = helpers, marker
+        self._waited: set[str] = set()
 
     @classmethod
     def start(cls, cfg: LoomConfig) -> CompileAhead | None:
@@ -85,10 +86,20 @@ class CompileAhead:
         return cls(helpers, marker)
 
     def attach(self, models: LoadedModels) -> None:
-        """Have the first compile of each direction's step wait for its helper."""
+        """Have the first compile of each direction's step wait for the helpers, its own first."""
         for direction, vae in (("encode", models.encoder), ("decode", models.decoder)):
             if isinstance(vae, WanVAE) and direction in self.helpers:
-                vae.wait_before_compiling(direction, lambda d=direction: self._wait(d))
+                vae.wait_before_compiling(direction, lambda d=direction: self._wait_all(d))
+
+    def _wait_all(self, first: str) -> None:
+        """Every helper, `first`'s first: the engine's first steady call of a step also times cuDNN's
+        convolution algorithms (and, with `model.autotune_kernels`, Triton's block sizes) for the rest of
+        its life, which another helper's work on the same GPU at that moment would skew. The other step is
+        due within a chunk anyway."""
+        for direction in sorted(self.helpers, key=lambda d: d != first):
+            if direction not in self._waited:
+                self._waited.add(direction)
+                self._wait(direction)
 
     def _wait(self, direction: str) -> None:
         helper, t0 = self.helpers[direction], time.perf_counter()
