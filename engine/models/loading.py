@@ -199,8 +199,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     lora.capture()  # a live scale change replays one CUDA graph (CUDA only)
     clock.lap("lora")
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
-        set_kernel_autotuning(mc.autotune_kernels)  # before the first compile: it keys the compile caches
+        use_cuda_compile_settings(cfg)
         # where compiled steps are kept whole (its name hashes the engine's sources)
         saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"
         saved = compiled_folder(cache_root(), device) if saving else None
@@ -232,6 +231,14 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             m.requires_grad_(False)
     clock.lap("prepare")  # the rest: VAE wrappers, gradients off
     return LoadedModels(dit, encoder, decoder, device, dtype, lora, clock.laps)
+
+
+def use_cuda_compile_settings(cfg: LoomConfig) -> None:
+    """The process-wide settings a process makes before it compiles or times kernels for a CUDA engine (the
+    engine, its pipeline ranks, its compile-ahead helpers): they pick the kernels, and Inductor's key its
+    caches, so every process of one engine must make the same ones."""
+    torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+    set_kernel_autotuning(cfg.model.autotune_kernels)
 
 
 def _wan_vae_config(vc: VAEConfig) -> WanVAEConfig:

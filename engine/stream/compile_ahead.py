@@ -25,10 +25,17 @@ import torch
 
 from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
-from loom_live.engine.graphs.compile_cache import cache_root, set_kernel_autotuning
+from loom_live.engine.graphs.compile_cache import cache_root
 from loom_live.engine.graphs.saved_compiles import compiled_folder, make_folder
 from loom_live.engine.graphs.vae_steps import VAEGraphs
-from loom_live.engine.models.loading import LoadedModels, lay_out_wan_vae, resolve_device, resolve_dtype, seeded_wan_vae
+from loom_live.engine.models.loading import (
+    LoadedModels,
+    lay_out_wan_vae,
+    resolve_device,
+    resolve_dtype,
+    seeded_wan_vae,
+    use_cuda_compile_settings,
+)
 from loom_live.engine.models.wan_vae import WanVAE
 from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS
@@ -144,8 +151,7 @@ def compile_direction(cfg: LoomConfig, direction: str) -> None:
     if device.type == "cuda":  # as load_models does there (a CPU run: the tests' mirror of a CPU session)
         if device.index is not None:  # "cuda" alone: this fresh process's current GPU, the engine's own
             torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-        set_kernel_autotuning(cfg.model.autotune_kernels)
+        use_cuda_compile_settings(cfg)
         lay_out_wan_vae(wan, cfg.vae, compiled_folder(cache_root(), device))
     wan.requires_grad_(False)
     graphs = VAEGraphs(cfg.stream.cuda_graphs)
