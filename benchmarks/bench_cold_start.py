@@ -10,10 +10,9 @@ whose first calls took longest, and the stream's FPS with the kernels that varia
 
 A variant sets compiler options in the child before the engine starts (`--option VARIANT:KEY=VALUE` adds
 one: an Inductor option, or `dynamo.NAME` for Dynamo's) or config keys of `loom bench`; the named ones have
-Triton time several block sizes per kernel (`autotune`: `model.autotune_kernels`), make every size dynamic
-from a function's first compile (`dynamic-first`), or (`ahead`) have the engine compile the VAE's steps in
-helper processes beside its own work (`vae.compile_ahead`). A GPU engine sets Inductor's autotuning switches
-itself from `model.autotune_kernels` when it loads, over any `--option` for them:
+Triton time several block sizes per kernel (`autotune`: `model.autotune_kernels`) or make every size dynamic
+from a function's first compile (`dynamic-first`). A GPU engine sets Inductor's autotuning switches itself
+from `model.autotune_kernels` when it loads, over any `--option` for them:
 
     python benchmarks/bench_cold_start.py --json out/cold_start.json
     python benchmarks/bench_cold_start.py --variants default,autotune -- -c wan2.1-1.3b --frames 300
@@ -39,13 +38,11 @@ from loom_live.engine.graphs.compile_cache import CACHE_ENV, enable_bytecode_cac
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "autotune": {},  # Triton times block sizes per elementwise and reduction kernel (the engine sets it)
-    "ahead": {},  # the VAE's steps compiled in helper processes (which do not see a variant's options)
     # every size dynamic from a function's first compile (the DiT's functions; the VAE's compile static
     # regardless): one graph where the first chunk's static one and a dynamic one follow each other now
     "dynamic-first": {"dynamo.assume_static_by_default": False},
 }
 SETTINGS: dict[str, list[str]] = {  # loom bench options by variant
-    "ahead": ["--set", "vae.compile_ahead=true"],
     "autotune": ["--set", "model.autotune_kernels=true"],
 }
 BENCH_ARGS = ["-c", "wan2.1-1.3b", "--steps", "700", "--frames", "600"]

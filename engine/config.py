@@ -117,10 +117,6 @@ class VAEConfig:
                                         "a longer warm-up for faster VAE chunks)")
     tune_kernels: bool = spec(False, doc="with compile_step: Inductor times block sizes for each fused VAE kernel "
                                          "(coordinate descent; a longer cold compile, kept by the compile cache)")
-    compile_ahead: bool = spec(False, doc="with compile_step, on one GPU with room for them (40 GiB free), when "
-                                          "this config has not warmed up here before: the VAE's steps compiled in "
-                                          "two helper processes while the engine loads and compiles its DiT (a "
-                                          "shorter cold start)")
     saved_steps: str = spec("load", choices=SAVED_CHOICES,
                             doc="with compile_step: each compiled VAE step kept whole (Dynamo's output included) "
                                 "in the compile cache folder; load, build, none as model.saved_block_ops")

@@ -44,7 +44,7 @@ for group in "$@"; do
             python3 -m pytest -q -o addopts=-ra -m gpu tests/unit/test_canny.py \
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
-            tests/unit/test_saved_compiles.py tests/unit/test_compile_ahead.py \
+            tests/unit/test_saved_compiles.py \
             tests/integration/test_bridge_cuda.py tests/integration/test_cli.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
@@ -193,11 +193,10 @@ PY
         tail -12 "$out/process_start_installed.txt" ;;
     cold)
         # a cold start repeated on a warm machine (each variant a fresh process with empty compile caches; Python's
-        # bytecode kept): where it goes (compile, Triton's compile waits and autotuning, the slowest steps), the
-        # VAE's steps compiled in helper processes (vae.compile_ahead), and Triton timing several block sizes
-        # per kernel (model.autotune_kernels, off by default since session 28)
+        # bytecode kept): where it goes (compile, Triton's compile waits and autotuning, the slowest steps), and
+        # Triton timing several block sizes per kernel (model.autotune_kernels, off by default since session 28)
         step cold_start 590 python3 benchmarks/bench_cold_start.py --timeout 140 \
-            --variants default,ahead,autotune --json "$out/cold_start.json"
+            --variants default,autotune --json "$out/cold_start.json"
         tail -6 "$out/cold_start.txt" ;;
     sequential)
         # two steps a chunk as one sequential pass (each cache row's forward a CUDA graph now): the graphed

@@ -157,7 +157,7 @@ def set_kernel_autotuning(autotune: bool) -> None:
     Why: on a cold compile cache that timing runs at every new kernel's first launch, seconds of a start,
     for kernels (memory-bound norms and elementwise chains) whose heuristic pick streams as fast
     (docs/performance.md). The choice is part of the compile caches' keys, so every process that compiles
-    for one engine (its pipeline ranks, its compile-ahead helpers) makes the same one before its first
+    for one engine (its pipeline ranks) makes the same one before its first
     compile. Imports Inductor's config: call it only where the process will compile for a GPU."""
     import torch._inductor.config as inductor
 

@@ -119,7 +119,6 @@ class SavedCompile:
         self._steps: dict[Hashable, Callable[..., Any]] = {}
         self._plain = plain
         self._fell_back = False
-        self.gate: Callable[[], None] | None = None  # called once before the first compile or load (see _resolve)
 
     def __call__(self, *args: Any) -> Any:
         full = args if self.owner is None else (self.owner, *args)
@@ -158,9 +157,6 @@ class SavedCompile:
         return self.folder / f"{self.name}-{digest}.bin"
 
     def _resolve(self, key: Hashable, full: tuple[Any, ...]) -> Callable[..., Any]:
-        if self.gate is not None:  # another process compiles this step ahead: wait, then read its caches or file
-            gate, self.gate = self.gate, None
-            gate()
         if not torch_saves_compiles():
             return self._fall_back()
         path = self.path(key)

@@ -235,8 +235,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
 
 def use_cuda_compile_settings(cfg: LoomConfig) -> None:
     """The process-wide settings a process makes before it compiles or times kernels for a CUDA engine (the
-    engine, its pipeline ranks, its compile-ahead helpers): they pick the kernels, and Inductor's key its
-    caches, so every process of one engine must make the same ones."""
+    engine, its pipeline ranks): they pick the kernels, and Inductor's key its caches, so every process of
+    one engine must make the same ones."""
     torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
     set_kernel_autotuning(cfg.model.autotune_kernels)
 
@@ -253,8 +253,7 @@ def seeded_wan_vae(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) ->
 
 def lay_out_wan_vae(wan: WanVAE, vc: VAEConfig, saved: Path | None) -> None:
     """The Wan VAE's GPU forms, in the order they must come (its compiled steps last, with their `saved` folder
-    where they are kept): one place for the engine and its compile-ahead helpers
-    (engine/stream/compile_ahead.py), so both compile the same graphs."""
+    where they are kept)."""
     wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
     wan.use_attention(vc.attention)
     wan.use_channels_last(vc.channels_last)

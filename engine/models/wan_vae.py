@@ -19,7 +19,6 @@ Parameter names follow diffusers' `AutoencoderKLWan`; `vae_convert` maps the ori
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -479,13 +478,6 @@ class WanVAE(nn.Module):
                 SavedCompile(type(part).forward, saved, f"wan_vae.{name}", build=build_saved, owner=part,
                              plain=_call_owner, options=options)
                 for name, part in (("encoder", self.encoder), ("decoder", self.decoder)))
-
-    def wait_before_compiling(self, direction: str, gate: Callable[[], None] | None) -> None:
-        """Have the first compile of `direction`'s steady step ("encode" or "decode") call `gate` first: a
-        compile-ahead helper's wait (engine/stream/compile_ahead.py). Only steps kept by `compile_step` with a
-        `saved` folder have that first compile in one place; without them this does nothing."""
-        if self._saved_steps is not None:
-            self._saved_steps[0 if direction == "encode" else 1].gate = gate
 
     @property
     def dtype(self) -> torch.dtype:

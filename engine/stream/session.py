@@ -36,7 +36,6 @@ from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import LoadedModels, load_models
-from loom_live.engine.stream.compile_ahead import CompileAhead
 from loom_live.engine.stream.control import VaceControl
 from loom_live.engine.stream.cuda_streams import session_streams
 from loom_live.engine.stream.denoiser import StreamDenoiser
@@ -117,7 +116,6 @@ class StreamSession:
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
         self.startup = StartupTimes()  # filled by from_config and warmup: where the start-up went
-        self._ahead: CompileAhead | None = None  # from_config's helpers, until the warm-up ends
         self.warmed_plans: list[Plan] = []  # the plans the last warm-up streamed
         self._held_plan = False  # warm-up: the plan is set by the warm-up, not by the scheduler
         self._build_parts()
@@ -132,24 +130,16 @@ class StreamSession:
         """
         times = StartupTimes()
         times.note_process_age()
-        ahead = CompileAhead.start(cfg)  # before the load, which it runs beside
-        try:
-            with times.phase("load"):
-                models = load_models(cfg)
-            times.detail["load"] = dict(models.load_s)
-            if ahead is not None:
-                ahead.attach(models)
-            with times.phase("session"):
-                session = cls(cfg, models)
-            session.startup, session._ahead = times, ahead
-            if warmup and session.device.type == "cuda":
-                session.warmup()
-            else:
-                log.info("%s", times.line())
-        except BaseException:  # helpers left running would hold this process's exit until they end
-            if ahead is not None:
-                ahead.finish(warmed=False)
-            raise
+        with times.phase("load"):
+            models = load_models(cfg)
+        times.detail["load"] = dict(models.load_s)
+        with times.phase("session"):
+            session = cls(cfg, models)
+        session.startup = times
+        if warmup and session.device.type == "cuda":
+            session.warmup()
+        else:
+            log.info("%s", times.line())
         return session
 
     def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
@@ -177,9 +167,6 @@ class StreamSession:
                 with self.startup.part("warmup_plans", "grey control"):
                     self._warm_grey_part()
         self.warmed_plans = plans
-        if self._ahead is not None:
-            self._ahead.finish(warmed=True)
-            self._ahead = None
         self.reset()
         self._compile_stance = "eager_on_recompile"
         log.info("%s", self.startup.line())
@@ -326,9 +313,6 @@ class StreamSession:
     def close(self) -> None:
         self.prompt.close()
         self.motion.close()
-        if self._ahead is not None:  # closed before its warm-up
-            self._ahead.finish(warmed=False)
-            self._ahead = None
 
     def __enter__(self) -> StreamSession:
         return self
