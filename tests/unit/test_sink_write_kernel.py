@@ -54,21 +54,23 @@ INTERPRETED = textwrap.dedent("""
 
     fell_back = []
     merge = masked_merge(lambda *a: fell_back.append(a), devices=("cpu",))
-    for seed, hit in enumerate(HITS):
-        for turn in (False, True):
-            kc, vc, k_new, v_new, shift = _case("cpu", seed)
-            k_new, shift = (_refresh(k_new), shift) if turn else (k_new, None)
-            ref_k, ref_v = kc.clone(), vc.clone()
-            merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit), shift)
-            merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit), shift)
-            print(seed, turn, torch.equal(vc, ref_v) and _compare(kc, ref_k, 4, 2.0**-7 if turn else 0.0))
+    # one program's tokens and channels, then several runs of tokens and channel blocks, the last ones partial
+    for shape in ({}, {"tokens": 37, "heads": 80}):
+        for seed, hit in enumerate(HITS):
+            for turn in (False, True):
+                kc, vc, k_new, v_new, shift = _case("cpu", seed, **shape)
+                k_new, shift = (_refresh(k_new), shift) if turn else (k_new, None)
+                ref_k, ref_v = kc.clone(), vc.clone()
+                merge_sinks(ref_k[:, :3], ref_v[:, :3], k_new, v_new, torch.tensor(hit), shift)
+                merge(kc[:, :3], vc[:, :3], k_new, v_new, torch.tensor(hit), shift)
+                print(seed, turn, torch.equal(vc, ref_v) and _compare(kc, ref_k, 4, 2.0**-7 if turn else 0.0))
     print("fallback", len(fell_back))
 """)
 
 
 def test_the_masked_write_gives_the_merges_bytes_in_the_interpreter():
     lines = run_triton(INTERPRETED, interpret=True, timeout=240)
-    assert lines[-1] == "fallback 0" and len(lines) == 2 * len(HITS) + 1
+    assert lines[-1] == "fallback 0" and len(lines) == 4 * len(HITS) + 1
     assert all(line.endswith("True") for line in lines[:-1]), lines
 
 
