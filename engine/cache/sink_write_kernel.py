@@ -6,9 +6,10 @@ sink slot and the frame and writes every slot back, hit or not: for the 14B, thr
 and of values per block, about 200 MB a block, per forward. Here each program first reads its slot's
 flag and loads and stores only under it, so a forward whose sinks keep their frames moves the flags
 alone, and a hit moves one slot's keys and values. A program covers a run of tokens, not one: a launch
-that mostly moves nothing costs its programs' start-up, which beside the VAE's convolutions is slow. The RoPE time shift that moves a key to its sink's
-position (the `refresh` policy) is applied on the way, to the stored channels only. The result is what
-`merge_sinks` writes (the rotated channels up to float32 contraction in the rotation).
+that mostly moves nothing costs its programs' start-up, which beside the VAE's convolutions is slow.
+The RoPE time shift that moves a key to its sink's position (the `refresh` policy) is applied on the
+way, to the stored channels only. The result is what `merge_sinks` writes (the rotated channels up to
+float32 contraction in the rotation).
 
 `masked_merge(fallback)` returns a merge with `merge_sinks`' signature that runs the kernel on CUDA
 tensors whose channels (heads x head dim) are contiguous in each token, and `fallback` otherwise (a

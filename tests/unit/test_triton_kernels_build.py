@@ -28,11 +28,12 @@ BUILD = textwrap.dedent("""
     for mode in (rq.PLAIN, rq.GELU, rq.NORM_MODULATE, rq.NORM_AFFINE):
         build(rq._rows_kernel, rows, {"MODE": mode, "TO_FP8": True, "BLOCK": rq.MAX_ROW}, (89, 90))
     sink = {name: "*bf16" for name in ("k_sinks", "v_sinks", "k_new", "v_new")}
-    sink.update({"hit": "*u8", "cos": "*fp32", "sin": "*fp32", "ROTATE": "constexpr", "BLOCK": "constexpr"})
+    sink.update({"hit": "*u8", "cos": "*fp32", "sin": "*fp32", "ROTATE": "constexpr", "BLOCK_T": "constexpr",
+                 "BLOCK_C": "constexpr"})
     sink.update({n: "i32" for n in ("sinks", "tokens", "channels", "head_dim", "dt")})
     sink.update({n: "i64" for n in ("sb", "ss", "st", "kb", "kt", "vb", "vt")})
     for rotate in (False, True):
-        build(sw._masked_write, sink, {"ROTATE": rotate, "BLOCK": sw.BLOCK_C}, (80, 90))
+        build(sw._masked_write, sink, {"ROTATE": rotate, "BLOCK_T": sw.BLOCK_T, "BLOCK_C": sw.BLOCK_C}, (80, 90))
 """)
 
 
