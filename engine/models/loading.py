@@ -174,7 +174,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
         if vc.checkpoint:
             wan = WanVAE.from_checkpoint(vc.checkpoint, _wan_vae_config(vc), device=device, dtype=dtype).eval()
         elif vc.preset in EMBEDDED_PRESETS or vc.random_weights:
-            wan = seeded_wan_vae(cfg, device, dtype)
+            wan = _seeded(lambda: WanVAE(_wan_vae_config(vc)), mc.seed + 1, device, dtype)
         else:
             raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
                              "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
@@ -199,7 +199,8 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     lora.capture()  # a live scale change replays one CUDA graph (CUDA only)
     clock.lap("lora")
     if device.type == "cuda":
-        use_cuda_compile_settings(cfg)
+        torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        set_kernel_autotuning(mc.autotune_kernels)  # keys the compile caches: pipeline ranks load here too
         # where compiled steps are kept whole (its name hashes the engine's sources)
         saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"
         saved = compiled_folder(cache_root(), device) if saving else None
@@ -213,7 +214,7 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
             dit.fuse_elementwise(BlockOps.eager(attention_splits=mc.attention_splits))
         clock.lap("block_ops")  # the first compiled function imports torch's compiler
         if wan is not None:
-            lay_out_wan_vae(wan, vc, saved)
+            _lay_out_wan_vae(wan, vc, saved)
         clock.lap("vae_ops")
     if mc.fp8_linear:  # after loading (the checkpoint holds the full-precision weights) and the block ops
         convert_dit_to_fp8(dit, compiled=mc.fuse_elementwise, kernels=mc.fp8_quantize)
@@ -233,25 +234,12 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     return LoadedModels(dit, encoder, decoder, device, dtype, lora, clock.laps)
 
 
-def use_cuda_compile_settings(cfg: LoomConfig) -> None:
-    """The process-wide settings a process makes before it compiles or times kernels for a CUDA engine (the
-    engine, its pipeline ranks): they pick the kernels, and Inductor's key its caches, so every process of
-    one engine must make the same ones."""
-    torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
-    set_kernel_autotuning(cfg.model.autotune_kernels)
-
-
 def _wan_vae_config(vc: VAEConfig) -> WanVAEConfig:
     return replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,
                    denormalize_on_decode=vc.denormalize_on_decode)
 
 
-def seeded_wan_vae(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) -> WanVAE:
-    """The config's Wan VAE with its fixed seeded weights (the tiny presets', a benchmark's random ones)."""
-    return _seeded(lambda: WanVAE(_wan_vae_config(cfg.vae)), cfg.model.seed + 1, device, dtype)
-
-
-def lay_out_wan_vae(wan: WanVAE, vc: VAEConfig, saved: Path | None) -> None:
+def _lay_out_wan_vae(wan: WanVAE, vc: VAEConfig, saved: Path | None) -> None:
     """The Wan VAE's GPU forms, in the order they must come (its compiled steps last, with their `saved` folder
     where they are kept)."""
     wan.use_thin_convs(*THIN_CHOICES[vc.thin_convs])
