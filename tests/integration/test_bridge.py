@@ -85,6 +85,27 @@ def test_thousand_frames_round_trip_in_order_with_exact_content():
     assert not (_segments() & segment_names)
 
 
+@pytest.mark.skipif(not SHM.is_dir() or not hasattr(os, "posix_fallocate"), reason="POSIX shared memory")
+def test_a_frame_too_large_for_dev_shm_is_refused_and_counted_and_smaller_frames_go_on(monkeypatch):
+    """A container's /dev/shm is small (64 MB by default): a 4K frame's ring does not fit. The host must refuse
+    that frame with the reason and keep streaming, not die of SIGBUS on a later write."""
+    real = os.posix_fallocate
+
+    def small_dev_shm(fd, offset, size):
+        if size > 1 << 20:
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", small_dev_shm)
+    with Bridge(_config()) as bridge:
+        bridge.wait_running(30)
+        bridge.submit(indexed_frame(1, 480, 640))  # two rings of 3 slots of 900 KB: over the 1 MB left
+        assert wait_until(lambda: bridge.stats()["refused_frames"] == 1, 10)
+        assert "frame refused" in bridge.status().message and "give /dev/shm more room" in bridge.status().message
+        small = [indexed_frame(i, 48, 64) for i in range(5)]
+        assert all(np.array_equal(a, b) for a, b in zip(small, bridge.process(small, timeout_s=30)))
+
+
 @posix_only
 def test_a_long_stream_through_the_tiny_model_comes_back_in_order():
     """The real embedded model behind the bridge, over a stream long enough that the KV ring wraps

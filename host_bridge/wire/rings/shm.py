@@ -60,10 +60,31 @@ def is_segment_name(name: str) -> bool:
 def open_segment(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory | PosixSegment:
     """Create (mode 0600) or open a segment, kept away from Python's resource tracker."""
     if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
+        shm = shared_memory.SharedMemory(name=name, create=create, size=size, track=False)
+        if create:
+            try:
+                reserve_pages(shm._fd, size, name)  # noqa: SLF001 (the descriptor is kept open on POSIX)
+            except BaseException:
+                shm.close()
+                shm.unlink()
+                raise
+        return shm
     if sys.platform != "win32":
         return PosixSegment(name, create, size)  # SharedMemory would start the tracker process to register it
     return shared_memory.SharedMemory(name=name, create=create, size=size)
+
+
+def reserve_pages(fd: int, size: int, name: str) -> None:
+    """Take the segment's memory now: on tmpfs `ftruncate` reserves nothing, and a write that later reaches a
+    page /dev/shm has no room for kills the whole process with SIGBUS (a default container has 64 MB)."""
+    if not hasattr(os, "posix_fallocate") or fd < 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise OSError(exc.errno, f"shm segment {name}: cannot reserve {size} bytes in shared memory "
+                                 f"({exc.strerror}); give /dev/shm more room (a container's --shm-size) "
+                                 "or use transport tcp") from None
 
 
 class PosixSegment:
@@ -82,6 +103,7 @@ class PosixSegment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                reserve_pages(fd, size, name)
             self.size = os.fstat(fd).st_size
             self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size)
         except BaseException:
