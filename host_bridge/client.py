@@ -387,7 +387,8 @@ class Bridge:
         sup = self._sup
         tail = link.log_tail() if link is not None else sup.log_tail
         counts = self._stats.counts
-        dropped = counts["dropped"] + int(sup.engine_report.get("dropped", 0))
+        report = sup.engine_report  # the engine's inputs it dropped, and outputs it had no room to hand over
+        dropped = counts["dropped"] + int(report.get("dropped", 0)) + int(report.get("dropped_out", 0))
         refused = (counts["refused"] + counts["refused_frames"] + (link.refused if link else 0)
                    + int(sup.engine_report.get("refused", 0)))
         heard = time.monotonic() - link.last_heard if link is not None and link.hello_done else -1.0
@@ -596,7 +597,8 @@ class Bridge:
                     raise EngineRefused(self._sup.refusal)
                 if state.ended or time.monotonic() > deadline:
                     tail = "\n".join(self._status().log_tail)
-                    raise RuntimeError(f"engine is {state} after {timeout_s:.0f} s: {self._sup.message}\n{tail}")
+                    waited = "" if state.ended else f" after {timeout_s:.0f} s"
+                    raise RuntimeError(f"engine is {state}{waited}: {self._sup.message}\n{tail}")
                 self._cond.wait(0.05)
             return self._status()
 
@@ -780,7 +782,10 @@ class Bridge:
         """A fresh engine (called with the engine lock held): it is told what the host wants, once, and
         gets the pending frame."""
         for kind, fields, payload in self._wanted.for_fresh_engine():
-            link.send(make(kind, **fields), payload)
+            try:  # each on its own: one that cannot be sent must not keep the others (or the frame) back
+                link.send(make(kind, **fields), payload)
+            except ValueError as exc:  # ProtocolError too
+                self._sup.note(f"{kind} not told to the fresh engine: {exc}", error=True)
         self._pump()
 
     def on_tick(self, link: Link) -> None:

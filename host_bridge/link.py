@@ -59,6 +59,7 @@ class Link:
         self.ready_at = float("inf")
         self.engine_busy_s = 0.0
         self.engine_pid: int | None = None
+        self.lane_refused: str | None = None  # a served engine that cannot open the lane this host offers
         self.engine_info: dict[str, Any] = {}
         self.ring_in: Ring | None = None
         self.ring_out: Ring | None = None
@@ -316,7 +317,20 @@ class Link:
         """Why no engine will take this run, so that none is tried again, else None: the launched engine's
         own error when it exited refusing its run (exit code 2), or a served engine's refusal of this
         host's credentials."""
+        if self.lane_refused is not None:
+            return self.lane_refused
         return self.proc.refusal() if self.proc is not None else self.credentials_refused()
+
+    def refuse_lane(self, message: str) -> str:
+        """A served engine answered this host's hello saying it cannot open the frame lane offered: the
+        same hello will get the same answer, so no engine takes this run. Shared memory (shm's and
+        cuda-ipc's doorbell) only reaches an engine on this machine, outside any other container."""
+        hint = "" if self.cfg.transport == "tcp" else (
+            f"; transport {self.cfg.transport!r} shares memory with the engine, which an engine on another "
+            "machine or in another container cannot reach: use transport 'tcp' for it")
+        self.lane_refused = f"the engine at {self.channel.endpoint} cannot open this host's frame lane " \
+                            f"({message}){hint}"
+        return self.lane_refused
 
     def credentials_refused(self) -> str | None:
         """What to fix when the engine turned this host's session secret or CurveZMQ keys down, else None."""

@@ -259,9 +259,13 @@ class Supervisor:
             elif kind in LANE_MESSAGES:
                 link.channel.refuse(f"{kind} message on the control channel; frames travel on the frame lane")
             elif kind in ("ack", "flushed", "stats", "error") and msg.get("id") is not None:
-                self._on_reply(link, kind, msg)
+                return self._on_reply(link, kind, msg)
             elif kind == "ack":
                 pass  # the answer to a request nobody waits for (sent without an id)
+            elif kind == "error" and msg.get("code") == "handshake" and not link.cfg.launch \
+                    and not link.hello_done:
+                self.errors += 1
+                return link.refuse_lane(msg["message"])
             elif kind == "error":
                 self.last_error = self.message = f"engine error: {msg['message']}"
                 self.errors += 1
@@ -271,12 +275,19 @@ class Supervisor:
                 link.channel.refuse(f"unexpected {kind} message from the engine")
         return None
 
-    def _on_reply(self, link: Link, kind: str, msg: dict[str, Any]) -> None:
-        """A reply to a request: the link's own (ring acks, stats polls) or one a host thread waits for."""
+    def _on_reply(self, link: Link, kind: str, msg: dict[str, Any]) -> str | None:
+        """A reply to a request: the link's own (ring acks, stats polls) or one a host thread waits for.
+        An engine that cannot use a ring the host already writes into would never free its slots: every
+        later frame would be dropped behind a link that looks alive, so that engine is given up."""
         if kind == "stats":
             self.engine_report = msg.get("data") or {}
-        if kind == "ack" and msg["id"] in link.ring_requests:
-            link.retire_older(link.ring_requests.pop(msg["id"]))
+        if msg["id"] in link.ring_requests:
+            generation = link.ring_requests.pop(msg["id"])
+            if kind == "error":
+                self.last_error = msg["message"]
+                self.errors += 1
+                return f"the engine cannot use the host's frame ring: {msg['message']}"
+            link.retire_older(generation)
         elif kind != "stats" or msg["id"] not in link.stats_requests:
             self._replies[msg["id"]] = msg
             if len(self._replies) > REPLIES_KEPT:
@@ -286,6 +297,7 @@ class Supervisor:
             self.last_error = msg["message"]
             self.errors += 1
         self.cond.notify_all()
+        return None
 
     def _tick(self, link: Link, now: float) -> None:
         problem = link.check(now)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom_live.host_bridge.wire.params import LIVE
+
 
 @dataclass(frozen=True)
 class PromptWish:
@@ -45,11 +47,23 @@ class Wanted:
         return undo
 
     def want_params(self, params: dict[str, Any]) -> Callable[[], None]:
-        """Remember parameters (checked by the caller, `LIVE.check`); returns what undoes them."""
+        """Remember parameters (checked by the caller, `LIVE.check`); returns what undoes them. A mapping
+        (LoRA scales by name) adds to what was wanted; the sum is checked again, since a fresh engine is
+        told it in one message: ValueError, nothing remembered, when it no longer fits."""
         before = copy.deepcopy(self.params)
-        for key, value in params.items():  # a mapping (LoRA scales by name) adds to what was wanted
+        merged = []
+        for key, value in params.items():
             old = self.params.get(key)
-            self.params[key] = {**old, **value} if isinstance(value, dict) and isinstance(old, dict) else value
+            if isinstance(value, dict) and isinstance(old, dict):
+                self.params[key] = {**old, **value}
+                merged.append(key)
+            else:
+                self.params[key] = value
+        problem = LIVE.problem({key: self.params[key] for key in merged})
+        if problem is not None:
+            self.params = before
+            raise ValueError(f"{problem} (counting those set before, which an engine that starts later is told "
+                             "together)")
 
         def undo() -> None:
             self.params = before

@@ -290,6 +290,34 @@ def test_a_fresh_engine_is_told_the_hosts_prompt_and_params_exactly_once():
         bridge.close()
 
 
+def test_the_status_counts_frames_the_engine_dropped_on_either_side():
+    """A frame the engine dropped coming in and one whose output it had no room to hand over are both
+    frames the user never sees: the status's one `dropped` count has both (the engine's last report)."""
+    bridge = Bridge(_config())
+    try:
+        bridge._sup.engine_report = {"dropped": 2, "dropped_out": 3}  # noqa: SLF001 (as a stats reply sets it)
+        assert bridge.status().dropped == 5
+    finally:
+        bridge.close()
+
+
+def test_lora_scales_that_add_up_past_the_limit_are_refused_and_the_remembered_ones_stay():
+    """Each call's scales add to those set before, and a fresh engine is told the sum in one message: a
+    sum over the limit would make every later engine refuse its catch-up, so the call that makes it is
+    refused instead."""
+    bridge = Bridge(_config())  # not started: what a later engine is told is remembered all the same
+    try:
+        eight = {f"style{i}": 0.5 for i in range(8)}
+        bridge.set_params(noise_scale=0.6, lora_scales=eight)
+        with pytest.raises(ValueError, match=r"lora_scales: .*at most 8.*counting those set before"):
+            bridge.set_params(noise_scale=0.7, lora_scales={"ninth": 1.0})
+        assert bridge.wanted.params == {"noise_scale": 0.6, "lora_scales": eight}  # nothing of the refused call
+        bridge.set_params(lora_scales={"style0": 1.5})  # a known name changes its scale
+        assert bridge.wanted.params["lora_scales"] == {**eight, "style0": 1.5}
+    finally:
+        bridge.close()
+
+
 @posix_only
 def test_hung_engine_is_detected_soon_after_its_timeout_and_replaced():
     bridge = Bridge(_config(stop_timeout_s=0.3)).start()
@@ -481,8 +509,9 @@ def test_an_engine_that_ran_and_then_exits_2_is_restarted_like_any_crash(tmp_pat
 def test_missing_engine_python_is_reported_not_raised():
     bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
     try:
-        with pytest.raises(RuntimeError, match="cannot start the engine"):
+        with pytest.raises(RuntimeError, match="cannot start the engine") as raised:
             bridge.wait_running(10)
+        assert str(raised.value).startswith("engine is dead: ")  # at once: no timeout was waited out
         frame = indexed_frame(3, 48, 64)
         bridge.submit(frame)
         out, status = bridge.latest()
