@@ -221,7 +221,20 @@ class FrameWorker:
             # the host's supervisor starts a fresh engine, rather than heartbeats hiding an engine taking no frames
             self.error = f"the frame worker failed: {type(exc).__name__}: {exc}"
             self._send(make("status", state="error", message=self.error[:4000]))
-            self.session = None
+        finally:
+            self._close_session()
+
+    def _close_session(self) -> None:
+        """Release the session's devices and processes, on this thread (never under a call still running):
+        a served engine builds a session per host, and a pipeline's ranks and process group must be gone
+        before the next host's session can start its own."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        try:
+            session.close()
+        except Exception as exc:  # a session that failed may not close cleanly: said, never raised
+            log.warning("the session did not close cleanly: %s: %s", type(exc).__name__, exc)
 
     def _run_commands(self) -> None:
         while True:
@@ -363,7 +376,7 @@ class FrameWorker:
                           f"{type(exc).__name__}: {exc}")
             self._send(make("status", state="error", message=self.error[:4000]))
             log.error("%s", self.error)
-            self.session = None
+            self._close_session()
             self.stop = True
             return
         self.counts["new_streams"] += 1

@@ -26,6 +26,7 @@ from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused, EngineSta
 from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from loom_live.host_bridge.wire.protocol import make
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
+from tests.fakes.engines import InProcessEngine, wait_until
 from tests.fakes.touchdesigner import InputTOP, configure, cook_until, cook_until_running, make_component, td_texture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,6 +234,31 @@ def test_a_host_connecting_while_another_is_attached_gets_in_soon_after_its_bye(
         first.close()
         if second is not None:
             second.close()
+
+
+def test_each_hosts_session_is_closed_when_that_host_leaves():
+    """A served engine builds a session per host: the one a host leaves must be closed (its GPU memory; a
+    pipeline's rank processes and process group, which the next host's session cannot start beside)."""
+    built: list[PassthroughSession] = []
+    closed: list[PassthroughSession] = []
+
+    class Counted(PassthroughSession):
+        def __init__(self) -> None:
+            super().__init__()
+            built.append(self)
+
+        def close(self) -> None:
+            closed.append(self)
+            super().close()
+
+    with InProcessEngine(Counted) as engine:
+        for host in range(1, 4):
+            with Bridge(BridgeConfig(transport="shm", **engine.host)) as bridge:
+                bridge.wait_running(30)
+                bridge.process([np.zeros((8, 8, 3), np.uint8)] * 2, timeout_s=30)
+                assert closed == built[:host - 1]  # the session in use stays open
+            assert wait_until(lambda n=host: len(closed) == n, 10), (len(built), len(closed))
+        assert closed == built
 
 
 def test_a_hello_the_attached_host_repeats_before_the_answer_starts_nothing(tmp_path):
