@@ -321,6 +321,7 @@ class FrameWorker:
 
     def _process(self, ring: Ring, slot: int, seq: int, gen: int, payload: list[bytes], control: bool = False) -> None:
         self.busy_since = time.monotonic()
+        released = False  # an input slot not handed back is a credit the host never gets again
         try:
             if self.session.raw_passthrough and self._raw_copy(ring, slot, seq):
                 return
@@ -331,6 +332,7 @@ class FrameWorker:
                     return
                 native = self._gpu().read(ring, slot) if on_gpu else ring.read(slot, payload)
             self._release_in(slot, gen)
+            released = True
             spec = ring.spec
             if not on_gpu:
                 batch = formats.to_engine(native, order=spec.order, bottom_up=spec.orientation == "bottom-up")[None]
@@ -358,6 +360,8 @@ class FrameWorker:
                 self._send(make("error", code="frame", message=text[:4000]))
                 log.warning("frame %d: %s", seq, text)
             self.error = text
+            if not released and ring is self.ring_in:  # unreadable (a payload that does not fit, a bad JPEG)
+                self._release_in(slot, gen, dropped=True)
             if not isinstance(exc, ValueError):  # a refused input leaves the stream as it was
                 self._new_stream(text)
         finally:
