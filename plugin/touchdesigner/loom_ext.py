@@ -232,6 +232,10 @@ class LoomExt:
             return
         if name == "Active":
             self.Start() if par.eval() else self.Stop()
+        elif name in ENGINE_PARS and self.ownerComp.par.Active.eval():
+            self.Start()  # also after a start that failed for want of this very setting
+        elif name in LORA_FILE_PARS and self.ownerComp.par.Active.eval():
+            self._start()  # the model is the same: a LoRA it refused stays out (Start tries it again)
         elif self.bridge is None:
             return
         elif name in PROMPT_PARS + PARAM_PARS:
@@ -242,10 +246,6 @@ class LoomExt:
             self._record_vace()
         elif name == REFERENCE_PAR:
             self._send_reference()
-        elif name in LORA_FILE_PARS and self.ownerComp.par.Active.eval():
-            self._start()  # the model is the same: a LoRA it refused stays out (Start tries it again)
-        elif name in ENGINE_PARS and self.ownerComp.par.Active.eval():
-            self.Start()
 
     def OnPulse(self, par: Any) -> None:
         if par.name == "Start":

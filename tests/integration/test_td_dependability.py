@@ -33,6 +33,7 @@ from tests.fakes.touchdesigner import (
     StandInDeviceBuffer,
     configure,
     cook_until,
+    cook_until_running,
     make_component,
     running,
     td_texture,
@@ -301,6 +302,22 @@ def test_an_engine_that_refuses_its_config_shows_its_message_once_and_is_not_res
         assert comp.par.State.eval() == "dead" and ext.bridge.status().restarts == 0
         message = comp.par.Message.eval()
         assert message == "the engine refused to start: preset 'wan2.1-1.3b' needs weights that are not here"
+    finally:
+        ext.Stop()
+
+
+def test_setting_the_missing_engine_python_with_active_on_starts_the_engine():
+    """Active turned on before Engine Python is set: the start fails saying what to set. Setting it then, with
+    Active still on, starts the engine (an Engine page change restarts it, also after a start that failed)."""
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    comp.parexec_enabled = False
+    comp.par.Transport, comp.par.Passthrough = "shm", True
+    comp.parexec_enabled = True
+    try:
+        comp.par.Active = True
+        assert comp.par.State.eval() == "error" and "set 'Engine Python'" in comp.par.Message.eval()
+        comp.par.Enginepython = sys.executable
+        cook_until_running(script, comp)
     finally:
         ext.Stop()
 
