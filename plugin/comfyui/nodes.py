@@ -7,8 +7,8 @@ settings) is stopped, and the rest are closed when ComfyUI exits. The Engine nod
 engine, so a configuration the engine refuses, or an engine that cannot start, fails on that node.
 
 A queued run is a function of its inputs: the Stream node starts each run on a fresh stream and on
-the prompt as it is now (no blend carried over from the run before), unless the user asks for
-`blend_from_last_run`.
+the prompt and parameters of the Prompt and Control nodes on its own wire (no blend carried over from
+the run before, nor another branch's prompt), unless the user asks for `blend_from_last_run`.
 
 VACE (*vace* model presets): the Loom Control node sets the control source and scale and a reference
 image (the first of an IMAGE batch); the Stream node's optional `control` input is the control video,
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -49,14 +49,47 @@ CANCEL_POLL_S = 0.05  # how often a run waiting for its engine looks at its stat
 
 @dataclass
 class EngineHandle:
-    """What flows along a LOOM_ENGINE wire: the bridge (which remembers the prompt and params) and its settings."""
+    """What flows along a LOOM_ENGINE wire: the bridge and its settings, and what the nodes on this wire
+    asked of the engine. One engine serves every branch of a workflow while ComfyUI keeps a node's output
+    between runs, so a Prompt or Control node hands on a copy carrying its wishes (the bridge, its
+    settings and `shared` stay the engine's own): the Stream node at the end of the wire tells the engine
+    them again before its run, and each branch streams on its own prompt whichever node ran last."""
 
     key: str
     bridge: Any
     settings: dict[str, Any]
-    interrupted: bool = False  # the last stream run was cancelled or failed: the next one resets and waits
     loras: tuple[Any, ...] = ()  # the `host_bridge.loras.LoraChoice`s the engine was started with
     users: set[str] = field(default_factory=set)  # the Engine nodes (ComfyUI's node ids) that use it
+    shared: dict[str, Any] = field(default_factory=dict)  # the engine's state, the same object in every copy
+    wishes: tuple[tuple[str, Any], ...] = ()  # (kind, value) in wire order: prompt, params, reference
+
+    @property
+    def interrupted(self) -> bool:
+        """The last stream run on this engine was cancelled or failed: the next one resets and waits."""
+        return self.shared.get("interrupted", False)
+
+    @interrupted.setter
+    def interrupted(self, value: bool) -> None:
+        self.shared["interrupted"] = value
+
+    def wishing(self, *wishes: tuple[str, Any]) -> EngineHandle:
+        """A copy of this handle with `wishes` after its own (the engine and its state shared)."""
+        return replace(self, wishes=self.wishes + wishes)
+
+    def tell_wishes(self, blend: bool) -> None:
+        """Tell the engine this wire's prompt, parameters and reference before a run; with `blend` a prompt
+        other than the engine's blends in over its transition, else it takes effect at the run's reset."""
+        bridge = self.bridge
+        for kind, value in self.wishes:
+            if kind == "prompt":
+                text, chunks = value
+                wanted = bridge.wanted.prompt
+                if wanted is None or wanted.text != text:
+                    bridge.set_prompt(text, transition_chunks=chunks if blend else 0, wait=True)
+            elif kind == "params":
+                bridge.set_params(wait=True, **value)
+            elif kind == "reference":
+                bridge.set_reference(value, wait=True)
 
     def status_text(self) -> str:
         _, status = self.bridge.latest()
@@ -113,6 +146,13 @@ class EngineRegistry:
         with self._lock:
             handle = self._engines.get(key)
         return handle is not None and handle.bridge.status().state.ended
+
+    def ended_for(self, node: str) -> bool:
+        """Whether an engine that Engine node `node` uses has ended: ComfyUI gives IS_CHANGED no linked input
+        (the LoRA chain), so a node's engine is found by the node, not by its settings."""
+        with self._lock:
+            handles = [h for h in self._engines.values() if node in h.users]
+        return any(h.bridge.status().state.ended for h in handles)
 
     def close(self, key: str) -> None:
         with self._lock:
@@ -232,7 +272,9 @@ class LoomEngine:
         when that engine has ended (then the node runs again and starts a fresh one)."""
         engine_settings = _engine_settings(**settings)
         key = settings_key({**engine_settings, "loras": [list(x) for x in loras or ()]})
-        return f"{key}:ended" if ENGINES.ended(engine_key(engine_settings, _choices(loras))) else key
+        ended = ENGINES.ended(engine_key(engine_settings, _choices(loras))) \
+            or unique_id is not None and ENGINES.ended_for(str(unique_id))
+        return f"{key}:ended" if ended else key
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
@@ -246,6 +288,10 @@ class LoomEngine:
                                       node="" if unique_id is None else str(unique_id))
         # waited for here, so that a config the engine refuses, or an engine that cannot start, fails this node
         _wait_running(handle, ENGINE_READY_TIMEOUT_S, _cancel_check(), "Loom Engine")
+        if handle.loras:  # two Engine nodes with the same files share the engine: each wire keeps its strengths
+            from loom_live.host_bridge.loras import scales
+
+            handle = handle.wishing(("params", {"lora_scales": scales(handle.loras)}))
         return handle, handle.status_text()
 
 
@@ -366,10 +412,11 @@ class LoomPrompt:
             params = LIVE.check({"steps": steps_for(steps), "noise_scale": noise_scale, "motion_aware": motion_aware})
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None
-        # the bridge remembers both: the engine is told now if it runs, else as soon as it does
+        # the bridge remembers both: the engine is told now if it runs, else as soon as it does; the Stream
+        # node tells them again, as the wish of this wire, before each of its runs
         engine.bridge.set_prompt(text, transition_chunks=chunks)
         engine.bridge.set_params(**params)
-        return (engine,)
+        return (engine.wishing(("prompt", (text, chunks)), ("params", params)),)
 
 
 class LoomControl:
@@ -413,11 +460,13 @@ class LoomControl:
             image = image[0] if image is not None else None
             _wait_running(engine, STARTUP_TIMEOUT_S, _cancel_check(), "Loom Control")
             engine.bridge.set_params(wait=True, **params)
+            wishes: list[tuple[str, Any]] = [("params", params)]
             if image is not None or engine.bridge.wanted.reference_set:
                 engine.bridge.set_reference(image, wait=True)
+                wishes.append(("reference", image))
         except ValueError as exc:
             raise ValueError(f"Loom Control: {exc}") from None
-        return (engine,)
+        return (engine.wishing(*wishes),)
 
 
 class LoomStream:
@@ -465,6 +514,10 @@ class LoomStream:
         limit = timeout or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
         cancelled = _cancel_check()
         _wait_running(engine, limit, cancelled, "Loom Stream")
+        try:  # this wire's prompt and parameters, whichever branch's nodes ran last
+            engine.tell_wishes(blend)
+        except ValueError as exc:
+            raise ValueError(f"Loom Stream: {exc}") from None
         if engine.interrupted or not blend:  # confirmed before this run's first frame goes
             engine.bridge.reset(wait=True)  # a fresh stream on the newest prompt, with no blend under way
             engine.interrupted = False

@@ -152,7 +152,9 @@ class WorkflowRunner:
         cls = self.package.NODE_CLASS_MAPPINGS.get(node["class_type"])
         if cls is not None and "unique_id" in cls.INPUT_TYPES().get("hidden", {}):
             kwargs["unique_id"] = node_id
-        changed = cls.IS_CHANGED(**kwargs) if cls is not None and hasattr(cls, "IS_CHANGED") else None
+        # as ComfyUI: IS_CHANGED gets the node's constants, its linked inputs as None
+        constants = {k: None if isinstance(node["inputs"].get(k), list) else v for k, v in kwargs.items()}
+        changed = cls.IS_CHANGED(**constants) if cls is not None and hasattr(cls, "IS_CHANGED") else None
         signature = (node["class_type"], changed, tuple(sorted(
             (k, signatures[v[0]], v[1]) if isinstance(v, list) else (k, repr(v)) for k, v in node["inputs"].items())))
         signatures[node_id] = signature

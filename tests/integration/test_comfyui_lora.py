@@ -87,24 +87,40 @@ def test_strengths_change_live_and_files_restart_the_engine(nodes_pkg, tmp_path)
         settings = {"config": "default", "transport": "shm", "fallback": "passthrough", "passthrough": True}
         assert engine.IS_CHANGED(**settings, loras=weaker) != engine.IS_CHANGED(**settings, loras=both)
         again, _ = engine_node(nodes_pkg, passthrough=True, loras=weaker, unique_id="3")
-        assert again is handle and handle.bridge.stats()["engine_pid"] == pid  # live: no restart
+        assert again.bridge is handle.bridge and handle.bridge.stats()["engine_pid"] == pid  # live: no restart
         engine_report(handle.bridge, lambda r: (r.get("session") or {}).get("params", {}).get("lora_scales")
                       == {"ink": 0.8, "film": 0.3})  # raises unless the engine reports the new strengths
 
         only_ink = _lora(nodes_pkg, ink, 0.8)
         other, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="3")  # other files: a restart
-        assert other is not handle and len(engines) == 1
+        assert other.bridge is not handle.bridge and len(engines) == 1
         assert handle.bridge.status().state == "stopped"
         assert other.bridge.config.engine_args == ["--lora", f"{ink}:0.8"]
 
         # two Engine nodes with different files (an A/B comparison) each keep their engine
         first, _ = engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")
         second, _ = engine_node(nodes_pkg, passthrough=True, loras=both, unique_id="8")
-        assert first is other and len(engines) == 2 and first.users == {"3", "7"}
-        assert engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")[0] is first
+        assert first.bridge is other.bridge and len(engines) == 2 and first.users == {"3", "7"}
+        assert engine_node(nodes_pkg, passthrough=True, loras=only_ink, unique_id="7")[0].bridge is first.bridge
         assert first.bridge.status().state != "stopped" and second.bridge.status().state != "stopped"
     finally:
         engines.close_all()
+
+
+def test_an_ended_engine_with_loras_makes_its_engine_node_run_again(nodes_pkg, tmp_path):
+    """ComfyUI calls IS_CHANGED with linked inputs as None (the LoRA chain among them): an engine started with
+    LoRAs that has ended is still found, by the node that uses it, so the next queue run starts a fresh one."""
+    loras = _lora(nodes_pkg, _lora_file(tmp_path / "ink.safetensors"), 0.8)
+    engine = nodes_pkg.NODE_CLASS_MAPPINGS["LoomEngine"]
+    settings = {"config": "default", "transport": "shm", "fallback": "passthrough", "passthrough": True}
+    try:
+        handle, _ = engine_node(nodes_pkg, passthrough=True, loras=loras, unique_id="3")
+        mark = engine.IS_CHANGED(**settings, loras=None, unique_id="3")
+        handle.bridge.close()  # ended for good (as one that refuses a LoRA file changed since)
+        assert engine.IS_CHANGED(**settings, loras=None, unique_id="3") == f"{mark}:ended"
+        assert engine.IS_CHANGED(**settings, loras=None, unique_id="4") == mark  # another node's engine: as it was
+    finally:
+        nodes_pkg.nodes.ENGINES.close_all()
 
 
 def test_a_lora_the_engine_refuses_fails_the_engine_node_with_the_file_and_the_reason(nodes_pkg, tmp_path):

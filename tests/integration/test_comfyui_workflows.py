@@ -84,6 +84,36 @@ def test_the_video_restyle_example_runs_and_a_requeued_run_with_a_new_prompt_equ
     assert torch.equal(requeued, fresh), f"max difference {float((requeued - fresh).abs().max()) * 255:.1f} levels"
 
 
+def test_two_branches_on_one_engine_each_stream_on_their_own_prompt_when_requeued(nodes_pkg):
+    """An A/B of two prompts: one Engine node feeds two Prompt -> Stream branches. Queued again with nothing
+    changed, ComfyUI keeps both Prompt nodes' outputs and runs only the Stream nodes: each branch must still
+    stream on its own prompt, not on whichever Prompt node ran last."""
+    prompt = api_prompt(_workflow("loom_video_restyle.json"))
+    engine_id = next(k for k, n in prompt.items() if n["class_type"] == "LoomEngine")
+    prompt_id = next(k for k, n in prompt.items() if n["class_type"] == "LoomPrompt")
+    stream_id = next(k for k, n in prompt.items() if n["class_type"] == "LoomStream")
+    prompt[engine_id]["inputs"]["overrides"] = SMALL
+    prompt[prompt_id]["inputs"]["prompt"] = "thermal camera"
+    prompt["b1"] = {"class_type": "LoomPrompt", "inputs": {**prompt[prompt_id]["inputs"], "prompt": "pencil sketch"}}
+    prompt["b2"] = {"class_type": "LoomStream", "inputs": {**prompt[stream_id]["inputs"], "engine": ["b1", 0]}}
+    prompt["b3"] = {"class_type": "SaveVideo", "inputs": {"video": ["b4", 0]}}
+    create = next(n for n in prompt.values() if n["class_type"] == "CreateVideo")
+    prompt["b4"] = {"class_type": "CreateVideo", "inputs": {**create["inputs"], "images": ["b2", 0]}}
+    nodes_pkg.nodes.ENGINES.close_all()
+    frames, saved = image_batch(4, 32, 32, seed=7), []
+    runner = _runner(nodes_pkg, frames, saved)
+    runs = []
+    for _ in range(2):
+        runner.queue(prompt)
+        by_branch = dict(zip(("a", "b"), saved[-2:])) if runner.ran.index(stream_id) < runner.ran.index("b2") \
+            else dict(zip(("b", "a"), saved[-2:]))
+        runs.append(by_branch)
+    assert prompt_id not in runner.ran and "b1" not in runner.ran and {stream_id, "b2"} <= set(runner.ran)
+    assert not torch.equal(runs[0]["a"], runs[0]["b"])  # two prompts, two looks
+    for branch in ("a", "b"):
+        assert torch.equal(runs[1][branch], runs[0][branch]), branch
+
+
 def test_editing_the_engine_node_leaves_one_engine(nodes_pkg):
     """Each edit of the Engine node's settings starts the engine of the new settings; the one it used before
     is stopped, unless another Engine node uses it."""
