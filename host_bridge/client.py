@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -76,7 +77,11 @@ class Bridge:
         self.last_seq = -1  # sequence number of the last submitted frame (outputs carry it in status.seq)
         self._pending: tuple[int, np.ndarray | None, float] | None = None  # (seq, frame or None=staging, t)
         self._frames = NewestFrames(config.cuda_device)
-        self._shrinker = FrameShrinker(config.max_frame_side, self._take_shrunk, self._refused_shrunk)
+        self._shrinker = FrameShrinker(config.max_frame_side, _weakly(self._take_shrunk),
+                                       _weakly(self._refused_shrunk))
+        # what close() does, also when a host drops its bridge without closing it (a notebook cell run
+        # again) or exits: nothing here may hold the bridge itself, or it would never be collected
+        self._closer = weakref.finalize(self, _close_parts, self._shrinker, self._sup, self._frames, self._ctx)
         self._settled_size: tuple[int, int] | None = None  # the input size in use (SIZE_SETTLE_FRAMES)
         self._new_size: tuple[tuple[int, int] | None, int] = (None, 0)  # another size, and how many frames it held
         self._collect: dict[int, np.ndarray] | None = None
@@ -103,27 +108,15 @@ class Bridge:
         return self
 
     def close(self) -> None:
-        """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent."""
-        if self._sup.closing:
-            return
-        self._shrinker.close()
-        self._sup.stop()
-        self._frames.close()
-        self._ctx.term()
+        """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent; done
+        as well when the bridge is garbage collected, and at exit."""
+        self._closer()
 
     def __enter__(self) -> Bridge:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        sup = getattr(self, "_sup", None)
-        if sup is not None and sup.started and not sup.closing:
-            try:
-                self.close()
-            except Exception:
-                pass
 
     # ------------------------------------------------------------------------------------------------
     # frames in
@@ -830,3 +823,24 @@ def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
 
 
 __all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "DeviceFrame", "EngineRefused", "RingSpec"]
+
+
+def _close_parts(shrinker: FrameShrinker, sup: Supervisor, frames: NewestFrames, ctx: zmq.Context) -> None:
+    """A bridge's close, from its parts alone (it may run while the bridge is being collected, on whichever
+    thread let go of it last: the parts' own threads never wait for themselves)."""
+    shrinker.close()
+    sup.stop()
+    frames.close()
+    ctx.term()
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., None]:
+    """`method` called through a weak reference to its object: a thread holding it keeps no bridge alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
+

@@ -52,7 +52,7 @@ class FrameShrinker:
         with self._cond:
             self._closed, self._job = True, None
             self._cond.notify()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def _run(self) -> None:

@@ -26,6 +26,8 @@ import itertools
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
@@ -87,7 +89,8 @@ class Supervisor:
         self._ctx = ctx
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
-        self._frames: FrameSide | None = None
+        # weak: a host that drops its bridge without closing it must not find the engine kept by this thread
+        self._frames: Callable[[], FrameSide | None] = lambda: None
         self.link: Link | None = None
         self.state = EngineState.STOPPED
         self.message = ""
@@ -118,7 +121,7 @@ class Supervisor:
 
     def start(self, frames: FrameSide) -> None:
         """Begin keeping an engine linked; `frames` is called on each tick and for each fresh engine."""
-        self._frames = frames
+        self._frames = weakref.ref(frames)
         self.state = EngineState.STARTING
         self._thread = threading.Thread(target=self._run, name="loom-bridge", daemon=True)
         self._thread.start()
@@ -130,7 +133,7 @@ class Supervisor:
     def stop(self) -> None:
         """End the thread and tear the link down (stopping a launched engine); the state is then stopped."""
         self.closing = True
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.stop_timeout_s * 3 + 5)
         with self.cond:
             link, self.link = self.link, None
@@ -251,7 +254,8 @@ class Supervisor:
                 link.on_ready(msg.get("info") or {})
                 self.ever_ready = True
                 self._set_state(EngineState.RUNNING, "engine running")
-                self._frames.on_engine_ready(link)
+                if (frames := self._frames()) is not None:
+                    frames.on_engine_ready(link)
             elif kind == "status":
                 self.message = msg.get("message", "")
                 if msg["state"] == "error":
@@ -309,7 +313,8 @@ class Supervisor:
             link.request_stats(self.new_request_id())
         if link.ready and now - link.ready_at > STABLE_AFTER_S:
             self._backoff = self.config.restart_backoff_s
-        self._frames.on_tick(link)
+        if (frames := self._frames()) is not None:
+            frames.on_tick(link)
 
     def _fail(self, link: Link, reason: str) -> None:
         """Tear the link down (outside the lock: stopping a process takes time) and plan a restart, or
@@ -369,5 +374,6 @@ class Supervisor:
             return False
         self.link = fresh
         self._set_state(EngineState.RUNNING, message)
-        self._frames.on_engine_ready(fresh)
+        if (frames := self._frames()) is not None:
+            frames.on_engine_ready(fresh)
         return True

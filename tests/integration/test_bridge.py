@@ -6,6 +6,7 @@ engine crash or hang, restart, and nothing left behind (processes, segments, soc
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -316,6 +318,22 @@ def test_lora_scales_that_add_up_past_the_limit_are_refused_and_the_remembered_o
         assert bridge.wanted.params["lora_scales"] == {**eight, "style0": 1.5}
     finally:
         bridge.close()
+
+
+@posix_only
+def test_a_bridge_dropped_without_close_stops_its_engine():
+    """A notebook cell run again binds a new bridge and drops the old one unclosed: the old engine (and its
+    GPU memory) must go with it, not stay until the host process exits; also once frames were shrunk on the
+    bridge's own thread."""
+    bridge = Bridge(_config(max_frame_side=64)).start()
+    bridge.wait_running(30)
+    bridge.submit(indexed_frame(1, 128, 96))  # over max_frame_side: shrunk on the shrinking thread
+    assert wait_until(lambda b=bridge: b.stats()["sent"] >= 1, 10)
+    pid, segments = bridge.stats()["engine_pid"], set(bridge.stats()["segments"])
+    gone = weakref.ref(bridge)
+    del bridge
+    gc.collect()
+    assert gone() is None and _gone(pid) and not (_segments() & segments)
 
 
 @posix_only
