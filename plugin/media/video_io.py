@@ -26,6 +26,9 @@ import numpy as np
 
 from loom_live.plugin.media.base import FrameSource, MediaError
 
+# Signals that end a run, held back while encoded packets or a file's trailer are written (_signals_deferred).
+DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
 NETWORK_SOURCE_SCHEMES = ("rtsp", "rtsps", "srt", "udp", "rtmp", "rtmps", "http", "https", "tcp")
 NETWORK_SINK_FORMATS = {"udp": "mpegts", "srt": "mpegts", "rtmp": "flv", "rtmps": "flv"}
 FILE_SINK_SUFFIXES = (".mp4", ".mkv", ".mov")
@@ -395,8 +398,9 @@ class FrameSink:
         video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
         video_frame.pts = self.frames_written
         try:
-            self._container.mux(self._video.encode(video_frame))
-            self.frames_written += 1
+            with _signals_deferred():  # the packets an encode returns are muxed before a Ctrl-C ends the run
+                self._container.mux(self._video.encode(video_frame))
+                self.frames_written += 1
             if self._audio is not None:
                 self._audio.copy_until(self.frames_written / self.fps)
         except (av.error.FFmpegError, OSError) as e:
@@ -416,7 +420,7 @@ class FrameSink:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
-        with _sigint_deferred():
+        with _signals_deferred():
             try:
                 try:
                     self._container.mux(self._video.encode(None))
@@ -642,21 +646,30 @@ def _reason(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C back while a file is being finalised; deliver it afterwards."""
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and a stop signal (SIGTERM, SIGHUP) back while encoded packets are written or a file is
+    finalised, then deliver the first one. Raised between an encode and its mux, it would lose the packets
+    just encoded, the stream's first keyframe among them: a kept file that plays nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    previous = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
+                for signum in DEFERRED_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if received and previous is signal.default_int_handler:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not received:
+        return
+    signum, handler = received[0], previous[received[0]]
+    if handler is signal.default_int_handler:
         raise KeyboardInterrupt
-    if received and callable(previous):
-        previous(signal.SIGINT, None)
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
 
 
 @contextlib.contextmanager

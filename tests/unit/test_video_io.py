@@ -287,6 +287,57 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
         assert len(list(src)) > 10
 
 
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_during_an_encode_keeps_its_packets_and_the_file_plays(tmp_path: Path, signame: str) -> None:
+    """Ctrl-C (or a stop signal the player turns into an exception) that lands while the encoder runs is
+    raised as soon as the encode returns: before the packets it returned were written, the first keyframe
+    among them, the kept file would play nothing. Sent from inside the first encode that returns packets."""
+    out = tmp_path / "stopped.mp4"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from loom_live.plugin.media.video_io import generate_clip, open_sink
+
+        class Stop(BaseException):
+            pass
+
+        def stop(signum, frame):
+            raise Stop()
+
+        if {signame!r} == "SIGTERM":
+            signal.signal(signal.SIGTERM, stop)  # as the player does
+
+        class SignalInEncode:
+            def __init__(self, stream):
+                self.stream, self.fired = stream, False
+
+            def encode(self, frame):
+                packets = self.stream.encode(frame)
+                if packets and not self.fired:
+                    self.fired = True
+                    os.kill(os.getpid(), signal.{signame})
+                return packets
+
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+        clip = generate_clip(60, (96, 64), 24, seed=0)
+        sink = open_sink({str(out)!r}, 24, (96, 64))
+        sink._video = SignalInEncode(sink._video)
+        try:
+            for i in range(60):
+                sink.write(clip.frame(i))
+        except (KeyboardInterrupt, Stop):
+            print("stopped after", sink.frames_written, flush=True)
+        finally:
+            sink.close(keep=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    written = int(result.stdout.split()[-1])
+    assert result.stdout.startswith("stopped after") and 0 < written < 60, result.stderr
+    with open_source(out) as src:
+        assert len(list(src)) == written  # every frame written plays, the first keyframe among them
+
+
 def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
     code = ("import sys, loom_live.plugin.media.video_io; "
             "print(sorted(m for m in ('av', 'cv2', 'torch', 'loom_live.engine') if m in sys.modules))")
