@@ -555,7 +555,11 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     if name_or_path is None:
         name_or_path = DEFAULT_PRESET
     path = Path(name_or_path).expanduser()
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    # a shipped preset's bare name is that preset, whatever the working folder holds (./name is the file)
+    bare_preset = isinstance(name_or_path, str) and name_or_path in list_presets()
+    if not bare_preset and (path.suffix.lower() in (".yaml", ".yml") or path.exists()):
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a folder; expected a YAML config file or a preset name")
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         source, text = str(path), _read_text(path)

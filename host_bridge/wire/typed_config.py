@@ -12,11 +12,14 @@ Field constraints ride on dataclass field metadata, built with `spec()`:
 from __future__ import annotations
 
 import dataclasses
+import math
 import reprlib
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
+
+INT64_LIMIT = 1 << 63
 
 T = TypeVar("T")
 
@@ -102,9 +105,11 @@ def _scalar(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
     elif tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(source, path, value, "an integer" + _range_text(meta))
+        if not -INT64_LIMIT <= value < INT64_LIMIT:  # what torch and numpy take (a seed, say)
+            _fail(source, path, value, "an integer of at most 64 bits" + _range_text(meta))
     elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(source, path, value, "a number" + _range_text(meta))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(source, path, value, "a finite number" + _range_text(meta))  # NaN fails no comparison
         value = float(value)
     elif tp is str:
         if not isinstance(value, str):  # a choice field names its choices (YAML reads yes/off as booleans)

@@ -68,6 +68,9 @@ def _error(tmp_path, text: str | None = None, overrides=(), name=None) -> str:
         ("prompt: {text: '  '}\n", ["prompt.text", "empty"]),
         ("model: [1, 2]\n", ["model", "expected a mapping"]),
         ("model: {preset: tiny\n", ["bad.yaml", "not valid YAML"]),
+        ("noise: {noise_scale: .nan}\n", ["noise.noise_scale", "nan", "a finite number in [0.1, 1.0]"]),
+        ("stream: {timestep_shift: .inf}\n", ["stream.timestep_shift", "a finite number"]),
+        ("stream: {seed: 99999999999999999999999}\n", ["stream.seed", "an integer of at most 64 bits"]),
     ],
 )
 def test_bad_files_name_file_key_value_and_what_is_allowed(tmp_path, text, fragments):
@@ -83,6 +86,18 @@ def test_unknown_preset_lists_the_available_ones(tmp_path):
 
 def test_missing_file(tmp_path):
     assert "not found" in _error(tmp_path, name=tmp_path / "nope.yaml")
+    assert "not found" in _error(tmp_path, name=str(tmp_path / "Nope.YAML"))  # a file by its suffix, any case
+    assert "is a folder" in _error(tmp_path, name=str(tmp_path))
+
+
+def test_a_preset_name_is_the_preset_whatever_the_working_folder_holds(tmp_path, monkeypatch):
+    """A folder or file called `default` where the user runs must not replace (or break) the default."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "tiny-random").write_text("model: {preset: tiny}\nprompt: {encoder: style}\n")
+    assert load_config().model.preset == "embedded" and load_config("default").model.preset == "embedded"
+    assert load_config("tiny-random").prompt.encoder == "hash"  # the preset, not the file
+    assert load_config("./tiny-random").prompt.encoder == "style"  # the file, named as a path
 
 
 def test_bad_override():
