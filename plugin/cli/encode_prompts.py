@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=4096, help="embedding width for --encoder hash")
     p.add_argument("--device", default="cpu", help="where the encoder runs: cpu or cuda (default cpu)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    p.add_argument("-y", "--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=run)
 
 
@@ -43,16 +45,42 @@ def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> Non
         names[key] = text
         print(f"[{i}/{len(texts)}] {text}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"prompts": json.dumps(names)})
+    partial = out.with_name(f".{out.name}.loom-partial")  # the target is replaced whole, or left as it was
+    try:
+        save_file(tensors, str(partial), metadata={"prompts": json.dumps(names)})
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def check_out(out: Path, from_file: Path | None, overwrite: bool) -> None:
+    """Refuse an --out that would destroy what the user has: a folder, the prompt list itself, any file
+    without --overwrite; and one a `prompt.encoder: file` config would not read (not .safetensors)."""
+    from loom_live.host_bridge.wire.errors import UserError
+
+    if out.suffix.lower() != ".safetensors":
+        raise UserError(f"--out {out}: an embeddings file ends in .safetensors")
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a folder; give a file in it, such as {out / 'prompts.safetensors'}")
+    if from_file is not None and out.exists() and from_file.exists() and os.path.samefile(out, from_file):
+        raise UserError(f"--out {out} is the --from-file prompt list; write the embeddings to another file")
+    if out.exists() and not overwrite:
+        raise UserError(f"--out {out} exists; give --overwrite (-y) to replace it, or another --out")
 
 
 def run(args: argparse.Namespace) -> int:
     from loom_live.engine.stream.prompts import HashTextEncoder, UMT5TextEncoder
     from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.player.options import PlayerError, read_prompt_file
 
+    out = args.out.expanduser()
+    check_out(out, args.from_file.expanduser() if args.from_file else None, args.overwrite)
     prompts = list(args.prompts)
     if args.from_file:
-        prompts += [line for line in args.from_file.read_text().splitlines() if line.strip()]
+        try:
+            prompts += read_prompt_file(args.from_file, "--from-file")
+        except PlayerError as exc:
+            raise UserError(str(exc)) from None
     if not prompts:
         raise UserError("no prompts given (pass them as arguments or with --from-file)")
     if args.encoder == "hash":
@@ -61,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.encoder_path:
             raise UserError("--encoder umt5 needs --encoder-path (a local umT5 directory)")
         encoder = UMT5TextEncoder(args.encoder_path, device=args.device)
-    write_embeddings(encoder, prompts, args.out)
-    print(f"wrote {args.out}")
+    write_embeddings(encoder, prompts, out)
+    print(f"wrote {out}")
     return 0

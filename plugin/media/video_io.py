@@ -26,6 +26,8 @@ import numpy as np
 
 from loom_live.plugin.media.base import FrameSource, MediaError
 
+# The frame rates an output is written at: a file's time base holds them, and players decode them.
+SINK_FPS_RANGE = (0.01, 1000.0)
 # Signals that end a run, held back while encoded packets or a file's trailer are written (_signals_deferred).
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -563,6 +565,9 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     width, height = _check_size(size, f"output {spec}")
     if not (isinstance(fps, (int, float, Fraction)) and math.isfinite(fps) and fps > 0):
         raise MediaError(f"output {spec}: fps must be a positive number, got {fps!r}")
+    if not SINK_FPS_RANGE[0] <= fps <= SINK_FPS_RANGE[1]:  # beyond, MP4 writes frames no player decodes
+        raise MediaError(f"output {spec}: {fps:g} fps is outside what a video file holds; allowed "
+                         f"{SINK_FPS_RANGE[0]:g} to {SINK_FPS_RANGE[1]:g} fps (give --fps)")
     spec_str = str(spec)
     if is_app_output(spec_str):  # raw frames to another application: any size
         return open_app_sink(spec_str, float(fps), (width, height))
@@ -578,7 +583,7 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
             target += f"?pkt_size={UDP_TS_PACKET_SIZE}"
         return FrameSink(spec_str, target, NETWORK_SINK_FORMATS[scheme], True, float(fps), width, height,
                          None)
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.suffix.lower() not in FILE_SINK_SUFFIXES:
         raise MediaError(f"output file {path} must end in one of {', '.join(FILE_SINK_SUFFIXES)}")
     check_output_file(path, [audio_from] if audio_from is not None else [], overwrite)
@@ -591,6 +596,8 @@ def check_output_file(path: str | Path, inputs: list[str | int | Path], overwrit
     path = Path(path).expanduser()
     if not path.parent.is_dir():
         raise MediaError(f"output folder does not exist: {path.parent}")
+    if path.is_dir():
+        raise MediaError(f"output {path} is a folder; give a file in it, such as {path / 'out.mp4'}")
     for spec in inputs:
         if isinstance(spec, int) or "://" in str(spec) or not Path(spec).expanduser().exists():
             continue

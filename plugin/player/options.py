@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loom_live.host_bridge.wire.params import LIVE, PROMPT, whole_chunks
 from loom_live.plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
-from loom_live.plugin.media.video_io import MediaError, check_output_file
+from loom_live.plugin.media.video_io import SINK_FPS_RANGE, MediaError, check_output_file
 
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"
@@ -88,6 +88,9 @@ class PlayerOptions:
             raise PlayerError(f"transport: {self.transport!r} is not allowed; expected {', '.join(TRANSPORTS)}")
         if self.max_frames is not None and self.max_frames < 1:
             raise PlayerError(f"--frames: {self.max_frames} must be at least 1")
+        if not SINK_FPS_RANGE[0] <= self.fps <= SINK_FPS_RANGE[1]:  # NaN too
+            raise PlayerError(f"--fps: {self.fps:g} is not allowed; expected {SINK_FPS_RANGE[0]:g} to "
+                              f"{SINK_FPS_RANGE[1]:g} frames a second")
         if not self.outputs and self.web is None:
             raise PlayerError("no output given; use -o FILE.mp4, -o udp://HOST:PORT or -o window")
         if self.uses_web_camera and self.web is None:
@@ -98,6 +101,7 @@ class PlayerOptions:
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
         inputs = [] if self.uses_generated_clip or self.uses_web_camera else [self.input]
+        files: dict[Path, str] = {}
         for spec in self.outputs:
             if output_kind(spec) != "file":
                 continue
@@ -105,6 +109,10 @@ class PlayerOptions:
                 check_output_file(spec, inputs, self.overwrite)
             except MediaError as exc:
                 raise PlayerError(str(exc)) from None
+            same = files.setdefault(Path(spec).expanduser().resolve(), spec)
+            if same != spec or sum(s == spec for s in self.outputs) > 1:
+                raise PlayerError(f"output {spec} is given twice{f' (as {same})' if same != spec else ''}; "
+                                  "each -o file is written once")
 
     @property
     def uses_generated_clip(self) -> bool:
@@ -132,16 +140,17 @@ def output_kind(spec: str) -> str:
     return "file"
 
 
-def read_prompt_file(path: str) -> list[str]:
-    """One prompt per line; blank lines and lines starting with # are skipped."""
-    p = Path(path)
+def read_prompt_file(path: str | Path, option: str = "--prompts") -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped. `option` names the file in
+    errors (the command-line option that gave it)."""
+    p = Path(path).expanduser()
     if not p.is_file():
-        raise PlayerError(f"--prompts: file not found: {p}")
+        raise PlayerError(f"{option}: file not found: {p}")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_text(encoding="utf-8-sig").splitlines()  # Notepad's UTF-8 starts with a byte-order mark
     except (OSError, UnicodeDecodeError) as exc:
-        raise PlayerError(f"--prompts: cannot read {p}: {exc}") from exc
+        raise PlayerError(f"{option}: cannot read {p}: {exc}") from exc
     prompts = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
-        raise PlayerError(f"--prompts: {p} holds no prompt (one per line; # starts a comment)")
+        raise PlayerError(f"{option}: {p} holds no prompt (one per line; # starts a comment)")
     return prompts

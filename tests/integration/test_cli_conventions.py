@@ -4,6 +4,7 @@ need no engine reported before one starts."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -74,6 +75,31 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
     assert "no engine answers there" in capsys.readouterr().err
     assert time.monotonic() - started < 30  # refused at once, not after a start-up timeout
     assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
+
+
+def test_encode_prompts_never_destroys_a_users_file(tmp_path, capsys):
+    """Its --out is refused when it is the prompt list itself, a folder, not .safetensors, or an existing file
+    without -y; the prompt list may come from Notepad (a byte-order mark) with # comments."""
+    from safetensors import safe_open
+
+    prompts = tmp_path / "show.txt"
+    prompts.write_bytes("\ufeff# tonight's looks\nink wash\n\nneon city\n".encode())
+    run = ["encode-prompts", "--encoder", "hash", "--dim", "8", "--from-file", str(prompts)]
+    for out, words in ((prompts, "ends in .safetensors"), (tmp_path, "ends in .safetensors")):
+        assert main([*run, "--out", str(out)]) == 2 and words in capsys.readouterr().err
+    folder = tmp_path / "looks.safetensors"
+    folder.mkdir()
+    assert main([*run, "--out", str(folder)]) == 2 and "is a folder" in capsys.readouterr().err
+    out = tmp_path / "show.safetensors"
+    assert main([*run, "--out", str(out)]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert sorted(json.loads(f.metadata()["prompts"]).values()) == ["ink wash", "neon city"]
+    before = out.read_bytes()
+    assert main(["encode-prompts", "--encoder", "hash", "--dim", "8", "other", "--out", str(out)]) == 2
+    assert "exists; give --overwrite (-y)" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(["encode-prompts", "--encoder", "hash", "--dim", "8", "other", "--out", str(out), "-y"]) == 0
+    assert out.read_bytes() != before and prompts.read_bytes().startswith(b"\xef\xbb\xbf# tonight")
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
 
 
 def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(monkeypatch, tmp_path, capsys):

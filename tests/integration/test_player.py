@@ -249,6 +249,32 @@ def test_an_output_equal_to_the_input_or_existing_is_refused_and_left_untouched(
     assert clip.read_bytes() == before
 
 
+def test_outputs_and_rates_no_run_could_write_are_refused_before_the_engine_starts(tmp_path, capsys):
+    """A folder given as -o (even with -y), one file given twice, a generated clip's rate no video file holds:
+    each would fail after the whole run (or write frames no player decodes), so each is refused at once."""
+    folder = tmp_path / "renders.mp4"
+    folder.mkdir()
+    cases = [
+        (["-o", str(folder), "-y"], "is a folder; give a file in it"),
+        (["-o", str(tmp_path / "a.mp4"), "-o", str(tmp_path / "." / "a.mp4")], "is given twice"),
+        (["--fps", "100000", "-o", str(tmp_path / "b.mp4")], "--fps: 100000 is not allowed; expected 0.01 to 1000"),
+        (["--fps", "nan", "-o", str(tmp_path / "b.mp4")], "--fps: nan is not allowed"),
+    ]
+    for args, expected in cases:
+        assert main(["play", "-n", "5", *args]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["renders.mp4"]
+
+
+def test_a_prompt_list_saved_with_a_byte_order_mark_keeps_its_comment_a_comment(tmp_path):
+    from loom_live.plugin.player import read_prompt_file
+
+    path = tmp_path / "show.txt"
+    path.write_bytes("\ufeff# my show\nink wash\nneon city\n".encode())
+    assert read_prompt_file(str(path)) == ["ink wash", "neon city"]
+
+
 def test_a_failed_run_leaves_an_existing_output_as_it_was(tmp_path):
     """The engine cannot start (exit 3) after the output was opened: with -y the old file still stands."""
     dst = tmp_path / "kept.mp4"
