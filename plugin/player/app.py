@@ -377,6 +377,7 @@ class Player:
         inputs = self._frames()
         unanswered: deque[np.ndarray] = deque()  # handed to the engine, output not back yet
         failures = 0
+        self.printer.await_first("loom play: waiting for the first restyled frame")
         while True:
             outputs = self.bridge.process_stream(self._sent(inputs, unanswered),
                                                  stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s,
@@ -562,6 +563,7 @@ class Player:
         `keep`: the run ended normally or was stopped by the user, so the files written so far replace
         their targets. After a failure a target that existed is left as it was; a new one gets the
         frames written before the failure (finalised, so they play) rather than nothing."""
+        self.printer.end_progress()  # the bar where it stands, or the wait for a first frame that never came
         for sink in self.sinks:
             try:
                 sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()))

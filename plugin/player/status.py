@@ -2,15 +2,17 @@
 
 Start-up stages are printed once each, as they begin, and each is closed with how long it took; a
 stage that lasts (the engine loading a model) gets a line every few seconds meanwhile, so a silent
-terminal never looks like a hang. A file's progress is tqdm's bar, started at
-the first restyled frame (so its rate and ETA measure the stream, not the engine's start-up) and
-closed at N/N. On a terminal the bar and the live line are redrawn in place; when stderr is a pipe
-or a log file, a full line (tqdm's own format) is printed every few seconds, so logs stay readable.
+terminal never looks like a hang; so does the wait for a file's first restyled frame. A file's progress
+is tqdm's bar, started at the first restyled frame (so its rate and ETA measure the stream, not the
+engine's start-up) and closed at N/N. On a terminal the bar and the live line are redrawn in place;
+when stderr is a pipe or a log file, a full line (tqdm's own format) is printed every few seconds, so
+logs stay readable.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -54,6 +56,7 @@ class StatusPrinter:
         self._total: int | None = None
         self._postfix = ""
         self._logged: tuple[int, int | None] | None = None  # (done, total) of the last progress line logged
+        self._waiting: tuple[threading.Event, threading.Thread] | None = None  # await_first's heartbeat
 
     def update(self, line: str, force: bool = False) -> None:
         if self.quiet:
@@ -89,10 +92,36 @@ class StatusPrinter:
             self.say(f"{self._stage}: {time.monotonic() - self._stage_started:.1f} s")
             self._stage = ""
 
+    def await_first(self, text: str) -> None:
+        """Say `text` now and every STAGE_HEARTBEAT_S until the first progress: a file's first restyled
+        frame can take minutes after the engine is ready (compiling at a new size), and nothing else
+        speaks meanwhile, since the caller waits for that frame. A thread of its own says it; the first
+        progress (or the bar's end) stops it before writing."""
+        if self.quiet:
+            return
+        self.say(f"{text} ...")
+        stop, started = threading.Event(), time.monotonic()
+
+        def beat() -> None:
+            while not stop.wait(STAGE_HEARTBEAT_S):
+                self.say(f"{text} ... {time.monotonic() - started:.0f} s so far")
+
+        thread = threading.Thread(target=beat, name="loom-status-heartbeat", daemon=True)
+        thread.start()
+        self._waiting = (stop, thread)
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            stop, thread = self._waiting
+            stop.set()
+            thread.join()
+            self._waiting = None
+
     def progress(self, done: int, total: int | None) -> None:
         """Frames done out of `total` (None: unknown); the first call starts the clock."""
         if self.quiet:
             return
+        self._stop_waiting()
         if self._bar is None:
             self._bar = tqdm(total=total, unit="frame", file=self.stream, dynamic_ncols=True, leave=True,
                              disable=not self.tty, mininterval=TTY_INTERVAL_S, desc="loom play",
@@ -124,6 +153,7 @@ class StatusPrinter:
     def end_progress(self, final_total: int | None = None) -> None:
         """Close the bar where it stands; `final_total`: the run is complete, so the bar ends at N/N
         even when the input's announced length was an estimate. A log gets that last line too."""
+        self._stop_waiting()
         if self._bar is None:
             return
         if final_total is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 
 from loom_live.plugin.player import status
 from loom_live.plugin.player.status import StatusPrinter
@@ -31,3 +32,24 @@ def test_stage_lines_say_how_long_each_stage_took_and_a_long_stage_has_a_heartbe
         "loom play: starting the engine: loading the model: 12.0 s",
     ]
     assert not re.search(r"\(0 s\)", out.getvalue())
+
+
+def test_the_wait_for_a_files_first_frame_has_a_heartbeat_that_ends_with_the_first_frame(monkeypatch):
+    """After the engine is ready a file's first restyled frame may still take minutes (a compile at a new
+    size): the terminal says it is waiting, again every few seconds, and stops saying so at that frame."""
+    monkeypatch.setattr(status, "STAGE_HEARTBEAT_S", 0.02)
+    out = io.StringIO()
+    printer = StatusPrinter(out)
+    printer.await_first("loom play: waiting for the first restyled frame")
+    deadline = time.monotonic() + 10
+    while out.getvalue().count("so far") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    printer.progress(1, 2)  # joins the heartbeat: nothing of it comes after
+    said = out.getvalue()
+    time.sleep(0.1)
+    assert out.getvalue() == said and said.count("so far") >= 2
+    lines = said.splitlines()
+    assert lines[0] == "loom play: waiting for the first restyled frame ..."
+    beat = r"loom play: waiting for the first restyled frame \.\.\. \d+ s so far"
+    assert all(re.fullmatch(beat, line) for line in lines[1:])
+    printer.end_progress()
