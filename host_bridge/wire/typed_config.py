@@ -186,4 +186,7 @@ def apply_override(data: dict, keys: list[str], value: Any) -> None:
         if not isinstance(nxt, dict):
             raise ConfigError(f"--set {'.'.join(keys)}: {k} is not a section")
         node = nxt
+    if value is None and isinstance(node.get(keys[-1]), dict):  # `--set model=` would reset the whole section
+        raise ConfigError(f"--set {'.'.join(keys)}=: {keys[-1]} is a section; set one of its keys "
+                          f"({'.'.join(keys)}.KEY=value)")
     node[keys[-1]] = value

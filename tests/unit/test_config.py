@@ -105,3 +105,5 @@ def test_bad_override():
         load_config(None, ["noequals"])
     with pytest.raises(ConfigError, match="stream.num_kv_cache.*integer"):
         load_config(None, ["stream.num_kv_cache=six"])
+    with pytest.raises(ConfigError, match=r"--set model=: model is a section; set one of its keys \(model.KEY"):
+        load_config("tiny-random", ["model="])  # not a silent reset of the preset's model to the defaults
