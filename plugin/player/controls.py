@@ -10,6 +10,7 @@ step lists are the live-parameter schema's (host_bridge/wire/params.py).
 
 from __future__ import annotations
 
+import math
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class Command:
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
             "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "context_scale",
             "context_step", "control_source", "control_next", "reference", "reference_image", "reference_reload",
-            "pause", "overlay", "fullscreen", "quit")
+            "pause", "overlay", "fullscreen", "quit", "refused")  # refused: (why,) a message another thread refused
 
 
 class ControlError(ValueError):
@@ -170,6 +171,8 @@ def _int(value: Any, what: str) -> int:
         as_float = float(value)
     except (TypeError, ValueError):
         raise ControlError(f"{what}: {value!r} is not a number") from None
+    if not math.isfinite(as_float):  # int() of it raises, and no setting takes it
+        raise ControlError(f"{what}: {value!r} is not a finite number")
     if as_float != int(as_float):
         raise ControlError(f"{what}: {value!r} is not a whole number")
     return int(as_float)
@@ -215,7 +218,10 @@ class Controls:
         changes: dict[str, Any] = {}
         done = []
         for command in commands:
-            self._apply(command, changes)
+            if command.name == "refused":
+                self._refuse(command.args[0])
+            else:
+                self._apply(command, changes)
             done.append(self.state.message)
         if "prompt" in changes:
             text, chunks = changes.pop("prompt")

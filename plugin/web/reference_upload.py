@@ -25,6 +25,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SOI = b"\xff\xd8"
 # JPEG frame headers (SOF0..SOF15) carry the sides; C4 (Huffman tables), C8 and CC (arithmetic) do not
 JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# markers with no length after them (TEM, RST0..7), read as the decoder reads them: taken for segments with a
+# length, they would make the walk skip the real frame header and read a small one planted after it
+JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 
 
 def decode_upload(name: Any, data: Any) -> tuple[str, np.ndarray]:
@@ -72,7 +75,14 @@ def _jpeg_sides(raw: bytes) -> tuple[int, int] | None:
         if marker == 0xFF:  # fill byte
             i += 1
             continue
+        if marker in JPEG_STANDALONE:
+            i += 2
+            continue
+        if marker in (0xD8, 0xD9):  # a second start, or the end, before any frame header: not an image we read
+            return None
         length = struct.unpack(">H", raw[i + 2:i + 4])[0]
+        if length < 2:  # a length counts its own two bytes
+            return None
         if marker in JPEG_SOF:
             if i + 9 > len(raw):
                 return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import threading
@@ -142,6 +143,11 @@ class PageServer:
         if not self.access.allows(presented):
             return self._refuse(request, "a wrong or missing token; open the address printed at start "
                                          "(it ends with ?token=...)")
+        if self.access.token is None and not _loopback_host(request.host):
+            # no token guards a loopback page, so its name must be this machine's: a site whose name a DNS
+            # rebinding points here would otherwise be same-origin with the page and drive the show
+            return self._refuse(request, f"the page asked for by the name {request.host[:80]!r}; open it at "
+                                         "127.0.0.1, [::1] or localhost")
         if request.path == "/ws" and not _same_origin(request):
             return self._refuse(request, "a WebSocket from another site's page")
         response = await handler(request)
@@ -220,7 +226,7 @@ class PageServer:
                 done = await asyncio.get_running_loop().run_in_executor(None, self.show.control, message)
             else:
                 done = self.show.control(message)
-        except ControlError as exc:
+        except (ControlError, ValueError, TypeError, OverflowError) as exc:  # any bad value: refused, page kept
             await page.ws.send_json({"type": "refused", "message": str(exc)})
             return
         await page.ws.send_json({"type": "accepted", "message": done})
@@ -265,6 +271,17 @@ class PageServer:
             for page in list(self._pages):
                 with contextlib.suppress(Exception):  # a page going away misses its beat
                     await page.ws.send_json({**state, "role": self._role(page)})
+
+
+def _loopback_host(host: str) -> bool:
+    """A Host header that names this machine literally (127.x, ::1, localhost), never resolved."""
+    name = urlsplit(f"//{host}").hostname or ""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _same_origin(request: web.Request) -> bool:

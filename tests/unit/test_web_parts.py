@@ -91,6 +91,8 @@ def test_page_messages_become_player_commands():
     ({"control": "motion_aware", "value": "yes"}, "true or false"),
     ({"control": "transition_chunks", "value": -1}, "transition_chunks"),
     ({"control": "prompt_index", "value": 1.5}, "whole number"),
+    ({"control": "steps", "value": "nan"}, "not a finite number"),
+    ({"control": "transition_chunks", "value": 1e999}, "not a finite number"),
     ({"control": "quit"}, "unknown control 'quit'"),
     ({"value": 1}, "unknown control"),
 ])
@@ -194,6 +196,69 @@ def test_the_host_reads_the_newest_camera_frame_and_skips_the_stale_ones():
 
     got, skipped = asyncio.run(read())
     assert skipped == 2 and len(got) == 1 and abs(got[0] - 30) <= 2, got  # 10 and 20 stale: only 30 goes on
+
+
+def test_a_page_without_a_token_must_name_this_machine_and_a_bad_value_keeps_its_socket():
+    """Loopback asks no token, so the page's name is the guard: a site whose name a DNS rebinding points at
+    127.0.0.1 is same-origin with itself and would drive the show. A value no setting takes (NaN) is
+    refused on the page's socket, which stays open."""
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+
+    import aiohttp
+
+    from loom_live.plugin.web.host import WebHost
+
+    controls = Controls(ControlState(prompts=["a", "b"]))
+    host = WebHost(make_access("127.0.0.1:0"), controls, (32, 24), 10.0, camera=False)
+    host.start()
+    port = host.server.port
+
+    async def visit() -> list:
+        seen = []
+        async with aiohttp.ClientSession() as session:
+            for name in (f"evil.example:{port}", f"127.0.0.1.nip.io:{port}"):
+                async with session.get(f"http://127.0.0.1:{port}/", headers={"Host": name}) as r:
+                    seen.append((r.status, "open it at 127.0.0.1" in await r.text()))
+            for name in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+                async with session.get(f"http://127.0.0.1:{port}/", headers={"Host": name}) as r:
+                    seen.append(r.status)
+            async with session.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
+                await ws.send_json({"type": "control", "control": "steps", "value": "nan"})
+                await ws.send_json({"type": "control", "control": "noise_scale", "value": 0.5})
+                replies = []
+                while len(replies) < 2:
+                    msg = await asyncio.wait_for(ws.receive_json(), 10)
+                    if msg["type"] in ("accepted", "refused"):
+                        replies.append(msg["type"])
+                seen.append(replies)
+        return seen
+
+    try:
+        assert asyncio.run(visit()) == [(403, True), (403, True), 200, 200, 200, ["refused", "accepted"]]
+    finally:
+        host.close()
+
+
+def test_a_jpeg_that_plants_a_small_frame_header_behind_a_marker_without_length_is_read_as_the_decoder_does():
+    """TEM and RSTn carry no length. Read as if they did, the side check would skip the real frame header
+    (16000x16000, gigabytes once decoded) and read a small one planted after the image's end."""
+    import base64
+    import struct
+
+    from loom_live.plugin.web.reference_upload import decode_upload, image_sides
+
+    ok, encoded = cv2.imencode(".jpg", np.full((16, 16, 3), 128, np.uint8))
+    real = bytearray(encoded.tobytes())
+    sof = real.find(b"\xff\xc0")
+    real[sof + 5:sof + 9] = struct.pack(">HH", 16000, 16000)
+    crafted = b"\xff\xd8\xff\x01" + bytes(real[2:])  # TEM right after the start
+    crafted += b"\x00" * (4 + 0xFFE0 - len(crafted))  # where a walk that took TEM for a length would land
+    crafted += b"\xff\xc0\x00\x11\x08" + struct.pack(">HH", 16, 16) + bytes(11)
+    assert image_sides(crafted) == (16000, 16000)
+    with pytest.raises(ControlError, match="16000x16000; expected 1 to 4096 px a side"):
+        decode_upload("bomb.jpg", base64.b64encode(crafted).decode())
+    assert decode_upload("fine.jpg", base64.b64encode(encoded.tobytes()).decode())[1].shape == (16, 16, 3)
 
 
 def test_the_pages_get_each_restyled_frame_once_stamped_and_never_an_older_one():
