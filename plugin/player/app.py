@@ -94,6 +94,7 @@ class Player:
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
+        self._errors_said = 0  # the engine's error count already said (_say_engine_errors)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
         self.control_input: ControlInput | None = None  # VACE: --control-input, read beside the input
@@ -526,6 +527,16 @@ class Player:
         if line is not None:
             self.printer.say(f"loom play: {line}")
             self.printer.set_postfix(self.style.short)
+        self._say_engine_errors()
+
+    def _say_engine_errors(self) -> None:
+        """What the running engine refused (a prompt its embeddings file lacks) or reported, in its words,
+        once each: the command itself was said when sent, and the engine stays running."""
+        stats = self.bridge.stats()
+        errors = stats.get("errors", 0)
+        if errors > self._errors_said and stats.get("last_error"):
+            self.printer.say(f"loom play: {stats['last_error']}")
+        self._errors_said = errors
 
     def _poll_controls(self) -> None:
         for line in self.controls.apply_pending(self.bridge):

@@ -49,7 +49,7 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
 def _index(value: Any) -> Command:
     try:
         return Command("prompt_index", (int(value),))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an OSC float infinity
         raise ControlError(f"prompt index: {value!r} is not a whole number") from None
 
 
@@ -111,10 +111,10 @@ class OSCServer:
         self.received += 1
         try:
             self.controls.put(command_for(address, args))
-        except ControlError as exc:
+        except (ControlError, ValueError, TypeError) as exc:  # refused and counted; the stream goes on
             self.rejected += 1
             self.last_error = str(exc)
-            self.controls.state.message = f"OSC: {exc}"
+            self.controls.put(Command("refused", (f"OSC refused: {exc}",)))  # said by the frame loop
 
     def close(self) -> None:
         self._server.shutdown()

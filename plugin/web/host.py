@@ -168,7 +168,9 @@ class WebHost:
             stats = self.bridge.stats()
             engine = {"state": str(status.state.value), "fps": round(status.fps, 2),
                       "latency_ms": round(status.latency_ms, 1), "dropped": status.dropped,
-                      "message": status.message, "restarts": status.restarts, "frames_out": status.frames_out}
+                      "message": status.message, "restarts": status.restarts, "frames_out": status.frames_out,
+                      # what the engine refused while running (a prompt its embeddings file lacks): said on the page
+                      "errors": stats.get("errors", 0), "last_error": stats.get("last_error", "")}
             report = stats.get("engine", {}).get("session") or {}
             session = {k: report.get(k) for k in ("prompt", "prompt_style", "prompt_blend", "steps", "noise_scale",
                                                   "lora_scales", "prompt_error", "params")}

@@ -97,4 +97,4 @@ def control_state(s: ControlState) -> dict[str, Any]:
             "noise_scale": s.noise_scale, "motion_aware": s.motion_aware, "transition_chunks": s.transition_chunks,
             "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message,
             "control_sources": list(s.control_sources), "control_source": s.control_source,
-            "context_scale": s.context_scale}
+            "context_scale": s.context_scale, "takes_reference": s.takes_reference, "refused": s.refused}

@@ -481,16 +481,19 @@ def test_osc_server_feeds_the_controls():
         client.send_message("/loom/prompt", ["chrome", 3])
         client.send_message("/loom/steps", 4)
         client.send_message("/loom/steps", 9)  # refused, counted
+        client.send_message("/loom/steps", float("inf"))  # refused too (int() of it raises OverflowError)
         client.send_message("/loom/quit", [])
         deadline = time.monotonic() + 5
-        while server.received < 4 and time.monotonic() < deadline:
+        while server.received < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
-        controls.apply_pending(bridge)
+        said = controls.apply_pending(bridge)  # the frame loop prints these lines
     finally:
         server.close()
     assert bridge.prompts == [("chrome", 3)]
     assert bridge.params == [{"steps": steps_for(4)}]
-    assert server.rejected == 1 and "steps" in server.last_error
+    assert server.rejected == 2 and "not a finite number" in server.last_error
+    refusals = [line for line in said if line.startswith("OSC refused: ")]
+    assert len(refusals) == 2 and "expected 1, 2, 3 or 4" in refusals[0] and controls.state.refused == 2
     assert controls.state.quit
 
 
@@ -521,6 +524,54 @@ def test_osc_quit_stops_a_live_run_and_finalises_the_output(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err
     assert len(_decode(dst)) > 0
+
+
+def test_what_the_running_engine_or_the_osc_server_refuses_is_said_in_the_terminal(tmp_path):
+    """A live prompt the engine's embeddings file lacks is refused by the running engine, which stays
+    running: the terminal says so in the engine's words (the command itself was said when sent). An OSC
+    value out of range is refused by the player: said there too, not only in a window's overlay."""
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
+    from pythonosc.udp_client import SimpleUDPClient
+
+    from loom_live.engine.stream.prompts import HashTextEncoder
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
+
+    embeddings = tmp_path / "show.safetensors"
+    write_embeddings(HashTextEncoder(4096), ["ink wash"], embeddings)
+    port = free_udp_port()
+    cmd = [sys.executable, "-m", "loom_live.plugin.cli", "play", "--mode", "live", "--loop", "-n", "100000",
+           "-c", "tiny-random", "--size", "32x32", "-o", str(tmp_path / "live.mp4"), "--osc-port", str(port),
+           *sum((["--set", s] for s in ("resolution.width=32", "resolution.height=32", "stream.steps=[700]",
+                                        "prompt.encoder=file", f"prompt.path={embeddings}",
+                                        "prompt.text=ink wash")), [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+
+    def said(words: str) -> bool:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(words in line for line in list(lines)):
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        assert said("OSC control on udp://"), "".join(lines)
+        client = SimpleUDPClient("127.0.0.1", port)
+        client.send_message("/loom/prompt", ["watercolour"])
+        client.send_message("/loom/steps", 9)
+        assert said("has no embedding for prompt 'watercolour'"), "".join(lines)
+        assert said("OSC refused: "), "".join(lines)
+        client.send_message("/loom/quit", [])
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(5)
+    assert proc.returncode == 0, "".join(lines)
 
 
 @pytest.mark.skipif(not (shutil.which("Xvfb") and shutil.which("xdotool")),

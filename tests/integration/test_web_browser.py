@@ -161,6 +161,25 @@ def test_a_bad_value_is_refused_on_the_page_and_the_stream_goes_on(show):
     wait("more restyled frames", lambda: js(driver, "window.loom.shown") > shown + 1, proc=show["proc"])
 
 
+def test_the_default_models_page_offers_no_reference_and_says_an_applied_refusal_as_refused(show):
+    """The embedded default reads its input's edges only: the page shows the control scale but no reference
+    picker. A reference sent anyway passes the page's checks and is refused when the frame loop applies it:
+    the page says that refusal as refused, not in the colour of an accepted change."""
+    import base64
+
+    import cv2
+
+    driver = show["driver"]
+    wait("the control panel", lambda: not driver.find_element("id", "vace").get_attribute("hidden"))
+    assert driver.find_element("id", "reference").find_element("xpath", "..").get_attribute("hidden")
+    png = base64.b64encode(cv2.imencode(".png", np.zeros((8, 8, 3), np.uint8))[1].tobytes()).decode()
+    driver.execute_script("control('reference', {name: 'look.png', data: arguments[0]});", png)
+    message = wait("the applied refusal on the page", lambda: driver.find_element("id", "message").text
+                   if "edges only" in driver.find_element("id", "message").text
+                   and "refused" in driver.find_element("id", "message").get_attribute("class") else None)
+    assert message.startswith("reference: the model reads its input's edges only")
+
+
 def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
     driver = show["driver"]
     first = driver.current_window_handle

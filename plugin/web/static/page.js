@@ -280,6 +280,7 @@ function showControl(c) {
   const sources = c.control_sources || [];
   $("vace").hidden = !sources.length;
   if (!sources.length) return;
+  $("reference").parentElement.hidden = !c.takes_reference; // the edges-only default takes none
   const select = $("control_source");
   if (select.dataset.items !== JSON.stringify(sources)) {
     select.dataset.items = JSON.stringify(sources);
@@ -331,8 +332,15 @@ function showState(m) {
   $("pause").classList.toggle("on", c.paused);
   showLoras(c.lora_scales);
   showControl(c);
-  if (c.message && c.message !== showState.lastMessage) say(c.message, "accepted");
+  // a command the frame loop refused, or a value the running engine refused, is said as refused
+  const refusedNow = c.refused > (showState.lastRefused ?? c.refused);
+  if (c.message && (c.message !== showState.lastMessage || refusedNow)) {
+    say(c.message, refusedNow ? "refused" : "accepted");
+  }
+  if (e.errors > (showState.lastErrors ?? e.errors) && e.last_error) say(e.last_error, "refused");
   showState.lastMessage = c.message;
+  showState.lastRefused = c.refused;
+  showState.lastErrors = e.errors;
   const g2g = median(loom.g2g.slice(-30));
   const share = webShare(m.through || []);
   $("fps").textContent = e.fps !== undefined ? e.fps.toFixed(1) : "-";
