@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -69,7 +70,7 @@ class RecipeConfig:
     eval_data: str = "build/loom_heldout_256.npz"  # held-out clips and styles: the VAE gate (skipped if absent)
     vae_from: str = ""  # a weights file of an earlier run: reuse its VAE, skip phase 1
     dit_from: str = ""  # a weights file of an earlier run: go on training its DiT
-    table: str = "engine/models/weights/style_text.npz"
+    table: str = "engine/models/weights/style_text.npz"  # TABLE: found beside the package from any folder
     out: str = "build/embedded"
     vae_seconds: float = 150.0
     dit_seconds: float = 330.0
@@ -283,10 +284,26 @@ def latent_stats(vae: FrameVAE, windows: Windows) -> tuple[list[float], list[flo
 
 
 # --------------------------------------------------------------------------------------- phase 2
+TABLE = RecipeConfig.table
+
+
+def table_path(table: str | Path) -> Path:
+    """The style table: as given when it exists there, else (the shipped table named relative to the source
+    tree) beside the package, so a run from another folder finds it."""
+    path = Path(table).expanduser()
+    if path.is_file() or path.is_absolute():
+        return path
+    beside = Path(__file__).resolve().parents[2] / path
+    return beside if beside.is_file() else path
+
+
 class StyleConditions:
     """The style condition vectors (from the shipped text table) as DiT contexts [B, L, dim]."""
 
     def __init__(self, table: str | Path, device: torch.device) -> None:
+        table = table_path(table)
+        if not table.is_file():
+            raise FileNotFoundError(f"--table {table}: no such file; the shipped one is {table_path(TABLE)}")
         with np.load(table) as t:
             names = [str(s) for s in t["styles"]]
             if names != list(STYLE_NAMES):
@@ -574,7 +591,11 @@ def _widen(state: dict, own: dict, key: str, columns: torch.Tensor) -> list[str]
 
 
 def run(cfg: RecipeConfig) -> Path:
+    """Train and write OUT/embedded.safetensors. Checkpoints along the way (after the VAE phase, every 200
+    DiT steps) go to OUT/embedded.partial.safetensors; the finished model replaces OUT/embedded.safetensors
+    only at the end, so a run that fails or is stopped never replaces weights an earlier run made there."""
     style_shares(cfg.style_weights)  # a bad spec fails here, before the data load and any training
+    StyleConditions(cfg.table, torch.device("cpu"))  # so does a missing or wrong table, not after the VAE phase
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -582,13 +603,14 @@ def run(cfg: RecipeConfig) -> Path:
         torch.backends.cudnn.benchmark = False  # many shapes, few steps each: autotuning does not pay
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.jsonl").open("a" if cfg.vae_from or cfg.dit_from else "w")
+    log_file = (out / "train_log.jsonl").open("a")  # each run adds its records; an earlier run's log stays
 
     def log(rec: dict) -> None:
         log_file.write(json.dumps(rec) + "\n")
         log_file.flush()
 
     t_start = time.perf_counter()
+    log({"phase": "start", "recipe": asdict(cfg)})
     _, clips = load_pairs(cfg.data)
     windows = Windows(clips, device, cfg.seed)
     log({"phase": "data", "clips": len(clips), "seconds": time.perf_counter() - t_start})
@@ -605,9 +627,10 @@ def run(cfg: RecipeConfig) -> Path:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {"recipe": asdict(cfg), "device": gpu, "styles": list(STYLE_NAMES), "torch": torch.__version__}
 
+    partial = out / "embedded.partial.safetensors"
+
     def save(dit: WanDiT, extra: dict) -> str:
-        return save_embedded(out / "embedded.safetensors", dit, vae,
-                             {**meta, "seconds": round(time.perf_counter() - t_start, 1), **extra})
+        return save_embedded(partial, dit, vae, {**meta, "seconds": round(time.perf_counter() - t_start, 1), **extra})
 
     if cfg.decoder_steps:
         vae = tune_decoder(cfg, windows, vae, log)
@@ -622,6 +645,9 @@ def run(cfg: RecipeConfig) -> Path:
     seconds = time.perf_counter() - t_start
     meta["seconds"] = round(seconds, 1)
     sha = save(dit, {})
+    recipe = out / "recipe.json.partial"
+    recipe.write_text(json.dumps({**meta, "sha256": sha}, indent=2))
+    os.replace(partial, out / "embedded.safetensors")  # the weights and their recipe, together
+    os.replace(recipe, out / "recipe.json")
     log({"phase": "done", "seconds": seconds, "sha256": sha})
-    (out / "recipe.json").write_text(json.dumps({**meta, "sha256": sha}, indent=2))
     return out / "embedded.safetensors"

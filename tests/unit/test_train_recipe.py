@@ -396,3 +396,43 @@ def test_a_dit_whose_refiner_had_no_style_layer_goes_on_with_one_at_zero_and_sta
     torch.testing.assert_close(a, b)
     assert torch.equal(new.head.refiner.out.weight, stored.head.refiner.out.weight)
     assert new.head.refiner.out.weight.abs().sum() > 0
+
+
+def test_a_run_that_fails_or_is_stopped_never_replaces_the_weights_an_earlier_run_left(tmp_path, monkeypatch):
+    """`loom train fit` into a folder that holds an earlier model: the VAE phase's checkpoint goes beside it
+    (embedded.partial.safetensors), the earlier weights, recipe and log stay until the new model is done;
+    a missing table fails before anything is trained, from any working folder."""
+    import json
+
+    from loom_live.engine.train.data import encode_video
+
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = {"embedded.safetensors": b"an earlier model", "recipe.json": b'{"sha256": "earlier"}',
+               "train_log.jsonl": b'{"phase": "done"}\n'}
+    for name, data in earlier.items():
+        (out / name).write_bytes(data)
+    frames = np.clip(np.random.default_rng(1).normal(120, 60, (9, 32, 32, 3)), 0, 255).astype(np.uint8)
+    data = tmp_path / "pairs.npz"
+    np.savez(data, **{"a/source": np.frombuffer(encode_video(frames), np.uint8),
+                      "meta": np.frombuffer(json.dumps({"size": 32, "clips": ["a"], "variants": [SOURCE]}).encode(),
+                                            np.uint8)})
+    cfg = recipe.RecipeConfig(data=str(data), eval_data="none", out=str(out))
+    monkeypatch.chdir(tmp_path)  # not the source tree: the shipped table is found all the same
+    with pytest.raises(FileNotFoundError, match="--table missing.npz: no such file"):
+        recipe.run(replace(cfg, table="missing.npz"))
+    monkeypatch.setattr(recipe, "train_vae", lambda cfg, windows, device, log: FrameVAE(EMBEDDED_VAE))
+    channels = EMBEDDED_VAE.latent_channels
+    monkeypatch.setattr(recipe, "latent_stats", lambda vae, windows: ([0.0] * channels, [1.0] * channels))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the DiT phase
+
+    monkeypatch.setattr(recipe, "train_dit", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.run(cfg)
+    assert {name: (out / name).read_bytes() for name in earlier if name != "train_log.jsonl"} == \
+        {k: v for k, v in earlier.items() if k != "train_log.jsonl"}
+    log = (out / "train_log.jsonl").read_text().splitlines()
+    assert log[0] == '{"phase": "done"}' and json.loads(log[1])["phase"] == "start"  # added to, not replaced
+    assert (out / "embedded.partial.safetensors").is_file()  # the VAE phase's checkpoint, for --vae-from
