@@ -20,6 +20,7 @@ back: the change at the chunk boundaries around it says whether the stream pulse
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -288,8 +289,11 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
         rows = measure(on, overrides, styles, weights, refresh_at if name == LOOPED_RUN else None)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "frames": n,
                                 "rows": rows, "summary": summary(rows)}
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
+        # each run's rows as they come, beside the report: an earlier complete report stays until this one is
+        partial = Path(out).with_name(Path(out).name + ".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(report, indent=1))
+    os.replace(partial, out)
     return report
 
 

@@ -3,6 +3,8 @@ output with its input, and the card's tables with it (and from a report made bef
 
 from __future__ import annotations
 
+import json
+
 import cv2
 import numpy as np
 import pytest
@@ -107,3 +109,30 @@ def test_the_block_grid_tells_a_latent_block_texture_from_real_detail_and_skips_
     assert (s["block_grid"], s["target_block_grid"]) == (2.0, 1.0)  # pixel art's blocks are its style
     report = {"runs": {"default": {"styles": ["ink", "pixel_art"], "rows": rows, "summary": s}}}
     assert "| 2.00 (1.00) |" in tables(report)
+
+
+def test_a_stopped_evaluation_leaves_the_earlier_report_whole(tmp_path, monkeypatch):
+    """`loom train eval` writes each run's rows as it goes, beside the report: stopped midway (its default
+    --out is the model card's data), the earlier complete report stays; a finished one replaces it."""
+    from loom_live.engine.train import evaluate
+
+    out = tmp_path / "eval.json"
+    out.write_text('{"runs": {"earlier": "complete"}}')
+    monkeypatch.setattr(evaluate, "held_out", lambda frames: {"clip": shapes(frames)})
+    calls = []
+
+    def measure(clips, overrides, styles, weights, refresh_at):
+        calls.append(overrides)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C during the third run
+        return [{"clip": "clip", "style": "ink", "warp_error": 1.0}]
+
+    monkeypatch.setattr(evaluate, "measure", measure)
+    monkeypatch.setattr(evaluate, "summary", lambda rows: {"rows": len(rows)})
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main(None, str(out), frames=5, ablation_frames=5)
+    assert out.read_text() == '{"runs": {"earlier": "complete"}}'
+    monkeypatch.setattr(evaluate, "measure", lambda *a: [{"clip": "clip"}])
+    report = evaluate.main(None, str(out), frames=5, ablation_frames=5)
+    assert json.loads(out.read_text())["runs"].keys() == report["runs"].keys() and "earlier" not in report["runs"]
+    assert not out.with_name("eval.json.partial").exists()
