@@ -159,6 +159,8 @@ class EngineServer:
             return
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        if hasattr(signal, "SIGHUP"):  # its terminal closed: stop as cleanly as for Ctrl-C
+            signal.signal(signal.SIGHUP, self.request_stop)
         if hasattr(signal, "SIGBREAK"):  # Windows: CTRL_BREAK_EVENT from the launcher
             signal.signal(signal.SIGBREAK, self.request_stop)
 

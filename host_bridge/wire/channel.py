@@ -28,6 +28,7 @@ and counted. A launched engine and every host have exactly one peer: a DEALER.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -258,6 +259,7 @@ class Channel:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self._auth = None
         self._watch: HandshakeWatch | None = None
+        self._ipc_file: str | None = None  # a bound ipc:// path: zmq leaves the file, close() removes it
         try:
             if endpoint is not None:
                 check_endpoint(endpoint, curve)
@@ -267,8 +269,13 @@ class Channel:
                     port = self.sock.bind_to_random_port("tcp://127.0.0.1")
                     endpoint = f"tcp://127.0.0.1:{port}"
                 else:
-                    self.sock.bind(endpoint)  # tcp://HOST:* picks a free port
+                    try:
+                        self.sock.bind(endpoint)  # tcp://HOST:* picks a free port
+                    except zmq.ZMQError as exc:  # a port in use (a second `loom serve`), a folder that is not
+                        raise EndpointError(f"cannot listen on {endpoint}: {exc.strerror}") from None
                     endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                    if endpoint.startswith("ipc://"):
+                        self._ipc_file = endpoint[len("ipc://"):]
             else:
                 if curve is not None:  # a peer that refuses these credentials says so only to a monitor
                     self._watch = HandshakeWatch(self.sock)
@@ -394,6 +401,10 @@ class Channel:
             self._watch.close()
             self._watch = None
         self.sock.close(linger=int(linger_s * 1000))
+        if self._ipc_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self._ipc_file)
+            self._ipc_file = None
         if self._auth is not None:
             _zap_release(self._ctx)
             self._auth = None

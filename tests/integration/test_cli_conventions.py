@@ -143,12 +143,11 @@ def test_cuda_ipc_is_refused_with_a_hint_where_it_cannot_work():
         pytest.skip("CUDA IPC works on this machine")
 
 
-def test_serve_exits_130_on_ctrl_c_like_play(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGHUP", 129)])
+def test_serve_stops_on_ctrl_c_or_a_closed_terminal_like_play_and_leaves_no_socket_file(tmp_path, signame, code):
+    sock = tmp_path / "loom.sock"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "serve", "--bind", f"ipc://{sock}",
                              "--passthrough", "--secret-file", str(tmp_path / "secret")],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
@@ -157,9 +156,21 @@ def test_serve_exits_130_on_ctrl_c_like_play(tmp_path):
             line = proc.stderr.readline()
             if "listening" in line or not line:
                 break
-        proc.send_signal(signal.SIGINT)
+        assert sock.exists()
+        proc.send_signal(getattr(signal, signame))
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130
+    assert proc.returncode == code and not sock.exists()
+
+
+def test_serve_on_an_address_in_use_says_so_in_one_line(tmp_path, capsys):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", "--bind", f"tcp://127.0.0.1:{port}", "--passthrough",
+                     "--secret-file", str(tmp_path / "secret")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on tcp://127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err
