@@ -11,7 +11,9 @@ a config never touches the network.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,9 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
+SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<index>0*1)-of-(?P<total>\d+)(?P<suffix>\..+)")
+
+
 def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | None:
     """The cached copy of what `source.key` should point at, or None when any of its files is missing."""
     snapshot = _snapshot(source.repo, cache_dir or hub_cache_dir(), source.revision)
@@ -128,13 +133,33 @@ def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | N
     for pattern in source.files:
         folder, _, name = pattern.rpartition("/")
         base = snapshot / folder if folder else snapshot
-        if name == "*" and not (base.is_dir() and any(base.iterdir())):
-            return None
-        if "*" in name and name != "*" and not any(f.is_file() for f in base.glob(name)):
-            return None  # shards named by a pattern: at least one there (the index lists them all)
-        if "*" not in name and not (base / name).is_file():
-            return None
+        if "*" not in name:
+            if not (base / name).is_file():  # a link whose file a failed check removed is not a file
+                return None
+        elif not any(f.is_file() for f in base.glob(name)) or not _shards_complete(base):
+            return None  # a folder or shards named by a pattern: there, and every shard an index names
     return snapshot / source.target if source.target else snapshot
+
+
+def _shards_complete(folder: Path) -> bool:
+    """Every shard of a sharded model is there: each `NAME-00001-of-00005.EXT` has its four siblings, and each
+    `*.index.json` finds every shard it names. A pull stopped between the shards leaves some, and the
+    index (listed after them) often not yet: those must not pass for the whole model."""
+    for first in folder.glob("*-00001-of-*"):
+        match = SHARD_NAME.fullmatch(first.name)
+        if match is not None:
+            stem, total, suffix = match["stem"], match["total"], match["suffix"]
+            if not all((folder / f"{stem}-{i:0{len(total)}d}-of-{total}{suffix}").is_file()
+                       for i in range(1, int(total) + 1)):
+                return False
+    for index in folder.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        if not all((folder / shard).is_file() for shard in shards):
+            return False
+    return True
 
 
 def _snapshot(repo: str, cache_dir: Path, revision: str = "main") -> Path | None:

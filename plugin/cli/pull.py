@@ -109,8 +109,15 @@ def _repo_files(source: WeightSource, offline: bool, endpoint: str | None) -> li
             raise LocalEntryNotFoundError(source.repo)
         return []
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
 
-    listed = HfApi(endpoint=endpoint).list_repo_files(source.repo, revision=source.revision)
+    try:
+        listed = HfApi(endpoint=endpoint).list_repo_files(source.repo, revision=source.revision)
+    except HfHubHTTPError:
+        raise
+    except Exception as exc:  # the hub client's own connection errors are neither OSError nor the hub's
+        raise UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}): "
+                        f"{type(exc).__name__}; check the network, or set HF_ENDPOINT to a mirror") from None
     names = [n for n in listed if any(fnmatch.fnmatch(n, pattern) for pattern in source.files)]
     if not names:
         raise UserError(f"{source.repo}: holds none of {', '.join(source.files)}")

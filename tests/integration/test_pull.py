@@ -181,6 +181,24 @@ def test_pull_offline_says_what_is_missing_and_then_uses_the_cache(hub_env, caps
     assert main(["pull", "wan2.1-1.3b", "--offline"]) == 0
 
 
+def test_pull_says_in_one_line_when_the_hub_cannot_be_reached_to_list_a_folder(hub_env, monkeypatch, capsys):
+    """A source named by a folder pattern is listed first; the hub client's own connection errors there (not
+    OSError, not the hub's HTTP errors) end in the same one line as a file download that cannot connect."""
+    import huggingface_hub
+
+    class ConnectError(Exception):  # what the hub client raises when nothing answers
+        pass
+
+    def unreachable(self, *args, **kwargs):
+        raise ConnectError("[Errno 111] Connection refused")
+
+    hub_env()
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", unreachable)
+    assert main(["pull", "wan2.1-1.3b"]) == 2
+    err = capsys.readouterr().err
+    assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: cannot reach the Hugging Face hub" in err and "Traceback" not in err
+
+
 def test_pull_of_an_embedded_preset_says_there_is_nothing_to_fetch(capsys):
     assert main(["pull", "default"]) == 2
     assert "embedded" in capsys.readouterr().err

@@ -7,6 +7,8 @@ user's first `loom pull`.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from loom_live.engine.models.weights import PRESET_WEIGHTS
@@ -75,5 +77,37 @@ def test_sharded_vace_dit_is_found_in_the_cache_by_its_pattern(tmp_path):
     (tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "refs").mkdir()
     (tmp_path / "models--Wan-AI--Wan2.1-VACE-14B" / "refs" / "main").write_text("abc")
     assert cached_path(source, tmp_path) is None
-    (snapshot / "diffusion_pytorch_model-00001-of-00007.safetensors").write_bytes(b"")
+    for i in range(1, 7):  # a pull stopped before the last shard: not the model yet
+        (snapshot / f"diffusion_pytorch_model-{i:05d}-of-00007.safetensors").write_bytes(b"")
+        assert cached_path(source, tmp_path) is None
+    (snapshot / "diffusion_pytorch_model-00007-of-00007.safetensors").write_bytes(b"")
+    assert cached_path(source, tmp_path) == snapshot
+
+
+def test_a_text_encoder_pull_stopped_between_its_shards_is_not_taken_for_the_encoder(tmp_path):
+    """A Ctrl-C during the umT5 shards leaves the tokenizer, the config and some shards (the index, listed
+    after them, not yet); a shard whose download failed its check leaves a link to nothing. Neither passes
+    for the encoder, so a run says it is missing instead of failing at load mid-show."""
+    from loom_live.engine.models.weights import cached_path
+
+    (source,) = [s for s in PRESET_WEIGHTS["wan2.1-1.3b"] if s.key == "prompt.path"]
+    repo = tmp_path / "models--Wan-AI--Wan2.1-T2V-1.3B-Diffusers"
+    snapshot = repo / "snapshots" / "abc"
+    for folder in ("tokenizer", "text_encoder"):
+        (snapshot / folder).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (snapshot / "tokenizer" / "spiece.model").write_bytes(b"t")
+    (snapshot / "text_encoder" / "config.json").write_text("{}")
+    shards = [f"model-{i:05d}-of-00002.safetensors" for i in (1, 2)]
+    (snapshot / "text_encoder" / shards[0]).write_bytes(b"w")
+    assert cached_path(source, tmp_path) is None
+    (snapshot / "text_encoder" / shards[1]).symlink_to(repo / "blobs" / "removed")  # a link to nothing
+    assert cached_path(source, tmp_path) is None
+    (snapshot / "text_encoder" / shards[1]).unlink()
+    (snapshot / "text_encoder" / shards[1]).write_bytes(b"w")
+    weight_map = {"a": shards[0], "b": shards[1], "c": "model-extra.safetensors"}
+    (snapshot / "text_encoder" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert cached_path(source, tmp_path) is None  # the index names a shard that is not there
+    (snapshot / "text_encoder" / "model-extra.safetensors").write_bytes(b"w")
     assert cached_path(source, tmp_path) == snapshot
