@@ -10,6 +10,7 @@ chunk (no KV cache, no stream-batch), measured in the same run so the ratio is f
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -245,5 +246,9 @@ def _ms(lat: dict, keys: tuple[str, ...]) -> str:
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2, default=str))
+    """The results, whole or not at all (an earlier result at `path` stays until this one is written)."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(partial, path)

@@ -7,12 +7,14 @@ import datetime
 import functools
 import platform
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.plugin.cli.common import add_config_options
+from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
+from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
 from loom_live.plugin.media.video_io import generate_clip, open_source
 
 CUDA_FRAMES = 3000
@@ -28,9 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "latency percentiles, jitter and stage times. Real-size presets run on random "
                                    "weights (speed does not depend on weight values) unless checkpoints are given.")
     add_config_options(p)
-    p.add_argument("--frames", type=int, default=None,
+    p.add_argument("--frames", type=positive_int, default=None,
                    help=f"frames to stream after warm-up (default {CUDA_FRAMES} on a GPU, {CPU_FRAMES} on a CPU)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=non_negative_int, default=None,
                    help=f"frames streamed before measuring (default {CUDA_WARMUP} on a GPU, {CPU_WARMUP} on a CPU)")
     p.add_argument("--steps", help="denoising steps, e.g. 700,500 (sets stream.steps)")
     p.add_argument("--mode", choices=("auto", "batch", "sequential"), help="stream mode (sets stream.mode)")
@@ -45,11 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="also time diffusers' eager Wan transformer+VAE on the same shapes (default: on for the "
                         "Wan presets on a GPU; the embedded model has no diffusers counterpart)")
-    p.add_argument("--baseline-chunks", type=int, default=20, help="chunks the baseline times (default 20)")
+    p.add_argument("--baseline-chunks", type=positive_int, default=20, help="chunks the baseline times (default 20)")
     p.add_argument("--bridge", choices=("auto", "shm", "cuda-ipc", "none"), default="auto",
                    help="also time the host bridge's round trip at the output size through a pass-through "
                         "engine process (auto: cuda-ipc on a GPU, else shm)")
-    p.add_argument("--bridge-frames", type=int, default=300, help="frames of the bridge round trip (default 300)")
+    p.add_argument("--bridge-frames", type=positive_int, default=300,
+                   help="frames of the bridge round trip (default 300)")
     p.add_argument("--memory-cap-gib", type=float, default=0.0,
                    help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
                         "24 GB card suffices; use with --set memory.low_vram=true)")
@@ -57,15 +60,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sets parallel.gpus; on a CPU device: processes)")
     p.add_argument("--batches", default="8,16",
                    help="edit family (model.family=edit): the batch sizes B to stream at, e.g. 8,16")
-    p.add_argument("--profile-chunks", type=int, default=0, metavar="N",
+    p.add_argument("--profile-chunks", type=non_negative_int, default=0, metavar="N",
                    help="after the measured frames, profile N more chunks kernel by kernel (GPU time per chunk by "
                         "CUDA stream, kernel family and kernel; a GPU, one GPU only); 0: off")
     p.add_argument("--json", help="write the results to this JSON file")
     p.set_defaults(func=run)
 
 
+def check_json_target(path: str | None) -> None:
+    """Refuse a --json the results could not be written to (a folder, a path through a file) before the run."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UserError(f"--json {path}: is a folder; give a file in it, such as {target / 'bench.json'}")
+    folder = next(p for p in target.parents if p.exists())  # the folders below it are made at the end
+    if not folder.is_dir():
+        raise UserError(f"--json {path}: {folder} is a file, not a folder")
+
+
 def plan(cfg: LoomConfig, frames: int | None, baseline: bool | None, cuda: bool) -> tuple[int, bool]:
     """Frames to stream and whether to run the baseline; a run that cannot finish or compare is refused, with why."""
+    if frames is not None and frames < FIRST_CHUNK_FRAMES:
+        raise UserError(f"--frames {frames}: a run measures whole chunks; give at least {FIRST_CHUNK_FRAMES}")
     embedded = cfg.model.preset in CPU_PRESETS
     if not cuda and not embedded and frames is None:
         raise UserError(f"preset {cfg.model.preset!r} at {cfg.resolution.width}x{cfg.resolution.height} on a CPU "
@@ -99,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
     from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, write_json
 
+    check_json_target(args.json)  # a result that cannot be written is said now, not after the whole run
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
     # off the per-frame path (a prompt is encoded once, not per chunk).
     args.overrides = [*args.overrides, *lora_override(args.loras)]
@@ -112,8 +130,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     cuda = torch.cuda.is_available()
     count, baseline = plan(cfg, args.frames, args.baseline, cuda)
-    if args.profile_chunks < 0 or (args.profile_chunks and (not cuda or cfg.parallel.gpus > 1
-                                                            or cfg.model.family == "edit")):
+    if args.profile_chunks and (not cuda or cfg.parallel.gpus > 1 or cfg.model.family == "edit"):
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
                         "Wan or embedded preset; give 0 (off) or a positive count there")
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)

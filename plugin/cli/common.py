@@ -38,3 +38,24 @@ def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-y", "--overwrite", action="store_true",
                         help="replace output files that exist (without it an existing file is refused, "
                              "as ffmpeg does without -y)")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (frames, chunks, windows)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    return _int_at_least(text, 0, "an integer of 0 or more")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+

@@ -35,7 +35,7 @@ from loom_live.engine.tools.eval import (
 )
 from loom_live.engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.plugin.cli.common import add_config_options
+from loom_live.plugin.cli.common import add_config_options, positive_int
 from loom_live.plugin.media.video_io import MediaError, generate_clip, open_source
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi", ".webm", ".m4v", ".ts")
@@ -98,16 +98,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--compare", metavar="OTHER", help="a second preset or YAML, run on the same clips "
                                                            "(implies --restyle)")
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}/)")
-    parser.add_argument("--frames", type=_positive_int,
+    parser.add_argument("--frames", type=positive_int,
                         help="frames per clip: cut, or play back and forth to reach long runs")
     parser.add_argument("--size", type=_parse_size, metavar="WxH", help="resize input frames first")
-    parser.add_argument("--window", type=_positive_int, default=None,
+    parser.add_argument("--window", type=positive_int, default=None,
                         help=f"frames per drift window (default: fitted to each clip, at most {DEFAULT_WINDOW})")
     parser.add_argument("--flow", choices=FLOW_METHODS, default="farneback",
                         help="optical flow on the input frames (none: no motion compensation)")
     parser.add_argument("--occlusion", action="store_true",
                         help="leave out pixels where forward and backward flow disagree")
-    parser.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK,
+    parser.add_argument("--chunk", type=positive_int, default=DEFAULT_CHUNK,
                         help=f"frames pushed to the engine at a time (default {DEFAULT_CHUNK})")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
@@ -157,16 +157,6 @@ def _engine_run(config_path: str, overrides: list[str], check: Callable[[Any], N
     check(config)
     return EvalRun(Path(config_path).stem, lambda: open_session(config),
                    {"restyled": True, "config": config_path, "overrides": list(overrides)})
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _parse_size(text: str) -> tuple[int, int]:

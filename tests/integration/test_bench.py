@@ -67,6 +67,28 @@ def test_bench_says_why_it_will_not_run_what_cannot_finish_or_compare(capsys):
         plan(load_config("wan2.1-1.3b", ["model.random_weights=true"]), None, None, cuda=False)
 
 
+def test_bench_refuses_counts_and_a_json_target_it_could_not_use_before_it_runs(tmp_path, capsys):
+    """A --json the results cannot be written to is said at once (not after a run of minutes); so are frame
+    counts that measure nothing; an earlier result at the --json path is replaced whole, or not at all."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for args, words in ((["--json", str(a_file / "x.json")], "is a file, not a folder"),
+                        (["--json", str(tmp_path)], "is a folder"),
+                        (["--frames", "2"], "give at least 5")):
+        assert main(["bench", "-c", "tiny-random", "--bridge", "none", *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+    for args in (["--frames", "-8"], ["--warmup", "-3"]):
+        with pytest.raises(SystemExit) as usage:
+            main(["bench", *args])
+        assert usage.value.code == 2 and "expected" in capsys.readouterr().err
+    from loom_live.engine.tools.bench import write_json
+
+    out = tmp_path / "result.json"
+    write_json({"fps": 1.0}, out)
+    assert json.loads(out.read_text()) == {"fps": 1.0} and not list(tmp_path.glob("*.partial"))
+
+
 def test_bench_refuses_a_bad_override(capsys):
     assert main(["bench", "--config", "tiny-random", "--set", "stream.steps=[100,500]", "--bridge", "none"]) == 2
     assert "steps" in capsys.readouterr().err

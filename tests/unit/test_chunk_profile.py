@@ -44,8 +44,10 @@ def test_kernel_families_by_name():
 def test_bench_refuses_a_profile_it_cannot_take(capsys):
     import torch
 
-    bad = ["-2"] if torch.cuda.is_available() else ["-2", "4"]  # on a CPU any profile is refused
-    for n in bad:
+    with pytest.raises(SystemExit) as usage:  # a count below 0: refused as the option's usage
+        main(["bench", "--config", "tiny-random", "--profile-chunks", "-2"])
+    assert usage.value.code == 2 and "expected an integer of 0 or more" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # on a CPU any profile is refused
         assert main(["bench", "--config", "tiny-random", "--frames", "8", "--bridge", "none",
-                     "--profile-chunks", n]) == 2
-        assert f"--profile-chunks {n}: a kernel profile needs a CUDA GPU" in capsys.readouterr().err
+                     "--profile-chunks", "4"]) == 2
+        assert "--profile-chunks 4: a kernel profile needs a CUDA GPU" in capsys.readouterr().err
