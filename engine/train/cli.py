@@ -14,6 +14,16 @@ import dataclasses
 import sys
 
 
+def _size(text: str) -> int:
+    try:
+        side = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of pixels, got {text!r}") from None
+    if side < 16 or side % 16:
+        raise argparse.ArgumentTypeError(f"{side}: expected a multiple of 16, at least 16 (the model's blocks)")
+    return side
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loom_live.engine.train.recipe import RecipeConfig
 
@@ -21,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="style the training clips (CPU) into one data file")
     prep.add_argument("--out", default=RecipeConfig.data)
-    prep.add_argument("--size", type=int, default=256)
+    prep.add_argument("--size", type=_size, default=256, help="frame side in pixels, a multiple of 16 (default 256)")
     prep.add_argument("--held-out", action="store_true", help="the held-out clips instead (evaluation only)")
     table = sub.add_parser("table", help="distil the style text table from the sentence model")
     table.add_argument("--out", default=RecipeConfig.table)

@@ -182,6 +182,8 @@ def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: boo
             "frames": {c: len(f) for c, f in clips.items()}, "crf": CRF}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     out = Path(out)
+    if out.suffix != ".npz":  # numpy adds it: the path said and given to `fit --data` is the file written
+        out = out.with_name(out.name + ".npz")
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, **arrays)
     return out

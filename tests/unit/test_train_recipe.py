@@ -436,3 +436,13 @@ def test_a_run_that_fails_or_is_stopped_never_replaces_the_weights_an_earlier_ru
     log = (out / "train_log.jsonl").read_text().splitlines()
     assert log[0] == '{"phase": "done"}' and json.loads(log[1])["phase"] == "start"  # added to, not replaced
     assert (out / "embedded.partial.safetensors").is_file()  # the VAE phase's checkpoint, for --vae-from
+
+
+def test_train_prepare_takes_only_sides_the_model_can_use(capsys):
+    from loom_live.engine.train.cli import build_parser
+
+    assert build_parser().parse_args(["prepare", "--size", "64"]).size == 64
+    for bad in ("0", "24", "big"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["prepare", "--size", bad])
+        assert "--size" in capsys.readouterr().err
