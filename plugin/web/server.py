@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import threading
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 from aiohttp import WSMsgType, web
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
+from loom_live.host_bridge.wire.channel import is_loopback
 from loom_live.plugin.player.controls import ControlError
 from loom_live.plugin.web import frame_release
 from loom_live.plugin.web.access import COOKIE, Access
@@ -275,12 +275,9 @@ class PageServer:
 
 def _loopback_host(host: str) -> bool:
     """A Host header that names this machine literally (127.x, ::1, localhost), never resolved."""
-    name = urlsplit(f"//{host}").hostname or ""
-    if name == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
+        return is_loopback(f"tcp://{host}")
+    except ValueError:  # EndpointError too: no name at all, or one no URL holds
         return False
 
 
