@@ -822,9 +822,6 @@ def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
     return spec.width, spec.height, spec.channels, spec.dtype
 
 
-__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "DeviceFrame", "EngineRefused", "RingSpec"]
-
-
 def _close_parts(shrinker: FrameShrinker, sup: Supervisor, frames: NewestFrames, ctx: zmq.Context) -> None:
     """A bridge's close, from its parts alone (it may run while the bridge is being collected, on whichever
     thread let go of it last: the parts' own threads never wait for themselves)."""
@@ -844,3 +841,5 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., None]:
             bound(*args)
     return call
 
+
+__all__ = ["Bridge", "BridgeConfig", "BridgeStatus", "DeviceFrame", "EngineRefused", "RingSpec"]
