@@ -93,6 +93,19 @@ def fit_window(frame_count: int | None) -> int:
     return max(2, min(DEFAULT_WINDOW, frame_count // MIN_WINDOWS))
 
 
+def one_size(frames: Iterable[np.ndarray], name: str) -> Iterator[np.ndarray]:
+    """The clip's frames, all of its first frame's size: a stream whose size changes midway (joined
+    segments) is refused naming where, since motion between frames of two sizes has no meaning."""
+    first: tuple[int, ...] | None = None
+    for i, frame in enumerate(frames):
+        if first is None:
+            first = frame.shape
+        elif frame.shape != first:
+            raise ValueError(f"{name}: frame {i} is {frame.shape[1]}x{frame.shape[0]} after {i} frames of "
+                             f"{first[1]}x{first[0]}; loom eval measures a clip of one frame size (cut or scale it)")
+        yield frame
+
+
 def run_clip(session: Processor, frames: Iterable[np.ndarray], chunk: int = DEFAULT_CHUNK,
              timing: dict[str, float] | None = None) -> Iterator[np.ndarray]:
     """Push ``frames`` through ``session`` ``chunk`` at a time; yield outputs in order, then the tail.
@@ -173,7 +186,7 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
         results: dict[str, QualityReport] = {}
         for run in runs:
             log(f"[eval] {clip.name}: {run.label} ...")
-            results[run.label] = measure_clip(run.make_processor(), clip.frames(), settings,
+            results[run.label] = measure_clip(run.make_processor(), one_size(clip.frames(), clip.name), settings,
                                               meta={"clip": clip.name, "run": run.label},
                                               frame_count=clip.frame_count, label=f"{clip.name}: {run.label}")
         plot_name = _unique(f"{Path(clip.name).stem}.png", plot_names)

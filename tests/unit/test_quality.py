@@ -372,3 +372,12 @@ def test_sharpness_is_reported_beside_warp_error_and_falls_with_blur() -> None:
 def test_a_restyle_of_a_preset_without_weights_fails_before_loading(tmp_path: Path, capsys) -> None:
     assert eval_cmd.main(["--restyle", "-c", "wan2.1-1.3b", "-o", str(tmp_path)]) == 2
     assert "loom pull wan2.1-1.3b" in capsys.readouterr().err
+
+
+def test_a_clip_whose_frame_size_changes_midway_is_refused_naming_the_clip_and_where():
+    """Joined segments of two sizes: the measure between frames of two sizes means nothing, and numpy's
+    own words would name neither the clip nor the frame."""
+    frames = [np.zeros((48, 64, 3), np.uint8)] * 3 + [np.zeros((64, 96, 3), np.uint8)]
+    with pytest.raises(ValueError, match=r"joined.ts: frame 3 is 96x64 after 3 frames of 64x48"):
+        list(ev.one_size(iter(frames), "joined.ts"))
+    assert len(list(ev.one_size(iter(frames[:3]), "joined.ts"))) == 3
