@@ -58,4 +58,3 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
-

@@ -57,6 +57,7 @@ class StatusPrinter:
         self._postfix = ""
         self._logged: tuple[int, int | None] | None = None  # (done, total) of the last progress line logged
         self._waiting: tuple[threading.Event, threading.Thread] | None = None  # await_first's heartbeat
+        self._say_lock = threading.Lock()  # the heartbeat's thread and the frame loop say lines both
 
     def update(self, line: str, force: bool = False) -> None:
         if self.quiet:
@@ -168,14 +169,15 @@ class StatusPrinter:
         """A message on its own line (the status line or bar is redrawn after it)."""
         if self.quiet:
             return
-        if self._bar is not None and self.tty:
-            self._bar.write(text, file=self.stream)
-            return
-        if self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        with self._say_lock:
+            if self._bar is not None and self.tty:
+                self._bar.write(text, file=self.stream)
+                return
+            if self.tty and self._width:
+                self.stream.write("\r" + " " * self._width + "\r")
+                self._width = 0
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def finish(self, line: str) -> None:
         """The final state of the line, always printed in full."""
