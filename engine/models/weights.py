@@ -11,6 +11,7 @@ a config never touches the network.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -138,7 +139,24 @@ def cached_path(source: WeightSource, cache_dir: Path | None = None) -> Path | N
                 return None
         elif not any(f.is_file() for f in base.glob(name)) or not _shards_complete(base):
             return None  # a folder or shards named by a pattern: there, and every shard an index names
+        elif not all((snapshot / n).is_file() for n in pull_list(snapshot) if fnmatch.fnmatch(n, pattern)):
+            return None  # a pull stopped inside the folder: files it listed are not there yet
     return snapshot / source.target if source.target else snapshot
+
+
+def pull_list_path(snapshot: Path) -> Path:
+    """Where `loom pull` writes, before fetching a folder, the names it lists there for this snapshot: beside
+    the cache's refs and snapshots (which the hub's own tools read; they leave other folders alone)."""
+    return snapshot.parent.parent / "loom-pulls" / f"{snapshot.name}.json"
+
+
+def pull_list(snapshot: Path) -> list[str]:
+    """The names `loom pull` set out to fetch into this snapshot (none when another tool fetched it)."""
+    try:
+        names = json.loads(pull_list_path(snapshot).read_text())
+    except (OSError, ValueError):
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _shards_complete(folder: Path) -> bool:

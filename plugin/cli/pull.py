@@ -12,13 +12,22 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 from loom_live.engine.config import load_config
-from loom_live.engine.models.weights import PULLABLE_PRESETS, WeightSource, cached_path, hub_cache_dir, weight_sources
+from loom_live.engine.models.weights import (
+    PULLABLE_PRESETS,
+    WeightSource,
+    cached_path,
+    hub_cache_dir,
+    pull_list,
+    pull_list_path,
+    weight_sources,
+)
 from loom_live.host_bridge.wire.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -77,7 +86,10 @@ def _pull(source: WeightSource, offline: bool) -> Path:
     cache = hub_cache_dir()
     endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
-        for name in _repo_files(source, offline, endpoint):
+        names = _repo_files(source, offline, endpoint)
+        if names and any("*" in f for f in source.files):
+            _list_pull(source, names, cache, endpoint)
+        for name in names:
             path = _download(source, name, cache, endpoint, offline)
             if not offline:
                 _verify(Path(path), source.repo, name)
@@ -116,12 +128,38 @@ def _repo_files(source: WeightSource, offline: bool, endpoint: str | None) -> li
     except HfHubHTTPError:
         raise
     except Exception as exc:  # the hub client's own connection errors are neither OSError nor the hub's
-        raise UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}): "
-                        f"{type(exc).__name__}; check the network, or set HF_ENDPOINT to a mirror") from None
+        raise _unreachable(source, endpoint, exc) from None
     names = [n for n in listed if any(fnmatch.fnmatch(n, pattern) for pattern in source.files)]
     if not names:
         raise UserError(f"{source.repo}: holds none of {', '.join(source.files)}")
     return names
+
+
+def _list_pull(source: WeightSource, names: list[str], cache: Path, endpoint: str | None) -> None:
+    """Write down, before fetching a folder, every name it holds at the commit about to be fetched: a pull
+    stopped inside the folder (a tokenizer without its vocabulary) then does not pass for the whole of it."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        meta = get_hf_file_metadata(hf_hub_url(source.repo, names[0], revision=source.revision, endpoint=endpoint))
+    except HfHubHTTPError:
+        raise
+    except Exception as exc:
+        raise _unreachable(source, endpoint, exc) from None
+    if not meta.commit_hash:
+        return
+    snapshot = cache / f"models--{source.repo.replace('/', '--')}" / "snapshots" / meta.commit_hash
+    listed = pull_list_path(snapshot)
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    partial = listed.with_suffix(".partial")
+    partial.write_text(json.dumps(sorted(set(names) | set(pull_list(snapshot)))))
+    os.replace(partial, listed)
+
+
+def _unreachable(source: WeightSource, endpoint: str | None, exc: Exception) -> UserError:
+    return UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}): "
+                     f"{type(exc).__name__}; check the network, or set HF_ENDPOINT to a mirror")
 
 
 def _download(source: WeightSource, name: str, cache: Path, endpoint: str | None, offline: bool) -> str:

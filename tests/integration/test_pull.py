@@ -26,6 +26,7 @@ def _repos(bad_checksum: bool) -> dict[str, dict[str, bytes]]:
         "Wan-AI/Wan2.1-T2V-1.3B": {"Wan2.1_VAE.pth": b"vae" * 1000},
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"tokenizer/tokenizer_config.json": b"{}",
                                              "text_encoder/config.json": b'{"d_model": 4096}',
+                                             "tokenizer/spiece.model": b"vocabulary",
                                              "vae/config.json": b"{}"},
         # the edit family: DreamLite-mobile's `diffusers` revision (any revision resolves here)
         "carlofkl/DreamLite-mobile": {"unet/config.json": b"{}", "unet/diffusion_pytorch_model.safetensors": b"u",
@@ -197,6 +198,28 @@ def test_pull_says_in_one_line_when_the_hub_cannot_be_reached_to_list_a_folder(h
     assert main(["pull", "wan2.1-1.3b"]) == 2
     err = capsys.readouterr().err
     assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: cannot reach the Hugging Face hub" in err and "Traceback" not in err
+
+
+def test_a_pull_stopped_inside_a_folder_is_not_taken_for_it_until_pulled_again(hub_env, monkeypatch):
+    """Ctrl-C after the tokenizer's config but before its vocabulary: the folder is there, the files in it
+    fetched so far are whole, yet the run must say the encoder is missing rather than fail at load."""
+    from loom_live.plugin.cli import pull
+
+    fetch = pull._download
+
+    def stopped(source, name, *args):
+        if name == "tokenizer/spiece.model":
+            raise KeyboardInterrupt
+        return fetch(source, name, *args)
+
+    hub_env()
+    monkeypatch.setattr(pull, "_download", stopped)
+    assert main(["pull", "wan2.1-1.3b"]) == 130
+    assert load_config("wan2.1-1.3b").prompt.path is None
+    assert main(["pull", "wan2.1-1.3b", "--offline"]) == 2
+    monkeypatch.setattr(pull, "_download", fetch)
+    assert main(["pull", "wan2.1-1.3b"]) == 0
+    assert (Path(load_config("wan2.1-1.3b").prompt.path) / "tokenizer" / "spiece.model").read_bytes() == b"vocabulary"
 
 
 def test_pull_of_an_embedded_preset_says_there_is_nothing_to_fetch(capsys):
