@@ -351,9 +351,13 @@ class StreamSession:
     def set_reference(self, image: np.ndarray | None) -> None:
         """VACE: a new reference image (uint8 RGB [H, W, 3] or [1, H, W, 3]; None: none), in effect from the
         next chunk the denoiser runs: it replaces the pinned first entry of the KV cache in place, the
-        stream goes on. ValueError, one line, for a model without control blocks or an unreadable image."""
+        stream goes on. ValueError, one line, for a model without control blocks, a stream without sinks
+        (stream.sink=0) or an unreadable image."""
         if self.control is None:
             self.no_control.reference(image)
+        if image is not None and self.cfg.stream.sink < 1:  # as control.reference is refused at load
+            raise ValueError("reference image: the reference is pinned as the stream's first sink and this stream "
+                             f"keeps none (stream.sink={self.cfg.stream.sink}); start the engine with stream.sink >= 1")
         self.control.set_reference(image)
         self._reference_pending = True
 

@@ -97,3 +97,19 @@ def test_a_model_without_control_blocks_counts_control_frames_and_refuses_a_refe
     assert s.no_control.refused_frames == 5
     with pytest.raises(ValueError, match="no VACE control blocks"):
         s.set_reference(gradient(vertical=True))
+
+
+def test_a_reference_for_a_stream_without_sinks_is_refused_and_the_stream_goes_on(models):
+    """The reference is pinned as the first sink: with stream.sink=0 there is none, as control.reference is
+    refused at load. Taken live, it failed the next chunk (its frames lost) and every new stream after it."""
+    s = session(models, "stream.sink=0")
+    frames = clip(13)
+    out = [s.push(frames[:5])]
+    with pytest.raises(ValueError, match=r"reference image: .*stream\.sink=0.*stream\.sink >= 1") as refused:
+        s.set_reference(gradient(vertical=True))
+    assert "\n" not in str(refused.value)
+    s.set_reference(None)  # none is always allowed
+    out += [s.push(frames[5:9]), s.push(frames[9:]), s.flush()]
+    assert sum(len(o) for o in out) == 13
+    assert s.stats()["control"]["reference"] is None
+    assert len(s.push(frames[:5])) + len(s.flush()) == 5  # a new stream starts as before
