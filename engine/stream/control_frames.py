@@ -92,17 +92,16 @@ class ControlFrames:
         `given`: the host's control frames for this chunk, already at the model size (source video);
         None there means none came (or they were refused): the grey source stands in."""
         with torch.no_grad():
+            if source != "flow":
+                self._prev_grey = None  # flow restarts from the next frame when it is switched back on
             if source == "video":
                 if given is None and self.video is not None:
                     given = self.video.next(len(x), x.shape[2:], x.device, x.dtype)
                 if given is None:
                     self.missing += len(x)
                 return given if given is not None else grey(x)
-            out = {"grey": grey, "edges": self._edges, "flow": self._flow,
-                   "depth": lambda t: self.depth(t)}[source](x)
-            if source != "flow":
-                self._prev_grey = None  # flow restarts from the next frame when it is switched back on
-            return out
+            return {"grey": grey, "edges": self._edges, "flow": self._flow,
+                    "depth": lambda t: self.depth(t)}[source](x)
 
     def _edges(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -44,6 +44,21 @@ def test_sources_steer_the_output(models):
     assert not np.array_equal(outs["edges"], outs["grey"]) and not np.array_equal(outs["grey"], outs["flow"])
 
 
+@pytest.mark.parametrize("between", ["video", "grey", "edges"])
+def test_flow_switched_back_on_restarts_from_the_next_frame_whatever_source_came_between(between):
+    """Switched away from flow and back, the first flow frame is still (no motion yet), as at a stream's
+    start: after the video source it was the flow from the last frame before the switch, seconds old."""
+    from loom_live.engine.stream.control_frames import ControlFrames
+
+    x = torch.from_numpy(clip(12)).permute(0, 3, 1, 2).float() / 127.5 - 1
+    frames = ControlFrames(torch.device("cpu"))
+    frames.make("flow", x[:4])
+    frames.make(between, x[4:8], given=x[4:8] if between == "video" else None)
+    again = frames.make("flow", x[8:])
+    assert torch.equal(again, ControlFrames(torch.device("cpu")).make("flow", x[8:]))
+    assert (again[0] == -1).all()  # no speed: black
+
+
 def test_host_control_frames_of_the_wrong_size_or_count_are_refused_and_counted(models):
     s = session(models, "control.control_source=video")
     frames = clip(9)
