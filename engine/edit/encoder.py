@@ -66,6 +66,11 @@ class EditConditioner(Protocol):
         `encode` returns, bit for bit, and the others None. ValueError for a count it cannot cut."""
         ...
 
+    def check_text(self, text: str) -> None:
+        """ValueError, one line, for an instruction this encoder cannot read: said when the prompt is set,
+        not by the batch whose refresh meets it (on the encoder's thread, losing that batch)."""
+        ...
+
 
 def check_parts(parts: int, most: int, what: str) -> None:
     if not 1 <= parts <= most:
@@ -99,6 +104,9 @@ class HashEditEncoder:
 
     def encode(self, text: str, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._assemble(self._text_tokens(text), self._image_tokens(images))
+
+    def check_text(self, text: str) -> None:
+        """Any text hashes."""
 
     def encode_parts(self, text: str, images: torch.Tensor, parts: int) -> list[EncodePart]:
         """Image tokens, text tokens, then the padded sequence: up to three parts."""
@@ -209,6 +217,18 @@ class Qwen3VLEncoder:
             with torch.device(device):
                 model = Qwen3VLModel(config)
         return cls(model, config, None, device, dtype)
+
+    def check_text(self, text: str) -> None:
+        """The tokenizer reads its special tokens inside any text: an instruction holding one (an image pad, a
+        vision or chat marker) would be read as that marker, not as words, and break the template's layout
+        (an extra image token fails the encode). Refused by name."""
+        if self.tokenizer is None:  # hashed ids: the words are hashed below the special ids
+            return
+        special = sorted(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
+        found = [t for t in special if t in text]
+        if found:
+            raise ValueError(f"prompt: {found[0][:40]!r} is a special token of the Qwen3-VL tokenizer (a marker of its "
+                             "template, not words); write the instruction without it")
 
     def _token_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input ids and mask [1, 256] and M-RoPE positions [3, 1, 256] for the instruction, cached per

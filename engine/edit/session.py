@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
@@ -100,6 +100,7 @@ class EditSession:
         self._denoise, self._vae_encode, self._vae_decode = (
             torch.compile(fn, backend=compile_backend, fullgraph=True, dynamic=False) if e.compile else fn
             for fn in (self._denoise_eager, models.vae.encode, models.vae.decode_latents))
+        _check_text(models.encoder, cfg.prompt.text)  # a prompt the encoder cannot read fails here, at load
         self._prompt_text = cfg.prompt.text
         log.info("edit session: %s UNet, B=%d, %dx%d, %d step(s), %d adapter hooks, %s, %s", e.unet, self.batch,
                  cfg.resolution.width, cfg.resolution.height, e.steps,
@@ -137,10 +138,9 @@ class EditSession:
         """Start a new stream: buffered frames, cached conditioning, adapter condition, metrics.
 
         A conditioning job still running is waited for first, so no work of the old stream runs
-        on into the new one."""
-        for job in (*self._prompt_jobs, self._cond_job):
-            if job is not None:
-                job.result()
+        on into the new one; one that failed is left with the old stream (its error is not raised here,
+        or a failed refresh would refuse every reset after it)."""
+        wait([job for job in (*self._prompt_jobs, self._cond_job) if job is not None])
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None
         self._index = 0
@@ -177,7 +177,9 @@ class EditSession:
         There is no blend between instructions here (`transition_chunks` is accepted for the
         shared interface): the conditioning is a VLM reading, not a text embedding to slerp.
         """
-        self._prompt_text = check_prompt(text)
+        text = check_prompt(text)
+        _check_text(self.models.encoder, text)  # refused here, the stream going on with the instruction it has
+        self._prompt_text = text
         self._refresh_due = True
 
     def set_reference(self, image: Any) -> None:
@@ -437,6 +439,13 @@ class EditSession:
                                       if self.device.type == "cuda" else None),
         })
         return snap
+
+
+def _check_text(encoder: Any, text: str) -> None:
+    """The encoder's own refusal of an instruction it cannot read (an encoder wrapped without one reads any)."""
+    check = getattr(encoder, "check_text", None)
+    if check is not None:
+        check(text)
 
 
 def _on(stream: torch.cuda.Stream | None) -> Any:

@@ -3,6 +3,8 @@ transformers' Qwen3-VL (a tiny random configuration built here, no download)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -161,3 +163,41 @@ def test_an_edit_step_of_the_session_equals_dreamlite_mobile_pipeline(tmp_path, 
     assert expected.std() > 0.02  # a picture, not a flat field
     diff = np.abs(out[0].astype(np.float64) - expected * 255.0)
     assert diff.max() <= 1.0 and diff.mean() < 0.3  # the pipeline's float image, rounded to Loom's uint8
+
+
+def test_an_instruction_holding_a_special_token_is_refused_when_set_and_the_stream_goes_on():
+    """The tokenizer reads its special tokens inside the instruction: an image pad in it gave the template an
+    extra image token, and the encode failed on the encoder's thread, raised by the next batch's push (its
+    frames lost; a prompt.text holding one failed every batch). Now the prompt is refused when set."""
+    pytest.importorskip("transformers.models.qwen3_vl")
+    from dataclasses import replace
+
+    from transformers import Qwen3VLModel
+
+    from loom_live.engine.edit.encoder import EDIT_PREFIX, SYSTEM, Qwen3VLEncoder, tiny_qwen3vl_config
+    from loom_live.engine.edit.loading import load_edit_models
+    from loom_live.engine.edit.session import EditSession
+    from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
+    from tests.fakes.edit_tiny import B, random_frames, tiny_edit_cfg
+
+    prompt = "make it a watercolor"
+    config = tiny_qwen3vl_config()
+    torch.manual_seed(0)
+    cfg = tiny_edit_cfg("edit.lllite_hooks=none", "edit.prompt_refresh_every=100", f"prompt.text={prompt}")
+    models = load_edit_models(cfg)
+    models.unet = EditUNet(replace(UNET_PRESETS["tiny"], context_dim=config.text_config.hidden_size)).eval()
+    models.encoder = Qwen3VLEncoder(Qwen3VLModel(config), config, _word_tokenizer(SYSTEM + EDIT_PREFIX + prompt),
+                                    torch.device("cpu"), torch.float32)
+    frames = random_frames(3 * B)
+    with EditSession(cfg, models) as session:
+        outs = [session.push(frames[:B])]
+        for bad, token in (("<|image_pad|> make it blue", "<|image_pad|>"),
+                           ("blue <|vision_start|>", "<|vision_start|>")):
+            with pytest.raises(ValueError, match=f"prompt: '{re.escape(token)}' is a special token") as refused:
+                session.set_prompt(bad)
+            assert "\n" not in str(refused.value)
+        outs += [session.push(frames[B:]), session.flush()]
+        assert sum(len(o) for o in outs) == len(frames)  # every frame back, the instruction unchanged
+        assert session.stats()["prompt"] == prompt
+    with pytest.raises(ValueError, match="is a special token"):  # in the config: refused at load
+        EditSession(cfg.replace(prompt=replace(cfg.prompt, text="<|image_pad|>")), models)
