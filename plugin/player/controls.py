@@ -291,13 +291,11 @@ class Controls:
             return
         image = None
         if path is not None:
-            import cv2
-
-            bgr = cv2.imread(str(Path(path).expanduser()), cv2.IMREAD_COLOR)
-            if bgr is None:
-                self._refuse(f"reference: {path} cannot be read as an image (PNG, JPEG, ...); the reference stays")
+            try:
+                image = read_reference_file(path)
+            except ControlError as exc:
+                self._refuse(f"{exc}; the reference stays")
                 return
-            image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
         try:
             bridge.set_reference(image)
         except ValueError as exc:
@@ -373,6 +371,27 @@ class Controls:
         elif name == "quit":
             s.quit = True
         s.message = _describe(command, s)
+
+
+def read_reference_file(path: str) -> Any:
+    """A reference image file as uint8 RGB [H, W, 3], read on the frame loop (OSC's path, the r key): a PNG or
+    JPEG the bridge would refuse for its sides is refused from its header, not decoded first (a small PNG can
+    inflate to gigabytes); ControlError names the file and what is allowed."""
+    from loom_live.plugin.player.reference_image import check_reference, decode_image
+
+    file = Path(path).expanduser()
+    try:
+        raw = file.read_bytes() if file.is_file() else b""  # a FIFO or a device would block or never end
+    except OSError:
+        raw = b""
+    try:
+        check_reference(raw, str(path), other_kinds=True)
+    except ValueError as exc:
+        raise ControlError(str(exc)) from None
+    image = decode_image(raw)
+    if image is None:
+        raise ControlError(f"reference: {path} cannot be read as an image (PNG, JPEG, ...)")
+    return image
 
 
 def _describe(command: Command, s: ControlState) -> str:

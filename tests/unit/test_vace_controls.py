@@ -192,3 +192,31 @@ def test_a_page_upload_becomes_the_reference_and_bad_ones_are_refused_in_words()
     plain = Controls(ControlState(prompts=["ink"]))  # a model without VACE: refused when applied, counted
     plain.put(command)
     assert "no VACE control blocks" in plain.apply_pending(bridge)[-1] and plain.state.refused == 1
+
+
+def test_a_reference_file_too_large_is_refused_from_its_header_without_decoding_it(tmp_path, monkeypatch):
+    """OSC's /loom/reference PATH and the r key read the file on the frame loop: a 12000x12000 PNG of 0.5 MB
+    took 3.5-11.7 s to decode there (the show's frames waiting), then the bridge refused it for its size. Its
+    header says its sides, as the page's upload is checked: refused at once, the reference in use stays."""
+    calls = []
+    decode = cv2.imdecode
+    monkeypatch.setattr(cv2, "imdecode", lambda *a: calls.append(1) or decode(*a))
+    monkeypatch.setattr(cv2, "imread", lambda *a: calls.append(1) or pytest.fail("the file is decoded whole"))
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR" + (12000).to_bytes(4, "big") * 2 + b"\x08\x02\0\0\0")
+    tall = tmp_path / "tall.jpg"
+    _, jpeg = cv2.imencode(".jpg", np.zeros((5000, 16, 3), np.uint8))
+    tall.write_bytes(jpeg.tobytes())
+    good = tmp_path / "look.png"
+    cv2.imwrite(str(good), np.full((6, 4, 3), 10, np.uint8))
+    controls, bridge = vace_controls(), RecordingBridge()
+    controls.put(command_for("/loom/reference", (str(good),)))
+    controls.apply_pending(bridge)
+    calls.clear()
+    for path, words in [(huge, "12000x12000; expected 1 to 4096 px a side"), (tall, "16x5000"),
+                        (tmp_path, "cannot be read as an image")]:
+        controls.put(command_for("/loom/reference", (str(path),)))
+        line = controls.apply_pending(bridge)[-1]
+        assert words in line and "the reference stays" in line and "\n" not in line
+    assert calls == [] and len(bridge.references) == 1 and controls.state.refused == 3
+    assert controls.state.reference == str(good)  # what r reads again

@@ -246,7 +246,8 @@ def test_a_jpeg_that_plants_a_small_frame_header_behind_a_marker_without_length_
     import base64
     import struct
 
-    from loom_live.plugin.web.reference_upload import decode_upload, image_sides
+    from loom_live.plugin.player.reference_image import image_sides
+    from loom_live.plugin.web.reference_upload import decode_upload
 
     ok, encoded = cv2.imencode(".jpg", np.full((16, 16, 3), 128, np.uint8))
     real = bytearray(encoded.tobytes())
