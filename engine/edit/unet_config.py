@@ -158,7 +158,13 @@ class EditUNetConfig:
             config = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not a readable UNet config.json ({exc})") from exc
-        return cls.from_diffusers(config, str(path))
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: not a UNet config.json (a JSON object of the model's settings)")
+        try:
+            return cls.from_diffusers(config, str(path))
+        except (TypeError, ValueError) as exc:  # the file named, whichever check refused it
+            words = str(exc).removeprefix("unet config: ")
+            raise ValueError(words if words.startswith(str(path)) else f"{path}: {words}") from None
 
 
 def _kind(kinds: dict[str, str], name: str, key: str, where: str) -> str:

@@ -153,3 +153,16 @@ def test_hook_names_are_the_temporal_lllite_release_names():
     hook = lllite.modules_dict["down_blocks__2__attentions__0__transformer_blocks__0__attn1__to_q"]
     assert (hook.mid[0].in_features, hook.mid[0].out_features) == (64 + 32, 64)  # mlp_dim + cond_emb_dim
     assert hook.feature_hw == (16, 16)  # 512 px -> 64 latent -> level 2
+
+
+@pytest.mark.parametrize("text, words", [('{"block_out_channels": "abc"}', "down needs one entry per level"),
+                                         ("[1, 2]", "not a UNet config.json"),
+                                         ('{"down_block_types": ["X"]}', "down_block_types entry 'X'")])
+def test_a_unet_config_json_of_wrong_values_is_refused_naming_the_file(tmp_path, text, words):
+    """A checkpoint's hand-edited or damaged config.json: one line that says which file, whichever check meets it."""
+    path = tmp_path / "unet" / "config.json"
+    path.parent.mkdir()
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        EditUNetConfig.from_file(path)
+    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value)
