@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from loom_live.host_bridge.wire.params import TRANSITION_CHUNKS
+from loom_live.host_bridge.wire.params import PROMPT, TRANSITION_CHUNKS
 
 TEXT_LEN = 512  # tokens per prompt, as the Wan DiT was trained
 CACHE_PROMPTS = 32  # embeddings kept in the per-prompt cache
@@ -36,9 +36,25 @@ class PromptError(ValueError):
 
 
 def check_prompt(text: str) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise PromptError(f"prompt {text!r} is empty; give a few words describing the style")
+    """The prompt as the encoders take it (stripped); PromptError for one that is not a non-empty text of
+    at most `PROMPT.max_len` characters (what the wire and the config refuse too)."""
+    if not isinstance(text, str):
+        raise PromptError(f"prompt: {type(text).__name__} {str(text)[:60]!r} is not allowed; expected "
+                          f"{PROMPT.allowed()}")
+    if not text.strip():
+        raise PromptError(f"prompt {text[:60]!r} is empty; give a few words describing the style")
+    if len(text) > (PROMPT.max_len or 0):
+        raise PromptError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")
     return text.strip()
+
+
+def check_transition_chunks(chunks: Any) -> int:
+    """A prompt change's blend length in chunks; PromptError unless a whole number in the live range
+    (a NaN or a float here would blend with a NaN weight: every later frame black)."""
+    problem = TRANSITION_CHUNKS.problem(chunks)
+    if problem is not None:
+        raise PromptError(problem)
+    return chunks
 
 
 def prompt_key(text: str) -> str:
@@ -222,9 +238,7 @@ class PromptConditioner:
 
     def set_transition_chunks(self, chunks: int) -> None:
         """Chunks over which later prompt changes blend in (0: at once); a blend under way keeps its own."""
-        if chunks < 0:
-            raise PromptError(f"transition_chunks {chunks} must be >= 0")
-        self.transition_chunks = chunks
+        self.transition_chunks = check_transition_chunks(chunks)
 
     def request(self, text: str, transition_chunks: int | None = None) -> None:
         """Start encoding a new prompt in the background; it takes effect at a chunk boundary."""
@@ -232,9 +246,7 @@ class PromptConditioner:
         check = getattr(self.encoder, "check", None)  # encoders that can refuse a prompt cheaply say so now
         if check is not None:
             check(text)
-        chunks = self.transition_chunks if transition_chunks is None else transition_chunks
-        if chunks < 0:
-            raise PromptError(f"transition_chunks {chunks} must be >= 0")
+        chunks = self.transition_chunks if transition_chunks is None else check_transition_chunks(transition_chunks)
         if self._pending is not None:  # latest wins: a prompt typed or swept live must not queue encodes
             self._pending[2].cancel()  # (one that already runs finishes and is ignored)
         self._pending = (text, chunks, self._pool.submit(self._embed, text))

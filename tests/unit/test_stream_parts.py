@@ -216,3 +216,49 @@ def test_metrics_latency_percentiles_and_misses():
     assert snap["latency_ms"]["p50"] == pytest.approx(2500.0)
     assert snap["slo_miss_rate"] == 0.5
     assert snap["dropped_reasons"] == {"nan": 1}
+
+
+@pytest.mark.parametrize("chunks", [float("nan"), 2.5, "3", -1, 1001, True])
+def test_a_prompt_change_refuses_a_blend_length_that_is_not_a_whole_number_of_chunks(chunks):
+    """A NaN blend length made the blend weight NaN: the conditioning, the KV cache and so every later
+    frame went black, a new prompt did not bring them back. Refused by name, as the wire refuses it."""
+    cond = PromptConditioner(HashTextEncoder(8), "a cat", device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(PromptError, match=r"transition_chunks: .* expected a whole number in \[0, 1000\]"):
+        cond.request("a dog", chunks)
+    with pytest.raises(PromptError, match="transition_chunks"):
+        cond.set_transition_chunks(chunks)
+    assert not cond.pending and cond.transition_chunks == 4
+    cond.request("a dog", 0)
+    cond.wait_pending(10)
+    emb, _ = cond.advance()
+    assert torch.isfinite(emb).all() and cond.text == "a dog"
+    cond.close()
+
+
+@pytest.mark.parametrize("text, words", [(None, "NoneType 'None' is not allowed; expected a non-empty text"),
+                                          (7, "int '7' is not allowed"),
+                                          ("x" * 4097, "4097 characters; expected at most 4096")],
+                         ids=["none", "number", "too-long"])
+def test_a_prompt_that_is_not_a_text_of_the_allowed_length_is_refused_by_name(text, words):
+    cond = PromptConditioner(HashTextEncoder(8), "a cat", device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(PromptError, match=words):
+        cond.request(text)
+    cond.close()
+
+
+def test_optical_flow_of_a_very_tall_frame_works_on_a_bounded_image(monkeypatch):
+    """Frames are scaled to FLOW_WIDTH columns before the flow; a frame 2000 px tall and 1 px wide became
+    320000 rows (a gigabyte and more per chunk); the height is capped."""
+    import cv2
+
+    from loom_live.engine.stream import motion_noise
+
+    sizes = []
+    resize = cv2.resize
+    monkeypatch.setattr(cv2, "resize", lambda f, size, **kw: sizes.append(size) or resize(f, size, **kw))
+    flow = OpticalFlowMotion("dis")
+    flow.submit(np.zeros((2, 2000, 1, 3), np.uint8), None)
+    flow._pending.result(30)
+    assert flow.latest() == pytest.approx(0.0, abs=0.05)
+    assert sizes and all(w == motion_noise.FLOW_WIDTH and h <= motion_noise.FLOW_MAX_HEIGHT for w, h in sizes)
+    flow.close()
