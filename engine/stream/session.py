@@ -471,9 +471,13 @@ class StreamSession:
         Every frame of the old size leaves first: the partial chunk padded as at the end of a
         stream, the denoiser drained, and this call waits for all of them, so no result ever mixes
         two sizes. That costs one stall of the chunks in flight, once per size change. The new
-        frames wait in the buffer for the next call.
+        frames wait in the buffer for the next call (all of them: a push may bring several chunks'
+        worth), so the old size's buffer is cut into whole chunks first, as `flush` does, and only its
+        remainder padded: one padded chunk of the whole buffer could overrun the KV window.
         """
-        chunks = [self._padded_chunk()] if self._buffer else []
+        chunks = self._full_chunks()
+        if self._buffer:
+            chunks.append(self._padded_chunk())
         out = self._process(chunks, drain=True)
         self._accept(good, now, given)
         return out

@@ -108,7 +108,7 @@ def _scalar(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
         if not -INT64_LIMIT <= value < INT64_LIMIT:  # what torch and numpy take (a seed, say)
             _fail(source, path, value, "an integer of at most 64 bits" + _range_text(meta))
     elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             _fail(source, path, value, "a finite number" + _range_text(meta))  # NaN fails no comparison
         value = float(value)
     elif tp is str:
@@ -126,6 +126,15 @@ def _scalar(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
     if "multiple_of" in meta and value % meta["multiple_of"]:
         _fail(source, path, value, f"a multiple of {meta['multiple_of']}")
     return value
+
+
+def _finite(value: int | float) -> bool:
+    """Whether a number is finite as a float: an int past the float range (a YAML or JSON number of 400
+    digits) is not, rather than an OverflowError out of `math.isfinite`."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_len(value: Any, meta: Mapping[str, Any], source: str, path: str) -> None:

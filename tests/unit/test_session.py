@@ -216,3 +216,36 @@ def test_input_size_may_change_mid_chunk_and_the_stream_goes_on(overrides):
     assert [int(o[0, 0, 0]) for o in out] == [i * 10 for i in range(len(frames))]
     assert positions == sorted(positions) and positions[-1] > positions[7]  # one stream: positions go on
     assert s.stats()["frames_out"] == len(frames) and s.stats()["dropped"] == 0
+
+
+def test_a_size_change_after_a_push_of_several_chunks_at_a_new_size_keeps_the_stream():
+    """A push of several chunks' worth at a new size leaves them all in the buffer (no result mixes two
+    sizes); the next size change cuts them into whole chunks before padding the rest. Padded whole, they
+    made one chunk of 6 latent frames, which overran the KV ring: a ValueError from every later call."""
+    s = session("stream.mode=batch")
+    sizes = [9, 24, 1, 4]
+    shapes = [(64, 64), (48, 48), (32, 32), (32, 32)]
+    out = [s.push(clip(n, h, w, seed=i)) for i, (n, (h, w)) in enumerate(zip(sizes, shapes))]
+    out.append(s.flush())
+    assert [o.shape[1:3] for o in out if len(o)] == [(64, 64), (64, 64), (48, 48), (32, 32)]
+    assert sum(len(o) for o in out) == sum(sizes)
+    assert s.stats()["frames_out"] == sum(sizes)
+
+
+def test_a_bad_prompt_request_or_huge_parameter_is_refused_and_the_stream_goes_on():
+    """In-process callers get what the wire refuses as a ValueError naming it: a NaN blend length (it
+    blackened every later frame for good) and a float parameter of 400 digits (an OverflowError)."""
+    tiny = ("resolution.width=32", "resolution.height=32")
+    s = session(*tiny)
+    out = [s.push(clip(9, 32, 32))]
+    with pytest.raises(ValueError, match="transition_chunks: 'nan' is not allowed"):
+        s.set_prompt("charcoal sketch", float("nan"))
+    with pytest.raises(ValueError, match="noise.noise_scale: 9+...9+ is not allowed; expected a finite number"):
+        s.set_params(noise_scale=int("9" * 400))
+    s.set_prompt("charcoal sketch", 2)
+    s.prompt.wait_pending(10)
+    out += [s.push(clip(4, 32, 32, seed=i)) for i in range(3)]
+    out.append(s.flush())
+    frames = np.concatenate([o for o in out if len(o)])
+    assert len(frames) == 21 and frames.std() > 1.0  # restyled frames, not a black stream
+    assert s.stats()["prompt"] == "charcoal sketch" and s.stats()["prompt_blend"] == 1.0
