@@ -31,6 +31,9 @@ VACE_PRESETS = ("tiny-vace", "wan2.1-vace-1.3b", "wan2.1-vace-14b")  # DiTs with
 # torch): the edges are their structure control, scaled by control.context_scale
 EDGE_PRESETS = ("embedded",)
 PRESET_PACKAGE = "loom_live.engine.presets"
+# latent frames of a stream's first chunk (the causal VAE's first frame alone, then groups of CHUNK_FRAMES):
+# the KV window must hold them
+FIRST_CHUNK_LATENTS = 1 + (live.FIRST_CHUNK_FRAMES - 1) // live.CHUNK_FRAMES
 
 
 # compiled steps saved whole (engine/graphs/saved_compiles.py): "none" is spelt out, since YAML reads off as false
@@ -154,7 +157,9 @@ class StreamConfig:
 
     steps: list[int] = live.STEPS.field()
     mode: str = live.MODE.field()
-    num_kv_cache: int = spec(6, min=1, max=64, doc="latent frames kept in the KV window")
+    num_kv_cache: int = spec(6, min=FIRST_CHUNK_LATENTS, max=64,
+                             doc=f"latent frames kept in the KV window (at least {FIRST_CHUNK_LATENTS}: a "
+                                 f"stream's first chunk, {live.FIRST_CHUNK_FRAMES} frames, is that many latent frames)")
     sink: int = spec(3, min=0, max=63, doc="of which sink frames kept from the stream start")
     sink_threshold: float = live.SINK_THRESHOLD.field()
     rope_policy: str = spec("refresh", choices=("refresh", "window"), doc="how RoPE positions stay bounded")

@@ -107,3 +107,19 @@ def test_bad_override():
         load_config(None, ["stream.num_kv_cache=six"])
     with pytest.raises(ConfigError, match=r"--set model=: model is a section; set one of its keys \(model.KEY"):
         load_config("tiny-random", ["model="])  # not a silent reset of the preset's model to the defaults
+
+
+@pytest.mark.parametrize("key", ["noise.noise_scale", "stream.timestep_shift", "slo.target_fps"])
+def test_a_whole_number_past_the_float_range_is_refused_by_name(key):
+    """A float key given a 400-digit whole number: a ConfigError naming it, not an OverflowError traceback
+    out of the finiteness check (from `loom serve --set`, or a live `set_params`)."""
+    with pytest.raises(ConfigError, match=rf"{key}: 9+\.\.\.9+ is not allowed; expected a finite number"):
+        load_config("default", [f"{key}={'9' * 400}"])
+
+
+def test_a_kv_window_smaller_than_the_first_chunk_is_refused_at_load():
+    """A stream's first chunk (5 frames) is 2 latent frames: a 1-frame window loaded, then failed every
+    first chunk with 'does not fit a 1-frame KV window'."""
+    with pytest.raises(ConfigError, match=r"stream.num_kv_cache: 1 is not allowed; expected a value in \[2, 64\]"):
+        load_config("default", ["stream.num_kv_cache=1", "stream.sink=0"])
+    assert load_config("default", ["stream.num_kv_cache=2", "stream.sink=0"]).stream.num_kv_cache == 2
