@@ -205,7 +205,7 @@ class FrameWorker:
         log.info("%s ready", type(self.session).__name__)
         try:
             while not self.stop:
-                if self._flush_due is None or self._flush_ready():
+                if (self._flush_due is None or self._flush_ready()) and not self.stop:
                     self._run_commands()  # in order: none overtakes a flush still waiting for its notice
                 if self.stop:  # halted, or the session failed beyond repair (then it is gone)
                     break
@@ -268,15 +268,21 @@ class FrameWorker:
                     self._send(make("ack", id=rid))
                 if kind in ("prompt", "params", "reset", "reference"):
                     self.session_stats = self.session.stats()
-            except (ValueError, TypeError, KeyError) as exc:
-                self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
-            except Exception as exc:  # failed inside the session: answered, then a new stream
-                text = f"{type(exc).__name__}: {exc}"
-                self._send(make("error", id=rid, code=kind, message=text[:4000]))
-                log.warning("%s failed in the session, starting a new stream: %s", kind, text)
-                self._new_stream(text)
+            except Exception as exc:
+                self._command_failed(kind, rid, exc)
                 if self.stop:
                     return
+
+    def _command_failed(self, kind: str, rid: int | None, exc: Exception) -> None:
+        """Answer a command that raised: a refused request (ValueError, ...) with its error alone; one that
+        failed inside the session with its error, then a new stream."""
+        if isinstance(exc, ValueError | TypeError | KeyError):
+            self._send(make("error", id=rid, code=kind, message=str(exc)[:4000]))
+            return
+        text = f"{type(exc).__name__}: {exc}"
+        self._send(make("error", id=rid, code=kind, message=text[:4000]))
+        log.warning("%s failed in the session, starting a new stream: %s", kind, text)
+        self._new_stream(text)
 
     def _drop_waiting_inputs(self) -> None:
         """Frames the host sent before a reset belong to the stream it ends (a cancelled batch, say): a
@@ -457,7 +463,10 @@ class FrameWorker:
         if self._last_in_seq < until_seq:
             log.warning("flush %s: frame notice %d did not come; flushed what came", rid, until_seq)
         self._flush_due = None
-        self._send(make("flushed", id=rid, count=self._flush()))
+        try:  # answered as a flush that was not deferred is: a failure ends the stream, never the worker
+            self._send(make("flushed", id=rid, count=self._flush()))
+        except Exception as exc:
+            self._command_failed("flush", rid, exc)
         return True
 
     def _flush(self) -> int:

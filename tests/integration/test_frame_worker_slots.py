@@ -40,3 +40,22 @@ def test_unreadable_tcp_frames_are_dropped_counted_and_give_their_slots_back():
     good = np.full((4, 4, 3), 7, np.uint8)
     worker._process(worker.ring_in, 0, 3, 1, [good.tobytes()])  # the stream goes on in a slot handed back
     assert lane.releases[-1] == (0, 1, False) and worker.counts["frames_in"] == 1
+
+
+def test_a_deferred_flush_that_fails_in_the_session_ends_the_stream_not_the_worker():
+    """A flush naming a frame notice not yet here is finished later by the worker's loop; a failure of the
+    session there (out of GPU memory, say) came out of the loop and ended the worker, so the engine exited.
+    Answered as a flush that was not deferred is: an error with its id, then a new stream."""
+    class FailingFlush(PassthroughSession):
+        def flush(self):
+            raise RuntimeError("CUDA out of memory")
+
+    sent = []
+    worker = FrameWorker(FailingFlush, lambda msg, payload=(): sent.append(msg) or True, _Lane())
+    worker.session = FailingFlush()
+    assert worker._defer_flush(5, until_seq=7)  # notice 7 has not come
+    worker._flush_due = (5, 7, 0.0)  # ...and its time is up
+    assert worker._flush_ready()
+    assert [(m["type"], m.get("id"), m.get("code")) for m in sent] == [("error", 5, "flush")]
+    assert "CUDA out of memory" in sent[0]["message"]
+    assert worker.counts["new_streams"] == 1 and worker._flush_due is None and not worker.stop
