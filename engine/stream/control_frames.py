@@ -73,7 +73,10 @@ class ControlFrames:
             good, dropped = validate_frames(given)
         except FrameError as exc:
             return self._refuse(len(frames), f"control frames refused: {exc}")
-        if dropped or len(good) != len(frames):
+        if dropped:
+            return self._refuse(len(frames), f"control frames refused: {dropped} of the {len(given)} hold NaN or "
+                                             f"infinity; float control frames are taken as 0..1, finite")
+        if len(good) != len(frames):
             return self._refuse(len(frames), f"control frames refused: {len(given)} control frames for "
                                              f"{len(frames)} input frames; give one per input frame")
         if tuple(good.shape[1:3]) != tuple(frames.shape[1:3]):

@@ -25,6 +25,8 @@ MOTION_SLOPE = 0.1  # how much full motion lowers the noise scale
 STEP_OFFSET = 100  # t0 = 1000 * s - STEP_OFFSET
 FLOW_NORM_PX = 8.0  # mean flow magnitude (pixels at FLOW_WIDTH) that counts as full motion
 FLOW_WIDTH = 160  # frames are downscaled to this width before optical flow
+FLOW_MAX_HEIGHT = 4 * FLOW_WIDTH  # ...and at most this height (a frame 2000 px tall and 1 px wide is not
+# scaled to 320000 rows: the aspect of frames taller than 4:1 is not kept)
 
 
 def frame_difference_motion(frames: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +75,7 @@ class OpticalFlowMotion:
     def _estimate(self, seq: np.ndarray) -> float:
         cv2 = self._cv2
         h, w = seq.shape[1:3]
-        size = (FLOW_WIDTH, max(8, round(h * FLOW_WIDTH / w)))
+        size = (FLOW_WIDTH, min(max(8, round(h * FLOW_WIDTH / w)), FLOW_MAX_HEIGHT))
         grey = [cv2.cvtColor(cv2.resize(f, size, interpolation=cv2.INTER_AREA), cv2.COLOR_RGB2GRAY) for f in seq]
         worst = 0.0
         for a, b in zip(grey, grey[1:]):

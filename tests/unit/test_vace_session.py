@@ -72,6 +72,19 @@ def test_host_control_frames_of_the_wrong_size_or_count_are_refused_and_counted(
     assert not np.array_equal(fitting, out)  # the host's control frames were used, not the grey stand-in
 
 
+def test_host_control_frames_holding_nan_are_refused_saying_so(models, caplog):
+    """Float control frames with a NaN were refused as '4 control frames for 4 input frames; give one per
+    input frame': the count was right, the values were not. The refusal names what was wrong."""
+    s = session(models, "control.control_source=video")
+    frames = clip(9)
+    bad = np.full((9, 64, 64, 3), 0.5, np.float32)
+    bad[2, 0, 0, 0] = np.nan
+    with caplog.at_level("WARNING"):
+        out = s.push(frames, control=bad)
+    assert len(out) == 9 and s.stats()["control"]["refused_frames"] == 9  # the stream went on
+    assert "1 of the 9 hold NaN or infinity" in caplog.text and "give one per input frame" not in caplog.text
+
+
 def test_depth_source_without_its_model_is_refused_with_one_line(models, tmp_path):
     with pytest.raises(ConfigError, match="control.depth_model"):
         load_config("tiny-vace", [*SMALL, "control.control_source=depth"])
