@@ -103,12 +103,17 @@ class EngineProcess:
 
     def stop(self, timeout_s: float = 2.0) -> int | None:
         """Terminate the process group, wait up to `timeout_s`, then kill it. Returns the exit code."""
-        if self.alive:
+        deadline = time.monotonic() + timeout_s
+        if self.alive or _group_alive(self.proc):  # a leader that died leaves children: ask them too
             _signal_tree(self.proc, kill=False)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
+        # what is left of the group gets until the deadline: a resource tracker (pipeline ranks) ignores
+        # SIGTERM and unlinks the semaphores the engine left once the others are gone; killed, it leaks them
+        while _group_alive(self.proc) and time.monotonic() < deadline:
+            time.sleep(0.01)
         # kill the group even when the leader is gone: its children may linger
         _signal_tree(self.proc, kill=True)
         try:
@@ -120,6 +125,18 @@ class EngineProcess:
 
     def kill(self) -> None:
         _signal_tree(self.proc, kill=True)
+
+
+def _group_alive(proc: subprocess.Popen, os_name: str | None = None) -> bool:
+    """POSIX: whether a process of the engine's group (the leader reaped) still runs; Windows: False."""
+    if (os_name or os.name) == "nt":
+        return False
+    proc.poll()  # a dead leader not reaped yet would count
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_tree(proc: subprocess.Popen, *, kill: bool, os_name: str | None = None,

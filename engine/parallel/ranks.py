@@ -23,9 +23,22 @@ import torch.multiprocessing as mp
 
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.parallel.stage import worker_main
+from loom_live.host_bridge.wire.processes import pid_alive
 
 KILL_JOIN_S = 5.0
 ERROR_GRACE_S = 1.0  # a rank that exited may still be flushing its traceback into the queue
+
+
+RENDEZVOUS_PREFIX = "loom-pipeline-"
+
+
+def sweep_stale_rendezvous() -> None:
+    """Remove the rendezvous folders of engines that are gone (killed, or stopped by force, before `kill()`)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid, _, rest = name.removeprefix(RENDEZVOUS_PREFIX).partition("-")
+        if name.startswith(RENDEZVOUS_PREFIX) and pid.isdigit() and rest and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 class PipelineError(RuntimeError):
@@ -37,7 +50,9 @@ class RankProcesses:
 
     def __init__(self, cfg: LoomConfig, ranges: list[range]) -> None:
         self.P = len(ranges)
-        self._tmp = tempfile.mkdtemp(prefix="loom-pipeline-")
+        sweep_stale_rendezvous()
+        # the pid in the name lets a later pipeline remove it when this engine was killed before `kill()`
+        self._tmp = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
         self.init_file = os.path.join(self._tmp, "rendezvous")  # the ranks' FileStore rendezvous
         ctx = mp.get_context("spawn")
         self._events = ctx.Queue()

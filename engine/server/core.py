@@ -52,6 +52,7 @@ from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.processes import pid_alive
 from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
 from loom_live.host_bridge.wire.rings import TransportUnavailable, attach_ring
+from loom_live.host_bridge.wire.rings.shm import sweep_stale_segments
 
 TICK_S = 0.05
 EXIT_OK = 0
@@ -207,9 +208,12 @@ class EngineServer:
                 self._end_session(remove=True)  # clean up first: the host's pipe may be gone too
                 log.warning("%s", lost)
                 if self._connect:
-                    if had_host:
+                    host_gone = not parent_alive(self._parent_pid)
+                    if had_host or host_gone:
                         remove_private_endpoint(self._connect)
-                    return EXIT_HOST_LOST if had_host else EXIT_NO_HANDSHAKE
+                    if host_gone and not had_host:  # its doorbell, never attached: removed with the dead host's
+                        sweep_stale_segments()
+                    return EXIT_HOST_LOST if had_host or host_gone else EXIT_NO_HANDSHAKE
                 host_pid = None
         self._end_session(remove=False)
         self._say_bye("engine stopping")
@@ -243,10 +247,12 @@ class EngineServer:
             return "same"
         self._host_spoke = True
         if kind == "bye":
-            if self._connect:
+            if self._connect and self.worker.session is None:  # still building it: `run` gives it a moment
                 return EXIT_OK
+            # a built session is closed here, with time to finish (a pipeline's ranks, their rendezvous
+            # folder): `run` gives a still busy session only a moment on its way out
             self._end_session(remove=False)
-            return None
+            return EXIT_OK if self._connect else None
         self._dispatch(kind, msg, payload)
         return "same"
 
@@ -274,12 +280,14 @@ class EngineServer:
         return self.channel.send(msg, payload, to=self._host_peer)
 
     def _host_lost(self, now: float, last_heard: float, started: float, host_pid: int | None) -> str | None:
+        # also before the host's hello: a host killed while this engine started must not leave it waiting
+        # out the handshake timeout
+        if self._connect and not parent_alive(self._parent_pid):
+            return f"parent process {self._parent_pid} is gone"
         if self.worker is None:
             if self._connect and now - started > self._handshake_timeout_s:
                 return f"no hello from the host within {self._handshake_timeout_s:.0f} s"
             return None
-        if self._connect and not parent_alive(self._parent_pid):
-            return f"parent process {self._parent_pid} is gone"
         if now - last_heard > self._host_timeout_s:
             return f"host silent for {now - last_heard:.1f} s"
         return None

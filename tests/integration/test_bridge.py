@@ -415,6 +415,82 @@ def test_engine_exits_and_removes_segments_when_its_host_dies():
         host.kill()
 
 
+STARTING_HOST_SCRIPT = textwrap.dedent("""
+    # a host killed while its engine starts: it launched the engine (private endpoint, doorbell) as the
+    # bridge does, and dies once the engine said hello, before answering it
+    import os, subprocess, sys, zmq
+    from loom_live.host_bridge.launcher import TOKEN_ENV, popen_options
+    from loom_live.host_bridge.wire.channel import Channel, PrivateEndpoint
+    from loom_live.host_bridge.wire.doorbell import Doorbell
+    endpoint, bell = PrivateEndpoint(), Doorbell.create()
+    channel = Channel(zmq.Context(), endpoint.address, bind=True)
+    engine = subprocess.Popen([sys.executable, "-m", "loom_live.engine", "serve", "--connect", endpoint.address,
+                               "--passthrough", "--parent-pid", str(os.getpid())], cwd=sys.argv[1],
+                              env={**os.environ, TOKEN_ENV: "t"}, stdin=subprocess.DEVNULL, **popen_options())
+    while not any(msg["type"] == "hello" for msg, _ in channel.poll(0.1)):
+        pass
+    print(engine.pid, endpoint.dir, bell.name, flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+@posix_only
+def test_engine_exits_and_cleans_up_when_its_host_dies_before_the_handshake():
+    """Before the host's hello the engine has no session, but its parent is known: it must not wait out the
+    handshake timeout (20 s) after the host is gone, nor leave the host's endpoint folder and doorbell."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    host = subprocess.Popen([sys.executable, "-c", STARTING_HOST_SCRIPT, str(ROOT)], stdout=subprocess.PIPE, env=env)
+    engine_pid = None
+    try:
+        pid_text, private_dir, doorbell = host.stdout.readline().decode().split()
+        engine_pid = int(pid_text)
+        assert host.wait(10) == -signal.SIGKILL
+        assert _gone(engine_pid, 5.0), "engine outlived its host (waiting out its handshake timeout)"
+        assert not Path(private_dir).exists(), "the private endpoint directory was left behind"
+        assert doorbell not in _segments(), "the dead host's doorbell segment was left behind"
+    finally:
+        host.kill()
+        if engine_pid is not None:
+            try:
+                os.kill(engine_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+GROUP_SCRIPT = textwrap.dedent("""
+    # an engine whose leader is gone and whose group still holds a process that cleans up on SIGTERM (as
+    # multiprocessing's resource tracker unlinks the ranks' semaphores once the others are gone)
+    import os, subprocess, sys, time
+    folder = sys.argv[1]
+    child = (
+        "import os, signal, sys, time\\n"
+        "def done(*_):\\n"
+        "    time.sleep(0.3)\\n"
+        "    open(os.path.join(sys.argv[1], 'cleaned'), 'w').close()\\n"
+        "    os._exit(0)\\n"
+        "signal.signal(signal.SIGTERM, done)\\n"
+        "open(os.path.join(sys.argv[1], 'ready'), 'w').close()\\n"
+        "time.sleep(60)\\n")
+    subprocess.Popen([sys.executable, "-c", child, folder])
+    while not os.path.exists(os.path.join(folder, "ready")):
+        time.sleep(0.01)
+""")
+
+
+@posix_only
+def test_stopping_an_engine_whose_leader_died_lets_the_rest_of_its_group_clean_up(tmp_path):
+    """A killed engine's resource tracker ignores SIGTERM until its ranks are gone, then unlinks their semaphores
+    (/dev/shm/sem.mp-*): stop() must ask what is left of the group and give it until its deadline, not kill it
+    at once because the leader is already dead (three semaphores leaked per killed pipeline engine)."""
+    from loom_live.host_bridge.launcher import EngineProcess
+
+    engine = EngineProcess([sys.executable, "-c", GROUP_SCRIPT, str(tmp_path)])
+    engine.proc.wait(30)
+    assert (tmp_path / "ready").exists() and not engine.alive
+    engine.stop(timeout_s=10)
+    assert (tmp_path / "cleaned").exists(), "the group was killed before it could clean up"
+
+
 @posix_only
 def test_segments_of_dead_owners_are_swept():
     from loom_live.host_bridge.wire.rings import create_ring
