@@ -26,6 +26,15 @@ from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.tools.progress import FrameProgress
 
 FRAMES_PER_CHUNK = 4
+FIRST_PUSH = 5  # run_loom's first push: the stream's first chunk (1 + 4 frames), always warm-up
+
+
+def whole_warmup(warmup: int) -> int:
+    """The warm-up run_loom streams for `warmup` asked: its first push, then whole 4-frame chunks. Asked as it
+    is, a count below or between those would take frames from the measured span (`--warmup 0 --frames 8`
+    measured 3 frames and reported 0 FPS)."""
+    extra = max(warmup - FIRST_PUSH, 0)
+    return FIRST_PUSH + -(-extra // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK
 
 
 def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], warmup: int, input_fps: float,
@@ -45,11 +54,11 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
         frames = frames()
     device = session.device
     t_start = time.perf_counter()
-    first = session.push(frames[:5])
+    first = session.push(frames[:FIRST_PUSH])
     if not len(first):
         first = session.poll(wait=True)
     ttff = time.perf_counter() - t_start if len(first) else None
-    done = 5
+    done = FIRST_PUSH
     while done < warmup:
         session.push(frames[done:done + FRAMES_PER_CHUNK])
         done += FRAMES_PER_CHUNK

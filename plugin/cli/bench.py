@@ -114,7 +114,7 @@ def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, write_json
+    from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, whole_warmup, write_json
 
     check_json_target(args.json)  # a result that cannot be written is said now, not after the whole run
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
@@ -134,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
                         "Wan or embedded preset; give 0 (off) or a positive count there")
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
+    if cfg.model.family != "edit" and whole_warmup(warmup) != warmup:
+        print(f"loom bench: --warmup {warmup} rounded up to {whole_warmup(warmup)} frames (the first chunk of 5, "
+              "then whole chunks of 4), so the measured frames stay as asked", file=sys.stderr)
+        warmup = whole_warmup(warmup)
     # a generated clip is made once the session is up (run_loom), outside the engine's start-up; a clip file is
     # read now, so a file that cannot be read fails before any engine starts
     frames = functools.cache(functools.partial(clip_frames, cfg, args.clip, warmup + count))

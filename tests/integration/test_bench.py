@@ -35,6 +35,19 @@ def test_bench_reports_pipeline_and_bridge(tmp_path, capsys):
     assert result["preset"] == "tiny", "bench defaults to the same preset as every other command"
 
 
+def test_a_short_warm_up_is_rounded_to_whole_chunks_and_takes_no_measured_frame(tmp_path, capsys):
+    """`--warmup 0` (or one between chunks) streamed the first chunk anyway, out of the measured frames:
+    `--frames 8 --warmup 0` measured 3 of them and printed FPS 0.00 with exit code 0."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--config", "tiny-random", "--width", "64", "--height", "64", "--frames", "8", "--warmup", "0",
+               "--bridge", "none", "--json", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "--warmup 0 rounded up to 5 frames" in err and "measuring 8 frames" in err
+    loom = json.loads(out.read_text())["loom"]
+    assert loom["measured_frames"] > 0 and loom["fps"] > 0
+
+
 def test_a_generated_clip_is_made_once_the_session_is_up_outside_the_engine_start_up(monkeypatch):
     """The start-up line's time before the first phase is what an engine process pays: `loom bench` makes its
     generated clip after the session is ready, not before."""
