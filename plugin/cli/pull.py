@@ -72,9 +72,21 @@ def run(args: argparse.Namespace) -> int:
         import huggingface_hub  # noqa: F401
     except ImportError:
         raise UserError("loom pull needs huggingface_hub: pip install 'loom-live[pull]'") from None
+    missing = []
     for source in sources:
-        path = _pull(source, offline)
+        try:
+            path = _pull(source, offline)
+        except UserError:
+            if not offline:
+                raise
+            missing.append(source)  # offline: go on, so the one line names everything that is missing
+            continue
         print(f"{source.key} = {path}  ({source.what}, {source.licence})")
+    if missing:
+        raise UserError(f"offline mode is on (--offline or HF_HUB_OFFLINE=1) and the cache ({hub_cache_dir()}) "
+                        f"lacks {len(missing)} of {len(sources)} sources: "
+                        + "; ".join(f"{s.key} ({s.what}, from {s.repo})" for s in missing)
+                        + f"; run `loom pull {args.preset}` with network access")
     print(f"loom pull: {args.preset} is ready; it finds these files by itself (cache: {hub_cache_dir()})")
     return 0
 

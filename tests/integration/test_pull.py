@@ -182,6 +182,24 @@ def test_pull_offline_says_what_is_missing_and_then_uses_the_cache(hub_env, caps
     assert main(["pull", "wan2.1-1.3b", "--offline"]) == 0
 
 
+def test_pull_offline_names_every_missing_source_in_one_line_not_only_the_first(hub_env, monkeypatch, capsys):
+    hub_env()
+    assert main(["pull", "wan2.1-1.3b"]) == 0
+    cached = load_config("wan2.1-1.3b")
+    for blob in Path(cached.vae.checkpoint).resolve().parent.glob("*"):  # the VAE's snapshot: gone again
+        blob.unlink()
+    for snapshot in (Path(cached.prompt.path).resolve()).rglob("*"):
+        if snapshot.is_file() or snapshot.is_symlink():
+            snapshot.unlink()
+    capsys.readouterr()
+    assert main(["pull", "wan2.1-1.3b", "--offline"]) == 2
+    out, err = capsys.readouterr()
+    assert "model.checkpoint = " in out  # what is cached is said too
+    line = err.strip().splitlines()[-1]
+    assert "vae.checkpoint" in line and "prompt.path" in line and "model.checkpoint" not in line
+    assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in line and "loom pull wan2.1-1.3b" in line
+
+
 def test_pull_says_in_one_line_when_the_hub_cannot_be_reached_to_list_a_folder(hub_env, monkeypatch, capsys):
     """A source named by a folder pattern is listed first; the hub client's own connection errors there (not
     OSError, not the hub's HTTP errors) end in the same one line as a file download that cannot connect."""
