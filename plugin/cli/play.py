@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from loom_live.engine.config import control_override, load_config, lora_override
@@ -18,7 +19,7 @@ from loom_live.host_bridge.wire.params import CONTROL_SOURCES
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
 from loom_live.plugin.cli.preflight import check_engine_run
 
-EPILOG = """\
+EPILOG_TEMPLATE = """\
 inputs:   a video file, a camera index (0, 1, ...), a stream URL (rtsp:// srt:// udp:// rtmp:// http://),
           ndi://SOURCE NAME (--list-ndi lists them), or nothing for a built-in generated clip
 outputs:  -o FILE.mp4|.mkv|.mov, -o udp://HOST:PORT or srt://HOST:PORT (MPEG-TS), -o rtmp://..., -o window,
@@ -29,14 +30,8 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
           resolution, whatever the picture's size: frames are scaled to it and back. Set it with
           --resolution WxH, the same as --set resolution.width=W --set resolution.height=H (multiples
           of 16; the config's resolution.resize, crop, fit or stretch, says how another aspect ratio is fitted)
-keys in the window: q/Esc quit, space pause, Enter/t type a prompt, n/b next/previous prompt,
-          1-4 steps, [ ] noise scale, m motion-aware noise, h overlay, f full screen;
-          VACE presets: - = control scale, c next control source, r read the --reference file again;
-          the default preset: - = its edge scale (0: the input's structure not given)
-OSC (--osc-port): /loom/prompt s [i], /loom/prompt/next, /loom/prompt/prev, /loom/prompt/index i,
-          /loom/steps i, /loom/noise_scale f, /loom/motion_aware [i], /loom/pause [i], /loom/quit;
-          VACE presets: /loom/control/scale f, /loom/control/source s, /loom/control/next, /loom/reference PATH;
-          the default preset: /loom/control/scale f (its edge scale)
+{keys}
+{osc}
 web page (--web [HOST:]PORT): the output, the input and these controls in a browser; loom web: the browser's
           camera as the input
 outputs are written beside the target under a hidden temporary name and moved into place when finished:
@@ -44,6 +39,21 @@ outputs are written beside the target under a hidden temporary name and moved in
 exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engine failed, 130 stopped with Ctrl-C,
           143/129 stopped by SIGTERM/SIGHUP
 """
+
+
+def epilog() -> str:
+    """The help's last part; its keys and OSC addresses from the player's own tables, so none is left out."""
+    from loom_live.plugin.player.controls import KEY_HELP
+    from loom_live.plugin.player.osc import OSC_ADDRESSES
+
+    osc = [(f"{address} {args}".strip(), what) for address, (args, what) in OSC_ADDRESSES.items()]
+    return EPILOG_TEMPLATE.format(keys=_table("keys in the window:", KEY_HELP),
+                                  osc=_table("OSC (--osc-port):", osc))
+
+
+def _table(title: str, rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([title, *(f"          {name:<{width}}  {what}" for name, what in rows)])
 
 
 def _wxh(text: str) -> tuple[int, int]:
@@ -63,7 +73,7 @@ def _size(text: str) -> tuple[int, int]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("play", help="restyle a video file, camera or stream live (the Loom player)",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--input", default=None, metavar="INPUT",
                    help="video file, camera index, stream URL or ndi://SOURCE (default: a generated clip)")
     p.add_argument("-o", "--output", action="append", dest="outputs", metavar="OUTPUT",

@@ -36,7 +36,7 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
     "/loom/motion_aware": ("[0|1]", "motion-aware noise off / on (no argument: toggle)"),
     "/loom/lora/scale": ("name f", f"scale of the LoRA of that name, {LORA_SCALES.min:g}..{LORA_SCALES.max:g}"),
     "/loom/control/scale": ("f", f"VACE presets: control scale, {CONTEXT_SCALE.min:g}..{CONTEXT_SCALE.max:g} "
-                                  "(0: the control video does not steer)"),
+                                  "(0: the control video does not steer); the default preset: its edge scale"),
     "/loom/control/source": ("name", f"VACE presets: control source, one of {', '.join(CONTROL.choices)}"),
     "/loom/control/next": ("", "VACE presets: the next control source this run can make"),
     "/loom/reference": ("[path]", "VACE presets: a new reference image file, in effect at the next chunk "

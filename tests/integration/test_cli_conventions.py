@@ -48,6 +48,18 @@ def test_every_option_has_help_and_test_hooks_are_hidden():
     assert "--stall-after" not in serve_help
 
 
+def test_play_help_names_every_key_and_osc_address_the_player_takes():
+    """The help's keys and OSC addresses come from the player's own tables (the LoRA key and address were
+    missing from a hand-written list)."""
+    from loom_live.plugin.player.controls import KEY_HELP
+    from loom_live.plugin.player.osc import OSC_ADDRESSES
+
+    text = _subparsers()["play"].format_help()
+    assert all(f"{key}  " in text and what in text for key, what in KEY_HELP)
+    assert all(address in text for address in OSC_ADDRESSES)
+    assert "/loom/lora/scale name f" in text
+
+
 def test_version_and_a_bad_option_named_by_its_own_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
