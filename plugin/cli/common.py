@@ -14,6 +14,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2  # bad input, output, option, config or missing weights: one line says what and what is allowed
 EXIT_ENGINE_FAILED = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+EXIT_BROKEN_PIPE = 141  # what it printed to was closed (`| head`), as a shell reports SIGPIPE
 
 
 def version() -> str:

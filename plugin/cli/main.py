@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from loom_live.engine.graphs.compile_cache import enable_bytecode_cache
 from loom_live.host_bridge.wire import logs
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.typed_config import ConfigError
-from loom_live.plugin.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, version
+from loom_live.plugin.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, version
 
 SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "prepare", "encode-prompts", "bench", "eval", "train")
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"loom {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`loom pull --list | head`): the rest is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

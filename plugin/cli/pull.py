@@ -38,8 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="download the weights a preset needs (Hugging Face; pip install 'loom-live[pull]')",
                        description="Fetch a preset's weights into the Hugging Face cache (HF_HUB_CACHE / HF_HOME); "
                                    "the preset then finds them with no --set.")
-    p.add_argument("preset", metavar="PRESET",
-                   help=f"preset or YAML file whose weights to fetch ({', '.join(PULLABLE_PRESETS)})")
+    p.add_argument("preset", metavar="PRESET", nargs="?",
+                   help=f"preset or YAML file whose weights to fetch ({', '.join(PULLABLE_PRESETS)}); with --list "
+                        "and none, every preset's")
     p.add_argument("--offline", action="store_true",
                    help="fetch nothing: report what is cached and fail if anything is missing (also HF_HUB_OFFLINE=1)")
     p.add_argument("--list", action="store_true", dest="list_only",
@@ -59,13 +60,19 @@ def sources_for(preset: str) -> tuple[WeightSource, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preset is None:
+        if not args.list_only:
+            raise UserError(f"which preset? one of {', '.join(PULLABLE_PRESETS)} (or a YAML file built "
+                            "on one); --list alone lists what each fetches")
+        for preset in PULLABLE_PRESETS:
+            print(f"{preset}:")
+            _list(sources_for(preset))
+        return 0
     sources = sources_for(args.preset)
     for notice in dict.fromkeys(s.notice for s in sources if s.notice):
         print(f"loom pull: NOTE: {notice}", file=sys.stderr)
     if args.list_only:
-        for s in sources:
-            rev = f" (revision {s.revision})" if s.revision != "main" else ""
-            print(f"{s.key:<18} {s.what}: https://huggingface.co/{s.repo}{rev} {', '.join(s.files)}  [{s.licence}]")
+        _list(sources)
         return 0
     offline = args.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
@@ -89,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
                         + f"; run `loom pull {args.preset}` with network access")
     print(f"loom pull: {args.preset} is ready; it finds these files by itself (cache: {hub_cache_dir()})")
     return 0
+
+
+def _list(sources: tuple[WeightSource, ...]) -> None:
+    for s in sources:
+        rev = f" (revision {s.revision})" if s.revision != "main" else ""
+        print(f"{s.key:<18} {s.what}: https://huggingface.co/{s.repo}{rev} {', '.join(s.files)}  [{s.licence}]")
 
 
 def _pull(source: WeightSource, offline: bool) -> Path:

@@ -256,3 +256,38 @@ def test_pull_of_the_dreamlite_edit_preset_says_non_commercial_and_the_preset_fi
     assert not (Path(cfg.edit.checkpoint) / "dreamlite").exists()  # only the diffusers layout's folders
     assert (Path(cfg.edit.encoder_path) / "tokenizer.json").is_file()
     assert Path(cfg.edit.lllite).read_bytes() == b"adapter"
+
+
+def test_pull_list_alone_lists_every_preset_and_a_pull_without_one_says_which_there_are(capsys):
+    from loom_live.engine.models.weights import PULLABLE_PRESETS
+
+    assert main(["pull", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{preset}:\n" in out for preset in PULLABLE_PRESETS) and "Wan-AI/Wan2.1-VACE-14B" in out
+    assert main(["pull"]) == 2
+    err = capsys.readouterr().err
+    assert "which preset?" in err and "dreamlite-edit" in err and "\n" not in err.strip()
+
+
+def test_a_listing_whose_reader_went_away_ends_quietly_as_a_shell_expects(tmp_path, monkeypatch, capsys):
+    """`loom pull --list | head -1`: the rest of the listing meets a closed pipe; exit 141, no traceback."""
+    import io
+    import sys
+
+    class ClosedPipe(io.TextIOBase):
+        def __init__(self) -> None:
+            self.file = open(tmp_path / "stdout", "w")
+
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            return self.file.fileno()
+
+    pipe = ClosedPipe()
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        assert main(["pull", "--list"]) == 141
+    finally:
+        pipe.file.close()
+    assert "Traceback" not in capsys.readouterr().err
