@@ -184,7 +184,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         try:
             prompts += read_prompt_file(args.prompt_file)
         except PlayerError as exc:
-            print(f"loom play: error: {exc}", file=sys.stderr)
+            print(f"loom {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
     options = PlayerOptions(
         config=args.config,

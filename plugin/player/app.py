@@ -80,6 +80,7 @@ class Player:
     def __init__(self, options: PlayerOptions, printer: StatusPrinter | None = None) -> None:
         options.check()
         self.opts = options
+        self.name = options.command  # what its lines start with: the command the user typed
         self.printer = printer or StatusPrinter(quiet=options.quiet)
         prompts = list(options.prompts) or [options.default_prompt]
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
@@ -140,7 +141,7 @@ class Player:
         self.size = (w - w % 2, h - h % 2)
         if o.size is not None and o.size != (w, h):  # --size on an input: scaled, never ignored
             if not self._scaled:  # said once (a looped or reconnected input opens again)
-                self.printer.say(f"loom play: input {w}x{h} scaled to {o.size[0]}x{o.size[1]} (--size)")
+                self.printer.say(f"{self.name}: input {w}x{h} scaled to {o.size[0]}x{o.size[1]} (--size)")
             self.size, self._scaled = o.size, True
 
     def _open_control_input(self) -> None:
@@ -149,8 +150,8 @@ class Player:
             return
         self.control_input = open_control_input(o.control_input, self.size,
                                                 frames=o.max_frames or DEFAULT_GENERATED_FRAMES, fps=self.source.fps,
-                                                seed=o.seed, say=lambda line: self.printer.say(f"loom play: {line}"))
-        self.printer.say(f"loom play: control video from {self.control_input.name} (--control-input)")
+                                                seed=o.seed, say=lambda line: self.printer.say(f"{self.name}: {line}"))
+        self.printer.say(f"{self.name}: control video from {self.control_input.name} (--control-input)")
 
     def _web_camera(self) -> Any:
         """The page's camera, the same one again after the feed lost it (only the end of the run closes it)."""
@@ -169,7 +170,7 @@ class Player:
                 self.window = PreviewWindow()
             except WindowUnavailable as exc:
                 specs = [s for s in specs if s != WINDOW_OUTPUT] or [DEFAULT_OUTPUT]
-                self.printer.say(f"loom play: {exc}; running without a window, writing {', '.join(specs)}")
+                self.printer.say(f"{self.name}: {exc}; running without a window, writing {', '.join(specs)}")
         for spec in specs:
             if spec == WINDOW_OUTPUT:
                 continue
@@ -208,7 +209,7 @@ class Player:
         except RuntimeError as exc:
             raise PlayerError(str(exc)) from None
         host, port = self.osc.address
-        self.printer.say(f"loom play: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
+        self.printer.say(f"{self.name}: OSC control on udp://{host}:{port} (addresses: /loom/prompt, /loom/steps, ...)")
 
     def _start_web(self) -> None:
         """The page: before the input opens for `loom web` (it reads the page's camera), after it beside a
@@ -233,7 +234,7 @@ class Player:
             raise PlayerError(f"--web needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None
         except (RuntimeError, UserError) as exc:
             raise PlayerError(str(exc)) from None
-        self.printer.say(f"loom play: the page is at {url}")
+        self.printer.say(f"{self.name}: the page is at {url}")
 
     def _web_size(self) -> tuple[int, int]:
         w, h = self.opts.size if self.opts.uses_web_camera else self.size  # `loom web` always has --size
@@ -254,7 +255,7 @@ class Player:
             if time.monotonic() > deadline:
                 raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
                                          status)
-            self.printer.stage(f"loom play: starting the engine: {status.message or status.state}")
+            self.printer.stage(f"{self.name}: starting the engine: {status.message or status.state}")
             self._poll_controls()
             if self.controls.state.quit:
                 return
@@ -345,7 +346,7 @@ class Player:
         import cv2
 
         if not as_opened and frame.shape[:2] != self._last_input_shape:
-            self.printer.say(f"loom play: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
+            self.printer.say(f"{self.name}: the input changed size to {frame.shape[1]}x{frame.shape[0]}; "
                              f"scaled to the output's {w}x{h}")
             self._last_input_shape = frame.shape[:2]
         return cv2.resize(frame, (w, h), interpolation=cv2.INTER_AREA)
@@ -353,7 +354,7 @@ class Player:
     def _read(self) -> np.ndarray | None:
         if self.feed is not None:
             for message in self.feed.messages():
-                self.printer.say(f"loom play: {message}")
+                self.printer.say(f"{self.name}: {message}")
             return self.feed.next(1.0 / self.source.fps if self._holding else STALL_GRACE_S)
         try:
             frame = self.source.read()
@@ -365,7 +366,7 @@ class Player:
             raise PlayerError(f"input: {exc}") from None
         skipped = self.source.skipped_packets
         if skipped and not self._skipped_reported:
-            self.printer.say(f"loom play: input: damaged data in {self.source.name}, skipped; the picture goes on")
+            self.printer.say(f"{self.name}: input: damaged data in {self.source.name}, skipped; the picture goes on")
         self._skipped_reported = skipped
         return frame
 
@@ -378,7 +379,7 @@ class Player:
         inputs = self._frames()
         unanswered: deque[np.ndarray] = deque()  # handed to the engine, output not back yet
         failures = 0
-        self.printer.await_first("loom play: waiting for the first restyled frame")
+        self.printer.await_first(f"{self.name}: waiting for the first restyled frame")
         while True:
             outputs = self.bridge.process_stream(self._sent(inputs, unanswered),
                                                  stall_timeout_s=PROCESS_TIMEOUT_S + self.opts.startup_timeout_s,
@@ -423,7 +424,7 @@ class Player:
         if _is_failed(status) or failures >= MAX_FAILED_STARTS:
             raise self._engine_error(f"the engine failed while processing frames: {exc}", status) from None
         first = self.frames_out
-        self.printer.say(f"loom play: the engine stopped ({exc}); frames {first}..{first + frames - 1} "
+        self.printer.say(f"{self.name}: the engine stopped ({exc}); frames {first}..{first + frames - 1} "
                          "go again once it has restarted")
         time.sleep(RETRY_PAUSE_S * failures)  # let the bridge finish its restart before asking again
 
@@ -455,7 +456,7 @@ class Player:
                 shown = self._last_out
             if shown is not None:
                 self._emit(shown, status.seq)
-            stalled = "  input stalled: the last picture is held" if self._holding else ""
+            stalled = self._stall_note() if self._holding else ""
             self._report_style()
             self.printer.update(live_line(self.frames_out, status, style=self.style.short) + stalled)
             if pace:
@@ -465,6 +466,13 @@ class Player:
                     time.sleep(delay)
                 else:
                     next_due = time.monotonic()
+
+    def _stall_note(self) -> str:
+        """What the status line says while no input frame comes: for `loom web` before any page has sent its
+        camera, that it waits for one (nothing is wrong yet)."""
+        if self.opts.uses_web_camera and self.web is not None and self.web.camera.received == 0:
+            return "  waiting for a page's camera (open the page's address above)"
+        return "  input stalled: the last picture is held"
 
     def _emit(self, frame: np.ndarray, seq: int = -1) -> None:
         """Write one output frame everywhere; an engine frame of another size is fitted to the outputs.
@@ -496,7 +504,7 @@ class Player:
         if not self.sinks and self.window is None and self.web is None:
             raise PlayerError(f"output: {error}")
         self.printer.quiet = False  # errors are always shown
-        self.printer.say(f"loom play: error: output: {error}; this output is stopped, the others go on")
+        self.printer.say(f"{self.name}: error: output: {error}; this output is stopped, the others go on")
 
     def _show(self, frame: np.ndarray) -> None:
         if self.window is None:
@@ -525,7 +533,7 @@ class Player:
         self._style_polled = now
         line = self.style.update(self.bridge.engine_report(refresh), wanted=self.controls.state.prompt)
         if line is not None:
-            self.printer.say(f"loom play: {line}")
+            self.printer.say(f"{self.name}: {line}")
             self.printer.set_postfix(self.style.short)
         self._say_engine_errors()
 
@@ -535,12 +543,12 @@ class Player:
         stats = self.bridge.stats()
         errors = stats.get("errors", 0)
         if errors > self._errors_said and stats.get("last_error"):
-            self.printer.say(f"loom play: {stats['last_error']}")
+            self.printer.say(f"{self.name}: {stats['last_error']}")
         self._errors_said = errors
 
     def _poll_controls(self) -> None:
         for line in self.controls.apply_pending(self.bridge):
-            self.printer.say(f"loom play: {line}")
+            self.printer.say(f"{self.name}: {line}")
 
     def _idle(self) -> None:
         """Paused: keep the window responsive and the controls flowing, read nothing."""
@@ -581,7 +589,7 @@ class Player:
             except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
-                self.printer.say(f"loom play: error: output: {exc}")
+                self.printer.say(f"{self.name}: error: output: {exc}")
         for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source, self.control_input):
             if thing is not None:
                 with contextlib.suppress(Exception):
@@ -599,7 +607,7 @@ class Player:
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
         c = self.control_input
         control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
-        self.printer.finish(f"loom play: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
+        self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
                             f"to {written} in {elapsed:.1f} s{damaged}{control}")
 
 
@@ -629,11 +637,11 @@ def run_player(options: PlayerOptions) -> int:
         return Player(options, printer).run()
     except PlayerError as exc:
         printer.quiet = False  # errors are always shown
-        printer.say(f"loom play: error: {exc}")
+        printer.say(f"{options.command}: error: {exc}")
         if exc.detail:
             printer.say("engine log (last lines):\n" + exc.detail.rstrip())
         return exc.exit_code
     except KeyboardInterrupt:
         printer.quiet = False
-        printer.say("loom play: interrupted")
+        printer.say(f"{options.command}: interrupted")
         return EXIT_INTERRUPTED

@@ -80,6 +80,11 @@ class PlayerOptions:
     quiet: bool = False
     overwrite: bool = False
 
+    @property
+    def command(self) -> str:
+        """The command that runs it, as its lines name it: `loom web` is the player on the page's camera."""
+        return "loom web" if self.input == WEB_CAMERA_INPUT else "loom play"
+
     def check(self) -> None:
         """Reject impossible combinations before opening anything."""
         if self.mode not in MODES:

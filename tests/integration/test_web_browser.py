@@ -126,6 +126,7 @@ def test_restyled_frames_arrive_and_follow_the_camera(show):
     # Timed glass to glass (camera frame drawn -> restyled frame shown) and shown beside the engine's own.
     assert all(p["ms"] > 0 for p in pairs)
     wait("the glass-to-glass figure on the page", lambda: driver.find_element("id", "g2g").text.endswith(" ms"))
+    assert "loom web: the page is at" in show["log"].read_text()  # its lines say the command the user typed
 
 
 def test_a_prompt_and_a_slider_from_the_page_change_the_stream(show):

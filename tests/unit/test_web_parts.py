@@ -340,3 +340,20 @@ def test_a_turn_credential_file_others_can_read_is_refused(tmp_path):
     loose.chmod(0o644)
     with pytest.raises(UserError, match="--ice-credential-file .*chmod 600"):
         ice_servers(["turn:relay.example.org"], username="vj", credential_file=str(loose))
+
+
+def test_loom_web_says_its_own_name_and_waits_for_a_page_without_calling_it_a_stall():
+    """`loom web` is the player on the page's camera: its lines say `loom web`, and until a page sends its camera
+    the status line says so (an 'input stalled' before any page was opened read as a fault)."""
+    from types import SimpleNamespace
+
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import WEB_CAMERA_INPUT, PlayerOptions
+
+    assert PlayerOptions(input=WEB_CAMERA_INPUT).command == "loom web" and PlayerOptions().command == "loom play"
+    camera = SimpleNamespace(received=0)
+    player = SimpleNamespace(opts=PlayerOptions(input=WEB_CAMERA_INPUT), web=SimpleNamespace(camera=camera))
+    assert "waiting for a page's camera" in Player._stall_note(player)
+    camera.received = 3  # a page came, then its camera stopped: that is a stall
+    assert "input stalled" in Player._stall_note(player)
+    assert "input stalled" in Player._stall_note(SimpleNamespace(opts=PlayerOptions(input="0"), web=None))
