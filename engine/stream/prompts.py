@@ -203,6 +203,7 @@ class PromptConditioner:
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-prompt")
         self._pending: tuple[str, int, Future] | None = None
+        self._closed = False
         self.error: str | None = None  # why the newest requested prompt did not take effect
         self.text = check_prompt(text)
         self.match = self._describe(self.text)
@@ -242,6 +243,8 @@ class PromptConditioner:
 
     def request(self, text: str, transition_chunks: int | None = None) -> None:
         """Start encoding a new prompt in the background; it takes effect at a chunk boundary."""
+        if self._closed:
+            raise RuntimeError("prompt: this session is closed (close() was called); start a new session")
         text = check_prompt(text)
         check = getattr(self.encoder, "check", None)  # encoders that can refuse a prompt cheaply say so now
         if check is not None:
@@ -311,5 +314,6 @@ class PromptConditioner:
         return True
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -246,6 +246,13 @@ def test_a_prompt_that_is_not_a_text_of_the_allowed_length_is_refused_by_name(te
     cond.close()
 
 
+def test_a_prompt_asked_of_a_closed_session_says_it_is_closed():
+    cond = PromptConditioner(HashTextEncoder(8), "a cat", device=torch.device("cpu"), dtype=torch.float32)
+    cond.close()
+    with pytest.raises(RuntimeError, match="this session is closed"):  # not the pool's "after shutdown"
+        cond.request("a dog")
+
+
 def test_optical_flow_of_a_very_tall_frame_works_on_a_bounded_image(monkeypatch):
     """Frames are scaled to FLOW_WIDTH columns before the flow; a frame 2000 px tall and 1 px wide became
     320000 rows (a gigabyte and more per chunk); the height is capped."""
