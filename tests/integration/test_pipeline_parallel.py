@@ -241,35 +241,11 @@ def test_a_pipelined_start_says_its_phases_to_a_waiting_host():
     assert no_children_left()
 
 
-def test_a_launched_pipeline_engine_closed_by_its_bridge_leaves_no_rendezvous_folder(tmp_path, monkeypatch):
-    """Bridge.close says bye; the engine must close its session (the ranks, their rendezvous folder) before it
-    exits, not leave it closing on a daemon thread that exiting cuts short: one folder left per engine."""
-    import tempfile
-    import time
-    from pathlib import Path
-
-    from loom_live.host_bridge import Bridge, BridgeConfig
-
-    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())  # this host's own folders stay where they were
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launched engine's temporary folders go here
-    root = Path(__file__).resolve().parents[2]
-    bridge = Bridge(BridgeConfig(engine_config="tiny-random", engine_overrides=[*BASE, "parallel.gpus=2"],
-                                 engine_cwd=str(root))).start()
-    try:
-        bridge.wait_running(180)
-        assert len(list(tmp_path.glob("loom-pipeline-*"))) == 1  # the ranks' rendezvous, while it runs
-        pid = bridge.stats()["engine_pid"]
-    finally:
-        bridge.close()
-    time.sleep(0.5)  # the engine was waited for; its ranks exit with it
-    assert not os.path.exists(f"/proc/{pid}") or os.name == "nt"
-    assert not list(tmp_path.glob("loom-pipeline-*")), "the pipeline's rendezvous folder was left behind"
-
-
-def test_a_killed_pipeline_engine_leaves_no_rendezvous_folder_behind(tmp_path, monkeypatch):
-    """A killed engine cannot remove its ranks' rendezvous folder; the restarted engine's pipeline sweeps the
-    folders of engines that are gone, so a show with many restarts does not pile them up in /tmp. (Its
-    ranks' semaphores: test_bridge.py, the group's stop.)"""
+def test_a_pipeline_engine_killed_or_closed_leaves_no_rendezvous_folder(tmp_path, monkeypatch):
+    """A killed engine cannot remove its ranks' rendezvous folder: the restarted engine's pipeline sweeps the
+    folders of engines that are gone, so a show with many restarts does not pile them up in /tmp. Then
+    Bridge.close says bye: the engine closes its session (the ranks, their folder) before it exits, not on a
+    daemon thread that exiting cuts short. (Its ranks' semaphores: test_bridge.py, the group's stop.)"""
     import signal as signals
     import tempfile
     import time
@@ -277,15 +253,15 @@ def test_a_killed_pipeline_engine_leaves_no_rendezvous_folder_behind(tmp_path, m
 
     from loom_live.host_bridge import Bridge, BridgeConfig
 
-    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())  # this host's own folders stay where they were
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launched engines' temporary folders go here
     root = Path(__file__).resolve().parents[2]
     bridge = Bridge(BridgeConfig(engine_config="tiny-random", engine_overrides=[*BASE, "parallel.gpus=2"],
                                  engine_cwd=str(root), restart_backoff_s=0.1)).start()
     try:
         bridge.wait_running(180)
         first = bridge.stats()["engine_pid"]
-        (old,) = tmp_path.glob("loom-pipeline-*")
+        (old,) = tmp_path.glob("loom-pipeline-*")  # the ranks' rendezvous, while it runs
         os.kill(first, signals.SIGKILL)
         deadline = time.monotonic() + 180
         while bridge.stats()["engine_pid"] in (first, None) or bridge.status().state != "running":
@@ -294,5 +270,9 @@ def test_a_killed_pipeline_engine_leaves_no_rendezvous_folder_behind(tmp_path, m
         folders = list(tmp_path.glob("loom-pipeline-*"))
         assert old not in folders, "the killed engine's rendezvous folder is still there"
         assert len(folders) == 1
+        second = bridge.stats()["engine_pid"]
     finally:
         bridge.close()
+    time.sleep(0.5)  # the engine was waited for; its ranks exit with it
+    assert not os.path.exists(f"/proc/{second}")
+    assert not list(tmp_path.glob("loom-pipeline-*")), "the closed engine's rendezvous folder was left behind"
