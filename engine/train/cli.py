@@ -24,6 +24,17 @@ def _size(text: str) -> int:
     return side
 
 
+def _frames(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of frames, got {text!r}") from None
+    if n < 6:
+        raise argparse.ArgumentTypeError(f"{n}: expected 6 or more (the first chunk of 5 frames and the next, "
+                                         "so the chunk boundaries are measured)")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loom_live.engine.train.recipe import RecipeConfig
 
@@ -43,14 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="measure the model card's metrics on the held-out clips (CPU)")
     ev.add_argument("--weights", default=None)
     ev.add_argument("--out", default="docs/embedded-eval.json")
-    ev.add_argument("--frames", type=int, default=49)
+    ev.add_argument("--frames", type=_frames, default=49, help="frames of each held-out clip, 6 or more (default 49)")
     pic = sub.add_parser("picture", help="the README picture: input frames beside four styles")
     pic.add_argument("--out", default="docs/embedded-styles.png")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loom_live.host_bridge.wire.errors import UserError
+
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (BrokenPipeError, FileNotFoundError):
+        raise  # the `loom` command's own handling (exit 141; a one-line error)
+    except OSError as exc:  # a folder that cannot be written, a full disk: one line, not a traceback
+        raise UserError(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         from loom_live.engine.train.data import prepare
 

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def decode_video(data: bytes) -> np.ndarray:
         cap.release()
     finally:
         os.unlink(name)
+    if not frames:
+        raise ValueError("a clip's stream holds no frames that decode")
     return np.stack(frames)
 
 
@@ -189,8 +192,23 @@ def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: boo
     if out.suffix != ".npz":  # numpy adds it: the path said and given to `fit --data` is the file written
         out = out.with_name(out.name + ".npz")
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, **arrays)
+    write_replacing(out, lambda f: np.savez(f, **arrays))
     return out
+
+
+def write_replacing(out: Path, write) -> None:
+    """`write(file)` into OUT.partial, which replaces `out` only once it is whole: a run that fails or is
+    stopped while writing (a full disk, Ctrl-C) leaves the file an earlier run made as it was."""
+    partial = out.with_name(out.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            write(f)
+        os.replace(partial, out)
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a full disk says no name: name the file
+            raise OSError(exc.errno, exc.strerror, str(out)) from None
+        raise
 
 
 def styled(frames: np.ndarray) -> list[np.ndarray]:
@@ -205,9 +223,15 @@ def load_pairs(path: str | Path, workers: int | None = None) -> tuple[dict, list
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with np.load(path) as data:
-        meta = json.loads(bytes(data["meta"]).decode())
-        sources = [decode_video(bytes(data[f"{name}/{SOURCE}"])) for name in meta["clips"]]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file (`loom train prepare` makes it)")
+    try:
+        with np.load(path) as data:
+            meta = json.loads(bytes(data["meta"]).decode())
+            sources = [decode_video(bytes(data[f"{name}/{SOURCE}"])) for name in meta["clips"]]
+    except (KeyError, TypeError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        # another .npz (the style table), a truncated copy, a file of another version
+        raise ValueError(f"{path}: not a data file of `loom train prepare` ({exc})") from None
     n = min(len(sources), workers or os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
         styles = list(pool.map(styled, sources))

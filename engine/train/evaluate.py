@@ -272,6 +272,9 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
 
     from loom_live.engine.config import load_config
 
+    partial = writable(out, "the JSON report")  # a wrong --out fails now, not after the whole evaluation
+    if weights:
+        check_weights(weights)
     torch.set_num_threads(2)
     clips, long_clips = held_out(frames), held_out(max(frames, ablation_frames))
     refresh_at = load_config("default").stream.rope_refresh_at
@@ -290,19 +293,58 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "frames": n,
                                 "rows": rows, "summary": summary(rows)}
         # each run's rows as they come, beside the report: an earlier complete report stays until this one is
-        partial = Path(out).with_name(Path(out).name + ".partial")
-        partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(report, indent=1))
     os.replace(partial, out)
     return report
+
+
+def writable(out: str | Path, what: str) -> Path:
+    """OUT.partial, beside `out` (a file path whose folder can be made and written): a wrong --out is a
+    one-line error before any work, not a traceback after it."""
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out}: a folder; expected a file path for {what}")
+    partial = path.with_name(path.name + ".partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = partial.exists()  # an interrupted run's rows: kept until this run has its own
+        with open(partial, "ab"):
+            pass
+        if not existed:
+            partial.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc}: {exc.filename})") from None
+    return partial
+
+
+def check_weights(weights: str) -> None:
+    """A --weights file that is missing, damaged or of another layout: a one-line error before any work."""
+    import torch
+    from safetensors import SafetensorError
+
+    from loom_live.engine.models.embedded import EmbeddedWeightsError, load_embedded
+
+    if not Path(weights).is_file():
+        raise FileNotFoundError(f"--weights {weights}: no such file")
+    try:
+        load_embedded(torch.device("cpu"), torch.float32, weights)
+    except (EmbeddedWeightsError, SafetensorError, KeyError, ValueError) as exc:
+        raise ValueError(f"--weights {weights}: not weights of the embedded model "
+                         f"({str(exc).removeprefix(f'{weights}: ')})") from None
 
 
 def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour.mp4",
             styles: tuple[str, ...] = ("pencil sketch", "thermal camera", "pop art poster", "sepia film"),
             at: tuple[int, ...] = (4, 12, 20)) -> Path:
     """Input frames (rows: three moments of a held-out clip) beside four styles made by the model."""
+    from tqdm import tqdm
+
+    path = Path(out)
+    if not cv2.haveImageWriter(str(path)):
+        raise ValueError(f"--out {out}: expected an image file name (.png, .jpg, .webp)")
+    partial = writable(path, "the picture")
     frames = read_clip(MEDIA / clip, SIZE, limit=max(at) + 1)
-    columns = [frames[list(at)]] + [stylise(frames, p)[list(at)] for p in styles]
+    columns = [frames[list(at)]] + [stylise(frames, p)[list(at)] for p in tqdm(styles, desc="picture", unit="style")]
     pad = 4
     h, w = SIZE, SIZE
     label_h = 22
@@ -312,9 +354,11 @@ def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour
         for i, f in enumerate(col):
             y, x = label_h + i * (h + pad), j * (w + pad)
             canvas[y:y + h, x:x + w] = f
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cv2.imwrite(str(path), cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
+    ok, encoded = cv2.imencode(path.suffix, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
+    if not ok:
+        raise ValueError(f"--out {out}: OpenCV could not encode the picture as {path.suffix}")
+    partial.write_bytes(encoded.tobytes())
+    os.replace(partial, path)  # an earlier picture stays until this one is whole
     return path
 
 

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -38,7 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from loom_live.engine.models.dit_source import dit_source
-from loom_live.engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, STYLE_TEXT_LEN, save_embedded
+from loom_live.engine.models.embedded import (
+    EMBEDDED_DIT,
+    EMBEDDED_VAE,
+    STYLE_TEXT_DIM,
+    STYLE_TEXT_LEN,
+    save_embedded,
+)
 from loom_live.engine.models.frame_vae import BLOCK_VALUES, FrameVAE
 from loom_live.engine.models.wan_dit import WanDiT
 from loom_live.engine.models.wan_vae import SPACE_STRIDE
@@ -100,6 +107,45 @@ class RecipeConfig:
     style_weights: str = ""  # "name=w,...": each style's share of the DiT's windows (unnamed: 1); "" uniform
     seed: int = 0
     max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_config(cfg: RecipeConfig) -> None:
+    """Refuse settings a run cannot use, before it loads or trains anything, naming what is allowed (a batch
+    of 0 or a budget below 0 would otherwise fail deep in a phase, or after the VAE phase's minutes)."""
+    rules = {"vae_seconds": (0, "a number of seconds, 0 or more"), "dit_seconds": (0, "a number of seconds, 0 or more"),
+             "vae_batch": (1, "1 or more"), "dit_batch": (1, "1 or more"), "pixel_batch": (1, "1 or more"),
+             "vae_chunks": (1, "1 or more (5 frames, then 4 a chunk)"),
+             "dit_chunks": (2, "2 or more (the first chunk of 5 frames and at least one of 4)"),
+             "decoder_steps": (0, "0 (none) or more"), "max_steps": (0, "0 (no limit) or more")}
+    rules.update(dict.fromkeys(("chroma_loss", "pixel_loss", "temporal_loss", "boundary_loss", "sharpness_loss"),
+                               (0, "a weight, 0 (off) or more")))
+    for name, (low, allowed) in rules.items():
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value >= low):
+            raise ValueError(f"{_option(name)} {value}: expected {allowed}")
+    for name in ("vae_lr", "dit_lr"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{_option(name)} {value}: expected a number above 0")
+    for name in ("motion_aware_p", "blend_p", "switch_p", "edge_drop_p"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{_option(name)} {value}: expected a share from 0 to 1")
+
+
+def check_windows(cfg: RecipeConfig, clips: list[Clip], path: str) -> None:
+    """Every clip must hold a whole training window of each phase that will run."""
+    shortest = min(len(c.frames[SOURCE]) for c in clips)
+    most = 1 + (shortest - FIRST_CHUNK) // CHUNK  # chunks in the shortest clip
+    for name, runs in (("vae_chunks", not cfg.vae_from and cfg.vae_seconds > 0 or cfg.decoder_steps > 0),
+                       ("dit_chunks", cfg.dit_seconds > 0)):
+        if runs and getattr(cfg, name) > most:
+            raise ValueError(f"{_option(name)} {getattr(cfg, name)}: {path}'s shortest clip has {shortest} frames, "
+                             f"room for at most {most} chunks (5 frames, then 4 a chunk)")
 
 
 class Windows:
@@ -304,11 +350,17 @@ class StyleConditions:
         table = table_path(table)
         if not table.is_file():
             raise FileNotFoundError(f"--table {table}: no such file; the shipped one is {table_path(TABLE)}")
-        with np.load(table) as t:
-            names = [str(s) for s in t["styles"]]
-            if names != list(STYLE_NAMES):
-                raise ValueError(f"{table}: styles {names} differ from engine.train.styles {STYLE_NAMES}")
-            self.vectors = torch.from_numpy(t["condition"].astype(np.float32)).to(device)
+        try:
+            with np.load(table) as t:
+                names, condition = [str(s) for s in t["styles"]], t["condition"]
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"--table {table}: not a style table of `loom train table` ({exc})") from None
+        if names != list(STYLE_NAMES):
+            raise ValueError(f"{table}: styles {names} differ from engine.train.styles {STYLE_NAMES}")
+        if condition.shape != (len(STYLE_NAMES), STYLE_TEXT_DIM):
+            raise ValueError(f"--table {table}: condition vectors of shape {list(condition.shape)}; the DiT "
+                             f"reads {len(STYLE_NAMES)} of {STYLE_TEXT_DIM} values (`loom train table` makes them)")
+        self.vectors = torch.from_numpy(condition.astype(np.float32)).to(device)
 
     def contexts(self, a: int, b: int, weights: list[float]) -> list[torch.Tensor]:
         return [self.context(a, b, w) if 0 < w < 1 else self.context(b if w >= 1 else a) for w in weights]
@@ -514,13 +566,33 @@ def normalised(vae: FrameVAE, mean: list[float], std: list[float]) -> FrameVAE:
     return out.to(next(vae.parameters()).device).eval().requires_grad_(False)
 
 
+def read_weights(path: str, option: str) -> tuple[dict, dict, dict]:
+    """(dit state, vae state, metadata) of an earlier run's weights file named by `option`; a missing,
+    truncated or foreign file is a one-line error naming the option."""
+    from safetensors import SafetensorError
+
+    from loom_live.engine.models.embedded import read_embedded
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{option} {path}: no such file (an earlier run's OUT/embedded.safetensors "
+                                "or OUT/embedded.partial.safetensors)")
+    try:
+        return read_embedded(path, check_hash=False)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{option} {path}: not a readable weights file ({exc})") from None
+
+
 def load_vae(path: str, device: torch.device) -> FrameVAE:
     """The normalised VAE of an earlier run's weights file (its DiT may be of an earlier layout)."""
-    from loom_live.engine.models.embedded import read_embedded, vae_config
+    from loom_live.engine.models.embedded import vae_config
 
-    _, state, meta = read_embedded(path, check_hash=False)
-    vae = FrameVAE(vae_config(meta))
-    vae.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    _, state, meta = read_weights(path, "--vae-from")
+    try:
+        vae = FrameVAE(vae_config(meta))
+        vae.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        detail = [line.strip() for line in str(exc).splitlines() if line.strip()][-1]
+        raise ValueError(f"--vae-from {path}: not weights of the embedded VAE's layout ({detail})") from None
     return vae.to(device).eval().requires_grad_(False)
 
 
@@ -532,9 +604,7 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     weights and starts that layer at zero (the same); one of another width or slot layout starts afresh
     (its last layer at zero: the same). Any other difference is an error. Returns the names that
     started afresh or grew."""
-    from loom_live.engine.models.embedded import read_embedded
-
-    state, _, _ = read_embedded(path, check_hash=False)
+    state, _, _ = read_weights(path, "--dit-from")
     own = dit.state_dict()
     cfg = dit.cfg
     embed, inp = "patch_embedding.weight", "head.refiner.inp.weight"
@@ -556,7 +626,11 @@ def continue_dit(dit: WanDiT, path: str) -> list[str]:
     if changed:
         state = {k: v for k, v in state.items() if not k.startswith(refiner)}
         grown = [k for k in grown if not k.startswith(refiner)]
-    missing, unexpected = dit.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = dit.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of another shape: another layout
+        detail = [line.strip() for line in str(exc).splitlines() if line.strip()][-1]
+        raise ValueError(f"{path}: its DiT does not fit the embedded preset ({detail})") from None
     fresh = sorted(k for k in own if k.startswith(refiner)) if changed else sorted(style)
     missing = [k for k in missing if k not in style]
     if any(not k.startswith(refiner) for k in missing) or unexpected or (missing and not changed):
@@ -594,14 +668,19 @@ def run(cfg: RecipeConfig) -> Path:
     """Train and write OUT/embedded.safetensors. Checkpoints along the way (after the VAE phase, every 200
     DiT steps) go to OUT/embedded.partial.safetensors; the finished model replaces OUT/embedded.safetensors
     only at the end, so a run that fails or is stopped never replaces weights an earlier run made there."""
-    style_shares(cfg.style_weights)  # a bad spec fails here, before the data load and any training
-    StyleConditions(cfg.table, torch.device("cpu"))  # so does a missing or wrong table, not after the VAE phase
+    check_config(cfg)  # a setting out of range fails here, before the data load and any training
+    style_shares(cfg.style_weights)  # so does a bad spec
+    StyleConditions(cfg.table, torch.device("cpu"))  # and a missing or wrong table, not after the VAE phase
+    if not Path(cfg.data).is_file():
+        raise FileNotFoundError(f"--data {cfg.data}: no such file (`loom train prepare` makes it)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = False  # many shapes, few steps each: autotuning does not pay
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file; fit writes a folder (the weights, recipe.json, train_log.jsonl)")
     out.mkdir(parents=True, exist_ok=True)
     log_file = (out / "train_log.jsonl").open("a")  # each run adds its records; an earlier run's log stays
 
@@ -611,17 +690,17 @@ def run(cfg: RecipeConfig) -> Path:
 
     t_start = time.perf_counter()
     log({"phase": "start", "recipe": asdict(cfg)})
-    _, clips = load_pairs(cfg.data)
-    windows = Windows(clips, device, cfg.seed)
-    log({"phase": "data", "clips": len(clips), "seconds": time.perf_counter() - t_start})
     torch.manual_seed(cfg.seed + 1)
     dit = WanDiT(EMBEDDED_DIT).to(device)
-    if cfg.dit_from:
+    if cfg.dit_from:  # the earlier weights are read before the data: a wrong file fails at once
         fresh = continue_dit(dit, cfg.dit_from)
         log({"phase": "dit_from", "path": cfg.dit_from, "fresh": fresh})
-    if cfg.vae_from:
-        vae = load_vae(cfg.vae_from, device)
-    else:
+    vae = load_vae(cfg.vae_from, device) if cfg.vae_from else None
+    _, clips = load_pairs(cfg.data)
+    check_windows(cfg, clips, cfg.data)
+    windows = Windows(clips, device, cfg.seed)
+    log({"phase": "data", "clips": len(clips), "seconds": time.perf_counter() - t_start})
+    if vae is None:
         vae = train_vae(cfg, windows, device, log)
         vae = normalised(vae, *latent_stats(vae, windows))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

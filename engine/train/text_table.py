@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loom_live.engine.train.data import write_replacing
 from loom_live.engine.train.styles import STYLES
 from loom_live.host_bridge.wire.errors import UserError
 
@@ -64,10 +65,13 @@ def build(out: str | Path) -> Path:
     descriptions = [d for s in STYLES for d in s.descriptions]
     owner = np.array([i for i, s in enumerate(STYLES) for _ in s.descriptions], np.int16)
     out = Path(out)
+    if out.suffix != ".npz":  # as numpy names it: the path said is the file written
+        out = out.with_name(out.name + ".npz")
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out, words=np.array(words), vectors=q, scales=scale.astype(np.float16),
-                        styles=np.array([s.name for s in STYLES]), condition=condition.astype(np.float16),
-                        descriptions=np.array(descriptions), owner=owner)
+    arrays = {"words": np.array(words), "vectors": q, "scales": scale.astype(np.float16),
+              "styles": np.array([s.name for s in STYLES]), "condition": condition.astype(np.float16),
+              "descriptions": np.array(descriptions), "owner": owner}
+    write_replacing(out, lambda f: np.savez_compressed(f, **arrays))  # the shipped table stays until this one is whole
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -417,7 +418,7 @@ def test_a_run_that_fails_or_is_stopped_never_replaces_the_weights_an_earlier_ru
     np.savez(data, **{"a/source": np.frombuffer(encode_video(frames), np.uint8),
                       "meta": np.frombuffer(json.dumps({"size": 32, "clips": ["a"], "variants": [SOURCE]}).encode(),
                                             np.uint8)})
-    cfg = recipe.RecipeConfig(data=str(data), eval_data="none", out=str(out))
+    cfg = recipe.RecipeConfig(data=str(data), eval_data="none", out=str(out), dit_chunks=2)  # the clip's 9 frames
     monkeypatch.chdir(tmp_path)  # not the source tree: the shipped table is found all the same
     with pytest.raises(FileNotFoundError, match="--table missing.npz: no such file"):
         recipe.run(replace(cfg, table="missing.npz"))
@@ -487,3 +488,146 @@ def test_a_missing_clip_names_where_the_recipe_looks_and_loom_media(tmp_path, ca
     assert main(["train", "prepare", "--held-out", "--out", str(tmp_path / "h.npz")]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "LOOM_MEDIA" in err and "Traceback" not in err
+
+
+def _tiny_data(path, frames: int = 9) -> str:
+    import json
+
+    from loom_live.engine.train.data import encode_video
+
+    clip = np.clip(np.random.default_rng(1).normal(120, 60, (frames, 32, 32, 3)), 0, 255).astype(np.uint8)
+    np.savez(path, **{"a/source": np.frombuffer(encode_video(clip), np.uint8),
+                      "meta": np.frombuffer(json.dumps({"size": 32, "clips": ["a"], "variants": [SOURCE]}).encode(),
+                                            np.uint8)})
+    return str(path)
+
+
+@pytest.mark.parametrize("option, value", [("dit_batch", 0), ("vae_batch", -1), ("pixel_batch", 0), ("vae_chunks", 0),
+                                           ("dit_chunks", 1), ("dit_seconds", -5.0), ("vae_seconds", float("nan")),
+                                           ("dit_seconds", float("inf")), ("dit_lr", -1.0), ("max_steps", -1),
+                                           ("blend_p", 2.0), ("sharpness_loss", -1.0)])
+def test_fit_refuses_a_setting_out_of_range_before_it_loads_or_trains_anything(tmp_path, monkeypatch, option, value):
+    """A batch of 0, a chunk count the stream cannot cut, a budget below 0: one line naming the option and
+    what it takes, before the data load (not a traceback deep in a phase, or after the VAE phase)."""
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the data")
+
+    monkeypatch.setattr(recipe, "load_pairs", never)
+    cfg = recipe.RecipeConfig(data=_tiny_data(tmp_path / "d.npz"), out=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="--" + option.replace("_", "-") + " .*: expected"):
+        recipe.run(replace(cfg, **{option: value}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_fit_names_a_wrong_table_data_or_weights_file_in_one_line_before_training(tmp_path, monkeypatch, capsys):
+    """Another .npz as the table or the data, a truncated data or weights file, a missing --vae-from, a window
+    longer than the clips: `loom train fit` exits 2 with one line naming the option and the file."""
+    from safetensors.torch import save_file
+
+    from loom_live.plugin.cli.main import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(recipe, "train_vae", never)
+    data = _tiny_data(tmp_path / "my data.npz")
+    table = str(recipe.table_path(recipe.TABLE))
+    narrow = tmp_path / "narrow.npz"
+    with np.load(table) as t:
+        np.savez(narrow, **{k: t[k] for k in t.files if k != "condition"}, condition=t["condition"][:, :64])
+    (tmp_path / "cut.npz").write_bytes(open(data, "rb").read()[:300])
+    weights = tmp_path / "cut.safetensors"
+    save_file({"vae.x": torch.zeros(4)}, str(weights), metadata={"loom": "{}"})
+    weights.write_bytes(weights.read_bytes()[:-8])
+    cases = {("--table", data): "not a style table", ("--table", str(narrow)): "condition vectors of shape",
+             ("--data", table): "not a data file", ("--data", str(tmp_path / "cut.npz")): "not a data file",
+             ("--vae-from", str(tmp_path / "none.safetensors")): "--vae-from .*: no such file",
+             ("--dit-from", str(weights)): "--dit-from .*: not a readable weights file",
+             ("--dit-chunks", "4"): "--dit-chunks 4: .* has 9 frames, room for at most 2 chunks"}
+    for (option, value), message in cases.items():
+        args = {"--data": data, "--out": str(tmp_path / "out"), "--eval-data": "none", option: value}
+        assert main(["train", "fit", *[x for kv in args.items() for x in kv]]) == 2, option
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert re.search(message, err), (message, err)
+    out = tmp_path / "a file"
+    out.write_text("mine")
+    assert main(["train", "fit", "--data", data, "--out", str(out)]) == 2
+    assert "--out" in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_a_prepare_or_table_that_fails_while_writing_leaves_the_earlier_file(tmp_path, monkeypatch, capsys):
+    """A full disk (or Ctrl-C) while the data file or the style table is written: the earlier file stays
+    whole, nothing half-written is left beside it, and `loom train` says so in one line."""
+    from loom_live.engine.train import data, text_table
+    from loom_live.plugin.cli.main import main
+
+    def full_disk(f, **arrays):
+        f.write(b"PK half a zip")
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(data, "source_clips", lambda media, size: {"a": np.zeros((9, 16, 16, 3), np.uint8)})
+    monkeypatch.setattr(data, "encode_video", lambda frames: b"h264")
+    monkeypatch.setattr(data.np, "savez", full_disk)
+    earlier = tmp_path / "d.npz"
+    earlier.write_bytes(b"an earlier data file")
+    assert main(["train", "prepare", "--size", "16", "--out", str(earlier)]) == 2
+    err = capsys.readouterr().err
+    assert "File too large" in err and str(earlier) in err and "Traceback" not in err
+    assert earlier.read_bytes() == b"an earlier data file" and list(tmp_path.iterdir()) == [earlier]
+
+    monkeypatch.setattr(text_table, "sentence_model", lambda: None)
+    monkeypatch.setattr(text_table, "vocabulary", lambda model: [f"w{i}" for i in range(200)])
+    monkeypatch.setattr(text_table, "embed", lambda model, texts: np.random.default_rng(0).normal(
+        size=(len(texts), 384)).astype(np.float32))
+    monkeypatch.setattr(text_table.np, "savez_compressed", full_disk)
+    table = tmp_path / "style_text.npz"
+    table.write_bytes(b"the shipped table")
+    with pytest.raises(OSError):
+        text_table.build(table)
+    assert table.read_bytes() == b"the shipped table" and not (tmp_path / "style_text.npz.partial").exists()
+
+
+def test_eval_and_picture_refuse_a_wrong_out_or_weights_before_any_work(tmp_path, monkeypatch, capsys):
+    """`loom train eval` / `picture` check --out, --weights and --frames first (they ran for minutes and
+    then failed on them with a traceback); a picture is written whole, beside the earlier one until done."""
+    from loom_live.engine.train import evaluate
+    from loom_live.plugin.cli.main import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("started the work")
+
+    monkeypatch.setattr(evaluate, "held_out", never)
+    monkeypatch.setattr(evaluate, "read_clip", never)
+    (tmp_path / "a file").write_text("mine")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    for argv, message in (
+            (["eval", "--out", str(tmp_path)], "a folder"),
+            (["eval", "--out", str(tmp_path / "a file" / "e.json")], "cannot write there"),
+            (["eval", "--weights", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "e.json")],
+             "--weights .*: no such file"),
+            (["eval", "--weights", str(cut), "--out", str(tmp_path / "e.json")], "--weights .*: not weights"),
+            (["picture", "--out", str(tmp_path / "picture")], "an image file name"),
+            (["picture", "--out", str(tmp_path / "a file" / "p.png")], "cannot write there")):
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and re.search(message, err), (argv, err)
+    with pytest.raises(SystemExit):
+        main(["train", "eval", "--frames", "1"])
+    assert "--frames" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "cut.safetensors"]  # nothing left behind
+
+    frames = np.full((21, evaluate.SIZE, evaluate.SIZE, 3), 100, np.uint8)
+    monkeypatch.setattr(evaluate, "read_clip", lambda path, size, limit: frames)
+    monkeypatch.setattr(evaluate, "stylise", lambda f, prompt: f)
+    out = tmp_path / "my pictures" / "styles.png"
+    assert main(["train", "picture", "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out and cv2_read(out).shape[1] == 5 * (evaluate.SIZE + 4)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["styles.png"]
+
+
+def cv2_read(path):
+    import cv2
+
+    return cv2.imread(str(path))
