@@ -32,6 +32,7 @@ from pathlib import Path
 
 from loom_live.host_bridge.wire import logs
 from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
+from loom_live.host_bridge.wire.processes import group_runs
 
 LOG_TAIL_LINES = 40
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
@@ -113,7 +114,7 @@ class EngineProcess:
         # what is left of the group gets until the deadline: a resource tracker (pipeline ranks) ignores
         # SIGTERM and unlinks the semaphores the engine left once the others are gone; killed, it leaks them
         while _group_alive(self.proc) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.02)
         # kill the group even when the leader is gone: its children may linger
         _signal_tree(self.proc, kill=True)
         try:
@@ -136,7 +137,7 @@ def _group_alive(proc: subprocess.Popen, os_name: str | None = None) -> bool:
         os.killpg(proc.pid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    return True
+    return group_runs(proc.pid)
 
 
 def _signal_tree(proc: subprocess.Popen, *, kill: bool, os_name: str | None = None,

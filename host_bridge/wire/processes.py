@@ -9,7 +9,8 @@ STILL_ACTIVE = 259  # Windows GetExitCodeProcess: still running
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process exists. Portable: on Windows `os.kill(pid, 0)` would send CTRL_C_EVENT."""
+    """Whether a process runs. Portable: on Windows `os.kill(pid, 0)` would send CTRL_C_EVENT. An exited
+    process its parent has not reaped yet (a zombie) is not alive: what it held may be swept at once."""
     if os.name == "nt":
         import ctypes
 
@@ -27,4 +28,32 @@ def pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # exists but belongs to someone else
-    return True
+    return not zombie(pid)
+
+
+def zombie(pid: int) -> bool:
+    """Linux: whether the process has exited and waits to be reaped (its state in /proc is Z); False elsewhere."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] == b"Z"
+
+
+def group_runs(pgid: int) -> bool:
+    """Linux: whether a process of the group has not exited (zombies nobody reaps, under a host that is a
+    container's first process, hold nothing); True where /proc cannot tell."""
+    if not os.path.exists("/proc/self/stat"):
+        return True
+    for entry in os.listdir("/proc"):
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None and fields[0] != b"Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command's name (state, ppid, pgrp, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()

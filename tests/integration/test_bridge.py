@@ -491,6 +491,43 @@ def test_stopping_an_engine_whose_leader_died_lets_the_rest_of_its_group_clean_u
     assert (tmp_path / "cleaned").exists(), "the group was killed before it could clean up"
 
 
+UNREAPED_SCRIPT = textwrap.dedent("""
+    # a host that reaps no orphan (a container's first process): the engine's leader exits, its child exits
+    # after it and stays a zombie of the group; stop() must not wait its whole timeout for that
+    import ctypes, os, sys, time
+    from loom_live.host_bridge.launcher import EngineProcess
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to this process, unreaped
+    leader = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.3)'])"
+    engine = EngineProcess([sys.executable, "-c", leader])
+    engine.proc.wait(30)
+    time.sleep(1.0)  # the child has exited too: a zombie nobody reaps
+    start = time.monotonic()
+    engine.stop(timeout_s=5)
+    print(f"{time.monotonic() - start:.2f}")
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: a process's state is read in /proc")
+def test_a_process_that_exited_unreaped_is_not_alive_so_what_it_held_is_swept_at_once():
+    """An engine sees its killed host go before the host's parent reaps it: the host is then a zombie, and its
+    doorbell and rings must be swept as a dead owner's, not left for a later host to find."""
+    from loom_live.host_bridge.wire.processes import pid_alive, zombie
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert wait_until(lambda: zombie(child.pid), 30)
+    assert not pid_alive(child.pid)
+    child.wait()
+    assert pid_alive(os.getpid()) and not zombie(os.getpid())
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: the group's members are read in /proc")
+def test_stopping_an_engine_whose_group_holds_only_zombies_does_not_wait_for_them():
+    took = subprocess.run([sys.executable, "-c", UNREAPED_SCRIPT], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert took.returncode == 0, took.stderr
+    assert float(took.stdout.strip().splitlines()[-1]) < 2.0, "stop() waited for zombies to exit"
+
+
 @posix_only
 def test_segments_of_dead_owners_are_swept():
     from loom_live.host_bridge.wire.rings import create_ring
