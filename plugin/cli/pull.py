@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 HASH_CHUNK = 1 << 22
 
 
+class NotPulled(UserError):
+    """A source the cache lacks, offline: counted with the others, said in one line at the end."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="download the weights a preset needs (Hugging Face; pip install 'loom-live[pull]')",
                        description="Fetch a preset's weights into the Hugging Face cache (HF_HUB_CACHE / HF_HOME); "
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     for source in sources:
         try:
             path = _pull(source, offline)
-        except UserError:
+        except NotPulled:
             if not offline:
                 raise
             missing.append(source)  # offline: go on, so the one line names everything that is missing
@@ -120,7 +124,7 @@ def _pull(source: WeightSource, offline: bool) -> Path:
                 _verify(Path(path), source.repo, name)
     except LocalEntryNotFoundError:
         if offline:
-            raise UserError(f"{source.repo}: not in the cache ({cache}) and offline mode is on "
+            raise NotPulled(f"{source.repo}: not in the cache ({cache}) and offline mode is on "
                             "(--offline or HF_HUB_OFFLINE=1); run `loom pull` with network access") from None
         raise UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}); "
                         "check the network, or set HF_ENDPOINT to a mirror") from None
@@ -130,7 +134,7 @@ def _pull(source: WeightSource, offline: bool) -> Path:
         raise UserError(f"{source.repo}: download failed: {exc}") from None
     path = cached_path(source, cache)
     if path is None:
-        raise UserError(f"{source.repo}: the cache ({cache}) still lacks files of {', '.join(source.files)}")
+        raise NotPulled(f"{source.repo}: the cache ({cache}) still lacks files of {', '.join(source.files)}")
     return path
 
 

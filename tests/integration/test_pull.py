@@ -291,3 +291,21 @@ def test_a_listing_whose_reader_went_away_ends_quietly_as_a_shell_expects(tmp_pa
     finally:
         pipe.file.close()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_offline_a_cache_that_cannot_be_read_is_said_as_it_is_not_as_missing(hub_env, monkeypatch, capsys):
+    """Only sources the cache lacks are gathered into the offline line; another failure (a cache folder this
+    user cannot read) is said in its own words."""
+    from loom_live.plugin.cli import pull
+
+    hub_env()
+    assert main(["pull", "wan2.1-1.3b"]) == 0
+
+    def unreadable(*args):
+        raise PermissionError(13, "Permission denied", "/cache/blob")
+
+    monkeypatch.setattr(pull, "_download", unreadable)
+    capsys.readouterr()
+    assert main(["pull", "wan2.1-1.3b", "--offline"]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "lacks" not in err
