@@ -62,6 +62,7 @@ EXIT_HOST_LOST = 3
 EXIT_NO_HANDSHAKE = 4
 WORKER_JOIN_S = 5.0  # a session call may be this slow to return before the rings are closed under it
 EXIT_JOIN_S = 0.5  # exiting: do not wait longer for a busy session (the worker thread is a daemon)
+BYE_JOIN_S = 1.5  # a launched engine told bye: time for its session to close, under the host's 2 s wait
 
 # To stderr (see host_bridge.wire.logs): the launching host keeps its tail for its status. When the host
 # died, the pipe it read from is gone: logging swallows that OSError.
@@ -251,7 +252,7 @@ class EngineServer:
                 return EXIT_OK
             # a built session is closed here, with time to finish (a pipeline's ranks, their rendezvous
             # folder): `run` gives a still busy session only a moment on its way out
-            self._end_session(remove=False)
+            self._end_session(remove=False, join_s=BYE_JOIN_S if self._connect else WORKER_JOIN_S)
             return EXIT_OK if self._connect else None
         self._dispatch(kind, msg, payload)
         return "same"
