@@ -54,8 +54,9 @@ def _jpeg_sides(raw: bytes) -> tuple[int, int] | None:
     """Walk the JPEG's marker segments to its frame header."""
     i = 2
     while i + 4 <= len(raw):
-        if raw[i] != 0xFF:
-            return None
+        if raw[i] != 0xFF:  # stray bytes before a marker: the decoder skips them to the next 0xFF, and so here
+            i += 1
+            continue
         marker = raw[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1

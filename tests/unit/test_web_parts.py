@@ -357,3 +357,20 @@ def test_loom_web_says_its_own_name_and_waits_for_a_page_without_calling_it_a_st
     camera.received = 3  # a page came, then its camera stopped: that is a stall
     assert "input stalled" in Player._stall_note(player)
     assert "input stalled" in Player._stall_note(SimpleNamespace(opts=PlayerOptions(input="0"), web=None))
+
+
+def test_a_jpeg_with_stray_bytes_before_a_marker_is_read_as_the_decoder_reads_it():
+    """libjpeg skips bytes that are not a marker ("extraneous bytes before marker") and decodes the picture; the
+    side check skips them too, so such a file (some cameras write them) is neither refused nor misread."""
+    import base64
+    import struct
+
+    from loom_live.plugin.player.reference_image import image_sides
+    from loom_live.plugin.web.reference_upload import decode_upload
+
+    ok, encoded = cv2.imencode(".jpg", np.full((20, 30, 3), 90, np.uint8))
+    raw = encoded.tobytes()
+    after_first = 4 + struct.unpack(">H", raw[4:6])[0]
+    stray = raw[:after_first] + b"\x00" + raw[after_first:]
+    assert image_sides(stray) == (30, 20)
+    assert decode_upload("stray.jpg", base64.b64encode(stray).decode())[1].shape == (20, 30, 3)
