@@ -24,17 +24,17 @@ from loom_live.engine.config import LoomConfig
 from loom_live.engine.session_api import open_session
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.tools.progress import FrameProgress
+from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, whole_chunks
 
-FRAMES_PER_CHUNK = 4
-FIRST_PUSH = 5  # run_loom's first push: the stream's first chunk (1 + 4 frames), always warm-up
+FRAMES_PER_CHUNK = CHUNK_FRAMES
+FIRST_PUSH = FIRST_CHUNK_FRAMES  # run_loom's first push: the stream's first chunk, always warm-up
 
 
 def whole_warmup(warmup: int) -> int:
-    """The warm-up run_loom streams for `warmup` asked: its first push, then whole 4-frame chunks. Asked as it
-    is, a count below or between those would take frames from the measured span (`--warmup 0 --frames 8`
+    """The warm-up run_loom streams for `warmup` asked: its first push, then whole chunks. Asked as it is, a
+    count below or between those would take frames from the measured span (`--warmup 0 --frames 8`
     measured 3 frames and reported 0 FPS)."""
-    extra = max(warmup - FIRST_PUSH, 0)
-    return FIRST_PUSH + -(-extra // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK
+    return whole_chunks(1 + -(-max(warmup - FIRST_PUSH, 0) // FRAMES_PER_CHUNK))
 
 
 def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], warmup: int, input_fps: float,
