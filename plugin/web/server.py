@@ -91,6 +91,7 @@ class PageServer:
         self.refused = 0
         self.port = access.port
         self._runner: web.AppRunner | None = None
+        self._broadcaster: asyncio.Task | None = None  # ended at shutdown: a task left pending is an error at exit
         self._thread = threading.Thread(target=self.loop.run_forever, name="loom-web", daemon=True)
 
     # --- life --------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class PageServer:
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.port = sockets[0].getsockname()[1]
-        self.loop.create_task(self._broadcast())
+        self._broadcaster = self.loop.create_task(self._broadcast())
 
     def close(self) -> None:
         if self.loop.is_running():
@@ -129,6 +130,10 @@ class PageServer:
             self._thread.join(5.0)
 
     async def _shutdown(self) -> None:
+        if self._broadcaster is not None:
+            self._broadcaster.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._broadcaster
         for page in list(self._pages):
             await page.close_peer()
             await page.ws.close()

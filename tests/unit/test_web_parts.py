@@ -238,6 +238,7 @@ def test_a_page_without_a_token_must_name_this_machine_and_a_bad_value_keeps_its
         assert asyncio.run(visit()) == [(403, True), (403, True), 200, 200, 200, ["refused", "accepted"]]
     finally:
         host.close()
+    assert host.server._broadcaster.done()  # ended, not left pending ("Task was destroyed" at exit)
 
 
 def test_a_jpeg_that_plants_a_small_frame_header_behind_a_marker_without_length_is_read_as_the_decoder_does():
