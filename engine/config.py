@@ -339,8 +339,9 @@ class EditConfig:
                      doc="warp the previous output to the new frames for the adapter's condition")
     compile: bool = spec(True, doc="torch.compile the UNet + adapter as one graph (CUDA; needs triton)")
     two_streams: bool = spec(True, doc="side stream (encoders) beside the main stream (UNet, decode)")
-    main_priority: bool = spec(True, doc="run the main stream (UNet, decode: the batch a viewer waits for) at the "
-                                         "highest CUDA priority, above the encoders' streams; off to compare")
+    main_priority: bool = spec(False, doc="run the main stream (UNet, decode) at the highest CUDA priority, above "
+                                          "the encoders' streams; off by default: the side's encode then waits "
+                                          "behind the UNet and comes back in the tail latency")
     seed: int = spec(0, min=0, doc="noise seed; the same noise is used for every frame")
 
 

@@ -73,13 +73,14 @@ def test_config_default_on_and_switchable():
     assert load_config("tiny-random", ["stream.lora_priority=false"]).stream.lora_priority is False
 
 
-def test_the_edit_main_stream_gets_the_highest_priority_the_encoders_the_default(recorded):
+def test_the_edit_main_stream_gets_the_highest_priority_when_asked_the_encoders_the_default(recorded):
     s = edit_streams(CUDA, two_streams=True, main_priority=True)
     assert s.main.priority == highest_priority() and s.side.priority == s.encoder.priority == DEFAULT_PRIORITY
     assert len({id(s.main), id(s.side), id(s.encoder)}) == 3
     one = edit_streams(CUDA, two_streams=False, main_priority=False)
     assert one.side is one.main and one.main.priority == DEFAULT_PRIORITY
-    assert load_config("edit-tiny").edit.main_priority is True
+    assert load_config("edit-tiny").edit.main_priority is False  # measured: on lengthened the p99 (performance.md)
+    assert load_config("edit-tiny", ["edit.main_priority=true"]).edit.main_priority is True
     cpu = edit_streams(torch.device("cpu"), two_streams=True, main_priority=True)
     assert (cpu.main, cpu.side, cpu.encoder) == (None, None, None)
 
