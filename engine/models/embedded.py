@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -50,16 +51,25 @@ def file_sha256(path: str | Path) -> str:
 
 
 def save_embedded(path: str | Path, dit: WanDiT, vae: FrameVAE, meta: dict) -> str:
-    """Write both models to one safetensors file (metadata: VAE latent stats + `meta`)."""
-    from safetensors.torch import save_file
+    """Write both models to one safetensors file (metadata: VAE latent stats + `meta`) and return its
+    sha256. The bytes go to PATH.writing first, which replaces `path` only once whole: a training run
+    stopped while saving (Ctrl-C, a full disk) leaves its last checkpoint readable."""
+    from safetensors.torch import save
 
     tensors: dict[str, torch.Tensor] = {}
     for part, model in (("dit", dit), ("vae", vae)):
         for name, value in model.state_dict().items():
             tensors.update(_pack(f"{part}.{name}", value.detach().to("cpu", torch.float32)))
     info = {"latents_mean": list(vae.cfg.latents_mean), "latents_std": list(vae.cfg.latents_std), **meta}
-    save_file(tensors, str(path), metadata={"loom": json.dumps(info)})
-    return file_sha256(path)
+    data = save(tensors, metadata={"loom": json.dumps(info)})
+    writing = Path(path).with_name(Path(path).name + ".writing")
+    try:
+        writing.write_bytes(data)
+        os.replace(writing, path)
+    except BaseException:
+        writing.unlink(missing_ok=True)
+        raise
+    return hashlib.sha256(data).hexdigest()
 
 
 def _pack(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:

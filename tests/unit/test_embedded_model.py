@@ -178,7 +178,7 @@ def test_saved_weights_are_int8_matrices_that_read_back_within_one_step_of_their
     _, _, meta = read_embedded()
     vae = FrameVAE(vae_config(meta))
     path = tmp_path / "w.safetensors"
-    save_embedded(path, dit, vae, {"note": "test"})
+    assert save_embedded(path, dit, vae, {"note": "test"}) == file_sha256(path)
     with safe_open(str(path), framework="pt") as f:
         kinds = {k: f.get_tensor(k).dtype for k in f.keys()}
     assert kinds["dit.blocks.0.ffn.0.weight"] == torch.int8 and f"dit.blocks.0.ffn.0.weight{SCALE_SUFFIX}" in kinds
@@ -192,6 +192,32 @@ def test_saved_weights_are_int8_matrices_that_read_back_within_one_step_of_their
         else:
             assert torch.allclose(back, value, atol=1e-3, rtol=1e-3), name
     assert set(vae_back) == set(vae.state_dict())
+
+
+def test_a_save_stopped_while_writing_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    """`loom train` saves its partial weights every 200 steps over the last ones: a Ctrl-C during that
+    write must leave the earlier file readable (a later run continues from it) and no stray file."""
+    from pathlib import Path
+
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, save_embedded, vae_config
+    from loom_live.engine.models.frame_vae import FrameVAE
+    from loom_live.engine.models.wan_dit import WanDiT
+
+    _, _, meta = read_embedded()
+    dit, vae = WanDiT(EMBEDDED_DIT), FrameVAE(vae_config(meta))
+    path = tmp_path / "embedded.partial.safetensors"
+    sha = save_embedded(path, dit, vae, {"partial_step": 200})
+
+    def half_then_stop(self, data):
+        with open(self, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        save_embedded(path, dit, vae, {"partial_step": 400})
+    assert file_sha256(path) == sha and read_embedded(path)[2]["partial_step"] == 200
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_the_vae_round_trip_keeps_a_saturated_clips_colour():
