@@ -110,7 +110,7 @@ def steps_command(value: Any) -> Command:
 def noise_scale_command(value: Any) -> Command:
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         raise ControlError(f"noise_scale: {value!r} is not a number; expected {NOISE_SCALE.allowed()}") from None
     return Command("noise_scale", (_checked(NOISE_SCALE.check, x),))
 
@@ -118,7 +118,7 @@ def noise_scale_command(value: Any) -> Command:
 def lora_scale_command(name: Any, value: Any) -> Command:
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
     scales = _checked(LORA_SCALES.check, {str(name): x})
     return Command("lora_scale", next(iter(scales.items())))
@@ -128,7 +128,7 @@ def context_scale_command(value: Any) -> Command:
     """How strongly the control video steers the structure (VACE), in the schema's range."""
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         raise ControlError(f"context_scale: {value!r} is not a number; expected {CONTEXT_SCALE.allowed()}") from None
     return Command("context_scale", (_checked(CONTEXT_SCALE.check, x),))
 
@@ -165,7 +165,7 @@ def _checked(check: Callable[..., Any], *args: Any) -> Any:
 
 
 def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool):
+    if isinstance(value, int):  # bool too; whole at any size (float() of a huge one overflows)
         return int(value)
     try:
         as_float = float(value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -189,9 +190,16 @@ class WebHost:
             self.camera.put(picture)
 
     def page_report(self, report: dict[str, Any]) -> None:
-        """What the driving page measured (glass to glass), kept for the state and the log."""
-        self.report = {k: report[k] for k in ("glass_to_glass_ms", "samples")
-                       if isinstance(report.get(k), (int, float)) and not isinstance(report.get(k), bool)}
+        """What the driving page measured (glass to glass), kept for the state and the log; a value that is not
+        a finite number is left out (NaN or Infinity in the state is JSON no page can parse)."""
+        self.report = {k: report[k] for k in ("glass_to_glass_ms", "samples") if _finite(report.get(k))}
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number a browser reads back as one: an int (of any size), or a float that is not NaN or infinite."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _fit(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:

@@ -6,6 +6,8 @@ Every request shows the token (access.py) and, for the WebSocket, comes from the
 (another site open in the same browser must not drive the show). A refused request gets one line
 and a 403, and is logged at most once a minute per address: it touches nothing of the show. The
 first page still open drives; the others watch, and their control messages are refused saying so.
+A page's message that is not taken (not JSON, binary, a bad value) is refused to that page in words
+and counted in the state's `refused` with the refused requests; its socket and the show go on.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class PageServer:
         self._pages: list[Page] = []
         self._numbers = 0
         self._refusals: dict[str, float] = {}
-        self.refused = 0
+        self.refused = 0  # requests and page messages refused
         self.port = access.port
         self._runner: web.AppRunner | None = None
         self._broadcaster: asyncio.Task | None = None  # ended at shutdown: a task left pending is an error at exit
@@ -188,9 +190,13 @@ class PageServer:
             await ws.send_json({"type": "hello", **self.show.hello(), "ice_servers": self.ice,
                                 "role": self._role(page)})
             async for msg in ws:
-                if msg.type != WSMsgType.TEXT:
-                    continue
-                await self._on_message(page, msg.data)
+                if msg.type == WSMsgType.TEXT:
+                    await self._on_message(page, msg.data)
+                elif msg.type == WSMsgType.BINARY:
+                    await self._refuse_message(page, "a binary message; expected JSON text")
+                elif msg.type == WSMsgType.ERROR:  # one over MAX_MESSAGE_BYTES: aiohttp has closed the socket
+                    self.refused += 1
+                    log.warning("web: page %d: %s", page.number, msg.data)
         finally:
             self._pages.remove(page)
             await page.close_peer()
@@ -203,11 +209,11 @@ class PageServer:
     async def _on_message(self, page: Page, text: str) -> None:
         try:
             message = json.loads(text)
-        except ValueError:
-            await page.ws.send_json({"type": "refused", "message": "not JSON"})
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deeply to read
+            await self._refuse_message(page, "not JSON (or nested too deeply); expected a JSON object")
             return
         if not isinstance(message, dict):
-            await page.ws.send_json({"type": "refused", "message": "expected a JSON object"})
+            await self._refuse_message(page, "expected a JSON object")
             return
         kind = message.get("type")
         if kind == "offer":
@@ -218,13 +224,16 @@ class PageServer:
             if self._role(page) == "driver":
                 self.show.page_report(message)
         else:
-            await page.ws.send_json({"type": "refused", "message": f"unknown message type {str(kind)[:40]!r}; "
-                                                                   "known: offer, control, report"})
+            await self._refuse_message(page, f"unknown message type {str(kind)[:40]!r}; known: offer, control, report")
+
+    async def _refuse_message(self, page: Page, why: str) -> None:
+        """Say to the page why its message was not taken, and count it (the state's `refused`)."""
+        self.refused += 1
+        await page.ws.send_json({"type": "refused", "message": why})
 
     async def _control(self, page: Page, message: dict[str, Any]) -> None:
         if self._role(page) != "driver":
-            await page.ws.send_json({"type": "refused", "message": "read-only: another page drives the show; "
-                                                                   "you may watch"})
+            await self._refuse_message(page, "read-only: another page drives the show; you may watch")
             return
         try:
             if message.get("control") == "reference":  # decoding an image must not hold up the pages' video
@@ -232,7 +241,7 @@ class PageServer:
             else:
                 done = self.show.control(message)
         except (ControlError, ValueError, TypeError, OverflowError) as exc:  # any bad value: refused, page kept
-            await page.ws.send_json({"type": "refused", "message": str(exc)})
+            await self._refuse_message(page, str(exc))
             return
         await page.ws.send_json({"type": "accepted", "message": done})
 
@@ -255,7 +264,7 @@ class PageServer:
             await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:  # a malformed offer ends this page's video, not the show
             await page.close_peer()
-            await page.ws.send_json({"type": "refused", "message": f"WebRTC offer refused: {exc}"})
+            await self._refuse_message(page, f"WebRTC offer refused: {exc}")
             return
         await page.ws.send_json({"type": "answer", "sdp": pc.localDescription.sdp})
 

@@ -94,6 +94,8 @@ def test_page_messages_become_player_commands():
     ({"control": "steps", "value": "nan"}, "not a finite number"),
     ({"control": "transition_chunks", "value": 1e999}, "not a finite number"),
     ({"control": "quit"}, "unknown control 'quit'"),
+    ({"control": "steps", "value": 10 ** 400}, "expected 1, 2, 3 or 4"),  # JSON ints have no bound; floats do
+    ({"control": "noise_scale", "value": 10 ** 400}, "[0.1, 1]"),
     ({"value": 1}, "unknown control"),
 ])
 def test_a_bad_page_message_is_refused_in_words(message, words):
@@ -239,6 +241,84 @@ def test_a_page_without_a_token_must_name_this_machine_and_a_bad_value_keeps_its
     finally:
         host.close()
     assert host.server._broadcaster.done()  # ended, not left pending ("Task was destroyed" at exit)
+
+
+def test_a_hostile_page_message_is_refused_and_counted_and_the_socket_and_the_state_go_on():
+    """JSON nested too deeply for Python's parser and a binary message are refused to the page in words and
+    counted; a report of NaN (which Python's json takes) stays out of the state, which every page must parse."""
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from loom_live.plugin.web.host import WebHost
+
+    host = WebHost(make_access("127.0.0.1:0"), Controls(ControlState(prompts=["a"])), (32, 24), 10.0, camera=True)
+    host.start()
+
+    def strict(text: str) -> dict:  # as a browser's JSON.parse: no NaN or Infinity
+        return json.loads(text, parse_constant=lambda word: pytest.fail(f"{word} in a message to the page"))
+
+    async def visit() -> tuple[list, dict]:
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"http://127.0.0.1:{host.server.port}/ws") as ws:
+                await ws.send_str("[" * 100_000 + "]" * 100_000)
+                await ws.send_bytes(b"\x00\x01")
+                await ws.send_str('{"type": "report", "glass_to_glass_ms": NaN, "samples": Infinity}')
+                await ws.send_json({"type": "control", "control": "noise_scale", "value": 0.5})
+                replies, state = [], None
+                while state is None:
+                    msg = strict(await asyncio.wait_for(ws.receive_str(), 5))
+                    if msg["type"] in ("accepted", "refused"):
+                        replies.append((msg["type"], msg["message"]))
+                    elif msg["type"] == "state" and len(replies) == 3:
+                        state = msg
+                return replies, state
+
+    try:
+        replies, state = asyncio.run(visit())
+    finally:
+        host.close()
+    assert replies == [("refused", "not JSON (or nested too deeply); expected a JSON object"),
+                       ("refused", "a binary message; expected JSON text"), ("accepted", "noise_scale sent")]
+    assert state["refused"] == 2 and state["page"] == {}
+
+
+def test_a_message_over_the_size_limit_closes_its_page_saying_why_and_is_counted(monkeypatch, caplog):
+    """aiohttp closes a socket whose message is over the limit (1009); the log says which page and why, and the
+    state counts it with the other refusals."""
+    pytest.importorskip("aiortc", reason="the web extra")
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from loom_live.plugin.web import server
+    from loom_live.plugin.web.host import WebHost
+
+    monkeypatch.setattr(server, "MAX_MESSAGE_BYTES", 1000)
+    host = WebHost(make_access("127.0.0.1:0"), Controls(ControlState(prompts=["a"])), (32, 24), 10.0, camera=True)
+    host.start()
+
+    async def visit() -> int:
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"http://127.0.0.1:{host.server.port}/ws") as ws:
+                await ws.send_str("x" * 2000)
+                while (msg := await asyncio.wait_for(ws.receive(), 5)).type != aiohttp.WSMsgType.CLOSE:
+                    pass
+                return msg.data
+
+    try:
+        with caplog.at_level("WARNING", logger=server.__name__):
+            assert asyncio.run(visit()) == 1009
+            deadline = time.monotonic() + 5
+            while host.server._pages and time.monotonic() < deadline:  # the server's side of the page ends
+                time.sleep(0.01)
+    finally:
+        host.close()
+    assert host.server.refused == 1
+    assert any("page 1" in r.message and "exceeds limit 1000" in r.message for r in caplog.records), caplog.text
 
 
 def test_a_jpeg_that_plants_a_small_frame_header_behind_a_marker_without_length_is_read_as_the_decoder_does():
