@@ -91,10 +91,13 @@ class EngineHandle:
             elif kind == "reference":
                 bridge.set_reference(value, wait=True)
 
-    def status_text(self) -> str:
+    def status_text(self, since: str | None = None) -> str:
+        """The engine's state and counters, and its last message unless it is still `since` (the message
+        before a run): the bridge keeps a remark until the next one, and an earlier run's is not this run's."""
         _, status = self.bridge.latest()
+        message = status.message if status.message != since else ""
         return (f"engine {status.state}  {status.fps:.1f} fps  latency {status.latency_ms:.0f} ms  "
-                f"dropped {status.dropped}" + (f"  ({status.message})" if status.message else ""))
+                f"dropped {status.dropped}" + (f"  ({message})" if message else ""))
 
 
 class EngineRegistry:
@@ -221,10 +224,15 @@ def _start_bridge(settings: dict[str, Any], loras: tuple[Any, ...] = ()) -> Any:
 
 
 def _images_to_frames(images: Any) -> np.ndarray:
-    """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]."""
+    """ComfyUI IMAGE (torch tensor or array) to engine uint8 [B, H, W, 3]; a float tensor of another precision
+    is read as float32 (numpy has no bfloat16)."""
     from .pixels import from_comfy
 
-    array = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
+    if hasattr(images, "detach"):
+        tensor = images.detach().cpu()
+        array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+    else:
+        array = np.asarray(images)
     return from_comfy(array)
 
 
@@ -509,6 +517,7 @@ class LoomStream:
                blend_from_last_run: list[bool] = (False,), control: list[Any] | None = None) -> tuple[Any, str]:
         """Every input comes as a list (INPUT_IS_LIST); all but `images` and `control` hold one value."""
         engine, timeout, blend = engine[0], float(timeout_s[0]), bool(blend_from_last_run[0])
+        said = engine.bridge.status().message  # what an earlier run left in the status
         frames, note = _stream_frames(images)
         controls = _stream_frames(control, "control")[0] if control else None
         limit = timeout or (TIMEOUT_PER_FRAME_S * len(frames) + STARTUP_TIMEOUT_S)
@@ -534,7 +543,7 @@ class LoomStream:
             raise RuntimeError(f"Loom Stream: the engine returned {len(outs)} frames for {len(frames)}")
         if controls is not None:
             note += _control_note(len(frames), len(controls), engine.bridge.stats()["refused_control"] - refused)
-        return _frames_to_images(outs), engine.status_text() + note
+        return _frames_to_images(outs), engine.status_text(since=said) + note
 
 
 def _control_note(frames: int, controls: int, refused: int) -> str:
@@ -549,19 +558,21 @@ def _control_note(frames: int, controls: int, refused: int) -> str:
 def _stream_frames(images: list[Any], what: str = "images") -> tuple[np.ndarray, str]:
     """The frames of one stream: an IMAGE batch, or a list of them (a folder loader's images) of one size,
     joined in order. A note for the status says when a list was joined."""
+    named = "" if what == "images" else f"{what}: "  # which input a refusal is about
     try:
         batches = [_images_to_frames(batch) for batch in images]
     except ValueError as exc:
-        raise ValueError(f"Loom Stream: {what}: {exc}" if what != "images" else f"Loom Stream: {exc}") from None
-    sizes = sorted({f"{b.shape[2]}x{b.shape[1]}" for b in batches if len(b)})
+        raise ValueError(f"Loom Stream: {named}{exc}") from None
+    filled = [b for b in batches if len(b)]  # an empty batch in a list adds no frame (nor a size)
+    sizes = sorted({f"{b.shape[2]}x{b.shape[1]}" for b in filled})
     if len(sizes) > 1:
-        raise ValueError(f"Loom Stream: the images come as a list of {len(batches)} in {len(sizes)} sizes "
+        raise ValueError(f"Loom Stream: {named}the images come as a list of {len(batches)} in {len(sizes)} sizes "
                          f"({', '.join(sizes[:4])}); one stream takes one size: scale them to one size first "
                          "(e.g. Upscale Image), or stream each size with its own Loom Stream node")
-    frames = np.concatenate(batches) if len(batches) > 1 else batches[0] if batches else np.zeros((0, 1, 1, 3))
-    if not len(frames):
-        raise ValueError("Loom Stream: the image batch is empty (0 frames); expected at least one frame "
+    if not filled:
+        raise ValueError(f"Loom Stream: {named}the image batch is empty (0 frames); expected at least one frame "
                          "(a video loader past the end of its video, or a skip_first_frames beyond it?)")
+    frames = np.concatenate(filled) if len(filled) > 1 else filled[0]
     note = f"  ({len(batches)} images of a list streamed as one video)" if len(batches) > 1 else ""
     return frames, note
 

@@ -10,8 +10,11 @@ from loom_live.host_bridge.wire.pixels import from_uint8, to_uint8
 def from_comfy(images: np.ndarray) -> np.ndarray:
     """ComfyUI IMAGE float [B, H, W, 3] in 0..1 to engine uint8 [B, H, W, 3]."""
     images = np.asarray(images)
-    if images.ndim != 4 or images.shape[3] not in (3, 4):
-        raise ValueError(f"ComfyUI IMAGE: shape {images.shape} is not allowed; expected [B, H, W, 3]")
+    if images.ndim != 4 or images.shape[3] not in (3, 4) or 0 in images.shape[1:3]:
+        raise ValueError(f"ComfyUI IMAGE: shape {images.shape} is not allowed; expected [B, H, W, 3] with H and W "
+                         "at least 1")
+    if images.dtype.kind != "f":  # integers would be clipped to 0..1: a silently black and white video
+        raise ValueError(f"ComfyUI IMAGE: dtype {images.dtype} is not allowed; expected float values in 0..1")
     rgb = images[..., :3].astype(np.float32, copy=False)
     bad = np.flatnonzero(~np.isfinite(rgb).reshape(len(rgb), -1).all(axis=1)) if len(rgb) else []
     if len(bad):  # the bridge refuses such a frame too: NaN would silently become black

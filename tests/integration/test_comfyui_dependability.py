@@ -158,6 +158,18 @@ def test_unusual_batches_come_back_whole_or_are_refused_naming_what_is_allowed(n
         run_node(nodes_pkg, "LoomStream", engine=handle, images=OutputList([images[0], image_batch(1, 8, 9)]))
 
 
+def test_a_bfloat16_batch_and_a_list_holding_an_empty_batch_stream_whole(nodes_pkg):
+    """torch's bfloat16 has no numpy type, and numpy cannot join an empty batch of another size: both failed
+    in those libraries' words instead of streaming."""
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    images = (image_batch(3, 8, 12, seed=7) > 0.5).float()  # 0 and 1: the same in bfloat16
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images.bfloat16())
+    assert torch.equal(out, images)
+    listed = OutputList([images[:1], torch.zeros(0, 16, 24, 3), images[1:]])
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=listed)
+    assert torch.equal(out, images)
+
+
 def test_a_cancelled_run_leaves_no_trace_in_the_next_one(nodes_pkg, monkeypatch):
     """The embedded model (state: KV cache, motion, noise): a run after a cancelled one returns exactly
     what the same run returns after a complete one."""

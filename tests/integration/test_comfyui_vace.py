@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
+from tests.fakes.comfyui import OutputList, engine_node, image_batch, loaded_node_package, run_node
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,24 @@ def test_control_node_refuses_bad_values_in_words(nodes_pkg):
     with pytest.raises(ValueError, match="the image batch is empty"):
         run_node(nodes_pkg, "LoomControl", engine=handle, control_source="edges", context_scale=1.0,
                  reference=torch.zeros(0, 8, 8, 3))
+
+
+def test_a_bad_control_video_is_refused_naming_the_control_input(nodes_pkg):
+    """The refusal named the images input (which was fine) when the control video was empty or of two sizes."""
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    images = image_batch(2, 8, 8)
+    with pytest.raises(ValueError, match=r"^Loom Stream: control: the image batch is empty \(0 frames\)"):
+        run_node(nodes_pkg, "LoomStream", engine=handle, images=images, control=torch.zeros(0, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"^Loom Stream: control: the images come as a list of 2 in 2 sizes"):
+        run_node(nodes_pkg, "LoomStream", engine=handle, images=images,
+                 control=OutputList([image_batch(1, 8, 8), image_batch(1, 4, 4)]))
+
+
+def test_a_refused_control_video_is_not_said_again_in_a_later_run_s_status(nodes_pkg):
+    """The bridge keeps its last remark: a run with a fitting control video said the last run's refusal."""
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    images = image_batch(3, 16, 24, seed=1)
+    _, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=images, control=image_batch(3, 8, 8))
+    assert "control: 3 frame(s) refused" in status
+    _, status = run_node(nodes_pkg, "LoomStream", engine=handle, images=images, control=image_batch(3, 16, 24))
+    assert "refused" not in status, status

@@ -62,6 +62,15 @@ def test_bad_frames_say_what_is_allowed():
         comfy_pixels.from_comfy(np.zeros((4, 4, 3), np.float32))
 
 
+def test_comfyui_images_without_pixels_or_of_integers_are_refused_naming_what_is_allowed():
+    """A crop to nothing reached the bridge as an unnamed frame; integer values became black and white."""
+    with pytest.raises(ValueError, match=r"ComfyUI IMAGE: shape \(2, 0, 8, 3\) is not allowed; expected \[B, H, W, 3\] "
+                                         "with H and W at least 1"):
+        comfy_pixels.from_comfy(np.zeros((2, 0, 8, 3), np.float32))
+    with pytest.raises(ValueError, match="ComfyUI IMAGE: dtype uint8 is not allowed; expected float values in 0..1"):
+        comfy_pixels.from_comfy(np.full((1, 4, 4, 3), 128, np.uint8))
+
+
 @pytest.mark.parametrize("dtype, order, bottom_up", [("uint8", "BGRA", True), ("uint16", "RGBA", True),
                                                       ("float32", "RGBA", False), ("uint8", "RGB", False)])
 def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up):
