@@ -43,12 +43,15 @@ def lora_choice(path: str, scale: float) -> LoraChoice:
     text = str(path).strip()
     if not text:
         raise ValueError("no LoRA file given")
-    file = Path(text).expanduser()
-    if not file.exists():
-        raise ValueError(f"{file}: no such file")
-    if not (file.is_file() or file.is_dir()):
-        raise ValueError(f"{file}: not a file; expected a LoRA .safetensors (or .pt) file")
-    file = file.resolve()
+    try:  # a path the OS cannot look at (too long, unreadable folder, offline share, ~nobody) is a bad path too
+        file = Path(text).expanduser()
+        if not file.exists():
+            raise ValueError(f"{file}: no such file")
+        if not (file.is_file() or file.is_dir()):
+            raise ValueError(f"{file}: not a file; expected a LoRA .safetensors (or .pt) file")
+        file = file.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"{text}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     if len(lora_name(str(file))) > NAME_LEN:
         raise ValueError(f"{file.name}: the file name is longer than {NAME_LEN} characters, the longest name live "
                          "controls take; rename the file")

@@ -29,8 +29,12 @@ def check_reachable(endpoint: str, secret_file: str | None, *, names: tuple[str,
     ep, sf = names
     try:
         local = is_loopback(endpoint)
+        parts = urlsplit(endpoint)
+        port = parts.port if parts.scheme == "tcp" else None
     except EndpointError as exc:
         raise UserError(f"{ep}: {exc}") from None
+    except ValueError as exc:  # a mistyped port or address (tcp://host:99999, tcp://[::1): said like the rest
+        raise UserError(f"{ep} {endpoint!r}: {exc}; expected tcp://HOST:PORT or ipc://PATH") from None
     if not local:
         raise UserError(f"{ep} {endpoint}: not an address on this machine; a remote engine takes only hosts "
                         "with CurveZMQ keys, which a host script gives to the bridge (BridgeConfig "
@@ -41,15 +45,14 @@ def check_reachable(endpoint: str, secret_file: str | None, *, names: tuple[str,
         read_secret_file(secret_file)
     except EndpointError as exc:
         raise UserError(f"{sf}: {exc}") from None
-    parts = urlsplit(endpoint)
     if parts.scheme == "ipc":
         if not Path(endpoint[len("ipc://"):]).exists():
             raise UserError(f"{ep} {endpoint}: nothing listens there (no such socket file)")
         return
-    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+    if parts.scheme != "tcp" or not parts.hostname or not port:
         raise UserError(f"{ep} {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
     try:
-        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
             pass
     except OSError as exc:
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))

@@ -115,6 +115,9 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
             secret = f.read(1024).strip()
     except OSError as exc:
         raise EndpointError(f"secret file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:  # another file picked by mistake (a key, a model)
+        raise EndpointError(f"secret file {path}: not a text file; expected one line of 16 to 128 printable "
+                            "characters") from None
     if not 16 <= len(secret) <= 128 or not secret.isprintable():
         raise EndpointError(f"secret file {path}: expected one line of 16 to 128 printable characters")
     return secret

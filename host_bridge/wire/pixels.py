@@ -124,8 +124,9 @@ def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False)
 
 
 def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
-    """TouchDesigner's channel order: BGRA for uint8 4-channel textures, RGBA otherwise."""
-    return "BGRA" if np.dtype(dtype) == np.uint8 and channels == 4 else "RGBA"
+    """TouchDesigner's channel order: BGRA for uint8 4-channel textures, RGBA otherwise, named for the
+    channels there are (R for a mono texture, RGB for 3: a ring's order names exactly its channels)."""
+    return "BGRA" if np.dtype(dtype) == np.uint8 and channels == 4 else "RGBA"[:channels]
 
 
 def from_touchdesigner(frame: np.ndarray) -> np.ndarray:

@@ -258,6 +258,77 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
         engine.stop()
 
 
+@pytest.mark.parametrize("channels, dtype", [(1, np.uint8), (3, np.uint8), (1, np.float32), (3, np.uint16)])
+def test_mono_and_3_channel_inputs_on_cuda_ipc_go_device_to_device(monkeypatch, channels, dtype):
+    """TouchDesigner's Mono pixel formats (1 channel) and 3-channel textures are device formats the bridge
+    takes: their staging and rings name the channels there are (R, RGB), so the engine's frames come back,
+    not a refusal every cook with the output frozen."""
+    pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge.wire.rings import cuda as tc
+
+    rt = BoundedRuntime()
+    monkeypatch.setattr(tc, "cudart", rt)
+    engine = InProcessEngine(PassthroughSession)
+    comp = LoomComp()
+    comp.rt = rt
+    texture = td_texture(18, 26, dtype, seed=channels)[:, :, :channels].copy()
+    script = HostScriptTOP(comp, HostMemoryTOP(texture, rt))
+    script_top_callbacks.onSetupParameters(script)
+    comp.ext.LoomExt = ext = LoomExt(comp)
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    try:
+        cook_until(script, lambda: ext.bridge.stats()["received"] > 0 and np.array_equal(script.output, texture),
+                   f"{channels}-channel {np.dtype(dtype).name} output", 10)
+        assert ext.cuda_submits > 0 and ext.numpy_submits == 0
+        assert "refused" not in comp.par.Message.eval() and ext.bridge.stats()["refused_frames"] == 0
+    finally:
+        ext.Stop()
+        engine.stop()
+
+
+@pytest.mark.parametrize("endpoint, secret", [("tcp://127.0.0.1:99999", "text"), ("tcp://127.0.0.1:port", "text"),
+                                              ("tcp://[::1:5555", "text"), ("tcp://127.0.0.1:5555", "binary")])
+def test_a_mistyped_remote_endpoint_or_secret_file_is_said_on_the_component(tmp_path, endpoint, secret):
+    """A port out of range or not a number, a broken IPv6 address, or a Secret File that is not text (another
+    file picked): Active on says what is wrong on the component, rather than raising out of the parameter
+    callback with the State left at stopped and nothing said."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(b"s" * 32 if secret == "text" else bytes(range(128, 256)))
+    secret_file.chmod(0o600)
+    comp, _, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Endpoint, comp.par.Secretfile = endpoint, str(secret_file)
+    comp.parexec_enabled = True
+    comp.par.Active = True  # the Parameter Execute DAT's callback: must not raise
+    assert ext.bridge is None and comp.par.State.eval() == "error"
+    name = "Remote Endpoint" if secret == "text" else "Secret File"
+    assert comp.par.Message.eval().startswith(name), comp.par.Message.eval()
+
+
+@pytest.mark.parametrize("path", ["a" * 300 + ".safetensors", "~loom-no-such-user-7/ink.safetensors"],
+                         ids=["name-too-long", "home-of-nobody"])
+def test_a_lora_path_the_os_cannot_look_at_is_said_and_the_engine_starts_without_it(tmp_path, path):
+    """A LoRA file name longer than the OS allows, a folder the OS refuses (unreadable, an offline share), or
+    a home folder of nobody: `lora_choice` refuses it like a missing file, so a LoRA page change neither
+    raises out of the parameter callback nor leaves the show stopped: the engine starts without that LoRA."""
+    comp, _, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Enginepython = str(tmp_path / "python")  # no engine needed: the start is what is checked
+    comp.par.Active = True
+    comp.parexec_enabled = True
+    comp.par.Lora1 = str(tmp_path / path) if path.startswith("a") else path  # with Active on: a restart
+    try:
+        assert ext.bridge is not None and ext.bridge.config.engine_args == []
+        assert "LoRA 1 not loaded" in comp.par.Message.eval(), comp.par.Message.eval()
+    finally:
+        ext.Stop()
+    assert ext.WaitClosed(10)
+
+
 CALLBACK_BUDGET_S = 0.5  # a parameter callback runs on TD's main thread: every cook waits for it
 # The toggling test's wall-clock bound: its engines start and stop while the other tests load the machine,
 # and a 2-core box under the whole suite has held one of its cooks for 0.8 s; what it guards, no stop
