@@ -49,6 +49,8 @@ MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
 # Damaged packets in a row after which a source is declared unreadable (about 10 s of video at 25 fps):
 # a few are skipped, as FFmpeg's own tools do, but a stream of nothing else must not spin silently.
 MAX_BAD_PACKETS_IN_A_ROW = 250
+# A display rotation (counter-clockwise degrees) as np.rot90's quarter turns.
+QUARTER_TURNS = {90: 1, 180: 2, -180: 2, -90: 3, 270: 3}
 
 
 class _AVSource(FrameSource):
@@ -124,7 +126,7 @@ class _AVSource(FrameSource):
             raise MediaError(f"{self._name}: no data for {self._timeout:g} s (stream stopped?)") from e
         except (av.error.FFmpegError, OSError) as e:
             raise MediaError(f"{self._name}: decoding failed: {_reason(e)}") from e
-        return frame.to_ndarray(format="rgb24")
+        return _upright(frame)
 
     def _read(self) -> np.ndarray | None:
         if self._pending is not None:
@@ -134,6 +136,15 @@ class _AVSource(FrameSource):
 
     def _close(self) -> None:
         self._container.close()
+
+
+def _upright(frame: Any) -> np.ndarray:
+    """A decoded frame as players show it: a phone's portrait clip is stored sideways with a display
+    rotation (VideoFrame.rotation, counter-clockwise degrees; an older PyAV lacks it), which decoding does
+    not apply."""
+    image = frame.to_ndarray(format="rgb24")
+    turns = QUARTER_TURNS.get(getattr(frame, "rotation", 0), 0)  # another angle, or a broken matrix: as stored
+    return np.ascontiguousarray(np.rot90(image, turns)) if turns else image
 
 
 def _frame_count(stream: Any, container: Any, fps: float) -> int | None:

@@ -392,6 +392,8 @@ class Player:
                     self.printer.progress(self.frames_out, total)
                     self._report_style()
                 break
+            except PlayerError:  # the last output failed (_drop_output): the run ends, the engine is fine
+                raise
             except Exception as exc:  # the bridge's failures (engine died, timed out) all look alike here
                 failures += 1
                 self._retry_after(exc, failures, len(unanswered))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -67,12 +68,11 @@ class StatusPrinter:
             return
         self._last = now
         if self.tty:
-            self.stream.write("\r" + line.ljust(self._width))
+            self._write("\r" + line.ljust(self._width))
             self._width = len(line)
         else:
-            self.stream.write(line + "\n")
+            self._write(line + "\n")
         self._shown = line
-        self.stream.flush()
 
     def stage(self, text: str) -> None:
         """A start-up stage: printed when it begins (closing the one before with its duration); reported
@@ -140,8 +140,7 @@ class StatusPrinter:
         line = tqdm.format_meter(self._done, self._total, time.monotonic() - self._bar_started, unit="frame",
                                  prefix="loom play", ncols=100, postfix=self._postfix or None)
         if line != self._shown:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+            self._write(line + "\n")
             self._shown = line
         self._logged = (self._done, self._total)
 
@@ -171,13 +170,12 @@ class StatusPrinter:
             return
         with self._say_lock:
             if self._bar is not None and self.tty:
-                self._bar.write(text, file=self.stream)
+                self._write(text, self._bar.write)
                 return
             if self.tty and self._width:
-                self.stream.write("\r" + " " * self._width + "\r")
+                self._write("\r" + " " * self._width + "\r")
                 self._width = 0
-            self.stream.write(text + "\n")
-            self.stream.flush()
+            self._write(text + "\n")
 
     def finish(self, line: str) -> None:
         """The final state of the line, always printed in full."""
@@ -185,8 +183,20 @@ class StatusPrinter:
         if self.quiet:
             return
         if self.tty:
-            self.stream.write("\r" + line.ljust(self._width) + "\n")
+            self._write("\r" + line.ljust(self._width) + "\n")
         elif line != self._shown:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            self._write(line + "\n")
         self._width = 0
+
+    def _write(self, text: str, write: Callable[..., Any] | None = None) -> None:
+        """Write `text` and flush (`write`: tqdm's, above its bar). A stream that went away (the reader of
+        `| tee show.log`, stopped by the same Ctrl-C; a closed terminal or SSH session) silences the
+        printer: the run must still finalise its outputs and end with its own exit code."""
+        try:
+            if write is not None:
+                write(text, file=self.stream)
+            else:
+                self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            self.quiet = True

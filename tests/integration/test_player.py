@@ -183,6 +183,30 @@ def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
     assert len(frames) > 0 and frames.shape[1:] == (64, 64, 3)
 
 
+def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
+    """`loom play ... 2>&1 | tee show.log`: Ctrl-C stops tee as well, so the player's last lines meet a
+    broken pipe. The recording must still be finalised and put in place, and the run end with 130."""
+    dst = tmp_path / "set.mp4"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "100000", "--size", "32x32",
+                             "-o", str(dst), "--passthrough"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        partial = partial_path(dst)
+        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 1_000):
+            time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()[1]
+        proc.stderr.close()  # tee is gone
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert len(_decode(dst)) > 0 and not partial_path(dst).exists()
+
+
 def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):
     """SIGKILL the engine mid-file: the bridge restarts it and the player resends the batch in flight."""
     dst = tmp_path / "survived.mp4"
@@ -826,3 +850,22 @@ def test_an_output_that_fails_mid_run_stops_alone_and_the_others_go_on(tmp_path)
     assert "broken.mkv: writing failed" in out.stderr and "the others go on" in out.stderr
     assert "Traceback" not in out.stderr
     assert len(_decode(kept)) == 200, "the failure of one output cut the other short"
+
+
+def test_a_file_run_whose_only_output_fails_ends_at_once_with_the_outputs_error(tmp_path):
+    """The one recording of a file run goes away (EPIPE): the run ends there with the output's error, not
+    "the engine stopped" and a render of every remaining frame to nowhere."""
+    fifo, broken = tmp_path / "fifo", tmp_path / "broken.mkv"
+    os.mkfifo(fifo)
+    partial_path(broken).symlink_to(fifo)
+
+    def read_a_little() -> None:
+        with open(fifo, "rb") as f:
+            f.read(1000)
+
+    threading.Thread(target=read_a_little, daemon=True).start()
+    out = _play("-n", "200", "--size", "64x64", "-o", str(broken), "--passthrough")
+    assert out.returncode == 2, out.stderr
+    assert "error: output: " in out.stderr and "broken.mkv: writing failed" in out.stderr, out.stderr
+    assert "the engine stopped" not in out.stderr and "to no output" not in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not broken.exists()

@@ -53,3 +53,27 @@ def test_the_wait_for_a_files_first_frame_has_a_heartbeat_that_ends_with_the_fir
     beat = r"loom play: waiting for the first restyled frame \.\.\. \d+ s so far"
     assert all(re.fullmatch(beat, line) for line in lines[1:])
     printer.end_progress()
+
+
+class _GoneTerminal(io.StringIO):
+    """A terminal whose window was closed (or whose SSH session dropped): every write fails with EIO."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(5, "Input/output error")
+
+
+def test_a_terminal_that_went_away_silences_the_printer_instead_of_ending_the_run():
+    """SIGHUP from a closed terminal must end the run with its outputs finalised and exit 129: the status
+    lines written meanwhile (the live line, the final report) must not raise out of the run."""
+    printer = StatusPrinter(_GoneTerminal())
+    printer.update("live      3 frames", force=True)
+    printer.say("loom play: input lost")
+    printer.progress(1, 2)
+    printer.say("loom play: said above the bar")
+    printer.end_progress(final_total=2)
+    printer.quiet = False  # what run_player does for an error line
+    printer.finish("loom play: stopped by SIGHUP; 3 frames to set.mp4")
+    assert printer.quiet

@@ -106,6 +106,29 @@ def test_reads_non_square_clip_as_rows_by_columns(media_dir: Path) -> None:
         assert src.read().shape == (480, 832, 3)
 
 
+@pytest.mark.skipif(not hasattr(av.video.stream.VideoStream, "set_display_rotation"),
+                    reason="writing a display rotation needs a PyAV with set_display_rotation")
+def test_a_clip_with_a_display_rotation_is_read_upright(tmp_path: Path) -> None:
+    """A phone's portrait clip: stored 64x48 with a 90 degree display rotation, shown 48x64 by players."""
+    path = tmp_path / "portrait.mp4"
+    stored = np.zeros((48, 64, 3), np.uint8)
+    stored[:16, :16] = 255  # top-left as stored: bottom-left once turned 90 degrees counter-clockwise
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        video.set_display_rotation(90)
+        for i in range(3):
+            frame = av.VideoFrame.from_ndarray(stored, format="rgb24")
+            frame.pts = i
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+    with open_source(path) as src:
+        assert src.size == (48, 64)
+        frames = list(src)
+    assert len(frames) == 3 and all(f.shape == (64, 48, 3) for f in frames)
+    assert frames[0][-12:, :12].mean() > 200 and frames[0][:12, :12].mean() < 50
+
+
 def test_generated_clip_is_deterministic_and_moves() -> None:
     a = np.stack(list(generate_clip(6, (96, 64), 24, seed=3)))
     b = np.stack(list(generate_clip(6, (96, 64), 24, seed=3)))
