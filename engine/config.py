@@ -475,6 +475,18 @@ class LoomConfig:
                                                 path=section)})
         return new
 
+    def start_settings(self) -> dict[str, Any]:
+        """What a session of this config starts on, as its `ready` message tells the host (JSON-able): the
+        prompt's text and each live parameter of the shared schema by name, with this config's value
+        (`lora_scales`: the `lora` list's scales by name). `with_live` of these params changes nothing."""
+        params = {}
+        for p in live.LIVE:
+            if p is live.LORA_SCALES:
+                params[p.name] = {e.key: e.scale for e in self.lora}
+            elif hasattr(getattr(self, p.section, None), p.name):
+                params[p.name] = p.check(getattr(getattr(self, p.section), p.name))
+        return {"prompt": self.prompt.text, "params": params}
+
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
 

@@ -44,7 +44,7 @@ from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.handoff_marks import MARKS
-from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
+from loom_live.host_bridge.wire.params import LIVE, PROMPT, check_prompt_request
 from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
@@ -628,6 +628,21 @@ class Bridge:
         """A copy of the prompt and parameters the host asked for (what a fresh engine is told)."""
         with self._lock:
             return self._wanted.snapshot()
+
+    def engine_start(self) -> dict[str, Any] | None:
+        """What the running engine started on, its config's prompt and live parameters, as its ready message
+        said: {"prompt": text, "params": {name: value}}, as `set_prompt` and `set_params` take them (only the
+        parameters this host knows, with allowed values); a copy. None before the engine is ready, or from an
+        engine that does not say (an older one)."""
+        with self._lock:
+            link = self._link
+            start = link.engine_info.get("start") if link is not None and link.ready else None
+            if not isinstance(start, dict) or PROMPT.problem(start.get("prompt")) is not None \
+                    or not isinstance(start.get("params"), dict):
+                return None
+            params = {k: LIVE[k].check(v) for k, v in start["params"].items()
+                      if k in LIVE and LIVE[k].problem(v) is None}
+            return {"prompt": start["prompt"].strip(), "params": params}
 
     def reset(self, *, wait: bool = False) -> None:
         self._control("reset", wait)

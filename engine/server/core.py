@@ -90,7 +90,7 @@ class EngineServer:
                  token: str = "", parent_pid: int | None = None, heartbeat_s: float = 0.2,
                  host_timeout_s: float = 5.0, handshake_timeout_s: float = 20.0,
                  curve: CurveServer | SharedSecret | None = None,
-                 stall_after: int | None = None):
+                 stall_after: int | None = None, start: dict[str, Any] | None = None):
         if (connect is None) == (bind is None):
             raise ValueError("give exactly one of connect (launched by a host) or bind (serve hosts)")
         if bind is not None and isinstance(curve, SharedSecret):
@@ -104,6 +104,7 @@ class EngineServer:
         self._handshake_timeout_s = handshake_timeout_s
         self._curve = curve
         self._stall_after = stall_after
+        self._start = start  # what the session starts on (its config's prompt and parameters): the ready info's
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self.channel: Channel | None = None
@@ -330,7 +331,7 @@ class EngineServer:
         def send(msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
             return self.channel.send(msg, payload, to=peer)
 
-        self.worker = FrameWorker(self._factory, send, lane, stall_after=self._stall_after)
+        self.worker = FrameWorker(self._factory, send, lane, stall_after=self._stall_after, start=self._start)
         self.worker.thread.start()
 
     def _end_session(self, remove: bool, join_s: float = WORKER_JOIN_S) -> None:

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 class FrameWorker:
     def __init__(self, session_factory: Callable[[], EngineSession], send: Callable[..., bool],
                  lane: FrameLane | Doorbell,
-                 stall_after: int | None = None):
+                 stall_after: int | None = None, start: dict[str, Any] | None = None):
         self._factory = session_factory
         self._send = send  # the control channel (thread-safe)
         self.lane = lane
@@ -83,6 +83,9 @@ class FrameWorker:
         self.error: str | None = None
         self.refusal = ""  # the session could not be built from its inputs (CheckpointError, ConfigError, ...)
         self._stall_after = stall_after
+        # the ready info's "start": the prompt and live parameters the session starts on (its config's), so
+        # that a host can go back to them (`LoomConfig.start_settings`); None: not said
+        self._start = start
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()
         self._paced: deque[tuple[int, Any, float]] = deque()  # (seq, frame, when due); numpy, or GPU tensors
@@ -201,7 +204,10 @@ class FrameWorker:
             self.session_stats = self.session.stats()
         except Exception as exc:  # telemetry: never a reason not to serve
             log.warning("the session's first stats failed: %s: %s", type(exc).__name__, exc)
-        self._send(make("ready", info={"session": type(self.session).__name__}))
+        info: dict[str, Any] = {"session": type(self.session).__name__}
+        if self._start is not None:
+            info["start"] = self._start
+        self._send(make("ready", info=info))
         log.info("%s ready", type(self.session).__name__)
         try:
             while not self.stop:

@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _session_factory(args: argparse.Namespace):
+    """The session's builder, and what the session starts on (its config's prompt and live parameters,
+    `LoomConfig.start_settings`) for the ready message; the pass-through session names its config's too."""
     from loom_live.engine.config import load_config, lora_override
 
     overrides = [*args.overrides, *lora_override(args.loras)]
@@ -81,7 +83,7 @@ def _session_factory(args: argparse.Namespace):
             session.warmup()
         return session
 
-    return build
+    return build, config.start_settings()
 
 
 def _session_secret(args: argparse.Namespace):
@@ -106,13 +108,14 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_file) != bool(args.curve_authorized):
         raise UserError("--curve-secret-file and --curve-authorized go together")
     curve = CurveServer(args.curve_secret_file, args.curve_authorized) if args.curve_secret_file else None
-    factory = _session_factory(args)  # a bad config is named before anything about endpoints
+    factory, start = _session_factory(args)  # a bad config is named before anything about endpoints
     try:
         curve = curve or _session_secret(args)
         server = EngineServer(factory, connect=args.connect, bind=args.bind,
                               token=os.environ.get(TOKEN_ENV, ""), parent_pid=args.parent_pid,
                               heartbeat_s=args.heartbeat, host_timeout_s=args.host_timeout,
-                              handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after)
+                              handshake_timeout_s=args.handshake_timeout, curve=curve, stall_after=args.stall_after,
+                              start=start)
         code = server.run()
     except EndpointError as exc:
         raise UserError(str(exc)) from exc

@@ -8,7 +8,10 @@ engine, so a configuration the engine refuses, or an engine that cannot start, f
 
 A queued run is a function of its inputs: the Stream node starts each run on a fresh stream and on
 the prompt and parameters of the Prompt and Control nodes on its own wire (no blend carried over from
-the run before, nor another branch's prompt), unless the user asks for `blend_from_last_run`.
+the run before, nor another branch's prompt), unless the user asks for `blend_from_last_run`. What no
+node on its wire sets (no Prompt node: the prompt) is the engine's own, the one its config starts on,
+whatever an earlier run or another branch set. (A reference image is not: a Control node without one
+clears it, but a wire without a Control node streams on the reference an earlier run set.)
 
 VACE (*vace* model presets): the Loom Control node sets the control source and scale and a reference
 image (the first of an IMAGE batch); the Stream node's optional `control` input is the control video,
@@ -80,6 +83,7 @@ class EngineHandle:
         """Tell the engine this wire's prompt, parameters and reference before a run; with `blend` a prompt
         other than the engine's blends in over its transition, else it takes effect at the run's reset."""
         bridge = self.bridge
+        self._back_to_start()
         for kind, value in self.wishes:
             if kind == "prompt":
                 text, chunks = value
@@ -90,6 +94,25 @@ class EngineHandle:
                 bridge.set_params(wait=True, **value)
             elif kind == "reference":
                 bridge.set_reference(value, wait=True)
+
+    def _back_to_start(self) -> None:
+        """What no node on this wire sets goes back to what the engine started on (its config's), not what an
+        earlier run or another branch set: the prompt when no Prompt node is on the wire (without a blend),
+        and each parameter no node on it sets. An engine that does not say what it started on (an older
+        one) keeps what it has."""
+        bridge = self.bridge
+        start = bridge.engine_start()
+        if start is None:
+            return
+        wanted = bridge.wanted
+        if not any(kind == "prompt" for kind, _ in self.wishes) and wanted.prompt is not None \
+                and wanted.prompt.text != start["prompt"]:
+            bridge.set_prompt(start["prompt"], transition_chunks=0, wait=True)
+        wished = {name for kind, value in self.wishes if kind == "params" for name in value}
+        back = {name: start["params"][name] for name, value in wanted.params.items()
+                if name not in wished and name in start["params"] and value != start["params"][name]}
+        if back:
+            bridge.set_params(wait=True, **back)
 
     def status_text(self, since: str | None = None) -> str:
         """The engine's state and counters, and its last message unless it is still `since` (the message

@@ -51,14 +51,15 @@ def indexed_frame(i: int, h: int = 24, w: int = 32) -> np.ndarray:
 class InProcessEngine:
     """An EngineServer serving `session_cls` on a daemon thread with a session secret, as `loom serve` on
     this machine does; a Bridge connects with `launch=False` to `endpoint`, given `secret_file` (or `host`
-    gives those settings). `exit_code` holds what `run()` returned once the server has ended."""
+    gives those settings). `start`: what its ready message says the session starts on (none: not said).
+    `exit_code` holds what `run()` returned once the server has ended."""
 
     def __init__(self, session_cls: Callable[[], Any], bind: str = "tcp://127.0.0.1:*",
-                 heartbeat_s: float = 0.1) -> None:
+                 heartbeat_s: float = 0.1, start: dict[str, Any] | None = None) -> None:
         self._secret_dir = tempfile.mkdtemp(prefix="loom-test-secret-")
         self.secret_file = os.path.join(self._secret_dir, "secret")
         secret = SharedSecret(read_secret_file(self.secret_file, create=True), server=True)
-        self.server = EngineServer(session_cls, bind=bind, heartbeat_s=heartbeat_s, curve=secret)
+        self.server = EngineServer(session_cls, bind=bind, heartbeat_s=heartbeat_s, curve=secret, start=start)
         self.exit_code: list[int] = []
         self.thread = threading.Thread(target=lambda: self.exit_code.append(self.server.run()), daemon=True,
                                        name="test-engine-server")

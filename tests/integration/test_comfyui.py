@@ -92,3 +92,67 @@ def test_stream_refuses_a_non_image(nodes_pkg):
     handle, _ = engine_node(nodes_pkg, passthrough=True)
     with pytest.raises(ValueError, match="expected \\[B, H, W, 3\\]"):
         run_node(nodes_pkg, "LoomStream", engine=handle, images=torch.zeros(2, 3, 16, 16))
+
+
+# the engine's own settings (its config's), none of them the nodes' defaults
+OWN = ("prompt.text=ink wash\nstream.steps=[600]\nnoise.noise_scale=0.5\nnoise.motion_aware=false\n"
+       "control.context_scale=0.7")
+
+
+def _engine_session(handle) -> dict:
+    """What the pass-through engine was told, after a Stream run (its flush refreshed the session's stats)."""
+    return handle.bridge.engine_report(refresh=True)["session"]
+
+
+def test_a_run_without_a_prompt_node_streams_on_the_engine_s_own_prompt_not_an_earlier_run_s(nodes_pkg):
+    """Engine -> Stream, then Engine -> Prompt -> Stream, then Engine -> Stream again (the Prompt node bypassed
+    or removed): the third run is on the prompt the engine started with, its config's, as the first was, not
+    on the second run's."""
+    from loom_live.engine.config import load_config
+
+    handle, _ = engine_node(nodes_pkg, passthrough=True, overrides=OWN)
+    try:
+        start = load_config("default", OWN.splitlines()).start_settings()
+        assert handle.bridge.engine_start() == start  # what the engine's ready message said it starts on
+        images = image_batch(5, 16, 24)
+        out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert torch.equal(out, images) and _engine_session(handle)["prompts_received"] == 0  # the config's own
+        (prompted,) = run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="a watercolor of a dragon", steps=2,
+                               noise_scale=0.8, motion_aware=True, transition_chunks=4)
+        run_node(nodes_pkg, "LoomStream", engine=prompted, images=images)
+        assert _engine_session(handle)["prompt"] == "a watercolor of a dragon"
+        out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+        assert torch.equal(out, images) and _engine_session(handle)["prompt"] == "ink wash"
+        assert handle.bridge.wanted.prompt.text == "ink wash"
+    finally:
+        nodes_pkg.nodes.ENGINES.close(handle.key)
+
+
+def test_parameters_no_node_on_the_wire_sets_go_back_to_the_engine_s_own(nodes_pkg):
+    """A Prompt and a Control node change steps, noise and the control scale; a later run whose wire has only
+    the Prompt node streams on the Control node's parameters of the config again, and one without either on
+    all of the config's, whatever the earlier runs set."""
+    from loom_live.engine.config import load_config
+
+    handle, _ = engine_node(nodes_pkg, passthrough=True, overrides=OWN)
+    try:
+        own = load_config("default", OWN.splitlines()).start_settings()["params"]
+        images = image_batch(5, 16, 24)
+        (prompted,) = run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="a watercolor of a dragon", steps=1,
+                               noise_scale=0.3, motion_aware=True, transition_chunks=4)
+        (controlled,) = run_node(nodes_pkg, "LoomControl", engine=prompted, control_source="edges",
+                                 context_scale=0.2)
+        run_node(nodes_pkg, "LoomStream", engine=controlled, images=images)
+        assert _engine_session(handle)["params"] == {"steps": [700], "noise_scale": 0.3, "motion_aware": True,
+                                                     "control_source": "edges", "context_scale": 0.2}
+        run_node(nodes_pkg, "LoomStream", engine=prompted, images=images)  # the Control node bypassed
+        assert _engine_session(handle)["params"] == {"steps": [700], "noise_scale": 0.3, "motion_aware": True,
+                                                     "control_source": "edges", "context_scale": 0.7}
+        out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)  # and the Prompt node
+        session = _engine_session(handle)
+        assert torch.equal(out, images) and session["prompt"] == "ink wash"
+        assert session["params"] == {"steps": [600], "noise_scale": 0.5, "motion_aware": False,
+                                     "control_source": "edges", "context_scale": 0.7}
+        assert session["params"] == {name: own[name] for name in session["params"]}
+    finally:
+        nodes_pkg.nodes.ENGINES.close(handle.key)

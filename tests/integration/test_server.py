@@ -61,3 +61,31 @@ def test_a_host_waiting_on_a_long_start_sees_each_phase_the_session_says():
             assert seen.is_set(), bridge.status()
             bridge.wait_running(20)
     STARTUP_PROGRESS.say("nobody listens: said to no one")  # outside a start: a no-op
+
+
+def test_the_ready_message_says_the_prompt_and_live_parameters_the_engine_starts_on():
+    """`loom serve` names its config's prompt and live parameters in its ready message (`start`), the
+    pass-through session's too; a host reads them with `Bridge.engine_start`: what it can go back to. An engine
+    that does not say them (an older one) gives None."""
+    import argparse
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.server import main as serve
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from tests.fakes.engines import InProcessEngine
+
+    overrides = ["prompt.text=ink wash", "noise.noise_scale=0.5", "control.context_scale=0.7"]
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--bind", "tcp://127.0.0.1:*", "--passthrough",
+                              *(f"--set={o}" for o in overrides)])
+    build, start = serve._session_factory(args)
+    assert isinstance(build(), PassthroughSession)
+    assert start == load_config("default", overrides).start_settings()
+    assert start["prompt"] == "ink wash" and start["params"]["steps"] == [700, 500]  # the default preset's
+    assert start["params"]["noise_scale"] == 0.5 and start["params"]["context_scale"] == 0.7
+    for told, expected in ((start, start), (None, None)):
+        with InProcessEngine(build, start=told) as engine, Bridge(BridgeConfig(**engine.host)) as bridge:
+            bridge.wait_running(20)
+            assert bridge.engine_start() == expected

@@ -123,3 +123,26 @@ def test_a_kv_window_smaller_than_the_first_chunk_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"stream.num_kv_cache: 1 is not allowed; expected a value in \[2, 64\]"):
         load_config("default", ["stream.num_kv_cache=1", "stream.sink=0"])
     assert load_config("default", ["stream.num_kv_cache=2", "stream.sink=0"]).stream.num_kv_cache == 2
+
+
+def test_start_settings_are_the_config_s_prompt_and_live_parameters():
+    """What the ready message says a session starts on: the prompt and every live parameter of the shared
+    schema with the config's value (LoRA scales by name), JSON-able, and what `with_live` takes back unchanged."""
+    import json
+
+    from loom_live.host_bridge.wire.params import LIVE
+
+    default = load_config().start_settings()
+    assert default["prompt"] == "pencil sketch" and set(default["params"]) == set(LIVE.names())
+    assert default["params"]["steps"] == [700, 500] and default["params"]["noise_scale"] == 0.8
+    assert default["params"]["control_source"] == "edges" and default["params"]["lora_scales"] == {}
+    cfg = load_config("tiny-vace", ['lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]', "noise.noise_scale=1",
+                                    "stream.steps=[600]", "control.context_scale=0.7", "prompt.text=ink wash"])
+    start = cfg.start_settings()
+    assert start["prompt"] == "ink wash" and start["params"]["lora_scales"] == {"ink_style": 0.5}
+    assert start["params"]["steps"] == [600] and start["params"]["context_scale"] == 0.7
+    assert start["params"]["noise_scale"] == 1.0 and isinstance(start["params"]["noise_scale"], float)
+    assert json.loads(json.dumps(start)) == start and LIVE.check(start["params"]) == start["params"]
+    assert cfg.with_live(start["params"], tuple(LIVE)) == cfg
+    start["params"]["steps"].append(1)  # a copy: the config keeps its own
+    assert cfg.stream.steps == [600]
