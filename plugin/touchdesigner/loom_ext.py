@@ -172,7 +172,8 @@ class LoomExt:
         if self.device_output is not None:
             self.device_output.close()
             self.device_output = None
-        self.ownerComp.par.State = "stopped"
+        par = self.ownerComp.par  # the engine's last status is not a stopped component's: its notes stay
+        par.State, par.Fps, par.Latency, par.Message = "stopped", 0.0, 0.0, self._message()
 
     def WaitClosed(self, timeout_s: float = 10.0) -> bool:
         """Wait until every engine this extension stopped is gone (scripts, tests); True when they are."""

@@ -92,9 +92,11 @@ def test_numpy_path_round_trip_is_exact_in_td_layout(dtype):
             time.sleep(0.1)
         else:
             raise AssertionError(f"engine never got the new prompt/steps: {ext.bridge.stats()['engine']}")
+        assert "engine running" in comp.par.Message.eval()
     finally:
         comp.par.Active = False
     assert ext.bridge is None and comp.par.State.eval() == "stopped"
+    assert comp.par.Fps.eval() == 0 and "engine running" not in comp.par.Message.eval()  # not the last status
 
 
 
