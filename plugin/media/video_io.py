@@ -303,8 +303,11 @@ def open_source(spec: str | int | Path, *, open_timeout: float = DEFAULT_OPEN_TI
 def _open_file(path: Path) -> FrameSource:
     if not path.exists():
         raise MediaError(f"video file not found: {path}")
-    if not path.is_file():
+    if path.is_dir():
         raise MediaError(f"not a video file: {path} is a directory")
+    if not path.is_file():  # a FIFO or a device: opening one can block with no writer, beyond any timeout
+        raise MediaError(f"not a video file: {path} is not a regular file (a pipe or a device); expected a video "
+                         "file, a camera index, or a stream URL (rtsp://, srt://, udp://, ...)")
     return _AVSource(str(path), str(path), False, DEFAULT_OPEN_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -201,6 +202,14 @@ def test_text_file_named_mp4(tmp_path: Path) -> None:
 def test_folder_is_not_a_video(tmp_path: Path) -> None:
     with pytest.raises(MediaError, match="is a directory"):
         open_source(tmp_path)
+
+
+def test_a_pipe_is_refused_at_once_as_not_a_regular_file(tmp_path: Path) -> None:
+    """Opening a FIFO with no writer blocks in the kernel, beyond the open timeout: refused by its kind."""
+    fifo = tmp_path / "feed"
+    os.mkfifo(fifo)
+    with pytest.raises(MediaError, match=r"feed is not a regular file \(a pipe or a device\); expected a video file"):
+        open_source(fifo)
 
 
 @pytest.mark.parametrize("spec", [99, "99"])
