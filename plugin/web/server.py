@@ -248,6 +248,11 @@ class PageServer:
     async def _answer(self, page: Page, message: dict[str, Any]) -> None:
         """The page's WebRTC offer: the restyled output (and the input preview) to it, its camera to the show."""
         await page.close_peer()
+        sdp = message.get("sdp")
+        if not isinstance(sdp, str) or not sdp.startswith("v=0"):
+            await self._refuse_message(page, "WebRTC offer refused: its sdp is not a session description (one starts "
+                                             "'v=0'); expected the offer of the page's RTCPeerConnection")
+            return
         pc = page.pc = RTCPeerConnection(configuration=rtc_configuration(self.ice))
 
         @pc.on("track")
@@ -256,7 +261,7 @@ class PageServer:
                 page.reading = self.loop.create_task(read_camera(track, lambda a: self._camera(page, a)))
 
         try:
-            await pc.setRemoteDescription(RTCSessionDescription(sdp=str(message.get("sdp")), type="offer"))
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
             frame_release.install(pc)
             pc.addTrack(BoardTrack(self.show.output_board, self.show.times))
             if self.show.preview_board is not None:
@@ -264,7 +269,8 @@ class PageServer:
             await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:  # a malformed offer ends this page's video, not the show
             await page.close_peer()
-            await self._refuse_message(page, f"WebRTC offer refused: {exc}")
+            await self._refuse_message(page, f"WebRTC offer refused ({type(exc).__name__}: {exc}); expected the offer "
+                                             "of the page's RTCPeerConnection")
             return
         await page.ws.send_json({"type": "answer", "sdp": pc.localDescription.sdp})
 

@@ -266,13 +266,15 @@ def test_a_hostile_page_message_is_refused_and_counted_and_the_socket_and_the_st
                 await ws.send_str("[" * 100_000 + "]" * 100_000)
                 await ws.send_bytes(b"\x00\x01")
                 await ws.send_str('{"type": "report", "glass_to_glass_ms": NaN, "samples": Infinity}')
+                await ws.send_json({"type": "offer", "sdp": None})
+                await ws.send_json({"type": "offer", "sdp": "v=0\r\nnot an offer"})
                 await ws.send_json({"type": "control", "control": "noise_scale", "value": 0.5})
                 replies, state = [], None
                 while state is None:
                     msg = strict(await asyncio.wait_for(ws.receive_str(), 5))
                     if msg["type"] in ("accepted", "refused"):
                         replies.append((msg["type"], msg["message"]))
-                    elif msg["type"] == "state" and len(replies) == 3:
+                    elif msg["type"] == "state" and len(replies) == 5:
                         state = msg
                 return replies, state
 
@@ -280,9 +282,15 @@ def test_a_hostile_page_message_is_refused_and_counted_and_the_socket_and_the_st
         replies, state = asyncio.run(visit())
     finally:
         host.close()
-    assert replies == [("refused", "not JSON (or nested too deeply); expected a JSON object"),
-                       ("refused", "a binary message; expected JSON text"), ("accepted", "noise_scale sent")]
-    assert state["refused"] == 2 and state["page"] == {}
+    offer = "expected the offer of the page's RTCPeerConnection"
+    assert replies[:3] == [("refused", "not JSON (or nested too deeply); expected a JSON object"),
+                           ("refused", "a binary message; expected JSON text"),
+                           ("refused", "WebRTC offer refused: its sdp is not a session description (one starts "
+                                       f"'v=0'); {offer}")]
+    assert replies[3][0] == "refused" and replies[3][1].startswith("WebRTC offer refused (") and \
+        replies[3][1].endswith(offer), replies[3]
+    assert replies[4] == ("accepted", "noise_scale sent")
+    assert state["refused"] == 4 and state["page"] == {}
 
 
 def test_a_message_over_the_size_limit_closes_its_page_saying_why_and_is_counted(monkeypatch, caplog):
