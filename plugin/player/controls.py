@@ -32,6 +32,8 @@ from loom_live.host_bridge.wire.params import (
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 LORA_KEY_STEP = LORA_SCALES.ui_step
 CONTEXT_SCALE_KEY_STEP = CONTEXT_SCALE.ui_step
+# Prompts sent live (typed, OSC, the web page) kept beside the run's own list: n/b and the page step through them.
+MAX_LIVE_PROMPTS = 32
 NO_VACE = ("the model has no VACE control blocks and reads no edges (use the default preset for its edge "
            "scale, -c wan2.1-vace-1.3b, or tiny-vace on a CPU)")
 EDGES_ONLY = ("the model reads its input's edges only, scaled by the control scale; other sources and a "
@@ -87,6 +89,11 @@ class ControlState:
     quit: bool = False
     message: str = ""
     refused: int = 0  # commands refused when applied (a source this run lacks, control without VACE)
+    given_prompts: int = -1  # how many of `prompts` the run was started with (-1: all there are at start)
+
+    def __post_init__(self) -> None:
+        if self.given_prompts < 0:
+            self.given_prompts = len(self.prompts)
 
     @property
     def prompt(self) -> str:
@@ -316,6 +323,8 @@ class Controls:
             text, chunks = args
             if text not in s.prompts:
                 s.prompts.append(text)
+                if len(s.prompts) - s.given_prompts > MAX_LIVE_PROMPTS:  # a script's stream of prompts: the
+                    del s.prompts[s.given_prompts]  # oldest sent live goes, the run's own list stays whole
             s.prompt_index = s.prompts.index(text)
             changes["prompt"] = (text, chunks if chunks is not None else s.transition_chunks)
         elif name in ("prompt_next", "prompt_prev", "prompt_index"):

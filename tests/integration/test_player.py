@@ -467,6 +467,24 @@ def test_each_change_goes_to_the_bridge_once_whatever_the_engine_is_doing():
     assert len(bridge.prompts) == 1 and len(bridge.params) == 1
 
 
+def test_prompts_sent_live_are_kept_up_to_a_bound_beside_the_runs_own_list():
+    """A script sending a new prompt a second over OSC for a whole show must not grow the list (and every web
+    page's state) without end: the oldest sent live goes, the --prompts list stays whole, n steps on."""
+    from loom_live.plugin.player.controls import MAX_LIVE_PROMPTS
+
+    controls, bridge = _controls("ink", "oil"), RecordingBridge()
+    for i in range(MAX_LIVE_PROMPTS + 5):
+        controls.put(Command("prompt", (f"line {i}", None)))
+        controls.apply_pending(bridge)
+    s = controls.state
+    assert s.prompts[:2] == ["ink", "oil"] and len(s.prompts) == 2 + MAX_LIVE_PROMPTS
+    assert s.prompts[2] == "line 5" and s.prompt == f"line {MAX_LIVE_PROMPTS + 4}"
+    assert bridge.prompts[-1] == (f"line {MAX_LIVE_PROMPTS + 4}", None)
+    controls.put(Command("prompt_next", ()))
+    controls.apply_pending(bridge)
+    assert s.prompt == "ink"
+
+
 def test_typing_a_prompt_can_be_cancelled():
     controls, bridge = _controls(), RecordingBridge()
     keys = KeyboardInput(controls)
