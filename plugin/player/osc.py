@@ -47,10 +47,31 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
 
 
 def _index(value: Any) -> Command:
-    try:
-        return Command("prompt_index", (int(value),))
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an OSC float infinity
-        raise ControlError(f"prompt index: {value!r} is not a whole number") from None
+    """A whole number (an OSC int, or a float such as 2.0 a fader sends); 1.7 is not rounded to a prompt."""
+    whole = isinstance(value, float) and value.is_integer() or isinstance(value, int) and not isinstance(value, bool)
+    if not whole:
+        raise ControlError(f"prompt index: {value!r} is not a whole number")
+    return Command("prompt_index", (int(value),))
+
+
+ON, OFF = ("1", "true", "on", "yes", "t"), ("0", "false", "off", "no", "f")
+
+
+def _toggle(name: str) -> Callable[..., Command]:
+    """An on/off address: no argument flips it; one of 1/0, true/false (OSC's T/F), on/off sets it."""
+    def build(*args: Any) -> Command:
+        if not args:
+            return Command(name, ())
+        value = args[0]
+        if len(args) == 1 and isinstance(value, bool):
+            return Command(name, (value,))
+        if len(args) == 1 and isinstance(value, (int, float)) and value in (0, 1):
+            return Command(name, (bool(value),))
+        if len(args) == 1 and isinstance(value, str) and value.strip().lower() in ON + OFF:
+            return Command(name, (value.strip().lower() in ON,))
+        raise ControlError(f"{name}: {list(args)!r} is not allowed; expected no argument (toggle), or one of 1 / 0, "
+                           "true / false, on / off")
+    return build
 
 
 _BUILDERS: dict[str, Callable[..., Command]] = {
@@ -60,13 +81,13 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "/loom/prompt/index": _index,
     "/loom/steps": steps_command,
     "/loom/noise_scale": noise_scale_command,
-    "/loom/motion_aware": lambda *a: Command("motion_aware", a[:1]),
+    "/loom/motion_aware": _toggle("motion_aware"),
     "/loom/lora/scale": lora_scale_command,
     "/loom/control/scale": context_scale_command,
     "/loom/control/source": control_source_command,
     "/loom/control/next": lambda: Command("control_next"),
     "/loom/reference": reference_command,
-    "/loom/pause": lambda *a: Command("pause", a[:1]),
+    "/loom/pause": _toggle("pause"),
     "/loom/quit": lambda: Command("quit"),
 }
 

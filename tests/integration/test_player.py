@@ -503,9 +503,19 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
                                ("/loom/noise_scale", (3.0,), r"noise_scale: .*expected a number in \[0.1, 1\]"),
                                ("/loom/prompt", ("",), "prompt is empty"),
                                ("/loom/bogus", (), "unknown OSC address"),
-                               ("/loom/quit", (1, 2), "wrong arguments")]:
+                               ("/loom/quit", (1, 2), "wrong arguments"),
+                               ("/loom/prompt/index", (1.7,), "1.7 is not a whole number"),
+                               ("/loom/prompt/index", (float("nan"),), "nan is not a whole number"),
+                               ("/loom/motion_aware", (float("nan"),), r"expected no argument \(toggle\), or one of"),
+                               ("/loom/pause", (b"\x01",), "is not allowed"),
+                               ("/loom/pause", ("maybe",), "is not allowed"),
+                               ("/loom/motion_aware", (1, 0), "is not allowed")]:
         with pytest.raises(ControlError, match=why):
             command_for(address, args)
+    assert command_for("/loom/prompt/index", (2.0,)) == Command("prompt_index", (2,))
+    assert command_for("/loom/pause", ()) == Command("pause", ())  # no argument: a toggle
+    assert [command_for("/loom/motion_aware", (v,)).args for v in (True, 0, 1.0, "off", " ON ")] == \
+        [(True,), (False,), (True,), (False,), (True,)]
     assert set(OSC_ADDRESSES) >= {"/loom/prompt", "/loom/steps", "/loom/noise_scale", "/loom/quit"}
 
 
