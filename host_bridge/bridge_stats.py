@@ -17,6 +17,9 @@ from loom_live.host_bridge.supervisor import EngineState
 LATENCY_WINDOW = 256
 SEQ_TIMES_LIMIT = 512  # submit times kept for latency; bounded so a stalled engine cannot grow it
 FPS_IDLE_S = 1.0  # no output for this long: the output rate reads 0
+# outputs spanning less than this read 0: a stream's first chunk comes back as a burst of frames a few ms apart,
+# whose rate (over a thousand FPS on a CPU) says nothing of the stream's
+FPS_MIN_SPAN_S = 0.25
 
 
 @dataclass
@@ -67,9 +70,9 @@ class FrameStats:
 
     def fps(self) -> float:
         t = self._out_times
-        if len(t) < 2 or time.monotonic() - t[-1] > FPS_IDLE_S:
+        if len(t) < 2 or time.monotonic() - t[-1] > FPS_IDLE_S or t[-1] - t[0] < FPS_MIN_SPAN_S:
             return 0.0
-        return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
+        return (len(t) - 1) / (t[-1] - t[0])
 
     def latency_ms(self, q: float) -> float:
         """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
