@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import math
 import os
+import queue
 import signal
 import threading
 import weakref
@@ -44,6 +45,10 @@ FALLBACK_CAMERA_FPS = 30.0
 # writing when Ctrl-C came was left with no decodable frame in 4 of 7 tries (test_video_io's Ctrl-C test).
 FILE_ENCODER_OPTIONS = {"preset": "fast", "crf": "18"}
 NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "23"}
+# A network output's receiver that stops taking data (a network gone, a stuck server) blocks FFmpeg's send until
+# TCP gives up, a quarter of an hour later: one that takes no frame for this long is declared failed.
+NETWORK_STALL_S = 5.0
+NETWORK_QUEUE_FRAMES = 4  # frames handed to a network output's thread, not sent yet: a file run waits beyond
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
 MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
 # Damaged packets in a row after which a source is declared unreadable (about 10 s of video at 25 fps):
@@ -384,6 +389,7 @@ class FrameSink:
             self._discard_partial()
             raise MediaError(f"{name}: cannot start the output: {_reason(e)}") from e
         _OPEN_SINKS.add(self)
+        self._sender = _NetworkSender(self) if is_network else None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -411,16 +417,25 @@ class FrameSink:
         if self.closed:
             raise MediaError(f"{self.name}: sink is closed")
         _check_frame(frame, self.width, self.height, self.name)
-        video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-        video_frame.pts = self.frames_written
+        if self._sender is not None:
+            self._sender.put(frame)
+            self.frames_written += 1
+            return
         try:
             with _signals_deferred():  # the packets an encode returns are muxed before a Ctrl-C ends the run
-                self._container.mux(self._video.encode(video_frame))
+                self._encode(frame, self.frames_written)
                 self.frames_written += 1
             if self._audio is not None:
                 self._audio.copy_until(self.frames_written / self.fps)
         except (av.error.FFmpegError, OSError) as e:
             raise MediaError(f"{self.name}: writing failed: {_reason(e)}") from e
+
+    def _encode(self, frame: np.ndarray, pts: int) -> None:
+        import av
+
+        video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+        video_frame.pts = pts
+        self._container.mux(self._video.encode(video_frame))
 
     def close(self, keep: bool = True) -> None:
         """Flush the encoder, finish the audio up to the video's end, write the trailer, and move a
@@ -436,6 +451,8 @@ class FrameSink:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
+        if self._sender is not None and not self._sender.finish():  # its thread is stuck inside the container
+            raise MediaError(f"{self.name}: stopped; the receiver took nothing for {NETWORK_STALL_S:g} s")
         with _signals_deferred():
             try:
                 try:
@@ -489,6 +506,53 @@ class FrameSink:
 
     def __repr__(self) -> str:
         return f"<FrameSink {self.name!r} {self.width}x{self.height} @ {self.fps:g} fps>"
+
+
+class _NetworkSender:
+    """Encodes and sends a network output's frames on a thread of its own, so that a receiver that stops taking
+    them stalls that output for at most NETWORK_STALL_S, not the show until TCP gives up."""
+
+    def __init__(self, sink: FrameSink) -> None:
+        self._sink = sink
+        self._queue: queue.Queue[np.ndarray | None] = queue.Queue(NETWORK_QUEUE_FRAMES)
+        self._error: str | None = None
+        self._stalled = False
+        self._thread = threading.Thread(target=self._run, name=f"loom output {sink.name}", daemon=True)
+        self._thread.start()
+
+    def put(self, frame: np.ndarray) -> None:
+        """Queue one frame; a failed send, or a receiver that took nothing for NETWORK_STALL_S, is a MediaError."""
+        if self._error is not None:
+            raise MediaError(f"{self._sink.name}: writing failed: {self._error}")
+        try:
+            self._queue.put(frame.copy(), timeout=NETWORK_STALL_S)
+        except queue.Full:
+            self._stalled = True
+            raise MediaError(f"{self._sink.name}: the receiver took nothing for {NETWORK_STALL_S:g} s "
+                             "(is it still there?)") from None
+
+    def finish(self) -> bool:
+        """Send what is queued and end the thread; False when it is stuck sending (the container is its own)."""
+        if not self._stalled and self._error is None:
+            try:
+                self._queue.put(None, timeout=NETWORK_STALL_S)
+            except queue.Full:
+                self._stalled = True
+        if not self._stalled:
+            self._thread.join(NETWORK_STALL_S)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        import av
+
+        pts = 0
+        while (frame := self._queue.get()) is not None:
+            try:
+                self._sink._encode(frame, pts)
+            except (av.error.FFmpegError, OSError) as e:
+                self._error = _reason(e)
+                return
+            pts += 1
 
 
 class _AudioPassThrough:

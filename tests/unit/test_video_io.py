@@ -427,3 +427,39 @@ def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> Non
     with pytest.raises(MediaError, match="exists; give --overwrite"):
         check_output_file(src, [], overwrite=False)
     check_output_file(tmp_path / "new.mp4", [str(src)], overwrite=False)
+
+
+def test_an_rtmp_receiver_that_stops_reading_fails_that_output_instead_of_stalling_the_show(monkeypatch) -> None:
+    """A streaming server that takes nothing more (a network gone) blocked FFmpeg's send until TCP gave up:
+    the run froze, deaf to Ctrl-C. Now the output fails within NETWORK_STALL_S and stops at once."""
+    import loom_live.plugin.media.video_io as video_io
+
+    monkeypatch.setattr(video_io, "NETWORK_STALL_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"rtmp://127.0.0.1:{probe.getsockname()[1]}/live/loom"
+    # FFmpeg's own RTMP server, in a process of its own (PyAV holds the GIL while an output connects)
+    server = subprocess.Popen([sys.executable, "-c", "import av, sys, time\n"
+                               "av.open(sys.argv[1], options={'listen': '1'}, timeout=20)\ntime.sleep(60)", url])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                sink = open_sink(url, 24, (256, 256))
+                break
+            except MediaError:  # not listening yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # fills the buffers
+        started = time.monotonic()
+        with pytest.raises(MediaError, match="the receiver took nothing for 0.5 s"):
+            for i in range(100_000):
+                sink.write(noise[i % 8])
+        assert time.monotonic() - started < 20
+        started = time.monotonic()
+        sink.discard()
+        assert time.monotonic() - started < 0.5
+    finally:
+        server.kill()
+        server.wait()
