@@ -71,21 +71,24 @@ def _kept_steps() -> str | None:
 
 
 def collect() -> dict[str, Any]:
-    import torch
-
+    try:
+        import torch
+    except Exception as exc:  # a torch that fails to load (a CUDA library missing) is what `loom info` is run to see
+        torch, torch_text = None, f"not importable ({type(exc).__name__}: {exc})"
+    cuda = torch is not None and torch.cuda.is_available()
     ipc_ok, ipc_why = _cuda_ipc()
     return {
         "loom": version(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_version": torch.version.cuda,
-        "gpus": _gpus(),
+        "torch": torch.__version__ if torch is not None else torch_text,
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda if torch is not None else None,
+        "gpus": _gpus() if cuda else [],
         "cuda_python": _version("cuda.bindings") or _version("cuda"),
         "cuda_ipc": ipc_ok,
         "cuda_ipc_detail": ipc_why,
-        "compiled_steps_kept": _kept_steps(),
+        "compiled_steps_kept": _kept_steps() if cuda else None,
         "pyzmq": _version("zmq"),
         "av": _version("av"),
         "opencv": _version("cv2"),

@@ -23,6 +23,14 @@ def test_info_json_reports_the_machine(capsys):
     assert "default" in info["presets"]
 
 
+def test_info_reports_a_torch_that_does_not_load_instead_of_a_traceback(monkeypatch, capsys):
+    """`loom info` is what a user runs when torch is broken (a CUDA library missing): it must still answer."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises, as a broken install does
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"].startswith("not importable") and not info["cuda_available"] and info["gpus"] == []
+
+
 def test_info_table_in_a_real_process():
     out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "info"], capture_output=True, text=True,
                          timeout=120)
