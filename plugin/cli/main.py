@@ -32,8 +32,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = "loom_live.engine.server.main" if name == "serve" else f"loom_live.plugin.cli.{name.replace('-', '_')}"
-        importlib.import_module(module).add_parser(sub)
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ImportError as exc:  # a broken library (OpenCV without libGL, a torch without its CUDA libraries)
+            _unavailable(sub, name, exc)  # costs that command only: `loom info` must still say what is wrong
     return parser
+
+
+def _unavailable(sub: argparse._SubParsersAction, name: str, exc: ImportError) -> None:
+    """A subcommand whose module cannot be imported: listed, and refused in one line naming the import error."""
+    why = f"{type(exc).__name__}: {exc}"
+
+    def refuse(args: argparse.Namespace) -> int:
+        raise UserError(f"this command cannot run here: a library it needs does not load ({why}); `loom info` "
+                        "lists what is installed")
+
+    command = sub.add_parser(name, help=f"(not available: {why[:80]})", add_help=False)
+    command.set_defaults(func=refuse, unavailable=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command == "train":  # the recipe parses its own options; argparse's REMAINDER
         args.rest = [*unknown, *args.rest]     # leaves a leading one out (`loom train --help`, `-h`)
+        unknown = []
+    if unknown and getattr(args, "unavailable", False):  # its options are unknown: say why it cannot run instead
         unknown = []
     if unknown:  # named by the subcommand's own usage, not the top-level one
         command = parser._subparsers._group_actions[0].choices.get(args.command) if args.command else None

@@ -31,6 +31,19 @@ def test_info_reports_a_torch_that_does_not_load_instead_of_a_traceback(monkeypa
     assert info["torch"].startswith("not importable") and not info["cuda_available"] and info["gpus"] == []
 
 
+def test_a_command_whose_library_does_not_load_costs_that_command_only(monkeypatch, capsys):
+    """An OpenCV without libGL (a server image) broke every command at start: `loom info`, the command run to
+    see what is wrong, must answer, and the command that needs it says why in one line."""
+    monkeypatch.setitem(sys.modules, "cv2", None)  # `import cv2` raises, as a missing libGL does
+    for name in [m for m in sys.modules if m.startswith("loom_live.plugin.cli.eval")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loom"]
+    assert main(["eval", "--clip", "x.mp4"]) == 2
+    assert "loom eval: error: this command cannot run here: a library it needs does not load (" \
+        in capsys.readouterr().err
+
+
 def test_info_table_in_a_real_process():
     out = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "info"], capture_output=True, text=True,
                          timeout=120)
