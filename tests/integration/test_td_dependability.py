@@ -186,9 +186,9 @@ class HostMemoryTOP(InputTOP):
     """cudaMemory() as TD gives it: a copy of the texture the CUDAMemory object owns (here in host memory
     that the stand-in runtime treats as device memory), freed when the object is dropped."""
 
-    def __init__(self, texture: np.ndarray, rt: BoundedRuntime) -> None:
+    def __init__(self, texture: np.ndarray, rt: BoundedRuntime | None = None) -> None:
         super().__init__(texture)
-        self.rt = rt
+        self.rt = rt  # the runtime its cudaMemory() registers with (set by _on_cuda_ipc)
 
     def cudaMemory(self, stream: int | None = None) -> Any:
         data = np.ascontiguousarray(self.texture).copy()
@@ -219,10 +219,9 @@ class HostScriptTOP(ScriptTOP):
         self.output = data.reshape(shape.height, shape.width, shape.numComps).copy()
 
 
-def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(monkeypatch):
-    """The input TOP changes resolution or pixel format mid-show on cuda-ipc: until the engine's first
-    output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
-    for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
+def _on_cuda_ipc(monkeypatch, source: HostMemoryTOP):
+    """A component streaming `source` over cuda-ipc to an in-process pass-through engine, on the bounds-checking
+    stand-in runtime: (engine, comp, script, ext, runtime)."""
     pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
     from loom_live.engine.server.passthrough import PassthroughSession
     from loom_live.host_bridge import Bridge, BridgeConfig
@@ -232,13 +231,20 @@ def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(m
     monkeypatch.setattr(tc, "cudart", rt)
     engine = InProcessEngine(PassthroughSession)
     comp = LoomComp()
-    comp.rt = rt
-    source = HostMemoryTOP(td_texture(48, 64, seed=1), rt)
+    comp.rt = source.rt = rt
     script = HostScriptTOP(comp, source)
     script_top_callbacks.onSetupParameters(script)
     comp.ext.LoomExt = ext = LoomExt(comp)
-    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", **engine.host,
-                                     heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    return engine, comp, script, ext, rt
+
+
+def test_size_and_format_changes_on_cuda_ipc_never_copy_past_the_output_buffer(monkeypatch):
+    """The input TOP changes resolution or pixel format mid-show on cuda-ipc: until the engine's first
+    output of the new kind arrives, the newest output is of the old size, and the output buffer is sized
+    for the new input. Every cook stays inside it, and the new input's restyled frames come back."""
+    source = HostMemoryTOP(td_texture(48, 64, seed=1))
+    engine, comp, script, ext, rt = _on_cuda_ipc(monkeypatch, source)
     try:
         cook_until(script, lambda: running(comp), "engine running")
         for h, w, dtype in ((24, 64, np.uint8), (48, 32, np.uint8), (48, 32, np.float32), (40, 56, np.uint16),
@@ -263,21 +269,8 @@ def test_mono_and_3_channel_inputs_on_cuda_ipc_go_device_to_device(monkeypatch, 
     """TouchDesigner's Mono pixel formats (1 channel) and 3-channel textures are device formats the bridge
     takes: their staging and rings name the channels there are (R, RGB), so the engine's frames come back,
     not a refusal every cook with the output frozen."""
-    pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc ring code needs cuda-python (no GPU)")
-    from loom_live.engine.server.passthrough import PassthroughSession
-    from loom_live.host_bridge import Bridge, BridgeConfig
-    from loom_live.host_bridge.wire.rings import cuda as tc
-
-    rt = BoundedRuntime()
-    monkeypatch.setattr(tc, "cudart", rt)
-    engine = InProcessEngine(PassthroughSession)
-    comp = LoomComp()
-    comp.rt = rt
     texture = td_texture(18, 26, dtype, seed=channels)[:, :, :channels].copy()
-    script = HostScriptTOP(comp, HostMemoryTOP(texture, rt))
-    script_top_callbacks.onSetupParameters(script)
-    comp.ext.LoomExt = ext = LoomExt(comp)
-    ext.bridge = Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1, hang_timeout_s=2.0)).start()
+    engine, comp, script, ext, _ = _on_cuda_ipc(monkeypatch, HostMemoryTOP(texture))
     try:
         cook_until(script, lambda: ext.bridge.stats()["received"] > 0 and np.array_equal(script.output, texture),
                    f"{channels}-channel {np.dtype(dtype).name} output", 10)
