@@ -24,6 +24,7 @@ the lane's lock without waiting.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -68,6 +69,8 @@ class Bridge:
             config = BridgeConfig.from_dict({**dict(config or {}), **overrides})
         elif overrides:
             raise TypeError("give either a BridgeConfig or keyword settings, not both")
+        else:  # checked again, as a copy: a field set after construction skipped the checks, and later ones
+            config = dataclasses.replace(config)  # must not reach a running bridge
         self.config: BridgeConfig = config
         self._ctx = zmq.Context()
         self._sup = Supervisor(config, self._ctx)
@@ -99,6 +102,8 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Begin launching/connecting in the background; returns at once."""
+        if not self._closer.alive:  # its context and threads are gone: it would say "starting" for ever
+            raise RuntimeError("start: this bridge is closed; make a new Bridge to start an engine again")
         if self._sup.started:
             return self
         if self._cuda_problem is not None:
@@ -546,6 +551,12 @@ class Bridge:
             self._await(lambda lk=link: lk.in_tracker is None or lk.in_tracker.free > 0 or self._link is not lk,
                         LANE_WAIT_S)
 
+    def _check_started(self, what: str) -> None:
+        """A call that needs an engine, made before `start()`: no engine is coming, and "stopped" alone
+        would not say why."""
+        if not self._sup.started:
+            raise RuntimeError(f"{what}: the bridge is not started; call start() first, or use it in a with block")
+
     def _check_alive(self, link_id: int, deadline: float, what: str) -> None:
         if self._sup.link_id != link_id or self._sup.state != EngineState.RUNNING:
             raise RuntimeError(f"engine stopped during process(): {self._sup.state}: {self._sup.message}")
@@ -583,6 +594,7 @@ class Bridge:
 
         Raises EngineRefused with the engine's own message when it refused its run, else RuntimeError
         (with the engine's last output) when it ended or did not start in time."""
+        self._check_started("wait_running")
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while (state := self._sup.state) != EngineState.RUNNING:
@@ -675,6 +687,7 @@ class Bridge:
     def _request(self, kind: str, deadline: float, *, before_send: Callable[[], None] | None = None,
                  payload: list[bytes] | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for the engine's answer; `before_send` runs in the same lock hold."""
+        self._check_started(kind)
         sup = self._sup
         with self._cond:
             if before_send is not None:

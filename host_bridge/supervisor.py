@@ -135,13 +135,14 @@ class Supervisor:
         self.closing = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.stop_timeout_s * 3 + 5)
-        with self.cond:
+        with self.cond:  # stopped with the link gone, in one step: a host thread waiting on it says "closed"
             link, self.link = self.link, None
+            self.state, self.message = EngineState.STOPPED, "closed"
+            self.cond.notify_all()
         if link is not None:
             link.teardown("closed", self.config.stop_timeout_s)
         if self.standby is not None:
             self.standby.close()
-        self._set_state(EngineState.STOPPED, "closed")
 
     def note(self, message: str, *, error: bool = False) -> None:
         """A host thread's remark on the engine (a message it could not send, a frame it could not hand over)."""

@@ -269,7 +269,9 @@ def steps_for(count: Any) -> list[int]:
 
 def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
     """A prompt and its blend length as the engine takes them (text stripped); ValueError names a bad one."""
-    if not isinstance(text, str) or not text.strip():
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"the prompt is {type(text).__name__} {text!r:.40}; expected a string describing the style")
+    if not text or not text.strip():
         raise ValueError("the prompt is empty; give a few words describing the style")
     if len(text) > (PROMPT.max_len or 0):
         raise ValueError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")

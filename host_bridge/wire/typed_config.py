@@ -115,6 +115,7 @@ def _scalar(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
         if not isinstance(value, str):  # a choice field names its choices (YAML reads yes/off as booleans)
             _fail(source, path, value, "one of " + ", ".join(repr(c) for c in meta["choices"]) if "choices" in meta
                   else "a string")
+        _check_len(value, meta, source, path)
     elif tp is Any:
         return value
     else:
@@ -140,8 +141,9 @@ def _finite(value: int | float) -> bool:
 def _check_len(value: Any, meta: Mapping[str, Any], source: str, path: str) -> None:
     lo, hi = meta.get("min_len"), meta.get("max_len")
     if (lo is not None and len(value) < lo) or (hi is not None and len(value) > hi):
-        upper = "any number of" if hi is None else str(hi)
-        _fail(source, path, value, f"a list of {lo or 0} to {upper} items")
+        kind, unit = ("a string of", "characters") if isinstance(value, str) else ("a list of", "items")
+        count = f"at least {lo}" if hi is None else f"{lo or 0} to {hi}"
+        _fail(source, path, value, f"{kind} {count} {unit}")
 
 
 def _range_text(meta: Mapping[str, Any]) -> str:

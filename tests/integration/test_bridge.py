@@ -7,11 +7,13 @@ engine crash or hang, restart, and nothing left behind (processes, segments, soc
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tracemalloc
 import weakref
@@ -334,6 +336,30 @@ def test_a_bridge_dropped_without_close_stops_its_engine():
     del bridge
     gc.collect()
     assert gone() is None and _gone(pid) and not (_segments() & segments)
+
+
+@posix_only
+def test_a_bridge_closed_from_another_thread_ends_a_blocking_stream_saying_closed():
+    """A host closing its bridge (a stop button) while another thread streams a file: that thread's error says
+    the bridge was closed, not that a running engine stopped ("running: engine running")."""
+    bridge = Bridge(_config()).start()
+    bridge.wait_running(30)
+    raised: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            for _ in bridge.process_stream(indexed_frame(i % 8, 48, 64) for i in itertools.count()):
+                pass
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert wait_until(lambda: bridge.stats()["received"] >= 20, 10)
+    bridge.close()
+    worker.join(10)
+    assert not worker.is_alive() and len(raised) == 1
+    assert str(raised[0]).endswith("stopped: closed"), raised
 
 
 @posix_only
