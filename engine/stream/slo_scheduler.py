@@ -109,10 +109,14 @@ class SLOScheduler:
         self.target_fps, self.budget = target_fps, latency_budget_s
 
     def allow_modes(self, modes: tuple[str, ...]) -> None:
-        """Restrict the plans to these modes (a user pinning batch or sequential)."""
+        """Restrict the plans to these modes (a user pinning batch or sequential). A pinned mode streams its
+        one-latent plan, as a stream pinned from the start does: the sessions decide only in auto, so a chunk
+        size auto had picked would otherwise stay for good."""
         self.modes = tuple(modes)
         self.candidates = [Plan(m, k) for m in modes for k in range(1, self.max_chunk_latents + 1)]
-        if self.plan not in self.candidates:
+        if len(self.modes) == 1:
+            self.plan = Plan(self.modes[0], 1)
+        elif self.plan not in self.candidates:
             self.plan = Plan(modes[0], self.plan.chunk_latents if self.plan.chunk_latents <= self.max_chunk_latents
                              else 1)
         self._challenger, self._streak = None, 0

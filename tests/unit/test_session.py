@@ -10,6 +10,7 @@ import pytest
 
 from loom_live.engine.config import load_config
 from loom_live.engine.stream.session import StreamSession
+from loom_live.engine.stream.slo_scheduler import Plan
 from tests.fakes.media import panning_clip
 
 SMALL = ["resolution.width=64", "resolution.height=64"]
@@ -249,3 +250,18 @@ def test_a_bad_prompt_request_or_huge_parameter_is_refused_and_the_stream_goes_o
     frames = np.concatenate([o for o in out if len(o)])
     assert len(frames) == 21 and frames.std() > 1.0  # restyled frames, not a black stream
     assert s.stats()["prompt"] == "charcoal sketch" and s.stats()["prompt_blend"] == 1.0
+
+
+def test_pinning_a_mode_live_streams_its_one_plan_not_the_chunk_size_auto_had_picked():
+    """The scheduler moves only in auto: a mode pinned mid-stream kept the chunk size auto had picked
+    under a load spike (3 latents, 12-frame chunks) for the rest of the stream, three times the latency
+    of the same mode pinned from the start."""
+    tiny = ("resolution.width=32", "resolution.height=32")
+    s = session(*tiny)
+    out = [s.push(clip(9, 32, 32))]
+    s.slo.hold(Plan("sequential", 3))  # what auto chose
+    out.append(s.push(clip(12, 32, 32, seed=1)))
+    s.set_params(mode="sequential")
+    out += [s.push(clip(4, 32, 32, seed=i)) for i in range(3)]
+    assert s.stats()["plan"] == {"mode": "sequential", "chunk_latents": 1}
+    assert [len(o) for o in out] == [5, 4 + 12, 4, 4, 4]  # one chunk a push, each pushed frame once
