@@ -118,8 +118,8 @@ class MotionNoiseController:
     def update(self, frames: torch.Tensor, previous: torch.Tensor | None,
                frames_u8: np.ndarray | None = None, previous_u8: np.ndarray | None = None) -> torch.Tensor | float:
         """Advance the controller by one chunk; returns the new scale s (tensor or float)."""
-        if not self.enabled:
-            self._scale = self.noise_scale
+        if not self.enabled:  # and the stats say so: the last motion-aware values would stay on show
+            self._scale, self.last_motion, self._telemetry = self.noise_scale, 0.0, None
             return self._scale
         if self._flow is not None:
             if frames_u8 is not None:

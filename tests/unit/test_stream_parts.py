@@ -59,6 +59,17 @@ def test_motion_disabled_is_constant():
     assert ctl.update(_frames(4, 6), None) == 0.6
 
 
+def test_motion_switched_off_live_says_the_plain_scale_in_the_stats():
+    """On CUDA the stats read a pinned copy of the motion-aware values; switched off, that copy must not stay
+    on show (the noise scale in the stats stopped following its slider)."""
+    ctl = MotionNoiseController(noise_scale=0.8, ema=0.9)
+    ctl.advance(0.5)
+    ctl._telemetry = torch.tensor([0.45, 0.5])  # what a CUDA chunk leaves for the stats
+    ctl.set_noise(0.6, enabled=False)
+    ctl.update(_frames(4, 6), None)
+    assert ctl.telemetry() == (0.6, 0.0)
+
+
 @pytest.mark.parametrize("method", ["dis", "farneback"])
 def test_optical_flow_estimator_runs_off_thread(method):
     flow = OpticalFlowMotion(method)
