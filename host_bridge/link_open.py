@@ -75,7 +75,12 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
                 lane.close()
             if endpoint:
                 endpoint.remove()
-            raise LinkOpenError(f"cannot start the engine with {cfg.engine_python!r}: {exc}") from exc
+            if cfg.engine_cwd and exc.filename is not None and str(exc.filename) == str(cfg.engine_cwd):
+                why = f": engine_cwd {cfg.engine_cwd!r}: {exc.strerror}"  # the folder, not the Python
+            else:
+                detail = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+                why = f" with {cfg.engine_python or 'this Python'}: {detail}"
+            raise LinkOpenError(f"cannot start the engine{why}") from exc
     return Link(next(link_ids), channel, lane, proc, endpoint, token if cfg.launch else None, cfg, lock,
                 curve=curve)
 

@@ -666,13 +666,26 @@ def test_an_engine_that_ran_and_then_exits_2_is_restarted_like_any_crash(tmp_pat
 def test_missing_engine_python_is_reported_not_raised():
     bridge = Bridge(_config(engine_python="/nonexistent/python", restart=False)).start()
     try:
-        with pytest.raises(RuntimeError, match="cannot start the engine") as raised:
+        with pytest.raises(RuntimeError, match="cannot start the engine with /nonexistent/python: No such file or "
+                                               "directory: /nonexistent/python") as raised:
             bridge.wait_running(10)
         assert str(raised.value).startswith("engine is dead: ")  # at once: no timeout was waited out
         frame = indexed_frame(3, 48, 64)
         bridge.submit(frame)
         out, status = bridge.latest()
         assert status.state == "dead" and np.array_equal(out, frame)
+    finally:
+        bridge.close()
+
+
+def test_a_missing_engine_cwd_is_named_not_blamed_on_the_python(tmp_path):
+    """A working folder that does not exist made the same OSError as a missing Python, and the message named
+    engine_python ('None' when unset)."""
+    bridge = Bridge(_config(engine_cwd=str(tmp_path / "gone"), restart=False)).start()
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot start the engine: engine_cwd '.*gone': No such file or "
+                                               r"directory"):
+            bridge.wait_running(10)
     finally:
         bridge.close()
 
