@@ -38,7 +38,10 @@ def check_shape(frame: np.ndarray, what: str = "frame") -> np.ndarray:
     if frame.ndim != 3 or frame.shape[2] not in (1, 2, 3, 4) or frame.shape[0] < 1 or frame.shape[1] < 1:
         raise ValueError(f"{what}: shape {frame.shape} is not allowed; expected [H, W] or [H, W, C] with C in 1..4")
     if frame.dtype not in DTYPES:
-        raise ValueError(f"{what}: dtype {frame.dtype} is not allowed; expected uint8, uint16 or float32")
+        swapped = frame.dtype.newbyteorder() in DTYPES  # e.g. >u2 from a file format stored big-endian
+        order = " in this machine's byte order (this one is byte-swapped: .astype(its dtype.newbyteorder('=')))" \
+            if swapped else ""
+        raise ValueError(f"{what}: dtype {frame.dtype} is not allowed; expected uint8, uint16 or float32{order}")
     return frame
 
 

@@ -54,8 +54,12 @@ def test_to_engine_accepts_grey_rgba_and_copies():
 
 
 def test_bad_frames_say_what_is_allowed():
-    with pytest.raises(ValueError, match="dtype int32 is not allowed; expected uint8, uint16 or float32"):
+    with pytest.raises(ValueError, match="dtype int32 is not allowed; expected uint8, uint16 or float32$"):
         formats.to_engine(np.zeros((4, 4, 3), np.int32))
+    swapped = np.zeros((4, 4, 3), np.dtype(np.uint16).newbyteorder())  # a big-endian file's uint16 on this machine
+    with pytest.raises(ValueError, match=r"uint16 or float32 in this machine's byte order \(this one is byte-swapped"):
+        formats.to_engine(swapped)
+    assert formats.to_engine(swapped.astype(swapped.dtype.newbyteorder("="))).dtype == np.uint8
     with pytest.raises(ValueError, match=r"shape \(4, 4, 5\)"):
         formats.to_engine(np.zeros((4, 4, 5), np.uint8))
     with pytest.raises(ValueError, match="ComfyUI IMAGE"):
