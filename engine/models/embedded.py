@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.models.frame_vae import FrameVAE, FrameVAEConfig
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 
@@ -52,8 +52,8 @@ def file_sha256(path: str | Path) -> str:
 
 def save_embedded(path: str | Path, dit: WanDiT, vae: FrameVAE, meta: dict) -> str:
     """Write both models to one safetensors file (metadata: VAE latent stats + `meta`) and return its
-    sha256. The bytes go to PATH.writing first, which replaces `path` only once whole: a training run
-    stopped while saving (Ctrl-C, a full disk) leaves its last checkpoint readable."""
+    sha256. Written whole or not at all (`write_replacing`): a training run stopped while saving (Ctrl-C,
+    a full disk) leaves its last checkpoint readable."""
     from safetensors.torch import save
 
     tensors: dict[str, torch.Tensor] = {}
@@ -62,13 +62,7 @@ def save_embedded(path: str | Path, dit: WanDiT, vae: FrameVAE, meta: dict) -> s
             tensors.update(_pack(f"{part}.{name}", value.detach().to("cpu", torch.float32)))
     info = {"latents_mean": list(vae.cfg.latents_mean), "latents_std": list(vae.cfg.latents_std), **meta}
     data = save(tensors, metadata={"loom": json.dumps(info)})
-    writing = Path(path).with_name(Path(path).name + ".writing")
-    try:
-        writing.write_bytes(data)
-        os.replace(writing, path)
-    except BaseException:
-        writing.unlink(missing_ok=True)
-        raise
+    write_replacing(Path(path), lambda f: f.write(data))
     return hashlib.sha256(data).hexdigest()
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.train.styles import STYLE_NAMES, apply_style
 
 HELD_OUT = ("davis512_parkour.mp4", "davis512_libby.mp4")
@@ -194,21 +195,6 @@ def prepare(out: str | Path, size: int = 256, media: Path = MEDIA, progress: boo
     out.parent.mkdir(parents=True, exist_ok=True)
     write_replacing(out, lambda f: np.savez(f, **arrays))
     return out
-
-
-def write_replacing(out: Path, write) -> None:
-    """`write(file)` into OUT.partial, which replaces `out` only once it is whole: a run that fails or is
-    stopped while writing (a full disk, Ctrl-C) leaves the file an earlier run made as it was."""
-    partial = out.with_name(out.name + ".partial")
-    try:
-        with open(partial, "wb") as f:
-            write(f)
-        os.replace(partial, out)
-    except BaseException as exc:
-        partial.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # a full disk says no name: name the file
-            raise OSError(exc.errno, exc.strerror, str(out)) from None
-        raise
 
 
 def styled(frames: np.ndarray) -> list[np.ndarray]:

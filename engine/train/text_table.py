@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.engine.train.data import write_replacing
+from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.train.styles import STYLES
 from loom_live.host_bridge.wire.errors import UserError
 

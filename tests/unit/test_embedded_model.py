@@ -197,8 +197,9 @@ def test_saved_weights_are_int8_matrices_that_read_back_within_one_step_of_their
 def test_a_save_stopped_while_writing_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
     """`loom train` saves its partial weights every 200 steps over the last ones: a Ctrl-C during that
     write must leave the earlier file readable (a later run continues from it) and no stray file."""
-    from pathlib import Path
+    import io
 
+    from loom_live.engine.models import checkpoint_io
     from loom_live.engine.models.embedded import EMBEDDED_DIT, save_embedded, vae_config
     from loom_live.engine.models.frame_vae import FrameVAE
     from loom_live.engine.models.wan_dit import WanDiT
@@ -208,12 +209,12 @@ def test_a_save_stopped_while_writing_leaves_the_last_checkpoint_whole(tmp_path,
     path = tmp_path / "embedded.partial.safetensors"
     sha = save_embedded(path, dit, vae, {"partial_step": 200})
 
-    def half_then_stop(self, data):
-        with open(self, "wb") as f:
-            f.write(data[: len(data) // 2])
-        raise KeyboardInterrupt
+    class HalfThenStop(io.FileIO):  # the disk takes half the bytes, then Ctrl-C
+        def write(self, data):
+            super().write(bytes(data[: len(data) // 2]))
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(Path, "write_bytes", half_then_stop)
+    monkeypatch.setattr(checkpoint_io, "open", HalfThenStop, raising=False)
     with pytest.raises(KeyboardInterrupt):
         save_embedded(path, dit, vae, {"partial_step": 400})
     assert file_sha256(path) == sha and read_embedded(path)[2]["partial_step"] == 200
