@@ -29,10 +29,9 @@ def _version(module: str) -> str | None:
 
 
 def _gpus() -> list[dict[str, Any]]:
+    """The CUDA devices (`collect` asks only where torch sees some)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return []
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
@@ -55,13 +54,11 @@ def _cuda_ipc() -> tuple[bool, str]:
     return True, f"{count} device(s)"
 
 
-def _kept_steps() -> str | None:
+def _kept_steps() -> str:
     """How many compiled steps are kept whole for this engine, torch and GPU 0 (`loom prepare` keeps them,
-    and an engine start loads them); None without a GPU."""
+    and an engine start loads them); `collect` asks only where torch sees a GPU."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
     from loom_live.engine.graphs.compile_cache import cache_root
     from loom_live.engine.graphs.saved_compiles import compiled_folder
 

@@ -185,13 +185,9 @@ def _int(value: Any, what: str) -> int:
     return int(as_float)
 
 
-def _flag(value: Any, current: bool) -> bool:
-    """OSC toggles send 1/0, T/F or nothing (= flip)."""
-    if value is None:
-        return not current
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "on", "yes")
-    return bool(value)
+def _flag(value: bool | None, current: bool) -> bool:
+    """An on/off command's value (checked where it was read: OSC, the page), or None to flip it (a key)."""
+    return not current if value is None else value
 
 
 class Controls:
