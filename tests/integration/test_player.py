@@ -159,18 +159,27 @@ def test_udp_output_is_readable_by_a_pyav_client(tmp_path):
     assert received[0].shape == (96, 128, 3)
 
 
+def _file_run(dst: Path, frames: int, size: str, stdout: int = subprocess.PIPE) -> subprocess.Popen:
+    """`loom play` of the generated clip into `dst` on the pass-through engine, in a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", str(frames), "--size", size,
+                             "-o", str(dst), "--passthrough"], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+
+
+def _wait_writing(proc: subprocess.Popen, dst: Path, nbytes: int) -> None:
+    """Until the run has written `nbytes` of `dst` (under its partial name until finalised), for at most 90 s."""
+    deadline = time.monotonic() + 90
+    partial = partial_path(dst)
+    while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < nbytes):
+        time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1]
+
+
 def test_ctrl_c_stops_cleanly_and_finalises_the_file(tmp_path):
     dst = tmp_path / "stopped.mp4"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "100000", "--size", "64x64",
-                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
+    proc = _file_run(dst, 100000, "64x64")
     try:
-        deadline = time.monotonic() + 90
-        partial = partial_path(dst)  # the file is written under this name until it is finalised
-        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 20_000):
-            time.sleep(0.2)
-            assert proc.poll() is None, proc.communicate()[1]
+        _wait_writing(proc, dst, 20_000)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -187,16 +196,9 @@ def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
     """`loom play ... 2>&1 | tee show.log`: Ctrl-C stops tee as well, so the player's last lines meet a
     broken pipe. The recording must still be finalised and put in place, and the run end with 130."""
     dst = tmp_path / "set.mp4"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", "100000", "--size", "32x32",
-                             "-o", str(dst), "--passthrough"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=env, cwd=ROOT)
+    proc = _file_run(dst, 100000, "32x32", stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        partial = partial_path(dst)
-        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 1_000):
-            time.sleep(0.05)
-            assert proc.poll() is None, proc.communicate()[1]
+        _wait_writing(proc, dst, 1_000)
         proc.stderr.close()  # tee is gone
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -211,16 +213,9 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     """SIGKILL the engine mid-file: the bridge restarts it and the player resends the batch in flight."""
     dst = tmp_path / "survived.mp4"
     n = 1200
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-n", str(n), "--size", "32x32",
-                             "-o", str(dst), "--passthrough"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
+    proc = _file_run(dst, n, "32x32")
     try:
-        deadline = time.monotonic() + 90
-        partial = partial_path(dst)
-        while time.monotonic() < deadline and (not partial.exists() or partial.stat().st_size < 2_000):
-            time.sleep(0.05)
-            assert proc.poll() is None, proc.communicate()[1]
+        _wait_writing(proc, dst, 2_000)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         engines = [pid for pid in children if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(engines) == 1, children  # the engine process this player launched
