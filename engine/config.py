@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -455,14 +454,20 @@ class LoomConfig:
         return [build(LoraEntry, {**e.__dict__, "scale": scales.get(e.key, e.scale)}, source="set_params",
                       path=f"lora_scales.{e.key}") for e in self.lora]
 
-    def with_live(self, params: dict[str, Any], settable: Sequence[live.LiveParam], family: str = "") -> LoomConfig:
+    @property
+    def live_params(self) -> tuple[live.LiveParam, ...]:
+        """The share of the live schema this config's sessions take (`host_bridge/wire/params.py`)."""
+        return live.family_params(self.model.family, self.structure_control)
+
+    def with_live(self, params: dict[str, Any]) -> LoomConfig:
         """This config with live `params` applied, each validated exactly as its config-file section is
-        (the same words for the same refusal); ValueError names an unknown key (allowed: `settable`,
-        the session's share of the schema; `family` says whose, in the message) or a bad value, before
-        anything changes. `lora_scales` changes the scales of the `lora` list (`lora_with_scales`)."""
-        names = {p.name: p for p in settable}
+        (the same words for the same refusal); ValueError names an unknown key (allowed: `live_params`,
+        the family's share of the schema, named in the message) or a bad value, before anything changes.
+        `lora_scales` changes the scales of the `lora` list (`lora_with_scales`)."""
+        names = {p.name: p for p in self.live_params}
         unknown = [k for k in params if k not in names]
         if unknown:
+            family = " for the edit family" if self.model.family == "edit" else ""
             raise ValueError(f"unknown parameter {unknown[0]!r}{family}; settable: {', '.join(names)}")
         params = dict(params)
         new = self
@@ -477,13 +482,13 @@ class LoomConfig:
 
     def start_settings(self) -> dict[str, Any]:
         """What a session of this config starts on, as its `ready` message tells the host (JSON-able): the
-        prompt's text and each live parameter of the shared schema by name, with this config's value
+        prompt's text and each live parameter it takes (`live_params`) by name, with this config's value
         (`lora_scales`: the `lora` list's scales by name). `with_live` of these params changes nothing."""
         params = {}
-        for p in live.LIVE:
+        for p in self.live_params:
             if p is live.LORA_SCALES:
                 params[p.name] = {e.key: e.scale for e in self.lora}
-            elif hasattr(getattr(self, p.section, None), p.name):
+            else:
                 params[p.name] = p.check(getattr(getattr(self, p.section), p.name))
         return {"prompt": self.prompt.text, "params": params}
 

@@ -45,7 +45,6 @@ from loom_live.engine.config import LoomConfig
 from loom_live.engine.edit.encoder import EncodePart
 from loom_live.engine.edit.flow import warp_batch
 from loom_live.engine.edit.loading import LATENT_SCALE, EditModels, load_edit_models
-from loom_live.engine.edit.params import apply_params
 from loom_live.engine.edit.schedule import EulerFlowSchedule
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.stream.cpu_threads import usable_cores
@@ -186,8 +185,9 @@ class EditSession:
         self.no_control.reference(image)
 
     def set_params(self, **params: Any) -> None:
-        """Live parameters (engine/edit/params.py); unknown keys or bad values raise ValueError."""
-        self.cfg = apply_params(self.cfg, params)
+        """Live parameters (the edit family's share of the schema, `LoomConfig.live_params`); unknown keys
+        or bad values raise ValueError naming them."""
+        self.cfg = self.cfg.with_live(params)
         self.metrics.set_budget(self.cfg.slo.latency_budget_ms / 1000.0)
         if self.models.lllite is not None:
             with _on(self._main):  # ordered after the UNet calls already queued

@@ -105,7 +105,7 @@ from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
-from loom_live.engine.stream.session import CONTROL_LIVE_PARAMS, LIVE_PARAMS, edge_control
+from loom_live.engine.stream.session import edge_control
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
@@ -339,7 +339,7 @@ class PipelineSession:
         them. Steps, sink threshold and LoRA scales reach every rank between the same two
         micro-batches; `mode` and the SLO targets go to the SLO scheduler, whose plan the next
         chunk follows (a switch to sequential drains the ring first, as one GPU drains its denoiser)."""
-        new = self.cfg.with_live(params, CONTROL_LIVE_PARAMS if self.cfg.source_edges else LIVE_PARAMS)
+        new = self.cfg.with_live(params)
         old, self.cfg = self.cfg, new
         self.motion.set_noise(new.noise.noise_scale, new.noise.motion_aware)
         self.prompt.set_transition_chunks(new.prompt.transition_chunks)

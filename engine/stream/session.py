@@ -49,15 +49,9 @@ from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
 from loom_live.engine.stream.stage_timer import StageTimer
 from loom_live.engine.stream.startup import StartupTimes
-from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES, LIVE
+from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
-# The schema's sections this family takes (another family's parameters are refused by name); a model
-# with structure control (VACE blocks, or edges it reads) takes the `control` section too.
 log = logging.getLogger(__name__)
-
-LIVE_SECTIONS = ("stream", "noise", "prompt", "slo", "lora")
-LIVE_PARAMS = tuple(p for p in LIVE if p.section in LIVE_SECTIONS)
-CONTROL_LIVE_PARAMS = LIVE_PARAMS + tuple(p for p in LIVE if p.section == "control")
 
 
 @dataclass
@@ -111,7 +105,6 @@ class StreamSession:
         self.motion = MotionNoiseController(cfg.noise.noise_scale, cfg.noise.ema, cfg.noise.motion_aware,
                                             cfg.noise.estimator)
         self._lora_pending: dict[str, float] = {}
-        self._live_params = CONTROL_LIVE_PARAMS if cfg.structure_control else LIVE_PARAMS
         self.control = VaceControl(cfg, models, self.mapper, self._vae_layout, self._run_encode) if cfg.vace else None
         self.no_control = NoStructureControl(f"model preset {cfg.model.preset!r}")
         self._reference_pending = False  # VACE: a new reference (or none) waits for the next chunk
@@ -327,7 +320,7 @@ class StreamSession:
 
     def set_params(self, **params: Any) -> None:
         """Change live parameters; unknown keys or bad values raise ValueError naming them."""
-        new = self.cfg.with_live(params, self._live_params)
+        new = self.cfg.with_live(params)
         if self.control is not None:
             self.control.frames.check_source(new.control.control_source)
         old, self.cfg = self.cfg, new

@@ -258,6 +258,20 @@ CONTROL_PARAMS = (CONTROL, CONTEXT_SCALE)
 LIVE = ParamSchema(STEPS, MODE, SINK_THRESHOLD, NOISE_SCALE, MOTION_AWARE, TRANSITION_CHUNKS, TARGET_FPS,
                    LATENCY_BUDGET_MS, LORA_SCALES, *EDIT_PARAMS, *CONTROL_PARAMS)
 
+# Each model family's share of the schema (another family's parameters are refused by name): the Wan
+# family's, with the `control` section where the model takes structure control (VACE blocks, or edges it
+# reads); the edit family's own and the shared ones that mean the same thing there (the SLO targets).
+WAN_PARAMS = tuple(p for p in LIVE if p.section in ("stream", "noise", "prompt", "slo", "lora"))
+WAN_CONTROL_PARAMS = WAN_PARAMS + CONTROL_PARAMS
+EDIT_FAMILY_PARAMS = (*EDIT_PARAMS, TARGET_FPS, LATENCY_BUDGET_MS)
+
+
+def family_params(family: str, control: bool = False) -> tuple[LiveParam, ...]:
+    """The live parameters a session of this model family takes (`control`: a Wan model with structure control)."""
+    if family == "edit":
+        return EDIT_FAMILY_PARAMS
+    return WAN_CONTROL_PARAMS if control else WAN_PARAMS
+
 
 def steps_for(count: Any) -> list[int]:
     """The step list of a number of steps (a host's 1..4 control); ValueError names a bad count."""

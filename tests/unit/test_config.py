@@ -126,23 +126,31 @@ def test_a_kv_window_smaller_than_the_first_chunk_is_refused_at_load():
 
 
 def test_start_settings_are_the_config_s_prompt_and_live_parameters():
-    """What the ready message says a session starts on: the prompt and every live parameter of the shared
-    schema with the config's value (LoRA scales by name), JSON-able, and what `with_live` takes back unchanged."""
+    """What the ready message says a session starts on: the prompt and each live parameter its family takes
+    with the config's value (LoRA scales by name), JSON-able, and what `with_live` takes back unchanged. Another
+    family's parameters are not listed: a host offering them back would be refused by name."""
     import json
 
-    from loom_live.host_bridge.wire.params import LIVE
+    from loom_live.host_bridge.wire import params as live
 
     default = load_config().start_settings()
-    assert default["prompt"] == "pencil sketch" and set(default["params"]) == set(LIVE.names())
+    assert default["prompt"] == "pencil sketch" and default["params"]["lora_scales"] == {}
+    assert set(default["params"]) == {p.name for p in live.WAN_CONTROL_PARAMS}  # the embedded model reads edges
     assert default["params"]["steps"] == [700, 500] and default["params"]["noise_scale"] == 0.8
-    assert default["params"]["control_source"] == "edges" and default["params"]["lora_scales"] == {}
+    assert default["params"]["control_source"] == "edges" and "adapter_strength" not in default["params"]
+    plain = load_config("wan2.1-1.3b").start_settings()["params"]
+    assert set(plain) == {p.name for p in live.WAN_PARAMS} and "context_scale" not in plain
+    edit = load_config("dreamlite-edit")
+    assert set(edit.start_settings()["params"]) == {"adapter_strength", "cond_refresh_every", "prompt_refresh_every",
+                                                    "target_fps", "latency_budget_ms"}
+    assert edit.with_live(edit.start_settings()["params"]) == edit
     cfg = load_config("tiny-vace", ['lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]', "noise.noise_scale=1",
                                     "stream.steps=[600]", "control.context_scale=0.7", "prompt.text=ink wash"])
     start = cfg.start_settings()
     assert start["prompt"] == "ink wash" and start["params"]["lora_scales"] == {"ink_style": 0.5}
     assert start["params"]["steps"] == [600] and start["params"]["context_scale"] == 0.7
     assert start["params"]["noise_scale"] == 1.0 and isinstance(start["params"]["noise_scale"], float)
-    assert json.loads(json.dumps(start)) == start and LIVE.check(start["params"]) == start["params"]
-    assert cfg.with_live(start["params"], tuple(LIVE)) == cfg
+    assert json.loads(json.dumps(start)) == start and live.LIVE.check(start["params"]) == start["params"]
+    assert cfg.with_live(start["params"]) == cfg
     start["params"]["steps"].append(1)  # a copy: the config keeps its own
     assert cfg.stream.steps == [600]
