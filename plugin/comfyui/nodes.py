@@ -3,15 +3,16 @@
 `IMAGE` is a float32 tensor [B, H, W, 3] in 0..1, rows top-down. Engines started by the Engine
 node live in `ENGINES` (keyed by their settings) across queue runs, so re-running a workflow does
 not start a second engine; an engine no Engine node uses any more (its node was given other
-settings) is stopped, and the rest are closed when ComfyUI exits. The Engine node waits for its
-engine, so a configuration the engine refuses, or an engine that cannot start, fails on that node.
+settings) is stopped, an engine started for a queued workflow first stops those none of its Engine
+nodes uses (another workflow's), and the rest are closed when ComfyUI exits. The Engine node waits for
+its engine, so a configuration the engine refuses, or an engine that cannot start, fails on that node.
 
 A queued run is a function of its inputs: the Stream node starts each run on a fresh stream and on
 the prompt and parameters of the Prompt and Control nodes on its own wire (no blend carried over from
 the run before, nor another branch's prompt), unless the user asks for `blend_from_last_run`. What no
 node on its wire sets (no Prompt node: the prompt) is the engine's own, the one its config starts on,
-whatever an earlier run or another branch set. (A reference image is not: a Control node without one
-clears it, but a wire without a Control node streams on the reference an earlier run set.)
+whatever an earlier run or another branch set; a reference image no Control node on the wire sets is
+cleared (a Control node without one clears it too).
 
 VACE (*vace* model presets): the Loom Control node sets the control source and scale and a reference
 image (the first of an IMAGE batch); the Stream node's optional `control` input is the control video,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 CATEGORY = "Loom"
 ENGINE_TYPE = "LOOM_ENGINE"
@@ -99,12 +103,15 @@ class EngineHandle:
         """What no node on this wire sets goes back to what the engine started on (its config's), not what an
         earlier run or another branch set: the prompt when no Prompt node is on the wire (without a blend),
         and each parameter no node on it sets. An engine that does not say what it started on (an older
-        one) keeps what it has."""
+        one) keeps those. A reference image no Control node on the wire sets is cleared, as a Control node
+        without one clears it: the bridge can clear a reference but not bring back a config's own file."""
         bridge = self.bridge
+        wanted = bridge.wanted
+        if not any(kind == "reference" for kind, _ in self.wishes) and wanted.reference is not None:
+            bridge.set_reference(None, wait=True)
         start = bridge.engine_start()
         if start is None:
             return
-        wanted = bridge.wanted
         if not any(kind == "prompt" for kind, _ in self.wishes) and wanted.prompt is not None \
                 and wanted.prompt.text != start["prompt"]:
             bridge.set_prompt(start["prompt"], transition_chunks=0, wait=True)
@@ -124,23 +131,38 @@ class EngineHandle:
 
 
 class EngineRegistry:
-    """Engines by settings key; `get_or_start` reuses a live one, `close_all` stops every one."""
+    """Engines by settings key; `get_or_start` reuses a live one, `close_all` stops every one.
+
+    Each engine holds a model on the GPU, so the registry keeps only those a workflow uses: an Engine node
+    moved to other settings leaves its engine, and starting an engine closes those no Engine node of the
+    queued workflow uses (another workflow's, a deleted or muted node's). Re-running a workflow starts
+    nothing and closes nothing; two workflows queued in turn restart each other's engines, as two models
+    that do not both fit on the GPU would be loaded in turn."""
 
     def __init__(self) -> None:
         self._engines: dict[str, EngineHandle] = {}
+        # Engine nodes whose engine was closed while their workflow was not queued: ComfyUI still holds
+        # their output (the closed engine), so their IS_CHANGED says so and they run again
+        self._closed_for: set[str] = set()
         self._lock = threading.Lock()
 
-    def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = (), node: str = "") -> EngineHandle:
+    def get_or_start(self, settings: dict[str, Any], loras: tuple[Any, ...] = (), node: str = "",
+                     workflow: frozenset[str] | None = None) -> EngineHandle:
         """The engine of these settings and LoRA files, started if needed; one with the same files is told
         the strengths live. When Engine node `node` (ComfyUI's node id) moves to other settings or files,
         the engine it used stops first unless another node uses it: an edited node leaves one engine (two
-        would hold the model twice). Without a node id (scripts) engines stay until `close_all`."""
+        would hold the model twice). `workflow`: the ids of the queued workflow's Engine nodes; an engine
+        started for it first closes those none of them uses. Without a node id and a workflow (scripts)
+        engines stay until `close_all`."""
         key = engine_key(settings, loras)
         if self.ended(key):  # e.g. refused for missing weights, now pulled: the next queue run tries a fresh engine
-            self.close(key)
+            self.close(key, "it had ended; the Engine node starts a fresh one")
         for unused in self._leave(node, key):  # stopped outside the lock: it takes a moment
-            unused.bridge.close()
+            _close(unused, f"Engine node {node} was given other settings")
+        for unused in self._unused_by(workflow, key):
+            _close(unused, "no Engine node of the queued workflow uses it, and that workflow starts another")
         with self._lock:
+            self._closed_for.discard(node)
             handle = self._engines.get(key)
             if handle is None:
                 handle = EngineHandle(key, _start_bridge(settings, loras), dict(settings), loras=loras)
@@ -167,6 +189,19 @@ class EngineRegistry:
                         unused.append(self._engines.pop(old_key))
         return unused
 
+    def _unused_by(self, workflow: frozenset[str] | None, key: str) -> list[EngineHandle]:
+        """When `key`'s engine is about to start for `workflow`: the engines none of its Engine nodes uses
+        leave the registry (their nodes are remembered for `ended_for`)."""
+        if workflow is None:
+            return []
+        with self._lock:
+            if key in self._engines:
+                return []
+            unused = [self._engines.pop(k) for k, h in list(self._engines.items()) if not h.users & workflow]
+            for handle in unused:
+                self._closed_for |= handle.users
+        return unused
+
     def ended(self, key: str) -> bool:
         """Whether the engine of these settings was started and is now dead (it is not restarted)."""
         with self._lock:
@@ -174,28 +209,39 @@ class EngineRegistry:
         return handle is not None and handle.bridge.status().state.ended
 
     def ended_for(self, node: str) -> bool:
-        """Whether an engine that Engine node `node` uses has ended: ComfyUI gives IS_CHANGED no linked input
-        (the LoRA chain), so a node's engine is found by the node, not by its settings."""
+        """Whether an engine that Engine node `node` uses has ended, or was closed for another workflow's:
+        ComfyUI gives IS_CHANGED no linked input (the LoRA chain), so a node's engine is found by the node,
+        not by its settings."""
         with self._lock:
+            if node in self._closed_for:
+                return True
             handles = [h for h in self._engines.values() if node in h.users]
         return any(h.bridge.status().state.ended for h in handles)
 
-    def close(self, key: str) -> None:
+    def close(self, key: str, why: str = "its owner closed it") -> None:
         with self._lock:
             handle = self._engines.pop(key, None)
         if handle is not None:
-            handle.bridge.close()
+            _close(handle, why)
 
-    def close_all(self) -> None:
+    def close_all(self, why: str = "its owner closed every engine") -> None:
         for key in list(self._engines):
-            self.close(key)
+            self.close(key, why)
 
     def __len__(self) -> int:
         return len(self._engines)
 
 
+def _close(handle: EngineHandle, why: str) -> None:
+    """Stop an engine that left the registry, saying which and why in ComfyUI's log."""
+    users = ", ".join(sorted(handle.users)) or "none"
+    log.info("Loom: closing the engine of config %r (Engine nodes: %s): %s", handle.settings.get("config"), users,
+             why)
+    handle.bridge.close()
+
+
 ENGINES = EngineRegistry()
-atexit.register(ENGINES.close_all)
+atexit.register(ENGINES.close_all, "ComfyUI exits")
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -274,12 +320,15 @@ class LoomEngine:
     RETURN_TYPES = (ENGINE_TYPE, "STRING")
     RETURN_NAMES = ("engine", "status")
     FUNCTION = "start"
-    DESCRIPTION = "Starts a Loom engine process (or connects to one) that restyles frames with streaming diffusion."
+    DESCRIPTION = ("Starts a Loom engine process (or connects to one) that restyles frames with streaming diffusion. "
+                   "Starting one stops the engines no Engine node of the queued workflow uses.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
-            "hidden": {"unique_id": "UNIQUE_ID"},  # ComfyUI's id of this node: which engine it used before
+            # ComfyUI's id of this node (which engine it used before), and the queued workflow (which engines
+            # it uses: the others close when this node starts one)
+            "hidden": {"unique_id": "UNIQUE_ID", "workflow": "PROMPT"},
             "required": {
                 "config": ("STRING", {"default": "default", "tooltip": "preset name or YAML file of the engine"}),
                 "transport": (TRANSPORTS, {"default": "shm"}),
@@ -298,9 +347,10 @@ class LoomEngine:
         }
 
     @classmethod
-    def IS_CHANGED(cls, loras: Any = None, unique_id: Any = None, **settings: Any) -> str:
+    def IS_CHANGED(cls, loras: Any = None, unique_id: Any = None, workflow: Any = None, **settings: Any) -> str:
         """Same settings, same engine: re-run only when a setting (or a LoRA or its strength) changes, or
-        when that engine has ended (then the node runs again and starts a fresh one)."""
+        when that engine has ended or was closed for another workflow's (then the node runs again and
+        starts a fresh one). ComfyUI gives IS_CHANGED an empty `workflow`: it is not used here."""
         engine_settings = _engine_settings(**settings)
         key = settings_key({**engine_settings, "loras": [list(x) for x in loras or ()]})
         ended = ENGINES.ended(engine_key(engine_settings, _choices(loras))) \
@@ -309,14 +359,15 @@ class LoomEngine:
 
     def start(self, config: str, transport: str, fallback: str, engine_python: str = "", endpoint: str = "",
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
-              unique_id: Any = None) -> tuple[EngineHandle, str]:
+              unique_id: Any = None, workflow: dict[str, Any] | None = None) -> tuple[EngineHandle, str]:
         _check_overrides(overrides)
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
                                                        passthrough=passthrough),
                                       _choices(loras),
-                                      node="" if unique_id is None else str(unique_id))
+                                      node="" if unique_id is None else str(unique_id),
+                                      workflow=_engine_nodes(workflow))
         # waited for here, so that a config the engine refuses, or an engine that cannot start, fails this node
         _wait_running(handle, ENGINE_READY_TIMEOUT_S, _cancel_check(), "Loom Engine")
         if handle.loras:  # two Engine nodes with the same files share the engine: each wire keeps its strengths
@@ -324,6 +375,14 @@ class LoomEngine:
 
             handle = handle.wishing(("params", {"lora_scales": scales(handle.loras)}))
         return handle, handle.status_text()
+
+
+def _engine_nodes(workflow: dict[str, Any] | None) -> frozenset[str] | None:
+    """The ids of the Engine nodes of a queued workflow (ComfyUI's PROMPT: each node by id, with its
+    class_type); None without one (a script's call)."""
+    if not workflow:
+        return None
+    return frozenset(str(i) for i, n in workflow.items() if NODE_CLASS_MAPPINGS.get(n["class_type"]) is LoomEngine)
 
 
 def _check_overrides(overrides: str) -> None:
@@ -668,8 +727,9 @@ def _raise_if_lora_refused(engine: EngineHandle, node: str) -> None:
     found = refused_lora(f"{stats.get('last_error') or ''}\n{stats.get('message') or ''}", engine.loras)
     if found is None:
         return
-    ENGINES.close(engine.key)  # else it would fail again and again; a fixed file gets a fresh engine
     choice, words = found
+    # else it would fail again and again; a fixed file gets a fresh engine
+    ENGINES.close(engine.key, f"it refused the LoRA {choice.name!r}")
     raise RuntimeError(f"{node}: the engine refused the LoRA {choice.name!r}: {words}. Remove it from the "
                        "Loom LoRA chain, or pick one made for this model")
 

@@ -121,9 +121,10 @@ def api_prompt(workflow: dict[str, Any]) -> dict[str, dict[str, Any]]:
 class WorkflowRunner:
     """ComfyUI's execution of queued prompts, for one node package: each output node's inputs first (depth
     first, as ComfyUI's execution list takes them), a node's FUNCTION called by keyword with its hidden
-    UNIQUE_ID, and its outputs kept between queue runs: a node runs again only when one of its input values,
-    an upstream node's run, or its IS_CHANGED differs. Nodes of other packages (a video loader, Save Video)
-    are `stand_ins`: class name -> a function of the node's inputs that returns its outputs."""
+    UNIQUE_ID and PROMPT (the queued prompt), and its outputs kept between queue runs, of any prompt (as
+    ComfyUI's LRU cache keeps them): a node runs again only when one of its input values, an upstream node's
+    run, or its IS_CHANGED differs. Nodes of other packages (a video loader, Save Video) are `stand_ins`:
+    class name -> a function of the node's inputs that returns its outputs."""
 
     def __init__(self, package: types.ModuleType, stand_ins: dict[str, Any]) -> None:
         self.package = package
@@ -150,10 +151,12 @@ class WorkflowRunner:
                 self._visit(prompt, value[0], outputs, signatures)
         kwargs = {k: outputs[v[0]][v[1]] if isinstance(v, list) else v for k, v in node["inputs"].items()}
         cls = self.package.NODE_CLASS_MAPPINGS.get(node["class_type"])
-        if cls is not None and "unique_id" in cls.INPUT_TYPES().get("hidden", {}):
-            kwargs["unique_id"] = node_id
-        # as ComfyUI: IS_CHANGED gets the node's constants, its linked inputs as None
+        hidden = cls.INPUT_TYPES().get("hidden", {}) if cls is not None else {}
+        kwargs.update({name: node_id for name, kind in hidden.items() if kind == "UNIQUE_ID"})
+        # as ComfyUI: IS_CHANGED gets the node's constants, its linked inputs as None (and PROMPT as {})
         constants = {k: None if isinstance(node["inputs"].get(k), list) else v for k, v in kwargs.items()}
+        for name in (name for name, kind in hidden.items() if kind == "PROMPT"):
+            kwargs[name], constants[name] = prompt, {}
         changed = cls.IS_CHANGED(**constants) if cls is not None and hasattr(cls, "IS_CHANGED") else None
         signature = (node["class_type"], changed, tuple(sorted(
             (k, signatures[v[0]], v[1]) if isinstance(v, list) else (k, repr(v)) for k, v in node["inputs"].items())))

@@ -50,6 +50,21 @@ def test_control_node_sets_source_scale_and_reference_and_stream_sends_the_contr
     assert recorded(handle)["control"]["reference"] is None
 
 
+def test_a_run_without_a_control_node_streams_without_the_reference_an_earlier_run_set(nodes_pkg):
+    """Engine -> Control (a reference) -> Stream, then Engine -> Stream (the Control node bypassed or removed):
+    the second run streams without a reference, as a first run without a Control node does, not on the
+    first run's (its source and scale went back to the engine's own already)."""
+    handle, _ = engine_node(nodes_pkg, passthrough=True)
+    (controlled,) = run_node(nodes_pkg, "LoomControl", engine=handle, control_source="edges", context_scale=0.6,
+                             reference=image_batch(1, 20, 24, seed=7))
+    images = image_batch(3, 16, 24, seed=1)
+    run_node(nodes_pkg, "LoomStream", engine=controlled, images=images)
+    assert recorded(handle)["control"]["reference"] == [20, 24, 3]
+    out, _ = run_node(nodes_pkg, "LoomStream", engine=handle, images=images)
+    assert torch.equal(out, images) and recorded(handle)["control"]["reference"] is None
+    assert handle.bridge.wanted.reference is None  # nor told a fresh engine, should this one restart
+
+
 def test_control_node_refuses_bad_values_in_words(nodes_pkg):
     handle, _ = engine_node(nodes_pkg, passthrough=True)
     with pytest.raises(ValueError, match=r"Loom Control: context_scale: .*\[0, 2\]"):

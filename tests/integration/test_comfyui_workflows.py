@@ -8,6 +8,7 @@ ComfyUI section records a run in a real ComfyUI).
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -28,6 +29,24 @@ def nodes_pkg():
 
 def _workflow(name: str) -> dict:
     return json.loads((EXAMPLES_DIR / name).read_text())
+
+
+def _add_branch(prompt: dict, name: str, engine: list) -> None:
+    """Another Loom Stream -> Create Video -> Save Video branch: its Stream node (`{name}-stream`) streams the
+    images the prompt's own Stream node streams, on `engine` ([node id, output slot])."""
+    stream = next(n for n in prompt.values() if n["class_type"] == "LoomStream")
+    create = next(n for n in prompt.values() if n["class_type"] == "CreateVideo")
+    prompt[f"{name}-stream"] = {"class_type": "LoomStream", "inputs": {**stream["inputs"], "engine": engine}}
+    prompt[f"{name}-create"] = {"class_type": "CreateVideo",
+                                "inputs": {**create["inputs"], "images": [f"{name}-stream", 0]}}
+    prompt[f"{name}-save"] = {"class_type": "SaveVideo", "inputs": {"video": [f"{name}-create", 0]}}
+
+
+def _renumbered(prompt: dict, prefix: str) -> dict:
+    """The prompt with `prefix` before each node id: another workflow, whose nodes have ids of their own."""
+    return {prefix + node_id: {**node, "inputs": {k: [prefix + v[0], v[1]] if isinstance(v, list) else v
+                                                  for k, v in node["inputs"].items()}}
+            for node_id, node in prompt.items()}
 
 
 def _runner(nodes_pkg, frames: torch.Tensor, saved: list) -> WorkflowRunner:
@@ -95,20 +114,17 @@ def test_two_branches_on_one_engine_each_stream_on_their_own_prompt_when_requeue
     prompt[engine_id]["inputs"]["overrides"] = SMALL
     prompt[prompt_id]["inputs"]["prompt"] = "thermal camera"
     prompt["b1"] = {"class_type": "LoomPrompt", "inputs": {**prompt[prompt_id]["inputs"], "prompt": "pencil sketch"}}
-    prompt["b2"] = {"class_type": "LoomStream", "inputs": {**prompt[stream_id]["inputs"], "engine": ["b1", 0]}}
-    prompt["b3"] = {"class_type": "SaveVideo", "inputs": {"video": ["b4", 0]}}
-    create = next(n for n in prompt.values() if n["class_type"] == "CreateVideo")
-    prompt["b4"] = {"class_type": "CreateVideo", "inputs": {**create["inputs"], "images": ["b2", 0]}}
+    _add_branch(prompt, "b", ["b1", 0])
     nodes_pkg.nodes.ENGINES.close_all()
     frames, saved = image_batch(4, 32, 32, seed=7), []
     runner = _runner(nodes_pkg, frames, saved)
     runs = []
     for _ in range(2):
         runner.queue(prompt)
-        by_branch = dict(zip(("a", "b"), saved[-2:])) if runner.ran.index(stream_id) < runner.ran.index("b2") \
+        by_branch = dict(zip(("a", "b"), saved[-2:])) if runner.ran.index(stream_id) < runner.ran.index("b-stream") \
             else dict(zip(("b", "a"), saved[-2:]))
         runs.append(by_branch)
-    assert prompt_id not in runner.ran and "b1" not in runner.ran and {stream_id, "b2"} <= set(runner.ran)
+    assert prompt_id not in runner.ran and "b1" not in runner.ran and {stream_id, "b-stream"} <= set(runner.ran)
     assert not torch.equal(runs[0]["a"], runs[0]["b"])  # two prompts, two looks
     for branch in ("a", "b"):
         assert torch.equal(runs[1][branch], runs[0][branch]), branch
@@ -137,6 +153,63 @@ def test_editing_the_engine_node_leaves_one_engine(nodes_pkg):
     runner.queue(other)
     shared = next(iter(engines._engines.values()))
     assert len(engines) == 1 and shared.users == {engine_id, "99"}
-    prompt[engine_id]["inputs"]["fallback"] = "last"
-    runner.queue(prompt)
+    prompt[engine_id]["inputs"]["fallback"] = "last"  # in `other` too
+    runner.queue(other)
     assert len(engines) == 2 and wait_until(lambda: shared.bridge.status().state == "running", 5)
+
+
+def test_an_engine_started_for_a_workflow_closes_those_it_does_not_use(nodes_pkg, caplog):
+    """Two workflows whose Engine nodes have other settings, queued in turn (or an Engine node deleted and
+    another added): each engine started closes the one the queued workflow does not use, and says so in the
+    log, instead of one model per workflow staying on the GPU until ComfyUI exits. The first workflow queued
+    again runs its Engine node again (ComfyUI kept its output, the closed engine) and streams on a fresh
+    engine; queued once more, it keeps that one."""
+    first = api_prompt(_workflow("loom_video_restyle.json"))
+    engine_id = next(k for k, n in first.items() if n["class_type"] == "LoomEngine")
+    first[engine_id]["inputs"]["passthrough"] = True
+    second = _renumbered(first, "w2-")
+    second[f"w2-{engine_id}"]["inputs"]["fallback"] = "last"  # other settings: another engine
+    engines = nodes_pkg.nodes.ENGINES
+    engines.close_all()
+    caplog.set_level(logging.INFO)
+    frames, saved = image_batch(3, 16, 16), []
+    runner = _runner(nodes_pkg, frames, saved)
+    runner.queue(first)
+    (a,) = engines._engines.values()
+    runner.queue(second)
+    (b,) = engines._engines.values()
+    assert b is not a and a.bridge.status().state == "stopped" and torch.equal(saved[-1], frames)
+    runner.queue(first)
+    (again,) = engines._engines.values()
+    assert engine_id in runner.ran and again is not a and again is not b and torch.equal(saved[-1], frames)
+    assert b.bridge.status().state == "stopped"
+    runner.queue(first)
+    (kept,) = engines._engines.values()
+    assert kept is again and again.bridge.status().state == "running"
+    assert torch.equal(saved[-1], frames)
+    closed = [r for r in caplog.records if "no Engine node of the queued workflow uses it" in r.getMessage()]
+    assert [r.levelno for r in closed] == [logging.INFO] * 2
+    assert f"(Engine nodes: {engine_id})" in closed[0].getMessage()
+    assert f"(Engine nodes: w2-{engine_id})" in closed[1].getMessage()
+
+
+def test_a_workflow_s_own_engines_stay_when_it_starts_one(nodes_pkg):
+    """One workflow with two Engine nodes of other settings (an A/B of two configs): the second engine's start
+    keeps the first, which the workflow uses, and queued again the workflow reuses both, its Engine nodes'
+    outputs kept."""
+    prompt = api_prompt(_workflow("loom_video_restyle.json"))
+    engine_id = next(k for k, n in prompt.items() if n["class_type"] == "LoomEngine")
+    prompt[engine_id]["inputs"]["passthrough"] = True
+    prompt["b-engine"] = {"class_type": "LoomEngine", "inputs": {**prompt[engine_id]["inputs"], "fallback": "last"}}
+    _add_branch(prompt, "b", ["b-engine", 0])
+    engines = nodes_pkg.nodes.ENGINES
+    engines.close_all()
+    frames, saved = image_batch(3, 16, 16), []
+    runner = _runner(nodes_pkg, frames, saved)
+    runner.queue(prompt)
+    bridges = [h.bridge for h in engines._engines.values()]
+    assert len(bridges) == 2 and {engine_id, "b-engine"} <= set(runner.ran)
+    runner.queue(prompt)
+    assert [h.bridge for h in engines._engines.values()] == bridges and not {engine_id, "b-engine"} & set(runner.ran)
+    assert all(bridge.status().state == "running" for bridge in bridges)
+    assert len(saved) == 4 and all(torch.equal(images, frames) for images in saved)
