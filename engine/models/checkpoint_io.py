@@ -3,18 +3,16 @@
 Format-neutral plumbing shared by every model: find the tensor files behind a path
 (a file, a sharded safetensors index, or a directory), read them without executing
 pickled code, and copy tensors into a module built on the meta device so that peak host
-memory stays near one copy of the weights; and write a file whole or not at all. Key
-renaming between checkpoint layouts lives in each model's conversion module, not here.
+memory stays near one copy of the weights. Key renaming between checkpoint layouts lives
+in each model's conversion module, not here.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -195,18 +193,3 @@ def _report(files: list[Path], missing: list[str], unexpected: list[str], mismat
         if items:
             parts.append(f"{len(items)} {label}, first: {items[:SHOW_FIRST]}")
     return "; ".join(parts)
-
-
-def write_replacing(out: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """`write(file)` into OUT.partial, which replaces `out` only once it is whole: a run that fails or is
-    stopped while writing (a full disk, Ctrl-C) leaves the file an earlier run made as it was."""
-    partial = out.with_name(out.name + ".partial")
-    try:
-        with open(partial, "wb") as f:
-            write(f)
-        os.replace(partial, out)
-    except BaseException as exc:
-        partial.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # a full disk says no name: name the file
-            raise OSError(exc.errno, exc.strerror, str(out)) from None
-        raise

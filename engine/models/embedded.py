@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.models.frame_vae import FrameVAE, FrameVAEConfig
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from loom_live.host_bridge.wire.files import write_replacing
 
 EMBEDDED_DIT = DIT_PRESETS["embedded"]
 STYLE_TEXT_DIM = EMBEDDED_DIT.text_dim  # the style text encoder's vector size (engine/stream/style_text.py)

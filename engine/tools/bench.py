@@ -10,7 +10,6 @@ chunk (no KV cache, no stream-batch), measured in the same run so the ratio is f
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from loom_live.engine.config import LoomConfig
 from loom_live.engine.session_api import open_session
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.tools.progress import FrameProgress
+from loom_live.host_bridge.wire.files import write_replacing
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, whole_chunks
 
 FRAMES_PER_CHUNK = CHUNK_FRAMES
@@ -75,7 +75,6 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
         torch.cuda.reset_peak_memory_stats(device)
     _progress(f"warm-up done ({warmup} frames); measuring {len(frames) - done} frames")
     t0 = time.perf_counter()
-    period = 1.0 / input_fps if input_fps > 0 else 0.0
     bar = FrameProgress(len(frames) - done, "loom bench")
     changes, next_change = 0, t0 + lora_period_s
     push_s, changed_at = [], []  # each push's wall time; the pushes that carried a LoRA scale change
@@ -86,10 +85,9 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
             entry = cfg.lora[0]
             session.set_params(lora_scales={entry.key: entry.scale * (0.5 if changes % 2 else 1.0)})
             next_change += lora_period_s
-        if period:
-            due = t0 + (i - done + FRAMES_PER_CHUNK) * period
-            while time.perf_counter() < due:
-                time.sleep(min(0.0005, due - time.perf_counter()))
+        due = push_due(t0, min(i + FRAMES_PER_CHUNK, len(frames)) - done, input_fps)
+        while time.perf_counter() < due:
+            time.sleep(min(0.0005, due - time.perf_counter()))
         t_push = time.perf_counter()
         session.push(frames[i:i + FRAMES_PER_CHUNK])
         push_s.append(time.perf_counter() - t_push)
@@ -105,8 +103,8 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
         # a change spread over the merge's parts lengthens any of the pushes that carry a part
         stats["lora_change_excess_ms"] = change_excess_ms(push_s, changed_at,
                                                           after=cfg.stream.lora_merge_parts + 1)
-    stats["measured_frames"] = stats["frames_out"]
-    stats["fps"] = stats["frames_out"] / elapsed if elapsed > 0 else 0.0
+    stats["measured_frames"] = stats["frames_in"]
+    stats["fps"] = stream_fps(stats["frames_in"], elapsed)
     if device.type == "cuda":  # what the card must hold, from load to the last frame
         stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))
     if profile_chunks:
@@ -119,6 +117,21 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
             lambda: (session.poll(wait=True), _sync(device)))
     session.close()
     return stats
+
+
+def push_due(t0: float, frames_through: int, input_fps: float) -> float:
+    """When a push may go whose last frame is the `frames_through`-th of the measured span, for an input paced at
+    `input_fps` from `t0`: once that frame has come, frame n coming n periods after t0 (so N frames span N
+    periods); at once for an input as fast as possible (0)."""
+    return t0 + frames_through / input_fps if input_fps > 0 else t0
+
+
+def stream_fps(frames_pushed: int, elapsed: float) -> float:
+    """The measured rate: the frames the timed span pushed, over its time. Not the frames that came out in it:
+    those move with what the pipeline holds, a chunk from the warm-up at the start and, after a plan switch
+    that drains it (stream-batch to sequential), none at the end, so the span counted a chunk more than it
+    took in and a stream that kept up with a paced input read faster than that input."""
+    return frames_pushed / elapsed if elapsed > 0 else 0.0
 
 
 def change_excess_ms(push_s: list[float], changed_at: list[int], after: int = 2) -> dict[str, float]:
@@ -258,6 +271,5 @@ def write_json(result: dict[str, Any], path: str | Path) -> None:
     """The results, whole or not at all (an earlier result at `path` stays until this one is written)."""
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=2, default=str))
-    os.replace(partial, path)
+    text = json.dumps(result, indent=2, default=str)
+    write_replacing(path, lambda f: f.write(text.encode()))

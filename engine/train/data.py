@@ -27,8 +27,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.train.styles import STYLE_NAMES, apply_style
+from loom_live.host_bridge.wire.files import write_replacing
 
 HELD_OUT = ("davis512_parkour.mp4", "davis512_libby.mp4")
 TRAIN_CLIPS = ("davis512_blackswan.mp4", "davis512_kite-surf.mp4", "davis512_scenecut_kite_dance.mp4",

@@ -20,7 +20,6 @@ back: the change at the chunk boundaries around it says whether the stream pulse
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from loom_live.engine.train.data import HELD_OUT, MEDIA, read_clip
 from loom_live.engine.train.styles import STYLES, apply_style
+from loom_live.host_bridge.wire.files import write_replacing
 
 SIZE = 256
 GATE_PSNR = 30.0  # dB: the VAE's reconstruction gate (issue 29), per held-out clip and style
@@ -292,9 +292,10 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
         rows = measure(on, overrides, styles, weights, refresh_at if name == LOOPED_RUN else None)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "frames": n,
                                 "rows": rows, "summary": summary(rows)}
-        # each run's rows as they come, beside the report: an earlier complete report stays until this one is
+        # each run's rows as they come, beside the report (what a stopped evaluation leaves to look at)
         partial.write_text(json.dumps(report, indent=1))
-    os.replace(partial, out)
+    text = json.dumps(report, indent=1)  # an earlier complete report stays until this one is whole
+    write_replacing(Path(out), lambda f: f.write(text.encode()))
     return report
 
 
@@ -342,7 +343,7 @@ def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour
     path = Path(out)
     if not cv2.haveImageWriter(str(path)):
         raise ValueError(f"--out {out}: expected an image file name (.png, .jpg, .webp)")
-    partial = writable(path, "the picture")
+    writable(path, "the picture")
     frames = read_clip(MEDIA / clip, SIZE, limit=max(at) + 1)
     columns = [frames[list(at)]] + [stylise(frames, p)[list(at)] for p in tqdm(styles, desc="picture", unit="style")]
     pad = 4
@@ -357,8 +358,7 @@ def picture(out: str = "docs/embedded-styles.png", clip: str = "davis512_parkour
     ok, encoded = cv2.imencode(path.suffix, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
     if not ok:
         raise ValueError(f"--out {out}: OpenCV could not encode the picture as {path.suffix}")
-    partial.write_bytes(encoded.tobytes())
-    os.replace(partial, path)  # an earlier picture stays until this one is whole
+    write_replacing(path, lambda f: f.write(encoded.tobytes()))  # an earlier picture stays until this one is whole
     return path
 
 

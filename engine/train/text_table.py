@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.engine.models.checkpoint_io import write_replacing
 from loom_live.engine.train.styles import STYLES
 from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.files import write_replacing
 
 TABLE_DIM = 128
 WORD = re.compile(r"^[a-z][a-z\-]{1,24}$")

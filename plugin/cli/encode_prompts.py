@@ -33,9 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from loom_live.engine.stream.prompts import FILE_KEY_PREFIX, check_prompt, prompt_key
+    from loom_live.host_bridge.wire.files import write_replacing
 
     texts = list(dict.fromkeys(check_prompt(p) for p in prompts))
     tensors, names = {}, {}
@@ -45,12 +46,8 @@ def write_embeddings(encoder: TextEncoder, prompts: list[str], out: Path) -> Non
         names[key] = text
         print(f"[{i}/{len(texts)}] {text}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.loom-partial")  # the target is replaced whole, or left as it was
-    try:
-        save_file(tensors, str(partial), metadata={"prompts": json.dumps(names)})
-        os.replace(partial, out)
-    finally:
-        partial.unlink(missing_ok=True)
+    data = save(tensors, metadata={"prompts": json.dumps(names)})
+    write_replacing(out, lambda f: f.write(data))  # the target is replaced whole, or left as it was
 
 
 def check_out(out: Path, from_file: Path | None, overwrite: bool) -> None:

@@ -29,6 +29,7 @@ from loom_live.engine.models.weights import (
     weight_sources,
 )
 from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.files import write_replacing
 
 log = logging.getLogger(__name__)
 HASH_CHUNK = 1 << 22
@@ -181,9 +182,8 @@ def _list_pull(source: WeightSource, names: list[str], cache: Path, endpoint: st
     snapshot = cache / f"models--{source.repo.replace('/', '--')}" / "snapshots" / meta.commit_hash
     listed = pull_list_path(snapshot)
     listed.parent.mkdir(parents=True, exist_ok=True)
-    partial = listed.with_suffix(".partial")
-    partial.write_text(json.dumps(sorted(set(names) | set(pull_list(snapshot)))))
-    os.replace(partial, listed)
+    text = json.dumps(sorted(set(names) | set(pull_list(snapshot))))
+    write_replacing(listed, lambda f: f.write(text.encode()))
 
 
 def _unreachable(source: WeightSource, endpoint: str | None, exc: Exception) -> UserError:

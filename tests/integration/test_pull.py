@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,6 +16,7 @@ pytest.importorskip("huggingface_hub")
 
 from loom_live.engine.config import load_config  # noqa: E402
 from loom_live.plugin.cli.main import main  # noqa: E402
+from tests.fakes.disk import fill_the_disk  # noqa: E402
 
 COMMIT = "a" * 40
 BIG = b"loom-weights-" * 40_000  # ~520 kB: large enough to cut a download in the middle
@@ -309,3 +311,19 @@ def test_offline_a_cache_that_cannot_be_read_is_said_as_it_is_not_as_missing(hub
     assert main(["pull", "wan2.1-1.3b", "--offline"]) == 2
     err = capsys.readouterr().err
     assert "Permission denied" in err and "lacks" not in err
+
+
+def test_a_pull_list_the_disk_cannot_hold_leaves_the_earlier_list_whole(hub_env, tmp_path, monkeypatch, capsys):
+    """The names a pull sets out to fetch are written over the last pull's list before the folder is fetched:
+    a full disk there says so in one line and leaves that list as it was, with nothing half-written beside it."""
+    hub_env()
+    assert main(["pull", "wan2.1-1.3b"]) == 0
+    lists = list((tmp_path / "cache").glob("models--*/loom-pulls/*.json"))
+    assert len(lists) == 1
+    listed = lists[0]
+    listed.write_text('["tokenizer/tokenizer_config.json"]')  # an earlier pull's list, shorter than this one's
+    fill_the_disk(monkeypatch)
+    assert main(["pull", "wan2.1-1.3b"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(listed) in err and "Traceback" not in err
+    assert listed.read_text() == '["tokenizer/tokenizer_config.json"]' and os.listdir(listed.parent) == [listed.name]

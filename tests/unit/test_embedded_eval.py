@@ -18,6 +18,7 @@ from loom_live.engine.train.evaluate import (
     summary,
     tables,
 )
+from tests.fakes.disk import fill_the_disk
 
 
 def shapes(n: int, seed: int = 0) -> np.ndarray:
@@ -136,3 +137,21 @@ def test_a_stopped_evaluation_leaves_the_earlier_report_whole(tmp_path, monkeypa
     report = evaluate.main(None, str(out), frames=5, ablation_frames=5)
     assert json.loads(out.read_text())["runs"].keys() == report["runs"].keys() and "earlier" not in report["runs"]
     assert not out.with_name("eval.json.partial").exists()
+
+
+def test_a_picture_the_disk_cannot_hold_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """`python -m loom_live.engine.train picture` writes over the README's picture: a full disk midway leaves
+    the earlier picture as it was, and no half-written file beside it."""
+    from loom_live.engine.train import evaluate
+
+    monkeypatch.setattr(evaluate, "read_clip", lambda path, size, limit: np.stack(
+        [cv2.resize(f, (size, size)) for f in shapes(limit)]))
+    monkeypatch.setattr(evaluate, "stylise", lambda frames, prompt: 255 - frames)
+    out = tmp_path / "styles.png"
+    evaluate.picture(str(out))
+    earlier = out.read_bytes()
+    assert cv2.imread(str(out)).shape[:2] == (22 + 3 * (evaluate.SIZE + 4), 5 * (evaluate.SIZE + 4))
+    fill_the_disk(monkeypatch)
+    with pytest.raises(OSError, match="No space left on device"):
+        evaluate.picture(str(out), styles=("ink",))
+    assert out.read_bytes() == earlier and [p.name for p in tmp_path.iterdir()] == ["styles.png"]

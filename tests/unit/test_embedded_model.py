@@ -199,10 +199,10 @@ def test_a_save_stopped_while_writing_leaves_the_last_checkpoint_whole(tmp_path,
     write must leave the earlier file readable (a later run continues from it) and no stray file."""
     import io
 
-    from loom_live.engine.models import checkpoint_io
     from loom_live.engine.models.embedded import EMBEDDED_DIT, save_embedded, vae_config
     from loom_live.engine.models.frame_vae import FrameVAE
     from loom_live.engine.models.wan_dit import WanDiT
+    from loom_live.host_bridge.wire import files
 
     _, _, meta = read_embedded()
     dit, vae = WanDiT(EMBEDDED_DIT), FrameVAE(vae_config(meta))
@@ -214,7 +214,7 @@ def test_a_save_stopped_while_writing_leaves_the_last_checkpoint_whole(tmp_path,
             super().write(bytes(data[: len(data) // 2]))
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint_io, "open", HalfThenStop, raising=False)
+    monkeypatch.setattr(files, "open", HalfThenStop, raising=False)
     with pytest.raises(KeyboardInterrupt):
         save_embedded(path, dit, vae, {"partial_step": 400})
     assert file_sha256(path) == sha and read_embedded(path)[2]["partial_step"] == 200

@@ -12,6 +12,7 @@ from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController, OpticalFlowMotion, frame_difference_motion
 from loom_live.engine.stream.prompts import FileTextEncoder, HashTextEncoder, PromptConditioner, PromptError, blend
 from loom_live.engine.stream.schedule import FlowSchedule
+from tests.fakes.disk import fill_the_disk
 
 
 def test_flow_schedule_shift_and_round_trip():
@@ -192,6 +193,21 @@ def test_embeddings_file_round_trip_and_unknown_prompt(tmp_path):
     assert torch.equal(enc.encode(["ink wash"]), HashTextEncoder(8).encode(["ink wash"]))
     with pytest.raises(PromptError, match="no embedding for prompt 'watercolour'"):
         enc.encode(["watercolour"])
+
+
+def test_an_embeddings_file_the_disk_cannot_hold_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    """`loom encode-prompts -y` over a show's embeddings: a full disk midway leaves the file it had, readable."""
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
+
+    out = tmp_path / "p.safetensors"
+    write_embeddings(HashTextEncoder(8), ["neon city"], out)
+    earlier = out.read_bytes()
+    fill_the_disk(monkeypatch)
+    with pytest.raises(OSError, match="No space left on device") as full:
+        write_embeddings(HashTextEncoder(8), ["neon city", "ink wash"], out)
+    assert full.value.filename == str(out) and out.read_bytes() == earlier
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+    assert torch.equal(FileTextEncoder(out).encode(["neon city"]), HashTextEncoder(8).encode(["neon city"]))
 
 
 def test_metrics_restarted_mid_stream_pair_each_output_with_its_own_frames():

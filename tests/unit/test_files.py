@@ -1,0 +1,44 @@
+"""`write_replacing`: a file written whole or not at all, the one helper every writer of a kept file uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom_live.host_bridge.wire.files import write_replacing
+from tests.fakes.disk import fill_the_disk
+
+
+def test_a_whole_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
+    out = tmp_path / "result.json"
+    out.write_bytes(b"earlier")
+    write_replacing(out, lambda f: f.write(b"new"))
+    assert out.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_a_full_disk_leaves_the_earlier_file_and_says_which_file(tmp_path, monkeypatch):
+    out = tmp_path / "result.json"
+    out.write_bytes(b"earlier")
+    fill_the_disk(monkeypatch)
+    with pytest.raises(OSError) as err:
+        write_replacing(out, lambda f: f.write(b"a longer new text"))
+    assert err.value.filename == str(out) and "No space left" in str(err.value)
+    assert out.read_bytes() == b"earlier" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_a_write_stopped_midway_leaves_no_file_where_there_was_none(tmp_path):
+    def half_then_stop(f):
+        f.write(b"half")
+        raise KeyboardInterrupt  # Ctrl-C
+
+    with pytest.raises(KeyboardInterrupt):
+        write_replacing(tmp_path / "new.bin", half_then_stop)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_that_names_its_own_file_keeps_that_name(tmp_path):
+    def read_elsewhere(f):
+        raise PermissionError(13, "Permission denied", "/srv/source.bin")
+
+    with pytest.raises(PermissionError) as err:
+        write_replacing(tmp_path / "new.bin", read_elsewhere)
+    assert err.value.filename == "/srv/source.bin" and list(tmp_path.iterdir()) == []
