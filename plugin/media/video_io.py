@@ -49,6 +49,10 @@ NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "
 # TCP gives up, a quarter of an hour later: one that takes no frame for this long is declared failed.
 NETWORK_STALL_S = 5.0
 NETWORK_QUEUE_FRAMES = 4  # frames handed to a network output's thread, not sent yet: a file run waits beyond
+# RTMP outputs open through FFmpeg's tee muxer, the one way PyAV passes options to an output's connection: its
+# rw_timeout bounds the connect, the RTMP handshake and each send. PyAV's own timeout= bounds inputs only, and PyAV
+# holds the GIL while an output connects, so a server that took the connection and never answered froze the run.
+TEE_SINK_SCHEMES = ("rtmp", "rtmps")
 # Audio codecs an MP4 muxer accepts on paper but most players cannot play: re-encoded to AAC.
 MP4_REENCODE_AUDIO_PREFIXES = ("pcm_", "vorbis")
 # Damaged packets in a row after which a source is declared unreadable (about 10 s of video at 25 fps):
@@ -358,7 +362,8 @@ class FrameSink:
     """
 
     def __init__(self, name: str, target: str, container_format: str | None, is_network: bool,
-                 fps: float, width: int, height: int, audio_from: Path | None):
+                 fps: float, width: int, height: int, audio_from: Path | None,
+                 open_timeout: float = DEFAULT_OPEN_TIMEOUT_S):
         import av
 
         self.name = name
@@ -384,6 +389,12 @@ class FrameSink:
             self._discard_partial()
             raise MediaError(f"{name}: this FFmpeg build (bundled with PyAV) does not support this "
                              "protocol; use udp:// or rtmp://, or a PyAV built with it") from e
+        except TimeoutError as e:  # a network output's server that never answered (see TEE_SINK_SCHEMES)
+            self._abort()
+            self._discard_partial()
+            raise MediaError(f"{name}: no answer within {open_timeout:g} s; check that the streaming server is "
+                             "running and that this is its address and port (a firewall, or another service on "
+                             "that port that takes the connection but never answers, looks the same)") from e
         except (av.error.FFmpegError, OSError) as e:
             self._abort()
             self._discard_partial()
@@ -401,9 +412,11 @@ class FrameSink:
 
         rate = Fraction(fps).limit_denominator(1001)
         codec = "libx264" if "libx264" in av.codecs_available else "h264"
-        options = (NETWORK_ENCODER_OPTIONS if self.is_network else FILE_ENCODER_OPTIONS) \
+        options = dict(NETWORK_ENCODER_OPTIONS if self.is_network else FILE_ENCODER_OPTIONS) \
             if codec == "libx264" else {}
-        stream = self._container.add_stream(codec, rate=rate, options=dict(options))
+        if self._container.format.name == "tee":  # FLV wants the codec's header apart: PyAV asks so for flv only
+            options["flags"] = "+global_header"
+        stream = self._container.add_stream(codec, rate=rate, options=options)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if self.is_network:
             # A keyframe every second, so a player that joins late starts within a second.
@@ -629,14 +642,16 @@ class _AudioPassThrough:
 
 
 def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
-              audio_from: str | int | Path | None = None, overwrite: bool = True) -> FrameSink:
+              audio_from: str | int | Path | None = None, overwrite: bool = True, *,
+              open_timeout: float = DEFAULT_OPEN_TIMEOUT_S) -> FrameSink:
     """Open an H.264 output: a .mp4/.mkv/.mov file, or udp:// / srt:// (MPEG-TS), rtmp:// (FLV); or an
     application output (ndi://, spout://, syphon://, virtualcam: see ``plugin.media.app_io``).
 
     ``size`` is (width, height), both even (yuv420p). ``audio_from``: the source spec whose
     audio should go into a file output; ignored for cameras, URLs and network outputs, and when
     the source has no audio. A file output is never the ``audio_from`` file, and with
-    ``overwrite=False`` never an existing file (see ``check_output_file``).
+    ``overwrite=False`` never an existing file (see ``check_output_file``). An RTMP server that
+    leaves the connection or a send unanswered for ``open_timeout`` seconds fails the output.
     """
     from loom_live.plugin.media.app_io import is_app_output, open_app_sink
 
@@ -656,16 +671,25 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
         if scheme not in NETWORK_SINK_FORMATS:
             raise MediaError(f"unsupported output URL scheme {scheme!r} in {spec_str!r}; allowed: "
                              f"{', '.join(NETWORK_SINK_FORMATS)} (or a {'/'.join(FILE_SINK_SUFFIXES)} file)")
-        target = spec_str
+        target, container_format = spec_str, NETWORK_SINK_FORMATS[scheme]
         if scheme == "udp" and "?" not in target:
             target += f"?pkt_size={UDP_TS_PACKET_SIZE}"
-        return FrameSink(spec_str, target, NETWORK_SINK_FORMATS[scheme], True, float(fps), width, height,
-                         None)
+        if scheme in TEE_SINK_SCHEMES:
+            target, container_format = _tee_output(target, container_format, open_timeout), "tee"
+        return FrameSink(spec_str, target, container_format, True, float(fps), width, height, None,
+                         open_timeout)
     path = Path(spec).expanduser()
     if path.suffix.lower() not in FILE_SINK_SUFFIXES:
         raise MediaError(f"output file {path} must end in one of {', '.join(FILE_SINK_SUFFIXES)}")
     check_output_file(path, [audio_from] if audio_from is not None else [], overwrite)
     return FrameSink(str(path), str(path), None, False, float(fps), width, height, _audio_file(audio_from))
+
+
+def _tee_output(url: str, container_format: str, timeout_s: float) -> str:
+    """The tee muxer's name for one output ``url`` in ``container_format`` whose every wait on the server (connect,
+    handshake, send) gives up after ``timeout_s``; the tee reads its names as FFmpeg tokens, hence the escapes."""
+    escaped = "".join("\\" + ch if ch in "\\'|" else ch for ch in url)
+    return f"[f={container_format}:rw_timeout={int(timeout_s * 1e6)}]{escaped}"
 
 
 def check_output_file(path: str | Path, inputs: list[str | int | Path], overwrite: bool) -> None:

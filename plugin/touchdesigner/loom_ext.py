@@ -40,6 +40,7 @@ stream goes on with the other LoRAs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -63,6 +64,8 @@ ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", 
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
+
+log = logging.getLogger(__name__)
 
 
 class LoomExt:
@@ -90,6 +93,8 @@ class LoomExt:
         self.loras: dict[str, Any] = {}  # the LoRAs the running engine was started with, by slot (file parameter)
         self.engine_refused: dict[str, str] = {}  # LoRA path -> the engine's words; left out until the next Start
         self.vace: bool | None = None  # whether the running engine has VACE control blocks (None: not known yet)
+        self.oversize_dropped = 0  # cuda-ipc input frames over max_frame_side, dropped here (shown in Dropped)
+        self._oversize: tuple[int, int] | None = None  # the size of the input refused last cook, if any
 
     # --- engine lifetime ---------------------------------------------------------------------
 
@@ -148,6 +153,7 @@ class LoomExt:
         self.note = note
         self.vace = None
         self._downloading = False
+        self.oversize_dropped, self._oversize = 0, None  # Dropped counts this bridge's frames
         if transport != "cuda-ipc":  # on cuda-ipc a host frame is staged on the device: that stays in the cook
             from loom_live.plugin.touchdesigner.host_feeder import HostFeeder
 
@@ -483,6 +489,9 @@ class LoomExt:
             self.input_note = (f"{shape.numComps}-channel {dtype.name} input goes through the CPU; device to "
                                f"device takes {', '.join(DTYPE_NAMES)} with 1, 3 or 4 channels")
             return None
+        if max(shape.width, shape.height) > self.bridge.config.max_frame_side:
+            return self._drop_oversize(shape.width, shape.height)
+        self._oversize = None
         pitch = shape.width * shape.numComps * dtype.itemsize
         control_memory = self._control_memory(control_top, stream)
         control = None
@@ -501,6 +510,19 @@ class LoomExt:
         status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
         _on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
         return status
+
+    def _drop_oversize(self, width: int, height: int) -> Any:
+        """An input larger than the bridge takes from device memory (submit_cuda would refuse it): each cook's
+        frame is dropped and counted, the status says so while the size stays, and it is logged once per size,
+        not every cook."""
+        limit = self.bridge.config.max_frame_side
+        self.input_note = (f"the input is {width}x{height}: cuda-ipc takes at most {limit} px per side "
+                           "(max_frame_side); its frames are dropped until it is smaller")
+        self.oversize_dropped += 1
+        if self._oversize != (width, height):
+            self._oversize = (width, height)
+            log.warning("%s", self.input_note)
+        return self.bridge.status()
 
     def _control_memory(self, control_top: Any, stream: int) -> Any:
         """The control input's CUDAMemory, or None (not wired, no image, a format cudaMemory refuses: said)."""
@@ -525,7 +547,8 @@ class LoomExt:
             tail = "\n".join(tail)
         values = {"State": str(getattr(status.state, "value", status.state)),
                   "Fps": round(float(status.fps or 0.0), 2),
-                  "Latency": round(float(status.latency_ms or 0.0), 1), "Dropped": int(status.dropped or 0),
+                  "Latency": round(float(status.latency_ms or 0.0), 1),
+                  "Dropped": int(status.dropped or 0) + self.oversize_dropped,
                   "Message": self._message(status.message),
                   "Log": "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])}
         par = self.ownerComp.par

@@ -397,7 +397,7 @@ class DeviceCopyingBridge:
 
     def __init__(self, bridge: Any) -> None:
         self._bridge = bridge
-        self.config = SimpleNamespace(transport="cuda-ipc")
+        self.config = SimpleNamespace(transport="cuda-ipc", max_frame_side=bridge.config.max_frame_side)
         self.cuda_calls: list[dict[str, Any]] = []
         self.streams: list[tuple[str, Any]] = []
         self._layout: tuple[np.dtype, int] | None = None

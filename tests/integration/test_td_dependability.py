@@ -6,6 +6,7 @@ the bridge and the pass-through engine process are real (shm transport).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 import threading
@@ -276,6 +277,40 @@ def test_mono_and_3_channel_inputs_on_cuda_ipc_go_device_to_device(monkeypatch, 
                    f"{channels}-channel {np.dtype(dtype).name} output", 10)
         assert ext.cuda_submits > 0 and ext.numpy_submits == 0
         assert "refused" not in comp.par.Message.eval() and ext.bridge.stats()["refused_frames"] == 0
+    finally:
+        ext.Stop()
+        engine.stop()
+
+
+def test_an_input_over_max_frame_side_on_cuda_ipc_is_said_once_counted_as_dropped_and_the_stream_comes_back(
+        monkeypatch, caplog):
+    """A TOP larger than the bridge takes from device memory (max_frame_side a side) was refused by the bridge on
+    every cook, an error each time. Now the refusal is said once per size, on the component (its size and the
+    allowed most) and in the log; each cook's frame counts as dropped; an input of a size taken streams again."""
+    from loom_live.plugin.touchdesigner import loom_ext
+
+    source = HostMemoryTOP(td_texture(16, 24, seed=1))
+    engine, comp, script, ext, _ = _on_cuda_ipc(monkeypatch, source)
+    limit = ext.bridge.config.max_frame_side
+    caplog.set_level(logging.WARNING, logger=loom_ext.__name__)
+    try:
+        cook_until(script, lambda: running(comp), "engine running")
+        submits, refused = ext.cuda_submits, ext.bridge.stats()["refused_frames"]
+        for width in (limit + 4, limit + 8):
+            source.texture = td_texture(2, width, seed=width)
+            dropped = comp.par.Dropped.eval()
+            for _ in range(5):
+                script.cook()
+            assert (f"the input is {width}x2: cuda-ipc takes at most {limit} px per side (max_frame_side)"
+                    in comp.par.Message.eval()), comp.par.Message.eval()
+            assert comp.par.Dropped.eval() >= dropped + 5
+        said = [r.getMessage() for r in caplog.records if r.name == loom_ext.__name__]
+        assert [m.split(":")[0] for m in said] == [f"the input is {limit + 4}x2", f"the input is {limit + 8}x2"]
+        assert ext.oversize_dropped == 10
+        assert ext.cuda_submits == submits and ext.bridge.stats()["refused_frames"] == refused  # none reached it
+        source.texture = texture = td_texture(16, 24, seed=2)
+        cook_until(script, lambda: np.array_equal(script.output, texture), "output of an input of a size taken", 10)
+        assert "cuda-ipc takes at most" not in comp.par.Message.eval()
     finally:
         ext.Stop()
         engine.stop()

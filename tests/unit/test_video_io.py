@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from loom_live.plugin.media.video_io import (
+    FrameSink,
     MediaError,
     check_output_file,
     generate_clip,
@@ -429,28 +431,111 @@ def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> Non
     check_output_file(tmp_path / "new.mp4", [str(src)], overwrite=False)
 
 
+def test_a_tee_output_reaches_ffmpeg_under_the_name_given(tmp_path: Path) -> None:
+    """The tee muxer reads its output names as FFmpeg tokens: a quote, a bar (its separator) or a backslash in an
+    RTMP URL (a stream key) must reach the protocol as written, not cut or unquoted."""
+    from loom_live.plugin.media.video_io import _tee_output
+
+    path = tmp_path / "key'with|odd\\chars.flv"
+    with av.open(_tee_output(str(path), "flv", 1.0), "w", format="tee") as out:
+        video = out.add_stream("libx264", rate=24, options={"flags": "+global_header"})
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")
+        out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def _rtmp_server(body: str) -> tuple[str, subprocess.Popen]:
+    """FFmpeg's own RTMP server in a process of its own (PyAV holds the GIL while an output connects), running
+    ``body`` on ``c``, the input it received; and its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"rtmp://127.0.0.1:{probe.getsockname()[1]}/live/loom"
+    script = "import av, sys, time\nc = av.open(sys.argv[1], options={'listen': '1'}, timeout=20)\n" \
+        + textwrap.dedent(body)
+    return url, subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
+
+
+def _open_when_listening(url: str, size: tuple[int, int]) -> FrameSink:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return open_sink(url, 24, size)
+        except MediaError:  # not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_an_rtmp_output_reaches_ffmpegs_rtmp_server() -> None:
+    url, server = _rtmp_server("""
+        c.streams.video[0].codec_context.thread_count = 1  # each frame out as its packet comes: none held at the end
+        n = 0
+        try:
+            for frame in c.decode(video=0):
+                n, size = n + 1, (frame.width, frame.height)
+        except av.error.FFmpegError:
+            pass  # the sender's goodbye
+        print(n, *size)
+    """)
+    try:
+        with _open_when_listening(url, (160, 96)) as sink:
+            for frame in generate_clip(24, (160, 96), 24, seed=3):
+                sink.write(frame)
+        out, _ = server.communicate(timeout=30)
+    finally:
+        server.kill()
+        server.wait()
+    assert out.split() == ["24", "160", "96"]
+
+
+def _accept_one(server: socket.socket, accepted: list[socket.socket]) -> None:
+    """Take one connection and never answer it."""
+    with contextlib.suppress(TimeoutError):
+        accepted.append(server.accept()[0])
+
+
+@pytest.mark.parametrize("scheme", ["rtmp", "rtmps"])
+def test_an_rtmp_server_that_takes_the_connection_and_never_answers_is_given_up_on(scheme: str) -> None:
+    """A server that accepted the TCP connection and never answered the RTMP handshake (another service on that
+    port, a port forward to a dead machine) held the output's open forever, and the GIL with it: the run froze at
+    start. Now the open gives up after open_timeout, naming the URL and what to check. The output opens in a
+    process of its own, so that a hang fails this test instead of freezing the suite."""
+    accepted: list[socket.socket] = []
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(60)
+        thread = threading.Thread(target=_accept_one, args=(server, accepted), daemon=True)
+        thread.start()
+        url = f"{scheme}://127.0.0.1:{server.getsockname()[1]}/live/loom"
+        script = textwrap.dedent("""
+            import sys
+            from loom_live.plugin.media.video_io import MediaError, open_sink
+            try:
+                open_sink(sys.argv[1], 24, (64, 48), open_timeout=1.0)
+            except MediaError as e:
+                print(e)
+        """)
+        done = subprocess.run([sys.executable, "-c", script, url], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        thread.join(60)
+    assert done.stdout.startswith(f"{url}: no answer within 1 s; check that the streaming server is running and "
+                                  "that this is its address and port"), done.stdout + done.stderr
+    assert accepted, "the server never saw the connection: the test did not reach the handshake"
+    accepted[0].close()
+
+
 def test_an_rtmp_receiver_that_stops_reading_fails_that_output_instead_of_stalling_the_show(monkeypatch) -> None:
     """A streaming server that takes nothing more (a network gone) blocked FFmpeg's send until TCP gave up:
     the run froze, deaf to Ctrl-C. Now the output fails within NETWORK_STALL_S and stops at once."""
     import loom_live.plugin.media.video_io as video_io
 
     monkeypatch.setattr(video_io, "NETWORK_STALL_S", 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        url = f"rtmp://127.0.0.1:{probe.getsockname()[1]}/live/loom"
-    # FFmpeg's own RTMP server, in a process of its own (PyAV holds the GIL while an output connects)
-    server = subprocess.Popen([sys.executable, "-c", "import av, sys, time\n"
-                               "av.open(sys.argv[1], options={'listen': '1'}, timeout=20)\ntime.sleep(60)", url])
+    url, server = _rtmp_server("time.sleep(60)")
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                sink = open_sink(url, 24, (256, 256))
-                break
-            except MediaError:  # not listening yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        sink = _open_when_listening(url, (256, 256))
         noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # fills the buffers
         started = time.monotonic()
         with pytest.raises(MediaError, match="the receiver took nothing for 0.5 s"):
