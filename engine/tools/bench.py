@@ -24,23 +24,36 @@ from loom_live.engine.session_api import open_session
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.engine.tools.progress import FrameProgress
 from loom_live.host_bridge.wire.files import write_replacing
-from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, whole_chunks
+from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 
-FRAMES_PER_CHUNK = CHUNK_FRAMES
-FIRST_PUSH = FIRST_CHUNK_FRAMES  # run_loom's first push: the stream's first chunk, always warm-up
+FRAMES_PER_CHUNK = CHUNK_FRAMES  # the Wan family's chunk, and each push of the measured span in any family
+FIRST_PUSH = FIRST_CHUNK_FRAMES  # the Wan family's first chunk, always warm-up
 
 
-def whole_warmup(warmup: int) -> int:
-    """The warm-up run_loom streams for `warmup` asked: its first push, then whole chunks. Asked as it is, a
-    count below or between those would take frames from the measured span (`--warmup 0 --frames 8`
-    measured 3 frames and reported 0 FPS)."""
-    return whole_chunks(1 + -(-max(warmup - FIRST_PUSH, 0) // FRAMES_PER_CHUNK))
+def units(cfg: LoomConfig) -> tuple[int, int]:
+    """The frames of the stream's first unit of work and of each one after: the Wan family's first chunk and
+    chunks, the edit family's batches. Frames short of a unit wait in the session for the next push."""
+    return (cfg.edit.batch,) * 2 if cfg.model.family == "edit" else (FIRST_PUSH, FRAMES_PER_CHUNK)
+
+
+def whole_span(cfg: LoomConfig, warmup: int, frames: int) -> tuple[int, int]:
+    """The warm-up and measured frames run_loom streams for those asked: whole units, each at least one. A warm-up
+    that ends inside a unit leaves its frames held, to be run inside the timed window (an edit run at B=16 after
+    the Wan family's 9 warm-up frames ran 48 frames there and counted 40); a measured span that ends inside one
+    counts frames never run (`--frames 10` on the Wan family ran 8)."""
+    first, unit = units(cfg)
+    return first + _whole(warmup - first, unit), max(_whole(frames, unit), unit)
+
+
+def _whole(frames: int, unit: int) -> int:
+    return unit * -(-max(frames, 0) // unit)
 
 
 def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], warmup: int, input_fps: float,
              lora_period_s: float = 0.0, profile_chunks: int = 0) -> dict[str, Any]:
     """Stream the frames through a StreamSession (or, with parallel.gpus > 1, the DiT pipeline over
-    that many GPUs); metrics over the frames after warm-up. `frames` may be a function that makes them,
+    that many GPUs); metrics over the frames after warm-up, each of the two whole units of work (`whole_span`),
+    so the timed window runs exactly the frames it counts. `frames` may be a function that makes them,
     called once the session is ready, so making a clip does not count in the start-up line's time before
     its first phase (what an engine process pays). With `lora_period_s`, the first LoRA's scale
     alternates between its configured value and half of it at that period (live changes).
@@ -52,16 +65,22 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
     _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     if callable(frames):
         frames = frames()
+    span = (warmup, len(frames) - warmup)
+    if span != whole_span(cfg, *span):
+        session.close()
+        raise ValueError(f"warm-up and measured frames {span}: not whole units of work (the first and each "
+                         f"after: {units(cfg)} frames); whole_span gives {whole_span(cfg, *span)}")
     device = session.device
+    first_push, unit = units(cfg)
     t_start = time.perf_counter()
-    first = session.push(frames[:FIRST_PUSH])
+    first = session.push(frames[:first_push])
     if not len(first):
         first = session.poll(wait=True)
     ttff = time.perf_counter() - t_start if len(first) else None
-    done = FIRST_PUSH
+    done = first_push
     while done < warmup:
-        session.push(frames[done:done + FRAMES_PER_CHUNK])
-        done += FRAMES_PER_CHUNK
+        session.push(frames[done:done + unit])
+        done += unit
     session.poll(wait=True)
     _sync(device)
     if cfg.parallel.gpus > 1:
@@ -103,7 +122,7 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
         # a change spread over the merge's parts lengthens any of the pushes that carry a part
         stats["lora_change_excess_ms"] = change_excess_ms(push_s, changed_at,
                                                           after=cfg.stream.lora_merge_parts + 1)
-    stats["measured_frames"] = stats["frames_in"]
+    stats["warmup_frames"], stats["measured_frames"] = warmup, stats["frames_in"]
     stats["fps"] = stream_fps(stats["frames_in"], elapsed)
     if device.type == "cuda":  # what the card must hold, from load to the last frame
         stats["gpu_memory_reserved_peak_bytes"] = max(load_peak, torch.cuda.max_memory_reserved(device))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from loom_live.engine.config import LoomConfig
-from loom_live.engine.tools.bench import _progress, run_loom
+from loom_live.engine.tools.bench import _progress, run_loom, whole_span
 
 ENCODER_BATCHES = (1, 8, 16)
 ENCODER_ITERS = 10
@@ -25,16 +25,27 @@ ENCODER_ITERS = 10
 PUBLISHED = "RTX 3090 Ti: 27.4 FPS at B=8, 29.6 FPS at B=16 (p50 about 0.5 s / 1.0 s); 4090: 54.9; 5090: 74.1"
 
 
-def run_edit(cfg: LoomConfig, frames: np.ndarray, warmup: int, input_fps: float,
-             batches: tuple[int, ...]) -> dict[str, Any]:
-    """One streaming run per batch size, then the encoder's cost per frame by batch size."""
+def edit_spans(cfg: LoomConfig, warmup: int, frames: int, batches: tuple[int, ...]) -> dict[int, tuple[int, int]]:
+    """For each batch size B, the warm-up and measured frames for those asked, in whole batches of B (`whole_span`):
+    the timed window then runs exactly the batches whose frames it counts."""
+    return {b: whole_span(_at_batch(cfg, b), warmup, frames) for b in batches}
+
+
+def run_edit(cfg: LoomConfig, frames: np.ndarray, spans: dict[int, tuple[int, int]],
+             input_fps: float) -> dict[str, Any]:
+    """One streaming run per batch size over its span (`edit_spans`), then the encoder's cost per frame by batch
+    size."""
     runs = {}
-    for b in batches:
+    for b, (warmup, measured) in spans.items():
         _progress(f"edit family, B={b}")
-        runs[b] = run_loom(cfg.replace(edit=dataclasses.replace(cfg.edit, batch=b)), frames, warmup, input_fps)
+        runs[b] = run_loom(_at_batch(cfg, b), frames[:warmup + measured], warmup, input_fps)
     encoder, device = _encoder(cfg)
     return {"runs": runs, "encoder_ms_per_frame": encoder_amortisation(cfg, encoder, device),
             "encoder_parts_ms": encoder_parts(cfg, encoder, device)}
+
+
+def _at_batch(cfg: LoomConfig, batch: int) -> LoomConfig:
+    return cfg.replace(edit=dataclasses.replace(cfg.edit, batch=batch))
 
 
 def _encoder(cfg: LoomConfig) -> tuple[Any, torch.device]:
@@ -98,6 +109,7 @@ def edit_summary_table(result: dict[str, Any]) -> str:
             ("steps / hooks / encoder split", f"{e['steps']} / {e['lllite_hooks']} / {e['encoder_split']}")]
     for b, run in edit["runs"].items():
         lat = run["latency_ms"]
+        rows.append((f"B={b} frames measured", f"{run['measured_frames']} after {run['warmup_frames']} warm-up"))
         rows.append((f"B={b} FPS", f"{run['fps']:.2f}"))
         rows.append((f"B={b} latency p50/p99", f"{_f(lat.get('p50'))} / {_f(lat.get('p99'))} ms"))
         for stage, v in run["stages_ms"].items():

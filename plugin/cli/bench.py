@@ -13,7 +13,7 @@ import numpy as np
 
 from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
+from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
 from loom_live.plugin.media.video_io import generate_clip, open_source
 
@@ -114,7 +114,7 @@ def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, whole_warmup, write_json
+    from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, write_json
 
     check_json_target(args.json)  # a result that cannot be written is said now, not after the whole run
     # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
@@ -134,18 +134,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
                         "Wan or embedded preset; give 0 (off) or a positive count there")
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
-    if cfg.model.family != "edit" and whole_warmup(warmup) != warmup:
-        print(f"loom bench: --warmup {warmup} rounded up to {whole_warmup(warmup)} frames (the first chunk of 5, "
-              "then whole chunks of 4), so the measured frames stay as asked", file=sys.stderr)
-        warmup = whole_warmup(warmup)
+    if cfg.model.family == "edit":
+        return _run_edit(args, cfg, warmup, count)
+    warmup, count = chunk_span(cfg, warmup, count)
     # a generated clip is made once the session is up (run_loom), outside the engine's start-up; a clip file is
     # read now, so a file that cannot be read fails before any engine starts
     frames = functools.cache(functools.partial(clip_frames, cfg, args.clip, warmup + count))
     if args.clip:
         frames()
-    if cfg.model.family == "edit":
-        args.frames, args.warmup = count, warmup
-        return _run_edit(args, cfg, frames())
     print(f"loom bench: {cfg.model.preset} {cfg.resolution.width}x{cfg.resolution.height} steps {cfg.stream.steps}"
           f" -- streaming {count} frames after {warmup} warm-up", file=sys.stderr, flush=True)
     result = {
@@ -191,20 +187,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_edit(args: argparse.Namespace, cfg: LoomConfig, frames: np.ndarray) -> int:
+def chunk_span(cfg: LoomConfig, warmup: int, count: int) -> tuple[int, int]:
+    """The Wan family's warm-up and measured frames in whole chunks (`whole_span`), each rounding said."""
+    from loom_live.engine.tools.bench import whole_span
+
+    whole = whole_span(cfg, warmup, count)
+    if whole[0] != warmup:
+        print(f"loom bench: --warmup {warmup} rounded up to {whole[0]} frames (the first chunk of "
+              f"{FIRST_CHUNK_FRAMES}, then whole chunks of {CHUNK_FRAMES}), so the measured frames stay as asked",
+              file=sys.stderr)
+    if whole[1] != count:
+        print(f"loom bench: --frames {count} rounded up to {whole[1]} (whole chunks of {CHUNK_FRAMES}), so the "
+              "timed span runs every frame it counts", file=sys.stderr)
+    return whole
+
+
+def _run_edit(args: argparse.Namespace, cfg: LoomConfig, warmup: int, count: int) -> int:
     """The edit family: a streaming run per batch size and the encoder's amortisation (no Wan baseline)."""
     import torch
 
     from loom_live.engine.tools.bench import write_json
-    from loom_live.engine.tools.bench_edit import edit_summary_table, run_edit
+    from loom_live.engine.tools.bench_edit import edit_spans, edit_summary_table, run_edit
 
     try:
         batches = tuple(int(b) for b in args.batches.split(","))
     except ValueError:
-        raise SystemExit(f"--batches: {args.batches!r} is not a list of batch sizes such as 8,16") from None
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise UserError(f"--batches: {args.batches!r} is not allowed; expected a list of batch sizes of 1 or more, "
+                        "such as 8,16")
+    spans = edit_spans(cfg, warmup, count, batches)
+    frames = clip_frames(cfg, args.clip, max(w + n for w, n in spans.values()))
     print(f"loom bench: edit family {cfg.edit.unet} {cfg.resolution.width}x{cfg.resolution.height} "
-          f"steps {cfg.edit.steps}, B in {batches} -- streaming {args.frames} frames after {args.warmup} warm-up",
-          flush=True)
+          f"steps {cfg.edit.steps} -- {count} frames after {warmup} warm-up asked, streamed in whole batches: "
+          + ", ".join(f"B={b} {n} frames after {w}" for b, (w, n) in spans.items()), file=sys.stderr, flush=True)
     result = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
@@ -212,7 +228,7 @@ def _run_edit(args: argparse.Namespace, cfg: LoomConfig, frames: np.ndarray) -> 
         "preset": args.config,
         "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
         "config": cfg.to_dict(),
-        "edit": run_edit(cfg, frames, args.warmup, args.input_fps, batches),
+        "edit": run_edit(cfg, frames, spans, args.input_fps),
     }
     print(edit_summary_table(result))
     if args.json:
