@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_live.engine.config import load_config  # noqa: E402
-from loom_live.engine.tools.bench import clip_frames, run_loom  # noqa: E402
+from loom_live.engine.tools.bench import run_loom  # noqa: E402
+from loom_live.plugin.cli.bench import clip_frames  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
