@@ -504,6 +504,9 @@ def lora_override(specs: list[str]) -> list[str]:
         try:
             scale = float(tail) if sep else live.LORA_DEFAULT_SCALE
         except ValueError:  # a colon of the path itself (C:\\...), no scale
+            if Path(path).expanduser().is_file() and not Path(text).expanduser().exists():  # not "no such file"
+                raise ConfigError(f"--lora {text}: the scale {tail!r} is not a number; expected PATH[:SCALE], "
+                                  f"e.g. {path}:0.8") from None
             path, scale = text, live.LORA_DEFAULT_SCALE
         entries.append({"path": path if sep and path else text, "scale": scale})
     return [f"lora={json.dumps(entries)}"] if entries else []

@@ -105,6 +105,7 @@ class Supervisor:
         self._request_ids = itertools.count(1)  # ids of requests (the host's and the stats polls) and replies
         self._replies: dict[int, dict[str, Any]] = {}
         self._thread: threading.Thread | None = None
+        self._refused = False  # start() was refused (refuse_start): started, with the reason as the state's message
         self._backoff = config.restart_backoff_s
         self._next_start = 0.0
         self._link_ids = itertools.count()
@@ -113,7 +114,9 @@ class Supervisor:
 
     @property
     def started(self) -> bool:
-        return self._thread is not None
+        """start() was called: an engine is kept linked, or the start was refused (calls then say why, not
+        that the bridge was never started)."""
+        return self._thread is not None or self._refused
 
     @property
     def link_id(self) -> int:
@@ -128,6 +131,7 @@ class Supervisor:
 
     def refuse_start(self, reason: str) -> None:
         """The host cannot use an engine at all (e.g. its transport is unavailable here)."""
+        self._refused = True
         self._set_state(EngineState.DEAD, reason)
 
     def stop(self) -> None:

@@ -51,7 +51,10 @@ class ReleaseError(Exception):
 
 
 def _run(step: str, argv: list[str], **kwargs) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    except OSError as exc:  # a program the step needs is not there (the environment's `loom`)
+        raise ReleaseError(f"{step} failed: {exc}") from None
     if done.returncode != 0:
         raise ReleaseError(f"{step} failed (exit code {done.returncode}):\n{done.stdout}{done.stderr}".rstrip())
     return done.stdout
@@ -84,13 +87,21 @@ def fresh_environment(where: Path, system_site_packages: bool) -> Path:
 def install(python: Path, wheel: Path, offline: bool) -> None:
     """The wheel into the environment of `python`; `offline`: dependencies must already be there."""
     _run("install", [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-                     "--no-warn-script-location", *(["--no-index"] if offline else []), str(wheel)])
+                     "--no-warn-script-location", *(["--no-index"] if offline else []), str(wheel)],
+         env=_outside_checkout())
+
+
+def _outside_checkout() -> dict[str, str]:
+    """This environment without PYTHONPATH: one naming the checkout (whose build leaves loom_live.egg-info
+    there) made pip take the checkout for an installed loom-live and skip the wheel, and the smoke test
+    import Loom from the checkout."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def smoke_test(python: Path, cwd: Path) -> str:
     """The `loom` command and a round trip through a launched engine, in the environment of `python`."""
     loom = python.parent / ("loom.exe" if os.name == "nt" else "loom")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = _outside_checkout()
     version = _run("loom --version", [str(loom), "--version"], cwd=cwd, env=env)
     return version + _run("smoke test", [str(python), "-c", SMOKE], cwd=cwd, env=env, timeout=300)
 

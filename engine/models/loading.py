@@ -137,6 +137,10 @@ def check_weight_files(cfg: LoomConfig) -> None:
         from loom_live.engine.stream.prompts import FileTextEncoder
 
         FileTextEncoder(cfg.prompt.path)
+    if cfg.prompt.encoder == "umt5" and cfg.prompt.path:  # its files are there (11 GB: not read here)
+        from loom_live.engine.stream.prompts import umt5_folders
+
+        umt5_folders(cfg.prompt.path)
 
 
 def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModels:

@@ -29,6 +29,7 @@ TEXT_LEN = 512  # tokens per prompt, as the Wan DiT was trained
 CACHE_PROMPTS = 32  # embeddings kept in the per-prompt cache
 SLERP_EPS = 1e-4  # below this angle slerp falls back to a linear blend
 FILE_KEY_PREFIX = "prompt."
+UMT5_TOKENIZER_FILES = ("tokenizer.json", "spiece.model")  # either one loads umT5's tokenizer
 
 
 class PromptError(ValueError):
@@ -134,12 +135,7 @@ class UMT5TextEncoder:
             from transformers import AutoTokenizer, UMT5EncoderModel
         except ImportError as exc:
             raise PromptError("the umt5 encoder needs transformers: pip install 'loom-live[t5]'") from exc
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise PromptError(f"{folder}: umT5 directory not found (prompt.path)")
-        # One folder holding both, or the diffusers layout (what `loom pull` fetches): tokenizer/ + text_encoder/.
-        tok, enc = (folder / "tokenizer", folder / "text_encoder") if (folder / "text_encoder").is_dir() \
-            else (folder, folder)
+        tok, enc = umt5_folders(path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True)
         self.model = UMT5EncoderModel.from_pretrained(str(enc), torch_dtype=dtype, local_files_only=True)
         self.model.to(device).eval()
@@ -153,6 +149,26 @@ class UMT5TextEncoder:
         hidden = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         # Wan zeroes the padded positions rather than masking them in cross-attention.
         return (hidden * batch.attention_mask[..., None].to(hidden.dtype)).float().cpu()
+
+
+def umt5_folders(path: str | Path) -> tuple[Path, Path]:
+    """The tokenizer and encoder folders of a umT5 directory: one folder holding both, or the diffusers layout
+    (what `loom pull` fetches): tokenizer/ + text_encoder/. A folder that is neither is refused naming what it
+    lacks, before transformers reads it (whose own error for such a folder blamed a missing sentencepiece)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise PromptError(f"{folder}: umT5 directory not found (prompt.path)")
+    tok, enc = (folder / "tokenizer", folder / "text_encoder") if (folder / "text_encoder").is_dir() \
+        else (folder, folder)
+    lacks = [what for what, found in (
+        ("a tokenizer (tokenizer.json or spiece.model)", any((tok / n).is_file() for n in UMT5_TOKENIZER_FILES)),
+        ("the encoder's config.json", (enc / "config.json").is_file()),
+        ("the encoder's weights (*.safetensors or *.bin)", any(enc.glob("*.safetensors")) or any(enc.glob("*.bin"))),
+    ) if not found]
+    if lacks:
+        raise PromptError(f"{folder}: not a umT5 directory (prompt.path): it lacks {', '.join(lacks)}; give the "
+                          "folder `loom pull` fetches (text_encoder/ and tokenizer/) or one holding both")
+    return tok, enc
 
 
 def make_text_encoder(kind: str, text_dim: int, path: str | None, device: str, text_len: int = TEXT_LEN

@@ -100,11 +100,11 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
     import secrets
     import stat
 
-    if create and not os.path.exists(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(SECRET_BYTES) + "\n")
     try:
+        if create and not os.path.exists(path):  # in a folder that is missing or not ours: said, not a traceback
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(SECRET_BYTES) + "\n")
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise EndpointError(f"secret file {path}: not a regular file")

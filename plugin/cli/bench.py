@@ -121,14 +121,16 @@ def run(args: argparse.Namespace) -> int:
     # off the per-frame path (a prompt is encoded once, not per chunk).
     args.overrides = [*args.overrides, *lora_override(args.loras)]
     overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
-    for flag, key in ((args.steps and f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
+    for flag, key in ((None if args.steps is None else f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
                       (args.width, "resolution.width"), (args.height, "resolution.height"),
                       (args.gpus, "parallel.gpus")):
-        if flag:
+        if flag is not None:  # 0 too: the config says what is allowed (`--gpus 0` ran one GPU without a word)
             overrides.append(f"{key}={flag}")
     cfg = load_config(args.config, overrides)
     cuda = torch.cuda.is_available()
+    if args.bridge == "cuda-ipc" and not cuda:  # said only under the table, after the whole run
+        raise UserError("--bridge cuda-ipc: no CUDA device here; use --bridge shm (or auto, shm on a CPU)")
     count, baseline = plan(cfg, args.frames, args.baseline, cuda)
     if args.profile_chunks and (not cuda or cfg.parallel.gpus > 1 or cfg.model.family == "edit"):
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "

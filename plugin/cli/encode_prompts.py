@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom_live.plugin.cli.common import positive_int
+
 if TYPE_CHECKING:
     from loom_live.engine.stream.prompts import TextEncoder
 
@@ -25,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder", choices=("umt5", "hash"), default="umt5",
                    help="umt5: the real text encoder (needs --encoder-path); hash: the small deterministic one")
     p.add_argument("--encoder-path", help="local umT5 directory (tokenizer and encoder weights)")
-    p.add_argument("--dim", type=int, default=4096, help="embedding width for --encoder hash")
+    p.add_argument("--dim", type=positive_int, default=4096,
+                   help="embedding width for --encoder hash (default 4096)")
     p.add_argument("--device", default="cpu", help="where the encoder runs: cpu or cuda (default cpu)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     p.add_argument("-y", "--overwrite", action="store_true", help="replace --out if it exists")

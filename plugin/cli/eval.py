@@ -117,6 +117,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``loom eval``; returns the exit code (2 with a message for bad input)."""
     try:
+        check_out_folder(Path(args.out))
         if args.window is not None and args.window < 2:
             raise ValueError(f"--window must be at least 2 frames, got {args.window}")
         runs = _runs_from_args(args)
@@ -131,6 +132,15 @@ def run(args: argparse.Namespace) -> int:
     print(format_notes())
     print(f"report: {Path(args.out) / 'report.json'}")
     return 0
+
+
+def check_out_folder(out: Path) -> None:
+    """--out is a folder (made when missing); one that is a file, or lies under one (`-o render.mp4`, as for
+    `loom play`), is refused saying what --out is, instead of an OS error ("[Errno 17] File exists")."""
+    there = next(p for p in (out, *out.parents) if p.exists())
+    if not there.is_dir():
+        raise UserError(f"--out {out}: {there} is a file; --out is the folder report.json and a PNG plot per clip "
+                        f"go into (default {DEFAULT_OUT}/)")
 
 
 def _runs_from_args(args: argparse.Namespace) -> list[EvalRun]:

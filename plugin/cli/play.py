@@ -88,7 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=_size, default=None, metavar="WxH",
                    help="picture size: the generated clip's (default 256x256), or the size an input is scaled to "
                         "(outputs are written at it)")
-    p.add_argument("--fps", type=float, default=24.0, help="generated clip frame rate (default 24)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="generated clip frame rate (default 24); an input keeps its own rate")
     p.add_argument("--mode", choices=("auto", "lossless", "live"), default="auto",
                    help="lossless: every frame, in order (default for files); live: latest frame wins, "
                         "input at its own rate (default for cameras and streams)")
@@ -152,8 +153,14 @@ def add_web_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loom_live.plugin.player.options import DEFAULT_GENERATED_FPS, GENERATED_INPUT
+
     if args.list_ndi:
         return _list_ndi()
+    if args.fps is not None and args.input not in (None, GENERATED_INPUT):  # it was dropped without a word
+        raise UserError(f"--fps sets the generated clip's frame rate; input {args.input} plays and is written at "
+                        "its own rate: leave out --fps (or -i, for the generated clip)")
+    args.fps = DEFAULT_GENERATED_FPS if args.fps is None else args.fps
     return run_options(args, input=args.input, outputs=args.outputs or ["loom_out.mp4"], max_frames=args.max_frames,
                        mode=args.mode, loop=args.loop, web=args.web)
 

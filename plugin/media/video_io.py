@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -34,6 +35,7 @@ DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM",
 
 NETWORK_SOURCE_SCHEMES = ("rtsp", "rtsps", "srt", "udp", "rtmp", "rtmps", "http", "https", "tcp")
 NETWORK_SINK_FORMATS = {"udp": "mpegts", "srt": "mpegts", "rtmp": "flv", "rtmps": "flv"}
+PORTED_SINK_SCHEMES = ("udp", "srt")  # outputs with no default port (RTMP's is 1935)
 FILE_SINK_SUFFIXES = (".mp4", ".mkv", ".mov")
 DEFAULT_OPEN_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 5.0
@@ -671,6 +673,7 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
         if scheme not in NETWORK_SINK_FORMATS:
             raise MediaError(f"unsupported output URL scheme {scheme!r} in {spec_str!r}; allowed: "
                              f"{', '.join(NETWORK_SINK_FORMATS)} (or a {'/'.join(FILE_SINK_SUFFIXES)} file)")
+        _check_port(spec_str, scheme)
         target, container_format = spec_str, NETWORK_SINK_FORMATS[scheme]
         if scheme == "udp" and "?" not in target:
             target += f"?pkt_size={UDP_TS_PACKET_SIZE}"
@@ -690,6 +693,20 @@ def _tee_output(url: str, container_format: str, timeout_s: float) -> str:
     handshake, send) gives up after ``timeout_s``; the tee reads its names as FFmpeg tokens, hence the escapes."""
     escaped = "".join("\\" + ch if ch in "\\'|" else ch for ch in url)
     return f"[f={container_format}:rw_timeout={int(timeout_s * 1e6)}]{escaped}"
+
+
+def _check_port(spec: str, scheme: str) -> None:
+    """udp:// and srt:// send to (or, as an SRT listener, wait on) one port: without one FFmpeg opened the output
+    and sent nothing, and the run failed 5 s in saying the receiver took nothing."""
+    if scheme not in PORTED_SINK_SCHEMES:
+        return
+    try:
+        port = urlsplit(spec).port
+    except ValueError:  # not a number, or beyond 65535
+        port = None
+    if not port:
+        raise MediaError(f"output {spec}: expected {scheme}://HOST:PORT with a port of 1 to 65535, e.g. "
+                         f"{scheme}://127.0.0.1:5000")
 
 
 def check_output_file(path: str | Path, inputs: list[str | int | Path], overwrite: bool) -> None:

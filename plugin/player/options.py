@@ -103,6 +103,9 @@ class PlayerOptions:
         if (self.ice_servers or self.ice_username or self.ice_credential_file) and self.web is None:
             raise PlayerError("--ice-server, --ice-username and --ice-credential-file are for the page's video: "
                               "they need the page (--web)")
+        if not self.startup_timeout_s > 0:  # NaN too; 0 or less failed as if the engine had (exit code 3)
+            raise PlayerError(f"--startup-timeout: {self.startup_timeout_s:g} is not allowed; expected a number of "
+                              "seconds above 0")
         if self.osc_port is not None and not 0 <= self.osc_port <= 65535:
             raise PlayerError(f"--osc-port: {self.osc_port} is not a UDP port (0..65535)")
         inputs = [] if self.uses_generated_clip or self.uses_web_camera else [self.input]

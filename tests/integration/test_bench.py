@@ -218,3 +218,29 @@ def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_compiler_o
     bad = subprocess.run([sys.executable, str(script), "--variants", "default", "--option", "default:triton.nope=1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no compiler option 'triton.nope'" in bad.stderr
+
+
+def test_a_zero_the_config_does_not_allow_is_refused_not_dropped(capsys):
+    """`--gpus 0`, `--width 0` and `--height 0` were dropped without a word (the run went on with the config's
+    values); each is refused naming the key and what is allowed, before any session starts."""
+    small = ["--config", "tiny-random", "--set", "resolution.width=64", "--set", "resolution.height=64",
+             "--frames", "5", "--warmup", "5", "--bridge", "none"]
+    for flag, key in (("--gpus", "parallel.gpus"), ("--width", "resolution.width"), ("--height", "resolution.height")):
+        assert main(["bench", *small, flag, "0"]) == 2, flag
+        captured = capsys.readouterr()
+        assert f"{key}: 0 is not allowed" in captured.err and "loading the model" not in captured.err, captured.err
+
+
+def test_a_cuda_ipc_bridge_round_trip_without_a_gpu_is_refused_before_the_run(capsys):
+    """`--bridge cuda-ipc` on a CPU ran the whole bench, then said under the table only "not measured:
+    RuntimeError: wait_running: the bridge is not started; call start() first"."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: cuda-ipc may work")
+    small = ["--config", "tiny-random", "--set", "resolution.width=64", "--set", "resolution.height=64",
+             "--frames", "5", "--warmup", "5"]
+    assert main(["bench", *small, "--bridge", "cuda-ipc"]) == 2
+    captured = capsys.readouterr()
+    assert "--bridge cuda-ipc: no CUDA device here; use --bridge shm" in captured.err, captured.err
+    assert "loading the model" not in captured.err and captured.out == ""

@@ -114,6 +114,18 @@ def test_encode_prompts_never_destroys_a_users_file(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
 
 
+def test_encode_prompts_refuses_an_embedding_width_below_one(tmp_path, capsys):
+    """`--dim -5` ended in a torch traceback (exit 1), and `--dim 0` wrote a file of empty embeddings that every
+    model refuses later; both are refused as an option, naming it and what is allowed."""
+    out = tmp_path / "show.safetensors"
+    for dim in ("0", "-5"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["encode-prompts", "--encoder", "hash", "--dim", dim, "ink wash", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"argument --dim: expected a positive integer, got {dim}" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(monkeypatch, tmp_path, capsys):
     """A host that drops packets (no refusal comes back) is waited for CONNECT_TIMEOUT_S, not a start-up
     timeout; the message says so and the run ends with exit code 2. So do an endpoint the player could
@@ -175,6 +187,21 @@ def test_serve_stops_on_ctrl_c_or_a_closed_terminal_like_play_and_leaves_no_sock
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == code and not sock.exists()
+
+
+def test_a_secret_file_that_cannot_be_made_is_named_in_one_line(tmp_path, capsys):
+    """`--secret-file` (and `loom web --web-token-file`, which reads its file the same way) in a folder that is
+    not there said only "[Errno 2] No such file or directory", and in one that is not writable ended in a
+    PermissionError traceback: the file it could not make is named, and the run ends with exit code 2."""
+    from loom_live.host_bridge.wire.channel import EndpointError, read_secret_file
+
+    secret = tmp_path / "no-such-folder" / "secret"
+    with pytest.raises(EndpointError, match=f"secret file {secret}: No such file or directory"):
+        read_secret_file(str(secret), create=True)
+    assert main(["serve", "--bind", f"ipc://{tmp_path / 'loom.sock'}", "--passthrough",
+                 "--secret-file", str(secret)]) == 2
+    err = capsys.readouterr().err
+    assert f"loom serve: error: secret file {secret}: No such file or directory" in err, err
 
 
 def test_serve_on_an_address_in_use_says_so_in_one_line(tmp_path, capsys):

@@ -286,6 +286,27 @@ def test_outputs_and_rates_no_run_could_write_are_refused_before_the_engine_star
     assert sorted(p.name for p in tmp_path.iterdir()) == ["renders.mp4"]
 
 
+def test_options_no_run_can_use_are_refused_as_options_before_the_engine_starts(tmp_path, capsys):
+    """A start-up timeout of 0 or less ended as if the engine had failed (exit code 3, "did not become ready within
+    -5 s") and NaN was taken; --fps with an input was dropped without a word (the input's rate was written);
+    udp:// without a port started the run and failed 5 s in ("the receiver took nothing"). Each is refused as a
+    bad option, with exit code 2, before anything is written."""
+    clip = write_clip(tmp_path / "clip.mp4", [np.full((48, 64, 3), 90, np.uint8)] * 5)
+    out = tmp_path / "out.mp4"
+    cases = [
+        (["--startup-timeout", "0"], "--startup-timeout: 0 is not allowed; expected a number of seconds above 0"),
+        (["--startup-timeout", "-5"], "--startup-timeout: -5 is not allowed"),
+        (["--startup-timeout", "nan"], "--startup-timeout: nan is not allowed"),
+        (["-i", str(clip), "--fps", "10"], "--fps sets the generated clip's frame rate; input"),
+        (["-o", "udp://127.0.0.1"], "expected udp://HOST:PORT"),
+    ]
+    for args, expected in cases:
+        assert main(["play", "-n", "5", "--passthrough", "-o", str(out), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+
 def test_a_prompt_list_saved_with_a_byte_order_mark_keeps_its_comment_a_comment(tmp_path):
     from loom_live.plugin.player import read_prompt_file
 

@@ -109,6 +109,11 @@ def test_cuda_ipc_is_optional():
     with Bridge(BridgeConfig(transport="cuda-ipc", passthrough=True)) as bridge:  # a host on a machine without CUDA
         status = bridge.status()
         assert status.state == "dead" and "cuda-ipc transport unavailable" in status.message
+        # said "the bridge is not started; call start() first, or use it in a with block" of this started one
+        with pytest.raises(RuntimeError, match="engine is dead: cuda-ipc transport unavailable"):
+            bridge.wait_running(5)
+        with pytest.raises(RuntimeError, match="params: engine is dead: cuda-ipc transport unavailable"):
+            bridge.set_params(noise_scale=0.5, wait=True)
         frame = _frames(1)[0]
         assert bridge.submit(frame) is False
         out, status = bridge.latest()

@@ -77,3 +77,21 @@ def test_a_hosts_lora_arguments_are_what_the_engine_reads_and_its_refusal_names_
     choice, words = refused_lora(failure, [LoraChoice("/loras/ink.safetensors", 1.0), choices[1]])
     assert choice == choices[1] and words.startswith("/loras/ink.safetensors.bak: shapes") and "Traceback" not in words
     assert refused_lora("engine exited with code 3", choices) is None
+
+
+def test_a_lora_scale_that_is_not_a_number_is_named_as_the_scale_not_the_file(tmp_path):
+    """`--lora ink.safetensors:O.8` (a letter O) was read as the file 'ink.safetensors:O.8' and refused as
+    "no such file or directory", of a file that is there. A colon of the path itself still reads as the path."""
+    import json
+    import re
+
+    from loom_live.engine.config import lora_override
+    from loom_live.host_bridge.wire.typed_config import ConfigError
+
+    lora = tmp_path / "ink.safetensors"
+    lora.write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"--lora {lora}:O.8: the scale 'O.8' is not a number; expected "
+                                                    f"PATH[:SCALE], e.g. {lora}:0.8")):
+        lora_override([f"{lora}:O.8"])
+    (override,) = lora_override([f"{tmp_path}/no:such.safetensors"])
+    assert json.loads(override.removeprefix("lora=")) == [{"path": f"{tmp_path}/no:such.safetensors", "scale": 1.0}]

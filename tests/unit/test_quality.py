@@ -320,6 +320,17 @@ def test_loom_eval_bad_input_exits_2_with_a_message(tmp_path: Path, capsys, argv
     assert f"loom eval: error: {message}" in err and "Traceback" not in err
 
 
+def test_loom_eval_out_that_is_a_file_is_refused_saying_it_is_the_folder(tmp_path: Path, capsys) -> None:
+    """`-o render.mp4` (as for `loom play`) ended in "[Errno 17] File exists: 'render.mp4'"; the file stays."""
+    render = tmp_path / "render.mp4"
+    render.write_bytes(b"a user's render")
+    for out in (render, render / "sub"):
+        assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"loom eval: error: --out {out}: {render} is a file; --out is the folder report.json" in err, err
+    assert render.read_bytes() == b"a user's render"
+
+
 def test_loom_eval_folder_without_clips(tmp_path: Path, capsys) -> None:
     (tmp_path / "notes.txt").write_text("no video here")
     assert eval_cmd.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 2

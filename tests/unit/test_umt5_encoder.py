@@ -6,6 +6,8 @@ zeroed padding positions, the 4096-d check) is the same for a tiny UMT5 saved th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ REASON = "the UMT5 oracle needs the t5 or test extra (transformers, sentencepiec
 transformers = pytest.importorskip("transformers", reason=REASON)
 sentencepiece = pytest.importorskip("sentencepiece", reason=REASON)
 
+from loom_live.engine.config import load_config  # noqa: E402
+from loom_live.engine.models.loading import check_weight_files  # noqa: E402
 from loom_live.engine.stream.prompts import TEXT_LEN, PromptError, UMT5TextEncoder, make_text_encoder  # noqa: E402
 
 WORDS = "ink wash painting neon city charcoal sketch watercolour oil pastel van gogh brush strokes vivid"
@@ -52,3 +56,25 @@ def test_umt5_width_must_match_the_model(tiny_umt5):
 def test_missing_umt5_directory(tmp_path):
     with pytest.raises(PromptError, match="umT5 directory not found"):
         UMT5TextEncoder(tmp_path / "nope")
+
+
+def test_a_folder_that_is_not_umt5_is_refused_naming_it_and_what_it_lacks(tmp_path, tiny_umt5):
+    """`loom encode-prompts --encoder-path DIR` (or prompt.path) on a folder that is not umT5 got transformers'
+    own message, which named no folder and blamed a missing sentencepiece; and `loom play` started an engine
+    that failed on it. Now the folder and what it lacks are named, and the run is refused before an engine."""
+    wrong = tmp_path / "downloads"
+    wrong.mkdir()
+    (wrong / "notes.txt").write_text("not a model")
+    lacks = "lacks a tokenizer (tokenizer.json or spiece.model), the encoder's config.json, the encoder's weights"
+    with pytest.raises(PromptError, match=re.escape(f"{wrong}: not a umT5 directory (prompt.path): it {lacks}")):
+        UMT5TextEncoder(wrong)
+    with pytest.raises(PromptError, match="not a umT5 directory"):
+        check_weight_files(load_config("tiny-random", ["prompt.encoder=umt5", f"prompt.path={wrong}"]))
+    check_weight_files(load_config("tiny-random", ["prompt.encoder=umt5", f"prompt.path={tiny_umt5}"]))
+    from loom_live.engine.stream.prompts import umt5_folders
+
+    pulled = tmp_path / "pulled"  # the diffusers layout `loom pull` fetches, sharded
+    for name in ("text_encoder/config.json", "text_encoder/model-00001-of-00001.safetensors", "tokenizer/spiece.model"):
+        (pulled / name).parent.mkdir(parents=True, exist_ok=True)
+        (pulled / name).write_bytes(b"")
+    assert umt5_folders(pulled) == (pulled / "tokenizer", pulled / "text_encoder")

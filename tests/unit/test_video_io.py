@@ -255,6 +255,10 @@ def test_silent_stream_times_out() -> None:
     ("out.mp4", (65, 48), "even width and height"),
     ("ftp://host/x", (64, 48), "unsupported output URL scheme 'ftp'"),
     ("missing_dir/out.mp4", (64, 48), "output folder does not exist"),
+    # no port: FFmpeg opened these and sent nothing, and the run failed 5 s in, saying the receiver took nothing
+    ("udp://127.0.0.1", (64, 48), r"udp://127.0.0.1: expected udp://HOST:PORT with a port of 1 to 65535"),
+    ("udp://127.0.0.1:0", (64, 48), "expected udp://HOST:PORT"),
+    ("srt://127.0.0.1", (64, 48), "expected srt://HOST:PORT"),
 ])
 def test_bad_sinks(tmp_path: Path, spec: str, size: tuple[int, int], message: str) -> None:
     target = spec if "://" in spec else tmp_path / spec
