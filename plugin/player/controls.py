@@ -385,6 +385,8 @@ def read_reference_file(path: str) -> Any:
     from loom_live.plugin.player.reference_image import check_reference, decode_image
 
     file = Path(path).expanduser()
+    if not file.exists():  # said as such, not as a file that does not decode
+        raise ControlError(f"reference: {path}: no such file")
     try:
         raw = file.read_bytes() if file.is_file() else b""  # a FIFO or a device would block or never end
     except OSError:

@@ -121,7 +121,7 @@ def test_a_reference_file_is_read_and_sent_and_an_unreadable_one_keeps_the_old(t
     assert controls.state.reference == str(path) and controls.state.message == f"reference: {path}"
     controls.put(command_for("/loom/reference", (str(tmp_path / "missing.png"),)))
     lines = controls.apply_pending(bridge)
-    assert len(bridge.references) == 1 and controls.state.refused == 1 and "cannot be read" in lines[-1]
+    assert len(bridge.references) == 1 and controls.state.refused == 1 and "missing.png: no such file" in lines[-1]
     controls.put(command_for("/loom/reference", ()))
     controls.apply_pending(bridge)
     assert bridge.references[-1] is None and controls.state.reference is None
@@ -214,9 +214,9 @@ def test_a_reference_file_too_large_is_refused_from_its_header_without_decoding_
     controls.apply_pending(bridge)
     calls.clear()
     for path, words in [(huge, "12000x12000; expected 1 to 4096 px a side"), (tall, "16x5000"),
-                        (tmp_path, "cannot be read as an image")]:
+                        (tmp_path, "cannot be read as an image"), (tmp_path / "gone.png", "gone.png: no such file")]:
         controls.put(command_for("/loom/reference", (str(path),)))
         line = controls.apply_pending(bridge)[-1]
         assert words in line and "the reference stays" in line and "\n" not in line
-    assert calls == [] and len(bridge.references) == 1 and controls.state.refused == 3
+    assert calls == [] and len(bridge.references) == 1 and controls.state.refused == 4
     assert controls.state.reference == str(good)  # what r reads again
