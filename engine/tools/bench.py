@@ -59,17 +59,19 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
     alternates between its configured value and half of it at that period (live changes).
     With `profile_chunks`, that many more chunks stream under the kernel profiler after the measured
     frames (engine/tools/chunk_profile.py), outside the figures above; its summary is `profile`."""
+    if not callable(frames):  # a span run_loom would refuse, refused before the model loads
+        _check_span(cfg, warmup, len(frames))
     t_load = time.perf_counter()
     with STARTUP_PROGRESS.to(_progress):  # each start-up phase as it begins (a first GPU start compiles at length)
         session = open_session(cfg)
     _progress(f"session ready (load, compile, warm-up) in {time.perf_counter() - t_load:.1f} s")
     if callable(frames):
         frames = frames()
-    span = (warmup, len(frames) - warmup)
-    if span != whole_span(cfg, *span):
-        session.close()
-        raise ValueError(f"warm-up and measured frames {span}: not whole units of work (the first and each "
-                         f"after: {units(cfg)} frames); whole_span gives {whole_span(cfg, *span)}")
+        try:
+            _check_span(cfg, warmup, len(frames))
+        except ValueError:
+            session.close()
+            raise
     device = session.device
     first_push, unit = units(cfg)
     t_start = time.perf_counter()
@@ -136,6 +138,14 @@ def run_loom(cfg: LoomConfig, frames: np.ndarray | Callable[[], np.ndarray], war
             lambda: (session.poll(wait=True), _sync(device)))
     session.close()
     return stats
+
+
+def _check_span(cfg: LoomConfig, warmup: int, frames: int) -> None:
+    """ValueError unless the warm-up and the measured frames after it are whole units of work (`whole_span`)."""
+    span = (warmup, frames - warmup)
+    if span != whole_span(cfg, *span):
+        raise ValueError(f"warm-up and measured frames {span}: not whole units of work (the first and each "
+                         f"after: {units(cfg)} frames); whole_span gives {whole_span(cfg, *span)}")
 
 
 def push_due(t0: float, frames_through: int, input_fps: float) -> float:

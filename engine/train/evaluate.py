@@ -20,6 +20,7 @@ back: the change at the chunk boundaries around it says whether the stream pulse
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -292,10 +293,10 @@ def main(weights: str | None, out: str, frames: int = 49, ablation_styles: int =
         rows = measure(on, overrides, styles, weights, refresh_at if name == LOOPED_RUN else None)
         report["runs"][name] = {"overrides": overrides, "styles": [s.name for s in styles], "frames": n,
                                 "rows": rows, "summary": summary(rows)}
-        # each run's rows as they come, beside the report (what a stopped evaluation leaves to look at)
+        # each run's rows as they come, beside the report: an earlier complete report stays until this one is
+        # whole, and the last run's write is the whole report, moved into place
         partial.write_text(json.dumps(report, indent=1))
-    text = json.dumps(report, indent=1)  # an earlier complete report stays until this one is whole
-    write_replacing(Path(out), lambda f: f.write(text.encode()))
+    os.replace(partial, out)
     return report
 
 
