@@ -218,11 +218,12 @@ class Player:
         o = self.opts
         if o.web is None:
             return
+        option = "loom web" if o.uses_web_camera else "--web"  # `loom web` takes the address as its argument
         try:
             from loom_live.plugin.web.access import make_access
 
             access = make_access(o.web, token_file=o.web_token_file, cert=o.web_cert, key=o.web_key,
-                                 proxy=o.web_proxy)
+                                 proxy=o.web_proxy, option=option)
             from loom_live.plugin.web.ice import ice_servers
 
             ice = ice_servers(o.ice_servers, username=o.ice_username, credential_file=o.ice_credential_file)
@@ -231,7 +232,7 @@ class Player:
             self.web = WebHost(access, self.controls, self._web_size(), o.fps, camera=o.uses_web_camera, ice=ice)
             url = self.web.start()
         except ImportError as exc:
-            raise PlayerError(f"--web needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None
+            raise PlayerError(f"{option} needs aiohttp and aiortc: pip install 'loom-live[web]' ({exc})") from None
         except (RuntimeError, UserError) as exc:
             raise PlayerError(str(exc)) from None
         self.printer.say(f"{self.name}: the page is at {url}")

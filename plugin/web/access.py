@@ -54,8 +54,9 @@ class Access:
         return presented is not None and hmac.compare_digest(presented.encode(), self.token.encode())
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """`PORT`, `HOST:PORT` or `[IPv6]:PORT` -> (host, port); UserError says what is allowed."""
+def parse_listen(text: str, option: str = "--web") -> tuple[str, int]:
+    """`PORT`, `HOST:PORT` or `[IPv6]:PORT` -> (host, port); UserError says what is allowed, naming the
+    address as the user gave it (`option`: `--web` of `loom play`, or `loom web`'s positional address)."""
     spec = text.strip()
     if spec.isdigit():
         host, port_text = DEFAULT_HOST, spec
@@ -66,11 +67,11 @@ def parse_listen(text: str) -> tuple[str, int]:
         except ValueError:
             host, port = None, None
         if not host or port is None:
-            raise UserError(f"--web {text!r}: expected PORT or HOST:PORT (e.g. 8080, 0.0.0.0:8443, [::1]:8080)")
+            raise UserError(f"{option} {text!r}: expected PORT or HOST:PORT (e.g. 8080, 0.0.0.0:8443, [::1]:8080)")
         port_text = str(port)
     port = int(port_text)
     if not 0 <= port <= 65535:
-        raise UserError(f"--web {text!r}: port {port} is not a TCP port (0..65535)")
+        raise UserError(f"{option} {text!r}: port {port} is not a TCP port (0..65535)")
     return host, port
 
 
@@ -87,15 +88,15 @@ def loopback(host: str) -> bool:
 
 
 def make_access(listen: str, *, token_file: str | None = None, cert: str | None = None, key: str | None = None,
-                proxy: bool = False) -> Access:
+                proxy: bool = False, option: str = "--web") -> Access:
     """Check the page's settings and build its Access; UserError (one line) when they are unsafe or wrong."""
-    host, port = parse_listen(listen)
+    host, port = parse_listen(listen, option)
     if (cert is None) != (key is None):
         raise UserError("--web-cert and --web-key: give both (the certificate and its private key) or neither")
     tls = _tls_context(cert, key) if cert and key else None
     remote = not loopback(host)
     if remote and tls is None and not proxy:
-        raise UserError(f"--web {listen}: {host} is not a loopback address, so the page and its token would cross "
+        raise UserError(f"{option} {listen}: {host} is not a loopback address, so the page and its token would cross "
                         "the network in the clear; give --web-cert FILE --web-key FILE (HTTPS), or --web-proxy "
                         "when your own HTTPS proxy fronts it, or listen on 127.0.0.1 and use an SSH tunnel")
     token = None

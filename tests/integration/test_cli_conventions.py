@@ -89,6 +89,15 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
     assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
 
 
+def test_a_bad_page_address_is_named_as_the_user_gave_it(capsys):
+    """`loom web` takes its address as an argument, `loom play` as --web: each error names the one typed."""
+    assert main(["web", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "loom web 'abc': expected PORT or HOST:PORT" in err and "--web" not in err
+    assert main(["play", "--web", "abc", "-o", "window"]) == 2
+    assert "--web 'abc': expected PORT or HOST:PORT" in capsys.readouterr().err
+
+
 def test_encode_prompts_never_destroys_a_users_file(tmp_path, capsys):
     """Its --out is refused when it is the prompt list itself, a folder, not .safetensors, or an existing file
     without -y; the prompt list may come from Notepad (a byte-order mark) with # comments."""
