@@ -239,15 +239,13 @@ class Controls:
     def _apply_lora(self, name: str, args: tuple[Any, ...], changes: dict[str, Any]) -> bool:
         s = self.state
         if not s.lora_scales:
-            s.message = "no LoRA loaded (--lora PATH[:SCALE])"
-            return False
+            return self._refuse("no LoRA loaded (--lora PATH[:SCALE])")
         if name == "lora_next":
             s.lora_index = (s.lora_index + 1) % len(s.lora_scales)
             return True
         lora, value = args if name == "lora_scale" else (s.lora, s.lora_scales[s.lora] + args[0])
         if lora not in s.lora_scales:
-            s.message = f"no LoRA named {lora!r}; loaded: {', '.join(s.lora_scales)}"
-            return False
+            return self._refuse(f"no LoRA named {lora!r}; loaded: {', '.join(s.lora_scales)}")
         s.lora_index = list(s.lora_scales).index(lora)
         s.lora_scales[lora] = round(min(LORA_SCALES.max, max(LORA_SCALES.min, value)), 4)
         changes.setdefault("lora_scales", {})[lora] = s.lora_scales[lora]

@@ -52,6 +52,7 @@ def test_osc_sets_a_named_lora_and_refuses_what_is_not_allowed():
     controls.put(Command("lora_scale", ("nope", 1.0)))
     controls.apply_pending(bridge)
     assert controls.state.message == "no LoRA named 'nope'; loaded: ink" and len(bridge.params) == 1
+    assert controls.state.refused == 1  # counted with the other refusals (the status line shows the count)
 
 
 def test_without_loras_the_keys_say_how_to_load_one():
