@@ -117,19 +117,20 @@ def load_dit_weights(
     blocks: range | None = None,
 ) -> None:
     """Load a checkpoint of any accepted layout into a (meta-built) WanDiT, strictly."""
-    files = checkpoint_files(_transformer_dir(Path(path)))
-    recognised = 0
+    files = checkpoint_files(_transformer_dir(Path(path).expanduser()))
+    seen = recognised = 0
 
     def rename(key: str) -> str | None:
-        nonlocal recognised
+        nonlocal seen, recognised
         name = to_wan_key(key)
+        seen += 1
         recognised += is_wan_key(name)
         return name
 
     try:
         load_into_module(model, files, rename, device=device, dtype=dtype, keep=block_filter(blocks))
     except CheckpointError as exc:
-        if recognised == 0:
+        if seen and recognised == 0:  # keys read, none of a DiT (a file that cannot be read says so alone)
             raise CheckpointError(
                 f"unknown checkpoint format: no key is a Wan2.1 DiT key in any accepted "
                 f"layout ({LAYOUTS}); {exc}"

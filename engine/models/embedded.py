@@ -88,7 +88,7 @@ def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tu
     """(dit state, vae state, metadata) from the weights file, checked against the recorded hash."""
     from safetensors import safe_open
 
-    path = Path(path) if path is not None else weights_path()
+    path = Path(path).expanduser() if path is not None else weights_path()
     if not path.is_file():
         raise EmbeddedWeightsError(f"{path}: the embedded model's weights are missing; reinstall Loom "
                                    "or train them with `python -m loom_live.engine.train`")
@@ -104,6 +104,24 @@ def read_embedded(path: str | Path | None = None, check_hash: bool = True) -> tu
             part, _, name = key.partition(".")
             (dit if part == "dit" else vae)[name] = _unpack(key, f.get_tensor(key), f)
     return dit, vae, meta
+
+
+def check_embedded_file(path: str | Path) -> None:
+    """A weights file given to the embedded preset (`model.checkpoint`), read for its keys and shapes only (no
+    weights), before an engine starts: one .safetensors file of the DiT and the VAE as `save_embedded` writes
+    them, not a Wan checkpoint (those are for the Wan presets). Raises CheckpointError naming the file."""
+    from torch import nn
+
+    from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
+
+    file = Path(path).expanduser()
+    files = checkpoint_files(file)  # there, and a file or folder of a checkpoint format
+    if files != [file] or not file.name.endswith(".safetensors"):
+        raise CheckpointError(f"{file}: the embedded preset reads one .safetensors file of its DiT and VAE, as "
+                              "`loom train` writes it; Wan2.1 checkpoints are for the wan2.1 presets")
+    with torch.device("meta"):
+        both = nn.ModuleDict({"dit": WanDiT(EMBEDDED_DIT), "vae": FrameVAE(EMBEDDED_VAE)})
+    load_into_module(both, files, lambda key: None if key.endswith(SCALE_SUFFIX) else key, device="meta")
 
 
 def vae_config(meta: dict) -> FrameVAEConfig:

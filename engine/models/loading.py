@@ -19,6 +19,7 @@ from torch import nn
 from loom_live.engine.config import LoomConfig, VAEConfig
 from loom_live.engine.graphs.compile_cache import cache_root, set_kernel_autotuning
 from loom_live.engine.graphs.saved_compiles import compiled_folder
+from loom_live.engine.models.checkpoint_io import CheckpointError
 from loom_live.engine.models.fp8_linear import check_fp8_device, convert_dit_to_fp8
 from loom_live.engine.models.lora import LoraMerger, read_lora
 from loom_live.engine.models.taehv import TinyVAE
@@ -49,8 +50,14 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(setting)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"model.device: {setting!r} asked for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    visible = torch.cuda.device_count()
+    if (device.index or 0) >= visible:  # else the model load would fail on torch's "invalid device ordinal"
+        raise ValueError(f"model.device: {setting!r} names a GPU that is not here ({visible} visible); allowed: "
+                         f"auto, cpu, cuda or cuda:0..cuda:{visible - 1}")
     return device
 
 
@@ -112,6 +119,13 @@ def check_weight_files(cfg: LoomConfig) -> None:
     weights are read, the models take no memory), and raise CheckpointError naming the file and what is
     wrong; so a file that is not the weights a model needs is refused before any engine starts, instead
     of failing the engine's build after a host waited for it."""
+    try:
+        _check_weight_files(cfg)
+    except OSError as exc:  # a file or folder this user may not read: said in one line, not as a traceback
+        raise CheckpointError(f"{exc.filename or exc}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+
+
+def _check_weight_files(cfg: LoomConfig) -> None:
     mc, vc = cfg.model, cfg.vae
     if mc.family == "edit":
         from loom_live.engine.edit.file_check import check_edit_files
@@ -119,10 +133,14 @@ def check_weight_files(cfg: LoomConfig) -> None:
         check_edit_files(cfg)
     if mc.family != "wan":
         return
-    if mc.checkpoint:
-        WanDiT.from_checkpoint(mc.checkpoint, DIT_PRESETS[mc.preset], device="meta")
+    dit_class, dit_cfg = _dit_architecture(mc.preset)
+    if mc.checkpoint and mc.preset == "embedded":  # a `loom train` file: its DiT and VAE together
+        from loom_live.engine.models.embedded import check_embedded_file
+
+        check_embedded_file(mc.checkpoint)
+    elif mc.checkpoint:
+        dit_class.from_checkpoint(mc.checkpoint, dit_cfg, device="meta")
     if cfg.lora:  # each a LoRA in a layout read_lora knows, every update the shape of a layer of this DiT
-        dit_class, dit_cfg = _dit_architecture(mc.preset)
         with torch.device("meta"):
             dit = dit_class(dit_cfg)
         for entry in cfg.lora:

@@ -116,7 +116,11 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
     meta-built); the updates it returns hold no values.
     """
     path = Path(path)
-    tensors = {k: t for k, t, _ in iter_tensors(checkpoint_files(path), meta=meta)}
+    files = checkpoint_files(path)
+    if len(files) > 1:  # a folder of several LoRAs: read together, their updates would mix into one
+        raise _fail(path, f"a folder of {len(files)} weight files, and a LoRA is one (give it by its file)",
+                    [f.name for f in files])
+    tensors = {k: t for k, t, _ in iter_tensors(files, meta=meta)}
     if not tensors:
         raise LoraError(f"{path}: no tensors in the file")
     linears = _linear_names(model)

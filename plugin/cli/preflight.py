@@ -13,20 +13,20 @@ from loom_live.host_bridge.wire.errors import UserError
 
 def check_weights(cfg: Any) -> None:
     """Every weight the config needs is given or pulled (`loom pull`) and is the weights its key names, or
-    the run is refused now."""
-    from loom_live.engine.models.weights import missing_weights, pull_name
-
-    missing = missing_weights(cfg)
-    if missing:
-        raise UserError(f"preset {pull_name(cfg)!r} needs weights that are not here: {'; '.join(missing)}. "
-                        f"Run `loom pull {pull_name(cfg)}`, or give the paths with --set KEY=PATH "
-                        "(or use -c default, the embedded model)")
+    the run is refused now. The paths given are checked first: a mistyped one is said as such, not hidden
+    behind a list of the weights still to pull."""
     from loom_live.engine.models.loading import check_weight_files
+    from loom_live.engine.models.weights import missing_weights, pull_name
 
     try:
         check_weight_files(cfg)  # each file is what its key needs: format, keys, shapes
     except ValueError as exc:  # CheckpointError, PromptError: they name the file and what is wrong
         raise UserError(str(exc)) from None
+    missing = missing_weights(cfg)
+    if missing:
+        raise UserError(f"preset {pull_name(cfg)!r} needs weights that are not here: {'; '.join(missing)}. "
+                        f"Run `loom pull {pull_name(cfg)}`, or give the paths with --set KEY=PATH "
+                        "(or use -c default, the embedded model)")
 
 
 def check_endpoint(endpoint: str, secret_file: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

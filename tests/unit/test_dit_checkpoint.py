@@ -136,3 +136,28 @@ def test_truncated_file(tmp_path, reference, name):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=rf"{name}: unreadable"):
         WanDiT.from_checkpoint(path, CFG)
+
+
+def test_a_truncated_file_is_said_to_be_unreadable_not_of_an_unknown_format(tmp_path, reference):
+    """A download cut short is a Wan file that cannot be read: the message said first that no key was a
+    Wan2.1 DiT key in any accepted layout (no key had been read at all), sending the user to the format."""
+    path = tmp_path / "diffusion_pytorch_model.safetensors"
+    save_file(weights(reference), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as refused:
+        WanDiT.from_checkpoint(path, CFG)
+    assert str(refused.value).startswith(f"{path}: unreadable safetensors file"), refused.value
+    assert "unknown checkpoint format" not in str(refused.value)
+
+
+def test_a_pipeline_folder_under_the_home_folder_is_found_by_its_tilde(tmp_path, reference, monkeypatch):
+    """`~/Wan2.1-T2V-1.3B-Diffusers` (a YAML config, a host's text field): the file loaders expand `~`, but the
+    look for the pipeline's transformer/ did not, so the folder was refused as holding no checkpoint."""
+    folder = tmp_path / "Wan2.1-T2V-tiny-Diffusers" / "transformer"
+    folder.mkdir(parents=True)
+    save_file({to_diffusers_key(k): v for k, v in weights(reference).items()},
+              folder / "diffusion_pytorch_model.safetensors")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loaded = WanDiT.from_checkpoint("~/Wan2.1-T2V-tiny-Diffusers", CFG).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in reference.state_dict().items())

@@ -121,6 +121,20 @@ def test_a_lora_for_another_model_size_names_the_file_and_shapes(tmp_path):
         read_lora(path, random_model())
 
 
+def test_a_folder_of_several_loras_is_refused_not_read_as_one(tmp_path):
+    """`--lora /loras/` (the folder, not a file in it): every file in it was read as one LoRA, the later
+    file's updates silently replacing the earlier one's for the layers both adapt. A folder of one LoRA (as
+    PEFT's save_pretrained writes it) is still read."""
+    model = random_model()
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    _save(folder, "ink", _lora("wan", seed=1))
+    assert len(read_lora(folder, model).modules) == CFG.num_layers * len(LINEARS)
+    _save(folder, "film", _lora("wan", seed=2))
+    with pytest.raises(LoraError, match=r"loras: a folder of 2 weight files.*film\.safetensors, ink\.safetensors"):
+        read_lora(folder, model, meta=True)
+
+
 def test_unknown_keys_are_named(tmp_path):
     sd = _lora("wan", seed=1)
     sd["diffusion_model.blocks.0.self_attn.q.magic"] = torch.zeros(2)

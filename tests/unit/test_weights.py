@@ -111,3 +111,92 @@ def test_a_text_encoder_pull_stopped_between_its_shards_is_not_taken_for_the_enc
     assert cached_path(source, tmp_path) is None  # the index names a shard that is not there
     (snapshot / "text_encoder" / "model-extra.safetensors").write_bytes(b"w")
     assert cached_path(source, tmp_path) == snapshot
+
+
+@pytest.mark.parametrize("command", ["play", "serve"])
+def test_a_mistyped_path_is_said_before_the_weights_still_to_pull(tmp_path, monkeypatch, command):
+    """`-c wan2.1-1.3b --set model.checkpoint=/nope` with nothing pulled listed the VAE and encoder to pull and
+    never said that /nope is not there."""
+    import argparse
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.server.main import _session_factory
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    nope = tmp_path / "nope.pt"
+    overrides = [f"model.checkpoint={nope}"]
+    with pytest.raises((UserError, ValueError), match=rf"^{nope}: no such file or directory$"):  # said as exit 2
+        if command == "play":
+            check_weights(load_config("wan2.1-1.3b", overrides))
+        else:
+            _session_factory(argparse.Namespace(config="wan2.1-1.3b", overrides=overrides, loras=[], gpus=None,
+                                                passthrough=False, warmup=False))
+
+
+def test_a_vace_preset_checks_a_given_checkpoint_against_its_own_architecture(tmp_path):
+    """A VACE preset's checkpoint (given, or found once pulled) was looked up among the plain DiT presets:
+    a KeyError and a traceback (exit 1) before any check."""
+    from safetensors.torch import save_file
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.wan_vace import VACE_PRESETS, WanVaceDiT
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
+
+    path = tmp_path / "vace.safetensors"
+    save_file({k: v.contiguous() for k, v in WanVaceDiT(VACE_PRESETS["tiny-vace"]).state_dict().items()
+               if not k.startswith("vace_blocks.1.")}, str(path))
+    with pytest.raises(UserError, match=r"vace\.safetensors: checkpoint does not match the model; \d+ missing keys"):
+        check_weights(load_config("tiny-vace", [f"model.checkpoint={path}"]))
+    save_file({k: v.contiguous() for k, v in WanVaceDiT(VACE_PRESETS["tiny-vace"]).state_dict().items()}, str(path))
+    check_weights(load_config("tiny-vace", [f"model.checkpoint={path}"]))
+
+
+def test_the_embedded_preset_takes_a_training_runs_file_and_refuses_a_wan_checkpoint(tmp_path):
+    """README: weights of a training run of your own, `--set model.checkpoint=PATH` with the default preset. The
+    check read that file as a Wan DiT checkpoint and refused it (exit 2) though the engine loads it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.embedded import EMBEDDED_DIT, EMBEDDED_VAE, save_embedded
+    from loom_live.engine.models.frame_vae import FrameVAE
+    from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
+
+    run = tmp_path / "run.safetensors"
+    save_embedded(run, WanDiT(EMBEDDED_DIT), FrameVAE(EMBEDDED_VAE), {})
+    check_weights(load_config("default", [f"model.checkpoint={run}"]))
+    wan = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in WanDiT(DIT_PRESETS["tiny"]).state_dict().items()}, str(wan))
+    with pytest.raises(UserError, match=r"dit\.safetensors: checkpoint does not match the model; \d+ missing keys"):
+        check_weights(load_config("default", [f"model.checkpoint={wan}"]))
+    torch.save({"generator": {"patch_embedding.weight": torch.zeros(1)}}, tmp_path / "model.pt")
+    with pytest.raises(UserError, match=r"model\.pt: the embedded preset reads one \.safetensors file"):
+        check_weights(load_config("default", [f"model.checkpoint={tmp_path / 'model.pt'}"]))
+
+
+def test_a_weights_path_this_user_cannot_read_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """A checkpoint inside a folder the user may not enter: `Path.exists` raises PermissionError (not a
+    ValueError), which ended `loom play` and `loom serve` with a traceback."""
+    import errno
+    from pathlib import Path
+
+    from loom_live.engine.config import load_config
+    from loom_live.host_bridge.wire.errors import UserError
+    from loom_live.plugin.cli.preflight import check_weights
+
+    closed = tmp_path / "closed"
+    stat = Path.stat
+
+    def denied(self, *args, **kwargs):  # as for a folder of mode 000 (the tests may run as root)
+        if self.parent == closed:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    with pytest.raises(UserError, match=rf"^{closed / 'dit.safetensors'}: cannot be read \(Permission denied\)$"):
+        check_weights(load_config("tiny-random", [f"model.checkpoint={closed / 'dit.safetensors'}"]))
