@@ -61,6 +61,20 @@ class EngineSession(Protocol):
         """Release the session's device resources."""
 
 
+def check_devices(cfg: Any) -> None:
+    """The devices `open_session(cfg)` would run on are here: `model.device`, and with `parallel.gpus > 1`
+    one GPU per pipeline rank and a split the model's blocks allow. ValueError naming the setting and what
+    is allowed; nothing is loaded or started, so an engine checks this before it serves."""
+    if cfg.parallel.gpus > 1:
+        from loom_live.engine.parallel.session import check_pipeline
+
+        check_pipeline(cfg)
+    else:
+        from loom_live.engine.models.loading import resolve_device
+
+        resolve_device(cfg.model.device)
+
+
 def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
     """The session for the config's model family (`model.family`), loaded and warmed up; with
     `parallel.gpus > 1` the Wan DiT's pipeline over that many GPUs (this process is its rank 0).

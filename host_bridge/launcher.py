@@ -86,6 +86,18 @@ class EngineProcess:
         self._reader.join(timeout=0.5)
         return self._tail[-1] if self._tail else ""
 
+    def ending(self) -> str:
+        """How an exited engine ended, for the host's message. Killed by a signal (kill -9, the OOM killer),
+        its last line is only what it said before, often a routine log line: given as that, not as the cause."""
+        code, last = self.returncode, self.last_words()
+        if code is not None and code < 0:  # POSIX: -N is death by signal N
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"engine killed by {name}" + (f" (its last output: {last})" if last else "")
+        return f"engine exited with code {code}" + (f": {last}" if last else "")
+
     def refusal(self) -> str | None:
         """The engine's own error when it exited refusing its run (a bad config, missing weights), else None.
 

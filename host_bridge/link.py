@@ -254,8 +254,7 @@ class Link:
     def check(self, now: float) -> str | None:
         """A reason to give up on this engine, or None."""
         if self.proc is not None and not self.proc.alive:
-            last = self.proc.last_words()
-            return f"engine exited with code {self.proc.returncode}" + (f": {last}" if last else "")
+            return self.proc.ending()
         refused = self.credentials_refused()
         if refused:
             return refused

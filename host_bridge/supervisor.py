@@ -189,9 +189,12 @@ class Supervisor:
     def _step(self) -> None:
         """One turn of the loop thread: (re)connect, receive, act, check liveness."""
         link = self.link
-        if self.standby is not None:  # a new standby once an engine runs (or launched with it: side by side)
+        if self.standby is not None and self.state == EngineState.DEAD:
+            # a dead bridge takes no engine over: a standby would only hold a process and its model's memory
+            self.standby.close()  # until the host closes the bridge
+        elif self.standby is not None:  # a new standby once an engine runs (or launched with it: side by side)
             self.standby.step(open_new=link is not None and (link.ready or self.config.standby_start == "together"))
-            if link is None and self.state != EngineState.DEAD:
+            if link is None:
                 with self.cond:
                     if self._adopt_standby("engine restarted from the standby"):
                         return

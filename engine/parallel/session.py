@@ -81,7 +81,7 @@ from loom_live.engine.cache.vae_cache import FRAMES_PER_LATENT
 from loom_live.engine.config import LoomConfig
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.dit_source import dit_source
-from loom_live.engine.models.loading import load_models
+from loom_live.engine.models.loading import load_models, resolve_device
 from loom_live.engine.models.wan_dit import DIT_PRESETS
 from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
 from loom_live.engine.parallel.plan import NoiseLedger, check_move, check_split, placement, stage_ranges, suggest_split
@@ -115,9 +115,24 @@ STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
 SETTLING_TIMEOUT_S = 120.0
 SLO_WINDOW_CHUNKS = 8  # in auto mode, the ranks' stage times are asked for every this many chunks
 
-__all__ = ["PipelineError", "PipelineSession"]
+__all__ = ["PipelineError", "PipelineSession", "check_pipeline"]
 
 log = logging.getLogger(__name__)
+
+
+def check_pipeline(cfg: LoomConfig) -> list[int]:
+    """The split of `cfg`'s pipeline, checked against its model's blocks and the GPUs here; ValueError naming
+    the setting and what is allowed. It starts nothing, so `loom serve` calls it before it serves: a pipeline
+    that cannot run is refused at once, not when the first host connects."""
+    split = check_split(cfg.parallel.split, DIT_PRESETS[cfg.model.preset].num_layers, cfg.parallel.gpus)
+    resolve_device(cfg.model.device)  # a CUDA setting without CUDA is said as such, not as 0 GPUs visible
+    first = rank_device(cfg, 0)
+    if first.type == "cuda":
+        visible, last = torch.cuda.device_count(), rank_device(cfg, cfg.parallel.gpus - 1).index
+        if last >= visible:
+            raise ValueError(f"parallel.gpus: {cfg.parallel.gpus} GPUs from {first} on need GPU {last}, but only "
+                             f"{visible} are visible; allowed: at most {max(visible - (first.index or 0), 0)}")
+    return split
 
 
 @dataclass
@@ -168,15 +183,9 @@ class PipelineSession:
         self.cfg, self.P = cfg, cfg.parallel.gpus
         if self.P < 2:
             raise ValueError(f"parallel.gpus: {self.P}; the pipeline needs 2 or more (1 GPU: StreamSession)")
-        num_layers = DIT_PRESETS[cfg.model.preset].num_layers
-        self.split = check_split(cfg.parallel.split, num_layers, self.P)
+        self.split = check_pipeline(cfg)
         self.ranges = stage_ranges(self.split)
         self.device = rank_device(cfg, 0)
-        if self.device.type == "cuda":
-            visible, last = torch.cuda.device_count(), rank_device(cfg, self.P - 1).index
-            if last >= visible:
-                raise ValueError(f"parallel.gpus: {self.P} GPUs from {self.device} on need GPU {last}, but only "
-                                 f"{visible} are visible; allowed: at most {visible - (self.device.index or 0)}")
         self.n = len(cfg.stream.steps)
         self._closed = False
         self.ranks = RankProcesses(cfg, self.ranges)

@@ -56,16 +56,18 @@ def _session_factory(args: argparse.Namespace):
     if args.gpus is not None:
         overrides.append(f"parallel.gpus={args.gpus}")
     config = load_config(args.config, overrides)  # validate now: a bad key fails before serving
-    if not args.passthrough:  # and missing weights, before a host waits for a model load that must fail
+    if not args.passthrough:  # and weights, before a host waits for a model load that must fail
+        from loom_live.engine.models.loading import check_weight_files
         from loom_live.engine.models.weights import missing_weights, pull_name
 
+        check_weight_files(config)  # the files given first: a mistyped path is said as such (a ValueError)
         missing = missing_weights(config)
         if missing:
             raise UserError(f"preset {pull_name(config)!r} needs weights that are not here: {'; '.join(missing)}. "
                             f"Run `loom pull {pull_name(config)}`, or give the paths with --set KEY=PATH")
-        from loom_live.engine.models.loading import check_weight_files
+        from loom_live.engine.session_api import check_devices
 
-        check_weight_files(config)  # and files that are not the weights (a CheckpointError is a ValueError)
+        check_devices(config)  # and GPUs that are not here, a pipeline split its blocks do not allow
 
     def build():
         if args.passthrough:

@@ -617,7 +617,8 @@ def test_an_engine_that_dies_before_it_is_ready_is_reported_at_once_and_a_refusa
             bridge.wait_running(30)
         status = bridge.status()
         assert status.state == "dead" and status.restarts == 0 and not status.refusal
-        assert status.message.startswith(f"the engine could not start: engine exited with code {code}")
+        ended = "engine killed by SIGKILL (its last output: " if code < 0 else f"engine exited with code {code}: "
+        assert status.message.startswith(f"the engine could not start: {ended}"), status.message
         assert "engine starting" in status.log_tail and "engine starting" in str(failed.value)
         time.sleep(0.5)  # longer than the restart backoff: a restart would have begun by now
         assert bridge.status().restarts == 0 and bridge.status().state == "dead"

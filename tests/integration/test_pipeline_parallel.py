@@ -11,6 +11,9 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,6 +129,33 @@ def test_bad_settings_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="parallel.gpus"):
         PipelineSession(load_config("tiny-random", ["parallel.gpus=5"]))  # 5 ranks for 4 blocks
     assert no_children_left()
+
+
+UNRUNNABLE = {  # settings a pipeline cannot run, and what the one-line refusal says
+    "split": (["parallel.gpus=2", "parallel.split=[3,2]"],
+              "parallel.split: [3, 2]: 5 blocks in all, the model has 4; allowed: one block count per GPU summing "
+              "to 4"),
+    "ranks": (["parallel.gpus=5"], "parallel.gpus: 5 ranks cannot share 4 blocks evenly (1..4)"),
+    "cuda": (["parallel.gpus=2", "model.device=cuda"], "model.device: 'cuda' asked for CUDA but no CUDA GPU"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNRUNNABLE))
+def test_loom_serve_refuses_a_pipeline_that_cannot_run_before_it_serves(case):
+    """`loom serve` said a split or GPU count that cannot run only once a host connected (and then ended, for
+    that host and every later one). It refuses it at once, as a bad key: exit code 2 and one line (a host that
+    launched it reads that line as the engine's refusal)."""
+    overrides, expected = UNRUNNABLE[case]
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    root = Path(__file__).resolve().parents[2]
+    served = subprocess.run([sys.executable, "-m", "loom_live.plugin.cli", "serve", "-c", "tiny-random", "--bind",
+                             "tcp://127.0.0.1:0", *[arg for override in overrides for arg in ("--set", override)]],
+                            capture_output=True, text=True, timeout=120, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    lines = served.stderr.strip().splitlines()
+    assert served.returncode == 2 and len(lines) == 1, (served.returncode, served.stderr)
+    assert lines[0].startswith(f"loom serve: error: {expected}"), lines[0]
 
 
 def test_block_splits():

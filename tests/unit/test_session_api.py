@@ -69,3 +69,21 @@ def test_the_wan_session_refuses_another_familys_parameters_by_name():
     with StreamSession.from_config(load_config("default"), warmup=False) as session:
         with pytest.raises(ValueError, match="unknown parameter 'adapter_strength'; settable: steps"):
             session.set_params(adapter_strength=0.5)
+
+
+def test_the_gpus_a_run_needs_are_checked_before_anything_loads(monkeypatch):
+    """A GPU index past the visible ones failed deep in the model load (torch's "invalid device ordinal");
+    it is named with what is allowed, as a pipeline that needs more GPUs than are here is."""
+    import torch
+
+    from loom_live.engine.session_api import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices(load_config("tiny-random", ["model.device=cuda:1"]))  # there: nothing to say
+    with pytest.raises(ValueError, match=r"^model.device: 'cuda:2' names a GPU that is not here \(2 visible\); "
+                                         r"allowed: auto, cpu, cuda or cuda:0\.\.cuda:1$"):
+        check_devices(load_config("tiny-random", ["model.device=cuda:2"]))
+    with pytest.raises(ValueError, match=r"^parallel.gpus: 2 GPUs from cuda:1 on need GPU 2, but only 2 are "
+                                         r"visible; allowed: at most 1$"):
+        check_devices(load_config("tiny-random", ["model.device=cuda:1", "parallel.gpus=2"]))
