@@ -4,14 +4,17 @@ A LoRA adds `scale * (alpha / rank) * up @ down` to a linear layer's weight. Loo
 sum straight into the parameters the forward (and its CUDA graphs) already reads, so the hot
 path is the same with or without LoRAs: no extra matmuls, no recapture. A live scale change
 recomputes the adapted weights from kept copies of the originals (`lora_merge`: one device
-program with the scales in a device tensor), so any mix of scales is exact to one rounding and
-all scales at 0 restore the original values.
+program with the scales in a device tensor), so any mix of scales is exact to one rounding (one
+more for a layer with a full weight delta) and all scales at 0 restore the original values.
 
 Layouts read (every key is translated on its own, names checked against the model):
 - diffusers / PEFT: `transformer.blocks.N.attn1.to_q.lora_A.weight` / `lora_B` (diffusers names);
 - the original Wan layout: `diffusion_model.blocks.N.self_attn.q.lora_A.weight` (or
-  `lora_down`/`lora_up`), with optional `.alpha` and `.diff_b` (a bias delta);
+  `lora_down`/`lora_up`), with optional `.alpha`, `.diff_b` (a bias delta) and `.diff` (a full
+  weight delta, taken at the LoRA's scale like the low-rank product, without alpha);
 - kohya / musubi-tuner: `lora_unet_blocks_N_self_attn_q.lora_down.weight`, `.lora_up`, `.alpha`.
+Only linear layers are merged into: a full delta for another parameter (the norms' weights that
+community Wan LoRAs often carry, a modulation, the patch embedding) is refused, naming its keys.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ KOHYA_PREFIX = "lora_unet_"
 # suffix -> role; the PEFT adapter-name form (`lora_A.default.weight`) is accepted too
 ROLES = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}
 _ROLE_RE = re.compile(r"^(?P<module>.+?)\.(?P<role>lora_A|lora_B|lora_down|lora_up)(?:\.[\w-]+)?\.weight$")
+# key suffix -> role of the tensors that are not factors
+SUFFIX_ROLES = {".alpha": "alpha", ".diff_b": "bias", ".diff": "diff"}
+NAMES = {"down": "lora_down", "up": "lora_up", "diff": "diff", "bias": "diff_b"}  # roles as errors say them
 MAX_LISTED = 8
 
 
@@ -44,15 +50,19 @@ class LoraError(CheckpointError):
 
 @dataclass
 class LowRank:
-    """One adapted weight: delta = alpha_scale * up @ down, plus an optional bias delta."""
+    """One adapted weight: delta = alpha_scale * up @ down (+ diff), plus an optional bias delta. A layer
+    a file changes by full deltas alone has rank 0 here (down [0, in], up [out, 0]): the merge adds nothing
+    for it but the deltas."""
 
     down: torch.Tensor  # [rank, in]
     up: torch.Tensor  # [out, rank]
     alpha_scale: float = 1.0
     bias: torch.Tensor | None = None
+    diff: torch.Tensor | None = None  # [out, in]: a full weight delta
 
     def delta(self) -> torch.Tensor:
-        return (self.up.float() @ self.down.float()) * self.alpha_scale
+        delta = (self.up.float() @ self.down.float()) * self.alpha_scale
+        return delta if self.diff is None else delta + self.diff.float()
 
 
 @dataclass
@@ -65,7 +75,8 @@ class LoraFile:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted({m.down.shape[0] for m in self.modules.values()})
+        """The ranks of its low-rank updates (a layer changed by full deltas alone has none)."""
+        return sorted({m.down.shape[0] for m in self.modules.values() if m.down.shape[0]})
 
 
 def _linear_names(model: nn.Module) -> dict[str, nn.Linear]:
@@ -84,22 +95,28 @@ def _module_name(raw: str, kohya: dict[str, str]) -> str:
 
 
 def _group(path: Path, tensors: dict[str, torch.Tensor], kohya: dict[str, str]) -> tuple[dict, list[str]]:
-    """Tensors by target module and role ('down', 'up', 'alpha', 'bias'); keys not understood."""
+    """Tensors by target module and role ('down', 'up', 'alpha', 'bias', 'diff'); keys not understood."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     unknown: list[str] = []
     for key, t in tensors.items():
         m = _ROLE_RE.match(key)
+        suffix = next((s for s in SUFFIX_ROLES if key.endswith(s)), None)
         if m:
             module, role = m["module"], ROLES[m["role"]]
-        elif key.endswith(".alpha"):
-            module, role = key.removesuffix(".alpha"), "alpha"
-        elif key.endswith(".diff_b"):
-            module, role = key.removesuffix(".diff_b"), "bias"
+        elif suffix:
+            module, role = key.removesuffix(suffix), SUFFIX_ROLES[suffix]
         else:
             unknown.append(key)
             continue
         parts.setdefault(_module_name(module, kohya), {})[role] = t
     return parts, unknown
+
+
+def _fits(roles: dict[str, torch.Tensor], down: torch.Tensor, up: torch.Tensor, shape: tuple[int, int]) -> bool:
+    """The factors multiply to a weight of `shape` ([out, in]) and each full delta is its parameter's shape."""
+    return (down.ndim == up.ndim == 2 and down.shape[0] == up.shape[1] and (up.shape[0], down.shape[1]) == shape
+            and ("diff" not in roles or tuple(roles["diff"].shape) == shape)
+            and ("bias" not in roles or tuple(roles["bias"].shape) == shape[:1]))
 
 
 def _fail(path: Path, what: str, items: list[str]) -> LoraError:
@@ -126,28 +143,45 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
     linears = _linear_names(model)
     kohya = {n.replace(".", "_"): n for n in linears}
     parts, unknown = _group(path, tensors, kohya)
+    named = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_modules()}
     lora = LoraFile(name or path.stem, path)
-    not_in_model, mismatched = [], []
+    not_in_model, not_linear, mismatched, rank_zero = [], [], [], []
     for module, roles in parts.items():
-        if "down" not in roles or "up" not in roles:
+        pair, full = "down" in roles and "up" in roles, "diff" in roles or "bias" in roles
+        if ("down" in roles) != ("up" in roles) or not (pair or full):
             unknown.append(f"{module} (has {', '.join(sorted(roles))}; needs both down/A and up/B)")
             continue
         if module not in linears:
-            not_in_model.append(module)
+            if module in named:  # a norm's weight, a modulation, a convolution
+                not_linear += [f"{module}.{NAMES[r]}" for r in NAMES if r in roles]
+            else:
+                not_in_model.append(module)
             continue
-        down, up, weight = roles["down"], roles["up"], linears[module].weight
-        if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1] or \
-                (up.shape[0], down.shape[1]) != tuple(weight.shape):
-            mismatched.append(f"{module} down {tuple(down.shape)} up {tuple(up.shape)} vs weight {tuple(weight.shape)}")
+        weight = linears[module].weight
+        out, width = weight.shape
+        down, up = (roles["down"], roles["up"]) if pair else (torch.zeros(0, width), torch.zeros(out, 0))
+        if not _fits(roles, down, up, (out, width)):
+            shapes = " ".join(f"{NAMES[r]} {tuple(roles[r].shape)}" for r in NAMES if r in roles)
+            mismatched.append(f"{module} {shapes} vs weight {tuple(weight.shape)}")
             continue
-        alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and not meta else 1.0
-        lora.modules[module] = LowRank(down, up, alpha, roles.get("bias"))
+        if pair and down.shape[0] == 0:
+            rank_zero.append(module)
+            continue
+        alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and pair and not meta else 1.0
+        lora.modules[module] = LowRank(down, up, alpha, roles.get("bias"), roles.get("diff"))
     if unknown:
         raise _fail(path, "keys that are not LoRA weights of a Wan2.1 DiT", unknown)
     if not_in_model:
         raise _fail(path, "modules this model does not have", not_in_model)
+    if not_linear:
+        raise _fail(path, "updates for parameters that are not a linear layer's (a LoRA merges into linear layers "
+                    "only: lora_down/lora_up or lora_A/lora_B pairs, with .diff and .diff_b on those layers)",
+                    not_linear)
     if mismatched:
         raise _fail(path, "shapes that do not fit this model (a LoRA for another model size?)", mismatched)
+    if rank_zero:
+        raise _fail(path, "rank-0 updates (down/A factors with no rows: nothing to merge, and alpha / rank is "
+                    "undefined)", rank_zero)
     return lora
 
 
@@ -219,10 +253,12 @@ class LoraMerger:
         if update.bias is not None and target.bias is None:
             raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
         if self.keep_device is None:  # merged on the device: in the weight's own dtype, once
-            update.down = update.down.to(target.weight.device, target.weight.dtype)
-            update.up = update.up.to(target.weight.device, target.weight.dtype)
+            device, dtype = target.weight.device, target.weight.dtype
         else:
-            update.down, update.up = update.down.to(self.keep_device), update.up.to(self.keep_device)
+            device, dtype = self.keep_device, None
+        update.down, update.up = update.down.to(device, dtype), update.up.to(device, dtype)
+        if update.diff is not None:
+            update.diff = update.diff.to(device, dtype)
 
     @torch.no_grad()
     def forget(self, prefix: str) -> None:
@@ -322,8 +358,8 @@ class LoraMerger:
         for module, base in self._base_weight.items():
             layer = self._linears[module]
             held = [(i, lora.modules[module]) for i, lora in enumerate(self._loras.values()) if module in lora.modules]
-            targets.append(MergeTarget(layer.weight, base, [(i, u.down, u.up, u.alpha_scale, u.bias) for i, u in held],
-                                       layer.bias, self._base_bias[module]))
+            parts = [(i, u.down, u.up, u.alpha_scale, u.bias, u.diff) for i, u in held]
+            targets.append(MergeTarget(layer.weight, base, parts, layer.bias, self._base_bias[module]))
             updates.append([u for _, u in held])
         self.program, self._due, self._next = None, 0, 0
         if not targets:

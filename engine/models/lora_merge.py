@@ -13,7 +13,8 @@ The down factors of all weights with the same input width are stacked in one buf
 them is one kernel per width; each weight then takes one `addmm` from its kept original straight
 into the parameter (in place: the tensors captured graphs read stay valid). Scaled factors are
 rounded to the weight's dtype once, the sum over LoRAs accumulates in the matmul's float32; with
-every scale at 0 each weight is its original again (W0 + 0).
+every scale at 0 each weight is its original again (W0 + 0). A LoRA's full weight delta (`.diff`)
+is added after the `addmm`, times its scale read from the same tensor: one more rounding there.
 
 The layers can be split into `parts` runs of about equal size, each its own graph, so a caller can
 spread one change over several steps of a stream (`run(part)`): a part scales only its own rows of
@@ -32,11 +33,12 @@ from loom_live.engine.graphs.capture_clock import CAPTURES
 
 @dataclass
 class MergeTarget:
-    """One adapted layer: its parameters, their originals, and (lora index, down, up, alpha, bias delta) per LoRA."""
+    """One adapted layer: its parameters, their originals, and per LoRA (lora index, down, up, alpha, bias
+    delta, weight delta); the deltas are None where a LoRA has none."""
 
     weight: torch.Tensor
     base: torch.Tensor
-    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor | None]]
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor | None, torch.Tensor | None]]
     bias: torch.Tensor | None = None
     base_bias: torch.Tensor | None = None
 
@@ -71,6 +73,7 @@ class _Layer:
     base_bias: torch.Tensor | None
     bias_deltas: torch.Tensor | None  # [m, out] float32
     bias_lora: torch.Tensor | None  # [m] long
+    weight_deltas: list[tuple[torch.Tensor, torch.Tensor]]  # (its LoRA's scale: a view of `scales`, [out, in])
     ranks: list[int]  # of its parts, in order
 
 
@@ -105,17 +108,19 @@ class MergeProgram:
             width = t.weight.shape[1]
             group = rows.setdefault(width, [])
             start = sum(d.shape[0] for _, d, _ in group)
-            group += [(i, down, alpha) for i, down, _, alpha, _ in t.parts]
-            stop = start + sum(down.shape[0] for _, down, _, _, _ in t.parts)
-            up = torch.cat([u for _, _, u, _, _ in t.parts], dim=1)
-            biased = [(i, b) for i, _, _, _, b in t.parts if b is not None]
+            group += [(i, down, alpha) for i, down, _, alpha, _, _ in t.parts]
+            stop = start + sum(down.shape[0] for _, down, _, _, _, _ in t.parts)
+            up = torch.cat([u for _, _, u, _, _, _ in t.parts], dim=1)
+            biased = [(i, b) for i, _, _, _, b, _ in t.parts if b is not None]
             deltas = torch.stack([b.float() for _, b in biased]).to(t.weight.device) if biased else None
             which = torch.tensor([i for i, _ in biased], device=t.weight.device) if biased else None
+            full = [(self.scales[i], d) for i, _, _, _, _, d in t.parts if d is not None]
             self._layers.append(_Layer(t.weight, t.base, up, width, slice(start, stop), t.bias, t.base_bias,
-                                       deltas, which, [d.shape[0] for _, d, _, _, _ in t.parts]))
+                                       deltas, which, full, [d.shape[0] for _, d, _, _, _, _ in t.parts]))
         for width, group in rows.items():
             down = torch.cat([d for _, d, _ in group])
-            lora = torch.tensor([i for i, d, _ in group for _ in range(d.shape[0])], device=down.device)
+            lora = torch.tensor([i for i, d, _ in group for _ in range(d.shape[0])], dtype=torch.long,
+                                device=down.device)  # long even when empty (layers changed by full deltas alone)
             alpha = torch.tensor([a for _, d, a in group for _ in range(d.shape[0])], dtype=torch.float32,
                                  device=down.device)
             self._groups[width] = _Group(down, lora, alpha, torch.empty_like(down))
@@ -178,6 +183,8 @@ class MergeProgram:
             scaled.copy_(down * (self.scales[lora] * alpha)[:, None])
         for layer in part.layers:
             torch.addmm(layer.base, layer.up, self._groups[layer.width].scaled[layer.rows], out=layer.weight)
+            for scale, delta in layer.weight_deltas:
+                layer.weight.addcmul_(delta, scale)
             if layer.bias_deltas is not None:
                 delta = (self.scales[layer.bias_lora][:, None] * layer.bias_deltas).sum(0)
                 layer.bias.copy_(layer.base_bias.float() + delta)

@@ -99,6 +99,9 @@ class FileTextEncoder:
         from safetensors import safe_open
 
         self.path = Path(path).expanduser()
+        if self.path.is_dir():  # a umT5 folder, most likely: say what this encoder reads instead
+            raise PromptError(f"{self.path}: is a folder; prompt.encoder=file reads one .safetensors file of prompt "
+                              "embeddings (written by `loom encode-prompts`), and a umT5 folder is prompt.encoder=umt5")
         if not self.path.is_file():
             raise PromptError(f"{self.path}: prompt embeddings file not found")
         try:
@@ -156,6 +159,10 @@ def umt5_folders(path: str | Path) -> tuple[Path, Path]:
     (what `loom pull` fetches): tokenizer/ + text_encoder/. A folder that is neither is refused naming what it
     lacks, before transformers reads it (whose own error for such a folder blamed a missing sentencepiece)."""
     folder = Path(path).expanduser()
+    if folder.is_file():  # an embeddings file, most likely: say what this encoder reads instead
+        raise PromptError(f"{folder}: is a file; prompt.encoder=umt5 reads a umT5 folder (prompt.path: the one "
+                          "`loom pull` fetches, text_encoder/ and tokenizer/), and an embeddings file is "
+                          "prompt.encoder=file")
     if not folder.is_dir():
         raise PromptError(f"{folder}: umT5 directory not found (prompt.path)")
     tok, enc = (folder / "tokenizer", folder / "text_encoder") if (folder / "text_encoder").is_dir() \

@@ -15,6 +15,7 @@ from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_o
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
+from loom_live.plugin.cli.preflight import check_weights
 from loom_live.plugin.media.video_io import generate_clip, open_source
 
 CUDA_FRAMES = 3000
@@ -135,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.profile_chunks and (not cuda or cfg.parallel.gpus > 1 or cfg.model.family == "edit"):
         raise UserError(f"--profile-chunks {args.profile_chunks}: a kernel profile needs a CUDA GPU, one GPU and a "
                         "Wan or embedded preset; give 0 (off) or a positive count there")
+    # the files given (checkpoints, LoRAs, prompt embeddings) checked as `loom play` checks them, before any model
+    # loads; what random weights replace is not asked for (see `missing_weights`)
+    check_weights(cfg)
     warmup = args.warmup if args.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
     if cfg.model.family == "edit":
         return _run_edit(args, cfg, warmup, count)

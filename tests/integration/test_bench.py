@@ -112,6 +112,40 @@ def test_bench_refuses_a_bad_override(capsys):
     assert "steps" in capsys.readouterr().err
 
 
+def test_bench_checks_the_weights_it_is_given_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """A checkpoint or LoRA given to `loom bench` was first read at model load (after the models before it),
+    and a path the user may not read ended in a traceback; as in `loom play`, each is one line and exit code 2
+    before any model loads."""
+    import errno
+    from pathlib import Path
+
+    from loom_live.engine.tools import bench
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model loaded")
+
+    monkeypatch.setattr(bench, "run_loom", loaded)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not weights")
+    closed = tmp_path / "closed"
+    stat = Path.stat
+
+    def denied(self, *args, **kwargs):  # as for a folder of mode 000 (the tests may run as root)
+        if self.parent == closed:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    small = ["bench", "-c", "tiny-random", "--frames", "8", "--bridge", "none"]
+    for args, said in ((["--set", f"model.checkpoint={junk}"], f"{junk}: "),
+                       (["--lora", str(junk)], f"{junk}: "),
+                       (["--lora", str(closed / "ink.safetensors")],
+                        f"{closed / 'ink.safetensors'}: cannot be read (Permission denied)")):
+        assert main([*small, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_bench_edit_family_reports_each_batch_size_and_the_encoder(tmp_path, capsys):
     out = tmp_path / "edit.json"
     rc = main(["bench", "-c", "edit-tiny", "--frames", "12", "--warmup", "4", "--batches", "2,4",

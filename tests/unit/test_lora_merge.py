@@ -3,12 +3,15 @@ replaced) to one rounding; a live scale change rebuilds nothing, moves no tensor
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from loom_live.engine.models.lora import LoraMerger, read_lora
-from tests.fakes.wan_models import random_model
+from loom_live.engine.models.lora import LoraError, LoraMerger, read_lora
+from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
+from tests.fakes.wan_models import CFG, random_model
 
 
 def _lora_file(model: torch.nn.Module, path, seed: int, rank: int, alpha: float, bias: bool = False) -> str:
@@ -212,3 +215,100 @@ def test_a_spread_change_reaches_every_layer_after_its_parts_and_a_new_one_start
     assert _same(a, b)
     with pytest.raises(ValueError, match="parts: 0 is not allowed"):
         LoraMerger(split, parts=0)
+
+
+def _wan_keys(module: str, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Original-Wan-layout keys of `module`: lora_down= / lora_up= name the factors, the rest their suffix."""
+    names = {"lora_down": "lora_down.weight", "lora_up": "lora_up.weight"}
+    return {f"diffusion_model.{module}.{names.get(k, k)}": t for k, t in tensors.items()}
+
+
+@pytest.mark.parametrize("keep", [None, "cpu"])
+def test_full_weight_and_bias_deltas_merge_at_the_loras_scale_like_its_low_rank_product(tmp_path, keep):
+    """Community Wan LoRAs carry `.diff` (a full weight delta) and `.diff_b` (a bias delta) beside their
+    factors: each is added times the LoRA's scale (alpha is the factors' alone), on the device program and
+    the low-VRAM host path alike; a linear layer with full deltas alone takes them alone."""
+    model = random_model()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(5)
+    down, up = torch.randn(4, 48, generator=g), torch.randn(48, 4, generator=g)
+    diff, diff_b = torch.randn(48, 48, generator=g), torch.randn(48, generator=g)
+    ffn_diff = torch.randn(48, 64, generator=g)
+    path = tmp_path / "full.safetensors"
+    save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=down, lora_up=up, alpha=torch.tensor(2.0), diff=diff,
+                           diff_b=diff_b),
+               **_wan_keys("blocks.1.ffn.2", diff=ffn_diff)}, str(path))
+    merger = LoraMerger(model, keep_device=keep)
+    merger.add(read_lora(path, model), scale=0.7)
+    for scale in (0.7, -1.3):
+        merger.set_scale("full", scale)
+        q, ffn = model.blocks[0].self_attn.q, model.blocks[1].ffn[2]
+        expect_q = original["blocks.0.self_attn.q.weight"] + scale * (up @ down * 2.0 / 4) + scale * diff
+        assert (q.weight - expect_q).abs().max() < 1e-5
+        assert (q.bias - (original["blocks.0.self_attn.q.bias"] + scale * diff_b)).abs().max() < 1e-6
+        assert (ffn.weight - (original["blocks.1.ffn.2.weight"] + scale * ffn_diff)).abs().max() < 1e-6
+        assert torch.equal(ffn.bias, original["blocks.1.ffn.2.bias"])
+    merger.set_scale("full", 0.0)
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+
+
+def test_full_deltas_of_what_is_not_a_linear_layer_are_refused_naming_their_keys(tmp_path):
+    """Norm weights (`norm3.diff`, `norm_q.diff`) and modulations are no layer the merger adapts: such a file
+    is refused, before an engine starts, naming those keys and what a LoRA may hold."""
+    path = tmp_path / "norms.safetensors"
+    save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=torch.zeros(2, 48), lora_up=torch.zeros(48, 2)),
+               **_wan_keys("blocks.0.norm3", diff=torch.zeros(48)),
+               **_wan_keys("blocks.1.self_attn.norm_q", diff=torch.zeros(48)),
+               **_wan_keys("head.modulation", diff=torch.zeros(1, 2, 48))}, str(path))
+    with torch.device("meta"):
+        model = WanDiT(CFG)
+    with pytest.raises(LoraError) as refused:
+        read_lora(path, model, meta=True)
+    said = str(refused.value)
+    assert said.startswith(f"{path}: updates for parameters that are not a linear layer's") and "\n" not in said
+    assert "lora_down/lora_up or lora_A/lora_B pairs, with .diff and .diff_b on those layers" in said
+    listed = said.rsplit(": ", 1)[1].split(", ")
+    assert sorted(listed) == ["blocks.0.norm3.diff", "blocks.1.self_attn.norm_q.diff", "head.modulation.diff"]
+
+
+def test_a_rank_0_lora_is_refused_before_a_start_not_divided_by_at_load(tmp_path):
+    """A lora_down of no rows passed the pre-start check and divided by zero (alpha / rank) at load."""
+    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.models.loading import check_weight_files
+
+    dim = DIT_PRESETS["tiny"].dim
+    path = tmp_path / "empty.safetensors"
+    save_file(_wan_keys("blocks.0.self_attn.q", lora_down=torch.zeros(0, dim), lora_up=torch.zeros(dim, 0),
+                        alpha=torch.tensor(8.0)), str(path))
+    said = "^" + re.escape(f"{path}: rank-0 updates") + r"[^\n]*: blocks\.0\.self_attn\.q$"
+    with pytest.raises(LoraError, match=said):
+        check_weight_files(load_config("tiny-random", lora_override([str(path)])))
+    with pytest.raises(LoraError, match=said):
+        read_lora(path, random_model(DIT_PRESETS["tiny"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_merge_replays_a_full_weight_delta_at_each_new_scale(tmp_path):
+    """The `.diff` term is added inside the captured program, its scale read from the scales tensor: a live
+    change replays it at the new scale without recapture, and scale 0 gives the original weight back."""
+    model = random_model().to("cuda", torch.bfloat16)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(9)
+    down, up = torch.randn(4, 48, generator=g) * 0.2, torch.randn(48, 4, generator=g) * 0.2
+    diff = torch.randn(48, 48, generator=g) * 0.1
+    path = tmp_path / "full.safetensors"
+    save_file(_wan_keys("blocks.0.self_attn.q", lora_down=down, lora_up=up, diff=diff), str(path))
+    merger = LoraMerger(model)
+    merger.add(read_lora(path, model), scale=0.5)
+    merger.capture()
+    for scale in (0.5, -1.2, 0.0):
+        merger.set_scale("full", scale)
+        torch.cuda.synchronize()
+        base = original["blocks.0.self_attn.q.weight"].double().cpu()
+        bf = torch.bfloat16
+        expect = base + scale * (up.to(bf).double() @ down.to(bf).double()) + scale * diff.to(bf).double()
+        got = model.blocks[0].self_attn.q.weight.double().cpu()
+        assert (got - expect).abs().max() < 0.02, scale
+    assert merger.program.captures == 1
+    assert torch.equal(model.blocks[0].self_attn.q.weight, original["blocks.0.self_attn.q.weight"])

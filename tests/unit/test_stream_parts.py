@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -193,6 +194,24 @@ def test_embeddings_file_round_trip_and_unknown_prompt(tmp_path):
     assert torch.equal(enc.encode(["ink wash"]), HashTextEncoder(8).encode(["ink wash"]))
     with pytest.raises(PromptError, match="no embedding for prompt 'watercolour'"):
         enc.encode(["watercolour"])
+
+
+def test_a_prompt_path_of_the_other_kind_is_said_as_a_file_or_a_folder(tmp_path):
+    """An embeddings file given to prompt.encoder=umt5 was said as "umT5 directory not found", and a umT5
+    folder given to prompt.encoder=file as "file not found": both there, just the other kind."""
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import check_weight_files
+    from loom_live.plugin.cli.encode_prompts import write_embeddings
+
+    embeddings, folder = tmp_path / "p.safetensors", tmp_path / "umt5"
+    write_embeddings(HashTextEncoder(8), ["neon city"], embeddings)
+    folder.mkdir()
+    said = re.escape(f"{embeddings}: is a file; prompt.encoder=umt5 reads a umT5 folder")
+    with pytest.raises(PromptError, match=f"^{said}"):
+        check_weight_files(load_config("tiny-random", ["prompt.encoder=umt5", f"prompt.path={embeddings}"]))
+    said = re.escape(f"{folder}: is a folder; prompt.encoder=file reads one .safetensors file")
+    with pytest.raises(PromptError, match=f"^{said}"):
+        check_weight_files(load_config("tiny-random", ["prompt.encoder=file", f"prompt.path={folder}"]))
 
 
 def test_an_embeddings_file_the_disk_cannot_hold_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
