@@ -1,6 +1,8 @@
 """Restyle a video file with the engine in this process (no bridge, no second process).
 
-The in-process API for scripts and notebooks: `StreamSession.push()` takes frames as they come
+The in-process API for scripts and notebooks: `open_session(cfg)` opens the session the config
+names (`StreamSession` for the Wan family and the embedded default, `EditSession` for the edit
+presets, `PipelineSession` with `parallel.gpus` > 1). Its `push()` takes frames as they come
 and returns the restyled frames that are finished, in order; on a GPU the newest chunk may still
 be running when a push returns (so the next chunk's encode overlaps it), and `poll()` picks its
 frames up without new input; `flush()` ends the stream and returns the rest.
@@ -18,11 +20,11 @@ import time
 
 import numpy as np
 
-from loom_live.engine import StreamSession
 from loom_live.engine.config import load_config
+from loom_live.engine.session_api import open_session
 from loom_live.plugin.media.video_io import FrameSink, open_sink, open_source
 
-PUSH_FRAMES = 4  # one latent frame's worth: the session's steady chunk
+PUSH_FRAMES = 4  # one latent frame's worth, the Wan session's steady chunk (a push takes any count)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=None, help="text prompt (the config's prompt otherwise)")
     args = ap.parse_args(argv)
 
-    session = StreamSession.from_config(load_config(args.config, args.overrides))
+    session = open_session(load_config(args.config, args.overrides))
     if args.prompt:
         session.set_prompt(args.prompt)
     written, start = 0, time.perf_counter()
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             sink.close()
             session.close()
     p50 = stats["latency_ms"].get("p50")
-    print(f"{written} frames to {args.output} in {time.perf_counter() - start:.1f} s; dropped {stats['dropped']}"
+    print(f"{written} frames to {args.output} by {type(session).__name__} in {time.perf_counter() - start:.1f} s; "
+          f"dropped {stats['dropped']}"
           + (f", latency p50 {p50:.0f} ms" if p50 is not None else ""))
     return 0
 

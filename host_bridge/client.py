@@ -64,6 +64,11 @@ class EngineRefused(RuntimeError):
 
 
 class Bridge:
+    """A host's link to one engine: `Bridge(BridgeConfig(...))` or `Bridge(**settings)`, used in a `with`
+    block (or `start()` ... `close()`). Live: `submit`/`latest` (`submit_cuda`/`latest_cuda` on cuda-ipc)
+    never wait; batch: `process`/`process_stream` wait for every frame; `set_prompt`, `set_params` and
+    `set_reference` are remembered and told to every engine that starts later."""
+
     def __init__(self, config: BridgeConfig | Mapping[str, Any] | None = None, **overrides: Any):
         if config is None or isinstance(config, Mapping):
             config = BridgeConfig.from_dict({**dict(config or {}), **overrides})

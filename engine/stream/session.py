@@ -69,14 +69,22 @@ class _Chunk:
     source: torch.Tensor | None = None  # a model that reads its input: what it gets beside the chunk
 
 
+def _check_runs(cfg: LoomConfig) -> None:
+    """A config this session cannot run is refused in one line: an edit-family or several-GPU config would
+    otherwise run the Wan family's defaults on one device, silently not the model it names."""
+    where = "`engine.session_api.open_session(cfg)` opens the session any config names"
+    if cfg.model.family != "wan":
+        raise ValueError(f"model.family: {cfg.model.family!r}; a StreamSession runs the Wan family ('wan'); {where}")
+    if cfg.parallel.gpus > 1:
+        raise ValueError(f"parallel.gpus: {cfg.parallel.gpus}; a StreamSession runs on one GPU (1), the DiT "
+                         f"pipeline over several is PipelineSession; {where}")
+
+
 class StreamSession:
     """A live stream through the model. Not thread-safe: drive it from one thread."""
 
     def __init__(self, cfg: LoomConfig, models: LoadedModels) -> None:
-        if cfg.parallel.gpus > 1:
-            raise ValueError(f"parallel.gpus: {cfg.parallel.gpus}; a StreamSession runs on one GPU (1). The DiT "
-                             "pipeline over several GPUs is PipelineSession, run by `loom bench --gpus N`; "
-                             "`loom serve`, `play` and `eval` do not use it yet")
+        _check_runs(cfg)
         self.cfg = cfg
         self.models = models
         self.device, self.dtype = models.device, models.dtype
@@ -121,6 +129,7 @@ class StreamSession:
         On a GPU the session then warms up (kernel autotuning, compilation, graph capture) on
         synthetic frames, so the first real frame is served at steady-state speed.
         """
+        _check_runs(cfg)  # before the load: a config of another family would load the Wan defaults and run them
         times = StartupTimes()
         times.note_process_age()
         with times.phase("load"):

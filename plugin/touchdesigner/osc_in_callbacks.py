@@ -1,4 +1,5 @@
-"""OSC In DAT callbacks: drive the Loom component with the same OSC addresses as `loom play`.
+"""OSC In DAT callbacks: drive the Loom component with `loom play`'s OSC addresses for the settings it has,
+plus `/loom/transition` and `/loom/active` of its own.
 
 Put an OSC In DAT inside the Loom component, set its Network Port, and point its Callbacks DAT
 at this file's DAT. Each message sets a component parameter, so OSC, the parameter dialog and

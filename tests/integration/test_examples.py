@@ -32,13 +32,24 @@ def test_in_process_example_restyles_every_frame_of_a_file(tmp_path):
     # the model at the clip's size with one step (the example's --set, as its usage shows): less work, same path
     printed = _run("restyle_in_process.py", str(src), str(out), "--set", "resolution.width=96", "--set",
                    "resolution.height=64", "--set", "stream.steps=[700]")
-    assert printed.startswith("23 frames to")
+    assert printed.startswith("23 frames to") and " by StreamSession " in printed
     with open_source(out) as restyled:
         frames = list(restyled)
     with open_source(src) as original:
         first = original.read()
     assert len(frames) == 23 and frames[0].shape == (64, 96, 3)
     assert abs(frames[0].astype(int) - first.astype(int)).mean() > 1  # restyled, not copied
+
+
+def test_in_process_example_runs_the_model_family_its_config_names(tmp_path):
+    """An edit preset ran the Wan defaults' StreamSession (random tiny weights), silently not the edit model."""
+    src, out = tmp_path / "in.mp4", tmp_path / "out.mp4"
+    sink = open_sink(src, 24, (64, 64))
+    for frame in generate_clip(n_frames=9, size=(64, 64)):
+        sink.write(frame)
+    sink.close()
+    printed = _run("restyle_in_process.py", str(src), str(out), "--config", "edit-tiny")
+    assert printed.startswith("9 frames to") and " by EditSession " in printed, printed
 
 
 def test_host_frame_loop_example_streams_through_a_launched_engine(tmp_path):

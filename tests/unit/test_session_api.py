@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from loom_live.engine.config import load_config
+from loom_live.engine.edit.session import EditSession
 from loom_live.engine.parallel.session import PipelineSession
 from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.engine.session_api import EngineSession
 from loom_live.engine.stream.session import StreamSession
 
-SESSIONS = [PassthroughSession, StreamSession, PipelineSession]
+SESSIONS = [PassthroughSession, StreamSession, PipelineSession, EditSession]
 METHODS = [name for name, member in vars(EngineSession).items()
            if inspect.isfunction(member) and not name.startswith("_")]
 PROPERTIES = [name for name, member in vars(EngineSession).items() if isinstance(member, property)]
@@ -69,6 +70,17 @@ def test_the_wan_session_refuses_another_familys_parameters_by_name():
     with StreamSession.from_config(load_config("default"), warmup=False) as session:
         with pytest.raises(ValueError, match="unknown parameter 'adapter_strength'; settable: steps"):
             session.set_params(adapter_strength=0.5)
+
+
+def test_a_stream_session_refuses_a_config_of_another_family_before_it_loads(monkeypatch):
+    """StreamSession.from_config on an edit preset loaded the Wan defaults and ran them: not the model named."""
+    import loom_live.engine.stream.session as stream_session
+
+    monkeypatch.setattr(stream_session, "load_models", lambda cfg: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=r"^model.family: 'edit'; a StreamSession runs the Wan family .*open_session"):
+        StreamSession.from_config(load_config("edit-tiny"), warmup=False)
+    with pytest.raises(ValueError, match=r"^parallel.gpus: 2; a StreamSession runs on one GPU .*open_session"):
+        StreamSession.from_config(load_config("tiny-random", ["parallel.gpus=2"]), warmup=False)
 
 
 def test_the_gpus_a_run_needs_are_checked_before_anything_loads(monkeypatch):
