@@ -4,8 +4,9 @@ Restarting a GPU engine means loading weights, compiling and capturing graphs ag
 far longer than a show can stand in fallback. With `BridgeConfig.standby`, the supervisor keeps one
 more engine process ready: launched with the same settings, handshaked, loaded, and kept alive by
 heartbeats, but given no rings and no frames. When the active engine dies or hangs, the supervisor
-takes the standby (`take()`) and uses it at once: it gets the prompt, the parameters and the next
-frame like any fresh engine, and its rings on its first frame. Then a new standby is started.
+takes the standby (`take()`, which gives up one that is not alive itself) and uses it at once: it
+gets the prompt, the parameters and the next frame like any fresh engine, and its rings on its first
+frame. Then a new standby is started.
 
 The standby's control messages are served here, on the supervisor's thread (`step()`); host threads
 never see a standby link. Its own failures (exit, hang, no handshake) only cost a new standby after
@@ -84,10 +85,19 @@ class Standby:
         link.maybe_heartbeat(time.monotonic())
 
     def take(self) -> Link | None:
-        """The ready standby link, handed over (a new standby is opened on a later `step`); else None."""
-        if not self.ready:
+        """The ready standby link, handed over (a new standby is opened on a later `step`); else None.
+
+        It is judged once more first, as `step` judges it: it may have exited or gone silent since the last
+        `step` (an event that kills the engine in use often kills it too). Such a one is given up, not
+        adopted, and the caller restarts the engine as it would without a standby."""
+        link = self.link
+        if link is None or not link.ready:
             return None
-        link, self.link = self.link, None
+        problem = link.check(time.monotonic())
+        if problem:
+            self._drop(problem)
+            return None
+        self.link = None
         link.heard()  # it was heard until now; the new owner judges it from here
         return link
 
