@@ -4,9 +4,11 @@ The bridge starts the engine in its own process (here the embedded default over 
 and never blocks the loop: `submit()` hands a frame over (latest wins; a busy engine drops
 frames and counts them), `latest()` returns the newest restyled frame, or the fallback (the
 input) with a status while the engine starts, restarts or is gone. A prompt change and a
-parameter change go over the control channel while frames flow.
+parameter change go over the control channel while frames flow; the parameter is one the engine's
+model family takes, as the engine refuses another family's.
 
     python examples/host_frame_loop.py [--seconds 5] [--fps 30] [--transport shm|cuda-ipc]
+                                       [--config default|edit-tiny|...|FILE.yaml]
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ def main(argv: list[str] | None = None) -> int:
             fallback += status.fallback
             if i == int(args.fps):  # after a second: a new prompt, blended in over a few chunks
                 bridge.set_prompt("ink wash painting")
-                bridge.set_params(noise_scale=0.7)
+                # a parameter the engine's model family takes (`engine_start()` lists them once it is
+                # ready): the edit model's adapter strength, else the Wan models' noise strength
+                edit = "adapter_strength" in (bridge.engine_start() or {"params": {}})["params"]
+                bridge.set_params(**({"adapter_strength": 0.8} if edit else {"noise_scale": 0.7}))
             i += 1
             next_frame += period
             time.sleep(max(0.0, next_frame - time.monotonic()))
         stats = bridge.stats()
     print(f"{i} frames submitted, {shown} restyled frames shown, {fallback} fallbacks; engine "
           f"{stats['fps']:.1f} fps, latency p50 {stats['latency_ms_p50']:.0f} ms, dropped {stats['dropped']}, "
-          f"restarts {stats['restarts']}")
+          f"restarts {stats['restarts']}, errors {stats['errors']}")
+    if stats["last_error"]:
+        print(f"last error: {stats['last_error']}")
     return 0
 
 

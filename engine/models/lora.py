@@ -145,7 +145,7 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
     parts, unknown = _group(path, tensors, kohya)
     named = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_modules()}
     lora = LoraFile(name or path.stem, path)
-    not_in_model, not_linear, mismatched, rank_zero = [], [], [], []
+    not_in_model, not_linear, mismatched, rank_zero, no_bias = [], [], [], [], []
     for module, roles in parts.items():
         pair, full = "down" in roles and "up" in roles, "diff" in roles or "bias" in roles
         if ("down" in roles) != ("up" in roles) or not (pair or full):
@@ -167,6 +167,9 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
         if pair and down.shape[0] == 0:
             rank_zero.append(module)
             continue
+        if "bias" in roles and linears[module].bias is None:  # nothing to add it to: refused here, not at load
+            no_bias.append(f"{module}.{NAMES['bias']}")
+            continue
         alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and pair and not meta else 1.0
         lora.modules[module] = LowRank(down, up, alpha, roles.get("bias"), roles.get("diff"))
     if unknown:
@@ -182,6 +185,8 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
     if rank_zero:
         raise _fail(path, "rank-0 updates (down/A factors with no rows: nothing to merge, and alpha / rank is "
                     "undefined)", rank_zero)
+    if no_bias:
+        raise _fail(path, "bias deltas for linear layers that have no bias", no_bias)
     return lora
 
 
@@ -229,7 +234,7 @@ class LoraMerger:
         self._elsewhere[lora.name] = {m: u for m, u in lora.modules.items() if self._linears[m].weight.is_meta}
         lora.modules = {m: u for m, u in lora.modules.items() if not self._linears[m].weight.is_meta}
         for module, update in lora.modules.items():
-            self._hold(lora, module, update)
+            self._hold(module, update)
         self._loras[lora.name] = lora
         self._scales[lora.name] = float(scale)
         self._merge(lora.modules)
@@ -243,15 +248,14 @@ class LoraMerger:
         if self.program is not None:
             self.program.capture()
 
-    def _hold(self, lora: LoraFile, module: str, update: LowRank) -> None:
-        """Keep the original of `module` and put the update where merges compute."""
+    def _hold(self, module: str, update: LowRank) -> None:
+        """Keep the original of `module` and put the update where merges compute (`read_lora` refused a
+        bias delta for a layer without a bias)."""
         target = self._linears[module]
         if module not in self._base_weight:
             self._base_weight[module] = target.weight.detach().to(self.keep_device, copy=True)
             bias = target.bias
             self._base_bias[module] = None if bias is None else bias.detach().to(self.keep_device, copy=True)
-        if update.bias is not None and target.bias is None:
-            raise LoraError(f"{lora.path}: {module} has a bias delta but the layer has no bias")
         if self.keep_device is None:  # merged on the device: in the weight's own dtype, once
             device, dtype = target.weight.device, target.weight.dtype
         else:
@@ -286,7 +290,7 @@ class LoraMerger:
         for name, lora in self._loras.items():
             arrived = {m: u for m, u in self._elsewhere[name].items() if m.startswith(prefix)}
             for module, update in arrived.items():
-                self._hold(lora, module, update)
+                self._hold(module, update)
                 del self._elsewhere[name][module]
             lora.modules.update(arrived)
             touched.update(arrived)

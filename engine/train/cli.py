@@ -3,7 +3,7 @@
     python -m loom_live.engine.train prepare [--out build/loom_styles_256.npz] [--held-out]  # CPU: styled pairs
     python -m loom_live.engine.train table [--out engine/models/weights/style_text.npz]  # CPU: text table
     python -m loom_live.engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
-    python -m loom_live.engine.train eval [--weights ...] [--out docs/embedded-eval.json]   # CPU: model card metrics
+    python -m loom_live.engine.train eval [--weights ...] [--out docs/embedded/eval.json]   # CPU: model card metrics
     python -m loom_live.engine.train picture [--out docs/embedded-styles.png]
 """
 
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
             fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     ev = sub.add_parser("eval", help="measure the model card's metrics on the held-out clips (CPU)")
     ev.add_argument("--weights", default=None)
-    ev.add_argument("--out", default="docs/embedded-eval.json")
+    ev.add_argument("--out", default="docs/embedded/eval.json",
+                    help="the JSON report (default: the one the model card quotes, beside the train log)")
     ev.add_argument("--frames", type=_frames, default=49, help="frames of each held-out clip, 6 or more (default 49)")
     pic = sub.add_parser("picture", help="the README picture: input frames beside four styles")
     pic.add_argument("--out", default="docs/embedded-styles.png")

@@ -64,3 +64,12 @@ def test_host_frame_loop_example_streams_through_a_launched_engine(tmp_path):
     assert m, printed
     submitted, shown, restarts = map(int, m.groups())
     assert submitted >= 40 and shown > 0 and restarts == 0
+
+
+def test_host_frame_loop_example_changes_a_parameter_the_edit_family_takes():
+    """With an edit preset it set noise_scale, a Wan parameter the edit engine refuses (said only in the status)."""
+    printed = _run("host_frame_loop.py", "--seconds", "3", "--fps", "10", "--config", "edit-tiny")
+    m = re.search(r"(\d+) frames submitted, .* restarts (\d+), errors (\d+)", printed)
+    assert m, printed
+    submitted, restarts, errors = map(int, m.groups())
+    assert submitted >= 20 and restarts == 0 and errors == 0, printed

@@ -287,6 +287,25 @@ def test_a_rank_0_lora_is_refused_before_a_start_not_divided_by_at_load(tmp_path
         read_lora(path, random_model(DIT_PRESETS["tiny"]))
 
 
+def test_a_bias_delta_for_a_linear_layer_without_a_bias_is_refused_by_the_pre_start_read(tmp_path):
+    """A `.diff_b` on a layer with no bias passed `read_lora` on the meta model (the check before an engine
+    starts) and was refused only when the merger took it, at model load."""
+    path = tmp_path / "bias.safetensors"
+    save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=torch.zeros(2, 48), lora_up=torch.zeros(48, 2),
+                           diff_b=torch.zeros(48)),
+               **_wan_keys("blocks.1.ffn.2", diff=torch.zeros(48, 64), diff_b=torch.zeros(48)),
+               **_wan_keys("blocks.1.self_attn.k", diff_b=torch.zeros(48))}, str(path))
+    with torch.device("meta"):
+        model = WanDiT(CFG)
+    model.blocks[0].self_attn.q.bias = None
+    model.blocks[1].ffn[2].bias = None
+    said = "^" + re.escape(f"{path}: bias deltas for linear layers that have no bias: ") + r"[^\n]*$"
+    with pytest.raises(LoraError, match=said) as refused:
+        read_lora(path, model, meta=True)
+    assert sorted(str(refused.value).rsplit(": ", 1)[1].split(", ")) == ["blocks.0.self_attn.q.diff_b",
+                                                                        "blocks.1.ffn.2.diff_b"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_captured_merge_replays_a_full_weight_delta_at_each_new_scale(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -447,6 +448,17 @@ def test_train_prepare_takes_only_sides_the_model_can_use(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["prepare", "--size", bad])
         assert "--size" in capsys.readouterr().err
+
+
+def test_train_eval_writes_by_default_the_report_the_repository_keeps():
+    """The default was docs/embedded-eval.json, a file beside the one the model card quotes and the repository
+    keeps (docs/embedded/eval.json, with the train log). Only parsed here: the kept report is not written."""
+    from loom_live.engine.train.cli import build_parser
+
+    default = build_parser().parse_args(["eval"]).out
+    root = Path(__file__).resolve().parents[2]
+    assert default == "docs/embedded/eval.json" and (root / default).is_file()
+    assert default in (root / "docs" / "embedded-model.md").read_text()
 
 
 def test_loom_train_help_lists_the_recipes_commands(capsys):
