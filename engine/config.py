@@ -19,7 +19,15 @@ from typing import Any
 import yaml
 
 from loom_live.host_bridge.wire import params as live
-from loom_live.host_bridge.wire.typed_config import ConfigError, apply_override, build, parse_override, spec, to_dict
+from loom_live.host_bridge.wire.typed_config import (
+    ConfigError,
+    apply_override,
+    build,
+    did_you_mean,
+    parse_override,
+    spec,
+    to_dict,
+)
 
 __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_PRESET"]
 
@@ -34,6 +42,13 @@ PRESET_PACKAGE = "loom_live.engine.presets"
 # the KV window must hold them
 FIRST_CHUNK_LATENTS = 1 + (live.FIRST_CHUNK_FRAMES - 1) // live.CHUNK_FRAMES
 
+
+# the Wan family's keys the edit family does not read (engine/edit reads model.family, device, dtype, seed,
+# random_weights and cpu_threads, resolution, prompt.text, slo and edit), by section; None: every key of it.
+# The other model and vae keys are left alone: `loom bench` and `loom prepare` set them whatever the family
+WAN_ONLY_KEYS: dict[str, tuple[str, ...] | None] = {
+    "model": ("preset", "checkpoint"), "vae": ("checkpoint", "taehv_checkpoint"), "prompt": ("encoder", "path"),
+    "stream": None, "noise": None, "memory": None, "control": None}
 
 # compiled steps saved whole (engine/graphs/saved_compiles.py): "none" is spelt out, since YAML reads off as false
 SAVED_CHOICES = ("load", "build", "none")
@@ -93,6 +108,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device: {self.device!r} is not allowed; expected auto, cpu, cuda or cuda:N")
+
+
+def _first_set(section: Any, keys: tuple[str, ...] | None = None) -> str | None:
+    """The first of `keys` (None: every key) of a config section whose value is not its default, or None."""
+    default = type(section)()
+    return next((f.name for f in dataclasses.fields(section) if (keys is None or f.name in keys)
+                 and getattr(section, f.name) != getattr(default, f.name)), None)
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if key else section
 
 
 def _divisors(n: int) -> str:
@@ -377,11 +403,27 @@ class LoomConfig:
         if self.model.family == "edit" and self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
                              "states peak near 1160); use auto, bfloat16 or float32")
+        self._refuse_other_family()
         self._check_control()
         self._refuse_unused_paths()
         if self.memory.low_vram and self.prompt.device == "cuda":
             raise ValueError("prompt.device: 'cuda' contradicts memory.low_vram=true, which runs the text encoder "
                              "on the CPU; use prompt.device=auto or cpu, or turn low_vram off")
+
+    def _refuse_other_family(self) -> None:
+        """A key only the other model family reads is a mistake to say, not to ignore (`--lora` on an edit
+        preset ran without the LoRA, `--set edit.batch=4` on a Wan preset changed nothing: both exit 0)."""
+        family = self.model.family
+        if family == "wan":
+            unread = {"edit": _first_set(self.edit)}
+        else:
+            unread = {"lora": "" if self.lora else None}
+            unread.update({s: _first_set(getattr(self, s), keys) for s, keys in WAN_ONLY_KEYS.items()})
+        for section, key in unread.items():
+            if key is not None:
+                other = "wan" if family == "edit" else "edit"
+                raise ValueError(f"{_join(section, key)}: model.family={family} does not read it (a key of the "
+                                 f"{other} family); leave it out, or set model.family={other}")
 
     def _refuse_unused_paths(self) -> None:
         """A weights path the run would not read is a mistake to say, not to ignore (a VAE checkpoint given
@@ -550,6 +592,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2 (and JSON) read 1e3, 5e-1 and 1.5e3 as numbers; PyYAML's YAML 1.1 wants a dot and a signed
+# exponent (1.0e+3), made them strings, and a number key refused '5e-1' as not a number
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
+
+
 def _name(key: Any) -> str:
     """A key as an error may show it: a name as it is, anything else (a line of some other file) not at all."""
     return repr(key) if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", key) else "a key"
@@ -592,7 +641,8 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     else:
         name = str(name_or_path)
         if name not in list_presets():
-            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+            raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, list_presets())}; available: "
+                              f"{', '.join(list_presets())}")
         source = f"preset {name}"
         text = resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text()
     data = _read_yaml(text, source)

@@ -12,6 +12,7 @@ Field constraints ride on dataclass field metadata, built with `spec()`:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import reprlib
 import types
@@ -49,9 +50,8 @@ def build(cls: type[T], data: Any, *, source: str = "<config>", path: str = "") 
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ConfigError(
-            f"{source}: {_join(path, str(unknown[0]))}: unknown key; allowed keys here: {', '.join(fields)}"
-        )
+        raise ConfigError(f"{source}: {_join(path, str(unknown[0]))}: unknown key{did_you_mean(unknown[0], fields)}; "
+                          f"allowed keys here: {', '.join(fields)}")
     values = {}
     for name, value in data.items():
         f = fields[name]
@@ -62,6 +62,13 @@ def build(cls: type[T], data: Any, *, source: str = "<config>", path: str = "") 
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {_join(path, str(exc))}") from exc
+
+
+def did_you_mean(name: Any, allowed: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for the allowed name nearest a mistyped one, or '' when none is near: in a list of
+    twenty keys the one meant is easy to miss."""
+    near = difflib.get_close_matches(str(name), list(allowed), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def _join(path: str, key: str) -> str:

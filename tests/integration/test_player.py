@@ -350,7 +350,9 @@ def _audio_only(path: Path) -> str:
     (["-o", "ftp://host/x"], "unsupported URL scheme 'ftp'"),
     (["-o", "/no/such/folder/x.mp4"], "output folder does not exist"),
     (["-o", "clip.avi"], "must end in one of .mp4, .mkv, .mov"),
-    (["--set", "stream.stepz=[700]"], "stream.stepz: unknown key"),
+    (["--set", "stream.stepz=[700]"], "stream.stepz: unknown key (did you mean 'steps'?)"),
+    (["-c", "edit-tiny", "--lora", "ink.safetensors"], "lora: model.family=edit does not read it"),  # ran without it
+    (["-c", "tiny-random", "--set", "edit.batch=4"], "edit.batch: model.family=wan does not read it"),
     (["--prompts", "/no/such/prompts.txt"], "--prompts: file not found"),
 ])
 def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, args, expected):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config
@@ -154,3 +156,48 @@ def test_start_settings_are_the_config_s_prompt_and_live_parameters():
     assert cfg.with_live(start["params"]) == cfg
     start["params"]["steps"].append(1)  # a copy: the config keeps its own
     assert cfg.stream.steps == [600]
+
+
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    """YAML 1.2 and JSON read 5e-1 and 1e3 as numbers; PyYAML's YAML 1.1 read them as strings, and a number
+    key refused the number the user wrote: "noise.noise_scale: '5e-1' is not allowed; expected a finite number"."""
+    f = tmp_path / "run.yaml"
+    f.write_text("noise: {noise_scale: 5e-1}\nstream: {timestep_shift: 1.5E+1}\n")
+    cfg = load_config(f, ["slo.latency_budget_ms=1e3", "slo.target_fps=.3e2"])
+    assert (cfg.noise.noise_scale, cfg.stream.timestep_shift) == (0.5, 15.0)
+    assert (cfg.slo.latency_budget_ms, cfg.slo.target_fps) == (1000.0, 30.0)
+    with pytest.raises(ConfigError, match=r"stream.seed: 1000.0 is not allowed; expected an integer"):
+        load_config(None, ["stream.seed=1e3"])  # a whole number is written as one, as for resolution.width
+    assert load_config(None, ["prompt.text=e3 1e3x"]).prompt.text == "e3 1e3x"
+
+
+@pytest.mark.parametrize("preset, override, key", [
+    ("tiny-random", "edit.batch=4", "edit.batch"),
+    ("wan2.1-1.3b", "edit.encoder=qwen3-vl", "edit.encoder"),
+    ("edit-tiny", 'lora=[{"path": "ink.safetensors"}]', "lora"),
+    ("edit-tiny", "stream.steps=[700]", "stream.steps"),
+    ("edit-tiny", "noise.noise_scale=0.5", "noise.noise_scale"),
+    ("edit-tiny", "model.checkpoint=/w/model.pt", "model.checkpoint"),
+    ("edit-tiny", "vae.checkpoint=/w/vae.pth", "vae.checkpoint"),
+    ("dreamlite-edit", "prompt.encoder=umt5", "prompt.encoder"),
+    ("dreamlite-edit", "memory.low_vram=true", "memory.low_vram"),
+])
+def test_a_key_the_model_family_does_not_read_is_refused(preset, override, key):
+    """A LoRA given to an edit run (or `edit.batch` to a Wan run) was dropped without a word, exit 0."""
+    family = load_config(preset).model.family
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: model.family={family} does not read it"):
+        load_config(preset, [override])
+
+
+def test_what_bench_and_prepare_set_for_every_family_still_loads_for_the_edit_family():
+    cfg = load_config("edit-tiny", ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash",
+                                    "model.saved_block_ops=build", "vae.saved_steps=build", "slo.target_fps=24"])
+    assert cfg.model.family == "edit" and cfg.slo.target_fps == 24
+
+
+def test_a_typo_names_the_key_or_preset_meant(tmp_path):
+    assert "stream.num_kv_cahce: unknown key (did you mean 'num_kv_cache'?)" in _error(
+        tmp_path, "stream: {num_kv_cahce: 6}\n")
+    assert "modle: unknown key (did you mean 'model'?)" in _error(tmp_path, overrides=["modle.seed=1"])
+    assert "unknown preset 'defualt' (did you mean 'default'?)" in _error(tmp_path, name="defualt")
+    assert "did you mean" not in _error(tmp_path, overrides=["stream.zzz=1"])  # nothing near: the list alone
