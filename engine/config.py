@@ -50,6 +50,9 @@ WAN_ONLY_KEYS: dict[str, tuple[str, ...] | None] = {
     "model": ("preset", "checkpoint"), "vae": ("checkpoint", "taehv_checkpoint"), "prompt": ("encoder", "path"),
     "stream": None, "noise": None, "memory": None, "control": None}
 
+# what YAML reads as null: a `--set` of a text key to one of these unsets it
+YAML_NULLS = ("null", "Null", "NULL", "~")
+
 # compiled steps saved whole (engine/graphs/saved_compiles.py): "none" is spelt out, since YAML reads off as false
 SAVED_CHOICES = ("load", "build", "none")
 
@@ -617,6 +620,39 @@ def _read_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML ({type(exc).__name__})") from None
 
 
+def _override_value(keys: list[str], raw: str, text: str) -> Any:
+    """A `--set` value: YAML, except for a key that holds text, where the text is taken as typed when YAML would
+    read something else (`prompt.text=a cat: on a mat` is a mapping, `#red` a comment, `12:30` the number 750):
+    a shell already quoted it once, and a second quoting for YAML is what nobody writes. Quoted text, and a null
+    (`null`, `~`) for a key that may be unset, are read as YAML reads them."""
+    value = raw.strip()
+    if not value:
+        return None
+    if not _holds_text(keys):
+        return _read_yaml(raw, f"--set {text}")
+    try:
+        parsed = _read_yaml(raw, f"--set {text}")
+    except ConfigError:
+        return value
+    return parsed if isinstance(parsed, str) or (parsed is None and value in YAML_NULLS) else value
+
+
+def _holds_text(keys: list[str]) -> bool:
+    """Whether the config key at `keys` (a section path, then the key) is a string field (optional or not)."""
+    import typing
+
+    cls: Any = LoomConfig
+    for key in keys:
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return False
+        hint = typing.get_type_hints(cls).get(key)
+        if hint is None:
+            return False
+        cls = hint
+    inner = {a for a in typing.get_args(cls) if a is not type(None)} if typing.get_args(cls) else {cls}
+    return inner == {str}
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8")
@@ -663,7 +699,7 @@ def load_config(name_or_path: str | Path | None = None, overrides: list[str] | t
     data, source = _load_source(name_or_path)
     for text in overrides:
         keys, raw = parse_override(text)
-        apply_override(data, keys, _read_yaml(raw, f"--set {text}") if raw.strip() else None)
+        apply_override(data, keys, _override_value(keys, raw, text))
     if overrides:
         source += " (with --set overrides)"
     from loom_live.engine.models.weights import fill_pulled_weights

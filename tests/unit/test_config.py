@@ -201,3 +201,15 @@ def test_a_typo_names_the_key_or_preset_meant(tmp_path):
     assert "modle: unknown key (did you mean 'model'?)" in _error(tmp_path, overrides=["modle.seed=1"])
     assert "unknown preset 'defualt' (did you mean 'default'?)" in _error(tmp_path, name="defualt")
     assert "did you mean" not in _error(tmp_path, overrides=["stream.zzz=1"])  # nothing near: the list alone
+
+
+@pytest.mark.parametrize("typed", ["a cat: on a mat", "#red neon", "12:30", "[neon]", "yes"])
+def test_a_text_key_takes_the_text_as_typed(typed):
+    """`--set prompt.text=a cat: on a mat` was a YAML mapping (refused), `#red` a comment (no prompt), `12:30` the
+    number 750: a text key takes what the user typed; quoting and null still read as YAML reads them."""
+    assert load_config("tiny-random", [f"prompt.text={typed}"]).prompt.text == typed
+    assert load_config("tiny-random", ["prompt.text='quoted: text'"]).prompt.text == "quoted: text"
+    assert load_config("tiny-random", ["model.checkpoint=null"]).model.checkpoint is None
+    with pytest.raises(ConfigError, match=r"stream\.mode: 'off' is not allowed; expected one of 'auto'"):
+        load_config("tiny-random", ["stream.mode=off"])  # a choice: said with its choices, not as False
+    assert load_config("tiny-random", ["stream.steps=[700]"]).stream.steps == [700]  # other keys: YAML
