@@ -200,7 +200,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         lora_scales={e.key: e.scale for e in cfg.lora},
         control_sources=available_sources(cfg), takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, control_input=args.control_input,
-        reference=args.reference,
+        reference=cfg.control.reference,  # what r reads again: --reference, or the config file's own
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,

@@ -220,3 +220,19 @@ def test_a_reference_file_too_large_is_refused_from_its_header_without_decoding_
         assert words in line and "the reference stays" in line and "\n" not in line
     assert calls == [] and len(bridge.references) == 1 and controls.state.refused == 4
     assert controls.state.reference == str(good)  # what r reads again
+
+
+def test_r_reads_again_the_reference_a_config_names(tmp_path, monkeypatch):
+    """A reference set in the config (or --set control.reference) is the one `r` reads again, as --reference's
+    is: the player knew only --reference's, so after a clear the config's own could not be brought back."""
+    import cv2
+
+    import loom_live.plugin.player as player
+    from loom_live.plugin.cli.main import main
+
+    ref = tmp_path / "look.png"
+    cv2.imwrite(str(ref), np.full((32, 32, 3), 200, np.uint8))
+    seen = []
+    monkeypatch.setattr(player, "run_player", lambda options: seen.append(options) or 0)
+    assert main(["play", "-c", "tiny-vace", "--set", f"control.reference={ref}", "-o", str(tmp_path / "o.mp4")]) == 0
+    assert seen[0].reference == str(ref)
