@@ -441,6 +441,19 @@ class LoomConfig:
         if self.prompt.path and self.prompt.encoder not in ("file", "umt5"):
             raise ValueError(f"prompt.path: this run does not read it: only prompt.encoder file or umt5 reads a "
                              f"path (here {self.prompt.encoder})")
+        self._refuse_unread_edit_paths()
+
+    def _refuse_unread_edit_paths(self) -> None:
+        """An edit-family path its own settings leave unread (the other family's keys: `_refuse_other_family`)."""
+        e = self.edit
+        if self.model.family != "edit":
+            return
+        if e.encoder_path and e.encoder != "qwen3-vl":
+            raise ValueError(f"edit.encoder_path: this run does not read it: only edit.encoder=qwen3-vl reads "
+                             f"it (here {e.encoder})")
+        if e.lllite and e.lllite_hooks == "none":
+            raise ValueError("edit.lllite: this run does not read it: edit.lllite_hooks=none hooks no adapter; "
+                             "set lllite_hooks to down or all, or leave edit.lllite out")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -200,8 +201,9 @@ class Qwen3VLEncoder:
             raise RuntimeError("the Qwen3-VL encoder needs transformers: pip install 'loom-live[edit]'") from exc
         check_dtype(dtype)
         log.info("loading Qwen3-VL from %s (%s)", path, dtype)
-        full = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
-        return cls(full.model, full.config, AutoTokenizer.from_pretrained(path), device, dtype)
+        folder = os.path.expanduser(path)  # transformers would take "~/..." for a hub repository's name
+        full = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=dtype)
+        return cls(full.model, full.config, AutoTokenizer.from_pretrained(folder), device, dtype)
 
     @classmethod
     def random(cls, config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Qwen3VLEncoder:

@@ -12,6 +12,8 @@ too, so the check and the build cannot disagree.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,22 @@ from loom_live.engine.edit.checkpoint import load_lllite, load_unet, load_vae
 from loom_live.engine.edit.lllite import LLLite, select_hooks
 from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
 from loom_live.engine.edit.vae import VAE_PRESETS
-from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
+from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
 LATENT_SCALE = 8  # pixels per latent cell of the edit autoencoder
 QWEN3_VL_TYPES = ("qwen3_vl",)  # config.json `model_type` of the encoder edit.encoder_path names
 META = torch.device("meta")
+# the files transformers builds the Qwen tokenizer from (without them it builds an empty one, without a word)
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+# what each key takes, said with its refusals
+ALLOWED = {
+    "edit.checkpoint": "a DreamLite UNet: a diffusers-layout directory (unet/ holding config.json and its "
+                       "safetensors) or a UNet weights file of edit.unet's architecture",
+    "edit.vae_checkpoint": "a TAESD tiny autoencoder (diffusers AutoencoderTiny): a directory (vae/ or config.json "
+                           "beside its safetensors) or a weights file of edit.vae's architecture",
+    "edit.lllite": "a temporal-LLLite adapter file (modules_dict.* keys) trained for this UNet",
+    "edit.encoder_path": "a Qwen3-VL-2B model directory (config.json, tokenizer files and safetensors weights)",
+}
 
 
 def vae_weights(e: Any) -> str | None:
@@ -46,38 +59,84 @@ def build_lllite(unet: EditUNet, cfg: Any, device: torch.device) -> LLLite | Non
                       (cfg.resolution.height, cfg.resolution.width), e.batch)
 
 
+@contextmanager
+def _refused_as(key: str, what: str = "", allowed: str | None = None) -> Iterator[None]:
+    """A refusal inside names the key it came from (`what`: which part of it) and what that takes (`allowed`;
+    None: what the key takes)."""
+    allowed = allowed or ALLOWED[key]
+    try:
+        yield
+    except OSError as exc:  # a file or folder this user may not read
+        raise CheckpointError(f"{key}{what}: {exc.filename or exc}: cannot be read "
+                              f"({exc.strerror or type(exc).__name__}); expected {allowed}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"{key}{what}: {exc}; expected {allowed}") from None
+
+
 def check_edit_files(cfg: Any) -> None:
-    """Raise CheckpointError (a ValueError) naming the first file that is not what its key needs."""
+    """Raise CheckpointError (a ValueError) naming the first file that is not what its key needs, and its key."""
     e = cfg.edit
     if e.checkpoint:
-        unet = load_unet(e.checkpoint, UNET_PRESETS[e.unet], META, torch.float32)
+        with _refused_as("edit.checkpoint"):
+            unet = load_unet(e.checkpoint, UNET_PRESETS[e.unet], META, torch.float32)
     else:
         with torch.device("meta"):
             unet = EditUNet(UNET_PRESETS[e.unet])
     vae = vae_weights(e)
     if vae:
-        load_vae(vae, VAE_PRESETS[e.vae], META, torch.float32)
+        key, what = ("edit.vae_checkpoint", "") if e.vae_checkpoint else ("edit.checkpoint", " (its vae/)")
+        with _refused_as(key, what, ALLOWED["edit.vae_checkpoint"]):
+            load_vae(vae, VAE_PRESETS[e.vae], META, torch.float32)
     if e.lllite:
         lllite = build_lllite(unet, cfg, META)
         if lllite is not None:
-            load_lllite(lllite, e.lllite, unet.hook_points(), META, torch.float32)
+            with _refused_as("edit.lllite"):
+                load_lllite(lllite, e.lllite, unet.hook_points(), META, torch.float32)
     if e.encoder == "qwen3-vl" and e.encoder_path:
-        check_qwen3_vl(e.encoder_path)
+        with _refused_as("edit.encoder_path"):
+            check_qwen3_vl(e.encoder_path, unet.cfg.context_in)
 
 
-def check_qwen3_vl(path: str) -> None:
-    """A Qwen3-VL model directory: its config.json names a Qwen3-VL model and its weight files read."""
+def check_qwen3_vl(path: str, width: int) -> None:
+    """A Qwen3-VL model directory of the UNet's conditioning `width`: its config.json names a Qwen3-VL model,
+    its tokenizer files are there and its weight files hold every weight of that model. transformers would
+    otherwise build an empty tokenizer, or draw the missing weights at random, and say it only in its log."""
     folder = Path(path).expanduser()
     config = folder / "config.json"
     if not folder.is_dir() or not config.is_file():
-        raise CheckpointError(f"{folder}: edit.encoder_path needs a Qwen3-VL-2B model directory (config.json "
-                              "beside its safetensors weights)")
+        raise CheckpointError(f"{folder}: not a model directory (no config.json in it)")
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        settings = json.loads(config.read_text(encoding="utf-8"))
+        model_type = settings.get("model_type")
     except (OSError, ValueError, AttributeError):
         raise CheckpointError(f"{config}: not a readable model config.json") from None
     if model_type not in QWEN3_VL_TYPES:
-        raise CheckpointError(f"{config}: model_type {str(model_type)[:40]!r} is not a Qwen3-VL model; "
-                              f"edit.encoder_path needs one ({', '.join(QWEN3_VL_TYPES)})")
-    for _ in iter_tensors(checkpoint_files(folder), meta=True):
-        pass
+        raise CheckpointError(f"{config}: model_type {str(model_type)[:40]!r} is not a Qwen3-VL model "
+                              f"({', '.join(QWEN3_VL_TYPES)})")
+    text = settings.get("text_config")
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    if hidden != width:
+        raise CheckpointError(f"{config}: a Qwen3-VL of hidden size {str(hidden)[:20]}; this UNet's conditioning "
+                              f"is {width} wide")
+    if not any(all((folder / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        raise CheckpointError(f"{folder}: no tokenizer files ({' or '.join(' + '.join(n) for n in TOKENIZER_FILES)})")
+    _check_qwen3_vl_weights(folder)
+
+
+def _check_qwen3_vl_weights(folder: Path) -> None:
+    """Every weight of the model the config describes is in the files, at its shape (keys that transformers
+    leaves unused are no harm); the tied output head may be left out."""
+    try:
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    except ImportError:
+        raise CheckpointError("edit.encoder=qwen3-vl needs transformers: pip install 'loom-live[edit]'") from None
+    try:
+        config = Qwen3VLConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: not a Qwen3-VL config ({str(exc)[:200]})") from None
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    names = set(model.state_dict())
+    tied = set(model._tied_weights_keys or ()) if config.tie_word_embeddings else set()
+    load_into_module(model, checkpoint_files(folder), lambda k: k if k in names else None, device=META,
+                     keep=lambda name: name not in tied)

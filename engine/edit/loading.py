@@ -67,13 +67,12 @@ def load_edit_models(cfg: LoomConfig) -> EditModels:
         lllite.set_strength(e.adapter_strength)
         log.info("LLLite: %d of %d hook points (%s)", len(lllite.modules_dict), len(unet.hook_points()),
                  e.lllite_hooks)
-    elif e.lllite:
-        log.warning("edit.lllite is given but edit.lllite_hooks=none: the adapter is not used")
     if device.type == "cuda":  # cuDNN's fast convolution kernels want channels-last activations
         to_channels_last(unet)
         to_channels_last(vae)
-    return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), load_edit_encoder(cfg, device, dtype),
-                      lllite, device, dtype, _shift_line(e.checkpoint))
+    encoder = load_edit_encoder(cfg, device, dtype, unet.cfg.context_in)
+    return EditModels(unet.requires_grad_(False), vae.requires_grad_(False), encoder, lllite, device, dtype,
+                      _shift_line(e.checkpoint))
 
 
 def _shift_line(checkpoint: str | None) -> ShiftLine:
@@ -98,11 +97,13 @@ def _seeded_or_refused(make: Callable[[], nn.Module], tiny: bool, cfg: LoomConfi
     return _seeded(make, cfg.model.seed, device, dtype)
 
 
-def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype) -> EditConditioner:
-    """The conditioning encoder the config names (alone: the benchmark times it apart from the UNet)."""
+def load_edit_encoder(cfg: LoomConfig, device: torch.device, dtype: torch.dtype,
+                      width: int | None = None) -> EditConditioner:
+    """The conditioning encoder the config names (alone: the benchmark times it apart from the UNet); the hash
+    encoder is `width` wide (the UNet's, which a checkpoint's own config.json may change; None: edit.unet's)."""
     e = cfg.edit
     if e.encoder == "hash":
-        dim = UNET_PRESETS[e.unet].context_in
+        dim = width or UNET_PRESETS[e.unet].context_in
         return HashEditEncoder(dim, CONDITIONING_TOKENS if e.unet != "tiny" else 24, device, dtype, cfg.model.seed)
     if e.encoder_path:
         return Qwen3VLEncoder.from_pretrained(e.encoder_path, device, dtype)
