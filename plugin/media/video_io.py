@@ -16,6 +16,7 @@ import math
 import os
 import queue
 import signal
+import stat
 import threading
 import weakref
 from collections.abc import Iterator
@@ -351,6 +352,36 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.stem}.loom-partial{path.suffix}")
 
 
+def _claim_partial(partial: Path, name: str) -> int | None:
+    """Lock a file output's partial for this run before FFmpeg truncates it; returns the descriptor that holds
+    the lock until the output is finished or discarded.
+
+    Two runs writing one output opened the same partial: both wrote into one file, which the first to finish
+    moved onto the target (mixed, undecodable) while the other's recording was lost. A partial a run left when
+    it was killed holds no lock and is taken over. Nothing is locked where flock is missing (Windows), fails
+    (a file system without locks), or where the partial is not a regular file."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(partial, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)  # non-blocking: a FIFO opens at once
+    except OSError as e:
+        raise MediaError(f"{name}: cannot open for writing: {_reason(e)}") from e
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+    except BlockingIOError:
+        os.close(fd)
+        raise MediaError(f"{name}: another run is writing this file now (its partial {partial.name} is in use); "
+                         "let it finish, or give another -o") from None
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class FrameSink:
     """H.264 (yuv420p) output to a file or a network stream; build it with ``open_sink``.
 
@@ -377,9 +408,12 @@ class FrameSink:
         self.closed = False
         self._final: Path | None = None if is_network else Path(target)
         self._partial: Path | None = None if is_network else partial_path(Path(target))
+        self._lock = None if self._partial is None else _claim_partial(self._partial, name)
+        self._settled = False  # the partial was moved or removed: its name may be another run's now
         try:
             self._container = av.open(str(self._partial) if self._partial else target, "w", format=container_format)
         except (av.error.FFmpegError, OSError) as e:
+            self._discard_partial()
             raise MediaError(f"{name}: cannot open for writing: {_reason(e)}") from e
         try:
             self._video = self._add_video_stream(fps, width, height)
@@ -477,9 +511,9 @@ class FrameSink:
                 finally:
                     self._abort()
             except (av.error.FFmpegError, OSError) as e:
-                self._discard_partial()
+                left = self._discard_partial()
                 raise MediaError(f"{self.name}: finishing the output failed: {_reason(e)}; "
-                                 "nothing was written to it") from e
+                                 f"nothing was written to it{left}") from e
             if self._partial is None:
                 return
             if not keep or self.frames_written == 0:
@@ -488,8 +522,9 @@ class FrameSink:
             try:
                 os.replace(self._partial, self._final)
             except OSError as e:
-                self._discard_partial()
-                raise MediaError(f"{self.name}: cannot move the finished file into place: {_reason(e)}") from e
+                left = self._discard_partial()
+                raise MediaError(f"{self.name}: cannot move the finished file into place: {_reason(e)}{left}") from e
+            self._release()
 
     def discard(self) -> None:
         """Stop without keeping anything: a file's target is left as it was (a network stream just ends)."""
@@ -502,10 +537,25 @@ class FrameSink:
         """Whether the output now holds this sink's frames (a closed file moved onto its target)."""
         return self.closed and (self._partial is None or not self._partial.exists()) and self.frames_written > 0
 
-    def _discard_partial(self) -> None:
-        if self._partial is not None:
-            with contextlib.suppress(OSError):
-                self._partial.unlink()
+    def _discard_partial(self) -> str:
+        """Remove the partial file; what to add to the error when it cannot be (a drive gone read-only): the
+        user is told of the hidden file left behind, and where it is."""
+        left = ""
+        if self._partial is not None and not self._settled:
+            try:
+                self._partial.unlink(missing_ok=True)
+            except OSError:
+                left = f"; {self._partial} is left behind (removing it failed too)"
+        self._release()
+        return left
+
+    def _release(self) -> None:
+        """Let another run write this output: only once the partial is gone (moved or removed), or a run
+        starting now would take over a file that is still to be moved or removed."""
+        self._settled = True
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):

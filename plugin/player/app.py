@@ -299,10 +299,14 @@ class Player:
             stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
             failed = False
         finally:
-            for signum in previous_handlers:  # a second signal must not cut the finalising short
+            # A second signal, Ctrl-C pressed again included, must not cut the finalising short: it stopped the
+            # outputs after the first one, leaving their recordings unfinished under their hidden partial names.
+            finishing = {signal.SIGINT: signal.getsignal(signal.SIGINT), **previous_handlers} if previous_handlers \
+                else {}  # off the main thread no handler can be set, and no signal arrives
+            for signum in finishing:
                 signal.signal(signum, signal.SIG_IGN)
             self._close(keep=not failed)
-            for signum, handler in previous_handlers.items():
+            for signum, handler in finishing.items():
                 signal.signal(signum, handler)
         self._report(stopped_by)
         return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -207,6 +208,42 @@ def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
             proc.kill()
     assert proc.returncode == 130
     assert len(_decode(dst)) > 0 and not partial_path(dst).exists()
+
+
+def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_path):
+    """Ctrl-C pressed twice: the second one lands while the first output is finalised. Every output is still
+    finished and put in place (the second was left half written under its hidden name), and the run ends with
+    its report and 130. The engine is left out: the run stops before it is needed."""
+    first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
+    script = textwrap.dedent(f"""
+        import signal
+        from loom_live.plugin.media.video_io import FrameSink
+        from loom_live.plugin.player.app import Player
+        from loom_live.plugin.player.options import PlayerOptions
+
+        def stopped_after_three_frames(self):
+            for frame in list(self._frames())[:3]:
+                self._emit(frame)
+            raise KeyboardInterrupt  # the first Ctrl-C
+
+        close = FrameSink.close
+
+        def close_and_ctrl_c_again(self, keep=True):
+            close(self, keep)
+            signal.raise_signal(signal.SIGINT)
+
+        Player._start_engine = Player._wait_ready = Player._report_style = lambda self, *args, **kwargs: None
+        Player._run_lossless = stopped_after_three_frames
+        FrameSink.close = close_and_ctrl_c_again
+        print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames=3,
+                                           size=(64, 64))).run())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "exit 130", out.stderr
+    assert "stopped by Ctrl-C; 3 frames" in out.stderr and "Traceback" not in out.stderr
+    assert len(_decode(first)) == 3 and len(_decode(second)) == 3
+    assert sorted(tmp_path.iterdir()) == [first, second], "a hidden partial was left behind"
 
 
 def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):

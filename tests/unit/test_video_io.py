@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -423,6 +424,50 @@ def test_a_file_appears_only_when_finished_and_a_discarded_one_leaves_the_target
     with open_sink(out, 24, (64, 48)) as sink:
         sink.write(np.zeros((48, 64, 3), np.uint8))
     assert out.read_bytes() != b"mine" and list(tmp_path.iterdir()) == [out]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the partial is locked with flock (POSIX)")
+def test_a_second_writer_of_the_same_output_is_refused_while_the_first_writes(tmp_path: Path) -> None:
+    """Two runs writing one output shared its partial: the first to finish moved a mix of both onto the target
+    (undecodable) and the other's recording was lost. The second is refused at open, naming the output; once the
+    first has finished, or from a partial a killed run left (no lock), a new one writes as usual."""
+    out = tmp_path / "set.mp4"
+    first = open_sink(out, 24, (64, 48))
+    first.write(np.zeros((48, 64, 3), np.uint8))
+    with pytest.raises(MediaError, match="set.mp4: another run is writing this file now"):
+        open_sink(out, 24, (64, 48), overwrite=True)
+    for i in range(4):
+        first.write(np.full((48, 64, 3), i * 60, np.uint8))
+    first.close()
+    with open_source(out) as src:
+        assert len(list(src)) == 5
+    partial_path(out).write_bytes(b"left by a killed run")
+    with open_sink(out, 24, (64, 48), overwrite=True) as again:
+        again.write(np.zeros((48, 64, 3), np.uint8))
+    with open_source(out) as src:
+        assert len(list(src)) == 1
+    assert sorted(tmp_path.iterdir()) == [out]
+
+
+def test_a_partial_that_cannot_be_moved_or_removed_is_named_in_the_error(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording drive gone read-only mid-run: the finished file cannot be moved into place, nor removed. The
+    error says where the hidden file is, rather than leave it there unsaid."""
+    out = tmp_path / "set.mp4"
+    sink = open_sink(out, 24, (64, 48))
+    sink.write(np.zeros((48, 64, 3), np.uint8))
+
+    def read_only(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", read_only)
+        m.setattr(Path, "unlink", read_only)
+        with pytest.raises(MediaError) as caught:
+            sink.close()
+    assert str(caught.value) == (f"{out}: cannot move the finished file into place: Read-only file system; "
+                                 f"{partial_path(out)} is left behind (removing it failed too)")
+    assert partial_path(out).exists() and not out.exists()
 
 
 def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> None:
