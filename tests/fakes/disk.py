@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +23,16 @@ class FullDisk(io.FileIO):
 def fill_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file `write_replacing` writes from now on meets a full disk halfway."""
     monkeypatch.setattr(files, "open", FullDisk, raising=False)
+
+
+def deny_entering(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Every path inside `folder` is refused as a folder of mode 000 refuses it (the tests may run as root, whom a
+    real mode 000 does not stop): `stat`, and so `exists` and `is_file`, raise PermissionError."""
+    stat = Path.stat
+
+    def denied(self: Path, *args, **kwargs):
+        if self.parent == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)

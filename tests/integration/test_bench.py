@@ -116,10 +116,8 @@ def test_bench_checks_the_weights_it_is_given_before_any_model_loads(tmp_path, c
     """A checkpoint or LoRA given to `loom bench` was first read at model load (after the models before it),
     and a path the user may not read ended in a traceback; as in `loom play`, each is one line and exit code 2
     before any model loads."""
-    import errno
-    from pathlib import Path
-
     from loom_live.engine.tools import bench
+    from tests.fakes.disk import deny_entering
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model loaded")
@@ -128,14 +126,7 @@ def test_bench_checks_the_weights_it_is_given_before_any_model_loads(tmp_path, c
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not weights")
     closed = tmp_path / "closed"
-    stat = Path.stat
-
-    def denied(self, *args, **kwargs):  # as for a folder of mode 000 (the tests may run as root)
-        if self.parent == closed:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return stat(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "stat", denied)
+    deny_entering(monkeypatch, closed)
     small = ["bench", "-c", "tiny-random", "--frames", "8", "--bridge", "none"]
     for args, said in ((["--set", f"model.checkpoint={junk}"], f"{junk}: "),
                        (["--lora", str(junk)], f"{junk}: "),

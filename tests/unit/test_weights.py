@@ -182,21 +182,12 @@ def test_the_embedded_preset_takes_a_training_runs_file_and_refuses_a_wan_checkp
 def test_a_weights_path_this_user_cannot_read_is_one_line_not_a_traceback(tmp_path, monkeypatch):
     """A checkpoint inside a folder the user may not enter: `Path.exists` raises PermissionError (not a
     ValueError), which ended `loom play` and `loom serve` with a traceback."""
-    import errno
-    from pathlib import Path
-
     from loom_live.engine.config import load_config
     from loom_live.host_bridge.wire.errors import UserError
     from loom_live.plugin.cli.preflight import check_weights
+    from tests.fakes.disk import deny_entering
 
     closed = tmp_path / "closed"
-    stat = Path.stat
-
-    def denied(self, *args, **kwargs):  # as for a folder of mode 000 (the tests may run as root)
-        if self.parent == closed:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return stat(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "stat", denied)
+    deny_entering(monkeypatch, closed)
     with pytest.raises(UserError, match=rf"^{closed / 'dit.safetensors'}: cannot be read \(Permission denied\)$"):
         check_weights(load_config("tiny-random", [f"model.checkpoint={closed / 'dit.safetensors'}"]))
