@@ -79,8 +79,8 @@ def test_prepare_on_a_cpu_says_there_is_nothing_to_prepare_and_a_bad_config_fail
     assert "nothing to prepare on cpu" in capsys.readouterr().err
     assert main(["prepare", "-c", "no-such-preset"]) == 2
     assert "no-such-preset" in capsys.readouterr().err
-    assert main(["bench", "--set", "vae.saved_steps=off"]) == 2  # a YAML false: the key's choices named
-    assert "vae.saved_steps: False is not allowed; expected one of 'load', 'build', 'none'" in capsys.readouterr().err
+    assert main(["bench", "--set", "vae.saved_steps=off"]) == 2  # a text key takes 'off' as typed, not as false
+    assert "vae.saved_steps: 'off' is not allowed; expected one of 'load', 'build', 'none'" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
