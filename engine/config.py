@@ -684,8 +684,9 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     if not bare_preset and (path.suffix.lower() in (".yaml", ".yml") or path.exists()):
         if path.is_dir():
             raise ConfigError(f"{path}: is a folder; expected a YAML config file or a preset name")
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
+        if not path.is_file():  # `-c default.yaml` for the preset is a slip to name, not only a missing file
+            preset = f"; did you mean the preset {path.stem!r} (-c {path.stem})?" if path.stem in list_presets() else ""
+            raise ConfigError(f"{path}: config file not found{preset}")
         source, text = str(path), _read_text(path)
     else:
         name = str(name_or_path)
@@ -706,15 +707,29 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     return data, source
 
 
-def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
-    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything; weights the
-    run needs and the user did not give are looked up in what `loom pull` fetched (engine.models.weights)."""
+def _overridden_source(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> tuple[dict, str]:
     data, source = _load_source(name_or_path)
     for text in overrides:
         keys, raw = parse_override(text)
         apply_override(data, keys, _override_value(keys, raw, text))
     if overrides:
         source += " (with --set overrides)"
+    return data, source
+
+
+def model_family(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The model family a config names, read before it is built: a command can then refuse an option of the
+    other family by the option's own name (the built config names only the key it set, and lets pass a value
+    equal to the key's default). A family that is not allowed is the build's to say."""
+    model = _overridden_source(name_or_path, overrides)[0].get("model")
+    family = model.get("family") if isinstance(model, dict) else None
+    return family if isinstance(family, str) else ModelConfig().family
+
+
+def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
+    """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything; weights the
+    run needs and the user did not give are looked up in what `loom pull` fetched (engine.models.weights)."""
+    data, source = _overridden_source(name_or_path, overrides)
     from loom_live.engine.models.weights import fill_pulled_weights
 
     return fill_pulled_weights(build(LoomConfig, data, source=source))

@@ -176,7 +176,7 @@ class EditSession:
         There is no blend between instructions here (`transition_chunks` is accepted for the
         shared interface): the conditioning is a VLM reading, not a text embedding to slerp.
         """
-        text = check_prompt(text)
+        text = check_prompt(text, "edit")
         _check_text(self.models.encoder, text)  # refused here, the stream going on with the instruction it has
         self._prompt_text = text
         self._refresh_due = True

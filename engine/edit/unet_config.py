@@ -34,6 +34,8 @@ UP_KINDS = {"DreamLiteCrossAttnUpBlock2D": "cross", "CrossAttnUpBlock2D": "cross
             "CrossAttnUpRemoveSelfAttnBlock2D": "cross_only", "CrossAttnUpRemoveSelfAttnBlock2DV1": "cross_only",
             "DreamLiteUpBlock2D": "plain", "UpBlock2D": "plain"}
 MID_KINDS = ("DreamLiteUNetMidBlock2DCrossAttn", "UNetMidBlock2DCrossAttn")
+# the `_class_name` of DreamLite's UNet config (diffusers' class, and the authors' modules/dreamlite.json)
+DREAMLITE_CLASS = "DreamLiteUNetModel"
 
 # keys whose value must be the one Loom implements: key -> allowed values
 FIXED = {
@@ -160,6 +162,12 @@ class EditUNetConfig:
             raise ValueError(f"{path}: not a readable UNet config.json ({exc})") from exc
         if not isinstance(config, dict):
             raise ValueError(f"{path}: not a UNet config.json (a JSON object of the model's settings)")
+        named = config.get("_class_name")
+        # another diffusers UNet (SD1.5's UNet2DConditionModel) shares most keys and its block names: read as
+        # DreamLite's, it was refused only by its weights, after a warning that it "describes another UNet"
+        if isinstance(named, str) and "DreamLite" not in named:
+            raise ValueError(f"{path}: _class_name {named!r} is not DreamLite's UNet (expected {DREAMLITE_CLASS!r}); "
+                             "give a DreamLite checkpoint (`loom pull dreamlite-edit`)")
         try:
             return cls.from_diffusers(config, str(path))
         except (TypeError, ValueError) as exc:  # the file named, whichever check refused it

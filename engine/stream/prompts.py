@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from loom_live.host_bridge.wire.params import PROMPT, TRANSITION_CHUNKS
+from loom_live.host_bridge.wire.params import PROMPT, PROMPT_TAKES, TRANSITION_CHUNKS
 
 TEXT_LEN = 512  # tokens per prompt, as the Wan DiT was trained
 CACHE_PROMPTS = 32  # embeddings kept in the per-prompt cache
@@ -36,14 +36,15 @@ class PromptError(ValueError):
     """A prompt that cannot be encoded (empty, unknown to an embeddings file...)."""
 
 
-def check_prompt(text: str) -> str:
+def check_prompt(text: str, family: str = "wan") -> str:
     """The prompt as the encoders take it (stripped); PromptError for one that is not a non-empty text of
-    at most `PROMPT.max_len` characters (what the wire and the config refuse too)."""
+    at most `PROMPT.max_len` characters (what the wire and the config refuse too), saying what the model
+    `family` takes (the edit family an instruction, not a style)."""
     if not isinstance(text, str):
         raise PromptError(f"prompt: {type(text).__name__} {str(text)[:60]!r} is not allowed; expected "
                           f"{PROMPT.allowed()}")
     if not text.strip():
-        raise PromptError(f"prompt {text[:60]!r} is empty; give a few words describing the style")
+        raise PromptError(f"prompt {text[:60]!r} is empty; give {PROMPT_TAKES[family]}")
     if len(text) > (PROMPT.max_len or 0):
         raise PromptError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")
     return text.strip()

@@ -226,6 +226,10 @@ LATENCY_BUDGET_MS = LiveParam("latency_budget_ms", "float", 500.0, "slo", "per-f
 PROMPT = LiveParam("text", "text", "a painting in the style of van gogh, vivid brush strokes", "prompt",
                    "the style prompt", min_len=1, max_len=4096)
 
+# what a prompt is to each model family (model.family), said when one is refused
+PROMPT_TAKES = {"wan": "a few words describing the style",
+                "edit": "an instruction, such as 'make it a watercolor painting'"}
+
 LORA_SCALES = LiveParam("lora_scales", "scales", {}, "lora", "scale of each loaded style LoRA, by name",
                         min=-4.0, max=4.0, max_len=8, ui_step=0.05, ui_max=2.0)
 LORA_DEFAULT_SCALE = 1.0  # a LoRA loaded without a scale
@@ -281,12 +285,15 @@ def steps_for(count: Any) -> list[int]:
     return list(STEP_LISTS[count])
 
 
-def check_prompt_request(text: Any, transition_chunks: Any = None) -> tuple[str, int | None]:
-    """A prompt and its blend length as the engine takes them (text stripped); ValueError names a bad one."""
+def check_prompt_request(text: Any, transition_chunks: Any = None,
+                         family: str = "wan") -> tuple[str, int | None]:
+    """A prompt and its blend length as the engine takes them (text stripped); ValueError names a bad one and
+    what the model `family` takes instead (an edit preset's prompt is an instruction, not a style)."""
     if text is not None and not isinstance(text, str):
-        raise ValueError(f"the prompt is {type(text).__name__} {text!r:.40}; expected a string describing the style")
+        raise ValueError(f"the prompt is {type(text).__name__} {text!r:.40}; expected a string, "
+                         f"{PROMPT_TAKES[family]}")
     if not text or not text.strip():
-        raise ValueError("the prompt is empty; give a few words describing the style")
+        raise ValueError(f"the prompt is empty; give {PROMPT_TAKES[family]}")
     if len(text) > (PROMPT.max_len or 0):
         raise ValueError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")
     chunks = None if transition_chunks is None else TRANSITION_CHUNKS.check(transition_chunks)

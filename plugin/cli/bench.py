@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override
+from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override, model_family
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
@@ -23,6 +23,13 @@ CUDA_WARMUP = 41
 # The embedded model on a CPU: a few chunks, so a laptop finishes in well under a minute.
 CPU_FRAMES = 40
 CPU_WARMUP = 9
+# options that set a key only the Wan family reads: the key, and what the edit family reads instead
+WAN_OPTIONS = {
+    "steps": ("stream.steps", "its steps are edit.steps (--set edit.steps=N, 1 to 4)"),
+    "mode": ("stream.mode", "it streams in batches of edit.batch frames (--batches)"),
+    "decoder": ("vae.decoder", "its autoencoder, both halves, is edit.vae (--set edit.vae=tiny or taesd)"),
+    "encoder": ("vae.encoder", "its autoencoder, both halves, is edit.vae (--set edit.vae=tiny or taesd)"),
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,6 +104,17 @@ def plan(cfg: LoomConfig, frames: int | None, baseline: bool | None, cuda: bool)
     return frames or (CUDA_FRAMES if cuda else CPU_FRAMES), (not embedded and cuda) if baseline is None else baseline
 
 
+def refuse_wan_options(args: argparse.Namespace, overrides: list[str]) -> None:
+    """A Wan-only option on the edit family is refused by its own name (`--encoder taehv` on edit-tiny set
+    vae.encoder, which the edit family does not read, and benched edit.vae without a word; the config refuses
+    such a key only when its value differs from the default, and names the key, not the option)."""
+    given = [name for name in WAN_OPTIONS if getattr(args, name) is not None]
+    if given and model_family(args.config, overrides) == "edit":
+        key, instead = WAN_OPTIONS[given[0]]
+        raise UserError(f"--{given[0]} {getattr(args, given[0])}: the edit family does not read it (it sets {key}); "
+                        f"{instead}")
+
+
 def clip_frames(cfg: LoomConfig, source: str | None, count: int) -> np.ndarray:
     """`count` frames at the model size: a real clip looped, or a generated one."""
     w, h = cfg.resolution.width, cfg.resolution.height
@@ -122,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     # off the per-frame path (a prompt is encoded once, not per chunk).
     args.overrides = [*args.overrides, *lora_override(args.loras)]
     overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
+    refuse_wan_options(args, overrides)
     for flag, key in ((None if args.steps is None else f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
                       (args.width, "resolution.width"), (args.height, "resolution.height"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from loom_live.engine.config import control_override, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import CONTROL_SOURCES
+from loom_live.host_bridge.wire.params import CONTROL_SOURCES, check_prompt_request
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
 from loom_live.plugin.cli.preflight import check_engine_run
 
@@ -193,6 +193,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         except PlayerError as exc:
             print(f"loom {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
+    for text in prompts:  # before an engine starts (it was refused once one ran), in its family's words
+        check_prompt_request(text, family=cfg.model.family)
     options = PlayerOptions(
         config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,

@@ -269,3 +269,16 @@ def test_a_cuda_ipc_bridge_round_trip_without_a_gpu_is_refused_before_the_run(ca
     captured = capsys.readouterr()
     assert "--bridge cuda-ipc: no CUDA device here; use --bridge shm" in captured.err, captured.err
     assert "loading the model" not in captured.err and captured.out == ""
+
+
+def test_a_wan_only_option_on_the_edit_family_is_refused_by_its_own_name(capsys):
+    """`--encoder taehv` / `--decoder taehv` on edit-tiny set vae.encoder / vae.decoder, which the edit family does
+    not read, and ran without a word; `--steps 700,500` (the default) too. Each names the option and what the edit
+    family reads instead, before any session starts."""
+    small = ["--config", "edit-tiny", "--frames", "8", "--warmup", "0", "--batches", "2", "--bridge", "none"]
+    for flag, value, instead in (("--encoder", "taehv", "edit.vae"), ("--decoder", "wan", "edit.vae"),
+                                 ("--steps", "700,500", "edit.steps"), ("--mode", "auto", "edit.batch")):
+        assert main(["bench", *small, flag, value]) == 2, flag
+        captured = capsys.readouterr()
+        assert f"{flag} {value}: the edit family does not read it" in captured.err, captured.err
+        assert instead in captured.err and captured.out == "", captured.err

@@ -89,6 +89,18 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
     assert main(["play", "--set", "prompt.text= ", "-o", str(tmp_path / "z.mp4")]) == 2
 
 
+def test_an_empty_prompt_is_refused_before_any_engine_in_its_family_s_words(tmp_path, capsys, monkeypatch):
+    """`loom play -c edit-tiny --prompt " "` started the engine, then asked for "a few words describing the
+    style": the edit family takes an instruction. Refused before the player runs, in the family's words."""
+    import loom_live.plugin.player as player
+
+    monkeypatch.setattr(player, "run_player", lambda *a, **k: pytest.fail("the player ran"))
+    for config, takes in (("edit-tiny", "an instruction, such as 'make it a watercolor painting'"),
+                          ("tiny-random", "a few words describing the style")):
+        assert main(["play", "-c", config, "--prompt", " ", "-o", str(tmp_path / "x.mp4")]) == 2
+        assert f"loom play: error: the prompt is empty; give {takes}" in capsys.readouterr().err
+
+
 def test_a_bad_page_address_is_named_as_the_user_gave_it(capsys):
     """`loom web` takes its address as an argument, `loom play` as --web: each error names the one typed."""
     assert main(["web", "abc"]) == 2

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config
+from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config, model_family
 
 
 def test_every_shipped_preset_loads():
@@ -90,6 +90,21 @@ def test_missing_file(tmp_path):
     assert "not found" in _error(tmp_path, name=tmp_path / "nope.yaml")
     assert "not found" in _error(tmp_path, name=str(tmp_path / "Nope.YAML"))  # a file by its suffix, any case
     assert "is a folder" in _error(tmp_path, name=str(tmp_path))
+    assert "did you mean" not in _error(tmp_path, name=tmp_path / "nope.yaml")
+
+
+def test_a_missing_file_named_like_a_preset_names_the_preset(tmp_path):
+    """`-c default.yaml` where no such file is said only "config file not found"; the preset is named."""
+    message = _error(tmp_path, name=tmp_path / "edit-tiny.yaml")
+    assert message.endswith("config file not found; did you mean the preset 'edit-tiny' (-c edit-tiny)?"), message
+
+
+def test_the_model_family_is_read_before_the_config_is_built():
+    """`loom bench` refuses a Wan-only option on the edit family by the option's name, so it reads the family
+    (with the overrides) before building the config."""
+    assert model_family("edit-tiny") == "edit" and model_family("tiny-random") == "wan"
+    assert model_family("tiny-random", ["model.family=edit"]) == "edit"
+    assert model_family(None, ["model=[1]"]) == "wan"  # not a section: the build says so
 
 
 def test_a_preset_name_is_the_preset_whatever_the_working_folder_holds(tmp_path, monkeypatch):

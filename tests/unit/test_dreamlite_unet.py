@@ -157,7 +157,10 @@ def test_hook_names_are_the_temporal_lllite_release_names():
 
 @pytest.mark.parametrize("text, words", [('{"block_out_channels": "abc"}', "down needs one entry per level"),
                                          ("[1, 2]", "not a UNet config.json"),
-                                         ('{"down_block_types": ["X"]}', "down_block_types entry 'X'")])
+                                         ('{"down_block_types": ["X"]}', "down_block_types entry 'X'"),
+                                         ('{"_class_name": "UNet2DConditionModel"}',  # SD1.5's, read as DreamLite's
+                                          "_class_name 'UNet2DConditionModel' is not DreamLite's UNet (expected "
+                                          "'DreamLiteUNetModel')")])
 def test_a_unet_config_json_of_wrong_values_is_refused_naming_the_file(tmp_path, text, words):
     """A checkpoint's hand-edited or damaged config.json: one line that says which file, whichever check meets it."""
     path = tmp_path / "unet" / "config.json"

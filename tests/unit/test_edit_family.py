@@ -179,6 +179,10 @@ def test_checkpoints_load_strictly_and_name_what_does_not_match(tmp_path):
     (tmp_path / "model" / "unet" / "config.json").write_text('{"dual_cross_attention": true}')
     with pytest.raises(CheckpointError, match="dual_cross_attention=True is not supported"):
         load_unet(tmp_path / "model", UNET_PRESETS["tiny"], torch.device("cpu"), torch.float32)
+    # another diffusers UNet's config (SD1.5's) is refused by its class, before any weights are looked for
+    (tmp_path / "model" / "unet" / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
+    with pytest.raises(CheckpointError, match="_class_name 'UNet2DConditionModel' is not DreamLite's UNet"):
+        load_unet(tmp_path / "model", UNET_PRESETS["tiny"], torch.device("cpu"), torch.float32)
 
     full = _lllite(unet, "all")  # a released adapter file holds every hook point ...
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, tmp_path / "lllite.safetensors")
@@ -206,6 +210,9 @@ def test_config_refuses_float16_and_live_params_are_validated():
         session.set_params(adapter_strength=5.0)
     session.set_params(adapter_strength=0.25, cond_refresh_every=4)
     assert float(session.models.lllite.strength) == 0.25 and session.cfg.edit.cond_refresh_every == 4
+    # the edit family takes an instruction: an empty one is refused in its words, not the Wan family's style
+    with pytest.raises(ValueError, match=r"empty; give an instruction, such as 'make it a watercolor painting'"):
+        session.set_prompt("  ")
 
 
 def test_the_session_says_where_its_callers_thread_waited():

@@ -72,6 +72,10 @@ def test_prompt_limits():
     for text, why in (("  ", "prompt is empty"), ("x" * 5000, "at most 4096"), (None, "prompt is empty")):
         with pytest.raises(ValueError, match=why):
             check_prompt_request(text)
+    with pytest.raises(ValueError, match="empty; give a few words describing the style"):
+        check_prompt_request(" ")
+    with pytest.raises(ValueError, match="empty; give an instruction, such as 'make it a watercolor painting'"):
+        check_prompt_request(" ", family="edit")  # the edit family's prompt is an instruction, not a style
 
 
 def test_hosts_offer_the_schema_ranges():
