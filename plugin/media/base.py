@@ -148,11 +148,13 @@ class AppSink:
         except Exception as exc:
             raise MediaError(f"{self.name}: stopping the output failed: {exc}") from exc
 
-    def discard(self) -> None:
+    def discard(self) -> str:
+        """Stop the output; nothing is left behind, so nothing to add to its failure line ("")."""
         try:
             self.close()
         except MediaError:
             pass
+        return ""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.width}x{self.height} @ {self.fps:g} fps>"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import os
 import queue
@@ -29,9 +30,11 @@ import numpy as np
 
 from loom_live.plugin.media.base import FrameSource, MediaError
 
+log = logging.getLogger(__name__)
+
 # The frame rates an output is written at: a file's time base holds them, and players decode them.
 SINK_FPS_RANGE = (0.01, 1000.0)
-# Signals that end a run, held back while encoded packets or a file's trailer are written (_signals_deferred).
+# Signals that end a run, held back while encoded packets or a file's trailer are written (signals_deferred).
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 NETWORK_SOURCE_SCHEMES = ("rtsp", "rtsps", "srt", "udp", "rtmp", "rtmps", "http", "https", "tcp")
@@ -410,6 +413,7 @@ class FrameSink:
         self._partial: Path | None = None if is_network else partial_path(Path(target))
         self._lock = None if self._partial is None else _claim_partial(self._partial, name)
         self._settled = False  # the partial was moved or removed: its name may be another run's now
+        self._left = ""  # the partial could not be removed: what discard() adds to the output's failure line
         try:
             self._container = av.open(str(self._partial) if self._partial else target, "w", format=container_format)
         except (av.error.FFmpegError, OSError) as e:
@@ -471,7 +475,7 @@ class FrameSink:
             self.frames_written += 1
             return
         try:
-            with _signals_deferred():  # the packets an encode returns are muxed before a Ctrl-C ends the run
+            with signals_deferred():  # the packets an encode returns are muxed before a Ctrl-C ends the run
                 self._encode(frame, self.frames_written)
                 self.frames_written += 1
             if self._audio is not None:
@@ -502,7 +506,7 @@ class FrameSink:
         _OPEN_SINKS.discard(self)
         if self._sender is not None and not self._sender.finish():  # its thread is stuck inside the container
             raise MediaError(f"{self.name}: stopped; the receiver took nothing for {NETWORK_STALL_S:g} s")
-        with _signals_deferred():
+        with signals_deferred():
             try:
                 try:
                     self._container.mux(self._video.encode(None))
@@ -526,11 +530,15 @@ class FrameSink:
                 raise MediaError(f"{self.name}: cannot move the finished file into place: {_reason(e)}{left}") from e
             self._release()
 
-    def discard(self) -> None:
-        """Stop without keeping anything: a file's target is left as it was (a network stream just ends)."""
+    def discard(self) -> str:
+        """Stop without keeping anything: a file's target is left as it was (a network stream just ends).
+
+        Returns what to add to the output's failure line: the hidden partial left behind when removing it
+        failed too (a drive gone read-only), else "" (the user must not be left a file they were never told of)."""
         with contextlib.suppress(MediaError):
             self.close(keep=False)
         self._discard_partial()
+        return self._left
 
     @property
     def kept(self) -> bool:
@@ -544,8 +552,9 @@ class FrameSink:
         if self._partial is not None and not self._settled:
             try:
                 self._partial.unlink(missing_ok=True)
-            except OSError:
-                left = f"; {self._partial} is left behind (removing it failed too)"
+            except OSError as e:
+                log.warning("%s: cannot remove the unfinished file %s: %s", self.name, self._partial, _reason(e))
+                left = self._left = f"; {self._partial} is left behind (removing it failed too)"
         self._release()
         return left
 
@@ -822,7 +831,7 @@ def _reason(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
+def signals_deferred() -> Iterator[None]:
     """Hold Ctrl-C and a stop signal (SIGTERM, SIGHUP) back while encoded packets are written or a file is
     finalised, then deliver the first one. Raised between an encode and its mux, it would lose the packets
     just encoded, the stream's first keyframe among them: a kept file that plays nothing."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from loom_live.host_bridge import EngineState
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source
+from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source, signals_deferred
 from loom_live.plugin.player.control_input import ControlInput, open_control_input
 from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
 from loom_live.plugin.player.live_feed import LiveFeed
@@ -63,6 +63,10 @@ STYLE_POLL_S = 0.25
 # Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
 # they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# A file that ends short of the frame count its header states by more than the larger of these is said to (a copy
+# cut short, a file truncated mid-run); less is the header's approximation (a count estimated from the duration).
+SHORT_INPUT_FRAMES = 3
+SHORT_INPUT_SHARE = 0.05
 
 
 class StopRequested(BaseException):
@@ -118,6 +122,7 @@ class Player:
         self._last_error = ""
         # An input that breaks mid-stream ends the reading; the frames read before it still go out.
         self._input_error: PlayerError | None = None
+        self._input_ended = False  # the input reached its end (not --frames, a quit, or a failure to read)
         self._skipped_reported = 0
         self._last_input_shape: tuple[int, ...] = ()  # of the last frame not at the source's size
         self._unfinished: list[str] = []  # outputs whose finalising failed: the user must hear of it
@@ -331,6 +336,7 @@ class Player:
                 yield None
                 continue
             if frame is None:
+                self._input_ended = True
                 return
             self.frames_in += 1
             frame = self._fit(frame)
@@ -492,13 +498,16 @@ class Player:
         if frame.ndim == 3 and frame.shape[2] == 4:
             frame = frame[..., :3]
         frame = np.ascontiguousarray(frame, dtype=np.uint8)
-        for sink in list(self.sinks):
-            try:
-                sink.write(frame)
-            except MediaError as exc:
-                self._drop_output(sink, exc)
+        # A stop signal waits until every output has the frame and it is counted: raised as one file's write
+        # returned, it left that frame in the file, missing from the others and from the report's count.
+        with signals_deferred():
+            for sink in list(self.sinks):
+                try:
+                    sink.write(frame)
+                except MediaError as exc:
+                    self._drop_output(sink, exc)
+            self.frames_out += 1
         self._last_out = frame
-        self.frames_out += 1
         self._show(frame)
         if self.web is not None:
             self.web.output(frame, seq)
@@ -507,11 +516,11 @@ class Player:
         """One output failed (a recording drive, a streaming server gone): the others, and the show, go on."""
         self.sinks.remove(sink)
         self._unfinished.append(sink.name)
-        sink.discard()  # incomplete: a file's target keeps what it held before
+        left = sink.discard()  # incomplete: a file's target keeps what it held before
         if not self.sinks and self.window is None and self.web is None:
-            raise PlayerError(f"output: {error}")
+            raise PlayerError(f"output: {error}{left}")
         self.printer.quiet = False  # errors are always shown
-        self.printer.say(f"{self.name}: error: output: {error}; this output is stopped, the others go on")
+        self.printer.say(f"{self.name}: error: output: {error}{left}; this output is stopped, the others go on")
 
     def _show(self, frame: np.ndarray) -> None:
         if self.window is None:
@@ -616,6 +625,12 @@ class Player:
         control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
         self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
                             f"to {written} in {elapsed:.1f} s{damaged}{control}")
+        stated = self.source.frame_count
+        if self._input_ended and not self.opts.loop and not self.source.is_live and stated and \
+                stated - self.frames_in > max(SHORT_INPUT_FRAMES, SHORT_INPUT_SHARE * stated):
+            # A file cut short decodes to its end without an error: the run would look complete.
+            self.printer.say(f"{self.name}: input ended after {self.frames_in} of the {stated} frames its header "
+                             "states (a file cut short?)")
 
 
 def _raise_on_stop_signals() -> dict[int, Any]:

@@ -8,6 +8,7 @@ default runs use the embedded model, as a user's first `loom play` does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -244,6 +245,112 @@ def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_pat
     assert "stopped by Ctrl-C; 3 frames" in out.stderr and "Traceback" not in out.stderr
     assert len(_decode(first)) == 3 and len(_decode(second)) == 3
     assert sorted(tmp_path.iterdir()) == [first, second], "a hidden partial was left behind"
+
+
+def _without_engine(monkeypatch) -> None:
+    """An in-process run with the engine left out: each input frame goes to the outputs as it is."""
+    from loom_live.plugin.player.app import Player
+
+    def straight_to_the_outputs(self):
+        for frame in self._frames():
+            self._emit(frame)
+
+    for name in ("_start_engine", "_wait_ready", "_report_style"):
+        monkeypatch.setattr(Player, name, lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Player, "_run_lossless", straight_to_the_outputs)
+
+
+def test_a_ctrl_c_while_a_frame_is_written_is_counted_as_the_files_hold_it(tmp_path):
+    """Ctrl-C lands while the third frame is written to the first of two outputs: that frame goes to both
+    (neither file is a frame short of the other) and the report counts it (it said one frame fewer than the
+    files hold). The engine is left out: the frames go straight to the outputs."""
+    first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
+    script = textwrap.dedent(f"""
+        import signal
+        from loom_live.plugin.media.video_io import FrameSink
+        from loom_live.plugin.player.app import Player
+        from loom_live.plugin.player.options import PlayerOptions
+
+        def straight_to_the_outputs(self):
+            for frame in self._frames():
+                self._emit(frame)
+
+        encode = FrameSink._encode
+
+        def encode_then_ctrl_c(self, frame, pts):
+            encode(self, frame, pts)
+            if pts == 2 and self.name == {str(first)!r}:
+                signal.raise_signal(signal.SIGINT)
+
+        Player._start_engine = Player._wait_ready = Player._report_style = lambda self, *args, **kwargs: None
+        Player._run_lossless = straight_to_the_outputs
+        FrameSink._encode = encode_then_ctrl_c
+        print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames=10,
+                                           size=(64, 64))).run())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "exit 130", out.stderr
+    assert "stopped by Ctrl-C; 3 frames" in out.stderr, out.stderr
+    assert len(_decode(first)) == 3 and len(_decode(second)) == 3
+
+
+def test_an_output_that_fails_and_cannot_be_removed_names_the_file_left_behind(tmp_path, monkeypatch, capsys):
+    """An output fails mid-run on a drive gone read-only: its hidden partial cannot be removed either. The
+    failure line names it (it was left there unsaid); the other output goes on."""
+    from loom_live.plugin.media.video_io import FrameSink
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    broken, kept = tmp_path / "broken.mkv", tmp_path / "kept.mkv"
+    encode, unlink = FrameSink._encode, Path.unlink
+
+    def encode_or_fail(self, frame, pts):
+        if self.name == str(broken) and pts == 2:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        encode(self, frame, pts)
+
+    def unlink_unless_broken(self, *args, **kwargs):
+        if self == partial_path(broken):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        unlink(self, *args, **kwargs)
+
+    _without_engine(monkeypatch)
+    monkeypatch.setattr(FrameSink, "_encode", encode_or_fail)
+    monkeypatch.setattr(Path, "unlink", unlink_unless_broken)
+    code = Player(PlayerOptions(outputs=[str(broken), str(kept)], max_frames=5, size=(64, 64))).run()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (f"{broken}: writing failed: Read-only file system; {partial_path(broken)} is left behind (removing it "
+            "failed too); this output is stopped, the others go on") in err
+    assert len(_decode(kept)) == 5
+
+
+def test_a_file_cut_short_is_said_to_end_before_the_frames_its_header_states(tmp_path, monkeypatch, capsys):
+    """A copy cut at half its bytes decodes to its cut without an error: the run ended with exit 0 and "N
+    frames", as if complete. It still ends with 0, and a last line says how far short it came; a whole file,
+    and a run that --frames ends early, say nothing of the kind."""
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    _without_engine(monkeypatch)
+    whole = noise_clip(tmp_path / "whole.mkv", 60)
+    cut = tmp_path / "cut.mkv"
+    data = whole.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    runs = {}
+    for name, clip, frames in (("cut", cut, None), ("whole", whole, None), ("limited", whole, 20)):
+        code = Player(PlayerOptions(input=str(clip), outputs=[str(tmp_path / f"{name}_out.mp4")],
+                                    max_frames=frames)).run()
+        runs[name] = (code, capsys.readouterr().err)
+    code, err = runs["cut"]
+    written = len(_decode(tmp_path / "cut_out.mp4"))
+    assert code == 0 and 0 < written < 55, err
+    assert err.rstrip().endswith(f"loom play: input ended after {written} of the 60 frames its header states "
+                                 "(a file cut short?)"), err
+    for name in ("whole", "limited"):
+        code, err = runs[name]
+        assert code == 0 and "input ended after" not in err, err
 
 
 def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path):

@@ -470,6 +470,26 @@ def test_a_partial_that_cannot_be_moved_or_removed_is_named_in_the_error(tmp_pat
     assert partial_path(out).exists() and not out.exists()
 
 
+
+def test_a_discarded_file_whose_partial_cannot_be_removed_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The player's path for a failed output: a drive gone read-only leaves the hidden partial. It is logged,
+    and named in what discard() returns for the output's failure line, not left there unsaid."""
+    out = tmp_path / "set.mp4"
+    sink = open_sink(out, 24, (64, 48))
+    sink.write(np.zeros((48, 64, 3), np.uint8))
+
+    def read_only(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="loom_live.plugin.media.video_io"):
+        m.setattr(Path, "unlink", read_only)
+        left = sink.discard()
+    assert left == f"; {partial_path(out)} is left behind (removing it failed too)"
+    assert f"cannot remove the unfinished file {partial_path(out)}: Read-only file system" in caplog.text
+    assert partial_path(out).exists() and not out.exists()
+    assert sink.discard() == left  # said again to a second caller, not lost
+
 def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "clip.mp4"
     src.write_bytes(b"input")
