@@ -211,17 +211,35 @@ def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
     assert len(_decode(dst)) > 0 and not partial_path(dst).exists()
 
 
-def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_path):
-    """Ctrl-C pressed twice: the second one lands while the first output is finalised. Every output is still
-    finished and put in place (the second was left half written under its hidden name), and the run ends with
-    its report and 130. The engine is left out: the run stops before it is needed."""
-    first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
-    script = textwrap.dedent(f"""
+def _two_outputs_without_engine(first: Path, second: Path, setup: str, max_frames: int):
+    """A player run in a process of its own (a real SIGINT reaches it) with the engine left out, each input frame
+    going straight to the two outputs; `setup` patches it (a signal at a chosen moment). Returns the process."""
+    script = textwrap.dedent("""
         import signal
         from loom_live.plugin.media.video_io import FrameSink
         from loom_live.plugin.player.app import Player
         from loom_live.plugin.player.options import PlayerOptions
 
+        def straight_to_the_outputs(self):
+            for frame in self._frames():
+                self._emit(frame)
+
+        Player._start_engine = Player._wait_ready = Player._report_style = lambda self, *args, **kwargs: None
+        Player._run_lossless = straight_to_the_outputs
+    """) + textwrap.dedent(setup) + textwrap.dedent(f"""
+        print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames={max_frames},
+                                           size=(64, 64))).run())
+    """)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_path):
+    """Ctrl-C pressed twice: the second one lands while the first output is finalised. Every output is still
+    finished and put in place (the second was left half written under its hidden name), and the run ends with
+    its report and 130."""
+    first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
+    out = _two_outputs_without_engine(first, second, """
         def stopped_after_three_frames(self):
             for frame in list(self._frames())[:3]:
                 self._emit(frame)
@@ -233,14 +251,9 @@ def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_pat
             close(self, keep)
             signal.raise_signal(signal.SIGINT)
 
-        Player._start_engine = Player._wait_ready = Player._report_style = lambda self, *args, **kwargs: None
         Player._run_lossless = stopped_after_three_frames
         FrameSink.close = close_and_ctrl_c_again
-        print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames=3,
-                                           size=(64, 64))).run())
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """, 3)
     assert out.stdout.strip() == "exit 130", out.stderr
     assert "stopped by Ctrl-C; 3 frames" in out.stderr and "Traceback" not in out.stderr
     assert len(_decode(first)) == 3 and len(_decode(second)) == 3
@@ -263,18 +276,9 @@ def _without_engine(monkeypatch) -> None:
 def test_a_ctrl_c_while_a_frame_is_written_is_counted_as_the_files_hold_it(tmp_path):
     """Ctrl-C lands while the third frame is written to the first of two outputs: that frame goes to both
     (neither file is a frame short of the other) and the report counts it (it said one frame fewer than the
-    files hold). The engine is left out: the frames go straight to the outputs."""
+    files hold)."""
     first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
-    script = textwrap.dedent(f"""
-        import signal
-        from loom_live.plugin.media.video_io import FrameSink
-        from loom_live.plugin.player.app import Player
-        from loom_live.plugin.player.options import PlayerOptions
-
-        def straight_to_the_outputs(self):
-            for frame in self._frames():
-                self._emit(frame)
-
+    out = _two_outputs_without_engine(first, second, f"""
         encode = FrameSink._encode
 
         def encode_then_ctrl_c(self, frame, pts):
@@ -282,14 +286,8 @@ def test_a_ctrl_c_while_a_frame_is_written_is_counted_as_the_files_hold_it(tmp_p
             if pts == 2 and self.name == {str(first)!r}:
                 signal.raise_signal(signal.SIGINT)
 
-        Player._start_engine = Player._wait_ready = Player._report_style = lambda self, *args, **kwargs: None
-        Player._run_lossless = straight_to_the_outputs
         FrameSink._encode = encode_then_ctrl_c
-        print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames=10,
-                                           size=(64, 64))).run())
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """, 10)
     assert out.stdout.strip() == "exit 130", out.stderr
     assert "stopped by Ctrl-C; 3 frames" in out.stderr, out.stderr
     assert len(_decode(first)) == 3 and len(_decode(second)) == 3
