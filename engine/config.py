@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -652,8 +653,6 @@ def _override_value(keys: list[str], raw: str, text: str) -> Any:
 
 def _holds_text(keys: list[str]) -> bool:
     """Whether the config key at `keys` (a section path, then the key) is a string field (optional or not)."""
-    import typing
-
     cls: Any = LoomConfig
     for key in keys:
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
