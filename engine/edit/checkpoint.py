@@ -10,6 +10,9 @@ differs, fails with an error naming them.
 A temporal-LLLite file holds adapters for every hook point of the UNet (108 for DreamLite); a run
 hooking a subset (the 38 in the down blocks) skips the others, while a key that names no hook
 point of this UNet fails.
+
+The Qwen3-VL encoder loads through transformers; `qwen3_vl_key` says which of its files' key layouts
+that load takes, so the check before an engine starts accepts the same ones.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from loom_live.engine.edit.unet import EditUNet, EditUNetConfig
 from loom_live.engine.edit.vae import TinyVAE, TinyVAEConfig
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, load_into_module
 
-__all__ = ["CheckpointError", "load_unet", "load_vae", "load_lllite"]
+__all__ = ["CheckpointError", "load_unet", "load_vae", "load_lllite", "qwen3_vl_key"]
 
 log = logging.getLogger(__name__)
 
 LLLITE_PREFIX = "modules_dict."
 CONFIG = "config.json"
+QWEN3_VL_BASE = "model."  # what Qwen3VLForConditionalGeneration's files put before its base model's keys
+QWEN3_VL_HEAD = "lm_head."  # the language head, which the encoder drops
 
 
 def _folder(path: str | Path, sub: str) -> Path:
@@ -91,3 +96,14 @@ def load_lllite(lllite: nn.Module, path: str | Path, all_points: list[str], devi
         return name
 
     load_into_module(lllite, checkpoint_files(path), rename, device=device, dtype=dtype)
+
+
+def qwen3_vl_key(key: str) -> str | None:
+    """A Qwen3-VL file's key as transformers' base model (Qwen3VLModel, what the encoder keeps) names it; None
+    for the language head. The hub's files (from Qwen3VLForConditionalGeneration) put `model.` before the base
+    model's keys and a saved Qwen3VLModel does not; transformers' from_pretrained loads both, by the base
+    model's prefix, and maps no other layout for Qwen3-VL: the Qwen2-VL-era `model.layers.*` would load as
+    random weights, so it stays refused (its language-model keys missing)."""
+    if key.startswith(QWEN3_VL_HEAD):
+        return None
+    return key.removeprefix(QWEN3_VL_BASE)

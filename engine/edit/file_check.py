@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loom_live.engine.edit.checkpoint import load_lllite, load_unet, load_vae
+from loom_live.engine.edit.checkpoint import load_lllite, load_unet, load_vae, qwen3_vl_key
 from loom_live.engine.edit.lllite import LLLite, select_hooks
 from loom_live.engine.edit.unet import UNET_PRESETS, EditUNet
 from loom_live.engine.edit.vae import VAE_PRESETS
@@ -124,10 +124,11 @@ def check_qwen3_vl(path: str, width: int) -> None:
 
 
 def _check_qwen3_vl_weights(folder: Path) -> None:
-    """Every weight of the model the config describes is in the files, at its shape (keys that transformers
-    leaves unused are no harm); the tied output head may be left out."""
+    """Every weight of the base model the config describes is in the files, at its shape, under a key layout
+    transformers loads (`qwen3_vl_key`); keys it leaves unused are no harm, and the language head, which the
+    encoder drops, may be left out."""
     try:
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        from transformers import Qwen3VLConfig, Qwen3VLModel
     except ImportError:
         raise CheckpointError("edit.encoder=qwen3-vl needs transformers: pip install 'loom-live[edit]'") from None
     try:
@@ -135,8 +136,11 @@ def _check_qwen3_vl_weights(folder: Path) -> None:
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{folder / 'config.json'}: not a Qwen3-VL config ({str(exc)[:200]})") from None
     with torch.device("meta"):
-        model = Qwen3VLForConditionalGeneration(config)
+        model = Qwen3VLModel(config)
     names = set(model.state_dict())
-    tied = set(model._tied_weights_keys or ()) if config.tie_word_embeddings else set()
-    load_into_module(model, checkpoint_files(folder), lambda k: k if k in names else None, device=META,
-                     keep=lambda name: name not in tied)
+
+    def rename(key: str) -> str | None:
+        name = qwen3_vl_key(key)
+        return name if name in names else None
+
+    load_into_module(model, checkpoint_files(folder), rename, device=META)

@@ -5,6 +5,9 @@ download resumes where it stopped, every file is checked against the checksum th
 and a file already cached is not fetched again. With `--offline` (or `HF_HUB_OFFLINE=1`) nothing
 is fetched: the command says what is cached and what is missing. Once pulled, the preset finds
 the files by itself (engine.models.weights); a path given with `--set` still wins.
+
+Before the first download the hub is asked once, without the client's retries: with no network,
+huggingface_hub retries each request for about 24 s before it gives up.
 """
 
 from __future__ import annotations
@@ -84,10 +87,13 @@ def run(args: argparse.Namespace) -> int:
         import huggingface_hub  # noqa: F401
     except ImportError:
         raise UserError("loom pull needs huggingface_hub: pip install 'loom-live[pull]'") from None
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    if not offline:
+        _check_reachable(sources, endpoint)
     missing = []
     for source in sources:
         try:
-            path = _pull(source, offline)
+            path = _pull(source, offline, endpoint)
         except NotPulled:
             if not offline:
                 raise
@@ -109,12 +115,22 @@ def _list(sources: tuple[WeightSource, ...]) -> None:
         print(f"{s.key:<18} {s.what}: https://huggingface.co/{s.repo}{rev} {', '.join(s.files)}  [{s.licence}]")
 
 
-def _pull(source: WeightSource, offline: bool) -> Path:
+def _check_reachable(sources: tuple[WeightSource, ...], endpoint: str | None) -> None:
+    """One request to the hub through its client (its proxies and certificates), within HF_HUB_ETAG_TIMEOUT: any
+    answer will do; none is said at once, naming what could not be fetched."""
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(endpoint or constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:  # the client's connection errors are neither OSError nor the hub's own
+        raise _unreachable(sources, endpoint, exc) from None
+
+
+def _pull(source: WeightSource, offline: bool, endpoint: str | None) -> Path:
     """Fetch (or, offline, find) every file of one source; returns what its config key points at."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     cache = hub_cache_dir()
-    endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
         names = _repo_files(source, offline, endpoint)
         if names and any("*" in f for f in source.files):
@@ -127,8 +143,7 @@ def _pull(source: WeightSource, offline: bool) -> Path:
         if offline:
             raise NotPulled(f"{source.repo}: not in the cache ({cache}) and offline mode is on "
                             "(--offline or HF_HUB_OFFLINE=1); run `loom pull` with network access") from None
-        raise UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}); "
-                        "check the network, or set HF_ENDPOINT to a mirror") from None
+        raise _unreachable((source,), endpoint) from None
     except HfHubHTTPError as exc:
         raise UserError(f"{source.repo}: the hub refused the download: {str(exc).splitlines()[0]}") from None
     except OSError as exc:
@@ -158,7 +173,7 @@ def _repo_files(source: WeightSource, offline: bool, endpoint: str | None) -> li
     except HfHubHTTPError:
         raise
     except Exception as exc:  # the hub client's own connection errors are neither OSError nor the hub's
-        raise _unreachable(source, endpoint, exc) from None
+        raise _unreachable((source,), endpoint, exc) from None
     names = [n for n in listed if any(fnmatch.fnmatch(n, pattern) for pattern in source.files)]
     if not names:
         raise UserError(f"{source.repo}: holds none of {', '.join(source.files)}")
@@ -176,7 +191,7 @@ def _list_pull(source: WeightSource, names: list[str], cache: Path, endpoint: st
     except HfHubHTTPError:
         raise
     except Exception as exc:
-        raise _unreachable(source, endpoint, exc) from None
+        raise _unreachable((source,), endpoint, exc) from None
     if not meta.commit_hash:
         return
     snapshot = cache / f"models--{source.repo.replace('/', '--')}" / "snapshots" / meta.commit_hash
@@ -186,9 +201,13 @@ def _list_pull(source: WeightSource, names: list[str], cache: Path, endpoint: st
     write_replacing(listed, lambda f: f.write(text.encode()))
 
 
-def _unreachable(source: WeightSource, endpoint: str | None, exc: Exception) -> UserError:
-    return UserError(f"{source.repo}: cannot reach the Hugging Face hub ({endpoint or 'huggingface.co'}): "
-                     f"{type(exc).__name__}; check the network, or set HF_ENDPOINT to a mirror")
+def _unreachable(sources: tuple[WeightSource, ...], endpoint: str | None,
+                 exc: Exception | None = None) -> UserError:
+    why = f": {type(exc).__name__}" if exc is not None else ""
+    return UserError(f"{', '.join(dict.fromkeys(s.repo for s in sources))}: cannot reach the Hugging Face hub "
+                     f"({endpoint or 'huggingface.co'}){why}; check the network, or set HF_ENDPOINT to a mirror, "
+                     "or give the run local files instead of pulling: "
+                     + " ".join(f"--set {key}=PATH" for key in dict.fromkeys(s.key for s in sources)))
 
 
 def _download(source: WeightSource, name: str, cache: Path, endpoint: str | None, offline: bool) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -218,6 +219,27 @@ def test_pull_says_in_one_line_when_the_hub_cannot_be_reached_to_list_a_folder(h
     assert main(["pull", "wan2.1-1.3b"]) == 2
     err = capsys.readouterr().err
     assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: cannot reach the Hugging Face hub" in err and "Traceback" not in err
+
+
+def test_pull_with_no_hub_to_reach_says_so_before_any_download_and_how_to_run_without(hub_env, monkeypatch, capsys,
+                                                                                       caplog):
+    """Nothing listening at the endpoint: the first download retried five times, about 24 s, before its line;
+    now one request finds that out, and the line also says how to give the run local files instead."""
+    from loom_live.plugin.cli import pull
+
+    with socket.socket() as closed:  # a port nothing listens on once closed
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    downloads = []
+    fetch = pull._download
+    monkeypatch.setattr(pull, "_download", lambda *args: downloads.append(args) or fetch(*args))
+    assert main(["pull", "wan2.1-1.3b"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"cannot reach the Hugging Face hub ({endpoint})" in line and "Traceback" not in line
+    assert "jerryfeng/StreamDiffusionV2" in line and "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in line
+    assert "--set model.checkpoint=PATH" in line and "--set prompt.path=PATH" in line
+    assert downloads == [] and "Retrying" not in caplog.text
 
 
 def test_a_pull_stopped_inside_a_folder_is_not_taken_for_it_until_pulled_again(hub_env, monkeypatch):

@@ -118,6 +118,43 @@ def test_a_qwen3_vl_folder_given_under_home_loads(files, qwen, tmp_path, monkeyp
     assert encoder.dim == WIDTH and encoder.tokenizer is not None
 
 
+@pytest.mark.parametrize("saved_from", ["Qwen3VLForConditionalGeneration", "Qwen3VLModel"])
+def test_a_qwen3_vl_saved_from_the_full_or_the_base_class_passes_the_check_and_loads(files, qwen, tmp_path,
+                                                                                     saved_from):
+    """The base class saves its keys without the hub's `model.` before them, and no language head: transformers
+    loads that, yet the check refused it as missing every key."""
+    import transformers
+
+    from loom_live.engine.edit.encoder import Qwen3VLEncoder, tiny_qwen3vl_config
+
+    folder = tmp_path / "qwen"
+    shutil.copytree(qwen, folder)
+    torch.manual_seed(1)  # other weights than the fixture's, saved over them
+    saved = getattr(transformers, saved_from)(tiny_qwen3vl_config())
+    saved.save_pretrained(folder)
+    check_weight_files(load_config("edit-tiny", _qwen_run(files, folder)))
+    loaded = Qwen3VLEncoder.from_pretrained(str(folder), torch.device("cpu"), torch.float32).model.state_dict()
+    base = saved if saved_from == "Qwen3VLModel" else saved.model
+    assert all(torch.equal(loaded[k], v) for k, v in base.state_dict().items())
+
+
+def test_a_qwen3_vl_in_the_older_layout_transformers_does_not_map_is_refused(files, qwen, tmp_path):
+    """`model.layers.*` beside a top-level `visual.*` (the Qwen2-VL-era layout): transformers maps it for no
+    Qwen3-VL class and draws the language model at random, so the check refuses it. Should transformers learn
+    the layout, the last assertion fails and `qwen3_vl_key` should accept it too."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "qwen"
+    shutil.copytree(qwen, folder)
+    hub = load_file(str(qwen / "model.safetensors"))
+    older = {re.sub(r"^model\.(language_model|visual)\.", lambda m: "model." if m[1] == "language_model"
+                    else "visual.", k): v for k, v in hub.items()}
+    assert any(k.startswith("model.layers.") for k in older) and any(k.startswith("visual.") for k in older)
+    save_file(older, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing keys"):
+        check_weight_files(load_config("edit-tiny", _qwen_run(files, folder)))
+
+
 def test_the_hash_encoder_is_as_wide_as_the_checkpoints_unet(files):
     """A checkpoint's own unet/config.json builds the UNet; the hash encoder took the edit.unet preset's width
     and the first batch failed in the UNet's conditioning projection."""
