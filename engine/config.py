@@ -542,14 +542,15 @@ class LoomConfig:
     def start_settings(self) -> dict[str, Any]:
         """What a session of this config starts on, as its `ready` message tells the host (JSON-able): the
         prompt's text and each live parameter it takes (`live_params`) by name, with this config's value
-        (`lora_scales`: the `lora` list's scales by name). `with_live` of these params changes nothing."""
+        (`lora_scales`: the `lora` list's scales by name), and the model family, so that the host says an empty
+        prompt in its words. `with_live` of these params changes nothing."""
         params = {}
         for p in self.live_params:
             if p is live.LORA_SCALES:
                 params[p.name] = {e.key: e.scale for e in self.lora}
             else:
                 params[p.name] = p.check(getattr(getattr(self, p.section), p.name))
-        return {"prompt": self.prompt.text, "params": params}
+        return {"prompt": self.prompt.text, "params": params, "family": self.model.family}
 
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
@@ -720,15 +721,34 @@ def model_family(name_or_path: str | Path | None = None, overrides: list[str] | 
     """The model family a config names, read before it is built: a command can then refuse an option of the
     other family by the option's own name (the built config names only the key it set, and lets pass a value
     equal to the key's default). A family that is not allowed is the build's to say."""
-    model = _overridden_source(name_or_path, overrides)[0].get("model")
+    return _family(_overridden_source(name_or_path, overrides)[0])
+
+
+def _family(data: dict) -> str:
+    model = data.get("model")
     family = model.get("family") if isinstance(model, dict) else None
     return family if isinstance(family, str) else ModelConfig().family
+
+
+def _check_prompt_text(data: dict, source: str) -> None:
+    """prompt.text as a host's prompt is checked, with what the model family takes: the prompt section is built
+    without the family, and a blank `--set prompt.text=" "` (read as null) would be said as a value of the wrong
+    type. A number or a list is the build's to say, as is a family not allowed."""
+    prompt, family = data.get("prompt"), _family(data)
+    if not isinstance(prompt, dict) or "text" not in prompt or family not in live.PROMPT_TAKES:
+        return
+    if prompt["text"] is None or isinstance(prompt["text"], str):
+        try:
+            live.check_prompt_request(prompt["text"], family=family)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: prompt.text: {exc}") from None
 
 
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:
     """Load a preset name or a YAML file, apply `key.sub=value` overrides, validate everything; weights the
     run needs and the user did not give are looked up in what `loom pull` fetched (engine.models.weights)."""
     data, source = _overridden_source(name_or_path, overrides)
+    _check_prompt_text(data, source)
     from loom_live.engine.models.weights import fill_pulled_weights
 
     return fill_pulled_weights(build(LoomConfig, data, source=source))

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             fallback += status.fallback
             if i == int(args.fps):  # after a second: a new prompt, blended in over a few chunks
                 bridge.set_prompt("ink wash painting")
-                # a parameter the engine's model family takes (`engine_start()` lists them once it is
-                # ready): the edit model's adapter strength, else the Wan models' noise strength
-                edit = "adapter_strength" in (bridge.engine_start() or {"params": {}})["params"]
+                # a parameter the engine's model family takes (`engine_family`, once it is ready): the
+                # edit model's adapter strength, else the Wan models' noise strength
+                edit = bridge.engine_family == "edit"
                 bridge.set_params(**({"adapter_strength": 0.8} if edit else {"noise_scale": 0.7}))
             i += 1
             next_frame += period

@@ -45,7 +45,7 @@ from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.handoff_marks import MARKS
-from loom_live.host_bridge.wire.params import LIVE, PROMPT, check_prompt_request
+from loom_live.host_bridge.wire.params import LIVE, PROMPT, PROMPT_TAKES, check_prompt_request
 from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
@@ -618,8 +618,9 @@ class Bridge:
     def set_prompt(self, text: str, transition_chunks: int | None = None, *, wait: bool = False) -> None:
         """Change the prompt. Remembered: an engine that starts or restarts later is told it once, when
         ready. A bad prompt raises ValueError and is not remembered; nor is one a running engine refuses
-        with wait=True (e.g. missing from its embeddings file)."""
-        wish = PromptWish(*check_prompt_request(text, transition_chunks))
+        with wait=True (e.g. missing from its embeddings file). An empty one is said in the words of the running
+        engine's model family (what its prompt is), or of each family before an engine has said."""
+        wish = PromptWish(*check_prompt_request(text, transition_chunks, family=self.engine_family))
         self._control("prompt", wait, lambda: self._wanted.want_prompt(wish), text=wish.text,
                       transition_chunks=wish.transition_chunks)
 
@@ -649,8 +650,8 @@ class Bridge:
     def engine_start(self) -> dict[str, Any] | None:
         """What the running engine started on, its config's prompt and live parameters, as its ready message
         said: {"prompt": text, "params": {name: value}}, as `set_prompt` and `set_params` take them (only the
-        parameters this host knows, with allowed values); a copy. None before the engine is ready, or from an
-        engine that does not say (an older one)."""
+        parameters this host knows, with allowed values), and "family", its model family, where it says one this
+        host knows; a copy. None before the engine is ready, or from an engine that does not say (an older one)."""
         with self._lock:
             link = self._link
             start = link.engine_info.get("start") if link is not None and link.ready else None
@@ -659,7 +660,15 @@ class Bridge:
                 return None
             params = {k: LIVE[k].check(v) for k, v in start["params"].items()
                       if k in LIVE and LIVE[k].problem(v) is None}
-            return {"prompt": start["prompt"].strip(), "params": params}
+            family = {"family": start["family"]} if start.get("family") in PROMPT_TAKES else {}
+            return {"prompt": start["prompt"].strip(), "params": params, **family}
+
+    @property
+    def engine_family(self) -> str | None:
+        """The running engine's model family (`model.family`: what its prompt is, a style or an edit
+        instruction), as its ready message said; None before an engine is ready, or from one that does not say."""
+        start = self.engine_start()
+        return None if start is None else start.get("family")
 
     def reset(self, *, wait: bool = False) -> None:
         self._control("reset", wait)

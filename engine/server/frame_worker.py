@@ -84,7 +84,7 @@ class FrameWorker:
         self.refusal = ""  # the session could not be built from its inputs (CheckpointError, ConfigError, ...)
         self._stall_after = stall_after
         # the ready info's "start": the prompt and live parameters the session starts on (its config's), so
-        # that a host can go back to them (`LoomConfig.start_settings`); None: not said
+        # that a host can go back to them, and its model family (`LoomConfig.start_settings`); None: not said
         self._start = start
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()

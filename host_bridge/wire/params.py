@@ -286,18 +286,25 @@ def steps_for(count: Any) -> list[int]:
 
 
 def check_prompt_request(text: Any, transition_chunks: Any = None,
-                         family: str = "wan") -> tuple[str, int | None]:
+                         family: str | None = "wan") -> tuple[str, int | None]:
     """A prompt and its blend length as the engine takes them (text stripped); ValueError names a bad one and
-    what the model `family` takes instead (an edit preset's prompt is an instruction, not a style)."""
+    what the model `family` takes instead (an edit preset's prompt is an instruction, not a style). None: the
+    family is not known yet (a host before its engine's ready message), so what each family takes is said."""
     if text is not None and not isinstance(text, str):
-        raise ValueError(f"the prompt is {type(text).__name__} {text!r:.40}; expected a string, "
-                         f"{PROMPT_TAKES[family]}")
+        raise ValueError(f"the prompt is {type(text).__name__} {text!r:.40}; expected a string, {_takes(family)}")
     if not text or not text.strip():
-        raise ValueError(f"the prompt is empty; give {PROMPT_TAKES[family]}")
+        raise ValueError(f"the prompt is empty; give {_takes(family)}")
     if len(text) > (PROMPT.max_len or 0):
         raise ValueError(f"the prompt has {len(text)} characters; expected at most {PROMPT.max_len}")
     chunks = None if transition_chunks is None else TRANSITION_CHUNKS.check(transition_chunks)
     return text.strip(), chunks
+
+
+def _takes(family: str | None) -> str:
+    """What a prompt is to the model `family`, or to each family when it is not known."""
+    if family is None:
+        return " or ".join(f"{takes} (the {name} family)" for name, takes in PROMPT_TAKES.items())
+    return PROMPT_TAKES[family]
 
 
 __all__ = ["CHUNK_FRAMES", "CONTROL_PARAMS", "CONTROL_SOURCES",

@@ -156,7 +156,8 @@ SCHEMA: dict[str, Fields] = {
               "software": (_str(128), False), "lane": (_endpoint, False), "lane_id": (_lane_id, False),
               "doorbell": (_segment, False)},
     # info: "session" (its class name) and "start": what the session starts on, its config's prompt and
-    # live parameters, {"prompt": text, "params": {name: value}} (an older engine does not say)
+    # live parameters and its model family (what its prompt is), {"prompt": text, "params": {name: value},
+    # "family": name} (an older engine does not say)
     "ready": {"info": (_json_object, False)},
     # a served engine's only answer to a host that says hello while another host is attached
     "wait": {"reason": (_str(MAX_TEXT), False)},

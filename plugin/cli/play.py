@@ -197,7 +197,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         check_prompt_request(text, family=cfg.model.family)
     options = PlayerOptions(
         config=args.config,
-        overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text,
+        overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora},
         control_sources=available_sources(cfg), takes_reference=cfg.vace, control_source=cfg.control.control_source,

@@ -497,8 +497,8 @@ class LoomPrompt:
               transition_chunks: int) -> tuple[EngineHandle]:
         from loom_live.host_bridge.wire.params import LIVE, check_prompt_request, steps_for
 
-        try:  # all checked before any is sent: a refused node changes nothing
-            text, chunks = check_prompt_request(prompt, transition_chunks)
+        try:  # all checked before any is sent: a refused node changes nothing; the prompt in the engine's words
+            text, chunks = check_prompt_request(prompt, transition_chunks, family=engine.bridge.engine_family)
             params = LIVE.check({"steps": steps_for(steps), "noise_scale": noise_scale, "motion_aware": motion_aware})
         except ValueError as exc:
             raise ValueError(f"Loom Prompt: {exc}") from None

@@ -95,7 +95,7 @@ class Player:
                                               takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
-                                              reference=options.reference))
+                                              reference=options.reference, family=options.family))
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0

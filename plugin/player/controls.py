@@ -90,6 +90,7 @@ class ControlState:
     message: str = ""
     refused: int = 0  # commands refused when applied (a source this run lacks, control without VACE)
     given_prompts: int = -1  # how many of `prompts` the run was started with (-1: all there are at start)
+    family: str = "wan"  # the model family (model.family): what a prompt is, said when an empty one is refused
 
     def __post_init__(self) -> None:
         if self.given_prompts < 0:
@@ -159,9 +160,10 @@ def transition_chunks_command(value: Any) -> Command:
     return Command("transition_chunks", (_checked(TRANSITION_CHUNKS.check, _int(value, "transition_chunks")),))
 
 
-def prompt_command(text: Any, transition_chunks: Any = None) -> Command:
+def prompt_command(text: Any, transition_chunks: Any = None, *, family: str = "wan") -> Command:
+    """A new prompt; a bad one is refused in the words of the model `family` (what its prompt is)."""
     chunks = None if transition_chunks is None else _int(transition_chunks, "transition_chunks")
-    return Command("prompt", _checked(check_prompt_request, text, chunks))
+    return Command("prompt", _checked(check_prompt_request, text, chunks, family))
 
 
 def _checked(check: Callable[..., Any], *args: Any) -> Any:
@@ -498,7 +500,7 @@ class KeyboardInput:
         elif code in KEY_ENTER:
             text, self.typing = self.typing, None
             if text and text.strip():
-                self.controls.put(prompt_command(text))
+                self.controls.put(prompt_command(text, family=self.controls.state.family))
         elif code in KEY_BACKSPACE:
             self.typing = self.typing[:-1]
         elif 32 <= code < 127:

@@ -45,6 +45,7 @@ class PlayerOptions:
     overrides: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     default_prompt: str = PROMPT.default
+    family: str = "wan"  # the config's model family (model.family): a prompt sent live is refused in its words
     steps: int = len(LIVE["steps"].default)
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default

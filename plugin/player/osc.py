@@ -92,13 +92,14 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
 }
 
 
-def command_for(address: str, args: tuple[Any, ...]) -> Command:
-    """The command an OSC message asks for; ControlError names the problem."""
+def command_for(address: str, args: tuple[Any, ...], family: str = "wan") -> Command:
+    """The command an OSC message asks for; ControlError names the problem (a prompt's in the words of the
+    model `family`)."""
     builder = _BUILDERS.get(address.rstrip("/"))
     if builder is None:
         raise ControlError(f"unknown OSC address {address!r}; known: {', '.join(OSC_ADDRESSES)}")
     try:
-        return builder(*args)
+        return builder(*args, family=family) if builder is prompt_command else builder(*args)
     except TypeError:
         expected = OSC_ADDRESSES[address.rstrip("/")][0] or "no arguments"
         raise ControlError(f"{address}: wrong arguments {list(args)!r}; expected {expected}") from None
@@ -131,7 +132,7 @@ class OSCServer:
     def _handle(self, address: str, *args: Any) -> None:
         self.received += 1
         try:
-            self.controls.put(command_for(address, args))
+            self.controls.put(command_for(address, args, self.controls.state.family))
         except (ControlError, ValueError, TypeError) as exc:  # refused and counted; the stream goes on
             self.rejected += 1
             self.last_error = str(exc)

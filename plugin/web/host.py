@@ -181,7 +181,7 @@ class WebHost:
                 "through": list(self._through)}
 
     def control(self, message: dict[str, Any]) -> str:
-        command = command_for(message)
+        command = command_for(message, self.controls.state.family)
         self.controls.put(command)
         return f"{command.name} sent"
 

@@ -66,8 +66,12 @@ def _reference(message: Mapping[str, Any]) -> Command:
     return Command("reference_image", (UploadedReference(*decode_upload(message.get("name"), message.get("data"))),))
 
 
-_BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
-    "prompt": lambda m: prompt_command(m.get("text"), m.get("transition_chunks")),
+def _prompt(message: Mapping[str, Any], family: str) -> Command:
+    return prompt_command(message.get("text"), message.get("transition_chunks"), family=family)
+
+
+_BUILDERS: dict[str, Callable[..., Command]] = {
+    "prompt": _prompt,
     "prompt_index": lambda m: _index(m.get("value")),
     "steps": lambda m: steps_command(m.get("value")),
     "noise_scale": lambda m: noise_scale_command(m.get("value")),
@@ -82,13 +86,14 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any]], Command]] = {
 CONTROLS = tuple(_BUILDERS)
 
 
-def command_for(message: Mapping[str, Any]) -> Command:
-    """The command a page's control message asks for; ControlError names what is wrong and what is allowed."""
+def command_for(message: Mapping[str, Any], family: str = "wan") -> Command:
+    """The command a page's control message asks for; ControlError names what is wrong and what is allowed (a
+    prompt in the words of the model `family`)."""
     name = message.get("control")
     builder = _BUILDERS.get(name) if isinstance(name, str) else None
     if builder is None:
         raise ControlError(f"unknown control {str(name)[:40]!r}; known: {', '.join(CONTROLS)}")
-    return builder(message)
+    return builder(message, family) if builder is _prompt else builder(message)
 
 
 def control_state(s: ControlState) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def test_failures_that_need_no_engine_exit_2_once_before_any_engine(tmp_path, ca
 
 def test_an_empty_prompt_is_refused_before_any_engine_in_its_family_s_words(tmp_path, capsys, monkeypatch):
     """`loom play -c edit-tiny --prompt " "` started the engine, then asked for "a few words describing the
-    style": the edit family takes an instruction. Refused before the player runs, in the family's words."""
+    style": the edit family takes an instruction. Refused before the player runs, in the family's words; so is
+    `--set prompt.text=" "`, which was said as "None is not allowed; expected a string"."""
     import loom_live.plugin.player as player
 
     monkeypatch.setattr(player, "run_player", lambda *a, **k: pytest.fail("the player ran"))
@@ -99,6 +100,10 @@ def test_an_empty_prompt_is_refused_before_any_engine_in_its_family_s_words(tmp_
                           ("tiny-random", "a few words describing the style")):
         assert main(["play", "-c", config, "--prompt", " ", "-o", str(tmp_path / "x.mp4")]) == 2
         assert f"loom play: error: the prompt is empty; give {takes}" in capsys.readouterr().err
+        for blank in (" ", ""):
+            assert main(["play", "-c", config, "--set", f"prompt.text={blank}", "-o", str(tmp_path / "x.mp4")]) == 2
+            assert (f"loom play: error: preset {config} (with --set overrides): prompt.text: the prompt is empty; "
+                    f"give {takes}\n") in capsys.readouterr().err
 
 
 def test_a_bad_page_address_is_named_as_the_user_gave_it(capsys):

@@ -79,10 +79,14 @@ def test_stream_returns_every_frame_in_order_passthrough(nodes_pkg):
 
 
 def test_prompt_node_refuses_bad_values(nodes_pkg):
-    handle, _ = engine_node(nodes_pkg, passthrough=True)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="  ", steps=2, noise_scale=0.8, motion_aware=True,
-             transition_chunks=4)
+    """An empty prompt in the words of the engine's model family (it said so when ready): an edit engine's prompt
+    is an instruction, and the node asked for "a few words describing the style"."""
+    for config, takes in (("default", "a few words describing the style"),
+                          ("edit-tiny", "an instruction, such as 'make it a watercolor painting'")):
+        handle, _ = engine_node(nodes_pkg, passthrough=True, config=config)
+        with pytest.raises(ValueError, match=f"Loom Prompt: the prompt is empty; give {takes}$"):
+            run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="  ", steps=2, noise_scale=0.8,
+                     motion_aware=True, transition_chunks=4)
     with pytest.raises(ValueError, match="steps: 5 is not allowed"):
         run_node(nodes_pkg, "LoomPrompt", engine=handle, prompt="x", steps=5, noise_scale=0.8, motion_aware=True,
              transition_chunks=4)

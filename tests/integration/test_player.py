@@ -672,6 +672,9 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
                                ("/loom/motion_aware", (1, 0), "is not allowed")]:
         with pytest.raises(ControlError, match=why):
             command_for(address, args)
+    with pytest.raises(ControlError, match="empty; give an instruction, such as 'make it a watercolor painting'"):
+        command_for("/loom/prompt", (" ",), "edit")  # an edit model's prompt is an instruction, not a style
+    assert command_for("/loom/prompt", ("make it ink", 2), "edit") == Command("prompt", ("make it ink", 2))
     assert command_for("/loom/prompt/index", (2.0,)) == Command("prompt_index", (2,))
     assert command_for("/loom/pause", ()) == Command("pause", ())  # no argument: a toggle
     assert [command_for("/loom/motion_aware", (v,)).args for v in (True, 0, 1.0, "off", " ON ")] == \
@@ -685,7 +688,7 @@ def test_osc_server_feeds_the_controls():
 
     from loom_live.plugin.player.osc import OSCServer
 
-    controls, bridge = _controls("ink"), RecordingBridge()
+    controls, bridge = Controls(ControlState(prompts=["ink"], family="edit")), RecordingBridge()
     controls.apply_pending(bridge)  # the engine runs: nothing to send yet
     server = OSCServer(controls, "127.0.0.1", 0)
     try:
@@ -694,18 +697,20 @@ def test_osc_server_feeds_the_controls():
         client.send_message("/loom/steps", 4)
         client.send_message("/loom/steps", 9)  # refused, counted
         client.send_message("/loom/steps", float("inf"))  # refused too (int() of it raises OverflowError)
+        client.send_message("/loom/prompt", " ")  # refused in the words of the run's model family
         client.send_message("/loom/quit", [])
         deadline = time.monotonic() + 5
-        while server.received < 5 and time.monotonic() < deadline:
+        while server.received < 6 and time.monotonic() < deadline:
             time.sleep(0.02)
         said = controls.apply_pending(bridge)  # the frame loop prints these lines
     finally:
         server.close()
     assert bridge.prompts == [("chrome", 3)]
     assert bridge.params == [{"steps": steps_for(4)}]
-    assert server.rejected == 2 and "not a finite number" in server.last_error
     refusals = [line for line in said if line.startswith("OSC refused: ")]
-    assert len(refusals) == 2 and "expected 1, 2, 3 or 4" in refusals[0] and controls.state.refused == 2
+    assert server.rejected == 3 and controls.state.refused == 3 and len(refusals) == 3
+    for words in ("expected 1, 2, 3 or 4", "not a finite number", "the prompt is empty; give an instruction"):
+        assert sum(words in line for line in refusals) == 1, refusals  # in any order: a thread for each message
     assert controls.state.quit
 
 

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from loom_live.plugin.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +87,36 @@ def test_the_ready_message_says_the_prompt_and_live_parameters_the_engine_starts
     assert start == load_config("default", overrides).start_settings()
     assert start["prompt"] == "ink wash" and start["params"]["steps"] == [700, 500]  # the default preset's
     assert start["params"]["noise_scale"] == 0.5 and start["params"]["context_scale"] == 0.7
+    assert start["family"] == "wan"
     for told, expected in ((start, start), (None, None)):
         with InProcessEngine(build, start=told) as engine, Bridge(BridgeConfig(**engine.host)) as bridge:
             bridge.wait_running(20)
             assert bridge.engine_start() == expected
+            assert bridge.engine_family == (told and told["family"])
+
+
+def test_a_host_says_an_empty_prompt_in_the_words_of_the_engine_s_family():
+    """An empty prompt sent from TouchDesigner or ComfyUI to an edit engine asked for "a few words describing the
+    style": the host did not know the family. The ready message names it (`Bridge.engine_family`); before an
+    engine has said, what each family takes is said. The refused prompt is not remembered; a good one is taken."""
+    from loom_live.engine.config import load_config
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from tests.fakes.engines import InProcessEngine
+
+    for config, family, takes in (("edit-tiny", "edit", "an instruction, such as 'make it a watercolor painting'"),
+                                  ("tiny-random", "wan", "a few words describing the style")):
+        with InProcessEngine(PassthroughSession, start=load_config(config).start_settings()) as engine:
+            bridge = Bridge(BridgeConfig(**engine.host))
+            with pytest.raises(ValueError, match=r"style \(the wan family\) or an instruction.* \(the edit family\)"):
+                bridge.set_prompt(" ")  # not started: no engine has said its family
+            with bridge:
+                bridge.wait_running(20)
+                assert bridge.engine_family == family
+                for blank in ("", " \n "):
+                    with pytest.raises(ValueError) as refused:
+                        bridge.set_prompt(blank, wait=True)
+                    assert str(refused.value) == f"the prompt is empty; give {takes}"
+                assert bridge.wanted.prompt is None
+                bridge.set_prompt("make it a charcoal drawing", wait=True)
+                assert engine.server.worker.session.prompt == "make it a charcoal drawing"

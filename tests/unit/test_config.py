@@ -67,7 +67,10 @@ def _error(tmp_path, text: str | None = None, overrides=(), name=None) -> str:
         ("noise: {motion_aware: yes please}\n", ["noise.motion_aware", "true or false"]),
         ("model: {preset: wan3}\n", ["model.preset", "'wan3'", "wan2.1-1.3b"]),
         ("model: {device: gpu0}\n", ["model.device", "cuda:N"]),
-        ("prompt: {text: '  '}\n", ["prompt.text", "empty"]),
+        ("prompt: {text: '  '}\n", ["prompt.text: the prompt is empty; give a few words describing the style"]),
+        ("model: {family: edit}\nprompt: {text: ''}\n",
+         ["bad.yaml: prompt.text: the prompt is empty; give an instruction, such as 'make it a watercolor painting'"]),
+        ("prompt: {text: null}\n", ["prompt.text: the prompt is empty"]),
         ("model: [1, 2]\n", ["model", "expected a mapping"]),
         ("model: {preset: tiny\n", ["bad.yaml", "not valid YAML"]),
         ("noise: {noise_scale: .nan}\n", ["noise.noise_scale", "nan", "a finite number in [0.1, 1.0]"]),
@@ -145,7 +148,8 @@ def test_a_kv_window_smaller_than_the_first_chunk_is_refused_at_load():
 def test_start_settings_are_the_config_s_prompt_and_live_parameters():
     """What the ready message says a session starts on: the prompt and each live parameter its family takes
     with the config's value (LoRA scales by name), JSON-able, and what `with_live` takes back unchanged. Another
-    family's parameters are not listed: a host offering them back would be refused by name."""
+    family's parameters are not listed: a host offering them back would be refused by name. The family is named:
+    a host says an empty prompt in its words."""
     import json
 
     from loom_live.host_bridge.wire import params as live
@@ -161,6 +165,7 @@ def test_start_settings_are_the_config_s_prompt_and_live_parameters():
     assert set(edit.start_settings()["params"]) == {"adapter_strength", "cond_refresh_every", "prompt_refresh_every",
                                                     "target_fps", "latency_budget_ms"}
     assert edit.with_live(edit.start_settings()["params"]) == edit
+    assert (default["family"], edit.start_settings()["family"]) == ("wan", "edit")
     cfg = load_config("tiny-vace", ['lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]', "noise.noise_scale=1",
                                     "stream.steps=[600]", "control.context_scale=0.7", "prompt.text=ink wash"])
     start = cfg.start_settings()

@@ -76,6 +76,10 @@ def test_prompt_limits():
         check_prompt_request(" ")
     with pytest.raises(ValueError, match="empty; give an instruction, such as 'make it a watercolor painting'"):
         check_prompt_request(" ", family="edit")  # the edit family's prompt is an instruction, not a style
+    with pytest.raises(ValueError) as unknown:  # a host before its engine said its family: what each one takes
+        check_prompt_request(" ", family=None)
+    assert str(unknown.value) == ("the prompt is empty; give a few words describing the style (the wan family) or "
+                                  "an instruction, such as 'make it a watercolor painting' (the edit family)")
 
 
 def test_hosts_offer_the_schema_ranges():

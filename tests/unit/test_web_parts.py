@@ -104,6 +104,17 @@ def test_a_bad_page_message_is_refused_in_words(message, words):
     assert words in str(refused.value)
 
 
+def test_an_empty_prompt_from_the_page_is_refused_in_the_words_of_the_run_s_model_family():
+    """An edit model's prompt is an instruction: the page was asked for "a few words describing the style"."""
+    pytest.importorskip("aiortc", reason="the web extra")
+    from loom_live.plugin.web.host import WebHost
+
+    host = WebHost(make_access("127.0.0.1:0"), Controls(ControlState(prompts=["a"], family="edit")), (32, 24), 10.0)
+    with pytest.raises(ControlError, match="the prompt is empty; give an instruction, such as 'make it a watercolor"):
+        host.control({"control": "prompt", "text": "  "})
+    assert host.control({"control": "prompt", "text": "make it ink"}) == "prompt sent"
+
+
 def test_transition_chunks_reach_the_engine_and_later_prompts():
     sent: list = []
 
