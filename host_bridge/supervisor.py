@@ -7,7 +7,8 @@ and opens a new one after a backoff that doubles up to a limit (and resets once 
 for a while). Restarts are for engines that were running: a launched engine that exits before the
 first one was ever ready (a wrong engine Python, a missing module, a crash while loading) would fail
 the same way again, so the supervisor ends there at once (dead, with the reason and the engine's last
-lines) instead of retrying it silently until a host's timeout. An engine that exits with code 2 before
+lines) instead of retrying it silently until a host's timeout; unless a standby launched beside it still
+loads, which is then waited for (see `_wait_for_standby`). An engine that exits with code 2 before
 it is ready refused its run (a bad config, missing weights), whether or not one ran before: the
 message is then the engine's own error, said once. So does a served
 engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
@@ -109,6 +110,8 @@ class Supervisor:
         self._backoff = config.restart_backoff_s
         self._next_start = 0.0
         self._link_ids = itertools.count()
+        # why the engine in use failed before its first ready, while the standby it waits for loads
+        self._lost_before_ready = ""
         # a second launched engine kept ready to take over (opened once the first one runs)
         self.standby = Standby(config, ctx, self.lock, self._link_ids) if config.standby and config.launch else None
 
@@ -198,8 +201,10 @@ class Supervisor:
                 with self.cond:
                     if self._adopt_standby("engine restarted from the standby"):
                         return
+                    if self._lost_before_ready and self.standby.link is None:
+                        self._standby_failed_too()
         if link is None:
-            if self.state == EngineState.DEAD or time.monotonic() < self._next_start:
+            if self.state == EngineState.DEAD or self._lost_before_ready or time.monotonic() < self._next_start:
                 time.sleep(TICK_S)
             else:
                 self._open_link()
@@ -347,8 +352,10 @@ class Supervisor:
             elif self._never_started(link):
                 reason = f"the engine could not start: {reason}"
             restart = self.config.restart and not self.closing and refusal is None and not self._never_started(link)
-            self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
-                            reason if not restart else f"{reason}; stopping the engine")
+            waiting = not restart and refusal is None and self._wait_for_standby(link, reason)
+            if not waiting:
+                self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
+                                reason if not restart else f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self.cond:
             self.log_tail = link.log_tail()
@@ -357,13 +364,34 @@ class Supervisor:
                 self._next_start = time.monotonic() + self._backoff
                 self._set_state(EngineState.RESTARTING, f"{reason}; restarting in {self._backoff:.1f} s")
                 self._backoff = min(max(self._backoff * 2, 0.1), self.config.restart_backoff_max_s)
-            else:
+            elif not waiting:
                 self._set_state(EngineState.DEAD, reason)
 
     def _never_started(self, link: Link) -> bool:
         """A launched engine exited before any engine of this bridge was ready: trying again would fail alike.
         (One that is slow to say hello or hangs while loading on a busy machine is still tried again.)"""
         return link.proc is not None and not link.proc.alive and not link.ready and not self.ever_ready
+
+    def _wait_for_standby(self, link: Link, reason: str) -> bool:
+        """Lock held: whether to wait for the standby instead of ending. The engine in use failed before it was
+        ready and is not retried, while a standby launched beside it still loads: that one may well start (the
+        first load ran out of memory, the second finds room), so the bridge keeps starting and adopts it once
+        ready. The wait is bounded by the standby link's own handshake and load timeouts, as any engine's is."""
+        loading = self.standby.link if self.standby is not None and not self.closing else None
+        if link.ready or loading is None:
+            return False
+        self._lost_before_ready = reason
+        self._set_state(EngineState.STARTING if self.restarts == 0 else EngineState.RESTARTING,
+                        f"{reason}; waiting for the standby engine (pid {loading.pid}) to finish loading")
+        log.warning("%s", self.message)
+        return True
+
+    def _standby_failed_too(self) -> None:
+        """Lock held: the standby waited for went away before it was ready (it exited, hung, or ran past its
+        timeouts): the bridge ends, naming both engines' causes."""
+        lost, self._lost_before_ready = self._lost_before_ready, ""
+        self._set_state(EngineState.DEAD, f"{lost}; the standby engine could not start either: {self.standby.problem}")
+        log.error("%s", self.message)
 
     def _switch_to_standby(self, link: Link, reason: str) -> bool:
         """Lock held: the ready standby becomes the engine in use; the failed one is stopped on a thread of
@@ -380,6 +408,10 @@ class Supervisor:
         fresh = self.standby.take() if self.standby is not None and not self.closing else None
         if fresh is None:
             return False
+        if self._lost_before_ready:  # it replaces an engine that failed before its first ready: said, and counted
+            message, self._lost_before_ready = f"{self._lost_before_ready}; the standby engine took over", ""
+            self.restarts += 1
+            log.info("%s", message)
         self.link = fresh
         self._set_state(EngineState.RUNNING, message)
         if (frames := self._frames()) is not None:

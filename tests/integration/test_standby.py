@@ -1,5 +1,6 @@
 """Hot standby (issue 23): kill -9 the engine in use and frames resume from the standby engine,
-without waiting for a new engine to start; then a new standby is launched."""
+without waiting for a new engine to start; then a new standby is launched. An engine in use that dies
+before its first ready hands over to a standby launched beside it once that one is ready."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.client import EngineRefused
+from loom_live.host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
@@ -83,7 +86,8 @@ def test_the_standby_start_is_checked():
 
 def _engine_told(folder: Path) -> Path:
     """An engine Python that waits to be told what to be: a file `crash-PID` makes process PID die as a crash
-    while loading does, a file `go-PID` makes it the real engine."""
+    while loading does, `refuse-PID` makes it refuse its run as the engine does (exit code 2), a file `go-PID`
+    makes it the real engine."""
     script = folder / "engine-python"
     script.write_text(textwrap.dedent(f"""\
         #!{sys.executable}
@@ -93,6 +97,9 @@ def _engine_told(folder: Path) -> Path:
             if os.path.exists(os.path.join(folder, f"crash-{{pid}}")):
                 print("CUDA out of memory while loading", flush=True)
                 sys.exit(1)
+            if os.path.exists(os.path.join(folder, f"refuse-{{pid}}")):
+                print({SERVE_ERROR_PREFIX!r} + "no weights at /missing", file=sys.stderr, flush=True)
+                sys.exit(2)
             time.sleep(0.02)
         os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     """))
@@ -108,18 +115,71 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_bridge_that_ends_dead_stops_its_standby(tmp_path):
-    """The engine in use dies while the standby launched beside it still starts: the bridge is dead (an
-    engine that never started is not retried) and takes no engine over, so its standby is stopped at once,
-    not kept loading and holding its memory until the host closes the bridge."""
-    cfg = BridgeConfig(passthrough=True, engine_python=str(_engine_told(tmp_path)), engine_cwd=str(ROOT),
-                       standby=True, standby_start="together", heartbeat_s=0.1, hang_timeout_s=1.0,
-                       stop_timeout_s=1.0, handshake_timeout_s=120.0)
-    with Bridge(cfg) as bridge:
-        assert _wait(lambda: bridge.stats()["standby"]["pid"] is not None, 60), bridge.stats()["standby"]
-        active, standby = bridge.stats()["engine_pid"], bridge.stats()["standby"]["pid"]
+def _told_config(folder: Path) -> BridgeConfig:
+    """Both engines launched together by `_engine_told`, neither given a handshake deadline a loaded machine
+    could reach: each one starts, crashes or refuses only when the test says so."""
+    return BridgeConfig(passthrough=True, engine_python=str(_engine_told(folder)), engine_cwd=str(ROOT),
+                        standby=True, standby_start="together", heartbeat_s=0.1, hang_timeout_s=1.0,
+                        stop_timeout_s=1.0, handshake_timeout_s=120.0)
+
+
+def _both_launched(bridge: Bridge) -> tuple[int, int]:
+    """The engine in use and the standby launched beside it, once both are."""
+    assert _wait(lambda: bridge.stats()["standby"]["pid"] is not None, 60), bridge.stats()["standby"]
+    return bridge.stats()["engine_pid"], bridge.stats()["standby"]["pid"]
+
+
+def _waits_for(bridge: Bridge, standby: int) -> bool:
+    """The bridge says it waits for that standby (False at once if it ended instead)."""
+    said = f"waiting for the standby engine (pid {standby})"
+    _wait(lambda: said in bridge.status().message or bridge.status().state.ended, 60)
+    return said in bridge.status().message
+
+
+def test_an_engine_dead_before_its_first_ready_hands_over_to_the_standby_loading_beside_it(tmp_path, caplog):
+    """The first engine's load runs out of memory while the standby still loads: the bridge keeps starting,
+    says why, and takes the standby once it is ready, instead of ending dead."""
+    caplog.set_level("WARNING", logger="loom_live.host_bridge.supervisor")
+    frame = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with Bridge(_told_config(tmp_path)) as bridge:
+        active, standby = _both_launched(bridge)
         (tmp_path / f"crash-{active}").touch()
-        with pytest.raises(RuntimeError, match="the engine could not start: .*CUDA out of memory"):
+        assert _waits_for(bridge, standby), bridge.status().message
+        status = bridge.status()
+        assert status.state == "starting" and "CUDA out of memory" in status.message, status
+        assert any("waiting for the standby engine" in r.getMessage() and r.levelname == "WARNING"
+                   for r in caplog.records), caplog.text
+        (tmp_path / f"go-{standby}").touch()
+        bridge.wait_running(120)
+        assert bridge.stats()["engine_pid"] == standby
+        assert bridge.status().message.startswith("the engine could not start: engine exited with code 1: CUDA out "
+                                                  "of memory while loading; the standby engine took over"), \
+            bridge.status().message
+        assert _fresh_frame(bridge, frame, 60)
+
+
+def test_a_standby_that_dies_too_ends_the_bridge_naming_both_causes(tmp_path):
+    with Bridge(_told_config(tmp_path)) as bridge:
+        active, standby = _both_launched(bridge)
+        (tmp_path / f"crash-{active}").touch()
+        assert _waits_for(bridge, standby), bridge.status().message
+        (tmp_path / f"crash-{standby}").touch()
+        with pytest.raises(RuntimeError) as failed:
+            bridge.wait_running(120)
+        crash = "engine exited with code 1: CUDA out of memory while loading"
+        said = f"the engine could not start: {crash}; the standby engine could not start either: {crash}"
+        assert said in str(failed.value), str(failed.value)
+        assert bridge.status().state == "dead" and bridge.status().message == said
+
+
+def test_a_bridge_that_ends_dead_stops_its_standby(tmp_path):
+    """The engine in use refuses its run while the standby launched beside it still starts: the bridge is dead
+    (the standby would refuse the same run) and takes no engine over, so its standby is stopped at once, not
+    kept loading and holding its memory until the host closes the bridge."""
+    with Bridge(_told_config(tmp_path)) as bridge:
+        active, standby = _both_launched(bridge)
+        (tmp_path / f"refuse-{active}").touch()
+        with pytest.raises(EngineRefused, match="no weights at /missing"):
             bridge.wait_running(120)
         (tmp_path / f"go-{standby}").touch()  # a standby still running from here on would load and stay
         assert _wait(lambda: _gone(standby), 60), "the dead bridge kept its standby engine"
