@@ -7,20 +7,25 @@ recomputes the adapted weights from kept copies of the originals (`lora_merge`: 
 program with the scales in a device tensor), so any mix of scales is exact to one rounding (one
 more for a layer with a full weight delta) and all scales at 0 restore the original values.
 
-Layouts read (every key is translated on its own, names checked against the model):
+Layouts read (each key translated on its own but a block's norms, names checked against the model):
 - diffusers / PEFT: `transformer.blocks.N.attn1.to_q.lora_A.weight` / `lora_B` (diffusers names);
 - the original Wan layout: `diffusion_model.blocks.N.self_attn.q.lora_A.weight` (or
   `lora_down`/`lora_up`), with optional `.alpha`, `.diff_b` (a bias delta) and `.diff` (a full
   weight delta, taken at the LoRA's scale like the low-rank product, without alpha);
 - kohya / musubi-tuner: `lora_unet_blocks_N_self_attn_q.lora_down.weight`, `.lora_up`, `.alpha`.
-Only linear layers are merged into: a full delta for another parameter (the norms' weights that
-community Wan LoRAs often carry, a modulation, the patch embedding) is refused, naming its keys.
+Linear layers take all of these. Norms with a weight (the attentions' RMSNorms `norm_q`/`norm_k`,
+the cross-attention LayerNorm `norm3`) take `.diff` and `.diff_b` too, as ComfyUI adds them:
+weight = original + scale * diff. A delta for a norm that only normalises (Wan's norm1, norm2 and
+the head's norm: no weight, no bias) or for another parameter (a modulation, the patch embedding)
+is refused, naming its keys. A block's norm2 and norm3 are different norms in diffusers' names
+than in Wan's, so a file's other keys say which names its norms use.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from torch import nn
 from loom_live.engine.models.checkpoint_io import CheckpointError, checkpoint_files, iter_tensors
 from loom_live.engine.models.dit_convert import to_wan_key
 from loom_live.engine.models.lora_merge import MergeProgram, MergeTarget
+from loom_live.engine.models.wan_dit import RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,22 @@ _ROLE_RE = re.compile(r"^(?P<module>.+?)\.(?P<role>lora_A|lora_B|lora_down|lora_
 SUFFIX_ROLES = {".alpha": "alpha", ".diff_b": "bias", ".diff": "diff"}
 NAMES = {"down": "lora_down", "up": "lora_up", "diff": "diff", "bias": "diff_b"}  # roles as errors say them
 MAX_LISTED = 8
+NORMS = (nn.LayerNorm, nn.RMSNorm, RMSNorm)  # norms a LoRA's full deltas merge into, where they have a weight
+BLOCK_RE = re.compile(r"^(?:vace_)?blocks\.\d+$")
+BLOCK_NORM_RE = re.compile(r"^(?P<block>(?:vace_)?blocks\.\d+\.)(?P<norm>norm[123])$")
+# a block's norms in diffusers' names -> Wan's: diffusers' norm2 is the cross-attention norm (Wan's norm3)
+DIFFUSERS_BLOCK_NORMS = {"norm1": "norm1", "norm2": "norm3", "norm3": "norm2"}
+REFUSALS = {  # why a file is refused, in the order the reasons are said
+    "unknown": "keys that are not LoRA weights of a Wan2.1 DiT",
+    "missing": "modules this model does not have",
+    "weightless": "deltas for norms that only normalise, with no weight or bias to add them to "
+                  "(elementwise_affine=False: Wan's norm1, norm2 and the head's norm)",
+    "other": "updates for parameters a LoRA does not merge into (linear layers take lora_down/lora_up or "
+             "lora_A/lora_B pairs, .diff and .diff_b; norms with a weight take .diff and .diff_b)",
+    "shape": "shapes that do not fit this model (a LoRA for another model size?)",
+    "rank0": "rank-0 updates (down/A factors with no rows: nothing to merge, and alpha / rank is undefined)",
+    "no_bias": "bias deltas for layers that have no bias",
+}
 
 
 class LoraError(CheckpointError):
@@ -50,24 +72,28 @@ class LoraError(CheckpointError):
 
 @dataclass
 class LowRank:
-    """One adapted weight: delta = alpha_scale * up @ down (+ diff), plus an optional bias delta. A layer
-    a file changes by full deltas alone has rank 0 here (down [0, in], up [out, 0]): the merge adds nothing
-    for it but the deltas."""
+    """One adapted layer: delta = alpha_scale * up @ down (+ diff), plus an optional bias delta. A linear
+    layer a file changes by full deltas alone has rank 0 here (down [0, in], up [out, 0]): the merge adds
+    nothing for it but the deltas. A norm has no factors (down and up None): its weight, a vector, changes
+    by `diff` alone."""
 
-    down: torch.Tensor  # [rank, in]
-    up: torch.Tensor  # [out, rank]
+    down: torch.Tensor | None  # [rank, in]
+    up: torch.Tensor | None  # [out, rank]
     alpha_scale: float = 1.0
     bias: torch.Tensor | None = None
-    diff: torch.Tensor | None = None  # [out, in]: a full weight delta
+    diff: torch.Tensor | None = None  # the weight's shape: a full weight delta
 
-    def delta(self) -> torch.Tensor:
+    def delta(self) -> torch.Tensor | None:
+        """The weight's delta at scale 1, in float32; None for a norm's update of its bias alone."""
+        if self.down is None:
+            return None if self.diff is None else self.diff.float()
         delta = (self.up.float() @ self.down.float()) * self.alpha_scale
         return delta if self.diff is None else delta + self.diff.float()
 
 
 @dataclass
 class LoraFile:
-    """A parsed LoRA: per WanDiT parameter name (`blocks.3.self_attn.q`), its low-rank update."""
+    """A parsed LoRA: per WanDiT module name (`blocks.3.self_attn.q`), its update."""
 
     name: str
     path: Path
@@ -76,47 +102,108 @@ class LoraFile:
     @property
     def ranks(self) -> list[int]:
         """The ranks of its low-rank updates (a layer changed by full deltas alone has none)."""
-        return sorted({m.down.shape[0] for m in self.modules.values() if m.down.shape[0]})
+        return sorted({m.down.shape[0] for m in self.modules.values() if m.down is not None and m.down.shape[0]})
 
 
-def _linear_names(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+def _adaptable(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers a LoRA merges into: linear layers, and norms with a weight."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) or isinstance(m, NORMS) and m.weight is not None}
 
 
-def _module_name(raw: str, kohya: dict[str, str]) -> str:
+def _bias(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's bias, if it has one (an RMSNorm never does)."""
+    return None if isinstance(layer, (nn.RMSNorm, RMSNorm)) else layer.bias
+
+
+def _weightless_norms(model: nn.Module) -> set[str]:
+    """The names of the model's norms that only normalise: Wan computes its blocks' norm1 and norm2 and the
+    head's norm in the forward (`norm_modulate`), so they are no modules and are known by name here."""
+    modules = dict(model.named_modules())
+    names = {f"{block}.{norm}" for block in modules if BLOCK_RE.match(block) for norm in ("norm1", "norm2")}
+    names |= {n for n, m in modules.items() if isinstance(m, NORMS) and m.weight is None}
+    return names | ({"head.norm"} if "head" in modules else set())
+
+
+def _unprefixed(raw: str) -> str:
+    for prefix in PREFIXES:
+        if raw.startswith(prefix):
+            return raw[len(prefix):]
+    return raw
+
+
+def _diffusers_named(raws: Iterable[str]) -> bool:
+    """Whether a file names its layers as diffusers does (attn1.to_q, ffn.net.0.proj); its block norms' names
+    are then diffusers' too. A file of norm deltas alone is read in Wan's names (ComfyUI writes those)."""
+    names = (_unprefixed(raw) for raw in raws)
+    return any(not BLOCK_NORM_RE.match(n) and to_wan_key(n + ".weight") != n + ".weight" for n in names)
+
+
+def _module_name(raw: str, kohya: dict[str, str], diffusers: bool) -> str:
     """A file's module path in any layout -> WanDiT's module name (unknown names pass through)."""
     if raw.startswith(KOHYA_PREFIX):
         return kohya.get(raw[len(KOHYA_PREFIX):], raw)
-    for prefix in PREFIXES:
-        if raw.startswith(prefix):
-            raw = raw[len(prefix):]
-            break
+    raw = _unprefixed(raw)
+    norm = BLOCK_NORM_RE.match(raw)
+    if norm:
+        return norm["block"] + (DIFFUSERS_BLOCK_NORMS[norm["norm"]] if diffusers else norm["norm"])
     return to_wan_key(raw + ".weight").removesuffix(".weight")
 
 
-def _group(path: Path, tensors: dict[str, torch.Tensor], kohya: dict[str, str]) -> tuple[dict, list[str]]:
+def _group(tensors: dict[str, torch.Tensor], kohya: dict[str, str]) -> tuple[dict, list[str]]:
     """Tensors by target module and role ('down', 'up', 'alpha', 'bias', 'diff'); keys not understood."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    found: dict[str, tuple[str, str]] = {}  # key -> (module as the file names it, role)
     unknown: list[str] = []
-    for key, t in tensors.items():
+    for key in tensors:
         m = _ROLE_RE.match(key)
         suffix = next((s for s in SUFFIX_ROLES if key.endswith(s)), None)
         if m:
-            module, role = m["module"], ROLES[m["role"]]
+            found[key] = m["module"], ROLES[m["role"]]
         elif suffix:
-            module, role = key.removesuffix(suffix), SUFFIX_ROLES[suffix]
+            found[key] = key.removesuffix(suffix), SUFFIX_ROLES[suffix]
         else:
             unknown.append(key)
-            continue
-        parts.setdefault(_module_name(module, kohya), {})[role] = t
+    diffusers = _diffusers_named(raw for raw, _ in found.values())
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (raw, role) in found.items():
+        parts.setdefault(_module_name(raw, kohya, diffusers), {})[role] = tensors[key]
     return parts, unknown
 
 
-def _fits(roles: dict[str, torch.Tensor], down: torch.Tensor, up: torch.Tensor, shape: tuple[int, int]) -> bool:
-    """The factors multiply to a weight of `shape` ([out, in]) and each full delta is its parameter's shape."""
-    return (down.ndim == up.ndim == 2 and down.shape[0] == up.shape[1] and (up.shape[0], down.shape[1]) == shape
-            and ("diff" not in roles or tuple(roles["diff"].shape) == shape)
+def _fits(roles: dict[str, torch.Tensor], down: torch.Tensor | None, up: torch.Tensor | None,
+          shape: tuple[int, ...]) -> bool:
+    """The factors (a linear layer's) multiply to a weight of `shape` and each full delta is its parameter's
+    shape (a bias: the weight's first dimension)."""
+    factors = down is None or (down.ndim == up.ndim == 2 and down.shape[0] == up.shape[1]
+                               and (up.shape[0], down.shape[1]) == shape)
+    return (factors and ("diff" not in roles or tuple(roles["diff"].shape) == shape)
             and ("bias" not in roles or tuple(roles["bias"].shape) == shape[:1]))
+
+
+def _keys(module: str, roles: Iterable[str]) -> list[str]:
+    return [f"{module}.{NAMES[r]}" for r in NAMES if r in roles]
+
+
+def _update(module: str, roles: dict[str, torch.Tensor], layer: nn.Module,
+            meta: bool) -> LowRank | tuple[str, list[str]]:
+    """What `roles` do to `layer` (a linear layer or a norm with a weight), or why they are refused (a key of
+    REFUSALS) and what to name."""
+    pair, weight = "down" in roles, layer.weight
+    if pair and not isinstance(layer, nn.Linear):  # a norm's weight is a vector: no low-rank product
+        return "other", _keys(module, ("down", "up"))
+    down, up = None, None
+    if isinstance(layer, nn.Linear):
+        out, width = weight.shape
+        down, up = (roles["down"], roles["up"]) if pair else (torch.zeros(0, width), torch.zeros(out, 0))
+    if not _fits(roles, down, up, tuple(weight.shape)):
+        shapes = " ".join(f"{NAMES[r]} {tuple(roles[r].shape)}" for r in NAMES if r in roles)
+        return "shape", [f"{module} {shapes} vs weight {tuple(weight.shape)}"]
+    if pair and down.shape[0] == 0:
+        return "rank0", [module]
+    if "bias" in roles and _bias(layer) is None:  # nothing to add it to: refused here, not at load
+        return "no_bias", _keys(module, ("bias",))
+    alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and pair and not meta else 1.0
+    return LowRank(down, up, alpha, roles.get("bias"), roles.get("diff"))
 
 
 def _fail(path: Path, what: str, items: list[str]) -> LoraError:
@@ -140,66 +227,45 @@ def read_lora(path: str | Path, model: nn.Module, name: str | None = None, *, me
     tensors = {k: t for k, t, _ in iter_tensors(files, meta=meta)}
     if not tensors:
         raise LoraError(f"{path}: no tensors in the file")
-    linears = _linear_names(model)
-    kohya = {n.replace(".", "_"): n for n in linears}
-    parts, unknown = _group(path, tensors, kohya)
+    layers, weightless = _adaptable(model), _weightless_norms(model)
+    parts, unknown = _group(tensors, {n.replace(".", "_"): n for n in (*layers, *weightless)})
     named = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_modules()}
     lora = LoraFile(name or path.stem, path)
-    not_in_model, not_linear, mismatched, rank_zero, no_bias = [], [], [], [], []
+    refused: dict[str, list[str]] = {reason: [] for reason in REFUSALS}
+    refused["unknown"] = unknown
     for module, roles in parts.items():
         pair, full = "down" in roles and "up" in roles, "diff" in roles or "bias" in roles
         if ("down" in roles) != ("up" in roles) or not (pair or full):
             unknown.append(f"{module} (has {', '.join(sorted(roles))}; needs both down/A and up/B)")
-            continue
-        if module not in linears:
-            if module in named:  # a norm's weight, a modulation, a convolution
-                not_linear += [f"{module}.{NAMES[r]}" for r in NAMES if r in roles]
+        elif module in weightless:
+            refused["weightless"] += _keys(module, roles)
+        elif module not in layers and module in named:  # a modulation, the patch embedding (a convolution)
+            refused["other"] += _keys(module, roles)
+        elif module not in layers:
+            refused["missing"].append(module)
+        else:
+            update = _update(module, roles, layers[module], meta)
+            if isinstance(update, LowRank):
+                lora.modules[module] = update
             else:
-                not_in_model.append(module)
-            continue
-        weight = linears[module].weight
-        out, width = weight.shape
-        down, up = (roles["down"], roles["up"]) if pair else (torch.zeros(0, width), torch.zeros(out, 0))
-        if not _fits(roles, down, up, (out, width)):
-            shapes = " ".join(f"{NAMES[r]} {tuple(roles[r].shape)}" for r in NAMES if r in roles)
-            mismatched.append(f"{module} {shapes} vs weight {tuple(weight.shape)}")
-            continue
-        if pair and down.shape[0] == 0:
-            rank_zero.append(module)
-            continue
-        if "bias" in roles and linears[module].bias is None:  # nothing to add it to: refused here, not at load
-            no_bias.append(f"{module}.{NAMES['bias']}")
-            continue
-        alpha = float(roles["alpha"]) / down.shape[0] if "alpha" in roles and pair and not meta else 1.0
-        lora.modules[module] = LowRank(down, up, alpha, roles.get("bias"), roles.get("diff"))
-    if unknown:
-        raise _fail(path, "keys that are not LoRA weights of a Wan2.1 DiT", unknown)
-    if not_in_model:
-        raise _fail(path, "modules this model does not have", not_in_model)
-    if not_linear:
-        raise _fail(path, "updates for parameters that are not a linear layer's (a LoRA merges into linear layers "
-                    "only: lora_down/lora_up or lora_A/lora_B pairs, with .diff and .diff_b on those layers)",
-                    not_linear)
-    if mismatched:
-        raise _fail(path, "shapes that do not fit this model (a LoRA for another model size?)", mismatched)
-    if rank_zero:
-        raise _fail(path, "rank-0 updates (down/A factors with no rows: nothing to merge, and alpha / rank is "
-                    "undefined)", rank_zero)
-    if no_bias:
-        raise _fail(path, "bias deltas for linear layers that have no bias", no_bias)
+                refused[update[0]] += update[1]
+    for reason, items in refused.items():
+        if items:
+            raise _fail(path, REFUSALS[reason], items)
     return lora
 
 
 class LoraMerger:
     """Owns the merged LoRAs of one model: their scales and the original weights they replace.
 
-    The original of each adapted weight is kept (on `keep_device`: the CPU in low-VRAM mode) the
-    first time a LoRA touches it; every merge computes W = W0 + sum_i s_i * delta_i from it
-    into the parameter in place, so tensors captured by CUDA graphs stay valid. With the originals
-    beside the weights the merge is one `MergeProgram` over every adapted weight, the scales in a
-    device tensor: a live scale change is a write of that tensor and a rerun (a graph replay once
-    `capture` was called), never a rebuild. Call it between forwards on the stream that runs them.
-    Blocks a pipeline rank does not hold (meta tensors) are skipped, so each rank merges only its own.
+    The original of each adapted weight (a linear layer's or a norm's, and its bias) is kept (on
+    `keep_device`: the CPU in low-VRAM mode) the first time a LoRA touches it; every merge computes
+    W = W0 + sum_i s_i * delta_i from it into the parameter in place, so tensors captured by CUDA
+    graphs stay valid. With the originals beside the weights the merge is one `MergeProgram` over
+    every adapted weight, the scales in a device tensor: a live scale change is a write of that
+    tensor and a rerun (a graph replay once `capture` was called), never a rebuild. Call it between
+    forwards on the stream that runs them. Blocks a pipeline rank does not hold (meta tensors) are
+    skipped, so each rank merges only its own.
 
     With `parts` > 1 a change can be spread (`set_scales(..., spread=True)`): the program merges its
     first part at once and one more at each `step()` until every part has merged since the change,
@@ -215,7 +281,7 @@ class LoraMerger:
         self.parts = parts
         self._due = 0  # parts still to merge since the last spread change
         self._next = 0  # the part the next step merges
-        self._linears = _linear_names(model)
+        self._layers = _adaptable(model)
         self._loras: dict[str, LoraFile] = {}
         self._scales: dict[str, float] = {}
         self._base_weight: dict[str, torch.Tensor] = {}
@@ -231,8 +297,8 @@ class LoraMerger:
     def add(self, lora: LoraFile, scale: float = 1.0) -> None:
         if lora.name in self._loras:
             raise ValueError(f"lora: a LoRA named {lora.name!r} is loaded already; give it another name")
-        self._elsewhere[lora.name] = {m: u for m, u in lora.modules.items() if self._linears[m].weight.is_meta}
-        lora.modules = {m: u for m, u in lora.modules.items() if not self._linears[m].weight.is_meta}
+        self._elsewhere[lora.name] = {m: u for m, u in lora.modules.items() if self._layers[m].weight.is_meta}
+        lora.modules = {m: u for m, u in lora.modules.items() if not self._layers[m].weight.is_meta}
         for module, update in lora.modules.items():
             self._hold(module, update)
         self._loras[lora.name] = lora
@@ -250,12 +316,14 @@ class LoraMerger:
 
     def _hold(self, module: str, update: LowRank) -> None:
         """Keep the original of `module` and put the update where merges compute (`read_lora` refused a
-        bias delta for a layer without a bias)."""
-        target = self._linears[module]
+        bias delta for a layer without a bias). A norm's deltas stay as read: merges sum them in float32."""
+        target = self._layers[module]
         if module not in self._base_weight:
             self._base_weight[module] = target.weight.detach().to(self.keep_device, copy=True)
-            bias = target.bias
+            bias = _bias(target)
             self._base_bias[module] = None if bias is None else bias.detach().to(self.keep_device, copy=True)
+        if update.down is None:
+            return
         if self.keep_device is None:  # merged on the device: in the weight's own dtype, once
             device, dtype = target.weight.device, target.weight.dtype
         else:
@@ -269,15 +337,15 @@ class LoraMerger:
         """A pipeline rank hands the layers under `prefix` (a block) to another rank: their original
         weights go back into the layers (what is sent), and their updates wait for a later `adopt`."""
         for module in [m for m in self._base_weight if m.startswith(prefix)]:
-            target = self._linears[module]
+            target = self._layers[module]
             target.weight.copy_(self._base_weight.pop(module))
             bias = self._base_bias.pop(module)
             if bias is not None:
-                target.bias.copy_(bias)
+                _bias(target).copy_(bias)
         for name, lora in self._loras.items():
             moved = {m: u for m, u in lora.modules.items() if m.startswith(prefix)}
-            for u in moved.values():  # views into the program's buffers: keep their own copies
-                u.down, u.up = u.down.clone(), u.up.clone()
+            for u in (u for u in moved.values() if u.down is not None):  # views into the program's buffers
+                u.down, u.up = u.down.clone(), u.up.clone()  # keep their own copies
             self._elsewhere[name].update(moved)
             lora.modules = {m: u for m, u in lora.modules.items() if m not in moved}
         if self.keep_device is None:
@@ -360,10 +428,10 @@ class LoraMerger:
         """A new program over every held adapted weight (the LoRAs or the layers held changed), run once."""
         names, targets, updates = list(self._loras), [], []
         for module, base in self._base_weight.items():
-            layer = self._linears[module]
+            layer = self._layers[module]
             held = [(i, lora.modules[module]) for i, lora in enumerate(self._loras.values()) if module in lora.modules]
             parts = [(i, u.down, u.up, u.alpha_scale, u.bias, u.diff) for i, u in held]
-            targets.append(MergeTarget(layer.weight, base, parts, layer.bias, self._base_bias[module]))
+            targets.append(MergeTarget(layer.weight, base, parts, _bias(layer), self._base_bias[module]))
             updates.append([u for _, u in held])
         self.program, self._due, self._next = None, 0, 0
         if not targets:
@@ -372,26 +440,26 @@ class LoraMerger:
                                     self.parts)
         self.builds += 1
         for held, views in zip(updates, self.program.factor_views()):
-            for u, (down, up) in zip(held, views):  # one copy of the factors: the program's
+            for u, (down, up) in zip(held, views):  # one copy of the factors: the program's (a norm has none)
                 u.down, u.up = down, up
         self.program.run()
 
     @torch.no_grad()
     def _merge_host(self, modules: dict[str, LowRank]) -> None:
-        """Originals kept off the device (low-VRAM): each weight in float32 from its original, copied over."""
+        """Originals kept off the device (low-VRAM): each parameter in float32 from its original, copied over."""
         for module in modules:
-            target = self._linears[module]
+            target, bias = self._layers[module], _bias(self._layers[module])
             parts = [(self._scales[n], lora.modules[module]) for n, lora in self._loras.items()
                      if module in lora.modules and self._scales[n] != 0.0]
-            base = self._base_weight[module]
-            if not parts:  # exactly the original, not original + 0
-                target.weight.copy_(base)
-                if target.bias is not None:
-                    target.bias.copy_(self._base_bias[module])
-                continue
-            merged = base.float() + sum(s * u.delta() for s, u in parts)
-            target.weight.copy_(merged.to(target.weight.dtype))
-            biases = [(s, u.bias) for s, u in parts if u.bias is not None]
-            if biases:
-                bias = self._base_bias[module].float() + sum(s * b.to(base.device).float() for s, b in biases)
-                target.bias.copy_(bias.to(target.bias.dtype))
+            weights = [(s, d) for s, d in ((s, u.delta()) for s, u in parts) if d is not None]
+            target.weight.copy_(_summed(self._base_weight[module], weights))
+            if bias is not None:
+                bias.copy_(_summed(self._base_bias[module], [(s, u.bias) for s, u in parts if u.bias is not None]))
+
+
+def _summed(base: torch.Tensor, deltas: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """base + sum_i s_i * delta_i in float32, back in base's dtype; with no deltas exactly the original (not
+    original + 0)."""
+    if not deltas:
+        return base
+    return (base.float() + sum(s * d.to(base.device).float() for s, d in deltas)).to(base.dtype)

@@ -15,6 +15,8 @@ into the parameter (in place: the tensors captured graphs read stay valid). Scal
 rounded to the weight's dtype once, the sum over LoRAs accumulates in the matmul's float32; with
 every scale at 0 each weight is its original again (W0 + 0). A LoRA's full weight delta (`.diff`)
 is added after the `addmm`, times its scale read from the same tensor: one more rounding there.
+A vector parameter (a linear layer's bias, a norm's weight and bias) takes no factors: it is its
+original plus its LoRAs' full deltas times their scales, summed in float32 and rounded once.
 
 The layers can be split into `parts` runs of about equal size, each its own graph, so a caller can
 spread one change over several steps of a stream (`run(part)`): a part scales only its own rows of
@@ -34,11 +36,13 @@ from loom_live.engine.graphs.capture_clock import CAPTURES
 @dataclass
 class MergeTarget:
     """One adapted layer: its parameters, their originals, and per LoRA (lora index, down, up, alpha, bias
-    delta, weight delta); the deltas are None where a LoRA has none."""
+    delta, weight delta); the deltas are None where a LoRA has none. A linear layer's weight is a matrix its
+    factors multiply to; a norm's weight is a vector, changed by its full deltas alone (down and up None)."""
 
     weight: torch.Tensor
     base: torch.Tensor
-    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor | None, torch.Tensor | None]]
+    parts: Sequence[tuple[int, torch.Tensor | None, torch.Tensor | None, float, torch.Tensor | None,
+                          torch.Tensor | None]]
     bias: torch.Tensor | None = None
     base_bias: torch.Tensor | None = None
 
@@ -63,18 +67,48 @@ class _Part:
 
 
 @dataclass
-class _Layer:
-    weight: torch.Tensor
+class _Matrix:
+    """A linear layer's weight: its original plus the LoRAs' up factors times their scaled down rows (one
+    addmm), plus the LoRAs' full deltas."""
+
     base: torch.Tensor
     up: torch.Tensor  # [out, K]: the LoRAs' up factors side by side
     width: int  # the group holding its down rows
     rows: slice
-    bias: torch.Tensor | None
-    base_bias: torch.Tensor | None
-    bias_deltas: torch.Tensor | None  # [m, out] float32
-    bias_lora: torch.Tensor | None  # [m] long
-    weight_deltas: list[tuple[torch.Tensor, torch.Tensor]]  # (its LoRA's scale: a view of `scales`, [out, in])
+    deltas: list[tuple[torch.Tensor, torch.Tensor]]  # (its LoRA's scale: a view of `scales`, [out, in])
     ranks: list[int]  # of its parts, in order
+
+
+@dataclass
+class _Sum:
+    """A vector parameter: its original plus each LoRA's full delta times that LoRA's scale, in float32."""
+
+    param: torch.Tensor
+    base: torch.Tensor
+    deltas: torch.Tensor  # [m, n] float32
+    lora: torch.Tensor  # [m] long: which scale each delta takes
+
+    def run(self, scales: torch.Tensor) -> None:
+        self.param.copy_(self.base.float() + (scales[self.lora][:, None] * self.deltas).sum(0))
+
+
+def _sums(param: torch.Tensor | None, base: torch.Tensor | None,
+          deltas: list[tuple[int, torch.Tensor]]) -> list[_Sum]:
+    """The merge of a vector parameter from its LoRAs' (index, delta) pairs: one, or none where it has no
+    deltas (then `param` may be None: a layer without a bias)."""
+    if not deltas:
+        return []
+    stacked = torch.stack([d.float() for _, d in deltas]).to(param.device)
+    return [_Sum(param, base, stacked, torch.tensor([i for i, _ in deltas], device=param.device))]
+
+
+@dataclass
+class _Layer:
+    """One target, written in place: a linear layer's weight by its matrix merge, a norm's weight by a sum."""
+
+    weight: torch.Tensor
+    matrix: _Matrix | None  # a linear layer's weight; None for a norm's (a vector: among `sums`)
+    sums: list[_Sum]  # its vector parameters with deltas: a bias, a norm's weight
 
 
 class MergeProgram:
@@ -105,18 +139,20 @@ class MergeProgram:
     def _build(self, targets: Sequence[MergeTarget]) -> None:
         rows: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
         for t in targets:
+            full = [(i, d) for i, _, _, _, _, d in t.parts if d is not None]
+            sums = _sums(t.bias, t.base_bias, [(i, b) for i, _, _, _, b, _ in t.parts if b is not None])
+            if t.weight.ndim == 1:  # a norm's weight
+                self._layers.append(_Layer(t.weight, None, _sums(t.weight, t.base, full) + sums))
+                continue
             width = t.weight.shape[1]
             group = rows.setdefault(width, [])
             start = sum(d.shape[0] for _, d, _ in group)
             group += [(i, down, alpha) for i, down, _, alpha, _, _ in t.parts]
             stop = start + sum(down.shape[0] for _, down, _, _, _, _ in t.parts)
             up = torch.cat([u for _, _, u, _, _, _ in t.parts], dim=1)
-            biased = [(i, b) for i, _, _, _, b, _ in t.parts if b is not None]
-            deltas = torch.stack([b.float() for _, b in biased]).to(t.weight.device) if biased else None
-            which = torch.tensor([i for i, _ in biased], device=t.weight.device) if biased else None
-            full = [(self.scales[i], d) for i, _, _, _, _, d in t.parts if d is not None]
-            self._layers.append(_Layer(t.weight, t.base, up, width, slice(start, stop), t.bias, t.base_bias,
-                                       deltas, which, full, [d.shape[0] for _, d, _, _, _, _ in t.parts]))
+            matrix = _Matrix(t.base, up, width, slice(start, stop), [(self.scales[i], d) for i, d in full],
+                             [d.shape[0] for _, d, _, _, _, _ in t.parts])
+            self._layers.append(_Layer(t.weight, matrix, sums))
         for width, group in rows.items():
             down = torch.cat([d for _, d, _ in group])
             lora = torch.tensor([i for i, d, _ in group for _ in range(d.shape[0])], dtype=torch.long,
@@ -140,8 +176,9 @@ class MergeProgram:
         for layers in (r for r in runs if r):
             targets, first = range(first, first + len(layers)), first + len(layers)
             rows = []
-            for width in dict.fromkeys(layer.width for layer in layers):
-                mine = [layer.rows for layer in layers if layer.width == width]
+            matrices = [layer.matrix for layer in layers if layer.matrix is not None]
+            for width in dict.fromkeys(m.width for m in matrices):
+                mine = [m.rows for m in matrices if m.width == width]
                 g, span = self._groups[width], slice(mine[0].start, mine[-1].stop)
                 rows.append((g.down[span], g.lora[span], g.alpha[span], g.scaled[span]))
             out.append(_Part(targets, layers, rows))
@@ -153,14 +190,16 @@ class MergeProgram:
 
     def factor_views(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per target (in build order), per part: (down, up) as views into the program's buffers, so
-        the caller can let go of its own copies."""
+        the caller can let go of its own copies (a norm's target: none, it has no factors)."""
         views = []
-        for layer in self._layers:
-            down, start, parts = self._groups[layer.width].down, layer.rows.start, []
-            for rank in layer.ranks:
-                k = start - layer.rows.start
-                parts.append((down[start:start + rank], layer.up[:, k:k + rank]))
-                start += rank
+        for m in (layer.matrix for layer in self._layers):
+            parts = []
+            if m is not None:
+                down, start = self._groups[m.width].down, m.rows.start
+                for rank in m.ranks:
+                    k = start - m.rows.start
+                    parts.append((down[start:start + rank], m.up[:, k:k + rank]))
+                    start += rank
             views.append(parts)
         return views
 
@@ -182,12 +221,13 @@ class MergeProgram:
         for down, lora, alpha, scaled in part.rows:
             scaled.copy_(down * (self.scales[lora] * alpha)[:, None])
         for layer in part.layers:
-            torch.addmm(layer.base, layer.up, self._groups[layer.width].scaled[layer.rows], out=layer.weight)
-            for scale, delta in layer.weight_deltas:
-                layer.weight.addcmul_(delta, scale)
-            if layer.bias_deltas is not None:
-                delta = (self.scales[layer.bias_lora][:, None] * layer.bias_deltas).sum(0)
-                layer.bias.copy_(layer.base_bias.float() + delta)
+            m = layer.matrix
+            if m is not None:
+                torch.addmm(m.base, m.up, self._groups[m.width].scaled[m.rows], out=layer.weight)
+                for scale, delta in m.deltas:
+                    layer.weight.addcmul_(delta, scale)
+            for vector in layer.sums:
+                vector.run(self.scales)
 
     @torch.no_grad()
     def capture(self) -> None:

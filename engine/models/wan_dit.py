@@ -44,6 +44,8 @@ from loom_live.host_bridge.wire.params import TRAIN_TIMESTEPS
 TIME_FREQ_BASE = 10000.0  # sinusoidal timestep embedding base, as in Wan2.1
 NUM_MODULATIONS = 6  # shift/scale/gate for self-attention and for the FFN
 SOURCE_EDGE_VALUES = 64  # a source's edge strength per frame slot: one 8x8 pixel block (`source_edges`)
+# a block's layers the cached cross-attention K/V are made with: a weight change there remakes them
+CROSS_KV_LAYERS = (".cross_attn.k", ".cross_attn.v", ".cross_attn.norm_k")
 
 SelfAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -546,12 +548,12 @@ class WanDiT(nn.Module):
 
     def cross_kv_blocks(self, changed: Collection[str]) -> list[int] | None:
         """The blocks whose cross-attention K/V a change of these layers' weights (module names, as
-        LoRAs name them) alters: those whose cross-attention k or v changed; None for every block (the
-        text embedding, which all of them read, changed)."""
+        LoRAs name them) alters: those whose cross-attention k, v or norm_k changed; None for every block
+        (the text embedding, which all of them read, changed)."""
         if any(name.startswith("text_embedding.") for name in changed):
             return None
         return sorted({int(name.split(".")[1]) for name in changed
-                       if name.startswith("blocks.") and name.endswith((".cross_attn.k", ".cross_attn.v"))})
+                       if name.startswith("blocks.") and name.endswith(CROSS_KV_LAYERS)})
 
     def cross_kv_refreshed(self, cross: CrossKV, context: torch.Tensor, rewritten: Collection[str],
                            blocks: Sequence[int] | None = None) -> CrossKV:

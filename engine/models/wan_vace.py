@@ -26,6 +26,7 @@ from torch import nn
 
 from loom_live.engine.cache.kv_cache import CrossKV, KVCache, StreamStep
 from loom_live.engine.models.wan_dit import (
+    CROSS_KV_LAYERS,
     Conditioning,
     FullSequenceAttention,
     SelfAttend,
@@ -139,7 +140,7 @@ class WanVaceDiT(WanDiT):
         if blocks is None:
             return None
         control = {self.cfg.num_layers + int(name.split(".")[1]) for name in changed
-                   if name.startswith("vace_blocks.") and name.endswith((".cross_attn.k", ".cross_attn.v"))}
+                   if name.startswith("vace_blocks.") and name.endswith(CROSS_KV_LAYERS)}
         return sorted({*blocks, *control})
 
     def cross_kv(self, context: torch.Tensor, blocks: Sequence[int] | None = None) -> CrossKV:

@@ -292,10 +292,12 @@ def test_the_blocks_whose_cross_attention_kv_a_weight_change_reaches():
     model = random_model()
     assert model.cross_kv_blocks({"blocks.1.cross_attn.k", "blocks.0.self_attn.q", "blocks.0.ffn.0"}) == [1]
     assert model.cross_kv_blocks({"blocks.0.cross_attn.v", "blocks.1.cross_attn.q", "blocks.1.cross_attn.o"}) == [0]
+    assert model.cross_kv_blocks({"blocks.1.cross_attn.norm_k", "blocks.0.cross_attn.norm_q", "blocks.0.norm3"}) == [1]
     assert model.cross_kv_blocks({"text_embedding.0", "blocks.0.ffn.2"}) is None  # every block reads it
     vace = WanVaceDiT(VACE_PRESETS["tiny-vace"])
     control = vace.control_block_ids()
     assert vace.cross_kv_blocks({"vace_blocks.0.cross_attn.k", "blocks.1.cross_attn.v"}) == [1, control[0]]
+    assert vace.cross_kv_blocks({"vace_blocks.0.cross_attn.norm_k"}) == [control[0]]
     context = torch.randn(1, 8, vace.cfg.text_dim)
     part, whole = vace.cross_kv(context, [1, control[0]]), vace.cross_kv(context)
     assert set(part.k) == {1, control[0]} and all(torch.equal(part.k[i], whole.k[i]) for i in part.k)

@@ -4,12 +4,13 @@ replaced) to one rounding; a live scale change rebuilds nothing, moves no tensor
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from loom_live.engine.models.lora import LoraError, LoraMerger, read_lora
+from loom_live.engine.models.lora import LoraError, LoraFile, LoraMerger, LowRank, read_lora
 from loom_live.engine.models.wan_dit import DIT_PRESETS, WanDiT
 from tests.fakes.wan_models import CFG, random_model
 
@@ -252,23 +253,152 @@ def test_full_weight_and_bias_deltas_merge_at_the_loras_scale_like_its_low_rank_
     assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
 
 
-def test_full_deltas_of_what_is_not_a_linear_layer_are_refused_naming_their_keys(tmp_path):
-    """Norm weights (`norm3.diff`, `norm_q.diff`) and modulations are no layer the merger adapts: such a file
-    is refused, before an engine starts, naming those keys and what a LoRA may hold."""
+def _norm_lora(path) -> dict[str, torch.Tensor]:
+    """Full deltas of every kind of norm a Wan block has a weight for, beside a low-rank pair: the cross-attention
+    LayerNorm's weight and bias (`norm3`), a self-attention RMSNorm and the cross-attention `norm_k` (the text
+    K/V are made with it). Saved at `path`; returns the deltas by WanDiT parameter name."""
+    g = torch.Generator().manual_seed(11)
+    deltas = {name: torch.randn(48, generator=g) * 0.3 for name in
+              ("blocks.0.norm3.weight", "blocks.0.norm3.bias", "blocks.1.self_attn.norm_q.weight",
+               "blocks.1.cross_attn.norm_k.weight")}
+    save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=torch.randn(2, 48, generator=g),
+                           lora_up=torch.randn(48, 2, generator=g)),
+               **_wan_keys("blocks.0.norm3", diff=deltas["blocks.0.norm3.weight"],
+                           diff_b=deltas["blocks.0.norm3.bias"]),
+               **_wan_keys("blocks.1.self_attn.norm_q", diff=deltas["blocks.1.self_attn.norm_q.weight"]),
+               **_wan_keys("blocks.1.cross_attn.norm_k", diff=deltas["blocks.1.cross_attn.norm_k.weight"])},
+              str(path))
+    return deltas
+
+
+@pytest.mark.parametrize("keep, parts", [(None, 1), (None, 3), ("cpu", 1)])
+def test_norm_deltas_merge_at_the_loras_scale_and_scale_0_gives_the_originals_back(tmp_path, keep, parts):
+    """Community Wan LoRAs carry `.diff` (and `.diff_b`) for the norms' weights (and the LayerNorm's bias), as
+    ComfyUI merges them: each parameter is its original plus the LoRA's scale times its delta, on the device
+    program (in one part or spread over several) and the low-VRAM host path alike."""
+    model = random_model()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    deltas = _norm_lora(tmp_path / "norms.safetensors")
+    merger = LoraMerger(model, keep_device=keep, parts=parts)
+    merger.add(read_lora(tmp_path / "norms.safetensors", model), scale=0.7)
+    for scale in (1.2, -1.3):
+        rewritten = merger.set_scales({"norms": scale}, spread=True) | merger.step() | merger.step()
+        weights = model.state_dict()
+        for name, delta in deltas.items():
+            assert (weights[name] - (original[name] + scale * delta)).abs().max() < 1e-6, name
+        if keep is None:  # the layers whose weights changed, so the cross-attention K/V of block 1 are remade
+            assert {"blocks.0.norm3", "blocks.1.cross_attn.norm_k"} <= rewritten
+            assert model.cross_kv_blocks(rewritten) == [1]
+    assert not torch.equal(model.blocks[0].norm3.bias, original["blocks.0.norm3.bias"])
+    merger.set_scale("norms", 0.0)
+    while merger.step():
+        pass
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+
+
+def test_a_bf16_norm_merge_rounds_once_from_float32():
+    """A norm's weight is its original plus every LoRA's scaled delta summed in float32, rounded to the
+    weight's dtype once (two LoRAs on one norm: one rounding, not one a LoRA)."""
+    model = random_model().to(torch.bfloat16)
+    base = model.blocks[0].norm3.weight.detach().clone()
+    g = torch.Generator().manual_seed(3)
+    files = []
+    for name in ("a", "b"):
+        delta = torch.randn(48, generator=g)
+        files.append((LoraFile(name, Path(name), {"blocks.0.norm3": LowRank(None, None, diff=delta)}), delta))
+    merger = LoraMerger(model)
+    for (lora, _), scale in zip(files, (0.3, -0.9)):
+        merger.add(lora, scale)
+    expect = (base.float() + (0.3 * files[0][1] - 0.9 * files[1][1])).to(torch.bfloat16)
+    assert torch.equal(model.blocks[0].norm3.weight, expect)
+
+
+def test_norm_deltas_in_diffusers_names_reach_the_same_norms(tmp_path):
+    """diffusers names a block's cross-attention norm norm2 (Wan's norm3) and its FFN norm norm3 (Wan's norm2,
+    with no weight); a file whose layers have diffusers' names is read in those names, one in Wan's in Wan's."""
+    model = random_model()
+    g = torch.Generator().manual_seed(4)
+    pair = {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.randn(2, 48, generator=g),
+            "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.randn(48, 2, generator=g)}
+    norm2, norm_k = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    path = tmp_path / "hf.safetensors"
+    save_file({**pair, "transformer.blocks.0.norm2.diff": norm2, "transformer.blocks.1.attn2.norm_k.diff": norm_k},
+              str(path))
+    lora = read_lora(path, model)
+    assert torch.equal(lora.modules["blocks.0.norm3"].diff, norm2)
+    assert torch.equal(lora.modules["blocks.1.cross_attn.norm_k"].diff, norm_k)
+    save_file({**pair, "transformer.blocks.0.norm3.diff": norm2}, str(path))
+    with pytest.raises(LoraError, match=r"deltas for norms that only normalise.*: blocks\.0\.norm2\.diff$"):
+        read_lora(path, model)
+
+
+def test_deltas_for_norms_without_a_weight_and_for_other_parameters_are_refused_naming_their_keys(tmp_path):
+    """Wan's norm1, norm2 and the head's norm only normalise (elementwise_affine=False: no weight or bias to
+    add a delta to), and a modulation is no layer the merger adapts: such a file is refused before an engine
+    starts, naming those keys and why, in every layout that names them."""
     path = tmp_path / "norms.safetensors"
     save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=torch.zeros(2, 48), lora_up=torch.zeros(48, 2)),
-               **_wan_keys("blocks.0.norm3", diff=torch.zeros(48)),
-               **_wan_keys("blocks.1.self_attn.norm_q", diff=torch.zeros(48)),
-               **_wan_keys("head.modulation", diff=torch.zeros(1, 2, 48))}, str(path))
+               **_wan_keys("blocks.0.norm1", diff=torch.zeros(48)),
+               **_wan_keys("blocks.1.norm2", diff=torch.zeros(48), diff_b=torch.zeros(48)),
+               "lora_unet_head_norm.diff": torch.zeros(48),
+               **_wan_keys("blocks.0.norm3", diff=torch.zeros(48))}, str(path))
     with torch.device("meta"):
         model = WanDiT(CFG)
     with pytest.raises(LoraError) as refused:
         read_lora(path, model, meta=True)
     said = str(refused.value)
-    assert said.startswith(f"{path}: updates for parameters that are not a linear layer's") and "\n" not in said
-    assert "lora_down/lora_up or lora_A/lora_B pairs, with .diff and .diff_b on those layers" in said
-    listed = said.rsplit(": ", 1)[1].split(", ")
-    assert sorted(listed) == ["blocks.0.norm3.diff", "blocks.1.self_attn.norm_q.diff", "head.modulation.diff"]
+    assert said.startswith(f"{path}: deltas for norms that only normalise, with no weight or bias to add them to "
+                           "(elementwise_affine=False: Wan's norm1, norm2 and the head's norm): ")
+    assert sorted(said.rsplit(": ", 1)[1].split(", ")) == ["blocks.0.norm1.diff", "blocks.1.norm2.diff",
+                                                           "blocks.1.norm2.diff_b", "head.norm.diff"]
+    save_file({**_wan_keys("head.modulation", diff=torch.zeros(1, 2, 48)),
+               **_wan_keys("blocks.0.norm3", lora_down=torch.zeros(2, 48), lora_up=torch.zeros(48, 2))}, str(path))
+    with pytest.raises(LoraError) as refused:
+        read_lora(path, model, meta=True)
+    said = str(refused.value)
+    assert said.startswith(f"{path}: updates for parameters a LoRA does not merge into (") and "\n" not in said
+    assert "norms with a weight take .diff and .diff_b" in said
+    assert sorted(said.rsplit(": ", 1)[1].split(", ")) == ["blocks.0.norm3.lora_down", "blocks.0.norm3.lora_up",
+                                                           "head.modulation.diff"]
+
+
+def test_a_lora_with_norm_deltas_from_the_config_is_merged_and_changed_live_in_a_stream(tmp_path):
+    """End to end on the tiny model: `--lora` with norm deltas passes the check before a start, is merged at
+    load and changes the output; a live scale change rewrites the norms and remakes the text K/V that the
+    cross-attention's `norm_k` makes; at scale 0 the norms are the originals again."""
+    import numpy as np
+
+    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.models.loading import check_weight_files
+    from loom_live.engine.stream.session import StreamSession
+
+    path = tmp_path / "norms.safetensors"
+    g = torch.Generator().manual_seed(8)
+    dim = DIT_PRESETS["tiny"].dim
+    deltas = {n: torch.randn(dim, generator=g) for n in ("blocks.1.norm3", "blocks.2.cross_attn.norm_k",
+                                                         "blocks.0.self_attn.norm_q")}
+    save_file({f"diffusion_model.{n}.diff": d for n, d in deltas.items()}, str(path))
+    frames = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), np.uint8)
+    small = ["resolution.width=32", "resolution.height=32", "stream.lora_merge_parts=2"]
+    cfg = load_config("tiny-random", [*lora_override([f"{path}:1.0"]), *small])
+    check_weight_files(cfg)
+    with StreamSession.from_config(load_config("tiny-random", small), warmup=False) as s:
+        plain = s.push(frames)
+        original = {n: s.models.dit.get_submodule(n).weight.clone() for n in deltas}
+    with StreamSession.from_config(cfg, warmup=False) as s:
+        dit = s.models.dit
+        assert len(plain) and (s.push(frames) != plain).any()
+        for scale in (1.0, 0.25, 0.0):
+            if scale != 1.0:
+                s.set_params(lora_scales={"norms": scale})
+                s.push(frames[:4])  # a chunk a part of the merge
+                s.push(frames[:4])
+                assert s.models.lora.settled
+            for n, d in deltas.items():
+                assert (dit.get_submodule(n).weight - (original[n] + scale * d)).abs().max() < 1e-6, (n, scale)
+            fresh = dit.cross_kv(s.prompt.current()[None])
+            assert all(torch.equal(s.denoiser.cross.k[i], fresh.k[i]) for i in fresh.k)
+        assert all(torch.equal(dit.get_submodule(n).weight, w) for n, w in original.items())
 
 
 def test_a_rank_0_lora_is_refused_before_a_start_not_divided_by_at_load(tmp_path):
@@ -294,34 +424,41 @@ def test_a_bias_delta_for_a_linear_layer_without_a_bias_is_refused_by_the_pre_st
     save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=torch.zeros(2, 48), lora_up=torch.zeros(48, 2),
                            diff_b=torch.zeros(48)),
                **_wan_keys("blocks.1.ffn.2", diff=torch.zeros(48, 64), diff_b=torch.zeros(48)),
-               **_wan_keys("blocks.1.self_attn.k", diff_b=torch.zeros(48))}, str(path))
+               **_wan_keys("blocks.1.self_attn.k", diff_b=torch.zeros(48)),
+               **_wan_keys("blocks.0.self_attn.norm_k", diff=torch.zeros(48), diff_b=torch.zeros(48))}, str(path))
     with torch.device("meta"):
         model = WanDiT(CFG)
     model.blocks[0].self_attn.q.bias = None
     model.blocks[1].ffn[2].bias = None
-    said = "^" + re.escape(f"{path}: bias deltas for linear layers that have no bias: ") + r"[^\n]*$"
+    said = "^" + re.escape(f"{path}: bias deltas for layers that have no bias: ") + r"[^\n]*$"
     with pytest.raises(LoraError, match=said) as refused:
         read_lora(path, model, meta=True)
-    assert sorted(str(refused.value).rsplit(": ", 1)[1].split(", ")) == ["blocks.0.self_attn.q.diff_b",
-                                                                        "blocks.1.ffn.2.diff_b"]
+    assert sorted(str(refused.value).rsplit(": ", 1)[1].split(", ")) == [
+        "blocks.0.self_attn.norm_k.diff_b", "blocks.0.self_attn.q.diff_b", "blocks.1.ffn.2.diff_b"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_captured_merge_replays_a_full_weight_delta_at_each_new_scale(tmp_path):
-    """The `.diff` term is added inside the captured program, its scale read from the scales tensor: a live
-    change replays it at the new scale without recapture, and scale 0 gives the original weight back."""
+    """The `.diff` terms are added inside the captured program, their scale read from the scales tensor: a live
+    change replays them at the new scale without recapture (a linear layer's and the norms' weights, the
+    LayerNorm's bias, all written in place), and scale 0 gives the original weights back."""
     model = random_model().to("cuda", torch.bfloat16)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(9)
     down, up = torch.randn(4, 48, generator=g) * 0.2, torch.randn(48, 4, generator=g) * 0.2
     diff = torch.randn(48, 48, generator=g) * 0.1
+    norms = {name: torch.randn(48, generator=g) * 0.1 for name in
+             ("blocks.0.norm3.weight", "blocks.0.norm3.bias", "blocks.1.cross_attn.norm_k.weight")}
     path = tmp_path / "full.safetensors"
-    save_file(_wan_keys("blocks.0.self_attn.q", lora_down=down, lora_up=up, diff=diff), str(path))
+    save_file({**_wan_keys("blocks.0.self_attn.q", lora_down=down, lora_up=up, diff=diff),
+               **_wan_keys("blocks.0.norm3", diff=norms["blocks.0.norm3.weight"], diff_b=norms["blocks.0.norm3.bias"]),
+               **_wan_keys("blocks.1.cross_attn.norm_k", diff=norms["blocks.1.cross_attn.norm_k.weight"])}, str(path))
     merger = LoraMerger(model)
     merger.add(read_lora(path, model), scale=0.5)
     merger.capture()
-    for scale in (0.5, -1.2, 0.0):
+    addresses = [p.data_ptr() for p in model.parameters()]
+    for scale in (-1.2, 0.5, 0.0):
         merger.set_scale("full", scale)
         torch.cuda.synchronize()
         base = original["blocks.0.self_attn.q.weight"].double().cpu()
@@ -329,5 +466,9 @@ def test_a_captured_merge_replays_a_full_weight_delta_at_each_new_scale(tmp_path
         expect = base + scale * (up.to(bf).double() @ down.to(bf).double()) + scale * diff.to(bf).double()
         got = model.blocks[0].self_attn.q.weight.double().cpu()
         assert (got - expect).abs().max() < 0.02, scale
-    assert merger.program.captures == 1
-    assert torch.equal(model.blocks[0].self_attn.q.weight, original["blocks.0.self_attn.q.weight"])
+        weights = model.state_dict()
+        for name, delta in norms.items():  # summed in float32, rounded to bf16 once
+            ref = original[name].double().cpu() + scale * delta.double()
+            assert ((weights[name].double().cpu() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-6).all(), (name, scale)
+    assert merger.program.captures == 1 and [p.data_ptr() for p in model.parameters()] == addresses
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
