@@ -35,7 +35,8 @@ sizes:    --size WxH is the picture's size: the generated clip's (default 256x25
 web page (--web [HOST:]PORT): the output, the input and these controls in a browser; loom web: the browser's
           camera as the input
 outputs are written beside the target under a hidden temporary name and moved into place when finished:
-          a failed run leaves an existing file as it was; an existing file is refused without -y/--overwrite
+          a failed run leaves an existing file as it was; an existing file is refused without -y/--overwrite,
+          and without it one saved there during the run is kept: the run's file goes beside it (NAME.loom-1.mp4)
 exit codes: 0 done, 2 bad input/output/option/config or missing weights, 3 engine failed, 130 stopped with Ctrl-C,
           143/129 stopped by SIGTERM/SIGHUP
 """

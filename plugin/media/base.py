@@ -122,6 +122,11 @@ class AppSink:
     def kept(self) -> bool:
         return self.frames_written > 0
 
+    @property
+    def written_to(self) -> str:
+        """What the run's report names as this output."""
+        return self.name
+
     def write(self, frame: np.ndarray) -> None:
         """Send one uint8 RGB frame ``[H, W, 3]`` of the sink's size."""
         if self.closed:
@@ -138,8 +143,9 @@ class AppSink:
             raise MediaError(f"{self.name}: sending failed: {exc}") from exc
         self.frames_written += 1
 
-    def close(self, keep: bool = True) -> None:
-        """Stop the output (``keep`` is meaningless here: receivers already have what was sent)."""
+    def close(self, keep: bool = True, stopping: bool = False) -> None:
+        """Stop the output (``keep`` and ``stopping`` are meaningless here: receivers already have what was sent,
+        and no send waits on them)."""
         if self.closed:
             return
         self.closed = True

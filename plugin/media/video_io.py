@@ -19,6 +19,7 @@ import queue
 import signal
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from fractions import Fraction
@@ -54,6 +55,10 @@ NETWORK_ENCODER_OPTIONS = {"preset": "veryfast", "tune": "zerolatency", "crf": "
 # A network output's receiver that stops taking data (a network gone, a stuck server) blocks FFmpeg's send until
 # TCP gives up, a quarter of an hour later: one that takes no frame for this long is declared failed.
 NETWORK_STALL_S = 5.0
+# A stop (Ctrl-C, SIGTERM, quit) waits this long, not NETWORK_STALL_S, for a network output's receiver that takes
+# nothing: its last frames are not worth the user's wait (a file is still finished in full).
+STOP_GRACE_S = 0.5
+STOP_POLL_S = 0.05  # how often a write held up by such a receiver looks for a stop held back (signals_deferred)
 NETWORK_QUEUE_FRAMES = 4  # frames handed to a network output's thread, not sent yet: a file run waits beyond
 # RTMP outputs open through FFmpeg's tee muxer, the one way PyAV passes options to an output's connection: its
 # rw_timeout bounds the connect, the RTMP handshake and each send. PyAV's own timeout= bounds inputs only, and PyAV
@@ -339,6 +344,9 @@ def _network_input_options(url: str, timeout_s: float) -> dict[str, str]:
 
 
 _OPEN_SINKS: weakref.WeakSet[FrameSink] = weakref.WeakSet()
+# The signals each signals_deferred now running holds back, innermost last: a write to a network output that
+# waits on a stalled receiver gives up when one holds a stop.
+_HELD: list[list[int]] = []
 
 
 @atexit.register
@@ -353,6 +361,34 @@ def partial_path(path: Path) -> Path:
     """Where a file output is written until it is finalised: beside the target (same drive, so the
     final rename is atomic), hidden, with the target's suffix (FFmpeg picks the container from it)."""
     return path.with_name(f".{path.stem}.loom-partial{path.suffix}")
+
+
+def aside_path(path: Path, n: int) -> Path:
+    """The ``n``-th name beside ``path`` for a finished file that must not replace one made there during the run."""
+    return path.with_name(f"{path.stem}.loom-{n}{path.suffix}")
+
+
+def _move_without_replacing(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst`` in one step that raises FileExistsError where ``dst`` exists: a hard link then the
+    unlink of ``src``; where the file system has no hard links (FAT, some network drives), ``dst`` claimed empty
+    with O_EXCL, then replaced by ``src``. Either way a file made at ``dst`` meanwhile is never replaced."""
+    try:
+        os.link(src, dst)
+        linked = True
+    except FileExistsError:
+        raise
+    except OSError:
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        linked = False
+    try:
+        if linked:
+            src.unlink()
+        else:
+            os.replace(src, dst)
+    except OSError:
+        with contextlib.suppress(OSError):
+            dst.unlink()  # our own link or claim: the partial stays, and the caller says so
+        raise
 
 
 def _claim_partial(partial: Path, name: str) -> int | None:
@@ -394,12 +430,13 @@ class FrameSink:
 
     A file is written to ``partial_path(target)`` and renamed onto the target only by a ``close()``
     that finalises it with at least one frame: a run that fails, or stops before its first frame,
-    leaves whatever was at the target as it was.
+    leaves whatever was at the target as it was. Without ``overwrite`` a file that appeared at the target
+    during the run is never replaced either: the finished file goes beside it (``kept_at``).
     """
 
     def __init__(self, name: str, target: str, container_format: str | None, is_network: bool,
                  fps: float, width: int, height: int, audio_from: Path | None,
-                 open_timeout: float = DEFAULT_OPEN_TIMEOUT_S):
+                 open_timeout: float = DEFAULT_OPEN_TIMEOUT_S, overwrite: bool = True):
         import av
 
         self.name = name
@@ -410,6 +447,8 @@ class FrameSink:
         self.frames_written = 0
         self.closed = False
         self._final: Path | None = None if is_network else Path(target)
+        self._overwrite = overwrite
+        self.kept_at: Path | None = None  # where a closed file's frames are: its target, or beside it (close)
         self._partial: Path | None = None if is_network else partial_path(Path(target))
         self._lock = None if self._partial is None else _claim_partial(self._partial, name)
         self._settled = False  # the partial was moved or removed: its name may be another run's now
@@ -471,8 +510,8 @@ class FrameSink:
             raise MediaError(f"{self.name}: sink is closed")
         _check_frame(frame, self.width, self.height, self.name)
         if self._sender is not None:
-            self._sender.put(frame)
-            self.frames_written += 1
+            if self._sender.put(frame):  # else dropped: a stop came while the receiver took nothing
+                self.frames_written += 1
             return
         try:
             with signals_deferred():  # the packets an encode returns are muxed before a Ctrl-C ends the run
@@ -490,13 +529,15 @@ class FrameSink:
         video_frame.pts = pts
         self._container.mux(self._video.encode(video_frame))
 
-    def close(self, keep: bool = True) -> None:
+    def close(self, keep: bool = True, stopping: bool = False) -> None:
         """Flush the encoder, finish the audio up to the video's end, write the trailer, and move a
         file onto its target; ``keep=False`` (a failed run) discards a file instead.
 
         A file without frames is never kept: it would replace the target with nothing playable.
         Raises MediaError when finishing fails (a full disk, a vanished drive): FFmpeg buffers its
         writes, so this is often the first moment such a failure shows; the target is then left as it was.
+        ``stopping``: the user stopped the run, so a network output whose receiver takes nothing is given
+        up on after STOP_GRACE_S rather than NETWORK_STALL_S; a file is finished in full all the same.
         """
         import av
 
@@ -504,8 +545,9 @@ class FrameSink:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
-        if self._sender is not None and not self._sender.finish():  # its thread is stuck inside the container
-            raise MediaError(f"{self.name}: stopped; the receiver took nothing for {NETWORK_STALL_S:g} s")
+        wait_s = STOP_GRACE_S if stopping else NETWORK_STALL_S
+        if self._sender is not None and not self._sender.finish(wait_s):  # its thread is stuck inside the container
+            raise MediaError(f"{self.name}: stopped; the receiver took nothing for {wait_s:g} s")
         with signals_deferred():
             try:
                 try:
@@ -524,11 +566,14 @@ class FrameSink:
                 self._discard_partial()
                 return
             try:
-                os.replace(self._partial, self._final)
+                self.kept_at = self._move_into_place()
             except OSError as e:
                 left = self._discard_partial()
                 raise MediaError(f"{self.name}: cannot move the finished file into place: {_reason(e)}{left}") from e
             self._release()
+            if self.kept_at != self._final:
+                log.warning("%s: a file appeared there during the run and is left as it was; this run's output is "
+                            "%s (give --overwrite (-y) to replace such a file)", self.name, self.kept_at)
 
     def discard(self) -> str:
         """Stop without keeping anything: a file's target is left as it was (a network stream just ends).
@@ -540,10 +585,34 @@ class FrameSink:
         self._discard_partial()
         return self._left
 
+    def _move_into_place(self) -> Path:
+        """Move the finished partial onto the target, or, without overwrite, beside a file that appeared there
+        during the run (the check at open cannot see it): as ``aside_path(target, n)``, the first n free. Each
+        try is one step that fails where the name is taken, not a check then a rename that a file made between
+        the two would be lost to. Returns where the file went."""
+        if self._overwrite:
+            os.replace(self._partial, self._final)
+            return self._final
+        n = 0
+        while True:
+            target = self._final if n == 0 else aside_path(self._final, n)
+            try:
+                _move_without_replacing(self._partial, target)
+                return target
+            except FileExistsError:
+                n += 1
+
     @property
     def kept(self) -> bool:
-        """Whether the output now holds this sink's frames (a closed file moved onto its target)."""
-        return self.closed and (self._partial is None or not self._partial.exists()) and self.frames_written > 0
+        """Whether this sink's frames were delivered: streamed, or a closed file moved into place (``kept_at``)."""
+        return self.closed and self.frames_written > 0 and (self._partial is None or self.kept_at is not None)
+
+    @property
+    def written_to(self) -> str:
+        """What the run's report names as this output: a file moved aside (see close) by where it is."""
+        if self.kept_at is None or self.kept_at == self._final:
+            return self.name
+        return f"{self.kept_at} ({self.name} appeared during the run and was left as it was)"
 
     def _discard_partial(self) -> str:
         """Remove the partial file; what to add to the error when it cannot be (a drive gone read-only): the
@@ -594,26 +663,39 @@ class _NetworkSender:
         self._thread = threading.Thread(target=self._run, name=f"loom output {sink.name}", daemon=True)
         self._thread.start()
 
-    def put(self, frame: np.ndarray) -> None:
-        """Queue one frame; a failed send, or a receiver that took nothing for NETWORK_STALL_S, is a MediaError."""
+    def put(self, frame: np.ndarray) -> bool:
+        """Queue one frame; a failed send, or a receiver that took nothing for NETWORK_STALL_S, is a MediaError.
+
+        False: the frame was dropped, as a stop came (held back by signals_deferred) while the receiver took
+        nothing; the stop then ends the output (finish) without the wait."""
         if self._error is not None:
             raise MediaError(f"{self._sink.name}: writing failed: {self._error}")
-        try:
-            self._queue.put(frame.copy(), timeout=NETWORK_STALL_S)
-        except queue.Full:
-            self._stalled = True
-            raise MediaError(f"{self._sink.name}: the receiver took nothing for {NETWORK_STALL_S:g} s "
-                             "(is it still there?)") from None
+        frame = frame.copy()
+        deadline = time.monotonic() + NETWORK_STALL_S
+        while True:
+            try:
+                self._queue.put(frame, timeout=max(0.0, min(STOP_POLL_S, deadline - time.monotonic())))
+                return True
+            except queue.Full:
+                pass
+            if any(_HELD):
+                return False
+            if time.monotonic() >= deadline:
+                self._stalled = True
+                raise MediaError(f"{self._sink.name}: the receiver took nothing for {NETWORK_STALL_S:g} s "
+                                 "(is it still there?)")
 
-    def finish(self) -> bool:
-        """Send what is queued and end the thread; False when it is stuck sending (the container is its own)."""
+    def finish(self, wait_s: float) -> bool:
+        """Send what is queued and end the thread, waiting at most ``wait_s`` for the receiver; False when the
+        thread is stuck sending: it is left to FFmpeg's own timeout, holding the container, which is its own."""
+        deadline = time.monotonic() + wait_s
         if not self._stalled and self._error is None:
             try:
-                self._queue.put(None, timeout=NETWORK_STALL_S)
+                self._queue.put(None, timeout=wait_s)
             except queue.Full:
                 self._stalled = True
         if not self._stalled:
-            self._thread.join(NETWORK_STALL_S)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         return not self._thread.is_alive()
 
     def _run(self) -> None:
@@ -712,7 +794,8 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     audio should go into a file output; ignored for cameras, URLs and network outputs, and when
     the source has no audio. A file output is never the ``audio_from`` file, and with
     ``overwrite=False`` never an existing file (see ``check_output_file``). An RTMP server that
-    leaves the connection or a send unanswered for ``open_timeout`` seconds fails the output.
+    leaves the connection or a send unanswered for ``open_timeout`` seconds fails the output. Without
+    ``overwrite`` a file that appears at the target during the run is not replaced either (``FrameSink.kept_at``).
     """
     from loom_live.plugin.media.app_io import is_app_output, open_app_sink
 
@@ -744,7 +827,8 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     if path.suffix.lower() not in FILE_SINK_SUFFIXES:
         raise MediaError(f"output file {path} must end in one of {', '.join(FILE_SINK_SUFFIXES)}")
     check_output_file(path, [audio_from] if audio_from is not None else [], overwrite)
-    return FrameSink(str(path), str(path), None, False, float(fps), width, height, _audio_file(audio_from))
+    return FrameSink(str(path), str(path), None, False, float(fps), width, height, _audio_file(audio_from),
+                     overwrite=overwrite)
 
 
 def _tee_output(url: str, container_format: str, timeout_s: float) -> str:
@@ -834,16 +918,19 @@ def _reason(error: BaseException) -> str:
 def signals_deferred() -> Iterator[None]:
     """Hold Ctrl-C and a stop signal (SIGTERM, SIGHUP) back while encoded packets are written or a file is
     finalised, then deliver the first one. Raised between an encode and its mux, it would lose the packets
-    just encoded, the stream's first keyframe among them: a kept file that plays nothing."""
+    just encoded, the stream's first keyframe among them: a kept file that plays nothing. A write to a network
+    output whose receiver takes nothing gives up at once on a stop held here (_NetworkSender.put)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
     previous = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
                 for signum in DEFERRED_SIGNALS}
+    _HELD.append(received)
     try:
         yield
     finally:
+        _HELD.pop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if not received:

@@ -310,7 +310,7 @@ class Player:
                 else {}  # off the main thread no handler can be set, and no signal arrives
             for signum in finishing:
                 signal.signal(signum, signal.SIG_IGN)
-            self._close(keep=not failed)
+            self._close(keep=not failed, stopping=bool(stopped_by) or self.controls.state.quit)
             for signum, handler in finishing.items():
                 signal.signal(signum, handler)
         self._report(stopped_by)
@@ -592,16 +592,17 @@ class Player:
 
     # --- tear-down ---------------------------------------------------------------------------
 
-    def _close(self, keep: bool) -> None:
+    def _close(self, keep: bool, stopping: bool) -> None:
         """Finalise outputs first (they matter most), then stop the engine, OSC, window and input.
 
         `keep`: the run ended normally or was stopped by the user, so the files written so far replace
         their targets. After a failure a target that existed is left as it was; a new one gets the
-        frames written before the failure (finalised, so they play) rather than nothing."""
+        frames written before the failure (finalised, so they play) rather than nothing. `stopping`: the
+        user stopped the run, so a network output whose receiver takes nothing is not waited on for long."""
         self.printer.end_progress()  # the bar where it stands, or the wait for a first frame that never came
         for sink in self.sinks:
             try:
-                sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()))
+                sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()), stopping=stopping)
             except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
                 self._unfinished.append(sink.name)
                 self.printer.quiet = False  # errors are always shown
@@ -615,7 +616,7 @@ class Player:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
-        written = ", ".join(s.name for s in self.sinks if s.name not in self._unfinished and
+        written = ", ".join(s.written_to for s in self.sinks if s.name not in self._unfinished and
                             (s.is_network or s.kept)) or ("the window" if self.window is not None else
                                                           "the web page" if self.web is not None else "no output")
         how = f"stopped by {stopped_by}; " if stopped_by else ""

@@ -1,12 +1,22 @@
-"""Generated media for tests: small H.264 clips written with PyAV, frame stacks for sessions, and a
-free UDP port for stream outputs."""
+"""Generated media for tests: small H.264 clips written with PyAV, frame stacks for sessions, a free UDP
+port for stream outputs, and an RTMP server (FFmpeg's own) to stream to."""
 
 from __future__ import annotations
 
+import os
+import queue
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
+
+from loom_live.plugin.media import video_io
+from loom_live.plugin.media.video_io import FrameSink, MediaError, open_sink
 
 
 def free_udp_port() -> int:
@@ -14,6 +24,62 @@ def free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rtmp_server(body: str) -> tuple[str, subprocess.Popen]:
+    """FFmpeg's own RTMP server in a process of its own (PyAV holds the GIL while an output connects), running
+    ``body`` on ``c``, the input it received; and its URL. It opens the input on the stream's first bytes, not
+    megabytes of probing, with a small receive buffer: one that then reads nothing (``time.sleep``) stalls its
+    sender soon (see small_send_buffers)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"rtmp://127.0.0.1:{probe.getsockname()[1]}/live/loom"
+    options = {"listen": "1", "probesize": "32", "analyzeduration": "0", "recv_buffer_size": "8192"}
+    script = f"import av, sys, time\nc = av.open(sys.argv[1], options={options!r}, timeout=20)\n" \
+        + textwrap.dedent(body)
+    return url, subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
+
+
+def open_when_listening(url: str, size: tuple[int, int], timeout_s: float = 20.0) -> FrameSink:
+    """A FrameSink on ``url`` once its server (rtmp_server, starting in its own process) listens."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return open_sink(url, 24, size)
+        except MediaError:  # not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def small_send_buffers() -> None:
+    """Give the RTMP outputs opened from now on a small socket send buffer (the kernel's own grows to 4 MiB): with
+    a receiver that reads nothing a sender stalls within a frame or two, and for good. One that had megabytes
+    queued went on in bursts whenever a window probe freed a few bytes, long after it had looked stuck."""
+    tee_output = video_io._tee_output
+    video_io._tee_output = lambda url, container_format, timeout_s: \
+        "[send_buffer_size=16384:" + tee_output(url, container_format, timeout_s)[1:]
+
+
+def ctrl_c_once_stuck(frames: queue.Queue, pressed: list[float], read_all: Path, stuck_s: float = 1.0) -> None:
+    """Press Ctrl-C (SIGINT to this process) once the receiver has read all it ever will (``read_all`` exists: an
+    rtmp_server's body makes it, then sleeps) and the oldest frame in ``frames``, a network output's queue, has
+    not been taken for ``stuck_s``: its sending thread is stuck on the full connection (a full queue alone is not:
+    a writer faster than the encoder keeps it full). ``pressed`` gets when (time.monotonic)."""
+    while not read_all.exists():
+        time.sleep(0.02)
+    oldest, since = None, time.monotonic()
+    while True:
+        with frames.mutex:
+            head = frames.queue[0] if frames.queue else None
+        now = time.monotonic()
+        if head is None or head is not oldest:
+            oldest, since = head, now
+        elif now - since >= stuck_s:
+            break
+        time.sleep(0.02)
+    pressed.append(time.monotonic())
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def write_clip(path: Path, frames: list[np.ndarray], fps: int = 24) -> Path:

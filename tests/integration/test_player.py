@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -31,7 +32,7 @@ from loom_live.plugin.media.video_io import partial_path
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
 from tests.fakes.engines import exiting_engine, python_without_loom, wait_until
-from tests.fakes.media import damage_middle, free_udp_port, noise_clip, write_clip
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip, rtmp_server, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 120
@@ -211,7 +212,7 @@ def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
     assert len(_decode(dst)) > 0 and not partial_path(dst).exists()
 
 
-def _two_outputs_without_engine(first: Path, second: Path, setup: str, max_frames: int):
+def _two_outputs_without_engine(first: Path, second: Path | str, setup: str, max_frames: int, size=(64, 64)):
     """A player run in a process of its own (a real SIGINT reaches it) with the engine left out, each input frame
     going straight to the two outputs; `setup` patches it (a signal at a chosen moment). Returns the process."""
     script = textwrap.dedent("""
@@ -228,7 +229,7 @@ def _two_outputs_without_engine(first: Path, second: Path, setup: str, max_frame
         Player._run_lossless = straight_to_the_outputs
     """) + textwrap.dedent(setup) + textwrap.dedent(f"""
         print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames={max_frames},
-                                           size=(64, 64))).run())
+                                           size={size!r})).run())
     """)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -247,8 +248,8 @@ def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_pat
 
         close = FrameSink.close
 
-        def close_and_ctrl_c_again(self, keep=True):
-            close(self, keep)
+        def close_and_ctrl_c_again(self, keep=True, stopping=False):
+            close(self, keep, stopping)
             signal.raise_signal(signal.SIGINT)
 
         Player._run_lossless = stopped_after_three_frames
@@ -258,6 +259,51 @@ def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_pat
     assert "stopped by Ctrl-C; 3 frames" in out.stderr and "Traceback" not in out.stderr
     assert len(_decode(first)) == 3 and len(_decode(second)) == 3
     assert sorted(tmp_path.iterdir()) == [first, second], "a hidden partial was left behind"
+
+
+def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file_whole(tmp_path):
+    """A streaming server that takes nothing more: a Ctrl-C waited the stream's stall timeout (5 s; a minute here)
+    before the run stopped. Now the stream is given up on within STOP_GRACE_S and said to be, while the file is
+    finished with every frame the report counts."""
+    (tmp_path / "outputs").mkdir()
+    first, read_all = tmp_path / "outputs" / "first.mkv", tmp_path / "read-all"
+    url, server = rtmp_server(f"open({str(read_all)!r}, 'w').close()\ntime.sleep(120)")
+    try:
+        out = _two_outputs_without_engine(first, url, f"""
+            import atexit, threading, time
+            from pathlib import Path
+            import numpy as np
+            from loom_live.plugin.media import video_io
+            from loom_live.plugin.player import app
+            from tests.fakes.media import ctrl_c_once_stuck, open_when_listening, small_send_buffers
+
+            video_io.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
+            small_send_buffers()
+            noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # more than they hold
+            Player._fit = lambda self, frame: noise[self.frames_in % 8]
+            open_sink = app.open_sink
+            app.open_sink = lambda spec, fps, size, **kwargs: (open_when_listening(spec, size) if spec == {url!r}
+                                                               else open_sink(spec, fps, size, **kwargs))
+            start_sending, pressed = video_io._NetworkSender.__init__, []
+
+            def start_sending_and_ctrl_c_once_stuck(self, sink):
+                start_sending(self, sink)
+                threading.Thread(target=ctrl_c_once_stuck, args=(self._queue, pressed, Path({str(read_all)!r})),
+                                 daemon=True).start()
+
+            video_io._NetworkSender.__init__ = start_sending_and_ctrl_c_once_stuck
+            atexit.register(lambda: print(f"{{time.monotonic() - pressed[0]:.1f}}"))
+        """, 10**6, size=(256, 256))
+    finally:
+        server.kill()
+        server.wait()
+    lines = out.stdout.splitlines()
+    assert lines[0] == "exit 130", out.stdout + out.stderr
+    assert float(lines[1]) < 30, f"the stop took {lines[1]} s: it waited on the stalled stream"
+    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in out.stderr
+    counted = re.search(r"stopped by Ctrl-C; (\d+) frames", out.stderr)
+    assert counted and len(_decode(first)) == int(counted[1]) > 0, out.stderr
+    assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
 
 
 def _without_engine(monkeypatch) -> None:
@@ -322,6 +368,32 @@ def test_an_output_that_fails_and_cannot_be_removed_names_the_file_left_behind(t
     assert (f"{broken}: writing failed: Read-only file system; {partial_path(broken)} is left behind (removing it "
             "failed too); this output is stopped, the others go on") in err
     assert len(_decode(kept)) == 5
+
+
+def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_report_says_where_the_run_went(
+        tmp_path, monkeypatch, capsys):
+    """Without -y an existing output is refused at open; one saved there during the run (another program, another
+    take) was replaced at the end. It stays, and the report names where the run's file went instead."""
+    from loom_live.plugin.media.video_io import FrameSink, aside_path
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    dst = tmp_path / "show.mp4"
+    encode = FrameSink._encode
+
+    def encode_then_someone_saves(self, frame, pts):
+        encode(self, frame, pts)
+        if pts == 2:
+            dst.write_bytes(b"saved by someone else")
+
+    _without_engine(monkeypatch)
+    monkeypatch.setattr(FrameSink, "_encode", encode_then_someone_saves)
+    code = Player(PlayerOptions(outputs=[str(dst)], max_frames=5, size=(64, 64))).run()
+    err = capsys.readouterr().err
+    mine = aside_path(dst, 1)
+    assert code == 0, err
+    assert dst.read_bytes() == b"saved by someone else" and len(_decode(mine)) == 5
+    assert f" to {mine} ({dst} appeared during the run and was left as it was) in " in err, err
 
 
 def test_a_file_cut_short_is_said_to_end_before_the_frames_its_header_states(tmp_path, monkeypatch, capsys):

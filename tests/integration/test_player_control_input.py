@@ -26,11 +26,11 @@ def play_recording(monkeypatch, **options) -> tuple[Player, int, dict]:
     report: dict = {}
     close = Player._close
 
-    def recording_close(self, keep):
+    def recording_close(self, keep, stopping):
         if self.bridge is not None:
             self.bridge.set_params(noise_scale=0.5, wait=True)  # answered after every frame before it
             report.update(self.bridge.engine_report(refresh=True)["session"]["control"])
-        close(self, keep)
+        close(self, keep, stopping)
 
     monkeypatch.setattr(Player, "_close", recording_close)
     player = Player(PlayerOptions(config="tiny-vace", overrides=["control.control_source=video"], passthrough=True,

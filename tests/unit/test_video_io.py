@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 
 from loom_live.plugin.media.video_io import (
-    FrameSink,
+    DEFAULT_OPEN_TIMEOUT_S,
     MediaError,
+    aside_path,
     check_output_file,
     generate_clip,
     open_sink,
     open_source,
     partial_path,
 )
-from tests.fakes.media import damage_middle, free_udp_port, noise_clip
+from tests.fakes.media import damage_middle, free_udp_port, noise_clip, open_when_listening, rtmp_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -490,6 +491,52 @@ def test_a_discarded_file_whose_partial_cannot_be_removed_says_so(tmp_path: Path
     assert partial_path(out).exists() and not out.exists()
     assert sink.discard() == left  # said again to a second caller, not lost
 
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_file_made_at_the_target_during_the_run_is_never_replaced_without_overwrite(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, hard_links: bool) -> None:
+    """Without -y an existing output is refused at open, but one someone saved there during the run was replaced
+    when the run finished. It is left as it was, and the run's file goes beside it under the first free name, said
+    in the log and in what the run reports; on a drive without hard links (FAT) too."""
+    if not hard_links:
+        def no_links(*_args: object, **_kwargs: object) -> None:
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+        monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "set.mp4"
+    sink = open_sink(out, 24, (64, 48), overwrite=False)
+    for i in range(3):
+        sink.write(np.full((48, 64, 3), i * 60, np.uint8))
+    out.write_bytes(b"saved during the run")
+    aside_path(out, 1).write_bytes(b"saved before")
+    with caplog.at_level("WARNING", logger="loom_live.plugin.media.video_io"):
+        sink.close()
+    mine = aside_path(out, 2)
+    assert out.read_bytes() == b"saved during the run" and aside_path(out, 1).read_bytes() == b"saved before"
+    with open_source(mine) as src:
+        assert len(list(src)) == 3
+    assert sink.kept and sink.kept_at == mine
+    assert sink.written_to == f"{mine} ({out} appeared during the run and was left as it was)"
+    assert f"{out}: a file appeared there during the run and is left as it was; this run's output is {mine}" \
+        in caplog.text
+    assert sorted(tmp_path.iterdir()) == sorted([out, aside_path(out, 1), mine]), "a partial was left behind"
+
+
+def test_a_new_target_is_written_without_overwrite_and_one_made_meanwhile_is_replaced_with_it(tmp_path: Path) -> None:
+    """The other side of the same rule: a free target takes the file under its own name, and with -y a file
+    saved there during the run is replaced, as the user asked."""
+    out = tmp_path / "set.mp4"
+    with open_sink(out, 24, (64, 48), overwrite=False) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+    assert sink.kept_at == out and sink.written_to == str(out)
+    replaced = tmp_path / "replaced.mp4"
+    with open_sink(replaced, 24, (64, 48), overwrite=True) as sink:
+        sink.write(np.zeros((48, 64, 3), np.uint8))
+        replaced.write_bytes(b"saved during the run")
+    assert sink.kept_at == replaced and replaced.read_bytes() != b"saved during the run"
+    assert sorted(tmp_path.iterdir()) == [replaced, out]
+
+
 def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "clip.mp4"
     src.write_bytes(b"input")
@@ -515,30 +562,8 @@ def test_a_tee_output_reaches_ffmpeg_under_the_name_given(tmp_path: Path) -> Non
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-def _rtmp_server(body: str) -> tuple[str, subprocess.Popen]:
-    """FFmpeg's own RTMP server in a process of its own (PyAV holds the GIL while an output connects), running
-    ``body`` on ``c``, the input it received; and its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        url = f"rtmp://127.0.0.1:{probe.getsockname()[1]}/live/loom"
-    script = "import av, sys, time\nc = av.open(sys.argv[1], options={'listen': '1'}, timeout=20)\n" \
-        + textwrap.dedent(body)
-    return url, subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
-
-
-def _open_when_listening(url: str, size: tuple[int, int]) -> FrameSink:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            return open_sink(url, 24, size)
-        except MediaError:  # not listening yet
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def test_an_rtmp_output_reaches_ffmpegs_rtmp_server() -> None:
-    url, server = _rtmp_server("""
+    url, server = rtmp_server("""
         c.streams.video[0].codec_context.thread_count = 1  # each frame out as its packet comes: none held at the end
         n = 0
         try:
@@ -549,7 +574,7 @@ def test_an_rtmp_output_reaches_ffmpegs_rtmp_server() -> None:
         print(n, *size)
     """)
     try:
-        with _open_when_listening(url, (160, 96)) as sink:
+        with open_when_listening(url, (160, 96)) as sink:
             for frame in generate_clip(24, (160, 96), 24, seed=3):
                 sink.write(frame)
         out, _ = server.communicate(timeout=30)
@@ -602,9 +627,9 @@ def test_an_rtmp_receiver_that_stops_reading_fails_that_output_instead_of_stalli
     import loom_live.plugin.media.video_io as video_io
 
     monkeypatch.setattr(video_io, "NETWORK_STALL_S", 0.5)
-    url, server = _rtmp_server("time.sleep(60)")
+    url, server = rtmp_server("time.sleep(60)")
     try:
-        sink = _open_when_listening(url, (256, 256))
+        sink = open_when_listening(url, (256, 256))
         noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # fills the buffers
         started = time.monotonic()
         with pytest.raises(MediaError, match="the receiver took nothing for 0.5 s"):
@@ -617,3 +642,52 @@ def test_an_rtmp_receiver_that_stops_reading_fails_that_output_instead_of_stalli
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_stop_gives_up_on_a_stalled_stream_output_at_once_not_after_its_stall_timeout(tmp_path: Path) -> None:
+    """A streaming server that takes nothing more: a Ctrl-C waited the output's stall timeout (5 s; a minute here)
+    while a write waited on the receiver, and as long again to close the output. Now the write gives up on a stop
+    held back (signals_deferred, as the player writes) and close(stopping=True) waits STOP_GRACE_S. In a process
+    of its own, where Ctrl-C is real."""
+    read_all = tmp_path / "read-all"
+    url, server = rtmp_server(f"open({str(read_all)!r}, 'w').close()\ntime.sleep(120)")
+    script = textwrap.dedent("""
+        import sys, threading, time
+        from pathlib import Path
+        import numpy as np
+        from loom_live.plugin.media import video_io
+        from tests.fakes.media import ctrl_c_once_stuck, open_when_listening, small_send_buffers
+
+        video_io.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
+        small_send_buffers()
+        sink = open_when_listening(sys.argv[1], (256, 256))
+        pressed = []
+        threading.Thread(target=ctrl_c_once_stuck, args=(sink._sender._queue, pressed, Path(sys.argv[2])),
+                         daemon=True).start()
+        noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # more than they hold
+        try:
+            for i in range(10**6):
+                with video_io.signals_deferred():
+                    sink.write(noise[i % 8])
+        except KeyboardInterrupt:
+            pass
+        try:
+            sink.close(stopping=True)
+        except video_io.MediaError as e:
+            print(e)
+        print(f"{time.monotonic() - pressed[0]:.1f}")
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", script, url, str(read_all)], cwd=REPO, capture_output=True,
+                              text=True, timeout=180)
+    finally:
+        server.kill()
+        server.wait()
+    lines = done.stdout.splitlines()
+    assert lines[:1] == [f"{url}: stopped; the receiver took nothing for 0.5 s"], done.stdout + done.stderr
+    assert float(lines[1]) < 30, f"the stop took {lines[1]} s: it waited on the stalled receiver"
+
+
+def test_the_readme_states_the_rtmp_open_timeout_the_code_uses() -> None:
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"one that does not answer within {DEFAULT_OPEN_TIMEOUT_S:g} s stops the run at the start" in readme
