@@ -35,6 +35,7 @@ from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFI
 from loom_live.host_bridge.wire.processes import group_runs
 
 LOG_TAIL_LINES = 40
+LOG_TAIL_SHOWN = 10  # the last lines of output a host's status shows (two engines' lines share them)
 TOKEN_ENV = "LOOM_BRIDGE_TOKEN"  # the launch token travels in the environment, not on the visible command line
 # Windows process creation flags (subprocess defines them only on Windows)
 CREATE_NEW_PROCESS_GROUP = 0x00000200
@@ -111,7 +112,7 @@ class EngineProcess:
                 return text.strip()
         return self.last_words() or f"the engine exited with code {EXIT_USER_ERROR}"
 
-    def log_tail(self, lines: int = 10) -> list[str]:
+    def log_tail(self, lines: int = LOG_TAIL_SHOWN) -> list[str]:
         return list(self._tail)[-lines:]
 
     def stop(self, timeout_s: float = 2.0) -> int | None:

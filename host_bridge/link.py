@@ -309,8 +309,11 @@ class Link:
         return {"control_sent": self.channel.sent, "control_received": self.channel.received,
                 "lane_sent": lane.sent if lane else 0, "lane_received": lane.received if lane else 0}
 
-    def log_tail(self) -> list[str]:
-        return self.proc.log_tail() if self.proc else []
+    def log_tail(self, named: str = "") -> list[str]:
+        """The launched engine's last lines; with `named` ("engine", "standby engine") each begins with that and
+        the pid, for a tail that shows two engines' lines together."""
+        lines = self.proc.log_tail() if self.proc else []
+        return [f"[{named} pid {self.pid}] {line}" for line in lines] if named else lines
 
     def refusal(self) -> str | None:
         """Why no engine will take this run, so that none is tried again, else None: the launched engine's

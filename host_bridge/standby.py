@@ -42,6 +42,8 @@ class Standby:
         self._link_ids = link_ids
         self.link: Link | None = None
         self.problem = ""  # why the last standby went away
+        self.refusal = ""  # its own error when it refused its run (exit code 2) before it was ready
+        self.last_lines: list[str] = []  # its last lines of output, each naming it and its pid
         self.started = 0  # standby engines launched so far
         self._next_open = 0.0
 
@@ -136,14 +138,17 @@ class Standby:
 
     def _drop(self, reason: str) -> None:
         """Give the standby up; stopping its process happens on a thread of its own, so the supervisor
-        goes on serving the active engine meanwhile."""
+        goes on serving the active engine meanwhile. What it said is kept for a bridge that waited for it:
+        its last lines, and (read as the supervisor reads the engine in use's) whether it refused its run."""
         link, self.link = self.link, None
+        refusal, last_lines = "", []
         if link is not None:
+            refusal, last_lines = "" if link.ready else link.refusal() or "", link.log_tail("standby engine")
             threading.Thread(target=link.teardown, args=(reason, self.config.stop_timeout_s),
                              name="loom-standby-teardown", daemon=True).start()
-        self._failed(reason)
+        self._failed(reason, refusal, last_lines)
 
-    def _failed(self, reason: str) -> None:
-        self.problem = reason
+    def _failed(self, reason: str, refusal: str = "", last_lines: list[str] | None = None) -> None:
+        self.problem, self.refusal, self.last_lines = reason, refusal, last_lines or []
         self._next_open = time.monotonic() + max(RETRY_S, self.config.restart_backoff_s)
         logger.warning("standby engine: %s", reason)

@@ -9,8 +9,8 @@ first one was ever ready (a wrong engine Python, a missing module, a crash while
 the same way again, so the supervisor ends there at once (dead, with the reason and the engine's last
 lines) instead of retrying it silently until a host's timeout; unless a standby launched beside it still
 loads, which is then waited for (see `_wait_for_standby`). An engine that exits with code 2 before
-it is ready refused its run (a bad config, missing weights), whether or not one ran before: the
-message is then the engine's own error, said once. So does a served
+it is ready (the one in use, or a standby waited for) refused its run (a bad config, missing weights),
+whether or not one ran before: the message is then the engine's own error, said once. So does a served
 engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
 again. Frames are not its business: each tick it hands the link to the frame side (a `FrameSide`:
 the bridge) to drain the frame lane and hand over a pending frame, and when an engine becomes ready
@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import zmq
 
 from loom_live.host_bridge.config import BridgeConfig
+from loom_live.host_bridge.launcher import LOG_TAIL_SHOWN
 from loom_live.host_bridge.link import Link
 from loom_live.host_bridge.link_open import LinkOpenError, open_link
 from loom_live.host_bridge.standby import Standby
@@ -342,7 +343,6 @@ class Supervisor:
             if refusal is None and self._switch_to_standby(link, reason):
                 return
             self.link = None
-            self.log_tail = link.log_tail()
             if refusal is not None:
                 self.refusal = self.last_error = refusal
                 # a launched engine's refusal is its own error; a served engine's refusal of this host's
@@ -353,12 +353,14 @@ class Supervisor:
                 reason = f"the engine could not start: {reason}"
             restart = self.config.restart and not self.closing and refusal is None and not self._never_started(link)
             waiting = not restart and refusal is None and self._wait_for_standby(link, reason)
+            # named while a standby is waited for: its lines may join these (`_standby_failed_too`)
+            self.log_tail = link.log_tail("engine" if waiting else "")
             if not waiting:
                 self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
                                 reason if not restart else f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self.cond:
-            self.log_tail = link.log_tail()
+            self.log_tail = link.log_tail("engine" if waiting else "")  # with what it said while stopping
             if restart and not self.closing:
                 self.restarts += 1
                 self._next_start = time.monotonic() + self._backoff
@@ -388,9 +390,17 @@ class Supervisor:
 
     def _standby_failed_too(self) -> None:
         """Lock held: the standby waited for went away before it was ready (it exited, hung, or ran past its
-        timeouts): the bridge ends, naming both engines' causes."""
+        timeouts): the bridge ends, naming both engines' causes, with both engines' last lines. A standby that
+        refused its run (exit code 2) ends it as the engine in use's refusal does: `refusal` is its own error."""
         lost, self._lost_before_ready = self._lost_before_ready, ""
-        self._set_state(EngineState.DEAD, f"{lost}; the standby engine could not start either: {self.standby.problem}")
+        standby = self.standby
+        self.log_tail = _shared_tail(self.log_tail, standby.last_lines)
+        if standby.refusal:
+            self.refusal = self.last_error = standby.refusal
+            why = f"the standby engine refused to start: {standby.refusal}"
+        else:
+            why = f"the standby engine could not start either: {standby.problem}"
+        self._set_state(EngineState.DEAD, f"{lost}; {why}")
         log.error("%s", self.message)
 
     def _switch_to_standby(self, link: Link, reason: str) -> bool:
@@ -417,3 +427,11 @@ class Supervisor:
         if (frames := self._frames()) is not None:
             frames.on_engine_ready(fresh)
         return True
+
+
+def _shared_tail(first: list[str], second: list[str], lines: int = LOG_TAIL_SHOWN) -> list[str]:
+    """Two engines' last lines within one engine's bound: each keeps at least half of it, and what one does
+    not use is the other's."""
+    kept_second = min(len(second), max(lines // 2, lines - len(first)))
+    kept_first = min(len(first), lines - kept_second)
+    return first[len(first) - kept_first:] + second[len(second) - kept_second:]

@@ -1,6 +1,7 @@
 """Hot standby (issue 23): kill -9 the engine in use and frames resume from the standby engine,
 without waiting for a new engine to start; then a new standby is launched. An engine in use that dies
-before its first ready hands over to a standby launched beside it once that one is ready."""
+before its first ready hands over to a standby launched beside it once that one is ready; if that one fails too,
+the bridge ends dead with both engines' last lines, as a refusal when the standby refused its run."""
 
 from __future__ import annotations
 
@@ -169,7 +170,28 @@ def test_a_standby_that_dies_too_ends_the_bridge_naming_both_causes(tmp_path):
         crash = "engine exited with code 1: CUDA out of memory while loading"
         said = f"the engine could not start: {crash}; the standby engine could not start either: {crash}"
         assert said in str(failed.value), str(failed.value)
-        assert bridge.status().state == "dead" and bridge.status().message == said
+        status = bridge.status()
+        assert status.state == "dead" and status.message == said and status.refusal == ""
+        # each engine's last line, named: the host sees what both said, not only the first
+        assert status.log_tail == [f"[engine pid {active}] CUDA out of memory while loading",
+                                   f"[standby engine pid {standby}] CUDA out of memory while loading"], status.log_tail
+
+
+def test_a_standby_that_refuses_its_run_while_waited_for_ends_the_bridge_as_a_refusal(tmp_path):
+    """As when the engine in use refuses it: EngineRefused with the engine's own error, said once."""
+    with Bridge(_told_config(tmp_path)) as bridge:
+        active, standby = _both_launched(bridge)
+        (tmp_path / f"crash-{active}").touch()
+        assert _waits_for(bridge, standby), bridge.status().message
+        (tmp_path / f"refuse-{standby}").touch()
+        with pytest.raises(EngineRefused) as refused:
+            bridge.wait_running(120)
+        assert str(refused.value) == "no weights at /missing"
+        status = bridge.status()
+        assert status.state == "dead" and status.refusal == "no weights at /missing"
+        assert status.message == "the engine could not start: engine exited with code 1: CUDA out of memory while " \
+                                 "loading; the standby engine refused to start: no weights at /missing", status.message
+        assert f"[standby engine pid {standby}] {SERVE_ERROR_PREFIX}no weights at /missing" in status.log_tail
 
 
 def test_a_bridge_that_ends_dead_stops_its_standby(tmp_path):

@@ -1,7 +1,9 @@
 """The supervisor adopts a standby engine only while it is itself alive (its process running, heard from within
 hang_timeout_s); one that died or went silent since its last check is closed and the engine restarts as
 without a standby. An engine in use that died before its first ready waits for a loading standby only as long
-as that one's own timeouts allow. Fakes stand in for the links; their liveness is judged by `Link`'s own code."""
+as that one's own timeouts allow; a standby that fails too ends the bridge with both engines' last lines, and one
+that refused its run ends it as a refusal. Fakes stand in for the links and their processes; liveness, refusals and
+the lines kept are read by `Link`'s own code."""
 
 from __future__ import annotations
 
@@ -12,17 +14,25 @@ import pytest
 import zmq
 
 from loom_live.host_bridge import BridgeConfig, EngineState
+from loom_live.host_bridge.launcher import LOG_TAIL_SHOWN
 from loom_live.host_bridge.link import Link
 from loom_live.host_bridge.supervisor import Supervisor
 
 
 class _Proc:
-    def __init__(self, alive: bool) -> None:
-        self.alive = alive
-        self.pid = 4242
+    def __init__(self, alive: bool, pid: int) -> None:
+        self.alive, self.pid = alive, pid
+        self.lines: list[str] = []
+        self.refused: str | None = None  # the engine's own error, once it exited refusing its run
 
     def ending(self) -> str:
-        return "engine killed by SIGKILL"
+        return "engine exited with code 2" if self.refused else "engine killed by SIGKILL"
+
+    def refusal(self) -> str | None:
+        return self.refused
+
+    def log_tail(self) -> list[str]:
+        return self.lines[-LOG_TAIL_SHOWN:]
 
 
 class _Channel:
@@ -39,10 +49,13 @@ class _RunningLink:
     check = Link.check
     heard = Link.heard
     credentials_refused = Link.credentials_refused
+    refusal = Link.refusal
+    log_tail = Link.log_tail
+    lane_refused = None
 
     def __init__(self, cfg: BridgeConfig, alive: bool = True, silent_s: float = 0.0, phase: str = "running",
-                 load_deadline: float = float("inf")) -> None:
-        self.cfg, self.proc, self.channel = cfg, _Proc(alive), _Channel()
+                 load_deadline: float = float("inf"), pid: int = 4242) -> None:
+        self.cfg, self.proc, self.channel = cfg, _Proc(alive, pid), _Channel()
         self.phase, self.load_deadline = phase, load_deadline
         self.last_heard = time.monotonic() - silent_s
         self.stopped = threading.Event()
@@ -50,12 +63,6 @@ class _RunningLink:
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def log_tail(self) -> list[str]:
-        return []
-
-    def refusal(self) -> str | None:
-        return None
 
     def maybe_heartbeat(self, now: float) -> None:
         pass  # nothing travels: no engine listens
@@ -122,3 +129,54 @@ def test_a_standby_past_its_load_timeout_ends_the_wait_naming_both_causes(superv
            "engine not ready within 900 s"
     assert supervisor.state == EngineState.DEAD and supervisor.message == said, supervisor.message
     assert said in caplog.text
+
+
+def _both_loading(supervisor: Supervisor, active_lines: tuple[str, ...] = ()) -> tuple[_RunningLink, _RunningLink]:
+    """The engine in use exited while loading (having printed `active_lines`) and the bridge waits for the
+    standby loading beside it."""
+    cfg = supervisor.config
+    active = _RunningLink(cfg, alive=False, phase="loading", pid=4241)
+    active.proc.lines = list(active_lines)
+    standby = _RunningLink(cfg, phase="loading")
+    supervisor.link, supervisor.standby.link = active, standby
+    supervisor._fail(active, "engine killed by SIGKILL")
+    assert supervisor.state == EngineState.STARTING and supervisor.standby.link is standby, supervisor.message
+    return active, standby
+
+
+def test_a_standby_that_refuses_its_run_while_waited_for_ends_the_bridge_as_a_refusal(supervisor):
+    """As the engine in use's refusal does: `refusal` (what hosts raise EngineRefused with) is the standby's own
+    error, and the message says it once, after why the engine in use did not start."""
+    _, standby = _both_loading(supervisor)
+    standby.proc.alive, standby.proc.refused = False, "no weights at /missing"
+    supervisor._step()
+    assert standby.stopped.wait(30)
+    assert supervisor.state == EngineState.DEAD and supervisor.refusal == "no weights at /missing"
+    assert supervisor.last_error == "no weights at /missing"
+    assert supervisor.message == "the engine could not start: engine killed by SIGKILL; the standby engine refused " \
+                                 "to start: no weights at /missing", supervisor.message
+
+
+def test_a_standby_that_crashes_too_is_no_refusal(supervisor):
+    _, standby = _both_loading(supervisor)
+    standby.proc.alive = False
+    supervisor._step()
+    assert supervisor.state == EngineState.DEAD and supervisor.refusal == ""
+    assert supervisor.message.endswith("the standby engine could not start either: engine killed by SIGKILL")
+
+
+@pytest.mark.parametrize(("engine_lines", "standby_lines", "kept"), [
+    (12, 12, (5, 5)),  # each keeps half of the bound
+    (2, 12, (2, 8)),  # what one does not use is the other's
+    (12, 1, (9, 1)),
+    (0, 3, (0, 3)),
+])
+def test_both_engines_last_lines_share_the_log_tail_each_named(supervisor, engine_lines, standby_lines, kept):
+    _, standby = _both_loading(supervisor, tuple(f"engine line {i}" for i in range(engine_lines)))
+    standby.proc.lines = [f"standby line {i}" for i in range(standby_lines)]
+    standby.proc.alive = False
+    supervisor._step()
+    assert supervisor.state == EngineState.DEAD
+    expected = [f"[engine pid 4241] engine line {i}" for i in range(engine_lines - kept[0], engine_lines)] + \
+               [f"[standby engine pid 4242] standby line {i}" for i in range(standby_lines - kept[1], standby_lines)]
+    assert supervisor.log_tail == expected
