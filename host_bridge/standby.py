@@ -9,8 +9,11 @@ gets the prompt, the parameters and the next frame like any fresh engine, and it
 frame. Then a new standby is started.
 
 The standby's control messages are served here, on the supervisor's thread (`step()`); host threads
-never see a standby link. Its own failures (exit, hang, no handshake) only cost a new standby after
-a backoff, never the show.
+never see a standby link. Its own failures (exit, hang, no handshake, a refused run) only cost a new
+standby after a backoff, never the show; the backoff doubles with each failure in a row (up to a
+minute, or `restart_backoff_max_s` if longer), so a standby that cannot load (no room on the GPU, weights gone) does not
+load the machine every few seconds during the show, and it starts again from the first delay once a
+standby is ready.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from loom_live.host_bridge.link_open import LinkOpenError, open_link
 
 logger = logging.getLogger(__name__)
 
-RETRY_S = 2.0  # after a standby failed to open or died, wait this long before the next one
+RETRY_S = 2.0  # after a standby failed to open or died, wait at least this long before the next one
+# the longest wait between standbys that keep failing, unless restart_backoff_max_s is longer: a spare that
+# cannot load is not worth a load on the machine every few seconds while the engine in use serves
+RETRY_MAX_S = 60.0
 
 
 class Standby:
@@ -45,6 +51,7 @@ class Standby:
         self.refusal = ""  # its own error when it refused its run (exit code 2) before it was ready
         self.last_lines: list[str] = []  # its last lines of output, each naming it and its pid
         self.started = 0  # standby engines launched so far
+        self.failures = 0  # standbys in a row that failed before they were ready (the backoff doubles with each)
         self._next_open = 0.0
 
     @property
@@ -52,11 +59,12 @@ class Standby:
         return self.link is not None and self.link.ready
 
     def describe(self) -> dict[str, Any]:
-        """For the host's stats: state (none, starting, loading, ready), its pid, why the last one went."""
+        """For the host's stats: state (none, starting, loading, ready), its pid, how many failed in a row and
+        why the last one went."""
         state = "none" if self.link is None else \
             {"hello": "starting", "loading": "loading", "running": "ready"}[self.link.phase]
         return {"state": state, "pid": self.link.pid if self.link else None, "launched": self.started,
-                "last_problem": self.problem}
+                "failures": self.failures, "last_problem": self.problem}
 
     def step(self, open_new: bool) -> None:
         """Open a standby when there is none (if `open_new` and the retry time has come), serve its
@@ -127,6 +135,7 @@ class Standby:
                 link.channel.refuse("ready before hello")
             else:
                 link.on_ready(msg.get("info") or {})
+                self.failures = 0
                 logger.info("standby engine ready (pid %s)", link.pid)
         elif kind == "status" and msg["state"] == "error":
             self.problem = f"standby engine error: {msg.get('message', '')}"
@@ -150,5 +159,13 @@ class Standby:
 
     def _failed(self, reason: str, refusal: str = "", last_lines: list[str] | None = None) -> None:
         self.problem, self.refusal, self.last_lines = reason, refusal, last_lines or []
-        self._next_open = time.monotonic() + max(RETRY_S, self.config.restart_backoff_s)
-        logger.warning("standby engine: %s", reason)
+        delay = self.retry_delay()
+        self.failures += 1
+        self._next_open = time.monotonic() + delay
+        logger.warning("standby engine: %s; the next in %.1f s", reason, delay)
+
+    def retry_delay(self) -> float:
+        """The wait before the next standby after this failure: RETRY_S or the first restart delay, doubled for
+        each failure in a row before it, up to RETRY_MAX_S or restart_backoff_max_s, whichever is longer."""
+        first = max(RETRY_S, self.config.restart_backoff_s)
+        return min(first * 2.0 ** self.failures, max(first, RETRY_MAX_S, self.config.restart_backoff_max_s))

@@ -180,3 +180,35 @@ def test_both_engines_last_lines_share_the_log_tail_each_named(supervisor, engin
     expected = [f"[engine pid 4241] engine line {i}" for i in range(engine_lines - kept[0], engine_lines)] + \
                [f"[standby engine pid 4242] standby line {i}" for i in range(standby_lines - kept[1], standby_lines)]
     assert supervisor.log_tail == expected
+
+
+def test_a_standby_that_keeps_failing_is_tried_less_often_and_at_once_again_after_one_was_ready():
+    """Each standby that cannot load (no room on the GPU, weights gone) was followed by the next 2 s later, a
+    model load on the machine every few seconds for the rest of the show; now the wait doubles up to a minute,
+    and a standby that became ready starts the count again."""
+    import itertools
+
+    from loom_live.host_bridge.standby import RETRY_MAX_S, Standby
+
+    cfg = BridgeConfig(standby=True, restart_backoff_s=0.5, restart_backoff_max_s=10.0)
+    ctx = zmq.Context()
+    try:
+        standby = Standby(cfg, ctx, threading.RLock(), itertools.count())
+
+        def fail_one() -> float:
+            delay = standby.retry_delay()
+            standby.link = _RunningLink(cfg, alive=False, phase="loading")
+            standby.step(open_new=True)  # its process is gone: given up, the next one planned
+            assert standby.link is None and 0.0 < standby._next_open - time.monotonic() <= delay
+            return delay
+
+        assert [fail_one() for _ in range(7)] == [2.0, 4.0, 8.0, 16.0, 32.0, RETRY_MAX_S, RETRY_MAX_S]
+        assert standby.describe()["failures"] == 7
+        ready = _RunningLink(cfg, phase="loading")
+        ready.hello_done, ready.on_ready = True, lambda info: setattr(ready, "phase", "running")
+        standby.link = ready
+        standby._handle(ready, {"type": "ready", "info": {}})
+        assert standby.ready and standby.failures == 0
+        assert fail_one() == 2.0
+    finally:
+        ctx.term()
