@@ -129,11 +129,13 @@ class EngineServer:
         self._install_signals()
         MARKS.role = "engine"
         try:
+            family = (self._start or {}).get("family")  # a prompt the channel refuses is said in its words
             if self._connect:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
-                                       curve=self._launch_guard())
+                                       curve=self._launch_guard(), family=family)
             else:
-                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve, router=True)
+                self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve, router=True,
+                                       family=family)
                 log.info("listening on %s", self.channel.endpoint)
             code = self._serve()
             return 128 + self.stop_signal if self.stop_signal and code == 0 else code

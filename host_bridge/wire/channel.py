@@ -249,9 +249,11 @@ class PrivateEndpoint:
 
 class Channel:
     def __init__(self, ctx: zmq.Context, endpoint: str | None, *, bind: bool,
-                 curve: Auth | None = None, identity: bytes | None = None, router: bool = False):
+                 curve: Auth | None = None, identity: bytes | None = None, router: bool = False,
+                 family: str | None = None):
         self._ctx = ctx
         self.router = router
+        self.family = family  # an engine's model family: a prompt it refuses is said in its words (protocol.decode)
         self.sock = ctx.socket(zmq.ROUTER if router else zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, SOCKET_HWM), (zmq.RCVHWM, SOCKET_HWM),
                            (zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 65536)):
@@ -369,7 +371,7 @@ class Channel:
                 self.received += 1
                 peer = parts.pop(0) if self.router else b""
                 try:
-                    out.append((peer, decode(parts), parts[1:]))
+                    out.append((peer, decode(parts, self.family), parts[1:]))
                 except ProtocolError as exc:
                     self.refuse(str(exc))
                 except Exception as exc:  # anything unexpected from a peer is refused, never fatal

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from loom_live.host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam
+from loom_live.host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam, check_prompt_request
 
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
 # answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);
@@ -175,7 +175,8 @@ SCHEMA: dict[str, Fields] = {
     "release": {"dir": (_choice(*DIRECTIONS), True), "slot": (_int(0, MAX_SLOTS - 1), True),
                 "gen": (_int(), True), "dropped": (_bool, False)},
     # session control (requests may carry an id; the engine answers ack or error with it); prompt and
-    # parameter values are checked against the live-parameter schema (params.py)
+    # parameter values are checked against the live-parameter schema (params.py), a refused prompt said in the
+    # words of the engine's model family (`_refusal`)
     "prompt": {**_ID, "text": (_live(PROMPT), True), "transition_chunks": (_opt(_live(TRANSITION_CHUNKS)), False)},
     "params": {**_ID, "params": (_live_params, True)},
     "mode": {**_ID, "lossless": (_bool, True)},
@@ -211,8 +212,9 @@ def _refuse_constant(name: str) -> Any:
     raise ProtocolError(f"{name} is not allowed in messages")
 
 
-def decode(parts: list[bytes]) -> dict[str, Any]:
-    """Parse and validate one received multipart message; raise ProtocolError to refuse it."""
+def decode(parts: list[bytes], family: str | None = None) -> dict[str, Any]:
+    """Parse and validate one received multipart message; raise ProtocolError to refuse it. `family`: the
+    receiving engine's model family, in whose words a refused prompt is said (`validate`)."""
     if not parts:
         raise ProtocolError("empty message")
     head = parts[0]
@@ -225,7 +227,7 @@ def decode(parts: list[bytes]) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"not a UTF-8 JSON message ({type(exc).__name__})") from None
     try:
-        validate(msg)
+        validate(msg, family)
     except ProtocolError:
         raise
     except Exception as exc:  # a checker that trips over an odd value still refuses, never crashes the receiver
@@ -258,7 +260,9 @@ def check_reference(msg: dict[str, Any], payload: list[bytes]) -> None:
                             f"RGB image has {want}")
 
 
-def validate(msg: Any) -> None:
+def validate(msg: Any, family: str | None = None) -> None:
+    """Refuse (ProtocolError) a message that breaks the schema, naming the field and what it takes; a prompt's
+    text in the words of the receiving engine's model `family` (None: each family's), as a host says it."""
     if not isinstance(msg, dict):
         raise ProtocolError(f"expected a JSON object, got {type(msg).__name__}")
     v = msg.get("v")
@@ -278,10 +282,21 @@ def validate(msg: Any) -> None:
             raise ProtocolError(f"{kind}.{key[:40]}: unknown field; allowed: {', '.join(fields) or 'none'}")
         problem = fields[key][0](value)
         if problem:
-            raise ProtocolError(f"{kind}.{key}: {str(value)[:60]!r} is not allowed; expected {problem}")
+            raise ProtocolError(_refusal(f"{kind}.{key}", value, problem, family))
     for key, (_, required) in fields.items():
         if required and key not in msg:
             raise ProtocolError(f"{kind}.{key}: missing")
+
+
+def _refusal(name: str, value: Any, allowed: str, family: str | None) -> str:
+    """Why field `name` refuses `value`. A prompt's text is said as a host says it (`check_prompt_request`, one
+    wording for both): an edit engine asked for "a non-empty text" takes an instruction, not a style."""
+    if name == "prompt.text":
+        try:
+            check_prompt_request(value, family=family)
+        except ValueError as exc:
+            return f"{name}: {exc}"
+    return f"{name}: {str(value)[:60]!r} is not allowed; expected {allowed}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,8 +194,11 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         except PlayerError as exc:
             print(f"loom {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
-    for text in prompts:  # before an engine starts (it was refused once one ran), in its family's words
-        check_prompt_request(text, family=cfg.model.family)
+    # before an engine starts (it was refused once one ran), in its family's words; a served engine (--endpoint)
+    # runs its own config, not -c's, and says its family only once reached: what each family takes is said
+    family = None if args.endpoint else cfg.model.family
+    for text in prompts:
+        check_prompt_request(text, family=family)
     options = PlayerOptions(
         config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,

@@ -29,6 +29,7 @@ import numpy as np
 
 from loom_live.host_bridge import EngineState
 from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.params import PROMPT_TAKES
 from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source, signals_deferred
 from loom_live.plugin.player.control_input import ControlInput, open_control_input
 from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
@@ -87,6 +88,8 @@ class Player:
         self.name = options.command  # what its lines start with: the command the user typed
         self.printer = printer or StatusPrinter(quiet=options.quiet)
         prompts = list(options.prompts) or [options.default_prompt]
+        # a served engine (--endpoint) runs its own config: its family is known once it says it (_follow_engine)
+        family = None if options.endpoint else options.family
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
                                               motion_aware=options.motion_aware,
@@ -95,7 +98,7 @@ class Player:
                                               takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
-                                              reference=options.reference, family=options.family))
+                                              reference=options.reference, family=family))
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
@@ -254,6 +257,7 @@ class Player:
             self._remember_log(status)
             if _is_ready(status):
                 self.printer.end_stage()
+                self._follow_engine(status)
                 return
             if _is_failed(status) or status.restarts >= MAX_FAILED_STARTS:
                 self.printer.end_stage()
@@ -460,6 +464,7 @@ class Player:
             out, status = self.bridge.latest()
             ran = ran or _is_ready(status)
             self._remember_log(status)
+            self._follow_engine(status)
             # A show goes on through engine restarts (the fallback fills in), but an engine that
             # never came up, or cannot be started at all, ends the run with its reason.
             if _is_failed(status) or (not ran and status.restarts >= MAX_FAILED_STARTS):
@@ -571,6 +576,16 @@ class Player:
         if self.window is not None and self._last_out is not None:
             self._show(self._last_out)
         time.sleep(PAUSE_POLL_S)
+
+    def _follow_engine(self, status: Any) -> None:
+        """Prompts sent live (keys, OSC, the page) are refused in the words of the running engine's model family
+        once it has said it; one that is not the config's (a served engine's) is said once."""
+        if not _is_ready(status) or not self.controls.follow_engine(self.bridge.engine_family):
+            return
+        family = self.controls.state.family
+        if family != self.opts.family:
+            self.printer.say(f"{self.name}: the engine runs the {family} model family, not the {self.opts.family} "
+                             f"family of -c {self.opts.config}: its prompt is {PROMPT_TAKES[family]}")
 
     def _remember_log(self, status: Any) -> None:
         self._log_tail = list(status.log_tail) or self._log_tail

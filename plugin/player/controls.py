@@ -90,7 +90,9 @@ class ControlState:
     message: str = ""
     refused: int = 0  # commands refused when applied (a source this run lacks, control without VACE)
     given_prompts: int = -1  # how many of `prompts` the run was started with (-1: all there are at start)
-    family: str = "wan"  # the model family (model.family): what a prompt is, said when an empty one is refused
+    # the model family (model.family): what a prompt is, said when an empty one is refused; the running engine's
+    # once it has said it (`Controls.follow_engine`); None: not known yet (each family's words are said)
+    family: str | None = "wan"
 
     def __post_init__(self) -> None:
         if self.given_prompts < 0:
@@ -160,7 +162,7 @@ def transition_chunks_command(value: Any) -> Command:
     return Command("transition_chunks", (_checked(TRANSITION_CHUNKS.check, _int(value, "transition_chunks")),))
 
 
-def prompt_command(text: Any, transition_chunks: Any = None, *, family: str = "wan") -> Command:
+def prompt_command(text: Any, transition_chunks: Any = None, *, family: str | None = "wan") -> Command:
     """A new prompt; a bad one is refused in the words of the model `family` (what its prompt is)."""
     chunks = None if transition_chunks is None else _int(transition_chunks, "transition_chunks")
     return Command("prompt", _checked(check_prompt_request, text, chunks, family))
@@ -198,6 +200,15 @@ class Controls:
     def __init__(self, state: ControlState) -> None:
         self.state = state
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def follow_engine(self, family: str | None) -> bool:
+        """Take the running engine's model family (as its ready message said; None: not said) for the prompts
+        sent live from now on: an engine served elsewhere (`--endpoint`) need not run this run's config's.
+        Frame loop only, like `apply_pending`; True when it changed."""
+        if family is None or family == self.state.family:
+            return False
+        self.state.family = family
+        return True
 
     def put(self, command: Command) -> None:
         """Queue a command; safe from any thread."""

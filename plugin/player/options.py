@@ -45,7 +45,9 @@ class PlayerOptions:
     overrides: list[str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     default_prompt: str = PROMPT.default
-    family: str = "wan"  # the config's model family (model.family): a prompt sent live is refused in its words
+    # the config's model family (model.family): a prompt sent live is refused in its words (a served engine's own
+    # once it says it: --endpoint)
+    family: str = "wan"
     steps: int = len(LIVE["steps"].default)
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default

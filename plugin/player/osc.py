@@ -92,7 +92,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
 }
 
 
-def command_for(address: str, args: tuple[Any, ...], family: str = "wan") -> Command:
+def command_for(address: str, args: tuple[Any, ...], family: str | None = "wan") -> Command:
     """The command an OSC message asks for; ControlError names the problem (a prompt's in the words of the
     model `family`)."""
     builder = _BUILDERS.get(address.rstrip("/"))

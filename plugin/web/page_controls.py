@@ -66,7 +66,7 @@ def _reference(message: Mapping[str, Any]) -> Command:
     return Command("reference_image", (UploadedReference(*decode_upload(message.get("name"), message.get("data"))),))
 
 
-def _prompt(message: Mapping[str, Any], family: str) -> Command:
+def _prompt(message: Mapping[str, Any], family: str | None) -> Command:
     return prompt_command(message.get("text"), message.get("transition_chunks"), family=family)
 
 
@@ -86,7 +86,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
 CONTROLS = tuple(_BUILDERS)
 
 
-def command_for(message: Mapping[str, Any], family: str = "wan") -> Command:
+def command_for(message: Mapping[str, Any], family: str | None = "wan") -> Command:
     """The command a page's control message asks for; ControlError names what is wrong and what is allowed (a
     prompt in the words of the model `family`)."""
     name = message.get("control")

@@ -106,6 +106,21 @@ def test_an_empty_prompt_is_refused_before_any_engine_in_its_family_s_words(tmp_
                     f"give {takes}\n") in capsys.readouterr().err
 
 
+def test_an_empty_prompt_for_a_served_engine_is_refused_in_each_family_s_words(tmp_path, capsys, monkeypatch):
+    """With --endpoint the engine runs its own config: -c edit-tiny does not say what its prompt is, and the words
+    of the family it names would be a guess. Refused before the player runs, in what each family takes."""
+    import loom_live.plugin.player as player
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from tests.fakes.engines import InProcessEngine
+
+    monkeypatch.setattr(player, "run_player", lambda *a, **k: pytest.fail("the player ran"))
+    with InProcessEngine(PassthroughSession) as engine:
+        assert main(["play", "-c", "edit-tiny", "--endpoint", engine.endpoint, "--secret-file", engine.secret_file,
+                     "--prompt", " ", "-o", str(tmp_path / "x.mp4")]) == 2
+    assert ("loom play: error: the prompt is empty; give a few words describing the style (the wan family) or an "
+            "instruction, such as 'make it a watercolor painting' (the edit family)\n") in capsys.readouterr().err
+
+
 def test_a_bad_page_address_is_named_as_the_user_gave_it(capsys):
     """`loom web` takes its address as an argument, `loom play` as --web: each error names the one typed."""
     assert main(["web", "abc"]) == 2

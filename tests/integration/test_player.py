@@ -31,7 +31,7 @@ from loom_live.plugin.cli.main import main
 from loom_live.plugin.media.video_io import partial_path
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
-from tests.fakes.engines import exiting_engine, python_without_loom, wait_until
+from tests.fakes.engines import InProcessEngine, exiting_engine, python_without_loom, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, rtmp_server, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -607,6 +607,34 @@ def test_play_reaches_an_engine_served_on_this_machine_with_its_session_secret(t
     finally:
         serve.terminate()
         serve.communicate(timeout=30)
+
+
+def test_a_player_on_a_served_engine_refuses_live_prompts_in_the_engine_s_family_s_words(tmp_path, capsys):
+    """`loom play --endpoint` took the model family from its own -c config: OSC, the page and the keys refused an
+    empty prompt sent to a served edit engine asking for "a few words describing the style". Until the engine has
+    said its family, each family's words are said; then its own, and one that is not the config's is said once.
+    A served engine of the config's family says nothing."""
+    from loom_live.engine.config import load_config
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    for served, family, takes in (("edit-tiny", "edit", "an instruction, such as 'make it a watercolor painting'"),
+                                  ("tiny-random", "wan", "a few words describing the style")):
+        with InProcessEngine(PassthroughSession, start=load_config(served).start_settings()) as engine:
+            player = Player(PlayerOptions(outputs=[str(tmp_path / f"{served}.mp4")], max_frames=3, size=(32, 32),
+                                          endpoint=engine.endpoint, secret_file=engine.secret_file))
+            with pytest.raises(ControlError, match=r"style \(the wan family\) or an instruction, .* \(the edit"):
+                command_for("/loom/prompt", (" ",), player.controls.state.family)  # as the OSC thread asks
+            assert player.run() == 0
+        err = capsys.readouterr().err
+        assert player.controls.state.family == family
+        with pytest.raises(ControlError) as refused:
+            command_for("/loom/prompt", (" ",), player.controls.state.family)
+        assert str(refused.value) == f"the prompt is empty; give {takes}"
+        line = "loom play: the engine runs the edit model family, not the wan family of -c default: its prompt is " \
+               "an instruction, such as 'make it a watercolor painting'"
+        assert err.count(line) == (family == "edit") and "model family" not in err.replace(line, ""), err
 
 
 def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):

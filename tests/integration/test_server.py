@@ -120,3 +120,30 @@ def test_a_host_says_an_empty_prompt_in_the_words_of_the_engine_s_family():
                 assert bridge.wanted.prompt is None
                 bridge.set_prompt("make it a charcoal drawing", wait=True)
                 assert engine.server.worker.session.prompt == "make it a charcoal drawing"
+
+
+def test_the_engine_refuses_a_blank_prompt_on_the_wire_in_its_family_s_words():
+    """A client that skips the bridge's check sends a blank prompt: the engine's report said it expected "a
+    non-empty text of at most 4096 characters", whatever its family. It says what its prompt is (each family's
+    words from an engine that does not know its own); the message is refused and counted, and the stream goes on."""
+    import numpy as np
+
+    from loom_live.engine.config import load_config
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION
+    from tests.fakes.engines import InProcessEngine, engine_report
+
+    edit = "an instruction, such as 'make it a watercolor painting'"
+    for start, takes in ((load_config("edit-tiny").start_settings(), edit),
+                         (None, f"a few words describing the style (the wan family) or {edit} (the edit family)")):
+        with InProcessEngine(PassthroughSession, start=start) as engine, \
+                Bridge(BridgeConfig(**engine.host)) as bridge:
+            bridge.wait_running(20)
+            bridge._link.send({"v": PROTOCOL_VERSION, "type": "prompt", "id": 9, "text": " "})  # as make() refuses it
+            report = engine_report(bridge, lambda r: r.get("refused") == 1)
+            assert report["last_refusal"] == f"prompt.text: the prompt is empty; give {takes}"
+            bridge.set_prompt("make it ink", wait=True)
+            assert engine.server.worker.session.prompt == "make it ink"
+            frame = np.full((16, 16, 3), 7, np.uint8)
+            assert np.array_equal(bridge.process([frame], timeout_s=20)[0], frame)

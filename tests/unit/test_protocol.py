@@ -72,6 +72,24 @@ def test_malformed_messages_are_refused_with_the_reason(obj, reason):
         decode(_raw(obj))
 
 
+def test_a_refused_prompt_is_said_in_the_words_of_the_receiving_engine_s_family():
+    """A client that skips the bridge's check sends a blank prompt: an edit engine said it expected "a non-empty
+    text", not the instruction it takes. Said as a host says it; without a family, what each one takes."""
+    blank = _raw({"v": PROTOCOL_VERSION, "type": "prompt", "id": 1, "text": " \n"})
+    edit = "an instruction, such as 'make it a watercolor painting'"
+    for family, takes in (("edit", edit), ("wan", "a few words describing the style"),
+                          (None, f"a few words describing the style (the wan family) or {edit} (the edit family)")):
+        with pytest.raises(ProtocolError) as refused:
+            decode(blank, family)
+        assert str(refused.value) == f"prompt.text: the prompt is empty; give {takes}"
+    for text, words in ((7, f"prompt.text: the prompt is int 7; expected a string, {edit}"),
+                        ("x" * 4097, "prompt.text: the prompt has 4097 characters; expected at most 4096")):
+        with pytest.raises(ProtocolError) as refused:
+            decode(_raw({"v": PROTOCOL_VERSION, "type": "prompt", "text": text}), "edit")
+        assert str(refused.value) == words
+    assert decode(_raw({"v": PROTOCOL_VERSION, "type": "prompt", "text": " ink "}), "edit")["text"] == " ink "
+
+
 def test_size_limit_non_json_nan_and_parts_are_refused():
     big = encode(make("bye", reason="x"))[:-2] + b"x" * MAX_MESSAGE_BYTES + b'"}'
     with pytest.raises(ProtocolError, match="limit"):
