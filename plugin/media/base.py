@@ -143,6 +143,9 @@ class AppSink:
             raise MediaError(f"{self.name}: sending failed: {exc}") from exc
         self.frames_written += 1
 
+    def stop(self) -> None:
+        """A stop is on its way: nothing to cut short, as no send waits on a receiver (a FrameSink's stream does)."""
+
     def close(self, keep: bool = True, stopping: bool = False) -> None:
         """Stop the output (``keep`` and ``stopping`` are meaningless here: receivers already have what was sent,
         and no send waits on them)."""

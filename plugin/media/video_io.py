@@ -58,7 +58,7 @@ NETWORK_STALL_S = 5.0
 # A stop (Ctrl-C, SIGTERM, quit) waits this long, not NETWORK_STALL_S, for a network output's receiver that takes
 # nothing: its last frames are not worth the user's wait (a file is still finished in full).
 STOP_GRACE_S = 0.5
-STOP_POLL_S = 0.05  # how often a write held up by such a receiver looks for a stop held back (signals_deferred)
+STOP_POLL_S = 0.05  # how often a write held up by such a receiver looks for a stop (FrameSink.stop)
 NETWORK_QUEUE_FRAMES = 4  # frames handed to a network output's thread, not sent yet: a file run waits beyond
 # RTMP outputs open through FFmpeg's tee muxer, the one way PyAV passes options to an output's connection: its
 # rw_timeout bounds the connect, the RTMP handshake and each send. PyAV's own timeout= bounds inputs only, and PyAV
@@ -344,9 +344,6 @@ def _network_input_options(url: str, timeout_s: float) -> dict[str, str]:
 
 
 _OPEN_SINKS: weakref.WeakSet[FrameSink] = weakref.WeakSet()
-# The signals each signals_deferred now running holds back, innermost last: a write to a network output that
-# waits on a stalled receiver gives up when one holds a stop.
-_HELD: list[list[int]] = []
 
 
 @atexit.register
@@ -446,6 +443,7 @@ class FrameSink:
         self.is_network = is_network
         self.frames_written = 0
         self.closed = False
+        self.stopping = False  # a stop is on its way (stop): no write or close waits on a receiver for long
         self._final: Path | None = None if is_network else Path(target)
         self._overwrite = overwrite
         self.kept_at: Path | None = None  # where a closed file's frames are: its target, or beside it (close)
@@ -485,6 +483,13 @@ class FrameSink:
     def size(self) -> tuple[int, int]:
         """(width, height) in pixels."""
         return self.width, self.height
+
+    def stop(self) -> None:
+        """A stop is on its way (a quit, or a signal held back by signals_deferred): a write that waits on a network
+        output's receiver that takes nothing gives up within STOP_POLL_S, dropping its frame, and ``close`` waits
+        STOP_GRACE_S, not NETWORK_STALL_S. Safe from any thread and from a signal handler: it only sets a flag, which
+        that write polls (an Event's lock, taken again by a handler on the thread that holds it, would hang)."""
+        self.stopping = True
 
     def _add_video_stream(self, fps: float, width: int, height: int) -> Any:
         import av
@@ -536,8 +541,8 @@ class FrameSink:
         A file without frames is never kept: it would replace the target with nothing playable.
         Raises MediaError when finishing fails (a full disk, a vanished drive): FFmpeg buffers its
         writes, so this is often the first moment such a failure shows; the target is then left as it was.
-        ``stopping``: the user stopped the run, so a network output whose receiver takes nothing is given
-        up on after STOP_GRACE_S rather than NETWORK_STALL_S; a file is finished in full all the same.
+        ``stopping``: the user stopped the run (as ``stop``), so a network output whose receiver takes nothing is
+        given up on after STOP_GRACE_S rather than NETWORK_STALL_S; a file is finished in full all the same.
         """
         import av
 
@@ -545,7 +550,9 @@ class FrameSink:
             return
         self.closed = True
         _OPEN_SINKS.discard(self)
-        wait_s = STOP_GRACE_S if stopping else NETWORK_STALL_S
+        if stopping:
+            self.stop()
+        wait_s = STOP_GRACE_S if self.stopping else NETWORK_STALL_S
         if self._sender is not None and not self._sender.finish(wait_s):  # its thread is stuck inside the container
             raise MediaError(f"{self.name}: stopped; the receiver took nothing for {wait_s:g} s")
         with signals_deferred():
@@ -666,8 +673,8 @@ class _NetworkSender:
     def put(self, frame: np.ndarray) -> bool:
         """Queue one frame; a failed send, or a receiver that took nothing for NETWORK_STALL_S, is a MediaError.
 
-        False: the frame was dropped, as a stop came (held back by signals_deferred) while the receiver took
-        nothing; the stop then ends the output (finish) without the wait."""
+        False: the frame was dropped, as a stop came (FrameSink.stop) while the receiver took nothing; the stop
+        then ends the output (finish) without the wait."""
         if self._error is not None:
             raise MediaError(f"{self._sink.name}: writing failed: {self._error}")
         frame = frame.copy()
@@ -678,7 +685,7 @@ class _NetworkSender:
                 return True
             except queue.Full:
                 pass
-            if any(_HELD):
+            if self._sink.stopping:
                 return False
             if time.monotonic() >= deadline:
                 self._stalled = True
@@ -918,24 +925,35 @@ def _reason(error: BaseException) -> str:
 def signals_deferred() -> Iterator[None]:
     """Hold Ctrl-C and a stop signal (SIGTERM, SIGHUP) back while encoded packets are written or a file is
     finalised, then deliver the first one. Raised between an encode and its mux, it would lose the packets
-    just encoded, the stream's first keyframe among them: a kept file that plays nothing. A write to a network
-    output whose receiver takes nothing gives up at once on a stop held here (_NetworkSender.put)."""
+    just encoded, the stream's first keyframe among them: a kept file that plays nothing. A signal held here that
+    is not ignored stops the open outputs (FrameSink.stop), so that a write to a network output whose receiver
+    takes nothing gives up at once. It is delivered even when the block raises (a write that failed): a Ctrl-C
+    is then still a Ctrl-C, with the failure as its context, not lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
-                for signum in DEFERRED_SIGNALS}
-    _HELD.append(received)
+    previous: dict[int, Any] = {}
+
+    def hold(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if previous.get(signum) != signal.SIG_IGN:
+            for sink in list(_OPEN_SINKS):
+                sink.stop()
+
+    for signum in DEFERRED_SIGNALS:
+        previous[signum] = signal.signal(signum, hold)
     try:
         yield
     finally:
-        _HELD.pop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if not received:
-        return
-    signum, handler = received[0], previous[received[0]]
+        if received:
+            _deliver(received[0], previous[received[0]])
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Do with a signal held back what ``handler``, the one it would have met, does."""
     if handler is signal.default_int_handler:
         raise KeyboardInterrupt
     if callable(handler):

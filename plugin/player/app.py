@@ -98,7 +98,8 @@ class Player:
                                               takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
-                                              reference=options.reference, family=family))
+                                              reference=options.reference, family=family),
+                                 on_quit=self._stop_outputs)
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
@@ -302,11 +303,13 @@ class Player:
             if self._input_error is not None:
                 raise self._input_error
             failed = False
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             stopped_by, code, failed = "Ctrl-C", EXIT_INTERRUPTED, False
+            self._say_failure_under(stop)
         except StopRequested as stop:
             stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
             failed = False
+            self._say_failure_under(stop)
         finally:
             # A second signal, Ctrl-C pressed again included, must not cut the finalising short: it stopped the
             # outputs after the first one, leaving their recordings unfinished under their hidden partial names.
@@ -544,6 +547,7 @@ class Player:
         self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
         if self.window.closed_by_user():
             self.controls.state.quit = True
+            self._stop_outputs()
 
     def _report_style(self, refresh: bool = False) -> None:
         """Say the style the engine's prompt landed on, once per prompt: at the start and after each change
@@ -606,6 +610,19 @@ class Player:
         return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
 
     # --- tear-down ---------------------------------------------------------------------------
+
+    def _stop_outputs(self) -> None:
+        """The user quit (on any thread: see Controls): a write to a stream whose receiver takes nothing gives up
+        now, not after its stall timeout, as a Ctrl-C held back by signals_deferred makes it (FrameSink.stop)."""
+        for sink in list(self.sinks):
+            sink.stop()
+
+    def _say_failure_under(self, stop: BaseException) -> None:
+        """Say the failure a stop signal was delivered over (signals_deferred holds one back while the last output
+        fails): the run ends as stopped, and the user still hears why that output stopped."""
+        if isinstance(stop.__context__, PlayerError):
+            self.printer.quiet = False  # errors are always shown
+            self.printer.say(f"{self.name}: error: {stop.__context__}")
 
     def _close(self, keep: bool, stopping: bool) -> None:
         """Finalise outputs first (they matter most), then stop the engine, OSC, window and input.

@@ -195,11 +195,16 @@ def _flag(value: bool | None, current: bool) -> bool:
 
 
 class Controls:
-    """The command queue plus the state it drives; `apply_pending(bridge)` runs on the frame loop."""
+    """The command queue plus the state it drives; `apply_pending(bridge)` runs on the frame loop.
 
-    def __init__(self, state: ControlState) -> None:
+    `on_quit` is called as a quit is queued, on the thread that queues it (OSC's server thread): the frame loop
+    that applies the queue may be held up in a write to a stream whose receiver takes nothing, and the quit must
+    cut that wait short (Player._stop_outputs)."""
+
+    def __init__(self, state: ControlState, on_quit: Callable[[], None] | None = None) -> None:
         self.state = state
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._on_quit = on_quit
 
     def follow_engine(self, family: str | None) -> bool:
         """Take the running engine's model family (as its ready message said; None: not said) for the prompts
@@ -215,6 +220,8 @@ class Controls:
         if command.name not in COMMANDS:
             raise ControlError(f"unknown command {command.name!r}; known: {', '.join(COMMANDS)}")
         self._queue.put(command)
+        if command.name == "quit" and self._on_quit is not None:
+            self._on_quit()
 
     def drain(self) -> list[Command]:
         out = []

@@ -62,10 +62,18 @@ def small_send_buffers() -> None:
 
 
 def ctrl_c_once_stuck(frames: queue.Queue, pressed: list[float], read_all: Path, stuck_s: float = 1.0) -> None:
-    """Press Ctrl-C (SIGINT to this process) once the receiver has read all it ever will (``read_all`` exists: an
-    rtmp_server's body makes it, then sleeps) and the oldest frame in ``frames``, a network output's queue, has
-    not been taken for ``stuck_s``: its sending thread is stuck on the full connection (a full queue alone is not:
-    a writer faster than the encoder keeps it full). ``pressed`` gets when (time.monotonic)."""
+    """Press Ctrl-C (SIGINT to this process) once the output is stuck (wait_until_stuck); ``pressed`` gets when
+    (time.monotonic)."""
+    wait_until_stuck(frames, read_all, stuck_s)
+    pressed.append(time.monotonic())
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def wait_until_stuck(frames: queue.Queue, read_all: Path, stuck_s: float = 1.0) -> None:
+    """Return once the receiver has read all it ever will (``read_all`` exists: an rtmp_server's body makes it,
+    then sleeps) and the oldest frame in ``frames``, a network output's queue, has not been taken for ``stuck_s``:
+    its sending thread is stuck on the full connection (a full queue alone is not: a writer faster than the
+    encoder keeps it full)."""
     while not read_all.exists():
         time.sleep(0.02)
     oldest, since = None, time.monotonic()
@@ -76,10 +84,8 @@ def ctrl_c_once_stuck(frames: queue.Queue, pressed: list[float], read_all: Path,
         if head is None or head is not oldest:
             oldest, since = head, now
         elif now - since >= stuck_s:
-            break
+            return
         time.sleep(0.02)
-    pressed.append(time.monotonic())
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def write_clip(path: Path, frames: list[np.ndarray], fps: int = 24) -> Path:

@@ -212,7 +212,8 @@ def test_ctrl_c_through_a_pipe_to_tee_still_finalises_the_file(tmp_path):
     assert len(_decode(dst)) > 0 and not partial_path(dst).exists()
 
 
-def _two_outputs_without_engine(first: Path, second: Path | str, setup: str, max_frames: int, size=(64, 64)):
+def _two_outputs_without_engine(first: Path, second: Path | str, setup: str, max_frames: int, size=(64, 64),
+                                osc_port: int | None = None):
     """A player run in a process of its own (a real SIGINT reaches it) with the engine left out, each input frame
     going straight to the two outputs; `setup` patches it (a signal at a chosen moment). Returns the process."""
     script = textwrap.dedent("""
@@ -229,7 +230,7 @@ def _two_outputs_without_engine(first: Path, second: Path | str, setup: str, max
         Player._run_lossless = straight_to_the_outputs
     """) + textwrap.dedent(setup) + textwrap.dedent(f"""
         print("exit", Player(PlayerOptions(outputs=[{str(first)!r}, {str(second)!r}], max_frames={max_frames},
-                                           size={size!r})).run())
+                                           size={size!r}, osc_port={osc_port!r})).run())
     """)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -261,21 +262,21 @@ def test_ctrl_c_again_while_the_outputs_are_finalised_finishes_every_one(tmp_pat
     assert sorted(tmp_path.iterdir()) == [first, second], "a hidden partial was left behind"
 
 
-def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file_whole(tmp_path):
-    """A streaming server that takes nothing more: a Ctrl-C waited the stream's stall timeout (5 s; a minute here)
-    before the run stopped. Now the stream is given up on within STOP_GRACE_S and said to be, while the file is
-    finished with every frame the report counts."""
+def _with_a_stalled_stream(tmp_path: Path, stop: str, osc_port: int | None = None) -> tuple[Path, str, list[str], str]:
+    """A run to a file and to an RTMP server that takes nothing more (_two_outputs_without_engine), stopped by the
+    line `stop` once the stream's write waits on it (wait_until_stuck). Returns the file, the stream's URL, the
+    lines the run printed (its exit code, then the seconds from the stop to its end) and what it said."""
     (tmp_path / "outputs").mkdir()
     first, read_all = tmp_path / "outputs" / "first.mkv", tmp_path / "read-all"
     url, server = rtmp_server(f"open({str(read_all)!r}, 'w').close()\ntime.sleep(120)")
     try:
         out = _two_outputs_without_engine(first, url, f"""
-            import atexit, threading, time
+            import atexit, os, threading, time
             from pathlib import Path
             import numpy as np
             from loom_live.plugin.media import video_io
             from loom_live.plugin.player import app
-            from tests.fakes.media import ctrl_c_once_stuck, open_when_listening, small_send_buffers
+            from tests.fakes.media import open_when_listening, small_send_buffers, wait_until_stuck
 
             video_io.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
             small_send_buffers()
@@ -286,24 +287,77 @@ def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file
                                                                else open_sink(spec, fps, size, **kwargs))
             start_sending, pressed = video_io._NetworkSender.__init__, []
 
-            def start_sending_and_ctrl_c_once_stuck(self, sink):
+            def start_sending_and_stop_once_stuck(self, sink):
                 start_sending(self, sink)
-                threading.Thread(target=ctrl_c_once_stuck, args=(self._queue, pressed, Path({str(read_all)!r})),
-                                 daemon=True).start()
 
-            video_io._NetworkSender.__init__ = start_sending_and_ctrl_c_once_stuck
+                def stop_once_stuck():
+                    wait_until_stuck(self._queue, Path({str(read_all)!r}))
+                    pressed.append(time.monotonic())
+                    {stop}
+
+                threading.Thread(target=stop_once_stuck, daemon=True).start()
+
+            video_io._NetworkSender.__init__ = start_sending_and_stop_once_stuck
             atexit.register(lambda: print(f"{{time.monotonic() - pressed[0]:.1f}}"))
-        """, 10**6, size=(256, 256))
+        """, 10**6, size=(256, 256), osc_port=osc_port)
     finally:
         server.kill()
         server.wait()
-    lines = out.stdout.splitlines()
-    assert lines[0] == "exit 130", out.stdout + out.stderr
+    return first, url, out.stdout.splitlines(), out.stderr
+
+
+def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file_whole(tmp_path):
+    """A streaming server that takes nothing more: a Ctrl-C waited the stream's stall timeout (5 s; a minute here)
+    before the run stopped. Now the stream is given up on within STOP_GRACE_S and said to be, while the file is
+    finished with every frame the report counts."""
+    first, url, lines, err = _with_a_stalled_stream(tmp_path, "os.kill(os.getpid(), signal.SIGINT)")
+    assert lines[0] == "exit 130", "\n".join(lines) + err
     assert float(lines[1]) < 30, f"the stop took {lines[1]} s: it waited on the stalled stream"
-    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in out.stderr
-    counted = re.search(r"stopped by Ctrl-C; (\d+) frames", out.stderr)
-    assert counted and len(_decode(first)) == int(counted[1]) > 0, out.stderr
+    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in err
+    counted = re.search(r"stopped by Ctrl-C; (\d+) frames", err)
+    assert counted and len(_decode(first)) == int(counted[1]) > 0, err
     assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
+
+
+def test_an_osc_quit_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file_whole(tmp_path):
+    """A quit over OSC while a write waits on a streaming server that takes nothing more: the frame loop read it
+    only once that write gave up, after the stream's stall timeout (5 s; a minute here). Now the quit cuts the
+    wait short as a Ctrl-C does: the stream is given up on and said to be, the file finished with every frame."""
+    pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
+    port = free_udp_port()
+    send_quit = "from pythonosc.udp_client import SimpleUDPClient; " \
+                f"SimpleUDPClient('127.0.0.1', {port}).send_message('/loom/quit', [])"
+    first, url, lines, err = _with_a_stalled_stream(tmp_path, send_quit, osc_port=port)
+    assert lines[0] == "exit 2", "\n".join(lines) + err  # an output failed: its receiver took nothing
+    assert float(lines[1]) < 30, f"the quit took {lines[1]} s: it waited on the stalled stream"
+    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in err
+    counted = re.search(r": (\d+) frames \(256x256", err)
+    assert counted and len(_decode(first)) == int(counted[1]) > 0, err
+    assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
+
+
+@pytest.mark.parametrize(("signame", "stopped_by", "code"), [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])
+def test_a_stop_signal_while_the_last_output_fails_still_stops_the_run(tmp_path, signame, stopped_by, code):
+    """Ctrl-C (or SIGTERM) held back while the third frame was written, and that write failed on every output (a
+    full drive): the signal was lost and the run ended as failed, with 2. Now it ends as stopped by it, with its
+    exit code, and the failure is still said."""
+    first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
+    out = _two_outputs_without_engine(first, second, f"""
+        from loom_live.plugin.media.video_io import MediaError
+
+        def write_or_fail(self, frame, write=FrameSink.write):
+            if self.frames_written < 2:
+                return write(self, frame)
+            if self.name == {str(first)!r}:
+                signal.raise_signal(signal.{signame})  # held back until every output has had the frame
+            raise MediaError(f"{{self.name}}: writing failed: No space left on device")
+
+        FrameSink.write = write_or_fail
+    """, 10)
+    assert out.stdout.strip() == f"exit {code}", out.stderr
+    assert f"error: output: {second}: writing failed: No space left on device\n" in out.stderr
+    assert f"stopped by {stopped_by}; 2 frames" in out.stderr and "Traceback" not in out.stderr
+    assert list(tmp_path.iterdir()) == [], "a failed output left a file"
 
 
 def _without_engine(monkeypatch) -> None:

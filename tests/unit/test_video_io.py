@@ -20,6 +20,8 @@ import pytest
 
 from loom_live.plugin.media.video_io import (
     DEFAULT_OPEN_TIMEOUT_S,
+    NETWORK_QUEUE_FRAMES,
+    FrameSink,
     MediaError,
     aside_path,
     check_output_file,
@@ -27,6 +29,7 @@ from loom_live.plugin.media.video_io import (
     open_sink,
     open_source,
     partial_path,
+    signals_deferred,
 )
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, open_when_listening, rtmp_server
 
@@ -686,6 +689,73 @@ def test_a_stop_gives_up_on_a_stalled_stream_output_at_once_not_after_its_stall_
     lines = done.stdout.splitlines()
     assert lines[:1] == [f"{url}: stopped; the receiver took nothing for 0.5 s"], done.stdout + done.stderr
     assert float(lines[1]) < 30, f"the stop took {lines[1]} s: it waited on the stalled receiver"
+
+
+class _StalledOutput:
+    """What a network output's sending thread (_NetworkSender) uses of its FrameSink, with a receiver that takes
+    nothing: each encode waits until ``released``."""
+
+    name = "rtmp://127.0.0.1/live/stalled"
+    stopping = False
+    stop = FrameSink.stop
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def _encode(self, frame: np.ndarray, pts: int) -> None:
+        self.released.wait()
+
+
+def test_a_stop_from_another_thread_cuts_short_a_write_that_waits_on_a_stalled_receiver(monkeypatch) -> None:
+    """A quit comes on OSC's thread while the frame loop's write waits on a receiver that takes nothing: the write
+    gave up only after the stall timeout (5 s; a minute here). Now it drops its frame and returns as the stop
+    comes, and the sending thread, still stuck, is left to its own timeout."""
+    import loom_live.plugin.media.video_io as video_io
+
+    monkeypatch.setattr(video_io, "NETWORK_STALL_S", 60.0)
+    output = _StalledOutput()
+    sender = video_io._NetworkSender(output)
+    frame = np.zeros((2, 2, 3), np.uint8)
+    try:
+        assert all(sender.put(frame) for _ in range(NETWORK_QUEUE_FRAMES + 1))  # one stuck sending, the rest queued
+        quit_later = threading.Timer(0.2, output.stop)  # when the next write waits (or before: the same outcome)
+        quit_later.start()
+        assert sender.put(frame) is False
+        quit_later.join()
+        assert sender.finish(0.0) is False
+    finally:
+        output.released.set()
+
+
+def test_a_signal_held_back_stops_the_open_outputs_and_one_ignored_does_not(tmp_path: Path) -> None:
+    """A signal held back by signals_deferred stops every open output (FrameSink.stop), so that none waits on a
+    stalled receiver before it is delivered; one the program ignores (the player's finalising) stops nothing."""
+    sink = open_sink(tmp_path / "out.mp4", 24, (64, 48))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+        assert not sink.stopping
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+        with pytest.raises(KeyboardInterrupt), signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            assert sink.stopping
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sink.discard()
+
+
+def test_a_ctrl_c_held_back_while_a_write_fails_is_still_delivered() -> None:
+    """A write failed while signals_deferred held a Ctrl-C back: the failure went on and the Ctrl-C was lost (the
+    run ended as failed, not as stopped by the user). Now the Ctrl-C is delivered, the failure as its context."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped, signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            raise MediaError("out.mp4: writing failed: No space left on device")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert isinstance(stopped.value.__context__, MediaError)
 
 
 def test_the_readme_states_the_rtmp_open_timeout_the_code_uses() -> None:
