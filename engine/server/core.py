@@ -18,8 +18,10 @@ hello names one (shm and cuda-ipc, see `host_bridge.wire.doorbell`), else the fr
 that bound the control endpoint binds the lane and names it in its hello (launched: the host;
 serving: this engine, once per host, as a ROUTER that talks only to the identity its hello gives the host).
 Malformed messages, and frame messages on the control channel, are refused and counted, never
-fatal. Rings are only attached here: the host owns and removes them, except when the host is gone,
-then the engine removes the shared memory it knew about before it exits.
+fatal; the host's malformed request that carries an id is answered with the refusal (`error`), as one the
+session refuses is, so a host waiting on it hears why. Rings are only attached here: the host owns and
+removes them, except when the host is gone, then the engine removes the shared memory it knew about
+before it exits.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address, 
 from loom_live.host_bridge.wire.handoff_marks import ENV as MARKS_ENV
 from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.processes import pid_alive
-from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, TRANSPORTS, RingSpec, make
+from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, MAX_TEXT, TRANSPORTS, RingSpec, make
 from loom_live.host_bridge.wire.rings import TransportUnavailable, attach_ring
 from loom_live.host_bridge.wire.rings.shm import sweep_stale_segments
 
@@ -130,12 +132,13 @@ class EngineServer:
         MARKS.role = "engine"
         try:
             family = (self._start or {}).get("family")  # a prompt the channel refuses is said in its words
+            answer = self._answer_refused  # a refused request with an id is answered, not left to time out
             if self._connect:
                 self.channel = Channel(self._ctx, self._connect, bind=False, identity=b"engine",
-                                       curve=self._launch_guard(), family=family)
+                                       curve=self._launch_guard(), family=family, on_refused_request=answer)
             else:
                 self.channel = Channel(self._ctx, self._bind, bind=True, curve=self._curve, router=True,
-                                       family=family)
+                                       family=family, on_refused_request=answer)
                 log.info("listening on %s", self.channel.endpoint)
             code = self._serve()
             return 128 + self.stop_signal if self.stop_signal and code == 0 else code
@@ -278,6 +281,14 @@ class EngineServer:
             ch.refuse("hello from a second host while one is attached")
         ch.send(make("wait", reason="the engine serves another host; this host gets in when that one leaves"),
                 to=peer)
+
+    def _answer_refused(self, peer: bytes, kind: str, rid: int, why: str) -> None:
+        """A request of the attached host that the channel refused (`protocol.decode`: counted there) is answered
+        with the refusal under its id, as the worker answers one its session refuses: a host waiting on it hears
+        why (an engine of another version refusing a value) instead of timing out. Nobody else's is answered: a
+        waiting host hears only that it waits, and before its hello a peer is nobody's host yet."""
+        if self.worker is not None and peer == self._host_peer:
+            self._to_host(make("error", id=rid, code=kind, message=why[:MAX_TEXT]))
 
     def _to_host(self, msg: dict[str, Any], payload: list[Any] | tuple = ()) -> bool:
         """Send to the attached host, and to nobody else."""

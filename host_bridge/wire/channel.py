@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -44,12 +45,13 @@ from urllib.parse import urlsplit
 import zmq
 
 from loom_live.host_bridge.wire.handshake_watch import HandshakeRefusal, HandshakeWatch
-from loom_live.host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode
+from loom_live.host_bridge.wire.protocol import MAX_PAYLOAD_BYTES, ProtocolError, decode, encode, request_id
 from loom_live.host_bridge.wire.wakeup import Wakeup
 
 SOCKET_HWM = 1000  # messages queued in ZMQ per direction before sends fail (never block)
 OUTBOX_LIMIT = 4096  # messages waiting for the loop thread; beyond that new ones are dropped and counted
 MAX_RECV_PER_POLL = 2000  # keep the loop responsive under a flood
+RefusedRequest = Callable[[bytes, str, int, str], None]  # (peer, type, id, why) of a request refused with an id
 
 
 class EndpointError(ValueError):
@@ -250,10 +252,13 @@ class PrivateEndpoint:
 class Channel:
     def __init__(self, ctx: zmq.Context, endpoint: str | None, *, bind: bool,
                  curve: Auth | None = None, identity: bytes | None = None, router: bool = False,
-                 family: str | None = None):
+                 family: str | None = None, on_refused_request: RefusedRequest | None = None):
         self._ctx = ctx
         self.router = router
         self.family = family  # an engine's model family: a prompt it refuses is said in its words (protocol.decode)
+        # the engine's: a refused request that carries an id is handed to it to answer (protocol.request_id); a
+        # host gives none, so it never answers the engine's messages
+        self._on_refused_request = on_refused_request
         self.sock = ctx.socket(zmq.ROUTER if router else zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, SOCKET_HWM), (zmq.RCVHWM, SOCKET_HWM),
                            (zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 65536)):
@@ -373,10 +378,17 @@ class Channel:
                 try:
                     out.append((peer, decode(parts, self.family), parts[1:]))
                 except ProtocolError as exc:
-                    self.refuse(str(exc))
+                    self._refuse_message(peer, parts, str(exc))
                 except Exception as exc:  # anything unexpected from a peer is refused, never fatal
-                    self.refuse(f"unreadable message ({type(exc).__name__})")
+                    self._refuse_message(peer, parts, f"unreadable message ({type(exc).__name__})")
         return out
+
+    def _refuse_message(self, peer: bytes, parts: list[bytes], why: str) -> None:
+        """Count a received message `decode` refused; a request its sender waits on goes to `on_refused_request`."""
+        self.refuse(why)
+        request = request_id(parts) if self._on_refused_request is not None else None
+        if request is not None:
+            self._on_refused_request(peer, *request, why)
 
     def refuse(self, why: str) -> None:
         self.refused += 1

@@ -192,6 +192,9 @@ SCHEMA: dict[str, Fields] = {
     "ack": {**_ID},
     "error": {**_ID, "code": (_str(64, 1), True), "message": (_str(MAX_TEXT), True)},
 }
+# a host's requests: the engine answers each that carries an id (ack, flushed, stats or error), one that `decode`
+# refuses too (`request_id`)
+REQUESTS = ("ring", "prompt", "params", "mode", "reference", "flush", "reset", "stats")
 
 
 def make(type_: str, **fields: Any) -> dict[str, Any]:
@@ -244,6 +247,22 @@ def decode(parts: list[bytes], family: str | None = None) -> dict[str, Any]:
         if payload and len(parts[1]) != msg["nbytes"]:
             raise ProtocolError(f"frame: payload has {len(parts[1])} bytes, nbytes says {msg['nbytes']}")
     return msg
+
+
+def request_id(parts: list[bytes]) -> tuple[str, int] | None:
+    """The type and id of a received message, refused or not, that is a request whose sender waits for the
+    answer: one of REQUESTS with an id the schema allows, read as far as that takes. The engine answers one that
+    `decode` refused with the refusal, so a waiting host hears why (an engine of another version refusing a
+    value) instead of waiting out its timeout; anything else is never answered, so no two peers answer each other."""
+    if not parts or len(parts[0]) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        msg = json.loads(parts[0].decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ProtocolError (a constant) is a ValueError
+        return None
+    if not isinstance(msg, dict) or msg.get("type") not in REQUESTS or msg.get("id") is None:
+        return None
+    return None if _ID["id"][0](msg["id"]) else (msg["type"], msg["id"])
 
 
 def check_reference(msg: dict[str, Any], payload: list[bytes]) -> None:

@@ -1,6 +1,7 @@
 """Protocol fuzzing: 10,000+ random and mutated messages (over-long numbers and deep nesting among them)
 against a real engine server process, before and after its handshake, and against a Bridge client, on
-the control channel and the frame lane; neither crashes nor hangs, and every refusal is counted."""
+the control channel and the frame lane; neither crashes nor hangs, and every refusal is counted. A refused
+request that carries an id is answered with the refusal, and nothing else is."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge.wire.channel import SharedSecret, apply_curve_keys, read_secret_file
 from loom_live.host_bridge.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, make
-from tests.fakes.engines import GuardedSockets
+from tests.fakes.engines import GuardedSockets, InProcessEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 N_MESSAGES = 10_000
@@ -188,4 +191,57 @@ def test_bridge_client_survives_fuzzing_and_counts_refusals(tmp_path):
     finally:
         bridge.close()
         guard.close()
+        ctx.term()
+
+
+def test_the_engine_answers_a_request_it_refuses_under_its_id_and_nothing_else():
+    """A refused request was never answered, so a host waiting on its id timed out without the reason. The
+    attached host's refused request with a valid id gets `error` with that id and the refusal at once; one
+    without an id or with an id the schema refuses, a refused reply, anything before hello and a waiting host's
+    request get nothing."""
+    bad_params = {"v": PROTOCOL_VERSION, "type": "params", "params": {"noise_scale": 7}}
+    blank = {"v": PROTOCOL_VERSION, "type": "prompt", "text": " "}
+    ctx = zmq.Context()
+    host, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (host, other):
+        sock.setsockopt(zmq.LINGER, 0)
+    try:
+        with InProcessEngine(PassthroughSession) as engine:
+            secret = read_secret_file(engine.secret_file)
+            apply_curve_keys(host, SharedSecret(secret, server=False))
+            host.connect(engine.endpoint)
+            host.send(json.dumps({**bad_params, "id": 1}).encode())  # before hello: nobody's host yet
+            host.send(encode(make("hello", role="host", token=secret, pid=os.getpid(), transports=["tcp"])))
+            _recv(host, "ready")
+            for msg in (blank, {**blank, "id": None}, {**bad_params, "id": "3"}, {**bad_params, "id": -4},
+                        {"v": PROTOCOL_VERSION, "type": "ack", "id": 5, "extra": 1},
+                        {**blank, "id": 6}, {**bad_params, "id": 7}):
+                host.send(json.dumps(msg).encode())
+            host.send_multipart([encode(make("reset", id=8)), b"an unexpected part"])
+            errors = [_recv(host, "error") for _ in range(3)]
+            assert [(e["id"], e["code"]) for e in errors] == [(6, "prompt"), (7, "params"), (8, "reset")]
+            assert "prompt.text: the prompt is empty" in errors[0]["message"]
+            assert errors[1]["message"].startswith("params.params: ") and "noise_scale: '7' is not allowed" \
+                in errors[1]["message"]
+            assert errors[2]["message"] == "reset: 2 parts; expected 1"
+            host.send(encode(make("stats", id=9)))
+            stats = _recv(host, "stats")
+            assert stats["id"] == 9 and stats["data"]["refused"] == 9  # each still counted, the last one said
+            assert stats["data"]["last_refusal"] == errors[2]["message"]
+            host.send(encode(make("params", id=10, params={"noise_scale": 0.5})))
+            assert _recv(host, "ack")["id"] == 10  # serving as before
+            apply_curve_keys(other, SharedSecret(secret, server=False))
+            other.connect(engine.endpoint)  # another host that holds the secret: it only hears that it waits
+            other.send(json.dumps({**blank, "id": 11}).encode())
+            other.send(encode(make("hello", role="host", token=secret, pid=os.getpid() + 1, transports=["tcp"])))
+            assert other.poll(20_000) and decode(other.recv_multipart())["type"] == "wait"  # answered first
+            host.send(encode(make("stats", id=12)))  # its request's answer went to the attached host neither
+            kinds: list[str] = []
+            while kinds[-1:] != ["stats"]:
+                assert host.poll(20_000)
+                kinds.append(decode(host.recv_multipart())["type"])
+            assert "error" not in kinds, kinds
+    finally:
+        host.close()
+        other.close()
         ctx.term()

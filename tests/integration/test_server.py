@@ -147,3 +147,35 @@ def test_the_engine_refuses_a_blank_prompt_on_the_wire_in_its_family_s_words():
             assert engine.server.worker.session.prompt == "make it ink"
             frame = np.full((16, 16, 3), 7, np.uint8)
             assert np.array_equal(bridge.process([frame], timeout_s=20)[0], frame)
+
+
+def test_a_host_waiting_on_a_request_the_engine_s_schema_refuses_hears_the_engine_s_reason(monkeypatch):
+    """An engine of another version refuses a parameter value this host allows, at its wire check: nothing
+    answered it, so `set_params(wait=True)` waited out its request timeout and said "no reply from the engine".
+    It raises the engine's refusal as soon as it comes, nothing is remembered, and the stream goes on."""
+    from loom_live.engine.server.passthrough import PassthroughSession
+    from loom_live.host_bridge import Bridge, BridgeConfig
+    from loom_live.host_bridge.wire import channel
+    from loom_live.host_bridge.wire.protocol import ProtocolError, decode
+    from tests.fakes.engines import InProcessEngine
+
+    why = "params.params: live parameters (noise_scale: 0.9 is not allowed; expected a number in [0, 0.5])"
+
+    def older_engine_decode(parts: list[bytes], family: str | None = None) -> dict:
+        msg = decode(parts, family)
+        if msg["type"] == "params" and msg["params"].get("noise_scale", 0) > 0.5:  # only a host sends params
+            raise ProtocolError(why)
+        return msg
+
+    monkeypatch.setattr(channel, "decode", older_engine_decode)
+    with InProcessEngine(PassthroughSession) as engine, \
+            Bridge(BridgeConfig(**engine.host, request_timeout_s=60)) as bridge:  # a hang fails, never a slow box
+        bridge.wait_running(20)
+        with pytest.raises(ValueError) as refused:
+            bridge.set_params(noise_scale=0.9, wait=True)
+        assert str(refused.value) == f"engine refused params: {why}"
+        assert "noise_scale" not in bridge.wanted.params
+        assert bridge.stats()["last_error"] == why
+        bridge.set_params(noise_scale=0.4, wait=True)
+        assert engine.server.worker.session.params["noise_scale"] == 0.4
+        assert engine.server.channel.refused == 1

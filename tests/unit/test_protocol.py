@@ -14,6 +14,7 @@ from loom_live.host_bridge.wire.protocol import (
     decode,
     encode,
     make,
+    request_id,
 )
 
 RING = dict(transport="shm", dir="in", slots=3, width=64, height=32, channels=3, dtype="uint8", pitch=192,
@@ -108,6 +109,28 @@ def test_size_limit_non_json_nan_and_parts_are_refused():
         decode([])
     with pytest.raises(ProtocolError):
         make("frame", dir="sideways", slot=0, seq=0, gen=0)  # senders are validated too
+
+
+def test_a_refused_request_is_answerable_only_as_a_request_with_a_valid_id():
+    """`request_id` names what the engine answers when `decode` refuses it: a request whose id the schema allows,
+    never a reply, a notice, an id-less or null-id request, nor what is not a readable JSON object."""
+    bad_prompt = {"v": PROTOCOL_VERSION, "type": "prompt", "id": 7, "text": " "}
+    with pytest.raises(ProtocolError):
+        decode(_raw(bad_prompt))
+    assert request_id(_raw(bad_prompt)) == ("prompt", 7)
+    assert request_id(_raw({"v": PROTOCOL_VERSION + 1, "type": "params", "id": 3, "params": {"steps": "x"}})) \
+        == ("params", 3)
+    assert request_id([encode(make("reset", id=2)), b"an extra part"]) == ("reset", 2)
+    for rid in (None, -1, 2**70, "7", True, 1.0):
+        assert request_id(_raw({**bad_prompt, "id": rid})) is None
+    no_id = {k: v for k, v in bad_prompt.items() if k != "id"}
+    assert request_id(_raw(no_id)) is None
+    for kind in ("ack", "error", "flushed", "hello", "heartbeat", "frame", "Prompt", None):
+        assert request_id(_raw({**bad_prompt, "type": kind})) is None
+    big = encode(bad_prompt)[:-1] + b',"x":"' + b"y" * MAX_MESSAGE_BYTES + b'"}'
+    for parts in ([], [b"\xff not json"], _raw([bad_prompt]), [b"[" * 30000 + b"]" * 30000], [big],
+                  [b'{"v":6,"type":"prompt","id":7,"text":NaN}'], [b'{"type":"prompt","id":1' + b"0" * 5000 + b"}"]):
+        assert request_id(parts) is None
 
 
 def test_ring_spec_describes_the_slots():
