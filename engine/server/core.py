@@ -52,7 +52,7 @@ from loom_live.host_bridge.wire.frame_lane import FrameLane, lane_bind_address, 
 from loom_live.host_bridge.wire.handoff_marks import ENV as MARKS_ENV
 from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.processes import pid_alive
-from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, MAX_TEXT, TRANSPORTS, RingSpec, make
+from loom_live.host_bridge.wire.protocol import LANE_MESSAGES, MAX_TEXT, REQUESTS, TRANSPORTS, RingSpec, make
 from loom_live.host_bridge.wire.rings import TransportUnavailable, attach_ring
 from loom_live.host_bridge.wire.rings.shm import sweep_stale_segments
 
@@ -190,8 +190,11 @@ class EngineServer:
                 last_heard = time.monotonic()
                 try:
                     outcome = self._on_message(peer, msg, payload)
-                except Exception as exc:  # an odd message is refused and counted, never fatal
-                    ch.refuse(f"{msg['type']} message: {type(exc).__name__}: {exc}")
+                except Exception as exc:  # an odd message is refused and counted, never fatal, and answered
+                    why = f"{msg['type']} message: {type(exc).__name__}: {exc}"
+                    ch.refuse(why)
+                    if msg["type"] in REQUESTS and msg.get("id") is not None:
+                        self._answer_refused(peer, msg["type"], msg["id"], why)
                     continue
                 if outcome == EXIT_OK:
                     return EXIT_OK
@@ -283,9 +286,10 @@ class EngineServer:
                 to=peer)
 
     def _answer_refused(self, peer: bytes, kind: str, rid: int, why: str) -> None:
-        """A request of the attached host that the channel refused (`protocol.decode`: counted there) is answered
-        with the refusal under its id, as the worker answers one its session refuses: a host waiting on it hears
-        why (an engine of another version refusing a value) instead of timing out. Nobody else's is answered: a
+        """A request of the attached host that the channel refused (`protocol.decode`: counted there), or that
+        failed where it was acted on, is answered with the refusal under its id, as the worker answers one its
+        session refuses: a host waiting on it hears why (an engine of another version refusing a value) instead
+        of timing out. Nobody else's is answered: a
         waiting host hears only that it waits, and before its hello a peer is nobody's host yet."""
         if self.worker is not None and peer == self._host_peer:
             self._to_host(make("error", id=rid, code=kind, message=why[:MAX_TEXT]))

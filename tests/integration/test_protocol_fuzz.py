@@ -198,7 +198,7 @@ def test_the_engine_answers_a_request_it_refuses_under_its_id_and_nothing_else()
     """A refused request was never answered, so a host waiting on its id timed out without the reason. The
     attached host's refused request with a valid id gets `error` with that id and the refusal at once; one
     without an id or with an id the schema refuses, a refused reply, anything before hello and a waiting host's
-    request get nothing."""
+    request get nothing. A request that fails where the engine acts on it is answered alike."""
     bad_params = {"v": PROTOCOL_VERSION, "type": "params", "params": {"noise_scale": 7}}
     blank = {"v": PROTOCOL_VERSION, "type": "prompt", "text": " "}
     ctx = zmq.Context()
@@ -230,6 +230,18 @@ def test_the_engine_answers_a_request_it_refuses_under_its_id_and_nothing_else()
             assert stats["data"]["last_refusal"] == errors[2]["message"]
             host.send(encode(make("params", id=10, params={"noise_scale": 0.5})))
             assert _recv(host, "ack")["id"] == 10  # serving as before
+            worker, post = engine.server.worker, engine.server.worker.post
+
+            def failing(kind: str, *args: object) -> None:  # a request that fails where it is acted on
+                if kind == "flush":
+                    raise RuntimeError("the session broke")
+                post(kind, *args)
+
+            worker.post = failing
+            host.send(encode(make("flush", id=13)))
+            failed = _recv(host, "error")
+            assert (failed["id"], failed["code"]) == (13, "flush") and "the session broke" in failed["message"]
+            worker.post = post
             apply_curve_keys(other, SharedSecret(secret, server=False))
             other.connect(engine.endpoint)  # another host that holds the secret: it only hears that it waits
             other.send(json.dumps({**blank, "id": 11}).encode())
