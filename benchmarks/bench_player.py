@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from loom_live.engine.config import load_config  # noqa: E402
 from loom_live.plugin.media.base import FrameSource  # noqa: E402
-from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from loom_live.plugin.player.app import Player  # noqa: E402
 from loom_live.plugin.player.options import PlayerOptions  # noqa: E402
 from loom_live.plugin.player.status import StatusPrinter  # noqa: E402

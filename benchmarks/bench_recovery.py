@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
-from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 
 STARTUP_LINE = re.compile(r"start-up \d.*")  # the engine's line on where its start-up went (engine/stream/startup.py)
 

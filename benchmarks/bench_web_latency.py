@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
 
 STATS_JS = """

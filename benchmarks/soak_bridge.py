@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
-from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 
 
 def rss_mib(pid: int | None) -> float | None:

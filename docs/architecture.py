@@ -47,7 +47,8 @@ def draw(out: Path) -> None:
     ax.add_patch(FancyBboxPatch((0.2, 0.3), 5.3, 7.6, boxstyle="round,pad=0.02", fc="white", ec="#7f7f7f", ls="--"))
     ax.text(0.35, 8.05, "host process (TouchDesigner / ComfyUI / loom play)", fontsize=10, weight="bold")
     _box(ax, 0.45, 5.75, 4.8, 1.95, HOST, "plugin/", ("touchdesigner/  loom_ext, callbacks", "comfyui/  nodes",
-                                                      "player/  app, controls, osc", "media/  video_io   cli/  loom",
+                                                      "player/  app, controls, osc   cli/  loom",
+                                                      "media/  sources, sinks, network_output",
                                                       "live_params  (prompt, steps, noise)"))
     _box(ax, 0.45, 3.2, 4.8, 2.25, HOST, "host_bridge/   (no torch)", ("client.py   Bridge: submit, latest",
                                                                         "newest_frames  output / fallback",

@@ -18,7 +18,7 @@ import sys
 import time
 
 from loom_live.host_bridge import Bridge, BridgeConfig
-from loom_live.plugin.media.video_io import generate_clip
+from loom_live.plugin.media.generated_clip import generate_clip
 
 
 def main(argv: list[str] | None = None) -> int:

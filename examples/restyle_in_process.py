@@ -22,7 +22,8 @@ import numpy as np
 
 from loom_live.engine.config import load_config
 from loom_live.engine.session_api import open_session
-from loom_live.plugin.media.video_io import FrameSink, open_sink, open_source
+from loom_live.plugin.media.sinks import FrameSink, open_sink
+from loom_live.plugin.media.sources import open_source
 
 PUSH_FRAMES = 4  # one latent frame's worth, the Wan session's steady chunk (a push takes any count)
 

@@ -75,7 +75,7 @@ def read_clip(path: str | Path, size: int, limit: int | None = None) -> np.ndarr
 
 
 def shapes_clip(seed: int, size: int, n: int = GENERATED_FRAMES) -> np.ndarray:
-    """Loom's built-in generated clip (plugin.media.video_io.generate_clip: moving textured squares
+    """Loom's built-in generated clip (plugin.media.generated_clip.generate_clip: moving textured squares
     and shaded discs over a drifting gradient), the same frames to within one grey
     level, computed here because the engine never imports the host side."""
     rng = np.random.default_rng(seed)

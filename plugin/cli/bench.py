@@ -16,7 +16,8 @@ from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
 from loom_live.plugin.cli.preflight import check_weights
-from loom_live.plugin.media.video_io import generate_clip, open_source
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sources import open_source
 
 CUDA_FRAMES = 3000
 CUDA_WARMUP = 41

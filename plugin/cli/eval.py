@@ -36,7 +36,9 @@ from loom_live.engine.tools.eval import (
 from loom_live.engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.plugin.cli.common import add_config_options, positive_int
-from loom_live.plugin.media.video_io import MediaError, generate_clip, open_source
+from loom_live.plugin.media.base import MediaError
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sources import open_source
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi", ".webm", ".m4v", ".ts")
 DEFAULT_OUT = "loom_eval"

@@ -233,8 +233,8 @@ def available_sources(cfg: Any) -> tuple[str, ...]:
 
 def _list_ndi() -> int:
     """Print the NDI sources seen within a few seconds, one a line; exit code 2 when NDI is missing."""
+    from loom_live.plugin.media.base import MediaError
     from loom_live.plugin.media.ndi import list_sources
-    from loom_live.plugin.media.video_io import MediaError
 
     try:
         names = list_sources()

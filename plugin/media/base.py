@@ -1,8 +1,9 @@
-"""What every media source and sink shares: the error they raise, the source interface, and the base
-of application outputs (NDI, Spout, Syphon, virtual camera) with the import guard for their bindings.
+"""What every media source and sink shares: the error they raise, the source interface, the checks and
+timeout inputs and outputs both use, and the base of application outputs (NDI, Spout, Syphon, virtual camera)
+with the import guard for their bindings.
 
 The modules for each kind of input and output import this one and nothing of each other, so the
-factories (``video_io``, ``app_io``) can import them without a cycle.
+factories (``sources``, ``sinks``, ``app_io``) can import them without a cycle.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 
 PACKAGE = "loom-live"
 _PLATFORM_NAMES = {"win32": "Windows", "darwin": "macOS"}
+# How long opening a network input or output waits for an answer (open_source, open_sink).
+DEFAULT_OPEN_TIMEOUT_S = 10.0
 
 
 class MediaError(ValueError):
@@ -79,6 +82,21 @@ class FrameSource:
 
     def _close(self) -> None:
         """Release the underlying device or file (subclasses)."""
+
+
+def check_size(size: tuple[int, int], what: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in size)
+    except (TypeError, ValueError):
+        raise MediaError(f"{what}: size must be (width, height), got {size!r}") from None
+    if width < 2 or height < 2:
+        raise MediaError(f"{what}: size must be at least 2x2, got {width}x{height}")
+    return width, height
+
+
+def reason(error: BaseException) -> str:
+    """The human part of a PyAV/OS error (without errno noise)."""
+    return getattr(error, "strerror", None) or str(error)
 
 
 def require(module: str, extra: str, what: str, platform: str | None = None) -> ModuleType:

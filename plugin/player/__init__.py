@@ -1,6 +1,6 @@
 """The Loom player: `loom play` (file, camera or stream in; window, file or stream out; live control).
 
-A thin host on top of `host_bridge`: it reads frames with `plugin.media.video_io`, exchanges them
+A thin host on top of `host_bridge`: it reads frames with `plugin.media.sources`, exchanges them
 with an engine process through `host_bridge.Bridge`, and writes the results. No diffusion here.
 """
 

@@ -30,7 +30,11 @@ import numpy as np
 from loom_live.host_bridge import EngineState
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import PROMPT_TAKES
-from loom_live.plugin.media.video_io import MediaError, generate_clip, open_sink, open_source, signals_deferred
+from loom_live.plugin.media.base import MediaError
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sinks import open_sink
+from loom_live.plugin.media.sources import open_source
+from loom_live.plugin.media.stop_signals import signals_deferred
 from loom_live.plugin.player.control_input import ControlInput, open_control_input
 from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
 from loom_live.plugin.player.live_feed import LiveFeed

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from loom_live.plugin.media.video_io import MediaError, generate_clip, open_source
+from loom_live.plugin.media.base import MediaError
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sources import open_source
 from loom_live.plugin.player.options import GENERATED_INPUT, PlayerError
 
 GENERATED_SEED_OFFSET = 1  # the generated clip as a control input: other shapes than the main input's

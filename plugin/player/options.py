@@ -7,7 +7,8 @@ from pathlib import Path
 
 from loom_live.host_bridge.wire.params import LIVE, PROMPT, whole_chunks
 from loom_live.plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
-from loom_live.plugin.media.video_io import SINK_FPS_RANGE, MediaError, check_output_file
+from loom_live.plugin.media.base import MediaError
+from loom_live.plugin.media.sinks import SINK_FPS_RANGE, check_output_file
 
 DEFAULT_OUTPUT = "loom_out.mp4"
 WINDOW_OUTPUT = "window"

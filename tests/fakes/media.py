@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.plugin.media import video_io
-from loom_live.plugin.media.video_io import FrameSink, MediaError, open_sink
+from loom_live.plugin.media import network_output
+from loom_live.plugin.media.base import MediaError
+from loom_live.plugin.media.sinks import FrameSink, open_sink
 
 
 def free_udp_port() -> int:
@@ -56,8 +57,8 @@ def small_send_buffers() -> None:
     """Give the RTMP outputs opened from now on a small socket send buffer (the kernel's own grows to 4 MiB): with
     a receiver that reads nothing a sender stalls within a frame or two, and for good. One that had megabytes
     queued went on in bursts whenever a window probe freed a few bytes, long after it had looked stuck."""
-    tee_output = video_io._tee_output
-    video_io._tee_output = lambda url, container_format, timeout_s: \
+    tee_output = network_output._tee_output
+    network_output._tee_output = lambda url, container_format, timeout_s: \
         "[send_buffer_size=16384:" + tee_output(url, container_format, timeout_s)[1:]
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from loom_live.plugin.media.video_io import generate_clip, open_sink, open_source
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sinks import open_sink
+from loom_live.plugin.media.sources import open_source
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ import pytest
 
 from loom_live.host_bridge.wire.params import steps_for
 from loom_live.plugin.cli.main import main
-from loom_live.plugin.media.video_io import partial_path
+from loom_live.plugin.media.partial_files import partial_path
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
 from tests.fakes.engines import InProcessEngine, exiting_engine, python_without_loom, wait_until
@@ -218,7 +218,7 @@ def _two_outputs_without_engine(first: Path, second: Path | str, setup: str, max
     going straight to the two outputs; `setup` patches it (a signal at a chosen moment). Returns the process."""
     script = textwrap.dedent("""
         import signal
-        from loom_live.plugin.media.video_io import FrameSink
+        from loom_live.plugin.media.sinks import FrameSink
         from loom_live.plugin.player.app import Player
         from loom_live.plugin.player.options import PlayerOptions
 
@@ -274,18 +274,18 @@ def _with_a_stalled_stream(tmp_path: Path, stop: str, osc_port: int | None = Non
             import atexit, os, threading, time
             from pathlib import Path
             import numpy as np
-            from loom_live.plugin.media import video_io
+            from loom_live.plugin.media import network_output
             from loom_live.plugin.player import app
             from tests.fakes.media import open_when_listening, small_send_buffers, wait_until_stuck
 
-            video_io.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
+            network_output.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
             small_send_buffers()
             noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # more than they hold
             Player._fit = lambda self, frame: noise[self.frames_in % 8]
             open_sink = app.open_sink
             app.open_sink = lambda spec, fps, size, **kwargs: (open_when_listening(spec, size) if spec == {url!r}
                                                                else open_sink(spec, fps, size, **kwargs))
-            start_sending, pressed = video_io._NetworkSender.__init__, []
+            start_sending, pressed = network_output.NetworkSender.__init__, []
 
             def start_sending_and_stop_once_stuck(self, sink):
                 start_sending(self, sink)
@@ -297,7 +297,7 @@ def _with_a_stalled_stream(tmp_path: Path, stop: str, osc_port: int | None = Non
 
                 threading.Thread(target=stop_once_stuck, daemon=True).start()
 
-            video_io._NetworkSender.__init__ = start_sending_and_stop_once_stuck
+            network_output.NetworkSender.__init__ = start_sending_and_stop_once_stuck
             atexit.register(lambda: print(f"{{time.monotonic() - pressed[0]:.1f}}"))
         """, 10**6, size=(256, 256), osc_port=osc_port)
     finally:
@@ -343,7 +343,7 @@ def test_a_stop_signal_while_the_last_output_fails_still_stops_the_run(tmp_path,
     exit code, and the failure is still said."""
     first, second = tmp_path / "first.mp4", tmp_path / "second.mkv"
     out = _two_outputs_without_engine(first, second, f"""
-        from loom_live.plugin.media.video_io import MediaError
+        from loom_live.plugin.media.base import MediaError
 
         def write_or_fail(self, frame, write=FrameSink.write):
             if self.frames_written < 2:
@@ -396,7 +396,7 @@ def test_a_ctrl_c_while_a_frame_is_written_is_counted_as_the_files_hold_it(tmp_p
 def test_an_output_that_fails_and_cannot_be_removed_names_the_file_left_behind(tmp_path, monkeypatch, capsys):
     """An output fails mid-run on a drive gone read-only: its hidden partial cannot be removed either. The
     failure line names it (it was left there unsaid); the other output goes on."""
-    from loom_live.plugin.media.video_io import FrameSink
+    from loom_live.plugin.media.sinks import FrameSink
     from loom_live.plugin.player.app import Player
     from loom_live.plugin.player.options import PlayerOptions
 
@@ -428,7 +428,8 @@ def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_repor
         tmp_path, monkeypatch, capsys):
     """Without -y an existing output is refused at open; one saved there during the run (another program, another
     take) was replaced at the end. It stays, and the report names where the run's file went instead."""
-    from loom_live.plugin.media.video_io import FrameSink, aside_path
+    from loom_live.plugin.media.partial_files import aside_path
+    from loom_live.plugin.media.sinks import FrameSink
     from loom_live.plugin.player.app import Player
     from loom_live.plugin.player.options import PlayerOptions
 
@@ -495,7 +496,7 @@ def test_a_file_render_survives_an_engine_crash_without_losing_a_frame(tmp_path)
     assert proc.returncode == 0, err
     frames = _decode(dst)
     assert len(frames) == n, "every frame written once, none lost or doubled by the restart"
-    from loom_live.plugin.media.video_io import generate_clip
+    from loom_live.plugin.media.generated_clip import generate_clip
 
     source = np.stack(list(generate_clip(n, size=(32, 32), fps=24.0, seed=0)))
     aligned = np.mean([_psnr(frames[i], source[i]) for i in range(n - 1)])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from loom_live.plugin.cli.main import main
-from loom_live.plugin.media.video_io import generate_clip, open_source
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.sources import open_source
 from loom_live.plugin.player.app import Player
 from loom_live.plugin.player.control_input import GENERATED_SEED_OFFSET, ControlInput
 from loom_live.plugin.player.options import PlayerOptions

@@ -20,7 +20,7 @@ pytest.importorskip("aiortc", reason="the web host needs aiortc: pip install -e 
 pytest.importorskip("aiohttp", reason="the web host needs aiohttp: pip install -e '.[web]'")
 pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromium with selenium")
 
-from loom_live.plugin.media.video_io import generate_clip  # noqa: E402
+from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
 from tests.fakes.stun import MAPPED_HOST, StunServer  # noqa: E402
 from tests.integration.web_page import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium, js, page_url, stop, wait  # noqa: E402

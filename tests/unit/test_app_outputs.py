@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from loom_live.plugin.media.app_io import is_app_output, open_app_sink
+from loom_live.plugin.media.base import MediaError
 from loom_live.plugin.media.ndi import matches
-from loom_live.plugin.media.video_io import MediaError, open_sink
+from loom_live.plugin.media.sinks import open_sink
 from loom_live.plugin.player.options import PlayerError, output_kind
 
 SIZE = (32, 16)
@@ -72,7 +73,7 @@ def test_a_texture_share_on_another_platform_is_refused(monkeypatch, spec, platf
 
 
 def test_missing_ndi_input_says_what_to_install(monkeypatch):
-    from loom_live.plugin.media.video_io import open_source
+    from loom_live.plugin.media.sources import open_source
 
     monkeypatch.setitem(sys.modules, "cyndilib", None)
     with pytest.raises(MediaError, match=r"pip install 'loom-live\[ndi\]'"):

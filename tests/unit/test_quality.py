@@ -20,7 +20,7 @@ from loom_live.engine.tools.quality import (
     plot_reports,
 )
 from loom_live.plugin.cli import eval as eval_cmd
-from loom_live.plugin.media.video_io import generate_clip
+from loom_live.plugin.media.generated_clip import generate_clip
 
 SHIFT_PX = 3
 

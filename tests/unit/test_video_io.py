@@ -18,19 +18,13 @@ import av
 import numpy as np
 import pytest
 
-from loom_live.plugin.media.video_io import (
-    DEFAULT_OPEN_TIMEOUT_S,
-    NETWORK_QUEUE_FRAMES,
-    FrameSink,
-    MediaError,
-    aside_path,
-    check_output_file,
-    generate_clip,
-    open_sink,
-    open_source,
-    partial_path,
-    signals_deferred,
-)
+from loom_live.plugin.media.base import DEFAULT_OPEN_TIMEOUT_S, MediaError
+from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.network_output import NETWORK_QUEUE_FRAMES
+from loom_live.plugin.media.partial_files import aside_path, partial_path
+from loom_live.plugin.media.sinks import FrameSink, check_output_file, open_sink
+from loom_live.plugin.media.sources import open_source
+from loom_live.plugin.media.stop_signals import signals_deferred
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, open_when_listening, rtmp_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -311,7 +305,8 @@ def test_file_is_finalised_after_ctrl_c(tmp_path: Path) -> None:
     out = tmp_path / "interrupted.mp4"
     script = textwrap.dedent(f"""
         import sys, numpy as np
-        from loom_live.plugin.media.video_io import generate_clip, open_sink
+        from loom_live.plugin.media.generated_clip import generate_clip
+        from loom_live.plugin.media.sinks import open_sink
         clip = generate_clip(10, (96, 64), 24, seed=0)
         with open_sink({str(out)!r}, 24, (96, 64)) as sink:
             for i in range(10**6):
@@ -338,7 +333,8 @@ def test_a_stop_signal_during_an_encode_keeps_its_packets_and_the_file_plays(tmp
     out = tmp_path / "stopped.mp4"
     script = textwrap.dedent(f"""
         import os, signal
-        from loom_live.plugin.media.video_io import generate_clip, open_sink
+        from loom_live.plugin.media.generated_clip import generate_clip
+        from loom_live.plugin.media.sinks import open_sink
 
         class Stop(BaseException):
             pass
@@ -382,7 +378,8 @@ def test_a_stop_signal_during_an_encode_keeps_its_packets_and_the_file_plays(tmp
 
 
 def test_importing_host_bridge_needs_no_av_cv2_or_torch() -> None:
-    code = ("import sys, loom_live.plugin.media.video_io; "
+    code = ("import sys, loom_live.plugin.media.sources, loom_live.plugin.media.sinks, "
+            "loom_live.plugin.media.generated_clip; "
             "print(sorted(m for m in ('av', 'cv2', 'torch', 'loom_live.engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             check=True)
@@ -486,7 +483,7 @@ def test_a_discarded_file_whose_partial_cannot_be_removed_says_so(tmp_path: Path
     def read_only(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="loom_live.plugin.media.video_io"):
+    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="loom_live.plugin.media.sinks"):
         m.setattr(Path, "unlink", read_only)
         left = sink.discard()
     assert left == f"; {partial_path(out)} is left behind (removing it failed too)"
@@ -512,7 +509,7 @@ def test_a_file_made_at_the_target_during_the_run_is_never_replaced_without_over
         sink.write(np.full((48, 64, 3), i * 60, np.uint8))
     out.write_bytes(b"saved during the run")
     aside_path(out, 1).write_bytes(b"saved before")
-    with caplog.at_level("WARNING", logger="loom_live.plugin.media.video_io"):
+    with caplog.at_level("WARNING", logger="loom_live.plugin.media.sinks"):
         sink.close()
     mine = aside_path(out, 2)
     assert out.read_bytes() == b"saved during the run" and aside_path(out, 1).read_bytes() == b"saved before"
@@ -553,7 +550,7 @@ def test_an_output_that_is_the_input_or_exists_is_refused(tmp_path: Path) -> Non
 def test_a_tee_output_reaches_ffmpeg_under_the_name_given(tmp_path: Path) -> None:
     """The tee muxer reads its output names as FFmpeg tokens: a quote, a bar (its separator) or a backslash in an
     RTMP URL (a stream key) must reach the protocol as written, not cut or unquoted."""
-    from loom_live.plugin.media.video_io import _tee_output
+    from loom_live.plugin.media.network_output import _tee_output
 
     path = tmp_path / "key'with|odd\\chars.flv"
     with av.open(_tee_output(str(path), "flv", 1.0), "w", format="tee") as out:
@@ -609,7 +606,8 @@ def test_an_rtmp_server_that_takes_the_connection_and_never_answers_is_given_up_
         url = f"{scheme}://127.0.0.1:{server.getsockname()[1]}/live/loom"
         script = textwrap.dedent("""
             import sys
-            from loom_live.plugin.media.video_io import MediaError, open_sink
+            from loom_live.plugin.media.base import MediaError
+            from loom_live.plugin.media.sinks import open_sink
             try:
                 open_sink(sys.argv[1], 24, (64, 48), open_timeout=1.0)
             except MediaError as e:
@@ -627,9 +625,9 @@ def test_an_rtmp_server_that_takes_the_connection_and_never_answers_is_given_up_
 def test_an_rtmp_receiver_that_stops_reading_fails_that_output_instead_of_stalling_the_show(monkeypatch) -> None:
     """A streaming server that takes nothing more (a network gone) blocked FFmpeg's send until TCP gave up:
     the run froze, deaf to Ctrl-C. Now the output fails within NETWORK_STALL_S and stops at once."""
-    import loom_live.plugin.media.video_io as video_io
+    import loom_live.plugin.media.network_output as network_output
 
-    monkeypatch.setattr(video_io, "NETWORK_STALL_S", 0.5)
+    monkeypatch.setattr(network_output, "NETWORK_STALL_S", 0.5)
     url, server = rtmp_server("time.sleep(60)")
     try:
         sink = open_when_listening(url, (256, 256))
@@ -658,10 +656,12 @@ def test_a_stop_gives_up_on_a_stalled_stream_output_at_once_not_after_its_stall_
         import sys, threading, time
         from pathlib import Path
         import numpy as np
-        from loom_live.plugin.media import video_io
+        from loom_live.plugin.media import network_output
+        from loom_live.plugin.media.base import MediaError
+        from loom_live.plugin.media.stop_signals import signals_deferred
         from tests.fakes.media import ctrl_c_once_stuck, open_when_listening, small_send_buffers
 
-        video_io.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
+        network_output.NETWORK_STALL_S = 60.0  # a stop that waited on the receiver would take a minute or two
         small_send_buffers()
         sink = open_when_listening(sys.argv[1], (256, 256))
         pressed = []
@@ -670,13 +670,13 @@ def test_a_stop_gives_up_on_a_stalled_stream_output_at_once_not_after_its_stall_
         noise = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)  # more than they hold
         try:
             for i in range(10**6):
-                with video_io.signals_deferred():
+                with signals_deferred():
                     sink.write(noise[i % 8])
         except KeyboardInterrupt:
             pass
         try:
             sink.close(stopping=True)
-        except video_io.MediaError as e:
+        except MediaError as e:
             print(e)
         print(f"{time.monotonic() - pressed[0]:.1f}")
     """)
@@ -692,7 +692,7 @@ def test_a_stop_gives_up_on_a_stalled_stream_output_at_once_not_after_its_stall_
 
 
 class _StalledOutput:
-    """What a network output's sending thread (_NetworkSender) uses of its FrameSink, with a receiver that takes
+    """What a network output's sending thread (NetworkSender) uses of its FrameSink, with a receiver that takes
     nothing: each encode waits until ``released``."""
 
     name = "rtmp://127.0.0.1/live/stalled"
@@ -710,11 +710,11 @@ def test_a_stop_from_another_thread_cuts_short_a_write_that_waits_on_a_stalled_r
     """A quit comes on OSC's thread while the frame loop's write waits on a receiver that takes nothing: the write
     gave up only after the stall timeout (5 s; a minute here). Now it drops its frame and returns as the stop
     comes, and the sending thread, still stuck, is left to its own timeout."""
-    import loom_live.plugin.media.video_io as video_io
+    import loom_live.plugin.media.network_output as network_output
 
-    monkeypatch.setattr(video_io, "NETWORK_STALL_S", 60.0)
+    monkeypatch.setattr(network_output, "NETWORK_STALL_S", 60.0)
     output = _StalledOutput()
-    sender = video_io._NetworkSender(output)
+    sender = network_output.NetworkSender(output)
     frame = np.zeros((2, 2, 3), np.uint8)
     try:
         assert all(sender.put(frame) for _ in range(NETWORK_QUEUE_FRAMES + 1))  # one stuck sending, the rest queued
