@@ -159,12 +159,19 @@ def test_an_engine_dead_before_its_first_ready_hands_over_to_the_standby_loading
         assert _fresh_frame(bridge, frame, 60)
 
 
+def _standby_waited_for_then(bridge: Bridge, tmp_path, end: str) -> tuple[int, int]:
+    """The engine in use crashes while loading, the bridge waits for the standby, which then ends as `end` says
+    (the fake engine's crash-PID or refuse-PID file); the two pids."""
+    active, standby = _both_launched(bridge)
+    (tmp_path / f"crash-{active}").touch()
+    assert _waits_for(bridge, standby), bridge.status().message
+    (tmp_path / f"{end}-{standby}").touch()
+    return active, standby
+
+
 def test_a_standby_that_dies_too_ends_the_bridge_naming_both_causes(tmp_path):
     with Bridge(_told_config(tmp_path)) as bridge:
-        active, standby = _both_launched(bridge)
-        (tmp_path / f"crash-{active}").touch()
-        assert _waits_for(bridge, standby), bridge.status().message
-        (tmp_path / f"crash-{standby}").touch()
+        active, standby = _standby_waited_for_then(bridge, tmp_path, "crash")
         with pytest.raises(RuntimeError) as failed:
             bridge.wait_running(120)
         crash = "engine exited with code 1: CUDA out of memory while loading"
@@ -180,10 +187,7 @@ def test_a_standby_that_dies_too_ends_the_bridge_naming_both_causes(tmp_path):
 def test_a_standby_that_refuses_its_run_while_waited_for_ends_the_bridge_as_a_refusal(tmp_path):
     """As when the engine in use refuses it: EngineRefused with the engine's own error, said once."""
     with Bridge(_told_config(tmp_path)) as bridge:
-        active, standby = _both_launched(bridge)
-        (tmp_path / f"crash-{active}").touch()
-        assert _waits_for(bridge, standby), bridge.status().message
-        (tmp_path / f"refuse-{standby}").touch()
+        _, standby = _standby_waited_for_then(bridge, tmp_path, "refuse")
         with pytest.raises(EngineRefused) as refused:
             bridge.wait_running(120)
         assert str(refused.value) == "no weights at /missing"
