@@ -8,7 +8,8 @@ for a while). Restarts are for engines that were running: a launched engine that
 first one was ever ready (a wrong engine Python, a missing module, a crash while loading) would fail
 the same way again, so the supervisor ends there at once (dead, with the reason and the engine's last
 lines) instead of retrying it silently until a host's timeout; unless a standby launched beside it still
-loads, which is then waited for (see `_wait_for_standby`). An engine that exits with code 2 before
+loads, which is then waited for (see `_wait_for_standby`); one that failed already is named beside it
+(`_standby_failed_already`). An engine that exits with code 2 before
 it is ready (the one in use, or a standby waited for) refused its run (a bad config, missing weights),
 whether or not one ran before: the message is then the engine's own error, said once. So does a served
 engine that refuses this host's session secret or CurveZMQ keys: every new link would present them
@@ -203,7 +204,8 @@ class Supervisor:
                     if self._adopt_standby("engine restarted from the standby"):
                         return
                     if self._lost_before_ready and self.standby.link is None:
-                        self._standby_failed_too()
+                        lost, self._lost_before_ready = self._lost_before_ready, ""
+                        self._standby_failed_too(lost)
         if link is None:
             if self.state == EngineState.DEAD or self._lost_before_ready or time.monotonic() < self._next_start:
                 time.sleep(TICK_S)
@@ -352,16 +354,24 @@ class Supervisor:
             elif self._never_started(link):
                 reason = f"the engine could not start: {reason}"
             restart = self.config.restart and not self.closing and refusal is None and not self._never_started(link)
-            waiting = not restart and refusal is None and self._wait_for_standby(link, reason)
-            # named while a standby is waited for: its lines may join these (`_standby_failed_too`)
-            self.log_tail = link.log_tail("engine" if waiting else "")
-            if not waiting:
+            ends = not restart and refusal is None
+            waiting = ends and self._wait_for_standby(link, reason)
+            # said with the standby's failure, before the state is seen: a refusal of its must reach the host
+            both = ends and not waiting and self._standby_failed_already(link)
+            # named while a standby is waited for, or once it failed: its lines join these (`_standby_failed_too`)
+            named = "engine" if waiting or both else ""
+            self.log_tail = link.log_tail(named)
+            if both:
+                self._standby_failed_too(reason)
+            elif not waiting:
                 self._set_state(EngineState.RESTARTING if restart else EngineState.DEAD,
                                 reason if not restart else f"{reason}; stopping the engine")
         link.teardown(reason, self.config.stop_timeout_s)
         with self.cond:
-            self.log_tail = link.log_tail("engine" if waiting else "")  # with what it said while stopping
-            if restart and not self.closing:
+            self.log_tail = link.log_tail(named)  # with what it said while stopping
+            if both:
+                self.log_tail = _shared_tail(self.log_tail, self.standby.last_lines)
+            elif restart and not self.closing:
                 self.restarts += 1
                 self._next_start = time.monotonic() + self._backoff
                 self._set_state(EngineState.RESTARTING, f"{reason}; restarting in {self._backoff:.1f} s")
@@ -388,11 +398,20 @@ class Supervisor:
         log.warning("%s", self.message)
         return True
 
-    def _standby_failed_too(self) -> None:
-        """Lock held: the standby waited for went away before it was ready (it exited, hung, or ran past its
-        timeouts): the bridge ends, naming both engines' causes, with both engines' last lines. A standby that
-        refused its run (exit code 2) ends it as the engine in use's refusal does: `refusal` is its own error."""
-        lost, self._lost_before_ready = self._lost_before_ready, ""
+    def _standby_failed_already(self, link: Link) -> bool:
+        """Lock held: the engine in use failed before its first ready, with no standby loading to wait for, after
+        the standby launched beside it had failed during this start (no standby was ready since): the bridge ends
+        as when a standby waited for fails too, so the host learns why neither engine started, whichever went
+        first. An older failure, followed by a standby that was ready, is no part of this start."""
+        standby = self.standby
+        return standby is not None and not link.ready and standby.link is None and standby.failures > 0
+
+    def _standby_failed_too(self, lost: str) -> None:
+        """Lock held: the engine in use did not start (`lost` says why) and the standby launched beside it went
+        away before it was ready too (it exited, hung, or ran past its timeouts; while waited for, or before):
+        the bridge ends, naming both engines' causes, with both engines' last lines. A standby that refused its
+        run (exit code 2) ends it as the engine in use's refusal does: `refusal` is its own error, for the same
+        run's settings refused by one engine are refused by both, and that is what the user must fix."""
         standby = self.standby
         self.log_tail = _shared_tail(self.log_tail, standby.last_lines)
         if standby.refusal:

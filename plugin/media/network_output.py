@@ -105,6 +105,12 @@ class NetworkSender:
             pts += 1
 
 
+class StreamCutOff(MediaError):
+    """A stop (Ctrl-C, a stop signal, a quit) gave up on a network output whose receiver took nothing: its last
+    frames are lost because the user stopped the run, so this is no failed output (a receiver that takes nothing
+    when the run ends by itself is: a plain MediaError)."""
+
+
 def close_wait_s(stopping: bool) -> float:
     """How long closing a network output waits for its receiver: STOP_GRACE_S once a stop is on its way, else
     NETWORK_STALL_S."""

@@ -27,6 +27,7 @@ from loom_live.plugin.media.network_output import (
     NETWORK_ENCODER_OPTIONS,
     NETWORK_SINK_FORMATS,
     NetworkSender,
+    StreamCutOff,
     close_wait_s,
     stream_target,
 )
@@ -175,7 +176,8 @@ class FrameSink:
         Raises MediaError when finishing fails (a full disk, a vanished drive): FFmpeg buffers its
         writes, so this is often the first moment such a failure shows; the target is then left as it was.
         ``stopping``: the user stopped the run (as ``stop``), so a network output whose receiver takes nothing is
-        given up on after STOP_GRACE_S rather than NETWORK_STALL_S; a file is finished in full all the same.
+        given up on after STOP_GRACE_S rather than NETWORK_STALL_S (StreamCutOff: the stop's doing, not a failure);
+        a file is finished in full all the same.
         """
         import av
 
@@ -187,7 +189,8 @@ class FrameSink:
             self.stop()
         wait_s = close_wait_s(self.stopping)
         if self._sender is not None and not self._sender.finish(wait_s):  # its thread is stuck inside the container
-            raise MediaError(f"{self.name}: stopped; the receiver took nothing for {wait_s:g} s")
+            error = StreamCutOff if self.stopping else MediaError
+            raise error(f"{self.name}: stopped; the receiver took nothing for {wait_s:g} s")
         with signals_deferred():
             try:
                 try:

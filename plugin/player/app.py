@@ -32,6 +32,7 @@ from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import PROMPT_TAKES
 from loom_live.plugin.media.base import MediaError
 from loom_live.plugin.media.generated_clip import generate_clip
+from loom_live.plugin.media.network_output import StreamCutOff
 from loom_live.plugin.media.sinks import open_sink
 from loom_live.plugin.media.sources import open_source
 from loom_live.plugin.media.stop_signals import signals_deferred
@@ -133,7 +134,9 @@ class Player:
         self._input_ended = False  # the input reached its end (not --frames, a quit, or a failure to read)
         self._skipped_reported = 0
         self._last_input_shape: tuple[int, ...] = ()  # of the last frame not at the source's size
-        self._unfinished: list[str] = []  # outputs whose finalising failed: the user must hear of it
+        self._unfinished: list[str] = []  # outputs that failed, mid-run or finalising: the user must hear of it
+        # streams given up on at the user's stop, their receiver taking nothing: said, but the stop's doing (exit 0)
+        self._cut_off: list[str] = []
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -634,15 +637,17 @@ class Player:
         `keep`: the run ended normally or was stopped by the user, so the files written so far replace
         their targets. After a failure a target that existed is left as it was; a new one gets the
         frames written before the failure (finalised, so they play) rather than nothing. `stopping`: the
-        user stopped the run, so a network output whose receiver takes nothing is not waited on for long."""
+        user stopped the run, so a network output whose receiver takes nothing is not waited on for long; cut off
+        so (StreamCutOff), it is said as Ctrl-C says it, and a quit still ends with exit code 0 (`_cut_off`)."""
         self.printer.end_progress()  # the bar where it stands, or the wait for a first frame that never came
         for sink in self.sinks:
             try:
                 sink.close(keep=keep or (not sink.is_network and not Path(sink.name).exists()), stopping=stopping)
             except Exception as exc:  # every output gets its turn; a lost one is reported, not hidden
-                self._unfinished.append(sink.name)
+                cut_off = isinstance(exc, StreamCutOff)
+                (self._cut_off if cut_off else self._unfinished).append(sink.name)
                 self.printer.quiet = False  # errors are always shown
-                self.printer.say(f"{self.name}: error: output: {exc}")
+                self.printer.say(f"{self.name}: {'output cut off at the stop' if cut_off else 'error: output'}: {exc}")
         for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source, self.control_input):
             if thing is not None:
                 with contextlib.suppress(Exception):
@@ -652,7 +657,7 @@ class Player:
         if self.source is None:
             return
         elapsed = time.monotonic() - self._started
-        written = ", ".join(s.written_to for s in self.sinks if s.name not in self._unfinished and
+        written = ", ".join(s.written_to for s in self.sinks if s.name not in self._unfinished + self._cut_off and
                             (s.is_network or s.kept)) or ("the window" if self.window is not None else
                                                           "the web page" if self.web is not None else "no output")
         how = f"stopped by {stopped_by}; " if stopped_by else ""

@@ -313,7 +313,7 @@ def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file
     first, url, lines, err = _with_a_stalled_stream(tmp_path, "os.kill(os.getpid(), signal.SIGINT)")
     assert lines[0] == "exit 130", "\n".join(lines) + err
     assert float(lines[1]) < 30, f"the stop took {lines[1]} s: it waited on the stalled stream"
-    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in err
+    assert f"output cut off at the stop: {url}: stopped; the receiver took nothing for 0.5 s" in err
     counted = re.search(r"stopped by Ctrl-C; (\d+) frames", err)
     assert counted and len(_decode(first)) == int(counted[1]) > 0, err
     assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
@@ -322,15 +322,17 @@ def test_a_ctrl_c_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file
 def test_an_osc_quit_with_a_stalled_stream_output_ends_the_run_at_once_and_the_file_whole(tmp_path):
     """A quit over OSC while a write waits on a streaming server that takes nothing more: the frame loop read it
     only once that write gave up, after the stream's stall timeout (5 s; a minute here). Now the quit cuts the
-    wait short as a Ctrl-C does: the stream is given up on and said to be, the file finished with every frame."""
+    wait short as a Ctrl-C does: the stream is given up on and said to be, the file finished with every frame.
+    A quit is a normal stop, yet the stream cut off at it ended the run with exit code 2 ("an output failed"),
+    where Ctrl-C counts it as part of the stop: now the quit ends with 0."""
     pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     port = free_udp_port()
     send_quit = "from pythonosc.udp_client import SimpleUDPClient; " \
                 f"SimpleUDPClient('127.0.0.1', {port}).send_message('/loom/quit', [])"
     first, url, lines, err = _with_a_stalled_stream(tmp_path, send_quit, osc_port=port)
-    assert lines[0] == "exit 2", "\n".join(lines) + err  # an output failed: its receiver took nothing
+    assert lines[0] == "exit 0", "\n".join(lines) + err  # no output failed before the quit
     assert float(lines[1]) < 30, f"the quit took {lines[1]} s: it waited on the stalled stream"
-    assert f"error: output: {url}: stopped; the receiver took nothing for 0.5 s" in err
+    assert f"output cut off at the stop: {url}: stopped; the receiver took nothing for 0.5 s" in err
     counted = re.search(r": (\d+) frames \(256x256", err)
     assert counted and len(_decode(first)) == int(counted[1]) > 0, err
     assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
@@ -422,6 +424,41 @@ def test_an_output_that_fails_and_cannot_be_removed_names_the_file_left_behind(t
     assert (f"{broken}: writing failed: Read-only file system; {partial_path(broken)} is left behind (removing it "
             "failed too); this output is stopped, the others go on") in err
     assert len(_decode(kept)) == 5
+
+
+def test_a_quit_after_an_output_failed_still_ends_with_exit_code_2(tmp_path, monkeypatch, capsys):
+    """A quit is a normal stop (a stream cut off at it is no failure), but an output that failed before it did
+    fail: the run says so with exit code 2, as it does when the input ends; the other output is whole."""
+    from loom_live.plugin.media.sinks import FrameSink
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    broken, kept = tmp_path / "broken.mkv", tmp_path / "kept.mkv"
+    encode = FrameSink._encode
+
+    def encode_or_fail(self, frame, pts):
+        if self.name == str(broken) and pts == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        encode(self, frame, pts)
+
+    _without_engine(monkeypatch)
+    monkeypatch.setattr(FrameSink, "_encode", encode_or_fail)
+    player = Player(PlayerOptions(outputs=[str(broken), str(kept)], max_frames=50, size=(64, 64)))
+    emit = player._emit
+
+    def emit_then_quit(frame, seq=-1):
+        emit(frame, seq)
+        if player.frames_out == 4:
+            player.controls.put(Command("quit"))
+
+    monkeypatch.setattr(player, "_emit", emit_then_quit)
+    code = player.run()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{broken}: writing failed: No space left on device; this output is stopped, the others go on" in err
+    counted = re.search(r": (\d+) frames \(64x64", err)
+    assert counted and len(_decode(kept)) == int(counted[1]) < 50, err
+    assert not broken.exists()
 
 
 def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_report_says_where_the_run_went(

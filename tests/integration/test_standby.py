@@ -1,10 +1,12 @@
 """Hot standby (issue 23): kill -9 the engine in use and frames resume from the standby engine,
 without waiting for a new engine to start; then a new standby is launched. An engine in use that dies
 before its first ready hands over to a standby launched beside it once that one is ready; if that one fails too,
-the bridge ends dead with both engines' last lines, as a refusal when the standby refused its run."""
+the bridge ends dead with both engines' last lines, as a refusal when the standby refused its run (also when the
+standby failed first, with nothing left to wait for)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -196,6 +198,25 @@ def test_a_standby_that_refuses_its_run_while_waited_for_ends_the_bridge_as_a_re
         assert status.message == "the engine could not start: engine exited with code 1: CUDA out of memory while " \
                                  "loading; the standby engine refused to start: no weights at /missing", status.message
         assert f"[standby engine pid {standby}] {SERVE_ERROR_PREFIX}no weights at /missing" in status.log_tail
+
+
+def test_a_standby_that_refused_before_the_engine_in_use_died_ends_the_bridge_as_a_refusal(tmp_path):
+    """The other order: the standby refuses its run first, then the engine in use crashes while loading with no
+    standby left to wait for. The bridge said only the crash; now it ends as when the standby refuses later."""
+    cfg = dataclasses.replace(_told_config(tmp_path), restart_backoff_s=60.0)  # no next standby meanwhile
+    with Bridge(cfg) as bridge:
+        active, standby = _both_launched(bridge)
+        (tmp_path / f"refuse-{standby}").touch()
+        assert _wait(lambda: bridge.stats()["standby"]["failures"] == 1, 60), bridge.stats()["standby"]
+        (tmp_path / f"crash-{active}").touch()
+        with pytest.raises(EngineRefused, match="no weights at /missing"):
+            bridge.wait_running(120)
+        status = bridge.status()
+        assert status.message == "the engine could not start: engine exited with code 1: CUDA out of memory while " \
+                                 "loading; the standby engine refused to start: no weights at /missing", status.message
+        assert status.log_tail == [f"[engine pid {active}] CUDA out of memory while loading",
+                                   f"[standby engine pid {standby}] {SERVE_ERROR_PREFIX}no weights at /missing"], \
+            status.log_tail
 
 
 def test_a_bridge_that_ends_dead_stops_its_standby(tmp_path):

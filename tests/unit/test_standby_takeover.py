@@ -1,9 +1,9 @@
 """The supervisor adopts a standby engine only while it is itself alive (its process running, heard from within
 hang_timeout_s); one that died or went silent since its last check is closed and the engine restarts as
 without a standby. An engine in use that died before its first ready waits for a loading standby only as long
-as that one's own timeouts allow; a standby that fails too ends the bridge with both engines' last lines, and one
-that refused its run ends it as a refusal. Fakes stand in for the links and their processes; liveness, refusals and
-the lines kept are read by `Link`'s own code."""
+as that one's own timeouts allow; a standby that fails too (while waited for, or before) ends the bridge with both
+engines' last lines, and one that refused its run ends it as a refusal. Fakes stand in for the links and their
+processes; liveness, refusals and the lines kept are read by `Link`'s own code."""
 
 from __future__ import annotations
 
@@ -163,6 +163,67 @@ def test_a_standby_that_crashes_too_is_no_refusal(supervisor):
     supervisor._step()
     assert supervisor.state == EngineState.DEAD and supervisor.refusal == ""
     assert supervisor.message.endswith("the standby engine could not start either: engine killed by SIGKILL")
+
+
+def _standby_failed_first(supervisor: Supervisor, refused: str | None = None) -> tuple[_RunningLink, _RunningLink]:
+    """Both engines load side by side; the standby fails first (refusing its run with `refused`, else crashing)
+    and is given up, with the next one not due for 30 s; the engine in use loads on. Each printed a line."""
+    cfg = supervisor.config
+    active, standby = _RunningLink(cfg, phase="loading", pid=4241), _RunningLink(cfg, alive=False, phase="loading")
+    active.proc.lines, standby.proc.lines, standby.proc.refused = ["engine line"], ["standby line"], refused
+    supervisor.link, supervisor.standby.link = active, standby
+    supervisor._step()
+    assert supervisor.standby.link is None and supervisor.link is active and supervisor.standby.failures == 1
+    return active, standby
+
+
+def test_an_engine_dead_before_its_first_ready_after_its_standby_failed_names_both_causes(supervisor):
+    """With no standby left to wait for, the bridge ended naming only the engine in use's cause: the standby's
+    earlier failure was never said. Now it ends as when the standby fails while waited for."""
+    active, _ = _standby_failed_first(supervisor)
+    active.proc.alive = False
+    supervisor._step()
+    assert active.stopped.is_set()
+    assert supervisor.state == EngineState.DEAD and supervisor.refusal == ""
+    assert supervisor.message == "the engine could not start: engine killed by SIGKILL; the standby engine could not " \
+                                 "start either: engine killed by SIGKILL", supervisor.message
+    assert supervisor.log_tail == ["[engine pid 4241] engine line", "[standby engine pid 4242] standby line"]
+
+
+def test_a_standby_that_refused_its_run_before_the_engine_in_use_died_ends_the_bridge_as_a_refusal(supervisor):
+    """The same run's settings would be refused by either engine: the host gets the standby's own error
+    (EngineRefused), as when the standby refuses while waited for, whichever engine went first."""
+    active, _ = _standby_failed_first(supervisor, refused="no weights at /missing")
+    active.proc.alive = False
+    supervisor._step()
+    assert supervisor.state == EngineState.DEAD and supervisor.refusal == "no weights at /missing"
+    assert supervisor.last_error == "no weights at /missing"
+    assert supervisor.message == "the engine could not start: engine killed by SIGKILL; the standby engine refused " \
+                                 "to start: no weights at /missing", supervisor.message
+
+
+def test_a_standby_failure_followed_by_a_ready_standby_is_not_named_when_the_bridge_ends():
+    """The first standby failed; the next one was ready, took over, and died with restarts off: the bridge ends
+    with that engine's cause alone, not the failure from before it was ready."""
+    cfg = BridgeConfig(standby=True, restart=False, hang_timeout_s=1.0, restart_backoff_s=30.0)
+    ctx = zmq.Context()
+    try:
+        supervisor = Supervisor(cfg, ctx)
+        active, _ = _standby_failed_first(supervisor)
+        ready = _RunningLink(cfg, phase="loading")
+        ready.hello_done, ready.on_ready = True, lambda info: setattr(ready, "phase", "running")
+        ready.proc.lines = ["took over"]
+        supervisor.standby.link = ready
+        supervisor.standby._handle(ready, {"type": "ready", "info": {}})
+        active.proc.alive = False
+        supervisor._step()
+        assert supervisor.link is ready and supervisor.state == EngineState.RUNNING, supervisor.message
+        ready.proc.alive = False
+        supervisor._step()
+        assert supervisor.state == EngineState.DEAD and supervisor.message == "engine killed by SIGKILL"
+        assert supervisor.log_tail == ["took over"]
+    finally:
+        ctx.term()
 
 
 @pytest.mark.parametrize(("engine_lines", "standby_lines", "kept"), [
