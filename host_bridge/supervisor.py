@@ -442,6 +442,7 @@ class Supervisor:
             self.restarts += 1
             log.info("%s", message)
         self.link = fresh
+        self.ever_ready = True  # a standby is taken ready: a later failure is restarted, not a failed start
         self._set_state(EngineState.RUNNING, message)
         if (frames := self._frames()) is not None:
             frames.on_engine_ready(fresh)

@@ -131,6 +131,25 @@ def test_a_standby_past_its_load_timeout_ends_the_wait_naming_both_causes(superv
     assert said in caplog.text
 
 
+def test_an_engine_after_a_standby_that_took_over_a_failed_start_is_restarted_when_it_dies_loading(supervisor):
+    """The first engine died loading and the standby beside it took over: an engine of this bridge has been
+    ready, so a later engine that dies while loading is restarted; the bridge ended dead, as for a first start
+    that failed (taking the standby did not count as a ready engine)."""
+    cfg = supervisor.config
+    active = _RunningLink(cfg, alive=False, phase="loading")
+    standby = _RunningLink(cfg, phase="loading", pid=4243)
+    supervisor.link, supervisor.standby.link = active, standby
+    supervisor._fail(active, "engine killed by SIGKILL")
+    standby.phase = "running"
+    with supervisor.cond:
+        assert supervisor._adopt_standby("engine restarted from the standby")
+    assert supervisor.link is standby and supervisor.state == EngineState.RUNNING
+    later = _RunningLink(cfg, alive=False, phase="loading", pid=4244)
+    supervisor.link = later
+    supervisor._fail(later, "engine killed by SIGKILL")
+    assert later.stopped.wait(30)
+    assert supervisor.state == EngineState.RESTARTING, supervisor.message
+
 def _both_loading(supervisor: Supervisor, active_lines: tuple[str, ...] = ()) -> tuple[_RunningLink, _RunningLink]:
     """The engine in use exited while loading (having printed `active_lines`) and the bridge waits for the
     standby loading beside it."""
