@@ -552,6 +552,20 @@ class LoomConfig:
                 params[p.name] = p.check(getattr(getattr(self, p.section), p.name))
         return {"prompt": self.prompt.text, "params": params, "family": self.model.family}
 
+    def start_set_by(self, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+        """The share of `start_settings` that `overrides` (the `--set key=value` this config was loaded with) set:
+        "prompt" where they set prompt.text, and "params", each live parameter whose key they set, a key inside
+        it or its whole section. A host attached to an engine served with another config (`--endpoint`) tells it
+        these, and takes that engine's own starting values for the rest."""
+        start, paths = self.start_settings(), [parse_override(text)[0] for text in overrides]
+
+        def set_by(key: list[str]) -> bool:  # one path leads to the other: the key, a key inside it, its section
+            return any(path[:len(key)] == key[:len(path)] for path in paths)
+
+        keys = {p.name: [p.section] if p is live.LORA_SCALES else [p.section, p.name] for p in self.live_params}
+        prompt = {"prompt": start["prompt"]} if set_by([live.PROMPT.section, live.PROMPT.name]) else {}
+        return {**prompt, "params": {k: v for k, v in start["params"].items() if set_by(keys[k])}}
+
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
 

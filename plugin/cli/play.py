@@ -194,6 +194,9 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         except PlayerError as exc:
             print(f"loom {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
+    given = cfg.start_set_by(args.overrides)  # what a served engine is told; it keeps its own values for the rest
+    if args.endpoint and not prompts and "prompt" in given:  # --set prompt.text, which a served engine never reads
+        prompts = [given["prompt"]]
     # before an engine starts (it was refused once one ran), in its family's words; a served engine (--endpoint)
     # runs its own config, not -c's, and says its family only once reached: what each family takes is said
     family = None if args.endpoint else cfg.model.family
@@ -203,7 +206,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
-        lora_scales={e.key: e.scale for e in cfg.lora},
+        lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given["params"],
         control_sources=available_sources(cfg), takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, control_input=args.control_input,
         reference=cfg.control.reference,  # what r reads again: --reference, or the config file's own

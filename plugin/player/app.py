@@ -93,8 +93,9 @@ class Player:
         self.name = options.command  # what its lines start with: the command the user typed
         self.printer = printer or StatusPrinter(quiet=options.quiet)
         prompts = list(options.prompts) or [options.default_prompt]
-        # a served engine (--endpoint) runs its own config: its family is known once it says it (_follow_engine)
-        family = None if options.endpoint else options.family
+        # a served engine (--endpoint) runs its own config: its family, the parameters it takes and its starting
+        # values are known once it says them (_follow_engine); nothing is sent to it before
+        family, takes = (None, frozenset()) if options.endpoint else (options.family, None)
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
                                               motion_aware=options.motion_aware,
@@ -103,12 +104,13 @@ class Player:
                                               takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
-                                              reference=options.reference, family=family),
+                                              reference=options.reference, family=family, takes=takes),
                                  on_quit=self._stop_outputs)
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
         self._errors_said = 0  # the engine's error count already said (_say_engine_errors)
+        self._took_start = False  # a served engine's starting settings were taken (_take_start)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
         self.control_input: ControlInput | None = None  # VACE: --control-input, read beside the input
@@ -545,10 +547,8 @@ class Player:
         if s.overlay:
             _, status = self.bridge.latest()
             lines = [live_line(self.frames_out, status), f"prompt: {s.prompt}" + (f"  ({self.style.short})"
-                                                                                   if self.style.short else ""),
-                     f"steps {s.steps}  noise {s.noise_scale:.2f}  motion {'on' if s.motion_aware else 'off'}"]
-            if s.message:
-                lines.append(s.message)
+                                                                                   if self.style.short else "")]
+            lines += [line for line in (s.settings_line(), s.message) if line]
         if self.keyboard.typing is not None:
             lines.append(f"new prompt> {self.keyboard.typing}_")
         self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
@@ -589,14 +589,33 @@ class Player:
         time.sleep(PAUSE_POLL_S)
 
     def _follow_engine(self, status: Any) -> None:
-        """Prompts sent live (keys, OSC, the page) are refused in the words of the running engine's model family
-        once it has said it; one that is not the config's (a served engine's) is said once."""
-        if not _is_ready(status) or not self.controls.follow_engine(self.bridge.engine_family):
+        """Prompts and parameters sent live (keys, OSC, the page) are refused in the words of the running engine's
+        model family, and for parameters it does not take, once it has said them; a family that is not the
+        config's (a served engine's) is said once, and a served engine's starting settings are taken once."""
+        if not _is_ready(status):
             return
-        family = self.controls.state.family
-        if family != self.opts.family:
+        start = self.bridge.engine_start()
+        if self.controls.follow_engine(start) and (family := self.controls.state.family) != self.opts.family:
             self.printer.say(f"{self.name}: the engine runs the {family} model family, not the {self.opts.family} "
                              f"family of -c {self.opts.config}: its prompt is {PROMPT_TAKES[family]}")
+        if self.opts.endpoint and not self._took_start:
+            self._take_start(start)
+
+    def _take_start(self, start: dict[str, Any] | None) -> None:
+        """A served engine runs its own config: the controls take what it started on where the command line set
+        nothing (-p, --set, --lora, --control), and it is told what the command line set; said once where that is
+        not -c's, and for what it does not take."""
+        self._took_start = True
+        o = self.opts
+        taken, unsent = self.controls.take_start(start, self.bridge, prompt_given=bool(o.prompts),
+                                                 given=o.given_params)
+        if taken:
+            said = ", ".join(f"{name} {value!r}" for name, value in taken.items())
+            self.printer.say(f"{self.name}: the engine started on its own settings, not those of -c {o.config}: "
+                             f"{said}; the controls follow it (-p and --set choose others)")
+        if unsent:
+            takes = ", ".join(sorted(self.controls.state.takes or ()))
+            self.printer.say(f"{self.name}: the engine does not take {', '.join(unsent)}: not sent (it takes {takes})")
 
     def _remember_log(self, status: Any) -> None:
         self._log_tail = list(status.log_tail) or self._log_tail

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,10 @@ from loom_live.host_bridge.wire.params import (
     CONTROL,
     LIVE,
     LORA_SCALES,
+    MOTION_AWARE,
     NOISE_SCALE,
     STEP_LISTS,
+    STEPS,
     TRANSITION_CHUNKS,
     check_prompt_request,
     steps_for,
@@ -38,6 +40,15 @@ NO_VACE = ("the model has no VACE control blocks and reads no edges (use the def
            "scale, -c wan2.1-vace-1.3b, or tiny-vace on a CPU)")
 EDGES_ONLY = ("the model reads its input's edges only, scaled by the control scale; other sources and a "
               "reference need a *vace* preset (-c wan2.1-vace-1.3b, or tiny-vace on a CPU)")
+# The live parameter each command sets: one the running engine does not take is refused here, not sent to it.
+SETS_PARAM = {"steps": STEPS.name, "noise_scale": NOISE_SCALE.name, "noise_step": NOISE_SCALE.name,
+              "motion_aware": MOTION_AWARE.name, "lora_scale": LORA_SCALES.name, "lora_step": LORA_SCALES.name,
+              "transition_chunks": TRANSITION_CHUNKS.name, "context_scale": CONTEXT_SCALE.name,
+              "context_step": CONTEXT_SCALE.name, "control_source": CONTROL.name, "control_next": CONTROL.name}
+# The live parameters the state holds, under their own names, each as the state keeps an engine's value (steps: how
+# many); transition_chunks is not among them: the state's None is "the engine's own".
+HELD: dict[str, Callable[[Any], Any]] = {STEPS.name: len, NOISE_SCALE.name: float, MOTION_AWARE.name: bool,
+                                         LORA_SCALES.name: dict, CONTROL.name: str, CONTEXT_SCALE.name: float}
 
 
 @dataclass(frozen=True)
@@ -93,10 +104,20 @@ class ControlState:
     # the model family (model.family): what a prompt is, said when an empty one is refused; the running engine's
     # once it has said it (`Controls.follow_engine`); None: not known yet (each family's words are said)
     family: str | None = "wan"
+    # the live parameters the running engine takes, as its ready message said (`Controls.follow_engine`): a command
+    # for another is refused, not sent. None: any (an engine started on this run's config, or one that does not
+    # say); empty: a served engine (--endpoint) that has not said yet, whose config is not this run's
+    takes: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if self.given_prompts < 0:
             self.given_prompts = len(self.prompts)
+
+    def settings_line(self) -> str:
+        """Steps, noise scale and motion-aware noise, as the overlay shows them: those the engine takes."""
+        shown = {STEPS.name: f"steps {self.steps}", NOISE_SCALE.name: f"noise {self.noise_scale:.2f}",
+                 MOTION_AWARE.name: f"motion {'on' if self.motion_aware else 'off'}"}
+        return "  ".join(text for name, text in shown.items() if self.takes is None or name in self.takes)
 
     @property
     def prompt(self) -> str:
@@ -206,14 +227,49 @@ class Controls:
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._on_quit = on_quit
 
-    def follow_engine(self, family: str | None) -> bool:
-        """Take the running engine's model family (as its ready message said; None: not said) for the prompts
-        sent live from now on: an engine served elsewhere (`--endpoint`) need not run this run's config's.
-        Frame loop only, like `apply_pending`; True when it changed."""
+    def follow_engine(self, start: Mapping[str, Any] | None) -> bool:
+        """Take the running engine's model family and the live parameters it takes, as its ready message said
+        (`Bridge.engine_start`; None: not said, and any parameter is sent), for what is sent live from now on:
+        an engine served elsewhere (`--endpoint`) need not run this run's config's. Frame loop only, like
+        `apply_pending`; True when the family changed."""
+        self.state.takes = None if start is None else frozenset(start["params"])
+        family = None if start is None else start.get("family")
         if family is None or family == self.state.family:
             return False
         self.state.family = family
         return True
+
+    def take_start(self, start: Mapping[str, Any] | None, bridge: Any, *, prompt_given: bool,
+                   given: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """A ready engine served with its own config (`--endpoint`): the state takes what it started on
+        (`Bridge.engine_start`) for each setting the command line did not give, and the engine is told the live
+        parameters it gave (`given`, by name) that it takes, so that the state shown is the engine's and no default
+        of this run's config reaches it; `prompt_given`: -p. LoRAs are the engine's (`--lora` loads none into it):
+        a scale given sets one it has. Frame loop only, once. Returns the settings taken that the state held
+        otherwise (this run's config's), and the given parameters the engine does not take (not sent)."""
+        if start is None:  # an engine that does not say: the state stays this run's config's
+            return {}, []
+        s, params = self.state, start["params"]
+        held = {k: v for k, v in params.items() if k not in given}
+        send = {k: v for k, v in given.items() if k in params}
+        unsent = [k for k in given if k not in params]
+        if LORA_SCALES.name in send:
+            loras, wanted = params[LORA_SCALES.name], send.pop(LORA_SCALES.name)
+            scales = {k: v for k, v in wanted.items() if k in loras}
+            unsent += [f"{LORA_SCALES.name} {k!r} (no such LoRA there)" for k in wanted if k not in loras]
+            held[LORA_SCALES.name] = {**loras, **scales}
+            if scales:
+                send[LORA_SCALES.name] = scales
+        taken: dict[str, Any] = {}
+        if not prompt_given and s.prompts[0] != start["prompt"]:  # the first is this run's config's
+            s.prompts[0] = taken["prompt"] = start["prompt"]
+        for name, keep in HELD.items():
+            if name in held and getattr(s, name) != keep(held[name]):
+                setattr(s, name, keep(held[name]))
+                taken[name] = held[name]
+        if send:
+            bridge.set_params(**send)
+        return taken, unsent
 
     def put(self, command: Command) -> None:
         """Queue a command; safe from any thread."""
@@ -330,9 +386,25 @@ class Controls:
         self.state.refused += 1
         return False
 
+    def _refuse_untaken(self, param: str) -> None:
+        takes = self.state.takes
+        if not takes:
+            self._refuse(f"{param}: not sent: the served engine has not said yet which settings it takes; set it "
+                         "again once it runs")
+            return
+        if param in (CONTROL.name, CONTEXT_SCALE.name):  # what a model without structure control is, and what has it
+            self._refuse(f"{param}: {NO_VACE}")
+            return
+        family = f" ({self.state.family} family)" if self.state.family else ""
+        self._refuse(f"{param}: the engine's model{family} does not take it; it takes {', '.join(sorted(takes))}")
+
     def _apply(self, command: Command, changes: dict[str, Any]) -> None:
         s = self.state
         name, args = command.name, command.args
+        param = SETS_PARAM.get(name)
+        if param is not None and s.takes is not None and param not in s.takes:
+            self._refuse_untaken(param)
+            return
         if name == "prompt":
             text, chunks = args
             if text not in s.prompts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loom_live.host_bridge.wire.params import LIVE, PROMPT, whole_chunks
 from loom_live.plugin.media.app_io import APP_OUTPUT_SCHEMES, VIRTUALCAM, is_app_output
@@ -53,6 +54,9 @@ class PlayerOptions:
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default
     lora_scales: dict[str, float] = field(default_factory=dict)  # the config's LoRAs, by name
+    # the live parameters the command line set (--set, --lora, --control), by name as the wire takes them: an engine
+    # served with its own config (--endpoint) is told those it takes, and keeps its own values for the rest
+    given_params: dict[str, Any] = field(default_factory=dict)
     control_sources: tuple[str, ...] = ()  # the control sources this run can make; () = no structure control
     takes_reference: bool = True  # with control sources: a VACE model, not the edges-only embedded one
     control_source: str = LIVE["control_source"].default

@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from loom_live.engine.server.core import EngineServer
+from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from loom_live.host_bridge.wire.errors import SERVE_ERROR_PREFIX
 
@@ -89,6 +90,37 @@ class InProcessEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ConfigSessions:
+    """Pass-through sessions (`InProcessEngine(sessions, start=sessions.start)`) that take live parameters as a session
+    of `cfg` does: one its model family does not take is refused by name (`LoomConfig.with_live`) and kept, in its
+    words, in that session's `refused`. Each session built is in `built`; `start` is what its ready message says."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.start = cfg.start_settings()
+        self.built: list[PassthroughSession] = []
+
+    def __call__(self) -> PassthroughSession:
+        session = _ConfigSession(self.cfg)
+        self.built.append(session)
+        return session
+
+
+class _ConfigSession(PassthroughSession):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.refused: list[str] = []
+
+    def set_params(self, **params: Any) -> None:
+        try:
+            self.cfg = self.cfg.with_live(params)
+        except ValueError as exc:
+            self.refused.append(str(exc))
+            raise
+        super().set_params(**params)
 
 
 def engine_report(bridge: Any, ready: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:

@@ -31,7 +31,7 @@ from loom_live.plugin.cli.main import main
 from loom_live.plugin.media.partial_files import partial_path
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput, steps_command
 from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
-from tests.fakes.engines import InProcessEngine, exiting_engine, python_without_loom, wait_until
+from tests.fakes.engines import ConfigSessions, InProcessEngine, exiting_engine, python_without_loom, wait_until
 from tests.fakes.media import damage_middle, free_udp_port, noise_clip, rtmp_server, write_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -729,6 +729,101 @@ def test_a_player_on_a_served_engine_refuses_live_prompts_in_the_engine_s_family
         assert err.count(line) == (family == "edit") and "model family" not in err.replace(line, ""), err
 
 
+def _served_run(tmp_path, monkeypatch, served, **options):
+    """A player run on an engine served with config `served` (`ConfigSessions`: it refuses a parameter its family does
+    not take): the player, what it handed to `Bridge.set_params`, and the engine's session."""
+    from loom_live.host_bridge import Bridge
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    sent: list[dict] = []
+    set_params = Bridge.set_params
+
+    def recorded(bridge, **params):
+        sent.append(params)
+        set_params(bridge, **params)
+
+    monkeypatch.setattr(Bridge, "set_params", recorded)
+    sessions = ConfigSessions(served)
+    with InProcessEngine(sessions, start=sessions.start) as engine:
+        player = Player(PlayerOptions(outputs=[str(tmp_path / "out.mp4")], max_frames=3, size=(32, 32),
+                                      endpoint=engine.endpoint, secret_file=engine.secret_file, **options))
+        assert player.run() == 0
+    [session] = sessions.built
+    return player, sent, session
+
+
+def test_a_player_on_a_served_engine_shows_its_starting_settings_and_sends_none_it_does_not_take(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """`loom play -c default --set noise.noise_scale=0.5 --endpoint` on an edit engine: the controls showed -c's
+    prompt, and sent the engine Wan parameters it refuses by name. They take its prompt, and refuse what it does not
+    take (the --set one said once, the keys' each time) without sending it."""
+    from loom_live.engine.config import load_config
+
+    served = load_config("edit-tiny")
+    player, sent, session = _served_run(tmp_path, monkeypatch, served, noise_scale=0.5,
+                                        given_params={"noise_scale": 0.5})
+    s, takes = player.controls.state, ", ".join(sorted(served.start_settings()["params"]))
+    assert s.prompts == ["make it a watercolor"] and s.takes == set(served.start_settings()["params"])
+    assert sent == [] and session.refused == [] and s.settings_line() == ""  # the overlay shows no Wan settings
+    err = capsys.readouterr().err
+    assert "loom play: the engine started on its own settings, not those of -c default: prompt 'make it a " \
+           "watercolor'; the controls follow it (-p and --set choose others)\n" in err, err
+    assert f"loom play: the engine does not take noise_scale: not sent (it takes {takes})\n" in err, err
+    bridge = RecordingBridge()
+    KeyboardInput(player.controls).press(ord("]"))
+    assert player.controls.apply_pending(bridge) == [f"noise_scale: the engine's model (edit family) does not take "
+                                                     f"it; it takes {takes}"]
+    assert bridge.params == [] and s.refused == 1 and s.noise_scale == 0.5
+
+
+def test_a_player_on_a_served_engine_keeps_what_the_command_line_set_and_takes_the_rest(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """-p and --set stream.steps win over a served Wan engine's own, and it is told them; its noise scale and
+    motion-aware noise (not -c's) are what the controls show and step from."""
+    from loom_live.engine.config import load_config
+
+    served = load_config("tiny-random", ["noise.noise_scale=0.3", "noise.motion_aware=false"])
+    player, sent, session = _served_run(tmp_path, monkeypatch, served, prompts=["ink wash"], steps=1,
+                                        given_params={"steps": [700]})
+    s = player.controls.state
+    assert (s.prompts, s.steps, s.noise_scale, s.motion_aware) == (["ink wash"], 1, 0.3, False)
+    assert sent == [{"steps": [700]}] and session.refused == []
+    assert (session.prompt, session.params) == ("ink wash", {"steps": [700]})
+    assert "loom play: the engine started on its own settings, not those of -c default: noise_scale 0.3, " \
+           "motion_aware False; the controls follow it" in capsys.readouterr().err
+    bridge = RecordingBridge()
+    KeyboardInput(player.controls).press(ord("]"))
+    player.controls.apply_pending(bridge)
+    assert bridge.params == [{"noise_scale": 0.35}]  # from the engine's 0.3, not -c's 0.8
+
+
+def test_a_player_on_a_served_engine_of_its_own_settings_says_nothing_of_them(tmp_path, capsys, monkeypatch):
+    """PlayerOptions' defaults are the schema's, as tiny-random's are."""
+    from loom_live.engine.config import load_config
+
+    served = load_config("tiny-random")
+    player, sent, session = _served_run(tmp_path, monkeypatch, served)
+    assert player.controls.state.prompts == [served.prompt.text] and sent == [] and session.refused == []
+    assert "own settings" not in capsys.readouterr().err
+
+
+def test_loom_play_tells_a_served_engine_what_its_command_line_set(tmp_path, capsys):
+    """--set stream.steps and --set prompt.text (which a served engine never reads) are sent to it; -c's other values
+    are not."""
+    from loom_live.engine.config import load_config
+
+    sessions = ConfigSessions(load_config("tiny-random"))
+    with InProcessEngine(sessions, start=sessions.start) as engine:
+        assert main(["play", "--endpoint", engine.endpoint, "--secret-file", engine.secret_file, "-n", "3",
+                     "--size", "32x32", "-o", str(tmp_path / "out.mp4"), "--set", "stream.steps=[600]",
+                     "--set", "prompt.text=ink wash"]) == 0
+    [session] = sessions.built
+    assert (session.prompt, session.params, session.refused) == ("ink wash", {"steps": [600]}, [])
+    err = capsys.readouterr().err
+    assert "own settings" not in err and "not sent" not in err, err  # the rest of -c default's are tiny-random's
+
+
 def test_engine_that_cannot_start_is_reported_with_exit_code_3(tmp_path):
     out = _play("-n", "5", "--size", "32x32", "-o", str(tmp_path / "x.mp4"), "--engine-python",
                 str(tmp_path / "no-python"), "--startup-timeout", "20", timeout=60)
@@ -786,6 +881,20 @@ class RecordingBridge:
 
 def _controls(*prompts: str) -> Controls:
     return Controls(ControlState(prompts=list(prompts) or ["a", "b"]))
+
+
+def test_before_a_served_engine_says_what_it_takes_no_parameter_is_sent():
+    """A served engine's config is not this run's: a key pressed before it is ready sent -c's value stepped, which it
+    may refuse by name, and the bridge told it again on ready. Refused until it says; then sent if it takes it."""
+    controls, bridge = Controls(ControlState(prompts=["ink"], family=None, takes=frozenset())), RecordingBridge()
+    controls.put(steps_command(1))
+    assert controls.apply_pending(bridge) == ["steps: not sent: the served engine has not said yet which settings "
+                                              "it takes; set it again once it runs"]
+    assert bridge.params == [] and controls.state.steps == len(steps_for(2)) and controls.state.refused == 1
+    assert controls.follow_engine({"prompt": "oil", "params": {"steps": [700, 500]}, "family": "wan"})
+    controls.put(steps_command(1))
+    controls.apply_pending(bridge)
+    assert bridge.params == [{"steps": steps_for(1)}] and controls.state.takes == {"steps"}
 
 
 def test_keys_change_steps_noise_prompt_and_quit():

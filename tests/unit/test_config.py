@@ -178,6 +178,19 @@ def test_start_settings_are_the_config_s_prompt_and_live_parameters():
     assert cfg.stream.steps == [600]
 
 
+def test_start_set_by_is_the_share_of_the_start_settings_the_overrides_set():
+    """What a host attached to an engine served with another config tells it: the live parameters a --set (or
+    --lora, --control) set, by their key, a key inside them or their section, and prompt.text; nothing else."""
+    overrides = ["stream.steps=[600]", "resolution.width=256", "prompt.text=ink wash", "noise={noise_scale: 0.5}",
+                 'lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]']
+    assert load_config("default", overrides).start_set_by(overrides) == {
+        "prompt": "ink wash", "params": {"steps": [600], "noise_scale": 0.5, "motion_aware": True,
+                                         "lora_scales": {"ink_style": 0.5}}}
+    assert load_config("default").start_set_by(["stream.sink=1", "noise.ema=0.5"]) == {"params": {}}
+    edit = ["edit.adapter_strength=0.5"]
+    assert load_config("edit-tiny", edit).start_set_by(edit) == {"params": {"adapter_strength": 0.5}}
+
+
 def test_numbers_in_exponent_form_are_numbers(tmp_path):
     """YAML 1.2 and JSON read 5e-1 and 1e3 as numbers; PyYAML's YAML 1.1 read them as strings, and a number
     key refused the number the user wrote: "noise.noise_scale: '5e-1' is not allowed; expected a finite number"."""

@@ -96,3 +96,16 @@ def test_a_lora_scale_that_is_not_a_number_is_named_as_the_scale_not_the_file(tm
         lora_override([f"{lora}:O.8"])
     (override,) = lora_override([f"{tmp_path}/no:such.safetensors"])
     assert json.loads(override.removeprefix("lora=")) == [{"path": f"{tmp_path}/no:such.safetensors", "scale": 1.0}]
+
+
+def test_a_served_engine_s_loras_are_the_ones_the_keys_step():
+    """`--lora` loads none into an engine served with its own config: the controls hold the engine's LoRAs, a scale
+    given for one it has is sent (and held), one it lacks is not sent."""
+    controls, bridge = _controls(ink=0.5, mine=0.5), RecordingBridge()
+    start = {"prompt": "oil", "params": {"lora_scales": {"ink": 1.0, "film": 0.8}}}
+    controls.follow_engine(start)
+    taken, unsent = controls.take_start(start, bridge, prompt_given=True,
+                                        given={"lora_scales": {"ink": 0.5, "mine": 0.5}})
+    assert taken == {"lora_scales": {"ink": 0.5, "film": 0.8}} and controls.state.lora_scales == taken["lora_scales"]
+    assert bridge.params == [{"lora_scales": {"ink": 0.5}}] and unsent == ["lora_scales 'mine' (no such LoRA there)"]
+    assert controls.state.prompts == ["ink"]  # -p given: kept
