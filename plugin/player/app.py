@@ -111,6 +111,7 @@ class Player:
         self._style_polled = 0.0
         self._errors_said = 0  # the engine's error count already said (_say_engine_errors)
         self._took_start = False  # a served engine's starting settings were taken (_take_start)
+        self._followed = False  # the ready engine's family and settings were read (_follow_engine)
         self.source: Any = None
         self.feed: LiveFeed | None = None  # a camera or stream in a live run: read on its own thread
         self.control_input: ControlInput | None = None  # VACE: --control-input, read beside the input
@@ -593,7 +594,11 @@ class Player:
         model family, and for parameters it does not take, once it has said them; a family that is not the
         config's (a served engine's) is said once, and a served engine's starting settings are taken once."""
         if not _is_ready(status):
+            self._followed = False  # a restarted or reconnected engine says its settings again when ready
             return
+        if self._followed:  # read once per ready engine, not every frame
+            return
+        self._followed = True
         start = self.bridge.engine_start()
         if self.controls.follow_engine(start) and (family := self.controls.state.family) != self.opts.family:
             self.printer.say(f"{self.name}: the engine runs the {family} model family, not the {self.opts.family} "
