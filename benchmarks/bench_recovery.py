@@ -38,22 +38,40 @@ STARTUP_LINE = re.compile(r"start-up \d.*")  # the engine's line on where its st
 RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
 
 
+SLOW_CALL_S = 0.005  # a host call this long is listed with when it came and what the bridge said then
+SLOW_CALLS_KEPT = 8
+
+
 class HostLoop:
-    """Submit and read at a fixed rate, as a show's frame loop does; remembers its longest call."""
+    """Submit and read at a fixed rate, as a show's frame loop does; remembers its longest call, and its slow
+    ones since `reset()` (which call, when, and the bridge's state then), to tell where a long one came from."""
 
     def __init__(self, bridge: Bridge, clip: list[np.ndarray], fps: float):
         self.bridge, self.clip, self.period = bridge, clip, 1.0 / fps
         self.i = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.monotonic()
         self.longest_call_s = 0.0
+        self.slow_calls: list[dict] = []
+
+    def _timed(self, name: str, call):
+        t = time.monotonic()
+        result = call()
+        took = time.monotonic() - t
+        if took >= SLOW_CALL_S and len(self.slow_calls) < SLOW_CALLS_KEPT:
+            self.slow_calls.append({"call": name, "ms": round(took * 1000, 2),
+                                    "at_s": round(t - self.since, 3), "state": self.bridge.status().state.value})
+        return took, result
 
     def until(self, done, timeout_s: float) -> float | None:
         """Run the loop until `done(status)`; seconds taken, or None at the timeout."""
         start = next_frame = time.monotonic()
         while time.monotonic() - start < timeout_s:
-            t = time.monotonic()
-            self.bridge.submit(self.clip[self.i % len(self.clip)])
-            _, status = self.bridge.latest()
-            self.longest_call_s = max(self.longest_call_s, time.monotonic() - t)
+            took_submit, _ = self._timed("submit", lambda: self.bridge.submit(self.clip[self.i % len(self.clip)]))
+            took_latest, (_, status) = self._timed("latest", self.bridge.latest)
+            self.longest_call_s = max(self.longest_call_s, took_submit + took_latest)
             self.i += 1
             if done(status):
                 return time.monotonic() - start
@@ -99,11 +117,12 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
                 row.setdefault("start_to_standby_ready_s", round(time.monotonic() - t0, 2))
             loop.until(lambda s: False, args.steady_s)
             pid = bridge.stats()["engine_pid"]
-            loop.longest_call_s = 0.0
+            loop.reset()
             os.kill(pid, signal.SIGKILL)
             took = loop.until(lambda s, old=pid: not s.fallback and bridge.stats()["engine_pid"] != old, args.timeout)
             row["kills"].append({"kill_to_frame_s": None if took is None else round(took, 2),
-                                 "longest_host_call_ms": round(loop.longest_call_s * 1000, 2)})
+                                 "longest_host_call_ms": round(loop.longest_call_s * 1000, 2),
+                                 "slow_calls": loop.slow_calls})
             row["startup_lines"].append(startup_line(bridge))
     finally:
         bridge.close()
@@ -144,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         start, both = ("-" if v is None else f"{v:.2f}" for v in (start, both))
         print(f"{r['mode']:16s} {start:>15s} {both:>17s} {kills:>28s} {longest:>22.2f}"
               + (f"  ({r['error']})" if "error" in r else ""))
+    for r in rows:  # where a kill's long host calls came: which call, seconds after the kill, the bridge's state
+        for i, k in enumerate(r["kills"]):
+            slow = ", ".join(f"{c['call']} {c['ms']:.1f} ms at {c['at_s']:.3f} s ({c['state']})"
+                             for c in k.get("slow_calls", []))
+            if slow:
+                print(f"{r['mode']} kill {i + 1}: host calls over {SLOW_CALL_S * 1000:.0f} ms: {slow}")
     for r in rows:  # the serving engine's own account, at its first frame and after each kill
         for i, line in enumerate(r["startup_lines"]):
             print(f"{r['mode']} engine {i}: {line or 'no start-up line in its last output'}")
