@@ -2,7 +2,9 @@
 player commands.
 
 The page builds its sliders from `schema()`, so a range or a step list is written once, in
-host_bridge/wire/params.py, for the page as for the keys, OSC, TouchDesigner and ComfyUI. A message
+host_bridge/wire/params.py, for the page as for the keys, OSC, TouchDesigner and ComfyUI; the schema also names
+the live parameter each control sets, so that the page hides a control the running engine does not take (the
+state's `takes`), as the overlay leaves its setting out, rather than offer it only to be refused. A message
 becomes the same `Command` a key or an OSC message would, through the same builders, so the page
 is refused the same mistakes with the same words; the frame loop applies it.
 """
@@ -22,6 +24,7 @@ from loom_live.host_bridge.wire.params import (
     TRANSITION_CHUNKS,
 )
 from loom_live.plugin.player.controls import (
+    SETS_PARAM,
     Command,
     ControlError,
     ControlState,
@@ -46,7 +49,8 @@ def schema() -> dict[str, Any]:
     return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
             "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
             "context_scale": slider(CONTEXT_SCALE), "control_source": list(CONTROL.choices),
-            "prompt_max_len": PROMPT.max_len, "reference_max_bytes": MAX_UPLOAD_BYTES}
+            "prompt_max_len": PROMPT.max_len, "reference_max_bytes": MAX_UPLOAD_BYTES,
+            "params": {name: SETS_PARAM[name] for name in CONTROLS if name in SETS_PARAM}}
 
 
 def _flag(value: Any, what: str) -> bool:
@@ -97,9 +101,11 @@ def command_for(message: Mapping[str, Any], family: str | None = "wan") -> Comma
 
 
 def control_state(s: ControlState) -> dict[str, Any]:
-    """What the performer has set, for the page to show."""
+    """What the performer has set, for the page to show; `takes`: the live parameters the running engine takes
+    (sorted), or None while any may be sent (an empty list: a served engine that has not said yet)."""
     return {"prompts": list(s.prompts), "prompt_index": s.prompt_index, "steps": s.steps,
             "noise_scale": s.noise_scale, "motion_aware": s.motion_aware, "transition_chunks": s.transition_chunks,
             "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message,
             "control_sources": list(s.control_sources), "control_source": s.control_source,
-            "context_scale": s.context_scale, "takes_reference": s.takes_reference, "refused": s.refused}
+            "context_scale": s.context_scale, "takes_reference": s.takes_reference, "refused": s.refused,
+            "takes": None if s.takes is None else sorted(s.takes)}

@@ -65,7 +65,7 @@ def show(tmp_path_factory: pytest.TempPathFactory):
             url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
             driver = chromium(tmp / "chromium")
             driver.get(url)
-            yield {"driver": driver, "proc": proc, "stun": stun, "log": tmp / "loom.log"}
+            yield {"driver": driver, "proc": proc, "stun": stun, "log": tmp / "loom.log", "clip": clip, "tmp": tmp}
         finally:
             if driver is not None:
                 driver.quit()
@@ -166,6 +166,39 @@ def test_the_lora_slider_acts_and_a_bad_value_is_refused_on_the_page(show):
     assert "lora" in message.lower() and "[-4, 4]" in message, message
     assert _controls(driver)["lora_scales"] == {"ink": 0.3}
     _more_frames(show)
+
+
+def _shown(driver, ids: tuple[str, ...]) -> dict[str, bool]:
+    return {i: driver.find_element("id", i).is_displayed() for i in ids}
+
+
+def test_an_engine_that_takes_no_steps_or_noise_scale_gets_no_such_controls_on_its_page(show):
+    """An edit-family engine (-c edit-tiny) takes no steps, noise scale, motion-aware noise or transition chunks:
+    once it has said what it takes, its page offers none of them (each would only be refused), and still its prompt
+    box. This module's Wan engine takes them all, and its page offers them."""
+    driver, first = show["driver"], show["driver"].current_window_handle
+    wan = ("steps", "noise_scale", "motion_aware", "transition_chunks")
+    ids = (*wan, "prompt")
+    assert "steps" in wait("what the Wan engine takes", lambda: _controls(driver).get("takes"), proc=show["proc"])
+    assert _shown(driver, ids) == dict.fromkeys(ids, True)
+    log = show["tmp"] / "edit.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-c", "edit-tiny", "-i",
+                                 str(show["clip"]), "--mode", "live", "--loop", "-o", str(show["tmp"] / "edit.mp4"),
+                                 "--web", "127.0.0.1:0", "--passthrough"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            url = wait("the edit run's page address", lambda: page_url(log), 60.0, proc)
+            driver.switch_to.new_window("tab")
+            driver.get(url)
+            takes = wait("what the edit engine takes", lambda: _controls(driver).get("takes"), proc=proc)
+            assert "adapter_strength" in takes and "steps" not in takes and "noise_scale" not in takes
+            assert _shown(driver, ids) == {**dict.fromkeys(wan, False), "prompt": True}
+        finally:
+            if driver.current_window_handle != first:
+                driver.close()
+                driver.switch_to.window(first)
+            stop(proc)
 
 
 def test_a_reference_upload_reaches_the_host_and_a_wrong_file_is_refused_on_the_page(show):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import NOISE_SCALE, STEP_LISTS
+from loom_live.host_bridge.wire.params import EDIT_FAMILY_PARAMS, NOISE_SCALE, STEP_LISTS
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState
 from loom_live.plugin.web import stamp
 from loom_live.plugin.web.access import make_access, parse_listen
-from loom_live.plugin.web.page_controls import command_for, schema
+from loom_live.plugin.web.page_controls import command_for, control_state, schema
 
 
 @pytest.mark.parametrize("code", [1, 2, 1234, stamp.CODE_LIMIT - 1])
@@ -73,6 +73,22 @@ def test_the_schema_is_the_live_parameters():
     assert s["steps"] == sorted(STEP_LISTS)
     assert (s["noise_scale"]["min"], s["noise_scale"]["max"], s["noise_scale"]["step"]) == \
         (NOISE_SCALE.min, NOISE_SCALE.max, NOISE_SCALE.ui_step)
+
+
+def test_the_page_is_told_what_the_engine_takes_and_which_parameter_each_control_sets():
+    """The page hides a control whose parameter the running engine does not take (page.js, showTaken): an edit
+    engine's state names its own parameters and none of the Wan ones; None (any may be sent) shows all."""
+    params = schema()["params"]
+    assert params == {"steps": "steps", "noise_scale": "noise_scale", "motion_aware": "motion_aware",
+                      "lora_scale": "lora_scales", "transition_chunks": "transition_chunks",
+                      "context_scale": "context_scale", "control_source": "control_source"}
+    controls = Controls(ControlState(prompts=["ink"]))
+    assert control_state(controls.state)["takes"] is None
+    edit = {"prompt": "make it ink", "params": {p.name: p.default for p in EDIT_FAMILY_PARAMS}, "family": "edit"}
+    controls.follow_engine(edit)
+    takes = control_state(controls.state)["takes"]
+    assert takes == sorted(p.name for p in EDIT_FAMILY_PARAMS) and not set(takes) & set(params.values())
+    assert control_state(ControlState(prompts=["ink"], takes=frozenset()))["takes"] == []  # served, not said yet
 
 
 def test_page_messages_become_player_commands():

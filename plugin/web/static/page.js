@@ -296,6 +296,15 @@ function showControl(c) {
   setIfIdle($("context_scale-range"), c.context_scale);
 }
 
+// The rows of the live parameters the running engine does not take (its ready message's list; null: any, all
+// shown) are hidden, as the overlay leaves them out, rather than offered only to be refused. Each row names its
+// control (data-control); the schema names the parameter that control sets.
+function showTaken(takes) {
+  for (const row of document.querySelectorAll("[data-control]")) {
+    row.hidden = Array.isArray(takes) && !takes.includes(hello.schema.params[row.dataset.control]);
+  }
+}
+
 function setIfIdle(el, value) {
   if (document.activeElement !== el) el.value = value;
 }
@@ -332,6 +341,7 @@ function showState(m) {
   $("pause").classList.toggle("on", c.paused);
   showLoras(c.lora_scales);
   showControl(c);
+  showTaken(c.takes);
   // a command the frame loop refused, or a value the running engine refused, is said as refused
   const refusedNow = c.refused > (showState.lastRefused ?? c.refused);
   if (c.message && (c.message !== showState.lastMessage || refusedNow)) {
