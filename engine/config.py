@@ -474,6 +474,19 @@ class LoomConfig:
         """Whether the model takes the `control` section: VACE control blocks, or edges it reads."""
         return self.vace or self.source_edges
 
+    @property
+    def control_sources(self) -> tuple[str, ...]:
+        """The control sources a run of this config can switch between live: none without structure control;
+        edges alone for a model that reads its input's edges; for VACE depth only with its model, video only with
+        a control video (`--control FILE`) or a host that gives control frames."""
+        if not self.structure_control:
+            return ()
+        if not self.vace:
+            return ("edges",)
+        c = self.control
+        return tuple(s for s in live.CONTROL_SOURCES if (s != "depth" or c.depth_model) and (s != "video" or c.video
+                                                                                        or c.control_source == "video"))
+
     def _check_control(self) -> None:
         c = self.control
         if self.source_edges:
@@ -542,15 +555,17 @@ class LoomConfig:
     def start_settings(self) -> dict[str, Any]:
         """What a session of this config starts on, as its `ready` message tells the host (JSON-able): the
         prompt's text and each live parameter it takes (`live_params`) by name, with this config's value
-        (`lora_scales`: the `lora` list's scales by name), and the model family, so that the host says an empty
-        prompt in its words. `with_live` of these params changes nothing."""
+        (`lora_scales`: the `lora` list's scales by name), the model family, so that the host says an empty
+        prompt in its words, and its structure control (`control_sources`, and whether it takes a reference image),
+        so that a host attached to it refuses what it cannot make. `with_live` of these params changes nothing."""
         params = {}
         for p in self.live_params:
             if p is live.LORA_SCALES:
                 params[p.name] = {e.key: e.scale for e in self.lora}
             else:
                 params[p.name] = p.check(getattr(getattr(self, p.section), p.name))
-        return {"prompt": self.prompt.text, "params": params, "family": self.model.family}
+        return {"prompt": self.prompt.text, "params": params, "family": self.model.family,
+                "control_sources": list(self.control_sources), "takes_reference": self.vace}
 
     def start_set_by(self, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         """The share of `start_settings` that `overrides` (the `--set key=value` this config was loaded with) set:

@@ -45,8 +45,8 @@ from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
 from loom_live.host_bridge.wire.handoff_marks import MARKS
-from loom_live.host_bridge.wire.params import LIVE, PROMPT, PROMPT_TAKES, check_prompt_request
-from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make
+from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
+from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make, ready_start
 
 LANE_WAIT_S = 0.05  # longest single poll of the lane by a waiting caller (then it re-checks the link)
 LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long for its news
@@ -650,18 +650,13 @@ class Bridge:
     def engine_start(self) -> dict[str, Any] | None:
         """What the running engine started on, its config's prompt and live parameters, as its ready message
         said: {"prompt": text, "params": {name: value}}, as `set_prompt` and `set_params` take them (only the
-        parameters this host knows, with allowed values), and "family", its model family, where it says one this
-        host knows; a copy. None before the engine is ready, or from an engine that does not say (an older one)."""
+        parameters this host knows, with allowed values), and where it says them, "family", its model family,
+        "control_sources", the control sources it can make, and "takes_reference", whether it takes a reference
+        image (`protocol.ready_start`); a copy. None before the engine is ready, or from one that does not say (an
+        older one)."""
         with self._lock:
             link = self._link
-            start = link.engine_info.get("start") if link is not None and link.ready else None
-            if not isinstance(start, dict) or PROMPT.problem(start.get("prompt")) is not None \
-                    or not isinstance(start.get("params"), dict):
-                return None
-            params = {k: LIVE[k].check(v) for k, v in start["params"].items()
-                      if k in LIVE and LIVE[k].problem(v) is None}
-            family = {"family": start["family"]} if start.get("family") in PROMPT_TAKES else {}
-            return {"prompt": start["prompt"].strip(), "params": params, **family}
+            return ready_start(link.engine_info) if link is not None and link.ready else None
 
     @property
     def engine_family(self) -> str | None:

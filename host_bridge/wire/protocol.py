@@ -18,7 +18,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from loom_live.host_bridge.wire.params import LIVE, PROMPT, TRANSITION_CHUNKS, LiveParam, check_prompt_request
+from loom_live.host_bridge.wire.params import (
+    CONTROL_SOURCES,
+    LIVE,
+    PROMPT,
+    PROMPT_TAKES,
+    TRANSITION_CHUNKS,
+    LiveParam,
+    check_prompt_request,
+)
 
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
 # answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);
@@ -156,8 +164,9 @@ SCHEMA: dict[str, Fields] = {
               "software": (_str(128), False), "lane": (_endpoint, False), "lane_id": (_lane_id, False),
               "doorbell": (_segment, False)},
     # info: "session" (its class name) and "start": what the session starts on, its config's prompt and
-    # live parameters and its model family (what its prompt is), {"prompt": text, "params": {name: value},
-    # "family": name} (an older engine does not say)
+    # live parameters, its model family (what its prompt is) and structure control, {"prompt": text,
+    # "params": {name: value}, "family": name, "control_sources": [source], "takes_reference": bool}
+    # (`LoomConfig.start_settings`; an older engine says no start, or no family or structure control: `ready_start`)
     "ready": {"info": (_json_object, False)},
     # a served engine's only answer to a host that says hello while another host is attached
     "wait": {"reason": (_str(MAX_TEXT), False)},
@@ -247,6 +256,27 @@ def decode(parts: list[bytes], family: str | None = None) -> dict[str, Any]:
         if payload and len(parts[1]) != msg["nbytes"]:
             raise ProtocolError(f"frame: payload has {len(parts[1])} bytes, nbytes says {msg['nbytes']}")
     return msg
+
+
+def ready_start(info: Any) -> dict[str, Any] | None:
+    """What a ready message's `info` says its session starts on, as far as this side reads it: {"prompt": text,
+    "params": {name: value}} (only the live parameters this side knows, with allowed values) and, each where said,
+    "family" (one this side knows), "control_sources" (those this side knows) and "takes_reference". A field left
+    out or unreadable is not said (an older engine's); None where no start with a prompt and parameters is said."""
+    start = info.get("start") if isinstance(info, dict) else None
+    if not isinstance(start, dict) or PROMPT.problem(start.get("prompt")) is not None \
+            or not isinstance(start.get("params"), dict):
+        return None
+    params = {k: LIVE[k].check(v) for k, v in start["params"].items() if k in LIVE and LIVE[k].problem(v) is None}
+    said: dict[str, Any] = {"prompt": start["prompt"].strip(), "params": params}
+    if start.get("family") in PROMPT_TAKES:
+        said["family"] = start["family"]
+    sources = start.get("control_sources")
+    if isinstance(sources, list) and all(isinstance(s, str) for s in sources):
+        said["control_sources"] = [s for s in CONTROL_SOURCES if s in sources]
+    if isinstance(start.get("takes_reference"), bool):
+        said["takes_reference"] = start["takes_reference"]
+    return said
 
 
 def request_id(parts: list[bytes]) -> tuple[str, int] | None:

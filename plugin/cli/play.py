@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from loom_live.engine.config import control_override, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import CONTROL_SOURCES, check_prompt_request
+from loom_live.host_bridge.wire.params import CONTROL, check_prompt_request
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
 from loom_live.plugin.cli.preflight import check_engine_run
 
@@ -173,12 +172,17 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
                         "is a second live input; --control edges|grey|flow|depth makes it from the input, "
                         "--control FILE has the engine read a file)")
     sent = ["control.control_source=video"] if args.control_input else []  # the frames the player sends
-    args.overrides = [*args.overrides, *lora_override(args.loras), *control_override(args.control, args.reference),
-                      *sent]
+    control = [*control_override(args.control, args.reference), *sent]
+    if args.endpoint and any(o.startswith("control.video=") for o in control):
+        raise UserError(f"--control {args.control}: a served engine (--endpoint) reads only the control video its own "
+                        "config names; send this file as the control video with --control-input FILE")
+    # a served engine runs its own config, not -c's: the control options are checked against what it says it takes
+    # once it is ready (the player), not against -c's here
+    args.overrides = [*args.overrides, *lora_override(args.loras), *([] if args.endpoint else control)]
     if args.resolution is not None:  # checked with the config: multiples of 16, in range
         args.overrides += [f"resolution.width={args.resolution[0]}", f"resolution.height={args.resolution[1]}"]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
-    if (args.control or args.control_input or args.reference) and not cfg.structure_control:
+    if (args.control or args.control_input or args.reference) and not args.endpoint and not cfg.structure_control:
         raise UserError(f"--control, --control-input and --reference steer a VACE model (--control edges the "
                         f"default one too); preset {cfg.model.preset!r} has no control blocks and reads no edges: "
                         "use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
@@ -197,6 +201,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
     given = cfg.start_set_by(args.overrides)  # what a served engine is told; it keeps its own values for the rest
     if args.endpoint and not prompts and "prompt" in given:  # --set prompt.text, which a served engine never reads
         prompts = [given["prompt"]]
+    if args.endpoint and (args.control or args.control_input):
+        given["params"][CONTROL.name] = "video" if args.control_input else args.control
     # before an engine starts (it was refused once one ran), in its family's words; a served engine (--endpoint)
     # runs its own config, not -c's, and says its family only once reached: what each family takes is said
     family = None if args.endpoint else cfg.model.family
@@ -207,9 +213,10 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given["params"],
-        control_sources=available_sources(cfg), takes_reference=cfg.vace, control_source=cfg.control.control_source,
+        control_sources=cfg.control_sources, takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, control_input=args.control_input,
-        reference=cfg.control.reference,  # what r reads again: --reference, or the config file's own
+        # what r reads again: --reference, or the config file's own (a served engine is sent --reference once ready)
+        reference=args.reference if args.endpoint else cfg.control.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
         passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
@@ -219,19 +226,6 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         ice_credential_file=args.ice_credential_file,
         **run)
     return run_player(options)
-
-
-def available_sources(cfg: Any) -> tuple[str, ...]:
-    """The control sources a run of `cfg` can switch between live: none without structure control; edges
-    alone for a model that reads its input's edges; for VACE depth only with its model, video only with a
-    control video (`--control FILE`) or a host that gives control frames."""
-    if not cfg.structure_control:
-        return ()
-    if not cfg.vace:
-        return ("edges",)
-    c = cfg.control
-    return tuple(s for s in CONTROL_SOURCES if (s != "depth" or c.depth_model) and (s != "video" or c.video
-                                                                                   or c.control_source == "video"))
 
 
 def _list_ndi() -> int:

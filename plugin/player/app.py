@@ -29,7 +29,7 @@ import numpy as np
 
 from loom_live.host_bridge import EngineState
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import PROMPT_TAKES
+from loom_live.host_bridge.wire.params import CONTROL, PROMPT_TAKES
 from loom_live.plugin.media.base import MediaError
 from loom_live.plugin.media.generated_clip import generate_clip
 from loom_live.plugin.media.network_output import StreamCutOff
@@ -37,7 +37,7 @@ from loom_live.plugin.media.sinks import open_sink
 from loom_live.plugin.media.sources import open_source
 from loom_live.plugin.media.stop_signals import signals_deferred
 from loom_live.plugin.player.control_input import ControlInput, open_control_input
-from loom_live.plugin.player.controls import Controls, ControlState, KeyboardInput
+from loom_live.plugin.player.controls import Command, Controls, ControlState, KeyboardInput, served_sources
 from loom_live.plugin.player.live_feed import LiveFeed
 from loom_live.plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
@@ -612,8 +612,12 @@ class Player:
         not -c's, and for what it does not take."""
         self._took_start = True
         o = self.opts
+        if start is not None:
+            self._check_served_control(start)
         taken, unsent = self.controls.take_start(start, self.bridge, prompt_given=bool(o.prompts),
-                                                 given=o.given_params)
+                                                 given=o.given_params, control_frames=o.control_input is not None)
+        if o.reference is not None:  # read here and sent, as the r key does: a served engine reads only its config's
+            self.controls.put(Command("reference", (o.reference,)))
         if taken:
             said = ", ".join(f"{name} {value!r}" for name, value in taken.items())
             self.printer.say(f"{self.name}: the engine started on its own settings, not those of -c {o.config}: "
@@ -621,6 +625,28 @@ class Player:
         if unsent:
             takes = ", ".join(sorted(self.controls.state.takes or ()))
             self.printer.say(f"{self.name}: the engine does not take {', '.join(unsent)}: not sent (it takes {takes})")
+
+    def _check_served_control(self, start: dict[str, Any]) -> None:
+        """--control, --control-input and --reference, checked against the structure control a served engine says
+        it has, not against -c's (whose model is not the engine's), before anything is sent to it: one it cannot
+        take ends the run (exit code 2), naming what it takes. An engine that does not say is sent them as they are."""
+        o = self.opts
+        sources = served_sources(start, o.control_input is not None)
+        source = o.given_params.get(CONTROL.name)
+        option = "--control-input" if o.control_input else f"--control {source}"
+        vace = "serve a *vace* preset (loom serve -c wan2.1-vace-1.3b, or tiny-vace on a CPU)"
+        if sources == () and (source is not None or o.reference is not None):
+            given = [option] if source is not None else []
+            given += ["--reference"] if o.reference is not None else []
+            raise PlayerError(f"{' and '.join(given)}: the served engine's model has no VACE control blocks and reads "
+                              f"no edges; {vace}")
+        if sources and source is not None and source not in sources:
+            depth = " (depth needs a depth model: control.depth_model in its config)" if source == "depth" else ""
+            raise PlayerError(f"{option}: the served engine cannot make control source {source!r}; it takes "
+                              f"{', '.join(sources)}{depth}")
+        if sources and o.reference is not None and start.get("takes_reference") is False:
+            raise PlayerError(f"--reference: the served engine's model reads its input's edges only and takes no "
+                              f"reference image; {vace}")
 
     def _remember_log(self, status: Any) -> None:
         self._log_tail = list(status.log_tail) or self._log_tail

@@ -20,6 +20,7 @@ from typing import Any
 from loom_live.host_bridge.wire.params import (
     CONTEXT_SCALE,
     CONTROL,
+    CONTROL_SOURCES,
     LIVE,
     LORA_SCALES,
     MOTION_AWARE,
@@ -89,8 +90,10 @@ class ControlState:
     transition_chunks: int | None = None
     lora_scales: dict[str, float] = field(default_factory=dict)  # the loaded LoRAs, by name
     lora_index: int = 0  # the LoRA the keys adjust
-    control_sources: tuple[str, ...] = ()  # the sources this run can make (none: no structure control)
-    takes_reference: bool = True  # with control sources: a VACE model (not the edges-only embedded one)
+    # the sources this run can make (none: no structure control) and, with them, whether the model takes a reference
+    # image (VACE, not the edges-only embedded model); a served engine's once it says them (`Controls.take_start`)
+    control_sources: tuple[str, ...] = ()
+    takes_reference: bool = True
     control_source: str = CONTROL.default
     context_scale: float = CONTEXT_SCALE.default
     reference: str | None = None  # the reference image file: --reference, then the last one sent live
@@ -210,6 +213,16 @@ def _int(value: Any, what: str) -> int:
     return int(as_float)
 
 
+def served_sources(start: Mapping[str, Any], control_frames: bool) -> tuple[str, ...] | None:
+    """The control sources a run on an engine can switch between, as its ready message says them
+    (`Bridge.engine_start`; None: not said), and video where the run sends a VACE engine control frames
+    (`control_frames`: --control-input), as a config with control_source video has it (`LoomConfig.control_sources`)."""
+    if "control_sources" not in start:
+        return None
+    video = control_frames and start.get("takes_reference") is True
+    return tuple(s for s in CONTROL_SOURCES if s in start["control_sources"] or s == "video" and video)
+
+
 def _flag(value: bool | None, current: bool) -> bool:
     """An on/off command's value (checked where it was read: OSC, the page), or None to flip it (a key)."""
     return not current if value is None else value
@@ -240,16 +253,22 @@ class Controls:
         return True
 
     def take_start(self, start: Mapping[str, Any] | None, bridge: Any, *, prompt_given: bool,
-                   given: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+                   given: Mapping[str, Any], control_frames: bool = False) -> tuple[dict[str, Any], list[str]]:
         """A ready engine served with its own config (`--endpoint`): the state takes what it started on
         (`Bridge.engine_start`) for each setting the command line did not give, and the engine is told the live
         parameters it gave (`given`, by name) that it takes, so that the state shown is the engine's and no default
         of this run's config reaches it; `prompt_given`: -p. LoRAs are the engine's (`--lora` loads none into it):
-        a scale given sets one it has. Frame loop only, once. Returns the settings taken that the state held
-        otherwise (this run's config's), and the given parameters the engine does not take (not sent)."""
+        a scale given sets one it has. Its structure control too, where it says it (`served_sources`;
+        `control_frames`: this run sends control frames). Frame loop only, once. Returns the settings taken that
+        the state held otherwise (this run's config's), and the given parameters the engine does not take (not
+        sent)."""
         if start is None:  # an engine that does not say: the state stays this run's config's
             return {}, []
         s, params = self.state, start["params"]
+        sources = served_sources(start, control_frames)
+        if sources is not None:  # an older engine does not say: the state keeps this run's config's
+            s.control_sources = sources
+        s.takes_reference = start.get("takes_reference", s.takes_reference)
         held = {k: v for k, v in params.items() if k not in given}
         send = {k: v for k, v in given.items() if k in params}
         unsent = [k for k in given if k not in params]

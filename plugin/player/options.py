@@ -57,11 +57,14 @@ class PlayerOptions:
     # the live parameters the command line set (--set, --lora, --control), by name as the wire takes them: an engine
     # served with its own config (--endpoint) is told those it takes, and keeps its own values for the rest
     given_params: dict[str, Any] = field(default_factory=dict)
-    control_sources: tuple[str, ...] = ()  # the control sources this run can make; () = no structure control
-    takes_reference: bool = True  # with control sources: a VACE model, not the edges-only embedded one
+    # the control sources this run can make, () = no structure control, and with them whether the model takes a
+    # reference image (VACE, not the edges-only embedded model): -c's; a served engine's once it says them
+    control_sources: tuple[str, ...] = ()
+    takes_reference: bool = True
     control_source: str = LIVE["control_source"].default
     context_scale: float = LIVE["context_scale"].default
-    reference: str | None = None  # VACE: the reference image file (--reference), read again with the r key
+    # VACE: the reference image file (--reference), read again with the r key; sent to a served engine once ready
+    reference: str | None = None
     control_input: str | None = None  # VACE: a second input (camera, file, stream, generated) as the control video
     max_frames: int | None = None
     size: tuple[int, int] | None = None  # the generated clip's (default DEFAULT_GENERATED_SIZE), or an input scaled

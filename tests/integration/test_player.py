@@ -777,6 +777,48 @@ def test_a_player_on_a_served_engine_shows_its_starting_settings_and_sends_none_
     assert bridge.params == [] and s.refused == 1 and s.noise_scale == 0.5
 
 
+def test_a_player_on_a_served_engine_checks_control_and_reference_against_what_it_takes(tmp_path, capsys):
+    """`loom play -c default --control grey --endpoint` on a served VACE engine was refused before connecting (-c's
+    embedded model reads edges only), and -c's VACE model let --control depth through to a served engine without a
+    depth model. The options are checked against what the served engine says it takes once it is ready: a source
+    and a reference it takes are sent to it; one it cannot take ends the run (exit 2) naming what it takes, nothing
+    sent. --control FILE, a video a served engine never reads, is refused at once."""
+    import cv2
+
+    from loom_live.engine.config import load_config
+
+    look = tmp_path / "look.png"
+    cv2.imwrite(str(look), np.full((8, 6, 3), 9, np.uint8))
+
+    def play(served, *options):
+        sessions = ConfigSessions(load_config(served))
+        with InProcessEngine(sessions, start=sessions.start) as engine:
+            code = main(["play", "-n", "3", "--size", "32x32", "-o", str(tmp_path / "out.mp4"), "-y", "--endpoint",
+                         engine.endpoint, "--secret-file", engine.secret_file, *options])
+        [session] = sessions.built
+        return code, session, capsys.readouterr().err
+
+    code, session, err = play("tiny-vace", "--control", "grey", "--reference", str(look))
+    assert code == 0 and session.refused == [], err
+    assert session.params == {"control_source": "grey"} and session.control["reference"] == [8, 6, 3]
+    vace = "serve a *vace* preset (loom serve -c wan2.1-vace-1.3b, or tiny-vace on a CPU)"
+    for served, options, refusal in (
+            ("tiny-vace", ["-c", "tiny-vace", "--control", "depth"], "--control depth: the served engine cannot make "
+             "control source 'depth'; it takes edges, grey, flow (depth needs a depth model: control.depth_model in "
+             "its config)"),
+            ("default", ["--reference", str(look)], "--reference: the served engine's model reads its input's edges "
+             f"only and takes no reference image; {vace}"),
+            ("tiny-random", ["--control", "edges", "--reference", str(look)], "--control edges and --reference: the "
+             f"served engine's model has no VACE control blocks and reads no edges; {vace}")):
+        code, session, err = play(served, *options)
+        assert code == 2 and f"loom play: error: {refusal}\n" in err, err
+        assert session.params == {} and session.control["reference"] is None  # nothing was sent
+    clip = noise_clip(tmp_path / "control.mp4", 3)
+    assert main(["play", "--control", str(clip), "--endpoint", "tcp://127.0.0.1:9", "-o", str(tmp_path / "o.mp4")]) == 2
+    assert "a served engine (--endpoint) reads only the control video its own config names; send this file as the " \
+           "control video with --control-input FILE" in capsys.readouterr().err
+
+
 def test_a_player_on_a_served_engine_keeps_what_the_command_line_set_and_takes_the_rest(tmp_path, capsys,
                                                                                       monkeypatch):
     """-p and --set stream.steps win over a served Wan engine's own, and it is told them; its noise scale and

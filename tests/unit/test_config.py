@@ -178,6 +178,16 @@ def test_start_settings_are_the_config_s_prompt_and_live_parameters():
     assert cfg.stream.steps == [600]
 
 
+def test_start_settings_say_the_structure_control_a_host_may_ask_for():
+    """A host attached to a served engine (`loom play --endpoint`) checks --control and --reference against what the
+    engine says it takes, not against its own -c config: the sources a session can make and whether it reads a
+    reference image."""
+    for name, sources, reference in (("default", ["edges"], False), ("tiny-vace", ["edges", "grey", "flow"], True),
+                                     ("wan2.1-1.3b", [], False), ("edit-tiny", [], False)):
+        start = load_config(name).start_settings()
+        assert (start["control_sources"], start["takes_reference"]) == (sources, reference), name
+
+
 def test_start_set_by_is_the_share_of_the_start_settings_the_overrides_set():
     """What a host attached to an engine served with another config tells it: the live parameters a --set (or
     --lora, --control) set, by their key, a key inside them or their section, and prompt.text; nothing else."""

@@ -14,6 +14,7 @@ from loom_live.host_bridge.wire.protocol import (
     decode,
     encode,
     make,
+    ready_start,
     request_id,
 )
 
@@ -131,6 +132,26 @@ def test_a_refused_request_is_answerable_only_as_a_request_with_a_valid_id():
     for parts in ([], [b"\xff not json"], _raw([bad_prompt]), [b"[" * 30000 + b"]" * 30000], [big],
                   [b'{"v":6,"type":"prompt","id":7,"text":NaN}'], [b'{"type":"prompt","id":1' + b"0" * 5000 + b"}"]):
         assert request_id(parts) is None
+
+
+def test_the_ready_message_says_the_engine_s_structure_control_and_an_older_one_says_none():
+    """The ready message's start names the control sources the session can make and whether it takes a reference
+    image (`LoomConfig.start_settings`), read back by `ready_start` (`Bridge.engine_start`). An older engine's start
+    without them, or values this side cannot read, say nothing of them (not: none); a source this side does not
+    know is left out."""
+    start = {"prompt": "ink", "params": {"context_scale": 0.5}, "family": "wan",
+             "control_sources": ["edges", "grey", "depth"], "takes_reference": True}
+    assert ready_start(decode([encode(make("ready", info={"session": "S", "start": start}))])["info"]) == start
+    older = {"prompt": "ink", "params": {"noise_scale": 0.5}, "family": "wan"}
+    assert ready_start(decode([encode(make("ready", info={"start": older}))])["info"]) == older
+    assert ready_start({"start": {**older, "control_sources": "edges", "takes_reference": 1}}) == older
+    assert ready_start({"start": {**older, "control_sources": [7], "takes_reference": None}}) == older
+    assert ready_start({"start": {**older, "control_sources": ["scribble", "flow", "edges"]}})["control_sources"] \
+        == ["edges", "flow"]
+    none = {**older, "control_sources": [], "takes_reference": False}  # a model without structure control says so
+    assert ready_start({"start": none}) == none
+    for info in ({"session": "S"}, {"start": {"params": {}}}, {"start": {"prompt": "ink"}}, ["start"]):
+        assert ready_start(info) is None
 
 
 def test_ring_spec_describes_the_slots():

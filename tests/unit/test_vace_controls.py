@@ -10,7 +10,6 @@ import pytest
 
 from loom_live.engine.config import load_config
 from loom_live.host_bridge.wire.params import CONTEXT_SCALE, CONTROL
-from loom_live.plugin.cli.play import available_sources
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState, KeyboardInput
 from loom_live.plugin.player.osc import OSC_ADDRESSES, command_for
 from loom_live.plugin.web import page_controls
@@ -128,11 +127,39 @@ def test_a_reference_file_is_read_and_sent_and_an_unreadable_one_keeps_the_old(t
 
 
 def test_the_sources_a_run_offers_follow_its_config(tmp_path):
-    assert available_sources(load_config("tiny-random")) == ()
-    assert available_sources(load_config("default")) == ("edges",)  # the embedded model reads its input's edges
-    assert available_sources(load_config("tiny-vace")) == ("edges", "grey", "flow")
+    assert load_config("tiny-random").control_sources == ()
+    assert load_config("default").control_sources == ("edges",)  # the embedded model reads its input's edges
+    assert load_config("tiny-vace").control_sources == ("edges", "grey", "flow")
     video = load_config("tiny-vace", ["control.control_source=video", f"control.video={tmp_path / 'c.mp4'}"])
-    assert available_sources(video) == ("edges", "grey", "flow", "video")
+    assert video.control_sources == ("edges", "grey", "flow", "video")
+
+
+def test_a_served_engine_s_structure_control_is_what_the_controls_offer():
+    """`loom play --endpoint` offered the sources of -c's model: the embedded model's edges alone on a served VACE
+    engine, or VACE's on one without them. Once the engine says its own (`take_start`), the keys, OSC and the page
+    offer those, video too where this run sends a VACE engine control frames (--control-input); an engine that does
+    not say (an older one) leaves -c's."""
+    start = {"prompt": "ink", "params": {"control_source": "edges", "context_scale": 1.0},
+             "control_sources": ["edges", "grey", "flow"], "takes_reference": True}
+    for frames, sources in ((False, ("edges", "grey", "flow")), (True, ("edges", "grey", "flow", "video"))):
+        controls, bridge = Controls(ControlState(prompts=["ink"], control_sources=("edges",), takes_reference=False)), \
+            RecordingBridge()
+        controls.take_start(start, bridge, prompt_given=True, given={}, control_frames=frames)
+        assert (controls.state.control_sources, controls.state.takes_reference) == (sources, True)
+        for command in (Command("control_next"), Command("reference", (None,))):
+            controls.put(command)
+        controls.apply_pending(bridge)
+        assert bridge.params == [{"control_source": "grey"}] and bridge.references == [None]
+        assert controls.state.refused == 0
+    edges_only = {**start, "control_sources": ["edges"], "takes_reference": False}
+    controls = vace_controls()
+    controls.take_start(edges_only, bridge, prompt_given=True, given={}, control_frames=True)
+    assert (controls.state.control_sources, controls.state.takes_reference) == (("edges",), False)  # reads no video
+    controls.put(Command("reference", (None,)))
+    assert "reads its input's edges only" in controls.apply_pending(bridge)[-1] and controls.state.refused == 1
+    controls = vace_controls()
+    controls.take_start({"prompt": "ink", "params": {}}, bridge, prompt_given=True, given={}, control_frames=True)
+    assert (controls.state.control_sources, controls.state.takes_reference) == (("edges", "grey", "flow"), True)
 
 
 def _png(image_rgb: np.ndarray) -> str:
