@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -49,8 +50,9 @@ class NetworkSender:
     """Encodes and sends a network output's frames on a thread of its own, so that a receiver that stops taking
     them stalls that output for at most NETWORK_STALL_S, not the show until TCP gives up."""
 
-    def __init__(self, sink: StreamedSink) -> None:
+    def __init__(self, sink: StreamedSink, while_waiting: Callable[[], None] | None = None) -> None:
         self._sink = sink
+        self._while_waiting = while_waiting
         self._queue: queue.Queue[np.ndarray | None] = queue.Queue(NETWORK_QUEUE_FRAMES)
         self._error: str | None = None
         self._stalled = False
@@ -61,7 +63,8 @@ class NetworkSender:
         """Queue one frame; a failed send, or a receiver that took nothing for NETWORK_STALL_S, is a MediaError.
 
         False: the frame was dropped, as a stop came (FrameSink.stop) while the receiver took nothing; the stop
-        then ends the output (finish) without the wait."""
+        then ends the output (finish) without the wait. While it waits, ``while_waiting`` (see open_sink) is called
+        every STOP_POLL_S on this thread, before the stop flag is looked at: a stop it makes cuts this wait short."""
         if self._error is not None:
             raise MediaError(f"{self._sink.name}: writing failed: {self._error}")
         frame = frame.copy()
@@ -72,6 +75,8 @@ class NetworkSender:
                 return True
             except queue.Full:
                 pass
+            if self._while_waiting is not None:
+                self._while_waiting()
             if self._sink.stopping:
                 return False
             if time.monotonic() >= deadline:

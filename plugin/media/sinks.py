@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ class FrameSink:
 
     def __init__(self, name: str, target: str, container_format: str | None, is_network: bool,
                  fps: float, width: int, height: int, audio_from: Path | None,
-                 open_timeout: float = DEFAULT_OPEN_TIMEOUT_S, overwrite: bool = True):
+                 open_timeout: float = DEFAULT_OPEN_TIMEOUT_S, overwrite: bool = True,
+                 while_waiting: Callable[[], None] | None = None):
         import av
 
         self.name = name
@@ -111,7 +113,7 @@ class FrameSink:
             self._discard_partial()
             raise MediaError(f"{name}: cannot start the output: {reason(e)}") from e
         OPEN_SINKS.add(self)
-        self._sender = NetworkSender(self) if is_network else None
+        self._sender = NetworkSender(self, while_waiting) if is_network else None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -296,7 +298,8 @@ class FrameSink:
 
 def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
               audio_from: str | int | Path | None = None, overwrite: bool = True, *,
-              open_timeout: float = DEFAULT_OPEN_TIMEOUT_S) -> FrameSink:
+              open_timeout: float = DEFAULT_OPEN_TIMEOUT_S,
+              while_waiting: Callable[[], None] | None = None) -> FrameSink:
     """Open an H.264 output: a .mp4/.mkv/.mov file, or udp:// / srt:// (MPEG-TS), rtmp:// (FLV); or an
     application output (ndi://, spout://, syphon://, virtualcam: see ``plugin.media.app_io``).
 
@@ -306,6 +309,9 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
     ``overwrite=False`` never an existing file (see ``check_output_file``). An RTMP server that
     leaves the connection or a send unanswered for ``open_timeout`` seconds fails the output. Without
     ``overwrite`` a file that appears at the target during the run is not replaced either (``FrameSink.kept_at``).
+    ``while_waiting``: called on the writing thread while a network output's write waits on a receiver that takes
+    nothing (NetworkSender.put), so that what only that thread may do goes on meanwhile: the player reads its
+    window's keys there, and a quit key stops the output (``FrameSink.stop``) as a quit from another thread does.
     """
     from loom_live.plugin.media.app_io import is_app_output, open_app_sink
 
@@ -327,7 +333,7 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
                              f"{', '.join(NETWORK_SINK_FORMATS)} (or a {'/'.join(FILE_SINK_SUFFIXES)} file)")
         target, container_format = stream_target(spec_str, scheme, open_timeout)
         return FrameSink(spec_str, target, container_format, True, float(fps), width, height, None,
-                         open_timeout)
+                         open_timeout, while_waiting=while_waiting)
     path = Path(spec).expanduser()
     if path.suffix.lower() not in FILE_SINK_SUFFIXES:
         raise MediaError(f"output file {path} must end in one of {', '.join(FILE_SINK_SUFFIXES)}")

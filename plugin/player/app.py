@@ -197,7 +197,8 @@ class Player:
             try:
                 self.sinks.append(open_sink(spec, self.source.fps, self.size,
                                             audio_from=audio_from if kind == "file" else None,
-                                            overwrite=o.overwrite))
+                                            overwrite=o.overwrite,
+                                            while_waiting=self._poll_window if self.window is not None else None))
             except MediaError as exc:
                 raise PlayerError(f"output: {exc}") from None
 
@@ -553,6 +554,17 @@ class Player:
         if self.keyboard.typing is not None:
             lines.append(f"new prompt> {self.keyboard.typing}_")
         self.keyboard.press(self.window.show(frame, lines, s.fullscreen))
+        self._quit_if_window_closed()
+
+    def _poll_window(self) -> None:
+        """The window's keys while a write waits on a stream whose receiver takes nothing (open_sink's
+        while_waiting): OpenCV's window is read on this thread only, so a `q` or Esc read between frames alone would
+        wait for that write's stall limit; read here, it stops the outputs at once, as a quit over OSC does
+        (Controls' on_quit)."""
+        self.keyboard.press(self.window.poll_key())
+        self._quit_if_window_closed()
+
+    def _quit_if_window_closed(self) -> None:
         if self.window.closed_by_user():
             self.controls.state.quit = True
             self._stop_outputs()

@@ -231,9 +231,10 @@ def _flag(value: bool | None, current: bool) -> bool:
 class Controls:
     """The command queue plus the state it drives; `apply_pending(bridge)` runs on the frame loop.
 
-    `on_quit` is called as a quit is queued, on the thread that queues it (OSC's server thread): the frame loop
-    that applies the queue may be held up in a write to a stream whose receiver takes nothing, and the quit must
-    cut that wait short (Player._stop_outputs)."""
+    `on_quit` is called as a quit is queued, on the thread that queues it: OSC's server thread, or the frame loop's
+    own while one of its writes waits (a window key, Player._poll_window). The frame loop that applies the queue may
+    be held up in a write to a stream whose receiver takes nothing, and the quit must cut that wait short
+    (Player._stop_outputs)."""
 
     def __init__(self, state: ControlState, on_quit: Callable[[], None] | None = None) -> None:
         self.state = state

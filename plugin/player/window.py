@@ -83,7 +83,12 @@ class PreviewWindow:
             cv2.putText(bgr, text, (8, y), cv2.FONT_HERSHEY_SIMPLEX, OVERLAY_FONT_SCALE, (255, 255, 255), 1,
                         cv2.LINE_AA)
         cv2.imshow(self.title, bgr)
-        return cv2.waitKey(KEY_POLL_MS)
+        return self.poll_key()
+
+    def poll_key(self) -> int:
+        """The key code pressed (-1 for none), the window's events handled meanwhile. OpenCV's thread only: also
+        between frames, while a write waits on a stream that takes nothing (Player._poll_window)."""
+        return self._cv2.waitKey(KEY_POLL_MS)
 
     def closed_by_user(self) -> bool:
         """The window's close button was clicked."""

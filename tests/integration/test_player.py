@@ -287,8 +287,8 @@ def _with_a_stalled_stream(tmp_path: Path, stop: str, osc_port: int | None = Non
                                                                else open_sink(spec, fps, size, **kwargs))
             start_sending, pressed = network_output.NetworkSender.__init__, []
 
-            def start_sending_and_stop_once_stuck(self, sink):
-                start_sending(self, sink)
+            def start_sending_and_stop_once_stuck(self, sink, while_waiting=None):
+                start_sending(self, sink, while_waiting)
 
                 def stop_once_stuck():
                     wait_until_stuck(self._queue, Path({str(read_all)!r}))
@@ -336,6 +336,69 @@ def test_an_osc_quit_with_a_stalled_stream_output_ends_the_run_at_once_and_the_f
     counted = re.search(r": (\d+) frames \(256x256", err)
     assert counted and len(_decode(first)) == int(counted[1]) > 0, err
     assert sorted(first.parent.iterdir()) == [first], "a hidden partial was left behind"
+
+
+class _KeyWindow:
+    """A preview window (PreviewWindow) whose key poll between frames (poll_key, as a write waits) finds ``keys``,
+    one a poll, then none; nothing is pressed as a frame is shown."""
+
+    def __init__(self, keys: str) -> None:
+        self.keys = list(keys)
+        self.polls = 0
+
+    def show(self, frame: np.ndarray, lines: list[str], fullscreen: bool) -> int:
+        return -1
+
+    def poll_key(self) -> int:
+        self.polls += 1
+        return ord(self.keys.pop(0)) if self.keys else -1
+
+    def closed_by_user(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_quit_key_with_a_stalled_stream_output_ends_the_run_at_once(tmp_path, monkeypatch, capsys):
+    """`q` in the window while a write waits on a stream whose receiver takes nothing: the window's keys were read
+    only between frames, on the thread that waits, so the quit waited out the stream's stall limit (5 s; a minute
+    here) where an OSC quit or Ctrl-C cut it short, and the stream then failed, ending the run with 2. Now the key
+    is read while the write waits: the stream is cut off at the stop and said to be, and the quit ends with 0."""
+    from loom_live.plugin.media import network_output
+    from loom_live.plugin.media.sinks import FrameSink
+    from loom_live.plugin.player import window
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    url, released, encode = f"udp://127.0.0.1:{free_udp_port()}", threading.Event(), FrameSink._encode
+
+    def stalled_if_streamed(self, frame, pts):  # the stream's receiver takes nothing: its first send never ends
+        if self.is_network:
+            released.wait()
+        else:
+            encode(self, frame, pts)
+
+    keys = _KeyWindow("q")
+    _without_engine(monkeypatch)
+    monkeypatch.setattr(network_output, "NETWORK_STALL_S", 60.0)  # a quit that waited on it would take a minute
+    monkeypatch.setattr(FrameSink, "_encode", stalled_if_streamed)
+    monkeypatch.setattr(window, "PreviewWindow", lambda: keys)
+    player = Player(PlayerOptions(outputs=["window", url], max_frames=50, size=(64, 64)))
+    player.controls.put(Command("overlay"))  # `h`: no overlay, which would ask the engine left out for its status
+    started = time.monotonic()
+    try:
+        code = player.run()
+    finally:
+        released.set()
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"output cut off at the stop: {url}: stopped; the receiver took nothing for 0.5 s" in err
+    assert not keys.keys, "the key was never read while the write waited"
+    assert took < 30, f"the quit took {took:.1f} s: it waited on the stalled stream"
+    counted = re.search(r": (\d+) frames \(64x64", err)
+    assert counted and int(counted[1]) < 50, err
 
 
 @pytest.mark.parametrize(("signame", "stopped_by", "code"), [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])

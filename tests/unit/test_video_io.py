@@ -731,6 +731,30 @@ def test_a_stop_from_another_thread_cuts_short_a_write_that_waits_on_a_stalled_r
         output.released.set()
 
 
+def test_a_stop_made_while_a_write_waits_on_a_stalled_receiver_cuts_that_write_short(monkeypatch) -> None:
+    """The player's window keys are read on the writing thread only: a quit key pressed while a write waited on a
+    receiver that takes nothing was read once the write gave up, after the stall timeout (5 s; a minute here). Now
+    the waiting write calls while_waiting (the player reads its keys there), and a stop made there cuts it short."""
+    import loom_live.plugin.media.network_output as network_output
+
+    monkeypatch.setattr(network_output, "NETWORK_STALL_S", 60.0)
+    output, pressed = _StalledOutput(), []
+
+    def poll_window() -> None:  # the player's key poll: a quit once the test has pressed it
+        if pressed:
+            output.stop()
+
+    sender = network_output.NetworkSender(output, poll_window)
+    frame = np.zeros((2, 2, 3), np.uint8)
+    try:
+        assert all(sender.put(frame) for _ in range(NETWORK_QUEUE_FRAMES + 1))  # one stuck sending, the rest queued
+        pressed.append("q")
+        assert sender.put(frame) is False  # the queue is full: this write waits, and the poll stops it
+        assert sender.finish(0.0) is False
+    finally:
+        output.released.set()
+
+
 def test_a_signal_held_back_stops_the_open_outputs_and_one_ignored_does_not(tmp_path: Path) -> None:
     """A signal held back by signals_deferred stops every open output (FrameSink.stop), so that none waits on a
     stalled receiver before it is delivered; one the program ignores (the player's finalising) stops nothing."""
