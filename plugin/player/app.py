@@ -341,6 +341,8 @@ class Player:
         limit = self.opts.max_frames
         while not self.controls.state.quit and (limit is None or self.frames_in < limit):
             self._poll_controls()
+            if self.controls.state.quit:  # a quit just applied: no frame is read after it
+                return
             if self.controls.state.paused:
                 self._idle()
                 continue

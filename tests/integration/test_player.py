@@ -524,6 +524,28 @@ def test_a_quit_after_an_output_failed_still_ends_with_exit_code_2(tmp_path, mon
     assert not broken.exists()
 
 
+def test_no_frame_is_read_or_written_after_a_quit(tmp_path, monkeypatch, capsys):
+    """A quit is applied at the top of the frame loop: the loop read and wrote one more frame after it, so a file
+    output held a frame the performer had already stopped. The file ends at the frame the quit came after."""
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    out = tmp_path / "out.mkv"
+    _without_engine(monkeypatch)
+    player = Player(PlayerOptions(outputs=[str(out)], max_frames=50, size=(64, 64)))
+    emit = player._emit
+
+    def emit_then_quit(frame, seq=-1):
+        emit(frame, seq)
+        if player.frames_out == 4:
+            player.controls.put(Command("quit"))
+
+    monkeypatch.setattr(player, "_emit", emit_then_quit)
+    assert player.run() == 0, capsys.readouterr().err
+    assert player.frames_in == player.frames_out == 4
+    assert len(_decode(out)) == 4
+
+
 def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_report_says_where_the_run_went(
         tmp_path, monkeypatch, capsys):
     """Without -y an existing output is refused at open; one saved there during the run (another program, another
