@@ -104,6 +104,7 @@ class Player:
                                               takes_reference=options.takes_reference,
                                               control_source=options.control_source,
                                               context_scale=options.context_scale,
+                                              adapter_strength=options.adapter_strength,
                                               reference=options.reference, family=family, takes=takes),
                                  on_quit=self._stop_outputs)
         self.keyboard = KeyboardInput(self.controls)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loom_live.host_bridge.wire.params import (
+    ADAPTER_STRENGTH,
     CONTEXT_SCALE,
     CONTROL,
     CONTROL_SOURCES,
@@ -29,12 +30,14 @@ from loom_live.host_bridge.wire.params import (
     STEPS,
     TRANSITION_CHUNKS,
     check_prompt_request,
+    family_params,
     steps_for,
 )
 
 NOISE_SCALE_KEY_STEP = NOISE_SCALE.ui_step
 LORA_KEY_STEP = LORA_SCALES.ui_step
 CONTEXT_SCALE_KEY_STEP = CONTEXT_SCALE.ui_step
+ADAPTER_STRENGTH_KEY_STEP = ADAPTER_STRENGTH.ui_step
 # Prompts sent live (typed, OSC, the web page) kept beside the run's own list: n/b and the page step through them.
 MAX_LIVE_PROMPTS = 32
 NO_VACE = ("the model has no VACE control blocks and reads no edges (use the default preset for its edge "
@@ -45,11 +48,13 @@ EDGES_ONLY = ("the model reads its input's edges only, scaled by the control sca
 SETS_PARAM = {"steps": STEPS.name, "noise_scale": NOISE_SCALE.name, "noise_step": NOISE_SCALE.name,
               "motion_aware": MOTION_AWARE.name, "lora_scale": LORA_SCALES.name, "lora_step": LORA_SCALES.name,
               "transition_chunks": TRANSITION_CHUNKS.name, "context_scale": CONTEXT_SCALE.name,
-              "context_step": CONTEXT_SCALE.name, "control_source": CONTROL.name, "control_next": CONTROL.name}
+              "context_step": CONTEXT_SCALE.name, "control_source": CONTROL.name, "control_next": CONTROL.name,
+              "adapter_strength": ADAPTER_STRENGTH.name, "adapter_step": ADAPTER_STRENGTH.name}
 # The live parameters the state holds, under their own names, each as the state keeps an engine's value (steps: how
 # many); transition_chunks is not among them: the state's None is "the engine's own".
 HELD: dict[str, Callable[[Any], Any]] = {STEPS.name: len, NOISE_SCALE.name: float, MOTION_AWARE.name: bool,
-                                         LORA_SCALES.name: dict, CONTROL.name: str, CONTEXT_SCALE.name: float}
+                                         LORA_SCALES.name: dict, CONTROL.name: str, CONTEXT_SCALE.name: float,
+                                         ADAPTER_STRENGTH.name: float}
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class Command:
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
             "motion_aware", "lora_scale", "lora_step", "lora_next", "transition_chunks", "context_scale",
             "context_step", "control_source", "control_next", "reference", "reference_image", "reference_reload",
-            "pause", "overlay", "fullscreen", "quit", "refused")  # refused: (why,) a message another thread refused
+            "adapter_strength", "adapter_step", "pause", "overlay", "fullscreen", "quit",
+            "refused")  # refused: (why,) a message another thread refused
 
 
 class ControlError(ValueError):
@@ -97,6 +103,7 @@ class ControlState:
     control_source: str = CONTROL.default
     context_scale: float = CONTEXT_SCALE.default
     reference: str | None = None  # the reference image file: --reference, then the last one sent live
+    adapter_strength: float = ADAPTER_STRENGTH.default  # the edit family's temporal adapter
     paused: bool = False
     overlay: bool = True
     fullscreen: bool = False
@@ -117,10 +124,14 @@ class ControlState:
             self.given_prompts = len(self.prompts)
 
     def settings_line(self) -> str:
-        """Steps, noise scale and motion-aware noise, as the overlay shows them: those the engine takes."""
+        """Steps, noise scale, motion-aware noise and the edit family's adapter strength, as the overlay shows them:
+        those the engine takes; before it says (`takes` None: an engine started on this run's config), those its
+        model family takes, so that a Wan run's overlay never shows the adapter, nor an edit run's the steps."""
         shown = {STEPS.name: f"steps {self.steps}", NOISE_SCALE.name: f"noise {self.noise_scale:.2f}",
-                 MOTION_AWARE.name: f"motion {'on' if self.motion_aware else 'off'}"}
-        return "  ".join(text for name, text in shown.items() if self.takes is None or name in self.takes)
+                 MOTION_AWARE.name: f"motion {'on' if self.motion_aware else 'off'}",
+                 ADAPTER_STRENGTH.name: f"adapter {self.adapter_strength:.2f}"}
+        takes = self.takes if self.takes is not None else {p.name for p in family_params(self.family or "wan")}
+        return "  ".join(text for name, text in shown.items() if name in takes)
 
     @property
     def prompt(self) -> str:
@@ -165,6 +176,16 @@ def context_scale_command(value: Any) -> Command:
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         raise ControlError(f"context_scale: {value!r} is not a number; expected {CONTEXT_SCALE.allowed()}") from None
     return Command("context_scale", (_checked(CONTEXT_SCALE.check, x),))
+
+
+def adapter_strength_command(value: Any) -> Command:
+    """The edit family's temporal adapter (LLLite) output multiplier, in the schema's range; 0: no adapter."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
+        raise ControlError(f"adapter_strength: {value!r} is not a number; "
+                           f"expected {ADAPTER_STRENGTH.allowed()}") from None
+    return Command("adapter_strength", (_checked(ADAPTER_STRENGTH.check, x),))
 
 
 def control_source_command(value: Any) -> Command:
@@ -463,6 +484,10 @@ class Controls:
         elif name in ("context_scale", "context_step", "control_source", "control_next"):
             if not self._apply_control(name, args, changes):
                 return
+        elif name in ("adapter_strength", "adapter_step"):
+            target = args[0] if name == "adapter_strength" else s.adapter_strength + args[0]
+            s.adapter_strength = round(min(ADAPTER_STRENGTH.max, max(ADAPTER_STRENGTH.min, target)), 4)
+            changes["adapter_strength"] = s.adapter_strength
         elif name == "reference":
             if not s.control_sources or not s.takes_reference:
                 self._refuse(f"reference: {NO_VACE if not s.control_sources else EDGES_ONLY}")
@@ -528,6 +553,8 @@ def _describe(command: Command, s: ControlState) -> str:
         return f"control scale: {s.context_scale:.2f}"
     if command.name in ("control_source", "control_next"):
         return f"control source: {s.control_source}"
+    if command.name in ("adapter_strength", "adapter_step"):
+        return f"adapter strength: {s.adapter_strength:.2f}"
     if command.name == "reference":
         return f"reference: {s.reference or 'none'} (being read)"
     if command.name == "reference_reload":
@@ -554,6 +581,7 @@ KEY_HELP: Sequence[tuple[str, str]] = (
     ("- / =", f"VACE presets and the default one (its edges): control scale down / up by {CONTEXT_SCALE_KEY_STEP}"),
     ("c", "VACE presets: the next control source (edges, grey, flow, and depth or video when given)"),
     ("r", "VACE presets: read the reference image file again (--reference; overwrite it, then press r)"),
+    ("; / '", f"edit presets: temporal adapter strength down / up by {ADAPTER_STRENGTH_KEY_STEP}"),
     ("h", "hide / show the status overlay"),
     ("f", "full screen on / off"),
 )
@@ -577,6 +605,8 @@ _SIMPLE_KEYS: dict[str, Callable[[], Command]] = {
     "=": lambda: Command("context_step", (CONTEXT_SCALE_KEY_STEP,)),
     "c": lambda: Command("control_next"),
     "r": lambda: Command("reference_reload"),
+    ";": lambda: Command("adapter_step", (-ADAPTER_STRENGTH_KEY_STEP,)),
+    "'": lambda: Command("adapter_step", (ADAPTER_STRENGTH_KEY_STEP,)),
     "h": lambda: Command("overlay"),
     "f": lambda: Command("fullscreen"),
 }

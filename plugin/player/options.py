@@ -63,6 +63,7 @@ class PlayerOptions:
     takes_reference: bool = True
     control_source: str = LIVE["control_source"].default
     context_scale: float = LIVE["context_scale"].default
+    adapter_strength: float = LIVE["adapter_strength"].default  # the edit family's (edit.adapter_strength)
     # VACE: the reference image file (--reference), read again with the r key; sent to a served engine once ready
     reference: str | None = None
     control_input: str | None = None  # VACE: a second input (camera, file, stream, generated) as the control video

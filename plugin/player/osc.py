@@ -11,11 +11,19 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from loom_live.host_bridge.wire.params import CONTEXT_SCALE, CONTROL, LORA_SCALES, NOISE_SCALE, STEP_LISTS
+from loom_live.host_bridge.wire.params import (
+    ADAPTER_STRENGTH,
+    CONTEXT_SCALE,
+    CONTROL,
+    LORA_SCALES,
+    NOISE_SCALE,
+    STEP_LISTS,
+)
 from loom_live.plugin.player.controls import (
     Command,
     ControlError,
     Controls,
+    adapter_strength_command,
     context_scale_command,
     control_source_command,
     lora_scale_command,
@@ -41,6 +49,8 @@ OSC_ADDRESSES: dict[str, tuple[str, str]] = {
     "/loom/control/next": ("", "VACE presets: the next control source this run can make"),
     "/loom/reference": ("[path]", "VACE presets: a new reference image file, in effect at the next chunk "
                                   "(no path: none)"),
+    "/loom/adapter_strength": ("f", f"edit presets: temporal adapter strength, {ADAPTER_STRENGTH.min:g}.."
+                                    f"{ADAPTER_STRENGTH.max:g} (0: no temporal adapter)"),
     "/loom/pause": ("[0|1]", "pause / resume the input (no argument: toggle)"),
     "/loom/quit": ("", "stop the player; outputs are finalised"),
 }
@@ -87,6 +97,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "/loom/control/source": control_source_command,
     "/loom/control/next": lambda: Command("control_next"),
     "/loom/reference": reference_command,
+    "/loom/adapter_strength": adapter_strength_command,
     "/loom/pause": _toggle("pause"),
     "/loom/quit": lambda: Command("quit"),
 }

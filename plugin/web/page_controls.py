@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from loom_live.host_bridge.wire.params import (
+    ADAPTER_STRENGTH,
     CONTEXT_SCALE,
     CONTROL,
     LORA_SCALES,
@@ -29,6 +30,7 @@ from loom_live.plugin.player.controls import (
     ControlError,
     ControlState,
     UploadedReference,
+    adapter_strength_command,
     context_scale_command,
     control_source_command,
     lora_scale_command,
@@ -49,6 +51,7 @@ def schema() -> dict[str, Any]:
     return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
             "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
             "context_scale": slider(CONTEXT_SCALE), "control_source": list(CONTROL.choices),
+            "adapter_strength": slider(ADAPTER_STRENGTH),
             "prompt_max_len": PROMPT.max_len, "reference_max_bytes": MAX_UPLOAD_BYTES,
             "params": {name: SETS_PARAM[name] for name in CONTROLS if name in SETS_PARAM}}
 
@@ -84,6 +87,7 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
     "transition_chunks": lambda m: transition_chunks_command(m.get("value")),
     "context_scale": lambda m: context_scale_command(m.get("value")),
     "control_source": lambda m: control_source_command(m.get("value")),
+    "adapter_strength": lambda m: adapter_strength_command(m.get("value")),
     "reference": _reference,
     "pause": lambda m: Command("pause", (_flag(m.get("value"), "pause"),)),
 }
@@ -108,4 +112,5 @@ def control_state(s: ControlState) -> dict[str, Any]:
             "lora_scales": dict(s.lora_scales), "paused": s.paused, "message": s.message,
             "control_sources": list(s.control_sources), "control_source": s.control_source,
             "context_scale": s.context_scale, "takes_reference": s.takes_reference, "refused": s.refused,
+            "adapter_strength": s.adapter_strength,
             "takes": None if s.takes is None else sorted(s.takes)}

@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -850,7 +851,7 @@ def test_a_player_on_a_served_engine_shows_its_starting_settings_and_sends_none_
                                         given_params={"noise_scale": 0.5})
     s, takes = player.controls.state, ", ".join(sorted(served.start_settings()["params"]))
     assert s.prompts == ["make it a watercolor"] and s.takes == set(served.start_settings()["params"])
-    assert sent == [] and session.refused == [] and s.settings_line() == ""  # the overlay shows no Wan settings
+    assert sent == [] and session.refused == [] and s.settings_line() == "adapter 1.00"  # and no Wan settings
     err = capsys.readouterr().err
     assert "loom play: the engine started on its own settings, not those of -c default: prompt 'make it a " \
            "watercolor'; the controls follow it (-p and --set choose others)\n" in err, err
@@ -860,6 +861,62 @@ def test_a_player_on_a_served_engine_shows_its_starting_settings_and_sends_none_
     assert player.controls.apply_pending(bridge) == [f"noise_scale: the engine's model (edit family) does not take "
                                                      f"it; it takes {takes}"]
     assert bridge.params == [] and s.refused == 1 and s.noise_scale == 0.5
+
+
+class _OverlayKeys:
+    """A preview window (PreviewWindow) that keeps the overlay's lines of each frame shown and, as frames are shown,
+    presses each key of ``keys`` in turn, one a frame, then `q` once ``done()`` holds."""
+
+    def __init__(self, keys: str, done: Callable[[], bool]) -> None:
+        self.keys, self.done = list(keys), done
+        self.lines: list[list[str]] = []
+
+    def show(self, frame: np.ndarray, lines: list[str], fullscreen: bool) -> int:
+        self.lines.append(list(lines))
+        if self.keys:
+            return ord(self.keys.pop(0))
+        return ord("q") if self.done() else -1
+
+    def poll_key(self) -> int:
+        return -1
+
+    def closed_by_user(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_keys_step_the_adapter_strength_of_an_edit_engine_from_the_one_the_command_line_gave(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """`loom play -c edit-tiny --set edit.adapter_strength=0.6` on a served pass-through edit-tiny engine: the
+    engine is told 0.6 once, the overlay shows it (and none of the Wan settings), `'` steps it to 0.65, and the
+    engine's session takes that (its config's family share of the live parameters: a Wan one would refuse it)."""
+    from loom_live.engine.config import load_config
+    from loom_live.host_bridge import Bridge
+    from loom_live.plugin.player import window
+
+    sent: list[dict] = []
+    set_params = Bridge.set_params
+
+    def recorded(bridge, **params):
+        sent.append(params)
+        set_params(bridge, **params)
+
+    sessions = ConfigSessions(load_config("edit-tiny"))
+    keys = _OverlayKeys("'", lambda: sessions.built[0].params.get("adapter_strength") == 0.65)
+    monkeypatch.setattr(Bridge, "set_params", recorded)
+    monkeypatch.setattr(window, "PreviewWindow", lambda: keys)
+    with InProcessEngine(sessions, start=sessions.start) as engine:
+        assert main(["play", "-c", "edit-tiny", "--set", "edit.adapter_strength=0.6", "-n", "2000", "--loop",
+                     "--size", "32x32", "-o", "window", "--endpoint", engine.endpoint, "--secret-file",
+                     engine.secret_file]) == 0
+    [session] = sessions.built
+    assert session.params == {"adapter_strength": 0.65} and session.refused == []
+    assert sent == [{"adapter_strength": 0.6}, {"adapter_strength": 0.65}]  # each once
+    settings = [lines[2] for lines in keys.lines]  # the live line, the prompt, then the settings
+    assert settings[0] == "adapter 0.60" and settings[-1] == "adapter 0.65", settings
+    assert "loom play: adapter strength: 0.65\n" in capsys.readouterr().err
 
 
 def test_a_player_on_a_served_engine_checks_control_and_reference_against_what_it_takes(tmp_path, capsys):

@@ -175,12 +175,13 @@ def _shown(driver, ids: tuple[str, ...]) -> dict[str, bool]:
 def test_an_engine_that_takes_no_steps_or_noise_scale_gets_no_such_controls_on_its_page(show):
     """An edit-family engine (-c edit-tiny) takes no steps, noise scale, motion-aware noise or transition chunks:
     once it has said what it takes, its page offers none of them (each would only be refused), and still its prompt
-    box. This module's Wan engine takes them all, and its page offers them."""
+    box, and its adapter strength. This module's Wan engine takes them all, and its page offers them, but no adapter
+    strength."""
     driver, first = show["driver"], show["driver"].current_window_handle
     wan = ("steps", "noise_scale", "motion_aware", "transition_chunks")
-    ids = (*wan, "prompt")
+    ids = (*wan, "adapter_strength", "prompt")
     assert "steps" in wait("what the Wan engine takes", lambda: _controls(driver).get("takes"), proc=show["proc"])
-    assert _shown(driver, ids) == dict.fromkeys(ids, True)
+    assert _shown(driver, ids) == {**dict.fromkeys(ids, True), "adapter_strength": False}
     log = show["tmp"] / "edit.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "loom_live.plugin.cli", "play", "-c", "edit-tiny", "-i",
@@ -193,7 +194,7 @@ def test_an_engine_that_takes_no_steps_or_noise_scale_gets_no_such_controls_on_i
             driver.get(url)
             takes = wait("what the edit engine takes", lambda: _controls(driver).get("takes"), proc=proc)
             assert "adapter_strength" in takes and "steps" not in takes and "noise_scale" not in takes
-            assert _shown(driver, ids) == {**dict.fromkeys(wan, False), "prompt": True}
+            assert _shown(driver, ids) == {**dict.fromkeys(wan, False), "adapter_strength": True, "prompt": True}
         finally:
             if driver.current_window_handle != first:
                 driver.close()

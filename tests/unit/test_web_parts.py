@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import EDIT_FAMILY_PARAMS, NOISE_SCALE, STEP_LISTS
+from loom_live.host_bridge.wire.params import ADAPTER_STRENGTH, EDIT_FAMILY_PARAMS, NOISE_SCALE, STEP_LISTS
 from loom_live.plugin.player.controls import Command, ControlError, Controls, ControlState
 from loom_live.plugin.web import stamp
 from loom_live.plugin.web.access import make_access, parse_listen
@@ -73,21 +73,28 @@ def test_the_schema_is_the_live_parameters():
     assert s["steps"] == sorted(STEP_LISTS)
     assert (s["noise_scale"]["min"], s["noise_scale"]["max"], s["noise_scale"]["step"]) == \
         (NOISE_SCALE.min, NOISE_SCALE.max, NOISE_SCALE.ui_step)
+    assert s["adapter_strength"] == {"min": 0.0, "max": 2.0, "step": 0.05, "ui_max": 2.0,
+                                     "allowed": ADAPTER_STRENGTH.allowed()}
 
 
 def test_the_page_is_told_what_the_engine_takes_and_which_parameter_each_control_sets():
     """The page hides a control whose parameter the running engine does not take (page.js, showTaken): an edit
-    engine's state names its own parameters and none of the Wan ones; None (any may be sent) shows all."""
+    engine's state names its own parameters (the adapter strength among the page's) and none of the Wan ones; None
+    (any may be sent) shows all."""
     params = schema()["params"]
     assert params == {"steps": "steps", "noise_scale": "noise_scale", "motion_aware": "motion_aware",
                       "lora_scale": "lora_scales", "transition_chunks": "transition_chunks",
-                      "context_scale": "context_scale", "control_source": "control_source"}
+                      "context_scale": "context_scale", "control_source": "control_source",
+                      "adapter_strength": "adapter_strength"}
     controls = Controls(ControlState(prompts=["ink"]))
     assert control_state(controls.state)["takes"] is None
     edit = {"prompt": "make it ink", "params": {p.name: p.default for p in EDIT_FAMILY_PARAMS}, "family": "edit"}
     controls.follow_engine(edit)
-    takes = control_state(controls.state)["takes"]
-    assert takes == sorted(p.name for p in EDIT_FAMILY_PARAMS) and not set(takes) & set(params.values())
+    state = control_state(controls.state)
+    takes = state["takes"]
+    assert state["adapter_strength"] == ADAPTER_STRENGTH.default
+    assert takes == sorted(p.name for p in EDIT_FAMILY_PARAMS) and set(takes) & set(params.values()) == \
+        {"adapter_strength"}
     assert control_state(ControlState(prompts=["ink"], takes=frozenset()))["takes"] == []  # served, not said yet
 
 
@@ -98,6 +105,7 @@ def test_page_messages_become_player_commands():
     assert command_for({"control": "pause", "value": True}) == Command("pause", (True,))
     assert command_for({"control": "transition_chunks", "value": 0}) == Command("transition_chunks", (0,))
     assert command_for({"control": "lora_scale", "name": "ink", "value": 0.5}) == Command("lora_scale", ("ink", 0.5))
+    assert command_for({"control": "adapter_strength", "value": 0}) == Command("adapter_strength", (0.0,))
 
 
 @pytest.mark.parametrize("message, words", [
@@ -112,6 +120,9 @@ def test_page_messages_become_player_commands():
     ({"control": "quit"}, "unknown control 'quit'"),
     ({"control": "steps", "value": 10 ** 400}, "expected 1, 2, 3 or 4"),  # JSON ints have no bound; floats do
     ({"control": "noise_scale", "value": 10 ** 400}, "[0.1, 1]"),
+    ({"control": "adapter_strength", "value": 2.5}, "adapter_strength: '2.5' is not allowed; expected a number in "
+                                                    "[0, 2]"),
+    ({"control": "adapter_strength", "value": "strong"}, "adapter_strength: 'strong' is not a number"),
     ({"value": 1}, "unknown control"),
 ])
 def test_a_bad_page_message_is_refused_in_words(message, words):

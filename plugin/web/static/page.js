@@ -247,6 +247,7 @@ function buildControls(schema) {
   }
   slider("noise_scale", schema.noise_scale, (v) => control("noise_scale", { value: v }));
   slider("transition_chunks", schema.transition_chunks, (v) => control("transition_chunks", { value: v }));
+  slider("adapter_strength", schema.adapter_strength, (v) => control("adapter_strength", { value: v }));
   $("motion_aware").onchange = (e) => control("motion_aware", { value: e.target.checked });
   slider("context_scale", schema.context_scale, (v) => control("context_scale", { value: v }));
   $("control_source").onchange = (e) => control("control_source", { value: e.target.value });
@@ -336,6 +337,8 @@ function showState(m) {
   const chunks = c.transition_chunks === null ? "" : c.transition_chunks;
   setIfIdle($("transition_chunks"), chunks);
   setIfIdle($("transition_chunks-range"), chunks);
+  setIfIdle($("adapter_strength"), c.adapter_strength);
+  setIfIdle($("adapter_strength-range"), c.adapter_strength);
   $("motion_aware").checked = c.motion_aware;
   $("pause").textContent = c.paused ? "Resume" : "Pause";
   $("pause").classList.toggle("on", c.paused);
