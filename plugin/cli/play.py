@@ -211,6 +211,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
     options = PlayerOptions(
         config=args.config,
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,
+        takes=tuple(p.name for p in cfg.live_params),
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
         lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given["params"],
         control_sources=cfg.control_sources, takes_reference=cfg.vace, control_source=cfg.control.control_source,

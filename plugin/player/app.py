@@ -94,8 +94,10 @@ class Player:
         self.printer = printer or StatusPrinter(quiet=options.quiet)
         prompts = list(options.prompts) or [options.default_prompt]
         # a served engine (--endpoint) runs its own config: its family, the parameters it takes and its starting
-        # values are known once it says them (_follow_engine); nothing is sent to it before
-        family, takes = (None, frozenset()) if options.endpoint else (options.family, None)
+        # values are known once it says them (_follow_engine); nothing is sent to it before. A launched one runs -c's
+        # until it says its own
+        family, takes = (None, frozenset()) if options.endpoint else \
+            (options.family, None if options.takes is None else frozenset(options.takes))
         self.controls = Controls(ControlState(prompts=prompts, steps=options.steps,
                                               noise_scale=options.noise_scale,
                                               motion_aware=options.motion_aware,

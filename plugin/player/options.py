@@ -50,6 +50,9 @@ class PlayerOptions:
     # the config's model family (model.family): a prompt sent live is refused in its words (a served engine's own
     # once it says it: --endpoint)
     family: str = "wan"
+    # the live parameters -c's config takes: a launched engine's until it says its own (a command for another one is
+    # refused in the player from the start, and the page never offers it); None: any may be sent
+    takes: tuple[str, ...] | None = None
     steps: int = len(LIVE["steps"].default)
     noise_scale: float = LIVE["noise_scale"].default
     motion_aware: bool = LIVE["motion_aware"].default

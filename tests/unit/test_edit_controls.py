@@ -4,6 +4,8 @@ one) is never sent it, and the overlay shows it only where the engine takes it (
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from loom_live.host_bridge.wire.params import ADAPTER_STRENGTH, EDIT_FAMILY_PARAMS, WAN_PARAMS
@@ -95,3 +97,24 @@ def test_a_served_edit_engine_s_own_strength_is_taken_and_one_the_command_line_g
     given.follow_engine(start)
     assert given.take_start(start, bridge, prompt_given=True, given={"adapter_strength": 0.4}) == ({}, [])
     assert bridge.params == [{"adapter_strength": 0.4}] and given.state.adapter_strength == 0.4
+
+
+def test_a_launched_run_takes_what_its_config_takes_before_its_engine_says(monkeypatch):
+    """Before a launched engine is ready (a GPU model warms up for most of a minute) the player knows what -c's config
+    takes: a Wan key on an edit run is refused in the player from the start, not sent and refused by the engine, and
+    the page's state names the parameters so that it never offers the others; --endpoint still knows nothing yet."""
+    from loom_live.plugin import player
+    from loom_live.plugin.cli.main import main
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.web.page_controls import control_state
+
+    seen = []
+    monkeypatch.setattr(player, "run_player", lambda options: seen.append(options) or 0)
+    assert main(["play", "-c", "edit-tiny", "--passthrough", "-n", "5"]) == 0
+    controls = Player(seen[0]).controls
+    assert control_state(controls.state)["takes"] == sorted(EDIT_TAKES)
+    assert _press(controls, "]").params == []  # noise scale up: a Wan parameter
+    assert controls.state.message.startswith("noise_scale: the engine's model")
+    assert "adapter_strength" in controls.state.message
+    served = replace(seen[0], endpoint="tcp://127.0.0.1:9", passthrough=False)  # it runs its own config, not -c's
+    assert control_state(Player(served).controls.state)["takes"] == []
