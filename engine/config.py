@@ -58,6 +58,15 @@ YAML_NULLS = ("null", "Null", "NULL", "~")
 SAVED_CHOICES = ("load", "build", "none")
 
 
+DEVICE_SETTINGS = "auto, cpu, cuda or cuda:N"
+
+
+def is_device_setting(text: str) -> bool:
+    """Whether `text` is one of DEVICE_SETTINGS (model.device, and the commands' own --device)."""
+    head, _, idx = text.partition(":")
+    return text in ("auto", "cpu", "cuda") or (head == "cuda" and idx.isdigit())
+
+
 @dataclass
 class ModelConfig:
     """The denoiser: a DiT preset and optional weights."""
@@ -72,7 +81,7 @@ class ModelConfig:
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="compute dtype; auto = bfloat16 on CUDA, float32 on CPU (the embedded preset: "
                           "bfloat16 where the CPU has AMX or AVX512-BF16)")
-    device: str = spec("auto", doc="auto, cpu, cuda or cuda:N")
+    device: str = spec("auto", doc=DEVICE_SETTINGS)
     cpu_threads: int = spec(0, min=0, max=1024, doc="torch threads of an engine on a CPU; 0 = one less than "
                                                     "its cores (the host gets one), at least 1")
     seed: int = spec(0, min=0, doc="seed of the embedded default weights when no checkpoint is given")
@@ -110,8 +119,8 @@ class ModelConfig:
                                  "torch functions, or auto: the kernels where triton is installed")
 
     def __post_init__(self) -> None:
-        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
-            raise ValueError(f"device: {self.device!r} is not allowed; expected auto, cpu, cuda or cuda:N")
+        if not is_device_setting(self.device):
+            raise ValueError(f"device: {self.device!r} is not allowed; expected {DEVICE_SETTINGS}")
 
 
 def _first_set(section: Any, keys: tuple[str, ...] | None = None) -> str | None:
@@ -127,11 +136,6 @@ def _join(section: str, key: str) -> str:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def _is_cuda_index(text: str) -> bool:
-    head, _, idx = text.partition(":")
-    return head == "cuda" and idx.isdigit()
 
 
 @dataclass

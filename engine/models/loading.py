@@ -46,17 +46,19 @@ class LoadedModels:
     load_s: dict[str, float] = field(default_factory=dict)  # seconds per part of the load (start-up log)
 
 
-def resolve_device(setting: str) -> torch.device:
+def resolve_device(setting: str, key: str = "model.device") -> torch.device:
+    """The device of a checked setting (auto, cpu, cuda or cuda:N); one this machine lacks is refused naming
+    `key` (the config key, or a command's option) before anything loads onto it."""
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(setting)
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        raise ValueError(f"model.device: {setting!r} asked for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+        raise ValueError(f"{key}: {setting!r} asked for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
     visible = torch.cuda.device_count()
     if (device.index or 0) >= visible:  # else the model load would fail on torch's "invalid device ordinal"
-        raise ValueError(f"model.device: {setting!r} names a GPU that is not here ({visible} visible); allowed: "
+        raise ValueError(f"{key}: {setting!r} names a GPU that is not here ({visible} visible); allowed: "
                          f"auto, cpu, cuda or cuda:0..cuda:{visible - 1}")
     return device
 

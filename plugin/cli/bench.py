@@ -14,7 +14,7 @@ import numpy as np
 from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override, model_family
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
-from loom_live.plugin.cli.common import add_config_options, non_negative_int, positive_int
+from loom_live.plugin.cli.common import add_config_options, non_negative_float, non_negative_int, positive_int
 from loom_live.plugin.cli.preflight import check_weights
 from loom_live.plugin.media.generated_clip import generate_clip
 from loom_live.plugin.media.sources import open_source
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--height", type=int, help="frame height (sets resolution.height)")
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
                    help="a style LoRA file and its scale (default 1.0); repeat for several")
-    p.add_argument("--input-fps", type=float, default=0.0, help="pace the input (0: as fast as possible)")
+    p.add_argument("--input-fps", type=non_negative_float, default=0.0, help="pace the input (0: as fast as possible)")
     p.add_argument("--clip", help="video file to stream (default: a generated clip)")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="also time diffusers' eager Wan transformer+VAE on the same shapes (default: on for the "
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "engine process (auto: cuda-ipc on a GPU, else shm)")
     p.add_argument("--bridge-frames", type=positive_int, default=300,
                    help="frames of the bridge round trip (default 300)")
-    p.add_argument("--memory-cap-gib", type=float, default=0.0,
+    p.add_argument("--memory-cap-gib", type=non_negative_float, default=0.0,
                    help="refuse GPU allocations beyond this many GiB for the Loom run (e.g. 24: prove a "
                         "24 GB card suffices; use with --set memory.low_vram=true)")
     p.add_argument("--gpus", type=int, help="split the DiT over this many GPUs (pipeline parallelism; "

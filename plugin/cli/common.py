@@ -7,6 +7,7 @@ Every subcommand that runs a model (play, serve, bench, eval) takes the same `-c
 from __future__ import annotations
 
 import argparse
+import math
 from importlib import metadata
 
 DEFAULT_CONFIG = "default"
@@ -49,6 +50,17 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An argparse type: a whole number of at least 0."""
     return _int_at_least(text, 0, "an integer of 0 or more")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0 (a rate, a size in GiB; 0 is their "off")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text}")
+    return value
 
 
 def _int_at_least(text: str, low: int, what: str) -> int:

@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder-path", help="local umT5 directory (tokenizer and encoder weights)")
     p.add_argument("--dim", type=positive_int, default=4096,
                    help="embedding width for --encoder hash (default 4096)")
-    p.add_argument("--device", default="cpu", help="where the encoder runs: cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="where the encoder runs: auto, cpu, cuda or cuda:N, as model.device (default cpu)")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     p.add_argument("-y", "--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=run)
@@ -68,6 +69,18 @@ def check_out(out: Path, from_file: Path | None, overwrite: bool) -> None:
         raise UserError(f"--out {out} exists; give --overwrite (-y) to replace it, or another --out")
 
 
+def encoder_device(setting: str) -> str:
+    """--device, refused before the encoder loads: torch refused a bad name or an absent GPU only after the
+    load (umT5-XXL reads 11 GB first), in a traceback (exit 1)."""
+    from loom_live.engine.config import DEVICE_SETTINGS, is_device_setting
+    from loom_live.engine.models.loading import resolve_device
+    from loom_live.host_bridge.wire.errors import UserError
+
+    if not is_device_setting(setting):
+        raise UserError(f"--device {setting!r} is not allowed; expected {DEVICE_SETTINGS}")
+    return str(resolve_device(setting, key="--device"))  # a GPU this machine lacks: ValueError, said as exit 2
+
+
 def run(args: argparse.Namespace) -> int:
     from loom_live.engine.stream.prompts import HashTextEncoder, UMT5TextEncoder
     from loom_live.host_bridge.wire.errors import UserError
@@ -75,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out.expanduser()
     check_out(out, args.from_file.expanduser() if args.from_file else None, args.overwrite)
+    device = encoder_device(args.device)
     prompts = list(args.prompts)
     if args.from_file:
         try:
@@ -88,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.encoder_path:
             raise UserError("--encoder umt5 needs --encoder-path (a local umT5 directory)")
-        encoder = UMT5TextEncoder(args.encoder_path, device=args.device)
+        encoder = UMT5TextEncoder(args.encoder_path, device=device)
     write_embeddings(encoder, prompts, out)
     print(f"wrote {out}")
     return 0

@@ -36,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from loom_live.engine.models.loading import resolve_device
 
     device = resolve_device(cfg.model.device)
+    check_weights(cfg)  # on a CPU too: "nothing to prepare" said of a config whose start would fail misled
     if device.type != "cuda":
         print(f"loom prepare: nothing to prepare on {device.type}: an engine there compiles nothing ahead, so "
               "each start is as quick as it gets", file=sys.stderr)
         return 0
-    check_weights(cfg)
     from loom_live.engine.graphs.compile_cache import cache_root
     from loom_live.engine.graphs.saved_compiles import SAVED, compiled_folder, torch_saves_compiles
     from loom_live.engine.session_api import open_session

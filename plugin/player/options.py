@@ -167,6 +167,8 @@ def read_prompt_file(path: str | Path, option: str = "--prompts") -> list[str]:
     """One prompt per line; blank lines and lines starting with # are skipped. `option` names the file in
     errors (the command-line option that gave it)."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise PlayerError(f"{option}: {p} is a folder; give a text file with one prompt per line")
     if not p.is_file():
         raise PlayerError(f"{option}: file not found: {p}")
     try:

@@ -83,6 +83,14 @@ def test_prepare_on_a_cpu_says_there_is_nothing_to_prepare_and_a_bad_config_fail
     assert "vae.saved_steps: 'off' is not allowed; expected one of 'load', 'build', 'none'" in capsys.readouterr().err
 
 
+def test_prepare_on_a_cpu_still_refuses_a_config_whose_weights_are_missing(tmp_path, monkeypatch, capsys):
+    """"nothing to prepare" (exit 0) was said of a Wan preset with no weights, whose show start then failed."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty Hugging Face cache: nothing pulled
+    assert main(["prepare", "-c", "wan2.1-1.3b", "--set", "model.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "needs weights that are not here" in err and "loom pull wan2.1-1.3b" in err and "nothing to" not in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="an engine compiles ahead only on CUDA")
 def test_prepare_keeps_a_configs_steps_and_the_next_start_loads_every_one(tmp_path):

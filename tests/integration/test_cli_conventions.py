@@ -167,6 +167,32 @@ def test_encode_prompts_refuses_an_embedding_width_below_one(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_encode_prompts_refuses_a_device_before_any_encoder_loads(tmp_path, monkeypatch, capsys):
+    """A bad --device, or a GPU this machine lacks, ended in torch's traceback (exit 1) after umT5 had loaded;
+    a folder given as --from-file was "not found"."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = ["encode-prompts", "--encoder", "hash", "--dim", "8", "ink wash", "--out", str(tmp_path / "p.safetensors")]
+    for device, words in (("bogus", "--device 'bogus' is not allowed; expected auto, cpu, cuda or cuda:N"),
+                          ("cuda:1", "--device: 'cuda:1' asked for CUDA but no CUDA GPU is available")):
+        assert main([*run, "--device", device]) == 2
+        assert words in capsys.readouterr().err
+    assert main([*run, "--from-file", str(tmp_path)]) == 2
+    assert f"--from-file: {tmp_path} is a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert main([*run, "--device", "auto"]) == 0  # the CPU here
+
+
+@pytest.mark.parametrize("option", ["--input-fps", "--memory-cap-gib"])
+def test_bench_refuses_a_negative_rate_or_cap_instead_of_ignoring_it(option, capsys):
+    for value in ("-5", "nan"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", option, value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"argument {option}: expected a number of 0 or more, got" in err, err
+
+
 def test_an_endpoint_that_never_answers_is_given_up_within_the_connect_timeout(monkeypatch, tmp_path, capsys):
     """A host that drops packets (no refusal comes back) is waited for CONNECT_TIMEOUT_S, not a start-up
     timeout; the message says so and the run ends with exit code 2. So do an endpoint the player could
