@@ -128,6 +128,9 @@ class Player:
         self.web: Any = None  # the web page (plugin/web), with --web
         self.frames_in = 0
         self.frames_out = 0
+        # live: frames that went out as the input (the engine starting or restarting), said at the end, since a
+        # short run can end before the first restyled frame and its file would otherwise look restyled
+        self.unrestyled_out = 0
         self.size: tuple[int, int] = (0, 0)
         self._scaled = False  # --size on an input: every frame is scaled to it
         self._last_out: np.ndarray | None = None
@@ -493,6 +496,7 @@ class Player:
                 shown = self._last_out
             if shown is not None:
                 self._emit(shown, status.seq)
+                self.unrestyled_out += status.fallback
             stalled = self._stall_note() if self._holding else ""
             self._report_style()
             self.printer.update(live_line(self.frames_out, status, style=self.style.short) + stalled)
@@ -732,8 +736,10 @@ class Player:
         damaged = f" ({self._skipped_reported} damaged input packets skipped)" if self._skipped_reported else ""
         c = self.control_input
         control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
-        self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps) "
-                            f"to {written} in {elapsed:.1f} s{damaged}{control}")
+        unrestyled = f"; {self.unrestyled_out} unrestyled, the input shown while the engine started or restarted" \
+            if self.unrestyled_out else ""
+        self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps"
+                            f"{unrestyled}) to {written} in {elapsed:.1f} s{damaged}{control}")
         stated = self.source.frame_count
         if self._input_ended and not self.opts.loop and not self.source.is_live and stated and \
                 stated - self.frames_in > max(SHORT_INPUT_FRAMES, SHORT_INPUT_SHARE * stated):

@@ -439,6 +439,62 @@ def _without_engine(monkeypatch) -> None:
     monkeypatch.setattr(Player, "_run_lossless", straight_to_the_outputs)
 
 
+class _ReadyFromThirdFrame:
+    """A bridge whose engine delivers from the third frame on (inverted, as a restyle): before that, `latest()`
+    hands back the input as the fallback, as a starting engine's bridge does."""
+
+    def __init__(self) -> None:
+        self.last_seq = -1
+        self._input: np.ndarray | None = None
+
+    def submit(self, frame: np.ndarray) -> None:
+        self.last_seq += 1
+        self._input = frame
+
+    def latest(self) -> tuple[np.ndarray | None, object]:
+        from loom_live.host_bridge.bridge_stats import BridgeStatus
+        from loom_live.host_bridge.supervisor import EngineState
+
+        if self.last_seq < 2:
+            return self._input, BridgeStatus(state=EngineState.STARTING)
+        return 255 - self._input, BridgeStatus(state=EngineState.RUNNING, fallback=False, seq=self.last_seq)
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+    def engine_start(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_live_run_says_how_many_frames_went_out_before_the_engine_delivered(tmp_path, monkeypatch, capsys):
+    """A short live run (`--mode live -n 60`) could end before the engine's first restyled frame: exit 0, a file of
+    the input as it came, and a report that read like a restyled run. The report now counts those frames."""
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    def with_the_bridge(self) -> None:
+        self.bridge = _ReadyFromThirdFrame()
+
+    monkeypatch.setattr(Player, "_start_engine", with_the_bridge)
+    monkeypatch.setattr(Player, "_report_style", lambda self, *args, **kwargs: None)
+    out = tmp_path / "live.mp4"
+    code = Player(PlayerOptions(outputs=[str(out)], mode="live", max_frames=5, size=(64, 64), fps=1000)).run()
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "5 frames (64x64, 1000 fps; 2 unrestyled, the input shown while the engine started or restarted)" in err
+    assert len(_decode(out)) == 5
+
+
+def test_a_folder_given_as_the_prompt_list_is_named_as_a_folder(tmp_path):
+    from loom_live.plugin.player import PlayerError, read_prompt_file
+
+    with pytest.raises(PlayerError, match=r"--prompts: .* is a folder; give a text file with one prompt per line"):
+        read_prompt_file(str(tmp_path))
+
+
 def test_a_ctrl_c_while_a_frame_is_written_is_counted_as_the_files_hold_it(tmp_path):
     """Ctrl-C lands while the third frame is written to the first of two outputs: that frame goes to both
     (neither file is a frame short of the other) and the report counts it (it said one frame fewer than the
