@@ -28,6 +28,10 @@ DEFAULT_CHUNK = 4
 EVAL_REPORT_VERSION = 2
 SUMMARY_METRICS = ("warp_error", "sharpness", "flicker", "output_diff", "luma_shift", "saturation_shift")
 AS_IS_PLOT_METRICS = ("warp_error", "sharpness", "output_diff")
+# What a file scored as it is (output = input) does not measure: each compares the output with its input,
+# so its value would be 0 (1 for the ratio) by construction. The report says null, the table '-'.
+INPUT_COMPARISONS = ("flicker", "luma_shift", "saturation_shift", "contrast_ratio")
+REPORT_NAME = "report.json"
 # A clip of known length is cut into this many windows at least (so its plot has a line, not a point),
 # with windows of at most DEFAULT_WINDOW frames.
 MIN_WINDOWS = 8
@@ -176,20 +180,21 @@ def measure_clip(processor: Processor, frames: Iterable[np.ndarray], settings: E
 
 def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out_dir: Path,
              log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure every run on every clip; write ``report.json`` and one PNG per clip into ``out_dir``."""
+    """Measure every run on every clip; write ``report.json`` and one PNG per clip (``output_names``) into
+    ``out_dir``."""
     if not runs or not clips:
         raise ValueError("eval needs at least one run and one clip")
     out_dir.mkdir(parents=True, exist_ok=True)
     clip_entries = []
-    plot_names: set[str] = set()
-    for clip in clips:
+    for clip, plot_name in zip(clips, plot_names(clips)):
         results: dict[str, QualityReport] = {}
         for run in runs:
             log(f"[eval] {clip.name}: {run.label} ...")
-            results[run.label] = measure_clip(run.make_processor(), one_size(clip.frames(), clip.name), settings,
-                                              meta={"clip": clip.name, "run": run.label},
-                                              frame_count=clip.frame_count, label=f"{clip.name}: {run.label}")
-        plot_name = _unique(f"{Path(clip.name).stem}.png", plot_names)
+            measured = measure_clip(run.make_processor(), one_size(clip.frames(), clip.name), settings,
+                                    meta={"clip": clip.name, "run": run.label},
+                                    frame_count=clip.frame_count, label=f"{clip.name}: {run.label}")
+            as_is = not run.info.get("restyled", True)
+            results[run.label] = _without(measured, INPUT_COMPARISONS) if as_is else measured
         title = f"{clip.name}: " + " vs ".join(results)
         try:
             plot_reports(list(results.items()), out_dir / plot_name, title=title, metrics=_plot_metrics(runs))
@@ -207,7 +212,45 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
         "clips": clip_entries,
         "summary": _summary(runs, clip_entries),
     }
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def plot_names(clips: list[Clip]) -> list[str]:
+    """The PNG each clip's plot is written to, in order: its name's stem, numbered where two share one."""
+    taken: set[str] = set()
+    return [_unique(f"{Path(clip.name).stem}.png", taken) for clip in clips]
+
+
+def output_names(clips: list[Clip]) -> list[str]:
+    """Every file ``evaluate`` may write into its folder for these clips: the report, then the plots."""
+    return [REPORT_NAME, *plot_names(clips)]
+
+
+def previous_outputs(out_dir: Path) -> list[Path]:
+    """The files an earlier ``loom eval`` wrote into ``out_dir``, as its report lists them (the plots, then
+    the report): what an overwriting run removes, so none is left to pass for part of the new report. A
+    report.json that is not ``loom eval``'s lists nothing; a listed name that is not a plain PNG in the
+    folder (an edited report) is not taken."""
+    path = out_dir / REPORT_NAME
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):  # none there, or not a report: nothing it lists
+        return []
+    if not isinstance(report, dict) or report.get("tool") != "loom eval" or not isinstance(report.get("clips"), list):
+        return []
+    plots = [clip.get("plot") for clip in report["clips"] if isinstance(clip, dict)]
+    listed = [out_dir / name for name in plots
+              if isinstance(name, str) and name.endswith(".png") and Path(name).name == name]
+    return [p for p in dict.fromkeys(listed) if p.is_file()] + [path]
+
+
+def _without(report: QualityReport, metrics: tuple[str, ...]) -> QualityReport:
+    """The report with ``metrics`` set to None everywhere (totals, windows, trend): not measured."""
+    for key in metrics:
+        report.totals[key] = None
+        report.windows[key] = [None] * len(report.windows[key])
+        report.trend[key] = dict.fromkeys(report.trend[key])
     return report
 
 
@@ -268,8 +311,8 @@ COLUMN_NOTES = (
     "sharpness",
     "sharpness: mean Sobel gradient of the frames' brightness; higher is crisper (compare clips of one size)",
     "flicker: how much more the output changes from frame to frame than the input does, in grey levels; "
-    "0 changes as much as the input, negative changes less (steady, or smoothed), positive flickers. '-' for "
-    "a file scored as it is: there is no input to compare",
+    "0 changes as much as the input, negative changes less (steady, or smoothed), positive flickers. '-' (null "
+    "in report.json) for a file scored as it is: there is no input to compare",
     "drift/1k: the trend of warp err per 1,000 frames; positive grows less steady over a long run",
 )
 
@@ -284,14 +327,13 @@ def format_table(report: dict[str, Any]) -> str:
     header = (f"{'clip':<28} {'run':<16} {'frames':>6} {'warp err':>9} {'sharpness':>9} {'flicker':>8} "
               f"{'drift/1k':>9}")
     lines = [header, "-" * len(header)]
-    restyled = {run["label"]: run.get("restyled", True) for run in report["runs"]}
     for clip in report["clips"]:
         for label, result in clip["results"].items():
             slope = result["trend"]["warp_error"]["slope_per_1000_frames"]
-            flicker = f"{result['totals']['flicker']:.3f}" if restyled.get(label, True) else "-"  # no input to compare
+            flicker = result["totals"]["flicker"]  # None: not measured (a file scored as it is)
             lines.append(f"{clip['clip'][:28]:<28} {label[:16]:<16} {result['frames']:>6} "
                          f"{result['totals']['warp_error']:>9.3f} {result['totals']['sharpness']:>9.2f} "
-                         f"{flicker:>8} "
+                         f"{'-' if flicker is None else f'{flicker:.3f}':>8} "
                          f"{'-' if slope is None else f'{slope:+.3f}':>9}")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ import datetime
 import functools
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -77,15 +78,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def check_json_target(path: str | None) -> None:
-    """Refuse a --json the results could not be written to (a folder, a path through a file) before the run."""
+    """Refuse a --json the results could not be written to (a folder, a path through a file, a folder that
+    cannot be made or written in) before the run, not after it: the folders are made and a file is created
+    there and removed again, so nothing is left behind, and the run's end makes them as it writes."""
     if path is None:
         return
     target = Path(path).expanduser()
     if target.is_dir():
         raise UserError(f"--json {path}: is a folder; give a file in it, such as {target / 'bench.json'}")
-    folder = next(p for p in target.parents if p.exists())  # the folders below it are made at the end
+    folder = next(p for p in target.parents if p.exists())
     if not folder.is_dir():
         raise UserError(f"--json {path}: {folder} is a file, not a folder")
+    made = [p for p in target.parents if not p.exists()]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=target.parent).close()
+    except OSError as exc:
+        raise UserError(f"--json {path}: cannot write in {target.parent} "
+                        f"({exc.strerror or type(exc).__name__})") from None
+    finally:
+        for made_folder in made:  # deepest first; a folder that could not be made is not there to remove
+            if made_folder.exists():
+                made_folder.rmdir()
 
 
 def plan(cfg: LoomConfig, frames: int | None, baseline: bool | None, cuda: bool) -> tuple[int, bool]:
@@ -210,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         print(profile_table(result["loom"]["profile"]))
     if args.json:
         write_json(result, args.json)
+        print(f"wrote {Path(args.json).expanduser()}")
     return 0
 
 
@@ -259,5 +274,6 @@ def _run_edit(args: argparse.Namespace, cfg: LoomConfig, warmup: int, count: int
     print(edit_summary_table(result))
     if args.json:
         write_json(result, args.json)
+        print(f"wrote {Path(args.json).expanduser()}")
     return 0
 

@@ -35,11 +35,12 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="override a config key, e.g. --set stream.steps=[700]; repeatable")
 
 
-def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
-    """ffmpeg's convention: an existing output file is refused unless `-y/--overwrite` is given."""
+def add_overwrite_option(parser: argparse.ArgumentParser, also: str = "") -> None:
+    """ffmpeg's convention: an existing output file is refused unless `-y/--overwrite` is given; `also` adds
+    what else the command's -y does."""
     parser.add_argument("-y", "--overwrite", action="store_true",
                         help="replace output files that exist (without it an existing file is refused, "
-                             "as ffmpeg does without -y)")
+                             f"as ffmpeg does without -y){also}")
 
 
 def positive_int(text: str) -> int:

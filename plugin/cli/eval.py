@@ -31,11 +31,13 @@ from loom_live.engine.tools.eval import (
     evaluate,
     format_notes,
     format_table,
+    output_names,
     ping_pong,
+    previous_outputs,
 )
 from loom_live.engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.plugin.cli.common import add_config_options, positive_int
+from loom_live.plugin.cli.common import add_config_options, add_overwrite_option, positive_int
 from loom_live.plugin.media.base import MediaError
 from loom_live.plugin.media.generated_clip import generate_clip
 from loom_live.plugin.media.sources import open_source
@@ -100,6 +102,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--compare", metavar="OTHER", help="a second preset or YAML, run on the same clips "
                                                            "(implies --restyle)")
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}/)")
+    add_overwrite_option(parser, also="; with it the plots the earlier report.json in --out lists and this run "
+                                      "does not write are removed once the new report is written, other files "
+                                      "there are left as they are")
     parser.add_argument("--frames", type=positive_int,
                         help="frames per clip: cut, or play back and forth to reach long runs")
     parser.add_argument("--size", type=_parse_size, metavar="WxH", help="resize input frames first")
@@ -124,9 +129,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--window must be at least 2 frames, got {args.window}")
         runs = _runs_from_args(args)
         clips = find_clips(args.clips, args.frames, args.size)
+        stale = claim_out_folder(Path(args.out), output_names(clips), args.overwrite)
         settings = EvalSettings(flow=args.flow, occlusion=args.occlusion, window=args.window,
                                 chunk=args.chunk, progress=not args.quiet)
         report = evaluate(runs, clips, settings, Path(args.out), log=lambda m: print(m, file=sys.stderr))
+        for path in stale:  # only once the new report is written: a failed run leaves the earlier one
+            path.unlink(missing_ok=True)
     except (MediaError, ValueError, EvalError, OSError, UserError) as e:
         print(f"loom eval: error: {e}", file=sys.stderr)
         return 2
@@ -143,6 +151,19 @@ def check_out_folder(out: Path) -> None:
     if not there.is_dir():
         raise UserError(f"--out {out}: {there} is a file; --out is the folder report.json and a PNG plot per clip "
                         f"go into (default {DEFAULT_OUT}/)")
+
+
+def claim_out_folder(out: Path, names: list[str], overwrite: bool) -> list[Path]:
+    """Before any work: a file the run would write that exists is refused without -y, naming it (a second run
+    replaced report.json silently, beside the first run's plots). With -y, returns the earlier report's plots that
+    this run does not write: removed once its report is written, so none is left to pass for part of it; files
+    Loom did not list stay."""
+    existing = [out / name for name in names if (out / name).exists()]
+    if existing and not overwrite:
+        more = f" (and {len(existing) - 1} more file(s) this run writes)" if len(existing) > 1 else ""
+        raise UserError(f"--out {out}: {existing[0]} exists{more}; give --overwrite (-y) to replace it, or "
+                        "another --out")
+    return [p for p in previous_outputs(out) if p.name not in names] if overwrite else []
 
 
 def _runs_from_args(args: argparse.Namespace) -> list[EvalRun]:

@@ -21,8 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from loom_live.engine.config import load_config
+from loom_live.engine.config import list_presets, load_config
 from loom_live.engine.models.weights import (
+    PRESET_WEIGHTS,
     PULLABLE_PRESETS,
     WeightSource,
     cached_path,
@@ -33,6 +34,7 @@ from loom_live.engine.models.weights import (
 )
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.files import write_replacing
+from loom_live.host_bridge.wire.typed_config import did_you_mean
 
 log = logging.getLogger(__name__)
 HASH_CHUNK = 1 << 22
@@ -58,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def sources_for(preset: str) -> tuple[WeightSource, ...]:
     """The weight sources of a preset name or YAML file (by its model.preset)."""
+    check_preset_name(preset)
     cfg = load_config(preset)
     sources = weight_sources(cfg)
     if not sources:
@@ -65,6 +68,24 @@ def sources_for(preset: str) -> tuple[WeightSource, ...]:
         raise UserError(f"preset {preset!r} ({what}) needs no download: its weights are embedded or seeded; "
                         f"presets with weights to pull: {', '.join(PULLABLE_PRESETS)}")
     return sources
+
+
+def check_preset_name(preset: str) -> None:
+    """A name that is neither a preset nor a YAML file is refused in pull's words: the presets listed are those
+    with weights to fetch (the config's list named `default` and `tiny-random`, which then need no download),
+    and a Hugging Face repository id (`org/name`) is answered with how its files are given instead."""
+    path = Path(preset).expanduser()
+    if preset in list_presets() or path.suffix.lower() in (".yaml", ".yml") or path.exists():
+        return  # the config says what is wrong with one of these
+    pullable = ", ".join(PULLABLE_PRESETS)
+    if "/" in preset:
+        keys = ", ".join(dict.fromkeys(s.key for sources in PRESET_WEIGHTS.values() for s in sources))
+        raise UserError(f"{preset!r}: loom pull takes a preset name, not a repository id; presets with weights to "
+                        f"pull: {pullable} (or a YAML file built on one; `loom pull --list` shows the repositories "
+                        "each fetches). To run on a repository's files, download them yourself and give each with "
+                        f"--set KEY=PATH (keys: {keys})")
+    raise UserError(f"unknown preset {preset!r}{did_you_mean(preset, PULLABLE_PRESETS)}; presets with weights to "
+                    f"pull: {pullable} (or a YAML file built on one)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,10 @@ def test_a_short_warm_up_is_rounded_to_whole_chunks_and_takes_no_measured_frame(
     rc = main(["bench", "--config", "tiny-random", "--width", "64", "--height", "64", "--frames", "8", "--warmup", "0",
                "--bridge", "none", "--json", str(out)])
     assert rc == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "--warmup 0 rounded up to 5 frames" in err and "measuring 8 frames" in err
+    assert captured.out.endswith(f"\nwrote {out}\n"), "the last line says where the results went"
     loom = json.loads(out.read_text())["loom"]
     assert loom["measured_frames"] > 0 and loom["fps"] > 0
 
@@ -105,6 +108,24 @@ def test_bench_refuses_counts_and_a_json_target_it_could_not_use_before_it_runs(
         write_json({"fps": 2.0}, out)
     assert full.value.filename == str(out)
     assert json.loads(out.read_text()) == {"fps": 1.0} and not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nobody may make a file")
+def test_a_json_target_whose_folder_cannot_be_made_or_written_is_named_before_the_run(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """`--json /proc/nope/x.json` passed the check (its nearest folder, /proc, exists) and failed after the whole
+    run with "[Errno 2] No such file or directory: '/proc/nope'", naming no option. The check makes the folders
+    and a file there, and leaves neither behind."""
+    from loom_live.engine.tools import bench
+    from loom_live.plugin.cli.bench import check_json_target
+
+    monkeypatch.setattr(bench, "run_loom", lambda *a, **k: pytest.fail("the run started"))
+    for target, folder in (("/proc/nope/x.json", "/proc/nope"), ("/proc/x.json", "/proc")):
+        assert main(["bench", "-c", "tiny-random", "--bridge", "none", "--json", target]) == 2
+        err = capsys.readouterr().err
+        assert f"loom bench: error: --json {target}: cannot write in {folder} (" in err, err
+    check_json_target(str(tmp_path / "new" / "deeper" / "bench.json"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_refuses_a_bad_override(capsys):

@@ -269,6 +269,27 @@ def test_pull_of_an_embedded_preset_says_there_is_nothing_to_fetch(capsys):
     assert "embedded" in capsys.readouterr().err
 
 
+def test_a_name_pull_does_not_know_lists_only_presets_with_weights_and_a_repository_id_is_answered(capsys):
+    """`loom pull nosuch` listed every preset, `default` and `tiny-random` among them, which then "need no
+    download"; `loom pull org/name` did the same, with no word that pull takes a preset name, not a repository."""
+    from loom_live.engine.models.weights import PULLABLE_PRESETS
+
+    listed = ", ".join(PULLABLE_PRESETS)
+    assert main(["pull", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert f"loom pull: error: unknown preset 'nosuch'; presets with weights to pull: {listed} (or a YAML" in err
+    assert "tiny-random" not in err and "default" not in err
+    assert main(["pull", "wan2.1-13b"]) == 2
+    assert "(did you mean 'wan2.1-1.3b'?)" in capsys.readouterr().err
+    for repo in ("org/not-a-repo", "Wan-AI/Wan2.1-T2V-1.3B"):
+        assert main(["pull", repo]) == 2
+        err = capsys.readouterr().err
+        assert (f"loom pull: error: {repo!r}: loom pull takes a preset name, not a repository id; presets with "
+                f"weights to pull: {listed}") in err, err
+        assert "download them yourself and give each with --set KEY=PATH (keys: model.checkpoint, " in err
+        assert "tiny-random" not in err and "\n" not in err.strip()
+
+
 def test_pull_of_the_dreamlite_edit_preset_says_non_commercial_and_the_preset_finds_it(hub_env, capsys):
     hub_env()
     assert load_config("dreamlite-edit").edit.checkpoint is None

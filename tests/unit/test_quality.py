@@ -21,6 +21,7 @@ from loom_live.engine.tools.quality import (
 )
 from loom_live.plugin.cli import eval as eval_cmd
 from loom_live.plugin.media.generated_clip import generate_clip
+from tests.fakes.media import noise_clip
 
 SHIFT_PX = 3
 
@@ -292,7 +293,7 @@ def test_loom_eval_identity_on_a_real_clip(media_dir: Path, tmp_path: Path, caps
     result = report["clips"][0]["results"]["as-is"]
     assert (result["frames"], result["width"], result["mode"]) == (60, 128, "dis")
     assert result["windows"]["start_frame"] == [0, 20, 40]
-    assert result["totals"]["flicker"] == 0.0 and 0 < result["totals"]["warp_error"] < 20
+    assert result["totals"]["flicker"] is None and 0 < result["totals"]["warp_error"] < 20
     assert (tmp_path / "davis512_libby.png").is_file()
     assert "davis512_libby.mp4" in capsys.readouterr().out
 
@@ -329,6 +330,47 @@ def test_loom_eval_out_that_is_a_file_is_refused_saying_it_is_the_folder(tmp_pat
         err = capsys.readouterr().err
         assert f"loom eval: error: --out {out}: {render} is a file; --out is the folder report.json" in err, err
     assert render.read_bytes() == b"a user's render"
+
+
+def test_a_file_scored_as_it_is_reports_what_it_does_not_measure_as_null_not_zero(tmp_path: Path, capsys) -> None:
+    """The table printed flicker as '-' while report.json said 0.0, which reads as measured: output = input
+    compares nothing, so flicker and the colour shifts are null in the report, '-' in the table."""
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-q", "-o", str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split()
+    report = json.loads((tmp_path / "report.json").read_text())
+    result = report["clips"][0]["results"]["as-is"]
+    for key in ev.INPUT_COMPARISONS:
+        assert result["totals"][key] is None and set(result["windows"][key]) == {None}, key
+        assert set(result["trend"][key].values()) == {None}, key
+    assert [report["summary"]["as-is"][key] for key in ("flicker", "luma_shift", "saturation_shift")] == [None] * 3
+    assert result["totals"]["warp_error"] > 0 and result["totals"]["sharpness"] > 0  # measured: numbers
+    assert row[:2] == ["generated", "as-is"] and row[5] == "-"
+
+
+def test_a_second_eval_into_the_same_folder_is_refused_and_y_leaves_no_plot_of_the_first(tmp_path: Path,
+                                                                                         capsys) -> None:
+    """A second run replaced report.json without a word, beside the first run's plots it no longer names. It is
+    refused before any work, naming the file; -y removes the earlier report's plots and keeps the user's files."""
+    clip = noise_clip(tmp_path / "first.mp4", 12)
+    out = tmp_path / "out"
+    assert eval_cmd.main([str(clip), "--size", "64x48", "-q", "-o", str(out)]) == 0
+    mine = [out / "notes.txt", out / "mine.png"]
+    for path in mine:
+        path.write_text("the user's")
+    before = (out / "report.json").read_bytes()
+    capsys.readouterr()
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-q", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"loom eval: error: --out {out}: {out / 'report.json'} exists; give --overwrite (-y)" in err, err
+    assert (out / "report.json").read_bytes() == before and (out / "first.png").is_file()
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-q", "-y", "-o", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [c["plot"] for c in report["clips"]] == ["generated.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["generated.png", "mine.png", "notes.txt", "report.json"]
+    assert all(path.read_text() == "the user's" for path in mine)
+    (out / "report.json").unlink()  # a plot the run would write, with no report: refused by its own name
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-q", "-o", str(out)]) == 2
+    assert f"--out {out}: {out / 'generated.png'} exists" in capsys.readouterr().err
 
 
 def test_loom_eval_folder_without_clips(tmp_path: Path, capsys) -> None:
