@@ -21,8 +21,7 @@ DISTRIBUTIONS = {"zmq": "pyzmq", "numpy": "numpy", "yaml": "pyyaml", "cv2": "ope
 def _find_loom() -> None:
     """Import Loom's host side, from the installed package or a checkout this folder is linked from."""
     try:
-        import loom_live.host_bridge  # noqa: F401
-        import loom_live.host_bridge.wire.params  # noqa: F401
+        import loom_live.host_bridge.client  # noqa: F401 (the bridge, with the numpy and pyzmq it imports)
         return
     except ImportError:
         pass
@@ -32,8 +31,7 @@ def _find_loom() -> None:
     if checkout and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
-        import loom_live.host_bridge  # noqa: F401
-        import loom_live.host_bridge.wire.params  # noqa: F401
+        import loom_live.host_bridge.client  # noqa: F401
     except ImportError as exc:
         raise ImportError(_missing(exc, root if checkout else None)) from None
 

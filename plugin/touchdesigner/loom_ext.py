@@ -41,14 +41,16 @@ stream goes on with the other LoRAs.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from loom_live.host_bridge.wire.params import CONTROL_PARAMS, steps_for
 from loom_live.plugin.touchdesigner.parameters import LORA_FILE_PARS, LORA_SCALE_PARS, PARAMETERS
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LOG_TAIL_LINES = 6
 SCRIPT_TOP = "loom_top"  # the component's Script TOP (build_loom.py names it)
@@ -64,6 +66,8 @@ ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", 
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
+# import name -> what to install for it: the host-side dependencies the bridge imports (host_bridge/__init__.py)
+DISTRIBUTIONS = {"zmq": "pyzmq", "numpy": "numpy"}
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +111,12 @@ class LoomExt:
     def _start(self) -> None:
         self.Stop()
         par = self.ownerComp.par
-        try:
-            from loom_live.host_bridge import Bridge, BridgeConfig
-        except ImportError as exc:
-            self._error(f"cannot import loom_live.host_bridge ({exc}); add the Loom folder and a folder with pyzmq to "
-                        "TouchDesigner's Python 64-bit Module Path (see plugin/touchdesigner/README.md)")
+        missing = missing_dependency()
+        if missing:
+            self._error(missing)
             return
+        from loom_live.host_bridge import Bridge, BridgeConfig
+
         endpoint = str(par.Endpoint.eval() or "").strip() or None
         python = str(par.Enginepython.eval() or "").strip()
         if endpoint is None and not python:
@@ -455,6 +459,8 @@ class LoomExt:
 
     def _bottom_up(self, rgb: np.ndarray) -> np.ndarray:
         """The engine's top-down frame in TouchDesigner's row order, in a buffer reused across cooks."""
+        import numpy as np  # imported by the running bridge already; the module loads without it
+
         buf = self._host_output
         if buf is not None and self._host_output_of is rgb:
             return buf  # no new engine frame since the last cook: the flipped copy stands
@@ -470,6 +476,8 @@ class LoomExt:
 
         Returns None, having taken nothing, for a texture format the bridge does not take on the device
         (16-bit float, 2 channels): that cook goes through host memory instead."""
+        import numpy as np
+
         from loom_live.host_bridge.newest_frames import DeviceFrame
         from loom_live.host_bridge.wire.pixels import DTYPE_NAMES
 
@@ -560,6 +568,24 @@ class LoomExt:
         self.last_error = text
         self.ownerComp.par.State = "error"
         self.ownerComp.par.Message = text
+
+
+def missing_dependency() -> str:
+    """What TouchDesigner's Python must be given before the bridge can run, or "" when nothing is missing.
+
+    The component and its parameters load without pyzmq or numpy (they need only the live-parameter schema),
+    so a Python that lacks one is said on the component when the engine starts, not as a Textport traceback."""
+    try:
+        import loom_live.host_bridge.client  # noqa: F401 (the module that imports numpy and pyzmq)
+    except ImportError as exc:
+        name = (exc.name or "").partition(".")[0]
+        dist = DISTRIBUTIONS.get(name, name)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return (f"TouchDesigner's Python lacks {dist!r} ({exc}), which the Loom bridge needs: install it with a "
+                f"Python {version} into a folder of its own (python{version} -m pip install --target FOLDER {dist}; "
+                f"Windows: py -{version} -m pip ...) and add that folder to TouchDesigner's Python 64-bit Module Path "
+                "(Preferences > General), then restart TouchDesigner; see plugin/touchdesigner/README.md")
+    return ""
 
 
 def _on_stream(method: Any, stream: int, *args: Any) -> Any:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -219,3 +220,17 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 """)
     path.chmod(0o755)
     return path
+
+
+def lacking(*modules: str) -> str:
+    """Lines to run first in a `python -c` script: importing these top-level modules (and their submodules)
+    fails as in a Python that lacks them (a host's Python without pyzmq), whatever this Python has."""
+    return textwrap.dedent(f"""
+        import sys
+        class Lacking:
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                if name.partition(".")[0] in {modules!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Lacking)
+    """)

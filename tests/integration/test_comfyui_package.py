@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes.engines import python_without_loom
+from tests.fakes.engines import lacking, python_without_loom
 from tools import check_release
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,15 +67,6 @@ RUN = textwrap.dedent("""
 """)
 WORKFLOW = NODE_DIR / "example_workflows" / "loom_video_restyle.json"
 RAN = "RAN LoadVideo GetVideoComponents LoomEngine LoomPrompt LoomStream CreateVideo SaveVideo"
-# ComfyUI's Python without pyzmq: the import fails as it would there
-NO_ZMQ = textwrap.dedent("""
-    class NoZmq:
-        @staticmethod
-        def find_spec(name, path=None, target=None):
-            if name.partition(".")[0] == "zmq":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    sys.meta_path.insert(0, NoZmq)
-""")
 
 
 def pack(node_dir: Path, archive: Path) -> list[str]:
@@ -184,7 +175,7 @@ def test_a_linked_folder_in_a_python_without_pyzmq_names_the_missing_dependency(
     folder = tmp_path / "ComfyUI" / "custom_nodes" / "loom"
     folder.parent.mkdir(parents=True)
     folder.symlink_to(NODE_DIR, target_is_directory=True)
-    out = _load(tmp_path, folder, before=NO_ZMQ)
+    out = _load(tmp_path, folder, before=lacking("zmq"))  # ComfyUI's Python without pyzmq
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert f"found Loom's checkout at {ROOT}, but ComfyUI's Python lacks 'pyzmq'" in last, last

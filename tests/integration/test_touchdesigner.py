@@ -7,8 +7,11 @@ adapter touches. Everything except TD itself is real: host_bridge, the engine pr
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +23,7 @@ from loom_live.host_bridge.wire.pixels import from_touchdesigner, to_engine
 from loom_live.plugin.touchdesigner import script_top_callbacks
 from loom_live.plugin.touchdesigner.loom_ext import LoomExt
 from loom_live.plugin.touchdesigner.parameters import PARAMETERS, setup_parameters
+from tests.fakes.engines import lacking
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     DEVICE,
@@ -55,6 +59,59 @@ def test_setup_creates_the_documented_parameters_and_keeps_user_values():
     setup_parameters(comp)  # the 'Setup Parameters' pulse again
     assert comp.par.Prompt.eval() == "my own prompt"
     assert {p.name for p in PARAMETERS} == names
+
+
+# --- a TouchDesigner Python without pyzmq or numpy ----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+TD_MODULES = sorted(p.stem for p in (ROOT / "plugin" / "touchdesigner").glob("*.py") if p.stem != "__init__")
+LOAD_TD_MODULES = f"""
+import importlib
+for name in {TD_MODULES!r}:
+    importlib.import_module("loom_live.plugin.touchdesigner." + name)
+from loom_live.plugin.touchdesigner.loom_ext import missing_dependency
+"""
+# then, as in the Textport: the build script, the extension the component's Extension parameter makes, Start
+BUILD_AND_START = """
+import json
+from loom_live.plugin.touchdesigner.build_loom import EXTENSION, build
+from loom_live.plugin.touchdesigner.parameters import PARAMETERS
+from tests.fakes.touchdesigner import NetworkCOMP, fake_td_module
+comp = build(NetworkCOMP(), td_module=fake_td_module())
+ext = eval(EXTENSION, {"op": comp.op, "me": comp})
+comp.parexec_enabled = False
+comp.par.Enginepython = sys.executable
+ext.Start()
+print(json.dumps({"parameters": sorted({p.name for p in PARAMETERS} - set(comp.par._pars)),
+                  "bridge": ext.bridge is not None, "state": comp.par.State.eval(),
+                  "message": comp.par.Message.eval()}))
+"""
+
+
+def _run_td_python(script: str) -> str:
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_without_pyzmq_the_component_builds_and_start_names_what_to_add_to_the_module_path():
+    """TouchDesigner's Python has no pyzmq until the user adds it: the modules load, the build script makes
+    the component with all its parameters, and Start says on the component what to install where."""
+    out = json.loads(_run_td_python(lacking("zmq") + LOAD_TD_MODULES + BUILD_AND_START))
+    assert out["parameters"] == [] and not out["bridge"] and out["state"] == "error"
+    assert "TouchDesigner's Python lacks 'pyzmq'" in out["message"], out["message"]
+    assert "pip install --target FOLDER pyzmq" in out["message"] and "64-bit Module Path" in out["message"]
+
+
+def test_without_numpy_the_modules_load_and_the_dependency_check_names_numpy():
+    message = _run_td_python(lacking("numpy") + LOAD_TD_MODULES + "print(missing_dependency())")
+    assert "TouchDesigner's Python lacks 'numpy'" in message and "--target FOLDER numpy" in message, message
+
+
+def test_with_the_dependencies_the_dependency_check_finds_nothing_missing():
+    from loom_live.plugin.touchdesigner.loom_ext import missing_dependency
+
+    assert missing_dependency() == ""
 
 
 # --- with a real engine -------------------------------------------------------------------------
