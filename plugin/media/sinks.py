@@ -43,6 +43,11 @@ FILE_SINK_SUFFIXES = (".mp4", ".mkv", ".mov")
 # x264 `fast`: `veryfast` (crf 17) would cost a third less CPU beside the engine, but a file it was
 # writing when Ctrl-C came was left with no decodable frame in 4 of 7 tries (test_video_io's Ctrl-C test).
 FILE_ENCODER_OPTIONS = {"preset": "fast", "crf": "18"}
+# The largest pictures PyAV's encoder opens (measured on PyAV 18, FFmpeg 8): libx264 takes at most 16384 px a side,
+# and FFmpeg's picture check (av_image_check_size) at most (W + 128) x (H + 128) < 2^28, so 16384x16128 or
+# 16254x16254. Beyond, the output failed to start with "Invalid argument", naming neither the size nor the limit.
+H264_MAX_SIDE = 16384
+H264_MAX_PADDED_AREA = 2**28 - 1
 
 
 @atexit.register
@@ -63,7 +68,8 @@ class FrameSink:
     A file is written to ``partial_path(target)`` and renamed onto the target only by a ``close()``
     that finalises it with at least one frame: a run that fails, or stops before its first frame,
     leaves whatever was at the target as it was. Without ``overwrite`` a file that appeared at the target
-    during the run is never replaced either: the finished file goes beside it (``kept_at``).
+    during the run is never replaced either: the finished file goes beside it (``kept_at``), which its owner says
+    (``written_to``: the player's last line), once.
     """
 
     def __init__(self, name: str, target: str, container_format: str | None, is_network: bool,
@@ -216,9 +222,6 @@ class FrameSink:
                 left = self._discard_partial()
                 raise MediaError(f"{self.name}: cannot move the finished file into place: {reason(e)}{left}") from e
             self._release()
-            if self.kept_at != self._final:
-                log.warning("%s: a file appeared there during the run and is left as it was; this run's output is "
-                            "%s (give --overwrite (-y) to replace such a file)", self.name, self.kept_at)
 
     def discard(self) -> str:
         """Stop without keeping anything: a file's target is left as it was (a network stream just ends).
@@ -326,6 +329,7 @@ def open_sink(spec: str | Path, fps: float, size: tuple[int, int],
         return open_app_sink(spec_str, float(fps), (width, height))
     if width % 2 or height % 2:
         raise MediaError(f"output {spec}: H.264 yuv420p needs an even width and height, got {width}x{height}")
+    _check_h264_size(width, height, spec_str)
     if "://" in spec_str:
         scheme = spec_str.split("://", 1)[0].lower()
         if scheme not in NETWORK_SINK_FORMATS:
@@ -358,6 +362,32 @@ def check_output_file(path: str | Path, inputs: list[str | int | Path], overwrit
                              "(the input is read while the output is written)")
     if path.exists() and not overwrite:
         raise MediaError(f"output {path} exists; give --overwrite (-y) to replace it, or another -o")
+
+
+def _check_h264_size(width: int, height: int, what: str) -> None:
+    """Refuse a picture larger than the encoder opens (H264_MAX_SIDE), suggesting the largest of its shape that fits:
+    the size is known before the run starts (the input's, or --size), and the encoder alone would not say it."""
+    if _h264_takes(width, height):
+        return
+    square, _ = _h264_fit(H264_MAX_SIDE, H264_MAX_SIDE)
+    fit_w, fit_h = _h264_fit(width, height)
+    raise MediaError(f"{what}: {width}x{height} is larger than H.264 takes (at most {H264_MAX_SIDE} px a side, and "
+                     f"{square}x{square} for a square); give --size {fit_w}x{fit_h} or smaller")
+
+
+def _h264_takes(width: int, height: int) -> bool:
+    return max(width, height) <= H264_MAX_SIDE and (width + 128) * (height + 128) <= H264_MAX_PADDED_AREA
+
+
+def _h264_fit(width: int, height: int) -> tuple[int, int]:
+    """The largest even size of the picture's shape that H.264 takes."""
+    longer = max(width, height)
+    side = min(longer, H264_MAX_SIDE) // 2 * 2
+    while True:
+        w, h = (max(2, round(v * side / longer / 2) * 2) for v in (width, height))
+        if _h264_takes(w, h):
+            return w, h
+        side -= 2
 
 
 def _check_frame(frame: np.ndarray, width: int, height: int, what: str) -> None:

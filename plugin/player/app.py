@@ -719,10 +719,20 @@ class Player:
                 (self._cut_off if cut_off else self._unfinished).append(sink.name)
                 self.printer.quiet = False  # errors are always shown
                 self.printer.say(f"{self.name}: {'output cut off at the stop' if cut_off else 'error: output'}: {exc}")
+        if not keep:  # a failed run has no last line (_report) to say where its file went
+            for sink in self._kept_aside():
+                self.printer.quiet = False  # as errors are
+                self.printer.say(f"{self.name}: this run's output is {sink.written_to}")
         for thing in (self.bridge, self.osc, self.window, self.web, self.feed or self.source, self.control_input):
             if thing is not None:
                 with contextlib.suppress(Exception):
                     thing.close()
+
+    def _kept_aside(self) -> list[Any]:
+        """The file outputs that went beside their target, a file having been saved there during the run
+        (FrameSink.kept_at): said once, in the run's last line (a quiet run's too), or after a failure by `_close`;
+        the user must not look for the run's file where it is not."""
+        return [sink for sink in self.sinks if sink.kept and sink.written_to != sink.name]
 
     def _report(self, stopped_by: str) -> None:
         if self.source is None:
@@ -738,6 +748,8 @@ class Player:
         control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
         unrestyled = f"; {self.unrestyled_out} unrestyled, the input shown while the engine started or restarted" \
             if self.unrestyled_out else ""
+        if self._kept_aside():
+            self.printer.quiet = False  # a quiet run's too: its file is not where the user will look for it
         self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps"
                             f"{unrestyled}) to {written} in {elapsed:.1f} s{damaged}{control}")
         stated = self.source.frame_count

@@ -59,10 +59,16 @@ HELD: dict[str, Callable[[Any], Any]] = {STEPS.name: len, NOISE_SCALE.name: floa
 
 @dataclass(frozen=True)
 class Command:
-    """One control action: `name` from COMMANDS, with its arguments already validated."""
+    """One control action: `name` from COMMANDS, with its arguments already validated.
+
+    `refused_as`: how a refusal of it is said to whoever sent it, where not in the words the keys and the page share:
+    an OSC message's refusal names the address sent (`osc.refusal`). The frame loop refuses some commands only as it
+    applies them (a parameter the engine does not take, a prompt index past the list), long after the sender is gone.
+    """
 
     name: str
     args: tuple[Any, ...] = ()
+    refused_as: Callable[[str], str] | None = field(default=None, compare=False, repr=False)
 
 
 COMMANDS = ("prompt", "prompt_next", "prompt_prev", "prompt_index", "steps", "noise_scale", "noise_step",
@@ -338,17 +344,22 @@ class Controls:
         changes: dict[str, Any] = {}
         done = []
         for command in commands:
+            refused = self.state.refused
             if command.name == "refused":
                 self._refuse(command.args[0])
             else:
                 self._apply(command, changes)
+            self._say_refusal_as_sent(command, refused)
             done.append(self.state.message)
         if "prompt" in changes:
             text, chunks = changes.pop("prompt")
             bridge.set_prompt(text, transition_chunks=chunks)
         if "reference" in changes:
-            self._send_reference(bridge, changes.pop("reference"))
-            done[-1] = self.state.message
+            path, command = changes.pop("reference")
+            refused = self.state.refused
+            self._send_reference(bridge, path)
+            self._say_refusal_as_sent(command, refused)
+            done[max(i for i, sent in enumerate(commands) if sent is command)] = self.state.message  # its own line
         if changes:
             bridge.set_params(**changes)
         return done
@@ -427,6 +438,11 @@ class Controls:
         self.state.refused += 1
         return False
 
+    def _say_refusal_as_sent(self, command: Command, refused_before: int) -> None:
+        """A refusal of `command` (the count grew past `refused_before`) in its sender's words (Command.refused_as)."""
+        if command.refused_as is not None and self.state.refused > refused_before:
+            self.state.message = command.refused_as(self.state.message)
+
     def _refuse_untaken(self, param: str) -> None:
         takes = self.state.takes
         if not takes:
@@ -458,7 +474,7 @@ class Controls:
             if name == "prompt_index":
                 index = args[0]
                 if not 0 <= index < len(s.prompts):
-                    s.message = f"prompt index {index} out of range 0..{len(s.prompts) - 1}"
+                    self._refuse(f"prompt index {index} out of range 0..{len(s.prompts) - 1}")
                     return
             else:
                 index = (s.prompt_index + (1 if name == "prompt_next" else -1)) % len(s.prompts)
@@ -492,7 +508,7 @@ class Controls:
             if not s.control_sources or not s.takes_reference:
                 self._refuse(f"reference: {NO_VACE if not s.control_sources else EDGES_ONLY}")
                 return
-            changes["reference"] = args[0]  # read and sent after the other changes of this frame
+            changes["reference"] = (args[0], command)  # read and sent after the other changes of this frame
         elif name in ("reference_image", "reference_reload"):
             if not s.control_sources or not s.takes_reference:
                 self._refuse(f"reference: {NO_VACE if not s.control_sources else EDGES_ONLY}")
@@ -501,7 +517,7 @@ class Controls:
                 self._refuse("reference: no reference file to read again (give --reference IMAGE, or send one "
                              "with OSC /loom/reference PATH)")
                 return
-            changes["reference"] = args[0] if name == "reference_image" else s.reference
+            changes["reference"] = (args[0] if name == "reference_image" else s.reference, command)
         elif name == "pause":
             s.paused = _flag(args[0] if args else None, s.paused)
         elif name == "overlay":

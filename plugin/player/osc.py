@@ -3,10 +3,14 @@
 The server listens on UDP on its own thread and only queues `Command`s; the frame loop applies
 them. A malformed message is counted and reported in the status line, never raised into the
 server thread. python-osc is imported when a server is started, so the player runs without it.
+Every refusal, made here or when the frame loop applies the command, is worded by `refusal`: it names
+the address the performer sent, not the parameter's internal name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +22,10 @@ from loom_live.host_bridge.wire.params import (
     LORA_SCALES,
     NOISE_SCALE,
     STEP_LISTS,
+    TRANSITION_CHUNKS,
 )
 from loom_live.plugin.player.controls import (
+    SETS_PARAM,
     Command,
     ControlError,
     Controls,
@@ -103,17 +109,33 @@ _BUILDERS: dict[str, Callable[..., Command]] = {
 }
 
 
+OSC_REFUSED = "OSC refused"
+# The names the words shared with the keys and the page start a refusal with (the schema's, the commands', the
+# builders'): an OSC refusal names the address sent in their place. transition_chunks stays, naming /loom/prompt's
+# second argument.
+_INTERNAL_NAMES = frozenset({*SETS_PARAM, *SETS_PARAM.values(), "lora scale", "prompt index", "reference", "pause"}
+                            - {TRANSITION_CHUNKS.name})
+
+
+def refusal(address: str, why: str) -> str:
+    """A refusal of a message sent to `address`, as the performer reads it: `OSC refused /loom/control/scale: 5.0 is
+    not allowed; expected a number in [0, 2]`, the schema's words for what is allowed kept."""
+    name, sep, rest = why.partition(": ")
+    return f"{OSC_REFUSED} {address}: {rest if sep and name in _INTERNAL_NAMES | {address} else why}"
+
+
 def command_for(address: str, args: tuple[Any, ...], family: str | None = "wan") -> Command:
-    """The command an OSC message asks for; ControlError names the problem (a prompt's in the words of the
-    model `family`)."""
+    """The command an OSC message asks for, refused (when applied) in `refusal`'s words; ControlError names the
+    problem (a prompt's in the words of the model `family`)."""
     builder = _BUILDERS.get(address.rstrip("/"))
     if builder is None:
-        raise ControlError(f"unknown OSC address {address!r}; known: {', '.join(OSC_ADDRESSES)}")
+        raise ControlError(f"{address}: unknown OSC address; known: {', '.join(OSC_ADDRESSES)}")
     try:
-        return builder(*args, family=family) if builder is prompt_command else builder(*args)
+        command = builder(*args, family=family) if builder is prompt_command else builder(*args)
     except TypeError:
         expected = OSC_ADDRESSES[address.rstrip("/")][0] or "no arguments"
         raise ControlError(f"{address}: wrong arguments {list(args)!r}; expected {expected}") from None
+    return dataclasses.replace(command, refused_as=functools.partial(refusal, address))
 
 
 class OSCServer:
@@ -146,8 +168,8 @@ class OSCServer:
             self.controls.put(command_for(address, args, self.controls.state.family))
         except (ControlError, ValueError, TypeError) as exc:  # refused and counted; the stream goes on
             self.rejected += 1
-            self.last_error = str(exc)
-            self.controls.put(Command("refused", (f"OSC refused: {exc}",)))  # said by the frame loop
+            self.last_error = refusal(address, str(exc))
+            self.controls.put(Command("refused", (self.last_error,)))  # said by the frame loop
 
     def close(self) -> None:
         self._server.shutdown()

@@ -603,31 +603,75 @@ def test_no_frame_is_read_or_written_after_a_quit(tmp_path, monkeypatch, capsys)
     assert len(_decode(out)) == 4
 
 
-def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_report_says_where_the_run_went(
-        tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(("quiet", "ctrl_c"), [(False, False), (True, False), (False, True)])
+def test_a_file_saved_at_the_output_during_a_run_without_y_is_kept_and_the_report_says_once_where_the_run_went(
+        tmp_path, monkeypatch, capsys, caplog, quiet, ctrl_c):
     """Without -y an existing output is refused at open; one saved there during the run (another program, another
-    take) was replaced at the end. It stays, and the report names where the run's file went instead."""
+    take) was replaced at the end. It stays, and the run's last line names where the run's file went instead: once
+    (a log line said it too), after a Ctrl-C as well, and in a quiet run (-q), whose last line is otherwise not
+    said."""
     from loom_live.plugin.media.partial_files import aside_path
     from loom_live.plugin.media.sinks import FrameSink
     from loom_live.plugin.player.app import Player
     from loom_live.plugin.player.options import PlayerOptions
 
     dst = tmp_path / "show.mp4"
-    encode = FrameSink._encode
+    encode, emit = FrameSink._encode, Player._emit
 
     def encode_then_someone_saves(self, frame, pts):
         encode(self, frame, pts)
         if pts == 2:
             dst.write_bytes(b"saved by someone else")
 
+    def emit_then_ctrl_c(self, frame, seq=-1):
+        emit(self, frame, seq)
+        if self.frames_out == 4:
+            raise KeyboardInterrupt
+
     _without_engine(monkeypatch)
     monkeypatch.setattr(FrameSink, "_encode", encode_then_someone_saves)
-    code = Player(PlayerOptions(outputs=[str(dst)], max_frames=5, size=(64, 64))).run()
+    if ctrl_c:
+        monkeypatch.setattr(Player, "_emit", emit_then_ctrl_c)
+    code = Player(PlayerOptions(outputs=[str(dst)], max_frames=5, size=(64, 64), quiet=quiet)).run()
     err = capsys.readouterr().err
+    mine, frames = aside_path(dst, 1), 4 if ctrl_c else 5
+    assert code == (130 if ctrl_c else 0), err
+    assert dst.read_bytes() == b"saved by someone else" and len(_decode(mine)) == frames
+    assert f"{frames} frames (64x64, 24 fps) to {mine} ({dst} appeared during the run and was left as it was) in " \
+        in err and err.count(str(mine)) == 1 and str(mine) not in caplog.text, (err, caplog.text)
+
+
+def test_a_failed_run_says_where_its_file_went_when_one_was_saved_at_the_output_as_it_finished(
+        tmp_path, monkeypatch, capsys):
+    """A failed run keeps the frames written before the failure in a new file, and has no last line to say where
+    it went: a file saved at the output as the run's was moved into place sends it beside it, said in one line."""
+    from loom_live.plugin.media.partial_files import aside_path
+    from loom_live.plugin.media.sinks import FrameSink
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerError, PlayerOptions
+
+    dst = tmp_path / "show.mp4"
+    move = FrameSink._move_into_place
+
+    def someone_saves_then_move(self):
+        dst.write_bytes(b"saved by someone else")
+        return move(self)
+
+    def three_frames_then_fail(self):
+        for frame in self._frames():
+            self._emit(frame)
+            if self.frames_out == 3:
+                raise PlayerError("input: the camera is gone")
+
+    _without_engine(monkeypatch)
+    monkeypatch.setattr(Player, "_run_lossless", three_frames_then_fail)
+    monkeypatch.setattr(FrameSink, "_move_into_place", someone_saves_then_move)
+    with pytest.raises(PlayerError, match="the camera is gone"):
+        Player(PlayerOptions(outputs=[str(dst)], max_frames=5, size=(64, 64), quiet=True)).run()
     mine = aside_path(dst, 1)
-    assert code == 0, err
-    assert dst.read_bytes() == b"saved by someone else" and len(_decode(mine)) == 5
-    assert f" to {mine} ({dst} appeared during the run and was left as it was) in " in err, err
+    assert dst.read_bytes() == b"saved by someone else" and len(_decode(mine)) == 3
+    assert capsys.readouterr().err == (f"loom play: this run's output is {mine} ({dst} appeared during the run and "
+                                       "was left as it was)\n")
 
 
 def test_a_file_cut_short_is_said_to_end_before_the_frames_its_header_states(tmp_path, monkeypatch, capsys):
@@ -717,8 +761,9 @@ def test_an_output_equal_to_the_input_or_existing_is_refused_and_left_untouched(
 
 
 def test_outputs_and_rates_no_run_could_write_are_refused_before_the_engine_starts(tmp_path, capsys):
-    """A folder given as -o (even with -y), one file given twice, a generated clip's rate no video file holds:
-    each would fail after the whole run (or write frames no player decodes), so each is refused at once."""
+    """A folder given as -o (even with -y), one file given twice, a generated clip's rate no video file holds, a size
+    larger than H.264 takes: each would fail after the whole run (or write frames no player decodes, or fail naming
+    neither the size nor the limit), so each is refused at once."""
     folder = tmp_path / "renders.mp4"
     folder.mkdir()
     cases = [
@@ -726,6 +771,8 @@ def test_outputs_and_rates_no_run_could_write_are_refused_before_the_engine_star
         (["-o", str(tmp_path / "a.mp4"), "-o", str(tmp_path / "." / "a.mp4")], "is given twice"),
         (["--fps", "100000", "-o", str(tmp_path / "b.mp4")], "--fps: 100000 is not allowed; expected 0.01 to 1000"),
         (["--fps", "nan", "-o", str(tmp_path / "b.mp4")], "--fps: nan is not allowed"),
+        (["--size", "20000x20000", "-o", str(tmp_path / "b.mp4")],
+         f"output: {tmp_path / 'b.mp4'}: 20000x20000 is larger than H.264 takes (at most 16384 px a side"),
     ]
     for args, expected in cases:
         assert main(["play", "-n", "5", *args]) == 2
@@ -1223,6 +1270,34 @@ def test_osc_messages_map_to_commands_and_bad_ones_are_refused():
     assert set(OSC_ADDRESSES) >= {"/loom/prompt", "/loom/steps", "/loom/noise_scale", "/loom/quit"}
 
 
+def test_every_osc_refusal_names_the_address_sent_in_the_schema_s_words_and_a_key_s_keeps_its_own(tmp_path):
+    """`/loom/control/scale 5` was refused as `context_scale: ...`, `/loom/lora/scale x 1.0` on an edit engine as
+    `lora_scales: ... it takes adapter_strength, ...`, and a prompt index past the list without the `OSC refused` the
+    others have. Refused as the message is read or when the frame loop applies it (a reference file read after the
+    frame's other changes too), each is said as `OSC refused ADDRESS: ...`; the same refused from a key or the page
+    keeps the words they share."""
+    from loom_live.plugin.player.osc import refusal
+
+    with pytest.raises(ControlError) as built:
+        command_for("/loom/control/scale", (5,))
+    assert refusal("/loom/control/scale", str(built.value)) == \
+        "OSC refused /loom/control/scale: '5.0' is not allowed; expected a number in [0, 2]"
+    takes = "it takes adapter_strength, noise_scale"
+    controls = Controls(ControlState(prompts=["ink", "oil"], family="edit", lora_scales={"x": 1.0},
+                                     control_sources=("edges",), takes=frozenset({"adapter_strength", "noise_scale"})))
+    missing = tmp_path / "gone.png"
+    for address, args in [("/loom/lora/scale", ("x", 1.0)), ("/loom/prompt/index", (7,)),
+                          ("/loom/reference", (str(missing),))]:
+        controls.put(command_for(address, args))
+    controls.put(Command("lora_scale", ("x", 1.0)))  # a key's, or the page's
+    assert controls.apply_pending(RecordingBridge()) == [
+        f"OSC refused /loom/lora/scale: the engine's model (edit family) does not take it; {takes}",
+        "OSC refused /loom/prompt/index: prompt index 7 out of range 0..1",
+        f"OSC refused /loom/reference: {missing}: no such file; the reference stays",  # read after the rest
+        f"lora_scales: the engine's model (edit family) does not take it; {takes}"]
+    assert controls.state.refused == 4 and controls.state.prompt == "ink"
+
+
 def test_osc_server_feeds_the_controls():
     pytest.importorskip("pythonosc", reason="OSC input needs the osc extra (python-osc)")
     from pythonosc.udp_client import SimpleUDPClient
@@ -1248,9 +1323,10 @@ def test_osc_server_feeds_the_controls():
         server.close()
     assert bridge.prompts == [("chrome", 3)]
     assert bridge.params == [{"steps": steps_for(4)}]
-    refusals = [line for line in said if line.startswith("OSC refused: ")]
+    refusals = [line for line in said if line.startswith("OSC refused /loom/")]
     assert server.rejected == 3 and controls.state.refused == 3 and len(refusals) == 3
-    for words in ("expected 1, 2, 3 or 4", "not a finite number", "the prompt is empty; give an instruction"):
+    for words in ("/loom/steps: 9 is not allowed; expected 1, 2, 3 or 4", "/loom/steps: inf is not a finite number",
+                  "/loom/prompt: the prompt is empty; give an instruction"):
         assert sum(words in line for line in refusals) == 1, refusals  # in any order: a thread for each message
     assert controls.state.quit
 
@@ -1322,7 +1398,7 @@ def test_what_the_running_engine_or_the_osc_server_refuses_is_said_in_the_termin
         client.send_message("/loom/prompt", ["watercolour"])
         client.send_message("/loom/steps", 9)
         assert said("has no embedding for prompt 'watercolour'"), "".join(lines)
-        assert said("OSC refused: "), "".join(lines)
+        assert said("OSC refused /loom/steps: 9 is not allowed"), "".join(lines)
         client.send_message("/loom/quit", [])
         proc.wait(timeout=60)
     finally:
