@@ -146,6 +146,8 @@ def _check_weight_files(cfg: LoomConfig) -> None:
         with torch.device("meta"):
             dit = dit_class(dit_cfg)
         for entry in cfg.lora:
+            if not Path(entry.path).expanduser().exists():  # the file's own check names no key or option
+                raise CheckpointError(f"lora (--lora): {entry.path}: no such file or directory")
             read_lora(entry.path, dit, entry.key, meta=True)
     if vc.checkpoint and "wan" in (vc.encoder, vc.decoder):
         vae_cfg = replace(VAE_PRESETS[vc.preset], normalize_on_encode=vc.normalize_on_encode,

@@ -12,7 +12,7 @@ import sys
 
 from loom_live.host_bridge.launcher import TOKEN_ENV
 from loom_live.host_bridge.wire import logs
-from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX, UserError
+from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX, OneLineParser, UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m loom_live.engine serve ...`: the same parser and exit codes as `loom serve`."""
     from loom_live.host_bridge.wire.typed_config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="python -m loom_live.engine")
+    parser = OneLineParser(prog="python -m loom_live.engine")
     logs.add_option(parser)
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -193,6 +193,8 @@ class ControlVideoFile:
 
     def __init__(self, path: str) -> None:
         self.path = Path(path).expanduser()
+        if not self.path.exists():
+            raise ValueError(f"control.video: {self.path}: no such file")
         self._cap = cv2.VideoCapture(str(self.path))
         if not self._cap.isOpened():
             raise ValueError(f"control.video: {self.path} cannot be opened as a video")

@@ -37,8 +37,9 @@ def _frames(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from loom_live.engine.train.recipe import RecipeConfig
+    from loom_live.host_bridge.wire.errors import OneLineParser
 
-    p = argparse.ArgumentParser(prog="loom train", description="train Loom's embedded default model")
+    p = OneLineParser(prog="loom train", description="train Loom's embedded default model")
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="style the training clips (CPU) into one data file")
     prep.add_argument("--out", default=RecipeConfig.data)

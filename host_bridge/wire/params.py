@@ -79,7 +79,7 @@ class LiveParam:
             return f"a non-empty text of at most {self.max_len} characters"
         if self.kind == "timesteps":
             return (f"a descending list of {self.min_len} to {self.max_len} whole timesteps in "
-                    f"[{_num(self.min)}, {_num(self.max)}]")
+                    f"[{_num(self.min)}, {_num(self.max)}], such as {list(self.default)}")
         if self.kind == "scales":
             return (f"a mapping of at most {self.max_len} names (1 to {NAME_LEN} characters) to numbers in "
                     f"[{_num(self.min)}, {_num(self.max)}]")
@@ -115,7 +115,7 @@ class LiveParam:
             meta["choices"] = self.choices
         if self.kind == "timesteps":
             default = list(self.default)
-            return spec(default_factory=lambda: list(default), doc=self.doc, **meta)
+            return spec(default_factory=lambda: list(default), doc=self.doc, allowed=self.allowed(), **meta)
         return spec(self.default, doc=self.doc, **meta)
 
     def _ok(self, v: Any) -> bool:

@@ -6,7 +6,10 @@ fails the same way wherever it is written. Every error names the source, the dot
 the value and what is allowed.
 
 Field constraints ride on dataclass field metadata, built with `spec()`:
-`choices`, `min`, `max`, `multiple_of`, `min_len`, `max_len`, `doc`.
+`choices`, `min`, `max`, `multiple_of`, `min_len`, `max_len`, `doc`, and `allowed`: what a list field
+takes, in words, said of a value that is no list at all, where the type alone would say too little
+(`a list of int` says nothing of a step list's order, length or range); a wrong length or item is
+still said as such.
 """
 
 from __future__ import annotations
@@ -93,9 +96,9 @@ def _coerce(tp: Any, value: Any, meta: Mapping[str, Any], source: str, path: str
         return build(tp, value, source=source, path=path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            _fail(source, path, value, f"a list of {_name(args[0]) if args else 'values'}")
+            _fail(source, path, value, meta.get("allowed") or f"a list of {_name(args[0]) if args else 'values'}")
         _check_len(value, meta, source, path)
-        item_meta = {k: v for k, v in meta.items() if k not in ("min_len", "max_len")}
+        item_meta = {k: v for k, v in meta.items() if k not in ("min_len", "max_len", "allowed")}
         items = [_coerce(args[0], v, item_meta, source, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is typing.Literal:

@@ -36,7 +36,7 @@ from loom_live.engine.tools.eval import (
     previous_outputs,
 )
 from loom_live.engine.tools.quality import DEFAULT_WINDOW, FLOW_METHODS
-from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.errors import OneLineParser, UserError
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option, positive_int
 from loom_live.plugin.media.base import MediaError
 from loom_live.plugin.media.generated_clip import generate_clip
@@ -204,7 +204,7 @@ def _parse_size(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m loom_live.plugin.cli.eval``: the same command without the ``loom`` front end."""
-    parser = argparse.ArgumentParser(prog="loom")
+    parser = OneLineParser(prog="loom")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

@@ -5,7 +5,8 @@ The engine's own entry point (`python -m loom_live.engine serve`, what the launc
 
 Each subcommand module exposes `add_parser(subparsers)`, which registers its parser and sets
 `func` to a callable taking the parsed arguments and returning an exit code. Errors a user can
-fix (bad config, missing file) end with a one-line message and exit code 2, never a traceback.
+fix (bad config, missing file, a mistaken option) end with a one-line message and exit code 2, never a
+traceback or a usage block.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 
 from loom_live.engine.graphs.compile_cache import enable_bytecode_cache
 from loom_live.host_bridge.wire import logs
-from loom_live.host_bridge.wire.errors import UserError
+from loom_live.host_bridge.wire.errors import OneLineParser, UserError
 from loom_live.host_bridge.wire.typed_config import ConfigError
 from loom_live.plugin.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, version
 
@@ -25,7 +26,7 @@ SUBCOMMANDS = ("info", "play", "web", "serve", "pull", "prepare", "encode-prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
+    parser = OneLineParser(prog="loom", description="Loom: live video restyling with streaming diffusion.")
     parser.add_argument("--version", action="version", version=f"loom {version()}",
                         help="print Loom's version and exit")
     logs.add_option(parser)  # global: `loom --log-level debug play ...`; engines it launches log at it too

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loom_live.engine.config import control_override, load_config, lora_override
 from loom_live.host_bridge.wire.errors import UserError
-from loom_live.host_bridge.wire.params import CONTROL, check_prompt_request
+from loom_live.host_bridge.wire.params import CONTROL, CONTROL_SOURCES, check_prompt_request
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
 from loom_live.plugin.cli.preflight import check_engine_run
 
@@ -104,6 +105,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """Prompts, LoRAs, the engine to use and live control: the same on `loom play` and `loom web`."""
+    from loom_live.plugin.player.options import DEFAULT_STARTUP_TIMEOUT_S
+
     p.add_argument("--lora", action="append", default=[], dest="loras", metavar="PATH[:SCALE]",
                    help="a style LoRA file and its scale (default 1.0); repeat for several")
     p.add_argument("-p", "--prompt", action="append", default=[], dest="prompts", metavar="TEXT",
@@ -131,8 +134,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="engine returns its input unchanged (tests the plumbing without a model)")
     p.add_argument("--osc-port", type=int, default=None, metavar="PORT", help="listen for OSC control on this UDP port")
     p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to wait for the engine")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress or status line")
+    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for the engine to be ready (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only the last line (frames, outputs, time) and errors: no start-up stages, "
+                        "progress bar, status line or notes")
 
 
 def add_web_options(p: argparse.ArgumentParser) -> None:
@@ -186,6 +192,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         raise UserError(f"--control, --control-input and --reference steer a VACE model (--control edges the "
                         f"default one too); preset {cfg.model.preset!r} has no control blocks and reads no edges: "
                         "use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
+    _check_files_given(args)
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
     from loom_live.plugin.player import PlayerOptions, read_prompt_file, run_player
@@ -228,6 +235,16 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         ice_credential_file=args.ice_credential_file,
         **run)
     return run_player(options)
+
+
+def _check_files_given(args: argparse.Namespace) -> None:
+    """--control FILE and --reference IMAGE, which the engine reads only once started: one that is not there is
+    said now and as such (the engine could only say that it cannot be opened)."""
+    made = [s for s in CONTROL_SOURCES if s != "video"]  # what --control makes from the input, not a file
+    if args.control and args.control not in made and not Path(args.control).expanduser().exists():
+        raise UserError(f"--control {args.control}: no such file; expected {', '.join(made)} or a video file")
+    if args.reference and not Path(args.reference).expanduser().exists():
+        raise UserError(f"--reference {args.reference}: no such file; expected an image file (PNG, JPEG, ...)")
 
 
 def _list_ndi() -> int:

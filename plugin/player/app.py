@@ -43,6 +43,7 @@ from loom_live.plugin.player.options import (
     DEFAULT_GENERATED_FRAMES,
     DEFAULT_GENERATED_SIZE,
     DEFAULT_OUTPUT,
+    DEFAULT_STARTUP_TIMEOUT_S,
     EXIT_BAD_INPUT,
     EXIT_ENGINE_FAILED,
     EXIT_INTERRUPTED,
@@ -282,7 +283,8 @@ class Player:
                 raise self._engine_error("the engine did not start", status)
             if time.monotonic() > deadline:
                 raise self._engine_error(f"the engine did not become ready within {self.opts.startup_timeout_s:g} s",
-                                         status)
+                                         status, hint=f"--startup-timeout S sets the wait, "
+                                                      f"{DEFAULT_STARTUP_TIMEOUT_S:g} s by default")
             self.printer.stage(f"{self.name}: starting the engine: {status.message or status.state}")
             self._poll_controls()
             if self.controls.state.quit:
@@ -673,7 +675,8 @@ class Player:
         self._log_tail = list(status.log_tail) or self._log_tail
         self._last_error = self.bridge.stats().get("last_error") or self._last_error
 
-    def _engine_error(self, what: str, status: Any) -> PlayerError:
+    def _engine_error(self, what: str, status: Any, hint: str = "") -> PlayerError:
+        """`what` failed, with the engine's last message and log lines; `hint`: what the user can change."""
         if status.refusal:  # the engine refused the run (config, weights, this host's secret): the user's to fix, once
             return PlayerError(status.refusal, EXIT_BAD_INPUT)
         self._remember_log(status)
@@ -684,6 +687,7 @@ class Player:
             text = message
         else:
             text = f"{what}: {message}"
+        text = f"{text} ({hint})" if hint else text
         lines = [*self._log_tail, self._last_error] if self._last_error else self._log_tail
         return PlayerError(text, EXIT_ENGINE_FAILED, detail="\n".join(lines))
 
@@ -748,8 +752,6 @@ class Player:
         control = f"; control frames: {c.sent} sent, {c.missing} without (grey)" if c is not None else ""
         unrestyled = f"; {self.unrestyled_out} unrestyled, the input shown while the engine started or restarted" \
             if self.unrestyled_out else ""
-        if self._kept_aside():
-            self.printer.quiet = False  # a quiet run's too: its file is not where the user will look for it
         self.printer.finish(f"{self.name}: {how}{self.frames_out} frames ({w}x{h}, {self.source.fps:g} fps"
                             f"{unrestyled}) to {written} in {elapsed:.1f} s{damaged}{control}")
         stated = self.source.frame_count

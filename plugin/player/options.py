@@ -21,6 +21,7 @@ DEFAULT_GENERATED_FPS = 24.0
 NETWORK_OUTPUT_SCHEMES = ("udp", "srt", "rtmp", "rtmps")
 MODES = ("auto", "lossless", "live")
 TRANSPORTS = ("shm", "tcp", "cuda-ipc")
+DEFAULT_STARTUP_TIMEOUT_S = 300.0  # --startup-timeout: a first start may download, compile and load a model
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -91,7 +92,7 @@ class PlayerOptions:
     ice_servers: list[str] = field(default_factory=list)  # STUN/TURN URLs for the page's video (plugin/web/ice.py)
     ice_username: str | None = None
     ice_credential_file: str | None = None
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     quiet: bool = False
     overwrite: bool = False
 

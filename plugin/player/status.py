@@ -1,5 +1,7 @@
 """The player's terminal feedback: start-up stages, a progress bar for files, a status line for live inputs.
 
+Quiet (`-q`) hides all of that and the notes said meanwhile; the run's last line and errors are still printed.
+
 Start-up stages are printed once each, as they begin, and each is closed with how long it took; a
 stage that lasts (the engine loading a model) gets a line every few seconds meanwhile, so a silent
 terminal never looks like a hang; so does the wait for a file's first restyled frame. A file's progress
@@ -178,10 +180,9 @@ class StatusPrinter:
             self._write(text + "\n")
 
     def finish(self, line: str) -> None:
-        """The final state of the line, always printed in full."""
+        """The run's last line (frames, where they went, how long), printed in full even when quiet: `-q`
+        hides what goes by, not the result a script that runs the player logs."""
         self.end_progress()
-        if self.quiet:
-            return
         if self.tty:
             self._write("\r" + line.ljust(self._width) + "\n")
         elif line != self._shown:

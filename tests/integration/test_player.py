@@ -488,6 +488,45 @@ def test_a_live_run_says_how_many_frames_went_out_before_the_engine_delivered(tm
     assert len(_decode(out)) == 5
 
 
+def test_quiet_leaves_only_the_last_line_a_script_logs(tmp_path, monkeypatch, capsys):
+    """-q hid the run's last line too (frames, where they went): a script that ran the player quietly could not
+    log what it wrote. It hides what goes by, and keeps that line."""
+    from loom_live.plugin.player import PlayerOptions, run_player
+
+    _without_engine(monkeypatch)
+    out = tmp_path / "quiet.mp4"
+    assert run_player(PlayerOptions(outputs=[str(out)], max_frames=3, size=(64, 64), fps=10, quiet=True)) == 0
+    assert re.fullmatch(rf"loom play: 3 frames \(64x64, 10 fps\) to {re.escape(str(out))} in [\d.]+ s\n",
+                        capsys.readouterr().err)
+
+
+class _NeverReady:
+    """A bridge whose engine is still launching, whatever the wait."""
+
+    def status(self) -> object:
+        from loom_live.host_bridge.bridge_stats import BridgeStatus
+        from loom_live.host_bridge.supervisor import EngineState
+
+        return BridgeStatus(state=EngineState.STARTING, message="launching the engine")
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_engine_not_ready_in_time_is_said_with_the_option_that_sets_the_wait(tmp_path, monkeypatch, capsys):
+    from loom_live.plugin.player import PlayerOptions, run_player
+    from loom_live.plugin.player.app import Player
+
+    monkeypatch.setattr(Player, "_start_engine", lambda self: setattr(self, "bridge", _NeverReady()))
+    options = PlayerOptions(outputs=[str(tmp_path / "x.mp4")], max_frames=3, size=(64, 64), startup_timeout_s=0.01)
+    assert run_player(options) == 3
+    assert ("loom play: error: the engine did not become ready within 0.01 s: launching the engine (--startup-timeout "
+            "S sets the wait, 300 s by default)\n") in capsys.readouterr().err
+
+
 def test_a_folder_given_as_the_prompt_list_is_named_as_a_folder(tmp_path):
     from loom_live.plugin.player import PlayerError, read_prompt_file
 
@@ -849,6 +888,12 @@ def _audio_only(path: Path) -> str:
     (["-c", "edit-tiny", "--lora", "ink.safetensors"], "lora: model.family=edit does not read it"),  # ran without it
     (["-c", "tiny-random", "--set", "edit.batch=4"], "edit.batch: model.family=wan does not read it"),
     (["--prompts", "/no/such/prompts.txt"], "--prompts: file not found"),
+    # said as missing and by the option (the engine started, then said the file "cannot be opened as a video")
+    (["-c", "tiny-vace", "--control", "nosuch.mp4"], "loom play: error: --control nosuch.mp4: no such file; expected "
+                                                     "edges, grey, flow, depth or a video file\n"),
+    (["-c", "tiny-vace", "--reference", "nosuch.png"], "loom play: error: --reference nosuch.png: no such file"),
+    (["--lora", "nosuch.safetensors"], "loom play: error: lora (--lora): nosuch.safetensors: no such file or "
+                                       "directory"),
 ])
 def test_bad_options_end_with_a_clear_message(tmp_path, capsys, monkeypatch, args, expected):
     monkeypatch.chdir(tmp_path)

@@ -176,6 +176,17 @@ def test_player_control_options_become_config_keys(tmp_path):
         "video", str(tmp_path / "c.mp4"), str(tmp_path / "r.png"))
 
 
+def test_a_control_video_that_is_not_there_is_said_to_be_missing_not_unopenable(tmp_path):
+    """A config's control.video that does not exist was said to be a file that "cannot be opened as a video"."""
+    from loom_live.engine.stream.control_frames import ControlVideoFile
+
+    with pytest.raises(ValueError, match=r"^control\.video: .*nosuch\.mp4: no such file$"):
+        ControlVideoFile(str(tmp_path / "nosuch.mp4"))
+    (tmp_path / "notes.mp4").write_text("not a video")
+    with pytest.raises(ValueError, match=r"notes\.mp4 cannot be opened as a video$"):
+        ControlVideoFile(str(tmp_path / "notes.mp4"))
+
+
 @pytest.mark.parametrize("source", ["edges", "video"])
 def test_the_control_video_encoded_in_the_inputs_vae_call_gives_the_same_stream(models, monkeypatch, source):
     """control.batched_encode: the control video as the second stream of the input's VAE call. Both
