@@ -585,6 +585,18 @@ def test_an_output_that_fails_and_cannot_be_removed_names_the_file_left_behind(t
     assert len(_decode(kept)) == 5
 
 
+def _quit_after(frames: int, player, monkeypatch) -> None:
+    """A quit queued as the player's `frames`-th frame goes out, as a performer's key or OSC quit would come."""
+    emit = player._emit
+
+    def emit_then_quit(frame, seq=-1):
+        emit(frame, seq)
+        if player.frames_out == frames:
+            player.controls.put(Command("quit"))
+
+    monkeypatch.setattr(player, "_emit", emit_then_quit)
+
+
 def test_a_quit_after_an_output_failed_still_ends_with_exit_code_2(tmp_path, monkeypatch, capsys):
     """A quit is a normal stop (a stream cut off at it is no failure), but an output that failed before it did
     fail: the run says so with exit code 2, as it does when the input ends; the other output is whole."""
@@ -603,14 +615,7 @@ def test_a_quit_after_an_output_failed_still_ends_with_exit_code_2(tmp_path, mon
     _without_engine(monkeypatch)
     monkeypatch.setattr(FrameSink, "_encode", encode_or_fail)
     player = Player(PlayerOptions(outputs=[str(broken), str(kept)], max_frames=50, size=(64, 64)))
-    emit = player._emit
-
-    def emit_then_quit(frame, seq=-1):
-        emit(frame, seq)
-        if player.frames_out == 4:
-            player.controls.put(Command("quit"))
-
-    monkeypatch.setattr(player, "_emit", emit_then_quit)
+    _quit_after(4, player, monkeypatch)
     code = player.run()
     err = capsys.readouterr().err
     assert code == 2, err
@@ -629,14 +634,7 @@ def test_no_frame_is_read_or_written_after_a_quit(tmp_path, monkeypatch, capsys)
     out = tmp_path / "out.mkv"
     _without_engine(monkeypatch)
     player = Player(PlayerOptions(outputs=[str(out)], max_frames=50, size=(64, 64)))
-    emit = player._emit
-
-    def emit_then_quit(frame, seq=-1):
-        emit(frame, seq)
-        if player.frames_out == 4:
-            player.controls.put(Command("quit"))
-
-    monkeypatch.setattr(player, "_emit", emit_then_quit)
+    _quit_after(4, player, monkeypatch)
     assert player.run() == 0, capsys.readouterr().err
     assert player.frames_in == player.frames_out == 4
     assert len(_decode(out)) == 4
