@@ -571,22 +571,66 @@ class LoomConfig:
         return {"prompt": self.prompt.text, "params": params, "family": self.model.family,
                 "control_sources": list(self.control_sources), "takes_reference": self.vace}
 
-    def start_set_by(self, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-        """The share of `start_settings` that `overrides` (the `--set key=value` this config was loaded with) set:
-        "prompt" where they set prompt.text, and "params", each live parameter whose key they set, a key inside
-        it or its whole section. A host attached to an engine served with another config (`--endpoint`) tells it
-        these, and takes that engine's own starting values for the rest."""
-        start, paths = self.start_settings(), [parse_override(text)[0] for text in overrides]
-
-        def set_by(key: list[str]) -> bool:  # one path leads to the other: the key, a key inside it, its section
-            return any(path[:len(key)] == key[:len(path)] for path in paths)
-
-        keys = {p.name: [p.section] if p is live.LORA_SCALES else [p.section, p.name] for p in self.live_params}
-        prompt = {"prompt": start["prompt"]} if set_by([live.PROMPT.section, live.PROMPT.name]) else {}
-        return {**prompt, "params": {k: v for k, v in start["params"].items() if set_by(keys[k])}}
-
     def replace(self, **sections: Any) -> LoomConfig:
         return dataclasses.replace(self, **sections)
+
+
+# the `--set` keys a host attached to an engine served with its own config (`--endpoint`) keeps for itself: its first
+# prompt (the engine is sent it as a prompt)
+HOST_KEYS = ("prompt.text",)
+
+
+def served_keys() -> dict[str, live.LiveParam]:
+    """Each live parameter of every model family by its config key (section.name; the LoRAs' scales: `lora`): the
+    `--set` keys that reach an engine served with its own config."""
+    return {p.section if p is live.LORA_SCALES else f"{p.section}.{p.name}": p for p in live.LIVE}
+
+
+def served_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
+    """`--set key=value` overrides of a host attached to an engine served with its own config (`--endpoint`), split
+    into those the host keeps for its own config (`HOST_KEYS`) and the live parameters they set, by name as the wire
+    takes them, of whichever model family (`served_keys`: the served engine's is not -c's), each checked as its config
+    section checks it; the engine is told those it takes once it says which. Any other key never reaches a served
+    engine, which runs its own config: ConfigError names it and what may be set."""
+    host: list[str] = []
+    data: dict[str, Any] = {}
+    keys = served_keys()
+    for text in overrides:
+        path, raw = parse_override(text)
+        for leaf, value in _leaves(path, _override_value(path, raw, text)):
+            key = ".".join(leaf)
+            if key in HOST_KEYS:
+                host.append(f"{key}={json.dumps(value, ensure_ascii=False)}")  # YAML reads JSON text
+            elif key in keys:
+                apply_override(data, leaf, value)
+            else:
+                raise ConfigError(f"--set {text}: a served engine (--endpoint) runs its own config, and only the live "
+                                  f"parameters reach it ({', '.join(keys)}) and {', '.join(HOST_KEYS)}"
+                                  f"{did_you_mean(key, [*keys, *HOST_KEYS])}; set {key} where it is served "
+                                  f"(loom serve --set {key}=...), or leave out --endpoint")
+    return host, _checked_live(data)
+
+
+def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
+    """The keys an override sets, each with its value: a section written whole (`noise={noise_scale: 0.5}`) sets
+    each key it holds."""
+    if not isinstance(value, dict) or not value:
+        return [(path, value)]
+    return [leaf for key, inner in value.items() for leaf in _leaves([*path, str(key)], inner)]
+
+
+def _checked_live(data: dict[str, Any]) -> dict[str, Any]:
+    """Live parameters by config section (`served_overrides`) as the wire takes them, each section checked as the
+    config checks it (the LoRA list: its names distinct)."""
+    params, hints = {}, typing.get_type_hints(LoomConfig)
+    for section, values in data.items():
+        if section == live.LORA_SCALES.section:
+            entries = build(LoomConfig, {section: values}, source="--set").lora
+            params[live.LORA_SCALES.name] = {e.key: e.scale for e in entries}
+            continue
+        built = build(hints[section], values, source="--set", path=section)
+        params.update({name: live.LIVE[name].check(getattr(built, name)) for name in values})
+    return params
 
 
 def lora_override(specs: list[str]) -> list[str]:

@@ -12,8 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from loom_live.engine.config import control_override, load_config, lora_override
+from loom_live.engine.config import control_override, load_config, lora_override, served_overrides
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CONTROL, CONTROL_SOURCES, check_prompt_request
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option
@@ -185,7 +186,14 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
     # a served engine runs its own config, not -c's: the control options are checked against what it says it takes
     # once it is ready (the player), not against -c's here
     args.overrides = [*args.overrides, *lora_override(args.loras), *([] if args.endpoint else control)]
-    if args.resolution is not None:  # checked with the config: multiples of 16, in range
+    given: dict[str, Any] = {}
+    if args.endpoint and args.resolution is not None:
+        raise UserError(f"--resolution {args.resolution[0]}x{args.resolution[1]}: a served engine (--endpoint) "
+                        "restyles at its own config's resolution; set it where it is served (loom serve --set "
+                        "resolution.width=W --set resolution.height=H), or leave out --endpoint")
+    if args.endpoint:  # what it is told, whatever -c's model: -c keeps only what the player itself reads
+        args.overrides, given = served_overrides(args.overrides)
+    elif args.resolution is not None:  # checked with the config: multiples of 16, in range
         args.overrides += [f"resolution.width={args.resolution[0]}", f"resolution.height={args.resolution[1]}"]
     cfg = load_config(args.config, args.overrides)  # fails here, before an engine starts, on a bad key
     if (args.control or args.control_input or args.reference) and not args.endpoint and not cfg.structure_control:
@@ -205,11 +213,10 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         except PlayerError as exc:
             print(f"loom {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
-    given = cfg.start_set_by(args.overrides)  # what a served engine is told; it keeps its own values for the rest
-    if args.endpoint and not prompts and "prompt" in given:  # --set prompt.text, which a served engine never reads
-        prompts = [given["prompt"]]
+    if args.endpoint and not prompts and args.overrides:  # --set prompt.text, which a served engine never reads
+        prompts = [cfg.prompt.text]
     if args.endpoint and (args.control or args.control_input):
-        given["params"][CONTROL.name] = "video" if args.control_input else args.control
+        given[CONTROL.name] = "video" if args.control_input else args.control
     # before an engine starts (it was refused once one ran), in its family's words; a served engine (--endpoint)
     # runs its own config, not -c's, and says its family only once reached: what each family takes is said
     family = None if args.endpoint else cfg.model.family
@@ -220,7 +227,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         overrides=list(args.overrides), prompts=prompts, default_prompt=cfg.prompt.text, family=cfg.model.family,
         takes=tuple(p.name for p in cfg.live_params),
         steps=len(cfg.stream.steps), noise_scale=cfg.noise.noise_scale, motion_aware=cfg.noise.motion_aware,
-        lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given["params"],
+        lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given,
         control_sources=cfg.control_sources, takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, adapter_strength=cfg.edit.adapter_strength,
         control_input=args.control_input,

@@ -284,12 +284,12 @@ class Controls:
                    given: Mapping[str, Any], control_frames: bool = False) -> tuple[dict[str, Any], list[str]]:
         """A ready engine served with its own config (`--endpoint`): the state takes what it started on
         (`Bridge.engine_start`) for each setting the command line did not give, and the engine is told the live
-        parameters it gave (`given`, by name) that it takes, so that the state shown is the engine's and no default
-        of this run's config reaches it; `prompt_given`: -p. LoRAs are the engine's (`--lora` loads none into it):
-        a scale given sets one it has. Its structure control too, where it says it (`served_sources`;
-        `control_frames`: this run sends control frames). Frame loop only, once. Returns the settings taken that
-        the state held otherwise (this run's config's), and the given parameters the engine does not take (not
-        sent)."""
+        parameters it gave (`given`, by name) that it takes, which the state takes too (-c's model need not take
+        them), so that the state shown is the engine's and no default of this run's config reaches it;
+        `prompt_given`: -p. LoRAs are the engine's (`--lora` loads none into it): a scale given sets one it has.
+        Its structure control too, where it says it (`served_sources`; `control_frames`: this run sends control
+        frames). Frame loop only, once. Returns the settings taken that the state held otherwise (this run's
+        config's), and the given parameters the engine does not take (not sent)."""
         if start is None:  # an engine that does not say: the state stays this run's config's
             return {}, []
         s, params = self.state, start["params"]
@@ -311,7 +311,9 @@ class Controls:
         if not prompt_given and s.prompts[0] != start["prompt"]:  # the first is this run's config's
             s.prompts[0] = taken["prompt"] = start["prompt"]
         for name, keep in HELD.items():
-            if name in held and getattr(s, name) != keep(held[name]):
+            if name in send and name not in held:  # given: -c need not have held it (another family's)
+                setattr(s, name, keep(send[name]))
+            elif name in held and getattr(s, name) != keep(held[name]):
                 setattr(s, name, keep(held[name]))
                 taken[name] = held[name]
         if send:

@@ -1065,6 +1065,51 @@ def test_keys_step_the_adapter_strength_of_an_edit_engine_from_the_one_the_comma
     assert "loom play: adapter strength: 0.65\n" in capsys.readouterr().err
 
 
+def _play_served(tmp_path, capsys, served, *options):
+    """`loom play --endpoint` on an engine served with preset `served` (`ConfigSessions`: it refuses a parameter its
+    family does not take): the exit code, the engine's session and what was said."""
+    from loom_live.engine.config import load_config
+
+    sessions = ConfigSessions(load_config(served))
+    with InProcessEngine(sessions, start=sessions.start) as engine:
+        code = main(["play", "-n", "3", "--size", "32x32", "-o", str(tmp_path / "out.mp4"), "-y", "--endpoint",
+                     engine.endpoint, "--secret-file", engine.secret_file, *options])
+    [session] = sessions.built
+    return code, session, capsys.readouterr().err
+
+
+def test_loom_play_tells_a_served_engine_the_live_parameters_set_whatever_the_model_of_its_own_config(tmp_path,
+                                                                                                      capsys):
+    """`loom play -c default --set edit.adapter_strength=0.6 --endpoint` on an edit engine was refused before
+    connecting (-c's Wan model reads no edit key), and --set control.context_scale on a -c without structure control
+    never reached a served VACE engine. Every live parameter set is sent to the served engine that takes it; one it
+    does not take is said, not sent."""
+    code, session, err = _play_served(tmp_path, capsys, "edit-tiny", "--set", "edit.adapter_strength=0.6")
+    assert code == 0 and session.params == {"adapter_strength": 0.6} and session.refused == [], err
+    code, session, err = _play_served(tmp_path, capsys, "tiny-vace", "-c", "tiny-random", "--set",
+                                      "control.context_scale=0.5")
+    assert code == 0 and session.params == {"context_scale": 0.5} and session.refused == [], err
+    code, session, err = _play_served(tmp_path, capsys, "tiny-vace", "--set", "control.control_source=grey")
+    assert code == 0 and session.params == {"control_source": "grey"} and session.refused == [], err  # -c: edges only
+    code, session, err = _play_served(tmp_path, capsys, "tiny-random", "--set", "edit.adapter_strength=0.6")
+    assert code == 0 and session.params == {} and session.refused == [], err
+    assert "loom play: the engine does not take adapter_strength: not sent (it takes " in err, err
+
+
+def test_loom_play_refuses_at_once_a_key_a_served_engine_never_reads(tmp_path, capsys):
+    """`--set model.dtype=float16` (or --resolution) with --endpoint went nowhere without a word: the served engine
+    runs its own config. It is refused before the engine is reached (nothing answers here), saying what reaches one."""
+    endpoint = ["--endpoint", "tcp://127.0.0.1:9", "-o", str(tmp_path / "o.mp4")]
+    assert main(["play", "--set", "model.dtype=float16", *endpoint]) == 2
+    assert "loom play: error: --set model.dtype=float16: a served engine (--endpoint) runs its own config, and only " \
+           "the live parameters reach it (stream.steps, " in capsys.readouterr().err
+    assert main(["play", "--resolution", "512x512", *endpoint]) == 2
+    assert "loom play: error: --resolution 512x512: a served engine (--endpoint) restyles at its own config's " \
+           "resolution; set it where it is served (loom serve --set resolution.width=W --set resolution.height=H), " \
+           "or leave out --endpoint\n" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_player_on_a_served_engine_checks_control_and_reference_against_what_it_takes(tmp_path, capsys):
     """`loom play -c default --control grey --endpoint` on a served VACE engine was refused before connecting (-c's
     embedded model reads edges only), and -c's VACE model let --control depth through to a served engine without a
@@ -1073,18 +1118,11 @@ def test_a_player_on_a_served_engine_checks_control_and_reference_against_what_i
     sent. --control FILE, a video a served engine never reads, is refused at once."""
     import cv2
 
-    from loom_live.engine.config import load_config
-
     look = tmp_path / "look.png"
     cv2.imwrite(str(look), np.full((8, 6, 3), 9, np.uint8))
 
     def play(served, *options):
-        sessions = ConfigSessions(load_config(served))
-        with InProcessEngine(sessions, start=sessions.start) as engine:
-            code = main(["play", "-n", "3", "--size", "32x32", "-o", str(tmp_path / "out.mp4"), "-y", "--endpoint",
-                         engine.endpoint, "--secret-file", engine.secret_file, *options])
-        [session] = sessions.built
-        return code, session, capsys.readouterr().err
+        return _play_served(tmp_path, capsys, served, *options)
 
     code, session, err = play("tiny-vace", "--control", "grey", "--reference", str(look))
     assert code == 0 and session.refused == [], err

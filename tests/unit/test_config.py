@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config, model_family
+from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config, model_family, served_overrides
 
 
 def test_every_shipped_preset_loads():
@@ -188,17 +188,35 @@ def test_start_settings_say_the_structure_control_a_host_may_ask_for():
         assert (start["control_sources"], start["takes_reference"]) == (sources, reference), name
 
 
-def test_start_set_by_is_the_share_of_the_start_settings_the_overrides_set():
-    """What a host attached to an engine served with another config tells it: the live parameters a --set (or
-    --lora, --control) set, by their key, a key inside them or their section, and prompt.text; nothing else."""
-    overrides = ["stream.steps=[600]", "resolution.width=256", "prompt.text=ink wash", "noise={noise_scale: 0.5}",
-                 'lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]']
-    assert load_config("default", overrides).start_set_by(overrides) == {
-        "prompt": "ink wash", "params": {"steps": [600], "noise_scale": 0.5, "motion_aware": True,
-                                         "lora_scales": {"ink_style": 0.5}}}
-    assert load_config("default").start_set_by(["stream.sink=1", "noise.ema=0.5"]) == {"params": {}}
-    edit = ["edit.adapter_strength=0.5"]
-    assert load_config("edit-tiny", edit).start_set_by(edit) == {"params": {"adapter_strength": 0.5}}
+def test_served_overrides_are_the_live_parameters_of_every_family_and_the_host_s_prompt():
+    """What a host attached to an engine served with its own config (`--endpoint`) tells it: the live parameters a
+    --set (or --lora) set, by their key or their section written whole, of any model family (-c's is not the served
+    engine's), each checked as the config checks it; prompt.text is kept for the host's own config."""
+    overrides = ["stream.steps=[600]", "prompt.text=ink wash", "noise={noise_scale: 0.5}", "edit.adapter_strength=0.6",
+                 "control.context_scale=0.5", 'lora=[{"path": "/w/ink_style.safetensors", "scale": 0.5}]']
+    assert served_overrides(overrides) == (['prompt.text="ink wash"'], {
+        "steps": [600], "noise_scale": 0.5, "adapter_strength": 0.6, "context_scale": 0.5,
+        "lora_scales": {"ink_style": 0.5}})
+    assert served_overrides(["prompt={text: café 🎨, transition_chunks: 2}"]) == (
+        ['prompt.text="café 🎨"'], {"transition_chunks": 2})
+    assert load_config("default", ['prompt.text="café 🎨"']).prompt.text == "café 🎨"
+    with pytest.raises(ConfigError, match=r"^--set: edit.adapter_strength: 5.0 is not allowed; expected a value in "
+                                          r"\[0.0, 2.0\]$"):
+        served_overrides(["edit.adapter_strength=5"])
+
+
+@pytest.mark.parametrize("override", ["model.dtype=float16", "resolution.width=512", "noise.ema=0.5", "noise={}"])
+def test_served_overrides_refuse_a_key_a_served_engine_never_reads(override):
+    """A key that is no live parameter cannot reach an engine served with its own config: it is named, with what
+    does reach it and where to set it, not dropped without a word."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as refused:
+        served_overrides([override])
+    said = str(refused.value)
+    assert said.startswith(f"--set {override}: a served engine (--endpoint) runs its own config, and only the live "
+                           "parameters reach it (stream.steps, "), said
+    assert "edit.adapter_strength" in said and "control.context_scale" in said and "and prompt.text" in said, said
+    assert said.endswith(f"set {key} where it is served (loom serve --set {key}=...), or leave out --endpoint"), said
 
 
 def test_numbers_in_exponent_form_are_numbers(tmp_path):
