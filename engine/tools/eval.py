@@ -22,7 +22,14 @@ import cv2
 import numpy as np
 
 from loom_live.engine.tools.progress import FrameProgress
-from loom_live.engine.tools.quality import DEFAULT_WINDOW, PLOT_METRICS, QualityMeter, QualityReport, plot_reports
+from loom_live.engine.tools.quality import (
+    DEFAULT_WINDOW,
+    PLOT_METRICS,
+    QualityMeter,
+    QualityReport,
+    can_plot,
+    plot_reports,
+)
 
 DEFAULT_CHUNK = 4
 EVAL_REPORT_VERSION = 2
@@ -223,8 +230,9 @@ def plot_names(clips: list[Clip]) -> list[str]:
 
 
 def output_names(clips: list[Clip]) -> list[str]:
-    """Every file ``evaluate`` may write into its folder for these clips: the report, then the plots."""
-    return [REPORT_NAME, *plot_names(clips)]
+    """Every file ``evaluate`` may write into its folder for these clips: the report, then the plots, where it can
+    draw them (``evaluate`` writes none without matplotlib)."""
+    return [REPORT_NAME, *(plot_names(clips) if can_plot() else [])]
 
 
 def previous_outputs(out_dir: Path) -> list[Path]:

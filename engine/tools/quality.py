@@ -343,6 +343,27 @@ PLOT_DPI = 100
 _MIN_SPAN = {"contrast_ratio": 0.1, "occluded_fraction": 0.1}
 
 
+def can_plot() -> bool:
+    """Whether `plot_reports` can draw here (matplotlib loads): `loom eval` writes no plot without it, so an
+    earlier PNG of the same name is not among the files it would replace."""
+    try:
+        _pyplot()
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        from matplotlib import pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'loom-live[eval]'") from exc
+    return plt
+
+
 def plot_reports(runs: Sequence[tuple[str, QualityReport]], path: str | Path, title: str = "",
                  metrics: Sequence[str] = PLOT_METRICS) -> Path:
     """Draw the per-window metrics of one or more runs (one line each, one panel per metric) into a PNG."""
@@ -351,13 +372,7 @@ def plot_reports(runs: Sequence[tuple[str, QualityReport]], path: str | Path, ti
     unknown = [m for m in metrics if m not in WINDOW_METRICS]
     if unknown:
         raise ValueError(f"unknown metric(s) {unknown}; allowed: {', '.join(WINDOW_METRICS)}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed, none opened
-        from matplotlib import pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'loom-live[eval]'") from exc
+    plt = _pyplot()
     metrics = [m for m in metrics if any(v is not None for _, r in runs for v in r.windows[m])]
     width, panel = PLOT_SIZE_INCHES
     fig, axes = plt.subplots(len(metrics), 1, figsize=(width, panel * len(metrics) + 0.8), sharex=True,

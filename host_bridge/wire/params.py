@@ -86,6 +86,11 @@ class LiveParam:
         what = "a whole number" if self.kind == "int" else "a number"
         return f"{what} in [{_num(self.min)}, {_num(self.max)}]"
 
+    def allowed_each(self) -> str:
+        """What one scale of a "scales" parameter takes: a slider or an OSC message sets one LoRA's scale by name,
+        and is refused in these words, not in `allowed`'s mapping of them that the wire carries."""
+        return f"a number in [{_num(self.min)}, {_num(self.max)}]"
+
     def problem(self, value: Any) -> str | None:
         """None when `value` is allowed, else a text naming the parameter, the value and what is allowed."""
         if not self._ok(value):

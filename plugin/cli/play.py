@@ -138,8 +138,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for the engine to be ready (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
     p.add_argument("-q", "--quiet", action="store_true",
-                   help="print only the last line (frames, outputs, time) and errors: no start-up stages, "
-                        "progress bar, status line or notes")
+                   help="print only the last line (frames, outputs, time), a note that a file input ended short "
+                        "of its header's frame count, and errors: no start-up stages, progress bar, status line "
+                        "or other notes")
 
 
 def add_web_options(p: argparse.ArgumentParser) -> None:

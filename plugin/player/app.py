@@ -757,9 +757,10 @@ class Player:
         stated = self.source.frame_count
         if self._input_ended and not self.opts.loop and not self.source.is_live and stated and \
                 stated - self.frames_in > max(SHORT_INPUT_FRAMES, SHORT_INPUT_SHARE * stated):
-            # A file cut short decodes to its end without an error: the run would look complete.
-            self.printer.say(f"{self.name}: input ended after {self.frames_in} of the {stated} frames its header "
-                             "states (a file cut short?)")
+            # A file cut short decodes to its end without an error: the run would look complete. A result a
+            # script needs, so printed as the last line is, -q or not.
+            self.printer.finish(f"{self.name}: input ended after {self.frames_in} of the {stated} frames its "
+                                "header states (a file cut short?)")
 
 
 def _raise_on_stop_signals() -> dict[int, Any]:

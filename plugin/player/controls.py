@@ -167,12 +167,18 @@ def noise_scale_command(value: Any) -> Command:
 
 
 def lora_scale_command(name: Any, value: Any) -> Command:
+    """One LoRA's scale by name (OSC `/loom/lora/scale name f`, a page slider), refused in the words of what that
+    takes, not the wire's mapping of names to scales; a name the engine lacks is refused when applied, naming its
+    LoRAs."""
+    takes = f"expected the name of a loaded LoRA and {LORA_SCALES.allowed_each()}"
     try:
         x = float(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-        raise ControlError(f"lora scale: {value!r} is not a number; expected {LORA_SCALES.allowed()}") from None
-    scales = _checked(LORA_SCALES.check, {str(name): x})
-    return Command("lora_scale", next(iter(scales.items())))
+        raise ControlError(f"lora scale: {value!r} is not a number; {takes}") from None
+    scales = {str(name): x}
+    if LORA_SCALES.problem(scales) is not None:
+        raise ControlError(f"lora scale: {str(name)[:60]!r} {value!r} is not allowed; {takes}")
+    return Command("lora_scale", next(iter(LORA_SCALES.check(scales).items())))
 
 
 def context_scale_command(value: Any) -> Command:

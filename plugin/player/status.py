@@ -1,6 +1,7 @@
 """The player's terminal feedback: start-up stages, a progress bar for files, a status line for live inputs.
 
-Quiet (`-q`) hides all of that and the notes said meanwhile; the run's last line and errors are still printed.
+Quiet (`-q`) hides all of that and the notes said meanwhile; the run's last line (and a note on it: an input cut
+short) and errors are still printed.
 
 Start-up stages are printed once each, as they begin, and each is closed with how long it took; a
 stage that lasts (the engine loading a model) gets a line every few seconds meanwhile, so a silent
@@ -180,8 +181,9 @@ class StatusPrinter:
             self._write(text + "\n")
 
     def finish(self, line: str) -> None:
-        """The run's last line (frames, where they went, how long), printed in full even when quiet: `-q`
-        hides what goes by, not the result a script that runs the player logs."""
+        """The run's last line (frames, where they went, how long), or a note on that result (an input cut
+        short), printed in full even when quiet: `-q` hides what goes by, not the result a script that runs
+        the player logs."""
         self.end_progress()
         if self.tty:
             self._write("\r" + line.ljust(self._width) + "\n")

@@ -11,11 +11,15 @@ Loom, Engine, LoRA, Control and Status pages. The callback DATs hold the text of
 callback modules (TouchDesigner runs a DAT's text with `me` set); the extension DAT imports
 `LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
 An existing operator of the same name is never replaced: pick another name or delete it first.
+Run as a script outside TouchDesigner (`python build_loom.py`), it says where it is meant to run, exit 2,
+rather than build nothing and exit 0 as if done.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ EXECUTE_DAT = "loom_frames"
 SWITCH_TOP = "loom_switch"
 EXTENSION = f"op('./{EXT_DAT}').module.LoomExt(me)"
 SWITCH_INDEX = "1 if parent().par.Active.eval() else 0"  # 0: the input, 1: Loom's output
+TEXTPORT_LINE = "from loom_live.plugin.touchdesigner.build_loom import build; build(op('/project1'))"
 
 
 def build(parent_comp: Any, name: str = "loom", td_module: Any = None) -> Any:
@@ -83,3 +88,15 @@ def build(parent_comp: Any, name: str = "loom", td_module: Any = None) -> Any:
 
 def _source(filename: str) -> str:
     return (HERE / filename).read_text(encoding="utf-8")
+
+
+def outside_touchdesigner() -> int:
+    """Say, on stderr, how the build is run (README step 3); the exit code of a shell's `python build_loom.py`."""
+    print(f"build_loom.py: error: this builds the Loom component inside TouchDesigner, not from a shell; in "
+          f"TouchDesigner's Textport (Dialogs > Textport and DATs) run: {TEXTPORT_LINE}  "
+          "(plugin/touchdesigner/README.md, step 3)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__" and importlib.util.find_spec("td") is None:
+    sys.exit(outside_touchdesigner())

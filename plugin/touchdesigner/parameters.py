@@ -74,7 +74,7 @@ def lora_pars() -> tuple[ParSpec, ...]:
                             help="a Wan2.1 LoRA file (.safetensors) for this model size; empty: none. Changing "
                                  "it restarts the engine"))
         pars.append(ParSpec(scale, f"LoRA {slot} Scale", "Float", PAGE_LORA, LORA_DEFAULT_SCALE, LORA_SCALES.min,
-                            top, help=f"strength of LoRA {slot}, changed live ({LORA_SCALES.allowed()})"))
+                            top, help=f"strength of LoRA {slot}, changed live ({LORA_SCALES.allowed_each()})"))
     return tuple(pars)
 
 

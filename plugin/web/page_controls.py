@@ -48,8 +48,10 @@ def schema() -> dict[str, Any]:
         return {"min": p.min, "max": p.max, "step": p.ui_step or 1, "ui_max": p.ui_max or p.max,
                 "allowed": p.allowed()}
 
+    # a LoRA's slider sets one scale (lora_scale_command), not the mapping the wire carries
+    lora = {**slider(LORA_SCALES), "allowed": LORA_SCALES.allowed_each()}
     return {"steps": sorted(STEP_LISTS), "noise_scale": slider(NOISE_SCALE),
-            "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": slider(LORA_SCALES),
+            "transition_chunks": slider(TRANSITION_CHUNKS), "lora_scale": lora,
             "context_scale": slider(CONTEXT_SCALE), "control_source": list(CONTROL.choices),
             "adapter_strength": slider(ADAPTER_STRENGTH),
             "prompt_max_len": PROMPT.max_len, "reference_max_bytes": MAX_UPLOAD_BYTES,

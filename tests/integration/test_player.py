@@ -713,8 +713,9 @@ def test_a_failed_run_says_where_its_file_went_when_one_was_saved_at_the_output_
 
 def test_a_file_cut_short_is_said_to_end_before_the_frames_its_header_states(tmp_path, monkeypatch, capsys):
     """A copy cut at half its bytes decodes to its cut without an error: the run ended with exit 0 and "N
-    frames", as if complete. It still ends with 0, and a last line says how far short it came; a whole file,
-    and a run that --frames ends early, say nothing of the kind."""
+    frames", as if complete. It still ends with 0, and a last line says how far short it came, -q or not (a
+    result a script needs, as the line before it is); a whole file, and a run that --frames ends early, say
+    nothing of the kind."""
     from loom_live.plugin.player.app import Player
     from loom_live.plugin.player.options import PlayerOptions
 
@@ -724,15 +725,19 @@ def test_a_file_cut_short_is_said_to_end_before_the_frames_its_header_states(tmp
     data = whole.read_bytes()
     cut.write_bytes(data[:len(data) // 2])
     runs = {}
-    for name, clip, frames in (("cut", cut, None), ("whole", whole, None), ("limited", whole, 20)):
+    for name, clip, frames, quiet in (("cut", cut, None, False), ("quiet", cut, None, True),
+                                      ("whole", whole, None, False), ("limited", whole, 20, False)):
         code = Player(PlayerOptions(input=str(clip), outputs=[str(tmp_path / f"{name}_out.mp4")],
-                                    max_frames=frames)).run()
+                                    max_frames=frames, quiet=quiet)).run()
         runs[name] = (code, capsys.readouterr().err)
-    code, err = runs["cut"]
     written = len(_decode(tmp_path / "cut_out.mp4"))
+    note = f"loom play: input ended after {written} of the 60 frames its header states (a file cut short?)"
+    code, err = runs["cut"]
     assert code == 0 and 0 < written < 55, err
-    assert err.rstrip().endswith(f"loom play: input ended after {written} of the 60 frames its header states "
-                                 "(a file cut short?)"), err
+    assert err.rstrip().endswith(note), err
+    code, err = runs["quiet"]
+    assert code == 0 and err.splitlines()[-2].startswith(f"loom play: {written} frames") and \
+        err.splitlines()[-1] == note, err
     for name in ("whole", "limited"):
         code, err = runs[name]
         assert code == 0 and "input ended after" not in err, err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -101,6 +102,19 @@ def test_without_pyzmq_the_component_builds_and_start_names_what_to_add_to_the_m
     assert out["parameters"] == [] and not out["bridge"] and out["state"] == "error"
     assert "TouchDesigner's Python lacks 'pyzmq'" in out["message"], out["message"]
     assert "pip install --target FOLDER pyzmq" in out["message"] and "64-bit Module Path" in out["message"]
+
+
+def test_the_build_script_run_from_a_shell_says_it_is_for_touchdesigner_s_textport():
+    """`python build_loom.py` outside TouchDesigner built nothing and exited 0, as if done: it says where it runs
+    and the line to run there, exit 2."""
+    from loom_live.plugin.touchdesigner.build_loom import TEXTPORT_LINE
+
+    result = subprocess.run([sys.executable, str(ROOT / "plugin" / "touchdesigner" / "build_loom.py")], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result
+    said = "build_loom.py: error: this builds the Loom component inside TouchDesigner, not from a shell"
+    assert result.stderr.startswith(said) and f"Textport (Dialogs > Textport and DATs) run: {TEXTPORT_LINE} " in \
+        result.stderr, result.stderr
 
 
 def test_without_numpy_the_modules_load_and_the_dependency_check_names_numpy():

@@ -12,7 +12,7 @@ from loom_live.plugin.player.controls import (
     KeyboardInput,
     lora_scale_command,
 )
-from loom_live.plugin.player.osc import command_for
+from loom_live.plugin.player.osc import command_for, refusal
 
 
 class RecordingBridge:
@@ -45,7 +45,8 @@ def test_osc_sets_a_named_lora_and_refuses_what_is_not_allowed():
     controls.put(command_for("/loom/lora/scale", ("ink", 0.25)))
     controls.apply_pending(bridge)
     assert bridge.params == [{"lora_scales": {"ink": 0.25}}]
-    with pytest.raises(ControlError, match=r"lora_scales: .* expected a mapping .* numbers in \[-4, 4\]"):
+    with pytest.raises(ControlError, match=r"lora scale: 'ink' 9 is not allowed; expected the name of a loaded LoRA "
+                                           r"and a number in \[-4, 4\]$"):
         lora_scale_command("ink", 9)
     with pytest.raises(ControlError, match="wrong arguments"):
         command_for("/loom/lora/scale", (0.5,))
@@ -53,6 +54,20 @@ def test_osc_sets_a_named_lora_and_refuses_what_is_not_allowed():
     controls.apply_pending(bridge)
     assert controls.state.message == "no LoRA named 'nope'; loaded: ink" and len(bridge.params) == 1
     assert controls.state.refused == 1  # counted with the other refusals (the status line shows the count)
+
+
+@pytest.mark.parametrize("args, said", [(("ink", 5), "'ink' 5 is not allowed"),
+                                        (("ink", "loud"), "'loud' is not a number")])
+def test_an_osc_scale_is_refused_in_the_words_of_what_the_address_takes(args, said):
+    """`/loom/lora/scale ink 5` was refused with the wire's "a mapping of at most 8 names ... to numbers in [-4, 4]";
+    the sender typed a name and a number (`name f`), and the page's slider sends the same (its tooltip too)."""
+    from loom_live.plugin.web.page_controls import schema
+
+    with pytest.raises(ControlError) as refused:
+        command_for("/loom/lora/scale", args)
+    assert refusal("/loom/lora/scale", str(refused.value)) == (
+        f"OSC refused /loom/lora/scale: {said}; expected the name of a loaded LoRA and a number in [-4, 4]")
+    assert schema()["lora_scale"]["allowed"] == "a number in [-4, 4]"
 
 
 def test_without_loras_the_keys_say_how_to_load_one():

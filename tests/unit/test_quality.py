@@ -373,6 +373,20 @@ def test_a_second_eval_into_the_same_folder_is_refused_and_y_leaves_no_plot_of_t
     assert f"--out {out}: {out / 'generated.png'} exists" in capsys.readouterr().err
 
 
+def test_without_matplotlib_an_earlier_plot_is_not_among_the_files_eval_would_write(tmp_path: Path, capsys,
+                                                                                      monkeypatch) -> None:
+    """No plot is written without matplotlib, yet an earlier generated.png was refused as a file the run would
+    replace: the run goes on, leaves it as it was and its report names no plot."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    (tmp_path / "generated.png").write_text("an earlier plot")
+    assert eval_cmd.main(["--frames", "12", "--size", "64x48", "-q", "-o", str(tmp_path)]) == 0, \
+        capsys.readouterr().err
+    assert json.loads((tmp_path / "report.json").read_text())["clips"][0]["plot"] is None
+    assert (tmp_path / "generated.png").read_text() == "an earlier plot"
+
+
 def test_loom_eval_folder_without_clips(tmp_path: Path, capsys) -> None:
     (tmp_path / "notes.txt").write_text("no video here")
     assert eval_cmd.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 2
