@@ -646,7 +646,8 @@ def lora_override(specs: list[str]) -> list[str]:
                                   f"e.g. {path}:0.8") from None
             path, scale = text, live.LORA_DEFAULT_SCALE
         entries.append({"path": path if sep and path else text, "scale": scale})
-    return [f"lora={json.dumps(entries)}"] if entries else []
+    # not ASCII-escaped: YAML reads an escaped emoji (a path may hold one) as two broken halves
+    return [f"lora={json.dumps(entries, ensure_ascii=False)}"] if entries else []
 
 
 def control_override(control: str | None, reference: str | None) -> list[str]:

@@ -215,7 +215,8 @@ class Player:
         o = self.opts
         overrides = list(o.overrides)
         if o.prompts:  # the engine starts on the first prompt: no blend in from the config's, its style known at once
-            overrides.append(f"prompt.text={json.dumps(self.controls.state.prompt)}")  # a YAML string, quoted
+            # a YAML string, quoted; not ASCII-escaped: YAML reads an escaped emoji as two broken halves
+            overrides.append(f"prompt.text={json.dumps(self.controls.state.prompt, ensure_ascii=False)}")
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
                            engine_overrides=overrides, endpoint=o.endpoint, secret_file=o.secret_file,

@@ -274,3 +274,27 @@ def test_a_text_key_takes_the_text_as_typed(typed):
     with pytest.raises(ConfigError, match=r"stream\.mode: 'off' is not allowed; expected one of 'auto'"):
         load_config("tiny-random", ["stream.mode=off"])  # a choice: said with its choices, not as False
     assert load_config("tiny-random", ["stream.steps=[700]"]).stream.steps == [700]  # other keys: YAML
+
+
+def test_a_prompt_and_a_lora_path_with_an_emoji_reach_a_launched_engine_s_config_whole(monkeypatch, tmp_path):
+    """The player hands a launched engine its first prompt, and --lora its files, as `--set` YAML text: written
+    ASCII-escaped, an emoji came back as two broken surrogate halves ("ink \\ud83c\\udfa8")."""
+    from loom_live import host_bridge
+    from loom_live.engine.config import lora_override
+    from loom_live.plugin.player.app import Player
+    from loom_live.plugin.player.options import PlayerOptions
+
+    started = []
+
+    class Launched:
+        def __init__(self, cfg):
+            started.append(cfg)
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(host_bridge, "Bridge", Launched)
+    Player(PlayerOptions(prompts=["ink 🎨"], config="tiny-random"))._start_engine()
+    assert load_config("tiny-random", started[0].engine_overrides).prompt.text == "ink 🎨"
+    look = str(tmp_path / "🎨 look.safetensors")
+    assert [e.path for e in load_config("tiny-random", lora_override([f"{look}:0.5"])).lora] == [look]
