@@ -231,7 +231,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         lora_scales={e.key: e.scale for e in cfg.lora}, given_params=given,
         control_sources=cfg.control_sources, takes_reference=cfg.vace, control_source=cfg.control.control_source,
         context_scale=cfg.control.context_scale, adapter_strength=cfg.edit.adapter_strength,
-        control_input=args.control_input,
+        control_input=args.control_input, control=args.control,
         # what r reads again: --reference, or the config file's own (a served engine is sent --reference once ready)
         reference=args.reference if args.endpoint else cfg.control.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,

@@ -657,7 +657,8 @@ class Player:
         o = self.opts
         sources = served_sources(start, o.control_input is not None)
         source = o.given_params.get(CONTROL.name)
-        option = "--control-input" if o.control_input else f"--control {source}"
+        option = "--control-input" if o.control_input else f"--control {source}" if o.control else \
+            f"--set {CONTROL.section}.{CONTROL.name}={source}"
         vace = "serve a *vace* preset (loom serve -c wan2.1-vace-1.3b, or tiny-vace on a CPU)"
         if sources == () and (source is not None or o.reference is not None):
             given = [option] if source is not None else []

@@ -71,6 +71,7 @@ class PlayerOptions:
     # VACE: the reference image file (--reference), read again with the r key; sent to a served engine once ready
     reference: str | None = None
     control_input: str | None = None  # VACE: a second input (camera, file, stream, generated) as the control video
+    control: str | None = None  # --control as given: a refusal of its source names it (not --set's)
     max_frames: int | None = None
     size: tuple[int, int] | None = None  # the generated clip's (default DEFAULT_GENERATED_SIZE), or an input scaled
     fps: float = DEFAULT_GENERATED_FPS

@@ -1137,6 +1137,9 @@ def test_a_player_on_a_served_engine_checks_control_and_reference_against_what_i
             ("tiny-vace", ["-c", "tiny-vace", "--control", "depth"], "--control depth: the served engine cannot make "
              "control source 'depth'; it takes edges, grey, flow (depth needs a depth model: control.depth_model in "
              "its config)"),
+            ("tiny-vace", ["--set", "control.control_source=depth"], "--set control.control_source=depth: the "
+             "served engine cannot make control source 'depth'; it takes edges, grey, flow (depth needs a depth "
+             "model: control.depth_model in its config)"),
             ("default", ["--reference", str(look)], "--reference: the served engine's model reads its input's edges "
              f"only and takes no reference image; {vace}"),
             ("tiny-random", ["--control", "edges", "--reference", str(look)], "--control edges and --reference: the "
