@@ -5,6 +5,8 @@
     python -m loom_live.engine.train fit [--data ...] [--out build/embedded] [--vae-seconds S] [--dit-seconds S]
     python -m loom_live.engine.train eval [--weights ...] [--out docs/embedded/eval.json]   # CPU: model card metrics
     python -m loom_live.engine.train picture [--out docs/embedded-styles.png]
+
+`table`, `eval` and `picture` write by default to those places in the repository root, from any folder.
 """
 
 from __future__ import annotations
@@ -35,30 +37,46 @@ def _frames(text: str) -> int:
     return n
 
 
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except an empty one ("" or None): its help says what none means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from loom_live.engine.train.recipe import RecipeConfig
+    """Every option has a help text with its default: fit's come from `RecipeConfig`'s field docs. The outputs
+    the repository keeps default to their place in it (`ROOT`), not the current folder; a relative path given
+    on the command line is still taken from the current folder."""
+    from loom_live.engine.train.recipe import ROOT, RecipeConfig
     from loom_live.host_bridge.wire.errors import OneLineParser
 
     p = OneLineParser(prog="loom train", description="train Loom's embedded default model")
     sub = p.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="style the training clips (CPU) into one data file")
-    prep.add_argument("--out", default=RecipeConfig.data)
-    prep.add_argument("--size", type=_size, default=256, help="frame side in pixels, a multiple of 16 (default 256)")
+    kept = "by default in the repository root, from any folder; a relative path given is from the current folder"
+
+    def command(name: str, about: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=about, description=about, formatter_class=_WithDefaults)
+
+    prep = command("prepare", "style the training clips (CPU) into one data file")
+    prep.add_argument("--out", default=RecipeConfig.data, help="the data file `fit --data` reads")
+    prep.add_argument("--size", type=_size, default=256, help="frame side in pixels, a multiple of 16")
     prep.add_argument("--held-out", action="store_true", help="the held-out clips instead (evaluation only)")
-    table = sub.add_parser("table", help="distil the style text table from the sentence model")
-    table.add_argument("--out", default=RecipeConfig.table)
-    fit = sub.add_parser("fit", help="train the VAE and the DiT (one GPU, about 10 minutes)")
+    table = command("table", "distil the style text table from the sentence model")
+    table.add_argument("--out", default=str(ROOT / RecipeConfig.table), help=f"the table the package ships ({kept})")
+    fit = command("fit", "train the VAE and the DiT (one GPU, about 10 minutes)")
     for f in dataclasses.fields(RecipeConfig):
         if f.type in ("str", "float", "int"):
             kind = {"str": str, "float": float, "int": int}[f.type]
-            fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
-    ev = sub.add_parser("eval", help="measure the model card's metrics on the held-out clips (CPU)")
-    ev.add_argument("--weights", default=None)
-    ev.add_argument("--out", default="docs/embedded/eval.json",
-                    help="the JSON report (default: the one the model card quotes, beside the train log)")
-    ev.add_argument("--frames", type=_frames, default=49, help="frames of each held-out clip, 6 or more (default 49)")
-    pic = sub.add_parser("picture", help="the README picture: input frames beside four styles")
-    pic.add_argument("--out", default="docs/embedded-styles.png")
+            fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["doc"])
+    ev = command("eval", "measure the model card's metrics on the held-out clips (CPU)")
+    ev.add_argument("--weights", default=None, help="a weights file to measure (default: the shipped weights)")
+    ev.add_argument("--out", default=str(ROOT / "docs/embedded/eval.json"),
+                    help=f"the JSON report the model card quotes, beside the train log ({kept})")
+    ev.add_argument("--frames", type=_frames, default=49, help="frames of each held-out clip, 6 or more")
+    pic = command("picture", "the README picture: input frames beside four styles")
+    pic.add_argument("--out", default=str(ROOT / "docs/embedded-styles.png"),
+                     help=f"the picture the README shows ({kept})")
     return p
 
 

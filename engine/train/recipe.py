@@ -63,50 +63,58 @@ from loom_live.engine.train.losses import (
 )
 from loom_live.engine.train.styles import STYLE_NAMES
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
+from loom_live.host_bridge.wire.typed_config import spec
 
 STEP_LISTS = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}  # the hosts' lists
 STEP_WEIGHTS = (0.25, 0.4, 0.2, 0.15)  # 2 steps is the default preset
 FIRST_CHUNK, CHUNK = FIRST_CHUNK_FRAMES, CHUNK_FRAMES  # the session's chunks, in frames
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (installed: the package's), holding engine/
 
 
 @dataclass
 class RecipeConfig:
-    """Everything a training run depends on (written next to the weights)."""
+    """Everything a training run depends on (written next to the weights). Each field's `doc` is its
+    `loom train fit --help` text."""
 
-    data: str = "build/loom_styles_256.npz"
-    eval_data: str = "build/loom_heldout_256.npz"  # held-out clips and styles: the VAE gate (skipped if absent)
-    vae_from: str = ""  # a weights file of an earlier run: reuse its VAE, skip phase 1
-    dit_from: str = ""  # a weights file of an earlier run: go on training its DiT
-    table: str = "engine/models/weights/style_text.npz"  # TABLE: found beside the package from any folder
-    out: str = "build/embedded"
-    vae_seconds: float = 150.0
-    dit_seconds: float = 330.0
-    vae_batch: int = 32
-    vae_chunks: int = 2  # 5 + 4 frames
-    decoder_steps: int = 0  # > 0: then tune the VAE's decoder alone this many steps (the latent space stays)
-    chroma_loss: float = 1.0  # weight of the brightness-relative chroma loss in both VAE phases
-    dit_batch: int = 48
-    pixel_batch: int = 16  # of which this many also get the decoded-pixel loss
-    dit_chunks: int = 7  # the first chunk (5 frames, 2 latents) + 6 more: past one ring wrap
-    vae_lr: float = 1e-3
-    dit_lr: float = 7e-4
-    timestep_shift: float = 0.25
-    noise_scale: tuple[float, float] = (0.45, 1.0)
-    motion_aware_p: float = 0.8
-    blend_p: float = 0.15
-    switch_p: float = 0.25  # batches whose prompt changes mid-stream, blended over 0-4 chunks as the session does
-    edge_drop_p: float = 0.2  # windows whose edges get a random scale (`edge_scales`): the live edge control
-    num_kv_cache: int = 6
-    sink: int = 3
-    sink_threshold: float = 0.2
-    rope_refresh_at: int = 50
-    pixel_loss: float = 1.0
-    temporal_loss: float = 2.0  # weight of the frame-to-frame change loss on the decoded pixels
-    boundary_loss: float = 0.0  # weight of the same loss on the frame pairs across chunk boundaries alone
-    sharpness_loss: float = 0.0  # weight of the edge-energy and block-grid loss on the decoded pixels
-    style_weights: str = ""  # "name=w,...": each style's share of the DiT's windows (unnamed: 1); "" uniform
-    seed: int = 0
-    max_steps: int = 0  # > 0: stop after this many steps per phase (dry runs)
+    data: str = spec("build/loom_styles_256.npz", doc="the training clips (`loom train prepare` writes them)")
+    eval_data: str = spec("build/loom_heldout_256.npz",
+                          doc="held-out clips and styles: the VAE gate (skipped if absent)")
+    vae_from: str = spec("", doc="a weights file of an earlier run: reuse its VAE, skip phase 1 (default: none)")
+    dit_from: str = spec("", doc="a weights file of an earlier run: go on training its DiT (default: none)")
+    table: str = spec("engine/models/weights/style_text.npz",
+                      doc="the style text table; the shipped one is found beside the package from any folder")
+    out: str = spec("build/embedded", doc="folder of the weights, recipe.json and train_log.jsonl")
+    vae_seconds: float = spec(150.0, doc="seconds of VAE training (with --vae-from: none)")
+    dit_seconds: float = spec(330.0, doc="seconds of DiT training (0: none)")
+    vae_batch: int = spec(32, doc="windows in each VAE step")
+    vae_chunks: int = spec(2, doc="chunks in each VAE window (5 frames, then 4)")
+    decoder_steps: int = spec(0, doc="> 0: then tune the VAE's decoder alone this many steps (the latent space stays)")
+    chroma_loss: float = spec(1.0, doc="weight of the brightness-relative chroma loss in both VAE phases")
+    dit_batch: int = spec(48, doc="streams in each DiT step (halved and retried when out of GPU memory)")
+    pixel_batch: int = spec(16, doc="of which this many also get the decoded-pixel loss")
+    dit_chunks: int = spec(7, doc="chunks in each DiT stream: the first (5 frames, 2 latents) + 6 more: past one "
+                                  "ring wrap")
+    vae_lr: float = spec(1e-3, doc="the VAE's peak learning rate (cosine decay over the phase)")
+    dit_lr: float = spec(7e-4, doc="the DiT's peak learning rate (cosine decay over the phase)")
+    timestep_shift: float = spec(0.25, doc="sigma shift of the flow schedule in training")
+    noise_scale: tuple[float, float] = spec((0.45, 1.0), doc="range each stream's noise scale is drawn from")
+    motion_aware_p: float = spec(0.8, doc="share of streams whose first timesteps are motion-aware")
+    blend_p: float = spec(0.15, doc="share of streams conditioned on a blend of two styles (and blended targets)")
+    switch_p: float = spec(0.25, doc="share of batches whose prompt changes mid-stream, blended over 0-4 chunks as "
+                                     "the session does")
+    edge_drop_p: float = spec(0.2, doc="share of windows whose edges get a random scale: the live edge control")
+    num_kv_cache: int = spec(6, doc="latent frames kept in the KV window")
+    sink: int = spec(3, doc="of which sink frames kept from the stream start")
+    sink_threshold: float = spec(0.2, doc="adaptive sink cosine threshold; < 0 disables")
+    rope_refresh_at: int = spec(50, doc="latent-frame index at which the RoPE refresh moves back")
+    pixel_loss: float = spec(1.0, doc="weight of the loss on the decoded pixels")
+    temporal_loss: float = spec(2.0, doc="weight of the frame-to-frame change loss on the decoded pixels")
+    boundary_loss: float = spec(0.0, doc="weight of the same loss on the frame pairs across chunk boundaries alone")
+    sharpness_loss: float = spec(0.0, doc="weight of the edge-energy and block-grid loss on the decoded pixels")
+    style_weights: str = spec("", doc='"name=w,...": each style\'s share of the DiT\'s windows (unnamed: 1) '
+                                      '(default: uniform)')
+    seed: int = spec(0, doc="seed of the windows, styles and noise drawn")
+    max_steps: int = spec(0, doc="> 0: stop after this many steps per phase (dry runs)")
 
 
 def _option(name: str) -> str:
@@ -339,7 +347,7 @@ def table_path(table: str | Path) -> Path:
     path = Path(table).expanduser()
     if path.is_file() or path.is_absolute():
         return path
-    beside = Path(__file__).resolve().parents[2] / path
+    beside = ROOT / path
     return beside if beside.is_file() else path
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -455,10 +455,40 @@ def test_train_eval_writes_by_default_the_report_the_repository_keeps():
     keeps (docs/embedded/eval.json, with the train log). Only parsed here: the kept report is not written."""
     from loom_live.engine.train.cli import build_parser
 
-    default = build_parser().parse_args(["eval"]).out
+    default = Path(build_parser().parse_args(["eval"]).out)
     root = Path(__file__).resolve().parents[2]
-    assert default == "docs/embedded/eval.json" and (root / default).is_file()
-    assert default in (root / "docs" / "embedded-model.md").read_text()
+    assert default == root / "docs" / "embedded" / "eval.json" and default.is_file()
+    assert "docs/embedded/eval.json" in (root / "docs" / "embedded-model.md").read_text()
+
+
+def test_train_outputs_default_to_the_repository_root_from_any_folder(tmp_path, monkeypatch):
+    """Relative defaults made docs/ and engine/models/weights/ in whatever folder `loom train` ran from; a
+    relative --out the user gives is still the current folder's."""
+    from loom_live.engine.train.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    for command, kept in (("eval", "docs/embedded/eval.json"), ("picture", "docs/embedded-styles.png"),
+                          ("table", "engine/models/weights/style_text.npz")):
+        assert build_parser().parse_args([command]).out == str(root / kept)
+        assert build_parser().parse_args([command, "--out", "mine.out"]).out == "mine.out"
+
+
+def test_train_fit_help_gives_each_option_its_recipe_doc_and_default(capsys, monkeypatch):
+    """The help comes from RecipeConfig's field docs (one source), each with its default."""
+    from loom_live.engine.train.cli import build_parser
+    from loom_live.engine.train.recipe import RecipeConfig
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no hyphenated words wrapped apart
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["fit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    docs = {f.name: f.metadata["doc"] for f in fields(RecipeConfig)}
+    for name, default in (("decoder_steps", "0"), ("dit_batch", "48"), ("temporal_loss", "2.0"),
+                          ("out", "build/embedded"), ("dit_lr", "0.0007")):
+        assert docs[name]
+        assert f"--{name.replace('_', '-')} {name.upper()} {docs[name]} (default: {default})" in text
+    assert "(default: )" not in text  # an empty default is said in words ("default: none")
 
 
 def test_loom_train_help_lists_the_recipes_commands(capsys):
