@@ -340,7 +340,9 @@ class LoomEngine:
                                                                  "of one `loom serve --bind` runs on this machine"}),
                 "secret_file": ("STRING", {"default": "", "tooltip": "with endpoint: the served engine's session "
                                                                     "secret (its loom serve --secret-file)"}),
-                "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": "key=value per line"}),
+                "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": (
+                    "key=value per line; with endpoint only prompt.text and the live parameters (the served "
+                    "engine runs its own config)")}),
                 "passthrough": ("BOOLEAN", {"default": False, "tooltip": "engine returns frames unchanged"}),
                 "loras": (LORAS_TYPE, {"tooltip": "style LoRAs from a chain of Loom LoRA nodes"}),
             },
@@ -361,6 +363,7 @@ class LoomEngine:
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None, workflow: dict[str, Any] | None = None) -> tuple[EngineHandle, str]:
         _check_overrides(overrides)
+        prompt, given = _served_overrides(overrides) if endpoint.strip() else (None, {})
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
@@ -370,6 +373,8 @@ class LoomEngine:
                                       workflow=_engine_nodes(workflow))
         # waited for here, so that a config the engine refuses, or an engine that cannot start, fails this node
         _wait_running(handle, ENGINE_READY_TIMEOUT_S, _cancel_check(), "Loom Engine")
+        if prompt is not None or given:
+            handle = _tell_served(handle, prompt, given)
         if handle.loras:  # two Engine nodes with the same files share the engine: each wire keeps its strengths
             from loom_live.host_bridge.loras import scales
 
@@ -392,6 +397,47 @@ def _check_overrides(overrides: str) -> None:
         if line.strip() and (not eq or not key.strip()):
             raise ValueError(f"Loom Engine: overrides line {number}: {line.strip()!r} is not allowed; expected "
                              "key=value, one per line (e.g. stream.steps=[700,500])")
+
+
+def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
+    """With an endpoint the overrides never reach the engine's config (it is served with its own): the first prompt
+    (prompt.text) and the live parameters, of any model family, are what it can be told once ready; any other key is
+    refused here, named, before the node connects."""
+    from loom_live.engine.config import ConfigError, load_config, served_overrides
+
+    try:
+        host, params = served_overrides([line.strip() for line in overrides.splitlines() if line.strip()])
+        prompt = load_config("default", host).prompt.text if host else None  # the text as a config reads it
+    except ConfigError as exc:
+        raise ValueError(f"Loom Engine: overrides: {exc}") from None
+    return prompt, params
+
+
+def _tell_served(handle: EngineHandle, prompt: str | None, params: dict[str, Any]) -> EngineHandle:
+    """A ready served engine is told the overrides' prompt and live parameters, as wishes of this wire (the Stream
+    node tells them again before each run); a parameter it does not take is refused, naming those it takes, before
+    any is sent."""
+    from loom_live.host_bridge.wire.params import check_prompt_request
+
+    bridge = handle.bridge
+    start = bridge.engine_start()
+    takes = params if start is None else start["params"]  # an engine that does not say: sent, it refuses itself
+    unsent = [name for name in params if name not in takes]
+    wishes: list[tuple[str, Any]] = []
+    try:
+        if unsent:
+            raise ValueError(f"the engine at {handle.settings['endpoint'].strip()} does not take "
+                             f"{', '.join(unsent)}; it takes {', '.join(takes) or 'none'}")
+        text = check_prompt_request(prompt, family=bridge.engine_family)[0] if prompt is not None else None
+        if params:
+            bridge.set_params(wait=True, **params)
+            wishes.append(("params", params))
+        if text is not None:
+            bridge.set_prompt(text, transition_chunks=0, wait=True)
+            wishes.append(("prompt", (text, 0)))
+    except ValueError as exc:
+        raise ValueError(f"Loom Engine: overrides: {exc}") from None
+    return handle.wishing(*wishes)
 
 
 def _engine_settings(config: str = "default", transport: str = "shm", fallback: str = "passthrough",

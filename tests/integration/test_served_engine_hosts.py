@@ -20,13 +20,14 @@ import torch
 import zmq
 
 import loom_live.host_bridge.supervisor
+from loom_live.engine.config import load_config
 from loom_live.engine.server.core import EngineServer
 from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused, EngineState
 from loom_live.host_bridge.wire.channel import Channel, SharedSecret, read_secret_file
 from loom_live.host_bridge.wire.protocol import make
 from tests.fakes.comfyui import engine_node, image_batch, loaded_node_package, run_node
-from tests.fakes.engines import InProcessEngine, wait_until
+from tests.fakes.engines import ConfigSessions, InProcessEngine, wait_until
 from tests.fakes.touchdesigner import InputTOP, configure, cook_until, cook_until_running, make_component, td_texture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,6 +193,43 @@ def test_comfyui_streams_through_a_served_engine_with_its_secret_file(served):
         out, status = run_node(package, "LoomStream", engine=handle, images=images)
         assert isinstance(out, torch.Tensor) and torch.equal(out, images)
         assert np.isfinite(out.numpy()).all() and "running" in status
+
+
+def test_comfyui_refuses_an_override_a_served_engine_never_reads_before_it_connects():
+    """A served engine runs its own config: an Engine node override of another key is named on the node, not
+    dropped without a word (nothing listens at this endpoint: the refusal comes before the node connects)."""
+    with loaded_node_package() as package:
+        with pytest.raises(ValueError, match=r"^Loom Engine: overrides: --set model.dtype=float16: a served engine "
+                                             r".*noise.noise_scale.*set model.dtype where it is served"):
+            engine_node(package, endpoint="tcp://127.0.0.1:9", overrides="noise.noise_scale=0.5\nmodel.dtype=float16")
+        assert len(package.nodes.ENGINES) == 0
+
+
+def test_comfyui_tells_a_served_engine_the_overrides_prompt_and_live_parameters_for_every_run():
+    """The Engine node's prompt.text and live parameters reach the served engine, and stay this wire's wishes: the
+    Stream node does not put them back to what the engine started on."""
+    sessions = ConfigSessions(load_config("default"))
+    with InProcessEngine(sessions, start=sessions.start) as engine, loaded_node_package() as package:
+        handle, _ = engine_node(package, endpoint=engine.endpoint, secret_file=engine.secret_file,
+                                overrides="noise.noise_scale=0.5\nprompt.text=ink wash")
+        images = image_batch(2, 16, 16)
+        out, _ = run_node(package, "LoomStream", engine=handle, images=images)
+        [session] = sessions.built
+        assert torch.equal(out, images) and session.refused == []
+        assert session.params["noise_scale"] == 0.5 and session.prompt == "ink wash"
+
+
+def test_comfyui_refuses_a_live_parameter_the_served_engine_does_not_take_naming_those_it_does():
+    """An edit model's parameter for a Wan engine: refused on the Engine node with what the engine takes, before
+    any override is sent (the engine is not left half told)."""
+    sessions = ConfigSessions(load_config("default"))
+    with InProcessEngine(sessions, start=sessions.start) as engine, loaded_node_package() as package:
+        with pytest.raises(ValueError, match=rf"^Loom Engine: overrides: the engine at {engine.endpoint} does not "
+                                             r"take adapter_strength; it takes .*noise_scale"):
+            engine_node(package, endpoint=engine.endpoint, secret_file=engine.secret_file,
+                        overrides="noise.noise_scale=0.5\nedit.adapter_strength=0.6")
+        [session] = sessions.built
+        assert session.params == {} and session.refused == []
 
 
 def _engine_report(bridge: Bridge, timeout_s: float = 10.0) -> dict:
