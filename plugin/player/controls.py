@@ -29,6 +29,7 @@ from loom_live.host_bridge.wire.params import (
     STEP_LISTS,
     STEPS,
     TRANSITION_CHUNKS,
+    LiveParam,
     check_prompt_request,
     family_params,
     steps_for,
@@ -158,12 +159,22 @@ def steps_command(value: Any) -> Command:
     return Command("steps", (n,))
 
 
-def noise_scale_command(value: Any) -> Command:
+def _number_command(param: LiveParam, value: Any) -> Command:
+    """The command that sets a number parameter (named as the parameter) to `value`, in the schema's range."""
     try:
         x = float(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-        raise ControlError(f"noise_scale: {value!r} is not a number; expected {NOISE_SCALE.allowed()}") from None
-    return Command("noise_scale", (_checked(NOISE_SCALE.check, x),))
+        raise ControlError(f"{param.name}: {value!r} is not a number; expected {param.allowed()}") from None
+    return Command(param.name, (_checked(param.check, x),))
+
+
+def _clamped(param: LiveParam, value: float) -> float:
+    """A value a key stepped to, kept in the schema's range."""
+    return round(min(param.max, max(param.min, value)), 4)
+
+
+def noise_scale_command(value: Any) -> Command:
+    return _number_command(NOISE_SCALE, value)
 
 
 def lora_scale_command(name: Any, value: Any) -> Command:
@@ -183,21 +194,12 @@ def lora_scale_command(name: Any, value: Any) -> Command:
 
 def context_scale_command(value: Any) -> Command:
     """How strongly the control video steers the structure (VACE), in the schema's range."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-        raise ControlError(f"context_scale: {value!r} is not a number; expected {CONTEXT_SCALE.allowed()}") from None
-    return Command("context_scale", (_checked(CONTEXT_SCALE.check, x),))
+    return _number_command(CONTEXT_SCALE, value)
 
 
 def adapter_strength_command(value: Any) -> Command:
     """The edit family's temporal adapter (LLLite) output multiplier, in the schema's range; 0: no adapter."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-        raise ControlError(f"adapter_strength: {value!r} is not a number; "
-                           f"expected {ADAPTER_STRENGTH.allowed()}") from None
-    return Command("adapter_strength", (_checked(ADAPTER_STRENGTH.check, x),))
+    return _number_command(ADAPTER_STRENGTH, value)
 
 
 def control_source_command(value: Any) -> Command:
@@ -383,7 +385,7 @@ class Controls:
         if lora not in s.lora_scales:
             return self._refuse(f"no LoRA named {lora!r}; loaded: {', '.join(s.lora_scales)}")
         s.lora_index = list(s.lora_scales).index(lora)
-        s.lora_scales[lora] = round(min(LORA_SCALES.max, max(LORA_SCALES.min, value)), 4)
+        s.lora_scales[lora] = _clamped(LORA_SCALES, value)
         changes.setdefault("lora_scales", {})[lora] = s.lora_scales[lora]
         return True
 
@@ -396,7 +398,7 @@ class Controls:
             return self._refuse(f"{name}: {NO_VACE}")
         if name in ("context_scale", "context_step"):
             target = args[0] if name == "context_scale" else s.context_scale + args[0]
-            s.context_scale = round(min(CONTEXT_SCALE.max, max(CONTEXT_SCALE.min, target)), 4)
+            s.context_scale = _clamped(CONTEXT_SCALE, target)
             changes["context_scale"] = s.context_scale
             return True
         if name == "control_next":
@@ -492,9 +494,8 @@ class Controls:
             s.steps = args[0]
             changes["steps"] = steps_for(s.steps)
         elif name in ("noise_scale", "noise_step"):
-            lo, hi = NOISE_SCALE.min, NOISE_SCALE.max
             target = args[0] if name == "noise_scale" else s.noise_scale + args[0]
-            s.noise_scale = round(min(hi, max(lo, target)), 4)
+            s.noise_scale = _clamped(NOISE_SCALE, target)
             changes["noise_scale"] = s.noise_scale
         elif name == "motion_aware":
             s.motion_aware = _flag(args[0] if args else None, s.motion_aware)
@@ -510,7 +511,7 @@ class Controls:
                 return
         elif name in ("adapter_strength", "adapter_step"):
             target = args[0] if name == "adapter_strength" else s.adapter_strength + args[0]
-            s.adapter_strength = round(min(ADAPTER_STRENGTH.max, max(ADAPTER_STRENGTH.min, target)), 4)
+            s.adapter_strength = _clamped(ADAPTER_STRENGTH, target)
             changes["adapter_strength"] = s.adapter_strength
         elif name == "reference":
             if not s.control_sources or not s.takes_reference:
