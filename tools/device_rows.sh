@@ -6,14 +6,14 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
-# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, recovery. A device
+# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, mps-standby, recovery. A device
 # call runs at most 10 minutes; groups whose limits add up to that or more (attn 1280 s, recovery 890,
 # sequential 830, saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not
 # their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps mps-standby recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -39,6 +39,22 @@ wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
 RANDOM_WEIGHTS=(--set model.random_weights=true --set vae.random_weights=true --set prompt.encoder=hash)
 # the 14B FP8 stream, one step (fp8-14b, fp8-14b-compiled)
 b14=(-c wan2.1-14b --steps 700 --frames 3000 --set model.fp8_linear=true)
+
+# NVIDIA MPS for the groups that compare with it: a control daemon of this call's own (private pipe and log
+# folders, so only processes started here with them join it), quit afterwards. MPS runs the processes' work in
+# one GPU context instead of time-slicing one context each; it changes no card setting.
+mps_on() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/loom_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/loom_mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    nvidia-cuda-mps-control -d && echo "   MPS daemon started"
+}
+mps_off() {
+    [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+    echo quit | nvidia-cuda-mps-control; trap - EXIT
+    tail -4 "$CUDA_MPS_LOG_DIRECTORY"/control.log "$CUDA_MPS_LOG_DIRECTORY"/server.log 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 
 for group in "$@"; do
     case $group in
@@ -235,6 +251,21 @@ PY
             LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
                 --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
         done ;;
+    mps)
+        # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
+        command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
+        ipc_paced() { LOOM_DOORBELL_SPIN_US=300 step "$1" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
+            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json"; }
+        ipc_paced ipc_no_mps
+        mps_on && ipc_paced ipc_mps
+        mps_off ;;
+    mps-standby)
+        # the hot standby's kills under MPS: do the host's reads still wait while a new standby warms up?
+        command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
+        mps_on && step prepare_mps 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}" \
+            && step recovery_mps 300 python3 benchmarks/bench_recovery.py --modes standby --kills 2 --timeout 150 \
+                --json "$out/recovery_mps.json"
+        mps_off ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),
         # two kills each; its engines load the steps `loom prepare` keeps for their config
