@@ -29,9 +29,11 @@ step() {
     shift 2
     echo "== $name (at $(( $(date +%s) - start )) s, limit $limit s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "   exit $?"
+    local rc=$?
+    echo "   exit $rc"
     grep -E "^(FPS|latency|jitter|stage|preset|B=|encoder|model|wan2|no LoRA|2 LoRAs|LoRA /|a change|loom prepare)|start-up [0-9]|compile phases|first calls|passed|failed|error" "$out/$name.txt" | tail -24
     grep -E "^profile" "$out/$name.txt" | head -"${PROFILE_LINES:-40}"
+    return $rc  # the command's status, so `step A && step B` runs B only after A succeeded
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
 wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
