@@ -55,6 +55,7 @@ class HostLoop:
         self.since = time.monotonic()
         self.longest_call_s = 0.0
         self.slow_calls: list[dict] = []
+        self.read_s: list[float] = []  # every latest() since the reset: how often the host's read waited
 
     def _timed(self, name: str, call):
         t = time.monotonic()
@@ -71,6 +72,7 @@ class HostLoop:
         while time.monotonic() - start < timeout_s:
             took_submit, _ = self._timed("submit", lambda: self.bridge.submit(self.clip[self.i % len(self.clip)]))
             took_latest, (_, status) = self._timed("latest", self.bridge.latest)
+            self.read_s.append(took_latest)
             self.longest_call_s = max(self.longest_call_s, took_submit + took_latest)
             self.i += 1
             if done(status):
@@ -81,6 +83,15 @@ class HostLoop:
 
 
 MODES = ("restart", "standby", "standby-after")
+
+
+def read_summary(read_s: list[float]) -> dict:
+    """The host's reads over a span: how many, their median and 99th percentile, how many took 5 ms or more."""
+    if not read_s:
+        return {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0}
+    ms = np.asarray(read_s) * 1000
+    return {"reads": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(ms, 99)), 3), "slow": int((ms >= SLOW_CALL_S * 1000).sum())}
 
 
 def startup_line(bridge: Bridge) -> str | None:
@@ -120,9 +131,13 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
             loop.reset()
             os.kill(pid, signal.SIGKILL)
             took = loop.until(lambda s, old=pid: not s.fallback and bridge.stats()["engine_pid"] != old, args.timeout)
-            row["kills"].append({"kill_to_frame_s": None if took is None else round(took, 2),
-                                 "longest_host_call_ms": round(loop.longest_call_s * 1000, 2),
-                                 "slow_calls": loop.slow_calls})
+            kill = {"kill_to_frame_s": None if took is None else round(took, 2),
+                    "longest_host_call_ms": round(loop.longest_call_s * 1000, 2), "slow_calls": loop.slow_calls}
+            row["kills"].append(kill)
+            if mode.startswith("standby") and took is not None:  # the reads while the next standby loads beside
+                loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
+                kill["kill_to_standby_ready_s"] = round(time.monotonic() - loop.since, 2)
+            kill["reads"] = read_summary(loop.read_s)  # from the kill to the next standby ready (restart: frame)
             row["startup_lines"].append(startup_line(bridge))
     finally:
         bridge.close()
@@ -169,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
                              for c in k.get("slow_calls", []))
             if slow:
                 print(f"{r['mode']} kill {i + 1}: host calls over {SLOW_CALL_S * 1000:.0f} ms: {slow}")
+            reads, upto = k.get("reads"), k.get("kill_to_standby_ready_s")
+            if reads and reads["reads"]:
+                span = f"the next standby ready at {upto:.1f} s" if upto is not None else "the first frame"
+                print(f"{r['mode']} kill {i + 1}: latest() from the kill to {span}: {reads['reads']} reads, "
+                      f"p50 {reads['p50_ms']:.2f} ms, p99 {reads['p99_ms']:.2f} ms, {reads['slow']} over "
+                      f"{SLOW_CALL_S * 1000:.0f} ms")
     for r in rows:  # the serving engine's own account, at its first frame and after each kill
         for i, line in enumerate(r["startup_lines"]):
             print(f"{r['mode']} engine {i}: {line or 'no start-up line in its last output'}")

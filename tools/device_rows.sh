@@ -262,11 +262,13 @@ PY
         mps_on && ipc_paced ipc_mps
         mps_off ;;
     mps-standby)
-        # the hot standby's kills under MPS: do the host's reads still wait while a new standby warms up?
+        # the hot standby's kills without and then under MPS, on one machine: do the host's reads still wait
+        # while a new standby warms up beside the serving engine?
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
-        mps_on && step prepare_mps 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}" \
-            && step recovery_mps 300 python3 benchmarks/bench_recovery.py --modes standby --kills 2 --timeout 150 \
-                --json "$out/recovery_mps.json"
+        standby_kills() { step "$1" 250 python3 benchmarks/bench_recovery.py --modes standby --kills 2 --timeout 120 \
+            --json "$out/$1.json"; grep -E "^standby " "$out/$1.txt"; }
+        step prepare_standby 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}" \
+            && standby_kills standby_no_mps && mps_on && standby_kills standby_mps
         mps_off ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),

@@ -18,3 +18,12 @@ def test_the_start_up_line_is_found_behind_the_compile_line_and_its_log_prefix()
            "INFO loom_live.engine.stream.session: compile phases so far, nested: _compile.compile_inner 6.1 s (24)"]
     assert startup_line(_bridge(log)) == line
     assert startup_line(_bridge(log[:1])) is None
+
+
+def test_the_reads_summary_counts_the_slow_reads_and_says_none_for_no_reads():
+    from benchmarks.bench_recovery import read_summary
+
+    summary = read_summary([0.001] * 95 + [0.0052] * 5)
+    assert summary["reads"] == 100 and summary["slow"] == 5
+    assert summary["p50_ms"] == 1.0 and 5.0 < summary["p99_ms"] <= 5.2
+    assert read_summary([]) == {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0}
