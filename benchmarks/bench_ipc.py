@@ -99,7 +99,7 @@ def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
     return percentiles(samples)
 
 
-def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
+def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float, bool]) -> dict:
     buf = DeviceBuffers(w, h)
     seqs = {}
     with _seqs(bridge, warmup, seqs, "handoff"):
@@ -109,13 +109,13 @@ def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
     if paced[0]:
         with _seqs(bridge, warmup, seqs, "handoff_paced"):
             out["handoff_paced"] = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8",
-                                                  paced[0], warmup, period_s=paced[1])
+                                                  paced[0], warmup, period_s=paced[1], busy=paced[2])
     baseline = [buf.copy_once() for _ in range(frames)]
     return {**out, "device_copy": percentiles(baseline),
             "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
 
 
-def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float]) -> dict:
+def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float, bool]) -> dict:
     src = np.random.default_rng(0).integers(0, 256, (h, w, 4), dtype=np.uint8)  # RGBA, as hosts hand it
     seqs = {}
     with _seqs(bridge, warmup, seqs, "handoff"):
@@ -124,7 +124,8 @@ def bench_cpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: t
     result = {"handoff": handoff, "seqs": seqs}
     if paced[0]:
         with _seqs(bridge, warmup, seqs, "handoff_paced"):
-            result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1])[0]
+            result["handoff_paced"] = handoff_host(bridge, src, paced[0], warmup, period_s=paced[1],
+                                                   busy=paced[2])[0]
     baseline = []
     for _ in range(frames):
         c0 = time.perf_counter()
@@ -220,13 +221,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--fps", type=float, default=0.0, help="also measure a frame every 1/FPS s (a host frame loop)")
     ap.add_argument("--paced-frames", type=int, default=300, help="measured frames per size at --fps")
+    ap.add_argument("--busy-host", action="store_true",
+                    help="at --fps the host busy-waits between frames instead of sleeping (a loop that keeps its "
+                         "core working, as a renderer's does)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each step and CUDA call of a handoff in both processes (median, p99)")
     args = ap.parse_args()
     if args.fps < 0 or args.paced_frames < 1:
         ap.error("--fps must be >= 0 and --paced-frames >= 1")
-    paced = (args.paced_frames, 1.0 / args.fps) if args.fps else (0, 0.0)
+    paced = (args.paced_frames, 1.0 / args.fps, args.busy_host) if args.fps else (0, 0.0, False)
     frames = args.frames or (50 if args.smoke else 1000)
     sizes = SMOKE_SIZES if args.smoke else SIZES
     unknown = sorted(set(args.size or ()) - set(sizes))
@@ -244,7 +248,7 @@ def main() -> int:
         cuda_rings.time_calls()
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
     results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
-                     "sizes": {}}
+                     "busy_host": paced[2], "sizes": {}}
     with Bridge(cfg) as bridge:
         bridge.wait_running(60)
         for name, (w, h) in sizes.items():

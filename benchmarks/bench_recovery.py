@@ -56,6 +56,8 @@ class HostLoop:
         self.longest_call_s = 0.0
         self.slow_calls: list[dict] = []
         self.read_s: list[float] = []  # every latest() since the reset: how often the host's read waited
+        self.fresh = 0  # restyled frames the host's reads found new since the reset
+        self._seen = -1
 
     def _timed(self, name: str, call):
         t = time.monotonic()
@@ -73,6 +75,8 @@ class HostLoop:
             took_submit, _ = self._timed("submit", lambda: self.bridge.submit(self.clip[self.i % len(self.clip)]))
             took_latest, (_, status) = self._timed("latest", self.bridge.latest)
             self.read_s.append(took_latest)
+            if not status.fallback and status.seq > self._seen:
+                self.fresh, self._seen = self.fresh + 1, status.seq
             self.longest_call_s = max(self.longest_call_s, took_submit + took_latest)
             self.i += 1
             if done(status):
@@ -85,13 +89,15 @@ class HostLoop:
 MODES = ("restart", "standby", "standby-after")
 
 
-def read_summary(read_s: list[float]) -> dict:
-    """The host's reads over a span: how many, their median and 99th percentile, how many took 5 ms or more."""
+def read_summary(read_s: list[float], fresh: int = 0) -> dict:
+    """The host's reads over a span: how many, their median and 99th percentile, how many took 5 ms or more,
+    and how many of them found a new restyled frame (the show's frame rate while a standby loads)."""
     if not read_s:
-        return {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0}
+        return {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0, "fresh": 0}
     ms = np.asarray(read_s) * 1000
     return {"reads": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(ms, 99)), 3), "slow": int((ms >= SLOW_CALL_S * 1000).sum())}
+            "p99_ms": round(float(np.percentile(ms, 99)), 3), "slow": int((ms >= SLOW_CALL_S * 1000).sum()),
+            "fresh": fresh}
 
 
 def startup_line(bridge: Bridge) -> str | None:
@@ -137,7 +143,7 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
             if mode.startswith("standby") and took is not None:  # the reads while the next standby loads beside
                 loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
                 kill["kill_to_standby_ready_s"] = round(time.monotonic() - loop.since, 2)
-            kill["reads"] = read_summary(loop.read_s)  # from the kill to the next standby ready (restart: frame)
+            kill["reads"] = read_summary(loop.read_s, loop.fresh)  # kill to next standby ready (restart: frame)
             row["startup_lines"].append(startup_line(bridge))
     finally:
         bridge.close()
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 span = f"the next standby ready at {upto:.1f} s" if upto is not None else "the first frame"
                 print(f"{r['mode']} kill {i + 1}: latest() from the kill to {span}: {reads['reads']} reads, "
                       f"p50 {reads['p50_ms']:.2f} ms, p99 {reads['p99_ms']:.2f} ms, {reads['slow']} over "
-                      f"{SLOW_CALL_S * 1000:.0f} ms")
+                      f"{SLOW_CALL_S * 1000:.0f} ms; {reads['fresh']} found a new restyled frame")
     for r in rows:  # the serving engine's own account, at its first frame and after each kill
         for i, line in enumerate(r["startup_lines"]):
             print(f"{r['mode']} engine {i}: {line or 'no start-up line in its last output'}")

@@ -256,10 +256,12 @@ PY
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
+        # (--busy-host: the host's loop keeps its core working between frames, as a renderer's does)
         ipc_paced() { LOOM_DOORBELL_SPIN_US=300 step "$1" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
-            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json"; }
+            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"; }
         ipc_paced ipc_no_mps
-        mps_on && ipc_paced ipc_mps
+        ipc_paced ipc_no_mps_busy --busy-host
+        mps_on && ipc_paced ipc_mps && ipc_paced ipc_mps_busy --busy-host
         mps_off ;;
     mps-standby)
         # the hot standby's kills without and then under MPS, on one machine: do the host's reads still wait

@@ -47,15 +47,20 @@ def _submitted(bridge: Bridge, t0_ns: int) -> int:
     return seq
 
 
-def _pace(t0: float, period_s: float) -> None:
-    """A host frame loop: the next frame comes `period_s` after this one began (0: at once)."""
+def _pace(t0: float, period_s: float, busy: bool = False) -> None:
+    """A host frame loop: the next frame comes `period_s` after this one began (0: at once). `busy` keeps
+    the core working until then, as a renderer's loop does, instead of letting it sleep."""
+    if busy:
+        while time.perf_counter() - t0 < period_s:
+            pass
+        return
     rest = period_s - (time.perf_counter() - t0)
     if rest > 0:
         time.sleep(rest)
 
 
 def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int,
-                 period_s: float = 0.0) -> tuple[dict[str, float], np.ndarray]:
+                 period_s: float = 0.0, busy: bool = False) -> tuple[dict[str, float], np.ndarray]:
     """Host arrays (shm or tcp): submit -> `latest()`, a frame every `period_s` (0: back to back);
     returns the timings and the last output."""
     samples, out = [], None
@@ -69,12 +74,13 @@ def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int,
         MARKS.mark(seq, "host.done")
         if i >= warmup:
             samples.append((time.perf_counter_ns() - t0) / 1e9)
-        _pace(t0 / 1e9, period_s)
+        _pace(t0 / 1e9, period_s, busy)
     return percentiles(samples), out
 
 
 def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width: int, height: int,
-                   channels: int, dtype: str, frames: int, warmup: int, period_s: float = 0.0) -> dict[str, float]:
+                   channels: int, dtype: str, frames: int, warmup: int, period_s: float = 0.0,
+                   busy: bool = False) -> dict[str, float]:
     """Device buffers (cuda-ipc): `submit_cuda` -> `latest_cuda` into the caller's buffer, a frame
     every `period_s` (0: back to back)."""
     samples = []
@@ -88,7 +94,7 @@ def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width
         MARKS.mark(seq, "host.done")
         if i >= warmup:
             samples.append((time.perf_counter_ns() - t0) / 1e9)
-        _pace(t0 / 1e9, period_s)
+        _pace(t0 / 1e9, period_s, busy)
     return percentiles(samples)
 
 

@@ -1,4 +1,4 @@
-"""`loom info`: what this machine offers Loom (Python, torch, GPUs, CUDA IPC, media libraries)."""
+"""`loom info`: what this machine offers Loom (Python, torch, GPUs, CUDA IPC, NVIDIA MPS, media libraries)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import sys
 from typing import Any
 
 from loom_live.engine.config import list_presets
+from loom_live.host_bridge.mps import daemon_pipe
 from loom_live.plugin.cli.common import version
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="show Loom's version, Python, torch, GPUs, CUDA IPC and library versions")
+    p = sub.add_parser("info", help="show Loom's version, Python, torch, GPUs, CUDA IPC, NVIDIA MPS and library "
+                                    "versions")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--presets", action="store_true", help="list the shipped configuration presets")
     p.set_defaults(func=run)
@@ -54,6 +56,14 @@ def _cuda_ipc() -> tuple[bool, str]:
     return True, f"{count} device(s)"
 
 
+def _mps() -> str:
+    """Whether CUDA processes started from here run under an NVIDIA MPS daemon (host_bridge/mps.py)."""
+    pipe = daemon_pipe()
+    if pipe is None:
+        return "off (each process has a CUDA context of its own; README.md, One GPU, several processes)"
+    return f"on: a control daemon at {pipe}; the host and the engines it launches share one GPU context"
+
+
 def _kept_steps() -> str:
     """How many compiled steps are kept whole for this engine, torch and GPU 0 (`loom prepare` keeps them,
     and an engine start loads them); `collect` asks only where torch sees a GPU."""
@@ -85,6 +95,7 @@ def collect() -> dict[str, Any]:
         "cuda_python": _version("cuda.bindings") or _version("cuda"),
         "cuda_ipc": ipc_ok,
         "cuda_ipc_detail": ipc_why,
+        "mps": _mps() if cuda else None,
         "compiled_steps_kept": _kept_steps() if cuda else None,
         "pyzmq": _version("zmq"),
         "av": _version("av"),

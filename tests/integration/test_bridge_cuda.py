@@ -7,13 +7,19 @@ pass-through engine copies slot to slot on the GPU; nothing crosses the CPU.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loom_live.host_bridge import Bridge, BridgeConfig
+from loom_live.host_bridge import Bridge, BridgeConfig, mps
 
 ROOT = Path(__file__).resolve().parents[2]
 N_FRAMES = 1000
@@ -145,3 +151,32 @@ def test_real_session_behind_the_bridge_streams_restyled_frames_over_cuda_ipc():
         assert stats["received"] >= 100, stats
         assert fresh >= 200, f"only {fresh} of 300 host frames showed engine output"
         assert not torch.equal(dst, src), "the engine returned its input unchanged"
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_round_trips_exactly_with_host_and_engine_under_one_mps_daemon(tmp_path):
+    """README's "One GPU, several processes": under NVIDIA MPS the host and the engine it launches are
+    clients of one daemon, sharing a GPU context; cuda-ipc's memory and events must still cross between
+    them, content exact. A daemon of the test's own (private pipe folder), quit at the end; the host is a
+    fresh process (this one's CUDA context predates the daemon)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control (NVIDIA's driver utilities) is not on this machine")
+    pipe, log = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    log.mkdir()
+    env = {**os.environ, mps.PIPE_ENV: str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log)}
+    subprocess.run([control, "-d"], env=env, check=True, timeout=30)
+    try:
+        assert mps.daemon_pipe(env) == pipe
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ipc.py"), "--transport", "cuda-ipc",
+                               "--size", "512x512", "--frames", "200", "--json", str(tmp_path / "ipc.json")],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        logs = "\n".join(f"{f.name}:\n{f.read_text()[-1500:]}" for f in sorted(log.glob("*.log")))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+        clients = re.findall(r"New client (\d+) connected", logs)
+        assert len(set(clients)) >= 2, f"host and engine did not both join the daemon:\n{logs}"
+    finally:
+        subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)
+    stats = json.loads((tmp_path / "ipc.json").read_text())["bridge_stats"]
+    assert stats["received"] >= 200 and stats["refused"] == 0 and stats["restarts"] == 0

@@ -23,7 +23,7 @@ def test_the_start_up_line_is_found_behind_the_compile_line_and_its_log_prefix()
 def test_the_reads_summary_counts_the_slow_reads_and_says_none_for_no_reads():
     from benchmarks.bench_recovery import read_summary
 
-    summary = read_summary([0.001] * 95 + [0.0052] * 5)
-    assert summary["reads"] == 100 and summary["slow"] == 5
+    summary = read_summary([0.001] * 95 + [0.0052] * 5, fresh=90)
+    assert summary["reads"] == 100 and summary["slow"] == 5 and summary["fresh"] == 90
     assert summary["p50_ms"] == 1.0 and 5.0 < summary["p99_ms"] <= 5.2
-    assert read_summary([]) == {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0}
+    assert read_summary([]) == {"reads": 0, "p50_ms": None, "p99_ms": None, "slow": 0, "fresh": 0}
