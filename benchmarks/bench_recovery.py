@@ -111,7 +111,8 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
     cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
                        passthrough=args.passthrough, standby=mode.startswith("standby"),
                        standby_start="after" if mode == "standby-after" else "together",
-                       engine_warmup=args.warmup, restart_backoff_s=0.0,
+                       engine_warmup=args.warmup, standby_warmup_share=args.standby_warmup_share,
+                       restart_backoff_s=0.0,
                        handshake_timeout_s=120.0, load_timeout_s=args.timeout)
     row: dict = {"mode": mode, "kills": [], "startup_lines": []}
     bridge = Bridge(cfg)
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="832x480", help="host frame size WxH")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="engines warm up (compile, capture) before they say ready")
+    ap.add_argument("--standby-warmup-share", type=float, default=BridgeConfig.standby_warmup_share,
+                    help="the share of the time a standby launched beside a show warms up in (1: no rests)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)

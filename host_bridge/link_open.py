@@ -33,8 +33,10 @@ class LinkOpenError(Exception):
     """The link could not be opened; the message says what failed."""
 
 
-def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock: threading.RLock) -> Link:
-    """A new `Link` (taking its id from `link_ids` only once it exists); the engine launched if `cfg.launch`."""
+def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock: threading.RLock,
+              warmup_share: float = 1.0) -> Link:
+    """A new `Link` (taking its id from `link_ids` only once it exists); the engine launched if `cfg.launch`,
+    its warm-up taking at most `warmup_share` of the time (a standby beside a show)."""
     token = secrets.token_hex(TOKEN_BYTES)
     endpoint = PrivateEndpoint() if cfg.launch and cfg.endpoint is None else None
     curve: CurveClient | SharedSecret | None = (CurveClient(cfg.curve_secret_file, cfg.curve_server_public_file)
@@ -67,7 +69,7 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
     proc = None
     if cfg.launch:
         try:
-            proc = EngineProcess(engine_argv(cfg.engine_python, *_engine_args(cfg, channel.endpoint)),
+            proc = EngineProcess(engine_argv(cfg.engine_python, *_engine_args(cfg, channel.endpoint, warmup_share)),
                                  cwd=cfg.engine_cwd, env={TOKEN_ENV: token, **engine_env()})
         except OSError as exc:
             channel.close()
@@ -85,7 +87,7 @@ def open_link(ctx: zmq.Context, cfg: BridgeConfig, link_ids: Iterator[int], lock
                 curve=curve)
 
 
-def _engine_args(cfg: BridgeConfig, control_endpoint: str) -> list[str]:
+def _engine_args(cfg: BridgeConfig, control_endpoint: str, warmup_share: float = 1.0) -> list[str]:
     """The launched engine's command line: where to connect, its config, and the host's extras."""
     args = ["--connect", control_endpoint, "--config", cfg.engine_config,
             "--heartbeat", str(cfg.heartbeat_s), "--parent-pid", str(os.getpid())]
@@ -95,4 +97,6 @@ def _engine_args(cfg: BridgeConfig, control_endpoint: str) -> list[str]:
         args.append("--passthrough")
     if cfg.engine_warmup:
         args.append("--warmup")
+        if warmup_share < 1.0:
+            args += ["--warmup-share", f"{warmup_share:g}"]
     return args + list(cfg.engine_args)

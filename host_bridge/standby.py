@@ -66,13 +66,14 @@ class Standby:
         return {"state": state, "pid": self.link.pid if self.link else None, "launched": self.started,
                 "failures": self.failures, "last_problem": self.problem}
 
-    def step(self, open_new: bool) -> None:
-        """Open a standby when there is none (if `open_new` and the retry time has come), serve its
-        control messages without waiting, send heartbeats, and give it up when it exits or hangs."""
+    def step(self, open_new: bool, beside_show: bool = False) -> None:
+        """Open a standby when there is none (if `open_new` and the retry time has come; `beside_show`: an
+        engine serves, so its warm-up takes only `standby_warmup_share` of the time), serve its control
+        messages without waiting, send heartbeats, and give it up when it exits or hangs."""
         link = self.link
         if link is None:
             if open_new and time.monotonic() >= self._next_open:
-                self._open()
+                self._open(self.config.standby_warmup_share if beside_show else 1.0)
             return
         try:
             messages = link.channel.poll(0)
@@ -116,9 +117,9 @@ class Standby:
         if link is not None:
             link.teardown("closed", self.config.stop_timeout_s)
 
-    def _open(self) -> None:
+    def _open(self, warmup_share: float) -> None:
         try:
-            self.link = open_link(self._ctx, self.config, self._link_ids, self._lock)
+            self.link = open_link(self._ctx, self.config, self._link_ids, self._lock, warmup_share)
         except LinkOpenError as exc:
             self._failed(str(exc))
             return

@@ -198,7 +198,8 @@ class Supervisor:
             # a dead bridge takes no engine over: a standby would only hold a process and its model's memory
             self.standby.close()  # until the host closes the bridge
         elif self.standby is not None:  # a new standby once an engine runs (or launched with it: side by side)
-            self.standby.step(open_new=link is not None and (link.ready or self.config.standby_start == "together"))
+            self.standby.step(open_new=link is not None and (link.ready or self.config.standby_start == "together"),
+                              beside_show=link is not None and link.ready)
             if link is None:
                 with self.cond:
                     if self._adopt_standby("engine restarted from the standby"):

@@ -6,14 +6,14 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
-# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, mps-standby, recovery. A device
-# call runs at most 10 minutes; groups whose limits add up to that or more (attn 1280 s, recovery 890,
+# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, mps-standby,
+# standby-share, recovery. A device call runs at most 10 minutes; groups whose limits add up to that or more (attn 1280 s, recovery 890,
 # sequential 830, saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not
 # their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps mps-standby recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps mps-standby standby-share recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -272,6 +272,15 @@ PY
         step prepare_standby 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}" \
             && standby_kills standby_no_mps && mps_on && standby_kills standby_mps
         mps_off ;;
+    standby-share)
+        # one kill each: a standby relaunched beside the show warming up whole, then resting to 0.3 of the time
+        # (the default): the restyled frames the host finds while it loads, and when it is ready
+        step prepare_share 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}"
+        for share in 1 0.3; do
+            step "standby_share$share" 250 python3 benchmarks/bench_recovery.py --modes standby --kills 1 \
+                --timeout 200 --standby-warmup-share $share --json "$out/standby_share$share.json"
+            grep -E "^standby kill" "$out/standby_share$share.txt"
+        done ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),
         # two kills each; its engines load the steps `loom prepare` keeps for their config

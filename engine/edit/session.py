@@ -55,6 +55,7 @@ from loom_live.engine.stream.no_vace import NoStructureControl
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import check_prompt
 from loom_live.engine.stream.stage_timer import StageTimer
+from loom_live.engine.stream.warmup_pace import WarmupPace
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,16 @@ class EditSession:
             session.warmup()
         return session
 
-    def warmup(self, batches: int = WARMUP_BATCHES) -> None:
-        """Compile and autotune on synthetic frames, then start afresh."""
+    def warmup(self, batches: int = WARMUP_BATCHES, share: float = 1.0) -> None:
+        """Compile and autotune on synthetic frames, then start afresh; `share` below 1 rests after each
+        batch so the warm-up takes that share of the time (a standby beside a show)."""
         STARTUP_PROGRESS.say(f"compiling and warming up on {batches * self.batch} frames")
+        pace = WarmupPace(share, self.device)
         h, w = self.cfg.resolution.height, self.cfg.resolution.width
         frames = np.random.default_rng(0).integers(0, 256, (batches * self.batch, h, w, 3), np.uint8)
-        self.push(frames)
+        for start in range(0, len(frames), self.batch):
+            self.push(frames[start:start + self.batch])
+            pace.chunk_done()
         self.flush()
         self.reset()
         self.prompt_encodes = self.prompt_parts = self.cond_refreshes = 0

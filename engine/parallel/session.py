@@ -107,6 +107,7 @@ from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, mak
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.session import edge_control
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, allowed_modes
+from loom_live.engine.stream.warmup_pace import WarmupPace
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
 STOP_JOIN_S = 20.0  # a clean stop: ranks finish what is in flight and exit
@@ -293,18 +294,21 @@ class PipelineSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def warmup(self, chunks: int | None = None) -> None:
+    def warmup(self, chunks: int | None = None, share: float = 1.0) -> None:
         """Stream synthetic frames through every rank (compilation, autotuning), then start afresh.
 
-        The default runs past a RoPE refresh, so the step patterns of a long stream are met here."""
+        The default runs past a RoPE refresh, so the step patterns of a long stream are met here. `share`
+        below 1 rests after each push so the warm-up takes that share of the time (a standby beside a show)."""
         st = self.cfg.stream
         if chunks is None:
             chunks = (st.rope_refresh_at if st.rope_policy == "refresh" else 2 * st.num_kv_cache) + self.n * self.P + 2
         STARTUP_PROGRESS.say(f"compiling and warming up on every GPU ({chunks} chunks)")
         h, w = self.cfg.resolution.height, self.cfg.resolution.width
         frames = np.random.default_rng(0).integers(0, 256, (1 + FRAMES_PER_LATENT * chunks, h, w, 3), np.uint8)
+        pace = WarmupPace(share, self.device)
         for start in range(0, len(frames), FRAMES_PER_LATENT * 8):
             self.push(frames[start:start + FRAMES_PER_LATENT * 8])
+            pace.chunk_done()
         self.flush()
         self.stats(reset=True)
         self.slo.reset()  # compiling and capturing are not the stage times of the stream

@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="split the DiT over N GPUs (sets parallel.gpus; on a CPU device: N processes)")
     p.add_argument("--warmup", action="store_true",
                    help="run synthetic streams through the session (compile, capture graphs) before saying ready")
+    p.add_argument("--warmup-share", type=float, default=1.0, metavar="SHARE",
+                   help="with --warmup: the share of the time the warm-up may take the GPU, above 0 up to 1 (a "
+                        "standby launched beside a show: it rests between chunks; default 1)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
@@ -52,6 +55,10 @@ def _session_factory(args: argparse.Namespace):
     `LoomConfig.start_settings`) for the ready message; the pass-through session names its config's too."""
     from loom_live.engine.config import load_config, lora_override
 
+    if not 0.0 < args.warmup_share <= 1.0:
+        raise UserError(f"--warmup-share {args.warmup_share:g}: allowed above 0 up to 1")
+    if args.warmup_share < 1.0 and not args.warmup:
+        raise UserError("--warmup-share is for --warmup (it paces the warm-up)")
     overrides = [*args.overrides, *lora_override(args.loras)]
     if args.gpus is not None:
         overrides.append(f"parallel.gpus={args.gpus}")
@@ -82,7 +89,7 @@ def _session_factory(args: argparse.Namespace):
         apply_cpu_threads(config.model.cpu_threads, resolve_device(config.model.device))  # the host keeps a core
         session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
         if args.warmup:
-            session.warmup()
+            session.warmup(share=args.warmup_share)
         return session
 
     return build, config.start_settings()

@@ -49,6 +49,7 @@ from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.slo_scheduler import MAX_CHUNK_LATENTS, Plan, SLOScheduler, allowed_modes
 from loom_live.engine.stream.stage_timer import StageTimer
 from loom_live.engine.stream.startup import StartupTimes
+from loom_live.engine.stream.warmup_pace import WarmupPace
 from loom_live.host_bridge.wire.params import FIRST_CHUNK_FRAMES
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class StreamSession:
         self.startup = StartupTimes()  # filled by from_config and warmup: where the start-up went
         self.warmed_plans: list[Plan] = []  # the plans the last warm-up streamed
         self._held_plan = False  # warm-up: the plan is set by the warm-up, not by the scheduler
+        self._warm_pace = WarmupPace()  # warm-up: its rests (a share set by `warmup`)
         self._build_parts()
         self.reset()
 
@@ -144,7 +146,7 @@ class StreamSession:
             log.info("%s", times.line())
         return session
 
-    def warmup(self, streams: int = 2, chunks: int | None = None) -> None:
+    def warmup(self, streams: int = 2, chunks: int | None = None, share: float = 1.0) -> None:
         """Run synthetic streams through every stage, then start afresh (metrics included).
 
         Every plan the SLO scheduler may pick mid-stream (`warmup_plans`: the first, then sequential,
@@ -152,8 +154,11 @@ class StreamSession:
         and step graph a long stream of that plan meets, with the RoPE refresh of a long stream brought
         forward into it (`_warm_stream`): they are compiled and captured here rather than in the middle
         of a show, where each would stall one chunk. The first plan streams `streams` times (the later
-        ones short: a stream after a reset); `chunks` sets the length of those streams instead.
+        ones short: a stream after a reset); `chunks` sets the length of those streams instead. `share`
+        below 1 rests after each chunk so the warm-up takes that share of the time (`WarmupPace`: a
+        standby warming up beside a show).
         """
+        self._warm_pace = WarmupPace(share, self.device)
         plans = self.warmup_plans()
         first = self._warm_schedule(plans[0]) if chunks is None else [plans[0]] * chunks
         with self.startup.phase("warmup"):
@@ -171,6 +176,9 @@ class StreamSession:
         self.warmed_plans = plans
         self.reset()
         self._compile_stance = "eager_on_recompile"
+        if self._warm_pace.rested_s:
+            log.info("warm-up rested %.1f s to leave the GPU to a show beside it (share %g)",
+                     self._warm_pace.rested_s, share)
         log.info("%s", self.startup.line())
         for line in (self.startup.compile_line(), self.startup.first_calls_line(), self.startup.unsaved_line()):
             if line is not None:
@@ -222,6 +230,7 @@ class StreamSession:
                 self.slo.hold(plan)
                 count = FIRST_CHUNK_FRAMES if i == 0 else FRAMES_PER_LATENT * plan.chunk_latents
                 self.push(rng.integers(0, 256, (count, h, w, 3), np.uint8))
+                self._warm_pace.chunk_done()
             self.flush()
         finally:
             self._held_plan = False

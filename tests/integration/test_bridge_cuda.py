@@ -174,7 +174,7 @@ def test_cuda_ipc_round_trips_exactly_with_host_and_engine_under_one_mps_daemon(
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
         logs = "\n".join(f"{f.name}:\n{f.read_text()[-1500:]}" for f in sorted(log.glob("*.log")))
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
-        clients = re.findall(r"New client (\d+) connected", logs)
+        clients = re.findall(r"Client \{PID: (\d+), Context ID: \d+\} connected", logs)
         assert len(set(clients)) >= 2, f"host and engine did not both join the daemon:\n{logs}"
     finally:
         subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)
