@@ -8,8 +8,8 @@ its environment names (`CUDA_MPS_PIPE_DIRECTORY`, /tmp/nvidia-mps without it) wh
 CUDA, so the daemon must run before the host starts (TouchDesigner, ComfyUI, a script); the engines
 a bridge launches inherit the host's environment and join the same daemon. What it costs: a fatal
 GPU fault in any client (an illegal address, not a killed or crashed process) ends the GPU work of
-every client of that daemon on that GPU, the host's included. README.md, "One GPU, several
-processes", says how to start it; docs/performance.md what it buys.
+every client of that daemon on that GPU, the host's included, so Loom never starts one itself.
+README.md, "One GPU, several processes", says how to start it; docs/performance.md what it buys.
 """
 
 from __future__ import annotations
