@@ -274,13 +274,16 @@ PY
         mps_off ;;
     standby-share)
         # one kill each: a standby relaunched beside the show warming up whole, then resting to 0.3 of the time
-        # (the default): the restyled frames the host finds while it loads, and when it is ready
+        # (the default): the restyled frames the host finds while it loads, and when it is ready. Other shares:
+        # STANDBY_SHARES="0.2 0.5"; under MPS: STANDBY_MPS=1
         step prepare_share 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}"
-        for share in 1 0.3; do
+        [ -z "${STANDBY_MPS:-}" ] || mps_on
+        for share in ${STANDBY_SHARES:-1 0.3}; do
             step "standby_share$share" 250 python3 benchmarks/bench_recovery.py --modes standby --kills 1 \
                 --timeout 200 --standby-warmup-share $share --json "$out/standby_share$share.json"
             grep -E "^standby kill" "$out/standby_share$share.txt"
-        done ;;
+        done
+        mps_off ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),
         # two kills each; its engines load the steps `loom prepare` keeps for their config
