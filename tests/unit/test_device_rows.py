@@ -1,6 +1,7 @@
 """tools/device_rows.sh on a CPU: every command its groups would run on a lent GPU machine parses, names
 files that exist and loads its config, so a scarce device call is not lost to an option or a config key
-renamed since (each group runs here with `python3` and `timeout` stood in for, recording what they got)."""
+renamed since (each group runs here with `python3` and `timeout` stood in for, recording what they got, and
+NVIDIA's MPS control program doing nothing)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ echo "$1" >> "$LIMITS_LOG"
 shift
 exec "$@"
 """
+FAKE_MPS_CONTROL = """#!/usr/bin/env bash
+[ "$1" = "-d" ] || cat > /dev/null  # the daemon started, or a command (quit) read from stdin
+exit 0
+"""
 
 
 def _groups() -> list[str]:
@@ -42,7 +47,8 @@ def rows(tmp_path_factory) -> dict[str, tuple[list[list[str]], list[int]]]:
     tmp = tmp_path_factory.mktemp("device_rows")
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    for name, text in (("python3", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT)):
+    for name, text in (("python3", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT),
+                       ("nvidia-cuda-mps-control", FAKE_MPS_CONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     found = {}

@@ -132,7 +132,7 @@ def test_a_mistyped_path_is_said_before_the_weights_still_to_pull(tmp_path, monk
             check_weights(load_config("wan2.1-1.3b", overrides))
         else:
             _session_factory(argparse.Namespace(config="wan2.1-1.3b", overrides=overrides, loras=[], gpus=None,
-                                                passthrough=False, warmup=False))
+                                                passthrough=False, warmup=False, warmup_share=1.0))
 
 
 def test_a_vace_preset_checks_a_given_checkpoint_against_its_own_architecture(tmp_path):
