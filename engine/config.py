@@ -591,7 +591,7 @@ def served_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str],
     into those the host keeps for its own config (`HOST_KEYS`) and the live parameters they set, by name as the wire
     takes them, of whichever model family (`served_keys`: the served engine's is not -c's), each checked as its config
     section checks it; the engine is told those it takes once it says which. Any other key never reaches a served
-    engine, which runs its own config: ConfigError names it and what may be set."""
+    engine, which runs its own config: ServedKeyError names it and what may be set."""
     host: list[str] = []
     data: dict[str, Any] = {}
     keys = served_keys()
@@ -604,11 +604,21 @@ def served_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str],
             elif key in keys:
                 apply_override(data, leaf, value)
             else:
-                raise ConfigError(f"--set {text}: a served engine (--endpoint) runs its own config, and only the live "
-                                  f"parameters reach it ({', '.join(keys)}) and {', '.join(HOST_KEYS)}"
-                                  f"{did_you_mean(key, [*keys, *HOST_KEYS])}; set {key} where it is served "
-                                  f"(loom serve --set {key}=...), or leave out --endpoint")
+                raise ServedKeyError(text, key, list(keys))
     return host, _checked_live(data)
+
+
+class ServedKeyError(ConfigError):
+    """`served_overrides`' refusal of a key no served engine reads, in the command line's words (`--set`,
+    `--endpoint`); a host whose user has no command line (ComfyUI's Engine node) says the same from its fields in
+    its own inputs' words."""
+
+    def __init__(self, override: str, key: str, live_keys: list[str]) -> None:
+        self.override, self.key, self.live_keys = override, key, live_keys
+        self.hint = did_you_mean(key, [*live_keys, *HOST_KEYS])
+        super().__init__(f"--set {override}: a served engine (--endpoint) runs its own config, and only the live "
+                         f"parameters reach it ({', '.join(live_keys)}) and {', '.join(HOST_KEYS)}{self.hint}; set "
+                         f"{key} where it is served (loom serve --set {key}=...), or leave out --endpoint")
 
 
 def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:

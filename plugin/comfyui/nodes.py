@@ -402,12 +402,19 @@ def _check_overrides(overrides: str) -> None:
 def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     """With an endpoint the overrides never reach the engine's config (it is served with its own): the first prompt
     (prompt.text) and the live parameters, of any model family, are what it can be told once ready; any other key is
-    refused here, named, before the node connects."""
-    from loom_live.engine.config import ConfigError, load_config, served_overrides
+    refused here, named in this node's inputs' words (the user has no command line), before the node connects."""
+    from loom_live.engine.config import HOST_KEYS, ConfigError, ServedKeyError, load_config, served_overrides
 
+    lines = [line.strip() for line in overrides.splitlines()]
     try:
-        host, params = served_overrides([line.strip() for line in overrides.splitlines() if line.strip()])
+        host, params = served_overrides([line for line in lines if line])
         prompt = load_config("default", host).prompt.text if host else None  # the text as a config reads it
+    except ServedKeyError as exc:
+        raise ValueError(f"Loom Engine: overrides line {lines.index(exc.override) + 1}: {exc.override!r} is not "
+                         f"allowed while endpoint is set: a served engine runs its own config, and only the live "
+                         f"parameters reach it ({', '.join(exc.live_keys)}) and {', '.join(HOST_KEYS)}{exc.hint}; "
+                         f"set {exc.key} in the config the engine is served with, or clear endpoint to start a "
+                         "local engine") from None
     except ConfigError as exc:
         raise ValueError(f"Loom Engine: overrides: {exc}") from None
     return prompt, params

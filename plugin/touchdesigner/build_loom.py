@@ -12,7 +12,8 @@ callback modules (TouchDesigner runs a DAT's text with `me` set); the extension 
 `LoomExt`, so a `git pull` of Loom updates the component after Re-Init Extensions.
 An existing operator of the same name is never replaced: pick another name or delete it first.
 Run as a script outside TouchDesigner (`python build_loom.py`), it says where it is meant to run, exit 2,
-rather than build nothing and exit 0 as if done.
+rather than build nothing and exit 0 as if done; on a Python that cannot import Loom, it says so and where
+TouchDesigner looks for it, exit 2, rather than end in an ImportError's traceback.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
-from loom_live.plugin.touchdesigner.parameters import setup_parameters
+try:
+    from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, SCRIPT_TOP
+    from loom_live.plugin.touchdesigner.parameters import setup_parameters
+except ImportError as exc:  # a shell's `python build_loom.py` on a Python without Loom on its path
+    if __name__ != "__main__":
+        raise
+    print(f"build_loom.py: error: cannot import Loom ({exc}); this builds the Loom component inside TouchDesigner, "
+          "whose Python finds Loom through its Preferences > General > Python 64-bit Module Path: add the Loom "
+          "folder (the one holding host_bridge/ and plugin/) there (plugin/touchdesigner/README.md, step 2), then "
+          "build it in TouchDesigner's Textport (step 3)", file=sys.stderr)
+    sys.exit(2)
 
 log = logging.getLogger(__name__)
 

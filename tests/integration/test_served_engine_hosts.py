@@ -197,11 +197,22 @@ def test_comfyui_streams_through_a_served_engine_with_its_secret_file(served):
 
 def test_comfyui_refuses_an_override_a_served_engine_never_reads_before_it_connects():
     """A served engine runs its own config: an Engine node override of another key is named on the node, not
-    dropped without a word (nothing listens at this endpoint: the refusal comes before the node connects)."""
+    dropped without a word (nothing listens at this endpoint: the refusal comes before the node connects). It is
+    said in the node's own inputs (overrides, endpoint): a ComfyUI user has no `--set` or `--endpoint` to leave out."""
     with loaded_node_package() as package:
-        with pytest.raises(ValueError, match=r"^Loom Engine: overrides: --set model.dtype=float16: a served engine "
-                                             r".*noise.noise_scale.*set model.dtype where it is served"):
-            engine_node(package, endpoint="tcp://127.0.0.1:9", overrides="noise.noise_scale=0.5\nmodel.dtype=float16")
+        with pytest.raises(ValueError) as refused:
+            engine_node(package, endpoint="tcp://127.0.0.1:9",
+                        overrides="noise.noise_scale=0.5\n\n  model.dtype=float16")
+        said = str(refused.value)
+        assert said.startswith("Loom Engine: overrides line 3: 'model.dtype=float16' is not allowed while endpoint "
+                               "is set: a served engine runs its own config, and only the live parameters reach it "
+                               "(stream.steps, "), said
+        assert "noise.noise_scale" in said and "and prompt.text;" in said, said
+        assert said.endswith("set model.dtype in the config the engine is served with, or clear endpoint to start a "
+                             "local engine"), said
+        assert "--set" not in said and "--endpoint" not in said, said
+        with pytest.raises(ValueError, match=r"\(did you mean 'noise.noise_scale'\?\); set noise.noise_scal in "):
+            engine_node(package, endpoint="tcp://127.0.0.1:9", overrides="noise.noise_scal=0.5")
         assert len(package.nodes.ENGINES) == 0
 
 

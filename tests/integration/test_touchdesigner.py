@@ -117,6 +117,19 @@ def test_the_build_script_run_from_a_shell_says_it_is_for_touchdesigner_s_textpo
         result.stderr, result.stderr
 
 
+def test_the_build_script_run_by_a_python_without_loom_says_what_to_put_on_the_module_path(tmp_path):
+    """`python build_loom.py` on a Python that cannot import Loom ended in an ImportError's traceback: it says, in
+    one line, what it could not import and where TouchDesigner looks for Loom (README step 2), exit 2. `-I -S`:
+    neither PYTHONPATH nor site-packages (an installed Loom) is on the path."""
+    result = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "plugin" / "touchdesigner" / "build_loom.py")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result
+    assert result.stderr.startswith("build_loom.py: error: cannot import Loom (No module named 'loom_live'); ") and \
+        result.stderr.count("\n") == 1, result.stderr
+    assert "Python 64-bit Module Path: add the Loom folder (the one holding host_bridge/ and plugin/) there " \
+           "(plugin/touchdesigner/README.md, step 2)" in result.stderr, result.stderr
+
+
 def test_without_numpy_the_modules_load_and_the_dependency_check_names_numpy():
     message = _run_td_python(lacking("numpy") + LOAD_TD_MODULES + "print(missing_dependency())")
     assert "TouchDesigner's Python lacks 'numpy'" in message and "--target FOLDER numpy" in message, message

@@ -6,7 +6,15 @@ import re
 
 import pytest
 
-from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config, model_family, served_overrides
+from loom_live.engine.config import (
+    ConfigError,
+    LoomConfig,
+    ServedKeyError,
+    list_presets,
+    load_config,
+    model_family,
+    served_overrides,
+)
 
 
 def test_every_shipped_preset_loads():
@@ -210,8 +218,9 @@ def test_served_overrides_refuse_a_key_a_served_engine_never_reads(override):
     """A key that is no live parameter cannot reach an engine served with its own config: it is named, with what
     does reach it and where to set it, not dropped without a word."""
     key = override.partition("=")[0]
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(ServedKeyError) as refused:  # its fields: a host's own words (the ComfyUI node's)
         served_overrides([override])
+    assert (refused.value.override, refused.value.key) == (override, key)
     said = str(refused.value)
     assert said.startswith(f"--set {override}: a served engine (--endpoint) runs its own config, and only the live "
                            "parameters reach it (stream.steps, "), said
