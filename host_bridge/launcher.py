@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loom_live.host_bridge.wire import logs
+from loom_live.host_bridge.wire.checkout import loom_checkout
 from loom_live.host_bridge.wire.errors import EXIT_USER_ERROR, SERVE_ERROR_PREFIX
 from loom_live.host_bridge.wire.processes import group_runs
 
@@ -165,16 +166,6 @@ def _signal_tree(proc: subprocess.Popen, *, kill: bool, os_name: str | None = No
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)  # pgid == pid: new session
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def loom_checkout(package_dir: Path | None = None) -> Path | None:
-    """The source checkout this host's Loom was imported from (the folder holding `host_bridge/` and
-    `engine/`, with the project's pyproject.toml), or None for an installed Loom."""
-    root = (package_dir or Path(__file__).resolve().parent).parent
-    if (root / "engine" / "__main__.py").is_file() and (root / "pyproject.toml").is_file() \
-            and root.name not in ("site-packages", "dist-packages"):
-        return root
-    return None
 
 
 def engine_env(base: dict[str, str] | None = None, checkout: Path | None = None) -> dict[str, str]:

@@ -30,6 +30,7 @@ from loom_live.engine.tools.quality import (
     can_plot,
     plot_reports,
 )
+from loom_live.host_bridge.wire.files import replacing_together
 
 DEFAULT_CHUNK = 4
 EVAL_REPORT_VERSION = 2
@@ -188,10 +189,20 @@ def measure_clip(processor: Processor, frames: Iterable[np.ndarray], settings: E
 def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out_dir: Path,
              log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every run on every clip; write ``report.json`` and one PNG per clip (``output_names``) into
-    ``out_dir``."""
+    ``out_dir``, all or none: they are written into a hidden folder there and replace an earlier report's
+    files of the same names only once the whole report is done, so a run that fails midway (a clip that
+    cannot be read, an engine error, Ctrl-C) leaves the earlier report and its plots as they were."""
     if not runs or not clips:
         raise ValueError("eval needs at least one run and one clip")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with replacing_together(out_dir, last=REPORT_NAME) as staging:
+        report = _measure(runs, clips, settings, staging, log)
+        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _measure(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, plot_dir: Path,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    """The report of every run on every clip, its plots drawn into ``plot_dir`` as each clip is done."""
     clip_entries = []
     for clip, plot_name in zip(clips, plot_names(clips)):
         results: dict[str, QualityReport] = {}
@@ -204,13 +215,13 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
             results[run.label] = _without(measured, INPUT_COMPARISONS) if as_is else measured
         title = f"{clip.name}: " + " vs ".join(results)
         try:
-            plot_reports(list(results.items()), out_dir / plot_name, title=title, metrics=_plot_metrics(runs))
+            plot_reports(list(results.items()), plot_dir / plot_name, title=title, metrics=_plot_metrics(runs))
         except ImportError as exc:  # the numbers stand without the picture
             log(f"[eval] no plot: {exc}")
             plot_name = None
         clip_entries.append({"clip": clip.name, "source": clip.source, "plot": plot_name,
                              "results": {label: report.to_dict() for label, report in results.items()}})
-    report = {
+    return {
         "version": EVAL_REPORT_VERSION,
         "tool": "loom eval",
         "settings": {"flow": settings.flow, "occlusion": settings.occlusion, "window": settings.window or "fit",
@@ -219,8 +230,6 @@ def evaluate(runs: list[EvalRun], clips: list[Clip], settings: EvalSettings, out
         "clips": clip_entries,
         "summary": _summary(runs, clip_entries),
     }
-    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    return report
 
 
 def plot_names(clips: list[Clip]) -> list[str]:

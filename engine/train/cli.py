@@ -6,7 +6,9 @@
     python -m loom_live.engine.train eval [--weights ...] [--out docs/embedded/eval.json]   # CPU: model card metrics
     python -m loom_live.engine.train picture [--out docs/embedded-styles.png]
 
-`table`, `eval` and `picture` write by default to those places in the repository root, from any folder.
+Run from a source checkout, every default path is the checkout's, from any folder (`table`, `eval` and
+`picture` replace the files the repository keeps, and prepare, fit and eval find each other's files); an
+installed Loom takes them from the current folder, not from its package folder in site-packages.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
+
+from loom_live.host_bridge.wire.checkout import loom_checkout
 
 
 def _size(text: str) -> int:
@@ -44,39 +49,51 @@ class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default in ("", None) else super()._get_help_string(action)
 
 
+def defaults_root() -> tuple[Path, str]:
+    """The folder `loom train`'s files default to, and how --help names it: the source checkout Loom runs from,
+    so that prepare, fit and eval agree on their files from any folder; an installed Loom's own folder is in
+    site-packages, no place to write, so there the current folder."""
+    checkout = loom_checkout()
+    if checkout is not None:
+        return checkout, "the source checkout"
+    return Path.cwd(), "the current folder (Loom is installed, not run from a source checkout)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Every option has a help text with its default: fit's come from `RecipeConfig`'s field docs. The outputs
-    the repository keeps default to their place in it (`ROOT`), not the current folder; a relative path given
-    on the command line is still taken from the current folder."""
-    from loom_live.engine.train.recipe import ROOT, RecipeConfig
+    """Every option has a help text with its default: fit's come from `RecipeConfig`'s field docs. Every file
+    defaults to its place under `defaults_root`; a relative path given on the command line is still taken
+    from the current folder."""
+    from loom_live.engine.train.recipe import WORKING_FILES, RecipeConfig
     from loom_live.host_bridge.wire.errors import OneLineParser
 
-    p = OneLineParser(prog="loom train", description="train Loom's embedded default model")
+    root, where = defaults_root()
+    epilog = f"Files default to {where}, {root}; a relative path given is from the current folder."
+    p = OneLineParser(prog="loom train", description="train Loom's embedded default model", epilog=epilog)
     sub = p.add_subparsers(dest="command", required=True)
-    kept = "by default in the repository root, from any folder; a relative path given is from the current folder"
 
     def command(name: str, about: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=about, description=about, formatter_class=_WithDefaults)
+        return sub.add_parser(name, help=about, description=about, epilog=epilog, formatter_class=_WithDefaults)
 
     prep = command("prepare", "style the training clips (CPU) into one data file")
-    prep.add_argument("--out", default=RecipeConfig.data, help="the data file `fit --data` reads")
+    prep.add_argument("--out", default=str(root / RecipeConfig.data), help="the data file `fit --data` reads")
     prep.add_argument("--size", type=_size, default=256, help="frame side in pixels, a multiple of 16")
     prep.add_argument("--held-out", action="store_true", help="the held-out clips instead (evaluation only)")
     table = command("table", "distil the style text table from the sentence model")
-    table.add_argument("--out", default=str(ROOT / RecipeConfig.table), help=f"the table the package ships ({kept})")
+    table.add_argument("--out", default=str(root / RecipeConfig.table),
+                       help="the style text table (from a checkout: the one the package ships)")
     fit = command("fit", "train the VAE and the DiT (one GPU, about 10 minutes)")
     for f in dataclasses.fields(RecipeConfig):
         if f.type in ("str", "float", "int"):
             kind = {"str": str, "float": float, "int": int}[f.type]
-            fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["doc"])
+            default = str(root / f.default) if f.name in WORKING_FILES else f.default
+            fit.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default, help=f.metadata["doc"])
     ev = command("eval", "measure the model card's metrics on the held-out clips (CPU)")
     ev.add_argument("--weights", default=None, help="a weights file to measure (default: the shipped weights)")
-    ev.add_argument("--out", default=str(ROOT / "docs/embedded/eval.json"),
-                    help=f"the JSON report the model card quotes, beside the train log ({kept})")
+    ev.add_argument("--out", default=str(root / "docs/embedded/eval.json"),
+                    help="the JSON report the model card quotes, beside the train log")
     ev.add_argument("--frames", type=_frames, default=49, help="frames of each held-out clip, 6 or more")
     pic = command("picture", "the README picture: input frames beside four styles")
-    pic.add_argument("--out", default=str(ROOT / "docs/embedded-styles.png"),
-                     help=f"the picture the README shows ({kept})")
+    pic.add_argument("--out", default=str(root / "docs/embedded-styles.png"), help="the picture the README shows")
     return p
 
 

@@ -68,7 +68,9 @@ from loom_live.host_bridge.wire.typed_config import spec
 STEP_LISTS = {1: [700], 2: [700, 500], 3: [700, 500, 400], 4: [700, 500, 400, 200]}  # the hosts' lists
 STEP_WEIGHTS = (0.25, 0.4, 0.2, 0.15)  # 2 steps is the default preset
 FIRST_CHUNK, CHUNK = FIRST_CHUNK_FRAMES, CHUNK_FRAMES  # the session's chunks, in frames
-ROOT = Path(__file__).resolve().parents[2]  # the repository root (installed: the package's), holding engine/
+# The folder holding engine/: the checkout, or installed the package's. The shipped table is read from it; no
+# default writes there (`loom train` writes into `cli.defaults_root`).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -115,6 +117,11 @@ class RecipeConfig:
                                       '(default: uniform)')
     seed: int = spec(0, doc="seed of the windows, styles and noise drawn")
     max_steps: int = spec(0, doc="> 0: stop after this many steps per phase (dry runs)")
+
+
+# RecipeConfig's working files: `loom train` defaults them under one folder (`cli.defaults_root`), so that
+# prepare, fit and eval find each other's files wherever they are run from.
+WORKING_FILES = ("data", "eval_data", "out")
 
 
 def _option(name: str) -> str:
@@ -347,7 +354,7 @@ def table_path(table: str | Path) -> Path:
     path = Path(table).expanduser()
     if path.is_file() or path.is_absolute():
         return path
-    beside = ROOT / path
+    beside = PACKAGE_ROOT / path
     return beside if beside.is_file() else path
 
 

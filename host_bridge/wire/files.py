@@ -1,4 +1,4 @@
-"""File helpers both sides need: writing a file whole or not at all.
+"""File helpers both sides need: writing a file, or a run's set of files, whole or not at all.
 
 Torch-free and at the bottom of the layers, so the engine's writers (checkpoints, data files, reports) and
 the `loom` commands that never load a model (`loom pull`) share the one helper rather than copies of it.
@@ -7,7 +7,10 @@ the `loom` commands that never load a model (`loom pull`) share the one helper r
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,3 +28,21 @@ def write_replacing(out: Path, write: Callable[[BinaryIO], Any]) -> None:
         if isinstance(exc, OSError) and exc.filename is None:  # a full disk says no name: name the file
             raise OSError(exc.errno, exc.strerror, str(out)) from None
         raise
+
+
+@contextmanager
+def replacing_together(folder: Path, last: str) -> Iterator[Path]:
+    """A fresh hidden folder inside `folder` (made when missing) for a run to write its files into. They replace
+    their namesakes in `folder` only once the block ends without an error, the one named `last` after the others
+    (a report that lists the rest: it never stands beside a mix of its own files and an earlier run's); a run
+    that fails or is stopped midway removes the hidden folder and leaves `folder` as it was. Inside `folder`, not
+    beside it: each move is then a rename on one filesystem, and a folder whose parent cannot be written
+    (`--out .`) works."""
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".loom-", suffix=".partial", dir=folder))
+    try:
+        yield staging
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == last):
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

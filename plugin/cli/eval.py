@@ -104,7 +104,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}/)")
     add_overwrite_option(parser, also="; with it the plots the earlier report.json in --out lists and this run "
                                       "does not write are removed once the new report is written, other files "
-                                      "there are left as they are")
+                                      "there are left as they are; a run that fails leaves the earlier report "
+                                      "and its plots as they were")
     parser.add_argument("--frames", type=positive_int,
                         help="frames per clip: cut, or play back and forth to reach long runs")
     parser.add_argument("--size", type=_parse_size, metavar="WxH", help="resize input frames first")

@@ -1,10 +1,11 @@
-"""`write_replacing`: a file written whole or not at all, the one helper every writer of a kept file uses."""
+"""`write_replacing`: a file written whole or not at all, the one helper every writer of a kept file uses;
+`replacing_together`: a run's set of files, the same way."""
 
 from __future__ import annotations
 
 import pytest
 
-from loom_live.host_bridge.wire.files import write_replacing
+from loom_live.host_bridge.wire.files import replacing_together, write_replacing
 from tests.fakes.disk import fill_the_disk
 
 
@@ -42,3 +43,16 @@ def test_an_error_that_names_its_own_file_keeps_that_name(tmp_path):
     with pytest.raises(PermissionError) as err:
         write_replacing(tmp_path / "new.bin", read_elsewhere)
     assert err.value.filename == "/srv/source.bin" and list(tmp_path.iterdir()) == []
+
+
+def test_files_written_together_replace_their_namesakes_only_when_the_run_ends_whole(tmp_path):
+    (tmp_path / "plot.png").write_bytes(b"earlier plot")
+    (tmp_path / "report.json").write_bytes(b"earlier report")
+    with pytest.raises(KeyboardInterrupt), replacing_together(tmp_path, last="report.json") as staging:
+        (staging / "plot.png").write_bytes(b"new plot")
+        raise KeyboardInterrupt  # Ctrl-C before the report
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {"plot.png": b"earlier plot",
+                                                                     "report.json": b"earlier report"}
+    with replacing_together(tmp_path / "new", last="report.json") as staging:
+        (staging / "plot.png").write_bytes(b"new plot")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "new").iterdir()} == {"plot.png": b"new plot"}

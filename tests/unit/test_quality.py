@@ -373,6 +373,39 @@ def test_a_second_eval_into_the_same_folder_is_refused_and_y_leaves_no_plot_of_t
     assert f"--out {out}: {out / 'generated.png'} exists" in capsys.readouterr().err
 
 
+def test_a_y_run_that_fails_midway_leaves_the_earlier_report_and_its_plots_as_they_were(tmp_path: Path, capsys,
+                                                                                          monkeypatch) -> None:
+    """Plots were drawn straight into --out, so a -y run that failed after its first plot left the earlier
+    report.json beside a plot of the new run. They are drawn into a hidden folder there and moved in only
+    once the whole report is written; a failed run removes that folder, and a whole one replaces them."""
+    import errno
+
+    clips = [noise_clip(tmp_path / f"{name}.mp4", 12, seed=i) for i, name in enumerate(("a", "b", "gone"))]
+    out = tmp_path / "out"
+    assert eval_cmd.main([*map(str, clips), "-q", "-o", str(out)]) == 0
+    (out / "a.png").write_bytes(b"the earlier plot of a")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    drawn: list[Path] = []
+    draw = ev.plot_reports
+
+    def full_disk_at_the_second_plot(runs, path, **kwargs):
+        if drawn:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        drawn.append(Path(path))
+        return draw(runs, path, **kwargs)
+
+    monkeypatch.setattr(ev, "plot_reports", full_disk_at_the_second_plot)
+    assert eval_cmd.main([*map(str, clips[:2]), "-q", "-y", "-o", str(out)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no hidden folder left either
+    assert drawn[0].name == "a.png" and drawn[0].parent.parent == out and not drawn[0].parent.exists()
+    monkeypatch.undo()
+    assert eval_cmd.main([*map(str, clips[:2]), "-q", "-y", "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["a.png", "b.png", "report.json"]  # gone.png: stale, removed
+    assert (out / "a.png").read_bytes().startswith(b"\x89PNG")
+    assert [c["plot"] for c in json.loads((out / "report.json").read_text())["clips"]] == ["a.png", "b.png"]
+
+
 def test_without_matplotlib_an_earlier_plot_is_not_among_the_files_eval_would_write(tmp_path: Path, capsys,
                                                                                       monkeypatch) -> None:
     """No plot is written without matplotlib, yet an earlier generated.png was refused as a file the run would

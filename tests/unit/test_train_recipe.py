@@ -461,17 +461,47 @@ def test_train_eval_writes_by_default_the_report_the_repository_keeps():
     assert "docs/embedded/eval.json" in (root / "docs" / "embedded-model.md").read_text()
 
 
-def test_train_outputs_default_to_the_repository_root_from_any_folder(tmp_path, monkeypatch):
-    """Relative defaults made docs/ and engine/models/weights/ in whatever folder `loom train` ran from; a
-    relative --out the user gives is still the current folder's."""
+TRAIN_FILES = (("prepare", "out", "build/loom_styles_256.npz"), ("fit", "data", "build/loom_styles_256.npz"),
+               ("fit", "eval_data", "build/loom_heldout_256.npz"), ("fit", "out", "build/embedded"),
+               ("table", "out", "engine/models/weights/style_text.npz"), ("eval", "out", "docs/embedded/eval.json"),
+               ("picture", "out", "docs/embedded-styles.png"))
+
+
+def _train_defaults() -> dict[tuple[str, str], str]:
+    from loom_live.engine.train.cli import build_parser
+
+    return {(command, dest): getattr(build_parser().parse_args([command]), dest) for command, dest, _ in TRAIN_FILES}
+
+
+def test_train_files_default_to_the_checkout_from_any_folder(tmp_path, monkeypatch, capsys):
+    """Relative defaults made docs/ and engine/models/weights/ in whatever folder `loom train` ran from, and
+    prepare's build/ file was where fit looked only when both ran from one folder; a relative --out the user
+    gives is still the current folder's."""
     from loom_live.engine.train.cli import build_parser
 
     monkeypatch.chdir(tmp_path)
     root = Path(__file__).resolve().parents[2]
-    for command, kept in (("eval", "docs/embedded/eval.json"), ("picture", "docs/embedded-styles.png"),
-                          ("table", "engine/models/weights/style_text.npz")):
-        assert build_parser().parse_args([command]).out == str(root / kept)
-        assert build_parser().parse_args([command, "--out", "mine.out"]).out == "mine.out"
+    assert _train_defaults() == {(command, dest): str(root / kept) for command, dest, kept in TRAIN_FILES}
+    assert build_parser().parse_args(["prepare", "--out", "mine.npz"]).out == "mine.npz"
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["fit", "--help"])
+    assert f"Files default to the source checkout, {root};" in capsys.readouterr().out
+
+
+def test_an_installed_loom_defaults_its_train_files_to_the_current_folder(tmp_path, monkeypatch, capsys):
+    """Installed, the folder beside the package is site-packages/loom_live: the defaults wrote the shipped
+    table, docs/ and build/ into the installed package. They are the current folder's instead."""
+    from loom_live.engine.train import cli
+
+    monkeypatch.setattr(cli, "loom_checkout", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    assert _train_defaults() == {(command, dest): str(tmp_path / kept) for command, dest, kept in TRAIN_FILES}
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["table", "--help"])
+    assert f"Files default to the current folder (Loom is installed, not run from a source checkout), {tmp_path};" \
+        in capsys.readouterr().out
 
 
 def test_train_fit_help_gives_each_option_its_recipe_doc_and_default(capsys, monkeypatch):
@@ -484,8 +514,9 @@ def test_train_fit_help_gives_each_option_its_recipe_doc_and_default(capsys, mon
         build_parser().parse_args(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     docs = {f.name: f.metadata["doc"] for f in fields(RecipeConfig)}
+    out = Path(__file__).resolve().parents[2] / "build" / "embedded"  # the checkout's, as every file's default
     for name, default in (("decoder_steps", "0"), ("dit_batch", "48"), ("temporal_loss", "2.0"),
-                          ("out", "build/embedded"), ("dit_lr", "0.0007")):
+                          ("out", out), ("dit_lr", "0.0007")):
         assert docs[name]
         assert f"--{name.replace('_', '-')} {name.upper()} {docs[name]} (default: {default})" in text
     assert "(default: )" not in text  # an empty default is said in words ("default: none")
