@@ -59,6 +59,16 @@ def defaults_root() -> tuple[Path, str]:
     return Path.cwd(), "the current folder (Loom is installed, not run from a source checkout)"
 
 
+def prepare_out(out: str | None, held_out: bool) -> str:
+    """prepare's data file: the one given, else the one fit reads under `defaults_root` (`--data`, or with
+    `held_out` `--eval-data`: held-out clips written over the training file would be trained on)."""
+    from loom_live.engine.train.recipe import RecipeConfig
+
+    if out is not None:
+        return out
+    return str(defaults_root()[0] / (RecipeConfig.eval_data if held_out else RecipeConfig.data))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every option has a help text with its default: fit's come from `RecipeConfig`'s field docs. Every file
     defaults to its place under `defaults_root`; a relative path given on the command line is still taken
@@ -75,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=about, description=about, epilog=epilog, formatter_class=_WithDefaults)
 
     prep = command("prepare", "style the training clips (CPU) into one data file")
-    prep.add_argument("--out", default=str(root / RecipeConfig.data), help="the data file `fit --data` reads")
+    prep.add_argument("--out", default=None,
+                      help=f"the data file `fit --data` reads (default {root / RecipeConfig.data}; with --held-out "
+                           f"the one `fit --eval-data` reads, {root / RecipeConfig.eval_data})")
     prep.add_argument("--size", type=_size, default=256, help="frame side in pixels, a multiple of 16")
     prep.add_argument("--held-out", action="store_true", help="the held-out clips instead (evaluation only)")
     table = command("table", "distil the style text table from the sentence model")
@@ -113,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         from loom_live.engine.train.data import prepare
 
-        print(prepare(args.out, size=args.size, held_out=args.held_out))
+        print(prepare(prepare_out(args.out, args.held_out), size=args.size, held_out=args.held_out))
     elif args.command == "table":
         from loom_live.engine.train.text_table import build
 

@@ -461,7 +461,7 @@ def test_train_eval_writes_by_default_the_report_the_repository_keeps():
     assert "docs/embedded/eval.json" in (root / "docs" / "embedded-model.md").read_text()
 
 
-TRAIN_FILES = (("prepare", "out", "build/loom_styles_256.npz"), ("fit", "data", "build/loom_styles_256.npz"),
+TRAIN_FILES = (("fit", "data", "build/loom_styles_256.npz"),
                ("fit", "eval_data", "build/loom_heldout_256.npz"), ("fit", "out", "build/embedded"),
                ("table", "out", "engine/models/weights/style_text.npz"), ("eval", "out", "docs/embedded/eval.json"),
                ("picture", "out", "docs/embedded-styles.png"))
@@ -476,13 +476,16 @@ def _train_defaults() -> dict[tuple[str, str], str]:
 def test_train_files_default_to_the_checkout_from_any_folder(tmp_path, monkeypatch, capsys):
     """Relative defaults made docs/ and engine/models/weights/ in whatever folder `loom train` ran from, and
     prepare's build/ file was where fit looked only when both ran from one folder; a relative --out the user
-    gives is still the current folder's."""
-    from loom_live.engine.train.cli import build_parser
+    gives is still the current folder's. `prepare --held-out` wrote over the training data file."""
+    from loom_live.engine.train.cli import build_parser, prepare_out
 
     monkeypatch.chdir(tmp_path)
     root = Path(__file__).resolve().parents[2]
     assert _train_defaults() == {(command, dest): str(root / kept) for command, dest, kept in TRAIN_FILES}
     assert build_parser().parse_args(["prepare", "--out", "mine.npz"]).out == "mine.npz"
+    assert prepare_out(None, held_out=False) == str(root / "build/loom_styles_256.npz")  # fit's --data
+    assert prepare_out(None, held_out=True) == str(root / "build/loom_heldout_256.npz")  # not over the training file
+    assert prepare_out("mine.npz", held_out=True) == "mine.npz"
     monkeypatch.setenv("COLUMNS", "1000")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["fit", "--help"])
@@ -497,6 +500,7 @@ def test_an_installed_loom_defaults_its_train_files_to_the_current_folder(tmp_pa
     monkeypatch.setattr(cli, "loom_checkout", lambda: None)
     monkeypatch.chdir(tmp_path)
     assert _train_defaults() == {(command, dest): str(tmp_path / kept) for command, dest, kept in TRAIN_FILES}
+    assert cli.prepare_out(None, held_out=False) == str(tmp_path / "build/loom_styles_256.npz")
     monkeypatch.setenv("COLUMNS", "1000")
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["table", "--help"])
