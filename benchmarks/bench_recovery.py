@@ -133,13 +133,16 @@ def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dic
                     row["error"] = f"standby not ready within {args.timeout:.0f} s"
                     return row
                 row.setdefault("start_to_standby_ready_s", round(time.monotonic() - t0, 2))
+            loop.reset()
             loop.until(lambda s: False, args.steady_s)
+            steady = read_summary(loop.read_s, loop.fresh)  # the reads beside a ready, idle standby (or none)
             pid = bridge.stats()["engine_pid"]
             loop.reset()
             os.kill(pid, signal.SIGKILL)
             took = loop.until(lambda s, old=pid: not s.fallback and bridge.stats()["engine_pid"] != old, args.timeout)
             kill = {"kill_to_frame_s": None if took is None else round(took, 2),
-                    "longest_host_call_ms": round(loop.longest_call_s * 1000, 2), "slow_calls": loop.slow_calls}
+                    "longest_host_call_ms": round(loop.longest_call_s * 1000, 2), "slow_calls": loop.slow_calls,
+                    "steady_reads": steady}
             row["kills"].append(kill)
             if mode.startswith("standby") and took is not None:  # the reads while the next standby loads beside
                 loop.until(lambda s: (bridge.stats()["standby"] or {}).get("state") == "ready", args.timeout)
@@ -193,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                              for c in k.get("slow_calls", []))
             if slow:
                 print(f"{r['mode']} kill {i + 1}: host calls over {SLOW_CALL_S * 1000:.0f} ms: {slow}")
+            steady = k.get("steady_reads")
+            if steady and steady["reads"]:
+                print(f"{r['mode']} kill {i + 1}: latest() over the {args.steady_s:g} s before it: {steady['reads']} "
+                      f"reads, p50 {steady['p50_ms']:.2f} ms, p99 {steady['p99_ms']:.2f} ms, {steady['slow']} over "
+                      f"{SLOW_CALL_S * 1000:.0f} ms; {steady['fresh']} found a new restyled frame")
             reads, upto = k.get("reads"), k.get("kill_to_standby_ready_s")
             if reads and reads["reads"]:
                 span = f"the next standby ready at {upto:.1f} s" if upto is not None else "the first frame"
