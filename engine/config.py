@@ -586,26 +586,32 @@ def served_keys() -> dict[str, live.LiveParam]:
     return {p.section if p is live.LORA_SCALES else f"{p.section}.{p.name}": p for p in live.LIVE}
 
 
-def served_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
+def served_overrides(overrides: list[str] | tuple[str, ...],
+                     sources: list[str] | None = None) -> tuple[list[str], dict[str, Any]]:
     """`--set key=value` overrides of a host attached to an engine served with its own config (`--endpoint`), split
     into those the host keeps for its own config (`HOST_KEYS`) and the live parameters they set, by name as the wire
     takes them, of whichever model family (`served_keys`: the served engine's is not -c's), each checked as its config
     section checks it; the engine is told those it takes once it says which. Any other key never reaches a served
-    engine, which runs its own config: ServedKeyError names it and what may be set."""
+    engine, which runs its own config: ServedKeyError names it and what may be set. A value that is not allowed is
+    named by its override's entry of `sources` (a host whose user has no command line: its own input's words, as
+    ComfyUI's `overrides line 2`), or else in the command line's words (`--set`)."""
     host: list[str] = []
     data: dict[str, Any] = {}
+    where: dict[str, str] = {}  # each live key by the source of the override that set it last (the one that counts)
     keys = served_keys()
-    for text in overrides:
+    for number, text in enumerate(overrides):
+        source = sources[number] if sources is not None else None
         path, raw = parse_override(text)
-        for leaf, value in _leaves(path, _override_value(path, raw, text)):
+        for leaf, value in _leaves(path, _override_value(path, raw, source or f"--set {text}")):
             key = ".".join(leaf)
             if key in HOST_KEYS:
                 host.append(f"{key}={json.dumps(value, ensure_ascii=False)}")  # YAML reads JSON text
             elif key in keys:
                 apply_override(data, leaf, value)
+                where[key] = source or "--set"
             else:
                 raise ServedKeyError(text, key, list(keys))
-    return host, _checked_live(data)
+    return host, _checked_live(data, where)
 
 
 class ServedKeyError(ConfigError):
@@ -629,17 +635,19 @@ def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
     return [leaf for key, inner in value.items() for leaf in _leaves([*path, str(key)], inner)]
 
 
-def _checked_live(data: dict[str, Any]) -> dict[str, Any]:
-    """Live parameters by config section (`served_overrides`) as the wire takes them, each section checked as the
-    config checks it (the LoRA list: its names distinct)."""
+def _checked_live(data: dict[str, Any], where: dict[str, str]) -> dict[str, Any]:
+    """Live parameters by config section (`served_overrides`) as the wire takes them, each checked as its config
+    section checks it (the LoRA list: its names distinct), alone, so that a refusal names where it was set (`where`,
+    by key): no live parameter's allowed values depend on another's."""
     params, hints = {}, typing.get_type_hints(LoomConfig)
     for section, values in data.items():
         if section == live.LORA_SCALES.section:
-            entries = build(LoomConfig, {section: values}, source="--set").lora
+            entries = build(LoomConfig, {section: values}, source=where[section]).lora
             params[live.LORA_SCALES.name] = {e.key: e.scale for e in entries}
             continue
-        built = build(hints[section], values, source="--set", path=section)
-        params.update({name: live.LIVE[name].check(getattr(built, name)) for name in values})
+        for name, value in values.items():
+            built = build(hints[section], {name: value}, source=where[f"{section}.{name}"], path=section)
+            params[name] = live.LIVE[name].check(getattr(built, name))
     return params
 
 
@@ -723,18 +731,18 @@ def _read_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML ({type(exc).__name__})") from None
 
 
-def _override_value(keys: list[str], raw: str, text: str) -> Any:
-    """A `--set` value: YAML, except for a key that holds text, where the text is taken as typed when YAML would
-    read something else (`prompt.text=a cat: on a mat` is a mapping, `#red` a comment, `12:30` the number 750):
-    a shell already quoted it once, and a second quoting for YAML is what nobody writes. Quoted text, and a null
-    (`null`, `~`) for a key that may be unset, are read as YAML reads them."""
+def _override_value(keys: list[str], raw: str, source: str) -> Any:
+    """A `--set` value (`source` names it in an error): YAML, except for a key that holds text, where the text is
+    taken as typed when YAML would read something else (`prompt.text=a cat: on a mat` is a mapping, `#red` a comment,
+    `12:30` the number 750): a shell already quoted it once, and a second quoting for YAML is what nobody writes.
+    Quoted text, and a null (`null`, `~`) for a key that may be unset, are read as YAML reads them."""
     value = raw.strip()
     if not value:
         return None
     if not _holds_text(keys):
-        return _read_yaml(raw, f"--set {text}")
+        return _read_yaml(raw, source)
     try:
-        parsed = _read_yaml(raw, f"--set {text}")
+        parsed = _read_yaml(raw, source)
     except ConfigError:
         return value
     return parsed if isinstance(parsed, str) or (parsed is None and value in YAML_NULLS) else value
@@ -799,7 +807,7 @@ def _overridden_source(name_or_path: str | Path | None, overrides: list[str] | t
     data, source = _load_source(name_or_path)
     for text in overrides:
         keys, raw = parse_override(text)
-        apply_override(data, keys, _override_value(keys, raw, text))
+        apply_override(data, keys, _override_value(keys, raw, f"--set {text}"))
     if overrides:
         source += " (with --set overrides)"
     return data, source

@@ -406,15 +406,19 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     from loom_live.engine.config import HOST_KEYS, ConfigError, ServedKeyError, load_config, served_overrides
 
     lines = [line.strip() for line in overrides.splitlines()]
-    try:
-        host, params = served_overrides([line for line in lines if line])
-        prompt = load_config("default", host).prompt.text if host else None  # the text as a config reads it
+    numbers = [number for number, line in enumerate(lines, 1) if line]
+    try:  # a value not allowed, or no YAML, is named by its line (served_overrides' sources)
+        host, params = served_overrides([lines[n - 1] for n in numbers], [f"overrides line {n}" for n in numbers])
     except ServedKeyError as exc:
         raise ValueError(f"Loom Engine: overrides line {lines.index(exc.override) + 1}: {exc.override!r} is not "
                          f"allowed while endpoint is set: a served engine runs its own config, and only the live "
                          f"parameters reach it ({', '.join(exc.live_keys)}) and {', '.join(HOST_KEYS)}{exc.hint}; "
                          f"set {exc.key} in the config the engine is served with, or clear endpoint to start a "
                          "local engine") from None
+    except ConfigError as exc:
+        raise ValueError(f"Loom Engine: {exc}") from None
+    try:
+        prompt = load_config("default", host).prompt.text if host else None  # the text as a config reads it
     except ConfigError as exc:
         raise ValueError(f"Loom Engine: overrides: {exc}") from None
     return prompt, params

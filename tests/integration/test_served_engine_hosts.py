@@ -216,6 +216,22 @@ def test_comfyui_refuses_an_override_a_served_engine_never_reads_before_it_conne
         assert len(package.nodes.ENGINES) == 0
 
 
+@pytest.mark.parametrize(("overrides", "said"), [
+    ("noise.noise_scale=0.5\n\n  stream.steps=[9999]",
+     "Loom Engine: overrides line 3: stream.steps[0]: 9999 is not allowed; expected a value in [1, 999]"),
+    ("stream.steps=[700,\nnoise.noise_scale=0.5", "Loom Engine: overrides line 1: not valid YAML at line 1, column 6: "
+                                                  "expected the node content, but found '<stream end>'"),
+])
+def test_comfyui_names_an_override_value_a_served_engine_refuses_by_its_line(overrides, said):
+    """A live parameter's value not allowed, or no YAML, is named on the Engine node by its overrides line (blank
+    lines counted), before the node connects: a ComfyUI user has no `--set`."""
+    with loaded_node_package() as package:
+        with pytest.raises(ValueError) as refused:
+            engine_node(package, endpoint="tcp://127.0.0.1:9", overrides=overrides)
+        assert str(refused.value) == said
+        assert len(package.nodes.ENGINES) == 0
+
+
 def test_comfyui_tells_a_served_engine_the_overrides_prompt_and_live_parameters_for_every_run():
     """The Engine node's prompt.text and live parameters reach the served engine, and stay this wire's wishes: the
     Stream node does not put them back to what the engine started on."""

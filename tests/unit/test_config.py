@@ -213,6 +213,36 @@ def test_served_overrides_are_the_live_parameters_of_every_family_and_the_host_s
         served_overrides(["edit.adapter_strength=5"])
 
 
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["stream.steps=[700]", "noise={noise_scale: 9}"],
+     "{}: noise.noise_scale: 9.0 is not allowed; expected a value in [0.1, 1.0]"),
+    (["stream.steps=[700,"], "{}: not valid YAML at line 1, column 6: expected the node content, but found "
+                             "'<stream end>'"),
+    (["stream.steps=[9999]", "noise.noise_scale=0.5", "stream.steps=[9999, 500]"],
+     "{}: stream.steps[0]: 9999 is not allowed; expected a value in [1, 999]"),
+    (["lora=[{path: /w/a.safetensors}, {path: /w/a.safetensors}]"],
+     "{}: lora: two LoRAs share a name (a, a); give each a distinct name"),
+])
+def test_served_overrides_name_a_value_not_allowed_by_its_source_or_the_command_line(overrides, said):
+    """A live parameter's value not allowed, or no YAML, is named by the override that set it (the last one that
+    set its key), in a host's own words where it gives them (ComfyUI's `overrides line N`: its user has no `--set`);
+    `loom play --endpoint` says it as it always did."""
+    last = f"line {len(overrides)}"
+    with pytest.raises(ConfigError) as refused:
+        served_overrides(overrides, [f"line {n}" for n in range(1, len(overrides) + 1)])
+    assert str(refused.value) == said.format(last)
+    cli = f"--set {overrides[-1]}" if "YAML" in said else "--set"
+    with pytest.raises(ConfigError) as refused:
+        served_overrides(overrides)
+    assert str(refused.value) == said.format(cli)
+
+
+def test_served_overrides_check_the_value_that_counts():
+    """A key set twice keeps its last value, as a config's overrides do: an earlier one not allowed is not refused."""
+    assert served_overrides(["stream.steps=[9999]", "stream.steps=[700]"], ["line 1", "line 2"]) == (
+        [], {"steps": [700]})
+
+
 @pytest.mark.parametrize("override", ["model.dtype=float16", "resolution.width=512", "noise.ema=0.5", "noise={}"])
 def test_served_overrides_refuse_a_key_a_served_engine_never_reads(override):
     """A key that is no live parameter cannot reach an engine served with its own config: it is named, with what
