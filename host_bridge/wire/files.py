@@ -6,13 +6,21 @@ the `loom` commands that never load a model (`loom pull`) share the one helper r
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from loom_live.host_bridge.wire.processes import pid_alive
+
+logger = logging.getLogger(__name__)
+
+_STAGING_NAME = re.compile(r"\.loom-(\d{1,9})-\w+\.partial")  # .loom-<pid of the run>-<random>.partial
 
 
 def write_replacing(out: Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -37,12 +45,24 @@ def replacing_together(folder: Path, last: str) -> Iterator[Path]:
     (a report that lists the rest: it never stands beside a mix of its own files and an earlier run's); a run
     that fails or is stopped midway removes the hidden folder and leaves `folder` as it was. Inside `folder`, not
     beside it: each move is then a rename on one filesystem, and a folder whose parent cannot be written
-    (`--out .`) works."""
+    (`--out .`) works. A run killed outright (SIGKILL, power loss) cannot remove its hidden folder, so the
+    folder's name carries the run's pid and the next run in `folder` removes those of runs no longer alive."""
     folder.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".loom-", suffix=".partial", dir=folder))
+    _remove_dead_runs_staging(folder)
+    staging = Path(tempfile.mkdtemp(prefix=f".loom-{os.getpid()}-", suffix=".partial", dir=folder))
     try:
         yield staging
         for path in sorted(staging.iterdir(), key=lambda p: p.name == last):
             os.replace(path, folder / path.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_dead_runs_staging(folder: Path) -> None:
+    """Remove the hidden folders in `folder` of runs that were killed outright. A name that does not parse is
+    someone else's and is left alone, as is a live pid's: another run may be writing into it now."""
+    for path in folder.iterdir():
+        m = _STAGING_NAME.fullmatch(path.name)
+        if m and path.is_dir() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("removed %s, left by run %s that ended before finishing it", path, m.group(1))

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+
 import pytest
 
 from loom_live.host_bridge.wire.files import replacing_together, write_replacing
@@ -56,3 +61,23 @@ def test_files_written_together_replace_their_namesakes_only_when_the_run_ends_w
     with replacing_together(tmp_path / "new", last="report.json") as staging:
         (staging / "plot.png").write_bytes(b"new plot")
     assert {p.name: p.read_bytes() for p in (tmp_path / "new").iterdir()} == {"plot.png": b"new plot"}
+
+
+def test_a_killed_runs_hidden_folder_is_removed_by_the_next_run_and_others_are_kept(tmp_path, caplog):
+    """A run killed outright leaves its hidden folder; the next run removes it by its dead pid, and keeps a live
+    run's (it may be writing now) and a name it did not make."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead = tmp_path / f".loom-{ended.pid}-abc123_x.partial"
+    live = tmp_path / f".loom-{os.getpid()}-def456_y.partial"
+    foreign = tmp_path / ".loom-notapid-ghi789.partial"
+    for leftover in (dead, live, foreign):
+        leftover.mkdir()
+        (leftover / "plot.png").write_bytes(b"half a plot")
+    with caplog.at_level(logging.INFO, logger="loom_live.host_bridge.wire.files"), \
+            replacing_together(tmp_path, last="report.json") as staging:
+        assert staging.name.startswith(f".loom-{os.getpid()}-") and staging.name.endswith(".partial")
+        (staging / "report.json").write_bytes(b"new report")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name, "report.json"])
+    assert (live / "plot.png").read_bytes() == b"half a plot"
+    assert str(dead) in caplog.text and live.name not in caplog.text
