@@ -10,7 +10,11 @@ STILL_ACTIVE = 259  # Windows GetExitCodeProcess: still running
 
 def pid_alive(pid: int) -> bool:
     """Whether a process runs. Portable: on Windows `os.kill(pid, 0)` would send CTRL_C_EVENT. An exited
-    process its parent has not reaped yet (a zombie) is not alive: what it held may be swept at once."""
+    process its parent has not reaped yet (a zombie) is not alive: what it held may be swept at once. A number
+    no process can have (a pid read from a name someone made by hand) is not alive either: `os.kill` would
+    signal a process group for 0 or a negative, and overflow for a huge one."""
+    if not 0 < pid < 2**31:
+        return False
     if os.name == "nt":
         import ctypes
 

@@ -546,6 +546,15 @@ def test_a_process_that_exited_unreaped_is_not_alive_so_what_it_held_is_swept_at
     assert pid_alive(os.getpid()) and not zombie(os.getpid())
 
 
+@pytest.mark.parametrize("pid", [0, -1, 2**31, 10**20])
+def test_a_number_no_process_can_have_is_not_alive(pid):
+    """Pids are read from names in shared folders (rings, doorbells, a run's hidden folder): one made by hand
+    (0 or a negative, which `os.kill` takes as a process group; a huge one, which overflows it) is no process."""
+    from loom_live.host_bridge.wire.processes import pid_alive
+
+    assert pid_alive(pid) is False
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: the group's members are read in /proc")
 def test_stopping_an_engine_whose_group_holds_only_zombies_does_not_wait_for_them():
     took = subprocess.run([sys.executable, "-c", UNREAPED_SCRIPT], capture_output=True, text=True, timeout=60,

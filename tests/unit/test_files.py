@@ -81,3 +81,16 @@ def test_a_killed_runs_hidden_folder_is_removed_by_the_next_run_and_others_are_k
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name, "report.json"])
     assert (live / "plot.png").read_bytes() == b"half a plot"
     assert str(dead) in caplog.text and live.name not in caplog.text
+
+
+@pytest.mark.parametrize("pid", ["0", "99999999999999999999"])
+def test_a_hidden_folder_named_with_no_possible_pid_is_left_and_the_run_goes_on(tmp_path, pid):
+    """A hand-made `.loom-0-x.partial` made `os.kill` signal the process group, and a huge number overflowed it:
+    the pid check says no process has it. The 20-digit name does not parse as a pid at all (kept, as any name
+    that is not a run's); the 0 one is taken as a dead run's and removed."""
+    odd = tmp_path / f".loom-{pid}-abc.partial"
+    odd.mkdir()
+    with replacing_together(tmp_path, last="report.json") as staging:
+        (staging / "report.json").write_text("{}")
+    assert (tmp_path / "report.json").read_text() == "{}"
+    assert odd.exists() == (len(pid) > 9)
