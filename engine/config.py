@@ -604,7 +604,9 @@ def served_overrides(overrides: list[str] | tuple[str, ...],
         path, raw = parse_override(text)
         for leaf, value in _leaves(path, _override_value(path, raw, source or f"--set {text}")):
             key = ".".join(leaf)
-            if key in HOST_KEYS:
+            if key in HOST_KEYS:  # checked here, so that a refusal names its source as a live value's does
+                build(typing.get_type_hints(LoomConfig)[leaf[0]], {leaf[1]: value}, source=source or "--set",
+                      path=leaf[0])
                 host.append(f"{key}={json.dumps(value, ensure_ascii=False)}")  # YAML reads JSON text
             elif key in keys:
                 apply_override(data, leaf, value)

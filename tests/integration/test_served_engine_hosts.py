@@ -221,10 +221,13 @@ def test_comfyui_refuses_an_override_a_served_engine_never_reads_before_it_conne
      "Loom Engine: overrides line 3: stream.steps[0]: 9999 is not allowed; expected a value in [1, 999]"),
     ("stream.steps=[700,\nnoise.noise_scale=0.5", "Loom Engine: overrides line 1: not valid YAML at line 1, column 6: "
                                                   "expected the node content, but found '<stream end>'"),
+    ("noise.noise_scale=0.5\nprompt.text=", "Loom Engine: overrides line 2: prompt.text: None is not allowed; "
+                                             "expected a string"),
 ])
 def test_comfyui_names_an_override_value_a_served_engine_refuses_by_its_line(overrides, said):
-    """A live parameter's value not allowed, or no YAML, is named on the Engine node by its overrides line (blank
-    lines counted), before the node connects: a ComfyUI user has no `--set`."""
+    """A live parameter's value not allowed, no YAML, or a first prompt the config would refuse, is named on the
+    Engine node by its overrides line (blank lines counted), before the node connects: a ComfyUI user has no
+    `--set` (the prompt's was "preset default (with --set overrides)")."""
     with loaded_node_package() as package:
         with pytest.raises(ValueError) as refused:
             engine_node(package, endpoint="tcp://127.0.0.1:9", overrides=overrides)

@@ -337,3 +337,12 @@ def test_a_prompt_and_a_lora_path_with_an_emoji_reach_a_launched_engine_s_config
     assert load_config("tiny-random", started[0].engine_overrides).prompt.text == "ink 🎨"
     look = str(tmp_path / "🎨 look.safetensors")
     assert [e.path for e in load_config("tiny-random", lora_override([f"{look}:0.5"])).lora] == [look]
+
+
+@pytest.mark.parametrize(("sources", "named"), [(None, "--set"), (["overrides line 4"], "overrides line 4")])
+def test_served_overrides_check_the_first_prompt_as_the_config_would_naming_its_source(sources, named):
+    """The host's first prompt is checked where the live values are, so that its refusal names the override's
+    source too (a ComfyUI node's line), not a config the user never wrote."""
+    with pytest.raises(ConfigError, match=rf"^{named}: prompt.text: None is not allowed; expected a string$"):
+        served_overrides(["prompt.text="], sources)
+    assert served_overrides(["prompt.text=a cat: on a mat"], sources)[0] == ['prompt.text="a cat: on a mat"']
