@@ -11,6 +11,9 @@ shm (any machine; the input TOP's numpyArray() is float32 RGBA, as TouchDesigner
     python benchmarks/bench_td_cook.py --transport shm --json out/bench_td_cook_shm.json
 cuda-ipc (GPU machine with cuda-python; the texture is uint8 BGRA in device memory):
     python benchmarks/bench_td_cook.py --transport cuda-ipc --json out/bench_td_cook_cuda.json
+With a model engine instead (`--config PRESET`, on random weights): the cook's copies then share the GPU with
+the model's work, as they do on stage (on one GPU the processes' contexts take turns):
+    python benchmarks/bench_td_cook.py --transport cuda-ipc --config wan2.1-1.3b --warmup-s 30
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +99,37 @@ class BenchScriptTOP(ScriptTOP):
         self.output = (address, size)
 
 
-def run(transport: str, w: int, h: int, seconds: float, fps: float) -> dict[str, Any]:
+def model_config(preset: str, folder: Path) -> Path:
+    """A config file of `preset` on random weights (what `loom bench` runs), for the component's Config."""
+    import yaml
+
+    from loom_live.engine.config import PRESET_PACKAGE, list_presets
+
+    if preset not in list_presets():
+        raise SystemExit(f"bench_td_cook: --config {preset!r}: expected one of {', '.join(list_presets())}")
+    data = yaml.safe_load(resources.files(PRESET_PACKAGE).joinpath(f"{preset}.yaml").read_text())
+    for section, key, value in (("model", "random_weights", True), ("vae", "random_weights", True),
+                                ("prompt", "encoder", "hash")):
+        data.setdefault(section, {})[key] = value
+    path = folder / f"{preset}-random.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path | None = None,
+        warmup_s: float = WARMUP_S, start_s: float = 120.0) -> dict[str, Any]:
     source = DeviceTOP(w, h) if transport == "cuda-ipc" else HostTOP(w, h)
     comp, _, ext = make_component(source)
     script = BenchScriptTOP(comp, source)
     configure(comp, transport=transport)
+    if config is not None:  # a model engine instead of the pass-through one
+        comp.parexec_enabled = False
+        comp.par.Config = str(config)
+        comp.par.Passthrough = False
+        comp.parexec_enabled = True
     comp.par.Active = True
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_s
         while not running(comp):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine not running: {comp.par.State.eval()} {comp.par.Message.eval()}")
@@ -111,7 +139,7 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float) -> dict[str,
             raise RuntimeError(f"cuda-ipc not in use: {comp.par.Message.eval()}")
         durations, fresh, period = [], [], 1.0 / fps
         start = time.monotonic()
-        counted_from = start + WARMUP_S
+        counted_from = start + warmup_s
         received0 = None
         next_at = start
         while time.monotonic() < counted_from + seconds:
@@ -162,18 +190,30 @@ def main() -> None:
     ap.add_argument("--size", default="1920x1080", help="WxH")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time after the warm-up")
     ap.add_argument("--fps", type=float, default=60.0, help="cook rate, as TouchDesigner's frame loop")
+    ap.add_argument("--config", default=None, metavar="PRESET",
+                    help="a model engine of this preset on random weights instead of the pass-through engine")
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S,
+                    help="seconds of cooks after the engine's first output that are not counted (a model engine "
+                         "compiles its first chunk shapes there)")
+    ap.add_argument("--start-s", type=float, default=120.0, help="wait this long for the engine's first output")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
+    if args.warmup_s < 0 or args.seconds <= 0 or args.start_s <= 0:
+        ap.error("--warmup-s must be >= 0, --seconds and --start-s > 0")
     try:
         w, h = (int(v) for v in args.size.lower().split("x"))
     except ValueError:
         ap.error(f"--size: {args.size!r} is not WxH, e.g. 1920x1080")
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    result = run(args.transport, w, h, args.seconds, args.fps)
+    with tempfile.TemporaryDirectory(prefix="loom-td-cook-") as folder:
+        config = model_config(args.config, Path(folder)) if args.config else None
+        result = run(args.transport, w, h, args.seconds, args.fps, config, args.warmup_s, args.start_s)
+    result["engine"] = f"{args.config} on random weights" if args.config else "pass-through"
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in load],
                          "loadavg_after": [round(x, 2) for x in (os.getloadavg() if hasattr(os, "getloadavg")
                                                                  else load)]}
-    print(f"\nLoom TD operator, main-thread time per cook ({result['transport']}, {result['size']}, "
+    print(f"\nLoom TD operator, main-thread time per cook ({result['transport']}, {result['engine']}, "
+          f"{result['size']}, "
           f"paced at {args.fps:g} FPS; {os.cpu_count()} CPUs, load {load[0]:.1f})")
     print(f"{'cooks':>22} {'n':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8} {'engine FPS':>11} "
           f"{'target':>7}")
