@@ -75,9 +75,10 @@ def check_devices(cfg: Any) -> None:
         resolve_device(cfg.model.device)
 
 
-def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
-    """The session for the config's model family (`model.family`), loaded and warmed up; with
-    `parallel.gpus > 1` the Wan DiT's pipeline over that many GPUs (this process is its rank 0).
+def open_session(cfg: Any, warmup: bool = True, warmup_share: float = 1.0) -> EngineSession:
+    """The session for the config's model family (`model.family`), loaded and warmed up (on a GPU; paced to
+    `warmup_share` of the time below 1: a standby beside a show); with `parallel.gpus > 1` the Wan DiT's
+    pipeline over that many GPUs (this process is its rank 0).
 
     Whoever opens it (a served engine, `loom bench`, `loom prepare`), its compiled code goes to the same
     persistent compile cache, so what one of them compiled the next start of that config reads."""
@@ -85,11 +86,11 @@ def open_session(cfg: Any, warmup: bool = True) -> EngineSession:
     if cfg.parallel.gpus > 1:
         from loom_live.engine.parallel.session import PipelineSession
 
-        return PipelineSession.from_config(cfg, warmup=warmup)
+        return PipelineSession.from_config(cfg, warmup=warmup, warmup_share=warmup_share)
     if cfg.model.family == "edit":
         from loom_live.engine.edit.session import EditSession
 
-        return EditSession.from_config(cfg, warmup=warmup)
+        return EditSession.from_config(cfg, warmup=warmup, warmup_share=warmup_share)
     from loom_live.engine.stream.session import StreamSession
 
-    return StreamSession.from_config(cfg, warmup=warmup)
+    return StreamSession.from_config(cfg, warmup=warmup, warmup_share=warmup_share)

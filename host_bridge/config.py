@@ -55,8 +55,8 @@ class BridgeConfig:
     engine_warmup: bool = spec(False, doc="launched engines warm up (compile, capture graphs) before they say "
                                           "ready, so the first frames do not stall")
     standby_warmup_share: float = spec(0.3, min=0.05, max=1.0,
-                                       doc="with standby and engine_warmup: the share of the time a standby launched "
-                                           "while an engine serves may take the GPU for its warm-up (it rests "
+                                       doc="with standby: the share of the time a standby launched while an engine "
+                                           "serves may take the GPU for its warm-up (it rests "
                                            "between chunks, so the show keeps its frame rate; the standby is ready "
                                            "later); 1: no rests")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")

@@ -97,6 +97,6 @@ def _engine_args(cfg: BridgeConfig, control_endpoint: str, warmup_share: float =
         args.append("--passthrough")
     if cfg.engine_warmup:
         args.append("--warmup")
-        if warmup_share < 1.0:
-            args += ["--warmup-share", f"{warmup_share:g}"]
+    if warmup_share < 1.0:  # an engine on a GPU warms up with or without --warmup
+        args += ["--warmup-share", f"{warmup_share:g}"]
     return args + list(cfg.engine_args)

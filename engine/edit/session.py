@@ -114,12 +114,13 @@ class EditSession:
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> EditSession:
-        """Load the models the config names and start a stream (warmed up on a GPU)."""
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True, warmup_share: float = 1.0) -> EditSession:
+        """Load the models the config names and start a stream (warmed up on a GPU, paced by `warmup_share`
+        below 1)."""
         STARTUP_PROGRESS.say("loading the model")
         session = cls(cfg, load_edit_models(cfg))
         if warmup and session.device.type == "cuda":
-            session.warmup()
+            session.warmup(share=warmup_share)
         return session
 
     def warmup(self, batches: int = WARMUP_BATCHES, share: float = 1.0) -> None:

@@ -166,12 +166,13 @@ class PipelineSession:
         return self.device.type == "cuda"
 
     @classmethod
-    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> PipelineSession:
-        """Build and, on GPUs, warm up (compilation and graph capture happen before the first frame)."""
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True, warmup_share: float = 1.0) -> PipelineSession:
+        """Build and, on GPUs, warm up (compilation and graph capture happen before the first frame), paced by
+        `warmup_share` below 1."""
         STARTUP_PROGRESS.say(f"loading the model on {cfg.parallel.gpus} GPUs")
         session = cls(cfg)
         if warmup and session.device.type == "cuda":
-            session.warmup()
+            session.warmup(share=warmup_share)
         return session
 
     @property

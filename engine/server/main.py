@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="run synthetic streams through the session (compile, capture graphs) before saying ready")
     p.add_argument("--warmup-share", type=float, default=1.0, metavar="SHARE",
-                   help="with --warmup: the share of the time the warm-up may take the GPU, above 0 up to 1 (a "
-                        "standby launched beside a show: it rests between chunks; default 1)")
+                   help="the share of the time the warm-up (on a GPU, or with --warmup) may take the GPU, above 0 "
+                        "up to 1 (a standby launched beside a show: it rests between chunks; default 1)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval in seconds")
     p.add_argument("--host-timeout", type=float, default=5.0, help="host silence after which the engine gives up")
@@ -57,8 +57,6 @@ def _session_factory(args: argparse.Namespace):
 
     if not 0.0 < args.warmup_share <= 1.0:
         raise UserError(f"--warmup-share {args.warmup_share:g}: allowed above 0 up to 1")
-    if args.warmup_share < 1.0 and not args.warmup:
-        raise UserError("--warmup-share is for --warmup (it paces the warm-up)")
     overrides = [*args.overrides, *lora_override(args.loras)]
     if args.gpus is not None:
         overrides.append(f"parallel.gpus={args.gpus}")
@@ -87,7 +85,8 @@ def _session_factory(args: argparse.Namespace):
         except ImportError as exc:
             raise RuntimeError(f"the engine's sessions are not available ({exc}); use --passthrough") from exc
         apply_cpu_threads(config.model.cpu_threads, resolve_device(config.model.device))  # the host keeps a core
-        session = open_session(config, warmup=not args.warmup)  # --warmup: warm once, on any device
+        # --warmup: warm once, on any device (else on a GPU only)
+        session = open_session(config, warmup=not args.warmup, warmup_share=args.warmup_share)
         if args.warmup:
             session.warmup(share=args.warmup_share)
         return session

@@ -125,11 +125,12 @@ class StreamSession:
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg: LoomConfig, warmup: bool = True) -> StreamSession:
+    def from_config(cls, cfg: LoomConfig, warmup: bool = True, warmup_share: float = 1.0) -> StreamSession:
         """Load the models the config names (or the embedded default) and start a stream.
 
         On a GPU the session then warms up (kernel autotuning, compilation, graph capture) on
-        synthetic frames, so the first real frame is served at steady-state speed.
+        synthetic frames, so the first real frame is served at steady-state speed; `warmup_share` below 1
+        paces that warm-up (`warmup`).
         """
         _check_runs(cfg)  # before the load: a config of another family would load the Wan defaults and run them
         times = StartupTimes()
@@ -141,7 +142,7 @@ class StreamSession:
             session = cls(cfg, models)
         session.startup = times
         if warmup and session.device.type == "cuda":
-            session.warmup()
+            session.warmup(share=warmup_share)
         else:
             log.info("%s", times.line())
         return session

@@ -66,11 +66,12 @@ def test_a_stream_session_warm_up_with_a_share_rests_and_warms_the_same_plans():
         torch.set_num_threads(threads)
 
 
-def test_the_launched_engine_is_told_its_share_only_when_it_warms_up_and_the_share_is_below_one():
-    warm = BridgeConfig(engine_warmup=True)
-    assert _engine_args(warm, "ipc://x", 0.3)[-2:] == ["--warmup-share", "0.3"]
-    assert "--warmup-share" not in _engine_args(warm, "ipc://x")
-    assert "--warmup-share" not in _engine_args(BridgeConfig(), "ipc://x", 0.3)  # no warm-up to pace
+def test_the_launched_engine_is_told_its_share_whenever_it_is_below_one():
+    """An engine on a GPU warms up whether or not the bridge asks it to (`engine_warmup`): the share paces that
+    warm-up either way (it was told only with engine_warmup, so a default bridge's standby warmed up whole)."""
+    for cfg in (BridgeConfig(), BridgeConfig(engine_warmup=True)):
+        assert _engine_args(cfg, "ipc://x", 0.3)[-2:] == ["--warmup-share", "0.3"]
+        assert "--warmup-share" not in _engine_args(cfg, "ipc://x")
 
 
 @pytest.mark.parametrize(("beside_show", "share"), [(True, 0.3), (False, 1.0)],
@@ -102,7 +103,7 @@ def test_the_standby_share_is_checked_when_the_config_is_made():
 
 @pytest.mark.parametrize(("args", "said"), [
     (["--warmup", "--warmup-share", "0"], "--warmup-share 0: allowed above 0 up to 1"),
-    (["--warmup-share", "0.5"], "--warmup-share is for --warmup"),
+    (["--warmup-share", "1.5"], "--warmup-share 1.5: allowed above 0 up to 1"),
 ])
 def test_the_engine_refuses_a_share_it_cannot_use_before_it_connects(args, said):
     import subprocess
@@ -111,3 +112,29 @@ def test_the_engine_refuses_a_share_it_cannot_use_before_it_connects(args, said)
     proc = subprocess.run([sys.executable, "-m", "loom_live.engine", "serve", "--connect", "ipc:///nonexistent/loom",
                            "--passthrough", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and said in proc.stderr
+
+
+def test_the_served_engine_hands_its_share_to_the_warm_up_it_does_with_or_without_warmup(monkeypatch):
+    """`--warmup-share` reaches the warm-up a GPU session does on its own (no --warmup: through open_session to
+    the family's from_config) and the one --warmup asks for."""
+    import argparse
+
+    from loom_live.engine.server.main import _session_factory
+    from loom_live.engine.stream.session import StreamSession
+
+    seen = []
+
+    class _Opened:
+        def warmup(self, share: float = 1.0) -> None:
+            seen.append(("warmup", share))
+
+    def from_config(cls, cfg, warmup=True, warmup_share=1.0):
+        seen.append(("from_config", warmup, warmup_share))
+        return _Opened()
+
+    monkeypatch.setattr(StreamSession, "from_config", classmethod(from_config))
+    for flag in (False, True):
+        build, _ = _session_factory(argparse.Namespace(config="default", overrides=[], loras=[], gpus=None,
+                                                       passthrough=False, warmup=flag, warmup_share=0.3))
+        build()
+    assert seen == [("from_config", True, 0.3), ("from_config", False, 0.3), ("warmup", 0.3)]
