@@ -124,7 +124,7 @@ class Standby:
             self._failed(str(exc))
             return
         self.started += 1
-        logger.info("standby engine launched (pid %s)", self.link.pid)
+        logger.debug("standby engine launched (pid %s)", self.link.pid)
 
     def _handle(self, link: Link, msg: dict[str, Any]) -> str | None:
         kind = msg["type"]
@@ -137,7 +137,7 @@ class Standby:
             else:
                 link.on_ready(msg.get("info") or {})
                 self.failures = 0
-                logger.info("standby engine ready (pid %s)", link.pid)
+                logger.debug("standby engine ready (pid %s)", link.pid)
         elif kind == "status" and msg["state"] == "error":
             self.problem = f"standby engine error: {msg.get('message', '')}"
         elif kind == "bye":

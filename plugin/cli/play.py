@@ -133,6 +133,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="Python that runs the engine (default: this one)")
     p.add_argument("--passthrough", action="store_true",
                    help="engine returns its input unchanged (tests the plumbing without a model)")
+    p.add_argument("--standby", action="store_true",
+                   help="keep a second engine loaded that takes over at once if the one in use stops (a crash, a "
+                        "hang): the show goes on within a second instead of a restart's wait; costs a second "
+                        "engine's memory")
     p.add_argument("--osc-port", type=int, default=None, metavar="PORT", help="listen for OSC control on this UDP port")
     p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, metavar="S",
@@ -202,6 +206,9 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
                         f"default one too); preset {cfg.model.preset!r} has no control blocks and reads no edges: "
                         "use -c wan2.1-vace-1.3b (or tiny-vace to try it on a CPU)")
     _check_files_given(args)
+    if args.standby and args.endpoint:
+        raise UserError("--standby keeps a second engine this command starts; a served engine (--endpoint) is not "
+                        "started here: leave out one of them")
     check_engine_run(cfg, passthrough=args.passthrough, endpoint=args.endpoint, secret_file=args.secret_file,
                      transport=args.transport)
     from loom_live.plugin.player import PlayerOptions, read_prompt_file, run_player
@@ -236,7 +243,7 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         reference=args.reference if args.endpoint else cfg.control.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
-        passthrough=args.passthrough, osc_port=args.osc_port, osc_host=args.osc_host,
+        passthrough=args.passthrough, standby=args.standby, osc_port=args.osc_port, osc_host=args.osc_host,
         startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite,
         web_token_file=args.web_token_file, web_cert=args.web_cert, web_key=args.web_key, web_proxy=args.web_proxy,
         ice_servers=list(args.ice_servers), ice_username=args.ice_username,

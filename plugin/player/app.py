@@ -114,6 +114,7 @@ class Player:
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
         self._errors_said = 0  # the engine's error count already said (_say_engine_errors)
+        self._standby_said: tuple[int | None, int | None] = (None, None)  # (engine pid, ready standby pid) said
         self._took_start = False  # a served engine's starting settings were taken (_take_start)
         self._followed = False  # the ready engine's family and settings were read (_follow_engine)
         self.source: Any = None
@@ -220,7 +221,7 @@ class Player:
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
                            engine_overrides=overrides, endpoint=o.endpoint, secret_file=o.secret_file,
-                           fallback="passthrough", passthrough=o.passthrough)
+                           fallback="passthrough", passthrough=o.passthrough, standby=o.standby)
         try:
             self.bridge = Bridge(cfg)
             self.bridge.start()
@@ -602,6 +603,24 @@ class Player:
         if errors > self._errors_said and stats.get("last_error"):
             self.printer.say(f"{self.name}: {stats['last_error']}")
         self._errors_said = errors
+        if self.opts.standby:
+            self._say_standby(stats)
+
+    def _say_standby(self, stats: dict[str, Any]) -> None:
+        """With --standby: once a standby is ready beside the engine in use, and once it has taken over, said with
+        both pids (a performer knows the show is covered, and which process is which)."""
+        engine, standby = stats.get("engine_pid"), stats.get("standby") or {}
+        ready = standby.get("pid") if standby.get("state") == "ready" else None
+        said_engine, said_ready = self._standby_said
+        if said_ready is not None and engine == said_ready:
+            self.printer.say(f"{self.name}: the standby engine (pid {engine}) took over from pid {said_engine}; "
+                             "a new standby is loading")
+            said_ready = None
+        if ready is not None and ready != said_ready and engine is not None:
+            self.printer.say(f"{self.name}: standby engine ready (pid {ready}; the engine in use is pid {engine}): "
+                             "it takes over at once if that one stops")
+            said_ready = ready
+        self._standby_said = (engine, said_ready)
 
     def _poll_controls(self) -> None:
         for line in self.controls.apply_pending(self.bridge):

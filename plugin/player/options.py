@@ -83,6 +83,7 @@ class PlayerOptions:
     secret_file: str | None = None  # a served engine's session secret (with endpoint)
     engine_python: str | None = None
     passthrough: bool = False
+    standby: bool = False  # a second launched engine kept loaded to take over (BridgeConfig.standby)
     osc_port: int | None = None
     osc_host: str = "127.0.0.1"
     web: str | None = None  # [HOST:]PORT of the page (plugin/web); None: no page
