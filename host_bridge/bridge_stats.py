@@ -39,6 +39,7 @@ class BridgeStatus:
     refused: int = 0  # frames and messages refused, on this side and (as last reported) on the engine's
     heard_s: float = -1.0  # seconds since the engine last spoke (-1: no engine); fresh only within hang_timeout_s
     refusal: str = ""  # the engine's own error when it refused its run (bad config, missing weights): not restarted
+    standby: str = ""  # with BridgeConfig.standby: none (between attempts), starting, loading or ready; "" without
 
 
 class FrameStats:

@@ -401,7 +401,7 @@ class Bridge:
         return BridgeStatus(state=sup.state, fps=self._stats.fps(), latency_ms=self._stats.latency_ms(50),
                             dropped=dropped, message=message, log_tail=tail, restarts=sup.restarts,
                             frames_out=counts["received"], refused=refused, heard_s=round(heard, 3),
-                            refusal=sup.refusal)
+                            refusal=sup.refusal, standby=sup.standby.describe()["state"] if sup.standby else "")
 
     def stats(self) -> dict[str, Any]:
         """Host counters plus the engine's latest report (JSON-able)."""

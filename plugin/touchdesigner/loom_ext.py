@@ -62,7 +62,8 @@ PARAM_PARS = ("Steps", "Noisescale", "Motionaware")  # ... and one params messag
 CONTROL_PARS = ("Controlscale", "Controlsource")  # VACE: one params message, once the engine has control blocks
 CONTROL_NAMES = tuple(p.name for p in CONTROL_PARAMS)  # their live-parameter names, kept out of a hand-over
 REFERENCE_PAR = "Referencetop"
-ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", "Fallback", "Passthrough")
+ENGINE_PARS = ("Transport", "Config", "Enginepython", "Endpoint", "Secretfile", "Fallback", "Passthrough",
+               "Hotstandby")
 LORA_GROUP = "Lora"  # the key of a refused lora_scales update in `refused`
 SCALE_OF = dict(zip(LORA_FILE_PARS, LORA_SCALE_PARS))  # a LoRA slot's file parameter -> its scale parameter
 DEVICE_CHANNELS = (1, 3, 4)  # channel counts the bridge takes from device memory (formats.DTYPE_NAMES: dtypes)
@@ -139,6 +140,10 @@ class LoomExt:
             ok, why = cuda_available()
             if not ok:  # e.g. macOS, no NVIDIA GPU, or cuda-python missing from TD's module path
                 transport, note = "shm", f"cuda-ipc unavailable ({why}); using shm"
+        standby = bool(par.Hotstandby.eval())
+        if standby and endpoint is not None:  # the served engine is not started here: no second one to keep
+            standby = False
+            note = "; ".join(filter(None, (note, "Hot Standby is for a local engine: off with Remote Endpoint")))
         from loom_live.host_bridge import loras
 
         self.loras = self._lora_choices(launch=endpoint is None)
@@ -147,6 +152,7 @@ class LoomExt:
                                engine_config=str(par.Config.eval() or "default"), endpoint=endpoint,
                                secret_file=secret_file if endpoint is not None else None,
                                fallback=str(par.Fallback.eval()), passthrough=bool(par.Passthrough.eval()),
+                               standby=standby,
                                engine_args=loras.engine_args(self.loras.values()))
             self.bridge = Bridge(cfg)
             self.bridge.start()
@@ -184,6 +190,7 @@ class LoomExt:
             self.device_output = None
         par = self.ownerComp.par  # the engine's last status is not a stopped component's: its notes stay
         par.State, par.Fps, par.Latency, par.Message = "stopped", 0.0, 0.0, self._message()
+        par.Standbystate = "off"
 
     def WaitClosed(self, timeout_s: float = 10.0) -> bool:
         """Wait until every engine this extension stopped is gone (scripts, tests); True when they are."""
@@ -557,6 +564,7 @@ class LoomExt:
                   "Fps": round(float(status.fps or 0.0), 2),
                   "Latency": round(float(status.latency_ms or 0.0), 1),
                   "Dropped": int(status.dropped or 0) + self.oversize_dropped,
+                  "Standbystate": status.standby or "off",
                   "Message": self._message(status.message),
                   "Log": "\n".join(str(tail).splitlines()[-LOG_TAIL_LINES:])}
         par = self.ownerComp.par

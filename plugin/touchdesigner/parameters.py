@@ -101,6 +101,9 @@ PARAMETERS: tuple[ParSpec, ...] = (
             help="what to show while the engine starts or restarts"),
     ParSpec("Passthrough", "Passthrough Engine", "Toggle", PAGE_ENGINE, False,
             help="the engine returns its input unchanged: checks the wiring without a model"),
+    ParSpec("Hotstandby", "Hot Standby", "Toggle", PAGE_ENGINE, False,
+            help="keep a second engine loaded that takes over at once if the one in use stops (a crash, a hang); "
+                 "costs a second engine's memory; a local engine only"),
     *lora_pars(),
     live_par("Controlscale", "Control Scale", "context_scale",
              help="VACE presets: how strongly the control video steers the structure; 0 = not at all",
@@ -117,6 +120,7 @@ PARAMETERS: tuple[ParSpec, ...] = (
     ParSpec("Fps", "FPS", "Float", PAGE_STATUS, 0.0, read_only=True),
     ParSpec("Latency", "Latency (ms)", "Float", PAGE_STATUS, 0.0, read_only=True),
     ParSpec("Dropped", "Dropped Frames", "Int", PAGE_STATUS, 0, read_only=True),
+    ParSpec("Standbystate", "Standby State", "Str", PAGE_STATUS, "off", read_only=True),
     ParSpec("Message", "Message", "Str", PAGE_STATUS, "", read_only=True),
     ParSpec("Log", "Engine Log", "Str", PAGE_STATUS, "", read_only=True),
 )

@@ -510,3 +510,30 @@ def test_reinitialised_extension_stops_the_old_engine_and_the_new_one_takes_over
         comp.par.Active = False
     assert new.WaitClosed(30) and old.WaitClosed(30)
     assert wait_until(lambda: traces.left() == (set(), set()), 20), traces.left()
+
+
+def test_hot_standby_takes_over_a_killed_engine_and_the_component_shows_it():
+    """Hot Standby on the Engine page keeps a second engine loaded: Standby State says when it is ready, a
+    killed engine in use is replaced by it without the component leaving `running` for a restart's wait, and
+    the next standby loads."""
+    import signal
+
+    comp, script, ext = make_component(InputTOP(td_texture(16, 24)))
+    configure(comp)
+    comp.parexec_enabled = False
+    comp.par.Hotstandby = True
+    comp.parexec_enabled = True
+    comp.par.Active = True
+    try:
+        cook_until(script, lambda: running(comp) and comp.par.Standbystate.eval() == "ready", "a standby ready")
+        first, standby = ext.bridge.stats()["engine_pid"], ext.bridge.stats()["standby"]["pid"]
+        os.kill(first, signal.SIGKILL)
+        cook_until(script, lambda: ext.bridge.stats()["engine_pid"] == standby and running(comp),
+                   "the standby in use", timeout_s=30)
+        assert ext.bridge.stats()["restarts"] == 1
+        cook_until(script, lambda: comp.par.Standbystate.eval() == "ready" and
+                   ext.bridge.stats()["standby"]["pid"] not in (first, standby), "the next standby ready")
+    finally:
+        comp.par.Active = False
+    assert ext.WaitClosed(30)
+    assert comp.par.Standbystate.eval() == "off"

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from loom_live.host_bridge import launcher
+from loom_live.host_bridge.bridge_stats import BridgeStatus
 from loom_live.plugin.touchdesigner import loom_ext
 from loom_live.plugin.touchdesigner.build_loom import CALLBACKS_DAT, EXTENSION, build
 from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, STATUS_PARS, LoomExt
@@ -68,8 +69,8 @@ class StubBridge:
 
     def latest(self):
         self.calls += 1
-        return None, SimpleNamespace(state="running", fps=30.0 + self.calls, latency_ms=10.0 + self.calls,
-                                     dropped=self.calls, message="", log_tail=[f"line {self.calls}"])
+        return None, BridgeStatus(state="running", fps=30.0 + self.calls, latency_ms=10.0 + self.calls,
+                                  dropped=self.calls, message="", log_tail=[f"line {self.calls}"])
 
     def status(self):
         return self.latest()[1]
