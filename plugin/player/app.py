@@ -113,7 +113,7 @@ class Player:
         self.keyboard = KeyboardInput(self.controls)
         self.style = StyleReport()  # which of the model's styles the prompt landed on (none for Wan presets)
         self._style_polled = 0.0
-        self._errors_said = 0  # the engine's error count already said (_say_engine_errors)
+        self._errors_said = 0  # the engine's error count already said (_say_engine_news)
         self._standby_said: tuple[int | None, int | None] = (None, None)  # (engine pid, ready standby pid) said
         self._took_start = False  # a served engine's starting settings were taken (_take_start)
         self._followed = False  # the ready engine's family and settings were read (_follow_engine)
@@ -593,11 +593,12 @@ class Player:
         if line is not None:
             self.printer.say(f"{self.name}: {line}")
             self.printer.set_postfix(self.style.short)
-        self._say_engine_errors()
+        self._say_engine_news()
 
-    def _say_engine_errors(self) -> None:
+    def _say_engine_news(self) -> None:
         """What the running engine refused (a prompt its embeddings file lacks) or reported, in its words,
-        once each: the command itself was said when sent, and the engine stays running."""
+        once each: the command itself was said when sent, and the engine stays running; with --standby, the
+        standby's readiness and takeovers (`_say_standby`)."""
         stats = self.bridge.stats()
         errors = stats.get("errors", 0)
         if errors > self._errors_said and stats.get("last_error"):
