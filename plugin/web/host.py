@@ -170,6 +170,7 @@ class WebHost:
             engine = {"state": str(status.state.value), "fps": round(status.fps, 2),
                       "latency_ms": round(status.latency_ms, 1), "dropped": status.dropped,
                       "message": status.message, "restarts": status.restarts, "frames_out": status.frames_out,
+                      "standby": status.standby,  # "" without --standby; else where the standby is (ready...)
                       # what the engine refused while running (a prompt its embeddings file lacks): said on the page
                       "errors": stats.get("errors", 0), "last_error": stats.get("last_error", "")}
             report = stats.get("engine", {}).get("session") or {}

@@ -501,3 +501,23 @@ def test_a_jpeg_with_stray_bytes_before_a_marker_is_read_as_the_decoder_reads_it
     stray = raw[:after_first] + b"\x00" + raw[after_first:]
     assert image_sides(stray) == (30, 20)
     assert decode_upload("stray.jpg", base64.b64encode(stray).decode())[1].shape == (20, 30, 3)
+
+
+def test_the_pages_state_says_where_the_standby_is_and_nothing_without_one():
+    """`loom web --standby`: the page's engine state carries the bridge's standby (page.js shows a badge only
+    then)."""
+    pytest.importorskip("aiortc", reason="the web extra")
+    from types import SimpleNamespace
+
+    from loom_live.host_bridge.bridge_stats import BridgeStatus
+    from loom_live.host_bridge.supervisor import EngineState
+    from loom_live.plugin.web.host import WebHost
+
+    host = WebHost(make_access("127.0.0.1:0"), Controls(ControlState(prompts=["a"])), (32, 24), 10.0, camera=False)
+    try:
+        for standby in ("ready", ""):
+            host.bridge = SimpleNamespace(status=lambda s=standby: BridgeStatus(state=EngineState.RUNNING, standby=s),
+                                          stats=lambda: {})
+            assert host.state()["engine"]["standby"] == standby
+    finally:
+        host.close()

@@ -314,6 +314,8 @@ function showState(m) {
   const c = m.controls, e = m.engine, s = m.session || {};
   badge("engine-state", `engine ${e.state}${e.message && e.state !== "running" ? ": " + e.message : ""}`,
         e.state === "running" ? "ok" : "");
+  $("standby-state").hidden = !e.standby;  // only with --standby: a second engine kept to take over
+  if (e.standby) badge("standby-state", `standby ${e.standby}`, e.standby === "ready" ? "ok" : "");
   const list = $("prompts");
   if (list.dataset.items !== JSON.stringify(c.prompts)) {
     list.dataset.items = JSON.stringify(c.prompts);
