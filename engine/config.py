@@ -598,22 +598,21 @@ def served_overrides(overrides: list[str] | tuple[str, ...],
     host: list[str] = []
     data: dict[str, Any] = {}
     where: dict[str, str] = {}  # each live key by the source of the override that set it last (the one that counts)
-    keys = served_keys()
+    keys, hints = served_keys(), typing.get_type_hints(LoomConfig)
     for number, text in enumerate(overrides):
         source = sources[number] if sources is not None else None
         path, raw = parse_override(text)
         for leaf, value in _leaves(path, _override_value(path, raw, source or f"--set {text}")):
             key = ".".join(leaf)
             if key in HOST_KEYS:  # checked here, so that a refusal names its source as a live value's does
-                build(typing.get_type_hints(LoomConfig)[leaf[0]], {leaf[1]: value}, source=source or "--set",
-                      path=leaf[0])
+                build(hints[leaf[0]], {leaf[1]: value}, source=source or "--set", path=leaf[0])
                 host.append(f"{key}={json.dumps(value, ensure_ascii=False)}")  # YAML reads JSON text
             elif key in keys:
                 apply_override(data, leaf, value)
                 where[key] = source or "--set"
             else:
                 raise ServedKeyError(text, key, list(keys))
-    return host, _checked_live(data, where)
+    return host, _checked_live(data, where, hints)
 
 
 class ServedKeyError(ConfigError):
@@ -637,11 +636,11 @@ def _leaves(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
     return [leaf for key, inner in value.items() for leaf in _leaves([*path, str(key)], inner)]
 
 
-def _checked_live(data: dict[str, Any], where: dict[str, str]) -> dict[str, Any]:
+def _checked_live(data: dict[str, Any], where: dict[str, str], hints: dict[str, Any]) -> dict[str, Any]:
     """Live parameters by config section (`served_overrides`) as the wire takes them, each checked as its config
     section checks it (the LoRA list: its names distinct), alone, so that a refusal names where it was set (`where`,
     by key): no live parameter's allowed values depend on another's."""
-    params, hints = {}, typing.get_type_hints(LoomConfig)
+    params = {}
     for section, values in data.items():
         if section == live.LORA_SCALES.section:
             entries = build(LoomConfig, {section: values}, source=where[section]).lora

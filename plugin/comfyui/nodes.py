@@ -403,7 +403,7 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     """With an endpoint the overrides never reach the engine's config (it is served with its own): the first prompt
     (prompt.text) and the live parameters, of any model family, are what it can be told once ready; any other key is
     refused here, named in this node's inputs' words (the user has no command line), before the node connects."""
-    from loom_live.engine.config import HOST_KEYS, ConfigError, ServedKeyError, load_config, served_overrides
+    from loom_live.engine.config import HOST_KEYS, ConfigError, ServedKeyError, served_overrides
 
     lines = [line.strip() for line in overrides.splitlines()]
     numbers = [number for number, line in enumerate(lines, 1) if line]
@@ -417,10 +417,7 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
                          "local engine") from None
     except ConfigError as exc:
         raise ValueError(f"Loom Engine: {exc}") from None
-    try:
-        prompt = load_config("default", host).prompt.text if host else None  # the text as a config reads it
-    except ConfigError as exc:
-        raise ValueError(f"Loom Engine: overrides: {exc}") from None
+    prompt = json.loads(host[-1].partition("=")[2]) if host else None  # checked there; the last one given counts
     return prompt, params
 
 
