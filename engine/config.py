@@ -804,13 +804,14 @@ def _load_source(name_or_path: str | Path | None) -> tuple[dict, str]:
     return data, source
 
 
-def _overridden_source(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> tuple[dict, str]:
+def _overridden_source(name_or_path: str | Path | None, overrides: list[str] | tuple[str, ...],
+                       sources: list[str] | None = None, label: str = "--set overrides") -> tuple[dict, str]:
     data, source = _load_source(name_or_path)
-    for text in overrides:
+    for number, text in enumerate(overrides):
         keys, raw = parse_override(text)
-        apply_override(data, keys, _override_value(keys, raw, f"--set {text}"))
+        apply_override(data, keys, _override_value(keys, raw, sources[number] if sources else f"--set {text}"))
     if overrides:
-        source += " (with --set overrides)"
+        source += f" (with {label})"
     return data, source
 
 
@@ -839,6 +840,34 @@ def _check_prompt_text(data: dict, source: str) -> None:
             live.check_prompt_request(prompt["text"], family=family)
         except ValueError as exc:
             raise ConfigError(f"{source}: prompt.text: {exc}") from None
+
+
+def check_overrides(name_or_path: str | Path | None, overrides: list[str], sources: list[str], label: str) -> None:
+    """A config with overrides checked as an engine checks it when it starts (the weights it would look up aside),
+    for a host that launches engines and whose user has no command line (ComfyUI's Engine node): said at once in the
+    host's own words instead of by the engine after its start, in `--set` words. An override that is not YAML is named
+    by its entry of `sources`; a value the config does not allow is named by the first override after which the
+    config is refused as it is with all of them (a refusal that a later override only changes is not blamed on an
+    earlier one), and else by the config's `label`."""
+    def refused(count: int) -> tuple[str, str] | None:
+        """The refusal with the first `count` overrides: whole, and without the config's name (which says how many
+        overrides it holds)."""
+        source = ""
+        try:
+            data, source = _overridden_source(name_or_path, overrides[:count], sources, label)
+            _check_prompt_text(data, source)
+            build(LoomConfig, data, source=source)
+        except ConfigError as exc:
+            return str(exc), str(exc).removeprefix(f"{source}: ")
+        return None
+
+    whole = refused(len(overrides))
+    if whole is None:
+        return
+    first = next(n for n in range(len(overrides) + 1) if (refused(n) or ("", ""))[1] == whole[1])
+    if not first or whole[0].startswith(f"{sources[first - 1]}: "):
+        raise ConfigError(whole[0])
+    raise ConfigError(f"{sources[first - 1]}: {whole[1]}")
 
 
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoomConfig:

@@ -363,7 +363,7 @@ class LoomEngine:
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None, workflow: dict[str, Any] | None = None) -> tuple[EngineHandle, str]:
         _check_overrides(overrides)
-        prompt, given = _served_overrides(overrides) if endpoint.strip() else (None, {})
+        prompt, given = _served_overrides(overrides) if endpoint.strip() else _launched_overrides(config, overrides)
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
@@ -419,6 +419,22 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
         raise ValueError(f"Loom Engine: {exc}") from None
     prompt = json.loads(host[-1].partition("=")[2]) if host else None  # checked there; the last one given counts
     return prompt, params
+
+
+def _launched_overrides(config: str, overrides: str) -> tuple[None, dict[str, Any]]:
+    """The config and overrides of an engine this node launches, checked before it starts (it checks them again): a
+    refusal is said at once, naming the overrides line, instead of in the engine's command-line words once it has
+    started. Nothing is told later: the engine starts with them."""
+    from loom_live.engine.config import ConfigError, check_overrides
+
+    lines = [line.strip() for line in overrides.splitlines()]
+    numbers = [number for number, line in enumerate(lines, 1) if line]
+    try:
+        check_overrides(config, [lines[n - 1] for n in numbers], [f"overrides line {n}" for n in numbers],
+                        "overrides")
+    except ConfigError as exc:
+        raise ValueError(f"Loom Engine: {exc}") from None
+    return None, {}
 
 
 def _tell_served(handle: EngineHandle, prompt: str | None, params: dict[str, Any]) -> EngineHandle:

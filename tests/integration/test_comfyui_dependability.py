@@ -117,6 +117,28 @@ def test_an_engine_that_refuses_its_settings_is_named_once_and_the_next_run_star
         engines.close(handle.key)
 
 
+@pytest.mark.parametrize(("config", "overrides", "said"), [
+    ("default", "noise.noise_scale=0.5\n\n  stream.steps=abc",
+     "Loom Engine: overrides line 3: stream.steps: 'abc' is not allowed; expected a descending list of 1 to 4 whole "
+     "timesteps in [1, 999], such as [700, 500]"),
+    ("default", "stream.stepz=1", "Loom Engine: overrides line 1: stream.stepz: unknown key (did you mean 'steps'?); "),
+    ("default", "stream.steps=[700,", "Loom Engine: overrides line 1: not valid YAML at line 1, column 6: "),
+    # the first line alone is refused otherwise: the second's refusal is the one named
+    ("default", "model.family=edit\nmodel.preset=null", "Loom Engine: overrides line 2: model.preset: None is not "
+                                                        "allowed; expected one of 'tiny', "),
+    ("defualt", "", "Loom Engine: unknown preset 'defualt' (did you mean 'default'?); available: "),
+])
+def test_a_launched_engines_refused_overrides_are_named_by_their_line_before_it_starts(nodes_pkg, config, overrides,
+                                                                                      said):
+    """A config or override an engine would refuse at its start is refused by the Engine node at once, in its own
+    inputs' words (overrides line N, blank lines counted; ComfyUI's user has no `--set`), and no engine starts."""
+    with pytest.raises(ValueError) as refused:
+        engine_node(nodes_pkg, config=config, overrides=overrides)
+    assert str(refused.value).startswith(said), str(refused.value)
+    assert "--set" not in str(refused.value)
+    assert len(nodes_pkg.nodes.ENGINES) == 0
+
+
 def test_an_engine_that_cannot_import_loom_is_reported_on_the_engine_node_at_once(nodes_pkg, tmp_path):
     """engine_python names a Python with torch but without Loom (and the host's checkout is not on its
     path): the engine dies before it is ready, and the Engine node says so with the engine's last lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from loom_live.engine.config import (
     ConfigError,
     LoomConfig,
     ServedKeyError,
+    check_overrides,
     list_presets,
     load_config,
     model_family,
@@ -346,3 +348,27 @@ def test_served_overrides_check_the_first_prompt_as_the_config_would_naming_its_
     with pytest.raises(ConfigError, match=rf"^{named}: prompt.text: None is not allowed; expected a string$"):
         served_overrides(["prompt.text="], sources)
     assert served_overrides(["prompt.text=a cat: on a mat"], sources)[0] == ['prompt.text="a cat: on a mat"']
+
+
+def test_check_overrides_refuses_what_load_config_refuses_naming_the_override_or_the_config(tmp_path):
+    """check_overrides agrees with load_config (what an engine checks at its start) on each case, and names the
+    override whose value is refused, or the config under the host's label when no override is to blame."""
+    lines = ["noise.noise_scale=0.5", "stream.steps=[9999]"]
+    sources = ["line 1", "line 2"]
+    for overrides, said in [(lines, "line 2: stream.steps[0]: 9999 is not allowed"),
+                            (lines[:1], None),
+                            (["stream.steps=[700,"], "line 1: not valid YAML"),
+                            (["model.family=edit", "model.preset=null"], "line 2: model.preset: None is not allowed")]:
+        with pytest.raises(ConfigError) if said else contextlib.nullcontext() as refused:
+            check_overrides("default", overrides, sources, "the node's overrides")
+        if said is None:
+            load_config("default", overrides)
+            continue
+        assert str(refused.value).startswith(said), str(refused.value)
+        with pytest.raises(ConfigError):
+            load_config("default", overrides)
+    own = tmp_path / "own.yaml"
+    own.write_text("stream: {steps: abc}\n")
+    said = rf"^{re.escape(str(own))} \(with the node's overrides\): stream.steps: 'abc'"
+    with pytest.raises(ConfigError, match=said):
+        check_overrides(own, lines[:1], sources, "the node's overrides")  # the config's own value: no line blamed
