@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,8 @@ from loom_live.host_bridge.wire.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
-_STAGING_NAME = re.compile(r"\.loom-(\d{1,9})-\w+\.partial")  # .loom-<pid of the run>-<random>.partial
+# .loom-<host of the run>-<its pid>-<random>.partial (a folder on a network share may hold another machine's runs)
+_STAGING_NAME = re.compile(r"\.loom-(.+)-(\d{1,9})-\w+\.partial")
 
 
 def write_replacing(out: Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -46,10 +48,11 @@ def replacing_together(folder: Path, last: str) -> Iterator[Path]:
     that fails or is stopped midway removes the hidden folder and leaves `folder` as it was. Inside `folder`, not
     beside it: each move is then a rename on one filesystem, and a folder whose parent cannot be written
     (`--out .`) works. A run killed outright (SIGKILL, power loss) cannot remove its hidden folder, so the
-    folder's name carries the run's pid and the next run in `folder` removes those of runs no longer alive."""
+    folder's name carries the run's machine and pid, and the next run in `folder` on that machine removes those of
+    its runs no longer alive."""
     folder.mkdir(parents=True, exist_ok=True)
     _remove_dead_runs_staging(folder)
-    staging = Path(tempfile.mkdtemp(prefix=f".loom-{os.getpid()}-", suffix=".partial", dir=folder))
+    staging = Path(tempfile.mkdtemp(prefix=f".loom-{_host()}-{os.getpid()}-", suffix=".partial", dir=folder))
     try:
         yield staging
         for path in sorted(staging.iterdir(), key=lambda p: p.name == last):
@@ -58,11 +61,17 @@ def replacing_together(folder: Path, last: str) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _host() -> str:
+    """This machine's name as a folder name may hold it."""
+    return re.sub(r"[^\w.-]", "_", socket.gethostname()) or "_"
+
+
 def _remove_dead_runs_staging(folder: Path) -> None:
-    """Remove the hidden folders in `folder` of runs that were killed outright. A name that does not parse is
-    someone else's and is left alone, as is a live pid's: another run may be writing into it now."""
+    """Remove the hidden folders in `folder` of this machine's runs that were killed outright. A name that does not
+    parse is someone else's and is left alone, as is a live pid's (another run may be writing into it now) and
+    another machine's (its pids mean nothing here)."""
     for path in folder.iterdir():
         m = _STAGING_NAME.fullmatch(path.name)
-        if m and path.is_dir() and not pid_alive(int(m.group(1))):
+        if m and m.group(1) == _host() and path.is_dir() and not pid_alive(int(m.group(2))):
             shutil.rmtree(path, ignore_errors=True)
-            logger.info("removed %s, left by run %s that ended before finishing it", path, m.group(1))
+            logger.info("removed %s, left by run %s that ended before finishing it", path, m.group(2))

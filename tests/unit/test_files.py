@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loom_live.host_bridge.wire.files import replacing_together, write_replacing
+from loom_live.host_bridge.wire.files import _host, replacing_together, write_replacing
 from tests.fakes.disk import fill_the_disk
 
 
@@ -64,21 +64,25 @@ def test_files_written_together_replace_their_namesakes_only_when_the_run_ends_w
 
 
 def test_a_killed_runs_hidden_folder_is_removed_by_the_next_run_and_others_are_kept(tmp_path, caplog):
-    """A run killed outright leaves its hidden folder; the next run removes it by its dead pid, and keeps a live
-    run's (it may be writing now) and a name it did not make."""
+    """A run killed outright leaves its hidden folder; the next run on the same machine removes it by its dead pid,
+    and keeps a live run's (it may be writing now), another machine's (a shared folder: its pids mean nothing
+    here) and a name it did not make."""
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    dead = tmp_path / f".loom-{ended.pid}-abc123_x.partial"
-    live = tmp_path / f".loom-{os.getpid()}-def456_y.partial"
+    host = _host()
+    dead = tmp_path / f".loom-{host}-{ended.pid}-abc123_x.partial"
+    live = tmp_path / f".loom-{host}-{os.getpid()}-def456_y.partial"
+    elsewhere = tmp_path / f".loom-other-{host}-{ended.pid}-jkl012.partial"
     foreign = tmp_path / ".loom-notapid-ghi789.partial"
-    for leftover in (dead, live, foreign):
+    for leftover in (dead, live, elsewhere, foreign):
         leftover.mkdir()
         (leftover / "plot.png").write_bytes(b"half a plot")
     with caplog.at_level(logging.INFO, logger="loom_live.host_bridge.wire.files"), \
             replacing_together(tmp_path, last="report.json") as staging:
-        assert staging.name.startswith(f".loom-{os.getpid()}-") and staging.name.endswith(".partial")
+        assert staging.name.startswith(f".loom-{host}-{os.getpid()}-") and staging.name.endswith(".partial")
         (staging / "report.json").write_bytes(b"new report")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name, "report.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, foreign.name,
+                                                                "report.json"])
     assert (live / "plot.png").read_bytes() == b"half a plot"
     assert str(dead) in caplog.text and live.name not in caplog.text
 
@@ -88,7 +92,7 @@ def test_a_hidden_folder_named_with_no_possible_pid_is_left_and_the_run_goes_on(
     """A hand-made `.loom-0-x.partial` made `os.kill` signal the process group, and a huge number overflowed it:
     the pid check says no process has it. The 20-digit name does not parse as a pid at all (kept, as any name
     that is not a run's); the 0 one is taken as a dead run's and removed."""
-    odd = tmp_path / f".loom-{pid}-abc.partial"
+    odd = tmp_path / f".loom-{_host()}-{pid}-abc.partial"
     odd.mkdir()
     with replacing_together(tmp_path, last="report.json") as staging:
         (staging / "report.json").write_text("{}")
