@@ -2,9 +2,9 @@
 process (the embedded model) over WebRTC and comes back restyled to the page, which is driven like a
 user would: its prompt box, its sliders, a bad value, a second page, a wrong token.
 
-One `loom web` and one browser serve the whole module (starting them is most of its time); the tests
-run in file order, each waiting on conditions the page reports (`window.loom`, page.js), never on
-wall-clock bounds. The screenshot goes to pytest's temporary folder, or to LOOM_WEB_SCREENSHOT when
+One `loom web` and one browser serve the whole module (starting them is most of its time; one each per
+pytest-xdist worker that runs any of its tests); each test waits on conditions the page reports
+(`window.loom`, page.js), never on wall-clock bounds. The screenshot goes to pytest's temporary folder, or to LOOM_WEB_SCREENSHOT when
 set (how docs/web-page.png is made).
 """
 
@@ -56,6 +56,11 @@ def show(tmp_path_factory: pytest.TempPathFactory):
         url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
         driver = chromium(tmp / "chromium", camera)
         driver.get(url)
+        # a worker of pytest-xdist may be handed any test of this file first: each starts from a page that
+        # drives and shows frames
+        wait("the page to drive", lambda: js(driver, "window.loom.state && window.loom.state.role") == "driver",
+             proc=proc)
+        wait("the first frame on the page", lambda: js(driver, "window.loom.shown") >= 1, proc=proc)
         yield {"driver": driver, "url": url, "proc": proc, "log": tmp / "loom.log", "tmp": tmp}
     finally:
         if driver is not None:

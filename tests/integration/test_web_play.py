@@ -3,8 +3,8 @@ engine, a LoRA loaded, a STUN server given), driven as a user would: frames arri
 beside them, pause and resume, the prompt list, the LoRA slider, a bad LoRA value refused on the
 page while the stream goes on; and the STUN server reached both peers' configurations.
 
-One `loom play` and one browser serve the module; the tests run in file order and wait on what the
-page reports (`window.loom`, page.js), never on wall-clock bounds.
+One `loom play` and one browser serve the module (one each per pytest-xdist worker that runs any of its tests);
+the tests wait on what the page reports (`window.loom`, page.js), never on wall-clock bounds.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ def show(tmp_path_factory: pytest.TempPathFactory):
             url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
             driver = chromium(tmp / "chromium")
             driver.get(url)
+            # a worker of pytest-xdist may be handed any test of this file first: each starts from a page that
+            # drives and shows frames
+            wait("the page to drive", lambda: js(driver, "window.loom.state && window.loom.state.role") == "driver",
+                 proc=proc)
+            wait("the first frame on the page", lambda: js(driver, "window.loom.shown") >= 1, proc=proc)
             yield {"driver": driver, "proc": proc, "stun": stun, "log": tmp / "loom.log", "clip": clip, "tmp": tmp}
         finally:
             if driver is not None:
