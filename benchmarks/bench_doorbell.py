@@ -30,6 +30,7 @@ from benchmarks.bench_idle_cpu import process_cpu_s  # noqa: E402
 from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
 from loom_live.host_bridge.wire import doorbell as db  # noqa: E402
 from loom_live.host_bridge.wire.arrival_spin import ENV  # noqa: E402
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake, idle_states  # noqa: E402
 from loom_live.host_bridge.wire.shared_wait import backend  # noqa: E402
 
 ECHO = textwrap.dedent("""
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--spin-us", type=float, default=db.SPIN_S * 1e6, help="both sides spin this long first")
     ap.add_argument("--arrival-spin-us", type=float, default=None,
                     help=f"spin this close to a paced notice's predicted arrival (sets {ENV} for both sides)")
+    ap.add_argument("--hold-cpu-awake", action="store_true",
+                    help="hold the CPUs' wake-up latency limit at 0 for the run (/dev/cpu_dma_latency)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.notices < 1 or args.paced < 1 or args.fps <= 0 or args.spin_us < 0:
@@ -85,6 +88,10 @@ def main() -> int:
     db.SPIN_S = args.spin_us / 1e6
     if args.arrival_spin_us is not None:
         os.environ[ENV] = f"{args.arrival_spin_us:g}"  # read by each doorbell as it opens, the child's too
+    awake = CpuAwake().hold() if args.hold_cpu_awake else None
+    held = bool(awake and awake.held)
+    if awake is not None and not held:
+        print(f"--hold-cpu-awake: {awake.why}")
     bell = db.Doorbell.create()
     echo = subprocess.Popen([sys.executable, "-c", ECHO, bell.name, str(db.SPIN_S)], cwd=ROOT,
                             stdout=subprocess.PIPE, env=child_env())
@@ -101,10 +108,15 @@ def main() -> int:
         if echo.poll() is None:
             echo.kill()
         bell.close()
-    result = {"backend": backend(), "spin_us": args.spin_us, "arrival_spin_us": bell.pace.window_s * 1e6,
+        if awake is not None:
+            awake.close()
+    result = {"cpu_awake": held, "idle": idle_states(),
+              "backend": backend(), "spin_us": args.spin_us, "arrival_spin_us": bell.pace.window_s * 1e6,
               "host_spin_turns": bell.spin_turns, "back_to_back": percentiles(b2b),
               "paced": percentiles(paced), "fps": args.fps, "echo_cpu_pct_paced": echo_cpu}
-    print(f"doorbell round trip ({result['backend']}, spin {args.spin_us:g} us), ms: back to back p50 "
+    print(f"CPU idle states (cpu0): {result['idle'] or 'none said by the kernel'}")
+    print(f"doorbell round trip ({result['backend']}, spin {args.spin_us:g} us, CPUs held awake: "
+          f"{'yes' if result['cpu_awake'] else 'no'}), ms: back to back p50 "
           f"{result['back_to_back']['p50_ms']:.3f} p99 {result['back_to_back']['p99_ms']:.3f}; at {args.fps:g} fps "
           f"p50 {result['paced']['p50_ms']:.3f} p99 {result['paced']['p99_ms']:.3f}; echo process CPU while "
           f"paced {echo_cpu:.1f} % of a core; arrival spin {result['arrival_spin_us']:g} us, "

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from loom_live.engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 from loom_live.host_bridge.wire import handoff_marks  # noqa: E402
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake, idle_states  # noqa: E402
 
 SIZES = {"512x512": (512, 512), "1920x1080": (1920, 1080)}
 SMOKE_SIZES = {"64x48": (64, 48), "128x96": (128, 96)}
@@ -224,6 +225,9 @@ def main() -> int:
     ap.add_argument("--busy-host", action="store_true",
                     help="at --fps the host busy-waits between frames instead of sleeping (a loop that keeps its "
                          "core working, as a renderer's does)")
+    ap.add_argument("--hold-cpu-awake", action="store_true",
+                    help="hold the CPUs' wake-up latency limit at 0 for the run (/dev/cpu_dma_latency: no deep idle "
+                         "states between paced frames); said when it cannot be held")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each step and CUDA call of a handoff in both processes (median, p99)")
@@ -249,12 +253,19 @@ def main() -> int:
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
     results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
                      "busy_host": paced[2], "sizes": {}}
+    awake = CpuAwake().hold() if args.hold_cpu_awake else None
+    if awake is not None and not awake.held:
+        print(f"--hold-cpu-awake: {awake.why}")
+    results["cpu_awake"] = {"asked": awake is not None, "held": bool(awake and awake.held),
+                            "why": awake.why if awake else "", "idle": idle_states()}
     with Bridge(cfg) as bridge:
         bridge.wait_running(60)
         for name, (w, h) in sizes.items():
             run = bench_cpu if transport == "shm" else bench_gpu
             results["sizes"][name] = run(bridge, w, h, frames, args.warmup, paced)
         results["bridge_stats"] = bridge.stats()
+    if awake is not None:
+        awake.close()
     if marks_dir is not None:  # the engine wrote its stamps as it exited
         results["breakdown"] = breakdown(results, marks_dir)
     base_key = "host_copy" if transport == "shm" else "device_copy"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -44,6 +45,7 @@ from loom_live.host_bridge.newest_frames import DeviceFrame, NewestFrames, check
 from loom_live.host_bridge.supervisor import EngineState, Supervisor
 from loom_live.host_bridge.wanted import PromptWish, Wanted
 from loom_live.host_bridge.wire import pixels as formats
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake
 from loom_live.host_bridge.wire.handoff_marks import MARKS
 from loom_live.host_bridge.wire.params import LIVE, check_prompt_request
 from loom_live.host_bridge.wire.protocol import MAX_REFERENCE_SIDE, PROTOCOL_VERSION, RingSpec, make, ready_start
@@ -54,6 +56,8 @@ LANE_BUSY_WAIT_S = 0.001  # another thread is draining the lane: wait this long 
 # it has held this many frames, a chunk of the causal VAE; until then frames are fitted to the size in use,
 # so an input whose size changes every frame costs nothing, and one change costs at most a chunk.
 SIZE_SETTLE_FRAMES = 4
+
+logger = logging.getLogger(__name__)
 
 
 class EngineRefused(RuntimeError):
@@ -89,7 +93,9 @@ class Bridge:
                                        _weakly(self._refused_shrunk))
         # what close() does, also when a host drops its bridge without closing it (a notebook cell run
         # again) or exits: nothing here may hold the bridge itself, or it would never be collected
-        self._closer = weakref.finalize(self, _close_parts, self._shrinker, self._sup, self._frames, self._ctx)
+        self._awake = CpuAwake() if config.hold_cpu_awake else None  # held from start() to close()
+        self._closer = weakref.finalize(self, _close_parts, self._shrinker, self._sup, self._frames, self._ctx,
+                                        self._awake)
         self._settled_size: tuple[int, int] | None = None  # the input size in use (SIZE_SETTLE_FRAMES)
         self._new_size: tuple[tuple[int, int] | None, int] = (None, 0)  # another size, and how many frames it held
         self._collect: dict[int, np.ndarray] | None = None
@@ -111,6 +117,8 @@ class Bridge:
             raise RuntimeError("start: this bridge is closed; make a new Bridge to start an engine again")
         if self._sup.started:
             return self
+        if self._awake is not None and not self._awake.hold().held:
+            logger.info("hold_cpu_awake: %s", self._awake.why)  # stats()["cpu_awake"] says it to the host
         if self._cuda_problem is not None:
             self._sup.refuse_start(self._cuda_problem)
             return self
@@ -424,6 +432,7 @@ class Bridge:
                 "lane_endpoint": link.lane.endpoint if link and link.lane else None,
                 "messages": link.message_counts() if link else {},
                 "standby": sup.standby.describe() if sup.standby else None,
+                "cpu_awake": None if self._awake is None else {"held": self._awake.held, "why": self._awake.why},
             }
 
     def engine_report(self, refresh: bool = False) -> dict[str, Any]:
@@ -859,13 +868,16 @@ def _frame_kind(spec: RingSpec) -> tuple[int, int, int, str]:
     return spec.width, spec.height, spec.channels, spec.dtype
 
 
-def _close_parts(shrinker: FrameShrinker, sup: Supervisor, frames: NewestFrames, ctx: zmq.Context) -> None:
+def _close_parts(shrinker: FrameShrinker, sup: Supervisor, frames: NewestFrames, ctx: zmq.Context,
+                 awake: CpuAwake | None) -> None:
     """A bridge's close, from its parts alone (it may run while the bridge is being collected, on whichever
     thread let go of it last: the parts' own threads never wait for themselves)."""
     shrinker.close()
     sup.stop()
     frames.close()
     ctx.term()
+    if awake is not None:
+        awake.close()
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., None]:

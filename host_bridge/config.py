@@ -59,6 +59,11 @@ class BridgeConfig:
                                            "serves may take the GPU for its warm-up (it rests "
                                            "between chunks, so the show keeps its frame rate; the standby is ready "
                                            "later); 1: no rests")
+    hold_cpu_awake: bool = spec(False, doc="while started, keep the machine's CPUs out of deep idle states (Linux: "
+                                           "/dev/cpu_dma_latency, writable by root or a udev rule), so frames "
+                                           "handed over at the host's pace do not wait for sleeping cores; idle "
+                                           "cores then poll, costing power. Where it cannot be held it runs on, "
+                                           "and stats()['cpu_awake'] says why")
     restart_backoff_s: float = spec(0.5, min=0.0, max=60.0, doc="first restart delay; doubles per failure")
     restart_backoff_max_s: float = spec(10.0, min=0.0, max=600.0)
     stop_timeout_s: float = spec(2.0, min=0.1, max=60.0, doc="wait after bye and after terminate")

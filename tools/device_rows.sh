@@ -6,14 +6,14 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
-# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, mps-standby,
+# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake, mps-standby,
 # standby-share, td-cook, recovery. A device call runs at most 10 minutes; groups whose limits add up to that or more (attn 1280 s, td-cook 1080, recovery 890,
 # sequential 830, saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not
 # their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps mps-standby standby-share td-cook recovery"
+groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -263,6 +263,21 @@ PY
         ipc_paced ipc_no_mps_busy --busy-host
         mps_on && ipc_paced ipc_mps && ipc_paced ipc_mps_busy --busy-host
         mps_off ;;
+    cpu-awake)
+        # the paced handoff with the CPUs kept out of deep idle states (/dev/cpu_dma_latency held at 0 for the run)
+        # beside the same without, then both under MPS; first the doorbell alone, and what the kernel says of idle
+        for awake in "" --hold-cpu-awake; do
+            step "doorbell${awake:+_awake}" 60 python3 benchmarks/bench_doorbell.py --notices 2000 --paced 600 $awake \
+                --json "$out/doorbell${awake:+_awake}.json"; tail -3 "$out/doorbell${awake:+_awake}.txt"
+        done
+        awake_paced() { LOOM_DOORBELL_SPIN_US=300 step "$1" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
+            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"; }
+        awake_paced ipc_asleep
+        awake_paced ipc_awake --hold-cpu-awake
+        if command -v nvidia-cuda-mps-control >/dev/null; then
+            mps_on && awake_paced ipc_mps_asleep && awake_paced ipc_mps_awake --hold-cpu-awake
+            mps_off
+        fi ;;
     mps-standby)
         # the hot standby's kills without and then under MPS, on one machine: do the host's reads still wait
         # while a new standby warms up beside the serving engine?

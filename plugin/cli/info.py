@@ -11,6 +11,7 @@ from typing import Any
 
 from loom_live.engine.config import list_presets
 from loom_live.host_bridge.mps import daemon_pipe
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake, idle_states
 from loom_live.plugin.cli.common import version
 
 
@@ -64,6 +65,16 @@ def _mps() -> str:
     return f"on: a control daemon at {pipe}; the host and the engines it launches share one GPU context"
 
 
+def _cpu_awake() -> str:
+    """Whether `--hold-cpu-awake` (BridgeConfig.hold_cpu_awake) can hold the CPUs out of deep idle states here, and
+    the idle states it would rule out (host_bridge/wire/cpu_awake.py)."""
+    with CpuAwake() as trial:
+        can = "can be held" if trial.held else f"cannot be held: {trial.why}"
+    idle = idle_states()
+    states = ", ".join(f"{s['name']} {s['latency_us']} us" for s in idle.get("states", []))
+    return f"{can}" + (f"; idle driver {idle['driver'] or '?'}: {states or 'no states listed'}" if idle else "")
+
+
 def _kept_steps() -> str:
     """How many compiled steps are kept whole for this engine, torch and GPU 0 (`loom prepare` keeps them,
     and an engine start loads them); `collect` asks only where torch sees a GPU."""
@@ -96,6 +107,7 @@ def collect() -> dict[str, Any]:
         "cuda_ipc": ipc_ok,
         "cuda_ipc_detail": ipc_why,
         "mps": _mps() if cuda else None,
+        "hold_cpu_awake": _cpu_awake(),
         "compiled_steps_kept": _kept_steps() if cuda else None,
         "pyzmq": _version("zmq"),
         "av": _version("av"),

@@ -137,6 +137,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="keep a second engine loaded that takes over at once if the one in use stops (a crash, a "
                         "hang): the show goes on within a second instead of a restart's wait; costs a second "
                         "engine's memory")
+    p.add_argument("--hold-cpu-awake", action="store_true",
+                   help="Linux: keep the CPUs out of deep idle states while the show runs (/dev/cpu_dma_latency; "
+                        "root, or a udev rule that lets you write it), so frames handed over at the show's pace do "
+                        "not wait for sleeping cores; costs power. Said when it cannot be held")
     p.add_argument("--osc-port", type=int, default=None, metavar="PORT", help="listen for OSC control on this UDP port")
     p.add_argument("--osc-host", default="127.0.0.1", metavar="HOST", help="OSC listen address (default 127.0.0.1)")
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, metavar="S",
@@ -243,7 +247,8 @@ def run_options(args: argparse.Namespace, **run: object) -> int:
         reference=args.reference if args.endpoint else cfg.control.reference,
         size=args.size, fps=args.fps, transport=args.transport, endpoint=args.endpoint, secret_file=args.secret_file,
         engine_python=args.engine_python,
-        passthrough=args.passthrough, standby=args.standby, osc_port=args.osc_port, osc_host=args.osc_host,
+        passthrough=args.passthrough, standby=args.standby, hold_cpu_awake=args.hold_cpu_awake,
+        osc_port=args.osc_port, osc_host=args.osc_host,
         startup_timeout_s=args.startup_timeout, quiet=args.quiet, overwrite=args.overwrite,
         web_token_file=args.web_token_file, web_cert=args.web_cert, web_key=args.web_key, web_proxy=args.web_proxy,
         ice_servers=list(args.ice_servers), ice_username=args.ice_username,

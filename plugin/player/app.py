@@ -221,12 +221,17 @@ class Player:
         cfg = BridgeConfig(transport=o.transport, launch=o.endpoint is None,
                            engine_python=o.engine_python or sys.executable, engine_config=o.config,
                            engine_overrides=overrides, endpoint=o.endpoint, secret_file=o.secret_file,
-                           fallback="passthrough", passthrough=o.passthrough, standby=o.standby)
+                           fallback="passthrough", passthrough=o.passthrough, standby=o.standby,
+                           hold_cpu_awake=o.hold_cpu_awake)
         try:
             self.bridge = Bridge(cfg)
             self.bridge.start()
         except Exception as exc:  # whatever the launcher raises, the user sees one line and exit code 3
             raise PlayerError(f"cannot start the engine: {exc}", EXIT_ENGINE_FAILED) from None
+        awake = self.bridge.stats()["cpu_awake"]
+        if awake is not None:
+            self.printer.say(f"{self.name}: CPUs held out of deep idle states while the show runs" if awake["held"]
+                             else f"{self.name}: --hold-cpu-awake: {awake['why']}")
 
     def _start_osc(self) -> None:
         if self.opts.osc_port is None:

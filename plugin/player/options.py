@@ -84,6 +84,7 @@ class PlayerOptions:
     engine_python: str | None = None
     passthrough: bool = False
     standby: bool = False  # a second launched engine kept loaded to take over (BridgeConfig.standby)
+    hold_cpu_awake: bool = False  # CPUs kept out of deep idle states (BridgeConfig.hold_cpu_awake)
     osc_port: int | None = None
     osc_host: str = "127.0.0.1"
     web: str | None = None  # [HOST:]PORT of the page (plugin/web); None: no page

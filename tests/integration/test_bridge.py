@@ -10,6 +10,7 @@ import gc
 import itertools
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 
 from loom_live.host_bridge import Bridge, BridgeConfig, EngineRefused
+from loom_live.host_bridge.wire import cpu_awake
 from tests.fakes.engines import exiting_engine, indexed_frame, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -719,3 +721,25 @@ def test_a_loading_engine_may_be_silent_longer_than_a_running_one():
     assert "silent" in link.check(link.last_heard + 1.5)
     with pytest.raises(ValueError, match="loading_hang_timeout_s"):
         BridgeConfig(hang_timeout_s=1.0, loading_hang_timeout_s=0.5)
+
+
+@posix_only
+def test_a_bridge_holds_the_cpus_awake_while_started_and_streams_the_same_where_it_cannot(tmp_path, monkeypatch):
+    """hold_cpu_awake: the limit is written when the bridge starts and given back when it closes; where it cannot
+    be held the frames flow as ever and stats() says why. Without the setting nothing is asked."""
+    target = tmp_path / "cpu_dma_latency"
+    target.write_bytes(b"")
+    frames = [indexed_frame(i, 32, 48) for i in range(12)]
+    for latency_file, said in [(target, {"held": True, "why": ""}),
+                               (tmp_path / "absent", {"held": False, "why": f"cannot open {tmp_path / 'absent'} (No "
+                                                      "such file or directory): the CPUs keep their own idle states"})]:
+        monkeypatch.setattr(cpu_awake, "LATENCY_FILE", latency_file)
+        with Bridge(_config(hold_cpu_awake=True)) as bridge:
+            bridge.wait_running(30)
+            assert bridge.stats()["cpu_awake"] == said
+            outputs = bridge.process(frames, timeout_s=30)
+            assert all(np.array_equal(a, b) for a, b in zip(frames, outputs)) and len(outputs) == len(frames)
+        assert bridge.stats()["cpu_awake"]["held"] is False
+    assert target.read_bytes() == struct.pack("i", 0)
+    assert str(target) not in {os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink()}
+    assert Bridge(_config()).stats()["cpu_awake"] is None

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake
 from loom_live.plugin.cli.main import main
 
 
@@ -21,6 +22,8 @@ def test_info_json_reports_the_machine(capsys):
                 "opencv"):
         assert key in info
     assert "default" in info["presets"]
+    with CpuAwake() as here:  # the row says what a bridge's hold_cpu_awake would get on this machine
+        assert info["hold_cpu_awake"].startswith("can be held" if here.held else f"cannot be held: {here.why}")
 
 
 def test_info_reports_a_torch_that_does_not_load_instead_of_a_traceback(monkeypatch, capsys):

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from loom_live.host_bridge.wire.cpu_awake import CpuAwake
 from loom_live.host_bridge.wire.params import steps_for
 from loom_live.plugin.cli.main import main
 from loom_live.plugin.media.partial_files import partial_path
@@ -1768,3 +1769,17 @@ def test_a_file_run_whose_only_output_fails_ends_at_once_with_the_outputs_error(
     assert "error: output: " in out.stderr and "broken.mkv: writing failed" in out.stderr, out.stderr
     assert "the engine stopped" not in out.stderr and "to no output" not in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not broken.exists()
+
+
+def test_hold_cpu_awake_is_said_held_or_why_not_and_the_run_goes_on(tmp_path):
+    """`--hold-cpu-awake` says, once, whether the CPUs are held out of deep idle states (root on Linux) or why not
+    (another system, no permission), and the run is the same either way."""
+    out = tmp_path / "held.mp4"
+    proc = _play("--passthrough", "-n", "5", "--size", "32x32", "--hold-cpu-awake", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "idle states" in line]
+    with CpuAwake() as here:  # what this machine allows
+        expected = "CPUs held out of deep idle states while the show runs" if here.held else \
+            f"--hold-cpu-awake: {here.why}"
+    assert said == [f"loom play: {expected}"], proc.stderr
+    assert _decode(out).shape == (5, 32, 32, 3)
