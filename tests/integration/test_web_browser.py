@@ -4,8 +4,8 @@ user would: its prompt box, its sliders, a bad value, a second page, a wrong tok
 
 One `loom web` and one browser serve the whole module (starting them is most of its time; one each per
 pytest-xdist worker that runs any of its tests); each test waits on conditions the page reports
-(`window.loom`, page.js), never on wall-clock bounds. The screenshot goes to pytest's temporary folder, or to LOOM_WEB_SCREENSHOT when
-set (how docs/web-page.png is made).
+(`window.loom`, page.js), never on wall-clock bounds. The screenshot goes to pytest's temporary folder, or
+to LOOM_WEB_SCREENSHOT when set (how docs/web-page.png is made).
 """
 
 from __future__ import annotations
