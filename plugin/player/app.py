@@ -228,8 +228,8 @@ class Player:
             self.bridge.start()
         except Exception as exc:  # whatever the launcher raises, the user sees one line and exit code 3
             raise PlayerError(f"cannot start the engine: {exc}", EXIT_ENGINE_FAILED) from None
-        awake = self.bridge.stats()["cpu_awake"]
-        if awake is not None:
+        if o.hold_cpu_awake:
+            awake = self.bridge.stats()["cpu_awake"]
             self.printer.say(f"{self.name}: CPUs held out of deep idle states while the show runs" if awake["held"]
                              else f"{self.name}: --hold-cpu-awake: {awake['why']}")
 
