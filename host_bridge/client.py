@@ -343,7 +343,7 @@ class Bridge:
             status = self._status()
             frames = self._frames
             if frames.has_output:
-                fresh = self._fresh()
+                fresh = self._fresh(status)
                 if fresh or self.config.fallback == "last":
                     status.seq, status.fallback = frames.seq, not fresh
                     return frames.output_array(), self._as_shown(status)
@@ -360,7 +360,7 @@ class Bridge:
         with self._lock:
             status = self._status()
             frames = self._frames
-            fresh = self._fresh()
+            fresh = self._fresh(status)
             out, staging = frames.output_device, frames.staging
             fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
             if fits and (fresh or self.config.fallback == "last"):
@@ -386,12 +386,13 @@ class Bridge:
             status.message = "engine ready; its first restyled frame is on its way (the fallback meanwhile)"
         return status
 
-    def _fresh(self) -> bool:
+    def _fresh(self, status: BridgeStatus) -> bool:
         """The newest output counts as fresh only while its engine is known alive (the hang timeout
-        bounds how stale a frame marked fresh can be); lock held."""
+        bounds how stale a frame marked fresh can be), judged by `status`'s own reading of when the engine last
+        spoke, so that a frame and the status handed out with it agree; lock held."""
         link = self._link
         return (self._sup.state == EngineState.RUNNING and link is not None and self._frames.link_id == link.id
-                and link.known_alive(time.monotonic()))
+                and link.known_alive(status.heard_s))
 
     def _status(self) -> BridgeStatus:
         link = self._link

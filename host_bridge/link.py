@@ -245,11 +245,12 @@ class Link:
 
     # -- liveness ------------------------------------------------------------------------------------
 
-    def known_alive(self, now: float) -> bool:
-        """Whether the engine is running as far as this side can tell right now: its process (when we
-        launched it) has not exited and it spoke within the hang timeout. Its frames are fresh only then."""
+    def known_alive(self, heard_s: float) -> bool:
+        """Whether the engine is running as far as this side can tell: its process (when we launched it) has not
+        exited, and it last spoke `heard_s` ago (the caller's one reading of `last_heard`, which a heartbeat may
+        move meanwhile), within the hang timeout. Its frames are fresh only then."""
         return self.phase == "running" and (self.proc is None or self.proc.alive) \
-            and now - self.last_heard <= self.cfg.hang_timeout_s
+            and 0.0 <= heard_s <= self.cfg.hang_timeout_s
 
     def check(self, now: float) -> str | None:
         """A reason to give up on this engine, or None."""
