@@ -363,7 +363,11 @@ class LoomEngine:
               secret_file: str = "", overrides: str = "", passthrough: bool = False, loras: Any = None,
               unique_id: Any = None, workflow: dict[str, Any] | None = None) -> tuple[EngineHandle, str]:
         _check_overrides(overrides)
-        prompt, given = _served_overrides(overrides) if endpoint.strip() else _launched_overrides(config, overrides)
+        if endpoint.strip():
+            prompt, given = _served_overrides(overrides)
+        else:  # the engine starts with them: nothing to tell it later
+            _check_launched(config, overrides)
+            prompt, given = None, {}
         handle = ENGINES.get_or_start(_engine_settings(config=config, transport=transport, fallback=fallback,
                                                        engine_python=engine_python, endpoint=endpoint,
                                                        secret_file=secret_file, overrides=overrides,
@@ -421,10 +425,10 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     return prompt, params
 
 
-def _launched_overrides(config: str, overrides: str) -> tuple[None, dict[str, Any]]:
+def _check_launched(config: str, overrides: str) -> None:
     """The config and overrides of an engine this node launches, checked before it starts (it checks them again): a
     refusal is said at once, naming the overrides line, instead of in the engine's command-line words once it has
-    started. Nothing is told later: the engine starts with them."""
+    started."""
     from loom_live.engine.config import ConfigError, check_overrides
 
     lines = [line.strip() for line in overrides.splitlines()]
@@ -434,7 +438,6 @@ def _launched_overrides(config: str, overrides: str) -> tuple[None, dict[str, An
                         "overrides")
     except ConfigError as exc:
         raise ValueError(f"Loom Engine: {exc}") from None
-    return None, {}
 
 
 def _tell_served(handle: EngineHandle, prompt: str | None, params: dict[str, Any]) -> EngineHandle:
