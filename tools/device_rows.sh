@@ -271,7 +271,8 @@ PY
                 --json "$out/doorbell${awake:+_awake}.json"; tail -3 "$out/doorbell${awake:+_awake}.txt"
         done
         awake_paced() { LOOM_DOORBELL_SPIN_US=300 step "$1" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
-            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"; }
+            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"
+            grep -A1 "^ *size  handoff" "$out/$1.txt" | tail -1; }  # the row itself: the call's files may not all come back
         awake_paced ipc_asleep
         awake_paced ipc_awake --hold-cpu-awake
         if command -v nvidia-cuda-mps-control >/dev/null; then
