@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _session_factory(args: argparse.Namespace):
     """The session's builder, and what the session starts on (its config's prompt and live parameters,
     `LoomConfig.start_settings`) for the ready message; the pass-through session names its config's too."""
-    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.config import load_config
+    from loom_live.engine.host_overrides import lora_override
 
     if not 0.0 < args.warmup_share <= 1.0:
         raise UserError(f"--warmup-share {args.warmup_share:g}: allowed above 0 up to 1")

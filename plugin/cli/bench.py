@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, lora_override, model_family
+from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, model_family
+from loom_live.engine.host_overrides import lora_override
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
 from loom_live.plugin.cli.common import add_config_options, non_negative_float, non_negative_int, positive_int

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loom_live.engine.config import control_override, load_config, lora_override, served_overrides
+from loom_live.engine.config import load_config
+from loom_live.engine.host_overrides import control_override, lora_override, served_overrides
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CONTROL, CONTROL_SOURCES, check_prompt_request
 from loom_live.plugin.cli.common import add_config_options, add_overwrite_option

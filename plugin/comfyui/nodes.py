@@ -407,7 +407,8 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     """With an endpoint the overrides never reach the engine's config (it is served with its own): the first prompt
     (prompt.text) and the live parameters, of any model family, are what it can be told once ready; any other key is
     refused here, named in this node's inputs' words (the user has no command line), before the node connects."""
-    from loom_live.engine.config import HOST_KEYS, ConfigError, ServedKeyError, served_overrides
+    from loom_live.engine.config import ConfigError
+    from loom_live.engine.host_overrides import HOST_KEYS, ServedKeyError, served_overrides
 
     lines = [line.strip() for line in overrides.splitlines()]
     numbers = [number for number, line in enumerate(lines, 1) if line]
@@ -429,7 +430,8 @@ def _check_launched(config: str, overrides: str) -> None:
     """The config and overrides of an engine this node launches, checked before it starts (it checks them again): a
     refusal is said at once, naming the overrides line, instead of in the engine's command-line words once it has
     started."""
-    from loom_live.engine.config import ConfigError, check_overrides
+    from loom_live.engine.config import ConfigError
+    from loom_live.engine.host_overrides import check_overrides
 
     lines = [line.strip() for line in overrides.splitlines()]
     numbers = [number for number, line in enumerate(lines, 1) if line]

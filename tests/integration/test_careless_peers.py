@@ -281,7 +281,8 @@ LORA_REFUSALS = {"text": "unreadable safetensors file", "no suffix": "unknown ch
 @pytest.mark.parametrize("kind", sorted(LORA_REFUSALS))
 def test_a_lora_file_is_checked_for_its_layout_and_shapes_before_an_engine_starts(tmp_path, kind):
     """Point 4's last hole: a LoRA file was first read when the engine built its DiT."""
-    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.config import load_config
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.engine.models.loading import check_weight_files
 
     good, path = _lora(tmp_path, "good", "paper"), _lora(tmp_path, kind)

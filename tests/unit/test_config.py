@@ -7,16 +7,8 @@ import re
 
 import pytest
 
-from loom_live.engine.config import (
-    ConfigError,
-    LoomConfig,
-    ServedKeyError,
-    check_overrides,
-    list_presets,
-    load_config,
-    model_family,
-    served_overrides,
-)
+from loom_live.engine.config import ConfigError, LoomConfig, list_presets, load_config, model_family
+from loom_live.engine.host_overrides import ServedKeyError, check_overrides, served_overrides
 
 
 def test_every_shipped_preset_loads():
@@ -321,7 +313,7 @@ def test_a_prompt_and_a_lora_path_with_an_emoji_reach_a_launched_engine_s_config
     """The player hands a launched engine its first prompt, and --lora its files, as `--set` YAML text: written
     ASCII-escaped, an emoji came back as two broken surrogate halves ("ink \\ud83c\\udfa8")."""
     from loom_live import host_bridge
-    from loom_live.engine.config import lora_override
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.plugin.player.app import Player
     from loom_live.plugin.player.options import PlayerOptions
 

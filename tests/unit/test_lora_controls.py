@@ -80,7 +80,7 @@ def test_without_loras_the_keys_say_how_to_load_one():
 def test_a_hosts_lora_arguments_are_what_the_engine_reads_and_its_refusal_names_the_file():
     import json
 
-    from loom_live.engine.config import lora_override
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.host_bridge.loras import LoraChoice, engine_args, refused_lora
 
     choices = [LoraChoice(r"C:\loras\ink.safetensors", 0.1 + 0.2), LoraChoice("/loras/ink.safetensors.bak", 1.0)]
@@ -101,7 +101,7 @@ def test_a_lora_scale_that_is_not_a_number_is_named_as_the_scale_not_the_file(tm
     import json
     import re
 
-    from loom_live.engine.config import lora_override
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.host_bridge.wire.typed_config import ConfigError
 
     lora = tmp_path / "ink.safetensors"

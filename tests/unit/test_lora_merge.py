@@ -368,7 +368,8 @@ def test_a_lora_with_norm_deltas_from_the_config_is_merged_and_changed_live_in_a
     cross-attention's `norm_k` makes; at scale 0 the norms are the originals again."""
     import numpy as np
 
-    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.config import load_config
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.engine.models.loading import check_weight_files
     from loom_live.engine.stream.session import StreamSession
 
@@ -403,7 +404,8 @@ def test_a_lora_with_norm_deltas_from_the_config_is_merged_and_changed_live_in_a
 
 def test_a_rank_0_lora_is_refused_before_a_start_not_divided_by_at_load(tmp_path):
     """A lora_down of no rows passed the pre-start check and divided by zero (alpha / rank) at load."""
-    from loom_live.engine.config import load_config, lora_override
+    from loom_live.engine.config import load_config
+    from loom_live.engine.host_overrides import lora_override
     from loom_live.engine.models.loading import check_weight_files
 
     dim = DIT_PRESETS["tiny"].dim

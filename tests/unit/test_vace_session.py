@@ -168,7 +168,7 @@ def test_a_new_size_gets_its_own_grey_latents(models):
 
 
 def test_player_control_options_become_config_keys(tmp_path):
-    from loom_live.engine.config import control_override
+    from loom_live.engine.host_overrides import control_override
 
     assert control_override("flow", None) == ["control.control_source=flow"]
     cfg = load_config("tiny-vace", control_override(str(tmp_path / "c.mp4"), str(tmp_path / "r.png")))
