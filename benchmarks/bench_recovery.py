@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from loom_live.engine.config import RANDOM_WEIGHTS  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 
 STARTUP_LINE = re.compile(r"start-up \d.*")  # the engine's line on where its start-up went (engine/stream/startup.py)
 
-RANDOM_WEIGHTS = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash"]
 
 
 SLOW_CALL_S = 0.005  # a host call this long is listed with when it came and what the bridge said then
@@ -107,7 +107,7 @@ def startup_line(bridge: Bridge) -> str | None:
 
 
 def run_mode(mode: str, args: argparse.Namespace, clip: list[np.ndarray]) -> dict:
-    overrides = ([] if args.trained_weights else RANDOM_WEIGHTS) + args.overrides
+    overrides = ([] if args.trained_weights else list(RANDOM_WEIGHTS)) + args.overrides
     cfg = BridgeConfig(transport=args.transport, engine_config=args.config, engine_overrides=overrides,
                        passthrough=args.passthrough, standby=mode.startswith("standby"),
                        standby_start="after" if mode == "standby-after" else "together",

@@ -24,7 +24,6 @@ import os
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +102,11 @@ def model_config(preset: str, folder: Path) -> Path:
     """A config file of `preset` on random weights (what `loom bench` runs), for the component's Config."""
     import yaml
 
-    from loom_live.engine.config import PRESET_PACKAGE, list_presets
+    from loom_live.engine.config import RANDOM_WEIGHTS, list_presets, overridden_source
 
     if preset not in list_presets():
         raise SystemExit(f"bench_td_cook: --config {preset!r}: expected one of {', '.join(list_presets())}")
-    data = yaml.safe_load(resources.files(PRESET_PACKAGE).joinpath(f"{preset}.yaml").read_text())
-    for section, key, value in (("model", "random_weights", True), ("vae", "random_weights", True),
-                                ("prompt", "encoder", "hash")):
-        data.setdefault(section, {})[key] = value
+    data = overridden_source(preset, RANDOM_WEIGHTS)[0]
     path = folder / f"{preset}-random.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

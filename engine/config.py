@@ -33,6 +33,9 @@ __all__ = ["ConfigError", "LoomConfig", "load_config", "list_presets", "DEFAULT_
 
 DEFAULT_PRESET = "default"
 CPU_PRESETS = ("tiny", "embedded", "tiny-vace")  # DiT presets small enough to stream on a CPU (default, tests)
+# a preset on random weights with the hash text encoder, what `loom bench` and the benchmarks run: speed does not
+# depend on weight values, and a prompt is encoded once, not per chunk
+RANDOM_WEIGHTS = ("model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash")
 VACE_PRESETS = ("tiny-vace", "wan2.1-vace-1.3b", "wan2.1-vace-14b")  # DiTs with VACE control blocks
 # DiTs that read their input's edge strength (DIT_PRESETS' `source_edges`; named here, the config loads without
 # torch): the edges are their structure control, scaled by control.context_scale

@@ -70,8 +70,9 @@ def _remove_dead_runs_staging(folder: Path) -> None:
     """Remove the hidden folders in `folder` of this machine's runs that were killed outright. A name that does not
     parse is someone else's and is left alone, as is a live pid's (another run may be writing into it now) and
     another machine's (its pids mean nothing here)."""
+    host = _host()
     for path in folder.iterdir():
         m = _STAGING_NAME.fullmatch(path.name)
-        if m and m.group(1) == _host() and path.is_dir() and not pid_alive(int(m.group(2))):
+        if m and m.group(1) == host and path.is_dir() and not pid_alive(int(m.group(2))):
             shutil.rmtree(path, ignore_errors=True)
             logger.info("removed %s, left by run %s that ended before finishing it", path, m.group(2))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom_live.engine.config import CPU_PRESETS, LoomConfig, load_config, model_family
+from loom_live.engine.config import CPU_PRESETS, RANDOM_WEIGHTS, LoomConfig, load_config, model_family
 from loom_live.engine.host_overrides import lora_override
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
@@ -152,10 +152,9 @@ def run(args: argparse.Namespace) -> int:
     from loom_live.engine.tools.bench import run_baseline, run_loom, summary_table, write_json
 
     check_json_target(args.json)  # a result that cannot be written is said now, not after the whole run
-    # Random weights unless checkpoints are given; the hash text encoder, since prompt encoding is
-    # off the per-frame path (a prompt is encoded once, not per chunk).
+    # Random weights unless checkpoints are given (they come after, in args.overrides)
     args.overrides = [*args.overrides, *lora_override(args.loras)]
-    overrides = ["model.random_weights=true", "vae.random_weights=true", "prompt.encoder=hash", *args.overrides]
+    overrides = [*RANDOM_WEIGHTS, *args.overrides]
     refuse_wan_options(args, overrides)
     for flag, key in ((None if args.steps is None else f"[{args.steps}]", "stream.steps"), (args.mode, "stream.mode"),
                       (args.decoder, "vae.decoder"), (args.encoder, "vae.encoder"),
