@@ -410,12 +410,11 @@ def _served_overrides(overrides: str) -> tuple[str | None, dict[str, Any]]:
     from loom_live.engine.config import ConfigError
     from loom_live.engine.host_overrides import HOST_KEYS, ServedKeyError, served_overrides
 
-    lines = [line.strip() for line in overrides.splitlines()]
-    numbers = [number for number, line in enumerate(lines, 1) if line]
+    texts, sources = _override_lines(overrides)
     try:  # a value not allowed, or no YAML, is named by its line (served_overrides' sources)
-        host, params = served_overrides([lines[n - 1] for n in numbers], [f"overrides line {n}" for n in numbers])
+        host, params = served_overrides(texts, sources)
     except ServedKeyError as exc:
-        raise ValueError(f"Loom Engine: overrides line {lines.index(exc.override) + 1}: {exc.override!r} is not "
+        raise ValueError(f"Loom Engine: {sources[texts.index(exc.override)]}: {exc.override!r} is not "
                          f"allowed while endpoint is set: a served engine runs its own config, and only the live "
                          f"parameters reach it ({', '.join(exc.live_keys)}) and {', '.join(HOST_KEYS)}{exc.hint}; "
                          f"set {exc.key} in the config the engine is served with, or clear endpoint to start a "
@@ -433,13 +432,17 @@ def _check_launched(config: str, overrides: str) -> None:
     from loom_live.engine.config import ConfigError
     from loom_live.engine.host_overrides import check_overrides
 
-    lines = [line.strip() for line in overrides.splitlines()]
-    numbers = [number for number, line in enumerate(lines, 1) if line]
     try:
-        check_overrides(config, [lines[n - 1] for n in numbers], [f"overrides line {n}" for n in numbers],
-                        "overrides")
+        check_overrides(config, *_override_lines(overrides), "overrides")
     except ConfigError as exc:
         raise ValueError(f"Loom Engine: {exc}") from None
+
+
+def _override_lines(overrides: str) -> tuple[list[str], list[str]]:
+    """The overrides input's lines that say something, stripped, and each one's name in this node's words
+    (`overrides line N`, blank lines counted): a ComfyUI user has no `--set` to be told about."""
+    numbered = [(number, line.strip()) for number, line in enumerate(overrides.splitlines(), 1) if line.strip()]
+    return [text for _, text in numbered], [f"overrides line {number}" for number, _ in numbered]
 
 
 def _tell_served(handle: EngineHandle, prompt: str | None, params: dict[str, Any]) -> EngineHandle:
