@@ -47,7 +47,7 @@ class FrameStats:
 
     def __init__(self) -> None:
         self.counts = dict(submitted=0, sent=0, received=0, dropped=0, stale=0, refused=0, refused_frames=0,
-                           refused_control=0)
+                           refused_control=0, superseded=0)
         self._submit_times: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)

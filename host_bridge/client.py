@@ -266,7 +266,8 @@ class Bridge:
         self._sup.note(f"frame refused: {why}", error=True)
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str | np.dtype,
-                    *, layout: str = "rgb", stream: int | None = None, control: DeviceFrame | None = None) -> bool:
+                    *, layout: str = "rgb", stream: int | None = None, control: DeviceFrame | None = None,
+                    keep: Any = None) -> bool:
         """Hand over a frame in device memory (TouchDesigner `cudaMemory().ptr`, torch `data_ptr()`).
 
         The frame is copied on the GPU before this returns (the caller may reuse its buffer), in
@@ -274,7 +275,10 @@ class Bridge:
         produced on, if not the legacy default stream. cuda-ipc transport only. `control` (VACE): the
         frame's control frame in device memory, in its layout, of its size, channels and dtype, copied
         on the same stream into the other half of the frame's slot; one that does not match is refused,
-        said and counted as in `submit`, and the frame goes on without it.
+        said and counted as in `submit`, and the frame goes on without it. `keep`: what owns the source
+        memory (TouchDesigner's `CUDAMemory` objects); given, this returns once the copies are queued,
+        without waiting for the GPU, and the bridge holds `keep` until they are done (the caller must not
+        reuse the memory otherwise: work it queues after this on `stream` is ordered after the copies).
         """
         if self.config.transport != "cuda-ipc":
             raise ValueError(f"submit_cuda needs transport 'cuda-ipc'; this bridge uses {self.config.transport!r}")
@@ -301,7 +305,7 @@ class Bridge:
                 control = self._device_control(control, (width, height, channels, dtype))
             MARKS.mark(seq, "host.stage")
             self._frames.stage_device(ptr, pitch, width, height, channels, dtype, layout, stream,
-                                      None if control is None else (control.ptr, control.pitch))
+                                      None if control is None else (control.ptr, control.pitch), keep)
             self._set_pending(seq, None, now)
             return self._pump()
 
@@ -349,12 +353,15 @@ class Bridge:
                     return frames.output_array(), self._as_shown(status)
             return frames.fallback_array(), self._as_shown(status)
 
-    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None) -> BridgeStatus:
+    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: int | None = None,
+                    wait: bool = True) -> BridgeStatus:
         """Copy the newest output (or the fallback) into device memory, in the input's layout (cuda-ipc).
 
         Returns when the copy is done; `stream` orders it after the caller's own work on that stream.
-        After the input changed size or format, the newest output is of the old kind until the engine
-        catches up; the caller's buffer is sized for the new input, so until then the fallback is the input.
+        `wait` false: returns once the copy is queued on `stream`, without waiting for the GPU; work the
+        caller queues after it on `stream` sees the frame. After the input changed size or format, the
+        newest output is of the old kind until the engine catches up; the caller's buffer is sized for
+        the new input, so until then the fallback is the input.
         """
         self._drain(0.0)
         with self._lock:
@@ -364,10 +371,10 @@ class Bridge:
             out, staging = frames.output_device, frames.staging
             fits = out is not None and (staging is None or _frame_kind(out.spec) == _frame_kind(staging.spec))
             if fits and (fresh or self.config.fallback == "last"):
-                out.read_device(0, ptr, pitch, stream=stream)
+                out.read_device(0, ptr, pitch, stream=stream, wait=wait)
                 status.seq, status.fallback = frames.seq, not fresh
             elif frames.staging is not None:
-                frames.staging.read_device(0, ptr, pitch, stream=stream)
+                frames.staging.read_device(0, ptr, pitch, stream=stream, wait=wait)
             return self._as_shown(status)
 
     def status(self) -> BridgeStatus:
@@ -745,43 +752,61 @@ class Bridge:
             return False
         try:
             messages = lane.receive(timeout_s)
-            if messages:
-                with self._cond:
-                    for msg, payload in messages:
-                        try:
-                            self._on_lane(link, msg, payload)
-                        except Exception as exc:  # an odd notice is refused and counted, never raised to a host
-                            lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
+            with self._cond:
+                newest = max((i for i, (msg, _) in enumerate(messages) if msg["type"] == "frame"), default=-1)
+                for i, (msg, payload) in enumerate(messages):
+                    try:
+                        self._on_lane(link, msg, payload, superseded=i < newest and self._collect is None)
+                    except Exception as exc:  # an odd notice is refused and counted, never raised to a host
+                        lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
+                self._release_copied(link)
         finally:
             lane.release()
         return True
 
-    def _on_lane(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
-        """An output frame notice or an input slot release (the lane accepts nothing else)."""
+    def _release_copied(self, link: Link) -> None:
+        """Hand back the output slots whose device copies the GPU has finished (lane and lock held); slots
+        of an engine no longer in use went with it."""
+        for copied_link, slot, gen in self._frames.finished():
+            if copied_link is link and link is self._link:
+                link.release_output(slot, gen)
+
+    def _on_lane(self, link: Link, msg: dict[str, Any], payload: list[bytes], superseded: bool = False) -> None:
+        """An output frame notice or an input slot release (the lane accepts nothing else). `superseded`: a
+        newer output came in the same receive, so this one's slot goes back unread."""
         if link is not self._link:
             return  # a torn-down engine's last words
         link.heard()
         if msg["type"] == "frame":
-            self._on_output(link, msg, payload)
+            self._on_output(link, msg, payload, superseded)
         else:
             if not link.on_release(msg):
                 link.lane.refuse(f"release of slot {msg['slot']} that was not published")
             self._pump()
             self._cond.notify_all()
 
-    def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes]) -> None:
+    def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes], superseded: bool = False) -> None:
+        """An output frame notice: read the slot (on cuda-ipc a device copy, its slot handed back once the GPU
+        has done it, by `_release_copied`), then make it the newest output."""
         ring = link.ring_out
         if ring is None or msg["gen"] != ring.spec.generation:
             self._stats.counts["stale"] += 1
             return
         MARKS.mark(msg["seq"], "host.output_notice")
+        if superseded:  # the engine made it, the host would never see it: counted, not copied
+            link.release_output(msg["slot"], msg["gen"])
+            self._stats.counts["superseded"] += 1
+            self._stats.received(msg["seq"], time.monotonic())
+            return
+        on_device = self.config.transport == "cuda-ipc"
         try:
-            frame = self._frames.read_output(ring, msg["slot"], payload, self.config.transport == "cuda-ipc")
+            frame = self._frames.read_output(ring, msg["slot"], payload, on_device, (link, msg["slot"], msg["gen"]))
         except (ValueError, RuntimeError) as exc:
             link.lane.refuse(f"output frame: {exc}")
             return
         MARKS.mark(msg["seq"], "host.output_release")
-        link.release_output(msg["slot"], msg["gen"])
+        if not on_device:
+            link.release_output(msg["slot"], msg["gen"])
         MARKS.mark(msg["seq"], "host.notify")
         self._stats.received(msg["seq"], time.monotonic())
         self._frames.set_newest(frame, msg["seq"], link.id)

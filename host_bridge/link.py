@@ -174,15 +174,16 @@ class Link:
 
     def _copy_staged(self, slot: int, staging: Any, control_staging: Any) -> None:
         """cuda-ipc: the staged frame into `slot`, into its half of a control ring's slot (`RingSpec.half_rows`),
-        and the staged control frame into the other half when there is one."""
+        and the staged control frame into the other half when there is one. Queued, not waited for: the
+        engine's read waits for the slot's event, the next staging write for this read (on the GPU)."""
         ring = self.ring_in
         if not ring.spec.control:
-            staging.copy_to(0, ring, slot)
+            staging.copy_to(0, ring, slot, wait=False)
             return
         frame_row, control_row = ring.spec.half_rows
-        staging.copy_to(0, ring, slot, frame_row)
+        staging.copy_to(0, ring, slot, frame_row, wait=False)
         if control_staging is not None:
-            control_staging.copy_to(0, ring, slot, control_row)
+            control_staging.copy_to(0, ring, slot, control_row, wait=False)
 
     def release_output(self, slot: int, gen: int) -> None:
         self.lane.send_release(slot, gen)

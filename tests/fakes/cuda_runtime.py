@@ -2,13 +2,18 @@
 
 "Device" memory is host buffers (pointers are real addresses, so 2D copies with pitch really move
 bytes), and an IPC handle carries the address, so a ring opened "in another process" works within
-this one. Enum and handle types are cuda-python's own: importing this module needs cuda-python
+this one. Copies run when queued; a test can still have the "GPU" fall behind (`behind`): events
+recorded meanwhile read as not done until the host waits for them or `catch_up()`, and every host
+wait is counted per thread (`host_waits`), so a test sees what a caller waited for and what it only
+queued. Enum and handle types are cuda-python's own: importing this module needs cuda-python
 installed (no GPU).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections import Counter
 from types import SimpleNamespace
 
 from cuda.bindings import runtime as cuda_bindings
@@ -39,6 +44,14 @@ class FakeRuntime:
         self._next_stream = 0x1000  # distinct non-zero handles, as the driver's are
         self.streams: set[int] = set()  # live streams made by cudaStreamCreateWithFlags
         self.destroyed_streams: set[int] = set()
+        self.behind = False  # events recorded now stay unfinished until waited for or caught up
+        self.unfinished: set[int] = set()
+        self.host_waits: Counter[int] = Counter()  # cudaStreamSynchronize and cudaEventSynchronize calls, per thread
+
+    def catch_up(self) -> None:
+        """The "GPU" finishes all it was given."""
+        self.behind = False
+        self.unfinished.clear()
 
     def cudaGetDeviceCount(self):
         return OK, 1
@@ -77,10 +90,18 @@ class FakeRuntime:
         return (OK,)
 
     def cudaEventCreateWithFlags(self, flags):
-        assert flags == self.cudaEventInterprocess | self.cudaEventDisableTiming
+        assert flags in (self.cudaEventInterprocess | self.cudaEventDisableTiming, self.cudaEventDisableTiming)
         ev = len(self.events) + 1
         self.events[ev] = "created"
         return OK, ev
+
+    def cudaEventQuery(self, ev):
+        return (cuda_bindings.cudaError_t.cudaErrorNotReady if ev in self.unfinished else OK,)
+
+    def cudaEventSynchronize(self, ev):
+        self.host_waits[threading.get_ident()] += 1
+        self.unfinished.discard(ev)
+        return (OK,)
 
     def cudaIpcGetEventHandle(self, ev):
         h = cuda_bindings.cudaIpcEventHandle_t()
@@ -101,6 +122,10 @@ class FakeRuntime:
     def cudaEventRecord(self, ev, stream):
         self._use(stream)
         self.recorded.append(ev)
+        if self.behind:
+            self.unfinished.add(ev)
+        else:
+            self.unfinished.discard(ev)
         return (OK,)
 
     def cudaStreamWaitEvent(self, stream, ev, flags):
@@ -115,6 +140,8 @@ class FakeRuntime:
 
     def cudaStreamSynchronize(self, stream):
         self._use(stream)
+        self.host_waits[threading.get_ident()] += 1
+        self.unfinished.clear()  # one stream's wait may cover others' work: counted as all done
         return (OK,)
 
     def cudaStreamDestroy(self, stream):

@@ -114,6 +114,57 @@ def test_control_frames_travel_beside_device_frames_over_cuda_ipc():
 
 
 @pytest.mark.gpu
+def test_queued_copies_on_the_hosts_stream_hand_back_whole_frames_over_cuda_ipc():
+    """TouchDesigner's cook path: `submit_cuda(keep=...)` and `latest_cuda(wait=False)` on the host's own
+    stream, nothing waited for; each source a fresh allocation the host drops at once (the bridge holds it).
+    Every frame read back, fallback or output, is one submitted frame whole, and the last one comes back."""
+    import weakref
+
+    import torch
+
+    h, w, c, n, ring = 1080, 1920, 4, 240, 8  # n < 256: a frame's value names it
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    base = torch.randint(0, 256, (h, w, c), device="cuda", generator=gen, dtype=torch.int32)
+    outs = torch.empty((ring, h, w, c), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # `base` is made on the default stream, read on `stream`
+    pitch = w * c
+    kept = []
+
+    def whole(frames: torch.Tensor) -> list[int]:
+        """The frame value of each output (-1 for a frame that is not one submitted frame whole)."""
+        offsets = (frames.to(torch.int32) - base) % 256
+        first = offsets.flatten(1)[:, 0]
+        return [int(v) if bool((o == v).all()) else -1 for o, v in zip(offsets, first)]
+
+    cfg = BridgeConfig(transport="cuda-ipc", passthrough=True, engine_cwd=str(ROOT))
+    with Bridge(cfg) as bridge, torch.cuda.stream(stream):
+        bridge.wait_running(60)
+        seen = []
+        for i in range(n):
+            src = ((base + i) % 256).to(torch.uint8)  # made on the host's stream
+            kept.append(weakref.ref(src))
+            bridge.submit_cuda(src.data_ptr(), pitch, w, h, c, "uint8", layout="touchdesigner",
+                               stream=stream.cuda_stream, keep=src)
+            del src
+            bridge.latest_cuda(outs[i % ring].data_ptr(), pitch, stream=stream.cuda_stream, wait=False)
+            if i % ring == ring - 1:
+                stream.synchronize()
+                seen += whole(outs)
+                time.sleep(0.002)
+        assert bridge.wait_for_output(bridge.last_seq, 10), bridge.status()
+        status = bridge.latest_cuda(outs[0].data_ptr(), pitch, stream=stream.cuda_stream, wait=False)
+        stream.synchronize()
+        last = whole(outs[:1])[0]
+        stats = bridge.stats()
+    assert -1 not in seen, f"{seen.count(-1)} of {len(seen)} frames read back were torn"
+    assert len(set(seen)) > n // 20  # the frames read back moved on with the input
+    assert not status.fallback and last == (n - 1) % 256
+    assert sum(ref() is not None for ref in kept) == 0  # closing the bridge let go of every source
+    assert stats["refused"] == 0
+
+
+@pytest.mark.gpu
 def test_real_session_behind_the_bridge_streams_restyled_frames_over_cuda_ipc():
     """The whole product path: a host hands 480x832 device frames to a launched 1.3B-shaped engine.
 

@@ -9,6 +9,10 @@ driver is exercised by tests/integration/test_bridge_cuda.py on a GPU machine.
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
+
 import numpy as np
 import pytest
 
@@ -76,6 +80,37 @@ def test_bridge_round_trip_through_an_engine_on_cuda_ipc(fake):
             frames = [np.full((4, 8, 3), i, np.uint8) for i in range(5)]
             outs = bridge.process(frames, timeout_s=10)
             assert [int(o[0, 0, 0]) for o in outs] == list(range(5))
+            assert bridge.stats()["refused"] == 0
+
+
+def test_a_host_that_queues_its_copies_never_waits_for_the_gpu_and_gets_every_frame_whole(fake):
+    """TouchDesigner's cook: `submit_cuda(keep=...)` and `latest_cuda(wait=False)` only queue device copies on
+    the host's stream; the bridge holds what owns the source memory until the GPU has copied it."""
+
+    class Memory:  # TouchDesigner's CUDAMemory: the source frame's owner
+        def __init__(self, value: int) -> None:
+            self.frame = np.full((6, 10, 4), value, np.uint8)
+
+    stream = 0x7D
+    with InProcessEngine(PassthroughSession) as engine:
+        with Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1)) as bridge:
+            bridge.wait_running(10)
+            back = np.zeros((6, 10, 4), np.uint8)
+            kept = []
+            for value in range(1, 13):
+                memory = Memory(value)
+                kept.append(weakref.ref(memory))
+                before = fake.host_waits[threading.get_ident()]
+                bridge.submit_cuda(memory.frame.ctypes.data, 40, 10, 6, 4, "uint8", layout="touchdesigner",
+                                   stream=stream, keep=memory)
+                del memory
+                assert bridge.wait_for_output(bridge.last_seq, 5), bridge.status()
+                status = bridge.latest_cuda(back.ctypes.data, 40, stream=stream, wait=False)
+                if value > 2:  # past the first frames' ring set-up
+                    assert fake.host_waits[threading.get_ident()] == before, f"frame {value}: the host waited"
+                assert not status.fallback and (back == value).all(), f"frame {value}: {np.unique(back)}"
+            gc.collect()
+            assert sum(ref() is not None for ref in kept) <= 1  # only the newest copy may still hold its source
             assert bridge.stats()["refused"] == 0
 
 

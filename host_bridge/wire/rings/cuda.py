@@ -5,7 +5,9 @@ whole allocations) exported with `cudaIpcGetMemHandle`. Each slot has one interp
 (`cudaEventInterprocess | cudaEventDisableTiming`): the writer records it on its stream after the
 copy into the slot and only then publishes the slot index; the reader makes its own stream wait
 on that event before it copies out, and synchronises that stream before it releases the slot.
-No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
+A read the caller does not wait for (`wait=False`) records a plain event of the slot's own, which
+the next write into that slot waits for on the GPU, so a queued read never sees a newer frame
+half-written. No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
 processes with different `CUDA_VISIBLE_DEVICES`.
 
 cuda-python is optional: importing this module without it works; creating a ring raises
@@ -115,7 +117,8 @@ def _from_hex(cls: Any, text: str) -> Any:
     return handle
 
 
-def _stream(stream: Any) -> Any:
+def as_stream(stream: Any) -> Any:
+    """A cuda-python stream handle from an int (TouchDesigner's handles) or a handle; 0 or None: the legacy default."""
     return stream if isinstance(stream, cudart.cudaStream_t) else cudart.cudaStream_t(int(stream or 0))
 
 
@@ -136,6 +139,7 @@ class CudaRing(Ring):
         # a blocking stream on purpose: work the caller queued on the legacy default stream (torch's
         # default, many apps') completes before our copies start, without the caller syncing
         self.stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamDefault), "cudaStreamCreate")
+        self._read_events: list[Any] = [None] * len(ptrs)  # per slot: its last read nobody waited for
         self._closed = False
 
     @classmethod
@@ -195,10 +199,11 @@ class CudaRing(Ring):
         if first_row < 0 or rows < 1 or first_row + rows > self.spec.height:
             raise ValueError(f"rows {first_row}..{first_row + rows - 1} are outside the slot's {self.spec.height}")
         row = self.spec.row_bytes
-        s = self.stream if stream is None else _stream(stream)
+        s = self.stream if stream is None else as_stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
         if wait_event is not None:
             check(cudart.cudaStreamWaitEvent(s, wait_event, 0), "cudaStreamWaitEvent")
+        self._after_reads(slot, s)
         check(cudart.cudaMemcpy2DAsync(self.ptrs[slot] + first_row * self.spec.pitch, self.spec.pitch, src,
                                        src_pitch or row, row, rows, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                                        s), "cudaMemcpy2DAsync")
@@ -206,27 +211,50 @@ class CudaRing(Ring):
         if sync:
             check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
-    def read_device(self, slot: int, dst: int, dst_pitch: int | None = None, *, stream: Any = None) -> None:
+    def read_device(self, slot: int, dst: int, dst_pitch: int | None = None, *, stream: Any = None,
+                    wait: bool = True) -> None:
         """Copy `slot` into device memory after the writer's event; returns when the copy is done
-        (the slot is released right after, so it must have been read)."""
+        (a slot released right after must have been read). `wait` false: returns once the copy is
+        queued on `stream`; work queued after it there sees the frame, and the next write into this
+        slot waits for the read on the GPU."""
         self.check_slot(slot)
         row = self.spec.row_bytes
-        s = self.stream if stream is None else _stream(stream)
+        s = self.stream if stream is None else as_stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
         check(cudart.cudaStreamWaitEvent(s, self.events[slot], 0), "cudaStreamWaitEvent")
         check(cudart.cudaMemcpy2DAsync(dst, dst_pitch or row, self.ptrs[slot], self.spec.pitch, row, self.spec.height,
                                        cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s), "cudaMemcpy2DAsync")
-        check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+        if wait:
+            check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+        else:
+            self._mark_read(slot, s)
 
     def copy_to(self, slot: int, other: CudaRing, other_slot: int, first_row: int = 0, *, wait: bool = True) -> None:
         """Slot to slot on the GPU (the pass-through engine; a staged frame into an input slot, or into one
         half of a control ring's slot from `first_row` on): waits on this slot's event, records other's.
-        `wait` false: returns once queued; a reader of `other` orders itself by the recorded event, and
+        `wait` false: returns once queued on `other`'s stream; a reader of `other` orders itself by the
+        recorded event, the next write into this slot waits for the read on the GPU, and
         `other.wait_writes()` says when this slot has been read (before it is handed back)."""
         if other.spec.row_bytes != self.spec.row_bytes:
             raise ValueError(f"slot rows of {self.spec.row_bytes} bytes do not fit rows of {other.spec.row_bytes}")
         other.write_device(other_slot, self.ptrs[slot], self.spec.pitch, wait_event=self.events[slot],
                            first_row=first_row, rows=self.spec.height, sync=wait)
+        if not wait:
+            self._mark_read(slot, other.stream)
+
+    def _mark_read(self, slot: int, stream: Any) -> None:
+        """A read of `slot` queued on `stream` that nobody waits for: the next write into the slot waits for it."""
+        event = self._read_events[slot]
+        if event is None:
+            event = check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+            self._read_events[slot] = event
+        check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+
+    def _after_reads(self, slot: int, stream: Any) -> None:
+        """Order a write into `slot` on `stream` after the slot's last read nobody waited for (on the GPU)."""
+        event = self._read_events[slot]
+        if event is not None:
+            check(cudart.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
     def wait_writes(self) -> None:
         """Return when the copies queued on this ring's own stream are done."""
@@ -241,6 +269,7 @@ class CudaRing(Ring):
         frame = np.ascontiguousarray(frame)
         row = self.spec.row_bytes
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
+        self._after_reads(slot, self.stream)
         check(cudart.cudaMemcpy2DAsync(self.ptrs[slot], self.spec.pitch, frame.ctypes.data, row, row, self.spec.height,
                                        cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream), "cudaMemcpy2DAsync")
         check(cudart.cudaEventRecord(self.events[slot], self.stream), "cudaEventRecord")
@@ -264,6 +293,10 @@ class CudaRing(Ring):
         self._closed = True
         cudart.cudaSetDevice(self.device)
         cudart.cudaStreamSynchronize(self.stream)
+        for event in self._read_events:  # reads queued on other streams end before the memory goes
+            if event is not None:
+                cudart.cudaEventSynchronize(event)
+                cudart.cudaEventDestroy(event)
         for ptr in self.ptrs:
             if self._owner:
                 cudart.cudaFree(ptr)

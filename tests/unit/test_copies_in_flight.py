@@ -1,0 +1,112 @@
+"""Device copies the bridge queues without waiting (host_bridge/copies_in_flight.py, the rings' queued reads),
+on the CPU stand-in of cuda-python's runtime whose "GPU" can fall behind (tests/fakes/cuda_runtime.py)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings.runtime", reason="the cuda-ipc code needs cuda-python (no GPU)")
+
+from loom_live.host_bridge.copies_in_flight import CopiesInFlight  # noqa: E402
+from loom_live.host_bridge.newest_frames import NewestFrames  # noqa: E402
+from loom_live.host_bridge.wire.rings import cuda as tc  # noqa: E402
+from tests.fakes.cuda_runtime import FakeRuntime  # noqa: E402
+
+STREAM = 0x5EED
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    rt = FakeRuntime()
+    monkeypatch.setattr(tc, "cudart", rt)
+    return rt
+
+
+def waits(fake: FakeRuntime) -> int:
+    return fake.host_waits[threading.get_ident()]
+
+
+def test_what_a_copy_keeps_comes_back_once_the_gpu_has_passed_it_in_order(fake):
+    flight = CopiesInFlight(limit=3)
+    fake.behind = True
+    flight.hold(STREAM, 0, "a")
+    flight.hold(STREAM, 0, "b")
+    assert flight.done() == [] and len(flight) == 2 and waits(fake) == 0  # asked, never waited for
+    fake.catch_up()
+    assert flight.done() == ["a", "b"] and flight.done() == [] and len(flight) == 0
+    flight.hold(STREAM, 0, "c")
+    assert flight.done() == ["c"]  # a finished event is reused, and reads as the new point only
+    assert len(fake.events) == 2
+
+
+def test_past_the_limit_the_oldest_copy_is_waited_for(fake):
+    flight = CopiesInFlight(limit=2)
+    fake.behind = True
+    for kept in "abc":
+        flight.hold(STREAM, 0, kept)
+    assert waits(fake) == 1 and flight.waited == 1 and len(flight) == 2
+    assert flight.done() == ["a"]  # the one waited for comes back; the others are still in flight
+    flight.close()
+    assert flight.done() == [] and len(flight) == 0 and waits(fake) == 3  # close waits for the rest, hands none
+    with pytest.raises(ValueError, match="limit: 0 is not allowed"):
+        CopiesInFlight(limit=0)
+
+
+def test_a_queued_read_orders_the_next_write_into_its_slot_on_the_gpu(fake):
+    kw = dict(transport="cuda-ipc", slots=1, width=4, height=2, channels=4, dtype="uint8", generation=0)
+    buffer = tc.CudaRing.create(dir="out", **kw)
+    buffer.write(0, np.full((2, 4, 4), 7, np.uint8))
+    dst = np.zeros((2, 4, 4), np.uint8)
+    before = waits(fake)
+    buffer.read_device(0, dst.ctypes.data, stream=STREAM, wait=False)
+    assert waits(fake) == before and (dst == 7).all()
+    read_event = fake.recorded[-1]
+    assert read_event not in buffer.events  # a plain event of the slot's own, not the IPC one
+    buffer.write(0, np.full((2, 4, 4), 9, np.uint8))
+    assert read_event in fake.waited  # the write waited for the read, on the GPU
+    buffer.close()
+    assert waits(fake) > before + 1  # closing waits for reads queued on other streams
+
+
+def test_an_output_slot_goes_back_only_once_its_device_copy_is_done(fake):
+    kw = dict(transport="cuda-ipc", width=4, height=2, channels=4, dtype="uint8", generation=0)
+    ring = tc.CudaRing.create(dir="out", slots=3, **kw)  # the engine's output ring
+    ring.write(1, np.full((2, 4, 4), 5, np.uint8))
+    frames = NewestFrames(cuda_device=0)
+    fake.behind = True
+    before = waits(fake)
+    assert frames.read_output(ring, 1, [], on_device=True, token=("link", 1, 0)) is None
+    assert frames.finished() == [] and waits(fake) == before
+    fake.catch_up()
+    assert frames.finished() == [("link", 1, 0)] and frames.finished() == []
+    assert (frames.output_array() == 5).all()
+    frames.close()
+    ring.close()
+
+
+def test_staged_source_memory_is_kept_until_copied(fake):
+    src = np.full((2, 4, 4), 3, np.uint8)
+
+    class Memory:  # what owns TouchDesigner's copy of a texture
+        pass
+
+    frames = NewestFrames(cuda_device=0)
+    fake.behind = True
+    first, second = Memory(), Memory()
+    alive = [weakref.ref(first), weakref.ref(second)]
+    before = waits(fake)
+    frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM, keep=first)
+    del first
+    frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM, keep=second)
+    del second
+    assert waits(fake) == before and all(ref() is not None for ref in alive)  # queued, both held
+    fake.catch_up()
+    frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM, keep=Memory())
+    assert [ref() for ref in alive] == [None, None]  # copied: handed back at the next stage
+    frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM)  # no keep: copied before it returns
+    assert waits(fake) == before + 1
+    frames.close()
