@@ -67,7 +67,7 @@ for group in "$@"; do
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
             tests/unit/test_saved_compiles.py \
-            tests/integration/test_bridge_cuda.py tests/integration/test_cli.py ;;
+            tests/integration/test_bridge_cuda.py tests/integration/test_cli.py tests/integration/test_touchdesigner.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     speed)

@@ -85,6 +85,7 @@ class LoomExt:
         self.last_error = ""
         self.note = ""  # a lasting remark from Start (a transport fallback), shown with the status
         self.device_output: Any = None
+        self._streams_shared: bool | None = None  # whether this TD build's CUDA calls take our stream (None: unseen)
         self.input_note = ""  # about this cook's input (a format that goes through the CPU, a refused frame)
         self.refused: dict[str, str] = {}  # Loom page values the engine cannot take, by group; shown until fixed
         self.closers: list[threading.Thread] = []  # stopping engines (Stop does not wait for them)
@@ -492,7 +493,7 @@ class LoomExt:
             self.device_output = DeviceBuffer()
         stream = self.device_output.stream
         try:
-            memory = _on_stream(top.cudaMemory, stream)  # TD's copy of the texture; freed when `memory` is dropped
+            memory = self._on_stream(top.cudaMemory, stream)  # TD's copy of the texture; freed when `memory` is dropped
         except Exception as exc:  # e.g. TD 2025 refuses 16-bit float formats: this input goes through the CPU
             self.input_note = f"the input's cudaMemory() refused ({exc}); it goes through the CPU"
             return None
@@ -515,15 +516,20 @@ class LoomExt:
             c_dtype = np.dtype(c.dataType)
             control = DeviceFrame(control_memory.ptr, c.width * c.numComps * c_dtype.itemsize, c.width, c.height,
                                   c.numComps, c_dtype.name)  # one that does not match is refused by the bridge
+        # where TD's calls share our stream the copies are only queued (the main thread does not wait for the
+        # GPU's turn), and the bridge holds TD's CUDAMemory objects until the GPU has copied them
+        queue = self._streams_shared is True
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
-                                layout="touchdesigner", stream=stream, control=control)
+                                layout="touchdesigner", stream=stream, control=control,
+                                keep=(memory, control_memory) if queue else None)
         self.cuda_submits += 1
-        del memory, control_memory  # only now: submit_cuda has finished its device copies when it returns
         nbytes = pitch * shape.height
         ptr = self.device_output.ensure(nbytes)
-        # output comes back in the input's layout and size, copied here, on TD's main thread
-        status = self.bridge.latest_cuda(ptr, pitch, stream=stream)
-        _on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
+        # output comes back in the input's layout and size, copied here and then into the TOP, in that order
+        status = self.bridge.latest_cuda(ptr, pitch, stream=stream, wait=not queue)
+        self._on_stream(scriptOp.copyCUDAMemory, stream, ptr, nbytes, shape)
+        if self._streams_shared is None:  # this build's calls took the stream: later cooks queue
+            self._streams_shared = True
         return status
 
     def _drop_oversize(self, width: int, height: int) -> Any:
@@ -544,13 +550,25 @@ class LoomExt:
         if control_top is None:
             return None
         try:
-            memory = _on_stream(control_top.cudaMemory, stream)
+            memory = self._on_stream(control_top.cudaMemory, stream)
         except Exception as exc:
             self.input_note = f"the control input's cudaMemory() refused ({exc}); this frame goes without it"
             return None
         if memory is None:
             self.input_note = "the control input TOP has no image this cook; this frame goes without it"
         return memory
+
+    def _on_stream(self, method: Any, stream: int, *args: Any) -> Any:
+        """Call a TD method with `stream=`. A build whose method takes no stream gets the call without it: its
+        copy runs on the default stream, which our stream does not wait for, so from then on the bridge's
+        copies are waited for in the cook (`_streams_shared` false) instead of only queued."""
+        try:
+            return method(*args, stream=stream)
+        except TypeError as exc:
+            if "stream" not in str(exc):
+                raise
+            self._streams_shared = False
+            return method(*args)
 
     def _use_cuda(self) -> bool:
         return self.bridge.config.transport == "cuda-ipc"
@@ -594,17 +612,6 @@ def missing_dependency() -> str:
                 f"Windows: py -{version} -m pip ...) and add that folder to TouchDesigner's Python 64-bit Module Path "
                 "(Preferences > General), then restart TouchDesigner; see plugin/touchdesigner/README.md")
     return ""
-
-
-def _on_stream(method: Any, stream: int, *args: Any) -> Any:
-    """Call a TD method with `stream=`; builds whose method takes no stream get the call without it
-    (their copy then runs on the default stream, ordered by the bridge's synchronising copies)."""
-    try:
-        return method(*args, stream=stream)
-    except TypeError as exc:
-        if "stream" not in str(exc):
-            raise
-        return method(*args)
 
 
 class DeviceBuffer:

@@ -400,14 +400,16 @@ class DeviceCopyingBridge:
         self.config = SimpleNamespace(transport="cuda-ipc", max_frame_side=bridge.config.max_frame_side)
         self.cuda_calls: list[dict[str, Any]] = []
         self.streams: list[tuple[str, Any]] = []
+        self.queued: list[tuple[str, bool]] = []  # per call: whether the adapter asked for a queued copy
         self._layout: tuple[np.dtype, int] | None = None
 
     def submit_cuda(self, ptr: int, pitch: int, width: int, height: int, channels: int, dtype: str,
-                    *, layout: str = "rgb", stream: Any = None, control: Any = None) -> bool:
-        frame = _device_frame(ptr, pitch, width, height, channels, dtype)
+                    *, layout: str = "rgb", stream: Any = None, control: Any = None, keep: Any = None) -> bool:
+        frame = _device_frame(ptr, pitch, width, height, channels, dtype)  # copied now: `keep` is not held
         self.cuda_calls.append({"pitch": pitch, "width": width, "height": height, "channels": channels,
                                 "dtype": dtype, "layout": layout})
         self.streams.append(("submit_cuda", stream))
+        self.queued.append(("submit_cuda", keep is not None))
         self._layout = (np.dtype(dtype), channels)
         if control is not None:  # a VACE control frame (host_bridge.newest_frames.DeviceFrame)
             self.streams.append(("submit_cuda control", stream))
@@ -415,10 +417,11 @@ class DeviceCopyingBridge:
                                     control.dtype)
         return self._bridge.submit(frame, layout=layout, control=control)
 
-    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: Any = None) -> Any:
+    def latest_cuda(self, ptr: int, pitch: int | None = None, *, stream: Any = None, wait: bool = True) -> Any:
         from loom_live.host_bridge.wire.pixels import to_touchdesigner
 
         self.streams.append(("latest_cuda", stream))
+        self.queued.append(("latest_cuda", not wait))
         frame, status = self._bridge.latest()
         dtype, channels = self._layout
         data = to_touchdesigner(frame, dtype, channels).view(np.uint8).reshape(-1)

@@ -233,6 +233,43 @@ def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtyp
     assert set(DEVICE.live) == live_before
 
 
+class StreamlessInputTOP(InputTOP):
+    """A TouchDesigner build whose cudaMemory() takes no stream: its copy runs on the default stream."""
+
+    def cudaMemory(self) -> CUDAMemory:
+        return super().cudaMemory()
+
+
+@pytest.mark.parametrize("top", [InputTOP, StreamlessInputTOP])
+def test_cuda_cooks_only_queue_their_copies_where_td_shares_the_stream(top):
+    """The main thread must not wait for the GPU's turn in a cook: from the second cook on, the input goes with
+    its CUDAMemory for the bridge to hold and the output copy is only queued, on the component's stream. A build
+    whose calls take no stream copies on the default stream, which that stream does not wait for: there every
+    cook waits for the bridge's copies."""
+    from loom_live.host_bridge import Bridge, BridgeConfig
+
+    source = top(td_texture(16, 24, seed=3))
+    comp, script, ext = make_component(source)
+    comp.parexec_enabled = False
+    comp.par.Transport = "cuda-ipc"
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
+    bridge.start()
+    ext.bridge = DeviceCopyingBridge(bridge)
+    ext.device_output = StandInDeviceBuffer()
+    try:
+        cook_until_running(script, comp)
+        script.cook()
+        queued = ext.bridge.queued
+        if top is InputTOP:
+            assert queued[:2] == [("submit_cuda", False), ("latest_cuda", False)]  # the first cook: not yet known
+            assert set(queued[2:]) == {("submit_cuda", True), ("latest_cuda", True)}
+        else:
+            assert not any(q for _, q in queued)
+        np.testing.assert_array_equal(script.output, source.texture)
+    finally:
+        ext.Stop()
+
+
 def test_cuda_ipc_without_a_gpu_falls_back_to_shared_memory():
     from loom_live.host_bridge.wire.rings.cuda import cuda_available
 
