@@ -752,24 +752,17 @@ class Bridge:
             return False
         try:
             messages = lane.receive(timeout_s)
-            with self._cond:
+            if messages:
                 newest = max((i for i, (msg, _) in enumerate(messages) if msg["type"] == "frame"), default=-1)
-                for i, (msg, payload) in enumerate(messages):
-                    try:
-                        self._on_lane(link, msg, payload, superseded=i < newest and self._collect is None)
-                    except Exception as exc:  # an odd notice is refused and counted, never raised to a host
-                        lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
-                self._release_copied(link)
+                with self._cond:
+                    for i, (msg, payload) in enumerate(messages):
+                        try:
+                            self._on_lane(link, msg, payload, superseded=i < newest and self._collect is None)
+                        except Exception as exc:  # an odd notice is refused and counted, never raised to a host
+                            lane.refuse(f"{msg['type']} notice: {type(exc).__name__}: {exc}")
         finally:
             lane.release()
         return True
-
-    def _release_copied(self, link: Link) -> None:
-        """Hand back the output slots whose device copies the GPU has finished (lane and lock held); slots
-        of an engine no longer in use went with it."""
-        for copied_link, slot, gen in self._frames.finished():
-            if copied_link is link and link is self._link:
-                link.release_output(slot, gen)
 
     def _on_lane(self, link: Link, msg: dict[str, Any], payload: list[bytes], superseded: bool = False) -> None:
         """An output frame notice or an input slot release (the lane accepts nothing else). `superseded`: a
@@ -786,8 +779,8 @@ class Bridge:
             self._cond.notify_all()
 
     def _on_output(self, link: Link, msg: dict[str, Any], payload: list[bytes], superseded: bool = False) -> None:
-        """An output frame notice: read the slot (on cuda-ipc a device copy, its slot handed back once the GPU
-        has done it, by `_release_copied`), then make it the newest output."""
+        """An output frame notice: read the slot (on cuda-ipc a device copy, queued), hand it back, and make
+        the frame the newest output."""
         ring = link.ring_out
         if ring is None or msg["gen"] != ring.spec.generation:
             self._stats.counts["stale"] += 1
@@ -798,15 +791,13 @@ class Bridge:
             self._stats.counts["superseded"] += 1
             self._stats.received(msg["seq"], time.monotonic())
             return
-        on_device = self.config.transport == "cuda-ipc"
         try:
-            frame = self._frames.read_output(ring, msg["slot"], payload, on_device, (link, msg["slot"], msg["gen"]))
+            frame = self._frames.read_output(ring, msg["slot"], payload, self.config.transport == "cuda-ipc")
         except (ValueError, RuntimeError) as exc:
             link.lane.refuse(f"output frame: {exc}")
             return
         MARKS.mark(msg["seq"], "host.output_release")
-        if not on_device:
-            link.release_output(msg["slot"], msg["gen"])
+        link.release_output(msg["slot"], msg["gen"])
         MARKS.mark(msg["seq"], "host.notify")
         self._stats.received(msg["seq"], time.monotonic())
         self._frames.set_newest(frame, msg["seq"], link.id)

@@ -5,10 +5,11 @@ keeps the newest output and the last submitted input ready here. On the host tra
 read-only numpy arrays (every caller gets the same array); on cuda-ipc they are one-slot device
 buffers (`CudaRing`), so a frame stays on the GPU from the host's texture to the engine and back,
 and is only brought to host memory when a caller asks for a numpy array. The input buffer doubles
-as the staging copy the bridge hands to the engine's input ring. Device copies a host need not
-wait for are queued, and what each must keep until the GPU is done with it (the host's source
-memory, the engine's output slot) waits in `CopiesInFlight`. cuda-python is imported only when a
-device buffer is made. The bridge calls into this object with its own lock held.
+as the staging copy the bridge hands to the engine's input ring. Device copies out of a slot are
+queued, not waited for (the slot's next writer waits for them on the GPU), and so are copies in
+from a host that gives what owns its source memory, kept in `CopiesInFlight` until copied.
+cuda-python is imported only when a device buffer is made. The bridge calls into this object with
+its own lock held.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 from loom_live.host_bridge.wire import pixels as formats
 
 INPUTS_IN_FLIGHT = 4  # a host's source buffers kept for queued copies, at most (then the oldest is waited for)
-OUTPUTS_IN_FLIGHT = 2  # engine output slots held for queued copies: a ring of 3 keeps one free for the engine
 
 
 class NewestFrames:
@@ -37,7 +37,6 @@ class NewestFrames:
         self.seq = -1  # input sequence number the newest output came from
         self.link_id = -1  # the link (engine instance) it came from
         self._inputs_in_flight: Any = None  # cuda-ipc: CopiesInFlight of the host's source memory
-        self._outputs_in_flight: Any = None  # cuda-ipc: CopiesInFlight of output slots read
 
     @property
     def has_output(self) -> bool:
@@ -72,9 +71,12 @@ class NewestFrames:
             buffer.write_device(0, control[0], control[1], stream=stream, sync=keep is None)
         self.control_staged = control is not None
         if keep is not None:
-            flight = self._in_flight("inputs")
-            flight.done()  # the source memory of earlier copies the GPU has finished goes back to the host
-            flight.hold(staging.stream if stream is None else stream, staging.device, keep)
+            if self._inputs_in_flight is None:
+                from loom_live.host_bridge.copies_in_flight import CopiesInFlight
+
+                self._inputs_in_flight = CopiesInFlight(INPUTS_IN_FLIGHT)
+            self._inputs_in_flight.done()  # the source memory of copies the GPU has finished goes back to the host
+            self._inputs_in_flight.hold(staging.stream if stream is None else stream, staging.device, keep)
 
     def _staging_for(self, width: int, height: int, channels: int, dtype: str, layout: str,
                      device_ptr: int | None = None, control: bool = False) -> Any:
@@ -100,36 +102,18 @@ class NewestFrames:
 
     # -- outputs --------------------------------------------------------------------------------------
 
-    def read_output(self, ring: Any, slot: int, payload: list[bytes], on_device: bool,
-                    token: Any = None) -> np.ndarray | None:
+    def read_output(self, ring: Any, slot: int, payload: list[bytes], on_device: bool) -> np.ndarray | None:
         """Take an output slot's frame: into the device buffer (`on_device`; returns None) or as a
         read-only host array. Raises ValueError/RuntimeError for a frame that does not fit the ring.
-        A host array is read when this returns; the device copy is only queued: `token` comes back
-        from `finished()` once the GPU has read the slot, and the slot must not be handed back sooner."""
+        Either way the slot may go back when this returns: the device copy is only queued, and the
+        engine's next write into the slot waits for it on the GPU."""
         if on_device:
             self.output_device = _device_buffer_like(self.output_device, ring)
             ring.copy_to(slot, self.output_device, 0, wait=False)
-            self._in_flight("outputs").hold(self.output_device.stream, ring.device, token)
             return None
         frame = ring.read(slot, payload)
         frame.setflags(write=False)  # every latest() caller gets this same array
         return frame
-
-    def finished(self) -> list[Any]:
-        """The tokens of output copies the GPU has finished (their slots may go back), oldest first; never
-        waits for the GPU."""
-        return [] if self._outputs_in_flight is None else self._outputs_in_flight.done()
-
-    def _in_flight(self, kind: str) -> Any:
-        from loom_live.host_bridge.copies_in_flight import CopiesInFlight
-
-        if kind == "inputs":
-            if self._inputs_in_flight is None:
-                self._inputs_in_flight = CopiesInFlight(INPUTS_IN_FLIGHT)
-            return self._inputs_in_flight
-        if self._outputs_in_flight is None:
-            self._outputs_in_flight = CopiesInFlight(OUTPUTS_IN_FLIGHT)
-        return self._outputs_in_flight
 
     def set_newest(self, frame: np.ndarray | None, seq: int, link_id: int) -> None:
         """Record the output just read (`frame` None when it went to the device buffer)."""
@@ -148,10 +132,9 @@ class NewestFrames:
         return self.last_input
 
     def close(self) -> None:
-        for flight in (self._inputs_in_flight, self._outputs_in_flight):
-            if flight is not None:
-                flight.close()
-        self._inputs_in_flight = self._outputs_in_flight = None
+        if self._inputs_in_flight is not None:
+            self._inputs_in_flight.close()
+            self._inputs_in_flight = None
         for dev in (self.staging, self.control_staging, self.output_device):
             if dev is not None:
                 dev.close()

@@ -31,8 +31,10 @@ from loom_live.host_bridge.wire.params import (
 # 2: a frame lane socket for notices; 3: or a shared-memory doorbell on one machine; 4: a served engine
 # answers only the host it serves, and tells a host that says hello meanwhile that it waits (`wait`);
 # 5: its frame lane too (the host's lane connects as the `lane_id` the engine's hello names); 6: VACE control
-# frames beside the input (a `control` input ring, the frame notice's `control`) and a live `reference` image
-PROTOCOL_VERSION = 6
+# frames beside the input (a `control` input ring, the frame notice's `control`) and a live `reference` image;
+# 7: a cuda-ipc ring's `read_events` (a reader that queued its read without waiting records one; the next writer
+# of that slot waits for it on the GPU)
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 64 * 1024  # control messages are small; frames travel in rings or payload parts
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # one tcp frame part (an 8K float32 RGBA frame is 531 MB: refuse)
 MAX_SLOTS = 16
@@ -357,7 +359,9 @@ class RingSpec:
     """One direction's ring of frame slots, sent once per generation (a new generation = new slots).
 
     `handles` name the shared memory (shm segment names, or hex CUDA IPC memory handles); `events`
-    are the hex CUDA IPC event handles, one per slot. `pitch` is the byte length of one row in a slot.
+    are the hex CUDA IPC event handles, one per slot, that a writer records after its copy into the slot;
+    `read_events` one more per slot, that a reader records after a copy out it did not wait for (the next
+    write into the slot waits for it). `pitch` is the byte length of one row in a slot.
     `control` (an input ring of a VACE host): each slot holds a frame and its control frame, so `height`
     is twice the frame's; in the engine's orientation (after `orientation` is applied) the upper half is
     the frame, the lower half the control frame, valid where the frame notice says `control`.
@@ -376,6 +380,7 @@ class RingSpec:
     order: str = "RGB"
     handles: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    read_events: list[str] = field(default_factory=list)
     gpu_uuid: str | None = None
     encoding: str = "raw"
     jpeg_quality: int = 90
@@ -415,7 +420,8 @@ class RingSpec:
             "channels": (_int(1, 4), True), "dtype": (_choice(*DTYPES), True), "pitch": (_int(1, 2**20), True),
             "generation": (_int(), True), "orientation": (_choice(*ORIENTATIONS), False),
             "order": (_str(4, 1), False), "handles": (_str_list(MAX_SLOTS, 256), False),
-            "events": (_str_list(MAX_SLOTS, 256), False), "gpu_uuid": (_opt(_str(64)), False),
+            "events": (_str_list(MAX_SLOTS, 256), False), "read_events": (_str_list(MAX_SLOTS, 256), False),
+            "gpu_uuid": (_opt(_str(64)), False),
             "encoding": (_choice(*ENCODINGS), False), "jpeg_quality": (_int(1, 100), False),
             "control": (_bool, False),
         }

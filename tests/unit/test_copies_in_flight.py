@@ -1,5 +1,6 @@
-"""Device copies the bridge queues without waiting (host_bridge/copies_in_flight.py, the rings' queued reads),
-on the CPU stand-in of cuda-python's runtime whose "GPU" can fall behind (tests/fakes/cuda_runtime.py)."""
+"""Device copies the bridge queues without waiting (host_bridge/copies_in_flight.py, the rings' queued reads and
+their read events), on the CPU stand-in of cuda-python's runtime whose "GPU" can fall behind
+(tests/fakes/cuda_runtime.py)."""
 
 from __future__ import annotations
 
@@ -65,27 +66,35 @@ def test_a_queued_read_orders_the_next_write_into_its_slot_on_the_gpu(fake):
     buffer.read_device(0, dst.ctypes.data, stream=STREAM, wait=False)
     assert waits(fake) == before and (dst == 7).all()
     read_event = fake.recorded[-1]
-    assert read_event not in buffer.events  # a plain event of the slot's own, not the IPC one
+    assert read_event not in buffer.events  # the slot's read event, not its write event
     buffer.write(0, np.full((2, 4, 4), 9, np.uint8))
     assert read_event in fake.waited  # the write waited for the read, on the GPU
     buffer.close()
     assert waits(fake) > before + 1  # closing waits for reads queued on other streams
 
 
-def test_an_output_slot_goes_back_only_once_its_device_copy_is_done(fake):
+def test_the_engines_next_write_into_an_output_slot_waits_for_the_hosts_queued_read(fake):
+    """The host hands an output slot back as soon as its copy out is queued: the slot's read event, shared
+    with the engine through the ring's description, orders the engine's next write into it on the GPU."""
     kw = dict(transport="cuda-ipc", width=4, height=2, channels=4, dtype="uint8", generation=0)
-    ring = tc.CudaRing.create(dir="out", slots=3, **kw)  # the engine's output ring
-    ring.write(1, np.full((2, 4, 4), 5, np.uint8))
+    ring = tc.CudaRing.create(dir="out", slots=3, **kw)  # made by the host, as the bridge makes both rings
+    assert len(ring.spec.read_events) == 3
+    engine = tc.CudaRing.attach(ring.spec)
+    frame = np.full((2, 4, 4), 5, np.uint8)
+    engine.write_device(1, frame.ctypes.data, 16)
     frames = NewestFrames(cuda_device=0)
-    fake.behind = True
     before = waits(fake)
-    assert frames.read_output(ring, 1, [], on_device=True, token=("link", 1, 0)) is None
-    assert frames.finished() == [] and waits(fake) == before
-    fake.catch_up()
-    assert frames.finished() == [("link", 1, 0)] and frames.finished() == []
+    assert frames.read_output(ring, 1, [], on_device=True) is None
+    assert waits(fake) == before  # queued: nothing waited for on the host
+    read_event = fake.recorded[-1]
+    assert read_event not in ring.events  # the slot's read event, not its write event
+    waited = len(fake.waited)
+    engine.write_device(1, frame.ctypes.data, 16)  # the slot, reused by the engine
+    assert read_event in fake.waited[waited:]
     assert (frames.output_array() == 5).all()
     frames.close()
-    ring.close()
+    for r in (engine, ring):
+        r.close()
 
 
 def test_staged_source_memory_is_kept_until_copied(fake):

@@ -5,9 +5,10 @@ whole allocations) exported with `cudaIpcGetMemHandle`. Each slot has one interp
 (`cudaEventInterprocess | cudaEventDisableTiming`): the writer records it on its stream after the
 copy into the slot and only then publishes the slot index; the reader makes its own stream wait
 on that event before it copies out, and synchronises that stream before it releases the slot.
-A read the caller does not wait for (`wait=False`) records a plain event of the slot's own, which
-the next write into that slot waits for on the GPU, so a queued read never sees a newer frame
-half-written. No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
+A read the reader does not wait for (`wait=False`) records the slot's second interprocess event
+(`read_events`) instead, and the next write into that slot, in either process, waits for it on
+the GPU: the slot can go back at once, and a queued read never sees a newer frame half-written.
+No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
 processes with different `CUDA_VISIBLE_DEVICES`.
 
 cuda-python is optional: importing this module without it works; creating a ring raises
@@ -129,7 +130,8 @@ class CudaRing(Ring):
     on_device = True
     copies_slots = True
 
-    def __init__(self, spec: RingSpec, device: int, ptrs: list[int], events: list[Any], owner: bool):
+    def __init__(self, spec: RingSpec, device: int, ptrs: list[int], events: list[Any], owner: bool,
+                 read_events: list[Any] | None = None):
         self.spec = spec
         self.device = device
         self.ptrs = ptrs
@@ -139,7 +141,9 @@ class CudaRing(Ring):
         # a blocking stream on purpose: work the caller queued on the legacy default stream (torch's
         # default, many apps') completes before our copies start, without the caller syncing
         self.stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamDefault), "cudaStreamCreate")
-        self._read_events: list[Any] = [None] * len(ptrs)  # per slot: its last read nobody waited for
+        # per slot: its last read nobody waited for (shared with the peer process; a ring described without them,
+        # a host's own one-slot buffers among them, makes plain ones when first needed)
+        self._read_events: list[Any] = list(read_events) if read_events else [None] * len(ptrs)
         self._closed = False
 
     @classmethod
@@ -148,40 +152,45 @@ class CudaRing(Ring):
         check(cudart.cudaSetDevice(device), "cudaSetDevice")
         pitch = packed_pitch(fields["width"], fields["channels"], fields["dtype"], PITCH_ALIGN)
         size = pitch * fields["height"]
-        ptrs, events, handles, event_handles = [], [], [], []
+        ptrs, events, read_events, handles, event_handles, read_handles = [], [], [], [], [], []
         flags = cudart.cudaEventInterprocess | cudart.cudaEventDisableTiming
         try:
             for _ in range(fields["slots"]):
                 ptr = check(cudart.cudaMalloc(size), "cudaMalloc")
                 ptrs.append(ptr)
                 handles.append(_to_hex(check(cudart.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")))
-                event = check(cudart.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
-                events.append(event)
-                event_handles.append(_to_hex(check(cudart.cudaIpcGetEventHandle(event), "cudaIpcGetEventHandle")))
+                for made, exported in ((events, event_handles), (read_events, read_handles)):
+                    event = check(cudart.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+                    made.append(event)
+                    exported.append(_to_hex(check(cudart.cudaIpcGetEventHandle(event), "cudaIpcGetEventHandle")))
         except Exception:
             for p in ptrs:
                 cudart.cudaFree(p)
-            for e in events:
+            for e in events + read_events:
                 cudart.cudaEventDestroy(e)
             raise
-        spec = RingSpec(pitch=pitch, handles=handles, events=event_handles, gpu_uuid=device_uuid(device), **fields)
-        return cls(spec, device, ptrs, events, owner=True)
+        spec = RingSpec(pitch=pitch, handles=handles, events=event_handles, read_events=read_handles,
+                        gpu_uuid=device_uuid(device), **fields)
+        return cls(spec, device, ptrs, events, owner=True, read_events=read_events)
 
     @classmethod
     def attach(cls, spec: RingSpec) -> CudaRing:
         _require()
-        if spec.gpu_uuid is None or len(spec.handles) != spec.slots or len(spec.events) != spec.slots:
-            raise ValueError("cuda-ipc ring: needs a GPU UUID and one memory and one event handle per slot")
+        if spec.gpu_uuid is None or len(spec.handles) != spec.slots or len(spec.events) != spec.slots \
+                or len(spec.read_events) not in (0, spec.slots):
+            raise ValueError("cuda-ipc ring: needs a GPU UUID and one memory and one event handle per slot "
+                             "(and one read event per slot, or none)")
         device = device_by_uuid(spec.gpu_uuid)
         check(cudart.cudaSetDevice(device), "cudaSetDevice")
-        ptrs, events = [], []
-        for mem_hex, event_hex in zip(spec.handles, spec.events):
+        ptrs = []
+        for mem_hex in spec.handles:
             handle = _from_hex(cudart.cudaIpcMemHandle_t, mem_hex)
             ptrs.append(check(cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess),
                               "cudaIpcOpenMemHandle"))
-            ev = _from_hex(cudart.cudaIpcEventHandle_t, event_hex)
-            events.append(check(cudart.cudaIpcOpenEventHandle(ev), "cudaIpcOpenEventHandle"))
-        return cls(spec, device, ptrs, events, owner=False)
+        events, read_events = ([check(cudart.cudaIpcOpenEventHandle(_from_hex(cudart.cudaIpcEventHandle_t, h)),
+                                      "cudaIpcOpenEventHandle") for h in hexes]
+                               for hexes in (spec.events, spec.read_events))
+        return cls(spec, device, ptrs, events, owner=False, read_events=read_events)
 
     # -- device pointers (the zero-copy path) -------------------------------------------------------
 
@@ -243,7 +252,8 @@ class CudaRing(Ring):
             self._mark_read(slot, other.stream)
 
     def _mark_read(self, slot: int, stream: Any) -> None:
-        """A read of `slot` queued on `stream` that nobody waits for: the next write into the slot waits for it."""
+        """A read of `slot` queued on `stream` that nobody waits for: the next write into the slot (in this
+        process or the peer's) waits for it."""
         event = self._read_events[slot]
         if event is None:
             event = check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
