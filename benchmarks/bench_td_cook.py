@@ -14,6 +14,10 @@ cuda-ipc (GPU machine with cuda-python; the texture is uint8 BGRA in device memo
 With a model engine instead (`--config PRESET`, on random weights): the cook's copies then share the GPU with
 the model's work, as they do on stage (on one GPU the processes' contexts take turns):
     python benchmarks/bench_td_cook.py --transport cuda-ipc --config wan2.1-1.3b --warmup-s 30
+On cuda-ipc the cook only queues its copies where TouchDesigner's calls take the component's stream;
+`--streamless` stands in for a build whose calls take none, where each cook waits for the bridge's copies
+(the two ways side by side). Beside the cook times: the engine's output rate and the outputs it dropped for
+want of a free output slot (slots the host had not handed back yet).
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ class DeviceTOP(InputTOP):
         """The textures live for the whole run."""
 
 
+class StreamlessDeviceTOP(DeviceTOP):
+    """A TouchDesigner build whose cudaMemory() takes no stream (its copy on the default stream)."""
+
+    def cudaMemory(self) -> Any:
+        return super().cudaMemory()
+
+
 class BenchScriptTOP(ScriptTOP):
     """Takes the output as TD would, without counting TD's upload."""
 
@@ -113,8 +124,11 @@ def model_config(preset: str, folder: Path) -> Path:
 
 
 def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path | None = None,
-        warmup_s: float = WARMUP_S, start_s: float = 120.0) -> dict[str, Any]:
-    source = DeviceTOP(w, h) if transport == "cuda-ipc" else HostTOP(w, h)
+        warmup_s: float = WARMUP_S, start_s: float = 120.0, streamless: bool = False) -> dict[str, Any]:
+    if transport != "cuda-ipc":
+        source = HostTOP(w, h)
+    else:
+        source = StreamlessDeviceTOP(w, h) if streamless else DeviceTOP(w, h)
     comp, _, ext = make_component(source)
     script = BenchScriptTOP(comp, source)
     configure(comp, transport=transport)
@@ -146,11 +160,13 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
                 fresh.append(transport == "cuda-ipc" or ext._host_output_of is not before)
                 if received0 is None:
                     received0, t0 = ext.bridge.stats()["received"], time.monotonic()
+                    engine0 = ext.bridge.engine_report(refresh=True)
                 durations.append(t * 1000.0)
             next_at += period
             time.sleep(max(0.0, next_at - time.monotonic()))
         elapsed = time.monotonic() - t0
         received = ext.bridge.stats()["received"] - received0
+        engine1 = ext.bridge.engine_report(refresh=True)
         message = comp.par.Message.eval()
     finally:
         comp.par.Active = False
@@ -160,7 +176,16 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
     return {"transport": transport, "size": f"{w}x{h}", "cooks": len(d), "paced_fps": fps,
             "cook_ms": _stats(d), "new_frame_cooks": len(new), "new_frame_cook_ms": _stats(new),
             "engine_fps": round(received / elapsed, 1), "target_ms": TARGET_MS[transport],
-            "message": message}
+            "engine_frames_out": _grew(engine0, engine1, "frames_out"),
+            "engine_dropped_out": _grew(engine0, engine1, "dropped_out"),
+            "cook_queues": bool(getattr(ext, "_streams_shared", False)), "message": message}
+
+
+def _grew(before: dict[str, Any], after: dict[str, Any], key: str) -> int | None:
+    """How much an engine counter grew over the measured time (None: the engine does not report it)."""
+    if key not in before or key not in after:
+        return None
+    return int(after[key]) - int(before[key])
 
 
 def _stats(d: np.ndarray) -> dict[str, float]:
@@ -192,6 +217,8 @@ def main() -> None:
                     help="seconds of cooks after the engine's first output that are not counted (a model engine "
                          "compiles its first chunk shapes there)")
     ap.add_argument("--start-s", type=float, default=120.0, help="wait this long for the engine's first output")
+    ap.add_argument("--streamless", action="store_true",
+                    help="cuda-ipc: a TD build whose calls take no stream (each cook waits for the bridge's copies)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     if args.warmup_s < 0 or args.seconds <= 0 or args.start_s <= 0:
@@ -203,22 +230,25 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     with tempfile.TemporaryDirectory(prefix="loom-td-cook-") as folder:
         config = model_config(args.config, Path(folder)) if args.config else None
-        result = run(args.transport, w, h, args.seconds, args.fps, config, args.warmup_s, args.start_s)
+        result = run(args.transport, w, h, args.seconds, args.fps, config, args.warmup_s, args.start_s,
+                     args.streamless)
     result["engine"] = f"{args.config} on random weights" if args.config else "pass-through"
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in load],
                          "loadavg_after": [round(x, 2) for x in (os.getloadavg() if hasattr(os, "getloadavg")
                                                                  else load)]}
-    print(f"\nLoom TD operator, main-thread time per cook ({result['transport']}, {result['engine']}, "
-          f"{result['size']}, "
+    way = ("copies queued" if result["cook_queues"] else "copies waited for") if args.transport == "cuda-ipc" else ""
+    print(f"\nLoom TD operator, main-thread time per cook ({result['transport']}{', ' + way if way else ''}, "
+          f"{result['engine']}, {result['size']}, "
           f"paced at {args.fps:g} FPS; {os.cpu_count()} CPUs, load {load[0]:.1f})")
     print(f"{'cooks':>22} {'n':>5} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8} {'engine FPS':>11} "
-          f"{'target':>7}")
+          f"{'out / dropped':>14} {'target':>7}")
+    out = f"{result['engine_frames_out']} / {result['engine_dropped_out']}"
     for label, key, n in (("all", "cook_ms", result["cooks"]),
                           ("with a new engine frame", "new_frame_cook_ms", result["new_frame_cooks"])):
         c = result[key]
         if c:
             print(f"{label:>22} {n:5d} {c['p50']:8.2f} {c['p90']:8.2f} {c['p99']:8.2f} {c['max']:8.2f} "
-                  f"{c['mean']:8.2f} {result['engine_fps']:11.1f} {result['target_ms']:6.1f}")
+                  f"{c['mean']:8.2f} {result['engine_fps']:11.1f} {out:>14} {result['target_ms']:6.1f}")
     print(json.dumps(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
