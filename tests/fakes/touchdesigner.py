@@ -387,6 +387,20 @@ def cook_until_running(script: ScriptTOP, comp: LoomComp, timeout_s: float = 60.
     return cook_until(script, lambda: running(comp), "engine running", timeout_s)
 
 
+def start_device_bridge(comp: LoomComp, ext: Any) -> None:
+    """The component on cuda-ipc with the real bridge and pass-through engine behind it, its device calls done
+    on the stand-in's memory (`DeviceCopyingBridge`, `StandInDeviceBuffer`)."""
+    from loom_live.host_bridge import Bridge, BridgeConfig
+
+    comp.parexec_enabled = False
+    comp.par.Transport = "cuda-ipc"
+    comp.parexec_enabled = True
+    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
+    bridge.start()
+    ext.bridge = DeviceCopyingBridge(bridge)
+    ext.device_output = StandInDeviceBuffer()
+
+
 class DeviceCopyingBridge:
     """The real bridge, with the CUDA calls doing on the stand-in's device memory what they do on a GPU.
 

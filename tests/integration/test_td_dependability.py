@@ -27,16 +27,15 @@ from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
     CUDAMemory,
     CUDAMemoryShape,
-    DeviceCopyingBridge,
     InputTOP,
     LoomComp,
     ScriptTOP,
-    StandInDeviceBuffer,
     configure,
     cook_until,
     cook_until_running,
     make_component,
     running,
+    start_device_bridge,
     td_texture,
 )
 
@@ -134,14 +133,9 @@ def test_an_input_with_no_image_never_raises_out_of_the_cook_and_the_stream_come
 def test_16bit_float_input_on_cuda_ipc_comes_back_through_the_cpu_without_raising():
     """TouchDesigner's 16-bit float textures (cudaMemory dataType float16) are not a device format the
     bridge takes: those cooks go through numpyArray(), with a note, and the stream goes on both ways."""
-    from loom_live.host_bridge import Bridge, BridgeConfig
-
     source = InputTOP(td_texture(24, 32, np.uint8, seed=3))
     comp, script, ext = make_component(source)
-    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
-    bridge.start()
-    ext.bridge = DeviceCopyingBridge(bridge)
-    ext.device_output = StandInDeviceBuffer()
+    start_device_bridge(comp, ext)
     try:
         cook_until(script, lambda: running(comp), "engine running")
         for texture in (td_texture(24, 32, np.float32, seed=4).astype(np.float16), td_texture(24, 32, seed=5)):

@@ -6,7 +6,6 @@ Each test names the point of the issue it covers.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ from loom_live.plugin.touchdesigner.build_loom import CALLBACKS_DAT, EXTENSION, 
 from loom_live.plugin.touchdesigner.loom_ext import PAREXEC_PARS, STATUS_PARS, LoomExt
 from loom_live.plugin.touchdesigner.parameters import PARAMETERS
 from tests.fakes.touchdesigner import (
-    DeviceCopyingBridge,
     InputTOP,
     NetworkCOMP,
     StandInDeviceBuffer,
@@ -34,23 +32,11 @@ from tests.fakes.touchdesigner import (
     fake_td_module,
     make_component,
     running,
+    start_device_bridge,
     td_texture,
 )
 
 HERE = Path(loom_ext.__file__).parent
-
-
-def _start_device_bridge(comp, ext):
-    """The real bridge and pass-through engine, with device calls done on the stand-in's memory."""
-    from loom_live.host_bridge import Bridge, BridgeConfig
-
-    comp.parexec_enabled = False
-    comp.par.Transport = "cuda-ipc"
-    comp.parexec_enabled = True
-    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
-    bridge.start()
-    ext.bridge = DeviceCopyingBridge(bridge)
-    ext.device_output = StandInDeviceBuffer()
 
 
 class StubBridge:
@@ -88,7 +74,7 @@ def test_a_16bit_float_input_that_cudamemory_refuses_streams_through_the_cpu():
     with pytest.raises(TDError, match="16-bit float"):
         source.cudaMemory()  # the stand-in refuses as TD 2025 does
     comp, script, ext = make_component(source)
-    _start_device_bridge(comp, ext)
+    start_device_bridge(comp, ext)
     try:
         cook_until_running(script, comp)
         cook_until(script, lambda: ext.bridge.stats()["received"] >= 3, "outputs of the fp16 input")
@@ -185,7 +171,7 @@ def test_a_build_that_calls_only_del_td_still_stops_the_engine():
 def test_one_cuda_stream_reaches_cudamemory_the_bridge_and_copycudamemory():
     source = InputTOP(td_texture(16, 24, seed=6))
     comp, script, ext = make_component(source)
-    _start_device_bridge(comp, ext)
+    start_device_bridge(comp, ext)
     try:
         cook_until_running(script, comp)
         stream = StandInDeviceBuffer.STREAM
@@ -366,7 +352,7 @@ def test_a_build_whose_cuda_methods_take_no_stream_still_streams_device_to_devic
         type(script).copyCUDAMemory(script, address, size, shape)
 
     script.copyCUDAMemory = old_copy
-    _start_device_bridge(comp, ext)
+    start_device_bridge(comp, ext)
     try:
         cook_until_running(script, comp)
         cook_until(script, lambda: script.output is not None and np.array_equal(script.output, source.texture),

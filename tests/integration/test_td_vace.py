@@ -4,21 +4,18 @@ scale and source reach it as live parameters, and the Reference TOP's picture as
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-from loom_live.host_bridge import Bridge, BridgeConfig
 from loom_live.host_bridge.wire.pixels import from_touchdesigner
 from loom_live.plugin.touchdesigner import osc_in_callbacks
 from tests.fakes.touchdesigner import (
     COOK_BUDGET_S,
-    DeviceCopyingBridge,
     InputTOP,
     StandInDeviceBuffer,
     configure,
     cook_until,
     make_component,
+    start_device_bridge,
     td_texture,
 )
 
@@ -66,12 +63,7 @@ def test_on_cuda_ipc_the_control_input_goes_device_to_device_beside_the_input():
     source, control = InputTOP(td_texture(12, 16, seed=1)), InputTOP(td_texture(12, 16, seed=2))
     comp, script, ext = make_component(source)
     script.inputs.append(control)
-    comp.parexec_enabled = False
-    comp.par.Transport = "cuda-ipc"
-    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
-    bridge.start()
-    ext.bridge = DeviceCopyingBridge(bridge)
-    ext.device_output = StandInDeviceBuffer()
+    start_device_bridge(comp, ext)
     try:
         per_frame = int(from_touchdesigner(control.texture).astype(np.int64).sum())
         cook_until(script, lambda: session(ext).get("control", {}).get("frames", 0) >= 3, "control frames", 60)

@@ -31,14 +31,13 @@ from tests.fakes.touchdesigner import (
     TD_PAR_NAME,
     CUDAMemory,
     CUDAMemoryShape,
-    DeviceCopyingBridge,
     InputTOP,
     LoomComp,
     ScriptTOP,
-    StandInDeviceBuffer,
     configure,
     cook_until_running,
     make_component,
+    start_device_bridge,
     td_texture,
 )
 
@@ -202,18 +201,12 @@ def test_stand_in_enforces_the_cudamemory_lifetime_rule():
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
 def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtype):
-    from loom_live.host_bridge import Bridge, BridgeConfig
 
     texture = td_texture(32, 48, dtype, seed=5)
     source = InputTOP(texture)
     comp, script, ext = make_component(source)
-    comp.parexec_enabled = False
-    comp.par.Transport = "cuda-ipc"
     live_before = set(DEVICE.live)
-    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
-    bridge.start()
-    ext.bridge = DeviceCopyingBridge(bridge)
-    ext.device_output = StandInDeviceBuffer()
+    start_device_bridge(comp, ext)
     try:
         durations = cook_until_running(script, comp)
         assert max(durations) < COOK_BUDGET_S
@@ -246,16 +239,9 @@ def test_cuda_cooks_only_queue_their_copies_where_td_shares_the_stream(top):
     its CUDAMemory for the bridge to hold and the output copy is only queued, on the component's stream. A build
     whose calls take no stream copies on the default stream, which that stream does not wait for: there every
     cook waits for the bridge's copies."""
-    from loom_live.host_bridge import Bridge, BridgeConfig
-
     source = top(td_texture(16, 24, seed=3))
     comp, script, ext = make_component(source)
-    comp.parexec_enabled = False
-    comp.par.Transport = "cuda-ipc"
-    bridge = Bridge(BridgeConfig(transport="shm", passthrough=True, engine_python=sys.executable))
-    bridge.start()
-    ext.bridge = DeviceCopyingBridge(bridge)
-    ext.device_output = StandInDeviceBuffer()
+    start_device_bridge(comp, ext)
     try:
         cook_until_running(script, comp)
         script.cook()
