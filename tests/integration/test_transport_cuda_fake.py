@@ -25,7 +25,7 @@ from loom_live.host_bridge.newest_frames import DeviceFrame  # noqa: E402
 from loom_live.host_bridge.wire.pixels import to_touchdesigner  # noqa: E402
 from loom_live.host_bridge.wire.rings import cuda as tc  # noqa: E402
 from tests.fakes.cuda_runtime import FakeRuntime, HostDeviceSlots  # noqa: E402
-from tests.fakes.engines import InProcessEngine, indexed_frame  # noqa: E402
+from tests.fakes.engines import InProcessEngine, indexed_frame, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -112,6 +112,24 @@ def test_a_host_that_queues_its_copies_never_waits_for_the_gpu_and_gets_every_fr
             gc.collect()
             assert sum(ref() is not None for ref in kept) <= 1  # only the newest copy may still hold its source
             assert bridge.stats()["refused"] == 0
+
+
+def test_outputs_a_host_finds_together_go_back_unread_but_the_newest(fake):
+    """A latest-wins host that finds several engine outputs waiting shows the newest: the older slots go back
+    without a copy out, counted as superseded, and every output still counts as received."""
+    with InProcessEngine(PassthroughSession) as engine:
+        with Bridge(BridgeConfig(transport="cuda-ipc", **engine.host, heartbeat_s=0.1)) as bridge:
+            bridge.wait_running(10)
+            frames = [np.full((6, 10, 4), v, np.uint8) for v in (10, 20, 30)]
+            for frame in frames:  # on cuda-ipc only the host's own calls read the lane: none until latest_cuda
+                bridge.submit_cuda(frame.ctypes.data, 40, 10, 6, 4, "uint8", layout="touchdesigner")
+            worker = engine.server.worker
+            assert wait_until(lambda: worker.counts["frames_out"] == 3, 10), worker.counts
+            back = np.zeros((6, 10, 4), np.uint8)
+            status = bridge.latest_cuda(back.ctypes.data, 40)
+            stats = bridge.stats()
+            assert not status.fallback and status.seq == bridge.last_seq and (back == 30).all()
+            assert stats["superseded"] == 2 and stats["received"] == 3
 
 
 def test_staged_frames_fill_one_half_of_a_control_slot_each(fake):
