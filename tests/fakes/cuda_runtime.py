@@ -46,6 +46,7 @@ class FakeRuntime:
         self.destroyed_streams: set[int] = set()
         self.behind = False  # events recorded now stay unfinished until waited for or caught up
         self.unfinished: set[int] = set()
+        self.event_waits: list[int] = []  # the events cudaEventSynchronize waited for
         self.host_waits: Counter[int] = Counter()  # cudaStreamSynchronize and cudaEventSynchronize calls, per thread
 
     def catch_up(self) -> None:
@@ -100,6 +101,7 @@ class FakeRuntime:
 
     def cudaEventSynchronize(self, ev):
         self.host_waits[threading.get_ident()] += 1
+        self.event_waits.append(ev)
         self.unfinished.discard(ev)
         return (OK,)
 

@@ -119,3 +119,20 @@ def test_staged_source_memory_is_kept_until_copied(fake):
     frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM)  # no keep: copied before it returns
     assert waits(fake) == before + 1
     frames.close()
+
+
+def test_closing_a_ring_waits_for_its_own_queued_reads_never_for_the_peers(fake):
+    """A killed engine's last record of a read event may never complete: the host must not wait on it when it
+    closes the ring, only on the reads it queued itself."""
+    kw = dict(transport="cuda-ipc", slots=2, width=4, height=2, channels=4, dtype="uint8", generation=0)
+    host_ring = tc.CudaRing.create(dir="in", **kw)
+    engine_ring = tc.CudaRing.attach(host_ring.spec)
+    out = tc.CudaRing.create(dir="out", **kw)
+    engine_ring.copy_to(0, out, 0, wait=False)  # the engine's queued read of slot 0 (the pass-through's copy)
+    peer_read = fake.recorded[-1]
+    dst = np.zeros((2, 4, 4), np.uint8)
+    host_ring.read_device(1, dst.ctypes.data, stream=STREAM, wait=False)  # the host's own queued read of slot 1
+    own_read = fake.recorded[-1]
+    host_ring.close()  # the engine was killed: it never closes its side
+    assert own_read in fake.event_waits and peer_read not in fake.event_waits
+    out.close()

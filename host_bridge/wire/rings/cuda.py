@@ -144,6 +144,7 @@ class CudaRing(Ring):
         # per slot: its last read nobody waited for (shared with the peer process; a ring described without them,
         # a host's own one-slot buffers among them, makes plain ones when first needed)
         self._read_events: list[Any] = list(read_events) if read_events else [None] * len(ptrs)
+        self._reads_marked: set[int] = set()  # slots whose read event this process recorded
         self._closed = False
 
     @classmethod
@@ -259,6 +260,7 @@ class CudaRing(Ring):
             event = check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming), "cudaEventCreateWithFlags")
             self._read_events[slot] = event
         check(cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+        self._reads_marked.add(slot)
 
     def _after_reads(self, slot: int, stream: Any) -> None:
         """Order a write into `slot` on `stream` after the slot's last read nobody waited for (on the GPU)."""
@@ -303,9 +305,13 @@ class CudaRing(Ring):
         self._closed = True
         cudart.cudaSetDevice(self.device)
         cudart.cudaStreamSynchronize(self.stream)
-        for event in self._read_events:  # reads queued on other streams end before the memory goes
+        # this process's reads queued on other streams end before the memory goes; a peer's record is never waited
+        # for here (a killed peer's last one may never complete): a peer waits for its own reads before it hands a
+        # slot back, or (the host) owns the memory and closes its rings after its own reads
+        for slot, event in enumerate(self._read_events):
             if event is not None:
-                cudart.cudaEventSynchronize(event)
+                if slot in self._reads_marked:
+                    cudart.cudaEventSynchronize(event)
                 cudart.cudaEventDestroy(event)
         for ptr in self.ptrs:
             if self._owner:
