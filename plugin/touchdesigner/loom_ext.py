@@ -567,6 +567,9 @@ class LoomExt:
         except TypeError as exc:
             if "stream" not in str(exc):
                 raise
+            if self._streams_shared is not False:
+                log.warning("this TouchDesigner build's %s takes no CUDA stream: each cook waits for its GPU copies "
+                            "(a build whose calls take one only queues them)", getattr(method, "__name__", method))
             self._streams_shared = False
             return method(*args)
 

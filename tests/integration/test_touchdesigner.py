@@ -234,7 +234,7 @@ class StreamlessInputTOP(InputTOP):
 
 
 @pytest.mark.parametrize("top", [InputTOP, StreamlessInputTOP])
-def test_cuda_cooks_only_queue_their_copies_where_td_shares_the_stream(top):
+def test_cuda_cooks_only_queue_their_copies_where_td_shares_the_stream(top, caplog):
     """The main thread must not wait for the GPU's turn in a cook: from the second cook on, the input goes with
     its CUDAMemory for the bridge to hold and the output copy is only queued, on the component's stream. A build
     whose calls take no stream copies on the default stream, which that stream does not wait for: there every
@@ -251,6 +251,8 @@ def test_cuda_cooks_only_queue_their_copies_where_td_shares_the_stream(top):
             assert set(queued[2:]) == {("submit_cuda", True), ("latest_cuda", True)}
         else:
             assert not any(q for _, q in queued)
+            said = [r.getMessage() for r in caplog.records if "takes no CUDA stream" in r.getMessage()]
+            assert len(said) == 1 and "cudaMemory" in said[0]  # said once, not every cook
         np.testing.assert_array_equal(script.output, source.texture)
     finally:
         ext.Stop()
