@@ -433,6 +433,7 @@ class Bridge:
                 "latency_ms_p50": round(self._stats.latency_ms(50), 3),
                 "latency_ms_p99": round(self._stats.latency_ms(99), 3),
                 "in_flight": link.in_tracker.in_flight if link and link.in_tracker else 0,
+                "copies_waited": self._frames.copies_waited,
                 "last_error": sup.last_error, "refusal": sup.refusal, "engine": dict(sup.engine_report),
                 "engine_pid": link.pid if link else None, "protocol": PROTOCOL_VERSION,
                 "segments": link.segment_names() if link else [],

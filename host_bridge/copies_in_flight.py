@@ -2,11 +2,10 @@
 
 A host's frame loop (TouchDesigner's main thread) must not stop while the GPU, shared with the engine's
 context, gets round to a copy: without MPS that turn can take several milliseconds. So the bridge queues
-its copies on the host's side and keeps here what each still needs until the GPU has passed it: the
-caller's source memory (TouchDesigner frees a `CUDAMemory` when the object is dropped), or the engine's
-output slot the copy reads (handed back only then, or the engine could overwrite it mid-copy). Each later
-bridge call asks the GPU, without waiting, which are done. At most `limit` stay in flight: past it the
-oldest is waited for, so a GPU that falls behind slows the host instead of piling up memory or slots.
+the copy of a host's frame into its staging buffer and keeps here what owns the source memory until the
+GPU has passed it (TouchDesigner frees a `CUDAMemory` when the object is dropped). Each later call asks
+the GPU, without waiting, which copies are done. At most `limit` stay in flight: past it the oldest is
+waited for, so a GPU that falls behind slows the host instead of piling up memory.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ class NewestFrames:
         self._inputs_in_flight: Any = None  # cuda-ipc: CopiesInFlight of the host's source memory
 
     @property
+    def copies_waited(self) -> int:
+        """How often a host's queued copies fell so far behind that a call waited for the oldest."""
+        return 0 if self._inputs_in_flight is None else self._inputs_in_flight.waited
+
+    @property
     def has_output(self) -> bool:
         return self.output_device is not None or self.output is not None
 

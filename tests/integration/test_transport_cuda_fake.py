@@ -111,7 +111,7 @@ def test_a_host_that_queues_its_copies_never_waits_for_the_gpu_and_gets_every_fr
                 assert not status.fallback and (back == value).all(), f"frame {value}: {np.unique(back)}"
             gc.collect()
             assert sum(ref() is not None for ref in kept) <= 1  # only the newest copy may still hold its source
-            assert bridge.stats()["refused"] == 0
+            assert bridge.stats()["refused"] == 0 and bridge.stats()["copies_waited"] == 0
 
 
 def test_outputs_a_host_finds_together_go_back_unread_but_the_newest(fake):

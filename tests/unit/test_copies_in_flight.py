@@ -117,7 +117,11 @@ def test_staged_source_memory_is_kept_until_copied(fake):
     frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM, keep=Memory())
     assert [ref() for ref in alive] == [None, None]  # copied: handed back at the next stage
     frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM)  # no keep: copied before it returns
-    assert waits(fake) == before + 1
+    assert waits(fake) == before + 1 and frames.copies_waited == 0
+    fake.behind = True  # the GPU falls behind: past four sources held, a stage waits for the oldest copy
+    for _ in range(5):
+        frames.stage_device(src.ctypes.data, 16, 4, 2, 4, "uint8", "rgb", STREAM, keep=Memory())
+    assert frames.copies_waited == 1
     frames.close()
 
 

@@ -200,8 +200,9 @@ class CudaRing(Ring):
         """Copy a frame from device memory into `slot`, then record the slot's event.
 
         `stream`: the caller's stream the source was produced on (TouchDesigner's cudaMemory
-        stream); the copy is queued behind that work. `sync` waits for the copy before returning:
-        TouchDesigner frees or reuses its buffer after the cook, so it must have been read by then.
+        stream); the copy is queued behind that work, and behind the slot's last queued read. `sync`
+        waits for the copy before returning, so the caller may free or reuse the source at once;
+        without it the source must live until the copy is done (`CopiesInFlight` keeps it).
         `first_row`, `rows`: write only those rows of the slot (one half of a control ring's slot).
         """
         self.check_slot(slot)
