@@ -178,7 +178,7 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
             "engine_fps": round(received / elapsed, 1), "target_ms": TARGET_MS[transport],
             "engine_frames_out": _grew(engine0, engine1, "frames_out"),
             "engine_dropped_out": _grew(engine0, engine1, "dropped_out"),
-            "cook_queues": bool(getattr(ext, "_streams_shared", False)), "message": message}
+            "cook_queues": ext.queues_copies, "message": message}
 
 
 def _grew(before: dict[str, Any], after: dict[str, Any], key: str) -> int | None:

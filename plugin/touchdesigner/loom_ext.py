@@ -518,7 +518,7 @@ class LoomExt:
                                   c.numComps, c_dtype.name)  # one that does not match is refused by the bridge
         # where TD's calls share our stream the copies are only queued (the main thread does not wait for the
         # GPU's turn), and the bridge holds TD's CUDAMemory objects until the GPU has copied them
-        queue = self._streams_shared is True
+        queue = self.queues_copies
         self.bridge.submit_cuda(memory.ptr, pitch, shape.width, shape.height, shape.numComps, dtype.name,
                                 layout="touchdesigner", stream=stream, control=control,
                                 keep=(memory, control_memory) if queue else None)
@@ -557,6 +557,11 @@ class LoomExt:
         if memory is None:
             self.input_note = "the control input TOP has no image this cook; this frame goes without it"
         return memory
+
+    @property
+    def queues_copies(self) -> bool:
+        """Whether the cuda-ipc cooks only queue their device copies (this build's calls share our stream)."""
+        return self._streams_shared is True
 
     def _on_stream(self, method: Any, stream: int, *args: Any) -> Any:
         """Call a TD method with `stream=`. A build whose method takes no stream gets the call without it: its

@@ -201,7 +201,6 @@ def test_stand_in_enforces_the_cudamemory_lifetime_rule():
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
 def test_cuda_path_copies_device_to_device_and_respects_cudamemory_lifetime(dtype):
-
     texture = td_texture(32, 48, dtype, seed=5)
     source = InputTOP(texture)
     comp, script, ext = make_component(source)
