@@ -7,6 +7,9 @@ channels-last, cudnn benchmark mode:
   conv3d-all   the same with cudnn.benchmark_limit = 0 (cuDNN tries every algorithm)
   conv2d-taps  the same result as one conv2d over the 3 time taps stacked on channels
                (plus, separately, the cost of building that stacked input)
+  fp16         conv3d and conv2d-taps in float16, every algorithm tried: the tensor cores' rate
+               is the same, but cuDNN lists other kernels for half (its Winograd forms among
+               them), and float16 keeps more mantissa than bfloat16 where the values fit
 and prints achieved TFLOP/s, so the gap to the card's peak is visible per shape.
 
     python benchmarks/bench_convs.py --json out/bench_convs.json
@@ -58,9 +61,14 @@ def bench_shape(cin: int, cout: int, t: int, h: int, w: int, iters: int) -> dict
     xs = stack()
     err = (F.conv2d(xs, w2, padding=1).float() - ref[0].transpose(0, 1).float()).abs().max().item()
     ms2 = median_cuda_ms(lambda: F.conv2d(xs, w2, padding=1), iters)
+    x16, wt16, xs16, w216 = (v.half() for v in (x, wt, xs, w2))
+    torch.backends.cudnn.benchmark_limit = 0
+    ms3h = median_cuda_ms(lambda: F.conv3d(x16, wt16, padding=(0, 1, 1)), iters)
+    ms2h = median_cuda_ms(lambda: F.conv2d(xs16, w216, padding=1), iters)
+    torch.backends.cudnn.benchmark_limit = 10
     return {"cin": cin, "cout": cout, "frames": t, "h": h, "w": w, "gflop": 2 * cin * cout * 27 * t * h * w / 1e9,
             "conv3d_ms": ms3, "conv3d_all_ms": ms3all, "conv2d_taps_ms": ms2, "stack_ms": median_cuda_ms(stack, iters),
-            "conv2d_max_abs_diff": err}
+            "conv2d_max_abs_diff": err, "conv3d_fp16_all_ms": ms3h, "conv2d_taps_fp16_all_ms": ms2h}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"shape": label, **bench_shape(*shape, iters=args.iters)})
     print(f"\nWan VAE 3x3x3 convs, bf16 channels-last, {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     print(f"{'shape':<22} {'GFLOP':>7} {'conv3d ms':>10} {'TF/s':>6} {'all-algos ms':>13} {'conv2d-taps ms':>15} "
-          f"{'TF/s':>6} {'stack ms':>9} {'diff':>8}")
+          f"{'TF/s':>6} {'stack ms':>9} {'diff':>8} {'fp16 3d ms':>11} {'fp16 2d ms':>11}")
     for r in rows:
         print(f"{r['shape']:<22} {r['gflop']:>7.0f} {r['conv3d_ms']:>10.3f} {r['gflop'] / r['conv3d_ms']:>6.0f} "
               f"{r['conv3d_all_ms']:>13.3f} {r['conv2d_taps_ms']:>15.3f} {r['gflop'] / r['conv2d_taps_ms']:>6.0f} "
-              f"{r['stack_ms']:>9.3f} {r['conv2d_max_abs_diff']:>8.4f}")
+              f"{r['stack_ms']:>9.3f} {r['conv2d_max_abs_diff']:>8.4f} {r['conv3d_fp16_all_ms']:>11.3f} "
+              f"{r['conv2d_taps_fp16_all_ms']:>11.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "rows": rows}, indent=2))
