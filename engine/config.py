@@ -163,6 +163,11 @@ class VAEConfig:
                              "phase convs on the small input (phase: one conv + interleave; transposed: one "
                              "stride-2 transposed conv); the same result up to float rounding")
     channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
+    dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                      doc="the Wan VAE's compute dtype; auto = the model's (model.dtype). float16 keeps more "
+                          "mantissa than bfloat16 where its values fit (to 65504), and cuDNN's float16 "
+                          "convolutions can be faster on a GPU (docs/performance.md); latents and frames "
+                          "cross to the model's dtype at the VAE's edges")
     attention: str = spec("kernel", choices=("kernel", "matmul"),
                           doc="the Wan VAE's mid-block attention (one head of 384 channels): torch's attention "
                               "kernel, or two matrix products with float32 scores around a softmax (matmul); the "
@@ -413,6 +418,9 @@ class LoomConfig:
         if self.model.family == "edit" and self.model.dtype == "float16":
             raise ValueError("model.dtype: float16 overflows the edit family's Qwen3-VL conditioning (hidden "
                              "states peak near 1160); use auto, bfloat16 or float32")
+        if self.vae.dtype != "auto" and "wan" not in (self.vae.encoder, self.vae.decoder):
+            raise ValueError(f"vae.dtype: {self.vae.dtype} is the Wan VAE's, and this run encodes and decodes "
+                             "with taehv; leave vae.dtype at auto, or set vae.encoder or vae.decoder to wan")
         self._refuse_other_family()
         self._check_control()
         self._refuse_unused_paths()

@@ -4,7 +4,7 @@
 #   bash tools/device_rows.sh GROUP [GROUP...]
 #
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
-# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, attn, wide, fp8, fp8conv,
+# takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
 # upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake, mps-standby,
 # standby-share, td-cook, td-cook-mps, recovery. A device call runs at most 10 minutes; groups whose limits add up
@@ -13,7 +13,7 @@
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-mps recovery"
+groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-mps recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -75,6 +75,11 @@ for group in "$@"; do
         wan plain_3000 250 --frames 3000 --profile-chunks 8
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
+    vae-fp16)
+        # the Wan VAE in float16 (vae.dtype) against bfloat16 on one machine: 1 step (profiled) both ways, 2 steps
+        wan half_3000 250 --frames 3000 --set vae.dtype=float16 --profile-chunks 8
+        wan plain_3000 250 --frames 3000
+        bench half2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 --set vae.dtype=float16 ;;
     attn)
         # the DiT's self-attention over the window in parts, one q/k/v product, and the VAE's wide head as matrix
         # products: the GPU tests, the kernels and the DiT alone, then the 1-step, TAEHV and 2-step streams with

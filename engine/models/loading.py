@@ -197,14 +197,17 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("dit")  # built, and its weights read or drawn
     wan = None
     if "wan" in (vc.encoder, vc.decoder):
+        vae_dtype = dtype if vc.dtype == "auto" else DTYPES[vc.dtype]
         if vc.checkpoint:
-            wan = WanVAE.from_checkpoint(vc.checkpoint, _wan_vae_config(vc), device=device, dtype=dtype).eval()
+            wan = WanVAE.from_checkpoint(vc.checkpoint, _wan_vae_config(vc), device=device, dtype=vae_dtype).eval()
         elif vc.preset in EMBEDDED_PRESETS or vc.random_weights:
-            wan = _seeded(lambda: WanVAE(_wan_vae_config(vc)), mc.seed + 1, device, dtype)
+            wan = _seeded(lambda: WanVAE(_wan_vae_config(vc)), mc.seed + 1, device, vae_dtype)
         else:
             raise ValueError(f"vae.checkpoint: preset {vc.preset!r} needs weights; run `loom pull {mc.preset}` "
                              "or give vae.checkpoint=PATH (or vae.random_weights=true for a benchmark)")
         wan.use_upsample(vc.upsample)  # on every device: the same result with fewer multiply-adds
+        if vae_dtype != dtype:
+            wan.use_io_dtype(dtype)
     tiny = None
     if "taehv" in (vc.encoder, vc.decoder):
         if embedded:

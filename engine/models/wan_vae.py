@@ -364,6 +364,7 @@ class WanVAE(nn.Module):
             if isinstance(module, (CausalConv3d, Resample)):
                 module.cache_key = name
         self.memory_format = torch.preserve_format  # of the chunks going in (`use_channels_last`)
+        self.io_dtype: torch.dtype | None = None  # of the latents and frames handed back (`use_io_dtype`)
         self._saved_steps: tuple[SavedCompile, SavedCompile] | None = None  # (encoder, decoder): `compile_step`
         self._set_latent_stats(None)
 
@@ -444,6 +445,13 @@ class WanVAE(nn.Module):
                 module.thin = ThinConv3d(module, module.thin.kind)
         self.memory_format = fmt3
 
+    def use_io_dtype(self, dtype: torch.dtype | None) -> None:
+        """The dtype the stream calls hand back (latents from `encode_stream`, frames from
+        `decode_stream`); None: the VAE's own. A VAE that computes in another dtype than the model
+        around it (the config's `vae.dtype`) converts at its edges, so the DiT and the frame mapper
+        never see its dtype. What comes in is converted to the VAE's dtype either way."""
+        self.io_dtype = dtype
+
     def fuse_norms(self) -> None:
         """Run every norm(+SiLU) as one compiled elementwise kernel instead of ~5 eager passes.
 
@@ -501,7 +509,7 @@ class WanVAE(nn.Module):
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
         if self.cfg.normalize_on_encode:
             z = ((z - self.latents_mean) / self.latents_std).to(z.dtype)
-        return z
+        return z if self.io_dtype is None else z.to(self.io_dtype)
 
     def decode_stream(self, z: torch.Tensor, state: VAEStreamState) -> torch.Tensor:
         """Decode the next latents of a stream: 4 frames each (1 for the stream's first latent)."""
@@ -516,7 +524,8 @@ class WanVAE(nn.Module):
             decoder = self.decoder if self._saved_steps is None else self._saved_steps[1]
         x = decoder(self.post_quant_conv(z, cache), cache)
         cache.started = True
-        return x.clamp_(-1.0, 1.0)
+        x = x.clamp_(-1.0, 1.0)
+        return x if self.io_dtype is None else x.to(self.io_dtype)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """One-shot encode of a whole clip (1 + 4k frames), run as a stream in bounded pieces."""

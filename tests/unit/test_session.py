@@ -7,6 +7,7 @@ import resource
 
 import numpy as np
 import pytest
+import torch
 
 from loom_live.engine.config import load_config
 from loom_live.engine.stream.session import StreamSession
@@ -49,6 +50,24 @@ def test_one_frame_pushes_give_the_same_frames_as_one_big_push():
     whole = run_all(session("stream.mode=batch"), frames, 29)
     single = run_all(session("stream.mode=batch"), frames, 1)
     assert np.array_equal(whole, single)
+
+
+def test_a_float16_vae_under_a_float32_model_restyles_as_the_float32_one():
+    """The VAE in its own dtype (`vae.dtype`): latents cross to the model's dtype at its edges, and the
+    frames differ from the all-float32 run by float16 rounding only."""
+    frames = clip(13)
+    ref = run_all(session("model.dtype=float32"), frames, 13)
+    s = session("model.dtype=float32", "vae.dtype=float16")
+    assert s.models.encoder.dtype == torch.float16 and s.models.dtype == torch.float32
+    out = run_all(s, frames, 13)
+    assert out.shape == ref.shape
+    assert np.abs(out.astype(int) - ref.astype(int)).mean() < 1.0
+
+
+def test_vae_dtype_is_refused_where_no_wan_vae_runs():
+    with pytest.raises(ValueError, match="vae.dtype: float16 is the Wan VAE's"):
+        load_config("tiny-random", ["vae.dtype=float16", "vae.encoder=taehv", "vae.decoder=taehv",
+                                    "vae.random_weights=true"])
 
 
 def test_outputs_come_back_in_input_order():

@@ -269,6 +269,30 @@ def test_bfloat16_stream_stays_close_to_float32(tiny_vae):
 
 
 @torch.no_grad()
+def test_a_float16_vae_hands_back_the_models_dtype_and_stays_closer_to_float32_than_bfloat16(tiny_vae):
+    """`vae.dtype=float16` under a bfloat16 model: what goes out is the model's dtype, and float16's three
+    more mantissa bits keep the stream nearer float32 than the bfloat16 VAE it replaces."""
+    x = _video(9, 16, seed=8)
+    z32 = tiny_vae.encode(x)
+    x32 = tiny_vae.decode(z32)
+
+    def errors(dtype: torch.dtype, io: torch.dtype | None) -> tuple[float, float]:
+        vae = WanVAE(TINY).eval()
+        vae.load_state_dict(tiny_vae.state_dict())
+        vae.to(dtype)
+        vae.use_io_dtype(io)
+        state = vae.new_stream_state()
+        z = torch.cat([vae.encode_stream(x[:, :, :5], state), vae.encode_stream(x[:, :, 5:], state)], dim=2)
+        out = torch.cat([vae.decode_stream(z32[:, :, i:i + 1].bfloat16(), state) for i in range(3)], dim=2)
+        assert z.dtype == out.dtype == (io or dtype)
+        return (z.float() - z32).abs().max().item(), (out.float() - x32).abs().max().item()
+
+    assert errors(torch.float16, torch.bfloat16)[1] < 0.1  # the bfloat16 edges: bfloat16 noise, as the test above
+    half, bf16 = errors(torch.float16, torch.float32), errors(torch.bfloat16, None)
+    assert half[0] < bf16[0] / 2 and half[1] < bf16[1] / 2, (half, bf16)
+
+
+@torch.no_grad()
 def test_batch_rows_are_independent(tiny_vae):
     x = _video(5, 16, seed=9, batch=2)
     z = tiny_vae.encode(x)
