@@ -61,7 +61,8 @@ def test_a_float16_vae_under_a_float32_model_restyles_as_the_float32_one():
     assert s.models.encoder.dtype == torch.float16 and s.models.dtype == torch.float32
     out = run_all(s, frames, 13)
     assert out.shape == ref.shape
-    assert np.abs(out.astype(int) - ref.astype(int)).mean() < 1.0
+    diff = np.abs(out.astype(int) - ref.astype(int))
+    assert diff.max() <= 2 and diff.mean() < 0.3  # a bfloat16 VAE here: max 6, mean 0.6
 
 
 def test_vae_dtype_is_refused_where_no_wan_vae_runs():
