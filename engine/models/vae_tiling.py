@@ -215,6 +215,10 @@ class TiledVAE:
         self.tile_latents = tile_latents
         self.overlap_latents = overlap_latents
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
     def new_stream_state(self) -> TiledStreamState:
         return TiledStreamState(self.vae.new_stream_state)
 

@@ -43,6 +43,7 @@ from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels, 
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
+from loom_live.engine.stream.nonfinite_watch import NonFiniteWatch
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
@@ -106,6 +107,8 @@ class StreamSession:
         self._merge_stream = streams.merge
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._vae_layout = vae_layout(self.device)
+        self._vae_watch = (NonFiniteWatch(self.device, "the Wan VAE in float16 (vae.dtype)")
+                           if models.decoder.dtype == torch.float16 else None)
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
                                          models.dit.cfg.text_len)
@@ -634,6 +637,8 @@ class StreamSession:
                 with self.timer.span("decode", None if chunk.first else latent.shape[2]):
                     pixels = self._vae_graphs.run("decode", self.models.decoder.decode_stream, latent,
                                                   self.dec_state)
+                    if self._vae_watch is not None:
+                        self._vae_watch.check(pixels)
                 with self.timer.span("postprocess", pixels.shape[2]):
                     frames = self.mapper.to_host(pixels[0].permute(1, 0, 2, 3), chunk.frames)
                 self._outputs.add(frames[:chunk.keep], to_host=not isinstance(chunk.frames, torch.Tensor))
@@ -684,6 +689,7 @@ class StreamSession:
             "kv_positions": cache.next_positions,
             **({"control": self.control.stats()} if self.control is not None else {}),
             **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {}),
+            **({"vae_nonfinite_chunks": self._vae_watch.chunks()} if self._vae_watch is not None else {}),
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),
             "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)

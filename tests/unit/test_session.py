@@ -65,6 +65,23 @@ def test_a_float16_vae_under_a_float32_model_restyles_as_the_float32_one():
     assert diff.max() <= 2 and diff.mean() < 0.3  # a bfloat16 VAE here: max 6, mean 0.6
 
 
+def test_a_float16_vae_that_overflows_is_counted_and_said_once(caplog):
+    """Values past float16's range break the stream's frames for good: the session counts the chunks that
+    came out non-finite (read without waiting for the GPU) and logs once what to set instead."""
+    s = session("model.dtype=float32", "vae.dtype=float16")
+    run_all(s, clip(9), 9)
+    assert s.stats()["vae_nonfinite_chunks"] == 0
+    with torch.no_grad():
+        s.models.decoder.decoder.conv_in.weight.mul_(1e5)  # its outputs past 65504: inf, then NaN in the norms
+    with caplog.at_level("ERROR"):
+        run_all(s, clip(9), 9)
+        assert s.stats()["vae_nonfinite_chunks"] >= 1
+        s.stats()
+    said = [r.getMessage() for r in caplog.records if "outgrew float16" in r.getMessage()]
+    assert len(said) == 1 and "vae.dtype=bfloat16" in said[0]
+    assert "vae_nonfinite_chunks" not in session("model.dtype=float32").stats()  # a float32 VAE: no watch
+
+
 def test_vae_dtype_is_refused_where_no_wan_vae_runs():
     with pytest.raises(ValueError, match="vae.dtype: float16 is the Wan VAE's"):
         load_config("tiny-random", ["vae.dtype=float16", "vae.encoder=taehv", "vae.decoder=taehv",
