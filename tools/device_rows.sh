@@ -78,7 +78,7 @@ for group in "$@"; do
     vae-fp16)
         # the Wan VAE in float16 (vae.dtype) against bfloat16 on one machine: 1 step (profiled) both ways, 2 steps
         wan half_3000 250 --frames 3000 --set vae.dtype=float16 --profile-chunks 8
-        wan plain_3000 250 --frames 3000
+        wan plain_1500 200 --frames 1500
         bench half2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 --set vae.dtype=float16 ;;
     attn)
         # the DiT's self-attention over the window in parts, one q/k/v product, and the VAE's wide head as matrix
