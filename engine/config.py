@@ -165,9 +165,9 @@ class VAEConfig:
     channels_last: bool = spec(True, doc="channels-last weights and activations for the Wan VAE on CUDA")
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16", "float16"),
                       doc="the Wan VAE's compute dtype; auto = the model's (model.dtype). float16 keeps more "
-                          "mantissa than bfloat16 where its values fit (to 65504), and cuDNN's float16 "
-                          "convolutions can be faster on a GPU (docs/performance.md); latents and frames "
-                          "cross to the model's dtype at the VAE's edges")
+                          "mantissa than bfloat16 where its values fit (to 65504), and on a GPU cuDNN then "
+                          "searches all its convolution kernels and finds faster ones (docs/performance.md); "
+                          "latents and frames cross to the model's dtype at the VAE's edges")
     attention: str = spec("kernel", choices=("kernel", "matmul"),
                           doc="the Wan VAE's mid-block attention (one head of 384 channels): torch's attention "
                               "kernel, or two matrix products with float32 scores around a softmax (matmul); the "

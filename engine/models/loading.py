@@ -229,6 +229,10 @@ def load_models(cfg: LoomConfig, dit_blocks: range | None = None) -> LoadedModel
     clock.lap("lora")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed chunk shapes: autotuned conv kernels pay off
+        if wan is not None and wan.dtype == torch.float16:
+            # Every algorithm cuDNN has, not the ten its heuristics rank first: only the whole list holds its
+            # float16 kernels with 96-wide column tiles, the width of the VAE's full-resolution convolutions.
+            torch.backends.cudnn.benchmark_limit = 0
         set_kernel_autotuning(mc.autotune_kernels)  # keys the compile caches: pipeline ranks load here too
         # where compiled steps are kept whole (its name hashes the engine's sources)
         saving = mc.saved_block_ops != "none" or vc.saved_steps != "none"

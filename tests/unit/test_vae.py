@@ -292,6 +292,39 @@ def test_a_float16_vae_hands_back_the_models_dtype_and_stays_closer_to_float32_t
     assert half[0] < bf16[0] / 2 and half[1] < bf16[1] / 2, (half, bf16)
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_the_full_size_vae_in_float16_on_gpu_stays_closer_to_float32_than_bfloat16():
+    """The 1.3B's VAE layout (random weights, channels-last, cuDNN's whole kernel list, as a float16 VAE
+    loads): float16's error against float32 is under half bfloat16's, in both directions."""
+    from loom_live.engine.config import load_config
+    from loom_live.engine.models.loading import load_models
+
+    torch.backends.cudnn.benchmark_limit = 10
+    load_models(load_config("tiny-random", ["model.device=cuda", "vae.dtype=float16"]))
+    assert torch.backends.cudnn.benchmark_limit == 0  # what loading a float16 VAE sets on a GPU
+    torch.manual_seed(0)
+    ref = WanVAE(VAE_PRESETS["wan2.1"]).eval()
+    _randomize(ref, 3)
+    x = _video(9, 64, seed=9).cuda()
+
+    def run(dtype: torch.dtype, z_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the clip, and decode `z_in` (the float32 latents) or its own."""
+        vae = WanVAE(VAE_PRESETS["wan2.1"]).eval()
+        vae.load_state_dict(ref.state_dict())
+        vae.to("cuda", dtype)
+        vae.use_io_dtype(torch.float32)
+        vae.use_channels_last()
+        z = vae.encode(x)
+        return z, vae.decode(z if z_in is None else z_in)
+
+    z32, x32 = run(torch.float32)
+    (zh, xh), (zb, xb) = run(torch.float16, z32), run(torch.bfloat16, z32)
+    assert torch.isfinite(xh).all()
+    assert (zh - z32).abs().max() < (zb - z32).abs().max() / 2
+    assert (xh - x32).abs().max() < (xb - x32).abs().max() / 2
+
+
 @torch.no_grad()
 def test_batch_rows_are_independent(tiny_vae):
     x = _video(5, 16, seed=9, batch=2)
