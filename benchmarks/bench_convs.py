@@ -8,8 +8,9 @@ channels-last, cudnn benchmark mode:
   conv2d-taps  the same result as one conv2d over the 3 time taps stacked on channels
                (plus, separately, the cost of building that stacked input)
   fp16         conv3d and conv2d-taps in float16, every algorithm tried: the tensor cores' rate
-               is the same, but cuDNN lists other kernels for half (its Winograd forms among
-               them), and float16 keeps more mantissa than bfloat16 where the values fit
+               is the same, but cuDNN's whole list holds other kernels for half (column tiles
+               96 wide among them), and float16 keeps more mantissa than bfloat16 where the
+               values fit
 and prints achieved TFLOP/s, so the gap to the card's peak is visible per shape.
 
     python benchmarks/bench_convs.py --json out/bench_convs.json

@@ -273,6 +273,7 @@ def test_numbers_in_exponent_form_are_numbers(tmp_path):
     ("edit-tiny", "noise.noise_scale=0.5", "noise.noise_scale"),
     ("edit-tiny", "model.checkpoint=/w/model.pt", "model.checkpoint"),
     ("edit-tiny", "vae.checkpoint=/w/vae.pth", "vae.checkpoint"),
+    ("edit-tiny", "vae.dtype=float16", "vae.dtype"),
     ("dreamlite-edit", "prompt.encoder=umt5", "prompt.encoder"),
     ("dreamlite-edit", "memory.low_vram=true", "memory.low_vram"),
 ])
