@@ -50,8 +50,8 @@ FIRST_CHUNK_LATENTS = 1 + (live.FIRST_CHUNK_FRAMES - 1) // live.CHUNK_FRAMES
 # random_weights and cpu_threads, resolution, prompt.text, slo and edit), by section; None: every key of it.
 # The other model and vae keys are left alone: `loom bench` and `loom prepare` set them whatever the family
 WAN_ONLY_KEYS: dict[str, tuple[str, ...] | None] = {
-    "model": ("preset", "checkpoint"), "vae": ("checkpoint", "taehv_checkpoint", "dtype"), "prompt": ("encoder", "path"),
-    "stream": None, "noise": None, "memory": None, "control": None}
+    "model": ("preset", "checkpoint"), "vae": ("checkpoint", "taehv_checkpoint", "dtype"),
+    "prompt": ("encoder", "path"), "stream": None, "noise": None, "memory": None, "control": None}
 
 # what YAML reads as null: a `--set` of a text key to one of these unsets it
 YAML_NULLS = ("null", "Null", "NULL", "~")
