@@ -82,6 +82,21 @@ def test_two_ranks_give_the_one_process_frames(steps):
     assert no_children_left()
 
 
+def test_two_ranks_with_a_float16_vae_give_the_one_process_frames_and_watch_it_on_the_last():
+    """`vae.dtype=float16` on a pipeline: the last rank decodes in float16 and reports the chunks that came out
+    non-finite, as one process does in its own stats."""
+    overrides = [*BASE, "stream.steps=[700]", "vae.dtype=float16"]
+    frames = clip(17)
+    reference = stream(StreamSession.from_config(load_config("tiny-random", overrides)), frames)
+    two = load_config("tiny-random", [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])
+    with PipelineSession(two) as pipe:
+        out = stream(pipe, frames)
+        ranks = {r["rank"]: r for r in pipe.stats()["ranks"]}
+    assert np.abs(out.astype(int) - reference.astype(int)).max() <= 1
+    assert ranks[1]["vae_nonfinite_chunks"] == 0 and "vae_nonfinite_chunks" not in ranks[0]
+    assert no_children_left()
+
+
 def test_the_comparison_can_fail():
     # the oracle test above is only meaningful if another noise seed changes the frames
     frames = clip(13)
