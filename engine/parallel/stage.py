@@ -39,7 +39,7 @@ from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.loading import LoadedModels, load_models
 from loom_live.engine.models.wan_dit import Conditioning
 from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from loom_live.engine.stream.nonfinite_watch import NonFiniteWatch
+from loom_live.engine.stream.nonfinite_watch import watch_for
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.stage_timer import StageTimer
 
@@ -264,8 +264,7 @@ class LastRank:
         self.sigmas = [self.schedule.sigma(s) for s in cfg.stream.steps]
         self.dec_state = models.decoder.new_stream_state()
         self.graphs = VAEGraphs(cfg.stream.cuda_graphs and stage.device.type == "cuda" and not cfg.memory.low_vram)
-        self.watch = (NonFiniteWatch(stage.device, "the Wan VAE in float16 (vae.dtype)")
-                      if models.decoder.dtype == torch.float16 else None)
+        self.watch = watch_for(models.decoder, stage.device)
 
     def finish(self, header: Header, p: Payload, tokens: torch.Tensor, cond: Conditioning
                ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -11,6 +11,7 @@ two late, and says once what to change.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -40,3 +41,8 @@ class NonFiniteWatch:
             logger.error("%s made non-finite frames (%d chunk(s) so far): its values outgrew float16; set "
                          "vae.dtype=bfloat16 (or auto) and restart the engine", self.what, found)
         return found
+
+
+def watch_for(decoder: Any, device: torch.device) -> NonFiniteWatch | None:
+    """A watch for a decoder that computes in float16 (`vae.dtype`); None for any other."""
+    return NonFiniteWatch(device, "the Wan VAE in float16 (vae.dtype)") if decoder.dtype == torch.float16 else None

@@ -43,7 +43,7 @@ from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels, 
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
-from loom_live.engine.stream.nonfinite_watch import NonFiniteWatch
+from loom_live.engine.stream.nonfinite_watch import watch_for
 from loom_live.engine.stream.output_queue import OutputQueue
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
@@ -107,8 +107,7 @@ class StreamSession:
         self._merge_stream = streams.merge
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._vae_layout = vae_layout(self.device)
-        self._vae_watch = (NonFiniteWatch(self.device, "the Wan VAE in float16 (vae.dtype)")
-                           if models.decoder.dtype == torch.float16 else None)
+        self._vae_watch = watch_for(models.decoder, self.device)
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
                                          models.dit.cfg.text_len)
