@@ -490,16 +490,20 @@ class FrameWorker:
         return len(outputs)
 
     def _acquire_out(self) -> int | None:
-        """A free output slot; in lossless mode wait (reading the lane) for the host to release one."""
+        """A free output slot; in lossless mode wait (reading the lane) for the host to release one. Live, the
+        lane is looked at once before a frame is dropped: after a long session call the host's releases of the
+        slots it has read wait there unread, and the paced frames that fell due meanwhile go out back to back."""
+        looked = False
         while not self.stop:
             if self.out_tracker is not None:
                 slot = self.out_tracker.acquire()
                 if slot is not None:
                     return slot
-            if not self.lossless:
+            if not self.lossless and looked:
                 self.counts["dropped_out"] += 1
                 return None
-            self._read_lane(WAIT_S)
+            self._read_lane(WAIT_S if self.lossless else 0.0)
+            looked = True
         return None
 
     def _emit(self, seq: int, frame: np.ndarray) -> None:

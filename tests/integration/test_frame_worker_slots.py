@@ -59,3 +59,44 @@ def test_a_deferred_flush_that_fails_in_the_session_ends_the_stream_not_the_work
     assert [(m["type"], m.get("id"), m.get("code")) for m in sent] == [("error", 5, "flush")]
     assert "CUDA out of memory" in sent[0]["message"]
     assert worker.counts["new_streams"] == 1 and worker._flush_due is None and not worker.stop
+
+
+class _ReleasingLane(_Lane):
+    """A lane on which the host's releases of output slots wait until the worker reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list[dict] = []
+
+    def acquire(self, blocking=True, timeout_s=-1):
+        return True
+
+    def receive(self, timeout_s):
+        out, self.waiting = [(m, []) for m in self.waiting], []
+        return out
+
+    def release(self):
+        pass
+
+    def refuse(self, reason):
+        raise AssertionError(reason)
+
+
+def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_being_dropped():
+    """After a long session call every output slot may look taken while the host's releases of the ones it
+    has read wait, unread, on the lane; the frames that fell due meanwhile go out back to back. Dropping
+    them then threw away frames the host had room for (a quarter of a 1.3B stream's beside TouchDesigner)."""
+    spec = dict(transport="tcp", slots=3, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
+    lane = _ReleasingLane()
+    worker = FrameWorker(PassthroughSession, lambda *a, **k: True, lane)
+    worker.session = PassthroughSession()
+    worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    for seq in range(3):
+        worker._emit(seq, frame)
+    assert lane.frames == [0, 1, 2] and worker.out_tracker.free == 0
+    lane.waiting.append({"type": "release", "slot": 1, "gen": 1})
+    worker._emit(3, frame)
+    assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 0
+    worker._emit(4, frame)  # no release waits: a live frame with no slot is dropped and counted, never waited for
+    assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 1
