@@ -9,6 +9,7 @@ tensors on the session's device where `accepts_device_frames` is true.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from loom_live.engine.graphs.compile_cache import enable_persistent_compile_cache
@@ -40,6 +41,11 @@ class EngineSession(Protocol):
 
     def flush(self) -> Any:
         """End the stream: every remaining output, then a state ready for a new stream."""
+
+    def while_waiting(self, fn: Callable[[], None] | None) -> None:
+        """Have `fn` called on the calling thread, between short looks, while `push`, `poll` or `flush` waits
+        for the device (None: wait plainly). The server hands out its paced outputs and takes the host's
+        notices there, on time, instead of in a burst when a chunk's wait ends. `fn` never calls the session."""
 
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
         """Change the prompt, blended over that many chunks; raises ValueError when refused."""

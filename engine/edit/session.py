@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -234,6 +234,10 @@ class EditSession:
     def poll(self, wait: bool = False) -> np.ndarray | torch.Tensor:
         with torch.inference_mode():
             return self._ready(wait)
+
+    def while_waiting(self, fn: Callable[[], None] | None) -> None:
+        """`fn` runs while a push, poll or flush waits for a batch on the GPU (`OutputQueue.waiting`)."""
+        self._outputs.waiting = fn
 
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: the partial batch padded and run, every remaining output, a fresh state."""

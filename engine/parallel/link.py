@@ -31,6 +31,7 @@ import torch.distributed as dist
 MAX_PENDING_SENDS = 256
 POLL_S = 0.5  # how often a waiting rank checks that its peers are alive
 SPIN_S = 0.002  # a waiting rank first spins this long (a message is usually about to arrive)
+WAIT_LOOK_S = 0.0005  # with a `waiting` call: how often rank 0 looks for the last rank's header
 
 NEW_CONTEXT = 1  # a prompt embedding follows; recompute cross-attention K/V
 REFRESH_SINKS = 2  # a prompt change has fully arrived: refresh the sinks of every row
@@ -86,12 +87,22 @@ class Link:
         conn.send(header)
 
     @staticmethod
-    def recv_header(conn: Connection, check: Callable[[], None] | None = None) -> Header:
-        """Wait for a header; `check()` runs every POLL_S and may raise (a peer died)."""
+    def recv_header(conn: Connection, check: Callable[[], None] | None = None,
+                    waiting: Callable[[], None] | None = None) -> Header:
+        """Wait for a header; `check()` runs every POLL_S and may raise (a peer died); `waiting()`, when
+        given, between looks every WAIT_LOOK_S once the spin is over (the caller's own work on time)."""
         spin_until = time.perf_counter() + SPIN_S
-        while not conn.poll(0 if time.perf_counter() < spin_until else POLL_S):
-            if time.perf_counter() >= spin_until and check is not None:
+        next_check = spin_until + POLL_S
+        look_s = POLL_S if waiting is None else WAIT_LOOK_S
+        while not conn.poll(0 if time.perf_counter() < spin_until else look_s):
+            now = time.perf_counter()
+            if now < spin_until:
+                continue
+            if waiting is not None:
+                waiting()
+            if check is not None and (waiting is None or now >= next_check):
                 check()
+                next_check = now + POLL_S
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:

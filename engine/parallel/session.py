@@ -69,7 +69,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +190,7 @@ class PipelineSession:
         self.device = rank_device(cfg, 0)
         self.n = len(cfg.stream.steps)
         self._closed = False
+        self._waiting: Callable[[], None] | None = None  # the caller's work while rank 0 waits (while_waiting)
         self.ranks = RankProcesses(cfg, self.ranges)
         if self.device.type == "cuda":  # until warmed up, a rank may sit in a compiler holding the GIL
             self.ranks.timeout_s = max(SETTLING_TIMEOUT_S, cfg.parallel.rank_timeout_s)
@@ -510,6 +511,10 @@ class PipelineSession:
             self._new_stream()
             return out
 
+    def while_waiting(self, fn: Callable[[], None] | None) -> None:
+        """`fn` runs while rank 0 waits for the last rank's returns (see `EngineSession.while_waiting`)."""
+        self._waiting = fn
+
     def _chunk_frames(self) -> int:
         return FIRST_CHUNK_FRAMES if self._stream_chunks == 0 else FRAMES_PER_LATENT * self.slo.plan.chunk_latents
 
@@ -623,7 +628,7 @@ class PipelineSession:
         rows: list[_Row] = []
         for h in sent:
             t = time.perf_counter()
-            back = self.link.recv_header(self.ranks.inbox, self.ranks.check)
+            back = self.link.recv_header(self.ranks.inbox, self.ranks.check, self._waiting)
             self._wait_s += time.perf_counter() - t
             if (back.tick, back.chunks) != (h.tick, h.chunks):
                 raise PipelineError(f"out of order: expected tick {h.tick} rows {h.chunks}, got {back.tick} "

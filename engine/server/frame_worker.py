@@ -98,6 +98,7 @@ class FrameWorker:
         self._stats_at = 0.0
         self._device_slots: Any = None
         self._flush_due: tuple[int | None, int, float] | None = None  # a flush waiting for its notice: (id, seq, by)
+        self._waiting_failure: Exception | None = None  # raised by `_while_waiting`, for the loop to raise
         self.thread = threading.Thread(target=self._run, name="loom-engine-worker", daemon=True)
 
     # -- called by the server's control thread --------------------------------------------------------
@@ -200,6 +201,7 @@ class FrameWorker:
             log.error("%s", self.error)
             self._send(make("status", state="error", message=self.error[:4000]))
             return
+        self.session.while_waiting(self._while_waiting)
         try:  # what the session starts with (its prompt's style) is known from the first stats answer on
             self.session_stats = self.session.stats()
         except Exception as exc:  # telemetry: never a reason not to serve
@@ -222,6 +224,7 @@ class FrameWorker:
                     self._process(*job)
                 elif self.session.unfinished:
                     self._take_outputs(self.session.poll())
+                self._raise_waiting_failure()
                 self._emit_due()
         except Exception as exc:  # outside any one frame (collecting a chunk, say): the server exits and
             # the host's supervisor starts a fresh engine, rather than heartbeats hiding an engine taking no frames
@@ -434,6 +437,24 @@ class FrameWorker:
         self._release_in(slot, ring.spec.generation)
         MARKS.mark(seq, "engine.done")
         return True
+
+    def _while_waiting(self) -> None:
+        """Called by the session, on this thread, while a push or poll waits for the GPU (up to a chunk's time):
+        the host's releases and notices are taken and the outputs that fall due go out at their times, not in
+        a burst once the call returns (a host that shows one frame per refresh would see only its last). A
+        failure here is kept and raised by the loop once the session's call is over, as there."""
+        if self._waiting_failure is not None or self.stop:
+            return
+        try:
+            self._read_lane(0.0)
+            self._emit_due()
+        except Exception as exc:
+            self._waiting_failure = exc
+
+    def _raise_waiting_failure(self) -> None:
+        failure, self._waiting_failure = self._waiting_failure, None
+        if failure is not None:
+            raise failure
 
     def _queue_output(self, seq: int, frame: np.ndarray) -> None:
         if self.lossless:

@@ -10,6 +10,7 @@ that a fresh engine is told the host's prompt exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,9 @@ class PassthroughSession:
 
     def flush(self) -> np.ndarray:
         return np.zeros((0, 1, 1, 3), np.uint8)
+
+    def while_waiting(self, fn: Callable[[], None] | None) -> None:
+        """Nothing here waits: `fn` is never called."""
 
     def set_prompt(self, text: str, transition_chunks: int | None = None) -> None:
         self.prompt, _ = check_prompt_request(text, transition_chunks)

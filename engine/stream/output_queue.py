@@ -7,15 +7,23 @@ the frames of chunks that are already finished; at most `max_unfinished` chunks 
 on the GPU when a push returns, so the CPU never runs far ahead of the GPU (a queue there
 would only add latency). Host frames come back through pinned memory with a non-blocking
 copy; frames for a device caller stay on the device. On a CPU everything is finished at once.
+
+A caller with work of its own to do on time (the engine server paces its outputs to the host) sets
+`waiting`: a wait for the GPU is then a loop of short looks that calls it in between, on the caller's
+thread, instead of one blocking wait that would hold that work back by up to a chunk.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+WAIT_LOOK_S = 0.0005  # with `waiting` set: how often a wait looks at its chunk's event
 
 
 @dataclass
@@ -31,6 +39,7 @@ class OutputQueue:
         self.cuda = device.type == "cuda"
         self.max_unfinished = max_unfinished
         self._entries: deque[_Entry] = deque()
+        self.waiting: Callable[[], None] | None = None  # called between looks while a take waits
 
     def __len__(self) -> int:
         """Chunks of frames not yet handed out (finished or not)."""
@@ -57,7 +66,12 @@ class OutputQueue:
         keep = 0 if wait_all else self.max_unfinished
         unfinished = [e for e in self._entries if e.done is not None]
         for entry in unfinished[:max(0, len(unfinished) - keep)]:
-            entry.done.synchronize()
+            if self.waiting is None:
+                entry.done.synchronize()
+            else:
+                while not entry.done.query():
+                    self.waiting()
+                    time.sleep(WAIT_LOOK_S)
             entry.done = None
         ready = []
         while self._entries and (self._entries[0].done is None or self._entries[0].done.query()):

@@ -24,6 +24,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -456,6 +457,10 @@ class StreamSession:
     def unfinished(self) -> int:
         """Chunks of output frames not yet returned."""
         return len(self._outputs)
+
+    def while_waiting(self, fn: Callable[[], None] | None) -> None:
+        """`fn` runs while a push, poll or flush waits for a chunk on the GPU (`OutputQueue.waiting`)."""
+        self._outputs.waiting = fn
 
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the pipeline, return every remaining frame.

@@ -4,7 +4,10 @@ dropped, so the stream goes on. Kept, a few such frames would leave the host no 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 
 from loom_live.engine.server.frame_worker import FrameWorker
 from loom_live.engine.server.passthrough import PassthroughSession
@@ -100,3 +103,27 @@ def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_
     assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 0
     worker._emit(4, frame)  # no release waits: a live frame with no slot is dropped and counted, never waited for
     assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 1
+
+
+def test_while_a_session_waits_the_worker_takes_releases_and_sends_due_outputs_and_keeps_a_failure_for_later():
+    """The function a session calls during its GPU waits does the loop's output work on time; a failure there
+    must not surface inside the session's call (that would restart the stream): it is raised by the loop."""
+    spec = dict(transport="tcp", slots=2, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
+    lane = _ReleasingLane()
+    worker = FrameWorker(PassthroughSession, lambda *a, **k: True, lane)
+    worker.session = PassthroughSession()
+    worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    worker._emit(0, frame)
+    worker._emit(1, frame)
+    worker._paced.extend([(2, frame, 0.0), (3, frame, time.monotonic() + 60)])  # one due, one not yet
+    lane.waiting.append({"type": "release", "slot": 0, "gen": 1})
+    worker._while_waiting()
+    assert lane.frames == [0, 1, 2] and len(worker._paced) == 1 and worker.counts["dropped_out"] == 0
+    worker._paced[0] = (3, frame, 0.0)
+    worker.ring_out.write = lambda *a: (_ for _ in ()).throw(OSError("the shared memory is gone"))
+    lane.waiting.append({"type": "release", "slot": 1, "gen": 1})
+    worker._while_waiting()  # no raise into the session's call
+    with pytest.raises(OSError, match="shared memory is gone"):
+        worker._raise_waiting_failure()
+    worker._raise_waiting_failure()  # raised once

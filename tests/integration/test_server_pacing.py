@@ -45,6 +45,9 @@ class ChunkSession:
         out, self.pending = self.pending, []
         return np.stack(out) if out else np.zeros((0, 1, 1, 3), np.uint8)
 
+    def while_waiting(self, fn):
+        self.waiting = fn
+
     def set_prompt(self, text, transition_chunks=None):
         pass
 
@@ -334,5 +337,50 @@ def test_a_session_busy_longer_than_a_frame_interval_loses_no_frame_and_builds_n
         # a loaded machine may stall the worker past three arrivals once or twice: a drop each time
         assert report["dropped"] <= 3 and report["dropped_out"] == 0, report
         assert report["frames_out"] >= report["frames_in"] - 4 - 3, report  # one chunk, its tail
+    finally:
+        s.close()
+
+
+class WaitingSession(ChunkSession):
+    """A GPU session's wait inside a push: the push that completes a chunk returns the chunk before it, after
+    waiting BLOCK_S for it as `OutputQueue.take` does, calling the server's `while_waiting` function between looks."""
+
+    BLOCK_S = 0.2
+    blocks: list[tuple[float, float]] = []
+
+    def push(self, frames: np.ndarray) -> np.ndarray:
+        out = super().push(frames)
+        if len(out):
+            start = time.monotonic()
+            while time.monotonic() < start + self.BLOCK_S:
+                if getattr(self, "waiting", None) is not None:
+                    self.waiting()
+                time.sleep(0.001)
+            self.blocks.append((start, time.monotonic()))
+        return out
+
+
+def test_outputs_fall_due_and_go_out_while_a_push_waits_for_the_gpu():
+    """A GPU-bound engine spends most of its time inside the push that waits for a chunk; outputs paced to
+    leave meanwhile went out in a burst when it returned, more than the output slots hold or a host showing
+    one frame a refresh can see. The session calls the worker's `while_waiting` during the wait: outputs
+    leave while the push still waits, and none is dropped for want of a slot."""
+    WaitingSession.blocks = []
+    s = _Served(WaitingSession)
+    sent: list[float] = []
+    worker = s.server.worker
+    publish = worker._publish
+    worker._publish = lambda *a: (sent.append(time.monotonic()), publish(*a))[1]
+    try:
+        bridge, t0 = s.bridge, time.monotonic()
+        for i in range(60):
+            bridge.submit(np.full((16, 24, 3), i, np.uint8))
+            while time.monotonic() < t0 + 0.02 * (i + 1):
+                bridge.latest()
+                time.sleep(0.002)
+        assert wait_until(lambda: len(WaitingSession.blocks) >= 4, 10, 0.02)
+        inside = [t for t in sent if any(a < t < b for a, b in WaitingSession.blocks)]
+        assert len(inside) >= 2, (len(sent), WaitingSession.blocks)
+        assert bridge.engine_report(refresh=True)["dropped_out"] == 0
     finally:
         s.close()

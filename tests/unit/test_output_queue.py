@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loom_live.engine.config import load_config
-from loom_live.engine.stream.output_queue import OutputQueue
+from loom_live.engine.stream.output_queue import OutputQueue, _Entry
 from loom_live.engine.stream.session import StreamSession
 
 
@@ -19,6 +19,33 @@ def test_cpu_outputs_are_ready_at_once_and_in_order():
     assert [int(g[0, 0, 0, 0]) for g in got] == [0, 1, 2]
     assert isinstance(got[0], np.ndarray) and isinstance(got[1], torch.Tensor)
     assert len(q) == 0 and q.take() == []
+
+
+class _SlowEvent:
+    """A chunk's event that the GPU finishes after `looks` queries; a plain wait would block on it."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def query(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+    def synchronize(self) -> None:
+        raise AssertionError("a queue with `waiting` set must not block on the event")
+
+
+def test_a_wait_for_the_gpu_calls_waiting_between_looks_and_hands_out_the_chunk_after():
+    """The engine server's paced outputs go out during a chunk's wait: the queue calls `waiting` between
+    short looks at the event instead of one blocking wait, and the chunk is still handed out, in order."""
+    q = OutputQueue(torch.device("cpu"), max_unfinished=0)
+    q.cuda = True  # its entries' events are the GPU's (stand-ins here)
+    calls = []
+    q.waiting = lambda: calls.append(len(calls))
+    frames = np.zeros((4, 2, 2, 3), np.uint8)
+    q._entries.append(_Entry(frames, _SlowEvent(looks=5)))
+    got = q.take()
+    assert len(calls) == 5 and len(got) == 1 and got[0] is frames and len(q) == 0
 
 
 def test_negative_depth_is_refused():

@@ -22,8 +22,8 @@ PROPERTIES = [name for name, member in vars(EngineSession).items() if isinstance
 
 
 def test_the_interface_names_what_the_server_uses():
-    assert set(METHODS) == {"push", "poll", "flush", "set_prompt", "set_params", "set_reference", "reset", "stats",
-                            "close"}
+    assert set(METHODS) == {"push", "poll", "flush", "while_waiting", "set_prompt", "set_params", "set_reference",
+                            "reset", "stats", "close"}
     assert set(PROPERTIES) == {"accepts_device_frames", "raw_passthrough", "unfinished"}
 
 
