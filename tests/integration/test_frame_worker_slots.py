@@ -85,15 +85,21 @@ class _ReleasingLane(_Lane):
         raise AssertionError(reason)
 
 
-def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_being_dropped():
-    """After a long session call every output slot may look taken while the host's releases of the ones it
-    has read wait, unread, on the lane; the frames that fell due meanwhile go out back to back. Dropping
-    them then threw away frames the host had room for (a quarter of a 1.3B stream's beside TouchDesigner)."""
-    spec = dict(transport="tcp", slots=3, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
+def _output_worker(slots: int) -> tuple[FrameWorker, _ReleasingLane]:
+    """A worker with a tcp output ring of `slots` 4x4 slots (generation 1), on a lane whose releases wait."""
+    spec = dict(transport="tcp", slots=slots, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
     lane = _ReleasingLane()
     worker = FrameWorker(PassthroughSession, lambda *a, **k: True, lane)
     worker.session = PassthroughSession()
     worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    return worker, lane
+
+
+def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_being_dropped():
+    """After a long session call every output slot may look taken while the host's releases of the ones it
+    has read wait, unread, on the lane; the frames that fell due meanwhile go out back to back. Dropping
+    them then threw away frames the host had room for (a quarter of a 1.3B stream's beside TouchDesigner)."""
+    worker, lane = _output_worker(slots=3)
     frame = np.full((4, 4, 3), 9, np.uint8)
     for seq in range(3):
         worker._emit(seq, frame)
@@ -108,11 +114,7 @@ def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_
 def test_while_a_session_waits_the_worker_takes_releases_and_sends_due_outputs_and_keeps_a_failure_for_later():
     """The function a session calls during its GPU waits does the loop's output work on time; a failure there
     must not surface inside the session's call (that would restart the stream): it is raised by the loop."""
-    spec = dict(transport="tcp", slots=2, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
-    lane = _ReleasingLane()
-    worker = FrameWorker(PassthroughSession, lambda *a, **k: True, lane)
-    worker.session = PassthroughSession()
-    worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    worker, lane = _output_worker(slots=2)
     frame = np.full((4, 4, 3), 9, np.uint8)
     worker._emit(0, frame)
     worker._emit(1, frame)

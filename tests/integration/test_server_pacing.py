@@ -321,18 +321,24 @@ def test_frames_sent_before_a_reset_do_not_open_the_new_stream():
         s.close()
 
 
+def _feed_live(bridge: Bridge, frames: int, period_s: float) -> None:
+    """A live host: a frame every `period_s`, and the newest output asked for every few milliseconds between."""
+    t0 = time.monotonic()
+    for i in range(frames):
+        bridge.submit(np.full((16, 24, 3), i, np.uint8))
+        while time.monotonic() < t0 + period_s * (i + 1):
+            bridge.latest()
+            time.sleep(0.002)
+
+
 def test_a_session_busy_longer_than_a_frame_interval_loses_no_frame_and_builds_no_lag():
     """Frames every 50 ms, each chunk restyled in 70 ms: the frames that arrive meanwhile wait (a
     few, not only the newest), and outputs paced while the worker is busy keep their times, so
     every frame comes back at the input's rate and no backlog of outputs grows (or overflows)."""
     s = _Served(BusySession)
     try:
-        bridge, t0 = s.bridge, time.monotonic()
-        for i in range(60):
-            bridge.submit(np.full((16, 24, 3), i, np.uint8))
-            while time.monotonic() < t0 + 0.05 * (i + 1):
-                bridge.latest()
-                time.sleep(0.003)
+        bridge = s.bridge
+        _feed_live(bridge, 60, period_s=0.05)
         report = bridge.engine_report(refresh=True)
         # a loaded machine may stall the worker past three arrivals once or twice: a drop each time
         assert report["dropped"] <= 3 and report["dropped_out"] == 0, report
@@ -372,12 +378,8 @@ def test_outputs_fall_due_and_go_out_while_a_push_waits_for_the_gpu():
     publish = worker._publish
     worker._publish = lambda *a: (sent.append(time.monotonic()), publish(*a))[1]
     try:
-        bridge, t0 = s.bridge, time.monotonic()
-        for i in range(60):
-            bridge.submit(np.full((16, 24, 3), i, np.uint8))
-            while time.monotonic() < t0 + 0.02 * (i + 1):
-                bridge.latest()
-                time.sleep(0.002)
+        bridge = s.bridge
+        _feed_live(bridge, 60, period_s=0.02)
         assert wait_until(lambda: len(WaitingSession.blocks) >= 4, 10, 0.02)
         inside = [t for t in sent if any(a < t < b for a, b in WaitingSession.blocks)]
         assert len(inside) >= 2, (len(sent), WaitingSession.blocks)
