@@ -497,9 +497,11 @@ class FrameWorker:
         return True
 
     def _flush(self) -> int:
-        """Everything taken before the flush goes through first, then the session's tail."""
-        while not self.stop and (job := self._next_input()) is not None:
-            self._process(*job)
+        """Everything taken before the flush goes through first, then the session's tail. Frames whose notices
+        come meanwhile (the session's waits read the lane, `_while_waiting`) belong after it and wait."""
+        last = self._last_in_seq
+        while not self.stop and (job := self._next_input(take=False)) is not None and job[2] <= last:
+            self._process(*self._next_input())
         while self._paced:
             self._emit(*self._paced.popleft()[:2])
         if self.session is None:  # it failed beyond repair on the way: the server is exiting

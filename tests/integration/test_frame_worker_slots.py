@@ -75,7 +75,7 @@ class _ReleasingLane(_Lane):
         return True
 
     def receive(self, timeout_s):
-        out, self.waiting = [(m, []) for m in self.waiting], []
+        out, self.waiting = [m if isinstance(m, tuple) else (m, []) for m in self.waiting], []  # (notice, payload)
         return out
 
     def release(self):
@@ -129,3 +129,32 @@ def test_while_a_session_waits_the_worker_takes_releases_and_sends_due_outputs_a
     with pytest.raises(OSError, match="shared memory is gone"):
         worker._raise_waiting_failure()
     worker._raise_waiting_failure()  # raised once
+
+
+def test_a_flush_takes_the_frames_sent_before_it_and_leaves_those_that_come_during_its_waits():
+    """The session's GPU waits now read the lane, so a frame's notice can arrive in the middle of a flush; it
+    belongs to the stream after the flush, which must end with the frames the host sent before it."""
+    spec = dict(transport="tcp", slots=3, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
+    lane = _ReleasingLane()
+    pushed = []
+
+    class WaitingPassthrough(PassthroughSession):
+        raw_passthrough = False
+
+        def push(self, frames, control=None):
+            pushed.append(int(frames[0, 0, 0, 0]))
+            worker._while_waiting()  # as a GPU session's wait does
+            return super().push(frames)
+
+    worker = FrameWorker(WaitingPassthrough, lambda *a, **k: True, lane)
+    worker.session = WaitingPassthrough()
+    worker.lossless = True
+    worker._install(TcpRing(RingSpec(dir="in", **spec)))
+    worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    for seq in (1, 2):
+        worker._take_notice({"type": "frame", "slot": seq - 1, "seq": seq, "gen": 1},
+                            [np.full((4, 4, 3), seq, np.uint8).tobytes()])
+    lane.waiting.append(({"type": "frame", "slot": 2, "seq": 3, "gen": 1}, [np.full((4, 4, 3), 3, np.uint8).tobytes()]))
+    worker._flush()
+    assert pushed == [1, 2] and lane.frames == [1, 2]
+    assert [seq for _, seq, *_ in worker.inputs] == [3]
