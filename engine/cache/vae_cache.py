@@ -6,12 +6,15 @@ TAEHV memory block the previous frame) keeps those frames here, not on the modul
 stream can be reset, copied, or run beside another stream through the same weights.
 
 Fast-path rules the buffers follow: each history buffer is allocated once, on the first chunk,
-with a fixed shape, and later chunks overwrite it in place (`copy_`). A steady-state chunk step
+with a fixed shape (room for a steady step's frames behind the history, where a layer's input is
+put together: `through`), and later chunks overwrite it in place (`copy_`). A steady-state chunk step
 therefore reads and writes the same memory every time, which is what lets it be captured in a
 CUDA graph (`GraphedStep`) or compiled once; nothing here reads values back to the host.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,40 +34,76 @@ class FrameCache:
         self.signature: tuple | None = None
 
     def extend(self, key: str, x: torch.Tensor, frames: int, dim: int = 2) -> torch.Tensor:
-        """Return `x` with the layer's last `frames` frames in front; remember the new last ones.
+        """Return `x` with the layer's last `frames` frames in front, as a new tensor; remember the new
+        last ones.
 
         At the start of a stream the history is zeros, which is exactly the causal zero padding
         a one-shot pass over the whole clip would use.
         """
-        history = self._buffer(key, x, frames, dim)
+        history = self._buffer(key, x, frames, dim, room=0).narrow(dim, 0, frames)
         full = torch.cat([history, x], dim=dim)
         history.copy_(full.narrow(dim, full.shape[dim] - frames, frames))
         return full
 
+    def through(self, key: str, x: torch.Tensor, frames: int, layer: Callable[[torch.Tensor], torch.Tensor],
+                dim: int = 2) -> torch.Tensor:
+        """`layer([history | x])`, the layer's last `frames` input frames then kept as its next history.
+
+        The layer's input is put together in the history's own buffer, which has room behind the
+        history for a step's frames: `x` is written there, the layer reads the whole, and the last
+        `frames` frames then move to the front. Against `extend` no history is copied into a new
+        tensor, one pass over the history's frames less per layer and step: the steady step's
+        activations are hundreds of MB, so the passes over them, not their arithmetic, are what such
+        copies cost. A `layer` may not keep its input (the next call overwrites it).
+        """
+        t = x.shape[dim]
+        buf = self._buffer(key, x, frames, dim, room=t)
+        # the first frames + t frames, as `narrow` would give them; but a compiled step writes into a
+        # slice of a buffer with room left behind it in place only when the layer reads such a view
+        size = list(buf.shape)
+        size[dim] = frames + t
+        whole = buf.as_strided(size, buf.stride())
+        whole.narrow(dim, frames, t).copy_(x)
+        y = layer(whole)
+        if t >= frames:
+            buf.narrow(dim, 0, frames).copy_(whole.narrow(dim, t, frames))
+        else:  # the history's last frames move to its front, and x follows them
+            kept = buf.narrow(dim, t, frames - t)
+            buf.narrow(dim, 0, frames - t).copy_(kept if frames - t <= t else kept.clone())
+            buf.narrow(dim, frames - t, t).copy_(x)
+        return y
+
     def remember(self, key: str, x: torch.Tensor, frames: int, dim: int = 2) -> None:
-        """Store the last `frames` frames of `x` (which must have at least that many)."""
-        self._buffer(key, x, frames, dim).copy_(x.narrow(dim, x.shape[dim] - frames, frames))
+        """Store the last `frames` frames of `x` (which must have at least that many) as the history."""
+        buf = self._buffer(key, x, frames, dim, room=x.shape[dim])
+        buf.narrow(dim, 0, frames).copy_(x.narrow(dim, x.shape[dim] - frames, frames))
 
     def start_zero(self, key: str, like: torch.Tensor, frames: int, dim: int = 2) -> None:
         """Hold a zero history for a layer that skips the stream's first call (the history it starts from
-        anyway), shaped and laid out as `extend` would make it from `like`: the stream's next call then
+        anyway), shaped and laid out as `through` would make it from `like`: the stream's next call then
         meets the same buffers as every later one, so a compiled step sees one signature, not two."""
-        self._buffer(key, like, frames, dim)
+        self._buffer(key, like, frames, dim, room=like.shape[dim])
 
-    def last(self, key: str) -> torch.Tensor:
-        return self.buffers[key]
-
-    def _buffer(self, key: str, x: torch.Tensor, frames: int, dim: int) -> torch.Tensor:
-        shape = list(x.shape)
-        shape[dim] = frames
+    def _buffer(self, key: str, x: torch.Tensor, frames: int, dim: int, room: int) -> torch.Tensor:
+        """The layer's buffer: its history in the first `frames` frames along `dim`, then room for at
+        least `room` more (`through`). A buffer with room has room for a steady step (one latent's
+        frames) from the first call, whose frames are fewer: a larger buffer later would be a new
+        input to a compiled step. Growing keeps the history; another shape, dtype or device starts
+        from zeros (a stream's later chunks keep the first one's, `check_signature`)."""
+        want = frames + (max(room, FRAMES_PER_LATENT) if room else 0)
         buf = self.buffers.get(key)
-        if buf is None or list(buf.shape) != shape or buf.dtype != x.dtype or buf.device != x.device:
-            buf = x.new_zeros(shape)
-            channels_last = x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
-            if channels_last and not x.is_contiguous():
-                buf = buf.contiguous(memory_format=torch.channels_last_3d)
-            self.buffers[key] = buf
-        return buf
+        if buf is not None and _same_frame(buf, x, dim) and buf.shape[dim] >= want:
+            return buf
+        shape = list(x.shape)
+        shape[dim] = want
+        new = x.new_zeros(shape)
+        channels_last = x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+        if channels_last and not x.is_contiguous():
+            new = new.contiguous(memory_format=torch.channels_last_3d)
+        if buf is not None and _same_frame(buf, x, dim):
+            new.narrow(dim, 0, frames).copy_(buf.narrow(dim, 0, frames))
+        self.buffers[key] = new
+        return new
 
     def reset(self) -> None:
         """Start a new stream. Buffers are zeroed in place (not freed) so a captured graph stays valid."""
@@ -116,3 +155,9 @@ def check_signature(cache: FrameCache, signature: tuple, what: str) -> None:
             f"{what}: this chunk has (batch, height, width, device) = {signature} but the stream "
             f"started with {cache.signature}; call state.reset() (or use a new state) to change them"
         )
+
+
+def _same_frame(buf: torch.Tensor, x: torch.Tensor, dim: int) -> bool:
+    """Whether `buf` holds frames of `x`'s kind: the same shape but along `dim`, dtype and device."""
+    return (buf.dtype == x.dtype and buf.device == x.device and buf.dim() == x.dim()
+            and all(a == b for i, (a, b) in enumerate(zip(buf.shape, x.shape)) if i != dim))

@@ -108,7 +108,10 @@ class CausalConv3d(nn.Conv3d):
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if self.history:
-            x = cache.extend(self.cache_key, x, self.history)
+            return cache.through(self.cache_key, x, self.history, self._conv)
+        return self._conv(x)
+
+    def _conv(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) if self.thin is None else self.thin(x)
 
 
@@ -268,7 +271,7 @@ class Resample(nn.Module):
 
     def _halve_frames(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if cache.started:
-            return self.time_conv(cache.extend(self.cache_key, x, 1), cache)
+            return cache.through(self.cache_key, x, 1, lambda whole: self.time_conv(whole, cache))
         cache.remember(self.cache_key, x, 1)
         if x.shape[2] == 1:
             return x

@@ -206,8 +206,12 @@ def test_state_copy_reset_and_size_change():
     assert torch.equal(tiled.decode_stream(z[:, :, :1], state), first)
     # reset in place: same plan and history memory (what captured CUDA graphs point at)
     assert state.decoder.plan is plan and {k: v.data_ptr() for k, v in state.decoder.buffers.items()} == buffers
-    tiled.decode_stream(z[:, :, 1:3], state)
+    tiled.decode_stream(z[:, :, 1:2], state)
     assert state.nbytes() == size > 0  # flat over the stream
+    tiled.decode_stream(z[:, :, 2:4], state)  # a step of two latents: room for its frames, once
+    grown = state.nbytes()
+    tiled.decode_stream(z[:, :, 1:3], state)
+    assert state.nbytes() == grown > size
 
     state.reset()  # a new stream may change size: 2 x 3 tiles now
     out = tiled.decode_stream(_latents(2, 6, 8, seed=10), state)
