@@ -30,6 +30,7 @@ class FrameCache:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self._moves: dict[str, tuple[int, int, int]] = {}  # key -> (frames, t, dim) of `through`, until `commit`
         self.started = False
         self.signature: tuple | None = None
 
@@ -47,14 +48,15 @@ class FrameCache:
 
     def through(self, key: str, x: torch.Tensor, frames: int, layer: Callable[[torch.Tensor], torch.Tensor],
                 dim: int = 2) -> torch.Tensor:
-        """`layer([history | x])`, the layer's last `frames` input frames then kept as its next history.
+        """`layer([history | x])`; at `commit` the last `frames` frames of that input become the history.
 
         The layer's input is put together in the history's own buffer, which has room behind the
-        history for a step's frames: `x` is written there, the layer reads the whole, and the last
-        `frames` frames then move to the front. Against `extend` no history is copied into a new
-        tensor, one pass over the history's frames less per layer and step: the steady step's
-        activations are hundreds of MB, so the passes over them, not their arithmetic, are what such
-        copies cost. A `layer` may not keep its input (the next call overwrites it).
+        history for a step's frames: `x` is written there and the layer reads the whole, so no
+        history is copied into a new tensor. The frames move to the front at `commit`, after the
+        step, and not here: inside a compiled step a second write into the buffer (after the layer
+        has read it) comes out as a pass over the whole buffer, where a copy after the step moves
+        only the history's frames. Each layer goes through once per step; a `layer` may not keep
+        its input (the next step overwrites it).
         """
         t = x.shape[dim]
         buf = self._buffer(key, x, frames, dim, room=t)
@@ -64,14 +66,16 @@ class FrameCache:
         size[dim] = frames + t
         whole = buf.as_strided(size, buf.stride())
         whole.narrow(dim, frames, t).copy_(x)
-        y = layer(whole)
-        if t >= frames:
-            buf.narrow(dim, 0, frames).copy_(whole.narrow(dim, t, frames))
-        else:  # the history's last frames move to its front, and x follows them
-            kept = buf.narrow(dim, t, frames - t)
-            buf.narrow(dim, 0, frames - t).copy_(kept if frames - t <= t else kept.clone())
-            buf.narrow(dim, frames - t, t).copy_(x)
-        return y
+        self._moves[key] = (frames, t, dim)
+        return layer(whole)
+
+    def commit(self) -> None:
+        """End a step: each layer that went through it keeps the last frames of its input as its history."""
+        for key, (frames, t, dim) in self._moves.items():
+            buf = self.buffers[key]
+            last = buf.narrow(dim, t, frames)
+            buf.narrow(dim, 0, frames).copy_(last if t >= frames else last.clone())  # t < frames: they overlap
+        self._moves.clear()
 
     def remember(self, key: str, x: torch.Tensor, frames: int, dim: int = 2) -> None:
         """Store the last `frames` frames of `x` (which must have at least that many) as the history."""
@@ -109,6 +113,7 @@ class FrameCache:
         """Start a new stream. Buffers are zeroed in place (not freed) so a captured graph stays valid."""
         for buf in self.buffers.values():
             buf.zero_()
+        self._moves.clear()
         self.started = False
         self.signature = None
 
@@ -161,3 +166,4 @@ def _same_frame(buf: torch.Tensor, x: torch.Tensor, dim: int) -> bool:
     """Whether `buf` holds frames of `x`'s kind: the same shape but along `dim`, dtype and device."""
     return (buf.dtype == x.dtype and buf.device == x.device and buf.dim() == x.dim()
             and all(a == b for i, (a, b) in enumerate(zip(buf.shape, x.shape)) if i != dim))
+

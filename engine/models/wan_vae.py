@@ -508,6 +508,7 @@ class WanVAE(nn.Module):
         if cache.started:
             encoder = self.encoder if self._saved_steps is None else self._saved_steps[0]
         h = encoder(x.to(dtype=self.dtype, memory_format=self.memory_format), cache)
+        cache.commit()  # after the compiled step, not in it (`FrameCache.through`)
         cache.started = True
         z = self.quant_conv(h, cache)[:, : self.cfg.z_dim]  # the posterior mean; log-variance unused
         if self.cfg.normalize_on_encode:
@@ -526,6 +527,7 @@ class WanVAE(nn.Module):
         if cache.started:
             decoder = self.decoder if self._saved_steps is None else self._saved_steps[1]
         x = decoder(self.post_quant_conv(z, cache), cache)
+        cache.commit()
         cache.started = True
         x = x.clamp_(-1.0, 1.0)
         return x if self.io_dtype is None else x.to(self.io_dtype)

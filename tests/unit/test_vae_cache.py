@@ -1,4 +1,4 @@
-"""The VAE stream cache's `through`: a causal layer's input put together in its history buffer."""
+"""The VAE stream cache's `through` and `commit`: a causal layer's input put together in its history buffer."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _chunks(sizes: list[int], channels: int = 4, seed: int = 1) -> list[torch.Te
 @pytest.mark.parametrize("frames", [1, 2, 3])
 @pytest.mark.parametrize("sizes", [[1, 4, 4, 4], [1, 2, 2], [1, 1, 1, 1], [4, 1, 8, 4, 2]])
 def test_through_equals_the_concatenated_history(frames, sizes):
-    """Each call's layer sees [last `frames` frames before it | this chunk], zeros at the start, for chunks
-    of any length (shorter than the history too, where its frames overlap as they move)."""
+    """Each step's layer sees [last `frames` frames before it | this chunk], zeros at the start, for chunks
+    of any length (shorter than the history too, where its frames overlap as they move at `commit`)."""
     def layer(whole: torch.Tensor) -> torch.Tensor:  # every output frame depends on the frames before it
         return whole.cumsum(dim=2)
 
@@ -32,6 +32,7 @@ def test_through_equals_the_concatenated_history(frames, sizes):
     for x in _chunks(sizes):
         whole = torch.cat([seen, x], dim=2)
         assert torch.equal(cache.through("conv", x, frames, layer), layer(whole))
+        cache.commit()
         seen = whole[:, :, -frames:]
         assert torch.equal(cache.buffers["conv"][:, :, :frames], seen)
 
@@ -49,17 +50,22 @@ def test_steady_steps_use_the_first_calls_buffer_in_place():
 
     for x in _chunks([1, 4, 4, 2, 1, 4]):
         cache.through("conv", x, 2, layer)
+        cache.commit()
     buffer = cache.buffers["conv"]
     assert set(pointers) == {buffer.data_ptr()}
     cache.reset()
     assert cache.buffers["conv"] is buffer and not buffer.any()
-    cache.through("conv", _chunks([8])[0], 2, layer)  # a longer step: a larger buffer, the history kept
-    assert cache.buffers["conv"].shape[2] == 10
+    history = _chunks([1])[0]
+    cache.through("conv", history, 1, layer)
+    cache.commit()
+    cache.through("conv", _chunks([8])[0], 1, layer)  # a longer step: a larger buffer, the history kept
+    assert cache.buffers["conv"].shape[2] == 9 and torch.equal(cache.buffers["conv"][:, :, :1], history)
 
 
 def test_a_compiled_step_writes_into_the_buffer_instead_of_a_copy():
     """Under Inductor the chunk is written into the buffer itself and the layer reads it there, also where
-    the buffer has room left behind the chunk: no buffer of the window's size is made per step."""
+    the buffer has room left behind the chunk: no buffer of the window's size is made per step. The
+    history moves after the step (`commit`)."""
     from torch._inductor.utils import run_and_get_code
 
     layer = _conv(8)
@@ -68,10 +74,12 @@ def test_a_compiled_step_writes_into_the_buffer_instead_of_a_copy():
         cache = FrameCache()
         with torch.no_grad():
             cache.through("conv", torch.zeros(1, 8, 1, 6, 6), 2, layer)  # the stream's first call: eager
+            cache.commit()
             step = torch.compile(lambda x, cache=cache: cache.through("conv", torch.sin(x), 2, layer))
             x = torch.randn(1, 8, t, 6, 6)
             expected = layer(torch.cat([cache.buffers["conv"][:, :, :2], torch.sin(x)], dim=2))
             got, codes = run_and_get_code(step, x)
+            cache.commit()
         torch._dynamo.reset()
         assert torch.allclose(got, expected, atol=1e-5)
         sizes = ("(1, 8, 6, 6, 6)", f"(1, 8, {2 + t}, 6, 6)")  # the buffer's, the window's
