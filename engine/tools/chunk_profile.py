@@ -24,13 +24,22 @@ FAMILIES = (
     ("convolution", ("conv", "implicit", "xmma_fprop", "wgrad", "dgrad", "fprop")),
     ("matmul", ("gemm", "nvjet", "cutlass", "matmul", "splitk")),
     ("copy", ("memcpy", "memset", "copy_", "cat", "direct_copy")),
-    ("elementwise (triton)", ("triton_",)),
     ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "norm", "softmax", "upsample", "index")),
 )
 
 
+# the words of an Inductor kernel's name (`triton_poi_fused_cat_copy_0`) that only move data
+MOVES = frozenset(("triton", "poi", "per", "red", "fused", "to", "copy", "slice", "cat", "as", "strided", "view",
+                   "permute", "transpose", "clone", "unsqueeze", "squeeze", "select", "expand", "index", "new",
+                   "zeros", "stack", "split", "reshape", "t", "scatter", "alias"))
+
+
 def family(name: str) -> str:
     low = name.lower()
+    if low.startswith("triton_"):  # Inductor's kernels are named for the ops they fused, `convolution` among
+        # them when a convolution's bias add was fused in: elementwise work, or a copy when they only move data
+        words = [w for w in low.split("_") if w and not w.isdigit()]
+        return "copy" if all(w in MOVES for w in words) else "elementwise (triton)"
     for fam, keys in FAMILIES:
         if any(k in low for k in keys):
             return fam

@@ -37,6 +37,12 @@ def test_kernel_families_by_name():
     assert family("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>") == "matmul"
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise (aten)"
     assert family("Memcpy DtoD (Device -> Device)") == "copy"
+    # Inductor's: by what they compute, whatever ops they are named for
+    assert family("triton_per_fused__to_copy_clamp_min_convolution_linalg_vector_norm_mul_silu_54") == \
+        "elementwise (triton)"
+    assert family("triton_poi_fused_cat_convolution_silu_56") == "elementwise (triton)"
+    assert family("triton_poi_fused_as_strided_copy__slice_45") == "copy"
+    assert family("triton_poi_fused_cat_clone_3") == "copy"
     assert family("some_new_kernel") == "other"
     assert summarise([], chunks=3)["busy_ms"] == 0.0
 
