@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -58,12 +59,18 @@ class SavedCounts:
 
 SAVED = SavedCounts()
 KEEP_FOLDERS = 4  # compiled/<key> folders kept: each engine update, torch update or other GPU adds one
+KEY_LENGTH = 16  # hex digits of a folder's key
 
 
 def compiled_folder(root: Path, device: torch.device) -> Path:
     """`root`/compiled/<key>: one folder per torch, triton, Python, device and engine source version."""
     parts = [torch.__version__, _triton_version(), platform.python_version(), _device_kind(device), _engine_digest()]
-    return root / "compiled" / hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return root / "compiled" / hashlib.sha256("\n".join(parts).encode()).hexdigest()[:KEY_LENGTH]
+
+
+def _is_key_folder(folder: Path) -> bool:
+    """Whether `folder` is one `compiled_folder` names: a key in a folder named `compiled`."""
+    return folder.parent.name == "compiled" and re.fullmatch(f"[0-9a-f]{{{KEY_LENGTH}}}", folder.name) is not None
 
 
 def signature(value: Any) -> Hashable:
@@ -234,11 +241,15 @@ def _save_whole(step: Any, path: Path) -> None:
 
 def make_folder(folder: Path) -> None:
     """Create `folder` and, when it is new, remove its oldest siblings beyond `KEEP_FOLDERS` (steps built
-    for engines, torches or GPUs no longer in use); a step loading from a removed folder is built again."""
+    for engines, torches or GPUs no longer in use); a step loading from a removed folder is built again.
+    Only folders `compiled_folder` names are removed, beside one it names: a step saved to a folder of the
+    caller's choosing leaves whatever else sits beside that folder alone."""
     if folder.is_dir():
         return
     folder.mkdir(parents=True, exist_ok=True)
-    siblings = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder),
+    if not _is_key_folder(folder):
+        return
+    siblings = sorted((p for p in folder.parent.iterdir() if p.is_dir() and p != folder and _is_key_folder(p)),
                       key=lambda p: p.stat().st_mtime, reverse=True)
     for old in siblings[KEEP_FOLDERS - 1:]:
         logger.info("saved compiles: removing %s (built for another engine, torch or GPU)", old)

@@ -256,14 +256,27 @@ def test_the_decoder_s_steady_step_meets_one_signature_from_a_stream_s_first_lat
 
 def test_a_new_folder_removes_its_oldest_siblings_and_keeps_the_recent_ones(tmp_path):
     root = tmp_path / "compiled"
-    for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" oldest
+    keys = [c * 16 for c in "edcba"]  # "a..." oldest
+    for age, name in enumerate([*keys, "mine"]):
         (root / name).mkdir(parents=True)
         (root / name / "step.bin").write_bytes(b"x")
         os.utime(root / name, (1e9 - age * 1e5, 1e9 - age * 1e5))
-    make_folder(root / "new")
-    assert sorted(p.name for p in root.iterdir()) == ["c", "d", "e", "new"]  # KEEP_FOLDERS in all
-    make_folder(root / "new")  # an existing folder removes nothing
-    assert len(list(root.iterdir())) == saved_compiles.KEEP_FOLDERS
+    new = compiled_folder(tmp_path, torch.device("cpu"))
+    make_folder(new)
+    # KEEP_FOLDERS keys in all; a folder no key names is never the engine's to remove
+    assert sorted(p.name for p in root.iterdir()) == sorted([*keys[:3], new.name, "mine"])
+    make_folder(new)  # an existing folder removes nothing
+    assert len(list(root.iterdir())) == saved_compiles.KEEP_FOLDERS + 1
+
+
+def test_a_folder_of_the_callers_choosing_leaves_its_neighbours_alone(tmp_path):
+    """A step saved to a folder the caller names (`WanVAE.compile_step(saved=...)`) removes nothing beside it,
+    however many folders sit there."""
+    for name in ("work", "photos", "0123456789abcdef", "notes", "music"):
+        (tmp_path / name).mkdir()
+    make_folder(tmp_path / "steps")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["work", "photos", "0123456789abcdef", "notes", "music", "steps"])
 
 
 def test_the_folder_changes_with_the_engine_sources_and_the_device(tmp_path, monkeypatch):
