@@ -166,4 +166,3 @@ def _same_frame(buf: torch.Tensor, x: torch.Tensor, dim: int) -> bool:
     """Whether `buf` holds frames of `x`'s kind: the same shape but along `dim`, dtype and device."""
     return (buf.dtype == x.dtype and buf.device == x.device and buf.dim() == x.dim()
             and all(a == b for i, (a, b) in enumerate(zip(buf.shape, x.shape)) if i != dim))
-
