@@ -96,7 +96,8 @@ class FrameCache:
         from zeros (a stream's later chunks keep the first one's, `check_signature`)."""
         want = frames + (max(room, FRAMES_PER_LATENT) if room else 0)
         buf = self.buffers.get(key)
-        if buf is not None and _same_frame(buf, x, dim) and buf.shape[dim] >= want:
+        same = buf is not None and _same_frame(buf, x, dim)
+        if same and buf.shape[dim] >= want:
             return buf
         shape = list(x.shape)
         shape[dim] = want
@@ -104,7 +105,7 @@ class FrameCache:
         channels_last = x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
         if channels_last and not x.is_contiguous():
             new = new.contiguous(memory_format=torch.channels_last_3d)
-        if buf is not None and _same_frame(buf, x, dim):
+        if same:
             new.narrow(dim, 0, frames).copy_(buf.narrow(dim, 0, frames))
         self.buffers[key] = new
         return new
