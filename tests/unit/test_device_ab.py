@@ -41,9 +41,12 @@ def test_prepare_then_run_benches_both_sides_and_puts_the_tree_back(tmp_path):
         return subprocess.run(["bash", str(SCRIPT), *args], cwd=repo, env=env, capture_output=True, text=True)
 
     assert ab("prepare", rev, "engine/missing.py").returncode == 2
+    (repo / ".ab" / "old").mkdir(parents=True)
+    (repo / ".ab" / "old" / "stale.py").write_text("an earlier A/B's file\n")
     prepared = ab("prepare", rev, "engine/step.py")
     assert prepared.returncode == 0, prepared.stderr
     assert (repo / ".ab" / "engine" / "step.py").read_text() == "before\n"
+    assert not (repo / ".ab" / "old").exists()  # only the files named this time are swapped in
     run = ab("run", "vae", "60", "--", "-c", "tiny-random", "--frames", "20")
     assert run.returncode == 0, run.stderr
     calls = log.read_text().splitlines()
@@ -51,4 +54,6 @@ def test_prepare_then_run_benches_both_sides_and_puts_the_tree_back(tmp_path):
     assert "--json" in calls[1] and calls[1].rstrip().endswith("-c tiny-random --frames 20")
     assert "== vae_new" in run.stdout and "== vae_old" in run.stdout and run.stdout.count("FPS") == 2
     assert (repo / "engine" / "step.py").read_text() == "after\n"  # the tree's own file back
+    results = {p.name for p in (tmp_path / "out" / "ab").iterdir()}
+    assert results == {"vae_new.txt", "vae_old.txt"}  # the runs' outputs alone, no copy of the tree
     assert ab("run", "vae", "60", "-c", "tiny-random").returncode == 2  # no `--`: the usage
