@@ -4,8 +4,9 @@ Why: float16 holds values up to 65504. A VAE whose activations outgrow that on s
 inf, then NaN, and the NaN stays in the stream's history: every later frame of the stream is broken
 until it resets. Asking the GPU about each chunk would stall the pipeline, so each decoded chunk adds
 its verdict to a counter on the device, and a copy of the counter goes to pinned host memory behind
-the chunk's work; the session reads whatever copy has landed when it reports (`stats()`), a chunk or
-two late, and says once what to change.
+the chunk's work; the session reads whatever copy has landed, a chunk or two late: before each push
+(`news`, to start a new stream that clears the NaN) and when it reports (`chunks`), and says once what
+to change.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class NonFiniteWatch:
         self._count = torch.zeros((), dtype=torch.int32, device=device)
         self._host = torch.zeros((), dtype=torch.int32, pin_memory=device.type == "cuda")
         self._said = False
+        self._seen = 0  # broken chunks already answered by `news`
 
     def check(self, x: torch.Tensor) -> None:
         """Queue the test of one chunk and the counter's copy home; never waits."""
@@ -38,9 +40,16 @@ class NonFiniteWatch:
         found = int(self._host)
         if found and not self._said:
             self._said = True
-            logger.error("%s made non-finite frames (%d chunk(s) so far): its values outgrew float16; set "
-                         "vae.dtype=bfloat16 (or auto) and restart the engine", self.what, found)
+            logger.error("%s made non-finite frames (%d chunk(s) so far): its values outgrew float16, and the "
+                         "stream starts afresh each time; set vae.dtype=bfloat16 (or auto) and restart the engine",
+                         self.what, found)
         return found
+
+    def news(self) -> int:
+        """Chunks found broken since the last call; never waits."""
+        found = self.chunks()
+        new, self._seen = found - self._seen, found
+        return new
 
 
 def watch_for(decoder: Any, device: torch.device) -> NonFiniteWatch | None:

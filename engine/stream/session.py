@@ -109,6 +109,7 @@ class StreamSession:
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._vae_layout = vae_layout(self.device)
         self._vae_watch = watch_for(models.decoder, self.device)
+        self.vae_restarts = 0  # new streams started because the float16 VAE made NaN
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
                                          models.dit.cfg.text_len)
@@ -442,6 +443,8 @@ class StreamSession:
         if dropped:
             self.metrics.on_drop(dropped, "non-finite")
         given = self._given_control(control, good)
+        if self._vae_watch is not None and self._vae_watch.news():
+            return self._restart_after_overflow(good, now, given)
         if len(good) and self._frame_shape not in (None, good.shape[1:]):
             return self._change_size(good, now, given)
         if len(good):
@@ -499,6 +502,20 @@ class StreamSession:
             chunks.append(self._padded_chunk())
         out = self._process(chunks, drain=True)
         self._accept(good, now, given)
+        return out
+
+    def _restart_after_overflow(self, good: np.ndarray | torch.Tensor, now: float,
+                                given: list[Any]) -> np.ndarray | torch.Tensor:
+        """The float16 VAE's values outgrew float16: the NaN it made sits in its history (and in the KV cache
+        the encoder's latents fed), so every later frame would be broken. The stream ends here as at `flush`
+        (the frames in flight leave, one out for each in, the broken ones among them) and a new stream starts
+        with these frames, which wait in the buffer for the next call."""
+        self.vae_restarts += 1
+        log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
+        out = self.flush()
+        self._vae_watch.news()  # the old stream's chunks the flush drained (their verdicts landed with them)
+        if len(good):
+            self._accept(good, now, given)
         return out
 
     def _accept(self, good: np.ndarray | torch.Tensor, now: float, given: list[Any]) -> None:
@@ -693,7 +710,8 @@ class StreamSession:
             "kv_positions": cache.next_positions,
             **({"control": self.control.stats()} if self.control is not None else {}),
             **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {}),
-            **({"vae_nonfinite_chunks": self._vae_watch.chunks()} if self._vae_watch is not None else {}),
+            **({"vae_nonfinite_chunks": self._vae_watch.chunks(), "vae_restarts": self.vae_restarts}
+               if self._vae_watch is not None else {}),
             "kv_cache_bytes": cache.memory_bytes(),
             "device": str(self.device),
             "gpu_memory_peak_bytes": (torch.cuda.max_memory_allocated(self.device)

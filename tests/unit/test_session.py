@@ -82,6 +82,29 @@ def test_a_float16_vae_that_overflows_is_counted_and_said_once(caplog):
     assert "vae_nonfinite_chunks" not in session("model.dtype=float32").stats()  # a float32 VAE: no watch
 
 
+def test_a_float16_vae_that_overflowed_once_starts_a_new_stream_and_its_frames_come_back():
+    """One picture past float16's range leaves NaN in the VAE's history: without a new stream every later frame
+    would stay broken. The session flushes (one frame out for each in) and starts afresh, as a new session would."""
+    args = ("model.dtype=float32", "vae.dtype=float16", "stream.mode=batch", "resolution.width=32",
+            "resolution.height=32")
+    s = session(*args)
+    conv_in = s.models.decoder.decoder.conv_in.weight
+    kept = conv_in.detach().clone()
+    run_all(s, clip(9, 32, 32), 9)
+    with torch.no_grad():
+        conv_in.mul_(1e5)  # one push's chunks overflow: inf, then NaN in the norms and the histories
+    broken = s.push(clip(8, 32, 32, seed=1))
+    with torch.no_grad():
+        conv_in.copy_(kept)
+    assert s.stats()["vae_nonfinite_chunks"] >= 1 and s.vae_restarts == 0
+    later = clip(17, 32, 32, seed=2)
+    outs = [broken] + [s.push(later[i:i + 4]) for i in range(0, 17, 4)] + [s.flush()]
+    assert s.vae_restarts == 1 and s.stats()["vae_restarts"] == 1
+    out = np.concatenate([o for o in outs if len(o)])
+    assert len(out) == 8 + 17  # every frame pushed since the overflow came out
+    assert np.array_equal(out[8:], run_all(session(*args), later, 4))  # the new stream is a fresh one
+
+
 def test_vae_dtype_is_refused_where_no_wan_vae_runs():
     with pytest.raises(ValueError, match="vae.dtype: float16 is the Wan VAE's"):
         load_config("tiny-random", ["vae.dtype=float16", "vae.encoder=taehv", "vae.decoder=taehv",
