@@ -92,7 +92,10 @@ class FrameWorker:
         self._last_due = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
-        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, stale=0, errors=0, new_streams=0)
+        # dropped_out is the sum of its two causes: no output slot free (the host reads slowly), or the paced
+        # queue full (the engine made frames faster than their pace lets them leave)
+        self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, dropped_out_no_slot=0,
+                           dropped_out_behind=0, stale=0, errors=0, new_streams=0)
         self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
         self._stats_at = 0.0
@@ -462,10 +465,14 @@ class FrameWorker:
             return
         if len(self._paced) >= PACED_QUEUE_LIMIT:
             self._paced.popleft()
-            self.counts["dropped_out"] += 1
+            self._drop_out("behind")
         now, step = time.monotonic(), min(self._interval, MAX_PACE_S) * PACE
         self._last_due = max(now, min(self._last_due + step, now + len(self._paced) * step))
         self._paced.append((seq, frame, self._last_due))
+
+    def _drop_out(self, cause: str) -> None:
+        self.counts["dropped_out"] += 1
+        self.counts[f"dropped_out_{cause}"] += 1
 
     def _emit_due(self) -> None:
         while self._paced and (self._paced[0][2] <= time.monotonic() or self.lossless):
@@ -523,7 +530,7 @@ class FrameWorker:
                 if slot is not None:
                     return slot
             if not self.lossless and looked:
-                self.counts["dropped_out"] += 1
+                self._drop_out("no_slot")
                 return None
             self._read_lane(WAIT_S if self.lossless else 0.0)
             looked = True

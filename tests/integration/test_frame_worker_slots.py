@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from loom_live.engine.server.frame_worker import FrameWorker
+from loom_live.engine.server.frame_worker import PACED_QUEUE_LIMIT, FrameWorker
 from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.host_bridge.wire.protocol import RingSpec
 from loom_live.host_bridge.wire.rings.tcp import TcpRing
@@ -109,6 +109,19 @@ def test_a_live_output_takes_a_slot_whose_release_waits_on_the_lane_rather_than_
     assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 0
     worker._emit(4, frame)  # no release waits: a live frame with no slot is dropped and counted, never waited for
     assert lane.frames[-1] == 3 and worker.counts["dropped_out"] == 1
+    assert worker.counts["dropped_out_no_slot"] == 1 and worker.counts["dropped_out_behind"] == 0
+
+
+def test_live_outputs_past_the_paced_queue_drop_the_oldest_and_say_so():
+    """An engine that makes frames faster than their pace lets them leave drops the oldest waiting one, counted
+    apart from frames dropped for want of a slot: the two causes have different cures."""
+    worker, lane = _output_worker(slots=3)
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    for seq in range(PACED_QUEUE_LIMIT + 2):
+        worker._queue_output(seq, frame)
+    assert len(worker._paced) == PACED_QUEUE_LIMIT and worker._paced[0][0] == 2  # the two oldest went
+    assert worker.counts["dropped_out"] == 2 and worker.counts["dropped_out_behind"] == 2
+    assert worker.counts["dropped_out_no_slot"] == 0 and lane.frames == []
 
 
 def test_while_a_session_waits_the_worker_takes_releases_and_sends_due_outputs_and_keeps_a_failure_for_later():
