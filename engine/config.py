@@ -168,7 +168,7 @@ class VAEConfig:
                           "mantissa than bfloat16 where its values fit (to 65504), and on a GPU cuDNN then "
                           "searches all its convolution kernels and finds faster ones (docs/performance.md); "
                           "latents and frames cross to the model's dtype at the VAE's edges; a chunk past that "
-                          "range is counted (vae_nonfinite_chunks) and on one GPU starts a new stream")
+                          "range is counted (vae_nonfinite_chunks) and starts a new stream (vae_restarts)")
     attention: str = spec("kernel", choices=("kernel", "matmul"),
                           doc="the Wan VAE's mid-block attention (one head of 384 channels): torch's attention "
                               "kernel, or two matrix products with float32 scores around a softmax (matmul); the "

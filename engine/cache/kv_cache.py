@@ -193,6 +193,14 @@ class KVCache:
         for b in range(self.batch) if rows is None else rows:
             self._rows[b] = _Row()
 
+    def scrub(self) -> None:
+        """Zero every slot, in place (captured graphs stay valid). A reset leaves old slots as masked
+        leftovers, harmless while they are finite; a NaN or inf among them is not (a masked score's
+        zero weight times a NaN value is NaN), so a stream that made non-finite values is scrubbed
+        before the next one starts."""
+        for slots in (*self.k.values(), *self.v.values()):
+            slots.zero_()
+
     def refresh_after(self, frames: int) -> None:
         """Synthetic warm-up streams only: move the `refresh` policy's first RoPE refresh forward, to the
         chunk holding the frame `frames` frames from now (instead of the frame at position `refresh_at`).

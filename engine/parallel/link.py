@@ -36,6 +36,7 @@ WAIT_LOOK_S = 0.0005  # with a `waiting` call: how often rank 0 looks for the la
 NEW_CONTEXT = 1  # a prompt embedding follows; recompute cross-attention K/V
 REFRESH_SINKS = 2  # a prompt change has fully arrived: refresh the sinks of every row
 RESET = 4  # a new stream starts: clear the KV cache rows (and the VAE decode state)
+SCRUB = 8  # with RESET, after non-finite values: zero the KV cache slots too (KVCache.scrub)
 
 
 class Kind(IntEnum):

@@ -83,7 +83,7 @@ from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.dit_source import dit_source
 from loom_live.engine.models.loading import load_models, resolve_device
 from loom_live.engine.models.wan_dit import DIT_PRESETS
-from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
+from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, SCRUB, Header, Kind, Link
 from loom_live.engine.parallel.plan import NoiseLedger, check_move, check_split, placement, stage_ranges, suggest_split
 from loom_live.engine.parallel.ranks import PipelineError, RankProcesses
 from loom_live.engine.parallel.scheduler import BlockScheduler
@@ -103,6 +103,7 @@ from loom_live.engine.stream.frames import FrameMapper, vae_layout, vae_pixels, 
 from loom_live.engine.stream.metrics import StreamMetrics
 from loom_live.engine.stream.motion_noise import MotionNoiseController
 from loom_live.engine.stream.no_vace import NoStructureControl
+from loom_live.engine.stream.nonfinite_watch import watch_for
 from loom_live.engine.stream.prompts import PromptConditioner, check_prompt, make_text_encoder
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.session import edge_control
@@ -226,6 +227,8 @@ class PipelineSession:
         self.motion = MotionNoiseController(nc.noise_scale, nc.ema, nc.motion_aware, nc.estimator)
         self.enc_state = self.models.encoder.new_stream_state()
         self._vae_graphs = VAEGraphs(self.cfg.stream.cuda_graphs and self.device.type == "cuda")
+        self._vae_watch = watch_for(self.models, self.device)  # on the frames the last rank sends back
+        self.vae_restarts = 0  # new streams started because the float16 VAE made NaN
         self.metrics = StreamMetrics(self.cfg.slo.latency_budget_ms / 1000.0)
         st, modes = self.cfg.stream, allowed_modes(self.cfg.stream.mode)
         self.slo = PipelineSLO(self.P, self.n, target_fps=self.cfg.slo.target_fps,
@@ -460,13 +463,12 @@ class PipelineSession:
             self.ranks.check()
             if dropped:
                 self.metrics.on_drop(dropped, "non-finite")
+            if self._vae_watch is not None and self._vae_watch.news():
+                return self._restart_after_overflow(good, now)
             if len(good) and self._frame_shape not in (None, tuple(good.shape[1:])):
                 return self._change_size(good, now)
             if len(good):
-                self._frame_shape = tuple(good.shape[1:])
-                self.metrics.on_input(len(good), now)
-                self.slo.observe_input(len(good), now)
-                self._buffer.extend(good)
+                self._accept(good, now)
             while len(self._buffer) >= self._chunk_frames():
                 n = self._chunk_frames()
                 self._enter(_stack(self._buffer[:n]))
@@ -481,10 +483,32 @@ class PipelineSession:
         with torch.inference_mode():
             self._drain()
         out = self._deliver(padding=pad)
+        self._accept(good, now)
+        return out
+
+    def _accept(self, good: np.ndarray | torch.Tensor, now: float) -> None:
         self.metrics.on_input(len(good), now)
         self.slo.observe_input(len(good), now)
         self._buffer.extend(good)
         self._frame_shape = tuple(good.shape[1:])
+
+    def _restart_after_overflow(self, good: np.ndarray | torch.Tensor, now: float) -> np.ndarray | torch.Tensor:
+        """As on one GPU (`StreamSession._restart_after_overflow`): the NaN the float16 VAE made stays in its
+        history on the last rank and in the KV caches, so the stream ends here as at a flush (every rank resets,
+        its KV cache scrubbed, with the next micro-batch) and a new one starts with these frames, which wait in
+        the buffer for the next call."""
+        self.vae_restarts += 1
+        log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
+        pad = self._pad_partial()
+        with torch.inference_mode():
+            self._drain()
+            out = self._deliver(padding=pad)
+            self._new_stream()
+            self.stage.cache.scrub()  # the NaN reached the KV caches through the latents; the other ranks with
+        self._flags |= SCRUB  # the next micro-batch
+        self._vae_watch.news()  # the old stream's chunks the drain brought back
+        if len(good):
+            self._accept(good, now)
         return out
 
     def _pad_partial(self) -> int:
@@ -643,6 +667,8 @@ class PipelineSession:
             if back.out_frames:
                 h_px, w_px = self.cfg.resolution.height, self.cfg.resolution.width
                 pixels = self.link.recv((1, 3, back.out_frames, h_px, w_px), self.dtype, src, back=True)
+                if self._vae_watch is not None:
+                    self._vae_watch.check(pixels)
                 chunk = self._chunks.pop(back.chunks[-1])
                 self._chunks_done += 1
                 if keep:
@@ -678,7 +704,9 @@ class PipelineSession:
                      "noise_scale": self.motion.telemetry()[0], "motion": self.motion.telemetry()[1],
                      "prompt": self.prompt.text, "prompt_error": self.prompt.error,
                      "prompt_blend": self.prompt.weight, "lora_scales": self.models.lora.scales,
-                     **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {})})
+                     **({"control": edge_control(self.cfg)} if self.cfg.source_edges else {}),
+                     **({"vae_nonfinite_chunks": self._vae_watch.chunks(), "vae_restarts": self.vae_restarts}
+                        if self._vae_watch is not None else {})})
         if reset:
             self.metrics.restart()  # the stream goes on: the chunks in the ring keep their push times
             self.stage.totals.clear()

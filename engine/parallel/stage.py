@@ -38,8 +38,7 @@ from loom_live.engine.graphs.pipeline_blocks import GraphedBlocks
 from loom_live.engine.graphs.vae_steps import VAEGraphs
 from loom_live.engine.models.loading import LoadedModels, load_models
 from loom_live.engine.models.wan_dit import Conditioning
-from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, Header, Kind, Link
-from loom_live.engine.stream.nonfinite_watch import watch_for
+from loom_live.engine.parallel.link import NEW_CONTEXT, REFRESH_SINKS, RESET, SCRUB, Header, Kind, Link
 from loom_live.engine.stream.schedule import FlowSchedule
 from loom_live.engine.stream.stage_timer import StageTimer
 
@@ -169,6 +168,8 @@ class Stage:
         """Header flags, in the order the one-GPU session applies them before a forward."""
         if flags & RESET:
             self.cache.reset()
+        if flags & SCRUB:
+            self.cache.scrub()
         if flags & NEW_CONTEXT:
             self.context = context
             self.cross = self.dit.cross_kv(context, blocks=self.blocks)
@@ -264,7 +265,6 @@ class LastRank:
         self.sigmas = [self.schedule.sigma(s) for s in cfg.stream.steps]
         self.dec_state = models.decoder.new_stream_state()
         self.graphs = VAEGraphs(cfg.stream.cuda_graphs and stage.device.type == "cuda" and not cfg.memory.low_vram)
-        self.watch = watch_for(models.decoder, stage.device)
 
     def finish(self, header: Header, p: Payload, tokens: torch.Tensor, cond: Conditioning
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -286,16 +286,7 @@ class LastRank:
         if header.first_step + header.rows == n:  # the last row has had its last step: it leaves
             with s.timer.span("decode"):
                 pixels = self.graphs.run("decode", self.models.decoder.decode_stream, x0[-1:], self.dec_state)
-                if self.watch is not None:
-                    self.watch.check(pixels)
         return nxt, pixels
-
-    def report(self, stage_report: dict[str, Any]) -> dict[str, Any]:
-        """The stage's report, with the float16 VAE's broken chunks where it has a watch."""
-        if self.watch is not None:
-            stage_report["vae_nonfinite_chunks"] = self.watch.chunks()
-        return stage_report
-
 
 def configure(stage: Stage, last: LastRank | None, extra: dict[str, Any]) -> None:
     """Live settings, applied between the same two micro-batches on every rank."""
@@ -355,7 +346,7 @@ def serve(rank: int, world: int, cfg: LoomConfig, blocks: range, inbox: Connecti
                 break
             if header.kind == Kind.STATS:
                 report = stage.report(rank, wait_s)
-                events.put(("stats", rank, last.report(report) if last is not None else report))
+                events.put(("stats", rank, report))
                 if header.extra.get("reset"):
                     stage.totals.clear()
                     wait_s = 0.0

@@ -52,6 +52,9 @@ class NonFiniteWatch:
         return new
 
 
-def watch_for(decoder: Any, device: torch.device) -> NonFiniteWatch | None:
-    """A watch for a decoder that computes in float16 (`vae.dtype`); None for any other."""
-    return NonFiniteWatch(device, "the Wan VAE in float16 (vae.dtype)") if decoder.dtype == torch.float16 else None
+def watch_for(models: Any, device: torch.device) -> NonFiniteWatch | None:
+    """A watch on the decoded frames where the Wan VAE encodes or decodes in float16 (`vae.dtype`: an overflow
+    in the encoder reaches the frames through the latents); None where neither does."""
+    if torch.float16 not in (models.encoder.dtype, models.decoder.dtype):
+        return None
+    return NonFiniteWatch(device, "the Wan VAE in float16 (vae.dtype)")

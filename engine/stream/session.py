@@ -108,7 +108,7 @@ class StreamSession:
         self._merge_stream = streams.merge
         self._overlapped = cuda and not cfg.memory.low_vram and cfg.stream.max_unfinished_chunks > 0
         self._vae_layout = vae_layout(self.device)
-        self._vae_watch = watch_for(models.decoder, self.device)
+        self._vae_watch = watch_for(models, self.device)
         self.vae_restarts = 0  # new streams started because the float16 VAE made NaN
         text_encoder = make_text_encoder(cfg.prompt.encoder, models.dit.cfg.text_dim, cfg.prompt.path,
                                          _encoder_device(cfg.prompt.device, self.device, cfg.memory.low_vram),
@@ -508,11 +508,13 @@ class StreamSession:
                                 given: list[Any]) -> np.ndarray | torch.Tensor:
         """The float16 VAE's values outgrew float16: the NaN it made sits in its history (and in the KV cache
         the encoder's latents fed), so every later frame would be broken. The stream ends here as at `flush`
-        (the frames in flight leave, one out for each in, the broken ones among them) and a new stream starts
-        with these frames, which wait in the buffer for the next call."""
+        (the frames in flight leave, one out for each in, the broken ones among them) and a new stream starts,
+        its KV cache scrubbed, with these frames, which wait in the buffer for the next call."""
         self.vae_restarts += 1
         log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
         out = self.flush()
+        with torch.inference_mode():
+            self.denoiser.cache.scrub()
         self._vae_watch.news()  # the old stream's chunks the flush drained (their verdicts landed with them)
         if len(good):
             self._accept(good, now, given)

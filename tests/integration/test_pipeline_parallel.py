@@ -82,18 +82,36 @@ def test_two_ranks_give_the_one_process_frames(steps):
     assert no_children_left()
 
 
-def test_two_ranks_with_a_float16_vae_give_the_one_process_frames_and_watch_it_on_the_last():
-    """`vae.dtype=float16` on a pipeline: the last rank decodes in float16 and reports the chunks that came out
-    non-finite, as one process does in its own stats."""
+def test_two_ranks_with_a_float16_vae_give_the_one_process_frames_and_start_afresh_after_an_overflow():
+    """`vae.dtype=float16` on a pipeline: rank 0 watches the frames the last rank sends back, as one process watches
+    its own. An overflow in rank 0's encoder leaves NaN in its history and, through the latents, in the last rank's
+    decoder: the pipeline flushes and starts a new stream on every rank, whose frames are a fresh stream's."""
     overrides = [*BASE, "stream.steps=[700]", "vae.dtype=float16"]
     frames = clip(17)
     reference = stream(StreamSession.from_config(load_config("tiny-random", overrides)), frames)
     two = load_config("tiny-random", [*overrides, "parallel.gpus=2", "parallel.rebalance=false"])
     with PipelineSession(two) as pipe:
         out = stream(pipe, frames)
-        ranks = {r["rank"]: r for r in pipe.stats()["ranks"]}
+        assert pipe.stats()["vae_nonfinite_chunks"] == 0
+        conv_in = pipe.models.encoder.encoder.conv_in.weight
+        kept = conv_in.detach().clone()
+        with torch.no_grad():
+            conv_in.mul_(1e5)
+        outs = [pipe.push(frames[i:i + 3]) for i in range(0, 9, 3)]
+        with torch.no_grad():
+            conv_in.copy_(kept)
+        pushed = 9
+        while pipe.vae_restarts == 0 and pushed < 60:  # the broken frames come back a tick or two later
+            outs.append(pipe.push(frames[:3]))
+            pushed += 3
+        outs.append(pipe.flush())
+        again = stream(pipe, frames)
+        stats = pipe.stats()
     assert np.abs(out.astype(int) - reference.astype(int)).max() <= 1
-    assert ranks[1]["vae_nonfinite_chunks"] == 0 and "vae_nonfinite_chunks" not in ranks[0]
+    assert stats["vae_nonfinite_chunks"] >= 1 and stats["vae_restarts"] == 1
+    assert all("vae_nonfinite_chunks" not in r for r in stats["ranks"])  # one owner: rank 0
+    assert sum(len(o) for o in outs) == pushed  # one frame out for each in, the broken ones among them
+    assert np.array_equal(again, out)  # every rank's KV cache and VAE history clean again
     assert no_children_left()
 
 

@@ -83,12 +83,13 @@ def test_a_float16_vae_that_overflows_is_counted_and_said_once(caplog):
 
 
 def test_a_float16_vae_that_overflowed_once_starts_a_new_stream_and_its_frames_come_back():
-    """One picture past float16's range leaves NaN in the VAE's history: without a new stream every later frame
-    would stay broken. The session flushes (one frame out for each in) and starts afresh, as a new session would."""
+    """One picture past float16's range leaves NaN in the VAE's history and, through the latents, in the KV cache:
+    without a new stream every later frame would stay broken. The session flushes (one frame out for each in),
+    scrubs the KV cache and starts afresh, as a new session would."""
     args = ("model.dtype=float32", "vae.dtype=float16", "stream.mode=batch", "resolution.width=32",
             "resolution.height=32")
     s = session(*args)
-    conv_in = s.models.decoder.decoder.conv_in.weight
+    conv_in = s.models.encoder.encoder.conv_in.weight
     kept = conv_in.detach().clone()
     run_all(s, clip(9, 32, 32), 9)
     with torch.no_grad():
