@@ -479,10 +479,7 @@ class PipelineSession:
         """New input size, as on one GPU: the stream goes on (caches and positions stay), but every
         frame of the old size leaves first (the partial chunk padded, the ring drained), so no
         result mixes two sizes. The new frames wait in the buffer for the next call."""
-        pad = self._pad_partial()
-        with torch.inference_mode():
-            self._drain()
-        out = self._deliver(padding=pad)
+        out = self._drain_stream()
         self._accept(good, now)
         return out
 
@@ -499,17 +496,22 @@ class PipelineSession:
         the buffer for the next call."""
         self.vae_restarts += 1
         log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
-        pad = self._pad_partial()
+        out = self._drain_stream()
+        self._new_stream()
         with torch.inference_mode():
-            self._drain()
-            out = self._deliver(padding=pad)
-            self._new_stream()
             self.stage.cache.scrub()  # the NaN reached the KV caches through the latents; the other ranks with
         self._flags |= SCRUB  # the next micro-batch
         self._vae_watch.news()  # the old stream's chunks the drain brought back
         if len(good):
             self._accept(good, now)
         return out
+
+    def _drain_stream(self) -> np.ndarray | torch.Tensor:
+        """The partial chunk padded as at the end of a stream, the ring drained: every frame still owed."""
+        pad = self._pad_partial()
+        with torch.inference_mode():
+            self._drain()
+        return self._deliver(padding=pad)
 
     def _pad_partial(self) -> int:
         """Enter the partial chunk padded with copies of its last frame; returns the padding."""
@@ -528,10 +530,7 @@ class PipelineSession:
     def flush(self) -> np.ndarray | torch.Tensor:
         """End of stream: pad the last partial chunk, drain the ring, return every remaining frame."""
         with self._guard():
-            pad = self._pad_partial()
-            with torch.inference_mode():
-                self._drain()
-            out = self._deliver(padding=pad)
+            out = self._drain_stream()
             self._new_stream()
             return out
 

@@ -298,9 +298,10 @@ class StreamSession:
         self.slo.reset()
 
     @torch.inference_mode()
-    def _new_stream(self) -> None:
+    def _new_stream(self, scrub: bool = False) -> None:
         """Every part that holds the stream's state starts afresh; metrics and the scheduler's
-        learnt stage times are the caller's to keep (a flush keeps them) or reset."""
+        learnt stage times are the caller's to keep (a flush keeps them) or reset. `scrub`: the
+        old stream made NaN, which a reset would leave in the KV cache's masked slots."""
         cfg = self.cfg
         if self.device.type == "cuda":  # caches are reset in place: no stream may still be using them
             torch.cuda.synchronize(self.device)
@@ -312,6 +313,8 @@ class StreamSession:
             self.denoiser.reset(list(cfg.stream.steps), cross, self.generator)
         else:  # a step change that failed half-way left the other shape: build it for the steps asked
             self.denoiser = self._new_denoiser(cross)
+        if scrub:  # before a VACE reference is committed into the cache below
+            self.denoiser.cache.scrub()
         self.motion.reset()
         self._outputs.clear()
         if self.control is not None:
@@ -470,12 +473,16 @@ class StreamSession:
 
         The padded frames are processed but not returned. The next push starts a new stream.
         """
+        out = self._drain_stream()
+        self._new_stream()  # metrics and the scheduler's learning carry over to the next stream
+        return out
+
+    def _drain_stream(self) -> np.ndarray | torch.Tensor:
+        """The partial chunk padded as at the end of a stream, the pipeline drained: every frame still owed."""
         chunks = self._full_chunks()
         if self._buffer:
             chunks.append(self._padded_chunk())
-        out = self._process(chunks, drain=True)
-        self._new_stream()  # metrics and the scheduler's learning carry over to the next stream
-        return out
+        return self._process(chunks, drain=True)
 
     def _given_control(self, control: Any, good: np.ndarray | torch.Tensor) -> list[Any]:
         """The host's control frames, one entry per accepted frame (None where none or refused)."""
@@ -497,10 +504,7 @@ class StreamSession:
         worth), so the old size's buffer is cut into whole chunks first, as `flush` does, and only its
         remainder padded: one padded chunk of the whole buffer could overrun the KV window.
         """
-        chunks = self._full_chunks()
-        if self._buffer:
-            chunks.append(self._padded_chunk())
-        out = self._process(chunks, drain=True)
+        out = self._drain_stream()
         self._accept(good, now, given)
         return out
 
@@ -512,9 +516,8 @@ class StreamSession:
         its KV cache scrubbed, with these frames, which wait in the buffer for the next call."""
         self.vae_restarts += 1
         log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
-        out = self.flush()
-        with torch.inference_mode():
-            self.denoiser.cache.scrub()
+        out = self._drain_stream()
+        self._new_stream(scrub=True)
         self._vae_watch.news()  # the old stream's chunks the flush drained (their verdicts landed with them)
         if len(good):
             self._accept(good, now, given)

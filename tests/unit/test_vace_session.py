@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loom_live.engine.config import ConfigError, load_config
+from loom_live.engine.models.loading import load_models
 from loom_live.engine.stream import control_latents
 from loom_live.engine.stream.control_latents import ControlEncoder, ZeroLatents
 from tests.fakes.tiny_vace import SMALL, clip, session, tiny_vace_models
@@ -110,6 +111,31 @@ def test_reference_image_is_a_pinned_first_entry(models, tmp_path):
     assert s.denoiser.cache.positions[0][0] == 0
     with pytest.raises(ValueError, match="cannot be read as an image"):
         session(models, f"control.reference={tmp_path / 'none.png'}")
+
+
+def test_a_float16_vae_overflow_starts_a_new_stream_with_the_reference_pinned_again(tmp_path):
+    """The restart after a float16 overflow scrubs the KV cache before the new stream commits its reference: the
+    frames after it are a fresh session's, reference and all."""
+    ref = tmp_path / "ref.png"
+    cv2.imwrite(str(ref), np.tile(np.linspace(0, 255, 64, dtype=np.uint8)[:, None, None], (1, 64, 3)))
+    over = ("vae.dtype=float16", "model.dtype=float32", f"control.reference={ref}", "resolution.width=32",
+            "resolution.height=32")
+    half = load_models(load_config("tiny-vace", [*SMALL, *over]))
+    s = session(half, *over)
+    first = s.push(clip(1))
+    conv_in = half.encoder.encoder.conv_in.weight
+    kept = conv_in.detach().clone()
+    with torch.no_grad():
+        conv_in.mul_(1e5)
+    broken = s.push(clip(4))
+    with torch.no_grad():
+        conv_in.copy_(kept)
+    frames = clip(9)
+    out = np.concatenate([o for o in (broken, s.push(frames[:5]), s.push(frames[5:]), s.flush()) if len(o)])
+    fresh = session(half, *over)
+    expected = np.concatenate([o for o in (fresh.push(frames[:5]), fresh.push(frames[5:]), fresh.flush()) if len(o)])
+    assert s.vae_restarts == 1 and len(first) + len(out) == 1 + 4 + 9  # one frame out for each in
+    assert np.array_equal(out[-9:], expected)
 
 
 def test_control_latents_are_the_grey_and_control_videos_encoded_beside_a_mask_of_ones(models):
