@@ -288,6 +288,7 @@ class LastRank:
                 pixels = self.graphs.run("decode", self.models.decoder.decode_stream, x0[-1:], self.dec_state)
         return nxt, pixels
 
+
 def configure(stage: Stage, last: LastRank | None, extra: dict[str, Any]) -> None:
     """Live settings, applied between the same two micro-batches on every rank."""
     if "steps" in extra:
