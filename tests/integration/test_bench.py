@@ -183,7 +183,8 @@ def test_bench_lora_reports_what_a_live_change_adds_to_the_stream(tmp_path):
     out = tmp_path / "lora.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lora.py"
     proc = subprocess.run([sys.executable, str(script), "--config", "tiny-random", "--frames", "24", "--warmup", "9",
-                           "--period", "0.02", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--period", "0.02", "--set", "resolution.width=64", "--set", "resolution.height=64",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     changes = result["runs"]["2 LoRAs, live scale"]["lora_changes"]
@@ -253,7 +254,8 @@ def test_bench_cold_start_runs_each_variant_in_a_fresh_cache_with_its_compiler_o
     proc = subprocess.run([sys.executable, str(script), "--variants", "mine", "--option",
                            "mine:triton.autotune_pointwise=false", "--option",
                            "mine:dynamo.assume_static_by_default=false", "--json", str(out), "--",
-                           "-c", "tiny-random", "--frames", "8"], capture_output=True, text=True, timeout=300, env=env)
+                           "-c", "tiny-random", "--frames", "8", "--set", "resolution.width=32", "--set",
+                           "resolution.height=32"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["variants"]
     assert row["applied"] == {"triton.autotune_pointwise": False, "dynamo.assume_static_by_default": False}

@@ -179,7 +179,8 @@ def _session_frames(overrides: list[str]):
     from loom_live.engine.stream.session import StreamSession
 
     frames = np.random.default_rng(0).integers(0, 256, (9, 64, 64, 3), np.uint8)
-    with StreamSession.from_config(load_config("default", overrides), warmup=False) as session:
+    small = ["resolution.width=64", "resolution.height=64"]
+    with StreamSession.from_config(load_config("default", [*overrides, *small]), warmup=False) as session:
         return np.concatenate([session.push(frames), session.flush()])
 
 
@@ -223,7 +224,8 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
     weights = []  # each run's merged weights at its end
 
     def run(switch, parts: int = 1) -> list:
-        cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", f"stream.lora_merge_parts={parts}"])
+        cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", f"stream.lora_merge_parts={parts}",
+                                      "resolution.width=64", "resolution.height=64"])
         outs = []
         with StreamSession.from_config(cfg, warmup=False) as s:
             for i, piece in enumerate(pieces):
@@ -268,7 +270,8 @@ def test_a_spread_change_remakes_the_cross_attention_kv_of_each_parts_blocks_onc
     path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=7))
     frames = np.random.default_rng(2).integers(0, 256, (1 + 4 * 5, 32, 32, 3), np.uint8)
     pieces = [frames[:5]] + [frames[i:i + 4] for i in range(5, len(frames), 4)]
-    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=3"])
+    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=3",
+                                  "resolution.width=64", "resolution.height=64"])
     remade = []
     with StreamSession.from_config(cfg, warmup=False) as s:
         for piece in pieces[:2]:

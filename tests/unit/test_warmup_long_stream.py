@@ -157,7 +157,7 @@ def test_the_warm_up_meets_everything_a_long_stream_meets(steps, monkeypatch):
     assert chunks["warm"] == warm_up_chunks(session)
     assert evidence.refreshes["warm"] >= n * len(session.warmed_plans)  # every plan's stream refreshed every row
     evidence.phase = "live"
-    live_stream(session, latents=320, seed=3)
+    live_stream(session, latents=160, seed=3)
     assert evidence.refreshes["live"] >= 2 * n  # past two refreshes of every cache row
     live, warm = evidence.met["live"], evidence.met["warm"]
     assert live <= warm, f"first met mid-show: {sorted(live - warm, key=repr)}"
