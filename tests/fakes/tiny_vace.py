@@ -8,7 +8,7 @@ from loom_live.engine.config import load_config
 from loom_live.engine.models.loading import LoadedModels, load_models
 from loom_live.engine.stream.session import StreamSession
 
-SMALL = ["resolution.width=64", "resolution.height=64", "stream.steps=[700]", "stream.cuda_graphs=false"]
+SMALL = ["resolution.width=32", "resolution.height=32", "stream.steps=[700]", "stream.cuda_graphs=false"]
 
 
 def tiny_vace_models() -> LoadedModels:

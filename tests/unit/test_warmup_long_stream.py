@@ -25,7 +25,7 @@ from loom_live.engine.stream.slo_scheduler import Plan
 from tests.fakes.tiny_vace import clip, tiny_vace_models
 from tests.fakes.tiny_vace import session as vace_session
 
-SMALL = ["resolution.width=32", "resolution.height=32"]  # tiny-random keeps its 6-slot window and refresh at 50
+SMALL = ["resolution.width=16", "resolution.height=16"]  # tiny-random keeps its 6-slot window and refresh at 50
 
 
 class Evidence:
@@ -132,7 +132,7 @@ def live_stream(session: StreamSession, latents: int, seed: int) -> list[np.ndar
     enters the plans at every ring phase; flushed. Returns the outputs of each push."""
     rng = np.random.default_rng(seed)
     session.slo.decide = lambda: session.slo.plan
-    frames = lambda n: rng.integers(0, 256, (n, 32, 32, 3), np.uint8)  # noqa: E731
+    frames = lambda n: rng.integers(0, 256, (n, 16, 16, 3), np.uint8)  # noqa: E731
     outs = [session.push(frames(5))]
     done = 2
     while done < latents:
@@ -187,7 +187,7 @@ def test_a_vace_warm_up_reaches_the_grey_fixed_point_and_refreshes_after_the_ref
     reference entry, which a stream commits first."""
     ref = tmp_path / "ref.png"
     cv2.imwrite(str(ref), np.full((64, 64, 3), 128, np.uint8))
-    session = vace_session(tiny_vace_models(), "stream.mode=batch", f"control.reference={ref}")
+    session = vace_session(tiny_vace_models(), "stream.mode=batch", f"control.reference={ref}", *SMALL)
     evidence = Evidence(session, monkeypatch)
     session.warmup()
     grey = session.control.encoder.inactive

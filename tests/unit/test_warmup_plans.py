@@ -17,7 +17,7 @@ from loom_live.engine.stream.session import StreamSession
 from loom_live.engine.stream.slo_scheduler import Plan
 from loom_live.engine.stream.startup import StartupTimes
 
-SMALL = ["resolution.width=64", "resolution.height=64", "stream.rope_refresh_at=8"]
+SMALL = ["resolution.width=32", "resolution.height=32", "stream.rope_refresh_at=8"]
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def test_the_warm_up_runs_every_shape_the_scheduler_can_pick_mid_stream():
     seen.clear()
     # a live stream that the scheduler moves through every plan, in an order the warm-up did not use
     session.slo.decide = lambda: session.slo.plan
-    frames = np.random.default_rng(5).integers(0, 256, (5, 64, 64, 3), np.uint8)
+    frames = np.random.default_rng(5).integers(0, 256, (5, 32, 32, 3), np.uint8)
     session.push(frames)
     for plan in reversed(session.slo.candidates):
         session.slo.hold(plan)
