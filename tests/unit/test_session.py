@@ -226,8 +226,9 @@ def _live_objects() -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_a_long_stream_keeps_memory_flat_and_positions_bounded():
-    """Past the first RoPE refreshes every chunk leaves the same objects alive: a stream that held on
-    to anything per chunk (a tensor, a list entry, a stats record) would grow the counts."""
+    """Past the first RoPE refreshes every chunk leaves the same objects alive: a stream that held on to a
+    tensor, or to any object the collector tracks (a list, a dict of objects, a record), per chunk would
+    grow the counts; the bounded windows (latencies, arrivals) hold numbers only."""
     s = session("resolution.width=16", "resolution.height=16", "stream.steps=[700]")
     frame = clip(4, 16, 16)
     s.push(clip(5, 16, 16))
