@@ -254,11 +254,15 @@ class PipelineSession:
         return torch.Generator(self.device).manual_seed(self.cfg.stream.seed)
 
     @torch.inference_mode()
-    def _new_stream(self) -> None:
-        """Start a new stream (after a flush): caches, positions, noise; metrics and prompt stay."""
+    def _new_stream(self, scrub: bool = False) -> None:
+        """Start a new stream (after a flush): caches, positions, noise; metrics and prompt stay. `scrub`: the
+        old stream made NaN, which a reset would leave in the KV caches' masked slots (every rank's)."""
         self.ledger.reset(self._generator())
         self.motion.reset()
         self.stage.cache.reset()
+        if scrub:
+            with torch.inference_mode():
+                self.stage.cache.scrub()
         self.enc_state.reset()
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None  # the input size of the frames in the ring
@@ -269,7 +273,7 @@ class PipelineSession:
         self._prev_last: torch.Tensor | None = None
         self._prev_last_u8: np.ndarray | torch.Tensor | None = None
         self._stream_chunks = 0
-        self._flags = RESET | NEW_CONTEXT  # the other ranks reset with the next micro-batch
+        self._flags = RESET | NEW_CONTEXT | (SCRUB if scrub else 0)  # the other ranks, with the next micro-batch
         self._context = self.prompt.current()[None]
 
     def close(self) -> None:
@@ -497,10 +501,7 @@ class PipelineSession:
         self.vae_restarts += 1
         log.warning("the float16 VAE made non-finite frames: a new stream starts (restart %d)", self.vae_restarts)
         out = self._drain_stream()
-        self._new_stream()
-        with torch.inference_mode():
-            self.stage.cache.scrub()  # the NaN reached the KV caches through the latents; the other ranks with
-        self._flags |= SCRUB  # the next micro-batch
+        self._new_stream(scrub=True)  # the NaN reached the KV caches through the latents
         self._vae_watch.news()  # the old stream's chunks the drain brought back
         if len(good):
             self._accept(good, now)

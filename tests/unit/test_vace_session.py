@@ -118,8 +118,7 @@ def test_a_float16_vae_overflow_starts_a_new_stream_with_the_reference_pinned_ag
     frames after it are a fresh session's, reference and all."""
     ref = tmp_path / "ref.png"
     cv2.imwrite(str(ref), np.tile(np.linspace(0, 255, 64, dtype=np.uint8)[:, None, None], (1, 64, 3)))
-    over = ("vae.dtype=float16", "model.dtype=float32", f"control.reference={ref}", "resolution.width=32",
-            "resolution.height=32")
+    over = ("vae.dtype=float16", "model.dtype=float32", f"control.reference={ref}")
     half = load_models(load_config("tiny-vace", [*SMALL, *over]))
     s = session(half, *over)
     first = s.push(clip(1))
