@@ -27,7 +27,17 @@ pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromi
 
 from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
-from tests.integration.web_page import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium, js, page_url, stop, wait  # noqa: E402
+from tests.integration.web_page import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    NO_CHROMIUM,
+    chromium,
+    js,
+    open_page,
+    page_url,
+    stop,
+    wait,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 128  # small frames: the embedded model on a loaded 2-core box still makes a few per second
@@ -55,7 +65,7 @@ def show(tmp_path_factory: pytest.TempPathFactory):
     try:
         url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
         driver = chromium(tmp / "chromium", camera)
-        driver.get(url)
+        open_page(driver, url, proc)
         # a worker of pytest-xdist may be handed any test of this file first: each starts from a page that
         # drives and shows frames
         wait("the page to drive", lambda: js(driver, "window.loom.state && window.loom.state.role") == "driver",
@@ -197,7 +207,7 @@ def test_a_wrong_token_is_refused_and_a_second_page_only_watches(show):
     try:
         driver.get(url.replace("?token=", "?token=wrong"))
         assert "refused" in driver.find_element("tag name", "body").text
-        driver.get(url)  # the right token: a second page, which watches
+        open_page(driver, url)  # the right token: a second page, which watches
         wait("the second page's role", lambda: js(driver, "window.loom.state && window.loom.state.role"))
         assert js(driver, "window.loom.state.role") == "viewer"
         driver.execute_script("send({type: 'control', control: 'steps', value: 2})")

@@ -23,7 +23,17 @@ pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromi
 from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
 from tests.fakes.stun import MAPPED_HOST, StunServer  # noqa: E402
-from tests.integration.web_page import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium, js, page_url, stop, wait  # noqa: E402
+from tests.integration.web_page import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    NO_CHROMIUM,
+    chromium,
+    js,
+    open_page,
+    page_url,
+    stop,
+    wait,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 96
@@ -64,7 +74,7 @@ def show(tmp_path_factory: pytest.TempPathFactory):
         try:
             url = wait("the page's address", lambda: page_url(tmp / "loom.log"), 60.0, proc)
             driver = chromium(tmp / "chromium")
-            driver.get(url)
+            open_page(driver, url, proc)
             # a worker of pytest-xdist may be handed any test of this file first: each starts from a page that
             # drives and shows frames
             wait("the page to drive", lambda: js(driver, "window.loom.state && window.loom.state.role") == "driver",
@@ -196,7 +206,7 @@ def test_an_engine_that_takes_no_steps_or_noise_scale_gets_no_such_controls_on_i
         try:
             url = wait("the edit run's page address", lambda: page_url(log), 60.0, proc)
             driver.switch_to.new_window("tab")
-            driver.get(url)
+            open_page(driver, url, proc)
             takes = wait("what the edit engine takes", lambda: _controls(driver).get("takes"), proc=proc)
             assert "adapter_strength" in takes and "steps" not in takes and "noise_scale" not in takes
             assert _shown(driver, ids) == {**dict.fromkeys(wan, False), "adapter_strength": True, "prompt": True}

@@ -61,6 +61,23 @@ def js(driver: Any, expression: str, *args: Any) -> Any:
     return driver.execute_script(f"return {expression};", *args)
 
 
+def open_page(driver: Any, url: str, proc: subprocess.Popen | None = None, timeout_s: float = WAIT_S) -> None:
+    """Load Loom's page at `url` until its script has run (`window.loom` set), loading it again when a load ends
+    without it: on a loaded machine a load can end on a page whose script never came, and every check of
+    `window.loom` would then fail at once. Fails naming what the browser showed instead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        driver.get(url)
+        if js(driver, "typeof window.loom") == "object":
+            return
+        shown = js(driver, "document.title + ': ' + (document.body ? document.body.innerText : '')")[:300]
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"loom exited with {proc.returncode} while its page loaded; the browser showed {shown!r}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"Loom's page at {url} never ran its script in {timeout_s:g} s; the browser showed {shown!r}")
+        time.sleep(1.0)
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
