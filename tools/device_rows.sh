@@ -76,10 +76,11 @@ for group in "$@"; do
         wan taehv_3000 120 --frames 3000 --encoder taehv --decoder taehv
         bench steps2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 ;;
     vae-fp16)
-        # the Wan VAE in float16 (vae.dtype) against bfloat16 on one machine: 1 step (profiled) both ways, 2 steps
+        # the Wan VAE in float16 (vae.dtype) against bfloat16 on one machine: 1 step (profiled), 2 steps, then the
+        # bfloat16 baseline at 1 step (last: a call cut short keeps the two rows' figures)
         wan half_3000 250 --frames 3000 --set vae.dtype=float16 --profile-chunks 8
-        wan plain_1500 200 --frames 1500
-        bench half2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 --set vae.dtype=float16 ;;
+        bench half2_3000 170 -c wan2.1-1.3b --steps 700,500 --frames 3000 --set vae.dtype=float16
+        wan plain_1500 200 --frames 1500 ;;
     attn)
         # the DiT's self-attention over the window in parts, one q/k/v product, and the VAE's wide head as matrix
         # products: the GPU tests, the kernels and the DiT alone, then the 1-step, TAEHV and 2-step streams with
