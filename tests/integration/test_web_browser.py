@@ -27,24 +27,14 @@ pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromi
 
 from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
-from tests.integration.web_page import (
-    CHROMEDRIVER,
-    CHROMIUM,
-    NO_CHROMIUM,
-    chromium,
-    js,
-    open_page,
-    page_url,
-    stop,
-    wait,  # noqa: E402
-)
+from tests.integration.web_page import NEEDS_CHROMIUM, chromium, js, open_page, page_url, stop, wait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 128  # small frames: the embedded model on a loaded 2-core box still makes a few per second
 FPS = 10
 PAIRS = 4  # timed frame pairs looked at per phase
 
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=NO_CHROMIUM)
+pytestmark = NEEDS_CHROMIUM
 
 
 @pytest.fixture(scope="module")

@@ -23,24 +23,14 @@ pytest.importorskip("selenium.webdriver", reason="the browser tests drive Chromi
 from loom_live.plugin.media.generated_clip import generate_clip  # noqa: E402
 from tests.fakes.media import write_y4m  # noqa: E402
 from tests.fakes.stun import MAPPED_HOST, StunServer  # noqa: E402
-from tests.integration.web_page import (
-    CHROMEDRIVER,
-    CHROMIUM,
-    NO_CHROMIUM,
-    chromium,
-    js,
-    open_page,
-    page_url,
-    stop,
-    wait,  # noqa: E402
-)
+from tests.integration.web_page import NEEDS_CHROMIUM, chromium, js, open_page, page_url, stop, wait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 96
 FPS = 12
 PROMPTS = ("thermal camera", "pencil sketch")
 
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=NO_CHROMIUM)
+pytestmark = NEEDS_CHROMIUM
 
 
 def _lora(folder: Path) -> Path:

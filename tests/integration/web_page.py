@@ -15,6 +15,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 NO_CHROMIUM = ("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; "
                ".ci/run installs them)")
+NEEDS_CHROMIUM = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason=NO_CHROMIUM)
 WAIT_S = 120.0  # generous: a loaded CI box starts an engine slowly; conditions end the waits early
 
 
