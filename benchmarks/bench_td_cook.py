@@ -180,6 +180,7 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
             "engine_dropped_out": _grew(engine0, engine1, "dropped_out"),
             "engine_dropped_out_no_slot": _grew(engine0, engine1, "dropped_out_no_slot"),
             "engine_dropped_out_behind": _grew(engine0, engine1, "dropped_out_behind"),
+            "engine_out_late": _grew(engine0, engine1, "out_late"),
             "cook_queues": ext.queues_copies, "message": message}
 
 
@@ -251,9 +252,10 @@ def main() -> None:
         if c:
             print(f"{label:>22} {n:5d} {c['p50']:8.2f} {c['p90']:8.2f} {c['p99']:8.2f} {c['max']:8.2f} "
                   f"{c['mean']:8.2f} {result['engine_fps']:11.1f} {out:>14} {result['target_ms']:6.1f}")
-    if result["engine_dropped_out"]:
+    if result["engine_dropped_out"] or result["engine_out_late"]:
         print(f"engine outputs dropped: {result['engine_dropped_out_no_slot']} with no output slot free (the host's "
-              f"reads), {result['engine_dropped_out_behind']} behind their pace (the paced queue full)")
+              f"reads), {result['engine_dropped_out_behind']} behind their pace (the paced queue full); "
+              f"{result['engine_out_late']} sent over a pace step after they fell due (together with the next)")
     print(json.dumps(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -93,9 +93,10 @@ class FrameWorker:
         self._interval = 0.0
         self._last_arrival: float | None = None
         # dropped_out is the sum of its two causes: no output slot free (the host reads slowly), or the paced
-        # queue full (the engine made frames faster than their pace lets them leave)
+        # queue full (the engine made frames faster than their pace lets them leave); out_late: paced outputs
+        # that left over a pace step after they fell due (the worker was held elsewhere, so they left together)
         self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, dropped_out_no_slot=0,
-                           dropped_out_behind=0, stale=0, errors=0, new_streams=0)
+                           dropped_out_behind=0, out_late=0, stale=0, errors=0, new_streams=0)
         self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
         self._stats_at = 0.0
@@ -475,8 +476,11 @@ class FrameWorker:
         self.counts[f"dropped_out_{cause}"] += 1
 
     def _emit_due(self) -> None:
-        while self._paced and (self._paced[0][2] <= time.monotonic() or self.lossless):
-            seq, frame, _ = self._paced.popleft()
+        step = min(self._interval, MAX_PACE_S) * PACE
+        while self._paced and ((now := time.monotonic()) >= self._paced[0][2] or self.lossless):
+            seq, frame, due = self._paced.popleft()
+            if now - due > step > 0.0:
+                self.counts["out_late"] += 1
             self._emit(seq, frame)
 
     def _defer_flush(self, rid: int | None, until_seq: int | None) -> bool:

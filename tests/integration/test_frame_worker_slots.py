@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from loom_live.engine.server import frame_worker
 from loom_live.engine.server.frame_worker import PACED_QUEUE_LIMIT, FrameWorker
 from loom_live.engine.server.passthrough import PassthroughSession
 from loom_live.host_bridge.wire.protocol import RingSpec
@@ -171,3 +172,23 @@ def test_a_flush_takes_the_frames_sent_before_it_and_leaves_those_that_come_duri
     worker._flush()
     assert pushed == [1, 2] and lane.frames == [1, 2]
     assert [seq for _, seq, *_ in worker.inputs] == [3]
+
+
+def test_paced_outputs_that_leave_over_a_pace_step_after_they_fell_due_are_counted(monkeypatch):
+    """Outputs that fall due while the worker is held elsewhere (inside a long session call) leave together,
+    and a host that shows one frame a refresh sees only the last of them: the count says how often, apart from
+    the drops, so a bench can tell the engine's pace from the host's reads."""
+    worker, lane = _output_worker(slots=4)
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    worker._interval = 0.05  # a pace step of 47.5 ms
+    clock = [10.0]
+    monkeypatch.setattr(frame_worker.time, "monotonic", lambda: clock[0])
+    for seq in range(3):
+        worker._queue_output(seq, frame)  # due at 10.0, 10.0475 and 10.095
+    clock[0] = 10.0575  # the first is 57.5 ms past due, the second 10 ms: only the first is late
+    worker._emit_due()
+    assert lane.frames == [0, 1] and worker.counts["out_late"] == 1
+    clock[0] = 10.3
+    worker._emit_due()
+    assert lane.frames == [0, 1, 2] and worker.counts["out_late"] == 2
+    assert worker.counts["dropped_out"] == 0
