@@ -261,8 +261,7 @@ class PipelineSession:
         self.motion.reset()
         self.stage.cache.reset()
         if scrub:
-            with torch.inference_mode():
-                self.stage.cache.scrub()
+            self.stage.cache.scrub()
         self.enc_state.reset()
         self._buffer: list[np.ndarray | torch.Tensor] = []
         self._frame_shape: tuple[int, ...] | None = None  # the input size of the frames in the ring

@@ -13,6 +13,7 @@ pytest.importorskip("peft", reason="diffusers' LoRA loading (the oracle) needs p
 from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin  # noqa: E402
 
 RANK = 4
+SMALL = ["resolution.width=64", "resolution.height=64"]  # the session tests' frames: 64x64 is enough
 # WanDiT module -> (diffusers module, in, out)
 PROJ = dict(zip("qkvo", ("to_q", "to_k", "to_v", "to_out.0")))
 LINEARS = {**{f"self_attn.{p}": (f"attn1.{d}", CFG.dim, CFG.dim) for p, d in PROJ.items()},
@@ -179,8 +180,7 @@ def _session_frames(overrides: list[str]):
     from loom_live.engine.stream.session import StreamSession
 
     frames = np.random.default_rng(0).integers(0, 256, (9, 64, 64, 3), np.uint8)
-    small = ["resolution.width=64", "resolution.height=64"]
-    with StreamSession.from_config(load_config("default", [*overrides, *small]), warmup=False) as session:
+    with StreamSession.from_config(load_config("default", [*overrides, *SMALL]), warmup=False) as session:
         return np.concatenate([session.push(frames), session.flush()])
 
 
@@ -224,8 +224,8 @@ def test_a_live_scale_change_equals_a_stream_switched_to_that_scale_at_that_chun
     weights = []  # each run's merged weights at its end
 
     def run(switch, parts: int = 1) -> list:
-        cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", f"stream.lora_merge_parts={parts}",
-                                      "resolution.width=64", "resolution.height=64"])
+        lora = f"lora=[{{path: {path}, scale: 1.0}}]"
+        cfg = load_config("default", [lora, f"stream.lora_merge_parts={parts}", *SMALL])
         outs = []
         with StreamSession.from_config(cfg, warmup=False) as s:
             for i, piece in enumerate(pieces):
@@ -270,8 +270,7 @@ def test_a_spread_change_remakes_the_cross_attention_kv_of_each_parts_blocks_onc
     path = _save(tmp_path, "style", _lora_for(load_models(load_config("default")).dit, seed=7))
     frames = np.random.default_rng(2).integers(0, 256, (1 + 4 * 5, 32, 32, 3), np.uint8)
     pieces = [frames[:5]] + [frames[i:i + 4] for i in range(5, len(frames), 4)]
-    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=3",
-                                  "resolution.width=64", "resolution.height=64"])
+    cfg = load_config("default", [f"lora=[{{path: {path}, scale: 1.0}}]", "stream.lora_merge_parts=3", *SMALL])
     remade = []
     with StreamSession.from_config(cfg, warmup=False) as s:
         for piece in pieces[:2]:
