@@ -33,8 +33,8 @@ def run_all(s: StreamSession, frames: np.ndarray, step: int) -> np.ndarray:
 
 
 def test_81_frames_in_81_out_same_size():
-    frames = clip(81)
-    out = run_all(session(), frames, 81)
+    frames = clip(81, 32, 32)
+    out = run_all(session("resolution.width=32", "resolution.height=32"), frames, 81)
     assert out.shape == frames.shape and out.dtype == np.uint8
 
 
