@@ -406,6 +406,7 @@ class EngineServer:
             data.update(dropped_messages=ch.dropped_messages + lane.dropped, lane_received=lane.received)
         if w is not None:
             data.update(w.counts)
+            data["time_ms"] = w.time.report()
             data["lossless"] = w.lossless
             data["error"] = w.error or ""
             data["session"] = w.session_stats

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.engine.server.worker_time import WorkerTime
 from loom_live.engine.session_api import EngineSession
 from loom_live.engine.startup_progress import STARTUP_PROGRESS
 from loom_live.host_bridge.wire import pixels as formats
@@ -97,6 +98,7 @@ class FrameWorker:
         # that left over a pace step after they fell due (the worker was held elsewhere, so they left together)
         self.counts = dict(frames_in=0, frames_out=0, dropped=0, dropped_out=0, dropped_out_no_slot=0,
                            dropped_out_behind=0, out_late=0, stale=0, errors=0, new_streams=0)
+        self.time = WorkerTime()
         self._error_sent = 0.0
         self.session_stats: dict[str, Any] = {}
         self._stats_at = 0.0
@@ -227,7 +229,9 @@ class FrameWorker:
                 if job is not None:
                     self._process(*job)
                 elif self.session.unfinished:
-                    self._take_outputs(self.session.poll())
+                    with self.time.part("session"):
+                        outputs = self.session.poll()
+                    self._take_outputs(outputs)
                 self._raise_waiting_failure()
                 self._emit_due()
         except Exception as exc:  # outside any one frame (collecting a chunk, say): the server exits and
@@ -349,7 +353,8 @@ class FrameWorker:
                 if ring is not self.ring_in:
                     self.counts["stale"] += 1
                     return
-                native = self._gpu().read(ring, slot) if on_gpu else ring.read(slot, payload)
+                with self.time.part("read"):
+                    native = self._gpu().read(ring, slot) if on_gpu else ring.read(slot, payload)
             self._release_in(slot, gen)
             released = True
             spec = ring.spec
@@ -363,7 +368,8 @@ class FrameWorker:
             if spec.control:  # the frame above, its control frame below (engine orientation)
                 rows = spec.frame_height
                 batch, given = batch[:, :rows], (batch[:, rows:] if control else None)
-            outputs = self.session.push(batch, control=given) if spec.control else self.session.push(batch)
+            with self.time.part("session"):
+                outputs = self.session.push(batch, control=given) if spec.control else self.session.push(batch)
             self.counts["frames_in"] += 1
             self._seqs.append(seq)
             self._take_outputs(outputs)
@@ -449,6 +455,7 @@ class FrameWorker:
         failure here is kept and raised by the loop once the session's call is over, as there."""
         if self._waiting_failure is not None or self.stop:
             return
+        self.time.look()
         try:
             self._read_lane(0.0)
             self._emit_due()
@@ -541,6 +548,10 @@ class FrameWorker:
         return None
 
     def _emit(self, seq: int, frame: np.ndarray) -> None:
+        with self.time.part("emit"):
+            self._write_out(seq, frame)
+
+    def _write_out(self, seq: int, frame: np.ndarray) -> None:
         out = self.ring_out
         if out is None:
             return

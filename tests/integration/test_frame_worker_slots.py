@@ -192,3 +192,35 @@ def test_paced_outputs_that_leave_over_a_pace_step_after_they_fell_due_are_count
     worker._emit_due()
     assert lane.frames == [0, 1, 2] and worker.counts["out_late"] == 2
     assert worker.counts["dropped_out"] == 0
+
+
+def test_the_worker_says_how_long_it_spent_reading_inside_session_calls_waiting_there_and_sending(monkeypatch):
+    """Outputs that leave late together mean the worker was held in a session call: its time split into the
+    call's waits for the GPU (where it sends due outputs) and the rest tells a bench which of the two held it."""
+    from loom_live.engine.server import worker_time
+
+    clock = [0.0]
+    monkeypatch.setattr(worker_time.time, "perf_counter", lambda: clock[0])
+    spec = dict(transport="tcp", slots=3, width=4, height=4, channels=3, dtype="uint8", pitch=12, generation=1)
+    lane = _ReleasingLane()
+
+    class SlowSession(PassthroughSession):
+        raw_passthrough = False
+
+        def push(self, frames, control=None):
+            clock[0] += 0.030  # launching the chunk's work: no chance to send
+            for _ in range(3):  # then three looks at the GPU, 10 ms apart
+                worker._while_waiting()
+                clock[0] += 0.010
+            return super().push(frames)
+
+    worker = FrameWorker(SlowSession, lambda *a, **k: True, lane)
+    worker.session = SlowSession()
+    worker.lossless = True  # outputs leave as they come, each through the timed send
+    worker._install(TcpRing(RingSpec(dir="in", **spec)))
+    worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    worker._process(worker.ring_in, 0, 1, 1, [np.full((4, 4, 3), 5, np.uint8).tobytes()])
+    assert lane.frames == [1]
+    spent = worker.time.report()
+    assert spent["session"] == pytest.approx(60.0) and spent["waiting"] == pytest.approx(20.0)  # first to last look
+    assert spent["read"] == spent["emit"] == 0.0  # the fixed clock did not move there
