@@ -141,7 +141,9 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
     try:
         deadline = time.monotonic() + start_s
         while not running(comp):
-            if time.monotonic() > deadline:
+            # an engine that cannot come (refused before launch, or dead) fails the run now, not at the deadline
+            ended = comp.par.State.eval() == "dead" or (comp.par.State.eval() == "error" and ext.bridge is None)
+            if ended or time.monotonic() > deadline:
                 raise RuntimeError(f"engine not running: {comp.par.State.eval()} {comp.par.Message.eval()}")
             _cook(ext, script)
             time.sleep(0.02)
@@ -181,6 +183,7 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
             "engine_dropped_out_no_slot": _grew(engine0, engine1, "dropped_out_no_slot"),
             "engine_dropped_out_behind": _grew(engine0, engine1, "dropped_out_behind"),
             "engine_out_late": _grew(engine0, engine1, "out_late"),
+            "engine_time_ms_per_frame": _time_per_frame(engine0, engine1),
             "cook_queues": ext.queues_copies, "message": message}
 
 
@@ -189,6 +192,14 @@ def _grew(before: dict[str, Any], after: dict[str, Any], key: str) -> int | None
     if key not in before or key not in after:
         return None
     return int(after[key]) - int(before[key])
+
+
+def _time_per_frame(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
+    """The engine worker's milliseconds a frame taken, per part, over the measured time (None: not reported)."""
+    frames = _grew(before, after, "frames_in")
+    if not frames or "time_ms" not in before or "time_ms" not in after:
+        return None
+    return {part: round((after["time_ms"][part] - ms) / frames, 3) for part, ms in before["time_ms"].items()}
 
 
 def _stats(d: np.ndarray) -> dict[str, float]:
@@ -256,6 +267,10 @@ def main() -> None:
         print(f"engine outputs dropped: {result['engine_dropped_out_no_slot']} with no output slot free (the host's "
               f"reads), {result['engine_dropped_out_behind']} behind their pace (the paced queue full); "
               f"{result['engine_out_late']} sent over a pace step after they fell due (together with the next)")
+    t = result["engine_time_ms_per_frame"]
+    if t and any(t.values()):  # a pass-through engine copies slot to slot, outside these parts
+        print(f"engine worker per frame taken: read {t['read']:.2f} ms, session calls {t['session']:.2f} ms (of which "
+              f"waiting for the GPU {t['waiting']:.2f}), sending outputs {t['emit']:.2f} ms")
     print(json.dumps(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,13 @@
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
 # upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake, mps-standby,
-# standby-share, td-cook, td-cook-mps, recovery. A device call runs at most 10 minutes; groups whose limits add up
+# standby-share, td-cook, td-cook-wan, td-cook-mps, recovery. A device call runs at most 10 minutes; groups whose limits add up
 # to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830, saved 750, edit 630, startup 620,
 # edit-priority and lora 600) rely on their usual times, not their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-mps recovery"
+groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -306,15 +306,18 @@ PY
             grep -E "^standby kill" "$out/standby_share$share.txt"
         done
         mps_off ;;
-    td-cook | td-cook-mps)
+    td-cook | td-cook-wan | td-cook-mps)
         # the TouchDesigner operator's cook on cuda-ipc beside a pass-through engine, then beside a 1.3B engine on
         # the same GPU (its copies wait for the GPU's turns between contexts): copies queued against copies waited
         # for (--streamless), alternated; td-cook-mps: the same pair under MPS
         step prepare_td 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}"
         td_cook() { step "$1" 200 python3 benchmarks/bench_td_cook.py --transport cuda-ipc --json "$out/$1.json" \
-            "${@:2}"; grep "^engine outputs dropped" "$out/$1.txt"; grep -A2 "cooks     n" "$out/$1.txt"; }
+            "${@:2}"; grep -E "^engine (outputs dropped|worker per frame)" "$out/$1.txt"
+            grep -A2 "cooks     n" "$out/$1.txt"; }
         wan=(--config wan2.1-1.3b --seconds 15 --warmup-s 20 --start-s 180)
-        if [ "$group" = td-cook ]; then
+        if [ "$group" = td-cook-wan ]; then  # one pair beside the 1.3B engine, without MPS: td-cook-mps's match
+            td_cook td_cook_wan_queued "${wan[@]}" && td_cook td_cook_wan_waited "${wan[@]}" --streamless
+        elif [ "$group" = td-cook ]; then
             td_cook td_cook_passthrough --seconds 10
             for i in 1 2; do
                 td_cook "td_cook_wan_queued$i" "${wan[@]}"

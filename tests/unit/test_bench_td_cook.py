@@ -1,11 +1,14 @@
 """The TouchDesigner cook benchmark's model engine: a config file of a preset on random weights that the
-engine loads as `loom bench` would run it, and a refused name said in one line."""
+engine loads as `loom bench` would run it, and a refused name said in one line; an engine the operator
+cannot start fails the run at once, naming why."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from benchmarks.bench_td_cook import model_config
+from benchmarks.bench_td_cook import _time_per_frame, model_config, run
 from loom_live.engine.config import load_config
 
 
@@ -19,3 +22,21 @@ def test_a_preset_becomes_a_config_file_on_random_weights(tmp_path):
 def test_an_unknown_preset_is_refused_naming_the_presets(tmp_path):
     with pytest.raises(SystemExit, match=r"--config 'wan9': expected one of .*wan2.1-1.3b"):
         model_config("wan9", tmp_path)
+
+
+def test_an_engine_the_operator_cannot_start_fails_the_run_at_once_saying_why(monkeypatch):
+    """A device call lost minutes to a bench that waited its whole start-up limit on a Python without pyzmq."""
+    from loom_live.plugin.touchdesigner import loom_ext
+
+    monkeypatch.setattr(loom_ext, "missing_dependency", lambda: "TouchDesigner's Python lacks 'pyzmq'")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"engine not running: error TouchDesigner's Python lacks 'pyzmq'"):
+        run("shm", 64, 64, seconds=1.0, fps=60.0, start_s=250.0)
+    assert time.monotonic() - t0 < 120  # not the start-up limit (250 s)
+
+
+def test_the_engine_worker_s_time_is_given_per_frame_taken_over_the_measured_span():
+    before = {"frames_in": 100, "time_ms": {"read": 10.0, "session": 500.0, "waiting": 300.0, "emit": 20.0}}
+    after = {"frames_in": 140, "time_ms": {"read": 30.0, "session": 1500.0, "waiting": 700.0, "emit": 60.0}}
+    assert _time_per_frame(before, after) == {"read": 0.5, "session": 25.0, "waiting": 10.0, "emit": 1.0}
+    assert _time_per_frame({"frames_in": 1}, after) is None  # an engine that does not report it
