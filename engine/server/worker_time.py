@@ -17,27 +17,31 @@ PARTS = ("read", "session", "waiting", "emit")
 
 
 class WorkerTime:
-    """Seconds per part, summed over the worker's life. `waiting` is the part of `session` between the
-    first and the last look of each wait for the GPU (the looks' own sends included)."""
+    """Seconds per part, summed over the worker's life. `waiting` is the part of `session` between consecutive
+    looks at the GPU within one call (its waits for the GPU, the looks' own sends included); parts nest, so
+    `emit` counts sends made during those waits too."""
 
     def __init__(self) -> None:
         self.spent = dict.fromkeys(PARTS, 0.0)
+        self._in_session = False
         self._last_look: float | None = None  # the latest look of the session call under way
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         if name == "session":
-            self._last_look = None
+            self._in_session, self._last_look = True, None
         try:
             yield
         finally:
             self.spent[name] += time.perf_counter() - start
             if name == "session":
-                self._last_look = None
+                self._in_session = False
 
     def look(self) -> None:
         """A look at the GPU from inside a session call: the time since the call's previous look was a wait."""
+        if not self._in_session:  # a flush's waits, say: not inside a timed call
+            return
         now = time.perf_counter()
         if self._last_look is not None:
             self.spent["waiting"] += now - self._last_look

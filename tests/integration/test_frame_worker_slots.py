@@ -224,3 +224,7 @@ def test_the_worker_says_how_long_it_spent_reading_inside_session_calls_waiting_
     spent = worker.time.report()
     assert spent["session"] == pytest.approx(60.0) and spent["waiting"] == pytest.approx(20.0)  # first to last look
     assert spent["read"] == spent["emit"] == 0.0  # the fixed clock did not move there
+    for _ in range(2):  # looks outside a timed session call (a flush's waits) are not counted as its waiting
+        worker._while_waiting()
+        clock[0] += 0.010
+    assert worker.time.report()["waiting"] == pytest.approx(20.0)
