@@ -142,9 +142,9 @@ def run(transport: str, w: int, h: int, seconds: float, fps: float, config: Path
         deadline = time.monotonic() + start_s
         while not running(comp):
             # an engine that cannot come (refused before launch, or dead) fails the run now, not at the deadline
-            ended = comp.par.State.eval() == "dead" or (comp.par.State.eval() == "error" and ext.bridge is None)
-            if ended or time.monotonic() > deadline:
-                raise RuntimeError(f"engine not running: {comp.par.State.eval()} {comp.par.Message.eval()}")
+            state = comp.par.State.eval()
+            if state == "dead" or (state == "error" and ext.bridge is None) or time.monotonic() > deadline:
+                raise RuntimeError(f"engine not running: {state} {comp.par.Message.eval()}")
             _cook(ext, script)
             time.sleep(0.02)
         if transport == "cuda-ipc" and ext.cuda_submits == 0:

@@ -229,7 +229,7 @@ class FrameWorker:
                 if job is not None:
                     self._process(*job)
                 elif self.session.unfinished:
-                    with self.time.part("session"):
+                    with self.time.session():
                         outputs = self.session.poll()
                     self._take_outputs(outputs)
                 self._raise_waiting_failure()
@@ -368,7 +368,7 @@ class FrameWorker:
             if spec.control:  # the frame above, its control frame below (engine orientation)
                 rows = spec.frame_height
                 batch, given = batch[:, :rows], (batch[:, rows:] if control else None)
-            with self.time.part("session"):
+            with self.time.session():
                 outputs = self.session.push(batch, control=given) if spec.control else self.session.push(batch)
             self.counts["frames_in"] += 1
             self._seqs.append(seq)

@@ -29,14 +29,20 @@ class WorkerTime:
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        if name == "session":
-            self._in_session, self._last_look = True, None
         try:
             yield
         finally:
             self.spent[name] += time.perf_counter() - start
-            if name == "session":
-                self._in_session = False
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """A session call: timed as `session`, and the looks made inside it count as its waiting."""
+        self._in_session, self._last_look = True, None
+        try:
+            with self.part("session"):
+                yield
+        finally:
+            self._in_session = False
 
     def look(self) -> None:
         """A look at the GPU from inside a session call: the time since the call's previous look was a wait."""
