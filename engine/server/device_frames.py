@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loom_live.engine.stream.cuda_streams import highest_priority
+
 UINT8_MAX = 255
 UINT16_MAX = 65535
 TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "float32": torch.float32}
@@ -77,10 +79,16 @@ def resize(rgb: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 class DeviceSlots:
-    """Reads cuda-ipc slots into engine tensors and writes engine outputs into slots, on the GPU."""
+    """Reads cuda-ipc slots into engine tensors and writes engine outputs into slots, on the GPU.
+
+    A write is queued on a high-priority stream of its own and not waited for: the host waits for the
+    slot's event on its GPU stream before it reads, and the ring waits for it before it closes. Waiting
+    here would hold the frame worker until the conversion got its turn on a GPU busy with the next
+    chunk (under MPS, beside the host's own work), and paced outputs would leave late and in bunches."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _buffer(self, ring: Any) -> torch.Tensor:
         s = ring.spec
@@ -91,6 +99,13 @@ class DeviceSlots:
                               device=f"cuda:{ring.device}")
             self._buffers = {key: buf}  # one layout at a time: a new generation replaces the old
         return buf
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device, priority=highest_priority())
+            self._streams[device] = stream
+        return stream
 
     def read(self, ring: Any, slot: int) -> torch.Tensor:
         """The slot as engine uint8 RGB top-down on the ring's GPU (the slot may be released after)."""
@@ -103,9 +118,17 @@ class DeviceSlots:
         return frame.clone() if frame.data_ptr() == buf.data_ptr() else frame
 
     def write(self, ring: Any, slot: int, frame: torch.Tensor | np.ndarray) -> None:
-        """An engine output (tensor or array, uint8 RGB) into the slot, in the ring's layout."""
+        """An engine output (tensor or array, uint8 RGB) into the slot, in the ring's layout; returns once queued."""
         s = ring.spec
-        rgb = torch.as_tensor(frame).to(f"cuda:{ring.device}", non_blocking=False)
-        data = from_engine(resize(rgb, s.height, s.width), s.channels, s.dtype, s.order, s.orientation == "bottom-up")
-        torch.cuda.current_stream(data.device).synchronize()  # the ring's own stream copies next
-        ring.write_device(slot, data.data_ptr(), data.stride(0) * data.element_size())
+        device = torch.device(f"cuda:{ring.device}")
+        stream = self._stream(device)
+        rgb = torch.as_tensor(frame)
+        if rgb.is_cuda:  # made on the caller's stream (or handed to it): ordered after it, kept until used here
+            stream.wait_stream(torch.cuda.current_stream(device))
+            rgb.record_stream(stream)
+        with torch.cuda.stream(stream):  # what is made here is freed for reuse on this stream, after the copy
+            rgb = rgb.to(device)
+            data = from_engine(resize(rgb, s.height, s.width), s.channels, s.dtype, s.order,
+                               s.orientation == "bottom-up")
+        ring.write_device(slot, data.data_ptr(), data.stride(0) * data.element_size(), stream=stream.cuda_stream,
+                          sync=False)

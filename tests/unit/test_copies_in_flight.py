@@ -140,3 +140,23 @@ def test_closing_a_ring_waits_for_its_own_queued_reads_never_for_the_peers(fake)
     host_ring.close()  # the engine was killed: it never closes its side
     assert own_read in fake.event_waits and peer_read not in fake.event_waits
     out.close()
+
+
+def test_closing_a_ring_waits_for_writes_queued_on_a_callers_stream_only(fake):
+    """The engine writes outputs on a stream of its own without waiting (engine/server/device_frames.py): its
+    side of the ring must not let the memory go before those copies are done; a write it waited for, or one on
+    the ring's own stream (which the close synchronises), is not waited for again by event."""
+    kw = dict(transport="cuda-ipc", slots=3, width=4, height=2, channels=4, dtype="uint8", generation=0)
+    host_ring = tc.CudaRing.create(dir="out", **kw)
+    engine_ring = tc.CudaRing.attach(host_ring.spec)
+    src = np.arange(32, dtype=np.uint8).reshape(2, 4, 4)
+    fake.behind = True  # the GPU is busy: the queued copy is not done when the write returns
+    before = waits(fake)
+    engine_ring.write_device(0, src.ctypes.data, stream=STREAM, sync=False)
+    assert waits(fake) == before and engine_ring.events[0] in fake.unfinished
+    engine_ring.write_device(1, src.ctypes.data, sync=False)  # on the ring's own stream
+    engine_ring.write_device(2, src.ctypes.data, stream=STREAM)  # waited for
+    engine_ring.close()
+    assert fake.event_waits.count(host_ring.events[0]) == 1
+    assert host_ring.events[1] not in fake.event_waits and host_ring.events[2] not in fake.event_waits
+    host_ring.close()

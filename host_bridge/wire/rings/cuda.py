@@ -145,6 +145,7 @@ class CudaRing(Ring):
         # a host's own one-slot buffers among them, makes plain ones when first needed)
         self._read_events: list[Any] = list(read_events) if read_events else [None] * len(ptrs)
         self._reads_marked: set[int] = set()  # slots whose read event this process recorded
+        self._writes_queued: set[int] = set()  # slots written on a caller's stream without waiting (`write_device`)
         self._closed = False
 
     @classmethod
@@ -202,7 +203,8 @@ class CudaRing(Ring):
         `stream`: the caller's stream the source was produced on (TouchDesigner's cudaMemory
         stream); the copy is queued behind that work, and behind the slot's last queued read. `sync`
         waits for the copy before returning, so the caller may free or reuse the source at once;
-        without it the source must live until the copy is done (`CopiesInFlight` keeps it).
+        without it the source must live until the copy is done (`CopiesInFlight` keeps it), and `close`
+        waits for a copy left on the caller's stream before the memory goes.
         `first_row`, `rows`: write only those rows of the slot (one half of a control ring's slot).
         """
         self.check_slot(slot)
@@ -221,6 +223,8 @@ class CudaRing(Ring):
         check(cudart.cudaEventRecord(self.events[slot], s), "cudaEventRecord")
         if sync:
             check(cudart.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+        elif stream is not None:  # not on this ring's own stream: `close` waits for it by the slot's event
+            self._writes_queued.add(slot)
 
     def read_device(self, slot: int, dst: int, dst_pitch: int | None = None, *, stream: Any = None,
                     wait: bool = True) -> None:
@@ -306,9 +310,11 @@ class CudaRing(Ring):
         self._closed = True
         cudart.cudaSetDevice(self.device)
         cudart.cudaStreamSynchronize(self.stream)
-        # this process's reads queued on other streams end before the memory goes; a peer's record is never waited
-        # for here (a killed peer's last one may never complete): a peer waits for its own reads before it hands a
-        # slot back, or (the host) owns the memory and closes its rings after its own reads
+        # this process's reads and writes queued on other streams end before the memory goes; a peer's record is
+        # never waited for here (a killed peer's last one may never complete): a peer waits for its own reads before
+        # it hands a slot back, or (the host) owns the memory and closes its rings after its own reads
+        for slot in self._writes_queued:
+            cudart.cudaEventSynchronize(self.events[slot])
         for slot, event in enumerate(self._read_events):
             if event is not None:
                 if slot in self._reads_marked:
