@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loom_live.host_bridge.wire import handoff_marks  # noqa: E402
 from tests.fakes.touchdesigner import (  # noqa: E402
     CUDAMemoryShape,
     InputTOP,
@@ -202,6 +203,15 @@ def _time_per_frame(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     return {part: round((after["time_ms"][part] - ms) / frames, 3) for part, ms in before["time_ms"].items()}
 
 
+def _costliest_calls(marks: Path, keep: int = 8) -> list[dict[str, Any]]:
+    """The engine's timed CUDA runtime calls over its whole run, the most time in total first."""
+    rows = [row for dump in handoff_marks.load_dumps(marks, "engine")
+            for row in handoff_marks.call_table(dump["calls"], range(-1, 2**63))]
+    for row in rows:
+        row["total_ms"] = round(row["mean_us"] * row["n"] / 1000.0, 3)
+    return sorted(rows, key=lambda r: -r["total_ms"])[:keep]
+
+
 def _stats(d: np.ndarray) -> dict[str, float]:
     if not len(d):
         return {}
@@ -233,6 +243,8 @@ def main() -> None:
     ap.add_argument("--start-s", type=float, default=120.0, help="wait this long for the engine's first output")
     ap.add_argument("--streamless", action="store_true",
                     help="cuda-ipc: a TD build whose calls take no stream (each cook waits for the bridge's copies)")
+    ap.add_argument("--calls", action="store_true",
+                    help="also time the engine's CUDA runtime calls on its rings and list the costliest")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     if args.warmup_s < 0 or args.seconds <= 0 or args.start_s <= 0:
@@ -244,8 +256,12 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     with tempfile.TemporaryDirectory(prefix="loom-td-cook-") as folder:
         config = model_config(args.config, Path(folder)) if args.config else None
+        if args.calls:  # the engine inherits the setting and writes its calls there when it exits
+            handoff_marks.enable(Path(folder) / "marks")
         result = run(args.transport, w, h, args.seconds, args.fps, config, args.warmup_s, args.start_s,
                      args.streamless)
+        if args.calls:
+            result["engine_calls"] = _costliest_calls(Path(folder) / "marks")
     result["engine"] = f"{args.config} on random weights" if args.config else "pass-through"
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in load],
                          "loadavg_after": [round(x, 2) for x in (os.getloadavg() if hasattr(os, "getloadavg")
@@ -270,7 +286,11 @@ def main() -> None:
     t = result["engine_time_ms_per_frame"]
     if t and any(t.values()):  # a pass-through engine copies slot to slot, outside these parts
         print(f"engine worker per frame taken: read {t['read']:.2f} ms, session calls {t['session']:.2f} ms (of which "
-              f"waiting for the GPU {t['waiting']:.2f}), sending outputs {t['emit']:.2f} ms")
+              f"waiting for the GPU {t['waiting']:.2f}), sending outputs {t['emit']:.2f} ms (of which writing them "
+              f"into their slots {t['write']:.2f})")
+    for row in result.get("engine_calls", []):
+        print(f"engine CUDA call {row['call']:<48} n {row['n']:6d}  p50 {row['p50_us']:8.1f} us  p99 "
+              f"{row['p99_us']:8.1f}  total {row['total_ms']:8.1f} ms")
     print(json.dumps(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

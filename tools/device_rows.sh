@@ -312,9 +312,9 @@ PY
         # for (--streamless), alternated; td-cook-mps: the same pair under MPS
         step prepare_td 300 python3 -m loom_live.plugin.cli prepare -c wan2.1-1.3b "${RANDOM_WEIGHTS[@]}"
         td_cook() { step "$1" 200 python3 benchmarks/bench_td_cook.py --transport cuda-ipc --json "$out/$1.json" \
-            "${@:2}"; grep -E "^engine (outputs dropped|worker per frame)" "$out/$1.txt"
+            "${@:2}"; grep -E "^engine (outputs dropped|worker per frame|CUDA call)" "$out/$1.txt"
             grep -A2 "cooks     n" "$out/$1.txt"; }
-        wan=(--config wan2.1-1.3b --seconds 15 --warmup-s 20 --start-s 180)
+        wan=(--config wan2.1-1.3b --seconds 15 --warmup-s 20 --start-s 180 --calls)
         if [ "$group" = td-cook-wan ]; then  # one pair beside the 1.3B engine, without MPS: td-cook-mps's match
             td_cook td_cook_wan_queued "${wan[@]}" && td_cook td_cook_wan_waited "${wan[@]}" --streamless
         elif [ "$group" = td-cook ]; then

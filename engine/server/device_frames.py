@@ -45,7 +45,7 @@ def to_engine(t: torch.Tensor, order: str = "RGB", bottom_up: bool = False) -> t
     if c in (1, 2):
         rgb = t[:, :, :1].expand(-1, -1, 3)
     elif order.upper().startswith("BGR"):
-        rgb = t[:, :, [2, 1, 0]]
+        rgb = torch.flip(t[:, :, :3], dims=[2])  # not a list index: that copies the index from the host and waits
     else:
         rgb = t[:, :, :3]
     if bottom_up:
@@ -58,7 +58,7 @@ def from_engine(rgb: torch.Tensor, channels: int, dtype: str, order: str, bottom
     if channels == 1:
         data = rgb[:, :, :1]
     else:
-        data = rgb[:, :, [2, 1, 0]] if order.startswith("BGR") else rgb
+        data = torch.flip(rgb, dims=[2]) if order.startswith("BGR") else rgb
         if channels == 4:
             alpha = torch.full(rgb.shape[:2] + (1,), UINT8_MAX, dtype=torch.uint8, device=rgb.device)
             data = torch.cat([data, alpha], dim=2)

@@ -564,11 +564,10 @@ class FrameWorker:
             if out is not self.ring_out:
                 return
             try:
-                if on_gpu:
-                    self._gpu().write(out, slot, fitted)
-                    payload = []
-                else:
-                    payload = out.write(slot, fitted)
+                with self.time.part("write"):
+                    payload = [] if on_gpu else out.write(slot, fitted)
+                    if on_gpu:
+                        self._gpu().write(out, slot, fitted)
             except Exception:
                 self.out_tracker.unacquire(slot)
                 raise

@@ -13,13 +13,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PARTS = ("read", "session", "waiting", "emit")
+PARTS = ("read", "session", "waiting", "emit", "write")
 
 
 class WorkerTime:
     """Seconds per part, summed over the worker's life. `waiting` is the part of `session` between consecutive
     looks at the GPU within one call (its waits for the GPU, the looks' own sends included); parts nest, so
-    `emit` counts sends made during those waits too."""
+    `emit` counts sends made during those waits too, and `write` is the part of `emit` spent writing the frame into
+    its output slot (on cuda-ipc: handing its conversion and copy to the GPU), the rest being the slot's bookkeeping
+    and the notice."""
 
     def __init__(self) -> None:
         self.spent = dict.fromkeys(PARTS, 0.0)

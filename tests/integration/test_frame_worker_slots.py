@@ -219,11 +219,19 @@ def test_the_worker_says_how_long_it_spent_reading_inside_session_calls_waiting_
     worker.lossless = True  # outputs leave as they come, each through the timed send
     worker._install(TcpRing(RingSpec(dir="in", **spec)))
     worker._install(TcpRing(RingSpec(dir="out", **spec)))
+    write = worker.ring_out.write
+
+    def slow_write(slot, frame):  # writing the frame into its slot takes 2 ms, the rest of the send none
+        clock[0] += 0.002
+        return write(slot, frame)
+
+    worker.ring_out.write = slow_write
     worker._process(worker.ring_in, 0, 1, 1, [np.full((4, 4, 3), 5, np.uint8).tobytes()])
     assert lane.frames == [1]
     spent = worker.time.report()
     assert spent["session"] == pytest.approx(60.0) and spent["waiting"] == pytest.approx(20.0)  # first to last look
-    assert spent["read"] == spent["emit"] == 0.0  # the fixed clock did not move there
+    assert spent["emit"] == spent["write"] == pytest.approx(2.0)  # the send: all of it the write into the slot
+    assert spent["read"] == 0.0  # the fixed clock did not move there
     for _ in range(2):  # looks outside a timed session call (a flush's waits) are not counted as its waiting
         worker._while_waiting()
         clock[0] += 0.010
