@@ -79,17 +79,12 @@ def resize(rgb: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 class DeviceSlots:
-    """Reads cuda-ipc slots into engine tensors and writes engine outputs into slots, on the GPU, without waiting.
+    """Reads cuda-ipc slots into engine tensors and writes engine outputs into slots, on the GPU.
 
-    The first read makes a high-priority stream of its own the worker thread's current stream (`torch.cuda.set_stream`
-    is per thread), after what the old one had queued: the slot copies and conversions, and what the session queues
-    on its caller's stream (stacking inputs, handing out outputs), then run ahead of the model's kernels queued on
-    its own streams, where at default priority each small kernel waited behind up to a chunk of them. A read is only
-    queued there: the host's next write into the slot waits for it on the GPU (the ring's read event), so the slot
-    goes back at once. A write is only queued too: the host waits for the slot's event on its GPU stream before it
-    reads, and the ring waits for it before it closes. Waiting on the host's side would hold the frame worker while
-    the GPU gets round to the copies (under MPS, beside the host's own work), and paced outputs would leave late
-    and in bunches."""
+    A write is queued on a high-priority stream of its own and not waited for: the host waits for the
+    slot's event on its GPU stream before it reads, and the ring waits for it before it closes. Waiting
+    here would hold the frame worker until the conversion got its turn on a GPU busy with the next
+    chunk (under MPS, beside the host's own work), and paced outputs would leave late and in bunches."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
@@ -106,25 +101,20 @@ class DeviceSlots:
         return buf
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        """This device's high-priority stream; made the calling thread's current one when first asked for."""
         stream = self._streams.get(device)
         if stream is None:
             stream = torch.cuda.Stream(device, priority=highest_priority())
-            stream.wait_stream(torch.cuda.current_stream(device))
-            torch.cuda.set_stream(stream)
             self._streams[device] = stream
         return stream
 
     def read(self, ring: Any, slot: int) -> torch.Tensor:
-        """The slot as engine uint8 RGB top-down on the ring's GPU, queued on the current stream (the slot may be
-        released at once)."""
+        """The slot as engine uint8 RGB top-down on the ring's GPU (the slot may be released after)."""
         buf = self._buffer(ring)
-        stream = self._stream(buf.device)
-        ring.read_device(slot, buf.data_ptr(), buf.stride(0) * buf.element_size(), stream=stream.cuda_stream,
-                         wait=False)
+        torch.cuda.current_stream(buf.device).synchronize()
+        ring.read_device(slot, buf.data_ptr(), buf.stride(0) * buf.element_size())
         s = ring.spec
         frame = to_engine(buf, s.order, s.orientation == "bottom-up")
-        # an RGB uint8 top-down slot converts to itself: copy, the next read (queued behind) reuses the buffer
+        # an RGB uint8 top-down slot converts to itself: copy, the next read reuses the buffer
         return frame.clone() if frame.data_ptr() == buf.data_ptr() else frame
 
     def write(self, ring: Any, slot: int, frame: torch.Tensor | np.ndarray) -> None:
@@ -133,9 +123,8 @@ class DeviceSlots:
         device = torch.device(f"cuda:{ring.device}")
         stream = self._stream(device)
         rgb = torch.as_tensor(frame)
-        current = torch.cuda.current_stream(device)
-        if rgb.is_cuda and current != stream:  # made on another stream: ordered after it, kept until used here
-            stream.wait_stream(current)
+        if rgb.is_cuda:  # made on the caller's stream (or handed to it): ordered after it, kept until used here
+            stream.wait_stream(torch.cuda.current_stream(device))
             rgb.record_stream(stream)
         with torch.cuda.stream(stream):  # what is made here is freed for reuse on this stream, after the copy
             rgb = rgb.to(device)
