@@ -7,13 +7,13 @@
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
 # upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake, mps-standby,
-# standby-share, td-cook, td-cook-wan, td-cook-mps, recovery. A device call runs at most 10 minutes; groups whose
+# standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs at most 10 minutes; groups whose
 # limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830, saved 750, edit 630, startup 620,
 # edit-priority and lora 600) rely on their usual times, not their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
 # the script prints each bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps recovery"
+groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps host-waits recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -67,7 +67,8 @@ for group in "$@"; do
             tests/unit/test_decode_priority.py tests/unit/test_dit_fused.py tests/unit/test_vae.py \
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
             tests/unit/test_saved_compiles.py \
-            tests/integration/test_bridge_cuda.py tests/integration/test_cli.py tests/integration/test_touchdesigner.py ;;
+            tests/integration/test_bridge_cuda.py tests/integration/test_cli.py tests/integration/test_touchdesigner.py \
+            tests/integration/test_device_slots_gpu.py tests/integration/test_stream_host_waits_gpu.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     speed)
@@ -327,6 +328,10 @@ PY
             mps_on && td_cook td_cook_wan_mps_queued "${wan[@]}" && td_cook td_cook_wan_mps_waited "${wan[@]}" --streamless
             mps_off
         fi ;;
+    host-waits)
+        # where the engine's frame path makes the host wait for the GPU: the cuda-ipc output write, a steady push
+        step host_waits 300 python3 -m pytest -q -o addopts=-ra -m gpu tests/integration/test_device_slots_gpu.py \
+            tests/integration/test_stream_host_waits_gpu.py ;;
     recovery)
         # restart, then the hot standby launched beside the first engine (its start: both engines ready),
         # two kills each; its engines load the steps `loom prepare` keeps for their config

@@ -273,7 +273,7 @@ class KVCache:
             index = slice(index, index + 1)
         picked = range(self.batch)[index] if isinstance(index, slice) else list(index)
         rows = [_Row(**vars(self._rows[b])) for b in picked]
-        sel = index if isinstance(index, slice) else torch.tensor(picked, device=self.device)
+        sel = index if isinstance(index, slice) else host_index(picked, self.device)
         return self._like(
             {i: t[sel] for i, t in self.k.items()}, {i: t[sel] for i, t in self.v.items()}, rows
         )

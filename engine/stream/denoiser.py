@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from loom_live.engine.graphs.dit_steps import GraphedStreamForward
+from loom_live.engine.layers.rope import host_index
 from loom_live.engine.stream.schedule import FlowSchedule
 
 
@@ -129,7 +130,7 @@ class StreamDenoiser:
             fresh.reset()
             self.model.forward_stream(latent, latent.new_zeros(1), fresh, self.cross, commit=True,
                                       control=control, context_scale=self._scale(1, latent))
-            rows = torch.tensor(filled, device=cache.device)
+            rows = host_index(filled, cache.device)
             for i in cache.k:
                 cache.k[i][rows, 0] = fresh.k[i][0, 0]
                 cache.v[i][rows, 0] = fresh.v[i][0, 0]
@@ -249,7 +250,9 @@ class StreamDenoiser:
 def _scalar(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     if isinstance(sigma, torch.Tensor):
         return sigma.to(device=like.device, dtype=torch.float32).reshape(())
-    return torch.tensor(sigma, device=like.device, dtype=torch.float32)
+    # a fill, not torch.tensor: that copies the value from pageable host memory and makes the host wait for the
+    # stream, every chunk, holding back the work queued behind it
+    return torch.full((), sigma, device=like.device, dtype=torch.float32)
 
 
 def _row_sigma(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
