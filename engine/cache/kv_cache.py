@@ -442,7 +442,7 @@ class KVCache:
 
     def _shift_ring(self, b: int, shift: int) -> None:
         """Re-rotate row b's ring keys (all blocks) `shift` frames back in time, in place."""
-        cos, sin = self.rope.time_shift(torch.tensor(-shift, device=self.device))
+        cos, sin = self.rope.time_shift(torch.full((), -shift, dtype=torch.long, device=self.device))  # no host copy
         dt = cos.shape[-1]
         for k in self.k.values():
             ring = k[b, self.sink :, ..., :dt]

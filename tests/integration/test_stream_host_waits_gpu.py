@@ -27,7 +27,9 @@ STEADY_FRAMES = 40
 def test_a_steady_stream_never_waits_for_the_gpu_inside_a_push(steps):
     from loom_live.engine.stream.session import StreamSession
 
-    session = StreamSession.from_config(load_config("tiny-random", [f"stream.steps={steps}"]))
+    # RoPE refresh every 8 latent frames: the steady frames cross it more than once
+    session = StreamSession.from_config(load_config("tiny-random", [f"stream.steps={steps}",
+                                                                    "stream.rope_refresh_at=8"]))
     session.while_waiting(lambda: None)  # its waits become looks at events, as under the engine server
     frames = torch.randint(0, 256, (WARM_FRAMES + STEADY_FRAMES, 128, 128, 3), dtype=torch.uint8, device="cuda")
     try:
