@@ -48,7 +48,7 @@ class CopiesInFlight:
     def done(self) -> list[Any]:
         """What was kept for copies the GPU has finished, oldest first, handed back once; never waits. Copies
         are judged in the order they were held (a finished one behind an unfinished one waits its turn)."""
-        while self._flight and _finished(self._flight[0][1]):
+        while self._flight and device_ring.event_done(self._flight[0][1]):
             self._finish_oldest()
         done, self._done = self._done, []
         return done
@@ -79,12 +79,3 @@ class CopiesInFlight:
         rt = device_ring.cudart
         return check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
 
-
-def _finished(event: Any) -> bool:
-    rt = device_ring.cudart
-    result = rt.cudaEventQuery(event)
-    err = result[0] if isinstance(result, tuple) else result
-    if err == rt.cudaError_t.cudaErrorNotReady:
-        return False
-    check(result, "cudaEventQuery")
-    return True

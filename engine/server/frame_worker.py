@@ -17,6 +17,9 @@ the last frame of each chunk. Each output gets its time when it is queued, one i
 one before (at once when that time has passed), and keeps it: an emit that comes late because the
 loop was busy with the next chunk does not push the later ones back, so the outputs leave at the
 rate the frames come in and no backlog (lag, then dropped outputs) builds up behind a busy session.
+On cuda-ipc an output's copy into its slot is only queued on the GPU; its notice goes once the copy is
+done, looked at between frames and in the session's waits, so neither the worker nor a host that waits
+for its reads ever waits for the engine's copy behind the model's work.
 
 Everything else arrives through the server's control loop as commands (rings, mode, prompt,
 parameters, reset, flush); `post()` queues one and wakes the lane's poll, and the answer (ack,
@@ -90,6 +93,8 @@ class FrameWorker:
         self._last_in_seq = -1
         self._seqs: deque[int] = deque()
         self._paced: deque[tuple[int, Any, float]] = deque()  # (seq, frame, when due); numpy, or GPU tensors
+        # outputs written into their slots whose notices wait for the copy to be done: (slot, seq, ring, payload)
+        self._written: deque[tuple[int, int, Ring, list[Any]]] = deque()
         self._last_due = 0.0
         self._interval = 0.0
         self._last_arrival: float | None = None
@@ -337,7 +342,7 @@ class FrameWorker:
         return None
 
     def _wait_time(self) -> float:
-        wait = OUTPUT_POLL_S if self.session.unfinished else WAIT_S
+        wait = OUTPUT_POLL_S if self.session.unfinished or self._written else WAIT_S
         if self._paced:
             return max(0.0, min(wait, self._paced[0][2] - time.monotonic()))
         return wait
@@ -489,6 +494,7 @@ class FrameWorker:
             if now - due > step > 0.0:
                 self.counts["out_late"] += 1
             self._emit(seq, frame)
+        self._publish_written()
 
     def _defer_flush(self, rid: int | None, until_seq: int | None) -> bool:
         """A flush that names a frame notice not yet here waits for it without holding up the frames: the
@@ -527,6 +533,10 @@ class FrameWorker:
         outputs = self.session.flush()
         for out in outputs:
             self._emit(self._seqs.popleft() if self._seqs else -1, out)
+        while self._written and not self.stop:  # every notice out before the answer
+            self._publish_written()
+            if self._written:
+                time.sleep(OUTPUT_POLL_S)
         self.session_stats = self.session.stats()  # a batch host looks at the stats between batches
         return len(outputs)
 
@@ -543,6 +553,7 @@ class FrameWorker:
             if not self.lossless and looked:
                 self._drop_out("no_slot")
                 return None
+            self._publish_written()  # a host releases only the slots it was told about
             self._read_lane(WAIT_S if self.lossless else 0.0)
             looked = True
         return None
@@ -571,7 +582,23 @@ class FrameWorker:
             except Exception:
                 self.out_tracker.unacquire(slot)
                 raise
-        self._publish(slot, seq, out, payload)
+        self._written.append((slot, seq, out, payload))
+        self._publish_written()
+
+    def _publish_written(self) -> None:
+        """Notices, in order, for the outputs whose writes are done. A cuda-ipc write is only queued on the GPU
+        (`DeviceSlots.write`): announced before its copy is done, a host that waits for its reads (a
+        TouchDesigner build whose calls take no stream) would wait for the engine's copy behind the model's
+        work; looked at here without waiting, the worker is never held by it either."""
+        while self._written:
+            slot, seq, ring, payload = self._written[0]
+            with self.lock:  # the control thread may close the ring meanwhile
+                current = ring is self.ring_out
+                if current and not ring.write_done(slot):
+                    return
+            self._written.popleft()
+            if current:  # else a new generation came: the old slots are gone, and so is this frame
+                self._publish(slot, seq, ring, payload)
 
     def _publish(self, slot: int, seq: int, out: Ring, payload: list[Any]) -> None:
         self.out_tracker.publish(slot)

@@ -233,3 +233,48 @@ def test_passthrough_publishes_before_it_waits_and_releases_after(fake, monkeypa
     assert np.array_equal(ring_out.read(out_slot, []), frame)
     for r in (ring_in, ring_out):
         r.close()
+
+
+class _QueuedWrites:
+    """The engine's slot writer as it works on a GPU (`DeviceSlots.write`): the copy is only queued."""
+
+    def write(self, ring, slot, frame):
+        ring.write_device(slot, frame.ctypes.data, stream=0x5EED, sync=False)
+
+
+class _NoticeLane:
+    def __init__(self) -> None:
+        self.frames: list[int] = []
+
+    def send_frame(self, slot, seq, gen, payload=(), control=False):
+        self.frames.append(seq)
+        return True
+
+
+def test_an_output_is_announced_once_its_copy_into_the_slot_is_done(fake, monkeypatch):
+    """A host that waits for its reads (a TouchDesigner build whose calls take no stream) must never wait for the
+    engine's copy behind the model's work: the notice goes once the GPU has done the copy, and the worker only
+    looks (it never waits for it). A copy still running when a new generation of rings comes is never announced."""
+    monkeypatch.setattr(FrameWorker, "_gpu", lambda self: _QueuedWrites())
+    lane = _NoticeLane()
+    worker = FrameWorker(PassthroughSession, lambda *a, **k: True, lane)
+    worker.session = PassthroughSession()
+    kw = dict(transport="cuda-ipc", dir="out", slots=2, width=4, height=4, channels=3, dtype="uint8")
+    worker._install(tc.CudaRing.create(generation=1, **kw))
+    worker.lossless = True  # each output is written as it comes
+    frame = np.full((4, 4, 3), 9, np.uint8)
+    fake.behind = True  # the GPU is busy: the copy is queued, not done
+    worker._emit(7, frame)
+    worker._emit_due()
+    assert lane.frames == [] and worker.counts["frames_out"] == 0
+    assert fake.host_waits[threading.get_ident()] == 0  # looked at, never waited for
+    fake.catch_up()
+    worker._emit_due()
+    assert lane.frames == [7] and worker.counts["frames_out"] == 1
+    fake.behind = True
+    worker._emit(8, frame)
+    worker._install(tc.CudaRing.create(generation=2, **kw))  # the host's new rings: the old slots go
+    fake.catch_up()
+    worker._emit_due()
+    assert lane.frames == [7] and not worker._written
+    worker.close_rings(remove=False)

@@ -63,6 +63,10 @@ class Ring(ABC):
         false: return once the copy is queued (`other.wait_writes()` then says when `slot` was read)."""
         raise NotImplementedError(f"{type(self).__name__} cannot copy slots; check `copies_slots` first")
 
+    def write_done(self, slot: int) -> bool:
+        """Whether the last write into `slot` is done (host memory: a write is done when it returns)."""
+        return True
+
     def wait_writes(self) -> None:
         """Return when every copy into this ring queued without waiting is done (host memory: at once)."""
         return None  # host-memory copies are done when `copy_to` returns

@@ -70,6 +70,16 @@ def check(result: Any, what: str) -> Any:
     return values[0] if len(values) == 1 else (values or None)
 
 
+def event_done(event: Any) -> bool:
+    """Whether the GPU has passed `event`'s last record; never waits."""
+    result = cudart.cudaEventQuery(event)
+    err = result[0] if isinstance(result, tuple) else result
+    if err == cudart.cudaError_t.cudaErrorNotReady:
+        return False
+    check(result, "cudaEventQuery")
+    return True
+
+
 def _require() -> None:
     ok, why = cuda_available()
     if not ok:
@@ -272,6 +282,11 @@ class CudaRing(Ring):
         event = self._read_events[slot]
         if event is not None:
             check(cudart.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+
+    def write_done(self, slot: int) -> bool:
+        """Whether the last write into `slot` is done on the GPU (its event); never waits."""
+        self.check_slot(slot)
+        return event_done(self.events[slot])
 
     def wait_writes(self) -> None:
         """Return when the copies queued on this ring's own stream are done."""
