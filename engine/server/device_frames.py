@@ -81,9 +81,9 @@ def resize(rgb: torch.Tensor, height: int, width: int) -> torch.Tensor:
 class DeviceSlots:
     """Reads cuda-ipc slots into engine tensors and writes engine outputs into slots, on the GPU.
 
-    A write is queued on a high-priority stream of its own and not waited for: the host waits for the
-    slot's event on its GPU stream before it reads, and the ring waits for it before it closes. Waiting
-    here would hold the frame worker until the conversion got its turn on a GPU busy with the next
+    A write is queued on a high-priority stream of its own and not waited for: the frame worker announces the
+    slot once its event says the copy is done (`Ring.write_done`), and the ring waits for it before it closes.
+    Waiting here would hold the frame worker until the conversion got its turn on a GPU busy with the next
     chunk (under MPS, beside the host's own work), and paced outputs would leave late and in bunches."""
 
     def __init__(self) -> None:
