@@ -23,8 +23,10 @@ STEADY_FRAMES = 40
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [True, False], ids=["device frames", "host arrays"])
 @pytest.mark.parametrize("steps", ["[700]", "[700, 500]"])
-def test_a_steady_stream_never_waits_for_the_gpu_inside_a_push(steps):
+def test_a_steady_stream_never_waits_for_the_gpu_inside_a_push(steps, on_device):
+    """Device frames are what a cuda-ipc host's frames become; host arrays, the player's and shm's."""
     from loom_live.engine.stream.session import StreamSession
 
     # RoPE refresh every 8 latent frames: the steady frames cross it more than once
@@ -32,6 +34,8 @@ def test_a_steady_stream_never_waits_for_the_gpu_inside_a_push(steps):
                                                                     "stream.rope_refresh_at=8"]))
     session.while_waiting(lambda: None)  # its waits become looks at events, as under the engine server
     frames = torch.randint(0, 256, (WARM_FRAMES + STEADY_FRAMES, 128, 128, 3), dtype=torch.uint8, device="cuda")
+    if not on_device:
+        frames = frames.cpu().numpy()
     try:
         for i in range(WARM_FRAMES):
             session.push(frames[i:i + 1])
