@@ -6,11 +6,12 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
-# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake, mps-standby,
-# standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs at most 10 minutes; groups whose
-# limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830, saved 750, edit 630, startup 620,
-# edit-priority and lora 600) rely on their usual times, not their limits, to fit one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT);
-# the script prints each bench's summary table, so the call's output says how it went.
+# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake,
+# mps-standby, standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs at most
+# 10 minutes; groups whose limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830,
+# saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not their limits, to fit
+# one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT); the script prints each
+# bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
 groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps host-waits recovery"

@@ -576,9 +576,11 @@ class FrameWorker:
                 return
             try:
                 with self.time.part("write"):
-                    payload = [] if on_gpu else out.write(slot, fitted)
                     if on_gpu:
                         self._gpu().write(out, slot, fitted)
+                        payload = []
+                    else:
+                        payload = out.write(slot, fitted)
             except Exception:
                 self.out_tracker.unacquire(slot)
                 raise
