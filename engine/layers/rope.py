@@ -119,9 +119,11 @@ class RopeTables:
 
     def time_shift(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin over the time channels that move a key by `delta` frames (any sign): [..., dt]."""
-        mag = delta.abs()
+        # indexed as a 1-d tensor: a 0-d tensor index is read back to the host as a Python int (a GPU wait)
+        mag = delta.abs().reshape(-1)
         sign = torch.where(delta < 0, -1.0, 1.0).to(self.sin[0].dtype).unsqueeze(-1)
-        return self.cos[0][mag], self.sin[0][mag] * sign
+        dt = self.cos[0].shape[-1]
+        return self.cos[0][mag].reshape(*delta.shape, dt), self.sin[0][mag].reshape(*delta.shape, dt) * sign
 
 
 def host_index(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
