@@ -3,11 +3,13 @@
 The bookkeeping lives in one object so that its bounds are in one place: submit times are kept
 only for a limited number of frames (a stalled engine must not grow the host), latencies and
 output times in fixed windows. `latest()` reads fps and the median latency once per frame, so
-both are computed in plain Python, cheaply. The bridge calls into it with the engine lock held.
+both are computed in plain Python, cheaply: the latencies are kept sorted as they come and go, so no
+frame pays for a sort. The bridge calls into it with the engine lock held.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ class FrameStats:
         self._submit_times: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._out_times: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._sorted: list[float] | None = None  # the latencies sorted, until the next one arrives
+        self._sorted: list[float] = []  # the window's latencies in order, kept so as each comes and goes
 
     def sent(self, seq: int, t: float) -> None:
         """Input `seq`, submitted at `t`, went into a slot."""
@@ -66,8 +68,10 @@ class FrameStats:
         self._out_times.append(now)
         t0 = self._submit_times.pop(seq, None)
         if t0 is not None:
+            if len(self._latencies) == LATENCY_WINDOW:  # the oldest leaves the window
+                del self._sorted[bisect.bisect_left(self._sorted, self._latencies[0])]
             self._latencies.append(now - t0)
-            self._sorted = None
+            bisect.insort(self._sorted, now - t0)
 
     def fps(self) -> float:
         t = self._out_times
@@ -76,11 +80,7 @@ class FrameStats:
         return (len(t) - 1) / (t[-1] - t[0])
 
     def latency_ms(self, q: float) -> float:
-        """Percentile `q` (linear, as numpy's default) in plain Python: latest() calls it once per frame,
-        and np.percentile's per-call overhead dwarfs a sort of a short list; the sort is kept until a new
-        latency arrives."""
-        if self._sorted is None:
-            self._sorted = sorted(self._latencies)
+        """Percentile `q` (linear, as numpy's default) of the window, read from the kept order."""
         values = self._sorted
         if not values:
             return 0.0
