@@ -260,13 +260,15 @@ PY
         for s in 0 300; do
             LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
                 --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
+            grep -A1 "^ *size  handoff" "$out/ipc_spin$s.txt" | tail -1  # the row: the call's files may not all come back
         done ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
         # (--busy-host: the host's loop keeps its core working between frames, as a renderer's does)
         ipc_paced() { LOOM_DOORBELL_SPIN_US=300 step "$1" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
-            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"; }
+            --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/$1.json" "${@:2}"
+            grep -A1 "^ *size  handoff" "$out/$1.txt" | tail -1; }
         ipc_paced ipc_no_mps
         ipc_paced ipc_no_mps_busy --busy-host
         mps_on && ipc_paced ipc_mps && ipc_paced ipc_mps_busy --busy-host
