@@ -160,7 +160,7 @@ class Bridge:
         try:
             frame = formats.check_shape(frame)
             big = max(frame.shape[:2]) > self.config.max_frame_side
-            converted = None if big else self._convert(self._settle_size(formats.check_frame(frame)), layout)
+            converted = None if big else self._convert(self._settle_size(frame), layout)  # values checked there
         except (TypeError, ValueError):
             self._refused_frame()
             raise
@@ -227,9 +227,10 @@ class Bridge:
         return formats.resize(frame, *settled)
 
     def _convert(self, frame: np.ndarray, layout: str) -> np.ndarray:
-        """A checked host frame as the link takes it: its own layout on cuda-ipc, else engine RGB."""
+        """A host frame, its shape checked, as the link takes it: its own layout on cuda-ipc, else engine RGB; a
+        ValueError for NaN or infinite values (each path reads the values once)."""
         if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
-            native = np.ascontiguousarray(frame)
+            native = np.ascontiguousarray(formats.check_frame(frame))
             if native.shape[2] == 2:
                 raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
             return native

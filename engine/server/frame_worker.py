@@ -628,13 +628,5 @@ def _fit(frame: np.ndarray, ring: Ring) -> np.ndarray:
     if frame.shape[:2] != (spec.height, spec.width):
         import cv2
         frame = cv2.resize(frame, (spec.width, spec.height), interpolation=cv2.INTER_AREA)
-    if spec.channels == 3 and spec.order == "RGB" and spec.dtype == "uint8" and spec.orientation == "top-down":
-        return np.ascontiguousarray(frame)
-    data = frame[:, :, ::-1] if spec.order.startswith("BGR") else frame
-    if spec.channels == 4:
-        data = np.concatenate([data, np.full(frame.shape[:2] + (1,), 255, np.uint8)], axis=2)
-    elif spec.channels == 1:
-        data = frame[:, :, :1]
-    if spec.orientation == "bottom-up":
-        data = data[::-1]
-    return np.ascontiguousarray(formats.from_uint8(np.ascontiguousarray(data), spec.dtype))
+    return formats.from_engine(frame, channels=spec.channels, dtype=spec.dtype, order=spec.order,
+                               bottom_up=spec.orientation == "bottom-up")

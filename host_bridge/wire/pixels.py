@@ -58,11 +58,8 @@ def limit_size(frame: np.ndarray, max_side: int) -> np.ndarray:
     if oh < 1 or ow < 1:
         raise ValueError(f"frame: {w}x{h} cannot be shrunk to at most {max_side} px per side; the aspect is too "
                          "extreme")
-    try:
-        import cv2
-    except ImportError:  # a host Python without OpenCV: numpy, every pixel
-        cv2 = None
-    if cv2 is None or frame.shape[2] > 4:
+    cv2 = _opencv()
+    if cv2 is None or frame.shape[2] > 4:  # without OpenCV: numpy, every pixel
         blocks = frame[:oh * k, :ow * k].reshape(oh, k, ow, k, frame.shape[2])
         mean = blocks.mean(axis=(1, 3), dtype=np.float32)
         return mean.astype(frame.dtype) if frame.dtype.kind == "f" else np.rint(mean).astype(frame.dtype)
@@ -75,10 +72,7 @@ def resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     """`frame` [H, W, C] at `height` x `width`, in its dtype (OpenCV's area filter to shrink, linear to grow;
     nearest pixels without OpenCV)."""
     h, w, c = frame.shape
-    try:
-        import cv2
-    except ImportError:
-        cv2 = None
+    cv2 = _opencv()
     if cv2 is None or c > 4:
         rows = np.arange(height) * h // height
         cols = np.arange(width) * w // width
@@ -94,7 +88,12 @@ def to_uint8(values: np.ndarray) -> np.ndarray:
         return values
     if values.dtype == np.uint16:
         return ((values.astype(np.uint32) * UINT8_MAX + UINT16_MAX // 2) // UINT16_MAX).astype(np.uint8)
-    return np.rint(np.clip(values, 0.0, 1.0) * UINT8_MAX).astype(np.uint8)
+    scaled = np.clip(values, 0.0, 1.0)  # negatives to 0 first: OpenCV's conversion below takes magnitudes
+    cv2 = _opencv()
+    if cv2 is not None and scaled.size:  # scales, rounds half to even (as np.rint) and saturates in one pass
+        return cv2.convertScaleAbs(scaled.reshape(1, -1), alpha=UINT8_MAX).reshape(values.shape)
+    scaled *= UINT8_MAX  # in place: a 1080p frame is 6M values
+    return np.rint(scaled, out=scaled).astype(np.uint8)
 
 
 def from_uint8(values: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
@@ -109,21 +108,53 @@ def from_uint8(values: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
     raise ValueError(f"dtype {dtype} is not allowed; expected uint8, uint16 or float32")
 
 
-def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False) -> np.ndarray:
-    """A host frame to the engine's uint8 RGB top-down [H, W, 3] (always a new contiguous array)."""
-    frame = check_frame(frame, "frame")
+def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False, what: str = "frame") -> np.ndarray:
+    """A host frame to the engine's uint8 RGB top-down [H, W, 3] (always a new contiguous array).
+
+    The channels are picked (and swapped) before the dtype's conversion, so alpha is never converted, and by
+    OpenCV where the Python has it: numpy copies 3 bytes of every 4 one at a time, which at 1080p costs a
+    host's frame loop more than a frame's time (docs/performance.md). `what` names the frame in errors."""
+    frame = check_frame(frame, what)
     c = frame.shape[2]
+    swap = order.upper().startswith("BGR")
+    code = {(4, False): "COLOR_RGBA2RGB", (4, True): "COLOR_BGRA2RGB", (3, True): "COLOR_BGR2RGB"}.get((c, swap))
+    cv2 = _opencv()
     if c in (1, 2):  # grey (+alpha)
         rgb = np.repeat(frame[:, :, :1], 3, axis=2)
-    elif order.upper().startswith("BGR"):
-        rgb = frame[:, :, 2::-1]
+    elif code is not None and cv2 is not None:
+        rgb = cv2.cvtColor(np.ascontiguousarray(frame), getattr(cv2, code))
     else:
-        rgb = frame[:, :, :3]
+        rgb = frame[:, :, 2::-1] if swap else frame[:, :, :3]
+    rgb = to_uint8(rgb)
     if bottom_up:
-        rgb = rgb[::-1]
-    if frame.dtype != np.uint8:
-        return np.ascontiguousarray(to_uint8(rgb))  # the conversion already made a new array
-    return np.array(rgb, dtype=np.uint8, order="C")  # copy: the caller may reuse its buffer
+        return cv2.flip(np.ascontiguousarray(rgb), 0) if cv2 is not None else np.ascontiguousarray(rgb[::-1])
+    if np.may_share_memory(rgb, frame):  # nothing converted: copy, the caller may reuse its buffer
+        return np.array(rgb, dtype=np.uint8, order="C")
+    return np.ascontiguousarray(rgb)
+
+
+def from_engine(rgb: np.ndarray, *, channels: int = 3, dtype: np.dtype | type | str = np.uint8, order: str = "RGB",
+                bottom_up: bool = False) -> np.ndarray:
+    """The engine's uint8 RGB top-down [H, W, 3] in a host's layout, contiguous (`rgb` itself where it is in that
+    layout already): `channels` 1 (the red channel), 3 or 4 (alpha opaque), in `order` (RGB or BGR first), rows
+    bottom-up or not, in `dtype`."""
+    rgb = _engine_frame(rgb)
+    if channels not in (1, 3, 4):
+        raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
+    swap = order.upper().startswith("BGR")
+    code = {(4, False): "COLOR_RGB2RGBA", (4, True): "COLOR_RGB2BGRA", (3, True): "COLOR_RGB2BGR"}.get((channels, swap))
+    cv2 = _opencv()
+    if channels == 1:
+        data = rgb[:, :, :1]
+    elif code is not None and cv2 is not None:
+        data = cv2.cvtColor(np.ascontiguousarray(rgb), getattr(cv2, code))  # alpha 255, as UINT8_MAX
+    else:
+        data = rgb[:, :, ::-1] if swap else rgb
+        if channels == 4:
+            data = np.concatenate([data, np.full(rgb.shape[:2] + (1,), UINT8_MAX, np.uint8)], axis=2)
+    if bottom_up:
+        data = cv2.flip(np.ascontiguousarray(data), 0).reshape(data.shape) if cv2 is not None else data[::-1]
+    return np.ascontiguousarray(from_uint8(np.ascontiguousarray(data), dtype))
 
 
 def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
@@ -134,23 +165,16 @@ def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
 
 def from_touchdesigner(frame: np.ndarray) -> np.ndarray:
     """A TouchDesigner TOP array (`numpyArray()`, bottom-up) to the engine's uint8 RGB top-down."""
-    frame = check_frame(frame, "TouchDesigner frame")
-    return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True)
+    frame = check_shape(frame, "TouchDesigner frame")  # its values are checked once, in to_engine
+    return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True,
+                     what="TouchDesigner frame")
 
 
 def to_touchdesigner(rgb: np.ndarray, dtype: np.dtype | type = np.uint8, channels: int = 4) -> np.ndarray:
     """Engine uint8 RGB top-down to a TouchDesigner array (`copyNumpyArray`): bottom-up, TD's channel order."""
-    rgb = _engine_frame(rgb)
     if channels not in (1, 3, 4):
         raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
-    if channels == 1:
-        data = rgb[:, :, :1]
-    else:
-        data = rgb[:, :, ::-1] if touchdesigner_order(dtype, channels) == "BGRA" else rgb
-        if channels == 4:
-            alpha = np.full(rgb.shape[:2] + (1,), UINT8_MAX, np.uint8)
-            data = np.concatenate([data, alpha], axis=2)
-    return np.ascontiguousarray(from_uint8(np.ascontiguousarray(data[::-1]), dtype))
+    return from_engine(rgb, channels=channels, dtype=dtype, order=touchdesigner_order(dtype, channels), bottom_up=True)
 
 
 def _engine_frame(rgb: np.ndarray) -> np.ndarray:
@@ -158,3 +182,13 @@ def _engine_frame(rgb: np.ndarray) -> np.ndarray:
         got = f"{rgb.dtype} {rgb.shape}" if isinstance(rgb, np.ndarray) else type(rgb).__name__
         raise ValueError(f"engine frame: {got}; expected uint8 [H, W, 3]")
     return rgb
+
+
+def _opencv():
+    """OpenCV where this Python has it, else None: a host's own Python (TouchDesigner's) may lack it, and every
+    conversion here has a numpy form."""
+    try:
+        import cv2
+    except ImportError:
+        return None
+    return cv2

@@ -31,9 +31,16 @@ def test_touchdesigner_other_dtypes_are_rgba_and_round_trip_exactly(dtype):
     assert np.array_equal(formats.from_touchdesigner(td), rgb)
 
 
-def test_value_mapping_rounds_and_clips():
+@pytest.mark.parametrize("opencv", [True, False], ids=["opencv", "numpy"])
+def test_value_mapping_rounds_and_clips(opencv, monkeypatch):
+    if not opencv:
+        monkeypatch.setattr(formats, "_opencv", lambda: None)
     assert formats.to_uint8(np.array([0, 257, 65535, 32896], np.uint16)).tolist() == [0, 1, 255, 128]
     assert formats.to_uint8(np.array([-0.5, 0.0, 0.5, 1.0, 7.0], np.float32)).tolist() == [0, 0, 128, 255, 255]
+    ties = np.array([0.5, 1.5, 2.5, 253.5, 254.5], np.float32) / np.float32(255)  # halfway after the scale
+    assert formats.to_uint8(ties).tolist() == np.rint(ties * np.float32(255)).astype(np.uint8).tolist()
+    batch = np.random.default_rng(3).uniform(-1, 2, (2, 3, 4, 3)).astype(np.float32)  # ComfyUI's [B, H, W, 3]
+    assert np.array_equal(formats.to_uint8(batch), np.rint(np.clip(batch, 0, 1) * np.float32(255)).astype(np.uint8))
 
 
 def test_comfyui_images_round_trip():
@@ -97,3 +104,47 @@ def test_gpu_conversions_follow_the_numpy_rules_exactly(dtype, order, bottom_up)
     assert np.array_equal(formats.to_engine(back, order=order, bottom_up=bottom_up), rgb)
     if order == "BGRA" and bottom_up:
         assert np.array_equal(back, formats.to_touchdesigner(rgb, np.uint8, 4))
+
+
+def _reference_to_engine(frame: np.ndarray, order: str, bottom_up: bool) -> np.ndarray:
+    """The rules in plain numpy indexing: grey to three equal channels, BGR reversed, alpha dropped, rows flipped."""
+    if frame.shape[2] <= 2:
+        rgb = np.repeat(frame[:, :, :1], 3, axis=2)
+    else:
+        rgb = frame[:, :, 2::-1] if order.startswith("BGR") else frame[:, :, :3]
+    rgb = rgb[::-1] if bottom_up else rgb
+    if frame.dtype == np.uint16:
+        return ((rgb.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+    if frame.dtype == np.float32:
+        return np.rint(np.clip(rgb, 0.0, 1.0) * 255).astype(np.uint8)
+    return rgb
+
+
+@pytest.mark.parametrize("opencv", [True, False], ids=["opencv", "numpy"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
+def test_every_layout_converts_as_the_plain_numpy_rules_with_or_without_opencv(dtype, opencv, monkeypatch):
+    """Both directions, every channel count, order and orientation, contiguous frames and strided views: OpenCV's
+    passes (taken where a host's Python has it) give the same bytes as numpy's."""
+    if not opencv:
+        monkeypatch.setattr(formats, "_opencv", lambda: None)
+    rng = np.random.default_rng(2)
+    for c, order in ((1, "R"), (2, "RG"), (3, "RGB"), (3, "BGR"), (4, "RGBA"), (4, "BGRA")):
+        if dtype == "float32":
+            whole = rng.uniform(-0.2, 1.2, (6, 18, c)).astype(np.float32)
+        else:
+            whole = rng.integers(0, np.iinfo(dtype).max + 1, (6, 18, c)).astype(dtype)
+        for frame in (whole[:, :9], whole[:, ::2]):  # rows strided / pixels strided
+            for bottom_up in (False, True):
+                out = formats.to_engine(frame, order=order, bottom_up=bottom_up)
+                assert out.flags.c_contiguous and out.dtype == np.uint8 and not np.shares_memory(out, frame)
+                assert np.array_equal(out, _reference_to_engine(frame, order, bottom_up)), (c, order, bottom_up)
+    rgb = _rgb(6, 9)
+    for c, order in ((1, "R"), (3, "RGB"), (3, "BGR"), (4, "RGBA"), (4, "BGRA")):
+        for bottom_up in (False, True):
+            host = formats.from_engine(rgb, channels=c, dtype=dtype, order=order, bottom_up=bottom_up)
+            assert host.shape == (6, 9, c) and host.dtype == np.dtype(dtype) and host.flags.c_contiguous
+            rows = host[::-1] if bottom_up else host
+            picked = rows[:, :, :3][:, :, ::-1] if order.startswith("BGR") else rows[:, :, :min(c, 3)]
+            assert np.array_equal(formats.to_uint8(picked), rgb[:, :, :min(c, 3)]), (c, order, bottom_up)
+            if c == 4:
+                assert np.all(formats.to_uint8(host[..., 3]) == 255)
