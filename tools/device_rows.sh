@@ -257,10 +257,14 @@ PY
         step lora_six_parts 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_merge_parts=6 \
             --json "$out/lora_six_parts.json" ;;
     ipc)
+        # the row's figures without the breakdown (its stamps and timed CUDA calls add to every step), then with it
         for s in 0 300; do
-            LOOM_DOORBELL_SPIN_US=$s step "ipc_spin$s" 150 python3 benchmarks/bench_ipc.py --transport cuda-ipc \
-                --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --breakdown --json "$out/ipc_spin$s.json"
-            grep -A1 "^ *size  handoff" "$out/ipc_spin$s.txt" | tail -1  # the row: the call's files may not all come back
+            for how in plain breakdown; do
+                LOOM_DOORBELL_SPIN_US=$s step "ipc_${how}_spin$s" 150 python3 benchmarks/bench_ipc.py --transport \
+                    cuda-ipc --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --json "$out/ipc_${how}_spin$s.json" \
+                    $([ $how = breakdown ] && echo --breakdown)
+                grep -A1 "^ *size  handoff" "$out/ipc_${how}_spin$s.txt" | tail -1  # the row: files may not all come back
+            done
         done ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
