@@ -16,6 +16,10 @@ Any machine (shm transport, numpy RGBA host frames, which the bridge hands over 
 CPU smoke run (shm transport, tiny frames):
     python benchmarks/bench_ipc.py --smoke --json /tmp/bench_ipc.json
 
+`--queued` (cuda-ipc): the host's two copies queued on a stream of the caller's own, as the TouchDesigner
+operator queues them (`submit_cuda(..., keep=)`, `latest_cuda(..., wait=False)`), the handoff done once that
+stream has run them: the same frame in the caller's buffer, without the bridge's two waits for the GPU.
+
 `--breakdown` also says where each handoff's time goes: both processes stamp each frame's steps
 (`host_bridge.wire.handoff_marks`) and time every CUDA runtime call of the rings, and the tables give
 each step's and each call's median and p99 (the stamping itself adds a few microseconds per frame).
@@ -35,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loom_live.engine.tools.bridge_probe import handoff_device, handoff_host, percentiles  # noqa: E402
+from loom_live.engine.tools.bridge_probe import QueuedCopies, handoff_device, handoff_host, percentiles  # noqa: E402
 from loom_live.host_bridge import Bridge, BridgeConfig  # noqa: E402
 from loom_live.host_bridge.wire import handoff_marks  # noqa: E402
 from loom_live.host_bridge.wire.cpu_awake import CpuAwake, idle_states  # noqa: E402
@@ -56,6 +60,7 @@ class DeviceBuffers:
             self._sync = torch.cuda.synchronize
             self._copy = lambda: self.dst.copy_(self.src)
             self.src_ptr, self.dst_ptr = self.src.data_ptr(), self.dst.data_ptr()
+            stream = torch.cuda.Stream()
         except ImportError:
             import cupy
             self.lib = "cupy"
@@ -64,7 +69,10 @@ class DeviceBuffers:
             self._sync = cupy.cuda.Device().synchronize
             self._copy = lambda: self.dst.__setitem__(Ellipsis, self.src)
             self.src_ptr, self.dst_ptr = self.src.data.ptr, self.dst.data.ptr
+            stream = cupy.cuda.Stream(non_blocking=True)
         self.pitch = w * 4
+        handle = stream.cuda_stream if self.lib == "torch" else stream.ptr
+        self.queued = QueuedCopies(handle, self.src, stream.synchronize)  # --queued: the caller's own stream
         self._sync()  # the random fill must be done before the first handoff reads it
 
     def copy_once(self) -> float:
@@ -100,17 +108,20 @@ def copies_floor_gpu(buf: DeviceBuffers, w: int, h: int, frames: int) -> dict:
     return percentiles(samples)
 
 
-def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float, bool]) -> dict:
+def bench_gpu(bridge: Bridge, w: int, h: int, frames: int, warmup: int, paced: tuple[int, float, bool],
+              queued: bool = False) -> dict:
     buf = DeviceBuffers(w, h)
+    on = buf.queued if queued else None
     seqs = {}
     with _seqs(bridge, warmup, seqs, "handoff"):
-        handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup)
+        handoff = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8", frames, warmup,
+                                 queued=on)
     assert buf.equal(), "round trip changed the frame"
     out = {"handoff": handoff, "seqs": seqs}
     if paced[0]:
         with _seqs(bridge, warmup, seqs, "handoff_paced"):
             out["handoff_paced"] = handoff_device(bridge, buf.src_ptr, buf.dst_ptr, buf.pitch, w, h, 4, "uint8",
-                                                  paced[0], warmup, period_s=paced[1], busy=paced[2])
+                                                  paced[0], warmup, period_s=paced[1], busy=paced[2], queued=on)
     baseline = [buf.copy_once() for _ in range(frames)]
     return {**out, "device_copy": percentiles(baseline),
             "copies_floor": copies_floor_gpu(buf, w, h, frames), "alloc": buf.lib, "bytes": w * h * 4}
@@ -229,6 +240,8 @@ def main() -> int:
                     help="hold the CPUs' wake-up latency limit at 0 for the run (/dev/cpu_dma_latency: no deep idle "
                          "states between paced frames); said when it cannot be held")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--queued", action="store_true",
+                    help="cuda-ipc: the host's copies queued on a stream of the caller's own, as TouchDesigner's")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each step and CUDA call of a handoff in both processes (median, p99)")
     args = ap.parse_args()
@@ -244,6 +257,8 @@ def main() -> int:
     transport = args.transport or ("shm" if args.smoke else "cuda-ipc")
     if args.smoke and transport != "shm":
         ap.error("--smoke runs over shm; leave out --transport or give --transport shm")
+    if args.queued and transport != "cuda-ipc":
+        ap.error("--queued queues the host's device copies: it needs --transport cuda-ipc")
     marks_dir = None
     if args.breakdown:  # before the engine starts: it inherits the setting
         marks_dir = Path(tempfile.mkdtemp(prefix="loom-handoff-"))
@@ -252,7 +267,7 @@ def main() -> int:
         cuda_rings.time_calls()
     cfg = BridgeConfig(transport=transport, passthrough=True, engine_cwd=str(ROOT))
     results: dict = {"transport": transport, "frames": frames, "fps": args.fps, "paced_frames": paced[0],
-                     "busy_host": paced[2], "sizes": {}}
+                     "busy_host": paced[2], "queued": args.queued, "sizes": {}}
     awake = CpuAwake().hold() if args.hold_cpu_awake else None
     if awake is not None and not awake.held:
         print(f"--hold-cpu-awake: {awake.why}")
@@ -261,15 +276,18 @@ def main() -> int:
     with Bridge(cfg) as bridge:
         bridge.wait_running(60)
         for name, (w, h) in sizes.items():
-            run = bench_cpu if transport == "shm" else bench_gpu
-            results["sizes"][name] = run(bridge, w, h, frames, args.warmup, paced)
+            if transport == "shm":
+                results["sizes"][name] = bench_cpu(bridge, w, h, frames, args.warmup, paced)
+            else:
+                results["sizes"][name] = bench_gpu(bridge, w, h, frames, args.warmup, paced, args.queued)
         results["bridge_stats"] = bridge.stats()
     if awake is not None:
         awake.close()
     if marks_dir is not None:  # the engine wrote its stamps as it exited
         results["breakdown"] = breakdown(results, marks_dir)
     base_key = "host_copy" if transport == "shm" else "device_copy"
-    print(f"\nbridge handoff host->engine->host ({transport}, pass-through engine, {frames} frames)")
+    how = ", the host's copies queued" if args.queued else ""
+    print(f"\nbridge handoff host->engine->host ({transport}{how}, pass-through engine, {frames} frames)")
     paced_head = f" {f'@{args.fps:g}fps p50':>12} {'p99':>9}" if paced[0] else ""
     print(f"{'size':>10} {'handoff p50':>12} {'p99':>9}{paced_head} {base_key + ' p50':>16} {'p99':>9} "
           f"{'copies p50':>11} {'p99':>9}  (ms)")

@@ -257,12 +257,13 @@ PY
         step lora_six_parts 300 python3 benchmarks/bench_lora.py --frames 1200 --set stream.lora_merge_parts=6 \
             --json "$out/lora_six_parts.json" ;;
     ipc)
-        # the row's figures without the breakdown (its stamps and timed CUDA calls add to every step), then with it
+        # the row's figures without the breakdown (its stamps and timed CUDA calls add to every step), the same with
+        # the host's copies queued on its own stream (as the TouchDesigner operator's), then with the breakdown
         for s in 0 300; do
-            for how in plain breakdown; do
+            for how in plain queued breakdown; do
                 LOOM_DOORBELL_SPIN_US=$s step "ipc_${how}_spin$s" 150 python3 benchmarks/bench_ipc.py --transport \
                     cuda-ipc --size 1920x1080 --frames 500 --fps 60 --paced-frames 600 --json "$out/ipc_${how}_spin$s.json" \
-                    $([ $how = breakdown ] && echo --breakdown)
+                    $([ $how = plain ] || echo --$how)
                 grep -A1 "^ *size  handoff" "$out/ipc_${how}_spin$s.txt" | tail -1  # the row: files may not all come back
             done
         done ;;

@@ -11,6 +11,8 @@ loops on their own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +80,34 @@ def handoff_host(bridge: Bridge, frame: np.ndarray, frames: int, warmup: int,
     return percentiles(samples), out
 
 
+@dataclass
+class QueuedCopies:
+    """A caller's stream for the bridge's copies, as the TouchDesigner operator hands its own: the copies are
+    queued on it (`keep` owns the source meanwhile), and `wait` returns once the stream has run them."""
+
+    stream: int
+    keep: Any
+    wait: Callable[[], None]
+
+
 def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width: int, height: int,
                    channels: int, dtype: str, frames: int, warmup: int, period_s: float = 0.0,
-                   busy: bool = False) -> dict[str, float]:
+                   busy: bool = False, queued: QueuedCopies | None = None) -> dict[str, float]:
     """Device buffers (cuda-ipc): `submit_cuda` -> `latest_cuda` into the caller's buffer, a frame
-    every `period_s` (0: back to back)."""
+    every `period_s` (0: back to back); with `queued`, both copies queued on the caller's stream and the
+    handoff done once that stream has run them."""
     samples = []
+    on = {} if queued is None else {"stream": queued.stream}
     for i in range(frames + warmup):
         t0 = time.perf_counter_ns()
-        bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype)
+        bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype, **on,
+                           **({} if queued is None else {"keep": queued.keep}))
         seq = _submitted(bridge, t0)
         _wait(bridge, i)
         MARKS.mark(seq, "host.latest")
-        bridge.latest_cuda(dst_ptr, pitch)
+        bridge.latest_cuda(dst_ptr, pitch, **on, wait=queued is None)
+        if queued is not None:
+            queued.wait()
         MARKS.mark(seq, "host.done")
         if i >= warmup:
             samples.append((time.perf_counter_ns() - t0) / 1e9)

@@ -231,3 +231,18 @@ def test_cuda_ipc_round_trips_exactly_with_host_and_engine_under_one_mps_daemon(
         subprocess.run([control], input="quit\n", env=env, text=True, timeout=30)
     stats = json.loads((tmp_path / "ipc.json").read_text())["bridge_stats"]
     assert stats["received"] >= 200 and stats["refused"] == 0 and stats["restarts"] == 0
+
+
+@pytest.mark.gpu
+def test_the_handoff_bench_with_the_hosts_copies_queued_brings_the_frame_back(tmp_path):
+    """`bench_ipc.py --queued`: the TouchDesigner operator's way (copies queued on the caller's stream, the source
+    kept meanwhile), back to back and paced; the bench checks the frame came back unchanged."""
+    out = tmp_path / "ipc.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ipc.py"), "--transport", "cuda-ipc",
+                           "--size", "512x512", "--frames", "100", "--fps", "60", "--paced-frames", "30", "--queued",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["queued"] is True and "the host's copies queued" in proc.stdout
+    assert result["sizes"]["512x512"]["handoff"]["n"] == 100 and result["sizes"]["512x512"]["handoff_paced"]["n"] == 30
+    assert result["bridge_stats"]["refused"] == 0 and result["bridge_stats"]["restarts"] == 0
