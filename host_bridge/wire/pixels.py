@@ -134,10 +134,11 @@ def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False,
 
 
 def from_engine(rgb: np.ndarray, *, channels: int = 3, dtype: np.dtype | type | str = np.uint8, order: str = "RGB",
-                bottom_up: bool = False) -> np.ndarray:
+                bottom_up: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """The engine's uint8 RGB top-down [H, W, 3] in a host's layout, contiguous (`rgb` itself where it is in that
     layout already): `channels` 1 (the red channel), 3 or 4 (alpha opaque), in `order` (RGB or BGR first), rows
-    bottom-up or not, in `dtype`."""
+    bottom-up or not, in `dtype`. `out`: a contiguous array of that shape and dtype to write into (a sink's buffer
+    kept from frame to frame), returned."""
     rgb = _engine_frame(rgb)
     if channels not in (1, 3, 4):
         raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
@@ -147,14 +148,19 @@ def from_engine(rgb: np.ndarray, *, channels: int = 3, dtype: np.dtype | type | 
     if channels == 1:
         data = rgb[:, :, :1]
     elif code is not None and cv2 is not None:
-        data = cv2.cvtColor(np.ascontiguousarray(rgb), getattr(cv2, code))  # alpha 255, as UINT8_MAX
+        direct = out is not None and not bottom_up and np.dtype(dtype) == np.uint8  # straight into `out`
+        data = cv2.cvtColor(np.ascontiguousarray(rgb), getattr(cv2, code), dst=out if direct else None)  # alpha 255
     else:
         data = rgb[:, :, ::-1] if swap else rgb
         if channels == 4:
             data = np.concatenate([data, np.full(rgb.shape[:2] + (1,), UINT8_MAX, np.uint8)], axis=2)
     if bottom_up:
         data = cv2.flip(np.ascontiguousarray(data), 0).reshape(data.shape) if cv2 is not None else data[::-1]
-    return np.ascontiguousarray(from_uint8(np.ascontiguousarray(data), dtype))
+    result = np.ascontiguousarray(from_uint8(np.ascontiguousarray(data), dtype))
+    if out is None or result is out:
+        return result
+    np.copyto(out, result)
+    return out
 
 
 def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.host_bridge.wire import pixels
+
 PACKAGE = "loom-live"
 _PLATFORM_NAMES = {"win32": "Windows", "darwin": "macOS"}
 # How long opening a network input or output waits for an answer (open_source, open_sink).
@@ -199,9 +201,7 @@ def opaque_rgba(frame: np.ndarray, out: np.ndarray | None = None, bgr: bool = Fa
     h, w = frame.shape[:2]
     if out is None or out.shape != (h, w, 4):
         out = np.empty((h, w, 4), np.uint8)
-        out[..., 3] = 255
-    out[..., :3] = frame[..., ::-1] if bgr else frame
-    return out
+    return pixels.from_engine(frame, channels=4, order="BGRA" if bgr else "RGBA", out=out)
 
 
 def call(obj: Any, method: str, *args: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.host_bridge.wire import pixels
 from loom_live.plugin.media.base import AppSink, FrameSource, MediaError, opaque_rgba, require
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class NdiSource(FrameSource):
         rgba = raw[: stride * height].reshape(height, stride)[:, : width * 4].reshape(height, width, 4)
         alpha = rgba[..., 3]
         if alpha.min() == 255:
-            return np.ascontiguousarray(rgba[..., :3])
+            return pixels.to_engine(rgba, order="RGBA")
         return ((rgba[..., :3].astype(np.uint16) * alpha[..., None] + 127) // 255).astype(np.uint8)
 
     def _read(self) -> np.ndarray | None:

@@ -148,3 +148,6 @@ def test_every_layout_converts_as_the_plain_numpy_rules_with_or_without_opencv(d
             assert np.array_equal(formats.to_uint8(picked), rgb[:, :, :min(c, 3)]), (c, order, bottom_up)
             if c == 4:
                 assert np.all(formats.to_uint8(host[..., 3]) == 255)
+            kept = np.zeros_like(host)  # a sink's buffer, kept from frame to frame
+            assert formats.from_engine(rgb, channels=c, dtype=dtype, order=order, bottom_up=bottom_up,
+                                       out=kept) is kept and np.array_equal(kept, host)

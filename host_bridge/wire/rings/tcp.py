@@ -27,7 +27,8 @@ class TcpRing(Ring):
         self.check_frame(frame)
         if self.spec.encoding == "jpeg":
             import cv2
-            ok, data = cv2.imencode(".jpg", frame[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, self.spec.jpeg_quality])
+            bgr = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)  # one pass, not a reversed copy
+            ok, data = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, self.spec.jpeg_quality])
             if not ok:
                 raise RuntimeError("JPEG encoding failed")
             return [data.tobytes()]
@@ -43,7 +44,7 @@ class TcpRing(Ring):
             decoded = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
             if decoded is None or decoded.shape != self.shape:
                 raise ProtocolError(f"tcp frame: JPEG payload does not decode to {self.shape}")
-            return np.ascontiguousarray(decoded[:, :, ::-1])
+            return cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)
         expected = self.spec.height * self.spec.row_bytes
         if len(data) != expected:
             raise ProtocolError(f"tcp frame: payload has {len(data)} bytes; the ring's frames have {expected}")
