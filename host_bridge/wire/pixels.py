@@ -24,7 +24,12 @@ def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
     """A host frame as [H, W, C] (C in 1..4) of a supported dtype with finite values, or a ValueError
     saying what is allowed."""
     frame = check_shape(frame, what)
-    if frame.dtype.kind == "f" and not (np.isfinite(frame.min()) and np.isfinite(frame.max())):  # NaN propagates
+    if frame.dtype.kind != "f":
+        return frame
+    # one pass: NaN and inf carry through a sum; only a sum past float's range (huge finite values) asks min and max
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.isfinite(frame.sum()) or (np.isfinite(frame.min()) and np.isfinite(frame.max()))
+    if not finite:
         raise ValueError(f"{what}: holds NaN or infinite values; expected finite values (0..1)")
     return frame
 

@@ -151,3 +151,18 @@ def test_every_layout_converts_as_the_plain_numpy_rules_with_or_without_opencv(d
             kept = np.zeros_like(host)  # a sink's buffer, kept from frame to frame
             assert formats.from_engine(rgb, channels=c, dtype=dtype, order=order, bottom_up=bottom_up,
                                        out=kept) is kept and np.array_equal(kept, host)
+
+
+def test_nan_or_inf_anywhere_is_refused_and_huge_finite_values_are_not():
+    """A frame's values are checked in one pass (a sum); a sum past float32's range falls back to min and max."""
+    for bad in (np.nan, np.inf, -np.inf):
+        frame = np.zeros((4, 6, 4), np.float32)
+        frame[3, 5, 3] = bad  # the last value, alpha included
+        with pytest.raises(ValueError, match="holds NaN or infinite values"):
+            formats.to_engine(frame, order="RGBA")
+    huge = np.full((4, 6, 3), np.finfo(np.float32).max, np.float32)  # finite, but their sum is not
+    assert np.array_equal(formats.to_engine(huge), np.full((4, 6, 3), 255, np.uint8))
+    mixed = np.zeros((4, 6, 3), np.float32)
+    mixed[0, 0], mixed[0, 1] = np.inf, -np.inf  # a sum of NaN
+    with pytest.raises(ValueError, match="TouchDesigner frame: holds NaN"):
+        formats.from_touchdesigner(mixed)
