@@ -192,11 +192,11 @@ class Bridge:
         if control is None:
             return ControlledFrame(converted, None)
         try:
-            control = formats.check_frame(formats.check_shape(control, "control frame"), "control frame")
+            control = formats.check_shape(control, "control frame")  # its values: in _convert, once
             if control.shape[:2] != frame.shape[:2]:
                 raise ValueError(f"control frame {control.shape[1]}x{control.shape[0]}; the frame is "
                                  f"{frame.shape[1]}x{frame.shape[0]} and its control frame must match it")
-            fitted = self._convert(formats.resize(control, *converted.shape[:2]), layout)
+            fitted = self._convert(formats.resize(control, *converted.shape[:2]), layout, "control frame")
             if (fitted.shape[2], fitted.dtype) != (converted.shape[2], converted.dtype):  # cuda-ipc: own layouts
                 raise ValueError(f"control frame {fitted.shape[2]}-channel {fitted.dtype}; on cuda-ipc it shares "
                                  f"the frame's slot and must be {converted.shape[2]}-channel {converted.dtype} too")
@@ -226,15 +226,18 @@ class Bridge:
             self._new_size = (size, held)
         return formats.resize(frame, *settled)
 
-    def _convert(self, frame: np.ndarray, layout: str) -> np.ndarray:
+    def _convert(self, frame: np.ndarray, layout: str, what: str | None = None) -> np.ndarray:
         """A host frame, its shape checked, as the link takes it: its own layout on cuda-ipc, else engine RGB; a
-        ValueError for NaN or infinite values (each path reads the values once)."""
+        ValueError naming `what` (the layout's frame by default) for NaN or infinite values (each path reads the
+        values once)."""
         if self.config.transport == "cuda-ipc" and self._cuda_problem is None:
-            native = np.ascontiguousarray(formats.check_frame(frame))
+            native = np.ascontiguousarray(formats.check_frame(frame, what or "frame"))
             if native.shape[2] == 2:
                 raise ValueError("frame: 2 channels are not allowed on cuda-ipc; expected 1, 3 or 4")
             return native
-        return formats.from_touchdesigner(frame) if layout == "touchdesigner" else formats.to_engine(frame)
+        if layout == "touchdesigner":
+            return formats.from_touchdesigner(frame, what or "TouchDesigner frame")
+        return formats.to_engine(frame, what=what or "frame")
 
     def _hand_over(self, converted: np.ndarray, layout: str, seq: int, t: float) -> bool:
         """Lock held: a converted frame becomes the pending one and goes into a slot if one is free."""

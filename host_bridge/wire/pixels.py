@@ -174,11 +174,11 @@ def touchdesigner_order(dtype: np.dtype | type, channels: int) -> str:
     return "BGRA" if np.dtype(dtype) == np.uint8 and channels == 4 else "RGBA"[:channels]
 
 
-def from_touchdesigner(frame: np.ndarray) -> np.ndarray:
-    """A TouchDesigner TOP array (`numpyArray()`, bottom-up) to the engine's uint8 RGB top-down."""
-    frame = check_shape(frame, "TouchDesigner frame")  # its values are checked once, in to_engine
-    return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True,
-                     what="TouchDesigner frame")
+def from_touchdesigner(frame: np.ndarray, what: str = "TouchDesigner frame") -> np.ndarray:
+    """A TouchDesigner TOP array (`numpyArray()`, bottom-up) to the engine's uint8 RGB top-down; `what` names it in
+    errors."""
+    frame = check_shape(frame, what)  # its values are checked once, in to_engine
+    return to_engine(frame, order=touchdesigner_order(frame.dtype, frame.shape[2]), bottom_up=True, what=what)
 
 
 def to_touchdesigner(rgb: np.ndarray, dtype: np.dtype | type = np.uint8, channels: int = 4) -> np.ndarray:

@@ -46,8 +46,14 @@ def test_control_frames_travel_beside_the_frames_and_bad_ones_are_refused(transp
             stats = bridge.stats()
             assert stats["refused_control"] == 1, stats
             assert "control frame refused: control frame 8x8" in stats["last_error"], stats
+            nan = np.full(frames[2].shape, np.nan, np.float32)  # values the conversion reads once, naming it
+            bridge.submit(frames[2], control=nan)
+            assert bridge.wait_for_output(bridge.last_seq, 10)
+            stats = bridge.stats()
+            assert stats["refused_control"] == 2, stats
+            assert "control frame refused: control frame: holds NaN" in stats["last_error"], stats
             report = session_report(bridge)
-            assert report["frames"] == 6 and report["missing"] == 2, report
+            assert report["frames"] == 6 and report["missing"] == 3, report
             engine_stats = bridge.stats()["engine"]
             assert engine_stats["errors"] == 0 and engine_stats["refused"] == 0, engine_stats
 
