@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
 from loom_live.host_bridge.wire import pixels  # noqa: E402
+from loom_live.host_bridge.wire.files import write_replacing  # noqa: E402
 
 # (name, direction, dtype, channels, order, bottom-up): the layouts hosts hand over
 CASES = [
@@ -85,9 +86,9 @@ def main() -> int:
         cols = "".join(f" {forms[f]['p50_ms']:10.2f} {forms[f]['p99_ms']:7.2f}" if f in forms
                        else f" {'-':>10} {'-':>7}" for f in ("opencv", "numpy"))
         print(f"{name:>32}{cols}")
-    if args.json:
+    if args.json:  # whole or not at all: an earlier result stays until this one is written
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_replacing(args.json, lambda f: f.write(json.dumps(results, indent=2).encode()))
     return 0
 
 

@@ -97,15 +97,15 @@ def handoff_device(bridge: Bridge, src_ptr: int, dst_ptr: int, pitch: int, width
     every `period_s` (0: back to back); with `queued`, both copies queued on the caller's stream and the
     handoff done once that stream has run them."""
     samples = []
-    on = {} if queued is None else {"stream": queued.stream}
+    submit_on = {} if queued is None else {"stream": queued.stream, "keep": queued.keep}
+    read_on = {"wait": True} if queued is None else {"stream": queued.stream, "wait": False}
     for i in range(frames + warmup):
         t0 = time.perf_counter_ns()
-        bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype, **on,
-                           **({} if queued is None else {"keep": queued.keep}))
+        bridge.submit_cuda(src_ptr, pitch, width, height, channels, dtype, **submit_on)
         seq = _submitted(bridge, t0)
         _wait(bridge, i)
         MARKS.mark(seq, "host.latest")
-        bridge.latest_cuda(dst_ptr, pitch, **on, wait=queued is None)
+        bridge.latest_cuda(dst_ptr, pitch, **read_on)
         if queued is not None:
             queued.wait()
         MARKS.mark(seq, "host.done")

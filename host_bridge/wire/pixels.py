@@ -18,6 +18,9 @@ DTYPES = (np.uint8, np.uint16, np.float32)
 DTYPE_NAMES = ("uint8", "uint16", "float32")
 UINT16_MAX = 65535
 UINT8_MAX = 255
+# OpenCV's conversions by (channels, BGR first): a host's layout to the engine's RGB, and back
+TO_ENGINE_CODES = {(4, False): "COLOR_RGBA2RGB", (4, True): "COLOR_BGRA2RGB", (3, True): "COLOR_BGR2RGB"}
+FROM_ENGINE_CODES = {(4, False): "COLOR_RGB2RGBA", (4, True): "COLOR_RGB2BGRA", (3, True): "COLOR_RGB2BGR"}
 
 
 def check_frame(frame: np.ndarray, what: str = "frame") -> np.ndarray:
@@ -122,7 +125,7 @@ def to_engine(frame: np.ndarray, *, order: str = "RGB", bottom_up: bool = False,
     frame = check_frame(frame, what)
     c = frame.shape[2]
     swap = order.upper().startswith("BGR")
-    code = {(4, False): "COLOR_RGBA2RGB", (4, True): "COLOR_BGRA2RGB", (3, True): "COLOR_BGR2RGB"}.get((c, swap))
+    code = TO_ENGINE_CODES.get((c, swap))
     cv2 = _opencv()
     if c in (1, 2):  # grey (+alpha)
         rgb = np.repeat(frame[:, :, :1], 3, axis=2)
@@ -148,7 +151,7 @@ def from_engine(rgb: np.ndarray, *, channels: int = 3, dtype: np.dtype | type | 
     if channels not in (1, 3, 4):
         raise ValueError(f"channels: {channels} is not allowed; expected 1, 3 or 4")
     swap = order.upper().startswith("BGR")
-    code = {(4, False): "COLOR_RGB2RGBA", (4, True): "COLOR_RGB2BGRA", (3, True): "COLOR_RGB2BGR"}.get((channels, swap))
+    code = FROM_ENGINE_CODES.get((channels, swap))
     cv2 = _opencv()
     if channels == 1:
         data = rgb[:, :, :1]

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from loom_live.host_bridge.wire import pixels
 from loom_live.host_bridge.wire.protocol import ProtocolError, RingSpec
 from loom_live.host_bridge.wire.rings.base import Ring
 
@@ -27,7 +28,7 @@ class TcpRing(Ring):
         self.check_frame(frame)
         if self.spec.encoding == "jpeg":
             import cv2
-            bgr = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)  # one pass, not a reversed copy
+            bgr = pixels.from_engine(frame, order="BGR")  # OpenCV's channel order
             ok, data = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, self.spec.jpeg_quality])
             if not ok:
                 raise RuntimeError("JPEG encoding failed")
@@ -44,7 +45,7 @@ class TcpRing(Ring):
             decoded = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
             if decoded is None or decoded.shape != self.shape:
                 raise ProtocolError(f"tcp frame: JPEG payload does not decode to {self.shape}")
-            return cv2.cvtColor(decoded, cv2.COLOR_BGR2RGB)
+            return pixels.to_engine(decoded, order="BGR")
         expected = self.spec.height * self.spec.row_bytes
         if len(data) != expected:
             raise ProtocolError(f"tcp frame: payload has {len(data)} bytes; the ring's frames have {expected}")
