@@ -6,7 +6,7 @@
 # Groups, each bounded for a cold machine (a fresh machine has no compile cache: a 1.3B start-up
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
-# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, mps, cpu-awake,
+# upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, ipc-floor, mps, cpu-awake,
 # mps-standby, standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs at most
 # 10 minutes; groups whose limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830,
 # saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not their limits, to fit
@@ -14,7 +14,7 @@
 # bench's summary table, so the call's output says how it went.
 # The machine's Python may lack pyzmq: put its wheel in .whl/ (docs/embedded-model.md, Training).
 set -uo pipefail
-groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps host-waits recovery"
+groups="tests embedded speed vae-fp16 attn wide fp8 fp8conv fp8dit fp8-14b fp8-14b-compiled thin gelu tune 14b vace vace-batched kernels decode-paced upsample edit edit-priority edit-split startup cold saved sequential lora ipc ipc-floor mps cpu-awake mps-standby standby-share td-cook td-cook-wan td-cook-mps host-waits recovery"
 [ $# -gt 0 ] || { echo "usage: bash tools/device_rows.sh GROUP [GROUP...] (groups: $groups)" >&2; exit 2; }
 for group in "$@"; do
     [[ " $groups " == *" $group "* ]] || { echo "device_rows: unknown group '$group' (groups: $groups)" >&2; exit 2; }
@@ -69,7 +69,8 @@ for group in "$@"; do
             tests/unit/test_sink_write_kernel.py tests/unit/test_row_quant_kernels.py tests/unit/test_lora_merge.py \
             tests/unit/test_saved_compiles.py \
             tests/integration/test_bridge_cuda.py tests/integration/test_cli.py tests/integration/test_touchdesigner.py \
-            tests/integration/test_device_slots_gpu.py tests/integration/test_stream_host_waits_gpu.py ;;
+            tests/integration/test_device_slots_gpu.py tests/integration/test_stream_host_waits_gpu.py \
+            tests/integration/test_bench_ipc_floor.py ;;
     embedded)
         bench embedded 200 -c default --frames 3000 ;;
     speed)
@@ -267,6 +268,12 @@ PY
                 grep -A1 "^ *size  handoff" "$out/ipc_${how}_spin$s.txt" | tail -1  # the row: files may not all come back
             done
         done ;;
+    ipc-floor)
+        # the least any two-process split of the copies costs here (bench_ipc_floor.py), then the same under MPS
+        floor() { step "$1" 200 python3 benchmarks/bench_ipc_floor.py --json "$out/$1.json"
+            grep -A8 "form/wait" "$out/$1.txt"; }
+        floor ipc_floor
+        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps; mps_off; fi ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }

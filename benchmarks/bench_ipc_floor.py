@@ -1,0 +1,262 @@
+"""The floor under the cuda-ipc handoff: two bare processes, no bridge code, each way of splitting the copies.
+
+The bridge's paced 1080p handoff has stayed near 1 ms while its copies alone take 0.15 ms. This asks what any
+two-process design could reach on the same machine, with the least work: the same 8 MB frames, the same
+interprocess memory and events, and notices that are a shared integer (spun on, so no wake-up costs) or a
+pipe (a kernel wake, as futexes and sockets cost). Forms:
+
+- `host-copies`: the host copies the caller's frame into a shared input buffer and records an interprocess
+  event; the engine waits for it on its stream, copies input to output, and says so once its copy is done;
+  the host copies the output into the caller's buffer and waits for it. The bridge's split, minus staging,
+  the newest-output buffer, Python bookkeeping and sockets.
+- `host-copies-early`: the same, but the engine's notice goes as soon as its copy is queued and the host's
+  stream waits for the engine's event instead (the engine never waits for the GPU).
+- `engine-copies`: the host's only GPU call is an event after the caller's work; the engine copies straight
+  from the caller's buffer and into the caller's output buffer (both opened in the engine by their
+  interprocess handles) and says so once done. The host process puts no copy on the GPU.
+
+A form whose paced p99 is above the target here cannot meet it in the bridge either; the gap between a
+form and the bridge is what the bridge's own steps cost.
+
+    python benchmarks/bench_ipc_floor.py --frames 500 --paced-frames 600 --json out/ipc_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from multiprocessing import get_context
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+
+FORMS = ("host-copies", "host-copies-early", "engine-copies")
+WAITS = ("spin", "pipe")
+DOOR, NOTICE, STOP = 0, 1, 2  # the shared integers: the host's newest frame, the engine's newest, the end
+ANSWER_TIMEOUT_S = 10.0
+
+
+class Notices:
+    """One side's view of the notices: a shared integer it spins on, or a pipe it blocks on."""
+
+    def __init__(self, shm_name: str, wait: str, conn):
+        self.shm = SharedMemory(name=shm_name)
+        self.flags = np.ndarray((4,), dtype=np.int64, buffer=self.shm.buf)
+        self.wait, self.conn = wait, conn
+
+    def say(self, slot: int, seq: int) -> None:
+        self.flags[slot] = seq
+        if self.wait == "pipe":
+            self.conn.send_bytes(b"n")
+
+    def hear(self, slot: int, seq: int) -> bool:
+        """False once the other side said stop (or went silent)."""
+        if self.wait == "pipe":
+            if not self.conn.poll(ANSWER_TIMEOUT_S):
+                return False
+            self.conn.recv_bytes()
+            return self.flags[STOP] == 0
+        end = time.perf_counter() + ANSWER_TIMEOUT_S
+        flags = self.flags
+        while flags[slot] < seq:
+            if flags[STOP] or time.perf_counter() > end:
+                return False
+        return True
+
+    def close(self) -> None:
+        del self.flags
+        self.shm.close()
+
+
+def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events: dict) -> None:
+    """The engine side: wait for each frame, copy it on its own stream, say it is there."""
+    import torch
+
+    notices = Notices(shm_name, wait, conn)
+    stream = torch.cuda.Stream()
+    ev_in = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["in"])
+    ev_out = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["out"])
+    src, dst = shared["src"], shared["dst"]
+    work = torch.empty_like(src) if form == "engine-copies" else None
+    conn.send_bytes(b"ready")
+    seq = 0
+    try:
+        while True:
+            seq += 1
+            if not notices.hear(DOOR, seq):
+                return
+            with torch.cuda.stream(stream):
+                stream.wait_event(ev_in)
+                if work is not None:  # the caller's frame into the engine's memory, its answer into the caller's
+                    work.copy_(src)
+                    dst.copy_(work)
+                else:
+                    dst.copy_(src)
+                ev_out.record(stream)
+            if form != "host-copies-early":
+                stream.synchronize()
+            notices.say(NOTICE, seq)
+    finally:
+        notices.close()
+
+
+class Host:
+    """The host side: a caller's frame in, the engine's answer back in the caller's buffer."""
+
+    def __init__(self, form: str, wait: str, width: int, height: int):
+        import torch
+
+        self.torch, self.form = torch, form
+        self.src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
+        self.dst = torch.empty_like(self.src)
+        self.stream = torch.cuda.Stream()
+        if form == "engine-copies":
+            shared = {"src": self.src, "dst": self.dst}
+        else:
+            self.slot_in, self.slot_out = torch.empty_like(self.src), torch.empty_like(self.src)
+            shared = {"src": self.slot_in, "dst": self.slot_out}
+        self.ev_in = torch.cuda.Event(interprocess=True)
+        self.ev_out = torch.cuda.Event(interprocess=True)
+        self.shm = SharedMemory(create=True, size=64)
+        np.ndarray((4,), dtype=np.int64, buffer=self.shm.buf)[:] = 0
+        ctx = get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        torch.cuda.synchronize()
+        self.proc = ctx.Process(target=engine_main, daemon=True, args=(
+            form, wait, self.shm.name, theirs, shared,
+            {"in": self.ev_in.ipc_handle(), "out": self.ev_out.ipc_handle()}))
+        self.proc.start()
+        if not ours.poll(60) or ours.recv_bytes() != b"ready":
+            raise RuntimeError("the engine process did not start")
+        self.notices = Notices(self.shm.name, wait, ours)
+        self.seq = 0
+
+    def handoff(self) -> tuple[float, float]:
+        """One frame there and back; (seconds to the engine's notice, seconds to the frame in the caller's buffer)."""
+        torch, stream = self.torch, self.stream
+        self.seq += 1
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            if self.form != "engine-copies":
+                self.slot_in.copy_(self.src)
+            self.ev_in.record(stream)
+        self.notices.say(DOOR, self.seq)
+        if not self.notices.hear(NOTICE, self.seq):
+            raise RuntimeError(f"no answer from the engine for frame {self.seq}")
+        t1 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.ev_out)
+            if self.form != "engine-copies":
+                self.dst.copy_(self.slot_out)
+                stream.synchronize()  # the caller's buffer holds the answer
+        return t1 - t0, time.perf_counter() - t0
+
+    def close(self) -> bool:
+        """Stops the engine; True if the caller's buffer holds the frame it handed over."""
+        exact = bool(self.torch.equal(self.src, self.dst))
+        self.notices.flags[STOP] = 1
+        if self.notices.wait == "pipe":
+            self.notices.conn.send_bytes(b"stop")
+        self.proc.join(10)
+        self.notices.close()
+        self.shm.unlink()
+        return exact
+
+
+def one_process(width: int, height: int, frames: int) -> list[float]:
+    """The three copies of `host-copies` in one process and stream, one wait: what the messages add to."""
+    import torch
+
+    src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
+    a, b, dst = (torch.empty_like(src) for _ in range(3))
+    stream = torch.cuda.Stream()
+    samples = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            a.copy_(src)
+            b.copy_(a)
+            dst.copy_(b)
+            stream.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def run(form: str, wait: str, width: int, height: int, frames: int, paced: int, fps: float, warmup: int) -> dict:
+    host = Host(form, wait, width, height)
+    out: dict = {}
+    try:
+        for name, n, period in (("b2b", frames, 0.0), ("paced", paced, 1.0 / fps)):
+            notice, done = [], []
+            for i in range(n + warmup):
+                t0 = time.perf_counter()
+                n_s, d_s = host.handoff()
+                if i >= warmup:
+                    notice.append(n_s)
+                    done.append(d_s)
+                rest = period - (time.perf_counter() - t0)
+                if rest > 0:
+                    time.sleep(rest)
+            if n:
+                out[name] = {"notice": stats(notice), "done": stats(done)}
+    finally:
+        exact = host.close()
+    if not exact:
+        raise RuntimeError(f"{form}/{wait}: the round trip changed the frame")
+    return out
+
+
+def stats(samples: list[float]) -> dict:
+    ms = np.asarray(samples) * 1000.0
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "max_ms": float(ms.max()), "n": len(ms)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1920x1080", help="WIDTHxHEIGHT of the RGBA uint8 frames")
+    ap.add_argument("--frames", type=int, default=500, help="frames back to back per form")
+    ap.add_argument("--paced-frames", type=int, default=600, help="frames at --fps per form (0: none)")
+    ap.add_argument("--fps", type=float, default=60.0)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    ap.add_argument("--waits", nargs="+", choices=WAITS, default=list(WAITS))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    try:
+        width, height = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        ap.error(f"--size {args.size!r}: expected WIDTHxHEIGHT, for example 1920x1080")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_ipc_floor: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    results = {"size": [width, height], "fps": args.fps, "device": torch.cuda.get_device_name(0),
+               "one_process": stats(one_process(width, height, args.frames)), "forms": {}}
+    for form in args.forms:
+        for wait in args.waits:
+            results["forms"][f"{form}/{wait}"] = run(form, wait, width, height, args.frames, args.paced_frames,
+                                                     args.fps, args.warmup)
+    print(f"\ncuda-ipc floor, {width}x{height} RGBA uint8, two bare processes ({results['device']}); ms")
+    print(f"{'form/wait':>24} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
+          f"{'notice p50':>11} {'p99':>7}")
+    for key, r in results["forms"].items():
+        b, p = r["b2b"]["done"], r.get("paced", {}).get("done")
+        paced_cols = f"{p['p50_ms']:10.3f} {p['p99_ms']:7.3f} {p['max_ms']:7.3f}" if p else f"{'-':>10} {'':7} {'':7}"
+        notice = r.get("paced", r["b2b"])["notice"]
+        print(f"{key:>24} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
+              f"{notice['p99_ms']:7.3f}")
+    one = results["one_process"]
+    print(f"{'one process, 3 copies':>24} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
