@@ -15,6 +15,11 @@ pipe (a kernel wake, as futexes and sockets cost). Forms:
   from the caller's buffer and into the caller's output buffer (both opened in the engine by their
   interprocess handles) and says so once done. The host process puts no copy on the GPU.
 
+`--warm-gpu` keeps the GPU from idling between paced frames, as a running model would: while it waits for the
+next frame the engine process queues a one-element kernel every `--warm-gpu-us` on a stream of its own (spun
+notices only). The three copies in one process are timed back to back and paced too: a paced figure well above
+its back-to-back one with no second process at all is the GPU's, not the messages'.
+
 A form whose paced p99 is above the target here cannot meet it in the bridge either; the gap between a
 form and the bridge is what the bridge's own steps cost.
 
@@ -52,8 +57,8 @@ class Notices:
         if self.wait == "pipe":
             self.conn.send_bytes(b"n")
 
-    def hear(self, slot: int, seq: int) -> bool:
-        """False once the other side said stop (or went silent)."""
+    def hear(self, slot: int, seq: int, idle=None) -> bool:
+        """False once the other side said stop (or went silent); `idle()` runs between spins."""
         if self.wait == "pipe":
             if not self.conn.poll(ANSWER_TIMEOUT_S):
                 return False
@@ -64,6 +69,8 @@ class Notices:
         while flags[slot] < seq:
             if flags[STOP] or time.perf_counter() > end:
                 return False
+            if idle is not None:
+                idle()
         return True
 
     def close(self) -> None:
@@ -71,7 +78,7 @@ class Notices:
         self.shm.close()
 
 
-def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events: dict) -> None:
+def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events: dict, warm_us: float) -> None:
     """The engine side: wait for each frame, copy it on its own stream, say it is there."""
     import torch
 
@@ -81,12 +88,13 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
     ev_out = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["out"])
     src, dst = shared["src"], shared["dst"]
     work = torch.empty_like(src) if form == "engine-copies" else None
+    idle = _warmer(torch, warm_us) if warm_us > 0 else None
     conn.send_bytes(b"ready")
     seq = 0
     try:
         while True:
             seq += 1
-            if not notices.hear(DOOR, seq):
+            if not notices.hear(DOOR, seq, idle):
                 return
             with torch.cuda.stream(stream):
                 stream.wait_event(ev_in)
@@ -103,10 +111,26 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
         notices.close()
 
 
+def _warmer(torch, every_us: float):
+    """A callable that queues a one-element kernel on a low-priority stream at most every `every_us`."""
+    stream = torch.cuda.Stream()
+    cell = torch.zeros(1, device="cuda")
+    every_s, last = every_us / 1e6, [0.0]
+
+    def idle() -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            with torch.cuda.stream(stream):
+                cell.add_(1)
+
+    return idle
+
+
 class Host:
     """The host side: a caller's frame in, the engine's answer back in the caller's buffer."""
 
-    def __init__(self, form: str, wait: str, width: int, height: int):
+    def __init__(self, form: str, wait: str, width: int, height: int, warm_us: float = 0.0):
         import torch
 
         self.torch, self.form = torch, form
@@ -127,7 +151,7 @@ class Host:
         torch.cuda.synchronize()
         self.proc = ctx.Process(target=engine_main, daemon=True, args=(
             form, wait, self.shm.name, theirs, shared,
-            {"in": self.ev_in.ipc_handle(), "out": self.ev_out.ipc_handle()}))
+            {"in": self.ev_in.ipc_handle(), "out": self.ev_out.ipc_handle()}, warm_us))
         self.proc.start()
         if not ours.poll(60) or ours.recv_bytes() != b"ready":
             raise RuntimeError("the engine process did not start")
@@ -166,8 +190,9 @@ class Host:
         return exact
 
 
-def one_process(width: int, height: int, frames: int) -> list[float]:
-    """The three copies of `host-copies` in one process and stream, one wait: what the messages add to."""
+def one_process(width: int, height: int, frames: int, period_s: float = 0.0) -> list[float]:
+    """The three copies of `host-copies` in one process and stream, one wait, a frame every `period_s`: what
+    the messages add to."""
     import torch
 
     src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
@@ -182,11 +207,15 @@ def one_process(width: int, height: int, frames: int) -> list[float]:
             dst.copy_(b)
             stream.synchronize()
         samples.append(time.perf_counter() - t0)
+        rest = period_s - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
     return samples
 
 
-def run(form: str, wait: str, width: int, height: int, frames: int, paced: int, fps: float, warmup: int) -> dict:
-    host = Host(form, wait, width, height)
+def run(form: str, wait: str, width: int, height: int, frames: int, paced: int, fps: float, warmup: int,
+        warm_us: float = 0.0) -> dict:
+    host = Host(form, wait, width, height, warm_us)
     out: dict = {}
     try:
         for name, n, period in (("b2b", frames, 0.0), ("paced", paced, 1.0 / fps)):
@@ -224,6 +253,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
     ap.add_argument("--waits", nargs="+", choices=WAITS, default=list(WAITS))
+    ap.add_argument("--warm-gpu", action="store_true", help="also each form with spun notices and the GPU kept warm")
+    ap.add_argument("--warm-gpu-us", type=float, default=500.0, help="--warm-gpu: a kernel at most this often")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -237,21 +268,27 @@ def main() -> int:
         return 2
     results = {"size": [width, height], "fps": args.fps, "device": torch.cuda.get_device_name(0),
                "one_process": stats(one_process(width, height, args.frames)), "forms": {}}
-    for form in args.forms:
-        for wait in args.waits:
-            results["forms"][f"{form}/{wait}"] = run(form, wait, width, height, args.frames, args.paced_frames,
-                                                     args.fps, args.warmup)
+    if args.paced_frames:
+        results["one_process_paced"] = stats(one_process(width, height, args.paced_frames, 1.0 / args.fps))
+    runs = [(form, wait, 0.0) for form in args.forms for wait in args.waits]
+    if args.warm_gpu:
+        runs += [(form, "spin", args.warm_gpu_us) for form in args.forms]
+    for form, wait, warm_us in runs:
+        key = f"{form}/{wait}" + ("+warm" if warm_us else "")
+        results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
+                                    args.warmup, warm_us)
     print(f"\ncuda-ipc floor, {width}x{height} RGBA uint8, two bare processes ({results['device']}); ms")
-    print(f"{'form/wait':>24} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
+    print(f"{'form/wait':>28} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
           f"{'notice p50':>11} {'p99':>7}")
     for key, r in results["forms"].items():
         b, p = r["b2b"]["done"], r.get("paced", {}).get("done")
         paced_cols = f"{p['p50_ms']:10.3f} {p['p99_ms']:7.3f} {p['max_ms']:7.3f}" if p else f"{'-':>10} {'':7} {'':7}"
         notice = r.get("paced", r["b2b"])["notice"]
-        print(f"{key:>24} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
+        print(f"{key:>28} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
               f"{notice['p99_ms']:7.3f}")
-    one = results["one_process"]
-    print(f"{'one process, 3 copies':>24} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}")
+    one, po = results["one_process"], results.get("one_process_paced")
+    paced_cols = f" {po['p50_ms']:10.3f} {po['p99_ms']:7.3f} {po['max_ms']:7.3f}" if po else ""
+    print(f"{'one process, 3 copies':>28} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}{paced_cols}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

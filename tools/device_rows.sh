@@ -270,8 +270,8 @@ PY
         done ;;
     ipc-floor)
         # the least any two-process split of the copies costs here (bench_ipc_floor.py), then the same under MPS
-        floor() { step "$1" 200 python3 benchmarks/bench_ipc_floor.py --json "$out/$1.json"
-            grep -A8 "form/wait" "$out/$1.txt"; }
+        floor() { step "$1" 200 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json"
+            grep -A11 "form/wait" "$out/$1.txt"; }
         floor ipc_floor
         if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps; mps_off; fi ;;
     mps)

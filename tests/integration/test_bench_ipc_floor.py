@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_form_round_trips_the_frame(tmp_path):
     out = tmp_path / "floor.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ipc_floor.py"), "--size", "64x48",
-                           "--frames", "20", "--paced-frames", "5", "--fps", "200", "--warmup", "2",
+                           "--frames", "20", "--paced-frames", "5", "--fps", "200", "--warmup", "2", "--warm-gpu",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     forms = json.loads(out.read_text())["forms"]
-    assert sorted(forms) == sorted(f"{f}/{w}" for f in ("host-copies", "host-copies-early", "engine-copies")
-                                   for w in ("spin", "pipe"))
+    splits = ("host-copies", "host-copies-early", "engine-copies")
+    assert sorted(forms) == sorted([f"{f}/{w}" for f in splits for w in ("spin", "pipe")]
+                                   + [f"{f}/spin+warm" for f in splits])
     for key, r in forms.items():
         assert r["b2b"]["done"]["n"] == 20 and r["paced"]["done"]["n"] == 5, key
         assert r["b2b"]["notice"]["p50_ms"] <= r["b2b"]["done"]["p50_ms"], key
