@@ -14,6 +14,9 @@ pipe (a kernel wake, as futexes and sockets cost). Forms:
 - `engine-copies`: the host's only GPU call is an event after the caller's work; the engine copies straight
   from the caller's buffer and into the caller's output buffer (both opened in the engine by their
   interprocess handles) and says so once done. The host process puts no copy on the GPU.
+- `host-copies-cpu`, `engine-copies-cpu`: the same splits ordered by the CPU instead of interprocess events: each
+  side waits for its own stream before its notice, and neither stream ever waits for the other process's event.
+  What a GPU wait across contexts costs is the difference.
 
 `--warm-gpu` keeps the GPU from idling between paced frames, as a running model would: while it waits for the
 next frame the engine process queues a one-element kernel every `--warm-gpu-us` on a stream of its own (spun
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMS = ("host-copies", "host-copies-early", "engine-copies")
+FORMS = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
 WAITS = ("spin", "pipe")
 DOOR, NOTICE, STOP = 0, 1, 2  # the shared integers: the host's newest frame, the engine's newest, the end
 ANSWER_TIMEOUT_S = 10.0
@@ -87,7 +90,8 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
     ev_in = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["in"])
     ev_out = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["out"])
     src, dst = shared["src"], shared["dst"]
-    work = torch.empty_like(src) if form == "engine-copies" else None
+    cpu_ordered = form.endswith("-cpu")
+    work = torch.empty_like(src) if form.startswith("engine-copies") else None
     idle = _warmer(torch, warm_us) if warm_us > 0 else None
     conn.send_bytes(b"ready")
     seq = 0
@@ -97,7 +101,8 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
             if not notices.hear(DOOR, seq, idle):
                 return
             with torch.cuda.stream(stream):
-                stream.wait_event(ev_in)
+                if not cpu_ordered:
+                    stream.wait_event(ev_in)
                 if work is not None:  # the caller's frame into the engine's memory, its answer into the caller's
                     work.copy_(src)
                     dst.copy_(work)
@@ -134,10 +139,12 @@ class Host:
         import torch
 
         self.torch, self.form = torch, form
+        self.host_copies = form.startswith("host-copies")
+        self.cpu_ordered = form.endswith("-cpu")
         self.src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
         self.dst = torch.empty_like(self.src)
         self.stream = torch.cuda.Stream()
-        if form == "engine-copies":
+        if not self.host_copies:
             shared = {"src": self.src, "dst": self.dst}
         else:
             self.slot_in, self.slot_out = torch.empty_like(self.src), torch.empty_like(self.src)
@@ -164,16 +171,20 @@ class Host:
         self.seq += 1
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if self.form != "engine-copies":
+            if self.host_copies:
                 self.slot_in.copy_(self.src)
-            self.ev_in.record(stream)
+            if self.cpu_ordered:
+                stream.synchronize()
+            else:
+                self.ev_in.record(stream)
         self.notices.say(DOOR, self.seq)
         if not self.notices.hear(NOTICE, self.seq):
             raise RuntimeError(f"no answer from the engine for frame {self.seq}")
         t1 = time.perf_counter()
         with torch.cuda.stream(stream):
-            stream.wait_event(self.ev_out)
-            if self.form != "engine-copies":
+            if not self.cpu_ordered:
+                stream.wait_event(self.ev_out)
+            if self.host_copies:
                 self.dst.copy_(self.slot_out)
                 stream.synchronize()  # the caller's buffer holds the answer
         return t1 - t0, time.perf_counter() - t0

@@ -270,10 +270,11 @@ PY
         done ;;
     ipc-floor)
         # the least any two-process split of the copies costs here (bench_ipc_floor.py), then the same under MPS
-        floor() { step "$1" 200 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json"
-            grep -A11 "form/wait" "$out/$1.txt"; }
+        # (under MPS the spun notices alone: the pipe's wake costs the same either way)
+        floor() { step "$1" 280 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json" "${@:2}"
+            grep -A17 "form/wait" "$out/$1.txt"; }
         floor ipc_floor
-        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps; mps_off; fi ;;
+        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps --waits spin; mps_off; fi ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }

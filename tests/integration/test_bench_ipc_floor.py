@@ -21,7 +21,7 @@ def test_every_form_round_trips_the_frame(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     forms = json.loads(out.read_text())["forms"]
-    splits = ("host-copies", "host-copies-early", "engine-copies")
+    splits = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
     assert sorted(forms) == sorted([f"{f}/{w}" for f in splits for w in ("spin", "pipe")]
                                    + [f"{f}/spin+warm" for f in splits])
     for key, r in forms.items():
