@@ -284,22 +284,22 @@ def main() -> int:
     runs = [(form, wait, 0.0) for form in args.forms for wait in args.waits]
     if args.warm_gpu:
         runs += [(form, "spin", args.warm_gpu_us) for form in args.forms]
-    for form, wait, warm_us in runs:
-        key = f"{form}/{wait}" + ("+warm" if warm_us else "")
-        results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
-                                    args.warmup, warm_us)
+    # the table's rows as each form finishes, so a run cut short keeps what it measured
     print(f"\ncuda-ipc floor, {width}x{height} RGBA uint8, two bare processes ({results['device']}); ms")
     print(f"{'form/wait':>28} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
           f"{'notice p50':>11} {'p99':>7}")
-    for key, r in results["forms"].items():
+    one, po = results["one_process"], results.get("one_process_paced")
+    paced_cols = f" {po['p50_ms']:10.3f} {po['p99_ms']:7.3f} {po['max_ms']:7.3f}" if po else ""
+    print(f"{'one process, 3 copies':>28} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}{paced_cols}", flush=True)
+    for form, wait, warm_us in runs:
+        key = f"{form}/{wait}" + ("+warm" if warm_us else "")
+        r = results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
+                                        args.warmup, warm_us)
         b, p = r["b2b"]["done"], r.get("paced", {}).get("done")
         paced_cols = f"{p['p50_ms']:10.3f} {p['p99_ms']:7.3f} {p['max_ms']:7.3f}" if p else f"{'-':>10} {'':7} {'':7}"
         notice = r.get("paced", r["b2b"])["notice"]
         print(f"{key:>28} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
-              f"{notice['p99_ms']:7.3f}")
-    one, po = results["one_process"], results.get("one_process_paced")
-    paced_cols = f" {po['p50_ms']:10.3f} {po['p99_ms']:7.3f} {po['max_ms']:7.3f}" if po else ""
-    print(f"{'one process, 3 copies':>28} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}{paced_cols}")
+              f"{notice['p99_ms']:7.3f}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -271,9 +271,10 @@ PY
     ipc-floor)
         # the least any two-process split of the copies costs here (bench_ipc_floor.py), then the same under MPS
         # (under MPS the spun notices alone: the pipe's wake costs the same either way)
-        floor() { step "$1" 280 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json" "${@:2}"
-            grep -A17 "form/wait" "$out/$1.txt"; }
-        floor ipc_floor
+        # (each form about 15 s: a fresh process, 500 frames back to back, 600 paced; the table grows as they end)
+        floor() { step "$1" 290 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json" "${@:2}"
+            grep -A18 "form/wait" "$out/$1.txt"; }
+        floor ipc_floor --waits spin
         if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps --waits spin; mps_off; fi ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
