@@ -8,9 +8,6 @@ on that event before it copies out, and synchronises that stream before it relea
 A read the reader does not wait for (`wait=False`) records the slot's second interprocess event
 (`read_events`) instead, and the next write into that slot, in either process, waits for it on
 the GPU: the slot can go back at once, and a queued read never sees a newer frame half-written.
-An event the GPU has already passed is not waited for on the GPU at all (`_order_after`): a stream that
-waits on another process's event makes the GPU switch between the two processes' contexts, which costs far
-more than the copy, and the writers' events have almost always passed by the time a reader sees the slot.
 No CPU ever touches the pixels. GPUs are named by UUID because device indices differ between
 processes with different `CUDA_VISIBLE_DEVICES`.
 
@@ -81,12 +78,6 @@ def event_done(event: Any) -> bool:
         return False
     check(result, "cudaEventQuery")
     return True
-
-
-def _order_after(stream: Any, event: Any) -> None:
-    """Order `stream`'s next work after `event`'s last record: a GPU wait only while the GPU has not passed it."""
-    if not event_done(event):
-        check(cudart.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
 def _require() -> None:
@@ -234,7 +225,7 @@ class CudaRing(Ring):
         s = self.stream if stream is None else as_stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
         if wait_event is not None:
-            _order_after(s, wait_event)
+            check(cudart.cudaStreamWaitEvent(s, wait_event, 0), "cudaStreamWaitEvent")
         self._after_reads(slot, s)
         check(cudart.cudaMemcpy2DAsync(self.ptrs[slot] + first_row * self.spec.pitch, self.spec.pitch, src,
                                        src_pitch or row, row, rows, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
@@ -255,7 +246,7 @@ class CudaRing(Ring):
         row = self.spec.row_bytes
         s = self.stream if stream is None else as_stream(stream)
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
-        _order_after(s, self.events[slot])
+        check(cudart.cudaStreamWaitEvent(s, self.events[slot], 0), "cudaStreamWaitEvent")
         check(cudart.cudaMemcpy2DAsync(dst, dst_pitch or row, self.ptrs[slot], self.spec.pitch, row, self.spec.height,
                                        cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, s), "cudaMemcpy2DAsync")
         if wait:
@@ -290,7 +281,7 @@ class CudaRing(Ring):
         """Order a write into `slot` on `stream` after the slot's last read nobody waited for (on the GPU)."""
         event = self._read_events[slot]
         if event is not None:
-            _order_after(stream, event)
+            check(cudart.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
     def write_done(self, slot: int) -> bool:
         """Whether the last write into `slot` is done on the GPU (its event); never waits."""
@@ -322,7 +313,7 @@ class CudaRing(Ring):
         out = np.empty(self.shape, self.spec.dtype)
         row = self.spec.row_bytes
         check(cudart.cudaSetDevice(self.device), "cudaSetDevice")
-        _order_after(self.stream, self.events[slot])
+        check(cudart.cudaStreamWaitEvent(self.stream, self.events[slot], 0), "cudaStreamWaitEvent")
         check(cudart.cudaMemcpy2DAsync(out.ctypes.data, row, self.ptrs[slot], self.spec.pitch, row, self.spec.height,
                                        cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream), "cudaMemcpy2DAsync")
         check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
