@@ -28,3 +28,15 @@ def test_every_form_round_trips_the_frame(tmp_path):
         assert r["b2b"]["done"]["n"] == 20 and r["paced"]["done"]["n"] == 5, key
         assert r["b2b"]["notice"]["p50_ms"] <= r["b2b"]["done"]["p50_ms"], key
         assert key in proc.stdout
+
+
+def test_a_bad_size_or_a_machine_without_a_gpu_is_said_plainly(tmp_path):
+    bench = [sys.executable, str(ROOT / "benchmarks" / "bench_ipc_floor.py")]
+    bad = subprocess.run([*bench, "--size", "1080p"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--size '1080p': expected WIDTHxHEIGHT" in bad.stderr
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the run itself is the GPU test above")
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([*bench, "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and not out.exists()
