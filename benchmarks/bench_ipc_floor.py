@@ -1,6 +1,6 @@
 """The floor under the cuda-ipc handoff: two bare processes, no bridge code, each way of splitting the copies.
 
-The bridge's paced 1080p handoff has stayed near 1 ms while its copies alone take 0.15 ms. This asks what any
+A paced handoff through the bridge costs several times its copies alone. This asks what any
 two-process design could reach on the same machine, with the least work: the same 8 MB frames, the same
 interprocess memory and events, and notices that are a shared integer (spun on, so no wake-up costs) or a
 pipe (a kernel wake, as futexes and sockets cost). Forms:
@@ -40,6 +40,9 @@ from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loom_live.host_bridge.wire.files import write_replacing  # noqa: E402
 
 FORMS = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
 WAITS = ("spin", "pipe")
@@ -117,7 +120,7 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
 
 
 def _warmer(torch, every_us: float):
-    """A callable that queues a one-element kernel on a low-priority stream at most every `every_us`."""
+    """A callable that queues a one-element kernel on a stream of its own at most every `every_us`."""
     stream = torch.cuda.Stream()
     cell = torch.zeros(1, device="cuda")
     every_s, last = every_us / 1e6, [0.0]
@@ -161,7 +164,10 @@ class Host:
             {"in": self.ev_in.ipc_handle(), "out": self.ev_out.ipc_handle()}, warm_us))
         self.proc.start()
         if not ours.poll(60) or ours.recv_bytes() != b"ready":
-            raise RuntimeError("the engine process did not start")
+            self.proc.kill()
+            self.shm.close()
+            self.shm.unlink()
+            raise RuntimeError(f"{form}/{wait}: the engine process did not start (exit code {self.proc.exitcode})")
         self.notices = Notices(self.shm.name, wait, ours)
         self.seq = 0
 
@@ -302,7 +308,7 @@ def main() -> int:
               f"{notice['p99_ms']:7.3f}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_replacing(args.json, lambda f: f.write(json.dumps(results, indent=2).encode()))
     return 0
 
 
