@@ -38,16 +38,30 @@ import time
 from multiprocessing import get_context
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
 from loom_live.host_bridge.wire.files import write_replacing  # noqa: E402
 
 FORMS = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
 WAITS = ("spin", "pipe")
 DOOR, NOTICE, STOP = 0, 1, 2  # the shared integers: the host's newest frame, the engine's newest, the end
 ANSWER_TIMEOUT_S = 10.0
+
+
+class Split(NamedTuple):
+    """What a form's name says: who copies, how the two sides are ordered, when the engine's notice goes."""
+
+    host_copies: bool  # the host copies into and out of shared buffers (else the engine copies the caller's own)
+    cpu_ordered: bool  # each side waits for its own stream; no stream waits for the other process's event
+    early: bool  # the engine's notice goes once its copy is queued, not done
+
+    @classmethod
+    def of(cls, form: str) -> Split:
+        return cls(form.startswith("host-copies"), form.endswith("-cpu"), form.endswith("-early"))
 
 
 class Notices:
@@ -93,8 +107,8 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
     ev_in = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["in"])
     ev_out = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["out"])
     src, dst = shared["src"], shared["dst"]
-    cpu_ordered = form.endswith("-cpu")
-    work = torch.empty_like(src) if form.startswith("engine-copies") else None
+    split = Split.of(form)
+    work = None if split.host_copies else torch.empty_like(src)
     idle = _warmer(torch, warm_us) if warm_us > 0 else None
     conn.send_bytes(b"ready")
     seq = 0
@@ -104,7 +118,7 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
             if not notices.hear(DOOR, seq, idle):
                 return
             with torch.cuda.stream(stream):
-                if not cpu_ordered:
+                if not split.cpu_ordered:
                     stream.wait_event(ev_in)
                 if work is not None:  # the caller's frame into the engine's memory, its answer into the caller's
                     work.copy_(src)
@@ -112,7 +126,7 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
                 else:
                     dst.copy_(src)
                 ev_out.record(stream)
-            if form != "host-copies-early":
+            if not split.early:
                 stream.synchronize()
             notices.say(NOTICE, seq)
     finally:
@@ -141,13 +155,11 @@ class Host:
     def __init__(self, form: str, wait: str, width: int, height: int, warm_us: float = 0.0):
         import torch
 
-        self.torch, self.form = torch, form
-        self.host_copies = form.startswith("host-copies")
-        self.cpu_ordered = form.endswith("-cpu")
+        self.torch, self.split = torch, Split.of(form)
         self.src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
         self.dst = torch.empty_like(self.src)
         self.stream = torch.cuda.Stream()
-        if not self.host_copies:
+        if not self.split.host_copies:
             shared = {"src": self.src, "dst": self.dst}
         else:
             self.slot_in, self.slot_out = torch.empty_like(self.src), torch.empty_like(self.src)
@@ -177,9 +189,9 @@ class Host:
         self.seq += 1
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if self.host_copies:
+            if self.split.host_copies:
                 self.slot_in.copy_(self.src)
-            if self.cpu_ordered:
+            if self.split.cpu_ordered:
                 stream.synchronize()
             else:
                 self.ev_in.record(stream)
@@ -188,9 +200,9 @@ class Host:
             raise RuntimeError(f"no answer from the engine for frame {self.seq}")
         t1 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if not self.cpu_ordered:
+            if not self.split.cpu_ordered:
                 stream.wait_event(self.ev_out)
-            if self.host_copies:
+            if self.split.host_copies:
                 self.dst.copy_(self.slot_out)
                 stream.synchronize()  # the caller's buffer holds the answer
         return t1 - t0, time.perf_counter() - t0
@@ -256,9 +268,8 @@ def run(form: str, wait: str, width: int, height: int, frames: int, paced: int, 
 
 
 def stats(samples: list[float]) -> dict:
-    ms = np.asarray(samples) * 1000.0
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "max_ms": float(ms.max()), "n": len(ms)}
+    """The bridge benchmarks' percentiles, and the worst frame."""
+    return {**percentiles(samples), "max_ms": max(samples) * 1000.0}
 
 
 def main() -> int:
