@@ -104,9 +104,11 @@ _fence_lock = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory barrier where FENCE_ORDERS: taking and dropping a lock is a locked instruction."""
-    _fence_lock.acquire()
-    _fence_lock.release()
+    """A full memory barrier where FENCE_ORDERS: taking and dropping a lock is a locked instruction. A `with`, not
+    acquire() then release(): an exception raised between the two (Ctrl-C) would leave the lock held, and the next
+    fence, of any thread, waiting on it for ever."""
+    with _fence_lock:
+        pass
 
 
 class DoorbellError(ValueError):
