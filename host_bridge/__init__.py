@@ -14,8 +14,8 @@ from typing import Any
 
 # each public name -> the module of this package that defines it
 _HOMES = {"Bridge": "client", "BridgeConfig": "config", "BridgeStatus": "client", "DeviceFrame": "newest_frames",
-          "EngineRefused": "client", "EngineState": "supervisor", "PROTOCOL_VERSION": "wire.protocol",
-          "ProtocolError": "wire.protocol", "RingSpec": "wire.protocol"}
+          "EngineRefused": "client", "EngineState": "supervisor", "Interrupted": "client",
+          "PROTOCOL_VERSION": "wire.protocol", "ProtocolError": "wire.protocol", "RingSpec": "wire.protocol"}
 __all__ = list(_HOMES)
 
 

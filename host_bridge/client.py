@@ -66,6 +66,11 @@ class EngineRefused(RuntimeError):
     says what to fix."""
 
 
+class Interrupted(BaseException):
+    """A wait in the bridge ended by `Bridge.interrupt()` (a host's stop signal); a BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` takes it for a failed frame and carries on."""
+
+
 
 class Bridge:
     """A host's link to one engine: `Bridge(BridgeConfig(...))` or `Bridge(**settings)`, used in a `with`
@@ -103,6 +108,7 @@ class Bridge:
         self._wanted = Wanted()
         self._cuda_problem: str | None = None
         self._gives_control = False  # this host gave a control frame: it gives one with every frame
+        self._interrupted = False  # interrupt() was asked: the wait in progress, or the next, raises
         if config.transport == "cuda-ipc":
             from loom_live.host_bridge.wire.rings.cuda import cuda_available
             ok, why = cuda_available()
@@ -129,6 +135,18 @@ class Bridge:
         """Say bye, stop the engine (terminate, wait, kill its tree), remove every ring. Idempotent; done
         as well when the bridge is garbage collected, and at exit."""
         self._closer()
+
+    def interrupt(self) -> None:
+        """Make the wait in progress (process, process_stream, wait_running, a control with wait=True), or else
+        the next one, raise Interrupted within one poll of the frame lane. Meant for a signal handler, which must
+        not raise inside the bridge itself: the bridge takes and drops its locks at points where an exception
+        from outside would leave one held, and a later call would wait on it for ever. Only sets a flag."""
+        self._interrupted = True
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted:
+            self._interrupted = False
+            raise Interrupted("the bridge's wait was interrupted")
 
     def __enter__(self) -> Bridge:
         return self.start()
@@ -600,6 +618,7 @@ class Bridge:
         when another thread is draining it, wait for that thread's news instead."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self._check_interrupted()
             with self._cond:
                 if ready():
                     return True
@@ -625,6 +644,7 @@ class Bridge:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while (state := self._sup.state) != EngineState.RUNNING:
+                self._check_interrupted()
                 if self._sup.refusal:
                     raise EngineRefused(self._sup.refusal)
                 if state.ended or time.monotonic() > deadline:

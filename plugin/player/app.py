@@ -18,7 +18,6 @@ import contextlib
 import json
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from loom_live.host_bridge import EngineState
+from loom_live.host_bridge import EngineState, Interrupted
 from loom_live.host_bridge.wire.errors import UserError
 from loom_live.host_bridge.wire.params import CONTROL, PROMPT_TAKES
 from loom_live.plugin.media.base import MediaError
@@ -54,6 +53,7 @@ from loom_live.plugin.player.options import (
     output_kind,
 )
 from loom_live.plugin.player.status import StatusPrinter, live_line
+from loom_live.plugin.player.stop_requests import StopRequested, StopSignals, stop_outcome
 from loom_live.plugin.player.style_line import StyleReport
 
 # An engine that restarts this many times before it ever runs is broken, not slow: give up.
@@ -67,22 +67,10 @@ STALL_GRACE_S = 0.5
 READY_POLL_S = 0.1
 # A live run looks at the engine's last report (polled by the bridge every second) this often for a new style.
 STYLE_POLL_S = 0.25
-# Signals that stop a run like Ctrl-C does (a process manager's stop, a closed terminal); by default
-# they would end Python on the spot and leave an MP4 without its index, i.e. unplayable.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # A file that ends short of the frame count its header states by more than the larger of these is said to (a copy
 # cut short, a file truncated mid-run); less is the header's approximation (a count estimated from the duration).
 SHORT_INPUT_FRAMES = 3
 SHORT_INPUT_SHARE = 0.05
-
-
-class StopRequested(BaseException):
-    """One of STOP_SIGNALS arrived; a BaseException, like KeyboardInterrupt, so that no `except Exception`
-    (an engine retry, say) mistakes it for a failure and carries on."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 class Player:
@@ -124,6 +112,7 @@ class Player:
         self._sent_control: np.ndarray | None = None  # ... of the last frame handed to a lossless stream
         self._holding = False
         self.bridge: Any = None
+        self.stops = StopSignals(self._interrupt_bridge)  # a stop signal held back while the bridge runs
         self.sinks: list[Any] = []
         self.window: Any = None
         self.osc: Any = None
@@ -293,6 +282,7 @@ class Player:
                                          status, hint=f"--startup-timeout S sets the wait, "
                                                       f"{DEFAULT_STARTUP_TIMEOUT_S:g} s by default")
             self.printer.stage(f"{self.name}: starting the engine: {status.message or status.state}")
+            self.stops.check()
             self._poll_controls()
             if self.controls.state.quit:
                 return
@@ -304,7 +294,7 @@ class Player:
         """Stream until the input ends, `--frames` is reached, or the user quits; returns the exit code."""
         stopped_by, code = "", EXIT_OK
         failed = True  # until the run ends normally or by the user: a failed run keeps no file
-        previous_handlers = _raise_on_stop_signals()
+        previous_handlers = self.stops.install()
         try:
             if self.opts.uses_web_camera:
                 self._start_web()  # the page's camera is the input: the page first
@@ -329,22 +319,17 @@ class Player:
             if self._input_error is not None:
                 raise self._input_error
             failed = False
-        except KeyboardInterrupt as stop:
-            stopped_by, code, failed = "Ctrl-C", EXIT_INTERRUPTED, False
-            self._say_failure_under(stop)
-        except StopRequested as stop:
-            stopped_by, code = str(stop), 128 + stop.signum  # the shell's convention: 143 for SIGTERM
+        except (KeyboardInterrupt, StopRequested, Interrupted) as stop:  # Interrupted: a stop held in the bridge
+            stopped_by, code = stop_outcome(stop, self.stops.signum)
             failed = False
             self._say_failure_under(stop)
         finally:
             # A second signal, Ctrl-C pressed again included, must not cut the finalising short: it stopped the
             # outputs after the first one, leaving their recordings unfinished under their hidden partial names.
-            finishing = {signal.SIGINT: signal.getsignal(signal.SIGINT), **previous_handlers} if previous_handlers \
-                else {}  # off the main thread no handler can be set, and no signal arrives
-            for signum in finishing:
+            for signum in previous_handlers:
                 signal.signal(signum, signal.SIG_IGN)
             self._close(keep=not failed, stopping=bool(stopped_by) or self.controls.state.quit)
-            for signum, handler in finishing.items():
+            for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
         self._report(stopped_by)
         return code if stopped_by or not self._unfinished else EXIT_BAD_INPUT
@@ -355,6 +340,7 @@ class Player:
         With a live feed, None means that no frame came in time (the feed stalled): hold the picture."""
         limit = self.opts.max_frames
         while not self.controls.state.quit and (limit is None or self.frames_in < limit):
+            self.stops.check()  # a stop signal held back while the bridge ran (this generator is pulled from it)
             self._poll_controls()
             if self.controls.state.quit:  # a quit just applied: no frame is read after it
                 return
@@ -467,6 +453,7 @@ class Player:
             yield self._sent_control
 
     def _retry_after(self, exc: Exception, failures: int, frames: int) -> None:
+        self.stops.check()  # a stop held back in the bridge, which then failed: a stop, not a failure to retry
         _, status = self.bridge.latest()
         self._remember_log(status)
         if _is_failed(status) or failures >= MAX_FAILED_STARTS:
@@ -726,6 +713,11 @@ class Player:
         for sink in list(self.sinks):
             sink.stop()
 
+    def _interrupt_bridge(self) -> None:
+        """End the bridge's wait in progress: a stop signal came while the main thread was in it (StopSignals)."""
+        if self.bridge is not None:
+            self.bridge.interrupt()
+
     def _say_failure_under(self, stop: BaseException) -> None:
         """Say the failure a stop signal was delivered over (signals_deferred holds one back while the last output
         fails): the run ends as stopped, and the user still hears why that output stopped."""
@@ -788,17 +780,6 @@ class Player:
             # script needs, so printed as the last line is, -q or not.
             self.printer.finish(f"{self.name}: input ended after {self.frames_in} of the {stated} frames its "
                                 "header states (a file cut short?)")
-
-
-def _raise_on_stop_signals() -> dict[int, Any]:
-    """Make STOP_SIGNALS raise StopRequested (main thread only); returns the handlers to restore."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def stop(signum: int, _frame: Any) -> None:
-        raise StopRequested(signum)
-
-    return {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
 
 
 def _is_ready(status: Any) -> bool:

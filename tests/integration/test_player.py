@@ -1640,6 +1640,34 @@ def test_sigterm_finalises_the_file_and_leaves_nothing_behind(tmp_path):
     assert not list(Path("/dev/shm").glob(f"loom_{proc.pid}_*")), "shared memory left behind"
 
 
+def test_a_stop_signal_while_the_player_waits_on_a_frozen_engine_ends_the_run_at_once(tmp_path):
+    """SIGTERM while the main thread waits inside the bridge (the engine frozen, every slot in flight): it is not
+    raised into the bridge's code, whose locks it could leave held, and the run does not wait out the engine's stall
+    timeout either: the bridge's wait ends, and the run ends as stopped, its recording finalised."""
+    dst = tmp_path / "frozen.mp4"
+    proc = _file_run(dst, 100000, "32x32")
+    engine = None
+    try:
+        _wait_writing(proc, dst, 1_000)
+        engine = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+        os.kill(engine, signal.SIGSTOP)
+        time.sleep(0.3)  # the slots in flight: the player waits in the bridge for one to come back
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if engine is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert len(_decode(dst)) > 0
+    assert took < 30, f"the stop took {took:.1f} s: it waited on the frozen engine"
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
 def test_a_recording_that_could_not_be_finished_is_an_error_not_a_success(tmp_path):
     """A full recording drive: the run says so and exits with 2; the other output is complete."""

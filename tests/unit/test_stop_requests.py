@@ -1,14 +1,20 @@
-"""Stop signals during a run: the doorbell's fence, run on every frame, leaves its lock free wherever one lands."""
+"""Stop signals during a run: raised at once in the player's code, held back (and the bridge's wait ended) while the
+main thread is inside the bridge, whose locks an exception from outside can leave held; the doorbell's fence,
+run on every frame, leaves its lock free whatever instruction an exception lands on."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 import pytest
 
+from loom_live.host_bridge import Bridge, Interrupted
 from loom_live.host_bridge.wire import doorbell
+from loom_live.host_bridge.wire.channel import read_secret_file
+from loom_live.plugin.player.stop_requests import StopRequested, StopSignals, stop_outcome
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX stop signals")
 
@@ -49,3 +55,80 @@ def test_the_fence_leaves_its_lock_free_whatever_point_a_signal_lands_on():
         signal.signal(signal.SIGVTALRM, previous)
     assert landed >= 20, f"only {landed} signals landed in 10 s"
     assert held == 0, f"{held} of {landed} signals left the fence's lock held"
+
+
+def _in_module(name: str, body: str) -> dict:
+    """Run `body` as code of module `name` (the bridge's, the player's): what a signal handler sees as the frame
+    it interrupted."""
+    scope = {"__name__": name, "signal": signal, "sys": sys}
+    exec(compile(body, f"<{name}>", "exec"), scope)
+    return scope
+
+
+@pytest.fixture
+def stops():
+    interrupts: list[int] = []
+    stops = StopSignals(lambda: interrupts.append(1))
+    stops.interrupts = interrupts
+    previous = stops.install()
+    yield stops
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_a_stop_inside_the_bridge_is_held_and_ends_the_bridges_wait(stops):
+    _in_module("loom_live.host_bridge.client", "signal.raise_signal(signal.SIGTERM)")  # no exception inside
+    assert stops.interrupts == [1], "the bridge's wait was not ended"
+    with pytest.raises(StopRequested) as stop:
+        stops.check()
+    assert stop.value.signum == signal.SIGTERM
+    stops.check()  # raised once
+
+
+def test_a_stop_in_the_players_code_is_raised_at_once_even_when_the_bridge_called_it(stops):
+    """The frames the bridge pulls from the player's generator: raised there, it reaches the bridge as that
+    generator's exception, at a point made for one."""
+    scope = _in_module("loom_live.host_bridge.client", "def pull(frames):\n    return next(frames)\n")
+    player = _in_module("loom_live.plugin.player.app", "def frames():\n    signal.raise_signal(signal.SIGINT)\n"
+                                                      "    yield 1\n")
+    with pytest.raises(KeyboardInterrupt):
+        scope["pull"](player["frames"]())
+    assert stops.interrupts == []
+    stops.check()  # already raised: nothing more
+
+
+def test_a_signal_the_run_was_started_ignoring_stays_ignored():
+    """`nohup loom play ...`: a closed terminal's SIGHUP must not stop the show."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        installed = StopSignals(lambda: None).install()
+        try:
+            assert signal.SIGHUP not in installed and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.SIGTERM in installed
+        finally:
+            for signum, handler in installed.items():
+                signal.signal(signum, handler)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_stop_is_said_and_exits_as_a_shell_reports_it():
+    assert stop_outcome(KeyboardInterrupt(), None) == ("Ctrl-C", 130)
+    assert stop_outcome(StopRequested(signal.SIGTERM), None) == ("SIGTERM", 143)
+    assert stop_outcome(Interrupted(), signal.SIGHUP) == ("SIGHUP", 129)
+
+
+def test_interrupt_ends_a_wait_for_an_engine_that_never_comes(tmp_path):
+    """A served engine that is not there: wait_running would wait its whole timeout; interrupt() ends it."""
+    secret = str(tmp_path / "secret")
+    read_secret_file(secret, create=True)
+    bridge = Bridge(launch=False, endpoint=f"ipc://{tmp_path / 'nobody'}", secret_file=secret)
+    try:
+        bridge.start()
+        threading.Timer(0.2, bridge.interrupt).start()
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            bridge.wait_running(120)
+        assert time.monotonic() - started < 60, "the wait went on after interrupt()"
+    finally:
+        bridge.close()
