@@ -46,22 +46,21 @@ class StopSignals:
 
     def __init__(self, interrupt: Callable[[], None]) -> None:
         self._interrupt = interrupt
-        self.signum: int | None = None  # the first stop signal of the run
-        self._raised = False
+        self.signum: int | None = None  # the first stop signal of the run: it stands until the run ends
 
     def install(self) -> dict[int, Any]:
         """Handle STOP_SIGNALS from now; returns the handlers replaced, to restore. Off the main thread no handler can
         be set (and no signal arrives): nothing is done and nothing returned."""
-        self.signum, self._raised = None, False
+        self.signum = None
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS
                 if signal.getsignal(signum) != signal.SIG_IGN}
 
     def check(self) -> None:
-        """Raise the stop held back while the main thread was in the bridge, once."""
-        if self.signum is not None and not self._raised:
-            self._raised = True
+        """Raise the run's stop: one held back while the main thread was in the bridge, or one raised that a
+        library's `except` or a finaliser (whose exceptions Python only prints) swallowed."""
+        if self.signum is not None:
             raise stop_exception(self.signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -70,7 +69,6 @@ class StopSignals:
         if _inside_bridge(frame):
             self._interrupt()
             return
-        self._raised = True
         raise stop_exception(signum)
 
 
