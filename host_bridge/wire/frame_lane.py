@@ -155,11 +155,14 @@ class FrameLane:
         return self.lock.acquire(blocking, timeout_s)
 
     def release(self) -> None:
-        """Let go of the lock; first send what is queued, and whatever another thread queued meanwhile."""
+        """Let go of the lock; first send what is queued, and whatever another thread queued meanwhile. A send that
+        fails (or a Ctrl-C in it) is raised with the lock let go: held, it would stop every later send and close()."""
         while True:
             mark = self._queued
-            self._flush()
-            self.lock.release()
+            try:
+                self._flush()
+            finally:
+                self.lock.release()
             if self._queued == mark or self._closed or not self.lock.acquire(blocking=False):
                 return  # nothing new, or a new holder sends it
 

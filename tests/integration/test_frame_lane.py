@@ -48,6 +48,36 @@ def test_lane_endpoints_follow_the_control_endpoint():
         ctx.term()
 
 
+def test_a_send_that_fails_lets_the_lane_go(monkeypatch):
+    """A send that fails (an unexpected socket error, a Ctrl-C while it runs) is raised, and the lane's lock is let
+    go: held, it stopped every later send, and close() waited on it for ever."""
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, 10_000)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    lane = FrameLane(ctx, f"tcp://127.0.0.1:{port}", bind=False, side="host")
+    try:
+        def fail() -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(lane, "_flush", fail)
+        with pytest.raises(KeyboardInterrupt):
+            lane.send_release(0, 1)
+        taken: list[bool] = []
+        other = threading.Thread(target=lambda: taken.append(lane.acquire(blocking=False)) or lane.lock.release())
+        other.start()
+        other.join(10)
+        assert taken == [True], "a failed send left the lane's lock held"
+        monkeypatch.undo()
+        assert lane.send_release(1, 1)
+        assert [decode(peer.recv_multipart())["slot"] for _ in range(2)] == [0, 1], "the failed send was lost"
+    finally:
+        lane.close()
+        peer.close()
+        ctx.term()
+
+
 def test_a_send_while_another_thread_waits_on_the_lane_goes_out_at_once():
     ctx = zmq.Context()
     peer = ctx.socket(zmq.DEALER)
