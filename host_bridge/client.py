@@ -71,7 +71,6 @@ class Interrupted(BaseException):
     KeyboardInterrupt is, so that no `except Exception` takes it for a failed frame and carries on."""
 
 
-
 class Bridge:
     """A host's link to one engine: `Bridge(BridgeConfig(...))` or `Bridge(**settings)`, used in a `with`
     block (or `start()` ... `close()`). Live: `submit`/`latest` (`submit_cuda`/`latest_cuda` on cuda-ipc)
