@@ -18,10 +18,8 @@ from types import FrameType
 from typing import Any
 
 from loom_live import host_bridge, plugin
+from loom_live.plugin.media.stop_signals import DEFERRED_SIGNALS
 
-# Signals that stop a run. By default SIGTERM and SIGHUP end Python on the spot and leave an MP4 without its index
-# (unplayable); a signal the run was started ignoring (`nohup`, a background job's Ctrl-C) stays ignored.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _BRIDGE = host_bridge.__name__ + "."  # the bridge's modules, the wire layer among them
 _PLUGIN = plugin.__name__ + "."  # the player's and its media's modules
 
@@ -49,12 +47,14 @@ class StopSignals:
         self.signum: int | None = None  # the first stop signal of the run: it stands until the run ends
 
     def install(self) -> dict[int, Any]:
-        """Handle STOP_SIGNALS from now; returns the handlers replaced, to restore. Off the main thread no handler can
-        be set (and no signal arrives): nothing is done and nothing returned."""
+        """Handle the stop signals (DEFERRED_SIGNALS: Ctrl-C, SIGTERM, SIGHUP) from now; returns the handlers
+        replaced, to restore. By default SIGTERM and SIGHUP end Python on the spot and leave an MP4 without its index
+        (unplayable); a signal the run was started ignoring (`nohup`, a background job's Ctrl-C) stays ignored. Off
+        the main thread no handler can be set (and no signal arrives): nothing is done and nothing returned."""
         self.signum = None
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS
+        return {signum: signal.signal(signum, self._handle) for signum in DEFERRED_SIGNALS
                 if signal.getsignal(signum) != signal.SIG_IGN}
 
     def check(self) -> None:

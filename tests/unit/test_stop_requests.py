@@ -14,7 +14,8 @@ import pytest
 from loom_live.host_bridge import Bridge, Interrupted
 from loom_live.host_bridge.wire import doorbell
 from loom_live.host_bridge.wire.channel import read_secret_file
-from loom_live.plugin.player.stop_requests import STOP_SIGNALS, StopRequested, StopSignals, stop_outcome
+from loom_live.plugin.media.stop_signals import DEFERRED_SIGNALS
+from loom_live.plugin.player.stop_requests import StopRequested, StopSignals, stop_outcome
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX stop signals")
 
@@ -71,7 +72,7 @@ def stops():
     interrupts: list[int] = []
     stops = StopSignals(lambda: interrupts.append(1))
     stops.interrupts = interrupts
-    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in DEFERRED_SIGNALS}
     stops.install()
     yield stops
     for signum, handler in previous.items():
