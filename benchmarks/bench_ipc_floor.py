@@ -17,11 +17,17 @@ pipe (a kernel wake, as futexes and sockets cost). Forms:
 - `host-copies-cpu`, `engine-copies-cpu`: the same splits ordered by the CPU instead of interprocess events: each
   side waits for its own stream before its notice, and neither stream ever waits for the other process's event.
   What a GPU wait across contexts costs is the difference.
+- `host-copies-gpu`, `engine-copies-gpu`: the same splits ordered by the GPU alone, with no notices and no events:
+  the engine queues each frame's copies ahead, behind a stream wait on a 32-bit mark in device memory (CUDA stream
+  memory operations); the host's stream writes that mark after the caller's frame and waits on the engine's
+  answering mark before its own copy out. The engine's CPU only re-arms after each frame. If a paced frame is
+  slow because work must be launched after an idle gap, work already queued and waiting is not.
 
 `--warm-gpu` keeps the GPU from idling between paced frames, as a running model would: while it waits for the
 next frame the engine process queues a one-element kernel every `--warm-gpu-us` on a stream of its own (spun
 notices only). The three copies in one process are timed back to back and paced too: a paced figure well above
-its back-to-back one with no second process at all is the GPU's, not the messages'.
+its back-to-back one with no second process at all is the GPU's, not the messages'; and once more queued ahead
+behind a mark that another stream writes at the frame's time.
 
 A form whose paced p99 is above the target here cannot meet it in the bridge either; the gap between a
 form and the bridge is what the bridge's own steps cost.
@@ -46,9 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loom_live.engine.tools.bridge_probe import percentiles  # noqa: E402
 from loom_live.host_bridge.wire.files import write_replacing  # noqa: E402
 
-FORMS = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
+FORMS = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu",
+         "host-copies-gpu", "engine-copies-gpu")
 WAITS = ("spin", "pipe")
 DOOR, NOTICE, STOP = 0, 1, 2  # the shared integers: the host's newest frame, the engine's newest, the end
+GO, DONE = 0, 1  # the GPU-ordered forms' marks: the host's newest frame, the engine's newest
 ANSWER_TIMEOUT_S = 10.0
 
 
@@ -58,10 +66,49 @@ class Split(NamedTuple):
     host_copies: bool  # the host copies into and out of shared buffers (else the engine copies the caller's own)
     cpu_ordered: bool  # each side waits for its own stream; no stream waits for the other process's event
     early: bool  # the engine's notice goes once its copy is queued, not done
+    gpu_ordered: bool  # streams wait on marks in device memory; no notices, no events
 
     @classmethod
     def of(cls, form: str) -> Split:
-        return cls(form.startswith("host-copies"), form.endswith("-cpu"), form.endswith("-early"))
+        return cls(form.startswith("host-copies"), form.endswith("-cpu"), form.endswith("-early"),
+                   form.endswith("-gpu"))
+
+
+class StreamMarks:
+    """32-bit marks in device memory that streams write and wait on (CUDA stream memory operations).
+
+    A wait is queued like any other work and holds its stream until the mark reaches the value (a cyclic
+    greater-or-equal), so work behind it is launched before it is due. Marks sit 128 bytes apart.
+    """
+
+    STRIDE = 32  # int32 elements between marks
+
+    def __init__(self, tensor):
+        from cuda.bindings import driver
+
+        self.driver, self.tensor, self.base = driver, tensor, tensor.data_ptr()
+
+    @classmethod
+    def new(cls, torch, count: int = 2) -> StreamMarks:
+        return cls(torch.zeros(count * cls.STRIDE, dtype=torch.int32, device="cuda"))
+
+    def write(self, stream, mark: int, value: int) -> None:
+        d = self.driver
+        self._check(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(self._at(mark)), value,
+                                           int(d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)), "write")
+
+    def wait(self, stream, mark: int, value: int) -> None:
+        d = self.driver
+        self._check(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(self._at(mark)), value,
+                                          int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)), "wait")
+
+    def _at(self, mark: int) -> int:
+        return self.base + 4 * self.STRIDE * mark
+
+    def _check(self, result, what: str) -> None:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStream{what.capitalize()}Value32 failed: {err}")
 
 
 class Notices:
@@ -104,10 +151,12 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
 
     notices = Notices(shm_name, wait, conn)
     stream = torch.cuda.Stream()
+    split = Split.of(form)
+    if split.gpu_ordered:
+        return _engine_gpu_ordered(torch, split, notices, conn, stream, shared)
     ev_in = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["in"])
     ev_out = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), events["out"])
     src, dst = shared["src"], shared["dst"]
-    split = Split.of(form)
     work = None if split.host_copies else torch.empty_like(src)
     idle = _warmer(torch, warm_us) if warm_us > 0 else None
     conn.send_bytes(b"ready")
@@ -129,6 +178,36 @@ def engine_main(form: str, wait: str, shm_name: str, conn, shared: dict, events:
             if not split.early:
                 stream.synchronize()
             notices.say(NOTICE, seq)
+    finally:
+        notices.close()
+
+
+def _engine_gpu_ordered(torch, split: Split, notices: Notices, conn, stream, shared: dict) -> None:
+    """The engine side ordered by the GPU: each frame's copies queued ahead behind the host's mark, re-armed once
+    the frame before is done."""
+    marks, src, dst = StreamMarks(shared["marks"]), shared["src"], shared["dst"]
+    work = None if split.host_copies else torch.empty_like(src)
+
+    def arm(seq: int) -> None:
+        with torch.cuda.stream(stream):
+            marks.wait(stream, GO, seq)
+            if work is not None:
+                work.copy_(src)
+                dst.copy_(work)
+            else:
+                dst.copy_(src)
+            marks.write(stream, DONE, seq)
+
+    seq = 1
+    arm(seq)
+    conn.send_bytes(b"ready")
+    try:
+        while True:
+            stream.synchronize()  # frame `seq` is done (or the host released the wait to stop us)
+            if notices.flags[STOP]:
+                return
+            seq += 1
+            arm(seq)
     finally:
         notices.close()
 
@@ -164,6 +243,9 @@ class Host:
         else:
             self.slot_in, self.slot_out = torch.empty_like(self.src), torch.empty_like(self.src)
             shared = {"src": self.slot_in, "dst": self.slot_out}
+        self.marks = StreamMarks.new(torch) if self.split.gpu_ordered else None
+        if self.marks is not None:
+            shared["marks"] = self.marks.tensor
         self.ev_in = torch.cuda.Event(interprocess=True)
         self.ev_out = torch.cuda.Event(interprocess=True)
         self.shm = SharedMemory(create=True, size=64)
@@ -188,6 +270,8 @@ class Host:
         torch, stream = self.torch, self.stream
         self.seq += 1
         t0 = time.perf_counter()
+        if self.marks is not None:
+            return self._handoff_gpu_ordered(t0)
         with torch.cuda.stream(stream):
             if self.split.host_copies:
                 self.slot_in.copy_(self.src)
@@ -207,12 +291,30 @@ class Host:
                 stream.synchronize()  # the caller's buffer holds the answer
         return t1 - t0, time.perf_counter() - t0
 
+    def _handoff_gpu_ordered(self, t0: float) -> tuple[float, float]:
+        """The whole handoff queued on the host's stream at once; the engine's copies wait on the GPU, not the
+        host's CPU (no notice: both figures are the frame in the caller's buffer)."""
+        torch, stream, marks = self.torch, self.stream, self.marks
+        with torch.cuda.stream(stream):
+            if self.split.host_copies:
+                self.slot_in.copy_(self.src)
+            marks.write(stream, GO, self.seq)
+            marks.wait(stream, DONE, self.seq)
+            if self.split.host_copies:
+                self.dst.copy_(self.slot_out)
+        stream.synchronize()
+        done = time.perf_counter() - t0
+        return done, done
+
     def close(self) -> bool:
         """Stops the engine; True if the caller's buffer holds the frame it handed over."""
         exact = bool(self.torch.equal(self.src, self.dst))
         self.notices.flags[STOP] = 1
         if self.notices.wait == "pipe":
             self.notices.conn.send_bytes(b"stop")
+        if self.marks is not None:  # release the engine's queued wait, so it sees the stop
+            self.marks.write(self.stream, GO, self.seq + 1)
+            self.stream.synchronize()
         self.proc.join(10)
         self.notices.close()
         self.shm.unlink()
@@ -239,6 +341,41 @@ def one_process(width: int, height: int, frames: int, period_s: float = 0.0) -> 
         rest = period_s - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
+    return samples
+
+
+def one_process_prequeued(width: int, height: int, frames: int, period_s: float = 0.0) -> list[float]:
+    """The same three copies queued ahead behind a mark, released at the frame's time by a write on a second
+    stream: a paced frame with nothing to launch after the idle gap."""
+    import torch
+
+    src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
+    a, b, dst = (torch.empty_like(src) for _ in range(3))
+    stream, go = torch.cuda.Stream(), torch.cuda.Stream()
+    marks = StreamMarks.new(torch, 1)
+
+    def arm(seq: int) -> None:
+        with torch.cuda.stream(stream):
+            marks.wait(stream, GO, seq)
+            a.copy_(src)
+            b.copy_(a)
+            dst.copy_(b)
+
+    samples = []
+    arm(1)
+    for seq in range(1, frames + 1):
+        t0 = time.perf_counter()
+        marks.write(go, GO, seq)
+        stream.synchronize()
+        samples.append(time.perf_counter() - t0)
+        arm(seq + 1)
+        rest = period_s - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+    marks.write(go, GO, frames + 1)  # the last armed frame, released
+    stream.synchronize()
+    if not torch.equal(src, dst):
+        raise RuntimeError("one process, pre-queued: the copies changed the frame")
     return samples
 
 
@@ -272,6 +409,12 @@ def stats(samples: list[float]) -> dict:
     return {**percentiles(samples), "max_ms": max(samples) * 1000.0}
 
 
+def print_one_process(results: dict, label: str, key: str) -> None:
+    one, paced = results[key], results.get(f"{key}_paced")
+    paced_cols = f" {paced['p50_ms']:10.3f} {paced['p99_ms']:7.3f} {paced['max_ms']:7.3f}" if paced else ""
+    print(f"{label:>28} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}{paced_cols}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1920x1080", help="WIDTHxHEIGHT of the RGBA uint8 frames")
@@ -298,16 +441,16 @@ def main() -> int:
                "one_process": stats(one_process(width, height, args.frames)), "forms": {}}
     if args.paced_frames:
         results["one_process_paced"] = stats(one_process(width, height, args.paced_frames, 1.0 / args.fps))
-    runs = [(form, wait, 0.0) for form in args.forms for wait in args.waits]
+    # the GPU-ordered forms have no notices to wait on, and their engine's CPU waits for its own stream (no warmer)
+    runs = [(form, wait, 0.0) for form in args.forms if not Split.of(form).gpu_ordered for wait in args.waits]
     if args.warm_gpu:
-        runs += [(form, "spin", args.warm_gpu_us) for form in args.forms]
+        runs += [(form, "spin", args.warm_gpu_us) for form in args.forms if not Split.of(form).gpu_ordered]
+    runs += [(form, "gpu", 0.0) for form in args.forms if Split.of(form).gpu_ordered]
     # the table's rows as each form finishes, so a run cut short keeps what it measured
     print(f"\ncuda-ipc floor, {width}x{height} RGBA uint8, two bare processes ({results['device']}); ms")
     print(f"{'form/wait':>28} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
           f"{'notice p50':>11} {'p99':>7}")
-    one, po = results["one_process"], results.get("one_process_paced")
-    paced_cols = f" {po['p50_ms']:10.3f} {po['p99_ms']:7.3f} {po['max_ms']:7.3f}" if po else ""
-    print(f"{'one process, 3 copies':>28} {one['p50_ms']:8.3f} {one['p99_ms']:7.3f}{paced_cols}", flush=True)
+    print_one_process(results, "one process, 3 copies", "one_process")
     for form, wait, warm_us in runs:
         key = f"{form}/{wait}" + ("+warm" if warm_us else "")
         r = results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
@@ -317,6 +460,12 @@ def main() -> int:
         notice = r.get("paced", r["b2b"])["notice"]
         print(f"{key:>28} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
               f"{notice['p99_ms']:7.3f}", flush=True)
+    # last, as the GPU-ordered forms: stream memory operations are the newest path here
+    results["one_process_prequeued"] = stats(one_process_prequeued(width, height, args.frames))
+    if args.paced_frames:
+        results["one_process_prequeued_paced"] = stats(
+            one_process_prequeued(width, height, args.paced_frames, 1.0 / args.fps))
+    print_one_process(results, "one process, pre-queued", "one_process_prequeued")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(args.json, lambda f: f.write(json.dumps(results, indent=2).encode()))

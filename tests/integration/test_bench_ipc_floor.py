@@ -22,12 +22,14 @@ def test_every_form_round_trips_the_frame(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     forms = json.loads(out.read_text())["forms"]
     splits = ("host-copies", "host-copies-early", "engine-copies", "host-copies-cpu", "engine-copies-cpu")
+    gpu_ordered = ["host-copies-gpu/gpu", "engine-copies-gpu/gpu"]
     assert sorted(forms) == sorted([f"{f}/{w}" for f in splits for w in ("spin", "pipe")]
-                                   + [f"{f}/spin+warm" for f in splits])
+                                   + [f"{f}/spin+warm" for f in splits] + gpu_ordered)
     for key, r in forms.items():
         assert r["b2b"]["done"]["n"] == 20 and r["paced"]["done"]["n"] == 5, key
         assert r["b2b"]["notice"]["p50_ms"] <= r["b2b"]["done"]["p50_ms"], key
         assert key in proc.stdout
+    assert "one process, pre-queued" in proc.stdout
 
 
 def test_a_bad_size_or_a_machine_without_a_gpu_is_said_plainly(tmp_path):
