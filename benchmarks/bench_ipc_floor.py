@@ -246,6 +246,7 @@ class Host:
         self.marks = StreamMarks.new(torch) if self.split.gpu_ordered else None
         if self.marks is not None:
             shared["marks"] = self.marks.tensor
+            self.answered, self.rescue = torch.cuda.Event(), torch.cuda.Stream()
         self.ev_in = torch.cuda.Event(interprocess=True)
         self.ev_out = torch.cuda.Event(interprocess=True)
         self.shm = SharedMemory(create=True, size=64)
@@ -302,7 +303,12 @@ class Host:
             marks.wait(stream, DONE, self.seq)
             if self.split.host_copies:
                 self.dst.copy_(self.slot_out)
-        stream.synchronize()
+            self.answered.record(stream)
+        end = t0 + ANSWER_TIMEOUT_S
+        while not self.answered.query():  # a spun wait, as the other forms' synchronize
+            if time.perf_counter() > end:
+                marks.write(self.rescue, DONE, self.seq)  # our stream goes free, so close() ends
+                raise RuntimeError(f"no answer from the engine for frame {self.seq}")
         done = time.perf_counter() - t0
         return done, done
 
@@ -344,7 +350,7 @@ def one_process(width: int, height: int, frames: int, period_s: float = 0.0) -> 
     return samples
 
 
-def one_process_prequeued(width: int, height: int, frames: int, period_s: float = 0.0) -> list[float]:
+def one_process_prequeued(width: int, height: int, frames: int, period_s: float = 0.0, warmup: int = 10) -> list[float]:
     """The same three copies queued ahead behind a mark, released at the frame's time by a write on a second
     stream: a paced frame with nothing to launch after the idle gap."""
     import torch
@@ -353,6 +359,7 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
     a, b, dst = (torch.empty_like(src) for _ in range(3))
     stream, go = torch.cuda.Stream(), torch.cuda.Stream()
     marks = StreamMarks.new(torch, 1)
+    torch.cuda.synchronize()  # the mark is zero before any stream waits on it
 
     def arm(seq: int) -> None:
         with torch.cuda.stream(stream):
@@ -363,16 +370,18 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
 
     samples = []
     arm(1)
-    for seq in range(1, frames + 1):
+    last = frames + warmup
+    for seq in range(1, last + 1):
         t0 = time.perf_counter()
         marks.write(go, GO, seq)
         stream.synchronize()
-        samples.append(time.perf_counter() - t0)
+        if seq > warmup:
+            samples.append(time.perf_counter() - t0)
         arm(seq + 1)
         rest = period_s - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
-    marks.write(go, GO, frames + 1)  # the last armed frame, released
+    marks.write(go, GO, last + 1)  # the last armed frame, released
     stream.synchronize()
     if not torch.equal(src, dst):
         raise RuntimeError("one process, pre-queued: the copies changed the frame")
@@ -451,25 +460,37 @@ def main() -> int:
     print(f"{'form/wait':>28} {'b2b p50':>8} {'p99':>7} {'paced p50':>10} {'p99':>7} {'max':>7} "
           f"{'notice p50':>11} {'p99':>7}")
     print_one_process(results, "one process, 3 copies", "one_process")
+    failed = False
     for form, wait, warm_us in runs:
         key = f"{form}/{wait}" + ("+warm" if warm_us else "")
-        r = results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
-                                        args.warmup, warm_us)
+        try:
+            r = results["forms"][key] = run(form, wait, width, height, args.frames, args.paced_frames, args.fps,
+                                            args.warmup, warm_us)
+        except RuntimeError as e:  # one form's failure (a driver without stream memory operations) ends no other
+            results["forms"][key] = {"error": str(e)}
+            failed = True
+            print(f"{key:>28} failed: {e}", flush=True)
+            continue
         b, p = r["b2b"]["done"], r.get("paced", {}).get("done")
         paced_cols = f"{p['p50_ms']:10.3f} {p['p99_ms']:7.3f} {p['max_ms']:7.3f}" if p else f"{'-':>10} {'':7} {'':7}"
         notice = r.get("paced", r["b2b"])["notice"]
         print(f"{key:>28} {b['p50_ms']:8.3f} {b['p99_ms']:7.3f} {paced_cols} {notice['p50_ms']:11.3f} "
               f"{notice['p99_ms']:7.3f}", flush=True)
     # last, as the GPU-ordered forms: stream memory operations are the newest path here
-    results["one_process_prequeued"] = stats(one_process_prequeued(width, height, args.frames))
-    if args.paced_frames:
-        results["one_process_prequeued_paced"] = stats(
-            one_process_prequeued(width, height, args.paced_frames, 1.0 / args.fps))
-    print_one_process(results, "one process, pre-queued", "one_process_prequeued")
+    try:
+        results["one_process_prequeued"] = stats(one_process_prequeued(width, height, args.frames))
+        if args.paced_frames:
+            results["one_process_prequeued_paced"] = stats(
+                one_process_prequeued(width, height, args.paced_frames, 1.0 / args.fps))
+        print_one_process(results, "one process, pre-queued", "one_process_prequeued")
+    except RuntimeError as e:
+        results["one_process_prequeued"] = {"error": str(e)}
+        failed = True
+        print(f"{'one process, pre-queued':>28} failed: {e}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(args.json, lambda f: f.write(json.dumps(results, indent=2).encode()))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
