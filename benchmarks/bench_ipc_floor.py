@@ -327,13 +327,18 @@ class Host:
         return exact
 
 
+def _four_frames(torch, width: int, height: int) -> tuple:
+    """The one-process rows' caller frame (random RGBA) and the three buffers its copies pass through."""
+    src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
+    return (src, *(torch.empty_like(src) for _ in range(3)))
+
+
 def one_process(width: int, height: int, frames: int, period_s: float = 0.0) -> list[float]:
     """The three copies of `host-copies` in one process and stream, one wait, a frame every `period_s`: what
     the messages add to."""
     import torch
 
-    src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
-    a, b, dst = (torch.empty_like(src) for _ in range(3))
+    src, a, b, dst = _four_frames(torch, width, height)
     stream = torch.cuda.Stream()
     samples = []
     for _ in range(frames):
@@ -355,8 +360,7 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
     stream: a paced frame with nothing to launch after the idle gap."""
     import torch
 
-    src = torch.randint(0, 256, (height, width, 4), dtype=torch.uint8, device="cuda")
-    a, b, dst = (torch.empty_like(src) for _ in range(3))
+    src, a, b, dst = _four_frames(torch, width, height)
     stream, go = torch.cuda.Stream(), torch.cuda.Stream()
     marks = StreamMarks.new(torch, 1)
     torch.cuda.synchronize()  # the mark is zero before any stream waits on it

@@ -7,8 +7,8 @@
 # takes about 60 s, the VACE layout's about 160 s): tests, embedded, speed, vae-fp16, attn, wide, fp8, fp8conv,
 # fp8dit, fp8-14b, fp8-14b-compiled, thin, gelu, tune, 14b, vace, vace-batched, kernels, decode-paced,
 # upsample, edit, edit-priority, edit-split, startup, cold, saved, sequential, lora, ipc, ipc-floor, ipc-queued, mps,
-# cpu-awake, mps-standby, standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs at most
-# 10 minutes; groups whose limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830,
+# cpu-awake, mps-standby, standby-share, td-cook, td-cook-wan, td-cook-mps, host-waits, recovery. A device call runs
+# at most 10 minutes; groups whose limits add up to that or more (attn 1280 s, td-cook 1300, recovery 890, sequential 830,
 # saved 750, edit 630, startup 620, edit-priority and lora 600) rely on their usual times, not their limits, to fit
 # one call. Results (JSON and each run's output) go to $OUT/rows (out/rows without $OUT); the script prints each
 # bench's summary table, so the call's output says how it went.
@@ -38,6 +38,9 @@ step() {
 }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m loom_live.plugin.cli bench --bridge none --no-baseline --json "$out/$name.json" "$@"; }
 wan() { bench "$1" "$2" -c wan2.1-1.3b --steps 700 "${@:3}"; }
+# bench_ipc_floor.py with spun notices (ipc-floor, ipc-queued), its table printed as it ends
+floor() { step "$1" 290 python3 benchmarks/bench_ipc_floor.py --waits spin --json "$out/$1.json" "${@:2}"
+    grep -A18 "form/wait" "$out/$1.txt"; }
 # what `loom bench` and bench_recovery.py set: `loom prepare` keeps steps for the same layout
 RANDOM_WEIGHTS=(--set model.random_weights=true --set vae.random_weights=true --set prompt.encoder=hash)
 # the 14B FP8 stream, one step (fp8-14b, fp8-14b-compiled)
@@ -270,22 +273,18 @@ PY
         done ;;
     ipc-floor)
         # the least any two-process split of the copies costs here (bench_ipc_floor.py), then the same under MPS
-        # (under MPS the spun notices alone: the pipe's wake costs the same either way)
+        # (spun notices only: a pipe's wake costs the same under every split)
         # (each form about 15 s: a fresh process, 500 frames back to back, 600 paced; the table grows as they end;
         # about 6 minutes in all)
-        floor() { step "$1" 290 python3 benchmarks/bench_ipc_floor.py --warm-gpu --json "$out/$1.json" "${@:2}"
-            grep -A18 "form/wait" "$out/$1.txt"; }
-        floor ipc_floor --waits spin
-        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps --waits spin; mps_off; fi ;;
+        floor ipc_floor --warm-gpu
+        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_floor_mps --warm-gpu; mps_off; fi ;;
     ipc-queued)
         # the least of ipc-floor that says whether copies queued ahead (behind marks that the other side's stream
         # writes) escape the paced frame's slow start: the one-process rows and two splits each ordered by events
         # and by marks, without and then under MPS (about 2.5 minutes)
-        queued() { step "$1" 200 python3 benchmarks/bench_ipc_floor.py --waits spin --json "$out/$1.json" \
-            --forms host-copies engine-copies host-copies-gpu engine-copies-gpu
-            grep -A7 "form/wait" "$out/$1.txt"; }
-        queued ipc_queued
-        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && queued ipc_queued_mps; mps_off; fi ;;
+        queued=(--forms host-copies engine-copies host-copies-gpu engine-copies-gpu)
+        floor ipc_queued "${queued[@]}"
+        if command -v nvidia-cuda-mps-control >/dev/null; then mps_on && floor ipc_queued_mps "${queued[@]}"; mps_off; fi ;;
     mps)
         # the paced handoff with the doorbell's window, then the same under NVIDIA MPS (mps_on, below)
         command -v nvidia-cuda-mps-control >/dev/null || { echo "   nvidia-cuda-mps-control: not on this machine"; continue; }
