@@ -212,6 +212,17 @@ def _engine_gpu_ordered(torch, split: Split, notices: Notices, conn, stream, sha
         notices.close()
 
 
+def spin_until(event, t0: float, rescue, why: str) -> None:
+    """Spin until the GPU passes `event` (a spun wait, as the other forms' synchronize); after
+    `ANSWER_TIMEOUT_S` from `t0`, call `rescue()` to free what waits on a mark and raise: a mark that never
+    comes must end the form, not the whole run."""
+    end = t0 + ANSWER_TIMEOUT_S
+    while not event.query():
+        if time.perf_counter() > end:
+            rescue()
+            raise RuntimeError(why)
+
+
 def _warmer(torch, every_us: float):
     """A callable that queues a one-element kernel on a stream of its own at most every `every_us`."""
     stream = torch.cuda.Stream()
@@ -304,11 +315,9 @@ class Host:
             if self.split.host_copies:
                 self.dst.copy_(self.slot_out)
             self.answered.record(stream)
-        end = t0 + ANSWER_TIMEOUT_S
-        while not self.answered.query():  # a spun wait, as the other forms' synchronize
-            if time.perf_counter() > end:
-                marks.write(self.rescue, DONE, self.seq)  # our stream goes free, so close() ends
-                raise RuntimeError(f"no answer from the engine for frame {self.seq}")
+        # on a silent engine, our stream goes free so that close() ends
+        spin_until(self.answered, t0, lambda: marks.write(self.rescue, DONE, self.seq),
+                   f"no answer from the engine for frame {self.seq}")
         done = time.perf_counter() - t0
         return done, done
 
@@ -362,7 +371,7 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
 
     src, a, b, dst = _four_frames(torch, width, height)
     stream, go = torch.cuda.Stream(), torch.cuda.Stream()
-    marks = StreamMarks.new(torch, 1)
+    marks, copied = StreamMarks.new(torch, 1), torch.cuda.Event()
     torch.cuda.synchronize()  # the mark is zero before any stream waits on it
 
     def arm(seq: int) -> None:
@@ -371,6 +380,7 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
             a.copy_(src)
             b.copy_(a)
             dst.copy_(b)
+            copied.record(stream)
 
     samples = []
     arm(1)
@@ -378,7 +388,9 @@ def one_process_prequeued(width: int, height: int, frames: int, period_s: float 
     for seq in range(1, last + 1):
         t0 = time.perf_counter()
         marks.write(go, GO, seq)
-        stream.synchronize()
+        # were the two streams to share one hardware queue, the write would wait behind the wait it releases
+        spin_until(copied, t0, lambda: marks.write(torch.cuda.Stream(), GO, last + 1),
+                   f"one process, pre-queued: frame {seq} was never released")
         if seq > warmup:
             samples.append(time.perf_counter() - t0)
         arm(seq + 1)
