@@ -364,7 +364,7 @@ def one_process(width: int, height: int, frames: int, period_s: float = 0.0) -> 
     return samples
 
 
-def one_process_prequeued(width: int, height: int, frames: int, period_s: float = 0.0, warmup: int = 10) -> list[float]:
+def one_process_prequeued(width: int, height: int, frames: int, period_s: float, warmup: int) -> list[float]:
     """The same three copies queued ahead behind a mark, released at the frame's time by a write on a second
     stream: a paced frame with nothing to launch after the idle gap."""
     import torch
@@ -494,10 +494,10 @@ def main() -> int:
               f"{notice['p99_ms']:7.3f}", flush=True)
     # last, as the GPU-ordered forms: stream memory operations are the newest path here
     try:
-        results["one_process_prequeued"] = stats(one_process_prequeued(width, height, args.frames))
+        results["one_process_prequeued"] = stats(one_process_prequeued(width, height, args.frames, 0.0, args.warmup))
         if args.paced_frames:
             results["one_process_prequeued_paced"] = stats(
-                one_process_prequeued(width, height, args.paced_frames, 1.0 / args.fps))
+                one_process_prequeued(width, height, args.paced_frames, 1.0 / args.fps, args.warmup))
         print_one_process(results, "one process, pre-queued", "one_process_prequeued")
     except RuntimeError as e:
         results["one_process_prequeued"] = {"error": str(e)}
